@@ -1,0 +1,5 @@
+import sys
+
+from llamaswap.cli import main
+
+sys.exit(main())
