@@ -27,6 +27,35 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from llamaswap.serve import serve
+
+    config = _load_or_exit(args.config)
+    try:
+        return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file, grace_s=args.grace))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from llamaswap.envoy import build_bootstrap, render_bootstrap
+
+    config = _load_or_exit(args.config)
+    bootstrap = build_bootstrap(config, envoy_admin_port=args.admin_port,
+                                otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env())
+    sys.stdout.write(render_bootstrap(bootstrap))
+    return 0
+
+
+def _otlp_endpoint_from_env() -> str | None:
+    import os
+
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaswap", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -35,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
+
+    serve = commands.add_parser("serve", help="run the sidecar (gRPC for Envoy, admin HTTP)")
+    serve.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")
+    serve.add_argument("--ports-file", help="write the bound ports as JSON here (useful with port 0)")
+    serve.add_argument("--grace", type=float, default=30.0,
+                       help="seconds the running request may take to finish on SIGTERM (default 30)")
+    serve.set_defaults(run=_serve)
+
+    envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for a configuration")
+    envoy_config.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")
+    envoy_config.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (default 9901)")
+    envoy_config.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for Envoy's tracer "
+                              "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none disables tracing)")
+    envoy_config.set_defaults(run=_envoy_config)
     return parser
 
 

@@ -1,0 +1,39 @@
+"""A small async client for the tests: one chat completion through Envoy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import aiohttp
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def chat(session: aiohttp.ClientSession, url: str, test_id: str, *, priority: str | None = None,
+               model: str | None = "model-a", hold: bool = False, sleep_ms: int = 0, stream: bool = False,
+               extra_headers: dict[str, str] | None = None, body: bytes | None = None) -> Reply:
+    headers = {"content-type": "application/json", "x-test-id": test_id}
+    if priority is not None:
+        headers["x-llamaswap-priority"] = priority
+    if hold:
+        headers["x-test-hold"] = "1"
+    if sleep_ms:
+        headers["x-test-sleep-ms"] = str(sleep_ms)
+    headers.update(extra_headers or {})
+    if body is None:
+        document: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        if model is not None:
+            document["model"] = model
+        body = json.dumps(document).encode()
+    async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
+        return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, await response.read())

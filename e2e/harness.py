@@ -1,0 +1,413 @@
+"""The end-to-end harness: the real Envoy binary, the real sidecar process, and a fake or real
+upstream, all on 127.0.0.1 with ports chosen by the OS.
+
+Readiness is polled with a deadline, never slept for; logs are dumped when a start fails;
+teardown always runs and is shielded from the test's own failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from llamaswap.config import parse_config
+from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap
+
+DEADLINE_S = 60.0
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll until predicate() is truthy; raise with `what` after the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last_error = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+
+
+async def async_wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, interval: float = 0.02,
+                         what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001
+            last_error = exc
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def get_json(url: str) -> Any:
+    status, body = http_get(url)
+    if status != 200:
+        raise RuntimeError(f"GET {url}: {status} {body[:200]!r}")
+    return json.loads(body)
+
+
+# -- fake upstream -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class UpstreamHit:
+    test_id: str
+    path: str
+    model: str | None
+    headers: dict[str, str]
+    body_bytes: int
+    start_ns: int
+    end_ns: int | None = None
+
+
+class FakeUpstream:
+    """An OpenAI-shaped upstream in a thread of its own, recording what reached it.
+
+    Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps
+    it running until `release(test_id)`; `x-test-sleep-ms` delays the answer; a body with
+    `"stream": true` gets a server-sent-event stream. Its `GET /models` answers in
+    llama-server's router-mode shape with `loaded_model`.
+    """
+
+    def __init__(self) -> None:
+        self.hits: list[UpstreamHit] = []
+        self.loaded_model: str | None = None
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._holds: dict[str, asyncio.Event] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self.active = 0
+        self.max_active = 0
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def started(self) -> "FakeUpstream":
+        self._thread = threading.Thread(target=self._run, name="fake-upstream", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(DEADLINE_S):
+            raise TimeoutError("fake upstream did not start")
+        return self
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._serve())
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        async def models_list(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": []})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models_list)
+        app.router.add_get("/models", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._complete)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+
+    async def _models(self, _: web.Request) -> web.Response:
+        names = {"model-a", "model-b", "model-c"} | ({self.loaded_model} if self.loaded_model else set())
+        return web.json_response({"data": [
+            {"id": name, "status": {"value": "loaded" if name == self.loaded_model else "unloaded"}}
+            for name in sorted(names)]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        model = None
+        stream = False
+        try:
+            document = json.loads(body)
+            model = document.get("model") if isinstance(document, dict) else None
+            stream = bool(document.get("stream")) if isinstance(document, dict) else False
+        except ValueError:
+            pass
+        test_id = request.headers.get("x-test-id", "")
+        hit = UpstreamHit(test_id, request.path, model if isinstance(model, str) else None,
+                          dict(request.headers), len(body), time.monotonic_ns())
+        with self.lock:
+            self.hits.append(hit)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            if request.headers.get("x-test-hold") == "1":
+                event = self._holds.setdefault(test_id, asyncio.Event())
+                await event.wait()
+            sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
+            if sleep_ms:
+                await asyncio.sleep(sleep_ms / 1000)
+            if isinstance(model, str):
+                self.loaded_model = model
+            if request.headers.get("x-test-fail") == "1":
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            if stream:
+                response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await response.prepare(request)
+                for index in range(int(request.headers.get("x-test-chunks", "3"))):
+                    await response.write(f"data: {json.dumps({'index': index})}\n\n".encode())
+                    await asyncio.sleep(float(request.headers.get("x-test-chunk-ms", "20")) / 1000)
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            return web.json_response({"id": test_id, "object": "chat.completion", "model": model,
+                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        finally:
+            hit.end_ns = time.monotonic_ns()
+            with self.lock:
+                self.active -= 1
+
+    def release(self, test_id: str) -> None:
+        assert self._loop is not None
+
+        def _set() -> None:
+            self._holds.setdefault(test_id, asyncio.Event()).set()
+
+        self._loop.call_soon_threadsafe(_set)
+
+    def order(self) -> list[str]:
+        with self.lock:
+            return [hit.test_id for hit in self.hits]
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        for event_id in list(self._holds):
+            self.release(event_id)
+
+        async def _stop() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+class Process:
+    """A child process with its log in a file, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def dump(self) -> None:
+        sys.stderr.write(f"\n----- {self.name} log ({self.log_path}) -----\n{self.log()[-20000:]}\n")
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            self.popen.send_signal(signum)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def sidecar_command() -> list[str]:
+    return [sys.executable, "-m", "llamaswap"]
+
+
+class SidecarProcess(Process):
+    def __init__(self, config_path: pathlib.Path, workdir: pathlib.Path, *, grace_s: float = 10.0,
+                 env: dict[str, str] | None = None, name: str = "sidecar") -> None:
+        self.ports_file = workdir / f"{name}-ports.json"
+        self.ports_file.unlink(missing_ok=True)
+        super().__init__(name, [*sidecar_command(), "serve", "-c", str(config_path), "--ports-file",
+                                str(self.ports_file), "--grace", str(grace_s)], workdir / f"{name}.log", env)
+        try:
+            ports = wait_for(self._ports, what="sidecar ports file")
+            self.grpc_port = int(ports["grpc"])
+            self.admin_port = int(ports["admin"])
+            wait_for(lambda: http_get(f"{self.admin_url}/readyz")[0] == 200, what="sidecar /readyz")
+        except BaseException:
+            self.dump()
+            self.stop()
+            raise
+
+    def _ports(self) -> dict[str, int] | None:
+        if not self.alive():
+            raise RuntimeError(f"sidecar exited with {self.popen.returncode}")
+        if self.ports_file.exists():
+            return json.loads(self.ports_file.read_text())
+        return None
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def queue(self) -> dict[str, Any]:
+        return get_json(f"{self.admin_url}/queue")
+
+
+class EnvoyProcess(Process):
+    def __init__(self, bootstrap: dict[str, Any], workdir: pathlib.Path, *, name: str = "envoy") -> None:
+        self.config_path = workdir / f"{name}.yaml"
+        self.config_path.write_text(render_bootstrap(bootstrap))
+        self.admin_path = workdir / f"{name}-admin-address"
+        self.admin_path.unlink(missing_ok=True)
+        super().__init__(name, [envoy_binary(), "-c", str(self.config_path), "--admin-address-path",
+                                str(self.admin_path), "--disable-hot-restart", "--concurrency", "2",
+                                "--log-level", os.environ.get("LLAMASWAP_ENVOY_LOG_LEVEL", "warning")],
+                         workdir / f"{name}.log")
+        try:
+            self.admin_url = "http://" + wait_for(self._admin_address, what="Envoy admin address file")
+            wait_for(lambda: http_get(f"{self.admin_url}/ready")[1].strip() == b"LIVE", what="Envoy /ready")
+            self.port = wait_for(self._listener_port, what="Envoy listener port")
+        except BaseException:
+            self.dump()
+            self.stop()
+            raise
+
+    def _admin_address(self) -> str | None:
+        if not self.alive():
+            raise RuntimeError(f"envoy exited with {self.popen.returncode}")
+        text = self.admin_path.read_text().strip() if self.admin_path.exists() else ""
+        return text or None
+
+    def _listener_port(self) -> int | None:
+        listeners = get_json(f"{self.admin_url}/listeners?format=json")
+        for status in listeners.get("listener_statuses", []):
+            if status.get("name") == "ingress":
+                return int(status["local_address"]["socket_address"]["port_value"])
+        return None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stat(self, name: str) -> int:
+        status, body = http_get(f"{self.admin_url}/stats?filter=^{name}$&format=json")
+        for item in json.loads(body).get("stats", []):
+            if item.get("name") == name:
+                return int(item.get("value", 0))
+        return 0
+
+
+@dataclasses.dataclass
+class Stack:
+    upstream: FakeUpstream | None
+    sidecar: SidecarProcess
+    envoy: EnvoyProcess
+    config_path: pathlib.Path
+    workdir: pathlib.Path
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url
+
+
+def write_config(workdir: pathlib.Path, document: dict[str, Any]) -> pathlib.Path:
+    path = workdir / "llamaswap.yaml"
+    path.write_text(yaml.safe_dump(document))
+    parse_config(document)  # fail early, in the test, on a bad test config
+    return path
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@contextlib.contextmanager
+def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *, upstream_url: str | None = None,
+                  sidecar_env: dict[str, str] | None = None, otlp_endpoint: str | None = None) -> Iterator[Stack]:
+    """Fake upstream (unless `upstream_url`), sidecar and Envoy, torn down whatever happens."""
+    upstream = None if upstream_url else FakeUpstream().started()
+    sidecar = envoy = None
+    try:
+        document = merge({
+            "listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+            "upstream": {"url": upstream_url or (upstream.url if upstream else ""), "modelsPollSeconds": 0},
+        }, config or {})
+        config_path = write_config(workdir, document)
+        sidecar = SidecarProcess(config_path, workdir, env=sidecar_env)
+        parsed = parse_config(document)
+        bootstrap = build_bootstrap(parsed, grpc_port=sidecar.grpc_port, admin_port=sidecar.admin_port,
+                                    envoy_admin_port=0, otlp_endpoint=otlp_endpoint)
+        envoy = EnvoyProcess(bootstrap, workdir)
+        stack = Stack(upstream, sidecar, envoy, config_path, workdir)
+        failed = True
+        try:
+            yield stack
+            failed = False
+        finally:
+            if failed:
+                envoy.dump()
+                sidecar.dump()
+    finally:
+        for part in (envoy, sidecar):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.stop()
+        if upstream is not None:
+            upstream.close()

@@ -1,0 +1,1 @@
+"""gRPC servicers (proto <-> runtime types) and the admin HTTP server; no decisions here."""
