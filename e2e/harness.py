@@ -103,10 +103,10 @@ class FakeUpstream:
     llama-server's router-mode shape with `loaded_model`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.hits: list[UpstreamHit] = []
         self.loaded_model: str | None = None
-        self.port = 0
+        self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._holds: dict[str, asyncio.Event] = {}
         self._thread: threading.Thread | None = None
@@ -146,7 +146,7 @@ class FakeUpstream:
         app.router.add_route("*", "/{tail:.*}", self._complete)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()
@@ -411,3 +411,21 @@ def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *
                     part.stop()
         if upstream is not None:
             upstream.close()
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for processes that cannot bind port 0)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    # `python e2e/harness.py PORT`: a fake upstream as its own process (for `llamaswap up`).
+    server = FakeUpstream(int(sys.argv[1])).started()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.close()

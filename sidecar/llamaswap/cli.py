@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from llamaswap import __version__
 from llamaswap.config import Config, ConfigError, load_config
 
 EXIT_CONFIG = 2
@@ -50,6 +51,25 @@ def _envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import asyncio
+    import pathlib
+
+    from llamaswap.stack import StackError, default_config, run_stack
+
+    if args.config:
+        config = _load_or_exit(args.config)
+    else:
+        try:
+            config = default_config()
+        except StackError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+    workdir = pathlib.Path(args.workdir) if args.workdir else None
+    return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
+                                 otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace))
+
+
 def _otlp_endpoint_from_env() -> str | None:
     import os
 
@@ -59,6 +79,7 @@ def _otlp_endpoint_from_env() -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaswap", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--version", action="version", version=f"llamaswap {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     check = commands.add_parser("check-config", help="validate a configuration file")
@@ -71,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=30.0,
                        help="seconds the running request may take to finish on SIGTERM (default 30)")
     serve.set_defaults(run=_serve)
+
+    up = commands.add_parser("up", help="run Envoy, the sidecar and the upstream on this machine")
+    up.add_argument("-c", "--config", help="YAML configuration file; without one, a built-in llama-server "
+                    "with a small model")
+    up.add_argument("--workdir", help="where logs and the generated Envoy bootstrap go (default: a temp dir)")
+    up.add_argument("--grace", type=float, default=30.0,
+                    help="seconds the running request may take to finish on Ctrl-C (default 30)")
+    up.set_defaults(run=_up)
 
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for a configuration")
     envoy_config.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")

@@ -1,0 +1,159 @@
+"""The hold and release through the real Envoy and sidecar: timers, disconnects, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+
+import aiohttp
+
+from client import chat
+from harness import async_wait_for, http_get, running_stack
+
+
+async def _blocker(stack, session, test_id="blocker", **kwargs):
+    task = asyncio.create_task(chat(session, stack.url, test_id, hold=True, **kwargs))
+    await async_wait_for(lambda: test_id in stack.upstream.order(), what=f"{test_id} at the upstream")
+    return task
+
+
+async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
+    """Envoy's stream idle timeout (1 s) and ext_proc message timeout (200 ms) never end a wait."""
+    config = {"envoy": {"streamIdleTimeoutSeconds": 1, "extProcMessageTimeoutMs": 200}}
+    with running_stack(tmp_path, config) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            waiter = asyncio.create_task(chat(session, stack.url, "waiter", priority="batch"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="waiter queued")
+            # Hold well past both timers: wait until the waiter has been queued for 3 s by the
+            # sidecar's own account (polling, not sleeping, decides when).
+            await async_wait_for(lambda: stack.sidecar.queue()["waiting"][0]["waited_s"] >= 3.0,
+                                 timeout=30, interval=0.2, what="3 s of waiting")
+            assert not waiter.done()
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, waiter)
+        assert [r.status for r in replies] == [200, 200]
+        assert float(replies[1].headers["x-llamaswap-queue-wait-ms"]) >= 3000
+        assert stack.upstream.order() == ["blocker", "waiter"]
+
+
+async def test_disconnect_while_waiting_leaves_queue(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            async with aiohttp.ClientSession() as doomed_session:
+                doomed = asyncio.create_task(chat(doomed_session, stack.url, "doomed", priority="interactive"))
+                await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="doomed queued")
+                doomed.cancel()
+            await async_wait_for(lambda: stack.sidecar.queue()["waiting"] == [], what="queue empty after disconnect")
+            stack.upstream.release("blocker")
+            await blocker
+            after = await chat(session, stack.url, "after")
+        assert after.status == 200
+        assert "doomed" not in stack.upstream.order()
+        assert stack.upstream.order() == ["blocker", "after"]
+
+
+async def test_disconnect_while_running_frees_gpu(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession() as doomed_session:
+                running = await _blocker(stack, doomed_session, "running")
+                waiting = asyncio.create_task(chat(session, stack.url, "next"))
+                await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="next queued")
+                running.cancel()
+            # The upstream never finishes "running"; its client left, so the GPU is free.
+            reply = await asyncio.wait_for(waiting, 30)
+        assert reply.status == 200
+        assert stack.upstream.order() == ["running", "next"]
+        assert stack.sidecar.queue()["running"] is None
+
+
+async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            failed = await chat(session, stack.url, "fails", extra_headers={"x-test-fail": "1"})
+            after = await chat(session, stack.url, "after")
+        assert failed.status == 500
+        assert after.status == 200
+        assert stack.sidecar.queue()["running"] is None
+
+
+async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"routing": {"scheduler": {"maxQueued": 2}}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            queued = [asyncio.create_task(chat(session, stack.url, f"q{i}")) for i in range(2)]
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="two queued")
+            rejected = await chat(session, stack.url, "third")
+            stack.upstream.release("blocker")
+            served = await asyncio.gather(blocker, *queued)
+        assert rejected.status == 429
+        assert int(rejected.headers["retry-after"]) >= 1
+        assert rejected.headers["content-type"].startswith("application/json")
+        error = rejected.json()["error"]
+        assert error["code"] == "queue_full" and error["type"] == "rate_limit_error" and "full" in error["message"]
+        assert [r.status for r in served] == [200, 200, 200]
+        assert "third" not in stack.upstream.order()
+
+
+async def test_max_wait_gets_503(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"routing": {"scheduler": {"maxWaitSeconds": 0.5}}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            expired = await chat(session, stack.url, "too-late", priority="batch")
+            stack.upstream.release("blocker")
+            await blocker
+        assert expired.status == 503
+        assert int(expired.headers["retry-after"]) >= 1
+        assert expired.json()["error"]["code"] == "queue_wait_expired"
+        assert "maxWaitSeconds" in expired.json()["error"]["message"]
+        assert "too-late" not in stack.upstream.order()
+
+
+async def test_bypass_routes_skip_the_queue(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            for path in ("/health", "/v1/models", "/models"):
+                async with session.get(f"{stack.url}{path}") as response:
+                    assert response.status == 200, path
+            assert stack.sidecar.queue()["waiting"] == []
+            stack.upstream.release("blocker")
+            await blocker
+
+
+async def test_model_from_large_and_odd_bodies(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            padding = "x" * (32 * 1024 * 1024)
+            big = json.dumps({"messages": [{"role": "user", "content": padding}], "model": "model-big"}).encode()
+            big_reply = await chat(session, stack.url, "big", body=big)
+            not_json = await chat(session, stack.url, "not-json", body=b"this is not json")
+            no_model = await chat(session, stack.url, "no-model", model=None)
+            odd_model = await chat(session, stack.url, "odd-model", body=b'{"model": 42}')
+        assert [big_reply.status, not_json.status, no_model.status, odd_model.status] == [200, 200, 200, 200]
+        hits = {hit.test_id: hit for hit in stack.upstream.hits}
+        assert hits["big"].model == "model-big" and hits["big"].body_bytes == len(big)
+        assert stack.sidecar.queue()["loaded_model"] == "model-big"  # no-model requests keep it
+
+
+async def test_streaming_passes_through_unbuffered(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            headers = {"x-test-id": "sse", "x-test-chunks": "4", "x-test-chunk-ms": "300",
+                       "x-llamaswap-priority": "interactive"}
+            body = json.dumps({"model": "model-a", "stream": True, "messages": []})
+            async with session.post(f"{stack.url}/v1/chat/completions", data=body, headers=headers) as response:
+                assert response.status == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                assert response.headers["x-llamaswap-band"] == "interactive"
+                first = await response.content.readline()
+                # The first event reached us while the upstream was still generating.
+                assert stack.upstream.hits[0].end_ns is None
+                rest = await response.read()
+        assert first.startswith(b"data: ")
+        assert rest.count(b"data: ") == 4  # three more chunks and [DONE]
+        status, _ = http_get(f"{stack.sidecar.admin_url}/queue")
+        assert status == 200
