@@ -66,8 +66,9 @@ async def test_disconnect_while_running_frees_gpu(tmp_path: pathlib.Path) -> Non
             # The upstream never finishes "running"; its client left, so the GPU is free.
             reply = await asyncio.wait_for(waiting, 30)
         assert reply.status == 200
+            # "next" also ends: its ext_proc stream closes just after the client's last byte.
+            await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="GPU free again")
         assert stack.upstream.order() == ["running", "next"]
-        assert stack.sidecar.queue()["running"] is None
 
 
 async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:
@@ -75,9 +76,9 @@ async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:
         async with aiohttp.ClientSession() as session:
             failed = await chat(session, stack.url, "fails", extra_headers={"x-test-fail": "1"})
             after = await chat(session, stack.url, "after")
+            await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="GPU free again")
         assert failed.status == 500
         assert after.status == 200
-        assert stack.sidecar.queue()["running"] is None
 
 
 async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:

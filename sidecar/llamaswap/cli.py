@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     envoy_config.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for Envoy's tracer "
                               "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none disables tracing)")
     envoy_config.set_defaults(run=_envoy_config)
+
+    from llamaswap import queue_cli
+
+    queue_cli.add_parser(commands)
     return parser
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from llamaswap.core.priority import PriorityPolicy
 from llamaswap.core.scheduler import Policy
 
 _log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class Config:
     listen: ListenConfig = ListenConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     envoy: EnvoyConfig = EnvoyConfig()
+    priority_policy: PriorityPolicy = PriorityPolicy()
     source: str = "<defaults>"
 
     def policy(self) -> Policy:
@@ -133,7 +135,7 @@ class _Reader:
         self.warnings: list[Problem] = []
 
     def fail(self, path: str, message: str) -> None:
-        self.problems.append(Problem(path, message))
+        self.problems.append(Problem(path or "(top level)", message))
 
     def mapping(self, node: Any, path: str, allowed: set[str] | frozenset[str]) -> dict[str, Any]:
         if node is None:
@@ -222,7 +224,7 @@ def _did_you_mean(key: str, allowed: set[str] | frozenset[str]) -> str:
 def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], None] | None = None) -> Config:
     """Validate a parsed YAML document. Raises ConfigError listing every problem."""
     r = _Reader()
-    top = r.mapping(data, "", {"routing", "models", "listen", "upstream", "envoy",
+    top = r.mapping(data, "", {"routing", "models", "listen", "upstream", "envoy", "security",
                                  # llama-swap top-level keys, accepted and ignored
                                  "healthCheckTimeout", "logLevel", "metricsMaxInMemory", "startPort",
                                  "macros", "groups", "hooks", "includeAliasesInList", "logRequests"})
@@ -319,11 +321,29 @@ def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], N
     if envoy.ext_proc_message_timeout_ms > 3_600_000:
         r.fail("envoy.extProcMessageTimeoutMs", "must be at most 3600000 (Envoy caps message timeouts at 1 h)")
 
+    security = r.mapping(top.get("security"), "security", {"priority"})
+    prio = r.mapping(security.get("priority"), "security.priority", {"mode", "min", "max", "trustedHeader"})
+    mode = prio.get("mode", "trust")
+    if mode not in ("trust", "clamp", "strip"):
+        r.fail("security.priority.mode", f"must be 'trust', 'clamp' or 'strip', got {mode!r}")
+        mode = "trust"
+    minimum = r.integer(prio, "min", "security.priority", -100)
+    maximum = r.integer(prio, "max", "security.priority", 100)
+    if minimum > maximum:
+        r.fail("security.priority.min", f"must not exceed security.priority.max ({minimum} > {maximum})")
+    trusted = prio.get("trustedHeader")
+    if trusted is not None and (not isinstance(trusted, str) or not trusted.strip()
+                                or trusted.lower() in ("x-llamaswap-priority", "x-llamaswap-ticket")):
+        r.fail("security.priority.trustedHeader",
+               "must be a header name set only by your authenticating proxy (not x-llamaswap-priority)")
+        trusted = None
+    priority_policy = PriorityPolicy(mode, minimum, maximum, trusted.strip().lower() if trusted else None)
+
     if r.problems:
         raise ConfigError(r.problems)
     for warning in r.warnings:
         (warn or (lambda text: _log.warning("%s", text)))(str(warning))
-    return Config(scheduler, priorities, listen, upstream, envoy, source)
+    return Config(scheduler, priorities, listen, upstream, envoy, priority_policy, source)
 
 
 def load_config(path: str | pathlib.Path | None, *, warn: Callable[[str], None] | None = None) -> Config:

@@ -137,6 +137,7 @@ def build_bootstrap(
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
             "failure_mode_allow": e.fail_open,
+            "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": _duration(e.ext_proc_message_timeout_ms / 1000),
             "processing_mode": {
                 "request_header_mode": "SEND",
@@ -164,6 +165,11 @@ def build_bootstrap(
             },
         },
     }
+    # The whole body is read before the request is seen at all: a clear 413 above the limit,
+    # and a slow sender never holds a place in the queue (let alone the GPU) while it sends.
+    buffer = {"name": "envoy.filters.http.buffer",
+              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                               "max_request_bytes": e.max_request_bytes}}
     router = {"name": "envoy.filters.http.router",
               "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 
@@ -191,7 +197,15 @@ def build_bootstrap(
         "stream_idle_timeout": _duration(e.stream_idle_timeout_s),
         "route_config": {"name": "llamaswap", "virtual_hosts": [
             {"name": "llm", "domains": ["*"], "routes": routes}]},
-        "http_filters": [ext_proc, ext_authz, router],
+        "http_filters": [buffer, ext_proc, ext_authz, router],
+        # Envoy's own 503s (the sidecar unreachable, for one) tell clients when to come back;
+        # the sidecar's rejections already carry their own Retry-After, which this keeps.
+        "local_reply_config": {"mappers": [{
+            "filter": {"status_code_filter": {"comparison": {
+                "op": "EQ", "value": {"default_value": 503, "runtime_key": "llamaswap.local_503"}}}},
+            "headers_to_add": [{"header": {"key": "retry-after", "value": "5"},
+                                "append_action": "ADD_IF_ABSENT"}],
+        }]},
         "common_http_protocol_options": {"headers_with_underscores_action": "ALLOW"},
         "http2_protocol_options": {"max_concurrent_streams": 100_000},
     }
@@ -224,16 +238,12 @@ def build_bootstrap(
             "listeners": [{
                 "name": "ingress",
                 "address": {"socket_address": {"address": listen.http.host, "port_value": listen.http.port}},
-                "per_connection_buffer_limit_bytes": e.max_request_bytes,
+                "per_connection_buffer_limit_bytes": e.max_request_bytes + 1024 * 1024,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
             }],
             "clusters": clusters,
         },
-        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
-            # Lets many thousands of clients wait at once without Envoy's overload warning.
-            "overload.global_downstream_max_connections": 1_000_000,
-        }}]},
     }
 
 

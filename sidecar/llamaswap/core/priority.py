@@ -52,6 +52,9 @@ class PrioritySource(str, enum.Enum):
     ALIAS = "alias"
     ABSENT = "absent"
     UNPARSEABLE = "unparseable"
+    CLAMPED = "clamped"  # the operator's policy moved it into the allowed range
+    STRIPPED = "stripped"  # the operator's policy ignores callers' priorities
+    TRUSTED = "trusted"  # from the operator's trusted header (set by an authenticating proxy)
 
     def __str__(self) -> str:
         return self.value
@@ -98,3 +101,30 @@ def parse_priority(raw: str | bytes | None) -> Priority:
     if not INT64_MIN <= value <= INT64_MAX:
         return Priority(0, PrioritySource.UNPARSEABLE)
     return Priority(value, PrioritySource.NUMBER)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PriorityPolicy:
+    """What the operator lets callers claim; off (``trust``) by default, as the spec trusts callers.
+
+    ``clamp`` keeps X-LlamaSwap-Priority inside [minimum, maximum]; ``strip`` ignores it.
+    A ``trusted_header`` (set by an authenticating proxy, which must drop client copies)
+    overrides both: its value is taken as the priority, unclamped.
+    """
+
+    mode: str = "trust"  # trust | clamp | strip
+    minimum: int = -100
+    maximum: int = 100
+    trusted_header: str | None = None
+
+    def resolve(self, header: str | bytes | None, trusted: str | bytes | None = None) -> Priority:
+        if self.trusted_header is not None and trusted is not None:
+            granted = parse_priority(trusted)
+            if granted.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
+                return Priority(granted.value, PrioritySource.TRUSTED)
+        priority = parse_priority(header)
+        if self.mode == "strip" and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
+            return Priority(0, PrioritySource.STRIPPED)
+        if self.mode == "clamp" and not self.minimum <= priority.value <= self.maximum:
+            return Priority(min(max(priority.value, self.minimum), self.maximum), PrioritySource.CLAMPED)
+        return priority

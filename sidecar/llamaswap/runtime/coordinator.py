@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Mapping
 
 from llamaswap.config import Config
-from llamaswap.core import Clock, MonotonicClock, Outcome, Policy, Priority, Scheduler, parse_priority
+from llamaswap.core import Clock, MonotonicClock, Outcome, Priority, Scheduler
 from llamaswap.core.scheduler import NS_PER_S, Decision, QueueFull
 from llamaswap.runtime.model import LARGE_BODY_BYTES, model_from_body
 from llamaswap.runtime.observer import NoopObserver, Observer
@@ -159,7 +159,9 @@ class Coordinator:
                                                "invalid_request_error", "invalid_ticket"))
         if not self._admitting:
             return self._reject(ticket, _shutdown_rejection())
-        ticket.priority = parse_priority(headers.get(PRIORITY_HEADER))
+        policy = self._config.priority_policy
+        trusted = headers.get(policy.trusted_header) if policy.trusted_header else None
+        ticket.priority = policy.resolve(headers.get(PRIORITY_HEADER), trusted)
         if len(body) > LARGE_BODY_BYTES:
             ticket.model = await asyncio.get_running_loop().run_in_executor(None, model_from_body, body)
         else:
@@ -332,11 +334,10 @@ class Coordinator:
             return
         _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
         self.observer.watchdog_fired(ticket)
-        abort = ticket.extras.get("abort")
+        # The exchange itself goes on in Envoy; only the GPU's grant ends. Its ext_proc stream
+        # still closes the (now forgotten) ticket when it finally ends.
         self._tickets.pop(token, None)
         self._release(ticket, Outcome.WATCHDOG)
-        if callable(abort):
-            abort()
         self._pump()
 
 

@@ -21,6 +21,9 @@ def queue_document(coordinator: Coordinator) -> dict[str, Any]:
     def view(item: Any) -> dict[str, Any]:
         data = dataclasses.asdict(item)
         data["band"] = item.band.value
+        # The core knows requests by their ticket, which is a secret: show the request id.
+        ticket = coordinator.ticket(item.request_id)
+        data["request_id"] = ticket.request_id if ticket is not None else "-"
         return data
 
     return {

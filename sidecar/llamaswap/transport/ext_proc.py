@@ -45,7 +45,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[ext_proc_pb2.ProcessingResponse]:
         coordinator = self._coordinator
         token: str | None = None
-        aborted = asyncio.Event()
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
@@ -58,7 +57,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     ticket = coordinator.open(request_id)
                     token = ticket.token
                     ticket.trace_context["ext_proc_metadata"] = tuple(context.invocation_metadata() or ())
-                    ticket.extras["abort"] = aborted.set
                     yield ext_proc_pb2.ProcessingResponse(request_headers=ext_proc_pb2.HeadersResponse(
                         response=ext_proc_pb2.CommonResponse(header_mutation=_set_headers([(TICKET_HEADER, token)]))))
                 elif kind == "response_headers":
@@ -83,8 +81,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     yield ext_proc_pb2.ProcessingResponse(request_body=ext_proc_pb2.BodyResponse())
                 elif kind == "response_body":
                     yield ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse())
-                if aborted.is_set():
-                    break
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - one bad stream must not take the sidecar down

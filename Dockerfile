@@ -1,0 +1,29 @@
+# The llamaswap sidecar image: `llamaswap serve` (gRPC for Envoy, admin HTTP).
+#   docker build -t REGISTRY/llamaswap:0.1.0 .
+# The Helm chart (charts/llamaswap) runs it as `llamaswap serve -c /etc/llamaswap/config.yaml`
+# next to Envoy and llama-server; it also serves the chart's `helm test` pod.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Only what `pip install .` needs (see .dockerignore); the build tree is removed afterwards.
+WORKDIR /build
+COPY pyproject.toml README.md ./
+COPY sidecar ./sidecar
+RUN pip install . \
+    && rm -rf /build
+
+# A fixed non-root user; the chart's securityContext runs as the same uid/gid.
+RUN groupadd --system --gid 65532 llamaswap \
+    && useradd --system --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin llamaswap
+USER 65532:65532
+WORKDIR /
+
+# gRPC (Envoy's ext_proc / ext_authz) and admin HTTP (health, readiness, metrics, queue).
+EXPOSE 9000 9090
+ENTRYPOINT ["llamaswap"]
+CMD ["serve", "-c", "/etc/llamaswap/config.yaml"]

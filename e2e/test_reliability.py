@@ -1,0 +1,310 @@
+"""Faults, bad input and security, through the real Envoy and the real sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import signal
+import socket
+
+import aiohttp
+import pytest
+import yaml
+
+from client import chat
+from harness import (EnvoyProcess, SidecarProcess, async_wait_for, free_port, http_get, running_stack,
+                     wait_for, write_config)
+from llamaswap.config import parse_config
+from llamaswap.envoy import build_bootstrap
+
+
+async def _blocker(stack, session, test_id="blocker", **kwargs):
+    task = asyncio.create_task(chat(session, stack.url, test_id, hold=True, **kwargs))
+    await async_wait_for(lambda: test_id in stack.upstream.order(), what=f"{test_id} at the upstream")
+    return task
+
+
+async def _queued(stack, count: int) -> None:
+    await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == count, what=f"{count} waiting")
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def _raw_request(port: int, header_lines: list[bytes], body: bytes = b'{"model":"model-a"}') -> bytes:
+    """Send bytes as they are (repeated headers, non-ASCII) and return the whole reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = [b"POST /v1/chat/completions HTTP/1.1", b"host: test", b"content-type: application/json",
+                f"content-length: {len(body)}".encode(), b"connection: close", *header_lines]
+        sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reply_header(reply: bytes, name: bytes) -> bytes | None:
+    for line in reply.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+@pytest.mark.parametrize(("header_lines", "expected"), [
+    ([b"x-llamaswap-priority: "], b"0"),
+    ([b"x-llamaswap-priority: " + b"9" * 4000], b"0"),
+    ([b"x-llamaswap-priority: \xc3\xbcber"], b"0"),
+    ([b"x-llamaswap-priority: 5", b"x-llamaswap-priority: 7"], b"0"),
+    ([b"x-llamaswap-priority: 1e3"], b"0"),
+    ([b"x-llamaswap-priority: +5"], b"5"),
+    ([b"x-llamaswap-priority:  7 "], b"7"),
+    ([b"x-llamaswap-priority: 9223372036854775808"], b"0"),
+    ([b"x-llamaswap-priority: -9223372036854775808"], b"-9223372036854775808"),
+    ([b"x-llamaswap-priority: BATCH"], b"-100"),
+])
+def test_odd_priority_headers_are_served(tmp_path: pathlib.Path, header_lines, expected) -> None:
+    with running_stack(tmp_path) as stack:
+        reply = _raw_request(stack.envoy.port, header_lines)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+        assert _reply_header(reply, b"x-llamaswap-priority") == expected
+        metrics = http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode()
+        if expected == b"0" and header_lines[0].strip() != b"x-llamaswap-priority:":
+            assert "llamaswap_priority_unparseable_total" not in metrics or \
+                'llamaswap_priority_unparseable_total{band="normal"} 1' in metrics or \
+                "llamaswap_priority_unparseable_total 1" in metrics
+
+
+async def test_body_over_the_limit_gets_413(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"envoy": {"maxRequestBytes": 1024 * 1024}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            too_big = json.dumps({"model": "model-a", "pad": "x" * (2 * 1024 * 1024)}).encode()
+            reply = await chat(session, stack.url, "too-big", body=too_big)
+            fits = await chat(session, stack.url, "fits", body=json.dumps({"model": "model-a",
+                                                                          "pad": "x" * 1000}).encode())
+        assert reply.status == 413
+        assert fits.status == 200
+        assert stack.upstream.order() == ["fits"]
+
+
+async def test_slow_sender_never_holds_the_gpu(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        body = json.dumps({"model": "model-a", "messages": []}).encode()
+        sock = socket.create_connection(("127.0.0.1", stack.envoy.port), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                         b"x-test-id: slow\r\nx-llamaswap-priority: interactive\r\n"
+                         + f"content-length: {len(body)}\r\n\r\n".encode() + body[:5])
+            async with aiohttp.ClientSession() as session:
+                # While the slow client is still sending, the GPU is free for others.
+                fast = await chat(session, stack.url, "fast")
+                assert fast.status == 200
+                await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="fast released")
+                assert stack.sidecar.queue()["waiting"] == []  # the slow one is not even queued
+            sock.sendall(body[5:])
+            reply = await asyncio.to_thread(sock.recv, 65536)
+        finally:
+            sock.close()
+        assert reply.startswith(b"HTTP/1.1 200")
+        assert stack.upstream.order() == ["fast", "slow"]
+
+
+# -- security --------------------------------------------------------------------------------
+
+
+async def test_forged_ticket_does_not_skip_the_queue(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            forged = asyncio.create_task(chat(session, stack.url, "forged", extra_headers={
+                "x-llamaswap-ticket": "guessed-or-stolen"}))
+            await _queued(stack, 1)  # queued like everyone else, not waved through
+            assert stack.upstream.order() == ["blocker"]
+            # The admin API changes nothing, and Envoy's listener exposes only /metrics of it.
+            assert http_get(f"{stack.sidecar.admin_url}/queue")[0] == 200
+            async with session.post(f"{stack.sidecar.admin_url}/queue") as response:
+                assert response.status == 405
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, forged)
+        assert [r.status for r in replies] == [200, 200]
+        assert all("x-llamaswap-ticket" not in hit.headers for hit in stack.upstream.hits)
+
+
+@pytest.mark.parametrize(("policy", "sent", "extra", "expected"), [
+    ({"mode": "clamp", "min": -100, "max": 0}, "1000000", {}, "0"),
+    ({"mode": "clamp", "min": -100, "max": 0}, "batch", {}, "-100"),
+    ({"mode": "strip"}, "interactive", {}, "0"),
+    ({"mode": "strip", "trustedHeader": "x-auth-priority"}, "interactive", {"x-auth-priority": "100"}, "100"),
+])
+async def test_priority_policy(tmp_path: pathlib.Path, policy, sent, extra, expected) -> None:
+    with running_stack(tmp_path, {"security": {"priority": policy}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            reply = await chat(session, stack.url, "r", priority=sent, extra_headers=extra)
+        assert reply.status == 200
+        assert reply.headers["x-llamaswap-priority"] == expected
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+async def test_graceful_shutdown(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            waiting = [asyncio.create_task(chat(session, stack.url, f"w{i}")) for i in range(2)]
+            await _queued(stack, 2)
+            stack.sidecar.signal(signal.SIGTERM)
+            rejected = await asyncio.gather(*waiting)
+            assert [r.status for r in rejected] == [503, 503]
+            assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+            assert rejected[0].json()["error"]["code"] == "shutting_down"
+            assert stack.sidecar.alive()  # still finishing the running request
+            stack.upstream.release("blocker")
+            finished = await blocker
+        assert finished.status == 200
+        assert await asyncio.to_thread(stack.sidecar.popen.wait, 30) == 0
+        assert stack.upstream.order() == ["blocker"]
+
+
+async def test_reload_keeps_the_queue(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            waiting = [asyncio.create_task(chat(session, stack.url, name, model=model))
+                       for name, model in (("lo", "model-lo"), ("hi", "model-hi"))]
+            await _queued(stack, 2)
+            document = yaml.safe_load(stack.config_path.read_text())
+            bad = dict(document, routing={"scheduler": {"use": "lifo"}})
+            stack.config_path.write_text(yaml.safe_dump(bad))
+            stack.sidecar.signal(signal.SIGHUP)
+            await async_wait_for(lambda: "reload refused" in stack.sidecar.log(), what="refusal logged")
+            assert stack.sidecar.queue()["policy"] == "serial"
+            good = dict(document, routing={"scheduler": {"use": "fifo"}}, models={"model-hi": {"priority": 50}})
+            stack.config_path.write_text(yaml.safe_dump(good))
+            stack.sidecar.signal(signal.SIGHUP)
+            await async_wait_for(lambda: stack.sidecar.queue()["policy"] == "fifo", what="fifo after reload")
+            assert [w["model"] for w in stack.sidecar.queue()["waiting"]] == ["model-hi", "model-lo"]
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, *waiting)
+        assert [r.status for r in replies] == [200, 200, 200]
+        assert stack.upstream.order()[1:] == ["hi", "lo"]
+
+
+async def test_watchdog_frees_a_runaway_grant(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"routing": {"scheduler": {"maxRunSeconds": 1}}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            runaway = await _blocker(stack, session, "runaway")
+            after = await chat(session, stack.url, "after")
+            stack.upstream.release("runaway")
+            await asyncio.gather(runaway, return_exceptions=True)
+        assert after.status == 200
+        assert stack.upstream.order() == ["runaway", "after"]
+        metrics = http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode()
+        activity = json.loads(http_get(f"{stack.sidecar.admin_url}/activity")[1])["activity"]
+        assert activity[0]["outcome"] == "watchdog"
+        assert "llamaswap_watchdog_fired_total" in metrics
+
+
+async def test_upstream_refusing_connections(tmp_path: pathlib.Path) -> None:
+    dead = free_port()
+    with running_stack(tmp_path, upstream_url=f"http://127.0.0.1:{dead}") as stack:
+        async with aiohttp.ClientSession() as session:
+            first = await chat(session, stack.url, "one")
+            second = await chat(session, stack.url, "two")
+            await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="GPU released")
+        assert first.status == 503 and second.status == 503
+        assert int(first.headers.get("retry-after", "0")) >= 1
+
+
+def _fixed_port_stack(tmp_path: pathlib.Path, extra: dict | None = None):
+    """Config, sidecar and bootstrap with fixed sidecar ports, so the sidecar can come back."""
+    from harness import FakeUpstream, merge
+
+    upstream = FakeUpstream().started()
+    document = merge({
+        "listen": {"http": "127.0.0.1:0", "grpc": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
+        "upstream": {"url": upstream.url, "modelsPollSeconds": 0},
+    }, extra or {})
+    path = write_config(tmp_path, document)
+    bootstrap = build_bootstrap(parse_config(document), envoy_admin_port=0)
+    return upstream, path, bootstrap
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
+    upstream, path, bootstrap = _fixed_port_stack(tmp_path, {"envoy": {"failOpen": fail_open}})
+    sidecar = SidecarProcess(path, tmp_path)
+    envoy = EnvoyProcess(bootstrap, tmp_path)
+    url = envoy.url
+    try:
+        async with aiohttp.ClientSession() as session:
+            running = asyncio.create_task(chat(session, url, "running", hold=True))
+            await async_wait_for(lambda: "running" in upstream.order(), what="running at upstream")
+            waiting = asyncio.create_task(chat(session, url, "waiting"))
+            await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 1, what="one waiting")
+            sidecar.popen.kill()
+            reply = await asyncio.wait_for(waiting, 30)
+            if fail_open:
+                assert reply.status == 200  # the operator chose to let requests through unscheduled
+            else:
+                assert reply.status == 503
+                assert int(reply.headers["retry-after"]) >= 1
+                assert "waiting" not in upstream.order()
+            sidecar.stop()
+            sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
+            upstream.release("running")
+            await asyncio.wait_for(running, 30)
+            # Back again: strictly one at a time.
+            upstream.max_active = upstream.active
+            replies = await asyncio.gather(*(chat(session, url, f"after-{i}", sleep_ms=20) for i in range(4)))
+        assert [r.status for r in replies] == [200] * 4
+        assert upstream.max_active <= 1
+    finally:
+        envoy.stop()
+        sidecar.stop()
+        upstream.close()
+
+
+async def test_envoy_restart_leaves_no_ghost_holder(tmp_path: pathlib.Path) -> None:
+    upstream, path, bootstrap = _fixed_port_stack(tmp_path)
+    sidecar = SidecarProcess(path, tmp_path)
+    envoy = EnvoyProcess(bootstrap, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            running = asyncio.create_task(chat(session, envoy.url, "running", hold=True))
+            await async_wait_for(lambda: "running" in upstream.order(), what="running at upstream")
+            waiting = asyncio.create_task(chat(session, envoy.url, "waiting"))
+            await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 1, what="one waiting")
+            envoy.popen.kill()
+            await asyncio.gather(running, waiting, return_exceptions=True)
+            await async_wait_for(lambda: sidecar.queue()["running"] is None and not sidecar.queue()["waiting"],
+                                 what="sidecar forgot the dead exchanges")
+            envoy.stop()
+            envoy = EnvoyProcess(bootstrap, tmp_path, name="envoy-2")
+            reply = await chat(session, envoy.url, "after")
+        assert reply.status == 200
+    finally:
+        envoy.stop()
+        sidecar.stop()
+        upstream.close()
+
+
+async def test_disconnect_storm(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await _blocker(stack, session)
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as storm_session:
+                storm = [asyncio.create_task(chat(storm_session, stack.url, f"s{i}")) for i in range(1000)]
+                await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1000, timeout=120,
+                                     interval=0.2, what="1000 waiting")
+                for task in storm:
+                    task.cancel()
+                await asyncio.gather(*storm, return_exceptions=True)
+            await async_wait_for(lambda: stack.sidecar.queue()["waiting"] == [], timeout=60, what="queue empty")
+            stack.upstream.release("blocker")
+            await blocker
+            after = await chat(session, stack.url, "after")
+        assert after.status == 200
+        assert stack.upstream.order() == ["blocker", "after"]
