@@ -241,6 +241,9 @@ def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], N
     r.mapping(settings.get("fifo"), "routing.scheduler.settings.fifo", set())
     serial_path = "routing.scheduler.settings.serial"
     aging = r.number(serial, "agingDivisor", serial_path, 60.0)
+    if 0 < aging < 0.001:
+        r.fail(f"{serial_path}.agingDivisor", f"must be 0 (no aging) or at least 0.001 seconds, got {aging!r}")
+        aging = 60.0
     bonus = r.integer(serial, "swapAffinityBonus", serial_path, 10)
     if bonus < 0:
         r.fail(f"{serial_path}.swapAffinityBonus", f"must be 0..{MAX_SWAP_AFFINITY_BONUS} (0 disables it), got {bonus}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Final
 
 from llamaswap.core.clock import Clock
@@ -88,7 +88,7 @@ class Policy:
 
 
 class _Entry:
-    __slots__ = ("request_id", "seq", "priority", "base", "model", "arrival_ns", "alive")
+    __slots__ = ("request_id", "seq", "priority", "base", "model", "arrival_ns", "alive", "older", "newer")
 
     def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None, arrival_ns: int):
         self.request_id = request_id
@@ -98,6 +98,10 @@ class _Entry:
         self.model = model
         self.arrival_ns = arrival_ns
         self.alive = True
+        # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
+        # from the oldest meets only waiting requests.
+        self.older: _Entry | None = None
+        self.newer: _Entry | None = None
 
 
 # Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
@@ -195,7 +199,8 @@ class Scheduler:
         self._aged_by_model: dict[str, list[_Item]] = {}
         self._plain: list[_Item] = []
         self._plain_by_model: dict[str, list[_Item]] = {}
-        self._arrivals: deque[_Entry] = deque()
+        self._oldest_entry: _Entry | None = None
+        self._newest_entry: _Entry | None = None
         self._band_arrivals: dict[Band, deque[_Entry]] = {band: deque() for band in Band}
         self._band_depth: dict[Band, int] = {band: 0 for band in Band}
         self._running: _Entry | None = None
@@ -251,7 +256,7 @@ class Scheduler:
         )
         self._waiting[request_id] = entry
         self._push(entry)
-        self._arrivals.append(entry)
+        self._link(entry)
         self._band_arrivals[priority.band].append(entry)
         self._band_depth[priority.band] += 1
         return depth
@@ -322,7 +327,7 @@ class Scheduler:
         now = self._clock.now_ns()
         expired: list[Removed] = []
         while True:
-            entry = self._oldest(self._arrivals)
+            entry = self._oldest_entry
             if entry is None or now - entry.arrival_ns < limit_ns:
                 return expired
             self._remove(entry)
@@ -331,7 +336,7 @@ class Scheduler:
     def next_deadline_ns(self) -> int | None:
         """When the oldest waiting request will be overdue; None without a limit."""
         limit_ns = round(self._policy.max_wait_s * NS_PER_S)
-        entry = self._oldest(self._arrivals) if limit_ns else None
+        entry = self._oldest_entry if limit_ns else None
         return None if entry is None else entry.arrival_ns + limit_ns
 
     def reconfigure(self, policy: Policy) -> None:
@@ -359,7 +364,7 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture; sorting makes it O(n log n), so keep it off hot paths."""
         now = self._clock.now_ns()
-        ordered = sorted(self._waiting.values(), key=lambda e: (-self._score_key(e), e.seq))
+        ordered = self._dispatch_order()
         waiting = tuple(
             WaitingView(
                 request_id=e.request_id,
@@ -385,6 +390,41 @@ class Scheduler:
                 running_s=(now - self._running_since_ns) / NS_PER_S,
             )
         return QueueSnapshot(self._policy.name, self._loaded_model, running, waiting, self.band_stats())
+
+    def _dispatch_order(self) -> list[_Entry]:
+        """The order `next` would grant in if nothing changed: each grant makes its model the
+        loaded one, so the affinity bonus moves as the simulated queue drains."""
+        bonus = self._policy.swap_affinity_bonus
+        scale = self._policy.aging_divisor_ns or 1
+        ranked = sorted(self._waiting.values(), key=lambda e: (-self._aged_key(e), e.seq))
+        if not bonus:
+            return ranked
+        by_model: dict[str, deque[_Entry]] = {}
+        for entry in ranked:
+            if entry.model is not None:
+                by_model.setdefault(entry.model, deque()).append(entry)
+        taken: set[int] = set()
+        order: list[_Entry] = []
+        loaded = self._loaded_model
+        index = 0
+        while len(order) < len(ranked):
+            while ranked[index].seq in taken:
+                index += 1
+            pick = ranked[index]
+            same_model = by_model.get(loaded) if loaded is not None else None
+            while same_model and same_model[0].seq in taken:
+                same_model.popleft()
+            if same_model and same_model[0] is not pick:
+                favourite = same_model[0]
+                top_key = self._aged_key(pick) + (bonus * scale if pick.model == loaded else 0)
+                favourite_key = self._aged_key(favourite) + bonus * scale
+                if favourite_key > top_key or (favourite_key == top_key and favourite.seq < pick.seq):
+                    pick = favourite
+            taken.add(pick.seq)
+            order.append(pick)
+            if pick.model is not None:
+                loaded = pick.model
+        return order
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
@@ -425,8 +465,29 @@ class Scheduler:
             if entry.model is not None:
                 heapq.heappush(self._plain_by_model.setdefault(entry.model, []), plain)
 
+    def _link(self, entry: _Entry) -> None:
+        entry.older = self._newest_entry
+        entry.newer = None
+        if self._newest_entry is not None:
+            self._newest_entry.newer = entry
+        else:
+            self._oldest_entry = entry
+        self._newest_entry = entry
+
+    def _unlink(self, entry: _Entry) -> None:
+        if entry.older is not None:
+            entry.older.newer = entry.newer
+        else:
+            self._oldest_entry = entry.newer
+        if entry.newer is not None:
+            entry.newer.older = entry.older
+        else:
+            self._newest_entry = entry.older
+        entry.older = entry.newer = None
+
     def _remove(self, entry: _Entry) -> None:
         entry.alive = False
+        self._unlink(entry)
         del self._waiting[entry.request_id]
         self._band_depth[entry.priority.band] -= 1
         self._dead_in_heaps += 1
@@ -439,7 +500,6 @@ class Scheduler:
         self._aged_by_model, self._plain_by_model = {}, {}
         for entry in alive:
             self._push(entry)
-        self._arrivals = deque(alive)
         self._band_arrivals = {band: deque(e for e in alive if e.priority.band is band) for band in Band}
         self._dead_in_heaps = 0
 
@@ -480,16 +540,13 @@ class Scheduler:
         return arrivals[0] if arrivals else None
 
     def _overtaken_by(self, winner: _Entry) -> tuple[str, ...]:
+        """Earlier arrivals still waiting; the list holds only the living, so this is O(limit)."""
         overtaken: list[str] = []
-        for entry in self._iter_arrivals():
-            if entry.seq >= winner.seq or len(overtaken) >= OVERTAKEN_LIMIT:
-                break
+        entry = self._oldest_entry
+        while entry is not None and entry.seq < winner.seq and len(overtaken) < OVERTAKEN_LIMIT:
             overtaken.append(entry.request_id)
+            entry = entry.newer
         return tuple(overtaken)
-
-    def _iter_arrivals(self) -> Iterator[_Entry]:
-        self._oldest(self._arrivals)
-        return (e for e in self._arrivals if e.alive)
 
     def _removed(self, entry: _Entry) -> Removed:
         return Removed(entry.request_id, entry.priority.value, entry.priority.band, entry.model,

@@ -1,0 +1,523 @@
+"""Shared pieces of the data-path benchmarks (overhead.py, dispatch.py, queued.py).
+
+They reuse the end-to-end harness (`e2e/harness.py`): the real Envoy binary, the real
+sidecar process (`python -m llamaswap serve`) and the FakeUpstream. The upstream runs in a
+process of its own (`python bench/common.py upstream`), so the client's event loop and the
+upstream's do not share a GIL; it records each hit's start and end (CLOCK_MONOTONIC) and
+answers a few commands on stdin.
+
+"Bare Envoy" is the same bootstrap with the ext_proc and ext_authz filters taken out, in
+front of the same upstream: the baseline every figure is compared with, measured in the
+same run because this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import pathlib
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import aiohttp
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "e2e"))
+
+from harness import (  # noqa: E402 - after the path set-up
+    DEADLINE_S,
+    EnvoyProcess,
+    FakeUpstream,
+    Stack,
+    http_get,
+    running_stack,
+    wait_for,
+)
+from llamaswap.config import parse_config  # noqa: E402
+from llamaswap.envoy import EXT_AUTHZ, EXT_PROC, build_bootstrap  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- limits, /proc -------------------------------------------------------------------------
+
+
+def raise_nofile() -> int:
+    """Raise RLIMIT_NOFILE to the hard limit (children spawned afterwards inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a process, in bytes."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    text = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def machine_load() -> str:
+    try:
+        return " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def describe_ms(values_ns: Sequence[float]) -> str:
+    ms = [v / 1e6 for v in values_ns]
+    return (f"n={len(ms)} p50 {percentile(ms, 50):.2f} p90 {percentile(ms, 90):.2f} p99 {percentile(ms, 99):.2f} "
+            f"max {max(ms):.2f} mean {statistics.fmean(ms):.2f} ms")
+
+
+# -- the upstream, in a process of its own ----------------------------------------------------
+
+
+class UpstreamProcess:
+    """FakeUpstream (e2e/harness.py) in a child process, driven over stdin/stdout."""
+
+    def __init__(self, log_dir: pathlib.Path) -> None:
+        self._stderr = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in close()
+        self.popen = subprocess.Popen([sys.executable, __file__, "upstream"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
+        self._lock = threading.Lock()
+        self.port = int(self._ask("port"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _ask(self, command: str) -> str:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        with self._lock:
+            self.popen.stdin.write(command + "\n")
+            self.popen.stdin.flush()
+            line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"upstream process died (command {command!r})")
+        return line.strip()
+
+    def hits(self) -> list[dict[str, Any]]:
+        """[{id, start_ns, end_ns}] in arrival order."""
+        return json.loads(self._ask("hits"))
+
+    def clear(self) -> None:
+        self._ask("clear")
+
+    def release(self, test_id: str) -> None:
+        self._ask(f"release {test_id}")
+
+    def count(self) -> int:
+        return int(self._ask("count"))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._ask("quit")
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        self._stderr.close()
+
+
+def _upstream_main() -> None:
+    server = FakeUpstream().started()
+    for line in sys.stdin:
+        command, _, argument = line.strip().partition(" ")
+        if command == "port":
+            answer: Any = server.port
+        elif command == "hits":
+            with server.lock:
+                answer = json.dumps([{"id": h.test_id, "start_ns": h.start_ns, "end_ns": h.end_ns}
+                                     for h in server.hits])
+        elif command == "count":
+            with server.lock:
+                answer = len(server.hits)
+        elif command == "clear":
+            with server.lock:
+                server.hits.clear()
+                server.max_active = server.active
+            answer = "ok"
+        elif command == "release":
+            server.release(argument)
+            answer = "ok"
+        elif command == "quit":
+            sys.stdout.write("bye\n")
+            sys.stdout.flush()
+            break
+        else:
+            answer = f"unknown command {command!r}"
+        sys.stdout.write(f"{answer}\n")
+        sys.stdout.flush()
+    server.close()
+
+
+# -- a do-nothing sidecar: the floor of grpc.aio on this filter chain -----------------------------
+
+
+def _null_sidecar_main(ports_file: str, serial: bool) -> None:
+    """The least a Python sidecar on this filter chain can do, as a floor for the figures.
+
+    Plain: ext_proc answers every message at once, Check says OK at once (no ticket, no
+    queue). Serial (`--serial`): a toy FIFO, the same protocol as llamaswap in ~30 lines: a
+    ticket header stamped on request headers, Check held until the GPU is free, released
+    when the ext_proc stream ends; no priorities, telemetry, logging or bookkeeping.
+    """
+    import collections
+    import secrets
+
+    import grpc
+    from google.rpc import code_pb2, status_pb2
+
+    from llamaswap._proto.envoy.config.core.v3 import base_pb2
+    from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
+    from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
+    from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+    from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+    answers = {
+        "request_headers": ext_proc_pb2.ProcessingResponse(request_headers=ext_proc_pb2.HeadersResponse()),
+        "response_headers": ext_proc_pb2.ProcessingResponse(response_headers=ext_proc_pb2.HeadersResponse()),
+        "request_body": ext_proc_pb2.ProcessingResponse(request_body=ext_proc_pb2.BodyResponse()),
+        "response_body": ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse()),
+        "request_trailers": ext_proc_pb2.ProcessingResponse(request_trailers=ext_proc_pb2.TrailersResponse()),
+        "response_trailers": ext_proc_pb2.ProcessingResponse(response_trailers=ext_proc_pb2.TrailersResponse()),
+    }
+    granted = authz_pb2.CheckResponse(status=status_pb2.Status(code=code_pb2.OK))
+    ticket_header = "x-llamaswap-ticket"
+    waiting: collections.deque[tuple[str, asyncio.Future[None]]] = collections.deque()
+    running: list[str | None] = [None]
+
+    def pump() -> None:
+        while running[0] is None and waiting:
+            token, future = waiting.popleft()
+            if not future.done():
+                running[0] = token
+                future.set_result(None)
+
+    def stamp(token: str) -> ext_proc_pb2.ProcessingResponse:
+        mutation = ext_proc_pb2.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=ticket_header, raw_value=token.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+        return ext_proc_pb2.ProcessingResponse(request_headers=ext_proc_pb2.HeadersResponse(
+            response=ext_proc_pb2.CommonResponse(header_mutation=mutation)))
+
+    class Processor(ext_proc_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):  # noqa: N802
+            token = None
+            try:
+                async for message in request_iterator:
+                    kind = message.WhichOneof("request")
+                    if serial and kind == "request_headers":
+                        token = secrets.token_urlsafe(18)
+                        yield stamp(token)
+                    else:
+                        yield answers[kind]
+            finally:
+                if token is not None and running[0] == token:
+                    running[0] = None
+                    pump()
+
+    class Authorization(authz_grpc.AuthorizationServicer):
+        async def Check(self, request, context):  # noqa: N802
+            if serial:
+                future = asyncio.get_running_loop().create_future()
+                waiting.append((request.attributes.request.http.headers.get(ticket_header, ""), future))
+                pump()
+                await future
+            return granted
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 65 * 2**20),
+                                          ("grpc.max_concurrent_streams", 1 << 30), ("grpc.so_reuseport", 0)])
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
+        authz_grpc.add_AuthorizationServicer_to_server(Authorization(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        tmp = f"{ports_file}.tmp"
+        pathlib.Path(tmp).write_text(json.dumps({"grpc": port}))
+        os.replace(tmp, ports_file)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+class NullSidecar:
+    """The do-nothing (or toy FIFO) sidecar in a child process, and an Envoy (same bootstrap) in front."""
+
+    def __init__(self, workdir: pathlib.Path, document: dict[str, Any], env: dict[str, str] | None = None,
+                 *, serial: bool = False) -> None:
+        from harness import Process
+
+        ports_file = workdir / "null-ports.json"
+        ports_file.unlink(missing_ok=True)
+        self.process = Process("null-sidecar", [sys.executable, __file__, "null-sidecar", str(ports_file),
+                                                *(["--serial"] if serial else [])],
+                               workdir / "null-sidecar.log", env)
+        self.envoy: EnvoyProcess | None = None
+        try:
+            port = wait_for(lambda: ports_file.exists() and json.loads(ports_file.read_text())["grpc"],
+                            what="null sidecar port")
+            bootstrap = build_bootstrap(parse_config(document), grpc_port=port, admin_port=1, envoy_admin_port=0)
+            self.envoy = EnvoyProcess(bootstrap, workdir, name="envoy-null")
+        except BaseException:
+            self.process.dump()
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.popen.pid
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def close(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        self.process.stop()
+
+
+# -- the stacks -------------------------------------------------------------------------------
+
+
+def bare_bootstrap(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """The same bootstrap without the ext_proc and ext_authz filters (and their per-route config)."""
+    bare = copy.deepcopy(bootstrap)
+    for listener in bare["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                hcm = network_filter["typed_config"]
+                hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in (EXT_PROC, EXT_AUTHZ)]
+                for host in hcm["route_config"]["virtual_hosts"]:
+                    for route in host["routes"]:
+                        route.pop("typed_per_filter_config", None)
+    return bare
+
+
+class Bench:
+    """Upstream process + sidecar + Envoy with the sidecar (+ a bare Envoy), torn down on exit."""
+
+    def __init__(self, stack: Stack, upstream: UpstreamProcess, bare: EnvoyProcess | None, workdir: pathlib.Path,
+                 null: NullSidecar | None = None):
+        self.stack = stack
+        self.upstream = upstream
+        self.bare = bare
+        self.workdir = workdir
+        self.null = null
+
+    @property
+    def sidecar_url(self) -> str:
+        return self.stack.url
+
+    @property
+    def bare_url(self) -> str:
+        assert self.bare is not None
+        return self.bare.url
+
+    @property
+    def sidecar_pid(self) -> int:
+        return self.stack.sidecar.popen.pid
+
+    @property
+    def envoy_pid(self) -> int:
+        return self.stack.envoy.popen.pid
+
+    def envoy_stat(self, name: str) -> int:
+        return self.stack.envoy.stat(name)
+
+
+@contextlib.contextmanager
+def bench_stack(config: dict[str, Any] | None = None, *, bare: bool = True, null: bool = False,
+                null_serial: bool = False, keep: str | None = None,
+                sidecar_env: dict[str, str] | None = None) -> Iterator[Bench]:
+    """Start everything; logs go to a temporary folder (kept, and printed, if `keep`).
+
+    `bare`: also a bare Envoy; `null`: also Envoy + the do-nothing sidecar (the floor), a toy
+    FIFO one if `null_serial`; `sidecar_env`: extra environment for the sidecars."""
+    workdir = pathlib.Path(keep) if keep else pathlib.Path(tempfile.mkdtemp(prefix="llamaswap-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    upstream = UpstreamProcess(workdir)
+    bare_envoy = None
+    null_sidecar = None
+    try:
+        with running_stack(workdir, config, upstream_url=upstream.url, sidecar_env=sidecar_env) as stack:
+            document = yaml.safe_load(stack.config_path.read_text())
+            if null:
+                null_sidecar = NullSidecar(workdir, document, sidecar_env, serial=null_serial)
+            if bare:
+                bootstrap = build_bootstrap(parse_config(document), grpc_port=stack.sidecar.grpc_port,
+                                            admin_port=stack.sidecar.admin_port, envoy_admin_port=0)
+                bare_envoy = EnvoyProcess(bare_bootstrap(bootstrap), workdir, name="envoy-bare")
+            try:
+                yield Bench(stack, upstream, bare_envoy, workdir, null_sidecar)
+            finally:
+                if bare_envoy is not None:
+                    bare_envoy.stop()
+                if null_sidecar is not None:
+                    null_sidecar.close()
+    finally:
+        upstream.close()
+        if keep:
+            print(f"logs kept in {workdir}")
+        else:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- client --------------------------------------------------------------------------------
+
+
+def session(limit: int = 0) -> aiohttp.ClientSession:
+    """An aiohttp session with no connection cap and no client-side timeout."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=False),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=60))
+
+
+def chat_body(model: str = "model-a", pad_bytes: int = 0) -> bytes:
+    document = {"model": model, "messages": [{"role": "system", "content": "You are terse."},
+                                              {"role": "user", "content": "hi" + "x" * pad_bytes}],
+                "max_tokens": 16, "stream": False}
+    return json.dumps(document).encode()
+
+
+async def post(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    async with client.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
+        await response.read()
+        return response.status, dict(response.headers)
+
+
+# -- profiling -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def profiled(pid: int, output: str | None, *, rate: int = 250) -> Iterator[None]:
+    """py-spy record of `pid` while the block runs (if `output`); raw collapsed stacks.
+
+    Extra py-spy flags come from $PYSPY_ARGS (e.g. `--native --threads --idle`)."""
+    if not output:
+        yield
+        return
+    py_spy = pathlib.Path(sys.executable).parent / "py-spy"
+    extra = os.environ.get("PYSPY_ARGS", "").split()
+    argv = [str(py_spy if py_spy.exists() else "py-spy"), "record", "-p", str(pid), "-o", output,
+            "--format", "raw", "--rate", str(rate), *([] if "--native" in extra else ["--nonblocking"]), *extra]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # let py-spy attach
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, err = process.communicate()
+        if process.returncode not in (0, -signal.SIGINT) or not pathlib.Path(output).exists():
+            sys.stderr.write(f"py-spy exited {process.returncode}: {err.decode(errors='replace')}")
+        print(f"profile: {output} ({summarize_profile.__name__}: python bench/common.py profile {output})")
+
+
+def summarize_profile(path: str, top: int = 30) -> str:
+    """Self and inclusive sample shares per function from a py-spy raw (collapsed) file."""
+    self_count: dict[str, int] = {}
+    total_count: dict[str, int] = {}
+    samples = 0
+    for line in pathlib.Path(path).read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        samples += count
+        frames = stack.split(";")
+        seen: set[str] = set()
+        for frame in frames:
+            if frame not in seen:
+                seen.add(frame)
+                total_count[frame] = total_count.get(frame, 0) + count
+        self_count[frames[-1]] = self_count.get(frames[-1], 0) + count
+    lines = [f"{samples} samples"]
+    lines.append("-- self --")
+    for frame, count in sorted(self_count.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * count / samples:6.2f}%  {frame}")
+    lines.append("-- inclusive --")
+    for frame, count in sorted(total_count.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * count / samples:6.2f}%  {frame}")
+    return "\n".join(lines)
+
+
+def wait_until(predicate: Any, *, timeout: float = DEADLINE_S, what: str = "condition") -> Any:
+    return wait_for(predicate, timeout=timeout, what=what)
+
+
+async def async_wait_until(predicate: Any, *, timeout: float = DEADLINE_S, interval: float = 0.05,
+                           what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+__all__ = [
+    "Bench", "UpstreamProcess", "bare_bootstrap", "bench_stack", "chat_body", "cpu_seconds", "describe_ms",
+    "http_get", "machine_load", "percentile", "post", "profiled", "raise_nofile", "rss_bytes", "session",
+    "summarize_profile", "async_wait_until", "wait_until",
+]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["upstream"]:
+        _upstream_main()
+    elif sys.argv[1:2] == ["null-sidecar"]:
+        _null_sidecar_main(sys.argv[2], "--serial" in sys.argv[3:])
+    elif sys.argv[1:2] == ["profile"]:
+        print(summarize_profile(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 30))
+    else:
+        sys.exit("usage: common.py upstream | null-sidecar PORTS_FILE [--serial] | profile FILE [TOP]")

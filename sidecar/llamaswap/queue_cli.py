@@ -1,0 +1,137 @@
+"""`llamaswap queue`: the live queue as a table, like `squeue`.
+
+Reads the sidecar's admin `GET /queue` and prints the running request first (ST `R`), then
+the waiting ones in dispatch order (ST `PD`, pending), with priority, band, current score,
+how long each has waited and the model. `--watch N` refreshes every N seconds until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, TextIO
+
+DEFAULT_ADMIN = "http://127.0.0.1:9090"
+COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "MODEL")
+_RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME"}
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+class QueueUnavailable(Exception):
+    pass
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """Register `queue` on the `llamaswap` subcommands."""
+    parser = commands.add_parser("queue", help="show the waiting requests and the running one (like squeue)",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--admin", default=DEFAULT_ADMIN,
+                        help=f"the sidecar's admin address (default {DEFAULT_ADMIN})")
+    parser.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until Ctrl-C")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError("--watch needs a positive number of seconds")
+    return value
+
+
+def fetch_queue(admin: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    url = admin.rstrip("/") + "/queue"
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise QueueUnavailable(f"GET {url}: HTTP {exc.code}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise QueueUnavailable(f"GET {url}: {reason}") from exc
+
+
+def format_duration(seconds: float | None) -> str:
+    """squeue's TIME format: M:SS, H:MM:SS, or D-HH:MM:SS."""
+    if seconds is None:
+        return ""
+    total = max(0, int(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
+
+
+def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
+    table: list[tuple[str, ...]] = []
+    running = document.get("running")
+    if running:
+        table.append(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
+                      str(running.get("band", "")), _score(running.get("score")),
+                      format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
+                      running.get("model") or "-"))
+    for item in document.get("waiting") or []:
+        table.append((str(item.get("position", "")), "PD", str(item.get("request_id", "")),
+                      str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
+                      format_duration(item.get("waited_s")), "", item.get("model") or "-"))
+    return table
+
+
+def _score(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else ""
+
+
+def render(document: dict[str, Any]) -> str:
+    waiting = document.get("waiting") or []
+    summary = (f"policy {document.get('policy', '?')}, loaded model {document.get('loaded_model') or '-'}, "
+               f"{'1 running' if document.get('running') else 'GPU idle'}, {len(waiting)} waiting")
+    bands = document.get("bands") or {}
+    if bands:
+        summary += " (" + ", ".join(f"{name} {stats.get('depth', 0)}" for name, stats in bands.items()) + ")"
+    table = [COLUMNS, *rows(document)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = [summary]
+    for row in table:
+        cells = [cell.rjust(width) if COLUMNS[i] in _RIGHT else cell.ljust(width)
+                 for i, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if not args.watch:
+        try:
+            out.write(render(fetch_queue(args.admin)))
+        except QueueUnavailable as exc:
+            err.write(f"error: {exc}\n")
+            return 1
+        return 0
+    clear = _CLEAR if out.isatty() else ""
+    try:
+        while True:
+            try:
+                text = render(fetch_queue(args.admin))
+            except QueueUnavailable as exc:
+                text = f"error: {exc}\n"
+            out.write(f"{clear}{time.strftime('%Y-%m-%d %H:%M:%S')}  every {args.watch:g}s  (Ctrl-C to stop)\n{text}\n")
+            out.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+

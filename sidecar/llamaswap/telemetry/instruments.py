@@ -1,0 +1,97 @@
+"""The metric instruments, created once on the one MeterProvider.
+
+Names. Every instrument is created under its final Prometheus name: counters already end in
+`_total`, durations in `_seconds`. That gives the same name on every path:
+
+- the admin `GET /metrics` text (our own renderer) prints the names verbatim;
+- over OTLP the receiver sees exactly these names;
+- the OpenTelemetry collector's Prometheus exporter (and Prometheus's own OTLP receiver)
+  translate with prometheus/otlptranslator. With metric suffixes on (the default) a monotonic
+  sum gets `_total` only after any existing `total` token is removed, so
+  `llamaswap_scheduler_dispatched_total` stays `llamaswap_scheduler_dispatched_total`, and a
+  unit suffix is added only when the name lacks it (`s` -> `seconds`, already present). With
+  suffixes off the name passes through unchanged. Naming the counter
+  `llamaswap_scheduler_dispatched` instead would only be right with suffixes on.
+
+Units are chosen so no suffix is ever added: `s` on names that end in `_seconds`, curly-brace
+annotations such as `{request}` (dropped by the translator) on counts, and no unit on the busy
+gauge — the unit `1` would make the translator append `_ratio` to a gauge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from llamaswap.core import Band, Outcome
+
+QUEUE_DEPTH = "llamaswap_scheduler_queue_depth"
+QUEUE_OLDEST_WAIT = "llamaswap_scheduler_queue_oldest_wait_seconds"
+DISPATCHED = "llamaswap_scheduler_dispatched_total"
+REORDERS = "llamaswap_scheduler_reorders_total"
+QUEUE_WAIT = "llamaswap_scheduler_queue_wait_seconds"
+RUN = "llamaswap_scheduler_run_seconds"
+SWAPS = "llamaswap_scheduler_swaps_total"
+REQUESTS = "llamaswap_requests_total"
+UNPARSEABLE = "llamaswap_priority_unparseable_total"
+GPU_BUSY = "llamaswap_gpu_busy"
+WATCHDOG = "llamaswap_watchdog_fired_total"
+
+# The four series the specification names (docs: request-priority.md, Observability).
+SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
+ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, REQUESTS, UNPARSEABLE,
+       GPU_BUSY, WATCHDOG)
+
+REORDER_REASONS = ("aging", "swap_affinity")
+
+# Seconds, from a quick local request to a day-long batch wait.
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
+                      3600, 7200, 14400, 28800, 43200, 86400)
+RUN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200,
+               14400, 28800, 43200)
+
+Callback = Callable[[CallbackOptions], Iterable[Observation]]
+
+
+class Instruments:
+    def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback) -> None:
+        meter.create_observable_gauge(
+            QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
+        meter.create_observable_gauge(
+            QUEUE_OLDEST_WAIT, [oldest_wait], unit="s",
+            description="How long the longest-waiting request of the band has waited (0 when none waits).")
+        meter.create_observable_gauge(
+            GPU_BUSY, [gpu_busy], description="1 while a request holds the GPU, else 0.")
+        self.dispatched = meter.create_counter(
+            DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.")
+        self.reorders = meter.create_counter(
+            REORDERS, unit="{dispatch}",
+            description="Dispatches where aging or swap affinity changed which request went next, by band of the "
+                        "winner and reason.")
+        self.queue_wait = meter.create_histogram(
+            QUEUE_WAIT, unit="s", description="Time from arrival to grant of dispatched requests, by band.",
+            explicit_bucket_boundaries_advisory=QUEUE_WAIT_BUCKETS)
+        self.run = meter.create_histogram(
+            RUN, unit="s", description="Time from grant to release (the GPU held), by band.",
+            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
+        self.swaps = meter.create_counter(
+            SWAPS, unit="{swap}", description="Dispatches that need the upstream to load a different model.")
+        self.requests = meter.create_counter(
+            REQUESTS, unit="{request}", description="Requests by how they ended (outcome).")
+        self.unparseable = meter.create_counter(
+            UNPARSEABLE, unit="{request}",
+            description="Requests whose X-LlamaSwap-Priority header could not be parsed (treated as 0).")
+        self.watchdog = meter.create_counter(
+            WATCHDOG, unit="{request}", description="Grants released by the maxRunSeconds watchdog.")
+        # Every labelled series exists from the start, at 0: a query or an alert never sees a
+        # missing series for a band that has simply had no traffic yet.
+        for band in Band:
+            self.dispatched.add(0, {"band": band.value})
+            for reason in REORDER_REASONS:
+                self.reorders.add(0, {"band": band.value, "reason": reason})
+        for outcome in Outcome:
+            self.requests.add(0, {"outcome": outcome.value})
+        self.swaps.add(0)
+        self.unparseable.add(0)
+        self.watchdog.add(0)

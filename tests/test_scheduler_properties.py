@@ -1,0 +1,275 @@
+"""Property tests: the heap scheduler against the brute-force reference (tests/reference.py).
+
+Random interleavings of arrivals (any int64 priority, a few models or none, any gap), clock
+steps, cancellations, loaded-model changes, reconfigurations, dispatches and releases. After
+every dispatch the real scheduler must grant the same request as the reference's full scan,
+with the same score (exact Fraction against float, within rounding), the same reorder reasons
+and the same decision record; at random points the snapshot must list the queue in the order
+the reference would grant it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import llamaswap.core.scheduler as scheduler_module
+from llamaswap.core import ManualClock, Policy, PrioritySource, Scheduler, UnknownRequest, band_of, parse_priority
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ may become a package one day
+from reference import ReferenceScheduler, RefPolicy, float_close  # noqa: E402
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MODELS = ("a", "b", "c")
+
+ANCHORS = [-100, -99, -98, -51, -50, -49, -1, 0, 1, 2, 49, 50, 98, 99, 100, 101]
+priorities = st.one_of(
+    st.sampled_from(ANCHORS),
+    st.sampled_from(ANCHORS),
+    st.integers(-20, 20),  # near-ties, where swap affinity and aging decide
+    st.integers(-3, 3),  # exact ties with small bonuses
+    st.integers(-300, 300),
+    st.integers(INT64_MIN, INT64_MAX),  # large ones: keys must stay exact
+)
+models = st.one_of(st.none(), st.sampled_from(MODELS), st.sampled_from(MODELS))
+gaps_ns = st.one_of(
+    st.sampled_from([0, 0, 1, 2, 3]),  # ties and near-ties at nanosecond divisors
+    st.integers(0, 10**9),  # up to a second
+    st.integers(0, 10**11),  # minutes
+    st.integers(0, 10**13),  # hours
+    st.integers(0, 10**16),  # months
+)
+# Seconds per aging point: 0 disables aging; 1e-9 is one point per nanosecond (ties everywhere).
+divisors = st.sampled_from([0, 0, 1e-9, 2e-9, 3e-9, 1e-6, 0.25, 0.5, 1, 7, 60, 3600])
+bonuses = st.one_of(st.sampled_from([0, 1, 2, 10, 99]), st.integers(0, 99))
+max_waits = st.sampled_from([0.0, 0.0, 1e-6, 1.0, 3600.0])
+serial_policies = st.builds(lambda d, b, w: Policy.serial(d, b, max_wait_s=w), divisors, bonuses, max_waits)
+fifo_policies = st.builds(
+    lambda p, w: Policy.fifo(p, max_wait_s=w),
+    st.dictionaries(st.sampled_from(MODELS), st.one_of(st.integers(-200, 200), st.integers(INT64_MIN, INT64_MAX))),
+    max_waits,
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives the real Scheduler and the reference with the same operations."""
+
+    policies = st.one_of(serial_policies, fifo_policies)
+    priorities = priorities
+    gaps = gaps_ns
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = ManualClock()
+        self.real: Scheduler | None = None
+        self.ref: ReferenceScheduler | None = None
+        self.count = 0
+        self._saved_slack = scheduler_module._COMPACT_SLACK
+
+    # -- set-up --------------------------------------------------------------------------
+
+    @initialize(data=st.data(), start=st.integers(0, 10**18), slack=st.sampled_from([0, 1, 1024]))
+    def setup(self, data, start, slack):
+        policy = data.draw(type(self).policies, label="policy")
+        # A small slack makes the heaps compact themselves often, as a long-running queue would.
+        scheduler_module._COMPACT_SLACK = slack
+        self.clock.set_ns(start)
+        self.real = Scheduler(policy, self.clock)
+        self.ref = ReferenceScheduler(RefPolicy.of(policy), self.clock.now_ns)
+
+    def teardown(self) -> None:
+        scheduler_module._COMPACT_SLACK = self._saved_slack
+
+    # -- operations ----------------------------------------------------------------------
+
+    @rule(data=st.data(), size=st.integers(1, 12))
+    def enqueue_several(self, data, size):
+        for _ in range(size):
+            self.enqueue(data)
+
+    @rule(data=st.data())
+    def enqueue(self, data):
+        priority = data.draw(type(self).priorities, label="priority")
+        model = data.draw(models, label="model")
+        gap = data.draw(type(self).gaps, label="gap")
+        as_text = data.draw(st.booleans(), label="as_text")
+        self.clock.set_ns(self.clock.now_ns() + gap)
+        self.count += 1
+        rid = f"r{self.count}"
+        prio = parse_priority(str(priority) if as_text else f" {priority:+d} ")
+        assert prio.value == priority and prio.source is PrioritySource.NUMBER
+        assert self.real.enqueue(rid, prio, model) == self.ref.enqueue(rid, priority, model)
+
+    @rule(data=st.data())
+    def advance(self, data):
+        self.clock.set_ns(self.clock.now_ns() + data.draw(type(self).gaps, label="gap"))
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        candidates = [r.request_id for r in self.ref.waiting] + ["ghost"]
+        if self.ref.running is not None:
+            candidates.append(self.ref.running.request_id)
+        rid = data.draw(st.sampled_from(candidates))
+        removed = self.real.cancel(rid)
+        was_waiting = self.ref.cancel(rid)
+        assert (removed is not None) == was_waiting
+        if removed is not None:
+            assert removed.request_id == rid
+
+    @rule(model=models)
+    def set_loaded_model(self, model):
+        self.real.set_loaded_model(model)
+        self.ref.set_loaded_model(model)
+
+    @rule(data=st.data())
+    def reconfigure(self, data):
+        policy = data.draw(type(self).policies, label="policy")
+        self.real.reconfigure(policy)
+        self.ref.reconfigure(RefPolicy.of(policy))
+
+    @rule()
+    def dispatch(self):
+        self._dispatch()
+
+    @rule(data=st.data())
+    def dispatch_and_release(self, data):
+        decision = self._dispatch()
+        if decision is not None:
+            self.clock.set_ns(self.clock.now_ns() + data.draw(type(self).gaps, label="gap"))
+            self.real.release(decision.request_id)
+            self.ref.release(decision.request_id)
+
+    @rule()
+    def release(self):
+        if self.ref.running is None:
+            with pytest.raises(UnknownRequest):
+                self.real.release("ghost")
+            return
+        rid = self.ref.running.request_id
+        released = self.real.release(rid)
+        self.ref.release(rid)
+        assert released.request_id == rid
+        with pytest.raises(UnknownRequest):
+            self.real.release(rid)
+
+    @rule()
+    def release_a_non_holder(self):
+        for rid in [r.request_id for r in self.ref.waiting[:3]] + ["ghost"]:
+            with pytest.raises(UnknownRequest):
+                self.real.release(rid)
+
+    @rule()
+    def expire(self):
+        expired = [r.request_id for r in self.real.expire_overdue()]
+        limit_ns = round(Fraction(self.real.policy.max_wait_s) * 1_000_000_000)
+        now = self.clock.now_ns()
+        expected = [r.request_id for r in self.ref.waiting if limit_ns and now - r.arrival_ns >= limit_ns]
+        assert sorted(expired) == sorted(expected)
+        for rid in expected:
+            self.ref.cancel(rid)
+
+    def _dispatch(self):
+        if self.ref.running is None and self.ref.waiting:
+            now = self.clock.now_ns()
+            scores = [self.ref.score(r, now) for r in self.ref.waiting]
+            if scores.count(max(scores)) > 1:
+                event("dispatch: equal top scores, arrival decides")
+                favoured = {self.ref.has_affinity(r) for r, s in zip(self.ref.waiting, scores) if s == max(scores)}
+                if len(favoured) == 2:
+                    event("dispatch: the loaded model's best ties another model's best")
+            event(f"dispatch: depth {'1' if len(scores) == 1 else '2-5' if len(scores) <= 5 else '6-20' if len(scores) <= 20 else '21+'}")
+        real = self.real.next()
+        ref = self.ref.next()
+        if ref is None:
+            assert real is None
+            return None
+        assert real is not None
+        assert real.request_id == ref.request_id
+        event(f"dispatch: {self.ref.policy.name} reordered_by={sorted(ref.reordered_by)}")
+        assert real.reordered_by == ref.reordered_by
+        base = ref.score - ref.aging - (self.ref.policy.bonus if ref.swap_affinity else 0)
+        magnitude = abs(base) + self.ref.policy.bonus + ref.aging
+        assert float_close(real.score, ref.score, magnitude=magnitude), (real.score, ref.score)
+        assert float_close(real.aging, ref.aging), (real.aging, ref.aging)
+        assert real.priority == ref.priority
+        assert real.band is band_of(ref.priority)
+        assert real.queue_wait_ns == ref.queue_wait_ns
+        assert real.model == ref.model
+        assert real.swap_affinity == ref.swap_affinity
+        assert real.swap == ref.swap
+        assert real.previous_model == ref.previous_model
+        assert real.overtook == ref.overtook
+        assert real.queue_depth_after == ref.queue_depth_after
+        return real
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def same_state(self):
+        if self.real is None:
+            return
+        assert self.real.depth == len(self.ref.waiting)
+        assert self.real.running_id == (self.ref.running.request_id if self.ref.running else None)
+        assert self.real.loaded_model == self.ref.loaded_model
+        if self.ref.running is not None:
+            assert self.real.next() is None  # non-preemptive
+
+    @rule()
+    def snapshot_ranks_like_the_reference(self):
+        # A rule rather than an invariant: exact sorting is slow, and random points suffice.
+        now = self.clock.now_ns()
+        snap = self.real.snapshot()
+        expected = self.ref.dispatch_order(now)
+        assert [w.request_id for w in snap.waiting] == [r.request_id for r in expected]
+        assert [w.position for w in snap.waiting] == list(range(1, len(expected) + 1))
+        for view, request in zip(snap.waiting, expected):
+            exact = self.ref.score(request, now)  # the score it has now, with the loaded model as it is
+            if view.score != float(exact):
+                magnitude = abs(self.ref.base(request)) + self.ref.policy.bonus + self.ref.aging(request, now)
+                assert float_close(view.score, exact, magnitude=magnitude), (view, exact)
+        depths = {band: 0 for band in snap.bands}
+        for request in self.ref.waiting:
+            depths[band_of(request.priority)] += 1
+        assert {band: stats.depth for band, stats in snap.bands.items()} == depths
+        for band, stats in snap.bands.items():
+            arrivals = [r.arrival_ns for r in self.ref.waiting if band_of(r.priority) is band]
+            oldest = (now - min(arrivals)) / 1e9 if arrivals else 0.0
+            assert stats.oldest_wait_s == pytest.approx(oldest, rel=1e-12, abs=1e-9)
+
+
+class SerialMachine(SchedulerMachine):
+    policies = serial_policies
+
+
+class FifoMachine(SchedulerMachine):
+    policies = fifo_policies
+
+
+class TieMachine(SchedulerMachine):
+    """A narrow world where scores collide all the time: the tie-breaks must agree."""
+
+    priorities = st.integers(-2, 2)
+    gaps = st.integers(0, 3)  # nanoseconds
+    policies = st.one_of(
+        st.builds(Policy.serial, st.sampled_from([0, 1e-9, 2e-9]), st.integers(0, 3)),
+        st.builds(Policy.fifo, st.dictionaries(st.sampled_from(MODELS), st.integers(-2, 2))),
+    )
+
+
+_settings = settings(max_examples=200, deadline=None, stateful_step_count=60,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+TestSerialAgainstReference = SerialMachine.TestCase
+TestSerialAgainstReference.settings = _settings
+TestFifoAgainstReference = FifoMachine.TestCase
+TestFifoAgainstReference.settings = _settings
+TestMixedPoliciesAgainstReference = SchedulerMachine.TestCase
+TestMixedPoliciesAgainstReference.settings = _settings
+TestTiesAgainstReference = TieMachine.TestCase
+TestTiesAgainstReference.settings = settings(_settings, max_examples=100)
