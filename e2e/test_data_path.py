@@ -65,9 +65,9 @@ async def test_disconnect_while_running_frees_gpu(tmp_path: pathlib.Path) -> Non
                 running.cancel()
             # The upstream never finishes "running"; its client left, so the GPU is free.
             reply = await asyncio.wait_for(waiting, 30)
-        assert reply.status == 200
             # "next" also ends: its ext_proc stream closes just after the client's last byte.
             await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="GPU free again")
+        assert reply.status == 200
         assert stack.upstream.order() == ["running", "next"]
 
 

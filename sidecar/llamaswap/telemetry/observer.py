@@ -392,7 +392,6 @@ def _decision_attributes(decision: Decision) -> dict[str, Any]:
         "llamaswap.swap_affinity": decision.swap_affinity,
         "llamaswap.aging": decision.aging,
         "llamaswap.swap": decision.swap,
-        "llamaswap.overtook_count": len(decision.overtook),
     }
     if decision.reordered_by:
         attributes["llamaswap.reordered_by"] = sorted(decision.reordered_by)
