@@ -384,3 +384,18 @@ def test_a_tiny_positive_aging_divisor_is_rejected_or_ages(tmp_path):
     clock.advance(1)
     scheduler.enqueue("new", parse_priority("5"))
     assert scheduler.next().request_id == "old"  # a second of waiting is worth ~1e10 points
+
+
+def test_a_tiny_positive_max_wait_is_rejected_or_enforced(tmp_path):
+    path = write(tmp_path, "routing: {scheduler: {maxWaitSeconds: 1.0e-10}}\n")
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        assert "routing.scheduler.maxWaitSeconds" in [p.path for p in exc.problems]
+        return
+    clock = ManualClock()
+    scheduler = Scheduler(cfg.policy(), clock)
+    scheduler.enqueue("a", parse_priority(None))
+    assert scheduler.next_deadline_ns() is not None
+    clock.advance(1)
+    assert [r.request_id for r in scheduler.expire_overdue()] == ["a"]

@@ -221,6 +221,14 @@ def _did_you_mean(key: str, allowed: set[str] | frozenset[str]) -> str:
     return f"; allowed here: {', '.join(sorted(allowed))}"
 
 
+def _at_least_a_millisecond(r: _Reader, value: float, path: str, off: str) -> float:
+    """Sub-millisecond positive values would round to 0 ns, which means 'off': refuse them."""
+    if 0 < value < 0.001:
+        r.fail(path, f"must be {off} or at least 0.001 seconds, got {value!r}")
+        return 0.0
+    return value
+
+
 def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], None] | None = None) -> Config:
     """Validate a parsed YAML document. Raises ConfigError listing every problem."""
     r = _Reader()
@@ -258,7 +266,8 @@ def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], N
         aging_divisor_s=aging,
         swap_affinity_bonus=bonus,
         max_queued=r.integer(sched, "maxQueued", "routing.scheduler", 0, minimum=0),
-        max_wait_s=r.number(sched, "maxWaitSeconds", "routing.scheduler", 0.0),
+        max_wait_s=_at_least_a_millisecond(r, r.number(sched, "maxWaitSeconds", "routing.scheduler", 0.0),
+                                           "routing.scheduler.maxWaitSeconds", "0 (wait forever)"),
         max_run_s=r.number(sched, "maxRunSeconds", "routing.scheduler", 0.0),
     )
 
