@@ -107,15 +107,16 @@ async def test_one_trace_holds_client_envoy_and_sidecar_spans(tmp_path: pathlib.
     with otlp_receiver() as receiver, running_stack(tmp_path, config, otlp_endpoint=receiver.endpoint,
                                                     sidecar_env=sidecar_otlp_env(receiver.endpoint)) as stack:
         async with aiohttp.ClientSession() as session:
-            # Envoy traces only requests whose x-request-id it generated (a UUID), so these
-            # requests send none; the sidecar then sees Envoy's.
+            # The winner brings its own non-UUID x-request-id: it must still be traced
+            # (request_id_extension with use_request_id_for_trace_sampling off).
             blocker = asyncio.create_task(chat(session, stack.url, "blocker", hold=True, model="model-a"))
             await async_wait_for(lambda: stack.upstream.order() == ["blocker"], what="blocker at the upstream")
             early = asyncio.create_task(chat(session, stack.url, "early", priority="normal", model="model-b"))
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="early in the queue")
             winner = asyncio.create_task(chat(
                 session, stack.url, "winner", priority="interactive", model="model-a",
-                extra_headers={"traceparent": f"00-{client_trace}-{client_span}-01"}))
+                extra_headers={"traceparent": f"00-{client_trace}-{client_span}-01",
+                               "x-request-id": "winner-request"}))
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="winner in the queue")
             refused = await chat(session, stack.url, "refused", priority="batch",
                                  extra_headers={"traceparent": f"00-{secrets.token_hex(16)}-{client_span}-01"})
@@ -137,6 +138,7 @@ async def test_one_trace_holds_client_envoy_and_sidecar_spans(tmp_path: pathlib.
         assert queue.parent_span_id == check.span_id  # the hold under the Check call
         assert run.parent_span_id == ext_proc.span_id  # the run under the exchange's stream
         request_id = ingress.attributes["guid:x-request-id"]
+        assert request_id == "winner-request"
         assert ingress.start_time_unix_nano <= queue.start_time_unix_nano <= queue.end_time_unix_nano
         assert queue.end_time_unix_nano == run.start_time_unix_nano <= run.end_time_unix_nano
 

@@ -207,6 +207,10 @@ def build_bootstrap(
                                 "append_action": "ADD_IF_ABSENT"}],
         }]},
         "common_http_protocol_options": {"headers_with_underscores_action": "ALLOW"},
+        # A client's own non-UUID x-request-id must not switch tracing off for its request.
+        "request_id_extension": {"typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
+            "use_request_id_for_trace_sampling": False}},
         "http2_protocol_options": {"max_concurrent_streams": 100_000},
     }
     clusters = [

@@ -187,6 +187,10 @@ static_resources:
                 append_action: ADD_IF_ABSENT
           common_http_protocol_options:
             headers_with_underscores_action: ALLOW
+          request_id_extension:
+            typed_config:
+              '@type': type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig
+              use_request_id_for_trace_sampling: false
           http2_protocol_options:
             max_concurrent_streams: 100000
           {{- if $otlp }}
