@@ -64,10 +64,11 @@ class PrioritySource(str, enum.Enum):
 class Priority:
     value: int
     source: PrioritySource
+    band: Band = dataclasses.field(init=False, compare=False)
 
-    @property
-    def band(self) -> Band:
-        return band_of(self.value)
+    def __post_init__(self) -> None:
+        # Computed once: the scheduler reads the band several times per request.
+        object.__setattr__(self, "band", band_of(self.value))
 
     @property
     def unparseable(self) -> bool:

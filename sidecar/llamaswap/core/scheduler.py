@@ -192,6 +192,7 @@ class Scheduler:
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
         self._policy = policy
+        self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._seq = 0
         self._waiting: dict[str, _Entry] = {}
         self._dead_in_heaps = 0
@@ -276,7 +277,7 @@ class Scheduler:
         now = self._clock.now_ns()
         winner = self._best(self._aged, self._aged_by_model, aged=True)
         reasons: set[str] = set()
-        divisor = self._policy.aging_divisor_ns
+        divisor = self._divisor_ns
         bonus = self._policy.swap_affinity_bonus
         if divisor and self._best(self._plain, self._plain_by_model, aged=False) is not winner:
             reasons.add("aging")
@@ -342,6 +343,7 @@ class Scheduler:
     def reconfigure(self, policy: Policy) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times."""
         self._policy = policy
+        self._divisor_ns = policy.aging_divisor_ns
         for entry in self._waiting.values():
             entry.base = policy.base_priority(entry.priority.value, entry.model)
         self._rebuild()
@@ -395,7 +397,7 @@ class Scheduler:
         """The order `next` would grant in if nothing changed: each grant makes its model the
         loaded one, so the affinity bonus moves as the simulated queue drains."""
         bonus = self._policy.swap_affinity_bonus
-        scale = self._policy.aging_divisor_ns or 1
+        scale = self._divisor_ns or 1
         ranked = sorted(self._waiting.values(), key=lambda e: (-self._aged_key(e), e.seq))
         if not bonus:
             return ranked
@@ -441,16 +443,16 @@ class Scheduler:
     def _score_key(self, entry: _Entry) -> int:
         """The time-free key (see module doc), including the loaded model's bonus."""
         bonus = self._policy.swap_affinity_bonus if entry.model is not None and entry.model == self._loaded_model else 0
-        divisor = self._policy.aging_divisor_ns
+        divisor = self._divisor_ns
         return (entry.base + bonus) * divisor - entry.arrival_ns if divisor else entry.base + bonus
 
     def _score(self, entry: _Entry, now_ns: int) -> float:
         bonus = self._policy.swap_affinity_bonus if entry.model is not None and entry.model == self._loaded_model else 0
-        divisor = self._policy.aging_divisor_ns
+        divisor = self._divisor_ns
         return entry.base + bonus + ((now_ns - entry.arrival_ns) / divisor if divisor else 0.0)
 
     def _aged_key(self, entry: _Entry) -> int:
-        divisor = self._policy.aging_divisor_ns
+        divisor = self._divisor_ns
         return entry.base * divisor - entry.arrival_ns if divisor else entry.base
 
     def _push(self, entry: _Entry) -> None:
@@ -458,7 +460,7 @@ class Scheduler:
         heapq.heappush(self._aged, aged)
         if entry.model is not None:
             heapq.heappush(self._aged_by_model.setdefault(entry.model, []), aged)
-        if self._policy.aging_divisor_ns:
+        if self._divisor_ns:
             # Only needed to tell whether aging changed a pick.
             plain: _Item = (-entry.base, entry.seq, entry)
             heapq.heappush(self._plain, plain)
@@ -526,7 +528,7 @@ class Scheduler:
             return top
         if favourite is top:
             return top
-        scale = self._policy.aging_divisor_ns if aged and self._policy.aging_divisor_ns else 1
+        scale = self._divisor_ns if aged and self._divisor_ns else 1
         top_key = -heap[0][0] + (bonus * scale if top.model == loaded else 0)
         favourite_key = -model_heap[0][0] + bonus * scale
         if favourite_key > top_key or (favourite_key == top_key and favourite.seq < top.seq):
