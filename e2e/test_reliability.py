@@ -308,3 +308,30 @@ async def test_disconnect_storm(tmp_path: pathlib.Path) -> None:
             after = await chat(session, stack.url, "after")
         assert after.status == 200
         assert stack.upstream.order() == ["blocker", "after"]
+
+
+async def test_burst_of_3000_is_served_exactly_once_in_order(tmp_path: pathlib.Path) -> None:
+    """A burst larger than gRPC's default pending-call limits (1000/3000) loses nobody."""
+    import random
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    config = {"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 0, "swapAffinityBonus": 0}}}}}
+    rng = random.Random(3)
+    with running_stack(tmp_path, config) as stack:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            blocker = await _blocker(stack, session)
+            priorities = [rng.choice((-100, -1, 0, 7, 100)) for _ in range(3000)]
+            burst = [asyncio.create_task(chat(session, stack.url, f"r{i}:{p}", priority=str(p)))
+                     for i, p in enumerate(priorities)]
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 3000 or any(t.done() for t in burst),
+                                 timeout=300, interval=0.5, what="3000 waiting")
+            assert not any(task.done() for task in burst), "a request ended before the GPU was free"
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, *burst)
+    assert {reply.status for reply in replies} == {200}
+    served = stack.upstream.order()[1:]
+    assert sorted(served) == sorted(f"r{i}:{p}" for i, p in enumerate(priorities))  # each exactly once
+    order = [int(test_id.split(":")[1]) for test_id in served]
+    assert order == sorted(order, reverse=True)

@@ -62,6 +62,11 @@ class Sidecar:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
+            # A burst of arrivals can outrun the event loop's call matching; gRPC's default
+            # pending-call limits (1000 soft, 3000 hard) would then cancel the surplus.
+            ("grpc.server.max_pending_requests", 1 << 20),
+            ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+            ("grpc.server_max_unrequested_time_in_server", 3600),
             ("grpc.so_reuseport", 0),
         ])
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.coordinator), self._grpc_server)
