@@ -18,6 +18,7 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as aut
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.runtime.coordinator import TICKET_HEADER, Coordinator, Rejected
 from llamaswap.transport.errors import openai_error_body
+from llamaswap.transport.trace_metadata import trace_metadata
 
 _log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Authorization(authz_grpc.AuthorizationServicer):
         token = headers.get(TICKET_HEADER, "")
         ticket = self._coordinator.ticket(token)
         if ticket is not None:
-            ticket.trace_context["check_metadata"] = tuple(context.invocation_metadata() or ())
+            ticket.trace_context["check_metadata"] = trace_metadata(context)
         body = http.raw_body or http.body.encode()
         try:
             admission = await self._coordinator.admit(token, headers, body)

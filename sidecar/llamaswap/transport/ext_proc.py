@@ -18,6 +18,7 @@ from llamaswap._proto.envoy.config.core.v3 import base_pb2
 from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from llamaswap.runtime.coordinator import TICKET_HEADER, Coordinator
+from llamaswap.transport.trace_metadata import trace_metadata
 
 _log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                             break
                     ticket = coordinator.open(request_id)
                     token = ticket.token
-                    ticket.trace_context["ext_proc_metadata"] = tuple(context.invocation_metadata() or ())
+                    ticket.trace_context["ext_proc_metadata"] = trace_metadata(context)
                     yield ext_proc_pb2.ProcessingResponse(request_headers=ext_proc_pb2.HeadersResponse(
                         response=ext_proc_pb2.CommonResponse(header_mutation=_set_headers([(TICKET_HEADER, token)]))))
                 elif kind == "response_headers":
