@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
@@ -37,3 +38,12 @@ async def chat(session: aiohttp.ClientSession, url: str, test_id: str, *, priori
         body = json.dumps(document).encode()
     async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
         return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, await response.read())
+
+
+async def start_blocker(stack, session: aiohttp.ClientSession, test_id: str = "blocker", **kwargs: Any) -> asyncio.Task:
+    """A request the fake upstream holds until released: the GPU is busy until then."""
+    from harness import async_wait_for
+
+    task = asyncio.create_task(chat(session, stack.url, test_id, hold=True, **kwargs))
+    await async_wait_for(lambda: test_id in stack.upstream.order(), what=f"{test_id} at the upstream")
+    return task

@@ -8,14 +8,8 @@ import pathlib
 
 import aiohttp
 
-from client import chat
+from client import chat, start_blocker
 from harness import async_wait_for, http_get, running_stack
-
-
-async def _blocker(stack, session, test_id="blocker", **kwargs):
-    task = asyncio.create_task(chat(session, stack.url, test_id, hold=True, **kwargs))
-    await async_wait_for(lambda: test_id in stack.upstream.order(), what=f"{test_id} at the upstream")
-    return task
 
 
 async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
@@ -23,7 +17,7 @@ async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
     config = {"envoy": {"streamIdleTimeoutSeconds": 1, "extProcMessageTimeoutMs": 200}}
     with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             waiter = asyncio.create_task(chat(session, stack.url, "waiter", priority="batch"))
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="waiter queued")
             # Hold well past both timers: wait until the waiter has been queued for 3 s by the
@@ -41,7 +35,7 @@ async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
 async def test_disconnect_while_waiting_leaves_queue(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             async with aiohttp.ClientSession() as doomed_session:
                 doomed = asyncio.create_task(chat(doomed_session, stack.url, "doomed", priority="interactive"))
                 await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="doomed queued")
@@ -59,7 +53,7 @@ async def test_disconnect_while_running_frees_gpu(tmp_path: pathlib.Path) -> Non
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
             async with aiohttp.ClientSession() as doomed_session:
-                running = await _blocker(stack, doomed_session, "running")
+                running = await start_blocker(stack, doomed_session, "running")
                 waiting = asyncio.create_task(chat(session, stack.url, "next"))
                 await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="next queued")
                 running.cancel()
@@ -84,7 +78,7 @@ async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:
 async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path, {"routing": {"scheduler": {"maxQueued": 2}}}) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             queued = [asyncio.create_task(chat(session, stack.url, f"q{i}")) for i in range(2)]
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="two queued")
             rejected = await chat(session, stack.url, "third")
@@ -102,7 +96,7 @@ async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:
 async def test_max_wait_gets_503(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path, {"routing": {"scheduler": {"maxWaitSeconds": 0.5}}}) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             expired = await chat(session, stack.url, "too-late", priority="batch")
             stack.upstream.release("blocker")
             await blocker
@@ -116,7 +110,7 @@ async def test_max_wait_gets_503(tmp_path: pathlib.Path) -> None:
 async def test_bypass_routes_skip_the_queue(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             for path in ("/health", "/v1/models", "/models"):
                 async with session.get(f"{stack.url}{path}") as response:
                     assert response.status == 200, path

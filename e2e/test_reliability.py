@@ -12,17 +12,11 @@ import aiohttp
 import pytest
 import yaml
 
-from client import chat
+from client import chat, start_blocker
 from harness import (EnvoyProcess, SidecarProcess, async_wait_for, free_port, http_get, running_stack,
                      wait_for, write_config)
 from llamaswap.config import parse_config
 from llamaswap.envoy import build_bootstrap
-
-
-async def _blocker(stack, session, test_id="blocker", **kwargs):
-    task = asyncio.create_task(chat(session, stack.url, test_id, hold=True, **kwargs))
-    await async_wait_for(lambda: test_id in stack.upstream.order(), what=f"{test_id} at the upstream")
-    return task
 
 
 async def _queued(stack, count: int) -> None:
@@ -116,7 +110,7 @@ async def test_slow_sender_never_holds_the_gpu(tmp_path: pathlib.Path) -> None:
 async def test_forged_ticket_does_not_skip_the_queue(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             forged = asyncio.create_task(chat(session, stack.url, "forged", extra_headers={
                 "x-llamaswap-ticket": "guessed-or-stolen"}))
             await _queued(stack, 1)  # queued like everyone else, not waved through
@@ -151,7 +145,7 @@ async def test_priority_policy(tmp_path: pathlib.Path, policy, sent, extra, expe
 async def test_graceful_shutdown(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             waiting = [asyncio.create_task(chat(session, stack.url, f"w{i}")) for i in range(2)]
             await _queued(stack, 2)
             stack.sidecar.signal(signal.SIGTERM)
@@ -170,7 +164,7 @@ async def test_graceful_shutdown(tmp_path: pathlib.Path) -> None:
 async def test_reload_keeps_the_queue(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             waiting = [asyncio.create_task(chat(session, stack.url, name, model=model))
                        for name, model in (("lo", "model-lo"), ("hi", "model-hi"))]
             await _queued(stack, 2)
@@ -194,7 +188,7 @@ async def test_reload_keeps_the_queue(tmp_path: pathlib.Path) -> None:
 async def test_watchdog_frees_a_runaway_grant(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path, {"routing": {"scheduler": {"maxRunSeconds": 1}}}) as stack:
         async with aiohttp.ClientSession() as session:
-            runaway = await _blocker(stack, session, "runaway")
+            runaway = await start_blocker(stack, session, "runaway")
             after = await chat(session, stack.url, "after")
             stack.upstream.release("runaway")
             await asyncio.gather(runaway, return_exceptions=True)
@@ -293,7 +287,7 @@ async def test_envoy_restart_leaves_no_ghost_holder(tmp_path: pathlib.Path) -> N
 async def test_disconnect_storm(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as storm_session:
                 storm = [asyncio.create_task(chat(storm_session, stack.url, f"s{i}")) for i in range(1000)]
@@ -321,7 +315,7 @@ async def test_burst_of_3000_is_served_exactly_once_in_order(tmp_path: pathlib.P
     rng = random.Random(3)
     with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            blocker = await _blocker(stack, session)
+            blocker = await start_blocker(stack, session)
             priorities = [rng.choice((-100, -1, 0, 7, 100)) for _ in range(3000)]
             burst = [asyncio.create_task(chat(session, stack.url, f"r{i}:{p}", priority=str(p)))
                      for i, p in enumerate(priorities)]
