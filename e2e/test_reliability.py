@@ -329,3 +329,14 @@ async def test_burst_of_3000_is_served_exactly_once_in_order(tmp_path: pathlib.P
     assert sorted(served) == sorted(f"r{i}:{p}" for i, p in enumerate(priorities))  # each exactly once
     order = [int(test_id.split(":")[1]) for test_id in served]
     assert order == sorted(order, reverse=True)
+
+
+async def test_changed_config_file_is_applied_without_a_signal(tmp_path: pathlib.Path) -> None:
+    """A Kubernetes ConfigMap update changes the file, not the process: it is picked up."""
+    with running_stack(tmp_path) as stack:
+        document = yaml.safe_load(stack.config_path.read_text())
+        changed = dict(document, routing={"scheduler": {"use": "fifo", "maxQueued": 7}})
+        stack.config_path.write_text(yaml.safe_dump(changed))
+        await async_wait_for(lambda: stack.sidecar.queue()["policy"] == "fifo", timeout=30,
+                             what="the changed file applied")
+        assert "configuration reloaded" in stack.sidecar.log()
