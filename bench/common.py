@@ -37,7 +37,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
 
 from harness import (  # noqa: E402 - after the path set-up
-    DEADLINE_S,
     EnvoyProcess,
     FakeUpstream,
     Stack,
@@ -425,7 +424,8 @@ def chat_body(model: str = "model-a", pad_bytes: int = 0) -> bytes:
     return json.dumps(document).encode()
 
 
-async def post(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+async def post(client: aiohttp.ClientSession, url: str, body: bytes,
+               headers: dict[str, str]) -> tuple[int, dict[str, str]]:
     async with client.post(f"{url}/v1/chat/completions", data=body, headers=headers) as response:
         await response.read()
         return response.status, dict(response.headers)
@@ -459,7 +459,7 @@ def profiled(pid: int, output: str | None, *, rate: int = 250) -> Iterator[None]
             _, err = process.communicate()
         if process.returncode not in (0, -signal.SIGINT) or not pathlib.Path(output).exists():
             sys.stderr.write(f"py-spy exited {process.returncode}: {err.decode(errors='replace')}")
-        print(f"profile: {output} ({summarize_profile.__name__}: python bench/common.py profile {output})")
+        print(f"profile: {output} (summary: .venv/bin/python bench/common.py profile {output})")
 
 
 def summarize_profile(path: str, top: int = 30) -> str:
@@ -490,25 +490,10 @@ def summarize_profile(path: str, top: int = 30) -> str:
     return "\n".join(lines)
 
 
-def wait_until(predicate: Any, *, timeout: float = DEADLINE_S, what: str = "condition") -> Any:
-    return wait_for(predicate, timeout=timeout, what=what)
-
-
-async def async_wait_until(predicate: Any, *, timeout: float = DEADLINE_S, interval: float = 0.05,
-                           what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await asyncio.to_thread(predicate)
-        if value:
-            return value
-        await asyncio.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 __all__ = [
-    "Bench", "UpstreamProcess", "bare_bootstrap", "bench_stack", "chat_body", "cpu_seconds", "describe_ms",
-    "http_get", "machine_load", "percentile", "post", "profiled", "raise_nofile", "rss_bytes", "session",
-    "summarize_profile", "async_wait_until", "wait_until",
+    "Bench", "NullSidecar", "UpstreamProcess", "bare_bootstrap", "bench_stack", "chat_body", "cpu_seconds",
+    "describe_ms", "http_get", "machine_load", "percentile", "post", "profiled", "raise_nofile", "rss_bytes",
+    "session", "summarize_profile",
 ]
 
 

@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="200 requests, 40 baseline requests")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--sleep-ms", type=int, default=50, help="upstream time per request")
-    parser.add_argument("--baseline", type=int, default=100, help="bare-Envoy sequential requests (half before, half after)")
+    parser.add_argument("--baseline", type=int, default=100,
+                        help="bare-Envoy sequential requests (half before the burst, half after)")
     parser.add_argument("--profile", help="py-spy the sidecar during the burst into this raw file")
     parser.add_argument("--floor", action="store_true",
                         help="then the same burst through a toy FIFO grpc.aio sidecar (bench/common.py)")
@@ -144,8 +145,9 @@ def main() -> None:
     first_half = gaps[: len(gaps) // 2]
     second_half = gaps[len(gaps) // 2:]
 
+    upstream_wall = (ordered[-1]["end_ns"] - ordered[0]["start_ns"]) / 1e9
     print(f"burst: {args.requests} requests at once, upstream {args.sleep_ms} ms each; "
-          f"client wall {client_wall:.2f} s, upstream wall {(ordered[-1]['end_ns'] - ordered[0]['start_ns']) / 1e9:.2f} s")
+          f"client wall {client_wall:.2f} s, upstream wall {upstream_wall:.2f} s")
     print(f"upstream time per request: {describe_ms(runs)}")
     print(f"handoff gap (sidecar):      {describe_ms(gaps)}")
     print(f"  first half of the burst:  {describe_ms(first_half)}")

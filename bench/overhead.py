@@ -43,7 +43,8 @@ from common import (  # noqa: E402
 )
 
 
-async def one_round(client, url: str, count: int, clients: int, body: bytes, headers: dict[str, str]) -> tuple[list[int], float]:
+async def one_round(client, url: str, count: int, clients: int, body: bytes,
+                    headers: dict[str, str]) -> tuple[list[int], float]:
     """`count` requests from `clients` sequential clients; latencies (ns) and elapsed seconds."""
     latencies: list[int] = []
     per_client = [count // clients + (1 if index < count % clients else 0) for index in range(clients)]

@@ -17,7 +17,7 @@ of calls. --body-bytes pads each waiting request's prompt (the body reaches the 
 the Check).
 
 Run: .venv/bin/python bench/queued.py [--quick] [--floor] [--counts 1000,10000]
-     [--idle-seconds N] [--body-bytes N]
+     [--idle-seconds N] [--body-bytes N] [--sidecar-env K=V]
 """
 
 from __future__ import annotations
@@ -181,8 +181,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500, help="new connections per step")
     parser.add_argument("--body-bytes", type=int, default=0, help="pad each prompt by this many bytes")
     parser.add_argument("--floor", action="store_true", help="then the same for the toy FIFO grpc.aio sidecar")
+    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the sidecar process (repeatable)")
     parser.add_argument("--keep", help="keep logs and configs in this folder")
     args = parser.parse_args()
+    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
     if args.quick:
         args.counts, args.idle_seconds = "200,2000", 3.0
     counts = [int(text) for text in args.counts.split(",")]
@@ -193,7 +196,8 @@ def main() -> None:
     body = chat_body(pad_bytes=args.body_bytes)
     print(f"queued: RLIMIT_NOFILE {limit}, body {len(body)} bytes, load average {machine_load()}")
     config = {"envoy": {"maxSidecarStreams": max(100_000, 4 * max(counts))}}
-    with bench_stack(config, bare=False, null=args.floor, null_serial=True, keep=args.keep) as bench:
+    with bench_stack(config, bare=False, null=args.floor, null_serial=True, keep=args.keep,
+                     sidecar_env=sidecar_env) as bench:
         sidecar = Target("llamaswap", bench.sidecar_url, bench.sidecar_pid, bench.stack.envoy,
                          bench.stack.sidecar.admin_url)
         samples = asyncio.run(measure(bench, sidecar, counts, args.idle_seconds, args.batch, body))

@@ -56,7 +56,9 @@ class Flow:
         self.spans = exporter or InMemorySpanExporter()
         self.telemetry = telemetry or Telemetry(span_processors=[SimpleSpanProcessor(self.spans)], sampler=ALWAYS_ON,
                                                 metric_readers=readers)
-        self.coordinator = Coordinator(parse_config(config or {}), clock=self.clock, observer=self.telemetry)
+        # Telemetry synchronously, so each step's spans and metrics can be read at once.
+        self.coordinator = Coordinator(parse_config(config or {}), clock=self.clock, observer=self.telemetry,
+                                       observe_after_grant=False)
         self.telemetry.bind(self.coordinator)
         self.tasks: dict[str, asyncio.Task[Any]] = {}
 

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from llamaswap.config import Config
 from llamaswap.core import Clock, MonotonicClock, Outcome, Priority, Scheduler
@@ -103,11 +103,15 @@ class Ticket:
 class Coordinator:
     """Owns the Scheduler and every live Ticket; all methods run on one event loop."""
 
-    def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None) -> None:
+    def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None,
+                 observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
         self.scheduler = Scheduler(config.policy(), self._clock)
         self.observer: Observer = observer or NoopObserver()
+        # Telemetry for a grant and a release runs on the next loop turn, after the grant is
+        # on its way; tests that read telemetry synchronously turn this off.
+        self._observe_after_grant = observe_after_grant
         self._tickets: dict[str, Ticket] = {}
         self._expiry: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
@@ -233,6 +237,12 @@ class Coordinator:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _observe(self, callback: Callable[..., None], *args: object) -> None:
+        if self._observe_after_grant:
+            asyncio.get_running_loop().call_soon(callback, *args)
+        else:
+            callback(*args)
+
     def _running_outcome(self, ticket: Ticket) -> Outcome:
         status = ticket.response_status
         if status is None:
@@ -257,9 +267,11 @@ class Coordinator:
             ticket.decision = decision
             ticket.granted_ns = self._clock.now_ns()
             self._idle.clear()
-            self.observer.dispatched(ticket, decision)
             self._arm_watchdog(ticket)
             waiter.set_result(Admission(decision=decision))
+            # The waiter's wake-up is already scheduled ahead of this: the next request's
+            # handoff never waits for spans, metrics or log lines.
+            self._observe(self.observer.dispatched, ticket, decision)
             return
 
     def _release(self, ticket: Ticket, outcome: Outcome) -> None:
@@ -272,7 +284,7 @@ class Coordinator:
         ticket.state = TicketState.DONE
         ticket.outcome = outcome
         ticket.finished_ns = self._clock.now_ns()
-        self.observer.finished(ticket, outcome)
+        self._observe(self.observer.finished, ticket, outcome)
 
     def _reject(self, ticket: Ticket, rejected: Rejected) -> Admission:
         admission = Admission(rejected=rejected)
