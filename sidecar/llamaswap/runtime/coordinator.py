@@ -156,6 +156,15 @@ class Coordinator:
 
     async def admit(self, token: str, headers: Mapping[str, str], body: bytes) -> Admission:
         """The hold: wait until this ticket is granted or rejected (ext_authz Check)."""
+        refused = await self.prepare(token, headers, body)
+        return refused if refused is not None else await self.wait(token)
+
+    async def prepare(self, token: str, headers: Mapping[str, str], body: bytes) -> Admission | None:
+        """Read the priority and the model; a refusal, or None when `wait` may follow.
+
+        Split from `wait` so that the caller need not keep the request (and its body) alive
+        for the wait, which can last hours.
+        """
         ticket = self._tickets.get(token)
         if ticket is None or ticket.state is not TicketState.OPEN:
             # No live exchange carries this token: forged, replayed, or the client left.
@@ -173,6 +182,16 @@ class Coordinator:
         if ticket.state is not TicketState.OPEN:  # closed while parsing off-loop
             return Admission(rejected=Rejected(Outcome.CANCELLED_WAITING, 499, "client went away",
                                                "invalid_request_error", "cancelled"))
+        return None
+
+    async def wait(self, token: str) -> Admission:
+        """Queue a prepared ticket and wait for its grant or rejection."""
+        ticket = self._tickets.get(token)
+        if ticket is None or ticket.state is not TicketState.OPEN or ticket.priority is None:
+            return Admission(rejected=Rejected(Outcome.CANCELLED_WAITING, 499, "client went away",
+                                               "invalid_request_error", "cancelled"))
+        if not self._admitting:  # shutdown began while the body was being read
+            return self._reject(ticket, _shutdown_rejection())
         try:
             depth = self.scheduler.enqueue(token, ticket.priority, ticket.model)
         except QueueFull as exc:

@@ -57,14 +57,16 @@ class Authorization(authz_grpc.AuthorizationServicer):
         self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> authz_pb2.CheckResponse:
         http = request.attributes.request.http
-        headers = http.headers
-        token = headers.get(TICKET_HEADER, "")
+        token = http.headers.get(TICKET_HEADER, "")
         ticket = self._coordinator.ticket(token)
         if ticket is not None:
             ticket.trace_context["check_metadata"] = trace_metadata(context)
-        body = http.raw_body or http.body.encode()
         try:
-            admission = await self._coordinator.admit(token, headers, body)
+            admission = await self._coordinator.prepare(token, http.headers, http.raw_body or http.body.encode())
+            # The wait can last hours: from here on nothing keeps the request or its body.
+            del request, http
+            if admission is None:
+                admission = await self._coordinator.wait(token)
         except Exception:  # noqa: BLE001 - answer the client rather than hang it
             _log.exception("admission failed")
             self._coordinator.close(token)
