@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import random
 import sys
 import time

@@ -8,7 +8,6 @@ They pin down the llama-server behaviour the scheduler relies on: the shape of
 from __future__ import annotations
 
 import json
-import pathlib
 import time
 import urllib.error
 import urllib.request

@@ -14,7 +14,7 @@ import yaml
 
 from client import chat, start_blocker
 from harness import (EnvoyProcess, SidecarProcess, async_wait_for, free_port, http_get, running_stack,
-                     wait_for, write_config)
+                     write_config)
 from llamaswap.config import parse_config
 from llamaswap.envoy import build_bootstrap
 

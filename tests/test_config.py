@@ -107,7 +107,7 @@ def test_fifo_with_model_priorities_queues_a_batch_request_at_minus_90(tmp_path)
 
 
 def test_serial_settings_values(tmp_path):
-    cfg = load_config(write(tmp_path, f"""\
+    cfg = load_config(write(tmp_path, """\
         routing:
           scheduler:
             settings:
@@ -211,7 +211,7 @@ def test_listen_and_upstream_strings(tmp_path):
 
 
 def test_bonus_above_99_is_capped_with_a_warning(tmp_path):
-    path = write(tmp_path, f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: 150}}}}}}}}\n")
+    path = write(tmp_path, "routing: {scheduler: {settings: {serial: {swapAffinityBonus: 150}}}}\n")
     warnings: list[str] = []
     cfg = load_config(path, warn=warnings.append)
     assert cfg.scheduler.swap_affinity_bonus == 99
@@ -230,27 +230,27 @@ def test_bonus_above_99_is_capped_with_a_warning(tmp_path):
 
 BAD_FILES = {
     # name: (YAML, key path that stderr must name, another fragment it must contain)
-    "unknown serial key": (f"routing: {{scheduler: {{settings: {{serial: {{agingDivisr: 5}}}}}}}}",
+    "unknown serial key": ("routing: {scheduler: {settings: {serial: {agingDivisr: 5}}}}",
                            f"{SERIAL}.agingDivisr", "did you mean 'agingDivisor'"),
-    "unknown bonus key": (f"routing: {{scheduler: {{settings: {{serial: {{swapAfinityBonus: 5}}}}}}}}",
+    "unknown bonus key": ("routing: {scheduler: {settings: {serial: {swapAfinityBonus: 5}}}}",
                           f"{SERIAL}.swapAfinityBonus", "did you mean 'swapAffinityBonus'"),
     "unknown top-level key": ("rouding:\n  scheduler: {}\n", "rouding", "did you mean 'routing'"),
     "unknown scheduler key": ("routing: {scheduler: {usse: fifo}}", "routing.scheduler.usse", "did you mean 'use'"),
     "unknown model key": ("models: {qwen: {priorty: 3}}", "models.qwen.priorty", "did you mean 'priority'"),
     "unknown key, nothing close": ("routing: {scheduler: {zzzzzz: 1}}", "routing.scheduler.zzzzzz", "unknown key"),
-    "divisor is a string": (f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: sixty}}}}}}}}",
+    "divisor is a string": ("routing: {scheduler: {settings: {serial: {agingDivisor: sixty}}}}",
                             f"{SERIAL}.agingDivisor", "number"),
-    "divisor is negative": (f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: -1}}}}}}}}",
+    "divisor is negative": ("routing: {scheduler: {settings: {serial: {agingDivisor: -1}}}}",
                             f"{SERIAL}.agingDivisor", "-1"),
-    "divisor is infinite": (f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: .inf}}}}}}}}",
+    "divisor is infinite": ("routing: {scheduler: {settings: {serial: {agingDivisor: .inf}}}}",
                             f"{SERIAL}.agingDivisor", ""),
-    "divisor is a boolean": (f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: true}}}}}}}}",
+    "divisor is a boolean": ("routing: {scheduler: {settings: {serial: {agingDivisor: true}}}}",
                              f"{SERIAL}.agingDivisor", ""),
-    "bonus is fractional": (f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: 1.5}}}}}}}}",
+    "bonus is fractional": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: 1.5}}}}",
                             f"{SERIAL}.swapAffinityBonus", "integer"),
-    "bonus is a string": (f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: ten}}}}}}}}",
+    "bonus is a string": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: ten}}}}",
                           f"{SERIAL}.swapAffinityBonus", "integer"),
-    "bonus is negative": (f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: -1}}}}}}}}",
+    "bonus is negative": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: -1}}}}",
                           f"{SERIAL}.swapAffinityBonus", "-1"),
     "model priority is a word": ("models: {qwen: {priority: high}}", "models.qwen.priority", "integer"),
     "model priority is fractional": ("models: {qwen: {priority: 2.5}}", "models.qwen.priority", "integer"),
@@ -292,7 +292,7 @@ def test_bad_file_exits_2_and_names_the_key_path(tmp_path, case):
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
-    path = write(tmp_path, f"""\
+    path = write(tmp_path, """\
         routing:
           scheduler:
             use: lifo

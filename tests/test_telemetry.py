@@ -232,7 +232,7 @@ async def test_rejection_and_expiry_end_the_queue_span_with_error() -> None:
     assert gone.end_time - gone.start_time == 3_000_000_000
 
     flow.coordinator.stop_admitting()
-    late = await flow.arrive("late")
+    await flow.arrive("late")
     assert (await flow.tasks["late"]).rejected.outcome is Outcome.SHUTDOWN
     assert flow.span("llamaswap.queue", "late").status.status_code is StatusCode.ERROR
     flow.finish(blocker)
