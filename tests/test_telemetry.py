@@ -497,3 +497,19 @@ def test_queue_table() -> None:
     assert format_duration(59.9) == "0:59"
     empty = render({"policy": "serial", "running": None, "waiting": []})
     assert "GPU idle" in empty and len(empty.splitlines()) == 2
+
+
+async def test_without_span_exporters_spans_are_not_recorded_but_trace_ids_are_kept() -> None:
+    telemetry = Telemetry(span_processors=())
+    flow = Flow(telemetry=telemetry)
+    blocker = await flow.arrive("blocker")
+    joined = await flow.arrive("joined", check=traceparent(TRACE_ID, CHECK_SPAN))
+    alone = await flow.arrive("alone")
+    assert joined.extras["trace_id"] == TRACE_ID  # the activity log still links to Envoy's trace
+    assert len(alone.extras["trace_id"]) == 32 and alone.extras["trace_id"] != TRACE_ID
+    flow.finish(blocker)
+    assert (await flow.tasks["joined"]).decision is not None
+    state = telemetry._live[joined.token]
+    assert state.run is not None and not state.run.is_recording()
+    # Metrics are unaffected: the blocker and `joined` were dispatched, both normal.
+    assert value(flow.metrics(), "llamaswap_scheduler_dispatched_total", band="normal") == 2
