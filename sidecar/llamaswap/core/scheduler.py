@@ -418,9 +418,9 @@ class Scheduler:
                 same_model.popleft()
             if same_model and same_model[0] is not pick:
                 favourite = same_model[0]
-                top_key = self._aged_key(pick) + (bonus * scale if pick.model == loaded else 0)
+                top_key = self._aged_key(pick) + self._affinity(pick, loaded) * scale
                 favourite_key = self._aged_key(favourite) + bonus * scale
-                if favourite_key > top_key or (favourite_key == top_key and favourite.seq < pick.seq):
+                if self._ahead(favourite_key, favourite, top_key, pick):
                     pick = favourite
             taken.add(pick.seq)
             order.append(pick)
@@ -440,14 +440,23 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _affinity(self, entry: _Entry, loaded: str | None) -> int:
+        """The swap-affinity bonus, in points, that `entry` gets while `loaded` is loaded."""
+        return self._policy.swap_affinity_bonus if entry.model is not None and entry.model == loaded else 0
+
+    @staticmethod
+    def _ahead(key: int, entry: _Entry, other_key: int, other: _Entry) -> bool:
+        """Whether `entry` goes before `other`: the larger key, then the earlier arrival."""
+        return key > other_key or (key == other_key and entry.seq < other.seq)
+
     def _score_key(self, entry: _Entry) -> int:
         """The time-free key (see module doc), including the loaded model's bonus."""
-        bonus = self._policy.swap_affinity_bonus if entry.model is not None and entry.model == self._loaded_model else 0
+        bonus = self._affinity(entry, self._loaded_model)
         divisor = self._divisor_ns
         return (entry.base + bonus) * divisor - entry.arrival_ns if divisor else entry.base + bonus
 
     def _score(self, entry: _Entry, now_ns: int) -> float:
-        bonus = self._policy.swap_affinity_bonus if entry.model is not None and entry.model == self._loaded_model else 0
+        bonus = self._affinity(entry, self._loaded_model)
         divisor = self._divisor_ns
         return entry.base + bonus + ((now_ns - entry.arrival_ns) / divisor if divisor else 0.0)
 
@@ -529,11 +538,9 @@ class Scheduler:
         if favourite is top:
             return top
         scale = self._divisor_ns if aged and self._divisor_ns else 1
-        top_key = -heap[0][0] + (bonus * scale if top.model == loaded else 0)
+        top_key = -heap[0][0] + self._affinity(top, loaded) * scale
         favourite_key = -model_heap[0][0] + bonus * scale
-        if favourite_key > top_key or (favourite_key == top_key and favourite.seq < top.seq):
-            return favourite
-        return top
+        return favourite if self._ahead(favourite_key, favourite, top_key, top) else top
 
     @staticmethod
     def _oldest(arrivals: deque[_Entry]) -> _Entry | None:
