@@ -114,7 +114,7 @@ def run_real(depth: int, rounds: int, seed: int,
              profile: cProfile.Profile | None = None) -> tuple[list[float], list[str]]:
     fill, loop = workload(depth, rounds, seed)
     clock = ManualClock()
-    scheduler = Scheduler(Policy.serial(AGING_DIVISOR_S, BONUS), clock)
+    scheduler = Scheduler(Policy.serial(aging_divisor_s=AGING_DIVISOR_S, swap_affinity_bonus=BONUS), clock)
     priorities = {p: Priority(p, PrioritySource.NUMBER) for p in PRIORITIES}
     for rid, prio, model, gap in fill:
         clock.set_ns(clock.now_ns() + gap)
@@ -169,7 +169,7 @@ def run_scan(depth: int, rounds: int, seed: int) -> tuple[list[float], list[str]
 def run_adversarial(depth: int) -> float:
     """16 old batch requests spread through `depth` normal ones; dispatch half the normals."""
     clock = ManualClock()
-    scheduler = Scheduler(Policy.serial(AGING_DIVISOR_S, BONUS), clock)
+    scheduler = Scheduler(Policy.serial(aging_divisor_s=AGING_DIVISOR_S, swap_affinity_bonus=BONUS), clock)
     batch, normal = Priority(-100, PrioritySource.NUMBER), Priority(0, PrioritySource.NUMBER)
     spacing = max(1, depth // 16)
     for i in range(depth):

@@ -62,6 +62,7 @@ class RefDecision:
     queue_wait_ns: int
     model: str | None
     swap_affinity: bool
+    load: bool
     swap: bool
     previous_model: str | None
     reordered_by: frozenset[str]
@@ -117,10 +118,10 @@ class ReferenceScheduler:
         scored = [(r, self.score(r, now_ns)) for r in self.waiting]
         return sorted(scored, key=lambda pair: (-pair[1], pair[0].order))
 
-    def dispatch_order(self, now_ns: int) -> list[RefRequest]:
-        """The order repeated dispatches would grant in if nothing else happened: each grant
-        makes its model the loaded one. (Aging adds the same to everyone, so when the grants
-        happen does not matter.) Quadratic: a scan per simulated grant."""
+    def dispatch_order(self, now_ns: int) -> list[tuple[RefRequest, Fraction]]:
+        """The order repeated dispatches would grant in if nothing else happened, each with its
+        score at its turn: each grant makes its model the loaded one. (Aging adds the same to
+        everyone, so when the grants happen does not matter.) Quadratic: a scan per grant."""
         remaining = list(self.waiting)
         loaded = self.loaded_model
         order = []
@@ -131,7 +132,7 @@ class ReferenceScheduler:
                 if best_score is None or s > best_score:
                     best, best_score = request, s
             remaining.remove(best)
-            order.append(best)
+            order.append((best, best_score))
             if best.model is not None:
                 loaded = best.model
         return order
@@ -153,7 +154,9 @@ class ReferenceScheduler:
         return False
 
     def set_loaded_model(self, model: str | None) -> None:
-        self.loaded_model = model
+        """The upstream's report; the real scheduler drops it while a request runs."""
+        if self.running is None:
+            self.loaded_model = model
 
     def reconfigure(self, policy: RefPolicy) -> None:
         self.policy = policy
@@ -179,7 +182,8 @@ class ReferenceScheduler:
             queue_wait_ns=now - winner.arrival_ns,
             model=winner.model,
             swap_affinity=self.has_affinity(winner),
-            swap=winner.model is not None and winner.model != previous,
+            load=winner.model is not None and previous is None,
+            swap=winner.model is not None and previous is not None and winner.model != previous,
             previous_model=previous,
             reordered_by=frozenset(reasons),
             overtook=overtook,
@@ -191,8 +195,10 @@ class ReferenceScheduler:
             self.loaded_model = winner.model
         return decision
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, model_loaded: bool = True) -> None:
         assert self.running is not None and self.running.request_id == request_id
+        if not model_loaded and self.running.model is not None and self.loaded_model == self.running.model:
+            self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
         self.running = None
 
 

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 import llamaswap.core.scheduler as scheduler_module
+from policies import fifo, serial
+
 from llamaswap.core import (
     Band,
     ManualClock,
@@ -26,13 +28,21 @@ S = 1_000_000_000  # ns per second
 MIN = 60 * S
 
 
+def score_of(s: Scheduler, request_id: str) -> float:
+    return next(w.score for w in s.snapshot().waiting if w.request_id == request_id)
+
+
+def waiting_ids(s: Scheduler) -> list[str]:
+    return [w.request_id for w in s.snapshot().waiting]
+
+
 def P(value: int) -> Priority:
     return Priority(value, PrioritySource.NUMBER)
 
 
 def make(policy: Policy | None = None) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock()
-    return Scheduler(policy if policy is not None else Policy.serial(), clock), clock
+    return Scheduler(policy if policy is not None else serial(), clock), clock
 
 
 def dispatch_all(scheduler: Scheduler, clock: ManualClock | None = None, step_s: float = 0.0) -> list[str]:
@@ -50,7 +60,7 @@ def dispatch_all(scheduler: Scheduler, clock: ManualClock | None = None, step_s:
 # -- the specification's tables ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [Policy.serial(), Policy.serial(60, 0), Policy.serial(0, 99), Policy.fifo()])
+@pytest.mark.parametrize("policy", [serial(), serial(60, 0), serial(0, 99), fifo()])
 def test_tier_offsets_order_inside_the_batch_band_and_stay_behind_normal(policy):
     s, clock = make(policy)
     # free, pro and max batch jobs arrive first, a normal request last.
@@ -61,8 +71,8 @@ def test_tier_offsets_order_inside_the_batch_band_and_stay_behind_normal(policy)
 
 
 def test_tier_offsets_with_headers_and_models():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("qwen")
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("qwen", as_of=s.dispatches)
     s.enqueue("free", parse_priority("-100"), "qwen")
     s.enqueue("pro", parse_priority("-99"), "qwen")
     s.enqueue("max", parse_priority("-98"), "qwen")
@@ -74,7 +84,7 @@ def test_tier_offsets_with_headers_and_models():
 
 
 def test_batch_overtakes_normal_traffic_that_arrived_more_than_100_minutes_later():
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("batch", parse_priority("batch"))
     arrivals_min = [30, 60, 99, 101, 130, 200]
     for minute in arrivals_min:
@@ -97,7 +107,7 @@ def test_batch_overtakes_normal_traffic_that_arrived_more_than_100_minutes_later
     ],
 )
 def test_batch_versus_normal_at_the_100_minute_boundary(gap_ns, first, reordered):
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("batch", P(-100))
     clock.set_ns(gap_ns)
     s.enqueue("normal", P(0))
@@ -111,7 +121,7 @@ def test_batch_versus_normal_at_the_100_minute_boundary(gap_ns, first, reordered
 
 
 def test_batch_never_overtakes_normal_without_aging():
-    s, clock = make(Policy.serial(0, 10))
+    s, clock = make(serial(0, 10))
     s.enqueue("batch", P(-100))
     clock.advance(10 * 24 * 3600)
     s.enqueue("normal", P(0))
@@ -130,8 +140,8 @@ def test_batch_never_overtakes_normal_without_aging():
     ],
 )
 def test_swap_affinity_never_lifts_a_request_into_the_next_band(favoured, rival):
-    s, _ = make(Policy.serial(60, 99))
-    s.set_loaded_model("loaded")
+    s, _ = make(serial(60, 99))
+    s.set_loaded_model("loaded", as_of=s.dispatches)
     s.enqueue("rival", P(rival), "other")  # arrives first
     s.enqueue("favoured", P(favoured), "loaded")
     d = s.next()
@@ -141,8 +151,8 @@ def test_swap_affinity_never_lifts_a_request_into_the_next_band(favoured, rival)
 
 
 def test_swap_affinity_at_99_cannot_beat_the_next_anchor_even_arriving_first():
-    s, _ = make(Policy.serial(60, 99))
-    s.set_loaded_model("loaded")
+    s, _ = make(serial(60, 99))
+    s.set_loaded_model("loaded", as_of=s.dispatches)
     s.enqueue("batch-loaded", P(-100), "loaded")
     s.enqueue("normal-loaded", P(0), "loaded")
     s.enqueue("normal-other", P(0), "other")
@@ -153,8 +163,8 @@ def test_swap_affinity_at_99_cannot_beat_the_next_anchor_even_arriving_first():
 
 
 def test_swap_affinity_breaks_near_ties_inside_a_band():
-    s, _ = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, _ = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("b-first", P(5), "b")
     s.enqueue("a-second", P(0), "a")
     d = s.next()
@@ -167,7 +177,7 @@ def test_swap_affinity_breaks_near_ties_inside_a_band():
 @pytest.mark.parametrize("divisor", [0, 0.5, 60])
 @pytest.mark.parametrize("priority", [0, -100, 100, 7])
 def test_bonus_zero_with_uniform_priorities_is_exact_fifo(divisor, priority):
-    s, clock = make(Policy.serial(divisor, 0))
+    s, clock = make(serial(divisor, 0))
     models = ["a", "b", None, "c"]
     expected, granted = [], []
     rid = 0
@@ -179,7 +189,7 @@ def test_bonus_zero_with_uniform_priorities_is_exact_fifo(divisor, priority):
             expected.append(name)
             rid += 1
             clock.advance((rid * 7) % 5)
-        s.set_loaded_model(models[(round_ * 3) % len(models)])
+        s.set_loaded_model(models[(round_ * 3) % len(models)], as_of=s.dispatches)
         d = s.next()
         if d is not None:
             granted.append(d.request_id)
@@ -192,9 +202,9 @@ def test_bonus_zero_with_uniform_priorities_is_exact_fifo(divisor, priority):
 
 
 def test_fifo_adds_model_priority_to_the_header():
-    s, clock = make(Policy.fifo({"m10": 10, "m0": 0, "mneg": -5}))
+    s, clock = make(fifo({"m10": 10, "m0": 0, "mneg": -5}))
     s.enqueue("m10-batch", parse_priority("batch"), "m10")  # -90
-    assert s.score_of("m10-batch") == -90
+    assert score_of(s, "m10-batch") == -90
     s.enqueue("m0-minus91", P(-91), "m0")  # -91
     s.enqueue("mneg-minus85", P(-85), "mneg")  # -90, arrived later
     s.enqueue("none-minus89", P(-89), None)  # -89, no model: header only
@@ -207,7 +217,7 @@ def test_fifo_adds_model_priority_to_the_header():
 
 
 def test_fifo_model_priority_can_cross_bands_by_configuration():
-    s, _ = make(Policy.fifo({"vip": 200}))
+    s, _ = make(fifo({"vip": 200}))
     s.enqueue("interactive", parse_priority("interactive"), "plain")
     s.enqueue("vip-batch", parse_priority("batch"), "vip")  # -100 + 200 = 100: ties, arrival decides
     s.enqueue("vip-normal", parse_priority("normal"), "vip")  # 200
@@ -221,8 +231,8 @@ def test_fifo_model_priority_can_cross_bands_by_configuration():
 
 
 def test_fifo_has_no_aging_and_no_affinity():
-    s, clock = make(Policy.fifo({"a": 0, "b": 0}))
-    s.set_loaded_model("a")
+    s, clock = make(fifo({"a": 0, "b": 0}))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("old-batch", P(-100), "a")
     s.enqueue("b-first", P(0), "b")
     clock.advance(365 * 24 * 3600)  # a year of waiting ages nothing
@@ -248,7 +258,7 @@ def test_non_preemptive_one_grant_at_a_time():
     first = s.next()
     assert first.request_id == "batch"
     assert s.running_id == "batch"
-    assert s.running_decision == first
+    assert s.running == first
     s.enqueue("interactive", P(100))
     clock.advance(3600)
     assert s.next() is None  # the batch job keeps the grant
@@ -257,7 +267,7 @@ def test_non_preemptive_one_grant_at_a_time():
     released = s.release("batch")
     assert released.request_id == "batch"
     assert released.run_ns == 3600 * S
-    assert s.running_id is None and s.running_decision is None
+    assert s.running_id is None and s.running is None
     assert s.next().request_id == "interactive"
 
 
@@ -298,7 +308,7 @@ def test_cancel_waiting_unknown_and_running():
     assert removed is not None
     assert (removed.request_id, removed.priority, removed.band, removed.model) == ("a", -100, Band.BATCH, "m")
     assert removed.queue_wait_ns == 5 * S
-    assert s.depth == 2 and not s.is_waiting("a")
+    assert s.depth == 2 and "a" not in waiting_ids(s)
     assert s.cancel("a") is None  # twice
     assert s.cancel("never-seen") is None
     d = s.next()
@@ -345,8 +355,8 @@ def test_drain_removes_everything_in_arrival_order():
 
 
 def test_decision_record_fields():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("qwen")
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("qwen", as_of=s.dispatches)
     s.enqueue("early", P(0), "llama")
     clock.advance(90)
     s.enqueue("chat", parse_priority("interactive"), "qwen")
@@ -356,7 +366,6 @@ def test_decision_record_fields():
     assert d.priority == 100
     assert d.band is Band.INTERACTIVE
     assert d.queue_wait_ns == 2_500_000_000
-    assert d.queue_wait_ms == 2500.0
     assert d.model == "qwen"
     assert d.swap_affinity is True
     assert d.aging == pytest.approx(2.5 / 60)
@@ -379,11 +388,11 @@ def test_decision_record_fields():
 
 
 def test_loaded_model_follows_dispatch_and_set_loaded_model_overrides():
-    s, _ = make(Policy.serial(60, 10))
+    s, _ = make(serial(60, 10))
     assert s.loaded_model is None
     s.enqueue("a1", P(0), "a")
     d = s.next()
-    assert d.swap is True and d.previous_model is None and d.swap_affinity is False
+    assert d.load is True and d.swap is False and d.previous_model is None and d.swap_affinity is False
     assert s.loaded_model == "a"
     s.release("a1")
     s.enqueue("nomodel", P(0), None)
@@ -391,21 +400,21 @@ def test_loaded_model_follows_dispatch_and_set_loaded_model_overrides():
     assert d.swap is False and d.model is None
     assert s.loaded_model == "a"  # a request without a model leaves it alone
     s.release("nomodel")
-    s.set_loaded_model("b")  # the upstream says otherwise
+    s.set_loaded_model("b", as_of=s.dispatches)  # the upstream says otherwise
     assert s.loaded_model == "b"
     s.enqueue("a2", P(5), "a")
     s.enqueue("b1", P(0), "b")
     d = s.next()
     assert d.request_id == "b1" and d.swap_affinity is True and d.previous_model == "b"
     s.release("b1")
-    s.set_loaded_model(None)
+    s.set_loaded_model(None, as_of=s.dispatches)
     d = s.next()
-    assert d.request_id == "a2" and d.swap is True and d.previous_model is None
+    assert d.request_id == "a2" and d.load is True and d.swap is False and d.previous_model is None
 
 
 def test_reordered_by_nothing():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("best", P(100), "a")  # best by priority, with or without either term
     s.enqueue("other", P(0), "b")
     clock.advance(600)
@@ -415,7 +424,7 @@ def test_reordered_by_nothing():
 
 
 def test_reordered_by_aging_only():
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("old", P(0))
     clock.advance(120)  # two points of aging
     s.enqueue("new", P(1))
@@ -427,8 +436,8 @@ def test_reordered_by_aging_only():
 
 
 def test_reordered_by_swap_affinity_only():
-    s, _ = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, _ = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("other", P(5), "b")
     s.enqueue("loaded", P(0), "a")  # same instant: no aging difference
     d = s.next()
@@ -439,8 +448,8 @@ def test_reordered_by_swap_affinity_only():
 
 
 def test_reordered_by_aging_and_swap_affinity():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("winner", P(0), "a")
     clock.advance(180)  # 3 points: 0 + 10 + 3 = 13
     s.enqueue("rival", P(12), "b")  # 12; wins without aging (10 < 12) and without bonus (3 < 12)
@@ -451,8 +460,8 @@ def test_reordered_by_aging_and_swap_affinity():
 
 
 def test_an_aging_reorder_with_a_model_loaded_is_not_an_affinity_reorder():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")  # nobody waiting uses it
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)  # nobody waiting uses it
     s.enqueue("aged", P(0), "b")
     clock.advance(20 * 60)  # 20 points
     s.enqueue("fresh", P(5), "c")
@@ -463,8 +472,8 @@ def test_an_aging_reorder_with_a_model_loaded_is_not_an_affinity_reorder():
 
 
 def test_reorders_are_not_counted_when_the_term_is_off():
-    s, clock = make(Policy.serial(0, 0))
-    s.set_loaded_model("a")
+    s, clock = make(serial(0, 0))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("x", P(0), "b")
     clock.advance(1000)
     s.enqueue("y", P(0), "a")
@@ -493,14 +502,14 @@ def test_overtook_lists_earlier_waiting_arrivals_up_to_16():
 
 
 def test_max_queued_raises_queue_full():
-    s, _ = make(Policy.serial(max_queued=2))
+    s, _ = make(serial(max_queued=2))
     assert s.enqueue("a", P(0)) == 0
     assert s.enqueue("b", P(0)) == 1
     with pytest.raises(QueueFull) as info:
         s.enqueue("c", P(100))
     assert (info.value.depth, info.value.limit) == (2, 2)
     assert isinstance(info.value, SchedulerError)
-    assert s.depth == 2 and not s.is_waiting("c")
+    assert s.depth == 2 and "c" not in waiting_ids(s)
     assert s.next().request_id == "a"  # the running request does not count
     assert s.enqueue("c", P(100)) == 1
     with pytest.raises(QueueFull):
@@ -517,7 +526,7 @@ def test_unlimited_queue_by_default():
 
 
 def test_max_wait_expires_overdue_requests():
-    s, clock = make(Policy.serial(max_wait_s=30))
+    s, clock = make(serial(max_wait_s=30))
     assert s.next_deadline_ns() is None  # nothing waiting
     s.enqueue("a", P(-100))
     clock.advance(10)
@@ -531,7 +540,7 @@ def test_max_wait_expires_overdue_requests():
     assert [r.request_id for r in expired] == ["a"]
     assert expired[0].queue_wait_ns == 35 * S - 1
     assert expired[0].band is Band.BATCH
-    assert s.depth == 2 and not s.is_waiting("a")
+    assert s.depth == 2 and "a" not in waiting_ids(s)
     assert s.next_deadline_ns() == 40 * S
     s.cancel("b")  # the oldest leaves: the deadline moves on
     assert s.next_deadline_ns() == 40 * S  # c arrived with b
@@ -545,7 +554,7 @@ def test_max_wait_expires_overdue_requests():
 
 def test_expire_at_next_deadline_makes_progress():
     # A timer armed for next_deadline_ns() must find something to expire when it fires.
-    s, clock = make(Policy.serial(max_wait_s=2.5))
+    s, clock = make(serial(max_wait_s=2.5))
     for i in range(5):
         s.enqueue(f"r{i}", P(0))
         clock.advance(1)
@@ -560,7 +569,7 @@ def test_expire_at_next_deadline_makes_progress():
 
 
 def test_no_wait_limit_never_expires():
-    s, clock = make(Policy.serial(max_wait_s=0))
+    s, clock = make(serial(max_wait_s=0))
     s.enqueue("a", P(0))
     clock.advance(10**7)
     assert s.expire_overdue() == []
@@ -572,14 +581,14 @@ def test_no_wait_limit_never_expires():
 
 
 def test_reconfigure_keeps_the_queue_and_arrival_times():
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("m10-batch", P(-100), "m10")
     clock.advance(60 * 60)  # 60 points of aging for the batch job
     s.enqueue("plain-normal", P(-50), "x")
     s.enqueue("m0-normal", P(-95), "m0")
     # serial: -100 + 60 = -40 beats -50 and -95
     assert [w.request_id for w in s.snapshot().waiting] == ["m10-batch", "plain-normal", "m0-normal"]
-    s.reconfigure(Policy.fifo({"m10": 10, "m0": 50}))
+    s.reconfigure(fifo({"m10": 10, "m0": 50}))
     assert s.depth == 3
     assert s.policy.name == "fifo"
     # fifo: -90, -50, -45; no aging
@@ -588,7 +597,7 @@ def test_reconfigure_keeps_the_queue_and_arrival_times():
     d = s.next()
     assert d.request_id == "m0-normal" and d.score == -45 and d.queue_wait_ns == S
     s.release(d.request_id)
-    s.reconfigure(Policy.serial(1, 0))  # back to serial: one point per second of waiting
+    s.reconfigure(serial(1, 0))  # back to serial: one point per second of waiting
     d = s.next()
     assert d.request_id == "m10-batch"
     assert d.queue_wait_ns == 3601 * S  # arrival time kept across both reconfigurations
@@ -596,15 +605,15 @@ def test_reconfigure_keeps_the_queue_and_arrival_times():
 
 
 def test_reconfigure_aging_off_and_on():
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("old", P(0))
     clock.advance(600)
     s.enqueue("new", P(5))
-    s.reconfigure(Policy.serial(0, 10))
-    assert s.score_of("old") == 0 and s.score_of("new") == 5
+    s.reconfigure(serial(0, 10))
+    assert score_of(s, "old") == 0 and score_of(s, "new") == 5
     assert [w.request_id for w in s.snapshot().waiting] == ["new", "old"]
-    s.reconfigure(Policy.serial(60, 10))
-    assert s.score_of("old") == pytest.approx(10.0)
+    s.reconfigure(serial(60, 10))
+    assert score_of(s, "old") == pytest.approx(10.0)
     d = s.next()
     assert d.request_id == "old" and d.reordered_by == frozenset({"aging"})
 
@@ -613,7 +622,7 @@ def test_reconfigure_to_a_smaller_limit_keeps_what_waits():
     s, _ = make()
     for i in range(4):
         s.enqueue(f"r{i}", P(0))
-    s.reconfigure(Policy.serial(max_queued=2))
+    s.reconfigure(serial(max_queued=2))
     assert s.depth == 4
     with pytest.raises(QueueFull):
         s.enqueue("r4", P(0))
@@ -630,11 +639,11 @@ def _mixed_queue(s: Scheduler, clock: ManualClock, models=("a", "b", None)) -> N
         clock.advance(37 * (i % 4))
 
 
-@pytest.mark.parametrize("policy", [Policy.serial(60, 0), Policy.serial(1, 0), Policy.serial(0, 0),
-                                    Policy.fifo({"a": 20, "b": -20})])
+@pytest.mark.parametrize("policy", [serial(60, 0), serial(1, 0), serial(0, 0),
+                                    fifo({"a": 20, "b": -20})])
 def test_snapshot_order_equals_dispatch_order(policy):
     s, clock = make(policy)
-    s.set_loaded_model("a")
+    s.set_loaded_model("a", as_of=s.dispatches)
     _mixed_queue(s, clock)
     snap = s.snapshot()
     assert [w.position for w in snap.waiting] == list(range(1, len(snap.waiting) + 1))
@@ -644,27 +653,27 @@ def test_snapshot_order_equals_dispatch_order(policy):
     assert dispatch_all(s, clock, step_s=45) == [w.request_id for w in snap.waiting]
 
 
-@pytest.mark.parametrize("policy", [Policy.serial(60, 10), Policy.serial(1, 99), Policy.serial(0, 5)])
+@pytest.mark.parametrize("policy", [serial(60, 10), serial(1, 99), serial(0, 5)])
 @pytest.mark.parametrize("loaded", ["a", "b", None])
 def test_snapshot_order_equals_dispatch_order_with_affinity_and_model_switches(policy, loaded):
     s, clock = make(policy)
-    s.set_loaded_model(loaded)
+    s.set_loaded_model(loaded, as_of=s.dispatches)
     _mixed_queue(s, clock, models=("a", "b", None, "c", "a"))
     expected = [w.request_id for w in s.snapshot().waiting]
     assert dispatch_all(s, clock, step_s=120) == expected
 
 
 def test_snapshot_order_equals_dispatch_order_with_affinity_on_one_model():
-    s, clock = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, clock = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     _mixed_queue(s, clock, models=("a", None))  # dispatch never changes the loaded model
     expected = [w.request_id for w in s.snapshot().waiting]
     assert dispatch_all(s, clock, step_s=300) == expected
 
 
 def test_snapshot_order_equals_dispatch_order_when_dispatch_switches_the_model():
-    s, _ = make(Policy.serial(60, 10))
-    s.set_loaded_model("a")
+    s, _ = make(serial(60, 10))
+    s.set_loaded_model("a", as_of=s.dispatches)
     s.enqueue("r1", P(20), "b")
     s.enqueue("r2", P(5), "a")
     s.enqueue("r3", P(0), "b")
@@ -672,13 +681,16 @@ def test_snapshot_order_equals_dispatch_order_when_dispatch_switches_the_model()
     # r1 goes first and loads b; then r3 (0 + 10) beats r2 (5, no longer loaded).
     assert [w.request_id for w in snap.waiting] == ["r1", "r3", "r2"]
     assert [w.position for w in snap.waiting] == [1, 2, 3]
-    # scores are the current ones, against the model loaded now
-    assert [w.score for w in snap.waiting] == [20.0, 0.0, 15.0]
+    # Each score is the one it has at its turn in this order: r3 gets the bonus because r1 will
+    # have loaded b by then, r2 loses it. (They used to be scored against today's model, which
+    # showed r3 at 0 ranked above r2 at 15.)
+    assert [w.score for w in snap.waiting] == [20.0, 10.0, 5.0]
+    assert [w.swap_affinity for w in snap.waiting] == [False, True, False]
     assert dispatch_all(s) == ["r1", "r3", "r2"]
 
 
 def test_snapshot_views():
-    s, clock = make(Policy.serial(60, 10))
+    s, clock = make(serial(60, 10))
     s.enqueue("run", P(100), "a")
     clock.advance(4)
     s.next()
@@ -697,11 +709,11 @@ def test_snapshot_views():
     assert (w1.request_id, w1.position, w1.priority, w1.band, w1.model) == ("w1", 1, 0, Band.NORMAL, "a")
     assert w1.waited_s == 36.0
     assert w1.score == pytest.approx(10 + 36 / 60)
-    assert s.score_of("w1") == pytest.approx(w1.score)
+    assert score_of(s, "w1") == pytest.approx(w1.score)
     assert (w2.request_id, w2.position, w2.band) == ("w2", 2, Band.BATCH)
     assert w2.waited_s == 30.0
     assert w2.score == pytest.approx(-100 + 0.5)
-    assert s.score_of("run") is None and s.score_of("nobody") is None
+    assert "run" not in waiting_ids(s) and "nobody" not in waiting_ids(s)
     # a snapshot is a picture: later changes do not touch it
     s.cancel("w1")
     assert len(snap.waiting) == 2
@@ -723,7 +735,7 @@ def test_band_stats_depth_and_oldest_wait():
     clock.advance(1)
     stats = s.band_stats()
     assert {b: v.depth for b, v in stats.items()} == {Band.BATCH: 2, Band.NORMAL: 2, Band.INTERACTIVE: 1}
-    assert s.band_depths() == {Band.BATCH: 2, Band.NORMAL: 2, Band.INTERACTIVE: 1}
+    assert {b: v.depth for b, v in s.band_stats().items()} == {Band.BATCH: 2, Band.NORMAL: 2, Band.INTERACTIVE: 1}
     assert stats[Band.BATCH].oldest_wait_s == 16.0
     assert stats[Band.NORMAL].oldest_wait_s == 6.0
     assert stats[Band.INTERACTIVE].oldest_wait_s == 1.0
@@ -750,7 +762,7 @@ def test_band_stats_survive_compaction():
     for i in range(0, 3000, 2):
         s.cancel(f"r{i}")
     assert s.depth == 1500
-    depths = s.band_depths()
+    depths = {b: v.depth for b, v in s.band_stats().items()}
     assert sum(depths.values()) == 1500
     assert depths == {Band.INTERACTIVE: 500, Band.NORMAL: 500, Band.BATCH: 500}
     stats = s.band_stats()
@@ -772,7 +784,7 @@ def _core_lines_per_dispatch(waiting: int, *, old_request_first: bool, dispatche
     Heap operations run in C and count nothing, so an O(log n) dispatch executes a number
     of lines that does not depend on the queue's length; a scan over entries does.
     """
-    s, _ = make(Policy.serial(60, 10))
+    s, _ = make(serial(60, 10))
     if old_request_first:
         s.enqueue("old-batch", P(-100))  # waits while normal traffic passes it
     for i in range(waiting):
@@ -815,3 +827,66 @@ def test_dispatch_cost_does_not_grow_behind_an_old_waiting_request():
     large = _core_lines_per_dispatch(10_000, old_request_first=True)
     assert small > 0
     assert large <= 2 * small + 20
+
+
+# -- what the upstream reports, and what a failed dispatch leaves --------------------------
+
+
+def test_a_loaded_model_report_asked_before_a_grant_is_dropped():
+    """The reconcile race: a /models answer in flight across a grant and its release must not
+    overwrite the model that grant just loaded."""
+    s, _ = make(serial(60, 10))
+    assert s.set_loaded_model("a", as_of=s.dispatches)
+    asked_at = s.dispatches  # the reconcile loop sends GET /models now ...
+    s.enqueue("b1", P(0), "b")
+    s.next()
+    s.release("b1")  # ... and b is loaded by the time the answer (still "a") arrives
+    assert not s.set_loaded_model("a", as_of=asked_at)
+    assert s.loaded_model == "b"
+    assert s.set_loaded_model(None, as_of=s.dispatches)  # a fresh answer applies
+    assert s.loaded_model is None
+
+
+def test_a_loaded_model_report_while_a_request_runs_is_dropped():
+    s, _ = make(serial(60, 10))
+    s.enqueue("b1", P(0), "b")
+    s.next()
+    assert not s.set_loaded_model("a", as_of=s.dispatches)
+    assert s.loaded_model == "b"
+
+
+def test_a_failed_dispatch_does_not_leave_its_model_loaded():
+    s, _ = make(serial(60, 10))
+    s.enqueue("a1", P(0), "a")
+    s.next()
+    s.release("a1")
+    s.enqueue("bogus", P(0), "no-such-model")
+    d = s.next()
+    assert d.swap is True and s.loaded_model == "no-such-model"
+    s.release("bogus", model_loaded=False)
+    assert s.loaded_model is None  # unknown until the upstream says, not the bogus name
+    s.enqueue("a2", P(0), "a")
+    assert s.next().load is True  # from unknown: a load, not a swap
+
+
+def test_loads_and_swaps_are_told_apart():
+    s, _ = make(serial(60, 10))
+    kinds = []
+    for rid, model in [("r1", "a"), ("r2", "a"), ("r3", None), ("r4", "b"), ("r5", "a")]:
+        s.enqueue(rid, P(0), model)
+        d = s.next()
+        kinds.append((d.load, d.swap))
+        s.release(rid)
+    assert kinds == [(True, False), (False, False), (False, False), (False, True), (False, True)]
+
+
+def test_drain_resets_the_queue_and_it_works_afterwards():
+    s, clock = make(serial(60, 10))
+    for i in range(50):
+        s.enqueue(f"r{i}", P(i % 7), "a" if i % 2 else "b")
+    removed = s.drain()
+    assert [r.request_id for r in removed] == [f"r{i}" for i in range(50)]
+    assert s.depth == 0 and s.snapshot().waiting == ()
+    assert all(stats.depth == 0 for stats in s.band_stats().values())
+    s.enqueue("after", P(0), "a")
+    assert s.next().request_id == "after"

@@ -10,8 +10,6 @@ the reference would grant it.
 
 from __future__ import annotations
 
-import os
-import sys
 from fractions import Fraction
 
 import pytest
@@ -20,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import llamaswap.core.scheduler as scheduler_module
-from llamaswap.core import ManualClock, Policy, PrioritySource, Scheduler, UnknownRequest, band_of, parse_priority
+from policies import fifo, serial
+from reference import ReferenceScheduler, RefPolicy, float_close
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ may become a package one day
-from reference import ReferenceScheduler, RefPolicy, float_close  # noqa: E402
+from llamaswap.core import ManualClock, PrioritySource, Scheduler, UnknownRequest, band_of, parse_priority
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MODELS = ("a", "b", "c")
@@ -49,9 +47,9 @@ gaps_ns = st.one_of(
 divisors = st.sampled_from([0, 0, 1e-9, 2e-9, 3e-9, 1e-6, 0.25, 0.5, 1, 7, 60, 3600])
 bonuses = st.one_of(st.sampled_from([0, 1, 2, 10, 99]), st.integers(0, 99))
 max_waits = st.sampled_from([0.0, 0.0, 1e-6, 1.0, 3600.0])
-serial_policies = st.builds(lambda d, b, w: Policy.serial(d, b, max_wait_s=w), divisors, bonuses, max_waits)
+serial_policies = st.builds(lambda d, b, w: serial(d, b, max_wait_s=w), divisors, bonuses, max_waits)
 fifo_policies = st.builds(
-    lambda p, w: Policy.fifo(p, max_wait_s=w),
+    lambda p, w: fifo(p, max_wait_s=w),
     st.dictionaries(st.sampled_from(MODELS), st.one_of(st.integers(-200, 200), st.integers(INT64_MIN, INT64_MAX))),
     max_waits,
 )
@@ -124,8 +122,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(model=models)
     def set_loaded_model(self, model):
-        self.real.set_loaded_model(model)
+        applied = self.real.set_loaded_model(model, as_of=self.real.dispatches)
+        assert applied == (self.ref.running is None)
         self.ref.set_loaded_model(model)
+
+    @rule(model=models)
+    def stale_loaded_model_report_is_dropped(self, model):
+        # Asked before the latest grant: whatever it says, the scheduler has moved on.
+        if self.real.dispatches:
+            before = self.real.loaded_model
+            assert not self.real.set_loaded_model(model, as_of=self.real.dispatches - 1)
+            assert self.real.loaded_model == before
 
     @rule(data=st.data())
     def reconfigure(self, data):
@@ -145,15 +152,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.real.release(decision.request_id)
             self.ref.release(decision.request_id)
 
-    @rule()
-    def release(self):
+    @rule(model_loaded=st.booleans())
+    def release(self, model_loaded):
         if self.ref.running is None:
             with pytest.raises(UnknownRequest):
                 self.real.release("ghost")
             return
         rid = self.ref.running.request_id
-        released = self.real.release(rid)
-        self.ref.release(rid)
+        released = self.real.release(rid, model_loaded=model_loaded)
+        self.ref.release(rid, model_loaded=model_loaded)
         assert released.request_id == rid
         with pytest.raises(UnknownRequest):
             self.real.release(rid)
@@ -203,6 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.model == ref.model
         assert real.swap_affinity == ref.swap_affinity
         assert real.swap == ref.swap
+        assert real.load == ref.load
         assert real.previous_model == ref.previous_model
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
@@ -226,10 +234,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         now = self.clock.now_ns()
         snap = self.real.snapshot()
         expected = self.ref.dispatch_order(now)
-        assert [w.request_id for w in snap.waiting] == [r.request_id for r in expected]
+        assert [w.request_id for w in snap.waiting] == [r.request_id for r, _ in expected]
         assert [w.position for w in snap.waiting] == list(range(1, len(expected) + 1))
-        for view, request in zip(snap.waiting, expected):
-            exact = self.ref.score(request, now)  # the score it has now, with the loaded model as it is
+        for view, (request, exact) in zip(snap.waiting, expected):
+            # The score at its turn in this order: it was the best of those left at that point.
             if view.score != float(exact):
                 magnitude = abs(self.ref.base(request)) + self.ref.policy.bonus + self.ref.aging(request, now)
                 assert float_close(view.score, exact, magnitude=magnitude), (view, exact)
@@ -257,8 +265,8 @@ class TieMachine(SchedulerMachine):
     priorities = st.integers(-2, 2)
     gaps = st.integers(0, 3)  # nanoseconds
     policies = st.one_of(
-        st.builds(Policy.serial, st.sampled_from([0, 1e-9, 2e-9]), st.integers(0, 3)),
-        st.builds(Policy.fifo, st.dictionaries(st.sampled_from(MODELS), st.integers(-2, 2))),
+        st.builds(serial, st.sampled_from([0, 1e-9, 2e-9]), st.integers(0, 3)),
+        st.builds(fifo, st.dictionaries(st.sampled_from(MODELS), st.integers(-2, 2))),
     )
 
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from llamaswap.core.priority import PriorityPolicy
+from llamaswap.core.priority import PriorityMode, PriorityPolicy
 from llamaswap.core.scheduler import Policy
 
 _log = logging.getLogger(__name__)
@@ -117,14 +117,15 @@ class Config:
     listen: ListenConfig = ListenConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     envoy: EnvoyConfig = EnvoyConfig()
-    priority_policy: PriorityPolicy = PriorityPolicy()
+    priority_policy: PriorityPolicy = PriorityPolicy(PriorityMode.TRUST, -100, 100, None)
     source: str = "<defaults>"
 
     def policy(self) -> Policy:
         s = self.scheduler
         if s.use == "fifo":
-            return Policy.fifo(self.model_priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_s)
-        return Policy.serial(s.aging_divisor_s, s.swap_affinity_bonus, max_queued=s.max_queued, max_wait_s=s.max_wait_s)
+            return Policy.fifo(model_priorities=self.model_priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_s)
+        return Policy.serial(aging_divisor_s=s.aging_divisor_s, swap_affinity_bonus=s.swap_affinity_bonus,
+                             max_queued=s.max_queued, max_wait_s=s.max_wait_s)
 
 
 class _Reader:
@@ -349,7 +350,7 @@ def parse_config(data: Any, *, source: str = "<memory>", warn: Callable[[str], N
         r.fail("security.priority.trustedHeader",
                "must be a header name set only by your authenticating proxy (not x-llamaswap-priority)")
         trusted = None
-    priority_policy = PriorityPolicy(mode, minimum, maximum, trusted.strip().lower() if trusted else None)
+    priority_policy = PriorityPolicy(PriorityMode(mode), minimum, maximum, trusted.strip().lower() if trusted else None)
 
     if r.problems:
         raise ConfigError(r.problems)

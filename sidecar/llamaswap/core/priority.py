@@ -104,19 +104,29 @@ def parse_priority(raw: str | bytes | None) -> Priority:
     return Priority(value, PrioritySource.NUMBER)
 
 
+class PriorityMode(str, enum.Enum):
+    """What the operator does with the caller's X-LlamaSwap-Priority."""
+
+    TRUST = "trust"  # take it as it is (the specification's default)
+    CLAMP = "clamp"  # keep it inside [minimum, maximum]
+    STRIP = "strip"  # ignore it: everyone gets 0
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PriorityPolicy:
-    """What the operator lets callers claim; off (``trust``) by default, as the spec trusts callers.
+    """What the operator lets callers claim (built from `security.priority`; defaults live there).
 
-    ``clamp`` keeps X-LlamaSwap-Priority inside [minimum, maximum]; ``strip`` ignores it.
     A ``trusted_header`` (set by an authenticating proxy, which must drop client copies)
-    overrides both: its value is taken as the priority, unclamped.
+    overrides the mode: its value is taken as the priority, unclamped.
     """
 
-    mode: str = "trust"  # trust | clamp | strip
-    minimum: int = -100
-    maximum: int = 100
-    trusted_header: str | None = None
+    mode: PriorityMode
+    minimum: int
+    maximum: int
+    trusted_header: str | None
 
     def resolve(self, header: str | bytes | None, trusted: str | bytes | None = None) -> Priority:
         if self.trusted_header is not None and trusted is not None:
@@ -124,8 +134,11 @@ class PriorityPolicy:
             if granted.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
                 return Priority(granted.value, PrioritySource.TRUSTED)
         priority = parse_priority(header)
-        if self.mode == "strip" and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
+        if self.mode is PriorityMode.STRIP and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
             return Priority(0, PrioritySource.STRIPPED)
-        if self.mode == "clamp" and not self.minimum <= priority.value <= self.maximum:
+        if self.mode is PriorityMode.CLAMP and not self.minimum <= priority.value <= self.maximum:
             return Priority(min(max(priority.value, self.minimum), self.maximum), PrioritySource.CLAMPED)
         return priority
+
+
+TRUST_ALL = PriorityPolicy(PriorityMode.TRUST, INT64_MIN, INT64_MAX, None)

@@ -11,21 +11,25 @@ and the `t` term is common to all. Ordering by the time-free key
 ``(priority + bonus) * D - arrival`` therefore orders by current score. The only bonus is
 swap affinity, which applies to exactly the requests whose model is loaded; those live in a
 per-model heap, so the winner is the better of the top of the global heap and the top of the
-loaded model's heap plus the bonus. Everything is integer nanoseconds, so the comparison is
-exact and equal scores fall back to arrival order.
+loaded model's heap plus the bonus (`_pick`). Everything is integer nanoseconds, so the
+comparison is exact and equal scores fall back to arrival order.
 
 Invariants, enforced here:
 - at most one request holds the grant (``running``); ``next`` grants only when it is free;
 - a request is either waiting, running, or gone; never two at once;
+- the dispatch order shown by ``snapshot`` is the order ``next`` would grant in, because both
+  use the same ``_pick``;
+- a loaded-model report older than the latest grant is ignored (``set_loaded_model``);
 - removed entries are deleted lazily from heaps and compacted when they outnumber the living.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import heapq
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 from llamaswap.core.clock import Clock
@@ -50,39 +54,59 @@ class QueueFull(SchedulerError):
 
 
 class UnknownRequest(SchedulerError):
-    pass
+    """The request is not in the state the command needs (not waiting, or not running)."""
+
+
+class PolicyName(str, enum.Enum):
+    SERIAL = "serial"  # priority + swap affinity + aging
+    FIFO = "fifo"  # the model's configured priority + the header, then arrival
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReorderCause(str, enum.Enum):
+    """A term of the score that changed which request went next."""
+
+    AGING = "aging"
+    SWAP_AFFINITY = "swap_affinity"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Policy:
-    """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`."""
+    """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`; the defaults of every
+    setting live in the configuration (`llamaswap.config`), not here."""
 
-    name: str = "serial"
-    aging_divisor_s: float = 60.0
-    swap_affinity_bonus: int = 10
+    name: PolicyName
+    aging_divisor_s: float
+    swap_affinity_bonus: int
     # fifo only: the model's configured priority is added to the header's.
-    model_priorities: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    max_queued: int = 0  # 0: unlimited
-    max_wait_s: float = 0.0  # 0: wait forever
+    model_priorities: Mapping[str, int]
+    max_queued: int  # 0: unlimited
+    max_wait_s: float  # 0: wait forever
 
     @classmethod
-    def serial(
-        cls, aging_divisor_s: float = 60.0, swap_affinity_bonus: int = 10, *, max_queued: int = 0, max_wait_s: float = 0.0
-    ) -> "Policy":
-        return cls("serial", aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s)
+    def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
+               max_wait_s: float = 0.0) -> Policy:
+        return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s)
 
     @classmethod
-    def fifo(
-        cls, model_priorities: Mapping[str, int] | None = None, *, max_queued: int = 0, max_wait_s: float = 0.0
-    ) -> "Policy":
-        return cls("fifo", 0.0, 0, dict(model_priorities or {}), max_queued, max_wait_s)
+    def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0) -> Policy:
+        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s)
 
     @property
     def aging_divisor_ns(self) -> int:
         return round(self.aging_divisor_s * NS_PER_S)
 
+    @property
+    def max_wait_ns(self) -> int:
+        return round(self.max_wait_s * NS_PER_S)
+
     def base_priority(self, priority: int, model: str | None) -> int:
-        if self.name == "fifo" and model is not None:
+        if self.name is PolicyName.FIFO and model is not None:
             return priority + self.model_priorities.get(model, 0)
         return priority
 
@@ -90,7 +114,8 @@ class Policy:
 class _Entry:
     __slots__ = ("request_id", "seq", "priority", "base", "model", "arrival_ns", "alive", "older", "newer")
 
-    def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None, arrival_ns: int):
+    def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
+                 arrival_ns: int) -> None:
         self.request_id = request_id
         self.seq = seq
         self.priority = priority
@@ -108,6 +133,64 @@ class _Entry:
 _Item = tuple[int, int, _Entry]
 
 
+class _Index:
+    """The waiting requests ordered by one time-free key: a global heap plus one heap per model
+    (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
+
+    ``taken`` (a set of seqs) lets a simulation treat entries as gone without touching them.
+    """
+
+    __slots__ = ("key", "scale", "all", "by_model")
+
+    def __init__(self, key: Callable[[_Entry], int], scale: int) -> None:
+        self.key = key
+        self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
+        self.all: list[_Item] = []
+        self.by_model: dict[str, list[_Item]] = {}
+
+    def push(self, entry: _Entry) -> None:
+        item: _Item = (-self.key(entry), entry.seq, entry)
+        heapq.heappush(self.all, item)
+        if entry.model is not None:
+            heapq.heappush(self.by_model.setdefault(entry.model, []), item)
+
+    def rebuild(self, entries: Iterable[_Entry]) -> None:
+        key = self.key
+        self.all = [(-key(entry), entry.seq, entry) for entry in entries]
+        self.by_model = {}
+        for item in self.all:
+            model = item[2].model
+            if model is not None:
+                self.by_model.setdefault(model, []).append(item)
+        heapq.heapify(self.all)
+        for heap in self.by_model.values():
+            heapq.heapify(heap)
+
+    def copy(self) -> _Index:
+        twin = _Index(self.key, self.scale)
+        twin.all = list(self.all)
+        twin.by_model = {model: list(heap) for model, heap in self.by_model.items()}
+        return twin
+
+    def top(self, taken: set[int] | None = None) -> _Item | None:
+        return _prune(self.all, taken)
+
+    def top_of(self, model: str, taken: set[int] | None = None) -> _Item | None:
+        heap = self.by_model.get(model)
+        if heap is None:
+            return None
+        item = _prune(heap, taken)
+        if item is None:
+            del self.by_model[model]
+        return item
+
+
+def _prune(heap: list[_Item], taken: set[int] | None) -> _Item | None:
+    while heap and (not heap[0][2].alive or (taken is not None and heap[0][1] in taken)):
+        heapq.heappop(heap)
+    return heap[0] if heap else None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
     """Why a request got the grant; one per dispatch."""
@@ -116,37 +199,53 @@ class Decision:
     priority: int
     band: Band
     score: float
-    queue_wait_ns: int
+    arrival_ns: int
+    granted_ns: int
     model: str | None
     swap_affinity: bool
     aging: float
-    swap: bool  # the model differs from the loaded one: the upstream will load it
+    # The upstream has to load this model first: `load` from nothing known loaded, `swap` from
+    # a different model.
+    load: bool
+    swap: bool
     previous_model: str | None
-    reordered_by: frozenset[str]  # subset of {"aging", "swap_affinity"}
+    reordered_by: frozenset[ReorderCause]
     overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
     queue_depth_after: int
 
     @property
-    def queue_wait_ms(self) -> float:
-        return self.queue_wait_ns / 1e6
+    def queue_wait_ns(self) -> int:
+        return self.granted_ns - self.arrival_ns
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Removed:
-    """A waiting request that left without a grant (cancelled or expired)."""
+    """A waiting request that left without a grant (cancelled, expired or drained)."""
 
     request_id: str
     priority: int
     band: Band
     model: str | None
-    queue_wait_ns: int
+    arrival_ns: int
+    removed_ns: int
+
+    @property
+    def queue_wait_ns(self) -> int:
+        return self.removed_ns - self.arrival_ns
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Released:
+    """The end of a grant."""
+
     request_id: str
-    run_ns: int
     model: str | None
+    granted_ns: int
+    released_ns: int
+
+    @property
+    def run_ns(self) -> int:
+        return self.released_ns - self.granted_ns
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,7 +254,10 @@ class WaitingView:
     position: int
     priority: int
     band: Band
+    # The score it will have when its turn comes in this order: the affinity bonus counts the
+    # model loaded by then, not the one loaded now.
     score: float
+    swap_affinity: bool
     waited_s: float
     model: str | None
 
@@ -167,6 +269,7 @@ class RunningView:
     band: Band
     score: float
     model: str | None
+    model_load: bool  # the grant began by loading its model (from nothing, or a swap)
     queue_wait_s: float
     running_s: float
 
@@ -175,11 +278,12 @@ class RunningView:
 class BandStats:
     depth: int
     oldest_wait_s: float
+    oldest_arrival_ns: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueueSnapshot:
-    policy: str
+    policy: PolicyName
     loaded_model: str | None
     running: RunningView | None
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
@@ -191,23 +295,38 @@ class Scheduler:
 
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
+        self._seq = 0
+        self._dispatches = 0
+        self._running: _Entry | None = None
+        self._running_decision: Decision | None = None
+        self._loaded_model: str | None = None
+        self._apply_policy(policy)
+        self._reset_queue()
+
+    def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
-        self._seq = 0
+        self._bonus = policy.swap_affinity_bonus
+        # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
+        # only needed to tell whether aging changed a pick.
+        divisor = self._divisor_ns
+        if divisor:
+            self._aged = _Index(lambda e: e.base * divisor - e.arrival_ns, divisor)
+            self._plain: _Index | None = _Index(lambda e: e.base, 1)
+        else:
+            self._aged = _Index(lambda e: e.base, 1)
+            self._plain = None
+
+    def _reset_queue(self) -> None:
         self._waiting: dict[str, _Entry] = {}
         self._dead_in_heaps = 0
-        self._aged: list[_Item] = []
-        self._aged_by_model: dict[str, list[_Item]] = {}
-        self._plain: list[_Item] = []
-        self._plain_by_model: dict[str, list[_Item]] = {}
+        self._aged.rebuild(())
+        if self._plain is not None:
+            self._plain.rebuild(())
         self._oldest_entry: _Entry | None = None
         self._newest_entry: _Entry | None = None
         self._band_arrivals: dict[Band, deque[_Entry]] = {band: deque() for band in Band}
-        self._band_depth: dict[Band, int] = {band: 0 for band in Band}
-        self._running: _Entry | None = None
-        self._running_since_ns = 0
-        self._running_decision: Decision | None = None
-        self._loaded_model: str | None = None
+        self._band_depth: dict[Band, int] = dict.fromkeys(Band, 0)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -219,27 +338,33 @@ class Scheduler:
     def loaded_model(self) -> str | None:
         return self._loaded_model
 
-    def set_loaded_model(self, model: str | None) -> None:
-        """Tell the core what the upstream has loaded (reconciled from the upstream)."""
+    @property
+    def dispatches(self) -> int:
+        """Grants so far: the generation a loaded-model report was asked at."""
+        return self._dispatches
+
+    def set_loaded_model(self, model: str | None, *, as_of: int) -> bool:
+        """What the upstream reports as loaded, asked when ``dispatches`` was ``as_of``.
+
+        A report that a grant has overtaken (or that arrives while a request runs) describes a
+        past the scheduler has already moved on from: it is dropped. True if applied.
+        """
+        if as_of != self._dispatches or self._running is not None:
+            return False
         self._loaded_model = model
+        return True
 
     @property
     def depth(self) -> int:
         return len(self._waiting)
 
     @property
-    def running_id(self) -> str | None:
-        return self._running.request_id if self._running is not None else None
-
-    @property
-    def running_decision(self) -> Decision | None:
+    def running(self) -> Decision | None:
         return self._running_decision
 
-    def is_waiting(self, request_id: str) -> bool:
-        return request_id in self._waiting
-
-    def band_depths(self) -> dict[Band, int]:
-        return dict(self._band_depth)
+    @property
+    def running_id(self) -> str | None:
+        return self._running.request_id if self._running is not None else None
 
     # -- commands ------------------------------------------------------------------------
 
@@ -252,11 +377,12 @@ class Scheduler:
         if limit and depth >= limit:
             raise QueueFull(depth, limit)
         self._seq += 1
-        entry = _Entry(
-            request_id, self._seq, priority, self._policy.base_priority(priority.value, model), model, self._clock.now_ns()
-        )
+        entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, model), model,
+                       self._clock.now_ns())
         self._waiting[request_id] = entry
-        self._push(entry)
+        self._aged.push(entry)
+        if self._plain is not None:
+            self._plain.push(entry)
         self._link(entry)
         self._band_arrivals[priority.band].append(entry)
         self._band_depth[priority.band] += 1
@@ -268,61 +394,67 @@ class Scheduler:
         if entry is None:
             return None
         self._remove(entry)
-        return self._removed(entry)
+        return self._removed(entry, self._clock.now_ns())
 
     def next(self) -> Decision | None:
         """Grant the best waiting request if nothing is running."""
         if self._running is not None or not self._waiting:
             return None
         now = self._clock.now_ns()
-        winner = self._best(self._aged, self._aged_by_model, aged=True)
-        reasons: set[str] = set()
-        divisor = self._divisor_ns
-        bonus = self._policy.swap_affinity_bonus
-        if divisor and self._best(self._plain, self._plain_by_model, aged=False) is not winner:
-            reasons.add("aging")
-        if bonus and self._loaded_model is not None and self._top(self._aged) is not winner:
-            reasons.add("swap_affinity")
+        loaded = self._loaded_model
+        winner = self._pick(self._aged, loaded)
+        reasons: set[ReorderCause] = set()
+        if self._plain is not None and self._pick(self._plain, loaded) is not winner:
+            reasons.add(ReorderCause.AGING)
+        if self._bonus and loaded is not None and _entry(self._aged.top()) is not winner:
+            reasons.add(ReorderCause.SWAP_AFFINITY)
         overtook = self._overtaken_by(winner)
         self._remove(winner)
-        affinity = bool(bonus) and winner.model is not None and winner.model == self._loaded_model
-        waited = now - winner.arrival_ns
-        aging = waited / divisor if divisor else 0.0
-        previous = self._loaded_model
+        affinity = self._affinity(winner, loaded) > 0
+        aging = self._aging(now - winner.arrival_ns)
+        self._dispatches += 1
         decision = Decision(
             request_id=winner.request_id,
             priority=winner.priority.value,
             band=winner.priority.band,
-            score=winner.base + (bonus if affinity else 0) + aging,
-            queue_wait_ns=waited,
+            score=winner.base + self._affinity(winner, loaded) + aging,
+            arrival_ns=winner.arrival_ns,
+            granted_ns=now,
             model=winner.model,
             swap_affinity=affinity,
             aging=aging,
-            swap=winner.model is not None and winner.model != previous,
-            previous_model=previous,
+            load=winner.model is not None and loaded is None,
+            swap=winner.model is not None and loaded is not None and winner.model != loaded,
+            previous_model=loaded,
             reordered_by=frozenset(reasons),
             overtook=overtook,
             queue_depth_after=len(self._waiting),
         )
         self._running = winner
-        self._running_since_ns = now
         self._running_decision = decision
         if winner.model is not None:
             self._loaded_model = winner.model
         return decision
 
-    def release(self, request_id: str) -> Released:
-        """End the running request's grant."""
+    def release(self, request_id: str, *, model_loaded: bool = True) -> Released:
+        """End the running request's grant.
+
+        ``model_loaded=False`` says the upstream failed the request, so its model is not known
+        to be loaded: the loaded model becomes unknown until the upstream reports it.
+        """
         running = self._running
-        if running is None or running.request_id != request_id:
+        decision = self._running_decision
+        if running is None or decision is None or running.request_id != request_id:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         self._running = None
         self._running_decision = None
-        return Released(request_id, self._clock.now_ns() - self._running_since_ns, running.model)
+        if not model_loaded and running.model is not None and self._loaded_model == running.model:
+            self._loaded_model = None
+        return Released(request_id, running.model, decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
-        limit_ns = round(self._policy.max_wait_s * NS_PER_S)
+        limit_ns = self._policy.max_wait_ns
         if not limit_ns:
             return []
         now = self._clock.now_ns()
@@ -332,101 +464,66 @@ class Scheduler:
             if entry is None or now - entry.arrival_ns < limit_ns:
                 return expired
             self._remove(entry)
-            expired.append(self._removed(entry))
+            expired.append(self._removed(entry, now))
 
     def next_deadline_ns(self) -> int | None:
         """When the oldest waiting request will be overdue; None without a limit."""
-        limit_ns = round(self._policy.max_wait_s * NS_PER_S)
+        limit_ns = self._policy.max_wait_ns
         entry = self._oldest_entry if limit_ns else None
         return None if entry is None else entry.arrival_ns + limit_ns
 
     def reconfigure(self, policy: Policy) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times."""
-        self._policy = policy
-        self._divisor_ns = policy.aging_divisor_ns
-        for entry in self._waiting.values():
+        alive = self._arrival_order()
+        self._apply_policy(policy)
+        for entry in alive:
             entry.base = policy.base_priority(entry.priority.value, entry.model)
-        self._rebuild()
+        self._aged.rebuild(alive)
+        if self._plain is not None:
+            self._plain.rebuild(alive)
+        self._dead_in_heaps = 0
 
     def drain(self) -> list[Removed]:
-        """Remove every waiting request (shutdown)."""
-        removed = [self._removed(entry) for entry in sorted(self._waiting.values(), key=lambda e: e.seq)]
-        for entry in list(self._waiting.values()):
-            self._remove(entry)
+        """Remove every waiting request (shutdown), oldest first."""
+        now = self._clock.now_ns()
+        removed = [self._removed(entry, now) for entry in self._arrival_order()]
+        for entry in self._waiting.values():
+            entry.alive = False
+        self._reset_queue()
         return removed
 
     # -- inspection ----------------------------------------------------------------------
 
-    def score_of(self, request_id: str) -> float | None:
-        entry = self._waiting.get(request_id)
-        if entry is None:
-            return None
-        return self._score(entry, self._clock.now_ns())
-
     def snapshot(self) -> QueueSnapshot:
-        """A read-only picture; sorting makes it O(n log n), so keep it off hot paths."""
+        """A read-only picture; the simulated order makes it O(n log n), so keep it off hot paths."""
         now = self._clock.now_ns()
-        ordered = self._dispatch_order()
         waiting = tuple(
             WaitingView(
-                request_id=e.request_id,
+                request_id=entry.request_id,
                 position=index + 1,
-                priority=e.priority.value,
-                band=e.priority.band,
-                score=self._score(e, now),
-                waited_s=(now - e.arrival_ns) / NS_PER_S,
-                model=e.model,
+                priority=entry.priority.value,
+                band=entry.priority.band,
+                score=entry.base + bonus + self._aging(now - entry.arrival_ns),
+                swap_affinity=bonus > 0,
+                waited_s=(now - entry.arrival_ns) / NS_PER_S,
+                model=entry.model,
             )
-            for index, e in enumerate(ordered)
+            for index, (entry, bonus) in enumerate(self._dispatch_order())
         )
         running = None
-        if self._running is not None and self._running_decision is not None:
-            d = self._running_decision
+        decision = self._running_decision
+        if decision is not None:
             running = RunningView(
-                request_id=d.request_id,
-                priority=d.priority,
-                band=d.band,
-                score=d.score,
-                model=d.model,
-                queue_wait_s=d.queue_wait_ns / NS_PER_S,
-                running_s=(now - self._running_since_ns) / NS_PER_S,
+                request_id=decision.request_id,
+                priority=decision.priority,
+                band=decision.band,
+                score=decision.score,
+                model=decision.model,
+                model_load=decision.swap or decision.load,
+                queue_wait_s=decision.queue_wait_ns / NS_PER_S,
+                running_s=(now - decision.granted_ns) / NS_PER_S,
             )
         return QueueSnapshot(self._policy.name, self._loaded_model, running, waiting, self.band_stats())
-
-    def _dispatch_order(self) -> list[_Entry]:
-        """The order `next` would grant in if nothing changed: each grant makes its model the
-        loaded one, so the affinity bonus moves as the simulated queue drains."""
-        bonus = self._policy.swap_affinity_bonus
-        scale = self._divisor_ns or 1
-        ranked = sorted(self._waiting.values(), key=lambda e: (-self._aged_key(e), e.seq))
-        if not bonus:
-            return ranked
-        by_model: dict[str, deque[_Entry]] = {}
-        for entry in ranked:
-            if entry.model is not None:
-                by_model.setdefault(entry.model, deque()).append(entry)
-        taken: set[int] = set()
-        order: list[_Entry] = []
-        loaded = self._loaded_model
-        index = 0
-        while len(order) < len(ranked):
-            while ranked[index].seq in taken:
-                index += 1
-            pick = ranked[index]
-            same_model = by_model.get(loaded) if loaded is not None else None
-            while same_model and same_model[0].seq in taken:
-                same_model.popleft()
-            if same_model and same_model[0] is not pick:
-                favourite = same_model[0]
-                top_key = self._aged_key(pick) + self._affinity(pick, loaded) * scale
-                favourite_key = self._aged_key(favourite) + bonus * scale
-                if self._ahead(favourite_key, favourite, top_key, pick):
-                    pick = favourite
-            taken.add(pick.seq)
-            order.append(pick)
-            if pick.model is not None:
-                loaded = pick.model
-        return order
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
@@ -434,47 +531,60 @@ class Scheduler:
         stats = {}
         for band in Band:
             oldest = self._oldest(self._band_arrivals[band])
-            wait = (now - oldest.arrival_ns) / NS_PER_S if oldest is not None else 0.0
-            stats[band] = BandStats(self._band_depth[band], wait)
+            if oldest is None:
+                stats[band] = BandStats(0, 0.0, None)
+            else:
+                stats[band] = BandStats(self._band_depth[band], (now - oldest.arrival_ns) / NS_PER_S, oldest.arrival_ns)
         return stats
 
     # -- internals -----------------------------------------------------------------------
 
+    def _dispatch_order(self) -> list[tuple[_Entry, int]]:
+        """The order `next` would grant in if nothing changed, with each one's affinity bonus
+        at its turn: the same `_pick` on a copy of the index, each simulated grant making its
+        model the loaded one."""
+        index = self._aged.copy()
+        taken: set[int] = set()
+        loaded = self._loaded_model
+        order: list[tuple[_Entry, int]] = []
+        for _ in range(len(self._waiting)):
+            pick = self._pick(index, loaded, taken)
+            taken.add(pick.seq)
+            order.append((pick, self._affinity(pick, loaded)))
+            if pick.model is not None:
+                loaded = pick.model
+        return order
+
+    def _pick(self, index: _Index, loaded: str | None, taken: set[int] | None = None) -> _Entry:
+        """The winner among the waiting in `index` while `loaded` is loaded: the better of the
+        global top and the loaded model's top plus the bonus (key, then earlier arrival)."""
+        top = index.top(taken)
+        assert top is not None, "called with an empty queue"
+        if loaded is None or not self._bonus:
+            return top[2]
+        favourite = index.top_of(loaded, taken)
+        if favourite is None or favourite[2] is top[2]:
+            return top[2]
+        top_key = -top[0]  # the global top has no bonus, or it would be the favourite
+        favourite_key = -favourite[0] + self._bonus * index.scale
+        if favourite_key > top_key or (favourite_key == top_key and favourite[1] < top[1]):
+            return favourite[2]
+        return top[2]
+
     def _affinity(self, entry: _Entry, loaded: str | None) -> int:
         """The swap-affinity bonus, in points, that `entry` gets while `loaded` is loaded."""
-        return self._policy.swap_affinity_bonus if entry.model is not None and entry.model == loaded else 0
+        return self._bonus if entry.model is not None and entry.model == loaded else 0
 
-    @staticmethod
-    def _ahead(key: int, entry: _Entry, other_key: int, other: _Entry) -> bool:
-        """Whether `entry` goes before `other`: the larger key, then the earlier arrival."""
-        return key > other_key or (key == other_key and entry.seq < other.seq)
+    def _aging(self, waited_ns: int) -> float:
+        return waited_ns / self._divisor_ns if self._divisor_ns else 0.0
 
-    def _score_key(self, entry: _Entry) -> int:
-        """The time-free key (see module doc), including the loaded model's bonus."""
-        bonus = self._affinity(entry, self._loaded_model)
-        divisor = self._divisor_ns
-        return (entry.base + bonus) * divisor - entry.arrival_ns if divisor else entry.base + bonus
-
-    def _score(self, entry: _Entry, now_ns: int) -> float:
-        bonus = self._affinity(entry, self._loaded_model)
-        divisor = self._divisor_ns
-        return entry.base + bonus + ((now_ns - entry.arrival_ns) / divisor if divisor else 0.0)
-
-    def _aged_key(self, entry: _Entry) -> int:
-        divisor = self._divisor_ns
-        return entry.base * divisor - entry.arrival_ns if divisor else entry.base
-
-    def _push(self, entry: _Entry) -> None:
-        aged: _Item = (-self._aged_key(entry), entry.seq, entry)
-        heapq.heappush(self._aged, aged)
-        if entry.model is not None:
-            heapq.heappush(self._aged_by_model.setdefault(entry.model, []), aged)
-        if self._divisor_ns:
-            # Only needed to tell whether aging changed a pick.
-            plain: _Item = (-entry.base, entry.seq, entry)
-            heapq.heappush(self._plain, plain)
-            if entry.model is not None:
-                heapq.heappush(self._plain_by_model.setdefault(entry.model, []), plain)
+    def _arrival_order(self) -> list[_Entry]:
+        entries = []
+        entry = self._oldest_entry
+        while entry is not None:
+            entries.append(entry)
+            entry = entry.newer
+        return entries
 
     def _link(self, entry: _Entry) -> None:
         entry.older = self._newest_entry
@@ -503,44 +613,15 @@ class Scheduler:
         self._band_depth[entry.priority.band] -= 1
         self._dead_in_heaps += 1
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
-            self._rebuild()
+            self._compact()
 
-    def _rebuild(self) -> None:
-        alive = sorted(self._waiting.values(), key=lambda e: e.seq)
-        self._aged, self._plain = [], []
-        self._aged_by_model, self._plain_by_model = {}, {}
-        for entry in alive:
-            self._push(entry)
+    def _compact(self) -> None:
+        alive = self._arrival_order()
+        self._aged.rebuild(alive)
+        if self._plain is not None:
+            self._plain.rebuild(alive)
         self._band_arrivals = {band: deque(e for e in alive if e.priority.band is band) for band in Band}
         self._dead_in_heaps = 0
-
-    @staticmethod
-    def _top(heap: list[_Item]) -> _Entry | None:
-        while heap and not heap[0][2].alive:
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
-
-    def _best(self, heap: list[_Item], by_model: dict[str, list[_Item]], *, aged: bool) -> _Entry:
-        """The winner among waiting requests, counting the loaded model's bonus."""
-        top = self._top(heap)
-        assert top is not None, "called with an empty queue"
-        loaded = self._loaded_model
-        bonus = self._policy.swap_affinity_bonus
-        if loaded is None or not bonus:
-            return top
-        model_heap = by_model.get(loaded)
-        if model_heap is None:
-            return top
-        favourite = self._top(model_heap)
-        if favourite is None:
-            del by_model[loaded]
-            return top
-        if favourite is top:
-            return top
-        scale = self._divisor_ns if aged and self._divisor_ns else 1
-        top_key = -heap[0][0] + self._affinity(top, loaded) * scale
-        favourite_key = -model_heap[0][0] + bonus * scale
-        return favourite if self._ahead(favourite_key, favourite, top_key, top) else top
 
     @staticmethod
     def _oldest(arrivals: deque[_Entry]) -> _Entry | None:
@@ -557,6 +638,11 @@ class Scheduler:
             entry = entry.newer
         return tuple(overtaken)
 
-    def _removed(self, entry: _Entry) -> Removed:
-        return Removed(entry.request_id, entry.priority.value, entry.priority.band, entry.model,
-                       self._clock.now_ns() - entry.arrival_ns)
+    @staticmethod
+    def _removed(entry: _Entry, now_ns: int) -> Removed:
+        return Removed(entry.request_id, entry.priority.value, entry.priority.band, entry.model, entry.arrival_ns,
+                       now_ns)
+
+
+def _entry(item: _Item | None) -> _Entry | None:
+    return item[2] if item is not None else None
