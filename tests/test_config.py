@@ -335,6 +335,112 @@ def test_bad_file_exits_2_and_names_the_key_path(tmp_path, case):
     assert fragment in info.value.problems[0].message
 
 
+# Exact problems, through the library: (document, "path: message").
+BAD_DOCUMENTS = {
+    # strict types: no coercion of strings or booleans
+    "integer as a string": ({"estimates": {"samples": "50"}},
+                            "estimates.samples: must be an integer, got a string '50'"),
+    "integer as a boolean": ({"routing": {"scheduler": {"maxQueued": True}}},
+                             "routing.scheduler.maxQueued: must be an integer, got a boolean true"),
+    "integer as a whole float": ({"envoy": {"maxSidecarStreams": 10.0}},
+                                 "envoy.maxSidecarStreams: must be an integer, got a number 10.0"),
+    "number as a boolean": ({"routing": {"scheduler": {"maxRunSeconds": True}}},
+                            "routing.scheduler.maxRunSeconds: must be a number, got a boolean true"),
+    "number as a string": ({"envoy": {"leaseSeconds": "3"}}, "envoy.leaseSeconds: must be a number, got a string '3'"),
+    "boolean as a string": ({"envoy": {"failOpen": "true"}},
+                            "envoy.failOpen: must be true or false, got a string 'true'"),
+    "boolean as a number": ({"envoy": {"failOpen": 1}}, "envoy.failOpen: must be true or false, got a number 1"),
+    "boolean as nothing": ({"envoy": {"failOpen": None}}, "envoy.failOpen: must be true or false, got nothing"),
+    # sub-millisecond values would round to 'off'
+    "tiny maxWaitSeconds": ({"routing": {"scheduler": {"maxWaitSeconds": 1e-10}}},
+                            "routing.scheduler.maxWaitSeconds: must be 0 (0 = wait forever) or at least 0.001 seconds, "
+                            "got 1e-10: a smaller positive value would round to 0"),
+    "tiny agingDivisor": ({"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 0.0004}}}}},
+                          f"{SERIAL}.agingDivisor: must be 0 (0 disables aging) or at least 0.001 seconds, got 0.0004: "
+                          "a smaller positive value would round to 0"),
+    "maxRunSeconds negative": ({"routing": {"scheduler": {"maxRunSeconds": -1}}},
+                               "routing.scheduler.maxRunSeconds: must be >= 0 (0 = off), got -1"),
+    "fifo takes no keys": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
+                           "routing.scheduler.settings.fifo.agingDivisor: unknown key; nothing is allowed here"),
+    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, envoy, estimates, listen, "
+                                             "models, routing, security, upstream (and llama-swap's keys, which are "
+                                             "ignored)"),
+    "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
+    "top level is a list": ([1], "(top level): must be a mapping, got a list"),
+    # upstream
+    "url port 0": ({"upstream": {"url": "http://127.0.0.1:0"}},
+                   "upstream.url: has an invalid port (1..65535): 'http://127.0.0.1:0'"),
+    "url upper-case scheme": ({"upstream": {"url": "HTTP://h"}},
+                              "upstream.url: must be an http:// or https:// URL with a host, got 'HTTP://h' "
+                              "(e.g. 'http://127.0.0.1:8081')"),
+    "command empty list": ({"upstream": {"command": []}},
+                           "upstream.command: must be a command line string or a non-empty list of arguments "
+                           "(strings or numbers), got a list"),
+    "command with a mapping": ({"upstream": {"command": ["a", {"b": 1}]}},
+                               "upstream.command: must be a command line string or a non-empty list of arguments "
+                               "(strings or numbers), got a list"),
+    "command unclosed quote": ({"upstream": {"command": "llama-server -m 'x.gguf"}},
+                               "upstream.command: is not a valid command line (No closing quotation): "
+                               "\"llama-server -m 'x.gguf\""),
+    "healthPath relative": ({"upstream": {"healthPath": "health"}},
+                            "upstream.healthPath: must be a path starting with '/', got a string 'health'"),
+    "startupTimeoutSeconds zero": ({"upstream": {"startupTimeoutSeconds": 0}},
+                                   "upstream.startupTimeoutSeconds: must be > 0, got 0"),
+    "modelsPollSeconds negative": ({"upstream": {"modelsPollSeconds": -1}},
+                                   "upstream.modelsPollSeconds: must be >= 0 (0 = off), got -1"),
+    "modelCheck unknown": ({"upstream": {"modelCheck": "maybe"}},
+                           "upstream.modelCheck: must be one of 'auto', 'strict', 'off', got 'maybe'"),
+    "modelCheck boolean": ({"upstream": {"modelCheck": False}},
+                           "upstream.modelCheck: must be one of 'auto', 'strict', 'off', got a boolean false"),
+    "abandonedGeneration unknown": ({"upstream": {"abandonedGeneration": "kill"}},
+                                    "upstream.abandonedGeneration: must be one of 'wait', 'stop', got 'kill'"),
+    "settleTimeoutSeconds zero": ({"upstream": {"settleTimeoutSeconds": 0}},
+                                  "upstream.settleTimeoutSeconds: must be > 0, got 0"),
+    "settleTimeoutSeconds string": ({"upstream": {"settleTimeoutSeconds": "600"}},
+                                    "upstream.settleTimeoutSeconds: must be a number, got a string '600'"),
+    # envoy
+    "streamIdleTimeoutSeconds zero": ({"envoy": {"streamIdleTimeoutSeconds": 0}},
+                                      "envoy.streamIdleTimeoutSeconds: must be > 0, got 0"),
+    "maxRequestBytes small": ({"envoy": {"maxRequestBytes": 1023}}, "envoy.maxRequestBytes: must be >= 1024, got 1023"),
+    "maxSidecarStreams zero": ({"envoy": {"maxSidecarStreams": 0}}, "envoy.maxSidecarStreams: must be >= 1, got 0"),
+    "leaseSeconds short": ({"envoy": {"leaseSeconds": 0.29}}, "envoy.leaseSeconds: must be >= 0.3, got 0.29"),
+    # security
+    "priority mode unknown": ({"security": {"priority": {"mode": "off"}}},
+                              "security.priority.mode: must be one of 'trust', 'clamp', 'strip', got 'off'"),
+    "priority min above max": ({"security": {"priority": {"min": 5, "max": 3}}},
+                               "security.priority.min: must not exceed security.priority.max (5 > 3)"),
+    "priority min above the default max": ({"security": {"priority": {"min": 101}}},
+                                           "security.priority.min: must not exceed security.priority.max (101 > 100)"),
+    "trustedHeader is the priority header": ({"security": {"priority": {"trustedHeader": " X-LlamaSwap-Priority "}}},
+                                             "security.priority.trustedHeader: must be a header set only by your "
+                                             "authenticating proxy, not x-llamaswap-priority (callers set that one)"),
+    "trustedHeader not a header name": ({"security": {"priority": {"trustedHeader": "x user"}}},
+                                        "security.priority.trustedHeader: must be an HTTP header name, got 'x user'"),
+    "trustedHeader a number": ({"security": {"priority": {"trustedHeader": 5}}},
+                               "security.priority.trustedHeader: must be a header name, or empty for none, "
+                               "got a number 5"),
+    # activity and estimates
+    "activity path a number": ({"activity": {"path": 5}},
+                               "activity.path: must be a file path, or empty for none, got a number 5"),
+    "activity recent negative": ({"activity": {"recent": -1}}, "activity.recent: must be >= 0 (0 keeps none), got -1"),
+    "activity unknown key": ({"activity": {"paht": "/tmp/a"}}, "activity.paht: unknown key; did you mean 'path'?"),
+    "defaultRunSeconds zero": ({"estimates": {"defaultRunSeconds": 0}},
+                               "estimates.defaultRunSeconds: must be > 0, got 0"),
+    "defaultSwapSeconds negative": ({"estimates": {"defaultSwapSeconds": -0.5}},
+                                    "estimates.defaultSwapSeconds: must be >= 0, got -0.5"),
+    "samples zero": ({"estimates": {"samples": 0}}, "estimates.samples: must be >= 1, got 0"),
+    "model id is null": ({"models": {None: {}}}, "models.None: a model id must be a string, got nothing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DOCUMENTS))
+def test_bad_document_names_the_key_path_and_the_fix(case):
+    document, expected = BAD_DOCUMENTS[case]
+    with pytest.raises(ConfigError) as info:
+        parse_config(document)
+    assert [str(p) for p in info.value.problems] == [expected]
+
+
 def test_every_problem_is_reported_at_once(tmp_path):
     path = write(tmp_path, """\
         routing:
@@ -449,3 +555,279 @@ def test_a_millisecond_or_more_is_enforced(seconds):
     assert scheduler.next_deadline_ns() == round(seconds * 1e9)
     clock.advance(1)
     assert [r.request_id for r in scheduler.expire_overdue()] == ["a"]
+
+
+# -- every key -----------------------------------------------------------------------------
+
+# Every key, each set to something other than its default.
+EVERY_KEY = {
+    "routing": {"scheduler": {
+        "use": "fifo", "maxQueued": 7, "maxWaitSeconds": 2.5, "maxRunSeconds": 900.0,
+        "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99}, "fifo": {}},
+    }},
+    "models": {"qwen": {"priority": 10}, "gemma": {"priority": -5}},
+    "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091"},
+    "upstream": {
+        "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
+        "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
+        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0,
+    },
+    "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
+              "failOpen": True, "leaseSeconds": 0.3},
+    "security": {"priority": {"mode": "clamp", "min": -5, "max": 5, "trustedHeader": "x-user-priority"}},
+    "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
+    "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
+}
+
+
+def leaves(document: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in document.items():
+        if isinstance(value, dict) and key != "models":
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_every_key_reaches_its_attribute():
+    cfg = parse_config(EVERY_KEY)
+    s = cfg.routing.scheduler
+    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == ("fifo", 7, 2.5, 900)
+    assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (30, 99)
+    assert model_priorities(cfg) == {"qwen": 10, "gemma": -5}
+    assert (str(cfg.listen.http), str(cfg.listen.grpc), str(cfg.listen.admin)) == \
+        ("0.0.0.0:8000", "[::1]:9001", "10.0.0.5:9091")
+    u = cfg.upstream
+    assert (u.url, u.command, u.health_path) == ("https://llm.example.com:8443/base",
+                                                 ("llama-server", "--port", "8081"), "/ready")
+    assert (u.startup_timeout_seconds, u.models_poll_seconds, u.settle_timeout_seconds) == (60, 0, 30)
+    assert (u.model_check, u.abandoned_generation) == (ModelCheck.STRICT, AbandonedGeneration.STOP)
+    assert (u.host, u.port, u.tls) == ("llm.example.com", 8443, True)
+    e = cfg.envoy
+    assert (e.stream_idle_timeout_seconds, e.max_request_bytes, e.max_sidecar_streams, e.fail_open,
+            e.lease_seconds) == (60, 1024, 10, True, 0.3)
+    p = cfg.security.priority
+    assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.CLAMP, -5, 5, "x-user-priority")
+    assert cfg.priority_policy() == PriorityPolicy(mode="clamp", minimum=-5, maximum=5,
+                                                   trusted_header="x-user-priority")
+    assert (cfg.activity.path, cfg.activity.recent) == ("/var/log/llamaswap/activity.jsonl", 0)
+    es = cfg.estimates
+    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (2.5, 0, 1)
+
+
+def test_the_defaults():
+    cfg = Config()
+    s = cfg.routing.scheduler
+    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == (SchedulerName.SERIAL, 0, 0, 0)
+    assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (60, 10)
+    assert dict(cfg.models) == {}
+    assert (cfg.listen.http, cfg.listen.grpc, cfg.listen.admin) == \
+        (HostPort("127.0.0.1", 8080), HostPort("127.0.0.1", 9000), HostPort("127.0.0.1", 9090))
+    u = cfg.upstream
+    assert (u.url, u.command, u.health_path, u.startup_timeout_seconds, u.models_poll_seconds) == \
+        ("http://127.0.0.1:8081", (), "/health", 300, 5)
+    assert (u.model_check, u.abandoned_generation, u.settle_timeout_seconds) == \
+        (ModelCheck.AUTO, AbandonedGeneration.WAIT, 600)
+    assert (u.host, u.port, u.tls) == ("127.0.0.1", 8081, False)
+    e = cfg.envoy
+    assert (e.stream_idle_timeout_seconds, e.max_request_bytes, e.max_sidecar_streams, e.fail_open,
+            e.lease_seconds) == (300, 67108864, 100000, False, 3)
+    p = cfg.security.priority
+    assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.TRUST, -100, 100, None)
+    assert cfg.priority_policy() == PriorityPolicy(mode="trust", minimum=-100, maximum=100, trusted_header=None)
+    assert (cfg.activity.path, cfg.activity.recent) == (None, 1000)
+    es = cfg.estimates
+    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (10, 5, 50)
+
+
+def test_every_key_example_differs_from_the_defaults():
+    # So the round trip below exercises every key: a new key must be added to EVERY_KEY.
+    defaults = leaves(Config().to_document())
+    every = leaves(parse_config(EVERY_KEY).to_document())
+    assert set(every) == set(defaults)
+    assert [key for key in defaults if every[key] == defaults[key]] == []
+
+
+@pytest.mark.parametrize("cfg", [Config(), parse_config(EVERY_KEY)], ids=["defaults", "every key"])
+def test_to_document_round_trips(cfg):
+    document = cfg.to_document()
+    assert parse_config(document) == cfg
+    assert parse_config(yaml.safe_load(yaml.safe_dump(document))) == cfg
+
+
+def test_to_document_fills_in_every_default():
+    document = parse_config({"routing": {"scheduler": {"maxQueued": 3}}}).to_document()
+    assert document["routing"]["scheduler"]["maxQueued"] == 3
+    assert document["routing"]["scheduler"]["settings"]["serial"] == {"agingDivisor": 60, "swapAffinityBonus": 10}
+    assert document["listen"] == {"http": "127.0.0.1:8080", "grpc": "127.0.0.1:9000", "admin": "127.0.0.1:9090"}
+    assert document["upstream"]["url"] == "http://127.0.0.1:8081"
+    assert document["upstream"]["command"] == ""
+    assert document["security"]["priority"]["trustedHeader"] is None
+    assert "source" not in document
+
+
+def test_to_document_is_the_yaml_shape():
+    document = parse_config(EVERY_KEY).to_document()
+    assert document == {**EVERY_KEY}
+
+
+def test_source_is_where_it_came_from_and_not_part_of_equality(tmp_path):
+    path = write(tmp_path, "routing: {scheduler: {maxQueued: 3}}\n")
+    from_file = load_config(path)
+    from_memory = parse_config({"routing": {"scheduler": {"maxQueued": 3}}})
+    assert (from_file.source, from_memory.source, Config().source) == (str(path), "<memory>", "<defaults>")
+    assert parse_config({}, source="<built-in default>").source == "<built-in default>"
+    assert from_file == from_memory
+    assert from_file != Config()
+
+
+def test_the_configuration_is_frozen():
+    cfg = Config()
+    with pytest.raises(ValidationError):
+        cfg.routing.scheduler.max_queued = 5  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        cfg.upstream = cfg.upstream  # type: ignore[misc]
+
+
+def test_python_names_build_the_same_configuration():
+    from llamaswap.config import RoutingConfig, SchedulerConfig
+
+    built = Config(routing=RoutingConfig(scheduler=SchedulerConfig(max_queued=3, use=SchedulerName.FIFO)))
+    assert built == parse_config({"routing": {"scheduler": {"maxQueued": 3, "use": "fifo"}}})
+
+
+@pytest.mark.parametrize("text", [
+    "models:\n", "models: {qwen: }\n", "security:\n", "security: {priority: }\n", "activity:\n", "estimates:\n",
+    "upstream:\n", "envoy:\n", "listen:\n", "routing: {scheduler: {settings: {serial: , fifo: }}}\n",
+])
+def test_a_section_with_nothing_under_it_means_its_defaults(tmp_path, text):
+    cfg = load_config(write(tmp_path, text))
+    expected = Config().to_document() | ({"models": {"qwen": {"priority": 0}}} if "qwen" in text else {})
+    assert cfg.to_document() == expected
+
+
+# -- the deprecated key --------------------------------------------------------------------
+
+DEPRECATED = "envoy.extProcMessageTimeoutMs: no longer used (the data path has no ext_proc); remove it"
+
+
+def test_ext_proc_message_timeout_is_accepted_and_ignored_with_a_warning(tmp_path):
+    path = write(tmp_path, "envoy: {extProcMessageTimeoutMs: 10000, failOpen: true}\n")
+    warnings: list[str] = []
+    cfg = load_config(path, warn=warnings.append)
+    assert warnings == [DEPRECATED]
+    assert cfg.envoy.fail_open is True
+    assert "extProcMessageTimeoutMs" not in cfg.to_document()["envoy"]
+    assert cfg == parse_config({"envoy": {"failOpen": True}})
+    result = check_config(path.name, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert f"warning: {DEPRECATED}" in result.stderr
+
+
+def test_the_warning_is_logged_without_a_callback(caplog):
+    with caplog.at_level("WARNING", logger="llamaswap.config"):
+        parse_config({"envoy": {"extProcMessageTimeoutMs": 1}})
+    assert [record.getMessage() for record in caplog.records] == [DEPRECATED]
+
+
+def test_no_warning_without_the_deprecated_key():
+    warnings: list[str] = []
+    parse_config(EVERY_KEY, warn=warnings.append)
+    assert warnings == []
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, host, port, connect_host", [
+    ("0.0.0.0:8080", "0.0.0.0", 8080, "127.0.0.1"),
+    ("[::]:8080", "::", 8080, "::1"),
+    ("[::1]:8080", "::1", 8080, "::1"),
+    ("10.1.2.3:0", "10.1.2.3", 0, "10.1.2.3"),
+    ("sidecar.svc:65535", "sidecar.svc", 65535, "sidecar.svc"),
+])
+def test_host_port(text, host, port, connect_host):
+    address = parse_config({"listen": {"grpc": text}}).listen.grpc
+    assert (address.host, address.port, address.connect_host, str(address)) == (host, port, connect_host, text)
+
+
+def test_connect_host_of_an_empty_host():
+    assert HostPort("", 80).connect_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("url, expected, host, port, tls", [
+    ("http://127.0.0.1:8081/", "http://127.0.0.1:8081", "127.0.0.1", 8081, False),
+    ("http://upstream", "http://upstream", "upstream", 80, False),
+    ("https://upstream/v1/", "https://upstream/v1", "upstream", 443, True),
+    ("http://[::1]:8081", "http://[::1]:8081", "::1", 8081, False),
+])
+def test_upstream_url(url, expected, host, port, tls):
+    upstream = parse_config({"upstream": {"url": url}}).upstream
+    assert (upstream.url, upstream.host, upstream.port, upstream.tls) == (expected, host, port, tls)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("llama-server -m 'my model.gguf' --port 8081", ("llama-server", "-m", "my model.gguf", "--port", "8081")),
+    (["llama-server", "--port", 8081, "--temp", 0.5], ("llama-server", "--port", "8081", "--temp", "0.5")),
+    ("", ()),
+    (None, ()),
+])
+def test_upstream_command(command, expected):
+    assert parse_config({"upstream": {"command": command}}).upstream.command == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    (" X-User-Priority ", "x-user-priority"), ("", None), (None, None), ("   ", None),
+])
+def test_trusted_header(value, expected):
+    cfg = parse_config({"security": {"priority": {"trustedHeader": value}}})
+    assert cfg.security.priority.trusted_header == expected
+    assert cfg.priority_policy().trusted_header == expected
+
+
+@pytest.mark.parametrize("value, expected", [("/tmp/activity.jsonl", "/tmp/activity.jsonl"), ("", None), (None, None)])
+def test_activity_path(value, expected):
+    assert parse_config({"activity": {"path": value}}).activity.path == expected
+
+
+@pytest.mark.parametrize("key, value", [
+    ("modelCheck", ModelCheck.AUTO), ("modelCheck", ModelCheck.STRICT), ("modelCheck", ModelCheck.OFF),
+    ("abandonedGeneration", AbandonedGeneration.WAIT), ("abandonedGeneration", AbandonedGeneration.STOP),
+])
+def test_upstream_choices(key, value):
+    upstream = parse_config({"upstream": {key: str(value)}}).upstream
+    attribute = {"modelCheck": "model_check", "abandonedGeneration": "abandoned_generation"}[key]
+    assert getattr(upstream, attribute) is value
+
+
+@pytest.mark.parametrize("mode", ["trust", "clamp", "strip"])
+def test_priority_modes_reach_the_policy(mode):
+    cfg = parse_config({"security": {"priority": {"mode": mode, "min": -1, "max": 1}}})
+    assert cfg.security.priority.mode is PriorityMode(mode)
+    assert cfg.priority_policy() == PriorityPolicy(mode=mode, minimum=-1, maximum=1, trusted_header=None)
+
+
+def test_model_ids_that_yaml_reads_as_numbers_are_strings():
+    cfg = parse_config(yaml.safe_load("models: {7: {priority: 1}}"))
+    assert model_priorities(cfg) == {"7": 1}
+
+
+# -- load_document -------------------------------------------------------------------------
+
+
+def test_load_document_parses_without_validating(tmp_path):
+    path = write(tmp_path, "routing: {scheduler: {use: lifo}}\nextra: 1\n")
+    assert load_document(path) == {"routing": {"scheduler": {"use": "lifo"}}, "extra": 1}
+
+
+def test_load_document_of_an_empty_file_is_none(tmp_path):
+    assert load_document(write(tmp_path, "# nothing\n")) is None
+
+
+def test_load_document_names_the_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_document(tmp_path / "nope.yaml")
+    assert [p.path for p in info.value.problems] == [str(tmp_path / "nope.yaml")]
+    assert info.value.problems[0].message == "cannot read the file: No such file or directory"
