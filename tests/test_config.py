@@ -6,6 +6,8 @@ exit status 2 and the key path on stderr.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,8 +16,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamaswap.config import Config, ConfigError, load_config, parse_config
+from pydantic import ValidationError
+
+import llamaswap
+
+from llamaswap.config import (
+    AbandonedGeneration,
+    Config,
+    ConfigError,
+    HostPort,
+    ModelCheck,
+    PriorityMode,
+    SchedulerName,
+    load_config,
+    load_document,
+    parse_config,
+)
 from llamaswap.core import ManualClock, Policy, QueueFull, Scheduler, parse_priority
+from llamaswap.core.priority import PriorityPolicy
 
 # The Configuration block of ../shared/spec/request-priority.md, verbatim.
 SPEC_YAML = """\
@@ -33,16 +51,25 @@ routing:
 SERIAL = "routing.scheduler.settings.serial"
 
 
+def model_priorities(cfg: Config) -> dict[str, int]:
+    return {model_id: model.priority for model_id, model in cfg.models.items()}
+
+
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text), encoding="utf-8")
     return path
 
 
+# The command must run the llamaswap this process imports (a relative PYTHONPATH would not reach it from cwd).
+_SOURCE_ROOT = str(Path(llamaswap.__file__).resolve().parents[1])
+
+
 def check_config(path: Path | str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SOURCE_ROOT, os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
         [sys.executable, "-m", "llamaswap", "check-config", "-c", str(path)],
-        cwd=cwd, capture_output=True, text=True, timeout=60,
+        cwd=cwd, capture_output=True, text=True, timeout=60, env=env,
     )
 
 
@@ -51,10 +78,10 @@ def check_config(path: Path | str, cwd: Path) -> subprocess.CompletedProcess[str
 
 def test_the_specification_yaml_loads(tmp_path):
     cfg = load_config(write(tmp_path, SPEC_YAML))
-    assert cfg.scheduler.use == "serial"
-    assert cfg.scheduler.aging_divisor_s == 60
-    assert cfg.scheduler.swap_affinity_bonus == 10
-    assert dict(cfg.model_priorities) == {}
+    assert cfg.routing.scheduler.use is SchedulerName.SERIAL
+    assert cfg.routing.scheduler.settings.serial.aging_divisor == 60
+    assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == 10
+    assert model_priorities(cfg) == {}
     policy = cfg.policy()
     assert policy.name == "serial"
     assert policy.aging_divisor_s == 60
@@ -72,17 +99,20 @@ def test_the_specification_yaml_passes_check_config(tmp_path):
 @pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "{}\n", "routing:\n", "routing:\n  scheduler:\n"])
 def test_defaults(tmp_path, text):
     cfg = load_config(write(tmp_path, text))
-    assert cfg.scheduler.use == "serial"
-    assert cfg.scheduler.aging_divisor_s == 60
-    assert cfg.scheduler.swap_affinity_bonus == 10
-    assert dict(cfg.model_priorities) == {}
+    assert cfg.routing.scheduler.use is SchedulerName.SERIAL
+    assert cfg.routing.scheduler.settings.serial.aging_divisor == 60
+    assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == 10
+    assert model_priorities(cfg) == {}
     assert cfg.policy().name == "serial"
+    assert cfg == Config()
 
 
 def test_defaults_without_a_file():
     cfg = load_config(None)
     assert isinstance(cfg, Config)
-    assert (cfg.scheduler.use, cfg.scheduler.aging_divisor_s, cfg.scheduler.swap_affinity_bonus) == ("serial", 60, 10)
+    serial = cfg.routing.scheduler.settings.serial
+    assert (cfg.routing.scheduler.use, serial.aging_divisor, serial.swap_affinity_bonus) == ("serial", 60, 10)
+    assert cfg.source == "<defaults>"
 
 
 def test_fifo_with_model_priorities_queues_a_batch_request_at_minus_90(tmp_path):
@@ -97,8 +127,8 @@ def test_fifo_with_model_priorities_queues_a_batch_request_at_minus_90(tmp_path)
           llama:
             cmd: llama-server --port ${PORT} -m llama.gguf
     """))
-    assert cfg.scheduler.use == "fifo"
-    assert dict(cfg.model_priorities) == {"qwen": 10, "llama": 0}
+    assert cfg.routing.scheduler.use is SchedulerName.FIFO
+    assert model_priorities(cfg) == {"qwen": 10, "llama": 0}
     policy = cfg.policy()
     assert policy.name == "fifo"
     scheduler = Scheduler(policy, ManualClock())
@@ -118,16 +148,16 @@ def test_serial_settings_values(tmp_path):
           a:
             priority: -3
     """))
-    assert cfg.scheduler.aging_divisor_s == 0.5
-    assert cfg.scheduler.swap_affinity_bonus == 0
-    assert dict(cfg.model_priorities) == {"a": -3}
+    assert cfg.routing.scheduler.settings.serial.aging_divisor == 0.5
+    assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == 0
+    assert model_priorities(cfg) == {"a": -3}
     assert cfg.policy().aging_divisor_s == 0.5
 
 
 @pytest.mark.parametrize("divisor", [0, 1, 60, 3600, 0.25])
 def test_aging_divisor_accepts_zero_and_positive_numbers(tmp_path, divisor):
     cfg = load_config(write(tmp_path, f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: {divisor}}}}}}}}}\n"))
-    assert cfg.scheduler.aging_divisor_s == divisor
+    assert cfg.routing.scheduler.settings.serial.aging_divisor == divisor
 
 
 @pytest.mark.parametrize("bonus", [0, 1, 10, 98, 99])
@@ -135,7 +165,8 @@ def test_bonus_in_range_loads_without_warning(tmp_path, bonus):
     warnings: list[str] = []
     cfg = load_config(write(tmp_path, f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: {bonus}}}}}}}}}\n"),
                       warn=warnings.append)
-    assert cfg.scheduler.swap_affinity_bonus == bonus
+    assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == bonus
+    assert cfg.policy().swap_affinity_bonus == bonus
     assert warnings == []
 
 
@@ -168,7 +199,7 @@ def test_models_accept_llama_swap_keys(tmp_path):
             members: [qwen3, gemma]
     """)
     cfg = load_config(path)
-    assert dict(cfg.model_priorities) == {"qwen3": 5, "gemma": 0}
+    assert model_priorities(cfg) == {"qwen3": 5, "gemma": 0}
     result = check_config(path, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
@@ -207,23 +238,22 @@ def test_listen_and_upstream_strings(tmp_path):
     assert cfg.upstream.url == "http://127.0.0.1:8081"
 
 
-# -- the swapAffinityBonus cap -------------------------------------------------------------
+# -- the swapAffinityBonus range -----------------------------------------------------------
 
 
-def test_bonus_above_99_is_capped_with_a_warning(tmp_path):
+def test_bonus_above_99_is_an_error(tmp_path):
+    # It used to be capped with a warning; the Helm chart refused it. Both refuse it now.
     path = write(tmp_path, "routing: {scheduler: {settings: {serial: {swapAffinityBonus: 150}}}}\n")
-    warnings: list[str] = []
-    cfg = load_config(path, warn=warnings.append)
-    assert cfg.scheduler.swap_affinity_bonus == 99
-    assert cfg.policy().swap_affinity_bonus == 99
-    assert len(warnings) == 1
-    assert f"{SERIAL}.swapAffinityBonus" in warnings[0]
-    assert "99" in warnings[0]
-    result = check_config(path, tmp_path)
-    assert result.returncode == 0
-    assert result.stdout.strip() == "ok"
-    assert f"{SERIAL}.swapAffinityBonus" in result.stderr
-    assert "warning" in result.stderr.lower()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        f"{SERIAL}.swapAffinityBonus: must be 0..99 (0 disables it; it must stay below the band spacing of 100), "
+        "got 150"
+    ]
+    result = check_config(path.name, tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout.strip() != "ok"
+    assert f"error: {SERIAL}.swapAffinityBonus: must be 0..99" in result.stderr
 
 
 # -- bad files -----------------------------------------------------------------------------
@@ -231,48 +261,61 @@ def test_bonus_above_99_is_capped_with_a_warning(tmp_path):
 BAD_FILES = {
     # name: (YAML, key path that stderr must name, another fragment it must contain)
     "unknown serial key": ("routing: {scheduler: {settings: {serial: {agingDivisr: 5}}}}",
-                           f"{SERIAL}.agingDivisr", "did you mean 'agingDivisor'"),
+                           f"{SERIAL}.agingDivisr", "unknown key; did you mean 'agingDivisor'?"),
     "unknown bonus key": ("routing: {scheduler: {settings: {serial: {swapAfinityBonus: 5}}}}",
                           f"{SERIAL}.swapAfinityBonus", "did you mean 'swapAffinityBonus'"),
     "unknown top-level key": ("rouding:\n  scheduler: {}\n", "rouding", "did you mean 'routing'"),
     "unknown scheduler key": ("routing: {scheduler: {usse: fifo}}", "routing.scheduler.usse", "did you mean 'use'"),
     "unknown model key": ("models: {qwen: {priorty: 3}}", "models.qwen.priorty", "did you mean 'priority'"),
-    "unknown key, nothing close": ("routing: {scheduler: {zzzzzz: 1}}", "routing.scheduler.zzzzzz", "unknown key"),
+    "unknown key, nothing close": ("routing: {scheduler: {zzzzzz: 1}}", "routing.scheduler.zzzzzz",
+                                   "unknown key; allowed here: maxQueued, maxRunSeconds, maxWaitSeconds, settings, "
+                                   "use"),
     "divisor is a string": ("routing: {scheduler: {settings: {serial: {agingDivisor: sixty}}}}",
-                            f"{SERIAL}.agingDivisor", "number"),
+                            f"{SERIAL}.agingDivisor", "must be a number, got a string 'sixty'"),
     "divisor is negative": ("routing: {scheduler: {settings: {serial: {agingDivisor: -1}}}}",
-                            f"{SERIAL}.agingDivisor", "-1"),
+                            f"{SERIAL}.agingDivisor", "must be >= 0 (0 disables aging), got -1"),
     "divisor is infinite": ("routing: {scheduler: {settings: {serial: {agingDivisor: .inf}}}}",
-                            f"{SERIAL}.agingDivisor", ""),
+                            f"{SERIAL}.agingDivisor", "must be a finite number, got inf"),
     "divisor is a boolean": ("routing: {scheduler: {settings: {serial: {agingDivisor: true}}}}",
-                             f"{SERIAL}.agingDivisor", ""),
+                             f"{SERIAL}.agingDivisor", "must be a number, got a boolean true"),
     "bonus is fractional": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: 1.5}}}}",
-                            f"{SERIAL}.swapAffinityBonus", "integer"),
+                            f"{SERIAL}.swapAffinityBonus", "must be an integer, got a number 1.5"),
     "bonus is a string": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: ten}}}}",
-                          f"{SERIAL}.swapAffinityBonus", "integer"),
+                          f"{SERIAL}.swapAffinityBonus", "must be an integer, got a string 'ten'"),
     "bonus is negative": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: -1}}}}",
-                          f"{SERIAL}.swapAffinityBonus", "-1"),
-    "model priority is a word": ("models: {qwen: {priority: high}}", "models.qwen.priority", "integer"),
+                          f"{SERIAL}.swapAffinityBonus", "must be 0..99 (0 disables it"),
+    "bonus is 100": ("routing: {scheduler: {settings: {serial: {swapAffinityBonus: 100}}}}",
+                     f"{SERIAL}.swapAffinityBonus", "below the band spacing of 100), got 100"),
+    "model priority is a word": ("models: {qwen: {priority: high}}", "models.qwen.priority",
+                                 "must be an integer, got a string 'high'"),
     "model priority is fractional": ("models: {qwen: {priority: 2.5}}", "models.qwen.priority", "integer"),
-    "bad use": ("routing: {scheduler: {use: lifo}}", "routing.scheduler.use", "lifo"),
-    "use is a number": ("routing: {scheduler: {use: 1}}", "routing.scheduler.use", ""),
-    "routing is a list": ("routing: [scheduler]", "routing", "mapping"),
-    "settings is a scalar": ("routing: {scheduler: {settings: 5}}", "routing.scheduler.settings", "mapping"),
-    "models is a list": ("models: [qwen, llama]", "models", "mapping"),
-    "a model is a scalar": ("models: {qwen: 5}", "models.qwen", "mapping"),
-    "listen without a port": ("listen: {http: localhost}", "listen.http", "host:port"),
+    "bad use": ("routing: {scheduler: {use: lifo}}", "routing.scheduler.use",
+                "must be one of 'serial', 'fifo', got 'lifo'"),
+    "use is a number": ("routing: {scheduler: {use: 1}}", "routing.scheduler.use",
+                        "must be one of 'serial', 'fifo', got a number 1"),
+    "routing is a list": ("routing: [scheduler]", "routing", "must be a mapping, got a list"),
+    "settings is a scalar": ("routing: {scheduler: {settings: 5}}", "routing.scheduler.settings",
+                             "must be a mapping, got a number 5"),
+    "models is a list": ("models: [qwen, llama]", "models", "must be a mapping, got a list"),
+    "a model is a scalar": ("models: {qwen: 5}", "models.qwen", "must be a mapping, got a number 5"),
+    "listen without a port": ("listen: {http: localhost}", "listen.http", "must be 'host:port' with a port 0..65535"),
     "listen port too big": ("listen: {grpc: '127.0.0.1:99999'}", "listen.grpc", "99999"),
-    "listen port not a number": ("listen: {admin: 'localhost:http'}", "listen.admin", ""),
-    "listen is a number": ("listen: {http: 8080}", "listen.http", ""),
+    "listen port not a number": ("listen: {admin: 'localhost:http'}", "listen.admin", "'localhost:http'"),
+    "listen is a number": ("listen: {http: 8080}", "listen.http", "must be a string 'host:port', got a number 8080"),
     "listen unknown key": ("listen: {htp: '127.0.0.1:8080'}", "listen.htp", "did you mean 'http'"),
-    "upstream url scheme": ("upstream: {url: 'ftp://127.0.0.1:8081'}", "upstream.url", "http"),
-    "upstream url not a url": ("upstream: {url: 'not a url'}", "upstream.url", ""),
-    "upstream url without host": ("upstream: {url: 'http://:8081'}", "upstream.url", ""),
-    "upstream url bad port": ("upstream: {url: 'http://127.0.0.1:port'}", "upstream.url", "port"),
-    "upstream url is a number": ("upstream: {url: 8081}", "upstream.url", ""),
-    "maxQueued negative": ("routing: {scheduler: {maxQueued: -1}}", "routing.scheduler.maxQueued", "-1"),
+    "upstream url scheme": ("upstream: {url: 'ftp://127.0.0.1:8081'}", "upstream.url",
+                            "must be an http:// or https:// URL with a host"),
+    "upstream url not a url": ("upstream: {url: 'not a url'}", "upstream.url", "'not a url'"),
+    "upstream url without host": ("upstream: {url: 'http://:8081'}", "upstream.url", "with a host"),
+    "upstream url bad port": ("upstream: {url: 'http://127.0.0.1:port'}", "upstream.url", "invalid port"),
+    "upstream url is a number": ("upstream: {url: 8081}", "upstream.url", "got a number 8081"),
+    "maxQueued negative": ("routing: {scheduler: {maxQueued: -1}}", "routing.scheduler.maxQueued",
+                           "must be >= 0 (0 = unlimited), got -1"),
     "maxQueued fractional": ("routing: {scheduler: {maxQueued: 2.5}}", "routing.scheduler.maxQueued", "integer"),
-    "maxWaitSeconds negative": ("routing: {scheduler: {maxWaitSeconds: -3}}", "routing.scheduler.maxWaitSeconds", ""),
+    "maxQueued is a quoted number": ("routing: {scheduler: {maxQueued: '5'}}", "routing.scheduler.maxQueued",
+                                     "must be an integer, got a string '5'"),
+    "maxWaitSeconds negative": ("routing: {scheduler: {maxWaitSeconds: -3}}", "routing.scheduler.maxWaitSeconds",
+                                "must be >= 0 (0 = wait forever), got -3"),
 }
 
 
@@ -283,12 +326,119 @@ def test_bad_file_exits_2_and_names_the_key_path(tmp_path, case):
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stdout.strip() != "ok"
-    assert key_path in result.stderr
+    assert f"error: {key_path}: " in result.stderr
     assert fragment in result.stderr
     # and the library says the same, with the path as data
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert key_path in [p.path for p in info.value.problems]
+    assert [p.path for p in info.value.problems] == [key_path]
+    assert fragment in info.value.problems[0].message
+
+
+# Exact problems, through the library: (document, "path: message").
+BAD_DOCUMENTS = {
+    # strict types: no coercion of strings or booleans
+    "integer as a string": ({"estimates": {"samples": "50"}},
+                            "estimates.samples: must be an integer, got a string '50'"),
+    "integer as a boolean": ({"routing": {"scheduler": {"maxQueued": True}}},
+                             "routing.scheduler.maxQueued: must be an integer, got a boolean true"),
+    "integer as a whole float": ({"envoy": {"maxSidecarStreams": 10.0}},
+                                 "envoy.maxSidecarStreams: must be an integer, got a number 10.0"),
+    "number as a boolean": ({"routing": {"scheduler": {"maxRunSeconds": True}}},
+                            "routing.scheduler.maxRunSeconds: must be a number, got a boolean true"),
+    "number as a string": ({"envoy": {"leaseSeconds": "3"}}, "envoy.leaseSeconds: must be a number, got a string '3'"),
+    "boolean as a string": ({"envoy": {"failOpen": "true"}},
+                            "envoy.failOpen: must be true or false, got a string 'true'"),
+    "boolean as a number": ({"envoy": {"failOpen": 1}}, "envoy.failOpen: must be true or false, got a number 1"),
+    "boolean as nothing": ({"envoy": {"failOpen": None}}, "envoy.failOpen: must be true or false, got nothing"),
+    # sub-millisecond values would round to 'off'
+    "tiny maxWaitSeconds": ({"routing": {"scheduler": {"maxWaitSeconds": 1e-10}}},
+                            "routing.scheduler.maxWaitSeconds: must be 0 (0 = wait forever) or at least 0.001 seconds, "
+                            "got 1e-10: a smaller positive value would round to 0"),
+    "tiny agingDivisor": ({"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 0.0004}}}}},
+                          f"{SERIAL}.agingDivisor: must be 0 (0 disables aging) or at least 0.001 seconds, got 0.0004: "
+                          "a smaller positive value would round to 0"),
+    "maxRunSeconds negative": ({"routing": {"scheduler": {"maxRunSeconds": -1}}},
+                               "routing.scheduler.maxRunSeconds: must be >= 0 (0 = off), got -1"),
+    "fifo takes no keys": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
+                           "routing.scheduler.settings.fifo.agingDivisor: unknown key; nothing is allowed here"),
+    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, envoy, estimates, listen, "
+                                             "models, routing, security, upstream (and llama-swap's keys, which are "
+                                             "ignored)"),
+    "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
+    "top level is a list": ([1], "(top level): must be a mapping, got a list"),
+    # upstream
+    "url port 0": ({"upstream": {"url": "http://127.0.0.1:0"}},
+                   "upstream.url: has an invalid port (1..65535): 'http://127.0.0.1:0'"),
+    "url upper-case scheme": ({"upstream": {"url": "HTTP://h"}},
+                              "upstream.url: must be an http:// or https:// URL with a host, got 'HTTP://h' "
+                              "(e.g. 'http://127.0.0.1:8081')"),
+    "command empty list": ({"upstream": {"command": []}},
+                           "upstream.command: must be a command line string or a non-empty list of arguments "
+                           "(strings or numbers), got a list"),
+    "command with a mapping": ({"upstream": {"command": ["a", {"b": 1}]}},
+                               "upstream.command: must be a command line string or a non-empty list of arguments "
+                               "(strings or numbers), got a list"),
+    "command unclosed quote": ({"upstream": {"command": "llama-server -m 'x.gguf"}},
+                               "upstream.command: is not a valid command line (No closing quotation): "
+                               "\"llama-server -m 'x.gguf\""),
+    "healthPath relative": ({"upstream": {"healthPath": "health"}},
+                            "upstream.healthPath: must be a path starting with '/', got a string 'health'"),
+    "startupTimeoutSeconds zero": ({"upstream": {"startupTimeoutSeconds": 0}},
+                                   "upstream.startupTimeoutSeconds: must be > 0, got 0"),
+    "modelsPollSeconds negative": ({"upstream": {"modelsPollSeconds": -1}},
+                                   "upstream.modelsPollSeconds: must be >= 0 (0 = off), got -1"),
+    "modelCheck unknown": ({"upstream": {"modelCheck": "maybe"}},
+                           "upstream.modelCheck: must be one of 'auto', 'strict', 'off', got 'maybe'"),
+    "modelCheck boolean": ({"upstream": {"modelCheck": False}},
+                           "upstream.modelCheck: must be one of 'auto', 'strict', 'off', got a boolean false"),
+    "abandonedGeneration unknown": ({"upstream": {"abandonedGeneration": "kill"}},
+                                    "upstream.abandonedGeneration: must be one of 'wait', 'stop', got 'kill'"),
+    "settleTimeoutSeconds zero": ({"upstream": {"settleTimeoutSeconds": 0}},
+                                  "upstream.settleTimeoutSeconds: must be > 0, got 0"),
+    "settleTimeoutSeconds string": ({"upstream": {"settleTimeoutSeconds": "600"}},
+                                    "upstream.settleTimeoutSeconds: must be a number, got a string '600'"),
+    # envoy
+    "streamIdleTimeoutSeconds zero": ({"envoy": {"streamIdleTimeoutSeconds": 0}},
+                                      "envoy.streamIdleTimeoutSeconds: must be > 0, got 0"),
+    "maxRequestBytes small": ({"envoy": {"maxRequestBytes": 1023}}, "envoy.maxRequestBytes: must be >= 1024, got 1023"),
+    "maxSidecarStreams zero": ({"envoy": {"maxSidecarStreams": 0}}, "envoy.maxSidecarStreams: must be >= 1, got 0"),
+    "leaseSeconds short": ({"envoy": {"leaseSeconds": 0.29}}, "envoy.leaseSeconds: must be >= 0.3, got 0.29"),
+    # security
+    "priority mode unknown": ({"security": {"priority": {"mode": "off"}}},
+                              "security.priority.mode: must be one of 'trust', 'clamp', 'strip', got 'off'"),
+    "priority min above max": ({"security": {"priority": {"min": 5, "max": 3}}},
+                               "security.priority.min: must not exceed security.priority.max (5 > 3)"),
+    "priority min above the default max": ({"security": {"priority": {"min": 101}}},
+                                           "security.priority.min: must not exceed security.priority.max (101 > 100)"),
+    "trustedHeader is the priority header": ({"security": {"priority": {"trustedHeader": " X-LlamaSwap-Priority "}}},
+                                             "security.priority.trustedHeader: must be a header set only by your "
+                                             "authenticating proxy, not x-llamaswap-priority (callers set that one)"),
+    "trustedHeader not a header name": ({"security": {"priority": {"trustedHeader": "x user"}}},
+                                        "security.priority.trustedHeader: must be an HTTP header name, got 'x user'"),
+    "trustedHeader a number": ({"security": {"priority": {"trustedHeader": 5}}},
+                               "security.priority.trustedHeader: must be a header name, or empty for none, "
+                               "got a number 5"),
+    # activity and estimates
+    "activity path a number": ({"activity": {"path": 5}},
+                               "activity.path: must be a file path, or empty for none, got a number 5"),
+    "activity recent negative": ({"activity": {"recent": -1}}, "activity.recent: must be >= 0 (0 keeps none), got -1"),
+    "activity unknown key": ({"activity": {"paht": "/tmp/a"}}, "activity.paht: unknown key; did you mean 'path'?"),
+    "defaultRunSeconds zero": ({"estimates": {"defaultRunSeconds": 0}},
+                               "estimates.defaultRunSeconds: must be > 0, got 0"),
+    "defaultSwapSeconds negative": ({"estimates": {"defaultSwapSeconds": -0.5}},
+                                    "estimates.defaultSwapSeconds: must be >= 0, got -0.5"),
+    "samples zero": ({"estimates": {"samples": 0}}, "estimates.samples: must be >= 1, got 0"),
+    "model id is null": ({"models": {None: {}}}, "models.None: a model id must be a string, got nothing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DOCUMENTS))
+def test_bad_document_names_the_key_path_and_the_fix(case):
+    document, expected = BAD_DOCUMENTS[case]
+    with pytest.raises(ConfigError) as info:
+        parse_config(document)
+    assert [str(p) for p in info.value.problems] == [expected]
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -307,35 +457,42 @@ def test_every_problem_is_reported_at_once(tmp_path):
           http: nowhere
         upstream:
           url: gopher://x
+          settleTimeoutSeconds: 0
+        estimates:
+          samples: "5"
     """)
     result = check_config(path, tmp_path)
     assert result.returncode == 2
-    for key_path in ["routing.scheduler.use", f"{SERIAL}.agingDivisor", f"{SERIAL}.swapAffinityBonus",
-                     "models.qwen.priority", "listen.http", "upstream.url"]:
-        assert key_path in result.stderr
-    assert len([line for line in result.stderr.splitlines() if line.strip()]) >= 6
+    key_paths = ["routing.scheduler.use", f"{SERIAL}.agingDivisor", f"{SERIAL}.swapAffinityBonus",
+                 "models.qwen.priority", "listen.http", "upstream.url", "upstream.settleTimeoutSeconds",
+                 "estimates.samples"]
+    for key_path in key_paths:
+        assert f"error: {key_path}: " in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == len(key_paths)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert sorted(p.path for p in info.value.problems) == sorted(key_paths)
 
 
 def test_malformed_yaml(tmp_path):
     path = write(tmp_path, "routing:\n  scheduler: [\n    use: serial\n", name="broken.yaml")
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2
-    assert "broken.yaml" in result.stderr
-    assert "YAML" in result.stderr
-    assert "line" in result.stderr
+    pattern = r"error: broken\.yaml: is not valid YAML at line \d+, column \d+: \S"
+    assert re.search(pattern, result.stderr), result.stderr
 
 
 def test_tab_indented_yaml(tmp_path):
     path = write(tmp_path, "routing:\n\tscheduler: {}\n", name="tabs.yaml")
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2
-    assert "tabs.yaml" in result.stderr
+    assert "error: tabs.yaml: is not valid YAML at line 2, column 1: " in result.stderr
 
 
 def test_missing_file(tmp_path):
     result = check_config("does-not-exist.yaml", tmp_path)
     assert result.returncode == 2
-    assert "does-not-exist.yaml" in result.stderr
+    assert "error: does-not-exist.yaml: cannot read the file: No such file or directory" in result.stderr
     assert result.stdout.strip() != "ok"
 
 
@@ -344,7 +501,7 @@ def test_not_utf8(tmp_path):
     path.write_bytes("routing: {scheduler: {use: s\xe9rial}}\n".encode("latin-1"))
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2
-    assert "latin1.yaml" in result.stderr
+    assert "error: latin1.yaml: is not UTF-8 text (byte 0xe9 at offset 28)" in result.stderr
 
 
 @pytest.mark.parametrize("text", ["- routing\n- models\n", "just a string\n", "42\n"])
@@ -352,9 +509,10 @@ def test_top_level_must_be_a_mapping(tmp_path, text):
     path = write(tmp_path, text)
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2
-    assert "mapping" in result.stderr
-    with pytest.raises(ConfigError):
+    assert "error: (top level): must be a mapping, got " in result.stderr
+    with pytest.raises(ConfigError) as info:
         parse_config(yaml.safe_load(text))
+    assert [p.path for p in info.value.problems] == ["(top level)"]
 
 
 def test_parse_config_problems_carry_paths():
@@ -362,40 +520,314 @@ def test_parse_config_problems_carry_paths():
         parse_config({"routing": {"scheduler": {"settings": {"serial": {"swapAffinityBonus": -1, "agingDivisr": 1}}}}})
     paths = {p.path for p in info.value.problems}
     assert paths == {f"{SERIAL}.swapAffinityBonus", f"{SERIAL}.agingDivisr"}
-    assert all(str(p).startswith(p.path + ":") for p in info.value.problems)
+    assert all(str(p) == f"{p.path}: {p.message}" for p in info.value.problems)
 
 
-def test_policy_from_parsed_config_matches_scheduler_defaults():
+def test_policy_from_parsed_config_matches_the_documented_defaults():
     cfg = parse_config({})
-    assert cfg.policy() == Policy.serial(60, 10)
+    assert cfg.policy() == Policy.serial(60, 10, max_queued=0, max_wait_s=0)
 
 
-def test_a_tiny_positive_aging_divisor_is_rejected_or_ages(tmp_path):
-    # Time is integer nanoseconds: a divisor that rounds to 0 ns must not silently mean "no aging".
-    path = write(tmp_path, "routing: {scheduler: {settings: {serial: {agingDivisor: 1.0e-10}}}}\n")
-    try:
-        cfg = load_config(path)
-    except ConfigError as exc:
-        assert f"{SERIAL}.agingDivisor" in [p.path for p in exc.problems]
-        return
-    clock = ManualClock()
-    scheduler = Scheduler(cfg.policy(), clock)
-    scheduler.enqueue("old", parse_priority("0"))
-    clock.advance(1)
-    scheduler.enqueue("new", parse_priority("5"))
-    assert scheduler.next().request_id == "old"  # a second of waiting is worth ~1e10 points
+def test_fifo_policy_carries_the_limits():
+    cfg = parse_config({"routing": {"scheduler": {"use": "fifo", "maxQueued": 4, "maxWaitSeconds": 2.5}},
+                        "models": {"a": {"priority": 3}}})
+    assert cfg.policy() == Policy.fifo({"a": 3}, max_queued=4, max_wait_s=2.5)
 
 
-def test_a_tiny_positive_max_wait_is_rejected_or_enforced(tmp_path):
-    path = write(tmp_path, "routing: {scheduler: {maxWaitSeconds: 1.0e-10}}\n")
-    try:
-        cfg = load_config(path)
-    except ConfigError as exc:
-        assert "routing.scheduler.maxWaitSeconds" in [p.path for p in exc.problems]
-        return
+@pytest.mark.parametrize("document, key_path", [
+    ({"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 1.0e-10}}}}}, f"{SERIAL}.agingDivisor"),
+    ({"routing": {"scheduler": {"maxWaitSeconds": 1.0e-10}}}, "routing.scheduler.maxWaitSeconds"),
+])
+def test_a_tiny_positive_duration_is_rejected(document, key_path):
+    # Time is integer nanoseconds: a value that rounds to 0 ns must not silently mean "off".
+    with pytest.raises(ConfigError) as info:
+        parse_config(document)
+    assert [p.path for p in info.value.problems] == [key_path]
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.5])
+def test_a_millisecond_or_more_is_enforced(seconds):
+    cfg = parse_config({"routing": {"scheduler": {"maxWaitSeconds": seconds}}})
+    assert cfg.routing.scheduler.max_wait_seconds == seconds
     clock = ManualClock()
     scheduler = Scheduler(cfg.policy(), clock)
     scheduler.enqueue("a", parse_priority(None))
-    assert scheduler.next_deadline_ns() is not None
+    assert scheduler.next_deadline_ns() == round(seconds * 1e9)
     clock.advance(1)
     assert [r.request_id for r in scheduler.expire_overdue()] == ["a"]
+
+
+# -- every key -----------------------------------------------------------------------------
+
+# Every key, each set to something other than its default.
+EVERY_KEY = {
+    "routing": {"scheduler": {
+        "use": "fifo", "maxQueued": 7, "maxWaitSeconds": 2.5, "maxRunSeconds": 900.0,
+        "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99}, "fifo": {}},
+    }},
+    "models": {"qwen": {"priority": 10}, "gemma": {"priority": -5}},
+    "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091"},
+    "upstream": {
+        "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
+        "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
+        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0,
+    },
+    "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
+              "failOpen": True, "leaseSeconds": 0.3},
+    "security": {"priority": {"mode": "clamp", "min": -5, "max": 5, "trustedHeader": "x-user-priority"}},
+    "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
+    "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
+}
+
+
+def leaves(document: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in document.items():
+        if isinstance(value, dict) and key != "models":
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_every_key_reaches_its_attribute():
+    cfg = parse_config(EVERY_KEY)
+    s = cfg.routing.scheduler
+    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == ("fifo", 7, 2.5, 900)
+    assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (30, 99)
+    assert model_priorities(cfg) == {"qwen": 10, "gemma": -5}
+    assert (str(cfg.listen.http), str(cfg.listen.grpc), str(cfg.listen.admin)) == \
+        ("0.0.0.0:8000", "[::1]:9001", "10.0.0.5:9091")
+    u = cfg.upstream
+    assert (u.url, u.command, u.health_path) == ("https://llm.example.com:8443/base",
+                                                 ("llama-server", "--port", "8081"), "/ready")
+    assert (u.startup_timeout_seconds, u.models_poll_seconds, u.settle_timeout_seconds) == (60, 0, 30)
+    assert (u.model_check, u.abandoned_generation) == (ModelCheck.STRICT, AbandonedGeneration.STOP)
+    assert (u.host, u.port, u.tls) == ("llm.example.com", 8443, True)
+    e = cfg.envoy
+    assert (e.stream_idle_timeout_seconds, e.max_request_bytes, e.max_sidecar_streams, e.fail_open,
+            e.lease_seconds) == (60, 1024, 10, True, 0.3)
+    p = cfg.security.priority
+    assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.CLAMP, -5, 5, "x-user-priority")
+    assert cfg.priority_policy() == PriorityPolicy(mode="clamp", minimum=-5, maximum=5,
+                                                   trusted_header="x-user-priority")
+    assert (cfg.activity.path, cfg.activity.recent) == ("/var/log/llamaswap/activity.jsonl", 0)
+    es = cfg.estimates
+    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (2.5, 0, 1)
+
+
+def test_the_defaults():
+    cfg = Config()
+    s = cfg.routing.scheduler
+    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == (SchedulerName.SERIAL, 0, 0, 0)
+    assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (60, 10)
+    assert dict(cfg.models) == {}
+    assert (cfg.listen.http, cfg.listen.grpc, cfg.listen.admin) == \
+        (HostPort("127.0.0.1", 8080), HostPort("127.0.0.1", 9000), HostPort("127.0.0.1", 9090))
+    u = cfg.upstream
+    assert (u.url, u.command, u.health_path, u.startup_timeout_seconds, u.models_poll_seconds) == \
+        ("http://127.0.0.1:8081", (), "/health", 300, 5)
+    assert (u.model_check, u.abandoned_generation, u.settle_timeout_seconds) == \
+        (ModelCheck.AUTO, AbandonedGeneration.WAIT, 600)
+    assert (u.host, u.port, u.tls) == ("127.0.0.1", 8081, False)
+    e = cfg.envoy
+    assert (e.stream_idle_timeout_seconds, e.max_request_bytes, e.max_sidecar_streams, e.fail_open,
+            e.lease_seconds) == (300, 67108864, 100000, False, 3)
+    p = cfg.security.priority
+    assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.TRUST, -100, 100, None)
+    assert cfg.priority_policy() == PriorityPolicy(mode="trust", minimum=-100, maximum=100, trusted_header=None)
+    assert (cfg.activity.path, cfg.activity.recent) == (None, 1000)
+    es = cfg.estimates
+    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (10, 5, 50)
+
+
+def test_every_key_example_differs_from_the_defaults():
+    # So the round trip below exercises every key: a new key must be added to EVERY_KEY.
+    defaults = leaves(Config().to_document())
+    every = leaves(parse_config(EVERY_KEY).to_document())
+    assert set(every) == set(defaults)
+    assert [key for key in defaults if every[key] == defaults[key]] == []
+
+
+@pytest.mark.parametrize("cfg", [Config(), parse_config(EVERY_KEY)], ids=["defaults", "every key"])
+def test_to_document_round_trips(cfg):
+    document = cfg.to_document()
+    assert parse_config(document) == cfg
+    assert parse_config(yaml.safe_load(yaml.safe_dump(document))) == cfg
+
+
+def test_to_document_fills_in_every_default():
+    document = parse_config({"routing": {"scheduler": {"maxQueued": 3}}}).to_document()
+    assert document["routing"]["scheduler"]["maxQueued"] == 3
+    assert document["routing"]["scheduler"]["settings"]["serial"] == {"agingDivisor": 60, "swapAffinityBonus": 10}
+    assert document["listen"] == {"http": "127.0.0.1:8080", "grpc": "127.0.0.1:9000", "admin": "127.0.0.1:9090"}
+    assert document["upstream"]["url"] == "http://127.0.0.1:8081"
+    assert document["upstream"]["command"] == ""
+    assert document["security"]["priority"]["trustedHeader"] is None
+    assert "source" not in document
+
+
+def test_to_document_is_the_yaml_shape():
+    document = parse_config(EVERY_KEY).to_document()
+    assert document == {**EVERY_KEY}
+
+
+def test_source_is_where_it_came_from_and_not_part_of_equality(tmp_path):
+    path = write(tmp_path, "routing: {scheduler: {maxQueued: 3}}\n")
+    from_file = load_config(path)
+    from_memory = parse_config({"routing": {"scheduler": {"maxQueued": 3}}})
+    assert (from_file.source, from_memory.source, Config().source) == (str(path), "<memory>", "<defaults>")
+    assert parse_config({}, source="<built-in default>").source == "<built-in default>"
+    assert from_file == from_memory
+    assert from_file != Config()
+
+
+def test_the_configuration_is_frozen():
+    cfg = Config()
+    with pytest.raises(ValidationError):
+        cfg.routing.scheduler.max_queued = 5  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        cfg.upstream = cfg.upstream  # type: ignore[misc]
+
+
+def test_python_names_build_the_same_configuration():
+    from llamaswap.config import RoutingConfig, SchedulerConfig
+
+    built = Config(routing=RoutingConfig(scheduler=SchedulerConfig(max_queued=3, use=SchedulerName.FIFO)))
+    assert built == parse_config({"routing": {"scheduler": {"maxQueued": 3, "use": "fifo"}}})
+
+
+@pytest.mark.parametrize("text", [
+    "models:\n", "models: {qwen: }\n", "security:\n", "security: {priority: }\n", "activity:\n", "estimates:\n",
+    "upstream:\n", "envoy:\n", "listen:\n", "routing: {scheduler: {settings: {serial: , fifo: }}}\n",
+])
+def test_a_section_with_nothing_under_it_means_its_defaults(tmp_path, text):
+    cfg = load_config(write(tmp_path, text))
+    expected = Config().to_document() | ({"models": {"qwen": {"priority": 0}}} if "qwen" in text else {})
+    assert cfg.to_document() == expected
+
+
+# -- the deprecated key --------------------------------------------------------------------
+
+DEPRECATED = "envoy.extProcMessageTimeoutMs: no longer used (the data path has no ext_proc); remove it"
+
+
+def test_ext_proc_message_timeout_is_accepted_and_ignored_with_a_warning(tmp_path):
+    path = write(tmp_path, "envoy: {extProcMessageTimeoutMs: 10000, failOpen: true}\n")
+    warnings: list[str] = []
+    cfg = load_config(path, warn=warnings.append)
+    assert warnings == [DEPRECATED]
+    assert cfg.envoy.fail_open is True
+    assert "extProcMessageTimeoutMs" not in cfg.to_document()["envoy"]
+    assert cfg == parse_config({"envoy": {"failOpen": True}})
+    result = check_config(path.name, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert f"warning: {DEPRECATED}" in result.stderr
+
+
+def test_the_warning_is_logged_without_a_callback(caplog):
+    with caplog.at_level("WARNING", logger="llamaswap.config"):
+        parse_config({"envoy": {"extProcMessageTimeoutMs": 1}})
+    assert [record.getMessage() for record in caplog.records] == [DEPRECATED]
+
+
+def test_no_warning_without_the_deprecated_key():
+    warnings: list[str] = []
+    parse_config(EVERY_KEY, warn=warnings.append)
+    assert warnings == []
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, host, port, connect_host", [
+    ("0.0.0.0:8080", "0.0.0.0", 8080, "127.0.0.1"),
+    ("[::]:8080", "::", 8080, "::1"),
+    ("[::1]:8080", "::1", 8080, "::1"),
+    ("10.1.2.3:0", "10.1.2.3", 0, "10.1.2.3"),
+    ("sidecar.svc:65535", "sidecar.svc", 65535, "sidecar.svc"),
+])
+def test_host_port(text, host, port, connect_host):
+    address = parse_config({"listen": {"grpc": text}}).listen.grpc
+    assert (address.host, address.port, address.connect_host, str(address)) == (host, port, connect_host, text)
+
+
+def test_connect_host_of_an_empty_host():
+    assert HostPort("", 80).connect_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("url, expected, host, port, tls", [
+    ("http://127.0.0.1:8081/", "http://127.0.0.1:8081", "127.0.0.1", 8081, False),
+    ("http://upstream", "http://upstream", "upstream", 80, False),
+    ("https://upstream/v1/", "https://upstream/v1", "upstream", 443, True),
+    ("http://[::1]:8081", "http://[::1]:8081", "::1", 8081, False),
+])
+def test_upstream_url(url, expected, host, port, tls):
+    upstream = parse_config({"upstream": {"url": url}}).upstream
+    assert (upstream.url, upstream.host, upstream.port, upstream.tls) == (expected, host, port, tls)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("llama-server -m 'my model.gguf' --port 8081", ("llama-server", "-m", "my model.gguf", "--port", "8081")),
+    (["llama-server", "--port", 8081, "--temp", 0.5], ("llama-server", "--port", "8081", "--temp", "0.5")),
+    ("", ()),
+    (None, ()),
+])
+def test_upstream_command(command, expected):
+    assert parse_config({"upstream": {"command": command}}).upstream.command == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    (" X-User-Priority ", "x-user-priority"), ("", None), (None, None), ("   ", None),
+])
+def test_trusted_header(value, expected):
+    cfg = parse_config({"security": {"priority": {"trustedHeader": value}}})
+    assert cfg.security.priority.trusted_header == expected
+    assert cfg.priority_policy().trusted_header == expected
+
+
+@pytest.mark.parametrize("value, expected", [("/tmp/activity.jsonl", "/tmp/activity.jsonl"), ("", None), (None, None)])
+def test_activity_path(value, expected):
+    assert parse_config({"activity": {"path": value}}).activity.path == expected
+
+
+@pytest.mark.parametrize("key, value", [
+    ("modelCheck", ModelCheck.AUTO), ("modelCheck", ModelCheck.STRICT), ("modelCheck", ModelCheck.OFF),
+    ("abandonedGeneration", AbandonedGeneration.WAIT), ("abandonedGeneration", AbandonedGeneration.STOP),
+])
+def test_upstream_choices(key, value):
+    upstream = parse_config({"upstream": {key: str(value)}}).upstream
+    attribute = {"modelCheck": "model_check", "abandonedGeneration": "abandoned_generation"}[key]
+    assert getattr(upstream, attribute) is value
+
+
+@pytest.mark.parametrize("mode", ["trust", "clamp", "strip"])
+def test_priority_modes_reach_the_policy(mode):
+    cfg = parse_config({"security": {"priority": {"mode": mode, "min": -1, "max": 1}}})
+    assert cfg.security.priority.mode is PriorityMode(mode)
+    assert cfg.priority_policy() == PriorityPolicy(mode=mode, minimum=-1, maximum=1, trusted_header=None)
+
+
+def test_model_ids_that_yaml_reads_as_numbers_are_strings():
+    cfg = parse_config(yaml.safe_load("models: {7: {priority: 1}}"))
+    assert model_priorities(cfg) == {"7": 1}
+
+
+# -- load_document -------------------------------------------------------------------------
+
+
+def test_load_document_parses_without_validating(tmp_path):
+    path = write(tmp_path, "routing: {scheduler: {use: lifo}}\nextra: 1\n")
+    assert load_document(path) == {"routing": {"scheduler": {"use": "lifo"}}, "extra": 1}
+
+
+def test_load_document_of_an_empty_file_is_none(tmp_path):
+    assert load_document(write(tmp_path, "# nothing\n")) is None
+
+
+def test_load_document_names_the_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_document(tmp_path / "nope.yaml")
+    assert [p.path for p in info.value.problems] == [str(tmp_path / "nope.yaml")]
+    assert info.value.problems[0].message == "cannot read the file: No such file or directory"
