@@ -27,7 +27,7 @@ from llamaswap.config import (
     HostPort,
     ModelCheck,
     PriorityMode,
-    SchedulerName,
+    PolicyName,
     load_config,
     load_document,
     parse_config,
@@ -78,7 +78,7 @@ def check_config(path: Path | str, cwd: Path) -> subprocess.CompletedProcess[str
 
 def test_the_specification_yaml_loads(tmp_path):
     cfg = load_config(write(tmp_path, SPEC_YAML))
-    assert cfg.routing.scheduler.use is SchedulerName.SERIAL
+    assert cfg.routing.scheduler.use is PolicyName.SERIAL
     assert cfg.routing.scheduler.settings.serial.aging_divisor == 60
     assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == 10
     assert model_priorities(cfg) == {}
@@ -99,7 +99,7 @@ def test_the_specification_yaml_passes_check_config(tmp_path):
 @pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "{}\n", "routing:\n", "routing:\n  scheduler:\n"])
 def test_defaults(tmp_path, text):
     cfg = load_config(write(tmp_path, text))
-    assert cfg.routing.scheduler.use is SchedulerName.SERIAL
+    assert cfg.routing.scheduler.use is PolicyName.SERIAL
     assert cfg.routing.scheduler.settings.serial.aging_divisor == 60
     assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == 10
     assert model_priorities(cfg) == {}
@@ -127,13 +127,13 @@ def test_fifo_with_model_priorities_queues_a_batch_request_at_minus_90(tmp_path)
           llama:
             cmd: llama-server --port ${PORT} -m llama.gguf
     """))
-    assert cfg.routing.scheduler.use is SchedulerName.FIFO
+    assert cfg.routing.scheduler.use is PolicyName.FIFO
     assert model_priorities(cfg) == {"qwen": 10, "llama": 0}
     policy = cfg.policy()
     assert policy.name == "fifo"
     scheduler = Scheduler(policy, ManualClock())
     scheduler.enqueue("job", parse_priority("batch"), "qwen")
-    assert scheduler.score_of("job") == -90
+    assert scheduler.snapshot().waiting[0].score == -90
 
 
 def test_serial_settings_values(tmp_path):
@@ -525,13 +525,13 @@ def test_parse_config_problems_carry_paths():
 
 def test_policy_from_parsed_config_matches_the_documented_defaults():
     cfg = parse_config({})
-    assert cfg.policy() == Policy.serial(60, 10, max_queued=0, max_wait_s=0)
+    assert cfg.policy() == Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_queued=0, max_wait_s=0)
 
 
 def test_fifo_policy_carries_the_limits():
     cfg = parse_config({"routing": {"scheduler": {"use": "fifo", "maxQueued": 4, "maxWaitSeconds": 2.5}},
                         "models": {"a": {"priority": 3}}})
-    assert cfg.policy() == Policy.fifo({"a": 3}, max_queued=4, max_wait_s=2.5)
+    assert cfg.policy() == Policy.fifo(model_priorities={"a": 3}, max_queued=4, max_wait_s=2.5)
 
 
 @pytest.mark.parametrize("document, key_path", [
@@ -619,7 +619,7 @@ def test_every_key_reaches_its_attribute():
 def test_the_defaults():
     cfg = Config()
     s = cfg.routing.scheduler
-    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == (SchedulerName.SERIAL, 0, 0, 0)
+    assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == (PolicyName.SERIAL, 0, 0, 0)
     assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (60, 10)
     assert dict(cfg.models) == {}
     assert (cfg.listen.http, cfg.listen.grpc, cfg.listen.admin) == \
@@ -693,7 +693,7 @@ def test_the_configuration_is_frozen():
 def test_python_names_build_the_same_configuration():
     from llamaswap.config import RoutingConfig, SchedulerConfig
 
-    built = Config(routing=RoutingConfig(scheduler=SchedulerConfig(max_queued=3, use=SchedulerName.FIFO)))
+    built = Config(routing=RoutingConfig(scheduler=SchedulerConfig(max_queued=3, use=PolicyName.FIFO)))
     assert built == parse_config({"routing": {"scheduler": {"maxQueued": 3, "use": "fifo"}}})
 
 

@@ -43,13 +43,13 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError, core_schema
 
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
-from llamaswap.core.priority import PriorityPolicy
-from llamaswap.core.scheduler import Policy
+from llamaswap.core.priority import PriorityMode, PriorityPolicy
+from llamaswap.core.scheduler import Policy, PolicyName
 
 __all__ = [
     "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig",
     "FifoSettings", "HostPort", "ListenConfig", "ModelCheck", "ModelConfig", "PriorityMode",
-    "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "SchedulerName",
+    "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
     "SchedulerSettings", "SecurityConfig", "SerialSettings", "UpstreamConfig", "json_schema",
     "load_config", "load_document", "parse_config",
 ]
@@ -162,13 +162,6 @@ class HostPort:
         return {"type": "string", "pattern": f"^{_HOST_PORT}$"}
 
 
-class SchedulerName(enum.StrEnum):
-    """serial: priority + swap affinity + aging; fifo: priority + the model's priority, then arrival."""
-
-    SERIAL = "serial"
-    FIFO = "fifo"
-
-
 class ModelCheck(enum.StrEnum):
     """auto: refuse a model the upstream does not list, once it lists its models; strict: refuse
     every model the upstream has not listed (nothing passes while the list is unknown); off: never check."""
@@ -184,14 +177,6 @@ class AbandonedGeneration(enum.StrEnum):
 
     WAIT = "wait"
     STOP = "stop"
-
-
-class PriorityMode(enum.StrEnum):
-    """trust: take X-LlamaSwap-Priority as sent; clamp: keep it inside min..max; strip: ignore it."""
-
-    TRUST = "trust"
-    CLAMP = "clamp"
-    STRIP = "strip"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +359,7 @@ class SchedulerSettings(_Section):
 class SchedulerConfig(_Section):
     """Which request gets the GPU next, and how long the queue may grow."""
 
-    use: SchedulerName = Field(default=SchedulerName.SERIAL, description="The scheduler: serial or fifo.")
+    use: PolicyName = Field(default=PolicyName.SERIAL, description="The scheduler: serial or fifo.")
     max_queued: Annotated[_Int, _Meaning("0 = unlimited")] = Field(
         default=0, ge=0, description="Waiting requests before new ones get 429 + Retry-After; 0 = unlimited.")
     max_wait_seconds: Annotated[_ZeroOrSeconds, _Meaning("0 = wait forever")] = Field(
@@ -569,9 +554,9 @@ class Config(_Section):
     def policy(self) -> Policy:
         """The scheduler's policy."""
         s = self.routing.scheduler
-        if s.use == SchedulerName.FIFO:
+        if s.use == PolicyName.FIFO:
             priorities = {model_id: model.priority for model_id, model in self.models.items()}
-            return Policy.fifo(priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+            return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
         serial = s.settings.serial
         return Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
                              max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
@@ -579,7 +564,7 @@ class Config(_Section):
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""
         p = self.security.priority
-        return PriorityPolicy(mode=str(p.mode), minimum=p.min, maximum=p.max, trusted_header=p.trusted_header)
+        return PriorityPolicy(mode=p.mode, minimum=p.min, maximum=p.max, trusted_header=p.trusted_header)
 
     def to_document(self) -> dict[str, Any]:
         """The effective configuration in the YAML shape, every default filled in."""
