@@ -23,7 +23,8 @@ class Reply:
 async def chat(session: aiohttp.ClientSession, url: str, test_id: str, *, priority: str | None = None,
                model: str | None = "model-a", hold: bool = False, sleep_ms: int = 0, stream: bool = False,
                extra_headers: dict[str, str] | None = None, body: bytes | None = None) -> Reply:
-    headers = {"content-type": "application/json", "x-test-id": test_id}
+    # The test id is the request id too, so /queue, /activity and the status route name it.
+    headers = {"content-type": "application/json", "x-test-id": test_id, "x-request-id": test_id}
     if priority is not None:
         headers["x-llamaswap-priority"] = priority
     if hold:

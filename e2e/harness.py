@@ -95,25 +95,37 @@ class UpstreamHit:
 
 
 class FakeUpstream:
-    """An OpenAI-shaped upstream in a thread of its own, recording what reached it.
+    """An OpenAI-shaped upstream in a thread of its own that behaves like llama-server where the
+    scheduler depends on it, and records what reached it.
+
+    Like llama-server, it keeps computing a non-streamed request after its client has gone (its
+    handler is never cancelled), and it answers `GET /slots` with `is_processing` per slot while
+    anything computes. In single-model mode (the default) it serves any model name; with
+    ``router=True`` it lists ``models`` with their states at `GET /v1/models`, answers 400
+    `model 'x' not found` for others, loads a model when a request names it, serves
+    `GET /slots?model=NAME` for the loaded one, and `POST /models/unload` ends what it computes.
 
     Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps
-    it running until `release(test_id)`; `x-test-sleep-ms` delays the answer; a body with
-    `"stream": true` gets a server-sent-event stream. Its `GET /models` answers in
-    llama-server's router-mode shape with `loaded_model`.
+    it running until `release(test_id)`; `x-test-sleep-ms` computes that long; a body with
+    `"stream": true` gets a server-sent-event stream.
     """
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, router: bool = False,
+                 models: tuple[str, ...] = ("model-a", "model-b", "model-c")) -> None:
         self.hits: list[UpstreamHit] = []
         self.loaded_model: str | None = None
+        self.router = router
+        self.models = set(models)
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._holds: dict[str, asyncio.Event] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
+        self._computing: dict[str, asyncio.Task[None]] = {}
         self.active = 0
         self.max_active = 0
+        self.slots_queries = 0
         self.lock = threading.Lock()
 
     @property
@@ -134,17 +146,18 @@ class FakeUpstream:
 
     async def _serve(self) -> None:
         app = web.Application(client_max_size=256 * 1024 * 1024)
+
         async def health(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
 
-        async def models_list(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": []})
-
         app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models_list)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_get("/models", self._models)
+        app.router.add_get("/slots", self._slots)
+        app.router.add_post("/models/unload", self._unload)
         app.router.add_route("*", "/{tail:.*}", self._complete)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation off (aiohttp's default): a client that leaves does not stop the work.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
@@ -152,10 +165,35 @@ class FakeUpstream:
         self._ready.set()
 
     async def _models(self, _: web.Request) -> web.Response:
-        names = {"model-a", "model-b", "model-c"} | ({self.loaded_model} if self.loaded_model else set())
-        return web.json_response({"data": [
-            {"id": name, "status": {"value": "loaded" if name == self.loaded_model else "unloaded"}}
-            for name in sorted(names)]})
+        if not self.router:
+            return web.json_response({"object": "list", "data": [{"id": "fake.gguf", "object": "model",
+                                                                  "owned_by": "llamacpp"}]})
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "owned_by": "llamacpp",
+             "status": {"value": "loaded" if name == self.loaded_model else "unloaded"}}
+            for name in sorted(self.models)]})
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        with self.lock:
+            self.slots_queries += 1
+            active = self.active
+        if self.router:
+            model = request.query.get("model")
+            if not model:
+                return web.json_response({"error": {"code": 400, "message": "model name is missing from the request",
+                                                    "type": "invalid_request_error"}}, status=400)
+            if model != self.loaded_model:  # llama-server would load it: the sidecar must never ask
+                raise AssertionError(f"GET /slots?model={model} for a model that is not loaded")
+        return web.json_response([{"id": index, "is_processing": index < active} for index in range(4)])
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        document = await request.json()
+        if not self.router or document.get("model") != self.loaded_model:
+            return web.json_response({"error": {"code": 400, "message": "model is not running"}}, status=400)
+        self.loaded_model = None
+        for task in list(self._computing.values()):
+            task.cancel()  # its process ends with the unload
+        return web.json_response({"success": True})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -168,6 +206,9 @@ class FakeUpstream:
         except ValueError:
             pass
         test_id = request.headers.get("x-test-id", "")
+        if self.router and (not isinstance(model, str) or model not in self.models):
+            return web.json_response({"error": {"code": 400, "message": f"model '{model}' not found",
+                                                "type": "invalid_request_error"}}, status=400)
         hit = UpstreamHit(test_id, request.path, model if isinstance(model, str) else None,
                           dict(request.headers), len(body), time.monotonic_ns())
         with self.lock:
@@ -175,14 +216,19 @@ class FakeUpstream:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         try:
-            if request.headers.get("x-test-hold") == "1":
-                event = self._holds.setdefault(test_id, asyncio.Event())
-                await event.wait()
-            sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
-            if sleep_ms:
-                await asyncio.sleep(sleep_ms / 1000)
             if isinstance(model, str):
                 self.loaded_model = model
+            work = asyncio.ensure_future(self._compute(request, test_id))
+            key = f"{test_id}#{id(hit)}"
+            self._computing[key] = work
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if not work.cancelled():
+                    raise
+                return web.json_response({"error": {"message": "model unloaded"}}, status=500)
+            finally:
+                self._computing.pop(key, None)
             if request.headers.get("x-test-fail") == "1":
                 return web.json_response({"error": {"message": "boom"}}, status=500)
             if stream:
@@ -201,6 +247,13 @@ class FakeUpstream:
             with self.lock:
                 self.active -= 1
 
+    async def _compute(self, request: web.Request, test_id: str) -> None:
+        if request.headers.get("x-test-hold") == "1":
+            await self._holds.setdefault(test_id, asyncio.Event()).wait()
+        sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
+        if sleep_ms:
+            await asyncio.sleep(sleep_ms / 1000)
+
     def release(self, test_id: str) -> None:
         assert self._loop is not None
 
@@ -212,6 +265,10 @@ class FakeUpstream:
     def order(self) -> list[str]:
         with self.lock:
             return [hit.test_id for hit in self.hits]
+
+    def finished(self, test_id: str) -> bool:
+        with self.lock:
+            return any(hit.test_id == test_id and hit.end_ns is not None for hit in self.hits)
 
     def close(self) -> None:
         if self._loop is None:
@@ -308,13 +365,14 @@ class SidecarProcess(Process):
 
 
 class EnvoyProcess(Process):
-    def __init__(self, bootstrap: dict[str, Any], workdir: pathlib.Path, *, name: str = "envoy") -> None:
+    def __init__(self, bootstrap: dict[str, Any], workdir: pathlib.Path, *, name: str = "envoy",
+                 concurrency: int = 2) -> None:
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(render_bootstrap(bootstrap))
         self.admin_path = workdir / f"{name}-admin-address"
         self.admin_path.unlink(missing_ok=True)
         super().__init__(name, [envoy_binary(), "-c", str(self.config_path), "--admin-address-path",
-                                str(self.admin_path), "--disable-hot-restart", "--concurrency", "2",
+                                str(self.admin_path), "--disable-hot-restart", "--concurrency", str(concurrency),
                                 "--log-level", os.environ.get("LLAMASWAP_ENVOY_LOG_LEVEL", "warning")],
                          workdir / f"{name}.log")
         try:
@@ -380,14 +438,18 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *, upstream_url: str | None = None,
-                  sidecar_env: dict[str, str] | None = None, otlp_endpoint: str | None = None) -> Iterator[Stack]:
-    """Fake upstream (unless `upstream_url`), sidecar and Envoy, torn down whatever happens."""
-    upstream = None if upstream_url else FakeUpstream().started()
+                  sidecar_env: dict[str, str] | None = None, otlp_endpoint: str | None = None,
+                  fake: FakeUpstream | None = None) -> Iterator[Stack]:
+    """A fake upstream (`fake`, a default one, or none with `upstream_url`), the sidecar and Envoy,
+    torn down whatever happens."""
+    upstream = None if upstream_url else (fake or FakeUpstream()).started()
     sidecar = envoy = None
     try:
         document = merge({
             "listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
             "upstream": {"url": upstream_url or (upstream.url if upstream else ""), "modelsPollSeconds": 0},
+            # Short leases: a lost grant is found within a second or two in every test.
+            "envoy": {"leaseSeconds": 1.5},
         }, config or {})
         config_path = write_config(workdir, document)
         sidecar = SidecarProcess(config_path, workdir, env=sidecar_env)
@@ -411,6 +473,17 @@ def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *
                     part.stop()
         if upstream is not None:
             upstream.close()
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """A Prometheus text exposition as {series with its labels: value}, e.g.
+    {'llamaswap_requests_total{outcome="served"}': 1.0}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            samples[series] = float(value)
+    return samples
 
 
 def free_port() -> int:

@@ -49,20 +49,39 @@ async def test_disconnect_while_waiting_leaves_queue(tmp_path: pathlib.Path) -> 
         assert stack.upstream.order() == ["blocker", "after"]
 
 
-async def test_disconnect_while_running_frees_gpu(tmp_path: pathlib.Path) -> None:
+async def test_client_gone_mid_generation_waits_for_the_upstream(tmp_path: pathlib.Path) -> None:
+    """A client that leaves a non-streamed request does not stop the generation (llama-server, and
+    the fake, keep computing): the next request is granted only when GET /slots says idle."""
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:
             async with aiohttp.ClientSession() as doomed_session:
-                running = await start_blocker(stack, doomed_session, "running")
+                abandoned = await start_blocker(stack, doomed_session, "abandoned")
                 waiting = asyncio.create_task(chat(session, stack.url, "next"))
                 await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="next queued")
-                running.cancel()
-            # The upstream never finishes "running"; its client left, so the GPU is free.
+                abandoned.cancel()
+            # Envoy ended the exchange; the upstream still computes for nobody: nothing else starts.
+            await async_wait_for(lambda: stack.sidecar.queue()["gpu"] == "settling", what="the GPU settling")
+            assert stack.upstream.order() == ["abandoned"]
+            assert not waiting.done()
+            stack.upstream.release("abandoned")
             reply = await asyncio.wait_for(waiting, 30)
-            # "next" also ends: its ext_proc stream closes just after the client's last byte.
-            await async_wait_for(lambda: stack.sidecar.queue()["running"] is None, what="GPU free again")
+            await async_wait_for(lambda: stack.sidecar.queue()["gpu"] == "idle", what="GPU free again")
+            records = await async_wait_for(lambda: _records(stack, 2), what="two activity records")
         assert reply.status == 200
-        assert stack.upstream.order() == ["running", "next"]
+        assert stack.upstream.order() == ["abandoned", "next"]
+        assert stack.upstream.max_active == 1  # never two at once, in fact
+        first = records["abandoned"]
+        assert first["outcome"] == "cancelled_running"
+        assert first["settle_ms"] > 0
+        assert records["next"]["outcome"] == "served"
+        metrics = http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode()
+        assert 'llamaswap_upstream_settle_seconds_count{reason="abandoned",result="idle"} 1' in metrics.splitlines()
+
+
+def _records(stack, count: int) -> dict[str, dict] | None:
+    activity = json.loads(http_get(f"{stack.sidecar.admin_url}/activity")[1])["activity"]
+    by_id = {record["request_id"]: record for record in activity}
+    return by_id if len(by_id) >= count else None
 
 
 async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:

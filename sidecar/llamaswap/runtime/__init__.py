@@ -1,5 +1,11 @@
-"""The asyncio adapter around the pure core: waiters, wake-ups, deadlines, reload."""
+"""The asyncio adapter around the pure core: tickets, waiters, leases, settles, estimates, reload.
 
-from llamaswap.runtime.coordinator import Admission, Coordinator, Rejected, Ticket, TicketState
+The coordinator uses two ports: `Observer` (telemetry, the activity log) and `Upstream` (what
+the upstream serves and whether it is still computing); the transport calls it.
+"""
 
-__all__ = ["Admission", "Coordinator", "Rejected", "Ticket", "TicketState"]
+from llamaswap.runtime.coordinator import Admission, Coordinator, QueueView, Refusal
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
+
+__all__ = ["Admission", "Arrival", "Coordinator", "ExchangeEnd", "ExchangeReport", "QueueView", "Refusal", "Ticket",
+           "TicketState"]

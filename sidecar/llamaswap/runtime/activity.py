@@ -1,62 +1,145 @@
-"""The activity log: one JSON line per dispatched request, and the most recent in memory."""
+"""The activity log: one JSON line per finished request (dispatched or not), and the scheduler's
+settings at start and after every reload; the most recent records are kept for GET /activity.
+
+Lines go to the logger `llamaswap.activity` and, with `activity.path` (or `--activity-log`),
+to a file of pure JSON lines, which is what `llamaswap simulate` replays. Every timestamp of a
+record comes from the runtime's one monotonic clock, turned into Unix time by one offset taken
+when the log starts, so arrivals and grants stay consistent with each other even if the wall
+clock steps.
+"""
 
 from __future__ import annotations
 
 import collections
 import json
 import logging
+import logging.handlers
 import time
 from typing import Any
 
-from llamaswap.core import Outcome
-from llamaswap.core.scheduler import Decision
-from llamaswap.runtime.coordinator import Ticket
+from llamaswap.core import NS_PER_S, Clock, Policy
+from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.ticket import Ticket
 
-_log = logging.getLogger("llamaswap.activity")
+LOGGER_NAME = "llamaswap.activity"
+_log = logging.getLogger(LOGGER_NAME)
 
 
 class ActivityLog:
-    """An Observer that records each dispatched request's decision when it ends."""
+    """An Observer that writes each request's record when it ends."""
 
-    def __init__(self, capacity: int = 1000) -> None:
+    def __init__(self, clock: Clock, *, capacity: int = 1000, path: str | None = None) -> None:
+        self._clock = clock
+        self._wall_offset_ns = time.time_ns() - clock.now_ns()
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        # Records of abandoned requests wait for their settle, whose time they include.
+        self._awaiting_settle: dict[str, dict[str, Any]] = {}
+        self._file: logging.Logger | None = None
+        self._handler: logging.Handler | None = None
+        if path:
+            # Its own logger, so the file holds nothing but records (no prefix, no other lines);
+            # WatchedFileHandler reopens the file after logrotate moves it.
+            self._handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
+            self._handler.setFormatter(logging.Formatter("%(message)s"))
+            self._file = logging.getLogger(f"{LOGGER_NAME}.file.{id(self)}")
+            self._file.propagate = False
+            self._file.setLevel(logging.INFO)
+            self._file.addHandler(self._handler)
 
     def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
         items = list(self._recent)
         return items[-limit:] if limit else items
 
-    def enqueued(self, ticket: Ticket, queue_depth: int) -> None:
+    def close(self) -> None:
+        for record in self._awaiting_settle.values():
+            self._write(record)
+        self._awaiting_settle.clear()
+        if self._file is not None and self._handler is not None:
+            self._file.removeHandler(self._handler)
+            self._handler.close()
+            self._file = self._handler = None
+
+    # -- Observer ------------------------------------------------------------------------
+
+    def enqueued(self, ticket: Ticket) -> None:
         pass
 
-    def dispatched(self, ticket: Ticket, decision: Decision) -> None:
+    def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
+        pass
+
+    def queue_changed(self, picture: QueuePicture) -> None:
         pass
 
     def watchdog_fired(self, ticket: Ticket) -> None:
         pass
 
-    def finished(self, ticket: Ticket, outcome: Outcome) -> None:
+    def settings_changed(self, policy: Policy) -> None:
+        self._write({
+            "event": "settings",
+            "time": round(self._unix_ms(self._clock.now_ns()) / 1000, 3),
+            "scheduler": policy.name.value,
+            "aging_divisor_s": policy.aging_divisor_s,
+            "swap_affinity_bonus": policy.swap_affinity_bonus,
+            "max_queued": policy.max_queued,
+            "max_wait_s": policy.max_wait_s,
+            "model_priorities": dict(policy.model_priorities),
+        })
+
+    def finished(self, ticket: Ticket) -> None:
+        record = self.record(ticket)
+        if ticket.abandoned:
+            self._awaiting_settle[ticket.request_id] = record
+        else:
+            self._write(record)
+
+    def settled(self, settle: Settle) -> None:
+        record = self._awaiting_settle.pop(settle.request_id, None)
+        if record is not None:
+            record["settle_ms"] = round(settle.seconds * 1000, 3)
+            self._write(record)
+
+    # -- records -------------------------------------------------------------------------
+
+    def record(self, ticket: Ticket) -> dict[str, Any]:
         decision = ticket.decision
-        if decision is None:  # never dispatched: spans and metrics cover it
-            return
-        run_ms = None
-        if ticket.granted_ns is not None and ticket.finished_ns is not None:
-            run_ms = round((ticket.finished_ns - ticket.granted_ns) / 1e6, 3)
-        record = {
-            "time": round(time.time(), 3),
-            "event": "dispatch",
+        outcome = ticket.outcome
+        finished_ns = ticket.finished_ns if ticket.finished_ns is not None else ticket.arrival_ns
+        granted_ns = decision.granted_ns if decision is not None else None
+        waited_ns = (granted_ns if granted_ns is not None else finished_ns) - ticket.arrival_ns
+        return {
+            "event": "request",
+            "time": round(self._unix_ms(finished_ns) / 1000, 3),
             "request_id": ticket.request_id,
-            "trace_id": ticket.extras.get("trace_id"),
-            "model": decision.model,
-            "serial_priority": decision.priority,
-            "serial_band": decision.band.value,
-            "serial_score": round(decision.score, 3),
-            "serial_queue_wait_ms": round(decision.queue_wait_ns / 1e6, 3),
-            "swap_affinity": decision.swap_affinity,
-            "aging": round(decision.aging, 3),
-            "reordered_by": sorted(decision.reordered_by),
-            "swap": decision.swap,
-            "run_ms": run_ms,
-            "outcome": outcome.value,
+            "trace_id": ticket.trace_id,
+            "model": ticket.model,
+            "outcome": outcome.value if outcome is not None else None,
+            "dispatched": decision is not None,
+            "serial_priority": ticket.priority.value,
+            "serial_band": ticket.priority.band.value,
+            "serial_score": round(decision.score, 3) if decision is not None else None,
+            "serial_queue_wait_ms": round(waited_ns / 1e6, 3),
+            "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
+            "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
+            "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,
+            "run_ms": round((finished_ns - granted_ns) / 1e6, 3) if granted_ns is not None else None,
+            "settle_ms": 0.0 if decision is not None else None,
+            "swap": decision.swap if decision is not None else False,
+            "load": decision.load if decision is not None else False,
+            "swap_affinity": decision.swap_affinity if decision is not None else False,
+            "aging": round(decision.aging, 6) if decision is not None else None,
+            "reordered_by": sorted(str(cause) for cause in decision.reordered_by) if decision is not None else [],
+            "estimated_wait_ms": round(ticket.estimated_wait_s * 1000, 3) if ticket.estimated_wait_s is not None
+            else None,
+            "status": ticket.response_status,
         }
-        self._recent.append(record)
-        _log.info("%s", json.dumps(record, separators=(",", ":")))
+
+    def _unix_ms(self, clock_ns: int) -> float:
+        return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "request":
+            self._recent.append(record)
+        line = json.dumps(record, separators=(",", ":"))
+        _log.info("%s", line)
+        if self._file is not None:
+            self._file.info("%s", line)

@@ -1,136 +1,186 @@
-"""One object per request (a Ticket), from the first gRPC message to the end of the exchange.
+"""The coordinator: the asyncio adapter around the pure core, and the only place that changes it.
 
-The transport opens a ticket when Envoy's ext_proc stream starts, admits it when the
-ext_authz Check arrives (the hold), and closes it when the ext_proc stream ends. The
-coordinator turns the core's decisions into resolved futures. It is the only place that
-mutates the Scheduler, and it runs on one event loop, so the core needs no locks.
+One Ticket per request. Envoy's held ext_authz Check is `admit`: the ticket waits in the
+scheduler until it is granted (the Check answers OK) or refused. Envoy's access log then
+reports the granted exchange: periodic entries renew its lease (`report`, not final), the
+final entry ends it and decides its outcome. Everything runs on one event loop, so the core
+needs no locks.
 
 Invariants enforced here:
-- a ticket is released to the core exactly once, and `Observer.finished` fires exactly once
-  per admitted ticket;
-- a grant given to a ticket whose waiter has gone is released at once, so the GPU is never
-  held for nobody.
+- the GPU is granted only when it is free in fact: no grant runs, no abandoned generation is
+  still computing at the upstream (a settle), and no exchange granted by an earlier sidecar
+  process is still reported by Envoy (an adopted lease);
+- every ticket is finished exactly once, through `_finish` (the first call wins), and
+  `Observer.finished` fires exactly once per ticket;
+- a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released, so a lost final
+  entry or a killed Envoy never leaves a ghost holder;
+- the runtime decides outcomes; how they look over HTTP is the transport's business.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
-import enum
 import logging
+import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from llamaswap.config import Config
-from llamaswap.core import Clock, MonotonicClock, Outcome, Priority, Scheduler
-from llamaswap.core.scheduler import NS_PER_S, Decision, QueueFull
-from llamaswap.runtime.model import LARGE_BODY_BYTES, model_from_body
-from llamaswap.runtime.observer import NoopObserver, Observer
+from llamaswap.config import AbandonedGeneration, Config, ModelCheck
+from llamaswap.core import (
+    NS_PER_S,
+    Band,
+    Clock,
+    Decision,
+    Estimator,
+    MonotonicClock,
+    Outcome,
+    QueueFull,
+    QueueSnapshot,
+    Scheduler,
+)
+from llamaswap.runtime.observer import (
+    NoopObserver,
+    Observer,
+    Overtaken,
+    QueuePicture,
+    Settle,
+    SettleReason,
+    SettleResult,
+)
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
+from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
 
 _log = logging.getLogger(__name__)
 
-TICKET_HEADER = "x-llamaswap-ticket"
-PRIORITY_HEADER = "x-llamaswap-priority"
+# Retry-After for requests refused while llamaswap stops: another replica, or this one restarted.
+SHUTDOWN_RETRY_AFTER_S = 5
+# A refused client is told to come back when a place is expected to free, within these bounds.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 3600
+# A miss in the model catalog asks the upstream again, at most this often.
+CATALOG_REFRESH_MIN_S = 1.0
+# Tokens of finished grants remembered, so a late access-log entry is recognised as ours.
+FINISHED_MEMORY = 4096
+# How often the upstream is asked whether it is still busy, while it settles (backs off).
+SETTLE_POLL_FIRST_S = 0.02
+SETTLE_POLL_MAX_S = 0.25
+# Estimates made at arrival are batched: one walk of the queue for all arrivals in this window,
+# widened when walks get slow (a deep queue), so estimating never costs more than ~10% of a core.
+ESTIMATE_BATCH_S = 0.05
+_ESTIMATE_CPU_SHARE = 0.1
+# The queue view (GET /queue, the status route) is reused while younger than this.
+VIEW_MAX_AGE_S = 0.2
 
 
-class TicketState(str, enum.Enum):
-    OPEN = "open"  # ext_proc stream started; Check not yet arrived
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rejected:
-    """Why a request was refused, in the shape the transport turns into an HTTP error."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request did not get the GPU; the transport turns it into an HTTP error."""
 
     outcome: Outcome
-    http_status: int
-    message: str
-    error_type: str
-    code: str
     retry_after_s: int | None = None
+    queue_depth: int = 0
+    queue_limit: int = 0
+    max_wait_s: float = 0.0
+    model: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """The result of waiting: a grant (decision) or a rejection."""
-
-    decision: Decision | None = None
-    rejected: Rejected | None = None
+# What `admit` answers: the granted ticket, or a refusal.
+Admission = Ticket | Refusal
 
 
-class Ticket:
-    """Everything known about one request. Holds no prompt text."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class WaitingRow:
+    request_id: str
+    position: int
+    priority: int
+    band: Band
+    score: float  # at its turn in this order
+    swap_affinity: bool
+    waited_s: float
+    model: str | None
+    estimated_start_s: float  # from now
 
-    __slots__ = (
-        "token", "request_id", "state", "priority", "model", "decision", "outcome", "response_status",
-        "queue_depth_at_arrival", "arrival_ns", "granted_ns", "finished_ns", "trace_context",
-        "_waiter", "extras",
-    )
 
-    def __init__(self, token: str, request_id: str, arrival_ns: int) -> None:
-        self.token = token
-        self.request_id = request_id
-        self.state = TicketState.OPEN
-        self.priority: Priority | None = None
-        self.model: str | None = None
-        self.decision: Decision | None = None
-        self.outcome: Outcome | None = None
-        self.response_status: int | None = None
-        self.queue_depth_at_arrival = 0
-        self.arrival_ns = arrival_ns
-        self.granted_ns: int | None = None
-        self.finished_ns: int | None = None
-        # Opaque to the runtime: the transport stores trace parents here for telemetry.
-        self.trace_context: dict[str, object] = {}
-        self._waiter: asyncio.Future[Admission] | None = None
-        self.extras: dict[str, object] = {}
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunningRow:
+    request_id: str
+    priority: int
+    band: Band
+    score: float
+    model: str | None
+    queue_wait_s: float
+    running_s: float
+    expected_run_s: float
+    expected_remaining_s: float
 
-    def response_headers(self) -> list[tuple[str, str]]:
-        """The x-llamaswap-* headers that tell the client what happened."""
-        if self.decision is None or self.priority is None:
-            return []
-        d = self.decision
-        return [
-            ("x-llamaswap-priority", str(d.priority)),
-            ("x-llamaswap-band", d.band.value),
-            ("x-llamaswap-score", f"{d.score:.3f}"),
-            ("x-llamaswap-queue-wait-ms", f"{d.queue_wait_ns / 1e6:.1f}"),
-        ]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueView:
+    """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
+
+    policy: str
+    loaded_model: str | None
+    gpu: str  # idle | running | settling | adopted
+    running: RunningRow | None
+    waiting: tuple[WaitingRow, ...]
+    bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
+
+
+@dataclasses.dataclass(slots=True)
+class _Settling:
+    reason: SettleReason
+    model: str | None
+    request_id: str
+    granted_ns: int | None
+    started_ns: int
+    task: asyncio.Task[None] | None = None
 
 
 class Coordinator:
     """Owns the Scheduler and every live Ticket; all methods run on one event loop."""
 
     def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None,
-                 observe_after_grant: bool = True) -> None:
+                 upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
         self.scheduler = Scheduler(config.policy(), self._clock)
-        self.observer: Observer = observer or NoopObserver()
-        # Telemetry for a grant and a release runs on the next loop turn, after the grant is
-        # on its way; tests that read telemetry synchronously turn this off.
+        estimates = config.estimates
+        self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
+                                   default_swap_s=estimates.default_swap_seconds, samples=estimates.samples)
+        self._observer: Observer = observer or NoopObserver()
+        self._upstream: Upstream = upstream or NoUpstream()
+        # Telemetry for a grant runs on the next loop turn, after the grant is on its way;
+        # tests that read telemetry synchronously turn this off.
         self._observe_after_grant = observe_after_grant
         self._tickets: dict[str, Ticket] = {}
+        self._by_request_id: dict[str, Ticket] = {}
+        self._running: Ticket | None = None
+        self._settling: _Settling | None = None
+        self._adopted: dict[str, int] = {}  # token -> lease deadline (ns) of an earlier process's grant
+        self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
+        self._catalog: Catalog | None = None
+        self._catalog_at_ns: int | None = None
+        self._catalog_refresh: asyncio.Task[Catalog | None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
+        self._version = 0
+        self._view: tuple[int, int, QueueSnapshot, list[float], float] | None = None
+        self._pending_estimates: list[Ticket] = []
+        self._estimate_handle: asyncio.TimerHandle | None = None
+        self._estimate_batch_s = ESTIMATE_BATCH_S
+        self._observer.settings_changed(self.scheduler.policy)
 
-    # -- configuration -------------------------------------------------------------------
+    # -- configuration and state ---------------------------------------------------------
 
     @property
     def config(self) -> Config:
         return self._config
-
-    def reconfigure(self, config: Config) -> None:
-        """Apply new scheduler settings; the queue and the running request are kept."""
-        self._config = config
-        self.scheduler.reconfigure(config.policy())
-        self._arm_expiry()
-        self._pump()
 
     @property
     def clock(self) -> Clock:
@@ -140,101 +190,103 @@ class Coordinator:
     def admitting(self) -> bool:
         return self._admitting
 
+    @property
+    def gpu_state(self) -> str:
+        if self._running is not None:
+            return "running"
+        if self._settling is not None:
+            return "settling"
+        if self._adopted:
+            return "adopted"
+        return "idle"
+
     def live_tickets(self) -> int:
         return len(self._tickets)
 
-    def ticket(self, token: str) -> Ticket | None:
-        return self._tickets.get(token)
+    def reconfigure(self, config: Config) -> None:
+        """Apply new settings; the queue, the running request and the measurements are kept."""
+        self._config = config
+        self.scheduler.reconfigure(config.policy())
+        self.estimator.default_run_s = config.estimates.default_run_seconds
+        self.estimator.default_swap_s = config.estimates.default_swap_seconds
+        self._observer.settings_changed(self.scheduler.policy)
+        self._changed()
+        self._arm_expiry()
+        self._pump()
 
     # -- the request's way ---------------------------------------------------------------
 
-    def open(self, request_id: str) -> Ticket:
-        """A new exchange began (ext_proc request headers). The token is unguessable."""
-        ticket = Ticket(secrets.token_urlsafe(18), request_id or "-", self._clock.now_ns())
-        self._tickets[ticket.token] = ticket
-        return ticket
-
-    async def admit(self, token: str, headers: Mapping[str, str], body: bytes) -> Admission:
-        """The hold: wait until this ticket is granted or rejected (ext_authz Check)."""
-        refused = await self.prepare(token, headers, body)
-        return refused if refused is not None else await self.wait(token)
-
-    async def prepare(self, token: str, headers: Mapping[str, str], body: bytes) -> Admission | None:
-        """Read the priority and the model; a refusal, or None when `wait` may follow.
-
-        Split from `wait` so that the caller need not keep the request (and its body) alive
-        for the wait, which can last hours.
-        """
-        ticket = self._tickets.get(token)
-        if ticket is None or ticket.state is not TicketState.OPEN:
-            # No live exchange carries this token: forged, replayed, or the client left.
-            return Admission(rejected=Rejected(Outcome.CANCELLED_WAITING, 403, "unknown or used scheduling ticket",
-                                               "invalid_request_error", "invalid_ticket"))
+    async def admit(self, arrival: Arrival) -> Admission:
+        """The hold (a Check): queue the request and wait until it is granted or refused."""
+        policy = self._config.priority_policy()
+        priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
+        ticket = Ticket(secrets.token_urlsafe(18), arrival, priority, self._clock.now_ns())
         if not self._admitting:
-            return self._reject(ticket, _shutdown_rejection())
-        policy = self._config.priority_policy
-        trusted = headers.get(policy.trusted_header) if policy.trusted_header else None
-        ticket.priority = policy.resolve(headers.get(PRIORITY_HEADER), trusted)
-        if len(body) > LARGE_BODY_BYTES:
-            ticket.model = await asyncio.get_running_loop().run_in_executor(None, model_from_body, body)
-        else:
-            ticket.model = model_from_body(body)
-        if ticket.state is not TicketState.OPEN:  # closed while parsing off-loop
-            return Admission(rejected=Rejected(Outcome.CANCELLED_WAITING, 499, "client went away",
-                                               "invalid_request_error", "cancelled"))
-        return None
-
-    async def wait(self, token: str) -> Admission:
-        """Queue a prepared ticket and wait for its grant or rejection."""
-        ticket = self._tickets.get(token)
-        if ticket is None or ticket.state is not TicketState.OPEN or ticket.priority is None:
-            return Admission(rejected=Rejected(Outcome.CANCELLED_WAITING, 499, "client went away",
-                                               "invalid_request_error", "cancelled"))
-        if not self._admitting:  # shutdown began while the body was being read
-            return self._reject(ticket, _shutdown_rejection())
+            return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
+        if ticket.model is not None and not await self._serves(ticket.model):
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
+        if not self._admitting:  # shutdown began while the catalog was asked
+            return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         try:
-            depth = self.scheduler.enqueue(token, ticket.priority, ticket.model)
+            depth = self.scheduler.enqueue(ticket.token, priority, ticket.model)
         except QueueFull as exc:
-            return self._reject(ticket, Rejected(
-                Outcome.REJECTED_FULL, 429,
-                f"the GPU queue is full ({exc.depth} requests waiting); retry later",
-                "rate_limit_error", "queue_full", retry_after_s=self._retry_after_s()))
-        ticket.state = TicketState.WAITING
-        ticket.queue_depth_at_arrival = depth
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
+                                                queue_depth=exc.depth, queue_limit=exc.limit))
         ticket.arrival_ns = self._clock.now_ns()
-        waiter: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        ticket._waiter = waiter
-        self.observer.enqueued(ticket, depth)
+        ticket.queue_depth_at_arrival = depth
+        waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
+        ticket.waiter = waiter
+        self._tickets[ticket.token] = ticket
+        self._by_request_id[ticket.request_id] = ticket
+        self._changed()
+        self._observer.enqueued(ticket)
+        self._estimate_later(ticket)
         self._arm_expiry()
         self._pump()
         try:
-            return await waiter
+            decision = await waiter
         except asyncio.CancelledError:
-            # Envoy cancelled the Check: the client disconnected while waiting.
-            self.close(token)
+            # Envoy cancelled the Check: the client left while waiting (or just as it was granted).
+            self._check_cancelled(ticket)
             raise
+        if decision is None:
+            assert ticket.outcome is not None
+            return self._refusal_of(ticket)
+        return ticket
 
-    def record_response(self, token: str, status: int) -> None:
+    def report(self, token: str, report: ExchangeReport) -> None:
+        """An access-log entry about a granted exchange: a lease renewal, or its end."""
         ticket = self._tickets.get(token)
-        if ticket is not None:
-            ticket.response_status = status
-
-    def close(self, token: str) -> None:
-        """The exchange ended (ext_proc stream closed or Check cancelled). Idempotent."""
-        ticket = self._tickets.pop(token, None)
-        if ticket is None:
+        if ticket is None or ticket.state is not TicketState.RUNNING:
+            self._report_unknown(token, report)
             return
-        if ticket.state is TicketState.WAITING:
-            self.scheduler.cancel(token)
-            self._finish(ticket, Outcome.CANCELLED_WAITING)
-            self._resolve(ticket, Admission(rejected=Rejected(
-                Outcome.CANCELLED_WAITING, 499, "client went away", "invalid_request_error", "cancelled")))
-            self._arm_expiry()
-        elif ticket.state is TicketState.RUNNING:
-            self._release(ticket, self._running_outcome(ticket))
+        if report.first_byte_s is not None:
+            ticket.first_byte_s = report.first_byte_s
+        now = self._clock.now_ns()
+        if not report.final:
+            ticket.lease_deadline_ns = now + self._lease_ns()
+            return
+        end = report.end or ExchangeEnd.UPSTREAM_FAILED
+        ticket.end = end
+        ticket.response_status = report.status
+        if end is ExchangeEnd.COMPLETE:
+            outcome = Outcome.SERVED if report.status < 500 else Outcome.UPSTREAM_ERROR
+        elif end is ExchangeEnd.CLIENT_LEFT:
+            outcome = Outcome.CANCELLED_RUNNING
         else:
-            ticket.state = TicketState.DONE
-        self._pump()
+            outcome = Outcome.UPSTREAM_ERROR
+        # A model is loaded only if the upstream answered a request for it successfully.
+        model_loaded = end is ExchangeEnd.COMPLETE and 200 <= report.status < 400
+        abandoned = end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
+        self._release(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned)
+
+    def peer_gone(self, peer: str) -> None:
+        """An Envoy access-log stream ended: that Envoy connection's grant is gone with it."""
+        running = self._running
+        if running is not None and running.peer == peer:
+            _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
+                         peer, running.request_id)
+            self._release(running, Outcome.PROXY_GONE, model_loaded=True, abandoned=True)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -244,7 +296,9 @@ class Coordinator:
         for removed in self.scheduler.drain():
             ticket = self._tickets.get(removed.request_id)
             if ticket is not None:
-                self._reject(ticket, _shutdown_rejection())
+                self._finish(ticket, Outcome.SHUTDOWN, removed.removed_ns)
+        self._changed()
+        self._arm_expiry()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing runs; True if it finished within the grace period."""
@@ -254,74 +308,319 @@ class Coordinator:
         except asyncio.TimeoutError:
             return False
 
-    # -- internals -----------------------------------------------------------------------
+    def abandon_running(self) -> None:
+        """The grace period ended: record the running request as cut off by the shutdown."""
+        if self._running is not None:
+            self._release(self._running, Outcome.SHUTDOWN, model_loaded=True, abandoned=False)
 
-    def _observe(self, callback: Callable[..., None], *args: object) -> None:
-        if self._observe_after_grant:
-            asyncio.get_running_loop().call_soon(callback, *args)
-        else:
-            callback(*args)
+    def close(self) -> None:
+        """Cancel timers and background work (the loop is about to stop)."""
+        for handle in (self._expiry, self._lease_timer, self._watchdog, self._estimate_handle):
+            if handle is not None:
+                handle.cancel()
+        if self._settling is not None and self._settling.task is not None:
+            self._settling.task.cancel()
+        if self._catalog_refresh is not None:
+            self._catalog_refresh.cancel()
 
-    def _running_outcome(self, ticket: Ticket) -> Outcome:
-        status = ticket.response_status
-        if status is None:
-            return Outcome.CANCELLED_RUNNING
-        if status >= 500:
-            return Outcome.UPSTREAM_ERROR
-        return Outcome.SERVED
+    # -- the upstream --------------------------------------------------------------------
+
+    def begin_startup_settle(self) -> None:
+        """A new sidecar cannot know what the upstream is doing: ask before the first grant."""
+        if isinstance(self._upstream, NoUpstream) or self._settling is not None:
+            return
+        self._begin_settle(SettleReason.STARTUP, None, "-", None, stop=False)
+
+    def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
+        """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
+        self._catalog = catalog
+        self._catalog_at_ns = self._clock.now_ns()
+        if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
+            self._changed()
+
+    async def _serves(self, model: str) -> bool:
+        """Whether the upstream serves `model` (upstream.modelCheck); asks again once on a miss."""
+        check = self._config.upstream.model_check
+        if check is ModelCheck.OFF:
+            return True
+        catalog = self._catalog
+        if catalog is None or not self._listed(catalog, model, check):
+            if catalog is None or self._catalog_stale():
+                catalog = await self._refresh_catalog()
+            if catalog is None:
+                return True  # the upstream cannot be asked: refuse nothing
+        return self._listed(catalog, model, check)
+
+    @staticmethod
+    def _listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
+        routes_by_name = catalog.kind in (UpstreamKind.ROUTER, UpstreamKind.LLAMA_SWAP)
+        if not routes_by_name and check is not ModelCheck.STRICT:
+            return True  # one model that answers to any name
+        return catalog.models is None or model in catalog.models
+
+    def _catalog_stale(self) -> bool:
+        at = self._catalog_at_ns
+        return at is None or self._clock.now_ns() - at >= CATALOG_REFRESH_MIN_S * NS_PER_S
+
+    async def _refresh_catalog(self) -> Catalog | None:
+        task = self._catalog_refresh
+        if task is None or task.done():
+            task = self._catalog_refresh = asyncio.ensure_future(self._ask_catalog())
+        return await asyncio.shield(task)
+
+    async def _ask_catalog(self) -> Catalog | None:
+        as_of = self.scheduler.dispatches
+        try:
+            catalog = await self._upstream.catalog()
+        except Exception:  # noqa: BLE001 - the upstream adapter must not break admission
+            _log.exception("asking the upstream for its models failed")
+            return self._catalog
+        if catalog is not None:
+            self.observe_catalog(catalog, as_of)
+        return catalog if catalog is not None else self._catalog
+
+    # -- internals: granting and releasing -----------------------------------------------
+
+    def _gpu_free(self) -> bool:
+        return self._running is None and self._settling is None and not self._adopted
 
     def _pump(self) -> None:
         """Grant the GPU if it is free and someone waits."""
+        if not self._gpu_free():
+            return
         while True:
             decision = self.scheduler.next()
             if decision is None:
                 return
             ticket = self._tickets.get(decision.request_id)
-            waiter = ticket._waiter if ticket is not None else None
-            if ticket is None or waiter is None or waiter.done():
-                # The waiter vanished between cancel and grant; give the GPU to the next.
-                self.scheduler.release(decision.request_id)
-                continue
-            ticket.state = TicketState.RUNNING
-            ticket.decision = decision
-            ticket.granted_ns = self._clock.now_ns()
-            self._idle.clear()
-            self._arm_watchdog(ticket)
-            waiter.set_result(Admission(decision=decision))
-            # The waiter's wake-up is already scheduled ahead of this: the next request's
-            # handoff never waits for spans, metrics or log lines.
-            self._observe(self.observer.dispatched, ticket, decision)
-            return
+            waiter = ticket.waiter if ticket is not None else None
+            if ticket is not None and waiter is not None and not waiter.done():
+                break
+            # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
+            # has not run its clean-up yet: nothing reached the upstream; the next one goes.
+            self.scheduler.release(decision.request_id, model_loaded=False)
+            if ticket is not None:
+                self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
+        ticket.state = TicketState.RUNNING
+        ticket.decision = decision
+        ticket.lease_deadline_ns = decision.granted_ns + self._lease_ns()
+        self._running = ticket
+        self._idle.clear()
+        self._changed()
+        self._arm_lease()
+        self._arm_watchdog(ticket)
+        waiter.set_result(decision)
+        overtaken = tuple(self._overtaken(token) for token in decision.overtook)
+        # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
+        # never waits for spans, metrics or log lines.
+        self._observe(self._observer.dispatched, ticket, overtaken)
 
-    def _release(self, ticket: Ticket, outcome: Outcome) -> None:
-        self.scheduler.release(ticket.token)
-        self._disarm_watchdog()
-        self._idle.set()
-        self._finish(ticket, outcome)
+    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool) -> None:
+        released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
+        self._running = None
+        for handle in (self._lease_timer, self._watchdog):
+            if handle is not None:
+                handle.cancel()
+        self._lease_timer = self._watchdog = None
+        decision = ticket.decision
+        if outcome is Outcome.SERVED and decision is not None:
+            self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
+                                  model_load=decision.load or decision.swap)
+        stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
+        ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
+        self._finish(ticket, outcome, released.released_ns)
+        if ticket.abandoned:
+            granted = decision.granted_ns if decision is not None else None
+            self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
+        self._update_idle()
+        self._pump()
 
-    def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
-        ticket.state = TicketState.DONE
+    def _finish(self, ticket: Ticket, outcome: Outcome, at_ns: int) -> bool:
+        """The one way a ticket ends. The first call wins; later ones change nothing."""
+        if ticket.outcome is not None:
+            return False
         ticket.outcome = outcome
-        ticket.finished_ns = self._clock.now_ns()
-        self._observe(self.observer.finished, ticket, outcome)
-
-    def _reject(self, ticket: Ticket, rejected: Rejected) -> Admission:
-        admission = Admission(rejected=rejected)
-        if ticket.state is TicketState.WAITING:
-            self.scheduler.cancel(ticket.token)
-        self._finish(ticket, rejected.outcome)
-        self._resolve(ticket, admission)
-        return admission
-
-    @staticmethod
-    def _resolve(ticket: Ticket, admission: Admission) -> None:
-        waiter = ticket._waiter
+        ticket.finished_ns = at_ns
+        ticket.state = TicketState.DONE
+        self._tickets.pop(ticket.token, None)
+        if self._by_request_id.get(ticket.request_id) is ticket:
+            del self._by_request_id[ticket.request_id]
+        if ticket.decision is not None:
+            self._finished[ticket.token] = outcome
+            while len(self._finished) > FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+        waiter = ticket.waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(admission)
+            waiter.set_result(None)
+        self._changed()
+        self._observe(self._observer.finished, ticket)
+        return True
 
-    def _retry_after_s(self) -> int:
-        """A hint for rejected clients: roughly how long the queue takes to move."""
-        return max(1, min(60, 1 + self.scheduler.depth // 10))
+    def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
+        self._finish(ticket, refusal.outcome, self._clock.now_ns())
+        return refusal
+
+    def _refusal_of(self, ticket: Ticket) -> Refusal:
+        """The answer for a ticket that left the queue without a grant (expired, shut down)."""
+        outcome = ticket.outcome
+        if outcome is Outcome.EXPIRED:
+            return Refusal(outcome, self._retry_after_s(), max_wait_s=self.scheduler.policy.max_wait_s)
+        if outcome is Outcome.SHUTDOWN:
+            return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
+        return Refusal(outcome or Outcome.INTERNAL_ERROR)
+
+    def _check_cancelled(self, ticket: Ticket) -> None:
+        if ticket.state is TicketState.WAITING:
+            removed = self.scheduler.cancel(ticket.token)
+            self._finish(ticket, Outcome.CANCELLED_WAITING,
+                         removed.removed_ns if removed is not None else self._clock.now_ns())
+            self._arm_expiry()
+        elif ticket.state is TicketState.RUNNING and ticket is self._running:
+            # Granted in the same instant the client left: the OK never reached Envoy, so
+            # nothing reached the upstream either.
+            self._release(ticket, Outcome.CANCELLED_WAITING, model_loaded=False, abandoned=False)
+
+    def _report_unknown(self, token: str, report: ExchangeReport) -> None:
+        """An entry for a grant this process does not hold. Periodic entries prove the exchange
+        still runs: if it is no grant of ours that we let go on purpose (the watchdog), the
+        GPU is busy with it, so adopt it as a lease until its end."""
+        if token in self._adopted:
+            if report.final:
+                del self._adopted[token]
+                _log.info("the adopted exchange ended; the GPU is free again")
+                self._update_idle()
+                self._pump()
+            else:
+                self._adopted[token] = self._clock.now_ns() + self._lease_ns()
+            return
+        previous = self._finished.get(token)
+        if report.final or previous is Outcome.WATCHDOG or (previous is not None and previous not in (
+                Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE)):
+            return
+        _log.warning("Envoy reports an exchange this sidecar did not grant (an earlier sidecar process did%s); "
+                     "no grant until it ends", "" if previous is None else f", or its lease lapsed ({previous})")
+        self._adopted[token] = self._clock.now_ns() + self._lease_ns()
+        self._idle.clear()
+        self._changed()
+        self._arm_lease()
+
+    # -- internals: settling -------------------------------------------------------------
+
+    def _begin_settle(self, reason: SettleReason, model: str | None, request_id: str, granted_ns: int | None, *,
+                      stop: bool) -> None:
+        settling = _Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
+        self._settling = settling
+        self._idle.clear()
+        self._changed()
+        settling.task = asyncio.ensure_future(self._settle(settling, stop))
+
+    async def _settle(self, settling: _Settling, stop: bool) -> None:
+        """Wait until the upstream computes nothing, with a deadline; then grant again."""
+        upstream = self._upstream
+        config = self._config
+        deadline_s = config.upstream.settle_timeout_seconds
+        max_run = config.routing.scheduler.max_run_seconds
+        if max_run > 0 and settling.granted_ns is not None:  # waiting it out is bounded by maxRunSeconds
+            deadline_s = min(deadline_s, max(0.0, max_run - (settling.started_ns - settling.granted_ns) / NS_PER_S))
+        deadline_ns = settling.started_ns + round(deadline_s * NS_PER_S)
+        model = settling.model
+        result = SettleResult.TIMEOUT
+        try:
+            if settling.reason is SettleReason.STARTUP:
+                catalog = await self._refresh_catalog()
+                if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
+                    model = catalog.loaded
+            stopped = False
+            if stop:
+                stopped = await upstream.stop(model)
+                if stopped and self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches):
+                    self._changed()
+            delay = SETTLE_POLL_FIRST_S
+            while True:
+                busy = await upstream.busy(model)
+                if busy is None:
+                    result = SettleResult.UNSUPPORTED
+                    break
+                if not busy:
+                    result = SettleResult.STOPPED if stopped else SettleResult.IDLE
+                    break
+                if self._clock.now_ns() >= deadline_ns:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, SETTLE_POLL_MAX_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a broken upstream must not stop the queue for good
+            _log.exception("asking the upstream whether it is idle failed")
+            result = SettleResult.UNSUPPORTED
+        settle = Settle(settling.reason, result, model, settling.request_id, settling.started_ns,
+                        self._clock.now_ns())
+        level = logging.WARNING if result is SettleResult.TIMEOUT else logging.INFO
+        _log.log(level, "upstream settle after %s (request %s, model %s): %s in %.3f s", settle.reason,
+                 settle.request_id, model or "-", result, settle.seconds)
+        if self._settling is settling:
+            self._settling = None
+        self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
+        self._changed()
+        self._update_idle()
+        self._pump()
+
+    def _update_idle(self) -> None:
+        if self._running is None and self._settling is None and not self._adopted:
+            self._idle.set()
+        self._publish()
+
+    # -- internals: timers ---------------------------------------------------------------
+
+    def _lease_ns(self) -> int:
+        return round(self._config.envoy.lease_seconds * NS_PER_S)
+
+    def _arm_lease(self) -> None:
+        """One timer for the leases (the running grant's and the adopted ones), at the earliest."""
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        deadlines = list(self._adopted.values())
+        if self._running is not None:
+            deadlines.append(self._running.lease_deadline_ns)
+        if not deadlines:
+            return
+        delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)
+        self._lease_timer = asyncio.get_running_loop().call_later(delay_s, self._check_leases)
+
+    def _check_leases(self) -> None:
+        self._lease_timer = None
+        now = self._clock.now_ns()
+        for token, deadline in list(self._adopted.items()):
+            if now >= deadline:
+                del self._adopted[token]
+                _log.warning("the adopted exchange is no longer reported by Envoy; the GPU is free again")
+        running = self._running
+        if running is not None and now >= running.lease_deadline_ns:
+            _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",
+                         running.request_id, self._config.envoy.lease_seconds)
+            self._release(running, Outcome.LEASE_EXPIRED, model_loaded=True, abandoned=True)
+        else:
+            self._update_idle()
+            self._pump()
+        self._arm_lease()
+
+    def _arm_watchdog(self, ticket: Ticket) -> None:
+        limit = self._config.routing.scheduler.max_run_seconds
+        if limit > 0:
+            self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+
+    def _watchdog_fire(self, token: str) -> None:
+        """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""
+        self._watchdog = None
+        ticket = self._running
+        if ticket is None or ticket.token != token:
+            return
+        _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
+        self._observer.watchdog_fired(ticket)
+        # The exchange itself goes on in Envoy; only the GPU's grant ends (and with
+        # upstream.abandonedGeneration: stop, the generation is stopped).
+        self._release(ticket, Outcome.WATCHDOG, model_loaded=True, abandoned=False)
 
     def _arm_expiry(self) -> None:
         if self._expiry is not None:
@@ -335,43 +634,127 @@ class Coordinator:
 
     def _expire(self) -> None:
         self._expiry = None
-        limit = self.scheduler.policy.max_wait_s
         for removed in self.scheduler.expire_overdue():
             ticket = self._tickets.get(removed.request_id)
-            if ticket is None:
-                continue
-            ticket.state = TicketState.DONE  # already out of the core's queue
-            self._finish(ticket, Outcome.EXPIRED)
-            self._resolve(ticket, Admission(rejected=Rejected(
-                Outcome.EXPIRED, 503, f"waited longer than routing.scheduler.maxWaitSeconds ({limit:g} s) for the GPU",
-                "server_error", "queue_wait_expired", retry_after_s=self._retry_after_s())))
+            if ticket is not None:
+                self._finish(ticket, Outcome.EXPIRED, removed.removed_ns)
         self._arm_expiry()
 
-    def _arm_watchdog(self, ticket: Ticket) -> None:
-        limit = self._config.scheduler.max_run_s
-        if limit > 0:
-            self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+    # -- internals: estimates and views --------------------------------------------------
 
-    def _disarm_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+    def _retry_after_s(self) -> int:
+        """When a place is expected to free: when the GPU's current work is expected to end."""
+        busy_s = self._busy_s()
+        return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(busy_s))))
 
-    def _watchdog_fire(self, token: str) -> None:
-        """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""
-        self._watchdog = None
-        ticket = self._tickets.get(token)
-        if ticket is None or ticket.state is not TicketState.RUNNING:
+    def _busy_s(self) -> float:
+        """How much longer the GPU is expected to be busy before the next grant."""
+        now = self._clock.now_ns()
+        running = self._running
+        if running is not None and running.decision is not None:
+            d = running.decision
+            return self.estimator.remaining_s(d.model, model_load=d.load or d.swap,
+                                              running_s=(now - d.granted_ns) / NS_PER_S)
+        settling = self._settling
+        if settling is not None and settling.granted_ns is not None:
+            return self.estimator.remaining_s(settling.model, model_load=False,
+                                              running_s=(now - settling.granted_ns) / NS_PER_S)
+        return 0.0
+
+    def _walk(self, *, fresh: bool = False) -> tuple[QueueSnapshot, list[float]]:
+        """The dispatch order and each one's estimated start, reused for a moment while nothing
+        changes (many readers of a deep queue should not each pay for a walk)."""
+        now = self._clock.now_ns()
+        cached = self._view
+        if (cached is not None and not fresh and cached[0] == self._version
+                and now - cached[1] < VIEW_MAX_AGE_S * NS_PER_S):
+            age_s = (now - cached[1]) / NS_PER_S
+            return cached[2], [max(0.0, start - age_s) for start in cached[3]]
+        snapshot = self.scheduler.snapshot()
+        starts = self.estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
+                                       busy_s=self._busy_s())
+        took_s = (self._clock.now_ns() - now) / NS_PER_S
+        self._view = (self._version, now, snapshot, starts, took_s)
+        return snapshot, starts
+
+    def _estimate_later(self, ticket: Ticket) -> None:
+        self._pending_estimates.append(ticket)
+        if self._estimate_handle is None:
+            self._estimate_handle = asyncio.get_running_loop().call_later(self._estimate_batch_s, self._estimate)
+
+    def _estimate(self) -> None:
+        """The estimate made at arrival, for the arrivals of the last batch: one walk for all."""
+        self._estimate_handle = None
+        pending, self._pending_estimates = self._pending_estimates, []
+        waiting = [t for t in pending if t.state is TicketState.WAITING]
+        if not waiting:
             return
-        _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
-        self.observer.watchdog_fired(ticket)
-        # The exchange itself goes on in Envoy; only the GPU's grant ends. Its ext_proc stream
-        # still closes the (now forgotten) ticket when it finally ends.
-        self._tickets.pop(token, None)
-        self._release(ticket, Outcome.WATCHDOG)
-        self._pump()
+        snapshot, starts = self._walk(fresh=True)
+        start_of = {view.request_id: start for view, start in zip(snapshot.waiting, starts)}
+        now = self._clock.now_ns()
+        for ticket in waiting:
+            start = start_of.get(ticket.token)
+            if start is not None:
+                ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
+        took_s = self._view[4] if self._view is not None else 0.0
+        self._estimate_batch_s = max(ESTIMATE_BATCH_S, took_s / _ESTIMATE_CPU_SHARE)
 
+    def view(self) -> QueueView:
+        snapshot, starts = self._walk()
+        now = self._clock.now_ns()
 
-def _shutdown_rejection() -> Rejected:
-    return Rejected(Outcome.SHUTDOWN, 503, "llamaswap is shutting down; retry on another instance or later",
-                    "server_error", "shutting_down", retry_after_s=5)
+        def request_id(token: str) -> str:
+            ticket = self._tickets.get(token)
+            return ticket.request_id if ticket is not None else "-"
+
+        waiting = tuple(
+            WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
+                       w.waited_s, w.model, start)
+            for w, start in zip(snapshot.waiting, starts))
+        running = None
+        decision = self.scheduler.running
+        if decision is not None:
+            running_s = (now - decision.granted_ns) / NS_PER_S
+            model_load = decision.load or decision.swap
+            expected = self.estimator.expected_run_s(decision.model) + (
+                self.estimator.expected_swap_s(decision.model) if model_load else 0.0)
+            running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
+                                 decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
+                                 max(0.0, expected - running_s))
+        bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self.scheduler.band_stats().items())
+        return QueueView(str(snapshot.policy), snapshot.loaded_model, self.gpu_state, running, waiting, bands)
+
+    def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
+        """One client's own request, by its x-request-id (the public status route)."""
+        ticket = self._by_request_id.get(request_id)
+        if ticket is None:
+            return None
+        view = self.view()
+        if ticket.state is TicketState.RUNNING and view.running is not None:
+            return ticket, view.running
+        for row in view.waiting:
+            if row.request_id == request_id:
+                return ticket, row
+        return None
+
+    def _overtaken(self, token: str) -> Overtaken:
+        other = self._tickets.get(token)
+        if other is None:
+            return Overtaken("-", 0, Band.NORMAL, None)
+        return Overtaken(other.request_id, other.priority.value, other.priority.band, other.trace_id)
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        stats = self.scheduler.band_stats()
+        depth = tuple((band, s.depth) for band, s in stats.items())
+        oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
+        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
+
+    def _observe(self, callback: Callable[..., None], *args: object) -> None:
+        if self._observe_after_grant:
+            asyncio.get_running_loop().call_soon(callback, *args)
+        else:
+            callback(*args)

@@ -1,37 +1,118 @@
-"""What the runtime tells the outside world; telemetry implements it, tests record it."""
+"""What the runtime tells the outside world (ports): telemetry and the activity log implement
+`Observer`, tests record it. Each event carries what its observers need; none of them reads
+the coordinator or the scheduler.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import dataclasses
+import enum
+import logging
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from llamaswap.core import Outcome
-    from llamaswap.core.scheduler import Decision
-    from llamaswap.runtime.coordinator import Ticket
+from llamaswap.core import Band, Policy
+from llamaswap.runtime.ticket import Ticket
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Overtaken:
+    """A request that a dispatched one went ahead of (for the queue span's events)."""
+
+    request_id: str
+    priority: int
+    band: Band
+    trace_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueuePicture:
+    """The gauges' view of the queue, published after every change. Immutable, so an exporter
+    thread may read it while the event loop moves on."""
+
+    depth: tuple[tuple[Band, int], ...]
+    oldest_arrival_ns: tuple[tuple[Band, int | None], ...]  # the coordinator's clock
+    busy: bool  # a grant holds the GPU, or the upstream is still finishing an abandoned one
+
+
+class SettleReason(str, enum.Enum):
+    """Why the GPU waited for the upstream to be idle before the next grant."""
+
+    ABANDONED = "abandoned"  # a granted exchange ended without a complete response
+    STARTUP = "startup"  # a new sidecar does not know what the upstream is doing
+    ADOPTED = "adopted"  # Envoy reports an exchange granted by an earlier sidecar process
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SettleResult(str, enum.Enum):
+    IDLE = "idle"  # the upstream said it computes nothing
+    STOPPED = "stopped"  # the abandoned generation was stopped (upstream.abandonedGeneration: stop)
+    TIMEOUT = "timeout"  # still busy at the deadline; the next request goes anyway
+    UNSUPPORTED = "unsupported"  # the upstream cannot tell (no GET /slots): nothing to wait for
+    ENDED = "ended"  # the adopted exchange ended (its final access-log entry arrived)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settle:
+    reason: SettleReason
+    result: SettleResult
+    model: str | None
+    request_id: str  # the abandoned (or adopted) request, "-" at startup
+    started_ns: int
+    ended_ns: int
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended_ns - self.started_ns) / 1e9
 
 
 class Observer(Protocol):
-    def enqueued(self, ticket: "Ticket", queue_depth: int) -> None: ...
+    def enqueued(self, ticket: Ticket) -> None:
+        """A request joined the queue."""
 
-    def dispatched(self, ticket: "Ticket", decision: "Decision") -> None: ...
+    def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
+        """A request was granted the GPU (``ticket.decision`` says why)."""
 
-    def finished(self, ticket: "Ticket", outcome: "Outcome") -> None:
-        """Called exactly once per admitted ticket, however it ended."""
+    def finished(self, ticket: Ticket) -> None:
+        """Called exactly once per ticket, however it ended (``ticket.outcome``)."""
 
-    def watchdog_fired(self, ticket: "Ticket") -> None: ...
+    def queue_changed(self, picture: QueuePicture) -> None: ...
+
+    def watchdog_fired(self, ticket: Ticket) -> None: ...
+
+    def settled(self, settle: Settle) -> None:
+        """The GPU waited for the upstream to become idle; how long and how it ended."""
+
+    def settings_changed(self, policy: Policy) -> None:
+        """The scheduler's settings at start and after each reload (for replays)."""
 
 
 class NoopObserver:
-    def enqueued(self, ticket: "Ticket", queue_depth: int) -> None:
+    def enqueued(self, ticket: Ticket) -> None:
         pass
 
-    def dispatched(self, ticket: "Ticket", decision: "Decision") -> None:
+    def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
         pass
 
-    def finished(self, ticket: "Ticket", outcome: "Outcome") -> None:
+    def finished(self, ticket: Ticket) -> None:
         pass
 
-    def watchdog_fired(self, ticket: "Ticket") -> None:
+    def queue_changed(self, picture: QueuePicture) -> None:
+        pass
+
+    def watchdog_fired(self, ticket: Ticket) -> None:
+        pass
+
+    def settled(self, settle: Settle) -> None:
+        pass
+
+    def settings_changed(self, policy: Policy) -> None:
         pass
 
 
@@ -42,22 +123,29 @@ class FanOut:
         self._observers = observers
 
     def _each(self, method: str, *args: object) -> None:
-        import logging
-
         for observer in self._observers:
             try:
                 getattr(observer, method)(*args)
             except Exception:  # noqa: BLE001 - telemetry must not take the scheduler down
-                logging.getLogger(__name__).exception("observer %s.%s failed", type(observer).__name__, method)
+                _log.exception("observer %s.%s failed", type(observer).__name__, method)
 
-    def enqueued(self, ticket: "Ticket", queue_depth: int) -> None:
-        self._each("enqueued", ticket, queue_depth)
+    def enqueued(self, ticket: Ticket) -> None:
+        self._each("enqueued", ticket)
 
-    def dispatched(self, ticket: "Ticket", decision: "Decision") -> None:
-        self._each("dispatched", ticket, decision)
+    def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
+        self._each("dispatched", ticket, overtaken)
 
-    def finished(self, ticket: "Ticket", outcome: "Outcome") -> None:
-        self._each("finished", ticket, outcome)
+    def finished(self, ticket: Ticket) -> None:
+        self._each("finished", ticket)
 
-    def watchdog_fired(self, ticket: "Ticket") -> None:
+    def queue_changed(self, picture: QueuePicture) -> None:
+        self._each("queue_changed", picture)
+
+    def watchdog_fired(self, ticket: Ticket) -> None:
         self._each("watchdog_fired", ticket)
+
+    def settled(self, settle: Settle) -> None:
+        self._each("settled", settle)
+
+    def settings_changed(self, policy: Policy) -> None:
+        self._each("settings_changed", policy)

@@ -12,7 +12,7 @@ from llamaswap.telemetry.observer import (
     QUEUE_SPAN,
     RUN_SPAN,
     Telemetry,
-    parent_from_metadata,
+    parent_of,
 )
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, render_text
 
@@ -25,6 +25,6 @@ __all__ = [
     "Telemetry",
     "default_resource",
     "exporters_from_environment",
-    "parent_from_metadata",
+    "parent_of",
     "render_text",
 ]

@@ -10,12 +10,11 @@ Names. Every instrument is created under its final Prometheus name: counters alr
   sum gets `_total` only after any existing `total` token is removed, so
   `llamaswap_scheduler_dispatched_total` stays `llamaswap_scheduler_dispatched_total`, and a
   unit suffix is added only when the name lacks it (`s` -> `seconds`, already present). With
-  suffixes off the name passes through unchanged. Naming the counter
-  `llamaswap_scheduler_dispatched` instead would only be right with suffixes on.
+  suffixes off the name passes through unchanged.
 
 Units are chosen so no suffix is ever added: `s` on names that end in `_seconds`, curly-brace
 annotations such as `{request}` (dropped by the translator) on counts, and no unit on the busy
-gauge — the unit `1` would make the translator append `_ratio` to a gauge.
+gauge and the error ratio — the unit `1` would make the translator append `_ratio`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from llamaswap.core import Band, Outcome
+from llamaswap.core import Band, Outcome, ReorderCause
 
 QUEUE_DEPTH = "llamaswap_scheduler_queue_depth"
 QUEUE_OLDEST_WAIT = "llamaswap_scheduler_queue_oldest_wait_seconds"
@@ -33,23 +32,30 @@ REORDERS = "llamaswap_scheduler_reorders_total"
 QUEUE_WAIT = "llamaswap_scheduler_queue_wait_seconds"
 RUN = "llamaswap_scheduler_run_seconds"
 SWAPS = "llamaswap_scheduler_swaps_total"
+LOADS = "llamaswap_scheduler_loads_total"
 REQUESTS = "llamaswap_requests_total"
 UNPARSEABLE = "llamaswap_priority_unparseable_total"
+ABSENT = "llamaswap_priority_absent_total"
 GPU_BUSY = "llamaswap_gpu_busy"
 WATCHDOG = "llamaswap_watchdog_fired_total"
+MODEL_SWAP = "llamaswap_model_swap_seconds"
+MODEL_RUN = "llamaswap_model_run_seconds"
+ESTIMATE_ERROR = "llamaswap_estimate_error_ratio"
+SETTLE = "llamaswap_upstream_settle_seconds"
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
-ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, REQUESTS, UNPARSEABLE,
-       GPU_BUSY, WATCHDOG)
-
-REORDER_REASONS = ("aging", "swap_affinity")
+ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
+       ABSENT, GPU_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_ERROR, SETTLE)
 
 # Seconds, from a quick local request to a day-long batch wait.
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
                       3600, 7200, 14400, 28800, 43200, 86400)
 RUN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200,
                14400, 28800, 43200)
+SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+# (estimated - actual) / actual wait: 0 is exact, -0.5 said half as long, 1 said twice as long.
+ESTIMATE_ERROR_BUCKETS = (-1, -0.75, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10)
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
 
@@ -62,7 +68,9 @@ class Instruments:
             QUEUE_OLDEST_WAIT, [oldest_wait], unit="s",
             description="How long the longest-waiting request of the band has waited (0 when none waits).")
         meter.create_observable_gauge(
-            GPU_BUSY, [gpu_busy], description="1 while a request holds the GPU, else 0.")
+            GPU_BUSY, [gpu_busy],
+            description="1 while the GPU is busy (a grant holds it, or the upstream finishes an abandoned "
+                        "generation), else 0.")
         self.dispatched = meter.create_counter(
             DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.")
         self.reorders = meter.create_counter(
@@ -76,22 +84,47 @@ class Instruments:
             RUN, unit="s", description="Time from grant to release (the GPU held), by band.",
             explicit_bucket_boundaries_advisory=RUN_BUCKETS)
         self.swaps = meter.create_counter(
-            SWAPS, unit="{swap}", description="Dispatches that need the upstream to load a different model.")
+            SWAPS, unit="{dispatch}",
+            description="Dispatches that replaced the loaded model with another one (a swap).")
+        self.loads = meter.create_counter(
+            LOADS, unit="{dispatch}",
+            description="Dispatches that loaded a model while none was known to be loaded (the first load, or "
+                        "after a failure or a stop).")
         self.requests = meter.create_counter(
             REQUESTS, unit="{request}", description="Requests by how they ended (outcome).")
         self.unparseable = meter.create_counter(
             UNPARSEABLE, unit="{request}",
             description="Requests whose X-LlamaSwap-Priority header could not be parsed (treated as 0).")
+        self.absent = meter.create_counter(
+            ABSENT, unit="{request}",
+            description="Requests without an X-LlamaSwap-Priority header, or with an empty one (treated as 0).")
         self.watchdog = meter.create_counter(
             WATCHDOG, unit="{request}", description="Grants released by the maxRunSeconds watchdog.")
+        self.model_swap = meter.create_histogram(
+            MODEL_SWAP, unit="s",
+            description="For dispatches that had to load their model (a swap or a first load): grant to the "
+                        "upstream's first response byte, by model. The cost swap affinity avoids.",
+            explicit_bucket_boundaries_advisory=SWAP_BUCKETS)
+        self.model_run = meter.create_histogram(
+            MODEL_RUN, unit="s", description="Grant to release, by model.",
+            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
+        self.estimate_error = meter.create_histogram(
+            ESTIMATE_ERROR,
+            description="For dispatched requests: (wait estimated at arrival - actual wait) / actual wait "
+                        "(actual below 0.1 s counts as 0.1 s), by band.",
+            explicit_bucket_boundaries_advisory=ESTIMATE_ERROR_BUCKETS)
+        self.settle = meter.create_histogram(
+            SETTLE, unit="s",
+            description="Time the GPU waited for the upstream to become idle before the next grant, by reason "
+                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unsupported, ended).",
+            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
         # Every labelled series exists from the start, at 0: a query or an alert never sees a
         # missing series for a band that has simply had no traffic yet.
         for band in Band:
             self.dispatched.add(0, {"band": band.value})
-            for reason in REORDER_REASONS:
-                self.reorders.add(0, {"band": band.value, "reason": reason})
+            for cause in ReorderCause:
+                self.reorders.add(0, {"band": band.value, "reason": cause.value})
         for outcome in Outcome:
             self.requests.add(0, {"outcome": outcome.value})
-        self.swaps.add(0)
-        self.unparseable.add(0)
-        self.watchdog.add(0)
+        for counter in (self.swaps, self.loads, self.unparseable, self.absent, self.watchdog):
+            counter.add(0)

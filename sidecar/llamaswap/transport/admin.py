@@ -1,38 +1,59 @@
-"""The admin HTTP server: health, readiness, metrics, the live queue and the activity log.
+"""The admin HTTP server: health, readiness, metrics, the live queue and the activity log; and,
+through Envoy's listener, one client's own request status.
 
-It binds to localhost by default and exposes nothing that changes state.
+It binds to localhost by default and exposes nothing that changes state. Envoy's listener
+routes only `/metrics` and `/llamaswap/v1/requests/` here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from llamaswap.envoy import STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.coordinator import Coordinator, QueueView, RunningRow, WaitingRow
+from llamaswap.transport.outcomes import openai_error_body
 
 
-def queue_document(coordinator: Coordinator) -> dict[str, Any]:
-    snapshot = coordinator.scheduler.snapshot()
+def queue_document(view: QueueView) -> dict[str, Any]:
+    """GET /queue: the running request, then the waiting ones in dispatch order."""
 
-    def view(item: Any) -> dict[str, Any]:
-        data = dataclasses.asdict(item)
-        data["band"] = item.band.value
-        # The core knows requests by their ticket, which is a secret: show the request id.
-        ticket = coordinator.ticket(item.request_id)
-        data["request_id"] = ticket.request_id if ticket is not None else "-"
-        return data
+    def waiting(row: WaitingRow) -> dict[str, Any]:
+        return {"request_id": row.request_id, "position": row.position, "priority": row.priority,
+                "band": row.band.value, "score": row.score, "swap_affinity": row.swap_affinity,
+                "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s}
+
+    def running(row: RunningRow) -> dict[str, Any]:
+        return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
+                "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
+                "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s}
 
     return {
-        "policy": snapshot.policy,
-        "loaded_model": snapshot.loaded_model,
-        "running": view(snapshot.running) if snapshot.running else None,
-        "waiting": [view(w) for w in snapshot.waiting],
-        "bands": {band.value: dataclasses.asdict(stats) for band, stats in snapshot.bands.items()},
+        "policy": view.policy,
+        "loaded_model": view.loaded_model,
+        "gpu": view.gpu,
+        "running": running(view.running) if view.running is not None else None,
+        "waiting": [waiting(row) for row in view.waiting],
+        "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
     }
+
+
+def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:
+    """One request's own state; nothing about any other request but how many are ahead."""
+    found = coordinator.status_of(request_id)
+    if found is None:
+        return None
+    _, row = found
+    if isinstance(row, RunningRow):
+        return {"request_id": request_id, "state": "running", "position": 0, "priority": row.priority,
+                "band": row.band.value, "score": row.score, "waited_s": row.queue_wait_s, "running_s": row.running_s,
+                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s}
+    return {"request_id": request_id, "state": "waiting", "position": row.position, "priority": row.priority,
+            "band": row.band.value, "score": row.score, "waited_s": row.waited_s,
+            "estimated_start_s": row.estimated_start_s}
 
 
 def build_admin_app(
@@ -51,7 +72,7 @@ def build_admin_app(
         return web.json_response({"status": "not ready"}, status=503)
 
     async def queue(_: web.Request) -> web.Response:
-        return web.json_response(queue_document(coordinator))
+        return web.json_response(queue_document(coordinator.view()))
 
     async def recent(request: web.Request) -> web.Response:
         try:
@@ -66,10 +87,27 @@ def build_admin_app(
         body, content_type = metrics()
         return web.Response(body=body, headers={"content-type": content_type})
 
+    async def request_status(request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return _error(405, "invalid_request_error", "method_not_allowed",
+                          f"{STATUS_PREFIX}{{request-id}} only answers GET")
+        request_id = request.match_info["request_id"]
+        document = status_document(coordinator, request_id)
+        if document is None:
+            return _error(404, "invalid_request_error", "request_not_found",
+                          f"no waiting or running request has the x-request-id '{request_id}'")
+        return web.json_response(document, headers={"cache-control": "no-store"})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/queue", queue)
     app.router.add_get("/activity", recent)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_route("*", STATUS_PREFIX + "{request_id}", request_status)
     return app
+
+
+def _error(status: int, error_type: str, code: str, message: str) -> web.Response:
+    return web.Response(status=status, body=openai_error_body(message, error_type, code),
+                        content_type="application/json")

@@ -1,52 +1,90 @@
 """Envoy ext_authz: the Check call that is answered only when the request gets the GPU.
 
-ext_authz has no one-hour cap on a held call (unlike ext_proc messages), so the wait can
-last as long as the queue needs. A cancelled Check means the client left while waiting.
+The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`
+into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
+are sent. A grant answers OK with the x-llamaswap-* response headers and the grant's ticket in
+dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse in the
+OpenAI error shape. A cancelled Check means the client left while waiting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
+from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from llamaswap._proto.envoy.config.core.v3 import base_pb2
-from llamaswap.core import Outcome
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
-from llamaswap.runtime.coordinator import TICKET_HEADER, Coordinator, Rejected
-from llamaswap.transport.errors import openai_error_body
-from llamaswap.transport.trace_metadata import trace_metadata
+from llamaswap.core import Decision, Outcome
+from llamaswap.envoy import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
+from llamaswap.runtime.coordinator import Coordinator, Refusal
+from llamaswap.runtime.ticket import Arrival, Ticket
+from llamaswap.transport.outcomes import http_error
 
 _log = logging.getLogger(__name__)
+
+# A model name longer than this is not a model name (json_to_metadata stops at 8 KiB anyway).
+MAX_MODEL_NAME = 512
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     # ext_authz reads `value`, not `raw_value` (facts/envoy.md).
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE)
 
 
-def denied(rejected: Rejected, extra_headers: list[tuple[str, str]] = ()) -> authz_pb2.CheckResponse:  # type: ignore[assignment]
-    headers = [_header("content-type", "application/json")]
-    if rejected.retry_after_s is not None:
-        headers.append(_header("retry-after", str(rejected.retry_after_s)))
-    headers.append(_header("x-llamaswap-outcome", rejected.outcome.value))
-    headers.extend(_header(k, v) for k, v in extra_headers)
-    body = openai_error_body(rejected.message, rejected.error_type, rejected.code)
+def decision_headers(decision: Decision) -> list[tuple[str, str]]:
+    """The x-llamaswap-* headers that tell the client what the scheduler decided."""
+    return [
+        ("x-llamaswap-priority", str(decision.priority)),
+        ("x-llamaswap-band", decision.band.value),
+        ("x-llamaswap-score", f"{decision.score:.3f}"),
+        ("x-llamaswap-queue-wait-ms", f"{decision.queue_wait_ns / 1e6:.1f}"),
+    ]
+
+
+def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
+    assert ticket.decision is not None
+    metadata = struct_pb2.Struct()
+    metadata.fields[TICKET_KEY].string_value = ticket.token
     return authz_pb2.CheckResponse(
-        status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=rejected.code),
-        denied_response=authz_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=rejected.http_status), headers=headers, body=body.decode()),
+        status=status_pb2.Status(code=code_pb2.OK),
+        ok_response=authz_pb2.OkHttpResponse(
+            response_headers_to_add=[_header(k, v) for k, v in decision_headers(ticket.decision)]),
+        dynamic_metadata=metadata,
     )
 
 
-_GRANTED = authz_pb2.CheckResponse(
-    status=status_pb2.Status(code=code_pb2.OK),
-    ok_response=authz_pb2.OkHttpResponse(headers_to_remove=[TICKET_HEADER]),
-)
+def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
+    error, body = http_error(refusal)
+    headers = [_header("content-type", "application/json"), _header("x-llamaswap-outcome", refusal.outcome.value)]
+    if refusal.retry_after_s is not None:
+        headers.append(_header("retry-after", str(refusal.retry_after_s)))
+    return authz_pb2.CheckResponse(
+        status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=error.code),
+        denied_response=authz_pb2.DeniedHttpResponse(
+            status=http_status_pb2.HttpStatus(code=error.status), headers=headers, body=body.decode()),
+    )
+
+
+def model_of(request: authz_pb2.CheckRequest) -> str | None:
+    """The body's top-level `model`, if it is a non-empty string (json_to_metadata put it there)."""
+    filter_metadata = request.attributes.metadata_context.filter_metadata
+    if MODEL_NAMESPACE not in filter_metadata:
+        return None
+    fields = filter_metadata[MODEL_NAMESPACE].fields
+    if MODEL_KEY not in fields:
+        return None
+    value = fields[MODEL_KEY]
+    if value.WhichOneof("kind") != "string_value":
+        return None
+    model = value.string_value
+    return model if 0 < len(model) <= MAX_MODEL_NAME else None
 
 
 class Authorization(authz_grpc.AuthorizationServicer):
@@ -56,24 +94,34 @@ class Authorization(authz_grpc.AuthorizationServicer):
     async def Check(  # noqa: N802 - the gRPC method name
         self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> authz_pb2.CheckResponse:
-        http = request.attributes.request.http
-        token = http.headers.get(TICKET_HEADER, "")
-        ticket = self._coordinator.ticket(token)
-        if ticket is not None:
-            ticket.trace_context["check_metadata"] = trace_metadata(context)
         try:
-            admission = await self._coordinator.prepare(token, http.headers, http.raw_body or http.body.encode())
-            # The wait can last hours: from here on nothing keeps the request or its body.
-            del request, http
-            if admission is None:
-                admission = await self._coordinator.wait(token)
+            arrival = self._arrival(request, context)
+            admission = await self._coordinator.admit(arrival)
+        except asyncio.CancelledError:
+            raise
         except Exception:  # noqa: BLE001 - answer the client rather than hang it
             _log.exception("admission failed")
-            self._coordinator.close(token)
-            return denied(Rejected(Outcome.UPSTREAM_ERROR, 500, "llamaswap could not schedule the request",
-                                   "server_error", "scheduler_error"))
-        if admission.decision is not None:
-            return _GRANTED
-        assert admission.rejected is not None
-        return denied(admission.rejected)
+            return denied(Refusal(Outcome.INTERNAL_ERROR))
+        if isinstance(admission, Ticket):
+            return granted(admission)
+        return denied(admission)
 
+    def _arrival(self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext) -> Arrival:
+        http = request.attributes.request.http
+        headers = http.headers
+        trusted_header = self._coordinator.config.security.priority.trusted_header
+        trace_parent = trace_state = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "traceparent":
+                trace_parent = value
+            elif key == "tracestate":
+                trace_state = value
+        return Arrival(
+            request_id=headers.get(REQUEST_ID_HEADER) or http.id,
+            priority_header=headers.get(PRIORITY_HEADER),
+            trusted_header=headers.get(trusted_header) if trusted_header else None,
+            model=model_of(request),
+            peer=context.peer(),
+            trace_parent=trace_parent if isinstance(trace_parent, str) else None,
+            trace_state=trace_state if isinstance(trace_state, str) else None,
+        )

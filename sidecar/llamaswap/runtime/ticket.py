@@ -1,0 +1,105 @@
+"""A Ticket: everything the runtime knows about one request, from its arrival to its outcome.
+
+Created when Envoy's ext_authz Check arrives (the hold), granted or refused by the
+coordinator, and finished exactly once: by the end of its exchange (Envoy's access log), by a
+lapsed lease, by the watchdog, or when it leaves the queue. Holds no prompt or completion text.
+
+Only the coordinator writes to a ticket; transport and observers read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+
+from llamaswap.core import Decision, Outcome, Priority
+
+
+class TicketState(str, enum.Enum):
+    WAITING = "waiting"  # in the scheduler's queue, its Check held
+    RUNNING = "running"  # granted: its exchange holds the GPU
+    DONE = "done"  # finished; the outcome is final
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ExchangeEnd(str, enum.Enum):
+    """How a granted exchange ended, as Envoy reported it (the transport reads Envoy's flags)."""
+
+    COMPLETE = "complete"  # the upstream's whole response went to the client
+    CLIENT_LEFT = "client_left"  # the client went away mid-exchange: the upstream may still compute
+    UPSTREAM_FAILED = "upstream_failed"  # the upstream reset, timed out or broke off its response
+    NOT_SENT = "not_sent"  # the request never reached the upstream (no connection, no route)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExchangeReport:
+    """One access-log entry about a granted exchange, in the runtime's terms."""
+
+    final: bool  # the end of the exchange; otherwise a periodic entry (a lease renewal)
+    end: ExchangeEnd | None  # set on a final entry
+    status: int  # the HTTP status sent to the client (0: none)
+    first_byte_s: float | None  # request at the upstream -> its first response byte
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival:
+    """What the transport read from a held Check: no body, only what scheduling needs."""
+
+    request_id: str
+    priority_header: str | None
+    trusted_header: str | None  # the operator's trusted priority header's value, if configured
+    model: str | None
+    peer: str  # the gRPC peer (one Envoy worker's connection): its access-log stream ends with it
+    trace_parent: str | None  # W3C traceparent of Envoy's span for the Check call
+    trace_state: str | None
+
+
+class Ticket:
+    __slots__ = (
+        "token", "request_id", "priority", "model", "peer", "trace_parent", "trace_state",
+        "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
+        "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
+        "waiter",
+    )
+
+    def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
+        self.token = token  # the scheduler's id for it; a secret that only Envoy's metadata carries
+        self.request_id = arrival.request_id or "-"
+        self.priority = priority
+        self.model = arrival.model
+        self.peer = arrival.peer
+        self.trace_parent = arrival.trace_parent
+        self.trace_state = arrival.trace_state
+        self.state = TicketState.WAITING
+        self.arrival_ns = arrival_ns
+        self.queue_depth_at_arrival = 0
+        self.estimated_wait_s: float | None = None  # the estimate made when it arrived
+        self.decision: Decision | None = None
+        self.lease_deadline_ns = 0
+        self.first_byte_s: float | None = None
+        self.response_status = 0
+        self.end: ExchangeEnd | None = None
+        # Released while the upstream may still compute for it: a settle follows its end.
+        self.abandoned = False
+        self.outcome: Outcome | None = None
+        self.finished_ns: int | None = None
+        self.waiter: asyncio.Future[Decision | None] | None = None
+
+    @property
+    def granted_ns(self) -> int | None:
+        return self.decision.granted_ns if self.decision is not None else None
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace this request belongs to, from Envoy's traceparent (00-TRACE-SPAN-FLAGS)."""
+        parent = self.trace_parent
+        if parent is None or len(parent) < 55 or parent[2] != "-":
+            return None
+        trace_id = parent[3:35]
+        return None if trace_id == "0" * 32 else trace_id

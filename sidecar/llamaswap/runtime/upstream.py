@@ -1,0 +1,56 @@
+"""The upstream as the runtime sees it (a port): what it serves, what it has loaded, and whether
+it is still computing. `llamaswap.upstream_http` is the adapter for llama-server and
+llama-swap over HTTP; `NoUpstream` is the default that knows nothing and refuses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Protocol
+
+
+class UpstreamKind(str, enum.Enum):
+    ROUTER = "router"  # llama-server in router mode: lists its models and their states
+    LLAMA_SWAP = "llama-swap"  # llama-swap: lists the models it can start
+    SINGLE = "single"  # one model that answers to any name (plain llama-server, most servers)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Catalog:
+    """One answer about the models: which it serves (None: any name) and which is loaded."""
+
+    kind: UpstreamKind
+    models: frozenset[str] | None
+    # The loaded model if the upstream says (router mode): a name, None for "nothing loaded";
+    # `loaded_known` False when the answer says nothing about it.
+    loaded: str | None = None
+    loaded_known: bool = False
+
+
+class Upstream(Protocol):
+    async def catalog(self) -> Catalog | None:
+        """What the upstream serves now; None when it could not be asked."""
+
+    async def busy(self, model: str | None) -> bool | None:
+        """Whether a generation is still running (for `model` where the upstream runs one
+        process per model); None when the upstream cannot tell (no GET /slots)."""
+
+    async def stop(self, model: str | None) -> bool:
+        """Stop whatever `model` is generating (router mode: unload it); True if it could."""
+
+
+class NoUpstream:
+    """Knows nothing: serves every model, cannot tell whether it is busy, cannot stop."""
+
+    async def catalog(self) -> Catalog | None:
+        return None
+
+    async def busy(self, model: str | None) -> bool | None:
+        return None
+
+    async def stop(self, model: str | None) -> bool:
+        return False

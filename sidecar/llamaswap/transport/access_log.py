@@ -1,0 +1,95 @@
+"""Envoy's gRPC access log: how the sidecar learns that a granted exchange still runs and when
+it ended. One stream per Envoy worker (opened at that worker's first entry); only exchanges
+that carry a grant's ticket are logged (the bootstrap's metadata filter).
+
+Each entry is turned into an `ExchangeReport` in the runtime's terms: periodic entries renew
+the grant's lease, the final one ends it, with what Envoy's response flags say about how. The
+end of a stream means that Envoy connection is gone, and with it the grant it was carrying.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
+from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from llamaswap.envoy import GRANT_NAMESPACE, TICKET_KEY
+from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
+
+_log = logging.getLogger(__name__)
+
+_PERIODIC = accesslog_pb2.DownstreamPeriodic
+_END = accesslog_pb2.DownstreamEnd
+
+
+def ticket_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
+    filter_metadata = entry.common_properties.metadata.filter_metadata
+    if GRANT_NAMESPACE not in filter_metadata:
+        return None
+    fields = filter_metadata[GRANT_NAMESPACE].fields
+    if TICKET_KEY not in fields:
+        return None
+    return fields[TICKET_KEY].string_value or None
+
+
+def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> ExchangeEnd:
+    """How the exchange ended, from Envoy's response flags and timings."""
+    common = entry.common_properties
+    flags = common.response_flags
+    if (flags.upstream_connection_failure or flags.no_healthy_upstream or flags.upstream_overflow
+            or flags.no_route_found or flags.no_cluster_found or flags.dns_resolution_failure
+            or flags.overload_manager or not common.HasField("time_to_first_upstream_tx_byte")):
+        return ExchangeEnd.NOT_SENT
+    if flags.downstream_connection_termination or flags.downstream_remote_reset:
+        return ExchangeEnd.CLIENT_LEFT
+    if (status == 0 or flags.upstream_remote_reset or flags.upstream_connection_termination
+            or flags.upstream_request_timeout or flags.local_reset or flags.upstream_protocol_error
+            or flags.stream_idle_timeout or flags.duration_timeout or flags.upstream_max_stream_duration_reached):
+        return ExchangeEnd.UPSTREAM_FAILED
+    return ExchangeEnd.COMPLETE
+
+
+def report_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> ExchangeReport | None:
+    common = entry.common_properties
+    kind = common.access_log_type
+    if kind not in (_PERIODIC, _END, accesslog_pb2.NotSet):
+        return None
+    first_byte_s = None
+    if common.HasField("time_to_first_upstream_rx_byte") and common.HasField("time_to_first_upstream_tx_byte"):
+        first_byte_s = max(0.0, common.time_to_first_upstream_rx_byte.ToNanoseconds()
+                           - common.time_to_first_upstream_tx_byte.ToNanoseconds()) / 1e9
+    if kind == _PERIODIC:
+        return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s)
+    response = entry.response
+    status = response.response_code.value if response.HasField("response_code") else 0
+    return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s)
+
+
+class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    async def StreamAccessLogs(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        coordinator = self._coordinator
+        peer = context.peer()
+        try:
+            async for message in request_iterator:
+                for entry in message.http_logs.log_entry:
+                    try:
+                        ticket = ticket_of(entry)
+                        report = report_of(entry) if ticket is not None else None
+                        if ticket is not None and report is not None:
+                            coordinator.report(ticket, report)
+                    except Exception:  # noqa: BLE001 - one bad entry must not end the stream
+                        _log.exception("access-log entry could not be handled")
+        finally:
+            # However the stream ended (Envoy stopped, killed, or its connection broke), the
+            # exchange that connection carried is gone with it.
+            coordinator.peer_gone(peer)
+        return als_pb2.StreamAccessLogsResponse()

@@ -1,0 +1,168 @@
+"""The `Upstream` port over HTTP, for llama-server (router or single-model mode), llama-swap and
+any OpenAI-compatible server.
+
+What each kind tells (measured on llama-server b11434; see README, "When the upstream is not
+llama-server"):
+- every kind lists its models at `GET /v1/models`;
+- llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
+  answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`.
+  Asking `/slots` for a model that is not loaded LOADS it (router autoload), so busy() asks
+  only for models the list says are loaded;
+- single-model llama-server answers `GET /slots` (each slot's `is_processing`) and serves any
+  model name;
+- llama-swap marks its models `owned_by: llama-swap`; it has no `/slots` of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from llamaswap.runtime.upstream import Catalog, UpstreamKind
+
+_log = logging.getLogger(__name__)
+
+_STATUS_LOADED = "loaded"
+_STATUS_LOADING = "loading"
+
+
+class HttpUpstream:
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        self._url = url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._kind: UpstreamKind | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def _get(self, path: str) -> tuple[int, Any]:
+        async with self._client().get(self._url + path) as response:
+            if response.status != 200:
+                return response.status, None
+            return 200, await response.json(content_type=None)
+
+    # -- the port ------------------------------------------------------------------------
+
+    async def catalog(self) -> Catalog | None:
+        try:
+            status, document = await self._get("/v1/models")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            _log.debug("GET /v1/models failed: %s", exc)
+            return None
+        if status != 200:
+            return None
+        catalog = catalog_from(document)
+        if catalog is not None:
+            self._kind = catalog.kind
+        return catalog
+
+    async def busy(self, model: str | None) -> bool | None:
+        kind = self._kind
+        if kind is None:
+            catalog = await self.catalog()
+            kind = catalog.kind if catalog is not None else None
+        try:
+            if kind is UpstreamKind.ROUTER:
+                return await self._router_busy()
+            if kind is UpstreamKind.SINGLE:
+                status, slots = await self._get("/slots")
+                return _any_processing(slots) if status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            _log.info("asking the upstream whether it is busy failed: %s", exc)
+            return None
+        return None  # llama-swap and unknown servers cannot tell
+
+    async def stop(self, model: str | None) -> bool:
+        if self._kind is not UpstreamKind.ROUTER:
+            return False
+        names = [model] if model else await self._models_in(_STATUS_LOADED)
+        stopped = False
+        for name in names or ():
+            try:
+                async with self._client().post(f"{self._url}/models/unload", json={"model": name}) as response:
+                    stopped = stopped or response.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                _log.warning("unloading %s failed: %s", name, exc)
+        return stopped
+
+    # -- router mode ---------------------------------------------------------------------
+
+    async def _models_in(self, state: str) -> list[str] | None:
+        status, document = await self._get("/v1/models")
+        if status != 200:
+            return None
+        return [name for name, value in _states(document).items() if value == state]
+
+    async def _router_busy(self) -> bool | None:
+        status, document = await self._get("/v1/models")
+        if status != 200:
+            return None
+        states = _states(document)
+        if _STATUS_LOADING in states.values():
+            return True  # a load is GPU work too
+        for name, value in states.items():
+            if value != _STATUS_LOADED:
+                continue  # never ask /slots for it: that would load it
+            slots_status, slots = await self._get(f"/slots?model={name}")
+            if slots_status != 200:
+                return None
+            if _any_processing(slots):
+                return True
+        return False
+
+
+def catalog_from(document: Any) -> Catalog | None:
+    """What a `GET /v1/models` answer says about the upstream's kind, models and loaded model."""
+    items = document.get("data") if isinstance(document, dict) else document
+    if not isinstance(items, list):
+        return None
+    names: set[str] = set()
+    states: dict[str, str] = {}
+    owners: set[str] = set()
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+            continue
+        names.add(item["id"])
+        aliases = item.get("aliases")
+        if isinstance(aliases, list):
+            names.update(alias for alias in aliases if isinstance(alias, str))
+        status = item.get("status")
+        if isinstance(status, dict) and isinstance(status.get("value"), str):
+            states[item["id"]] = status["value"]
+        if isinstance(item.get("owned_by"), str):
+            owners.add(item["owned_by"])
+    if states:
+        loaded = [name for name, value in states.items() if value == _STATUS_LOADED]
+        # Several loaded (models-max > 1): no single answer, keep what the scheduler believes.
+        return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded[0] if loaded else None, len(loaded) <= 1)
+    if "llama-swap" in owners:
+        return Catalog(UpstreamKind.LLAMA_SWAP, frozenset(names))
+    return Catalog(UpstreamKind.SINGLE, frozenset(names))
+
+
+def _states(document: Any) -> dict[str, str]:
+    items = document.get("data") if isinstance(document, dict) else None
+    states: dict[str, str] = {}
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict) and isinstance(item.get("id"), str) and isinstance(item.get("status"), dict):
+            value = item["status"].get("value")
+            if isinstance(value, str):
+                states[item["id"]] = value
+    return states
+
+
+def _any_processing(slots: Any) -> bool:
+    if not isinstance(slots, list):
+        raise ValueError("GET /slots did not answer a list")
+    return any(isinstance(slot, dict) and slot.get("is_processing") is True for slot in slots)
