@@ -1,0 +1,10 @@
+"""`llamaswap simulate`: recorded or synthetic traffic replayed through the real scheduling core.
+
+- `records`: the activity log parsed into typed records (junk lines skipped and counted);
+- `workload`: synthetic traffic from a YAML description, as the same records;
+- `settings`: where each setting comes from, validation, sweeps;
+- `engine`: the replay itself over `llamaswap.core.Scheduler` and a `ManualClock` (no I/O);
+- `inversion`: the worst priority inversion of a replay;
+- `report`: rows as a table, JSON, per-request lines and a plot;
+- `cli`: the `simulate` subcommand (`add_parser`, `run`).
+"""

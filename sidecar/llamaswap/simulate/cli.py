@@ -1,0 +1,273 @@
+"""`llamaswap simulate`: replay recorded (or synthetic) traffic through the real scheduler.
+
+Each request of the activity log arrives at its recorded time with its priority and model and
+holds the GPU for its recorded run (plus settle) time, plus or minus its model's measured swap
+cost when the simulated order changes whether it needs a model load. Requests that never ran
+take their model's expected run time; clients that gave up keep their patience; expired and
+rejected requests wait as the simulated settings let them. Records of rejected_unknown_model,
+internal_error and shutdown are not replayed. Costs are measured from the log's served requests
+with the sidecar's own estimator. Time is virtual: a day of traffic replays in seconds. Try
+other settings with the flags, or several at once with --sweep (every combination runs, one row
+each).
+
+Settings, later ones win: the log's first settings record (the defaults without one), -c FILE,
+the single flags, --sweep.
+
+Columns, per band (interactive, normal, batch): n granted the GPU, wait p50 / p95 / max in
+seconds from arrival to grant; then swaps (grants that loaded a model), grants reordered by
+aging and by swap affinity, GPU busy fraction (GPU held / (last release - first arrival)),
+clients that left (patience), expired (maxWaitSeconds), rejected (maxQueued), and the worst
+priority inversion.
+
+Priority inversion: the inversion time of a request R is the GPU time of the grants made while
+R waited to requests that arrived after R with a lower priority than R's (the priority the
+scheduler orders by: with fifo, plus the model's); a grant still running when R left the queue
+(granted, gave up, expired) counts up to that moment. The worst inversion is the request with
+the largest inversion time (shown with its seconds). A lower-priority request that was already
+running, or arrived before R, is not an inversion; under serial settings inversions come from
+swap affinity (a later, lower request with the loaded model goes first).
+
+Synthetic traffic: --workload FILE.yaml instead of --activity, e.g.
+
+  duration: 3600
+  seed: 1
+  classes:
+    - {name: chat, rate: 0.2, priority: interactive, models: {qwen3: 3, gemma3: 1},
+       run: {lognormal: {median: 4, sigma: 0.6}}, patience: {uniform: [30, 120]}, swap: 8}
+    - {name: nightly, rate: 0.01, priority: batch, models: qwen3, run: {uniform: [60, 600]}}
+
+(distributions: {fixed: S}, {uniform: [A, B]}, {exponential: MEAN}, {lognormal: {median: S, sigma: X}}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from llamaswap.simulate import report
+from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
+from llamaswap.simulate.records import Activity, RequestRecord, read_activity
+from llamaswap.simulate.settings import Settings, SettingsError, combinations, override, parse_sweep
+from llamaswap.simulate.workload import WorkloadError, costs as workload_costs, generate, load_workload
+
+_log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+# Used when the configuration has no `estimates` section (the values of its defaults).
+_ESTIMATE_DEFAULTS = (10.0, 5.0, 50)
+
+
+class UsageError(Exception):
+    """Bad arguments or input: each message printed as ``error: ...``, exit status 2."""
+
+    def __init__(self, *messages: str) -> None:
+        super().__init__("; ".join(messages))
+        self.messages = messages
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register `simulate` on the `llamaswap` subcommands."""
+    parser = commands.add_parser("simulate", help="replay recorded traffic through the scheduler with other settings",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--activity", metavar="FILE", help="the sidecar's activity log (JSON lines)")
+    source.add_argument("--workload", metavar="FILE.yaml", help="synthetic traffic described in YAML (see above)")
+    parser.add_argument("-c", "--config", metavar="FILE", help="a llamaswap configuration whose settings apply")
+    parser.add_argument("--scheduler", metavar="serial|fifo", help="the scheduler")
+    parser.add_argument("--aging-divisor", metavar="S", help="seconds of waiting per priority point (0: no aging)")
+    parser.add_argument("--swap-affinity-bonus", metavar="N", help="0..99 (0: off)")
+    parser.add_argument("--max-queued", metavar="N", help="waiting requests before rejections (0: unlimited)")
+    parser.add_argument("--max-wait", metavar="S", help="seconds of waiting before expiry (0: forever)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="run every value (repeatable: every combination); keys agingDivisor, "
+                             "swapAffinityBonus, maxQueued, maxWaitSeconds, scheduler")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
+    parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
+                        help="also one JSON line per simulated request (request_id, band, priority, model, "
+                             "start_ms from the first arrival, wait_ms, outcome), to FILE or, without one, to "
+                             "stdout before the summary (which is then one JSON line with --format json)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw wait p50/p95 per band against each swept setting, one panel per "
+                             f"key (needs matplotlib: {report.PLOT_HINT})")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        return _run(args, out, err)
+    except UsageError as exc:
+        for message in exc.messages:
+            err.write(f"error: {message}\n")
+        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        sweeps = [parse_sweep(text) for text in args.sweep]
+        combinations(_defaults(), sweeps)  # refuses a key swept twice, before any work
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plot:
+        if not sweeps:
+            raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
+        try:
+            report.check_plot_available()
+        except report.PlotUnavailable as exc:
+            raise UsageError(str(exc)) from None
+
+    config = _load_config(args.config, err) if args.config else None
+    started = time.perf_counter()
+    if args.activity:
+        activity = _read_activity(args.activity)
+        records: Sequence[RequestRecord] = activity.requests
+        base, note = _recorded_settings(activity, configured=config is not None)
+        run_s, swap_s, samples = _estimates(config)
+        costs: Costs = measure_costs(records, default_run_s=run_s, default_swap_s=swap_s, samples=samples)
+        source = args.activity
+    else:
+        try:
+            workload = load_workload(args.workload)
+        except WorkloadError as exc:
+            raise UsageError(*exc.problems) from None
+        records = generate(workload)
+        if not records:
+            raise UsageError(f"{args.workload}: the workload produced no arrivals (raise duration or rate)")
+        activity = Activity((), tuple(records), len(records), 0, 0, None)
+        base, note = _defaults(), None
+        costs = workload_costs(workload, list(records))
+        source = args.workload
+    if config is not None:
+        base = Settings.from_policy(config.policy())
+    try:
+        base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
+                               "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
+                               "maxWaitSeconds": args.max_wait})
+        settings = combinations(base, sweeps)
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+
+    replay = prepare(records)
+    if not replay.requests:
+        raise UsageError(f"{source}: no request can be replayed "
+                         f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
+    rows, simulations = [], []
+    for setting in settings:
+        simulation = simulate(replay, setting.policy(), costs)
+        simulations.append(simulation)
+        rows.append(report.Row(setting, simulation.metrics))
+    _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
+               time.perf_counter() - started)
+
+    summary = report.Summary(source, len(replay.requests), replay.not_replayed, activity.skipped,
+                             activity.malformed, activity.first_problem, note)
+    swept = [sweep.key.name for sweep in sweeps]
+    requests_to_stdout = args.requests == "-"
+    if args.requests:
+        _write_requests(args.requests, simulations, out if requests_to_stdout else None)
+    if args.format == "json":
+        out.write(report.render_json(summary, swept, rows, indent=None if requests_to_stdout else 2))
+    else:
+        out.write(report.render_table(summary, swept, rows))
+    if args.plot:
+        try:
+            report.plot(args.plot, swept, rows)
+        except OSError as exc:
+            raise UsageError(f"cannot write the plot to {args.plot}: {exc.strerror or exc}") from None
+        out.flush()  # the table first, then the note about the plot
+        err.write(f"plot written to {args.plot}\n")
+    return 0
+
+
+def _defaults() -> Settings:
+    from llamaswap.config import Config
+
+    return Settings.from_policy(Config().policy())
+
+
+def _load_config(path: str, err: TextIO) -> Any:
+    from llamaswap.config import ConfigError, load_config
+
+    def warn(text: str) -> None:
+        err.write(f"warning: {text}\n")
+
+    try:
+        return load_config(path, warn=warn)
+    except ConfigError as exc:
+        raise UsageError(*(str(problem) for problem in exc.problems)) from None
+
+
+def _estimates(config: Any) -> tuple[float, float, int]:
+    """The estimator's defaults and window from the configuration, where it has them."""
+    if config is None:
+        from llamaswap.config import Config
+
+        config = Config()
+    estimates = getattr(config, "estimates", None)
+    if estimates is None:
+        return _ESTIMATE_DEFAULTS
+    run_s, swap_s, samples = _ESTIMATE_DEFAULTS
+    return (float(getattr(estimates, "default_run_seconds", run_s)),
+            float(getattr(estimates, "default_swap_seconds", swap_s)), int(getattr(estimates, "samples", samples)))
+
+
+def _read_activity(path: str) -> Activity:
+    try:
+        activity = read_activity(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: is not UTF-8 text") from None
+    if not activity.requests:
+        detail = f"{activity.lines} lines, {activity.skipped} skipped, {activity.malformed} unusable"
+        if activity.first_problem:
+            detail += f"; first: {activity.first_problem}"
+        raise UsageError(f"{path}: no request records ({detail})")
+    return activity
+
+
+def _recorded_settings(activity: Activity, *, configured: bool) -> tuple[Settings, str | None]:
+    base = _defaults()
+    if not activity.settings:
+        return base, None if configured else "no settings record in the log: the configuration defaults apply"
+    first = base.with_recorded(activity.settings[0])
+    changed = sum(1 for record in activity.settings[1:] if base.with_recorded(record) != first)
+    note = None
+    if changed and not configured:
+        note = (f"the log's settings changed {changed} time(s) after its first settings record; "
+                "the simulation starts from the first")
+    return first, note
+
+
+def _write_requests(target: str, simulations: Sequence[Any], out: TextIO | None) -> None:
+    sweeping = len(simulations) > 1
+    lines = (line for index, simulation in enumerate(simulations)
+             for line in report.request_lines(simulation, index if sweeping else None))
+    if out is not None:
+        for line in lines:
+            out.write(line + "\n")
+        return
+    try:
+        with open(target, "w", encoding="utf-8") as handle:
+            for line in lines:
+                handle.write(line + "\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write the requests to {target}: {exc.strerror or exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `simulate` on its own (until the `llamaswap` command registers it)."""
+    parser = argparse.ArgumentParser(prog="llamaswap")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

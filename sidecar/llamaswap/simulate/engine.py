@@ -1,0 +1,383 @@
+"""Replay requests through the real scheduler in virtual time. No I/O.
+
+Records and a Policy in; what happened to each request and the metrics out. The loop is
+event-driven over a :class:`ManualClock`: it jumps to the next arrival, GPU release, patience
+deadline or ``maxWaitSeconds`` expiry (``next_deadline_ns``), whichever comes first. Events at
+the same instant go: the GPU's release, expiries, clients leaving, arrivals (then clients with
+no patience at all), and last the grant, so a request arriving as the GPU frees up competes
+for it, and a client whose patience ends at that instant is gone.
+
+How each request behaves:
+
+- it arrives at its recorded time (relative to the first arrival; microsecond resolution, as
+  recorded) with its recorded priority and model; a ``QueueFull`` is a rejection;
+- granted, it holds the GPU for its recorded run time plus its settle time. When the simulated
+  order changes whether its grant needs a model load (recorded ``swap or load`` against the
+  simulated decision's), its model's measured swap cost is added or taken away;
+- a request that never ran (a client that left, an expiry, a rejection) runs, if granted, for its
+  model's expected run time, plus the swap cost when its grant needs a load;
+- ``cancelled_waiting`` clients leave after their recorded wait unless granted by then; every
+  other client waits as long as the simulated ``maxWaitSeconds`` lets it;
+- a granted request ends as it did in reality if it ran then (served, upstream_error, ...), else
+  it is served; a grant that did not end with the model loaded (an upstream error, a client
+  that left mid-run, a status outside 200..399) releases with ``model_loaded=False``, as the
+  runtime does;
+- ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import math
+import operator
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from llamaswap.core import (
+    Band,
+    Estimator,
+    ManualClock,
+    Outcome,
+    Policy,
+    Priority,
+    PrioritySource,
+    QueueFull,
+    ReorderCause,
+    Scheduler,
+)
+from llamaswap.simulate.inversion import Inversion, worst_inversion
+from llamaswap.simulate.records import RequestRecord
+
+_log = logging.getLogger(__name__)
+
+NOT_REPLAYED = frozenset({Outcome.REJECTED_UNKNOWN_MODEL, Outcome.INTERNAL_ERROR, Outcome.SHUTDOWN})
+# Outcomes of a grant whose run the log measured: a granted replay ends the same way.
+_RAN = frozenset({Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ERROR, Outcome.WATCHDOG,
+                  Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
+# The runtime releases these with the model still known to be loaded (served: if 200..399).
+_MODEL_STAYS = frozenset({Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
+
+_NS_PER_US = 1_000
+_NEVER = 2**63  # later than any event
+_NS_PER_MS = 1_000_000
+
+
+class Costs(Protocol):
+    """Expected GPU times per model; :class:`Estimator` is one."""
+
+    def expected_run_s(self, model: str | None) -> float: ...
+
+    def expected_swap_s(self, model: str | None) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FixedCosts:
+    """Stated costs (synthetic workloads), with defaults for models not listed."""
+
+    run_s: Mapping[str, float]
+    swap_s: Mapping[str, float]
+    default_run_s: float = 10.0
+    default_swap_s: float = 0.0
+
+    def expected_run_s(self, model: str | None) -> float:
+        return self.run_s.get(model or "", self.default_run_s)
+
+    def expected_swap_s(self, model: str | None) -> float:
+        return self.swap_s.get(model or "", self.default_swap_s)
+
+
+def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, default_swap_s: float,
+                  samples: int) -> Estimator:
+    """The live estimator, taught every served grant in file order (the order they finished):
+    it then holds the estimates the sidecar would have had at the end of the log.
+
+    Only the records that can still show in its rolling windows are fed (per model, a suffix of
+    its grants), which leaves the estimator in exactly the state that feeding all would.
+    """
+    estimator = Estimator(default_run_s=default_run_s, default_swap_s=default_swap_s, samples=samples)
+    per_model: dict[str | None, list[RequestRecord]] = {}
+    for record in records:
+        if record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None:
+            per_model.setdefault(record.model or None, []).append(record)
+    for grants in per_model.values():
+        for record in grants[_first_needed(grants, samples):]:
+            first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None else None
+            estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
+                             first_byte_s=first_byte, model_load=record.model_load)
+    return estimator
+
+
+def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
+    """The earliest of one model's grants that still matters to the estimator after all of them.
+
+    Every grant adds a run, so the last ``samples`` make the run window. A run learnt from a load
+    subtracts the swap estimate of that moment, which comes from the last ``samples`` times to
+    first byte of each kind (load, warm) before it; those before the earliest such load, and the
+    last ``samples`` of each kind overall (which come later), are all that can matter.
+    """
+    start = max(0, len(grants) - samples)
+    loads = [i for i in range(start, len(grants)) if grants[i].model_load]
+    until = loads[0] if loads else len(grants)
+    for kind in (True, False):
+        timed = [i for i in range(until) if grants[i].first_byte_ms is not None and grants[i].model_load is kind]
+        if timed:
+            start = min(start, timed[max(0, len(timed) - samples)])
+    return start
+
+
+def _ms_to_ns(ms: float) -> int:
+    # Recorded times have 3 decimals (microseconds): rounding to them keeps sums exact.
+    return round(ms * 1000) * _NS_PER_US
+
+
+@dataclasses.dataclass(slots=True)  # not frozen: 100,000s are made, and a frozen init costs double
+class Request:
+    """A record made ready to replay (the same for every setting)."""
+
+    index: int  # arrival order
+    record: RequestRecord
+    arrival_ns: int  # from the first arrival
+    priority: Priority
+    patience_ns: int | None  # None: waits as long as maxWaitSeconds lets it
+    run_ns: int | None  # the recorded run; None: never ran, the expected run applies
+    settle_ns: int
+    recorded_load: bool
+    granted_outcome: Outcome
+    model_loaded: bool  # what the release tells the scheduler
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replay:
+    requests: tuple[Request, ...]
+    not_replayed: Mapping[str, int]  # outcome -> count
+    origin_ms: float  # arrival_unix_ms of the first arrival
+
+
+def prepare(records: Sequence[RequestRecord]) -> Replay:
+    """Order by arrival (ties by file order) and drop what is not replayed."""
+    skipped = Counter(r.outcome.value for r in records if r.outcome in NOT_REPLAYED)
+    kept = sorted((r for r in records if r.outcome not in NOT_REPLAYED), key=operator.attrgetter("arrival_ms", "order"))
+    origin = kept[0].arrival_ms if kept else 0.0
+    priorities: dict[int, Priority] = {}
+    requests = []
+    for index, record in enumerate(kept):
+        priority = priorities.get(record.priority)
+        if priority is None:
+            priority = priorities[record.priority] = Priority(record.priority, PrioritySource.NUMBER)
+        # A dispatched cancelled_waiting was granted as its client left: nothing ran.
+        ran = record.run_ms is not None and (record.outcome in _RAN or not record.dispatched)
+        patience = None
+        if record.outcome is Outcome.CANCELLED_WAITING and record.queue_wait_ms is not None:
+            patience = _ms_to_ns(record.queue_wait_ms)
+        if record.outcome is Outcome.SERVED:
+            model_loaded = record.status is None or 200 <= record.status < 400
+        else:
+            model_loaded = record.outcome in _MODEL_STAYS or record.outcome not in _RAN
+        requests.append(Request(
+            index=index,
+            record=record,
+            arrival_ns=_ms_to_ns(record.arrival_ms - origin),
+            priority=priority,
+            patience_ns=patience,
+            run_ns=_ms_to_ns(record.run_ms) if ran and record.run_ms is not None else None,
+            settle_ns=_ms_to_ns(record.settle_ms) if ran else 0,
+            recorded_load=record.model_load if record.dispatched else False,
+            granted_outcome=record.outcome if ran and record.outcome in _RAN else Outcome.SERVED,
+            model_loaded=model_loaded,
+        ))
+    return Replay(tuple(requests), dict(skipped), origin)
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    """What one request did in the simulation."""
+
+    request: Request
+    outcome: Outcome
+    base: int  # the priority the scheduler ordered by (fifo: plus the model's)
+    start_ns: int | None = None  # granted
+    end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
+    release_ns: int | None = None
+    model_load: bool = False
+
+    @property
+    def wait_ns(self) -> int:
+        return self.end_ns - self.request.arrival_ns
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BandMetrics:
+    served: int  # granted the GPU
+    wait_p50_s: float | None  # arrival to grant, of those granted
+    wait_p95_s: float | None
+    wait_max_s: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Metrics:
+    requests: int
+    bands: Mapping[str, BandMetrics]
+    swaps: int  # grants that needed a model load (from nothing known, or a swap)
+    reorders: Mapping[str, int]  # ReorderCause -> grants it changed
+    busy_fraction: float  # GPU held / (last release - first arrival)
+    left: int  # gave up waiting (patience)
+    expired: int  # maxWaitSeconds
+    rejected: int  # maxQueued
+    peak_waiting: int
+    inversion: Inversion | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Simulation:
+    policy: Policy
+    results: list[Result]  # arrival order
+    metrics: Metrics
+
+
+def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
+    requests = replay.requests
+    clock = ManualClock(0)
+    scheduler = Scheduler(policy, clock)
+    ids = [str(r.index) for r in requests]
+    results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, r.record.model)) for r in requests]
+    # The loop runs once per event: everything it reads per request or per model is looked up
+    # here once (a handful of models, so the costs are asked once each).
+    arrivals = [r.arrival_ns for r in requests] + [_NEVER]
+    models = {r.record.model for r in requests}
+    run_ns = {m: round(costs.expected_run_s(m) * 1e9) for m in models}
+    swap_ns = {m: round(costs.expected_swap_s(m) * 1e9) for m in models}
+    patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
+    reorders = Counter[ReorderCause]()
+    swaps = peak = waiting = 0
+    busy_ns = last_release = 0
+    running: Result | None = None
+    release_at = _NEVER
+    arrival = 0
+    enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
+    next_deadline = scheduler.next_deadline_ns
+    expiring = policy.max_wait_ns > 0  # without maxWaitSeconds nothing expires: no need to ask
+    heappush, heappop = heapq.heappush, heapq.heappop
+    expiry: int | None = None
+
+    while True:
+        now = arrivals[arrival]
+        if release_at < now:
+            now = release_at
+        if patience and patience[0][0] < now:
+            now = patience[0][0]
+        if expiring:
+            expiry = next_deadline()
+            if expiry is not None and expiry < now:
+                now = expiry
+        if now == _NEVER:
+            break
+        clock.set_ns(now)
+
+        if release_at == now:
+            assert running is not None
+            scheduler.release(ids[running.request.index], model_loaded=running.request.model_loaded)
+            running.release_ns = last_release = now
+            running = None
+            release_at = _NEVER
+        if expiry is not None and expiry <= now:
+            for expired in scheduler.expire_overdue():
+                result = results[int(expired.request_id)]
+                result.outcome = Outcome.EXPIRED
+                result.end_ns = expired.removed_ns
+                waiting -= 1
+        for round_ in (0, 1):  # clients leaving, arrivals, then clients that had no patience at all
+            while patience and patience[0][0] <= now:
+                index = heappop(patience)[1]
+                removed = cancel(ids[index])
+                if removed is not None:
+                    result = results[index]
+                    result.outcome = Outcome.CANCELLED_WAITING
+                    result.end_ns = removed.removed_ns
+                    waiting -= 1
+            if round_:
+                break
+            while arrivals[arrival] == now:
+                request = requests[arrival]
+                try:
+                    enqueue(ids[arrival], request.priority, request.record.model)
+                except QueueFull:
+                    result = results[arrival]
+                    result.outcome = Outcome.REJECTED_FULL
+                    result.end_ns = now
+                else:
+                    waiting += 1
+                    if waiting > peak:
+                        peak = waiting
+                    if request.patience_ns is not None:
+                        heappush(patience, (now + request.patience_ns, arrival))
+                arrival += 1
+
+        if running is None and waiting:
+            decision = grant()
+            assert decision is not None
+            waiting -= 1
+            result = results[int(decision.request_id)]
+            request = result.request
+            model = request.record.model
+            load = decision.swap or decision.load
+            if request.run_ns is not None:
+                hold = request.run_ns
+                if load is not request.recorded_load:
+                    hold = hold + swap_ns[model] if load else max(0, hold - swap_ns[model])
+                hold += request.settle_ns
+            else:
+                hold = run_ns[model] + swap_ns[model] if load else run_ns[model]
+            result.outcome = request.granted_outcome
+            result.start_ns = result.end_ns = now
+            result.model_load = load
+            swaps += load
+            if decision.reordered_by:
+                for cause in decision.reordered_by:
+                    reorders[cause] += 1
+            busy_ns += hold
+            running = result
+            release_at = now + hold
+
+    metrics = _metrics(results, swaps, reorders, busy_ns, last_release, peak)
+    _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
+    return Simulation(policy, results, metrics)
+
+
+def quantile(ordered: Sequence[int], fraction: float) -> int:
+    """Nearest rank: the smallest value with at least ``fraction`` of the values at or below it."""
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], busy_ns: int, last_release: int,
+             peak: int) -> Metrics:
+    waits: dict[Band, list[int]] = {band: [] for band in Band}
+    outcomes = Counter[Outcome]()
+    for result in results:
+        if result.start_ns is not None:
+            waits[result.request.priority.band].append(result.start_ns - result.request.arrival_ns)
+        else:
+            outcomes[result.outcome] += 1
+    bands = {}
+    for band, values in waits.items():
+        values.sort()
+        if values:
+            bands[band.value] = BandMetrics(len(values), quantile(values, 0.5) / 1e9, quantile(values, 0.95) / 1e9,
+                                            values[-1] / 1e9)
+        else:
+            bands[band.value] = BandMetrics(0, None, None, None)
+    return Metrics(
+        requests=len(results),
+        bands=bands,
+        swaps=swaps,
+        reorders={cause.value: reorders[cause] for cause in ReorderCause},
+        busy_fraction=busy_ns / last_release if last_release > 0 else 0.0,
+        left=outcomes[Outcome.CANCELLED_WAITING],
+        expired=outcomes[Outcome.EXPIRED],
+        rejected=outcomes[Outcome.REJECTED_FULL],
+        peak_waiting=peak,
+        inversion=worst_inversion(results),
+    )

@@ -1,0 +1,241 @@
+"""The activity log, parsed into typed records.
+
+The sidecar writes one JSON object per line: a ``settings`` record at start and after every
+reload, and a ``request`` record when each request ends (so the file is in finish order). The
+log may be mixed with other lines or carry a logging prefix: a line counts if a JSON object
+starts at its first ``{`` and has a known ``event``. Anything else is skipped and counted; a
+known record with unusable fields is skipped too, with the first reason kept for the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from llamaswap.core import Outcome, PolicyName
+
+_DECODER = json.JSONDecoder()
+_OUTCOMES = {outcome.value: outcome for outcome in Outcome}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SettingsRecord:
+    """The scheduler settings in force from ``time`` on (None fields: not in the record)."""
+
+    time: float | None
+    scheduler: PolicyName | None
+    aging_divisor_s: float | None
+    swap_affinity_bonus: int | None
+    max_queued: int | None
+    max_wait_s: float | None
+    model_priorities: Mapping[str, int] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, as the simulation needs it.
+
+    ``run_ms`` on a record that was not dispatched is what the request would take if granted:
+    the sidecar never writes one, synthetic workloads do (their patient clients may leave).
+    """
+
+    request_id: str
+    model: str | None
+    priority: int  # the priority the scheduler used (after the operator's policy)
+    outcome: Outcome
+    dispatched: bool
+    arrival_ms: float  # arrival_unix_ms
+    queue_wait_ms: float | None  # until granted, or until it left without a grant
+    first_byte_ms: float | None
+    run_ms: float | None
+    settle_ms: float  # the GPU stayed busy this long after the release (an abandoned generation)
+    swap: bool
+    load: bool
+    status: int | None = None
+    order: int = 0  # position in the file: breaks ties between equal arrival times
+
+    @property
+    def model_load(self) -> bool:
+        """The grant had to load its model first (from nothing known, or from another model)."""
+        return self.swap or self.load
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Activity:
+    settings: tuple[SettingsRecord, ...]
+    requests: tuple[RequestRecord, ...]
+    lines: int
+    skipped: int  # not a JSON object with a known event
+    malformed: int  # a known event with unusable fields
+    first_problem: str | None  # "line N: why", for the first malformed one
+
+
+class _Bad(Exception):
+    pass
+
+
+def parse_activity(lines: Iterable[str]) -> Activity:
+    settings: list[SettingsRecord] = []
+    requests: list[RequestRecord] = []
+    skipped = malformed = count = 0
+    first_problem: str | None = None
+    for number, line in enumerate(lines, 1):
+        count = number
+        document = _json_object(line)
+        event = document.get("event") if document is not None else None
+        try:
+            if event == "request":
+                requests.append(_request(document, len(requests)))  # type: ignore[arg-type]
+            elif event == "settings":
+                settings.append(_settings(document))  # type: ignore[arg-type]
+            else:
+                skipped += 1
+        except _Bad as exc:
+            malformed += 1
+            if first_problem is None:
+                first_problem = f"line {number}: {exc}"
+    return Activity(tuple(settings), tuple(requests), count, skipped, malformed, first_problem)
+
+
+def read_activity(path: str | pathlib.Path) -> Activity:
+    """Raises OSError (unreadable) or UnicodeDecodeError; junk lines are not errors."""
+    with open(path, encoding="utf-8") as handle:
+        return parse_activity(handle)
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    start = line.find("{")
+    if start < 0:
+        return None
+    try:
+        value, _ = _DECODER.raw_decode(line, start)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# -- field readers: each raises _Bad naming the field --------------------------------------
+# The request reader runs once per line of logs of 100,000s of lines: the common case (a
+# float or an int, or None) is checked first and by type, the rest falls to the slow path.
+
+
+def _number(document: Mapping[str, Any], key: str, *, required: bool, minimum: float | None = 0.0) -> float | None:
+    value: Any = document.get(key)
+    kind = type(value)
+    if kind is float or kind is int:
+        if (minimum is None or value >= minimum) and value - value == 0:  # finite: inf - inf is nan
+            return float(value)
+    elif value is None:
+        if required:
+            raise _Bad(f"{key} missing")
+        return None
+    if kind is not float and kind is not int:
+        raise _Bad(f"{key} is not a number: {value!r}")
+    if value - value != 0:
+        raise _Bad(f"{key} is not a finite number: {value!r}")
+    raise _Bad(f"{key} is below {minimum:g}: {value!r}")
+
+
+def _integer(document: Mapping[str, Any], key: str, *, required: bool) -> int | None:
+    value = document.get(key)
+    if type(value) is int:
+        return value
+    if value is None:
+        if required:
+            raise _Bad(f"{key} missing")
+        return None
+    raise _Bad(f"{key} is not an integer: {value!r}")
+
+
+def _flag(document: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = document.get(key)
+    if value is None:
+        return default
+    if value is not True and value is not False:
+        raise _Bad(f"{key} is not true or false: {value!r}")
+    return value
+
+
+def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
+    outcome = _OUTCOMES.get(document.get("outcome"))  # type: ignore[arg-type]
+    if outcome is None:
+        raise _Bad(f"unknown outcome {document.get('outcome')!r}")
+    model = document.get("model")
+    if model is not None and type(model) is not str:
+        raise _Bad(f"model is not a string: {model!r}")
+    request_id = document.get("request_id")
+    run_ms = _number(document, "run_ms", required=False)
+    priority = _integer(document, "serial_priority", required=True)
+    arrival = _number(document, "arrival_unix_ms", required=True, minimum=None)
+    return RequestRecord(
+        str(request_id) if request_id is not None else f"#{order + 1}",
+        model or None,
+        priority,  # type: ignore[arg-type]
+        outcome,
+        _flag(document, "dispatched", run_ms is not None),
+        arrival,  # type: ignore[arg-type]
+        # A client that gave up is replayed with its patience: the wait is then required.
+        _number(document, "serial_queue_wait_ms", required=outcome is Outcome.CANCELLED_WAITING),
+        _number(document, "first_byte_ms", required=False),
+        run_ms,
+        _number(document, "settle_ms", required=False) or 0.0,
+        _flag(document, "swap", False),
+        _flag(document, "load", False),
+        _integer(document, "status", required=False),
+        order,
+    )
+
+
+def _settings(document: Mapping[str, Any]) -> SettingsRecord:
+    scheduler = document.get("scheduler")
+    if scheduler is not None and scheduler not in ("serial", "fifo"):
+        raise _Bad(f"scheduler is not serial or fifo: {scheduler!r}")
+    bonus = _integer(document, "swap_affinity_bonus", required=False)
+    if bonus is not None and not 0 <= bonus <= 99:
+        raise _Bad(f"swap_affinity_bonus is not 0..99: {bonus}")
+    queued = _integer(document, "max_queued", required=False)
+    if queued is not None and queued < 0:
+        raise _Bad(f"max_queued is negative: {queued}")
+    priorities = document.get("model_priorities")
+    if priorities is not None and (not isinstance(priorities, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in priorities.items())):
+        raise _Bad("model_priorities is not a mapping of model to integer")
+    return SettingsRecord(
+        time=_number(document, "time", required=False, minimum=None),
+        scheduler=PolicyName(scheduler) if scheduler is not None else None,
+        aging_divisor_s=_number(document, "aging_divisor_s", required=False),
+        swap_affinity_bonus=bonus,
+        max_queued=queued,
+        max_wait_s=_number(document, "max_wait_s", required=False),
+        model_priorities=dict(priorities) if priorities is not None else None,
+    )
+
+
+# -- writing (synthetic logs, tests, benchmarks) -------------------------------------------
+
+
+def request_document(record: RequestRecord) -> dict[str, Any]:
+    """The fields of a ``request`` line that the simulation reads back."""
+    return {
+        "event": "request",
+        "request_id": record.request_id,
+        "model": record.model,
+        "outcome": record.outcome.value,
+        "dispatched": record.dispatched,
+        "serial_priority": record.priority,
+        "serial_queue_wait_ms": record.queue_wait_ms,
+        "arrival_unix_ms": record.arrival_ms,
+        "first_byte_ms": record.first_byte_ms,
+        "run_ms": record.run_ms,
+        "settle_ms": record.settle_ms,
+        "swap": record.swap,
+        "load": record.load,
+        "status": record.status,
+    }
+
+
+def format_line(document: Mapping[str, Any]) -> str:
+    return json.dumps(document, separators=(",", ":")) + "\n"

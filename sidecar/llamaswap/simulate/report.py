@@ -1,0 +1,231 @@
+"""Simulation results as rows: a table for people, one JSON document for programs, one JSON
+line per request, and a plot of wait against the swept settings (matplotlib, optional)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llamaswap.core import BAND_NAMES
+from llamaswap.simulate.engine import Metrics, Simulation
+from llamaswap.simulate.settings import KEYS, Settings
+
+PLOT_HINT = "pip install 'llamaswap[plot]', or pip install matplotlib"
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    settings: Settings
+    metrics: Metrics
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Summary:
+    """What was replayed, for the header of every output."""
+
+    source: str
+    requests: int  # replayed
+    not_replayed: Mapping[str, int]
+    skipped_lines: int
+    malformed: int
+    first_problem: str | None
+    settings_note: str | None  # e.g. the log changed settings after its first record
+
+
+def row_document(row: Row) -> dict[str, Any]:
+    m = row.metrics
+    return {
+        "settings": row.settings.values(),
+        "requests": m.requests,
+        "bands": {band: dataclasses.asdict(stats) for band, stats in m.bands.items()},
+        "swaps": m.swaps,
+        "reorders": dict(m.reorders),
+        "busy_fraction": round(m.busy_fraction, 6),
+        "left": m.left,
+        "expired": m.expired,
+        "rejected": m.rejected,
+        "peak_waiting": m.peak_waiting,
+        "worst_inversion": dataclasses.asdict(m.inversion) if m.inversion is not None else None,
+    }
+
+
+def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dict[str, Any]:
+    return {
+        "source": summary.source,
+        "requests": summary.requests,
+        "not_replayed": dict(summary.not_replayed),
+        "skipped_lines": summary.skipped_lines,
+        "malformed_records": summary.malformed,
+        "swept": list(swept),
+        "rows": [row_document(row) for row in rows],
+    }
+
+
+def render_json(summary: Summary, swept: Sequence[str], rows: Sequence[Row], *, indent: int | None = 2) -> str:
+    return json.dumps(document(summary, swept, rows), indent=indent) + "\n"
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.2f}"
+    if value < 100:
+        return f"{value:.1f}"
+    return f"{value:.0f}"
+
+
+def _setting(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def header_lines(summary: Summary) -> list[str]:
+    text = f"replayed {summary.requests:,} requests from {summary.source}"
+    notes = []
+    if summary.not_replayed:
+        total = sum(summary.not_replayed.values())
+        detail = ", ".join(f"{count} {outcome}" for outcome, count in sorted(summary.not_replayed.items()))
+        notes.append(f"{total} not replayed: {detail}")
+    if summary.skipped_lines:
+        notes.append(f"{summary.skipped_lines} other lines skipped")
+    if summary.malformed:
+        notes.append(f"{summary.malformed} unusable records skipped, first at {summary.first_problem}")
+    lines = [text + (f" ({'; '.join(notes)})" if notes else "")]
+    if summary.settings_note:
+        lines.append(summary.settings_note)
+    return lines
+
+
+def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> str:
+    lines = header_lines(summary)
+    first = rows[0].settings
+    fixed = [name for name in KEYS if name not in swept]
+    values = first.values()
+    label = "settings" if not swept else "fixed settings"
+    lines.append(f"{label}: " + ", ".join(f"{name} {_setting(values[name])}" for name in fixed)
+                 + _model_priorities(first))
+    groups: list[tuple[str, list[str]]] = [("", list(swept))] if swept else []
+    for band in BAND_NAMES:
+        groups.append((band, ["n", "p50", "p95", "max"]))
+    groups.append(("", ["swaps", "aging", "affinity", "busy", "left", "expired", "rejected", "inversion"]))
+    body = []
+    for row in rows:
+        m = row.metrics
+        cells = [_setting(row.settings.values()[name]) for name in swept]
+        for band in BAND_NAMES:
+            stats = m.bands[band]
+            cells += [str(stats.served), _seconds(stats.wait_p50_s), _seconds(stats.wait_p95_s),
+                      _seconds(stats.wait_max_s)]
+        inversion = "-" if m.inversion is None else f"{_seconds(m.inversion.seconds)} ({m.inversion.request_id})"
+        cells += [str(m.swaps), str(m.reorders.get("aging", 0)), str(m.reorders.get("swap_affinity", 0)),
+                  f"{m.busy_fraction:.3f}", str(m.left), str(m.expired), str(m.rejected), inversion]
+        body.append(cells)
+    names = [name for _, group in groups for name in group]
+    widths = [max(len(name), *(len(cells[i]) for cells in body)) for i, name in enumerate(names)]
+    # One line naming the band over its four columns, then the column names.
+    top, at = [], 0
+    for title, group in groups:
+        span = sum(widths[at:at + len(group)]) + 2 * (len(group) - 1)
+        top.append(title.center(span, "-") if title else " " * span)
+        at += len(group)
+    lines.append("")
+    lines.append("  ".join(top).rstrip())
+    lines.append("  ".join(name.rjust(w) for name, w in zip(names, widths)))
+    for cells in body:
+        # The inversion names a request: left-aligned, the numbers right-aligned.
+        line = "  ".join(cell.rjust(w) for cell, w in zip(cells[:-1], widths[:-1]))
+        lines.append((line + "  " + cells[-1]).rstrip())
+    lines.append("")
+    lines += textwrap.wrap(_LEGEND, width=100)
+    return "\n".join(lines) + "\n"
+
+
+_LEGEND = ("n: granted the GPU; p50/p95/max: seconds from arrival to grant; swaps: grants that loaded a model; "
+           "aging/affinity: grants that term reordered; busy: GPU held / (last release - first arrival); left: "
+           "clients that gave up; expired: maxWaitSeconds; rejected: maxQueued; inversion: the worst priority "
+           "inversion in seconds, and its request (see --help)")
+
+
+def _model_priorities(settings: Settings) -> str:
+    if not settings.model_priorities:
+        return ""
+    return ", model priorities " + ", ".join(f"{m} {p:+d}" for m, p in sorted(settings.model_priorities.items()))
+
+
+# -- per request ---------------------------------------------------------------------------
+
+
+def request_lines(simulation: Simulation, setting: int | None = None) -> list[str]:
+    """One JSON line per request, in arrival order; ``setting`` (the row) only when sweeping."""
+    lines = []
+    for result in simulation.results:
+        request = result.request
+        item: dict[str, Any] = {
+            "request_id": request.record.request_id,
+            "band": request.priority.band.value,
+            "priority": request.priority.value,
+            "model": request.record.model,
+            "start_ms": round(result.start_ns / 1e6, 3) if result.start_ns is not None else None,
+            "wait_ms": round(result.wait_ns / 1e6, 3),
+            "outcome": result.outcome.value,
+        }
+        if setting is not None:
+            item["setting"] = setting
+        lines.append(json.dumps(item, separators=(",", ":")))
+    return lines
+
+
+# -- the plot ------------------------------------------------------------------------------
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise PlotUnavailable(f"--plot needs matplotlib, which is not installed: {PLOT_HINT}") from exc
+
+
+def plot(path: str | pathlib.Path, swept: Sequence[str], rows: Sequence[Row]) -> None:
+    """Wait p50 and p95 per band against each swept setting, one panel per key; the other swept
+    keys stay at their first value (named in the panel's title)."""
+    check_plot_available()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not swept:
+        raise ValueError("nothing is swept")
+    figure = Figure(figsize=(6.0 * len(swept), 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    first = rows[0].settings.values()
+    for panel, key in enumerate(swept):
+        axes = figure.add_subplot(1, len(swept), panel + 1)
+        others = [other for other in swept if other != key]
+        chosen = [row for row in rows if all(row.settings.values()[o] == first[o] for o in others)]
+        xs = [_setting(row.settings.values()[key]) if key == "scheduler" else row.settings.values()[key]
+              for row in chosen]
+        for colour, band in enumerate(BAND_NAMES):  # one colour per band: p50 solid, p95 dashed
+            for stat, style in (("wait_p50_s", "-o"), ("wait_p95_s", "--s")):
+                ys = [getattr(row.metrics.bands[band], stat) for row in chosen]
+                if any(y is not None for y in ys):
+                    axes.plot(xs, [y if y is not None else float("nan") for y in ys], style, color=f"C{colour}",
+                              label=f"{band} {stat[5:8]}")
+        axes.set_xlabel(key)
+        axes.set_ylabel("wait, arrival to grant (s)")
+        title = f"wait against {key}"
+        if others:
+            title += "\n(" + ", ".join(f"{o} {_setting(first[o])}" for o in others) + ")"
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize="small")
+    figure.savefig(str(path))

@@ -1,0 +1,200 @@
+"""The settings a simulation runs with: where each value comes from, validation, sweeps.
+
+Precedence, lowest first: the recorded settings (the log's first settings record; the
+configuration defaults without one), then a whole configuration file (``-c``), then the single
+flags (``--scheduler``, ``--aging-divisor``, ...), then ``--sweep``, whose every combination runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from llamaswap.core import Policy, PolicyName
+from llamaswap.simulate.records import SettingsRecord
+
+MAX_BONUS = 99
+
+
+class SettingsError(ValueError):
+    """A bad value; the message is ready for ``error: ...``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    scheduler: PolicyName
+    aging_divisor_s: float
+    swap_affinity_bonus: int
+    max_queued: int
+    max_wait_s: float
+    model_priorities: Mapping[str, int]
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> Settings:
+        return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
+                   policy.max_wait_s, dict(policy.model_priorities))
+
+    def policy(self) -> Policy:
+        if self.scheduler is PolicyName.FIFO:
+            return Policy.fifo(model_priorities=self.model_priorities, max_queued=self.max_queued,
+                               max_wait_s=self.max_wait_s)
+        return Policy.serial(aging_divisor_s=self.aging_divisor_s, swap_affinity_bonus=self.swap_affinity_bonus,
+                             max_queued=self.max_queued, max_wait_s=self.max_wait_s)
+
+    def with_recorded(self, record: SettingsRecord) -> Settings:
+        """The record's values over these (a record may lack some fields)."""
+        changes: dict[str, Any] = {}
+        for field in ("scheduler", "aging_divisor_s", "swap_affinity_bonus", "max_queued", "max_wait_s",
+                      "model_priorities"):
+            value = getattr(record, field)
+            if value is not None:
+                changes[field] = value
+        return dataclasses.replace(self, **changes)
+
+    def values(self) -> dict[str, Any]:
+        """Keyed by the configuration's names (the sweep keys), plus the model priorities."""
+        return {key.name: getattr(self, key.field) for key in KEYS.values()} | {
+            "modelPriorities": dict(self.model_priorities)}
+
+    def describe(self) -> str:
+        values = self.values()
+        text = ", ".join(f"{name} {_show(values[name])}" for name in KEYS)
+        if self.scheduler is PolicyName.FIFO and self.model_priorities:
+            text += ", model priorities " + ", ".join(f"{m} {p:+d}" for m, p in sorted(self.model_priorities.items()))
+        return text
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# -- one parser per key: text -> value, or SettingsError -----------------------------------
+
+
+def parse_scheduler(text: str) -> PolicyName:
+    try:
+        return PolicyName(text.strip().lower())
+    except ValueError:
+        raise SettingsError(f"must be serial or fifo, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingsError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise SettingsError(f"not a finite number: {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise SettingsError(f"not an integer: {text!r}") from None
+
+
+def parse_aging_divisor(text: str) -> float:
+    value = _float(text)
+    if value < 0 or 0 < value < 0.001:
+        raise SettingsError(f"must be 0 (no aging) or at least 0.001 seconds, got {text}")
+    return value
+
+
+def parse_bonus(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_BONUS:
+        raise SettingsError(f"must be 0..{MAX_BONUS} (0 disables it), got {value}")
+    return value
+
+
+def parse_max_queued(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise SettingsError(f"must be 0 (unlimited) or more, got {value}")
+    return value
+
+
+def parse_max_wait(text: str) -> float:
+    value = _float(text)
+    if value < 0 or 0 < value < 0.001:
+        raise SettingsError(f"must be 0 (wait forever) or at least 0.001 seconds, got {text}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Key:
+    name: str  # as in the configuration and --sweep
+    field: str  # the Settings field
+    flag: str
+    parse: Callable[[str], Any]
+
+
+KEYS: dict[str, Key] = {key.name: key for key in (
+    Key("scheduler", "scheduler", "--scheduler", parse_scheduler),
+    Key("agingDivisor", "aging_divisor_s", "--aging-divisor", parse_aging_divisor),
+    Key("swapAffinityBonus", "swap_affinity_bonus", "--swap-affinity-bonus", parse_bonus),
+    Key("maxQueued", "max_queued", "--max-queued", parse_max_queued),
+    Key("maxWaitSeconds", "max_wait_s", "--max-wait", parse_max_wait),
+)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sweep:
+    key: Key
+    values: tuple[Any, ...]
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``KEY=V1,V2,...``; the message names the offending part."""
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise SettingsError(f"--sweep {text!r}: expected KEY=V1,V2,... (keys: {', '.join(KEYS)})")
+    key = KEYS.get(name)
+    if key is None:
+        close = difflib.get_close_matches(name, list(KEYS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (keys: {', '.join(KEYS)})"
+        raise SettingsError(f"--sweep {text!r}: unknown key {name!r}{hint}")
+    parts = [part.strip() for part in rest.split(",")]
+    if not any(parts) or not all(parts):
+        raise SettingsError(f"--sweep {text!r}: expected a comma-separated list of values after '='")
+    values = []
+    for part in parts:
+        try:
+            values.append(key.parse(part))
+        except SettingsError as exc:
+            raise SettingsError(f"--sweep {name}={part}: {exc}") from None
+    return Sweep(key, tuple(values))
+
+
+def combinations(base: Settings, sweeps: Sequence[Sweep]) -> list[Settings]:
+    """Every combination of the swept values (the cartesian product), in the order given."""
+    seen: set[str] = set()
+    for sweep in sweeps:
+        if sweep.key.name in seen:
+            raise SettingsError(f"--sweep {sweep.key.name} is given twice; list all its values in one --sweep")
+        seen.add(sweep.key.name)
+    if not sweeps:
+        return [base]
+    return [dataclasses.replace(base, **{s.key.field: v for s, v in zip(sweeps, combo)})
+            for combo in itertools.product(*(s.values for s in sweeps))]
+
+
+def override(base: Settings, flags: Mapping[str, str | None]) -> Settings:
+    """Apply the single flags given (keyed by KEYS names; None = not given)."""
+    changes = {}
+    for name, text in flags.items():
+        if text is None:
+            continue
+        key = KEYS[name]
+        try:
+            changes[key.field] = key.parse(text)
+        except SettingsError as exc:
+            raise SettingsError(f"{key.flag} {text}: {exc}") from None
+    return dataclasses.replace(base, **changes)
