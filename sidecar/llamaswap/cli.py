@@ -170,14 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check_config)
 
     from llamaswap import queue_cli
+    from llamaswap.simulate import cli as simulate_cli
 
     queue_cli.add_parser(commands)
-    try:
-        from llamaswap.simulate import cli as simulate_cli
-    except ImportError:  # pragma: no cover - only while the package is being built
-        simulate_cli = None
-    if simulate_cli is not None:
-        simulate_cli.add_parser(commands)
+    simulate_cli.add_parser(commands)
     return parser
 
 

@@ -1,24 +1,33 @@
-"""`llamaswap queue`: the live queue as a table, like `squeue`.
+"""`llamaswap queue`: the live queue as a table, like `squeue --start`.
 
 Reads the sidecar's admin `GET /queue` and prints the running request first (ST `R`), then
-the waiting ones in dispatch order (ST `PD`, pending), with priority, band, current score,
-how long each has waited and the model. `--watch N` refreshes every N seconds until Ctrl-C.
+the waiting ones in dispatch order (ST `PD`, pending), with priority, band, score, how long
+each has waited, when it is expected to start and the model. The SCORE of a waiting request
+is the one it will have at its turn in that order (the swap-affinity bonus counts the model
+loaded by then): the score it wins its turn with. START is the
+estimate from measured run and swap times (`estimates.*` before anything is measured), and
+for the running request TIME is how long it has run and START how long it is expected to
+take still. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
 DEFAULT_ADMIN = "http://127.0.0.1:9090"
-COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "MODEL")
-_RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME"}
+COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
+_RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME", "START"}
 _CLEAR = "\x1b[H\x1b[2J"
+_GPU = {"idle": "GPU idle", "running": "1 running", "settling": "GPU settling (the upstream finishes an abandoned "
+        "generation)", "adopted": "GPU busy with an exchange granted before this sidecar started"}
 
 
 class QueueUnavailable(Exception):
@@ -83,11 +92,12 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
         table.append(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
                       str(running.get("band", "")), _score(running.get("score")),
                       format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
-                      running.get("model") or "-"))
+                      _start(running.get("expected_remaining_s")), running.get("model") or "-"))
     for item in document.get("waiting") or []:
         table.append((str(item.get("position", "")), "PD", str(item.get("request_id", "")),
                       str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
-                      format_duration(item.get("waited_s")), "", item.get("model") or "-"))
+                      format_duration(item.get("waited_s")), "", _start(item.get("estimated_start_s")),
+                      item.get("model") or "-"))
     return table
 
 
@@ -95,10 +105,16 @@ def _score(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else ""
 
 
+def _start(seconds: Any) -> str:
+    """squeue --start style: in how long, from now."""
+    return f"+{format_duration(seconds)}" if isinstance(seconds, (int, float)) else ""
+
+
 def render(document: dict[str, Any]) -> str:
     waiting = document.get("waiting") or []
+    gpu = _GPU.get(str(document.get("gpu")), "1 running" if document.get("running") else "GPU idle")
     summary = (f"policy {document.get('policy', '?')}, loaded model {document.get('loaded_model') or '-'}, "
-               f"{'1 running' if document.get('running') else 'GPU idle'}, {len(waiting)} waiting")
+               f"{gpu}, {len(waiting)} waiting")
     bands = document.get("bands") or {}
     if bands:
         summary += " (" + ", ".join(f"{name} {stats.get('depth', 0)}" for name, stats in bands.items()) + ")"
@@ -122,16 +138,18 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
             err.write(f"error: {exc}\n")
             return 1
         return 0
+    stop = threading.Event()
+    # Set both explicitly: a job started in the background inherits SIGINT as ignored, and
+    # Python then never turns it into KeyboardInterrupt.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     clear = _CLEAR if out.isatty() else ""
-    try:
-        while True:
-            try:
-                text = render(fetch_queue(args.admin))
-            except QueueUnavailable as exc:
-                text = f"error: {exc}\n"
-            out.write(f"{clear}{time.strftime('%Y-%m-%d %H:%M:%S')}  every {args.watch:g}s  (Ctrl-C to stop)\n{text}\n")
-            out.flush()
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
-
+    while not stop.is_set():
+        try:
+            text = render(fetch_queue(args.admin))
+        except QueueUnavailable as exc:
+            text = f"error: {exc}\n"
+        out.write(f"{clear}{time.strftime('%Y-%m-%d %H:%M:%S')}  every {args.watch:g}s  (Ctrl-C to stop)\n{text}\n")
+        out.flush()
+        stop.wait(args.watch)
+    return 0
