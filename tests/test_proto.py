@@ -1,4 +1,4 @@
-"""The generated Envoy ext_proc / ext_authz protocol modules (llamaswap._proto).
+"""The generated Envoy ext_authz and access-log protocol modules (llamaswap._proto).
 
 Run with: PYTHONPATH=sidecar python -m pytest tests/test_proto.py
 """
@@ -18,15 +18,12 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from llamaswap._proto.envoy.config.core.v3 import address_pb2, base_pb2
-from llamaswap._proto.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
+from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import (
     attribute_context_pb2,
     external_auth_pb2,
     external_auth_pb2_grpc,
-)
-from llamaswap._proto.envoy.service.ext_proc.v3 import (
-    external_processor_pb2,
-    external_processor_pb2_grpc,
 )
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 
@@ -36,10 +33,10 @@ SIDECAR = ROOT / "sidecar"
 GENERATED_MODULES = [
     address_pb2,
     base_pb2,
-    processing_mode_pb2,
     attribute_context_pb2,
     external_auth_pb2,
-    external_processor_pb2,
+    accesslog_pb2,
+    als_pb2,
     http_status_pb2,
 ]
 
@@ -72,7 +69,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 import google.rpc.status_pb2
 """
 _OUR_IMPORTS = """\
-from llamaswap._proto.envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
+from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 """
 
@@ -106,91 +103,30 @@ def test_google_rpc_status_is_googleapis_one():
 # --- (c) messages and services ---------------------------------------------------
 
 
-def test_processing_request_round_trip():
-    core = base_pb2
-    req = external_processor_pb2.ProcessingRequest(
-        request_headers=external_processor_pb2.HttpHeaders(
-            headers=core.HeaderMap(
-                headers=[
-                    core.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
-                    core.HeaderValue(key="x-bin", raw_value=b"\x00\xff"),
-                ]
-            ),
-            end_of_stream=False,
-        ),
-        observability_mode=True,
-    )
-    wire = req.SerializeToString()
-    back = external_processor_pb2.ProcessingRequest.FromString(wire)
-    assert back == req
-    assert back.WhichOneof("request") == "request_headers"
-    assert [(h.key, h.raw_value) for h in back.request_headers.headers.headers] == [
-        (":path", b"/v1/chat/completions"),
-        ("x-bin", b"\x00\xff"),
-    ]
-    assert back.observability_mode is True
-    # Exact wire bytes: field 2 (request_headers) then field 10 (observability_mode).
-    assert wire[0] == (2 << 3 | 2)
-    assert wire.endswith(bytes([10 << 3 | 0, 1]))
-
-
-def test_processing_response_shapes():
-    pm = processing_mode_pb2.ProcessingMode
-    resp = external_processor_pb2.ProcessingResponse(
-        request_headers=external_processor_pb2.HeadersResponse(
-            response=external_processor_pb2.CommonResponse(
-                status=external_processor_pb2.CommonResponse.CONTINUE_AND_REPLACE,
-                header_mutation=external_processor_pb2.HeaderMutation(
-                    set_headers=[
-                        base_pb2.HeaderValueOption(
-                            header=base_pb2.HeaderValue(key="x-model", raw_value=b"m"),
-                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                        )
-                    ],
-                    remove_headers=["content-length"],
-                ),
-                body_mutation=external_processor_pb2.BodyMutation(body=b"{}"),
-                clear_route_cache=True,
-            )
-        ),
-        mode_override=pm(request_body_mode=pm.BUFFERED, response_body_mode=pm.STREAMED),
-    )
-    resp.override_message_timeout.FromMilliseconds(1500)
-    back = external_processor_pb2.ProcessingResponse.FromString(resp.SerializeToString())
-    assert back == resp
-    assert back.override_message_timeout.ToMilliseconds() == 1500
-
-    imm = external_processor_pb2.ProcessingResponse(
-        immediate_response=external_processor_pb2.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
-            body=b"busy",
-            grpc_status=external_processor_pb2.GrpcStatus(status=8),
-            details="llamaswap_overloaded",
-        )
-    )
-    assert imm.WhichOneof("response") == "immediate_response"
-    assert imm.immediate_response.status.code == 429
-
-    assert [(v.name, v.number) for v in pm.BodySendMode.DESCRIPTOR.values] == [
-        ("NONE", 0),
-        ("STREAMED", 1),
-        ("BUFFERED", 2),
-        ("BUFFERED_PARTIAL", 3),
-        ("FULL_DUPLEX_STREAMED", 4),
-        ("GRPC", 5),
-    ]
-    codes = {
-        "Empty": 0,
-        "Continue": 100,
-        "OK": 200,
-        "BadRequest": 400,
-        "PayloadTooLarge": 413,
-        "TooManyRequests": 429,
-        "InternalServerError": 500,
-        "BadGateway": 502,
-        "ServiceUnavailable": 503,
-        "GatewayTimeout": 504,
-    }
+def test_access_log_entry_round_trip():
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.access_log_type = accesslog_pb2.DownstreamEnd
+    common.response_flags.downstream_connection_termination = True
+    common.time_to_first_upstream_tx_byte.FromMilliseconds(2)
+    common.time_to_first_upstream_rx_byte.FromMilliseconds(40)
+    common.metadata.filter_metadata["envoy.filters.http.ext_authz"].fields["ticket"].string_value = "t0k3n"
+    entry.response.response_code.value = 200
+    message = als_pb2.StreamAccessLogsMessage(http_logs=als_pb2.StreamAccessLogsMessage.HTTPAccessLogEntries(
+        log_entry=[entry]))
+    message.identifier.log_name = "llamaswap"
+    back = als_pb2.StreamAccessLogsMessage.FromString(message.SerializeToString())
+    assert back == message
+    assert back.WhichOneof("log_entries") == "http_logs"
+    got = back.http_logs.log_entry[0]
+    assert got.common_properties.access_log_type == 6
+    assert got.common_properties.metadata.filter_metadata["envoy.filters.http.ext_authz"].fields[
+        "ticket"].string_value == "t0k3n"
+    assert got.response.response_code.value == 200
+    assert [(v.name, v.number) for v in accesslog_pb2.AccessLogType.DESCRIPTOR.values][4:7] == [
+        ("DownstreamStart", 4), ("DownstreamPeriodic", 5), ("DownstreamEnd", 6)]
+    codes = {"OK": 200, "NotFound": 404, "TooManyRequests": 429, "InternalServerError": 500,
+             "ServiceUnavailable": 503}
     for name, number in codes.items():
         assert http_status_pb2.StatusCode.Value(name) == number
 
@@ -224,16 +160,14 @@ def test_check_request_round_trip():
 
 
 def test_servicers_and_registration_exist():
-    assert isinstance(external_processor_pb2_grpc.ExternalProcessorServicer, type)
-    assert callable(external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server)
-    assert isinstance(external_auth_pb2_grpc.AuthorizationServicer, type)
+    assert callable(als_pb2_grpc.add_AccessLogServiceServicer_to_server)
     assert callable(external_auth_pb2_grpc.add_AuthorizationServicer_to_server)
-    assert hasattr(external_processor_pb2_grpc.ExternalProcessorServicer, "Process")
+    assert hasattr(als_pb2_grpc.AccessLogServiceServicer, "StreamAccessLogs")
     assert hasattr(external_auth_pb2_grpc.AuthorizationServicer, "Check")
-    svc = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"]
-    assert svc.full_name == "envoy.service.ext_proc.v3.ExternalProcessor"
-    assert svc.methods_by_name["Process"].client_streaming is True
-    assert svc.methods_by_name["Process"].server_streaming is True
+    svc = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"]
+    assert svc.full_name == "envoy.service.accesslog.v3.AccessLogService"
+    assert svc.methods_by_name["StreamAccessLogs"].client_streaming is True
+    assert svc.methods_by_name["StreamAccessLogs"].server_streaming is False
     svc = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"]
     assert svc.full_name == "envoy.service.auth.v3.Authorization"
 
@@ -241,13 +175,11 @@ def test_servicers_and_registration_exist():
 def test_method_paths_over_grpc():
     """A real server answers on the exact paths Envoy calls."""
 
-    class Proc(external_processor_pb2_grpc.ExternalProcessorServicer):
-        def Process(self, request_iterator, context):
-            for req in request_iterator:
-                assert req.WhichOneof("request") == "request_headers"
-                yield external_processor_pb2.ProcessingResponse(
-                    request_headers=external_processor_pb2.HeadersResponse()
-                )
+    class Logs(als_pb2_grpc.AccessLogServiceServicer):
+        def StreamAccessLogs(self, request_iterator, context):
+            names = [m.identifier.log_name for m in request_iterator]
+            assert names == ["llamaswap", ""]
+            return als_pb2.StreamAccessLogsResponse()
 
     class Auth(external_auth_pb2_grpc.AuthorizationServicer):
         def Check(self, request, context):
@@ -256,7 +188,7 @@ def test_method_paths_over_grpc():
             )
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(Proc(), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
     external_auth_pb2_grpc.add_AuthorizationServicer_to_server(Auth(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -270,18 +202,15 @@ def test_method_paths_over_grpc():
             resp = check(external_auth_pb2.CheckRequest(), timeout=10)
             assert list(resp.ok_response.headers_to_remove) == ["authorization"]
 
-            process = channel.stream_stream(
-                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
-                request_serializer=external_processor_pb2.ProcessingRequest.SerializeToString,
-                response_deserializer=external_processor_pb2.ProcessingResponse.FromString,
+            stream = channel.stream_unary(
+                "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+                request_serializer=als_pb2.StreamAccessLogsMessage.SerializeToString,
+                response_deserializer=als_pb2.StreamAccessLogsResponse.FromString,
             )
-            reqs = [
-                external_processor_pb2.ProcessingRequest(
-                    request_headers=external_processor_pb2.HttpHeaders(end_of_stream=True)
-                )
-            ]
-            out = list(process(iter(reqs), timeout=10))
-            assert [r.WhichOneof("response") for r in out] == ["request_headers"]
+            first = als_pb2.StreamAccessLogsMessage()
+            first.identifier.log_name = "llamaswap"
+            assert stream(iter([first, als_pb2.StreamAccessLogsMessage()]), timeout=10) == \
+                als_pb2.StreamAccessLogsResponse()
     finally:
         server.stop(None)
 
@@ -442,7 +371,7 @@ def test_fields_match_envoy_binary(envoy_api):
 def test_services_match_envoy_binary(envoy_api):
     _, _, services = envoy_api
     assert set(services) == {
-        "envoy.service.ext_proc.v3.ExternalProcessor",
+        "envoy.service.accesslog.v3.AccessLogService",
         "envoy.service.auth.v3.Authorization",
     }
     for full, (mine, upstream_services) in services.items():

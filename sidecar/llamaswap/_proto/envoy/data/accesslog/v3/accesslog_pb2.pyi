@@ -17,6 +17,7 @@ class AccessLogType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NotSet: _ClassVar[AccessLogType]
     TcpUpstreamConnected: _ClassVar[AccessLogType]
     TcpPeriodic: _ClassVar[AccessLogType]
+    TcpConnectionStart: _ClassVar[AccessLogType]
     TcpConnectionEnd: _ClassVar[AccessLogType]
     DownstreamStart: _ClassVar[AccessLogType]
     DownstreamPeriodic: _ClassVar[AccessLogType]
@@ -31,6 +32,7 @@ class AccessLogType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 NotSet: AccessLogType
 TcpUpstreamConnected: AccessLogType
 TcpPeriodic: AccessLogType
+TcpConnectionStart: AccessLogType
 TcpConnectionEnd: AccessLogType
 DownstreamStart: AccessLogType
 DownstreamPeriodic: AccessLogType
