@@ -123,7 +123,7 @@ def test_access_log_entry_round_trip():
     assert got.common_properties.metadata.filter_metadata["envoy.filters.http.ext_authz"].fields[
         "ticket"].string_value == "t0k3n"
     assert got.response.response_code.value == 200
-    assert [(v.name, v.number) for v in accesslog_pb2.AccessLogType.DESCRIPTOR.values][4:7] == [
+    assert [(v.name, v.number) for v in accesslog_pb2.AccessLogType.DESCRIPTOR.values][5:8] == [
         ("DownstreamStart", 4), ("DownstreamPeriodic", 5), ("DownstreamEnd", 6)]
     codes = {"OK": 200, "NotFound": 404, "TooManyRequests": 429, "InternalServerError": 500,
              "ServiceUnavailable": 503}
