@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-from e2e.harness import free_port
+from harness import free_port, wait_for
 
 # A tiny model is healthy in ~100 ms; a real quantized one in a few seconds.
 # The deadline is generous because CI machines are shared and slow.
@@ -78,35 +78,24 @@ class LlamaServer:
             return f"<cannot read {self.log_path}: {e}>"
 
 
-def _healthy(url: str) -> bool:
+def _healthy(server: "LlamaServer") -> bool:
+    if server.process.poll() is not None:
+        raise RuntimeError(f"llama-server exited with {server.process.returncode} before becoming healthy\n"
+                           f"--- log {server.log_path} ---\n{server.log_text()}")
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as r:
+        with urllib.request.urlopen(f"{server.url}/health", timeout=2.0) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         # 503 while loading arrives as HTTPError (a URLError); refused as URLError.
         return False
 
 
-def wait_healthy(server: LlamaServer, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> float:
-    """Poll ``GET /health`` until 200; return seconds waited. Raise on exit or deadline."""
-    start = time.monotonic()
-    deadline = start + timeout_s
-    delay = 0.01
-    while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(
-                f"llama-server exited with {server.process.returncode} before becoming healthy\n"
-                f"--- log {server.log_path} ---\n{server.log_text()}"
-            )
-        if _healthy(server.url):
-            return time.monotonic() - start
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"llama-server not healthy at {server.url} after {timeout_s:.0f}s\n"
-                f"--- log {server.log_path} ---\n{server.log_text()}"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)  # poll fast at first: a tiny model is ready in ~0.1 s
+def wait_healthy(server: LlamaServer, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    """Poll ``GET /health`` until 200, with a deadline; raise (with the log) if it exits."""
+    try:
+        wait_for(lambda: _healthy(server), timeout=timeout_s, interval=0.02, what=f"llama-server healthy at {server.url}")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n--- log {server.log_path} ---\n{server.log_text()}") from None
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:

