@@ -46,7 +46,8 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
                 first = await _complete(session, stack.url, "tiny-a")
                 assert first["body"]["usage"]["completion_tokens"] == 8
                 await async_wait_for(lambda: _states(llama.url).get("tiny-a") == "loaded", what="tiny-a loaded")
-                assert stack.sidecar.queue()["loaded_model"] == "tiny-a"
+                await async_wait_for(lambda: stack.sidecar.queue()["loaded_model"] == "tiny-a",
+                                     what="the sidecar's loaded model")
 
                 # Freeze llama-server so a queue forms deterministically behind a running request.
                 os.kill(llama.process.pid, signal.SIGSTOP)

@@ -143,7 +143,8 @@ def catalog_from(document: Any) -> Catalog | None:
         if isinstance(item.get("owned_by"), str):
             owners.add(item["owned_by"])
     if states:
-        loaded = [name for name, value in states.items() if value == _STATUS_LOADED]
+        # A model being loaded is the one the upstream will have: affinity applies to it already.
+        loaded = [name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING)]
         # Several loaded (models-max > 1): no single answer, keep what the scheduler believes.
         return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded[0] if loaded else None, len(loaded) <= 1)
     if "llama-swap" in owners:
