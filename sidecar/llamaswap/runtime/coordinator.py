@@ -59,8 +59,6 @@ SHUTDOWN_RETRY_AFTER_S = 5
 # A refused client is told to come back when a place is expected to free, within these bounds.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 3600
-# A miss in the model catalog asks the upstream again, at most this often.
-CATALOG_REFRESH_MIN_S = 1.0
 # Tokens of finished grants remembered, so a late access-log entry is recognised as ours.
 FINISHED_MEMORY = 4096
 # How often the upstream is asked whether it is still busy, while it settles (backs off).
@@ -161,7 +159,6 @@ class Coordinator:
         self._adopted: dict[str, int] = {}  # token -> lease deadline (ns) of an earlier process's grant
         self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
         self._catalog: Catalog | None = None
-        self._catalog_at_ns: int | None = None
         self._catalog_refresh: asyncio.Task[Catalog | None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
@@ -335,7 +332,6 @@ class Coordinator:
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
         self._catalog = catalog
-        self._catalog_at_ns = self._clock.now_ns()
         if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
             self._changed()
 
@@ -346,8 +342,9 @@ class Coordinator:
             return True
         catalog = self._catalog
         if catalog is None or not self._listed(catalog, model, check):
-            if catalog is None or self._catalog_stale():
-                catalog = await self._refresh_catalog()
+            # A miss asks the upstream again (misses at the same moment share one ask), so a
+            # model added to the upstream later is served.
+            catalog = await self._refresh_catalog()
             if catalog is None:
                 return True  # the upstream cannot be asked: refuse nothing
         return self._listed(catalog, model, check)
@@ -358,10 +355,6 @@ class Coordinator:
         if not routes_by_name and check is not ModelCheck.STRICT:
             return True  # one model that answers to any name
         return catalog.models is None or model in catalog.models
-
-    def _catalog_stale(self) -> bool:
-        at = self._catalog_at_ns
-        return at is None or self._clock.now_ns() - at >= CATALOG_REFRESH_MIN_S * NS_PER_S
 
     async def _refresh_catalog(self) -> Catalog | None:
         task = self._catalog_refresh
