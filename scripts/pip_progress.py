@@ -124,7 +124,8 @@ class Progress:
 
     def finish(self) -> None:
         if self.installed:
-            self.say(f"  pip: {len(self.installed)} packages installed or updated")
+            count = len(self.installed)
+            self.say(f"  pip: {count} package{'' if count == 1 else 's'} installed or updated")
 
 
 def main(argv: list[str] | None = None) -> int:
