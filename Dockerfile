@@ -10,6 +10,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Only what `pip install .` needs (see .dockerignore); the build tree is removed afterwards.
+# The base package only: `llamaswap serve` runs no Envoy (the pod's Envoy is its own image) and
+# no llama-server, so neither the `envoy` nor the `llama` extra is installed.
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
