@@ -12,7 +12,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
