@@ -475,6 +475,13 @@ def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *
             upstream.close()
 
 
+def activity_records(admin_url: str, wanted: set[str]) -> dict[str, dict[str, Any]] | None:
+    """The sidecar's recent activity records by request id, once every wanted one is there (for
+    polling: a record is written when its exchange's end reaches the sidecar)."""
+    by_id = {record["request_id"]: record for record in get_json(f"{admin_url}/activity")["activity"]}
+    return by_id if wanted <= set(by_id) else None
+
+
 def metric_samples(text: str) -> dict[str, float]:
     """A Prometheus text exposition as {series with its labels: value}, e.g.
     {'llamaswap_requests_total{outcome="served"}': 1.0}."""

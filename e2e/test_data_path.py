@@ -9,7 +9,7 @@ import pathlib
 import aiohttp
 
 from client import chat, start_blocker
-from harness import async_wait_for, http_get, running_stack
+from harness import activity_records, async_wait_for, http_get, metric_samples, running_stack
 
 
 async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
@@ -66,7 +66,8 @@ async def test_client_gone_mid_generation_waits_for_the_upstream(tmp_path: pathl
             stack.upstream.release("abandoned")
             reply = await asyncio.wait_for(waiting, 30)
             await async_wait_for(lambda: stack.sidecar.queue()["gpu"] == "idle", what="GPU free again")
-            records = await async_wait_for(lambda: _records(stack, 2), what="two activity records")
+            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"abandoned", "next"}),
+                                           what="two activity records")
         assert reply.status == 200
         assert stack.upstream.order() == ["abandoned", "next"]
         assert stack.upstream.max_active == 1  # never two at once, in fact
@@ -74,14 +75,8 @@ async def test_client_gone_mid_generation_waits_for_the_upstream(tmp_path: pathl
         assert first["outcome"] == "cancelled_running"
         assert first["settle_ms"] > 0
         assert records["next"]["outcome"] == "served"
-        metrics = http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode()
-        assert 'llamaswap_upstream_settle_seconds_count{reason="abandoned",result="idle"} 1' in metrics.splitlines()
-
-
-def _records(stack, count: int) -> dict[str, dict] | None:
-    activity = json.loads(http_get(f"{stack.sidecar.admin_url}/activity")[1])["activity"]
-    by_id = {record["request_id"]: record for record in activity}
-    return by_id if len(by_id) >= count else None
+        samples = metric_samples(http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode())
+        assert samples['llamaswap_upstream_settle_seconds_count{reason="abandoned",result="idle"}'] == 1
 
 
 async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:

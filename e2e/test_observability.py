@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from client import chat
-from harness import async_wait_for, get_json, http_get, running_stack
+from harness import async_wait_for, get_json, http_get, metric_samples, running_stack
 from otlp import ReceivedSpan, otlp_receiver
 from prometheus import prometheus_binary, running_prometheus
 
@@ -356,10 +356,10 @@ async def test_activity_queue_table_and_metrics_through_envoy(tmp_path: pathlib.
         # GET /metrics through Envoy's listener: the scheduler metrics.
         status, body = http_get(f"{stack.url}/metrics")
         assert status == 200
-        text = body.decode()
+        samples = metric_samples(body.decode())
         for band in BANDS:
-            assert f'{names.DISPATCHED}{{band="{band}"}} {int(DISPATCHED[band])}' in text
-            assert f'{names.QUEUE_DEPTH}{{band="{band}"}} 0' in text
-            assert f'{names.QUEUE_OLDEST_WAIT}{{band="{band}"}} 0.0' in text
-        assert f'{names.REORDERS}{{band="interactive",reason="swap_affinity"}} 1' in text
+            assert samples[f'{names.DISPATCHED}{{band="{band}"}}'] == DISPATCHED[band]
+            assert samples[f'{names.QUEUE_DEPTH}{{band="{band}"}}'] == 0
+            assert samples[f'{names.QUEUE_OLDEST_WAIT}{{band="{band}"}}'] == 0
+        assert samples[f'{names.REORDERS}{{band="interactive",reason="swap_affinity"}}'] == 1
         assert all(hit.path != "/metrics" for hit in stack.upstream.hits)  # answered by the sidecar

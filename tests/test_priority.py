@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -142,18 +141,28 @@ def test_values_are_not_clamped():
     assert parse_priority("101").value == 101
 
 
-def test_huge_inputs_are_cheap():
-    # Python's int() of a megabyte of digits is slow (and refused above 4300 digits);
-    # the parser must not even try.
+def test_huge_inputs_never_reach_int(monkeypatch):
+    # Python's int() of a megabyte of digits is slow (and refused above 4300 digits): the parser
+    # must refuse such input by its length, before converting anything. A module global shadows
+    # the builtin, so the spy sees every int() the parser makes.
+    import llamaswap.core.priority as priority_module
+
+    converted = []
+
+    def spy(text, *args):
+        converted.append(len(text))
+        return int(text, *args)
+
+    monkeypatch.setattr(priority_module, "int", spy, raising=False)
     huge = [
         "9" * 5_000_000,
         "-" + "1" * 5_000_000,
         " " * 1_000_000 + "1" * 1_000_000 + " " * 1_000_000,
     ]
-    start = time.perf_counter()
     for raw in huge:
         assert parse_priority(raw) == Priority(0, UNPARSEABLE)
-    assert time.perf_counter() - start < 1.0
+    assert converted == []
+    assert parse_priority("12345") == Priority(12345, NUMBER) and converted == [5]  # the spy does see int()
 
 
 def test_whitespace_padding_of_any_length_is_stripped():
