@@ -90,7 +90,11 @@ async def test_upstream_error_releases_gpu(tmp_path: pathlib.Path) -> None:
 
 
 async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path, {"routing": {"scheduler": {"maxQueued": 2}}}) as stack:
+    """Retry-After says when a place is expected to free: the running request's expected end
+    (20 s here, before anything is measured), not 1 s that invites a retry storm."""
+    config = {"routing": {"scheduler": {"maxQueued": 2}},
+              "estimates": {"defaultRunSeconds": 20, "defaultSwapSeconds": 0}}
+    with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session)
             queued = [asyncio.create_task(chat(session, stack.url, f"q{i}")) for i in range(2)]
@@ -99,7 +103,8 @@ async def test_queue_full_gets_429(tmp_path: pathlib.Path) -> None:
             stack.upstream.release("blocker")
             served = await asyncio.gather(blocker, *queued)
         assert rejected.status == 429
-        assert int(rejected.headers["retry-after"]) >= 1
+        # 20 s minus the little the blocker has run so far, rounded up.
+        assert 15 <= int(rejected.headers["retry-after"]) <= 20
         assert rejected.headers["content-type"].startswith("application/json")
         error = rejected.json()["error"]
         assert error["code"] == "queue_full" and error["type"] == "rate_limit_error" and "full" in error["message"]
