@@ -32,9 +32,13 @@ from typing import Any
 
 import aiohttp
 
-from llamaswap.config import Config, HostPort, parse_config
-from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap
-from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar
+# Children are forked (for PR_SET_PDEATHSIG) while gRPC runs: its fork handlers only log that
+# they skip. Set before gRPC is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from llamaswap.config import Config, HostPort, parse_config  # noqa: E402
+from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap  # noqa: E402
+from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar  # noqa: E402
 
 _log = logging.getLogger(__name__)
 
