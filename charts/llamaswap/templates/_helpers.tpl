@@ -65,7 +65,57 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------------------------
-Addresses. "host:port" strings as in the sidecar's configuration (llamaswap.config).
+The configuration file: .Values.config as it is. The sidecar reads it, and the envoy-config
+init container builds Envoy's bootstrap from it (llamaswap.envoy.build_bootstrap), so the
+chart holds no copy of either's defaults.
+--------------------------------------------------------------------------------- */}}
+{{- define "llamaswap.configFile" -}}
+{{- toYaml (default (dict) .Values.config) }}
+{{- end }}
+
+{{/* The few config values the pod's own wiring reads (probes, ports, hooks). */}}
+{{- define "llamaswap.listenHTTP" -}}
+{{- required "config.listen.http is needed: Envoy's listener, which the Service targets (e.g. \"0.0.0.0:8080\")" (dig "listen" "http" "" (default (dict) .Values.config)) }}
+{{- end }}
+
+{{- define "llamaswap.listenAdmin" -}}
+{{- required "config.listen.admin is needed: the sidecar's admin address, which the probes call (e.g. \"127.0.0.1:9090\")" (dig "listen" "admin" "" (default (dict) .Values.config)) }}
+{{- end }}
+
+{{/* llama-server's port in the pod: the port of config.upstream.url, which must name this
+pod's localhost over http (llama-server listens on 127.0.0.1 there). */}}
+{{- define "llamaswap.llamaServerPort" -}}
+{{- $url := required "config.upstream.url is needed: llama-server's address in the pod (e.g. \"http://127.0.0.1:8081\")" (dig "upstream" "url" "" (default (dict) .Values.config)) }}
+{{- $parts := urlParse $url }}
+{{- $host := regexReplaceAll ":[0-9]*$" $parts.host "" | trimPrefix "[" | trimSuffix "]" }}
+{{- if or (ne $parts.scheme "http") (not (has $host (list "127.0.0.1" "localhost"))) }}
+{{- fail (printf "config.upstream.url must be http://127.0.0.1:PORT (llama-server in this pod, on localhost), got %q" $url) }}
+{{- end }}
+{{- if regexMatch ":[0-9]+$" $parts.host }}{{ regexReplaceAll "^.*:" $parts.host "" }}{{ else }}80{{ end }}
+{{- end }}
+
+{{/* Values of the old layout (chart 0.1): each moved under config: or went away. Helm's
+schema accepts them only so that this can say where they went. */}}
+{{- define "llamaswap.checkMovedValues" -}}
+{{- $v := .Values }}
+{{- $moved := list }}
+{{- range $key := list "routing" "models" "listen" "upstream" "security" }}
+{{- if hasKey $v $key }}{{ $moved = append $moved (printf "%s -> config.%s" $key $key) }}{{ end }}
+{{- end }}
+{{- range $key := list "streamIdleTimeoutSeconds" "maxRequestBytes" "maxSidecarStreams" "failOpen" }}
+{{- if hasKey $v.envoy $key }}{{ $moved = append $moved (printf "envoy.%s -> config.envoy.%s" $key $key) }}{{ end }}
+{{- end }}
+{{- if hasKey $v.envoy "extProcMessageTimeoutMs" }}{{ $moved = append $moved "envoy.extProcMessageTimeoutMs: gone (the data path is ext_authz and an access log now), remove it" }}{{ end }}
+{{- if hasKey $v.envoy "serviceName" }}{{ $moved = append $moved "envoy.serviceName: gone (llamaswap envoy-config names Envoy's spans llamaswap-envoy), remove it" }}{{ end }}
+{{- if hasKey $v.sidecar "extraConfig" }}{{ $moved = append $moved "sidecar.extraConfig -> its keys go under config" }}{{ end }}
+{{- if hasKey $v.llamaServer "port" }}{{ $moved = append $moved "llamaServer.port -> the port of config.upstream.url (e.g. http://127.0.0.1:8081)" }}{{ end }}
+{{- if $moved }}
+{{- fail (printf "values of the old layout (see the chart's README, \"Upgrading from 0.1\"):\n- %s" (join "\n- " $moved)) }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------------------------
+Addresses: "host:port" as in the configuration (IPv6 as [::1]:8080).
 --------------------------------------------------------------------------------- */}}
 
 {{/* The port of "host:port". */}}
@@ -78,7 +128,8 @@ Addresses. "host:port" strings as in the sidecar's configuration (llamaswap.conf
 {{- regexReplaceAll ":[0-9]+$" . "" | trimPrefix "[" | trimSuffix "]" }}
 {{- end }}
 
-{{/* Where a local client connects for a listen host: 0.0.0.0 -> 127.0.0.1, :: -> ::1. */}}
+{{/* Where a client inside the pod connects for a listen address: 0.0.0.0 -> 127.0.0.1,
+:: -> ::1. */}}
 {{- define "llamaswap.connectHost" -}}
 {{- $host := include "llamaswap.host" . }}
 {{- if or (eq $host "0.0.0.0") (eq $host "") }}127.0.0.1
@@ -87,14 +138,10 @@ Addresses. "host:port" strings as in the sidecar's configuration (llamaswap.conf
 {{- end }}
 {{- end }}
 
-{{/* "true" when the host is an IP address (Envoy STATIC cluster), else "" (STRICT_DNS). */}}
-{{- define "llamaswap.isIP" -}}
-{{- if or (regexMatch "^[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}$" .) (contains ":" .) }}true{{ end }}
-{{- end }}
-
-{{/* llama-server's address inside the pod. */}}
-{{- define "llamaswap.upstreamURL" -}}
-{{- printf "http://127.0.0.1:%d" (int .Values.llamaServer.port) }}
+{{/* "http://host:port" for a listen address, from inside the pod (IPv6 in brackets). */}}
+{{- define "llamaswap.connectURL" -}}
+{{- $host := include "llamaswap.connectHost" . }}
+{{- printf "http://%s:%s" (ternary (printf "[%s]" $host) $host (contains ":" $host)) (include "llamaswap.port" .) }}
 {{- end }}
 
 {{/* The OTLP/gRPC endpoint the sidecar and Envoy export to ("" = none). */}}
@@ -127,39 +174,6 @@ Addresses. "host:port" strings as in the sidecar's configuration (llamaswap.conf
 {{/* Seconds a preStop hook may wait, leaving Kubernetes time to send SIGTERM. */}}
 {{- define "llamaswap.preStopSeconds" -}}
 {{- max 1 (sub (int .Values.terminationGracePeriodSeconds) 5) }}
-{{- end }}
-
-{{/* ---------------------------------------------------------------------------------
-The sidecar's configuration file (llamaswap serve -c). Every value the Envoy bootstrap
-depends on is written out, so the two always agree.
---------------------------------------------------------------------------------- */}}
-{{- define "llamaswap.sidecarConfig" -}}
-{{- $v := .Values }}
-{{- $priority := dict "mode" $v.security.priority.mode "min" (int $v.security.priority.min) "max" (int $v.security.priority.max) }}
-{{- with $v.security.priority.trustedHeader }}{{ $_ := set $priority "trustedHeader" . }}{{ end }}
-{{- $config := dict
-  "routing" (dict "scheduler" (dict
-      "use" $v.routing.scheduler.use
-      "maxQueued" (int $v.routing.scheduler.maxQueued)
-      "maxWaitSeconds" $v.routing.scheduler.maxWaitSeconds
-      "maxRunSeconds" $v.routing.scheduler.maxRunSeconds
-      "settings" (dict "serial" (dict
-          "agingDivisor" $v.routing.scheduler.settings.serial.agingDivisor
-          "swapAffinityBonus" (int $v.routing.scheduler.settings.serial.swapAffinityBonus)))))
-  "models" (deepCopy (default (dict) $v.models))
-  "listen" (dict "http" $v.listen.http "grpc" $v.listen.grpc "admin" $v.listen.admin)
-  "upstream" (dict
-      "url" (include "llamaswap.upstreamURL" .)
-      "modelsPollSeconds" $v.upstream.modelsPollSeconds)
-  "envoy" (dict
-      "streamIdleTimeoutSeconds" $v.envoy.streamIdleTimeoutSeconds
-      "extProcMessageTimeoutMs" (int64 $v.envoy.extProcMessageTimeoutMs)
-      "maxRequestBytes" (int64 $v.envoy.maxRequestBytes)
-      "maxSidecarStreams" (int64 $v.envoy.maxSidecarStreams)
-      "failOpen" $v.envoy.failOpen)
-  "security" (dict "priority" $priority)
-}}
-{{- toYaml (mergeOverwrite $config (deepCopy (default (dict) $v.sidecar.extraConfig))) }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------------------------
@@ -204,7 +218,7 @@ done
 
 {{/* python in the sidecar image: GET a path on the admin port, exit 0 on 200. */}}
 {{- define "llamaswap.sidecarProbeScript" -}}
-{{- $url := printf "http://%s:%s%s" (include "llamaswap.connectHost" .root.Values.listen.admin) (include "llamaswap.port" .root.Values.listen.admin) .path -}}
+{{- $url := printf "%s%s" (include "llamaswap.connectURL" (include "llamaswap.listenAdmin" .root)) .path -}}
 import sys, urllib.request
 sys.exit(0 if urllib.request.urlopen({{ $url | squote }}, timeout=4).status == 200 else 1)
 {{- end }}
@@ -213,7 +227,7 @@ sys.exit(0 if urllib.request.urlopen({{ $url | squote }}, timeout=4).status == 2
 running request has finished), so the GPU's last generation completes. */}}
 {{- define "llamaswap.llamaPreStopScript" -}}
 end=$(( $(date +%s) + {{ include "llamaswap.preStopSeconds" . }} ))
-while [ "$(date +%s)" -lt "$end" ] && curl -fsS -o /dev/null -m 2 {{ printf "http://%s:%s/healthz" (include "llamaswap.connectHost" .Values.listen.admin) (include "llamaswap.port" .Values.listen.admin) }}; do
+while [ "$(date +%s)" -lt "$end" ] && curl -fsS -o /dev/null -m 2 {{ printf "%s/healthz" (include "llamaswap.connectURL" (include "llamaswap.listenAdmin" .)) }}; do
   sleep 1
 done
 {{- end }}
