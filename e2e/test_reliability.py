@@ -371,3 +371,17 @@ async def test_changed_config_file_is_applied_without_a_signal(tmp_path: pathlib
         await async_wait_for(lambda: stack.sidecar.queue()["policy"] == "fifo", timeout=30,
                              what="the changed file applied")
         assert "configuration reloaded" in stack.sidecar.log()
+
+
+async def test_a_reload_that_needs_a_new_envoy_bootstrap_is_refused(tmp_path: pathlib.Path) -> None:
+    """Envoy keeps the bootstrap it started with: a change to its keys would leave the two
+    disagreeing (a lease renewed at the old pace), so the sidecar refuses it and says why."""
+    with running_stack(tmp_path) as stack:
+        document = yaml.safe_load(stack.config_path.read_text())
+        changed = dict(document, envoy={**document.get("envoy", {}), "leaseSeconds": 9},
+                       routing={"scheduler": {"use": "fifo"}})
+        stack.config_path.write_text(yaml.safe_dump(changed))
+        stack.sidecar.signal(signal.SIGHUP)
+        await async_wait_for(lambda: "reload refused" in stack.sidecar.log(), what="the refusal logged")
+        assert "envoy changed, which Envoy's bootstrap uses" in stack.sidecar.log()
+        assert stack.sidecar.queue()["policy"] == "serial"  # nothing of the file applied

@@ -59,7 +59,7 @@ BYPASS_PATHS = ("/health", "/v1/models", "/props")
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
-# ext_authz hold limit when routing.scheduler.maxWaitSeconds is 0 (wait forever): 100 days.
+# ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
 # Envoy reports a running exchange this many times per lease.
 RENEWALS_PER_LEASE = 3
@@ -131,9 +131,6 @@ def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
 
 def _http_filters(config: Config) -> list[dict[str, Any]]:
     e = config.envoy
-    max_wait = config.routing.scheduler.max_wait_seconds
-    # The sidecar answers a held Check itself at maxWaitSeconds; Envoy's timer is a backstop.
-    hold_s = max_wait + 60 if max_wait > 0 else UNLIMITED_HOLD_S
     headers = [PRIORITY_HEADER, REQUEST_ID_HEADER]
     trusted = config.security.priority.trusted_header
     if trusted:
@@ -154,7 +151,9 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         })}
     ext_authz = {"name": EXT_AUTHZ, "typed_config": _typed(
         "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-        grpc_service={"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}, "timeout": _duration(hold_s)},
+        # The sidecar answers a held Check itself (maxWaitSeconds), so Envoy never cuts a hold:
+        # a reload may change maxWaitSeconds without a new bootstrap.
+        grpc_service={"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}, "timeout": _duration(UNLIMITED_HOLD_S)},
         transport_api_version="V3",
         failure_mode_allow=e.fail_open,
         status_on_error={"code": "ServiceUnavailable"},
@@ -286,6 +285,20 @@ def build_bootstrap(
             "clusters": clusters,
         },
     }
+
+
+def bootstrap_changes(old: Config, new: Config) -> list[str]:
+    """The configuration keys whose change needs a new Envoy bootstrap (a restart), not a reload."""
+    changed = []
+    if old.listen != new.listen:
+        changed.append("listen")
+    if old.upstream.url != new.upstream.url:
+        changed.append("upstream.url")
+    if old.envoy != new.envoy:
+        changed.append("envoy")
+    if old.security.priority.trusted_header != new.security.priority.trusted_header:
+        changed.append("security.priority.trustedHeader")
+    return changed
 
 
 def render_bootstrap(bootstrap: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap.config import Config, ConfigError, HostPort, load_config
 from llamaswap.core import MonotonicClock
+from llamaswap.envoy import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
@@ -116,6 +117,13 @@ class Sidecar:
             config = load_config(self.config_path, warn=lambda text: _log.warning("reload: %s", text))
         except ConfigError as exc:
             _log.error("reload refused, keeping the running configuration: %s", exc)
+            return False
+        changed = bootstrap_changes(self.config, config)
+        if changed:
+            # Envoy keeps the bootstrap it started with (lease renewals, ports, headers): applying
+            # only half of such a change would let the two disagree.
+            _log.error("reload refused, keeping the running configuration: %s changed, which Envoy's bootstrap "
+                       "uses; restart the stack (or the pod) to apply it", ", ".join(changed))
             return False
         self.config = config
         self.coordinator.reconfigure(config)

@@ -1,0 +1,86 @@
+"""The Envoy bootstrap, the one definition: the data path's chain, and what a reload may change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llamaswap.config import parse_config
+from llamaswap.envoy import (
+    ACCESS_LOG_NAME,
+    EXT_AUTHZ,
+    JSON_TO_METADATA,
+    STATUS_PREFIX,
+    bootstrap_changes,
+    build_bootstrap,
+    render_bootstrap,
+    validate_bootstrap,
+)
+
+
+def hcm(bootstrap: dict) -> dict:
+    return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_the_chain_is_buffer_json_to_metadata_ext_authz_router():
+    config = hcm(build_bootstrap(parse_config({})))
+    names = [f["name"] for f in config["http_filters"]]
+    assert names == ["envoy.filters.http.buffer", JSON_TO_METADATA, EXT_AUTHZ, "envoy.filters.http.router"]
+    authz = config["http_filters"][2]["typed_config"]
+    assert "with_request_body" not in authz  # no body in the sidecar
+    assert authz["metadata_context_namespaces"] == ["llamaswap"]
+    rule = config["http_filters"][1]["typed_config"]["request_rules"]["rules"][0]
+    assert rule["on_present"]["type"] == "PROTOBUF_VALUE"  # only a JSON string counts as a model
+
+
+def test_only_granted_exchanges_are_logged_with_periodic_renewals():
+    config = hcm(build_bootstrap(parse_config({"envoy": {"leaseSeconds": 6}})))
+    (log,) = config["access_log"]
+    assert log["filter"]["metadata_filter"]["matcher"]["path"] == [{"key": "ticket"}]
+    common = log["typed_config"]["common_config"]
+    assert (common["log_name"], common["buffer_size_bytes"]) == (ACCESS_LOG_NAME, 0)
+    assert config["access_log_options"]["access_log_flush_interval"] == "2.000s"  # leaseSeconds / 3
+    assert config["always_set_request_id_in_response"] is True
+
+
+def test_unscheduled_routes_skip_the_model_lookup_and_the_check():
+    routes = hcm(build_bootstrap(parse_config({})))["route_config"]["virtual_hosts"][0]["routes"]
+    by_match = {r["match"].get("path") or r["match"].get("prefix"): r for r in routes}
+    for key in ("/metrics", STATUS_PREFIX, "/health", "/v1/models", "/props", "/models"):
+        disabled = by_match[key]["typed_per_filter_config"]
+        assert disabled[EXT_AUTHZ]["disabled"] is True and disabled[JSON_TO_METADATA]["disabled"] is True
+    assert "typed_per_filter_config" not in by_match["/"]
+    assert by_match["/"]["route"]["timeout"] == "0s" and by_match["/"]["route"]["idle_timeout"] == "0s"
+
+
+def test_the_trusted_priority_header_is_sent_to_the_check():
+    config = parse_config({"security": {"priority": {"trustedHeader": "x-auth-priority"}}})
+    authz = hcm(build_bootstrap(config))["http_filters"][2]["typed_config"]
+    assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
+        "x-llamaswap-priority", "x-request-id", "x-auth-priority"}
+
+
+def test_the_listener_does_not_share_its_port():
+    listener = build_bootstrap(parse_config({}))["static_resources"]["listeners"][0]
+    assert listener["enable_reuse_port"] is False
+
+
+@pytest.mark.parametrize("document", [{}, {"listen": {"http": "0.0.0.0:8080"}, "envoy": {"failOpen": True}},
+                                      {"upstream": {"url": "https://llm.example.com"}}])
+def test_envoy_accepts_it(tmp_path: Path, document: dict) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(build_bootstrap(parse_config(document), otlp_endpoint="http://127.0.0.1:4317")))
+    result = validate_bootstrap(str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_what_a_reload_may_change():
+    base = parse_config({})
+    assert bootstrap_changes(base, parse_config({"routing": {"scheduler": {"maxWaitSeconds": 30, "use": "fifo"}},
+                                                 "estimates": {"samples": 3}})) == []
+    assert bootstrap_changes(base, parse_config({"envoy": {"leaseSeconds": 9}})) == ["envoy"]
+    assert bootstrap_changes(base, parse_config({"listen": {"http": "127.0.0.1:1"}})) == ["listen"]
+    assert bootstrap_changes(base, parse_config({"upstream": {"url": "http://127.0.0.1:1"}})) == ["upstream.url"]
+    assert bootstrap_changes(base, parse_config({"security": {"priority": {"trustedHeader": "x-p"}}})) == [
+        "security.priority.trustedHeader"]
