@@ -558,12 +558,12 @@ def test_workload_errors_name_their_key_paths(tmp_path):
         "error: classes[0].rate: must be positive, got -1",
         "error: classes[0].models.m: must be positive, got 0",
         "error: classes[0].run.gaussian: unknown key",
-        "error: classes[1].priority: must be an integer or interactive / normal / batch, got 'urgent'",
+        "error: classes[1].priority: must be an integer or interactive / normal / batch, got a string 'urgent'",
         "error: classes[1].run.lognormal.sigma: is required",
         "error: classes[1].patience.uniform: A must not exceed B, got [5, 1]",
         "error: classes[2].name: 'b' is used by another class",
         "error: classes[2].models: must be a model name or a mapping of model to weight, got a list",
-        "error: classes[2].run.fixed: must be a number, got true (a boolean)",
+        "error: classes[2].run.fixed: must be a number, got a boolean true",
     ]:
         assert expected in err, err
     assert "Traceback" not in err

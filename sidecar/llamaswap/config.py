@@ -83,7 +83,7 @@ class ConfigError(Exception):
         super().__init__("; ".join(str(p) for p in problems))
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """A value as the YAML author wrote it: ``a string 'abc'``, ``a list``."""
     if value is None:
         return "nothing"
@@ -144,7 +144,7 @@ class HostPort:
         if isinstance(value, HostPort):
             return value
         if not isinstance(value, str):
-            raise _invalid(f"must be a string 'host:port', got {_describe(value)}")
+            raise _invalid(f"must be a string 'host:port', got {describe_value(value)}")
         try:
             return cls.parse(value)
         except ValueError as exc:
@@ -211,7 +211,7 @@ def _model_id(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # `7:` in YAML is the model "7"
     if not isinstance(value, str):
-        raise _invalid(f"a model id must be a string, got {_describe(value)}")
+        raise _invalid(f"a model id must be a string, got {describe_value(value)}")
     return value
 
 
@@ -235,7 +235,7 @@ def _command(value: Any) -> tuple[str, ...]:
     if (isinstance(value, tuple) or (isinstance(value, list) and value)) and all(map(_is_argument, value)):
         return tuple(str(a) for a in value)
     raise _invalid("must be a command line string or a non-empty list of arguments (strings or numbers), "
-                   f"got {_describe(value)}")
+                   f"got {describe_value(value)}")
 
 
 def _command_document(command: tuple[str, ...]) -> list[str] | str:
@@ -244,7 +244,7 @@ def _command_document(command: tuple[str, ...]) -> list[str] | str:
 
 def _upstream_url(value: Any) -> str:
     if not isinstance(value, str):
-        raise _invalid(f"must be an http:// or https:// URL, got {_describe(value)}")
+        raise _invalid(f"must be an http:// or https:// URL, got {describe_value(value)}")
     url = value.rstrip("/")
     parts = urlsplit(url)
     if not url.startswith(("http://", "https://")) or not parts.hostname or any(c.isspace() for c in url):
@@ -260,7 +260,7 @@ def _upstream_url(value: Any) -> str:
 
 def _health_path(value: Any) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
-        raise _invalid(f"must be a path starting with '/', got {_describe(value)}")
+        raise _invalid(f"must be a path starting with '/', got {describe_value(value)}")
     return value
 
 
@@ -271,7 +271,7 @@ def _trusted_header(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise _invalid(f"must be a header name, or empty for none, got {_describe(value)}")
+        raise _invalid(f"must be a header name, or empty for none, got {describe_value(value)}")
     name = value.strip().lower()
     if not name:
         return None
@@ -287,7 +287,7 @@ def _optional_path(value: Any) -> str | None:
     if value is None or value == "":
         return None
     if not isinstance(value, str):
-        raise _invalid(f"must be a file path, or empty for none, got {_describe(value)}")
+        raise _invalid(f"must be a file path, or empty for none, got {describe_value(value)}")
     return value
 
 
@@ -682,16 +682,16 @@ def _problem(error: Mapping[str, Any]) -> Problem:
     if kind == "extra_forbidden":
         message = _unknown_key(loc)
     elif kind == "invalid_key":
-        message = f"keys must be strings, got {_describe(loc[-1] if loc else value)}"
+        message = f"keys must be strings, got {describe_value(loc[-1] if loc else value)}"
     elif kind in _TYPE_MESSAGES:
-        message = f"{_TYPE_MESSAGES[kind]}, got {_describe(value)}"
+        message = f"{_TYPE_MESSAGES[kind]}, got {describe_value(value)}"
     elif kind == "finite_number":
         message = f"must be a finite number, got {value!r}"
     elif kind == "enum":
         info = _field_at(loc)
         choices = info.annotation if info is not None and isinstance(info.annotation, type) else None
         expected = ", ".join(repr(str(c)) for c in choices) if choices else ctx.get("expected", "")
-        got = repr(value) if isinstance(value, str) else _describe(value)
+        got = repr(value) if isinstance(value, str) else describe_value(value)
         message = f"must be one of {expected}, got {got}"
     elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         bounds, meaning = _range(_field_at(loc))

@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from llamaswap.config import describe_value
 from llamaswap.core import Outcome
 from llamaswap.core.priority import ALIASES
 from llamaswap.simulate.engine import FixedCosts
@@ -102,7 +103,7 @@ class _Reader:
     def mapping(self, node: Any, path: str, allowed: AbstractSet[str],
                 required: AbstractSet[str] = frozenset()) -> dict[str, Any]:
         if not isinstance(node, dict):
-            self.fail(path, f"must be a mapping, got {_kind(node)}")
+            self.fail(path, f"must be a mapping, got {describe_value(node)}")
             return {}
         for key in node:
             if key not in allowed:
@@ -115,7 +116,7 @@ class _Reader:
 
     def number(self, node: Any, path: str, *, positive: bool = False) -> float | None:
         if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node):
-            self.fail(path, f"must be a number, got {_kind(node)}")
+            self.fail(path, f"must be a number, got {describe_value(node)}")
             return None
         if node < 0 or (positive and node == 0):
             self.fail(path, f"must be {'positive' if positive else 'at least 0'}, got {node!r}")
@@ -138,7 +139,7 @@ class _Reader:
             return Distribution(kind, number) if number is not None else None
         if kind == "uniform":
             if not isinstance(value, list) or len(value) != 2:
-                self.fail(where, f"must be a list [A, B] of two numbers, got {_kind(value)}")
+                self.fail(where, f"must be a list [A, B] of two numbers, got {describe_value(value)}")
                 return None
             low, high = self.number(value[0], f"{where}[0]"), self.number(value[1], f"{where}[1]")
             if low is None or high is None:
@@ -155,16 +156,6 @@ class _Reader:
         return Distribution(kind, median, sigma)
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, (dict, list)):
-        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
-    return repr(value)
-
-
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -176,12 +167,12 @@ def parse_workload(data: Any) -> Workload:
     duration = r.number(top["duration"], "duration", positive=True) if "duration" in top else None
     seed = top.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        r.fail("seed", f"must be an integer, got {_kind(seed)}")
+        r.fail("seed", f"must be an integer, got {describe_value(seed)}")
         seed = 0
     classes: list[TrafficClass] = []
     node = top.get("classes")
     if "classes" in top and (not isinstance(node, list) or not node):
-        r.fail("classes", f"must be a non-empty list of traffic classes, got {_kind(node)}")
+        r.fail("classes", f"must be a non-empty list of traffic classes, got {describe_value(node)}")
         node = []
     names: set[str] = set()
     swaps: dict[str, tuple[float, str]] = {}
@@ -192,7 +183,7 @@ def parse_workload(data: Any) -> Workload:
         name = spec.get("name")
         if "name" in spec:
             if not isinstance(name, str) or not name.strip():
-                r.fail(f"{path}.name", f"must be a non-empty string, got {_kind(name)}")
+                r.fail(f"{path}.name", f"must be a non-empty string, got {describe_value(name)}")
             elif name in names:
                 r.fail(f"{path}.name", f"{name!r} is used by another class")
             names.add(str(name))
@@ -224,7 +215,7 @@ def _priority(r: _Reader, node: Any, path: str) -> int | None:
     if isinstance(node, str) and node.strip().lower() in ALIASES:
         return ALIASES[node.strip().lower()]
     if isinstance(node, bool) or not isinstance(node, int):
-        r.fail(path, f"must be an integer or interactive / normal / batch, got {_kind(node)}")
+        r.fail(path, f"must be an integer or interactive / normal / batch, got {describe_value(node)}")
         return None
     return node
 
@@ -233,7 +224,7 @@ def _models(r: _Reader, node: Any, path: str) -> tuple[tuple[str, float], ...] |
     if isinstance(node, str) and node.strip():
         return ((node.strip(), 1.0),)
     if not isinstance(node, dict) or not node:
-        r.fail(path, f"must be a model name or a mapping of model to weight, got {_kind(node)}")
+        r.fail(path, f"must be a model name or a mapping of model to weight, got {describe_value(node)}")
         return None
     models = []
     for model, weight in node.items():
