@@ -88,8 +88,8 @@ def install(checkout: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def stamp_for(checkout: Path, extras: str) -> None:
-    hash_of = subprocess.run(["bash", "-c", f'source <(sed -n "/^install_hash()/,/^}}/p" scripts/install.sh); '
-                                            f'install_hash .venv/bin/python'], cwd=checkout, capture_output=True,
+    hash_of = subprocess.run(["bash", "-c", 'source <(sed -n "/^install_hash()/,/^}/p" scripts/install.sh); '
+                                            'install_hash .venv/bin/python'], cwd=checkout, capture_output=True,
                              text=True, check=True).stdout.strip()
     assert len(hash_of) == 64
     (checkout / ".venv" / ".llamaswap-installed").write_text(f"pyproject-install-sha256={hash_of}\nextras={extras}\n")
