@@ -46,7 +46,7 @@ if [ "$all" -eq 1 ]; then
     step "protocol stubs are up to date" .venv/bin/python proto/generate.py --check
     step "the chart's config schema is generated from the sidecar's" \
         .venv/bin/python charts/llamaswap/generate_schema.py --check
-    step "ruff check sidecar tests e2e bench" .venv/bin/ruff check sidecar tests e2e bench
+    step "ruff check" .venv/bin/ruff check sidecar tests e2e bench scripts charts proto conftest.py
     step "mypy (sidecar/llamaswap)" .venv/bin/mypy
 fi
 step "pytest${pytest_args[*]:+ ${pytest_args[*]}}" pytest "${pytest_args[@]}"
