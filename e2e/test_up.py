@@ -4,6 +4,7 @@ same ports refuses to start, and its children die with it even if it is killed."
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import pathlib
@@ -229,3 +230,54 @@ def test_a_file_that_names_no_upstream_keeps_the_built_in_one(tmp_path: pathlib.
     assert pathlib.Path(command[0]).name == "llama-server"
     assert command[command.index("--n-predict") + 1] == "256"  # the built-in generation cap
     assert "built-in upstream" in result.stdout.splitlines()[0]
+
+
+def test_a_stop_while_the_upstream_starts_ends_at_once(tmp_path: pathlib.Path) -> None:
+    """A big model takes minutes to load: SIGTERM meanwhile stops everything, without waiting."""
+    ports = {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
+    config = {"listen": {key: f"127.0.0.1:{ports[key]}" for key in ("http", "grpc", "admin")},
+              "upstream": {"url": f"http://127.0.0.1:{ports['upstream']}", "startupTimeoutSeconds": 600,
+                           "command": [sys.executable, "-c", "import time; time.sleep(600)"]}}
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "slow.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "llamaswap", "up", "-c", str(path)], stdout=out,
+                              stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: b"starting the upstream" in log.read_bytes(), what="the upstream starting")
+            up.send_signal(signal.SIGTERM)
+            assert up.wait(60) == 0, log.read_text()
+        finally:
+            if up.poll() is None:
+                up.kill()
+    assert "stopped before the stack was up" in log.read_text()
+    sleepers = subprocess.run(["pgrep", "-f", "import time; time.sleep(600)"], capture_output=True, text=True)
+    assert sleepers.stdout.strip() == ""  # the upstream it started is gone
+
+
+def test_a_second_sigterm_cuts_the_running_request_off(ups) -> None:
+    up = ups()
+    up.wait_up()
+    results: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def send() -> None:
+        try:
+            results["long"] = _post(up.url, "long", stream=True, headers={"x-test-chunks": "600",
+                                                                          "x-test-chunk-ms": "50"})
+        except (OSError, http.client.HTTPException) as exc:  # cut off mid-stream
+            partial = getattr(exc, "partial", b"")
+            results["long"] = (0, {}, partial if isinstance(partial, bytes) else b"")
+
+    stream = threading.Thread(target=send)
+    stream.start()
+    wait_for(lambda: (get_json(f"{up.admin}/queue")["running"] or {}).get("request_id") == "long",
+             what="the long stream running")
+    up.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: "Ctrl-C again to cut it off" in up.log(), what="the graceful stop begun")
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(60) == 0, up.log()
+    stream.join(60)
+    assert "stopping now: the running request is cut off" in up.log()
+    assert up.records()["long"]["outcome"] == "shutdown"
+    assert results["long"][2].count(b"data: ") < 600  # it did not run to its end

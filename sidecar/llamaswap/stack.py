@@ -139,6 +139,25 @@ async def _poll(session: aiohttp.ClientSession, url: str, *, child: Child | None
         await asyncio.sleep(0.1)
 
 
+class _Stopped(Exception):
+    """SIGTERM or Ctrl-C arrived while the stack was starting."""
+
+
+async def _until_stopped(stop: asyncio.Event, work: Any) -> None:
+    """Await `work`, unless a stop comes first (then raise _Stopped)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise _Stopped
+    task.result()
+
+
 async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: Sidecar, workdir: pathlib.Path,
                        otlp_endpoint: str | None, envoy_admin_port: int) -> Child:
     bootstrap = build_bootstrap(config, grpc_port=sidecar.grpc_port, admin_port=sidecar.admin_port,
@@ -173,12 +192,19 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
     workdir.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-
     upstream: Child | None = None
     envoy: Child | None = None
     sidecar: Sidecar | None = None
+
+    def on_signal() -> None:
+        if stop.is_set() and sidecar is not None:
+            # A second Ctrl-C or SIGTERM: do not wait for the running request any longer.
+            print("stopping now: the running request is cut off", file=sys.stderr, flush=True)
+            sidecar.coordinator.abandon_running()
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal)
     failed = True
     try:
         for key, address in (("listen.http", config.listen.http), ("listen.grpc", config.listen.grpc),
@@ -190,8 +216,10 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
                 _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
                 print(f"starting the upstream: {' '.join(config.upstream.command)}", file=sys.stderr, flush=True)
                 upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log")
-                await _poll(session, config.upstream.url + config.upstream.health_path, child=upstream,
-                            deadline_s=config.upstream.startup_timeout_seconds, what="the upstream")
+                # A stop while the upstream loads (minutes for a big model) ends the wait at once.
+                await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
+                                                 child=upstream, deadline_s=config.upstream.startup_timeout_seconds,
+                                                 what="the upstream"))
             sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path)
             try:
                 await sidecar.start()
@@ -208,10 +236,13 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
                   f"(queue: llamaswap queue --admin {admin})", flush=True)
             await stop.wait()
             print("stopping: no new requests; the waiting ones get 503; the running one may finish "
-                  f"(up to {grace_s:g} s)...", file=sys.stderr, flush=True)
+                  f"(up to {grace_s:g} s; Ctrl-C again to cut it off)...", file=sys.stderr, flush=True)
             failed = False
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
+    except _Stopped:
+        print("stopped before the stack was up", file=sys.stderr)
+        failed = False
     finally:
         # The order matters: the sidecar drains while Envoy still reports the running exchange.
         if sidecar is not None:
