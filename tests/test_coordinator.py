@@ -665,6 +665,19 @@ async def test_an_adopted_lease_lapses() -> None:
 
 
 @virtual_time
+async def test_an_exchange_adopted_while_a_grant_runs_still_lapses() -> None:
+    flow = Flow()
+    a = await flow.arrive("a", model="a")
+    await flow.renew("old")  # an earlier sidecar's exchange, reported while ours runs
+    seen = flow.now_ns
+    b = await flow.arrive("b", model="a")
+    await flow.complete(a)
+    assert b.waiting and flow.coordinator.gpu_state == "adopted"
+    await flow.advance(LEASE_S)  # its final entry never comes: its lease lapses all the same
+    assert b.granted and b.ticket.decision.granted_ns == seen + round(LEASE_S * S)
+
+
+@virtual_time
 async def test_a_late_report_for_a_watchdog_released_grant_is_ignored() -> None:
     flow = Flow({"routing": {"scheduler": {"maxRunSeconds": 5}}, "envoy": {"leaseSeconds": 100}})
     a = await flow.arrive("a", model="a")

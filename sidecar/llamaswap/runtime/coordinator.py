@@ -418,10 +418,11 @@ class Coordinator:
     def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool) -> None:
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
         self._running = None
-        for handle in (self._lease_timer, self._watchdog):
-            if handle is not None:
-                handle.cancel()
-        self._lease_timer = self._watchdog = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = None
+        # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
+        self._arm_lease()
         decision = ticket.decision
         if outcome is Outcome.SERVED and decision is not None:
             self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
