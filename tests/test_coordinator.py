@@ -761,6 +761,9 @@ async def test_a_waiter_cancelled_before_its_handler_ran_is_skipped() -> None:
     assert c.granted and b.task.cancelled()
     assert flow.recorder.grant_order() == ["a", "x", "c"]
     assert flow.recorder.times_finished(b.ticket) == 1
+    # b's grant never reached the upstream: model a is still loaded for c.
+    assert not c.ticket.decision.load and not c.ticket.decision.swap
+    assert c.ticket.decision.swap_affinity and c.ticket.decision.previous_model == "a"
 
 
 @virtual_time
@@ -779,6 +782,8 @@ async def test_a_client_leaving_just_as_it_is_granted() -> None:
     assert b.outcome is Outcome.CANCELLED_WAITING and not b.ticket.abandoned
     assert c.granted
     assert flow.recorder.settles == []  # nothing reached the upstream: nothing to settle
+    assert not c.ticket.decision.load and not c.ticket.decision.swap  # model a still loaded
+    assert c.ticket.decision.previous_model == "a"
 
 
 # -- the model catalog -------------------------------------------------------------------------

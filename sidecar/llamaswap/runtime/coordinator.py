@@ -398,7 +398,8 @@ class Coordinator:
                 break
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
             # has not run its clean-up yet: nothing reached the upstream; the next one goes.
-            self.scheduler.release(decision.request_id, model_loaded=False)
+            self.scheduler.release(decision.request_id)
+            self._unsent(decision)
             if ticket is not None:
                 self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
         ticket.state = TicketState.RUNNING
@@ -415,8 +416,15 @@ class Coordinator:
         # never waits for spans, metrics or log lines.
         self._observe(self._observer.dispatched, ticket, overtaken)
 
-    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool) -> None:
+    def _unsent(self, decision: Decision) -> None:
+        """A grant that never reached the upstream: what was loaded before it still is."""
+        self.scheduler.set_loaded_model(decision.previous_model, as_of=self.scheduler.dispatches)
+
+    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
+                 sent: bool = True) -> None:
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
+        if not sent and ticket.decision is not None:
+            self._unsent(ticket.decision)
         self._running = None
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -479,7 +487,7 @@ class Coordinator:
         elif ticket.state is TicketState.RUNNING and ticket is self._running:
             # Granted in the same instant the client left: the OK never reached Envoy, so
             # nothing reached the upstream either.
-            self._release(ticket, Outcome.CANCELLED_WAITING, model_loaded=False, abandoned=False)
+            self._release(ticket, Outcome.CANCELLED_WAITING, model_loaded=False, abandoned=False, sent=False)
 
     def _report_unknown(self, token: str, report: ExchangeReport) -> None:
         """An entry for a grant this process does not hold. Periodic entries prove the exchange
