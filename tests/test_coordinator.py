@@ -786,6 +786,25 @@ async def test_a_client_leaving_just_as_it_is_granted() -> None:
     assert c.ticket.decision.previous_model == "a"
 
 
+@virtual_time
+async def test_a_client_leaving_while_the_catalog_is_asked() -> None:
+    upstream = FakeUpstream(router("a"))
+    upstream.catalog_gate = asyncio.Event()
+    flow = Flow(upstream=upstream)
+    a = await flow.arrive("a", model="a")
+    assert a.waiting and upstream.catalog_calls == 1
+    await flow.advance(0.5)
+    await flow.cancel(a)
+    assert a.task.cancelled()
+    [ticket] = flow.recorder.ended
+    assert ticket.request_id == "a" and ticket.outcome is Outcome.CANCELLED_WAITING
+    assert ticket.finished_ns - ticket.arrival_ns == round(0.5 * S)
+    upstream.catalog_gate.set()
+    await flow.idle()
+    assert flow.coordinator.live_tickets() == 0 and flow.waiting_ids() == []
+    assert flow.recorder.times_finished(ticket) == 1
+
+
 # -- the model catalog -------------------------------------------------------------------------
 
 

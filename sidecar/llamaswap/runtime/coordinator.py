@@ -221,6 +221,16 @@ class Coordinator:
         policy = self._config.priority_policy()
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
         ticket = Ticket(secrets.token_urlsafe(18), arrival, priority, self._clock.now_ns())
+        try:
+            return await self._admit(ticket)
+        except asyncio.CancelledError:
+            # Envoy cancelled the Check: the client left while waiting (or while the upstream was
+            # asked about its model, or just as it was granted).
+            self._check_cancelled(ticket)
+            raise
+
+    async def _admit(self, ticket: Ticket) -> Admission:
+        priority = ticket.priority
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         if ticket.model is not None and not await self._serves(ticket.model):
@@ -243,12 +253,7 @@ class Coordinator:
         self._estimate_later(ticket)
         self._arm_expiry()
         self._pump()
-        try:
-            decision = await waiter
-        except asyncio.CancelledError:
-            # Envoy cancelled the Check: the client left while waiting (or just as it was granted).
-            self._check_cancelled(ticket)
-            raise
+        decision = await waiter
         if decision is None:
             assert ticket.outcome is not None
             return self._refusal_of(ticket)
