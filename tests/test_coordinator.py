@@ -164,6 +164,20 @@ async def test_the_ticket_state_machine() -> None:
 # -- every way a ticket ends, each exactly once -----------------------------------------------
 
 
+class RaisesOnEnqueue:
+    """A broken observer: an internal error in the middle of admitting `victim`."""
+
+    def __init__(self, victim: str) -> None:
+        self.victim = victim
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args: None
+
+    def enqueued(self, ticket: Ticket) -> None:
+        if ticket.request_id == self.victim:
+            raise RuntimeError("observer failed")
+
+
 Scenario = Callable[[Flow], Awaitable[Request]]
 
 
@@ -252,6 +266,10 @@ async def proxy_gone(flow: Flow) -> Request:
     return it
 
 
+async def internal_error(flow: Flow) -> Request:
+    return await flow.arrive("it", model="a")  # with RaisesOnEnqueue("it")
+
+
 ENDINGS: list[tuple[Scenario, Outcome]] = [
     (refused_full, Outcome.REJECTED_FULL),
     (unknown_model, Outcome.REJECTED_UNKNOWN_MODEL),
@@ -266,6 +284,7 @@ ENDINGS: list[tuple[Scenario, Outcome]] = [
     (watchdog, Outcome.WATCHDOG),
     (lease_expired, Outcome.LEASE_EXPIRED),
     (proxy_gone, Outcome.PROXY_GONE),
+    (internal_error, Outcome.INTERNAL_ERROR),
 ]
 
 
@@ -274,7 +293,8 @@ ENDINGS: list[tuple[Scenario, Outcome]] = [
 async def test_finished_exactly_once_however_it_ends(scenario: Scenario, outcome: Outcome) -> None:
     # lease 3 s (the default) < maxRunSeconds 4 s; maxWaitSeconds 2 s < the lease.
     config = {"routing": {"scheduler": {"maxQueued": 1, "maxWaitSeconds": 2, "maxRunSeconds": 4}}}
-    flow = Flow(config)
+    observers = [RaisesOnEnqueue("it")] if scenario is internal_error else []
+    flow = Flow(config, observers=observers)
     it = await scenario(flow)
     ticket = it.ticket
     assert ticket.outcome is outcome
@@ -302,6 +322,43 @@ async def test_finished_exactly_once_however_it_ends(scenario: Scenario, outcome
     assert seen and all(flow.recorder.times_finished(t) == 1 for t in seen.values())
     assert flow.coordinator.live_tickets() == 0
     assert flow.coordinator.gpu_state == "idle"
+
+
+@virtual_time
+async def test_an_internal_error_while_admitting_leaves_nothing_behind() -> None:
+    flow = Flow(observers=[RaisesOnEnqueue("boom")])
+    a = await flow.arrive("a", model="a")
+    boom = await flow.arrive("boom", model="a")
+    after = await flow.arrive("after", model="a")
+    assert isinstance(boom.task.exception(), RuntimeError)  # the servicer answers 500
+    assert boom.ticket.outcome is Outcome.INTERNAL_ERROR
+    assert flow.recorder.times_finished(boom.ticket) == 1
+    assert flow.waiting_ids() == ["after"]
+    await flow.complete(a)
+    assert after.granted  # not held up by a queued ghost
+    assert flow.recorder.grant_order() == ["a", "after"]
+
+
+class RaisesOnDispatch(RaisesOnEnqueue):
+    def enqueued(self, ticket: Ticket) -> None:
+        pass
+
+    def dispatched(self, ticket: Ticket, overtaken: object) -> None:
+        if ticket.request_id == self.victim:
+            raise RuntimeError("observer failed")
+
+
+@virtual_time
+async def test_an_internal_error_as_it_is_granted_frees_the_gpu() -> None:
+    flow = Flow(observers=[RaisesOnDispatch("boom")])
+    warm = await flow.arrive("warm", model="a")
+    await flow.complete(warm)
+    boom = await flow.arrive("boom", model="b")  # granted at once, and admission fails
+    assert isinstance(boom.task.exception(), RuntimeError)
+    assert boom.ticket.outcome is Outcome.INTERNAL_ERROR and not boom.ticket.abandoned
+    assert flow.coordinator.gpu_state == "idle"
+    after = await flow.arrive("after", model="a")
+    assert after.granted and not after.ticket.decision.load  # b never reached the upstream
 
 
 # -- outcomes from the access log --------------------------------------------------------------

@@ -228,6 +228,11 @@ class Coordinator:
             # asked about its model, or just as it was granted).
             self._check_cancelled(ticket)
             raise
+        except Exception:
+            # A bug while admitting: the transport answers 500; the ticket must not stay queued
+            # (it would be granted with nobody to use the grant) nor go unfinished.
+            self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
+            raise
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
@@ -483,16 +488,15 @@ class Coordinator:
             return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
         return Refusal(outcome or Outcome.INTERNAL_ERROR)
 
-    def _check_cancelled(self, ticket: Ticket) -> None:
+    def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING) -> None:
         if ticket.state is TicketState.WAITING:
             removed = self.scheduler.cancel(ticket.token)
-            self._finish(ticket, Outcome.CANCELLED_WAITING,
-                         removed.removed_ns if removed is not None else self._clock.now_ns())
+            self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
         elif ticket.state is TicketState.RUNNING and ticket is self._running:
-            # Granted in the same instant the client left: the OK never reached Envoy, so
-            # nothing reached the upstream either.
-            self._release(ticket, Outcome.CANCELLED_WAITING, model_loaded=False, abandoned=False, sent=False)
+            # Granted in the same instant the client left (or admission failed): the OK never
+            # reached Envoy, so nothing reached the upstream either.
+            self._release(ticket, outcome, model_loaded=False, abandoned=False, sent=False)
 
     def _report_unknown(self, token: str, report: ExchangeReport) -> None:
         """An entry for a grant this process does not hold. Periodic entries prove the exchange
