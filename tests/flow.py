@@ -39,12 +39,15 @@ import selectors
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+from google.protobuf import struct_pb2
+from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
 from llamaswap.config import Config, parse_config
 from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind
+from llamaswap.transport.ext_authz import Authorization
 
 NS_PER_S = 1_000_000_000
 START_NS = 1_000 * NS_PER_S  # the clock starts at 1000 s: no time is ever 0 by accident
@@ -144,6 +147,42 @@ def clock() -> ManualClock:
 
 
 _FLOWS: dict[VirtualTimeLoop, list[Flow]] = {}
+
+
+# -- what Envoy sends -----------------------------------------------------------------------
+
+
+class FakeServicerContext:
+    """The two things the servicers read from a grpc.aio.ServicerContext."""
+
+    def __init__(self, peer: str = PEER, metadata: Sequence[tuple[str, str | bytes]] = ()) -> None:
+        self._peer = peer
+        self._metadata = tuple(metadata)
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._metadata
+
+
+def check_request(headers: dict[str, str] | None = None, *, model: str | struct_pb2.Value | None = None,
+                  http_id: str = "envoy-stream-1", namespace: str = "llamaswap") -> authz_pb2.CheckRequest:
+    """A Check as Envoy sends it: the allowed headers, and json_to_metadata's `model`."""
+    request = authz_pb2.CheckRequest()
+    http = request.attributes.request.http
+    http.id = http_id
+    http.method = "POST"
+    http.path = "/v1/chat/completions"
+    for key, value in (headers or {}).items():
+        http.headers[key] = value
+    if model is not None:
+        fields = request.attributes.metadata_context.filter_metadata[namespace].fields
+        if isinstance(model, struct_pb2.Value):
+            fields["model"].CopyFrom(model)
+        else:
+            fields["model"].string_value = model
+    return request
 
 
 # -- the upstream ----------------------------------------------------------------------------
@@ -390,6 +429,11 @@ class Flow:
                      trace_state: str | None = None) -> Request:
         """A held Check: `admit` as a task, then whatever becomes ready runs."""
         return await self.admit(Arrival(request_id, priority, trusted, model, peer, trace_parent, trace_state))
+
+    async def check(self, request: authz_pb2.CheckRequest, context: FakeServicerContext | None = None) -> Request:
+        """A held Check read by the ext_authz servicer's own `_arrival`."""
+        arrival = Authorization(self.coordinator)._arrival(request, context or FakeServicerContext())  # type: ignore[arg-type]
+        return await self.admit(arrival)
 
     async def admit(self, arrival: Arrival) -> Request:
         task = asyncio.ensure_future(self.coordinator.admit(arrival))
