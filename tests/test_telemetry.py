@@ -1,13 +1,14 @@
-"""Telemetry (spans, metrics, Prometheus text) driven by a real Coordinator, in memory.
+"""Telemetry (spans, metrics, Prometheus text) as an Observer of a real Coordinator, in memory.
 
-The coordinator runs on the test's event loop with a manual clock, so waits and span
-durations are exact; tickets are opened, admitted and closed the way the transport does.
+The coordinator runs on a virtual-time loop (tests/flow.py): waits, runs and span durations
+are exact. Spans are written when they end: `llamaswap.queue` (arrival to grant, or to the end
+of a request never granted) and `llamaswap.run` (grant to finish), both children of Envoy's
+Check span named by the Check's traceparent.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,70 +17,48 @@ import time
 from typing import Any
 
 import pytest
+from flow import PEER, FakeServicerContext, FakeUpstream, Flow, check_request, clock, virtual_time
+from llamaswap.config import parse_config
+from llamaswap.core import Outcome, ReorderCause
+from llamaswap.queue_cli import format_duration, render
+from llamaswap.runtime.observer import SettleReason, SettleResult
+from llamaswap.runtime.ticket import ExchangeEnd, Ticket
+from llamaswap.telemetry import OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
+from llamaswap.telemetry import instruments as names
+from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import StatusCode
+from test_coordinator import ENDINGS, RaisesOnEnqueue, Scenario, internal_error
 
-from llamaswap.config import parse_config
-from llamaswap.core import ManualClock, Outcome
-from llamaswap.queue_cli import format_duration, render
-from llamaswap.runtime.coordinator import Coordinator, Ticket, TicketState
-from llamaswap.telemetry import Telemetry, exporters_from_environment, parent_from_metadata
-from llamaswap.telemetry import instruments as names
-from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
-
-PROMPT = "SECRET-PROMPT-TEXT-never-in-telemetry"
+S = 1_000_000_000
 BANDS = {"interactive", "normal", "batch"}
-START_NS = 1_000 * 1_000_000_000
-
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CHECK_SPAN = "00f067aa0ba902b7"
-EXT_PROC_SPAN = "a3ce929d0e0e4736"
+OTHER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}
+# The outcomes a span reports as an error, spelled out (not read from Outcome.is_error).
+ERRORS = {Outcome.REJECTED_FULL, Outcome.REJECTED_UNKNOWN_MODEL, Outcome.EXPIRED, Outcome.UPSTREAM_ERROR,
+          Outcome.SHUTDOWN, Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.INTERNAL_ERROR}
 
 
-def traceparent(trace_id: str, span_id: str) -> str:
-    return f"00-{trace_id}-{span_id}-01"
+def traceparent(trace_id: str = TRACE_ID, span_id: str = CHECK_SPAN, flags: str = "01") -> str:
+    return f"00-{trace_id}-{span_id}-{flags}"
 
 
-# -- a fake transport ------------------------------------------------------------------------
+class Traced:
+    """A Flow observed by a Telemetry that exports spans to memory."""
 
-
-class Flow:
-    """Opens, admits and closes tickets the way ext_proc + ext_authz do."""
-
-    def __init__(self, config: dict[str, Any] | None = None, *, exporter: InMemorySpanExporter | None = None,
-                 readers: tuple[Any, ...] = (), telemetry: Telemetry | None = None) -> None:
-        self.clock = ManualClock(START_NS)
+    def __init__(self, config: dict[str, Any] | None = None, *, telemetry: Telemetry | None = None,
+                 exporter: InMemorySpanExporter | None = None, readers: tuple[Any, ...] = (),
+                 upstream: FakeUpstream | None = None, observers: tuple[Any, ...] = ()) -> None:
         self.spans = exporter or InMemorySpanExporter()
-        self.telemetry = telemetry or Telemetry(span_processors=[SimpleSpanProcessor(self.spans)], sampler=ALWAYS_ON,
-                                                metric_readers=readers)
-        # Telemetry synchronously, so each step's spans and metrics can be read at once.
-        self.coordinator = Coordinator(parse_config(config or {}), clock=self.clock, observer=self.telemetry,
-                                       observe_after_grant=False)
-        self.telemetry.bind(self.coordinator)
-        self.tasks: dict[str, asyncio.Task[Any]] = {}
-
-    async def arrive(self, request_id: str, priority: str | None = None, model: str | None = "model-a", *,
-                     check: str | None = None, ext_proc: str | None = None) -> Ticket:
-        ticket = self.coordinator.open(request_id)
-        ticket.trace_context["ext_proc_metadata"] = _metadata(request_id, ext_proc)
-        ticket.trace_context["check_metadata"] = _metadata(request_id, check)
-        headers = {"x-llamaswap-priority": priority} if priority is not None else {}
-        document: dict[str, Any] = {"messages": [{"role": "user", "content": PROMPT}]}
-        if model is not None:
-            document["model"] = model
-        self.tasks[request_id] = asyncio.create_task(
-            self.coordinator.admit(ticket.token, headers, json.dumps(document).encode()))
-        await until(lambda: ticket.state is not TicketState.OPEN)
-        return ticket
-
-    def finish(self, ticket: Ticket, status: int | None = 200) -> None:
-        if status is not None:
-            self.coordinator.record_response(ticket.token, status)
-        self.coordinator.close(ticket.token)
+        self.telemetry = telemetry or Telemetry(clock=clock(), span_processors=[SimpleSpanProcessor(self.spans)],
+                                                sampler=ALWAYS_ON, metric_readers=readers)
+        self.flow = Flow(config, observers=(*observers, self.telemetry), upstream=upstream)
 
     def finished_spans(self, name: str | None = None) -> list[ReadableSpan]:
         return [s for s in self.spans.get_finished_spans() if name is None or s.name == name]
@@ -95,21 +74,6 @@ class Flow:
         return parse_text(body.decode())
 
 
-def _metadata(request_id: str, parent: str | None) -> tuple[tuple[str, str], ...]:
-    items = [(":authority", "sidecar"), ("x-request-id", request_id), ("user-agent", "envoy")]
-    if parent is not None:
-        items.append(("traceparent", parent))
-    return tuple(items)
-
-
-async def until(predicate: Any, rounds: int = 1000) -> None:
-    for _ in range(rounds):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
-
-
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -122,7 +86,9 @@ def parse_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]
         match = _SAMPLE.match(line)
         assert match, f"not a sample line: {line!r}"
         labels = frozenset(_LABEL.findall(match.group(2) or ""))
-        samples[(match.group(1), labels)] = float(match.group(3))
+        key = (match.group(1), labels)
+        assert key not in samples, f"duplicate sample {key}"
+        samples[key] = float(match.group(3))
     return samples
 
 
@@ -130,257 +96,381 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
-def by_band(samples: dict, name: str, **labels: str) -> dict[str, float]:
+def by_label(samples: dict, name: str, label: str, **labels: str) -> dict[str, float]:
     out = {}
     for (sample_name, sample_labels), number in samples.items():
         found = dict(sample_labels)
-        if sample_name == name and all(found.get(k) == v for k, v in labels.items()):
-            out[found["band"]] = number
+        if sample_name == name and set(found) == {label, *labels} and all(found[k] == v for k, v in labels.items()):
+            out[found[label]] = number
     return out
 
 
 # -- spans -----------------------------------------------------------------------------------
 
 
-async def test_spans_join_envoys_trace_with_decision_attributes() -> None:
-    flow = Flow()
-    blocker = await flow.arrive("blocker", model="model-a")
-    early = await flow.arrive("early", "normal", "model-b")
+@virtual_time
+async def test_spans_join_envoys_trace_with_the_decision() -> None:
     before = time.time_ns()
-    winner = await flow.arrive("winner", "interactive", "model-a", check=traceparent(TRACE_ID, CHECK_SPAN),
-                               ext_proc=traceparent(TRACE_ID, EXT_PROC_SPAN))
+    traced = Traced(LONG_LEASE)
     after = time.time_ns()
-    assert winner.state is TicketState.WAITING
-    assert winner.extras["trace_id"] == TRACE_ID  # for the activity log
-    flow.clock.advance(2.5)
-    flow.finish(blocker)
-    assert (await flow.tasks["winner"]).decision is not None
-    flow.clock.advance(4.0)
-    flow.finish(winner)
+    flow = traced.flow
+    blocker = await flow.arrive("blocker", model="a")
+    early = await flow.arrive("early", "normal", "b", trace_parent=traceparent(OTHER_TRACE, "b7ad6b7169203331"))
+    winner = await flow.arrive("winner", "interactive", "a", trace_parent=traceparent(),
+                               trace_state="vendor=1")
+    await flow.advance(2.5)
+    await flow.complete(blocker)
+    assert winner.granted
+    queue = traced.span(QUEUE_SPAN, "winner")  # written at the grant
+    assert traced.finished_spans(RUN_SPAN) == [traced.span(RUN_SPAN, "blocker")]
+    await flow.advance(4.0)
+    await flow.complete(winner, 200, first_byte_s=0.3)
+    run = traced.span(RUN_SPAN, "winner")
 
-    queue = flow.span("llamaswap.queue", "winner")
-    run = flow.span("llamaswap.run", "winner")
-    # Parents: Envoy's Check egress span for the hold, its ext_proc egress span for the run.
-    assert format(queue.context.trace_id, "032x") == TRACE_ID
-    assert format(run.context.trace_id, "032x") == TRACE_ID
-    assert format(queue.parent.span_id, "016x") == CHECK_SPAN and queue.parent.is_remote
-    assert format(run.parent.span_id, "016x") == EXT_PROC_SPAN and run.parent.is_remote
-    # Real wall time, durations exactly the scheduler's.
+    for span in (queue, run):  # children of Envoy's Check span, in its trace
+        assert format(span.context.trace_id, "032x") == TRACE_ID
+        assert format(span.parent.span_id, "016x") == CHECK_SPAN and span.parent.is_remote
+        assert span.context.trace_state.get("vendor") == "1"
+    # Wall time, durations exactly the scheduler's.
     assert before <= queue.start_time <= after
-    assert queue.end_time - queue.start_time == 2_500_000_000
+    assert queue.end_time - queue.start_time == round(2.5 * S)
     assert run.start_time == queue.end_time
-    assert run.end_time - run.start_time == 4_000_000_000
+    assert run.end_time - run.start_time == 4 * S
 
     for span in (queue, run):
         attributes = dict(span.attributes)
         assert attributes["llamaswap.request_id"] == "winner"
         assert attributes["llamaswap.priority"] == 100
         assert attributes["llamaswap.band"] == "interactive"
-        assert attributes["llamaswap.model"] == "model-a"
+        assert attributes["llamaswap.model"] == "a"
         assert attributes["llamaswap.queue_depth"] == 1  # `early` was waiting
         assert attributes["llamaswap.queue_wait_ms"] == 2500.0
-        assert attributes["llamaswap.swap_affinity"] is True  # the blocker loaded model-a
+        assert attributes["llamaswap.swap_affinity"] is True  # the blocker loaded a
+        assert attributes["llamaswap.swap"] is False and attributes["llamaswap.load"] is False
         assert attributes["llamaswap.aging"] == pytest.approx(2.5 / 60)
         assert attributes["llamaswap.score"] == pytest.approx(100 + 10 + 2.5 / 60)
+        # The estimate at arrival: the blocker (a load: 10 + 5 s) had 14.95 s left at the batch.
+        assert attributes["llamaswap.estimated_wait_ms"] == pytest.approx(15_000)
+        assert "llamaswap.reordered_by" not in attributes  # the best score anyway
+    assert "llamaswap.outcome" not in queue.attributes
     assert run.attributes["llamaswap.outcome"] == "served"
+    assert run.attributes["llamaswap.first_byte_ms"] == pytest.approx(300)
+    assert run.attributes["llamaswap.status"] == 200
     assert run.status.status_code is StatusCode.UNSET
-    # The winner overtook `early`: one event naming it by request id, never by ticket.
-    events = [e for e in queue.events if e.name == "llamaswap.overtook"]
-    assert [e.attributes["llamaswap.request_id"] for e in events] == ["early"]
-    assert events[0].attributes["llamaswap.band"] == "normal"
+    # The winner overtook `early`: one event naming it by request id and trace, never by ticket.
+    events = [e for e in queue.events if e.name == OVERTOOK_EVENT]
+    assert [dict(e.attributes) for e in events] == [{
+        "llamaswap.request_id": "early", "llamaswap.priority": 0, "llamaswap.band": "normal",
+        "llamaswap.trace_id": OTHER_TRACE}]
     assert events[0].timestamp == queue.end_time
-    tokens = {blocker.token, early.token, winner.token}
-    for span in flow.finished_spans():
-        text = repr(dict(span.attributes)) + repr([dict(e.attributes) for e in span.events])
-        assert not any(token in text for token in tokens)
-        assert PROMPT not in text
 
-    flow.finish(early, 502)
-    run_early = flow.span("llamaswap.run", "early")
+    await flow.complete(early, 502)
+    run_early = traced.span(RUN_SPAN, "early")
     assert run_early.attributes["llamaswap.outcome"] == "upstream_error"
     assert run_early.status.status_code is StatusCode.ERROR
-    # No traceparent anywhere: still one trace for the two spans of the request.
-    queue_early = flow.span("llamaswap.queue", "early")
-    assert queue_early.parent is None
-    assert run_early.context.trace_id == queue_early.context.trace_id
-    assert run_early.parent.span_id == queue_early.context.span_id
+    assert format(run_early.parent.span_id, "016x") == "b7ad6b7169203331"
+    tokens = {r.ticket.token for r in flow.requests.values()}
+    for span in traced.finished_spans():
+        text = repr(dict(span.attributes)) + repr([dict(e.attributes) for e in span.events])
+        assert not any(token in text for token in tokens)
+    # The blocker had no traceparent: a root span of its own.
+    assert traced.span(RUN_SPAN, "blocker").parent is None
 
 
-async def test_rejection_and_expiry_end_the_queue_span_with_error() -> None:
-    flow = Flow({"routing": {"scheduler": {"maxQueued": 1}}})
-    blocker = await flow.arrive("blocker")
-    waiting = await flow.arrive("waiting", "batch")
-    flow.clock.advance(1.0)
-    refused = await flow.arrive("refused", "interactive", check=traceparent(TRACE_ID, CHECK_SPAN))
-    admission = await flow.tasks["refused"]
-    assert admission.rejected is not None and admission.rejected.outcome is Outcome.REJECTED_FULL
-    span = flow.span("llamaswap.queue", "refused")
-    assert span.status.status_code is StatusCode.ERROR
-    assert span.attributes["llamaswap.outcome"] == "rejected_full"
-    assert span.attributes["llamaswap.band"] == "interactive"
-    assert format(span.parent.span_id, "016x") == CHECK_SPAN
-    assert refused.extras["trace_id"] == TRACE_ID
-    assert not [s for s in flow.finished_spans("llamaswap.run") if s.attributes["llamaswap.request_id"] == "refused"]
-
-    # A client that leaves while waiting is not an error.
-    flow.clock.advance(2.0)
-    flow.finish(waiting, None)
-    gone = flow.span("llamaswap.queue", "waiting")
-    assert gone.attributes["llamaswap.outcome"] == "cancelled_waiting"
-    assert gone.attributes["llamaswap.queue_wait_ms"] == 3000.0
-    assert gone.status.status_code is StatusCode.UNSET
-    assert gone.end_time - gone.start_time == 3_000_000_000
-
-    flow.coordinator.stop_admitting()
-    await flow.arrive("late")
-    assert (await flow.tasks["late"]).rejected.outcome is Outcome.SHUTDOWN
-    assert flow.span("llamaswap.queue", "late").status.status_code is StatusCode.ERROR
-    flow.finish(blocker)
-    samples = flow.metrics()
-    assert value(samples, names.REQUESTS, outcome="rejected_full") == 1
-    assert value(samples, names.REQUESTS, outcome="cancelled_waiting") == 1
-    assert value(samples, names.REQUESTS, outcome="shutdown") == 1
-    assert value(samples, names.REQUESTS, outcome="served") == 1
+@virtual_time
+async def test_reordered_spans_name_the_cause() -> None:
+    traced = Traced({**LONG_LEASE, "routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 1}}}}})
+    flow = traced.flow
+    blocker = await flow.arrive("blocker", model="a")
+    old = await flow.arrive("old", "0", "b")
+    await flow.advance(10)
+    young = await flow.arrive("young", "5", "b")
+    await flow.complete(blocker)
+    assert old.granted and young.waiting  # 0 + 10 s of aging beats 5
+    assert traced.span(QUEUE_SPAN, "old").attributes["llamaswap.reordered_by"] == ("aging",)
+    assert old.ticket.decision.reordered_by == frozenset({ReorderCause.AGING})
 
 
-async def test_expired_request_is_an_error_span() -> None:
-    flow = Flow({"routing": {"scheduler": {"maxWaitSeconds": 0.01}}})
-    blocker = await flow.arrive("blocker")
-    await flow.arrive("slow")
-    flow.clock.advance(1.0)  # overdue; the expiry timer (10 ms of real time) notices
-    admission = await asyncio.wait_for(flow.tasks["slow"], 30)
-    assert admission.rejected.outcome is Outcome.EXPIRED
-    span = flow.span("llamaswap.queue", "slow")
-    assert span.status.status_code is StatusCode.ERROR
-    assert span.attributes["llamaswap.outcome"] == "expired"
-    flow.finish(blocker)
+@pytest.mark.parametrize(("scenario", "outcome"), ENDINGS, ids=[s.__name__ for s, _ in ENDINGS])
+@virtual_time
+async def test_each_ending_is_one_span_with_its_outcome(scenario: Scenario, outcome: Outcome) -> None:
+    config = {"routing": {"scheduler": {"maxQueued": 1, "maxWaitSeconds": 2, "maxRunSeconds": 4}}}
+    observers = (RaisesOnEnqueue("it"),) if scenario is internal_error else ()
+    traced = Traced(config, observers=observers)
+    it = await scenario(traced.flow)
+    ticket = it.ticket
+    assert ticket.outcome is outcome
+    name = QUEUE_SPAN if ticket.decision is None else RUN_SPAN
+    span = traced.span(name, "it")
+    assert span.attributes["llamaswap.outcome"] == outcome.value
+    assert span.status.status_code is (StatusCode.ERROR if outcome in ERRORS else StatusCode.UNSET)
+    start = ticket.arrival_ns if ticket.decision is None else ticket.decision.granted_ns
+    assert span.end_time - span.start_time == ticket.finished_ns - start
+    if ticket.decision is None:
+        assert span.attributes["llamaswap.queue_wait_ms"] == (ticket.finished_ns - ticket.arrival_ns) / 1e6
+        assert [s for s in traced.finished_spans(RUN_SPAN) if s.attributes["llamaswap.request_id"] == "it"] == []
+    else:
+        assert len([s for s in traced.finished_spans(QUEUE_SPAN) if s.attributes["llamaswap.request_id"] == "it"]) == 1
+    # requests_total agrees with the outcomes of everything that finished.
+    samples = traced.metrics()
+    counts = {o: 0 for o in Outcome}
+    for t in traced.flow.recorder.ended:
+        counts[t.outcome] += 1
+    assert {o: value(samples, names.REQUESTS, outcome=o.value) for o in Outcome} == counts
+    assert counts[outcome] >= 1
 
 
-async def test_sampler_from_environment_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
+@virtual_time
+async def test_a_request_never_granted_gets_the_aging_it_had() -> None:
+    traced = Traced(LONG_LEASE)
+    flow = traced.flow
+    await flow.arrive("blocker", model="a")
+    gone = await flow.arrive("gone", model="a")
+    await flow.advance(3)
+    await flow.cancel(gone)
+    span = traced.span(QUEUE_SPAN, "gone")
+    assert span.attributes["llamaswap.queue_wait_ms"] == 3000.0
+    assert span.attributes["llamaswap.aging"] == pytest.approx(3 / 60)
+    assert span.end_time - span.start_time == 3 * S
+    flow.coordinator.reconfigure(parse_config({**LONG_LEASE, "routing": {"scheduler": {"settings": {
+        "serial": {"agingDivisor": 30}}}}}))  # settings_changed
+    later = await flow.arrive("later", model="a")
+    await flow.advance(3)
+    await flow.cancel(later)
+    assert traced.span(QUEUE_SPAN, "later").attributes["llamaswap.aging"] == pytest.approx(3 / 30)
+
+
+@virtual_time
+async def test_a_traceparent_that_is_not_sampled_records_no_span() -> None:
+    exporter = InMemorySpanExporter()
+    # The SDK's default sampler (parent-based): Envoy's decision is kept.
+    telemetry = Telemetry(clock=clock(), span_processors=[SimpleSpanProcessor(exporter)])
+    traced = Traced(telemetry=telemetry, exporter=exporter)
+    quiet = await traced.flow.arrive("quiet", model="a", trace_parent=traceparent(flags="00"))
+    loud = await traced.flow.arrive("loud", model="a", trace_parent=traceparent(OTHER_TRACE, flags="01"))
+    await traced.flow.complete(quiet)
+    await traced.flow.complete(loud)
+    assert {s.attributes["llamaswap.request_id"] for s in exporter.get_finished_spans()} == {"loud"}
+
+
+@virtual_time
+async def test_the_sampler_from_the_environment_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     exporter = InMemorySpanExporter()
-    flow = Flow(exporter=exporter, telemetry=Telemetry(span_processors=[SimpleSpanProcessor(exporter)]))
-    ticket = await flow.arrive("quiet", check=traceparent(TRACE_ID, CHECK_SPAN))
-    flow.finish(ticket)
+    traced = Traced(telemetry=Telemetry(clock=clock(), span_processors=[SimpleSpanProcessor(exporter)]),
+                    exporter=exporter)
+    ticket = await traced.flow.arrive("quiet", model="a", trace_parent=traceparent())
+    await traced.flow.complete(ticket)
     assert exporter.get_finished_spans() == ()
-    assert ticket.extras["trace_id"] == TRACE_ID  # the activity log still names Envoy's trace
+    assert value(traced.metrics(), names.REQUESTS, outcome="served") == 1  # metrics are not sampled
 
 
-def test_parent_from_metadata() -> None:
-    context = parent_from_metadata((("traceparent", traceparent(TRACE_ID, CHECK_SPAN)), ("grpc-accept-encoding", "gzip")))
+@virtual_time
+async def test_without_span_processors_no_span_is_recorded_but_metrics_are() -> None:
+    telemetry = Telemetry(clock=clock())
+    flow = Flow(LONG_LEASE, observers=[telemetry])
+    a = await flow.arrive("a", model="a", trace_parent=traceparent())
+    await flow.complete(a)
+    assert telemetry.tracer_provider.get_tracer("probe").start_span("x").is_recording() is False
+    assert value(parse_text(telemetry.prometheus_text()[0].decode()), names.DISPATCHED, band="normal") == 1
+
+
+def test_parent_of_reads_the_tickets_traceparent() -> None:
+    from llamaswap.runtime.ticket import Arrival
+
+    def ticket(parent: str | None, state: str | None = None) -> Ticket:
+        policy = parse_config({}).priority_policy()
+        return Ticket("t", Arrival("r", None, None, None, PEER, parent, state), policy.resolve(None), 0)
+
+    context = parent_of(ticket(traceparent(), "a=b"))
     assert context is not None
-    assert parent_from_metadata(()) is None
-    assert parent_from_metadata((("traceparent", "garbage"),)) is None
-    assert parent_from_metadata(None) is None
-    assert parent_from_metadata((("bin-bin", b"\x00"),)) is None
+    from opentelemetry import trace
+
+    span_context = trace.get_current_span(context).get_span_context()
+    assert format(span_context.trace_id, "032x") == TRACE_ID and span_context.is_remote
+    assert span_context.trace_state.get("a") == "b"
+    assert parent_of(ticket(None)) is None
+    assert parent_of(ticket("garbage")) is None
+    assert parent_of(ticket(traceparent("0" * 32))) is None  # the invalid all-zero trace id
+    assert ticket(traceparent()).trace_id == TRACE_ID
+    assert ticket(traceparent("0" * 32)).trace_id is None
+    assert ticket("garbage").trace_id is None
 
 
 # -- metrics ---------------------------------------------------------------------------------
 
 
-async def test_metric_names_and_values() -> None:
-    flow = Flow()
-    samples = flow.metrics()
-    # The four specified series, every band, from the start.
+@virtual_time
+async def test_metric_values_after_scripted_traffic() -> None:
+    traced = Traced(LONG_LEASE)
+    flow = traced.flow
+    samples = traced.metrics()
+    # Every labelled series exists from the start, at 0.
     for name in (names.QUEUE_DEPTH, names.QUEUE_OLDEST_WAIT, names.DISPATCHED):
-        assert by_band(samples, name) == {band: 0.0 for band in BANDS}, name
-    for reason in ("aging", "swap_affinity"):
-        assert by_band(samples, names.REORDERS, reason=reason) == {band: 0.0 for band in BANDS}
-    assert value(samples, names.GPU_BUSY) == 0
-    assert value(samples, names.SWAPS) == 0
-    assert value(samples, names.UNPARSEABLE) == 0
-    assert value(samples, names.WATCHDOG) == 0
-    assert {value(samples, names.REQUESTS, outcome=o.value) for o in Outcome} == {0.0}
+        assert by_label(samples, name, "band") == {band: 0.0 for band in BANDS}, name
+    for cause in ("aging", "swap_affinity"):
+        assert by_label(samples, names.REORDERS, "band", reason=cause) == {band: 0.0 for band in BANDS}
+    for name in (names.GPU_BUSY, names.SWAPS, names.LOADS, names.UNPARSEABLE, names.ABSENT, names.WATCHDOG):
+        assert value(samples, name) == 0, name
+    assert by_label(samples, names.REQUESTS, "outcome") == {o.value: 0.0 for o in Outcome}
+    assert set(metric_names(traced.telemetry.prometheus_text()[0].decode())) == set(names.ALL) - {
+        names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_ERROR, names.SETTLE}
 
-    blocker = await flow.arrive("blocker", model="model-a")
-    flow.clock.advance(1.0)
-    b = await flow.arrive("b", "batch", "model-a")
-    flow.clock.advance(1.0)
-    n = await flow.arrive("n", "soon please", "model-b")  # unparseable: normal
-    flow.clock.advance(1.0)
-    i = await flow.arrive("i", "interactive", "model-b")
-    i2 = await flow.arrive("i2", "interactive", "model-a")
-    flow.clock.advance(0.5)
-    samples = flow.metrics()
-    assert by_band(samples, names.QUEUE_DEPTH) == {"interactive": 2, "normal": 1, "batch": 1}
-    assert by_band(samples, names.QUEUE_OLDEST_WAIT) == pytest.approx(
-        {"interactive": 0.5, "normal": 1.5, "batch": 2.5}, abs=1e-6)
+    a = await flow.arrive("a", None, "a")  # absent header; granted at once: a load
+    await flow.advance(1)
+    b = await flow.arrive("b", "batch", "a")
+    await flow.advance(1)
+    n = await flow.arrive("n", "soon please", "b")  # unparseable: 0, normal
+    await flow.advance(1)
+    i = await flow.arrive("i", "interactive", "b")
+    i2 = await flow.arrive("i2", "interactive", "a")
+    await flow.advance(0.5)
+    samples = traced.metrics()
+    assert by_label(samples, names.QUEUE_DEPTH, "band") == {"interactive": 2, "normal": 1, "batch": 1}
+    assert by_label(samples, names.QUEUE_OLDEST_WAIT, "band") == {"interactive": 0.5, "normal": 1.5, "batch": 2.5}
     assert value(samples, names.GPU_BUSY) == 1
-    assert value(samples, names.UNPARSEABLE) == 1
-    assert by_band(samples, names.DISPATCHED) == {"interactive": 0, "normal": 1, "batch": 0}
+    assert by_label(samples, names.DISPATCHED, "band") == {"interactive": 0, "normal": 1, "batch": 0}
+    assert value(samples, names.LOADS) == 1 and value(samples, names.SWAPS) == 0
 
-    # model-a is loaded: i2 (interactive, model-a) overtakes the earlier i by swap affinity.
-    flow.finish(blocker)
-    await until(lambda: i2.state is TicketState.RUNNING)
-    assert i2.decision is not None and i2.decision.reordered_by == frozenset({"swap_affinity"})
-    for ticket in (i2, i, n, b):
-        await until(lambda t=ticket: t.state is TicketState.RUNNING)
-        flow.clock.advance(2.0)
-        flow.finish(ticket)
+    await flow.complete(a, 200, first_byte_s=0.4)  # ran 3.5 s
+    # a loaded model a: i2 (interactive, a) overtakes the earlier i by swap affinity.
+    assert i2.granted and i2.ticket.decision.reordered_by == frozenset({ReorderCause.SWAP_AFFINITY})
+    first_bytes = {"i2": None, "i": 1.2, "n": None, "b": None}
+    for request in (i2, i, n, b):
+        assert request.granted
+        await flow.advance(2)
+        await flow.complete(request, 200, first_byte_s=first_bytes[request.id])
 
-    samples = flow.metrics()
-    assert by_band(samples, names.DISPATCHED) == {"interactive": 2, "normal": 2, "batch": 1}
-    assert by_band(samples, names.REORDERS, reason="swap_affinity") == {"interactive": 1, "normal": 0, "batch": 0}
-    assert by_band(samples, names.REORDERS, reason="aging") == {band: 0 for band in BANDS}
-    assert by_band(samples, names.QUEUE_DEPTH) == {band: 0 for band in BANDS}
-    assert by_band(samples, names.QUEUE_OLDEST_WAIT) == {band: 0 for band in BANDS}
+    samples = traced.metrics()
+    assert by_label(samples, names.DISPATCHED, "band") == {"interactive": 2, "normal": 2, "batch": 1}
+    assert by_label(samples, names.REORDERS, "band", reason="swap_affinity") == {
+        "interactive": 1, "normal": 0, "batch": 0}
+    assert by_label(samples, names.REORDERS, "band", reason="aging") == {band: 0 for band in BANDS}
+    assert by_label(samples, names.QUEUE_DEPTH, "band") == {band: 0 for band in BANDS}
+    assert by_label(samples, names.QUEUE_OLDEST_WAIT, "band") == {band: 0 for band in BANDS}
     assert value(samples, names.GPU_BUSY) == 0
-    # Swaps: (none) -> a, a -> b (i), b -> a (b); i2 and n kept the loaded model.
-    assert value(samples, names.SWAPS) == 3
+    # A load (nothing -> a), then swaps a -> b (i) and b -> a (b); i2 and n kept the model.
+    assert value(samples, names.LOADS) == 1
+    assert value(samples, names.SWAPS) == 2
+    assert value(samples, names.ABSENT) == 1
+    assert value(samples, names.UNPARSEABLE) == 1
     assert value(samples, names.REQUESTS, outcome="served") == 5
     assert value(samples, f"{names.QUEUE_WAIT}_count", band="interactive") == 2
+    assert value(samples, f"{names.QUEUE_WAIT}_sum", band="interactive") == pytest.approx(0.5 + 2.5)
     assert value(samples, f"{names.QUEUE_WAIT}_count", band="batch") == 1
+    assert value(samples, f"{names.QUEUE_WAIT}_sum", band="batch") == pytest.approx(8.5)
     assert value(samples, f"{names.RUN}_count", band="interactive") == 2
     assert value(samples, f"{names.RUN}_sum", band="interactive") == pytest.approx(4.0)
     assert value(samples, f"{names.RUN}_bucket", band="interactive", le="2.5") == 2
     assert value(samples, f"{names.RUN}_bucket", band="interactive", le="1") == 0
     assert value(samples, f"{names.RUN}_bucket", band="interactive", le="+Inf") == 2
-    body = flow.telemetry.prometheus_text()[0].decode()
-    assert PROMPT not in body
-    assert set(metric_names(body)) == set(names.ALL)
-    declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", body, re.M))
-    assert declared[names.QUEUE_DEPTH] == "gauge"
-    assert declared[names.QUEUE_OLDEST_WAIT] == "gauge"
-    assert declared[names.DISPATCHED] == "counter"
-    assert declared[names.REORDERS] == "counter"
-    assert declared[names.QUEUE_WAIT] == "histogram"
+    assert value(samples, f"{names.RUN}_sum", band="normal") == pytest.approx(3.5 + 2)
+    # By model: a ran 3.5 + 2 + 2 s, b 2 + 2 s; the swap histogram has the loads with a first byte.
+    assert value(samples, f"{names.MODEL_RUN}_count", model="a") == 3
+    assert value(samples, f"{names.MODEL_RUN}_sum", model="a") == pytest.approx(7.5)
+    assert value(samples, f"{names.MODEL_RUN}_count", model="b") == 2
+    assert value(samples, f"{names.MODEL_RUN}_sum", model="b") == pytest.approx(4.0)
+    assert value(samples, f"{names.MODEL_SWAP}_count", model="a") == 1
+    assert value(samples, f"{names.MODEL_SWAP}_sum", model="a") == pytest.approx(0.4)
+    assert value(samples, f"{names.MODEL_SWAP}_count", model="b") == 1
+    assert value(samples, f"{names.MODEL_SWAP}_sum", model="b") == pytest.approx(1.2)
+    # The estimate error of b: estimated at its batch (a, a load of 10 + 5 s, had 13.95 s left,
+    # nothing ahead) 0.05 + 13.95 = 14 s; it waited 8.5 s.
+    assert b.ticket.estimated_wait_s == pytest.approx(14.0)
+    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="batch") == 1
+    assert value(samples, f"{names.ESTIMATE_ERROR}_sum", band="batch") == pytest.approx((14 - 8.5) / 8.5)
+    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="interactive") == 2
+    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="normal") == 1  # a was never estimated
+
+    body = traced.telemetry.prometheus_text()[0].decode()
+    assert set(metric_names(body)) == set(names.ALL) - {names.SETTLE}  # no settle happened
+    declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", body, re.MULTILINE))
+    for name in (names.QUEUE_DEPTH, names.QUEUE_OLDEST_WAIT, names.GPU_BUSY):
+        assert declared[name] == "gauge"
+    for name in (names.DISPATCHED, names.REORDERS, names.SWAPS, names.LOADS, names.REQUESTS, names.UNPARSEABLE,
+                 names.ABSENT, names.WATCHDOG):
+        assert declared[name] == "counter"
+    for name in (names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_ERROR):
+        assert declared[name] == "histogram"
 
 
-async def test_watchdog_is_counted_and_marked() -> None:
-    flow = Flow()
-    ticket = await flow.arrive("runaway")
-    flow.coordinator._watchdog_fire(ticket.token)  # what maxRunSeconds' timer calls
-    samples = flow.metrics()
+@virtual_time
+async def test_settles_are_measured_by_reason_and_result() -> None:
+    upstream = FakeUpstream(busy=True)
+    traced = Traced(upstream=upstream)
+    flow = traced.flow
+    flow.coordinator.begin_startup_settle()
+    await flow.advance(1)
+    upstream.busy_answer = None  # cannot tell: unsupported
+    await flow.advance(1)
+    a = await flow.arrive("a", model="a")
+    assert a.granted
+    upstream.busy_answer = True
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(2)
+    upstream.busy_answer = False
+    await flow.advance(1)
+    startup, abandoned = flow.recorder.settles
+    assert (startup.reason, startup.result) == (SettleReason.STARTUP, SettleResult.UNSUPPORTED)
+    assert (abandoned.reason, abandoned.result) == (SettleReason.ABANDONED, SettleResult.IDLE)
+    samples = traced.metrics()
+    assert value(samples, f"{names.SETTLE}_count", reason="startup", result="unsupported") == 1
+    assert value(samples, f"{names.SETTLE}_sum", reason="startup", result="unsupported") == pytest.approx(
+        startup.seconds)
+    assert 1 <= startup.seconds <= 1.25
+    assert value(samples, f"{names.SETTLE}_count", reason="abandoned", result="idle") == 1
+    assert value(samples, f"{names.SETTLE}_sum", reason="abandoned", result="idle") == pytest.approx(
+        abandoned.seconds)
+    assert 2 <= abandoned.seconds <= 2.25
+    assert {labels for name, labels in samples if name == f"{names.SETTLE}_count"} == {
+        frozenset({("reason", "startup"), ("result", "unsupported")}),
+        frozenset({("reason", "abandoned"), ("result", "idle")})}
+
+
+@virtual_time
+async def test_the_watchdog_is_counted_and_marked() -> None:
+    traced = Traced({"routing": {"scheduler": {"maxRunSeconds": 2}}})
+    ticket = await traced.flow.arrive("runaway", model="a")
+    await traced.flow.advance(2)
+    assert ticket.outcome is Outcome.WATCHDOG
+    samples = traced.metrics()
     assert value(samples, names.WATCHDOG) == 1
     assert value(samples, names.REQUESTS, outcome="watchdog") == 1
-    run = flow.span("llamaswap.run", "runaway")
+    run = traced.span(RUN_SPAN, "runaway")
     assert [e.name for e in run.events] == ["llamaswap.watchdog"]
+    assert run.events[0].timestamp == run.end_time
     assert run.status.status_code is StatusCode.ERROR
 
 
-async def test_gauges_collected_on_another_thread_do_not_touch_the_scheduler() -> None:
-    """The OTLP push collects on the SDK's thread; it reads the loop's published picture."""
+@virtual_time
+async def test_gauges_collected_on_another_thread_read_the_published_picture() -> None:
+    """The OTLP push collects on the SDK's thread: it reads the picture the loop published."""
     reader = InMemoryMetricReader()
-    flow = Flow(readers=(reader,))
-    await flow.arrive("running")
-    await flow.arrive("waiting-1", "batch")
-    flow.clock.advance(3.0)
-    await flow.arrive("waiting-2", "batch")
-    flow.clock.advance(1.5)  # no event since: the waits must still be current
+    traced = Traced(LONG_LEASE, readers=(reader,))
+    flow = traced.flow
+    await flow.arrive("running", model="a")
+    await flow.arrive("waiting-1", "batch", model="a")
+    await flow.advance(3.0)
+    await flow.arrive("waiting-2", "batch", model="a")
+    await flow.advance(1.5)  # no event since: the oldest wait must still be current
+    published = flow.recorder.pictures[-1]
 
-    callers: list[int] = []
-    band_stats = flow.coordinator.scheduler.band_stats
+    touched: list[int] = []
+    scheduler = flow.coordinator.scheduler
+    for method in ("band_stats", "snapshot"):
+        original = getattr(scheduler, method)
 
-    def spy() -> Any:
-        callers.append(threading.get_ident())
-        return band_stats()
+        def spy(*args: Any, _original: Any = original) -> Any:
+            touched.append(threading.get_ident())
+            return _original(*args)
 
-    flow.coordinator.scheduler.band_stats = spy  # type: ignore[method-assign]
+        setattr(scheduler, method, spy)
     collected: list[Any] = []
     thread = threading.Thread(target=lambda: collected.append(reader.get_metrics_data()))
     thread.start()
-    thread.join(30)
-    assert callers == []
+    thread.join()
+    assert touched == []
+    assert flow.recorder.pictures[-1] is published  # nothing published meanwhile
     points = {}
     for resource_metrics in collected[0].resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
@@ -389,50 +479,90 @@ async def test_gauges_collected_on_another_thread_do_not_touch_the_scheduler() -
                     points[(metric.name, tuple(sorted((point.attributes or {}).items())))] = getattr(
                         point, "value", None)
     assert points[(names.QUEUE_DEPTH, (("band", "batch"),))] == 2
-    assert points[(names.QUEUE_OLDEST_WAIT, (("band", "batch"),))] == pytest.approx(4.5, abs=1e-6)
+    assert points[(names.QUEUE_DEPTH, (("band", "normal"),))] == 0
+    assert points[(names.QUEUE_OLDEST_WAIT, (("band", "batch"),))] == 4.5
     assert points[(names.QUEUE_OLDEST_WAIT, (("band", "normal"),))] == 0
     assert points[(names.GPU_BUSY, ())] == 1
-    # On the loop's own thread the scheduler is read directly.
-    flow.metrics()
-    assert callers and set(callers) == {threading.get_ident()}
+
+
+@virtual_time
+async def text_after_traffic() -> bytes:
+    """Every family, histograms included, after a little of everything."""
+    traced = Traced(upstream=FakeUpstream(busy=None))
+    flow = traced.flow
+    one = await flow.arrive("one", "interactive", "a")
+    two = await flow.arrive("two", "batch", "b")
+    await flow.advance(1)
+    await flow.end(one, ExchangeEnd.CLIENT_LEFT)  # a settle
+    assert two.granted and two.ticket.decision.load
+    await flow.complete(two, 200, first_byte_s=0.1)
+    return traced.telemetry.prometheus_text()[0]
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
-async def test_text_passes_promtool_lint() -> None:
-    flow = Flow()
-    ticket = await flow.arrive("one", "interactive")
-    flow.finish(ticket)
-    body, _ = flow.telemetry.prometheus_text()
-    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
+def test_the_text_passes_promtool() -> None:
+    body = text_after_traffic()
+    assert set(metric_names(body.decode())) == set(names.ALL)
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == b""  # not even a lint warning
+
+
+# -- nothing secret --------------------------------------------------------------------------
+
+
+@virtual_time
+async def test_headers_other_than_the_read_ones_never_appear() -> None:
+    from llamaswap.runtime.activity import ActivityLog
+
+    secret = "SECRET-bearer-token-never-in-telemetry"
+    activity = ActivityLog(clock())
+    traced = Traced(LONG_LEASE, observers=(activity,))
+    flow = traced.flow
+    headers = {"x-request-id": "r-1", "x-llamaswap-priority": "interactive", "authorization": f"Bearer {secret}",
+               "cookie": f"session={secret}", "x-api-key": secret}
+    context = FakeServicerContext(metadata=(("traceparent", traceparent()), ("x-envoy-secret", secret)))
+    first = await flow.check(check_request(headers, model="a"), context)
+    second = await flow.check(check_request({**headers, "x-request-id": "r-2"}, model="a"), context)
+    assert first.granted and second.waiting
+    await flow.advance(1)
+    await flow.complete(first)
+    await flow.end(second, ExchangeEnd.CLIENT_LEFT)
+    text = traced.telemetry.prometheus_text()[0].decode()
+    for span in traced.finished_spans():
+        text += repr(dict(span.attributes)) + repr([dict(e.attributes) for e in span.events])
+        text += repr(dict(span.resource.attributes)) + span.name
+    text += repr(activity.recent())
+    assert "r-1" in text and "r-2" in text  # what is read is there
+    assert secret not in text
 
 
 # -- providers from the environment ----------------------------------------------------------
 
 
 def _clear_otel(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     for key in list(os.environ):
         if key.startswith("OTEL_"):
             monkeypatch.delenv(key)
 
 
-async def test_without_endpoint_nothing_is_exported_and_metrics_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+@virtual_time
+async def test_without_an_endpoint_nothing_is_exported_and_metrics_still_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     _clear_otel(monkeypatch)
     assert exporters_from_environment() == ([], [])
-    telemetry = Telemetry.from_environment()
+    telemetry = Telemetry.from_environment(clock())
     assert telemetry.resource.attributes["service.name"] == "llamaswap"
-    flow = Flow(telemetry=telemetry)
-    ticket = await flow.arrive("plain")
-    flow.finish(ticket)
-    assert value(flow.metrics(), names.DISPATCHED, band="normal") == 1
-    assert len(ticket.extras["trace_id"]) == 32
+    flow = Flow(observers=[telemetry])
+    ticket = await flow.arrive("plain", model="a")
+    await flow.complete(ticket)
+    assert value(parse_text(telemetry.prometheus_text()[0].decode()), names.DISPATCHED, band="normal") == 1
     telemetry.shutdown()
     telemetry.shutdown()  # idempotent
 
 
-def test_endpoint_and_service_name_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_endpoint_and_service_name_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     _clear_otel(monkeypatch)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "gpu-7")
@@ -456,60 +586,102 @@ def test_endpoint_and_service_name_from_environment(monkeypatch: pytest.MonkeyPa
     assert exporters_from_environment() == ([], [])
 
 
-async def test_shutdown_flushes_spans() -> None:
+def test_console_and_unknown_exporters_from_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    _clear_otel(monkeypatch)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,zipkin")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    span_processors, metric_readers = exporters_from_environment()
+    assert [type(p) for p in span_processors] == [BatchSpanProcessor]
+    assert metric_readers == []  # `prometheus` is the admin GET /metrics, always on
+    assert "OTEL_TRACES_EXPORTER=zipkin is not supported" in caplog.text
+    for processor in span_processors:
+        processor.shutdown()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
+    assert exporters_from_environment() == ([], [])  # a bad protocol is left out, not fatal
+    assert "could not be set up" in caplog.text
+
+
+@virtual_time
+async def test_shutdown_flushes_the_spans() -> None:
     exporter = InMemorySpanExporter()
-    telemetry = Telemetry(span_processors=[BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000)],
+    telemetry = Telemetry(clock=clock(), span_processors=[BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000)],
                           sampler=ALWAYS_ON)
-    flow = Flow(exporter=exporter, telemetry=telemetry)
-    ticket = await flow.arrive("flushed")
-    flow.finish(ticket)
-    still_running = await flow.arrive("cut-short")
+    flow = Flow(observers=[telemetry])
+    ticket = await flow.arrive("flushed", model="a")
+    await flow.complete(ticket)
+    still_running = await flow.arrive("cut-short", model="a")
     assert exporter.get_finished_spans() == ()
     telemetry.shutdown()
-    names_seen = sorted((s.name, s.attributes["llamaswap.request_id"]) for s in exporter.get_finished_spans())
-    assert names_seen == [("llamaswap.queue", "cut-short"), ("llamaswap.queue", "flushed"),
-                          ("llamaswap.run", "cut-short"), ("llamaswap.run", "flushed")]
-    assert still_running.state is TicketState.RUNNING
+    seen = sorted((s.name, s.attributes["llamaswap.request_id"]) for s in exporter.get_finished_spans())
+    # Spans are written when they end: the running request's queue span ended at its grant.
+    assert seen == [(QUEUE_SPAN, "cut-short"), (QUEUE_SPAN, "flushed"), (RUN_SPAN, "flushed")]
+    assert still_running.granted
+    await flow.complete(still_running)  # after shutdown: nothing recorded, nothing raised
+    assert len(exporter.get_finished_spans()) == 3
 
 
-# -- the queue table -------------------------------------------------------------------------
+# -- the queue table (llamaswap queue) -------------------------------------------------------
 
 
-def test_queue_table() -> None:
+def test_the_queue_table() -> None:
     document = {
-        "policy": "serial", "loaded_model": "model-a",
+        "policy": "serial", "loaded_model": "model-a", "gpu": "running",
         "running": {"request_id": "run-1", "priority": 0, "band": "normal", "score": 0.0, "model": "model-a",
-                    "queue_wait_s": 0.25, "running_s": 3725.0},
+                    "queue_wait_s": 0.25, "running_s": 3725.0, "expected_run_s": 4000.0,
+                    "expected_remaining_s": 275.0},
         "waiting": [
             {"request_id": "req-i", "position": 1, "priority": 100, "band": "interactive", "score": 110.01,
-             "waited_s": 61.0, "model": "model-a"},
+             "waited_s": 61.0, "model": "model-a", "estimated_start_s": 275.0},
             {"request_id": "req-b", "position": 2, "priority": -100, "band": "batch", "score": -99.5,
-             "waited_s": 90061.0, "model": None},
+             "waited_s": 90061.0, "model": None, "estimated_start_s": 3875.0},
         ],
         "bands": {"interactive": {"depth": 1}, "normal": {"depth": 0}, "batch": {"depth": 1}},
     }
     lines = render(document).splitlines()
-    assert "2 waiting" in lines[0] and "model-a" in lines[0]
-    assert lines[1].split() == ["POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "MODEL"]
-    assert lines[2].split() == ["-", "R", "run-1", "0", "normal", "0.000", "0:00", "1:02:05", "model-a"]
-    assert lines[3].split() == ["1", "PD", "req-i", "100", "interactive", "110.010", "1:01", "model-a"]
-    assert lines[4].split() == ["2", "PD", "req-b", "-100", "batch", "-99.500", "1-01:01:01", "-"]
-    assert format_duration(59.9) == "0:59"
-    empty = render({"policy": "serial", "running": None, "waiting": []})
-    assert "GPU idle" in empty and len(empty.splitlines()) == 2
+    assert lines[0] == ("policy serial, loaded model model-a, 1 running, 2 waiting "
+                        "(interactive 1, normal 0, batch 1)")
+    assert lines[1].split() == ["POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START",
+                                "MODEL"]
+    assert lines[2].split() == ["-", "R", "run-1", "0", "normal", "0.000", "0:00", "1:02:05", "+4:35", "model-a"]
+    assert lines[3].split() == ["1", "PD", "req-i", "100", "interactive", "110.010", "1:01", "+4:35", "model-a"]
+    assert lines[4].split() == ["2", "PD", "req-b", "-100", "batch", "-99.500", "1-01:01:01", "+1:04:35", "-"]
+    assert len(lines) == 5
+    # Right-aligned numbers: the START column ends at the same place on every row.
+    ends = {line.index(cell) + len(cell) for line, cell in zip(lines[2:], ["+4:35", "+4:35", "+1:04:35"])}
+    assert len(ends) == 1
 
 
-async def test_without_span_exporters_spans_are_not_recorded_but_trace_ids_are_kept() -> None:
-    telemetry = Telemetry(span_processors=())
-    flow = Flow(telemetry=telemetry)
-    blocker = await flow.arrive("blocker")
-    joined = await flow.arrive("joined", check=traceparent(TRACE_ID, CHECK_SPAN))
-    alone = await flow.arrive("alone")
-    assert joined.extras["trace_id"] == TRACE_ID  # the activity log still links to Envoy's trace
-    assert len(alone.extras["trace_id"]) == 32 and alone.extras["trace_id"] != TRACE_ID
-    flow.finish(blocker)
-    assert (await flow.tasks["joined"]).decision is not None
-    state = telemetry._live[joined.token]
-    assert state.run is not None and not state.run.is_recording()
-    # Metrics are unaffected: the blocker and `joined` were dispatched, both normal.
-    assert value(flow.metrics(), "llamaswap_scheduler_dispatched_total", band="normal") == 2
+@pytest.mark.parametrize(("gpu", "line"), [
+    ("idle", "GPU idle"),
+    ("settling", "GPU settling (the upstream finishes an abandoned generation)"),
+    ("adopted", "GPU busy with an exchange granted before this sidecar started"),
+])
+def test_the_queue_tables_gpu_line(gpu: str, line: str) -> None:
+    text = render({"policy": "fifo", "loaded_model": None, "gpu": gpu, "running": None, "waiting": []})
+    assert text.splitlines()[0] == f"policy fifo, loaded model -, {line}, 0 waiting"
+    assert len(text.splitlines()) == 2
+
+
+@virtual_time
+async def test_the_queue_table_renders_the_live_queue() -> None:
+    from llamaswap.transport.admin import queue_document
+
+    flow = Flow(LONG_LEASE)
+    await flow.arrive("run-1", model="a")
+    await flow.arrive("req-1", "interactive", "b")
+    await flow.advance(2)
+    lines = render(queue_document(flow.coordinator.view())).splitlines()
+    assert lines[0] == "policy serial, loaded model a, 1 running, 1 waiting (interactive 1, normal 0, batch 0)"
+    assert lines[2].split() == ["-", "R", "run-1", "0", "normal", "0.000", "0:00", "0:02", "+0:13", "a"]
+    assert lines[3].split() == ["1", "PD", "req-1", "100", "interactive", "100.033", "0:02", "+0:13", "b"]
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (None, ""), (0, "0:00"), (59.9, "0:59"), (60, "1:00"), (3599, "59:59"), (3600, "1:00:00"),
+    (86399, "23:59:59"), (86400, "1-00:00:00"), (90061, "1-01:01:01"), (-5, "0:00"),
+])
+def test_format_duration(seconds: float | None, text: str) -> None:
+    assert format_duration(seconds) == text

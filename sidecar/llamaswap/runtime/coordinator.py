@@ -218,6 +218,21 @@ class Coordinator:
         policy = self._config.priority_policy()
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
         ticket = Ticket(secrets.token_urlsafe(18), arrival, priority, self._clock.now_ns())
+        try:
+            return await self._admit(ticket)
+        except asyncio.CancelledError:
+            # Envoy cancelled the Check: the client left while waiting (or while the upstream was
+            # asked about its model, or just as it was granted).
+            self._check_cancelled(ticket)
+            raise
+        except Exception:
+            # A bug while admitting: the transport answers 500; the ticket must not stay queued
+            # (it would be granted with nobody to use the grant) nor go unfinished.
+            self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
+            raise
+
+    async def _admit(self, ticket: Ticket) -> Admission:
+        priority = ticket.priority
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         if ticket.model is not None and not await self._serves(ticket.model):
@@ -240,12 +255,7 @@ class Coordinator:
         self._estimate_later(ticket)
         self._arm_expiry()
         self._pump()
-        try:
-            decision = await waiter
-        except asyncio.CancelledError:
-            # Envoy cancelled the Check: the client left while waiting (or just as it was granted).
-            self._check_cancelled(ticket)
-            raise
+        decision = await waiter
         if decision is None:
             assert ticket.outcome is not None
             return self._refusal_of(ticket)
@@ -392,7 +402,8 @@ class Coordinator:
                 break
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
             # has not run its clean-up yet: nothing reached the upstream; the next one goes.
-            self.scheduler.release(decision.request_id, model_loaded=False)
+            self.scheduler.release(decision.request_id)
+            self._unsent(decision)
             if ticket is not None:
                 self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
         ticket.state = TicketState.RUNNING
@@ -409,13 +420,21 @@ class Coordinator:
         # never waits for spans, metrics or log lines.
         self._observe(self._observer.dispatched, ticket, overtaken)
 
-    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool) -> None:
+    def _unsent(self, decision: Decision) -> None:
+        """A grant that never reached the upstream: what was loaded before it still is."""
+        self.scheduler.set_loaded_model(decision.previous_model, as_of=self.scheduler.dispatches)
+
+    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
+                 sent: bool = True) -> None:
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
+        if not sent and ticket.decision is not None:
+            self._unsent(ticket.decision)
         self._running = None
-        for handle in (self._lease_timer, self._watchdog):
-            if handle is not None:
-                handle.cancel()
-        self._lease_timer = self._watchdog = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = None
+        # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
+        self._arm_lease()
         decision = ticket.decision
         if outcome is Outcome.SERVED and decision is not None:
             self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
@@ -463,16 +482,15 @@ class Coordinator:
             return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
         return Refusal(outcome or Outcome.INTERNAL_ERROR)
 
-    def _check_cancelled(self, ticket: Ticket) -> None:
+    def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING) -> None:
         if ticket.state is TicketState.WAITING:
             removed = self.scheduler.cancel(ticket.token)
-            self._finish(ticket, Outcome.CANCELLED_WAITING,
-                         removed.removed_ns if removed is not None else self._clock.now_ns())
+            self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
         elif ticket.state is TicketState.RUNNING and ticket is self._running:
-            # Granted in the same instant the client left: the OK never reached Envoy, so
-            # nothing reached the upstream either.
-            self._release(ticket, Outcome.CANCELLED_WAITING, model_loaded=False, abandoned=False)
+            # Granted in the same instant the client left (or admission failed): the OK never
+            # reached Envoy, so nothing reached the upstream either.
+            self._release(ticket, outcome, model_loaded=False, abandoned=False, sent=False)
 
     def _report_unknown(self, token: str, report: ExchangeReport) -> None:
         """An entry for a grant this process does not hold. Periodic entries prove the exchange

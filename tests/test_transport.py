@@ -1,0 +1,453 @@
+"""The transport: Envoy's protos <-> the runtime's types, and how outcomes look over HTTP.
+
+- transport/access_log.py: an access-log entry -> an ExchangeReport (or nothing);
+- transport/ext_authz.py: a Check -> an Arrival; a grant or a refusal -> a CheckResponse;
+- transport/outcomes.py: the one table from Outcome to HTTP status, OpenAI error and message;
+- transport/admin.py: the queue and status documents.
+The servicers run against a real Coordinator (tests/flow.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from flow import PEER, FakeServicerContext, Flow, check_request, virtual_time
+from google.protobuf import duration_pb2, struct_pb2
+from google.rpc import code_pb2
+from llamaswap._proto.envoy.config.core.v3 import base_pb2
+from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
+from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2
+from llamaswap.core import Band, Decision, Outcome, Priority, PrioritySource
+from llamaswap.envoy import GRANT_NAMESPACE, MODEL_NAMESPACE, TICKET_KEY
+from llamaswap.runtime.coordinator import Refusal
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
+from llamaswap.transport.access_log import AccessLogs, exchange_end, report_of, ticket_of
+from llamaswap.transport.admin import queue_document, status_document
+from llamaswap.transport.ext_authz import MAX_MODEL_NAME, Authorization, decision_headers, denied, granted, model_of
+from llamaswap.transport.outcomes import REFUSALS, http_error, openai_error_body
+from test_coordinator import ENDINGS, RaisesOnEnqueue, Scenario
+
+# -- access log ------------------------------------------------------------------------------
+
+NOT_SENT_FLAGS = ["upstream_connection_failure", "no_healthy_upstream", "upstream_overflow", "no_route_found",
+                  "no_cluster_found", "dns_resolution_failure", "overload_manager"]
+CLIENT_LEFT_FLAGS = ["downstream_connection_termination", "downstream_remote_reset"]
+UPSTREAM_FAILED_FLAGS = ["upstream_remote_reset", "upstream_connection_termination", "upstream_request_timeout",
+                         "local_reset", "upstream_protocol_error", "stream_idle_timeout", "duration_timeout",
+                         "upstream_max_stream_duration_reached"]
+OTHER_FLAGS = ["failed_local_healthcheck", "delay_injected", "fault_injected", "rate_limited",
+               "rate_limit_service_error", "upstream_retry_limit_exceeded", "invalid_envoy_request_headers",
+               "downstream_protocol_error", "response_from_cache_filter", "no_filter_config_found"]
+
+
+def test_the_flag_families_cover_every_response_flag() -> None:
+    every = {field.name for field in accesslog_pb2.ResponseFlags.DESCRIPTOR.fields if field.type == field.TYPE_BOOL}
+    families = [NOT_SENT_FLAGS, CLIENT_LEFT_FLAGS, UPSTREAM_FAILED_FLAGS, OTHER_FLAGS]
+    assert sorted(flag for family in families for flag in family) == sorted(every)
+    assert sum(len(f) for f in families) == len(every)  # no flag in two families
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def log_entry(kind: int = accesslog_pb2.DownstreamEnd, *, status: int | None = 200, flags: tuple[str, ...] = (),
+              tx_s: float | None = 0.01, rx_s: float | None = None, ticket: str | None = "the-ticket",
+              namespace: str = GRANT_NAMESPACE) -> accesslog_pb2.HTTPAccessLogEntry:
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.access_log_type = kind
+    for flag in flags:
+        setattr(common.response_flags, flag, True)
+    if tx_s is not None:
+        common.time_to_first_upstream_tx_byte.CopyFrom(duration(tx_s))
+    if rx_s is not None:
+        common.time_to_first_upstream_rx_byte.CopyFrom(duration(rx_s))
+    if status is not None:
+        entry.response.response_code.value = status
+    if ticket is not None:
+        common.metadata.filter_metadata[namespace].fields[TICKET_KEY].string_value = ticket
+    return entry
+
+
+def test_ticket_of() -> None:
+    assert ticket_of(log_entry(ticket="tok-1")) == "tok-1"
+    assert ticket_of(log_entry(ticket=None)) is None
+    assert ticket_of(log_entry(ticket="tok", namespace="envoy.filters.http.other")) is None
+    assert ticket_of(log_entry(ticket="")) is None
+    no_key = log_entry(ticket=None)
+    no_key.common_properties.metadata.filter_metadata[GRANT_NAMESPACE].fields["other"].string_value = "x"
+    assert ticket_of(no_key) is None
+    number = log_entry(ticket=None)
+    number.common_properties.metadata.filter_metadata[GRANT_NAMESPACE].fields[TICKET_KEY].number_value = 7
+    assert ticket_of(number) is None
+
+
+def test_a_periodic_entry_is_a_renewal() -> None:
+    report = report_of(log_entry(accesslog_pb2.DownstreamPeriodic, status=200, flags=("downstream_remote_reset",),
+                                 tx_s=0.5, rx_s=2.0))
+    assert report == ExchangeReport(final=False, end=None, status=0, first_byte_s=1.5)
+
+
+@pytest.mark.parametrize("kind", [accesslog_pb2.DownstreamEnd, accesslog_pb2.NotSet])
+def test_an_end_entry_is_final(kind: int) -> None:
+    report = report_of(log_entry(kind, status=201, tx_s=0.25, rx_s=1.0))
+    assert report == ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=201, first_byte_s=0.75)
+
+
+@pytest.mark.parametrize("kind", [accesslog_pb2.DownstreamStart, accesslog_pb2.UpstreamPeriodic,
+                                  accesslog_pb2.UpstreamEnd, accesslog_pb2.TcpPeriodic,
+                                  accesslog_pb2.TcpConnectionStart, accesslog_pb2.UpstreamPoolReady])
+def test_other_entry_kinds_report_nothing(kind: int) -> None:
+    assert report_of(log_entry(kind)) is None
+
+
+def test_the_first_byte_comes_from_the_two_durations() -> None:
+    assert report_of(log_entry(tx_s=0.1, rx_s=None)).first_byte_s is None
+    assert report_of(log_entry(tx_s=None, rx_s=1.0)).first_byte_s is None
+    assert report_of(log_entry(tx_s=2.0, rx_s=1.0)).first_byte_s == 0.0  # never negative
+    assert report_of(log_entry(tx_s=0.0, rx_s=0.000_001)).first_byte_s == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("flag", NOT_SENT_FLAGS)
+def test_flags_that_say_the_request_never_reached_the_upstream(flag: str) -> None:
+    assert exchange_end(log_entry(flags=(flag,)), 503) is ExchangeEnd.NOT_SENT
+    # Even with the client gone too.
+    assert exchange_end(log_entry(flags=(flag, "downstream_remote_reset")), 0) is ExchangeEnd.NOT_SENT
+
+
+@pytest.mark.parametrize("flag", CLIENT_LEFT_FLAGS)
+def test_flags_that_say_the_client_left(flag: str) -> None:
+    assert exchange_end(log_entry(flags=(flag,)), 200) is ExchangeEnd.CLIENT_LEFT
+    assert exchange_end(log_entry(flags=(flag, "upstream_remote_reset")), 0) is ExchangeEnd.CLIENT_LEFT
+
+
+@pytest.mark.parametrize("flag", UPSTREAM_FAILED_FLAGS)
+def test_flags_that_say_the_upstream_failed(flag: str) -> None:
+    assert exchange_end(log_entry(flags=(flag,)), 200) is ExchangeEnd.UPSTREAM_FAILED
+
+
+@pytest.mark.parametrize("flag", OTHER_FLAGS)
+def test_other_flags_do_not_change_a_complete_exchange(flag: str) -> None:
+    assert exchange_end(log_entry(flags=(flag,)), 200) is ExchangeEnd.COMPLETE
+
+
+def test_complete_exchanges_and_their_edges() -> None:
+    assert exchange_end(log_entry(), 200) is ExchangeEnd.COMPLETE
+    assert exchange_end(log_entry(), 503) is ExchangeEnd.COMPLETE  # the status decides the outcome later
+    assert exchange_end(log_entry(), 0) is ExchangeEnd.UPSTREAM_FAILED  # no response at all
+    assert exchange_end(log_entry(tx_s=None), 200) is ExchangeEnd.NOT_SENT  # no upstream tx byte
+    assert exchange_end(log_entry(tx_s=None, flags=("downstream_remote_reset",)), 0) is ExchangeEnd.NOT_SENT
+    assert report_of(log_entry(status=None)) == ExchangeReport(final=True, end=ExchangeEnd.UPSTREAM_FAILED, status=0,
+                                                               first_byte_s=None)
+
+
+def _message(*entries: accesslog_pb2.HTTPAccessLogEntry) -> als_pb2.StreamAccessLogsMessage:
+    message = als_pb2.StreamAccessLogsMessage()
+    message.http_logs.log_entry.extend(entries)
+    return message
+
+
+@virtual_time
+async def test_the_access_log_servicer_reports_renewals_ends_and_the_streams_end() -> None:
+    flow = Flow()
+    a = await flow.arrive("a", model="a", peer="ipv4:10.0.0.1:1")
+    b = await flow.arrive("b", model="a", peer="ipv4:10.0.0.1:1")
+    stream: asyncio.Queue[als_pb2.StreamAccessLogsMessage | None] = asyncio.Queue()
+
+    async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        while (message := await stream.get()) is not None:
+            yield message
+
+    servicer = AccessLogs(flow.coordinator)
+    call = asyncio.ensure_future(servicer.StreamAccessLogs(messages(), FakeServicerContext("ipv4:10.0.0.1:1")))
+    await flow.advance(2)
+    stream.put_nowait(_message(log_entry(accesslog_pb2.DownstreamPeriodic, ticket=a.ticket.token),
+                               log_entry(accesslog_pb2.DownstreamEnd, ticket=None),  # no ticket: ignored
+                               log_entry(accesslog_pb2.DownstreamStart, ticket=a.ticket.token)))  # ignored
+    await flow.idle()
+    assert a.ticket.lease_deadline_ns == flow.now_ns + 3 * 1_000_000_000
+    await flow.advance(2)
+    assert a.outcome is None  # renewed
+    stream.put_nowait(_message(log_entry(status=200, tx_s=0.01, rx_s=0.51, ticket=a.ticket.token)))
+    await flow.idle()
+    assert a.outcome is Outcome.SERVED and a.ticket.first_byte_s == pytest.approx(0.5)
+    assert b.granted
+    stream.put_nowait(None)  # Envoy's stream ends: the grant it carried is gone with it
+    await flow.idle()
+    assert call.done() and call.result() == als_pb2.StreamAccessLogsResponse()
+    assert b.outcome is Outcome.PROXY_GONE
+
+
+@virtual_time
+async def test_a_broken_entry_does_not_end_the_stream() -> None:
+    flow = Flow()
+    a = await flow.arrive("a", model="a")
+    original = flow.coordinator.report
+    calls: list[str] = []
+
+    def report(token: str, report: ExchangeReport) -> None:  # fails on the first entry only
+        calls.append(token)
+        if len(calls) == 1:
+            raise RuntimeError("a bug handling one entry")
+        original(token, report)
+
+    flow.coordinator.report = report  # type: ignore[method-assign]
+
+    async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        yield _message(log_entry(accesslog_pb2.DownstreamPeriodic, ticket=a.ticket.token))
+        yield _message(log_entry(ticket=a.ticket.token, status=200))
+
+    await AccessLogs(flow.coordinator).StreamAccessLogs(messages(), FakeServicerContext("another-peer"))
+    await flow.idle()
+    assert calls == [a.ticket.token, a.ticket.token]
+    assert a.outcome is Outcome.SERVED
+
+
+# -- ext_authz -------------------------------------------------------------------------------
+
+
+def value_of(**kind: object) -> struct_pb2.Value:
+    value = struct_pb2.Value()
+    [(name, content)] = kind.items()
+    if name == "struct_value":
+        value.struct_value.update(content)  # type: ignore[arg-type]
+    elif name == "list_value":
+        value.list_value.extend(content)  # type: ignore[arg-type]
+    else:
+        setattr(value, name, content)
+    return value
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    (value_of(string_value="llama-3"), "llama-3"),
+    (value_of(string_value="x" * MAX_MODEL_NAME), "x" * MAX_MODEL_NAME),
+    (value_of(string_value="x" * (MAX_MODEL_NAME + 1)), None),
+    (value_of(string_value=""), None),
+    (value_of(string_value=" "), " "),
+    (value_of(string_value="модель"), "модель"),
+    (value_of(number_value=7), None),
+    (value_of(bool_value=True), None),
+    (value_of(null_value=struct_pb2.NULL_VALUE), None),
+    (value_of(struct_value={"name": "m"}), None),
+    (value_of(list_value=["m"]), None),
+    (struct_pb2.Value(), None),  # no kind set at all
+])
+def test_model_of(model: struct_pb2.Value, expected: str | None) -> None:
+    assert model_of(check_request(model=model)) == expected
+
+
+def test_model_of_without_the_namespace_or_the_key() -> None:
+    assert model_of(check_request()) is None
+    assert model_of(check_request(model="m", namespace="some.other.filter")) is None
+    request = check_request()
+    request.attributes.metadata_context.filter_metadata[MODEL_NAMESPACE].fields["not_model"].string_value = "m"
+    assert model_of(request) is None
+    assert MODEL_NAMESPACE == "llamaswap"
+
+
+def _decision() -> Decision:
+    return Decision(request_id="tok", priority=-7, band=Band.NORMAL, score=12.34567, arrival_ns=1_000_000_000,
+                    granted_ns=3_523_460_000, model="m", swap_affinity=True, aging=0.1, load=False, swap=False,
+                    previous_model="m", reordered_by=frozenset(), overtook=(), queue_depth_after=0)
+
+
+def test_granted_carries_the_decision_headers_and_the_ticket() -> None:
+    ticket = Ticket("secret-token", Arrival("r", None, None, "m", PEER, None, None), Priority(-7, PrioritySource.NUMBER),
+                    1_000_000_000)
+    ticket.decision = _decision()
+    response = granted(ticket)
+    assert response.status.code == code_pb2.OK
+    assert response.WhichOneof("http_response") == "ok_response"
+    headers = [(h.header.key, h.header.value) for h in response.ok_response.response_headers_to_add]
+    assert headers == [("x-llamaswap-priority", "-7"), ("x-llamaswap-band", "normal"),
+                       ("x-llamaswap-score", "12.346"), ("x-llamaswap-queue-wait-ms", "2523.5")]
+    assert headers == decision_headers(ticket.decision)
+    for option in response.ok_response.response_headers_to_add:
+        assert option.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        assert option.header.raw_value == b""  # ext_authz reads `value`
+    assert not response.ok_response.headers  # nothing added to the upstream request
+    assert dict(response.dynamic_metadata) == {TICKET_KEY: "secret-token"}
+
+
+@pytest.mark.parametrize("refusal", [
+    Refusal(Outcome.REJECTED_FULL, 13, queue_depth=4, queue_limit=4),
+    Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model="nope"),
+    Refusal(Outcome.EXPIRED, 7, max_wait_s=30.0),
+    Refusal(Outcome.SHUTDOWN, 5),
+    Refusal(Outcome.INTERNAL_ERROR),
+])
+def test_denied_is_an_openai_error(refusal: Refusal) -> None:
+    response = denied(refusal)
+    error, body = http_error(refusal)
+    assert response.status.code == code_pb2.PERMISSION_DENIED and response.status.message == error.code
+    assert response.WhichOneof("http_response") == "denied_response"
+    assert response.denied_response.status.code == error.status
+    headers = {h.header.key: h.header.value for h in response.denied_response.headers}
+    expected = {"content-type": "application/json", "x-llamaswap-outcome": refusal.outcome.value}
+    if refusal.retry_after_s is not None:
+        expected["retry-after"] = str(refusal.retry_after_s)
+    assert headers == expected
+    document = json.loads(response.denied_response.body)
+    assert document == json.loads(body)
+    assert set(document) == {"error"} and set(document["error"]) == {"message", "type", "param", "code"}
+    assert document["error"]["type"] == error.error_type and document["error"]["code"] == error.code
+
+
+def test_arrival_reads_the_headers_the_peer_and_the_trace() -> None:
+    flow_config = {"security": {"priority": {"trustedHeader": "X-Tier"}}}
+    from llamaswap.config import parse_config
+    from llamaswap.runtime.coordinator import Coordinator
+
+    coordinator = Coordinator(parse_config(flow_config), observe_after_grant=False)
+    servicer = Authorization(coordinator)
+    request = check_request({"x-request-id": "req-9", "x-llamaswap-priority": "batch", "x-tier": "interactive",
+                             "authorization": "Bearer secret"}, model="m", http_id="stream-3")
+    context = FakeServicerContext("ipv4:10.1.2.3:4567", (("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+                                                          ("tracestate", "k=v"), ("user-agent", "grpc-c++")))
+    assert servicer._arrival(request, context) == Arrival(  # type: ignore[arg-type]
+        request_id="req-9", priority_header="batch", trusted_header="interactive", model="m",
+        peer="ipv4:10.1.2.3:4567", trace_parent="00-" + "a" * 32 + "-" + "b" * 16 + "-01", trace_state="k=v")
+    # Without the request id header: Envoy's stream id. Without metadata: no trace. Binary values: ignored.
+    bare = servicer._arrival(check_request({}, http_id="stream-4"),  # type: ignore[arg-type]
+                             FakeServicerContext("p", (("traceparent", b"\x00\x01"),)))
+    assert bare == Arrival("stream-4", None, None, None, "p", None, None)
+
+
+def test_arrival_ignores_a_trusted_header_that_is_not_configured() -> None:
+    from llamaswap.config import parse_config
+    from llamaswap.runtime.coordinator import Coordinator
+
+    servicer = Authorization(Coordinator(parse_config({}), observe_after_grant=False))
+    arrival = servicer._arrival(check_request({"x-tier": "500"}), FakeServicerContext())  # type: ignore[arg-type]
+    assert arrival.trusted_header is None
+
+
+@virtual_time
+async def test_the_check_servicer_answers_when_the_gpu_is_granted() -> None:
+    flow = Flow()
+    authz = Authorization(flow.coordinator)
+    first = asyncio.ensure_future(authz.Check(check_request({"x-request-id": "one"}, model="a"), FakeServicerContext()))
+    second = asyncio.ensure_future(authz.Check(check_request({"x-request-id": "two"}, model="a"),
+                                               FakeServicerContext()))
+    await flow.idle()
+    assert first.done() and not second.done()  # the second Check is held
+    token = first.result().dynamic_metadata[TICKET_KEY]
+    flow.coordinator.report(token, ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200, first_byte_s=None))
+    await flow.idle()
+    assert second.done() and second.result().status.code == code_pb2.OK
+    flow.coordinator.stop_admitting()
+    refused = await authz.Check(check_request({"x-request-id": "three"}, model="a"), FakeServicerContext())
+    assert refused.denied_response.status.code == 503
+    assert {h.header.key: h.header.value for h in refused.denied_response.headers}["retry-after"] == "5"
+
+
+@virtual_time
+async def test_the_check_servicer_answers_500_on_an_internal_error() -> None:
+    flow = Flow(observers=[RaisesOnEnqueue("boom")])
+    authz = Authorization(flow.coordinator)
+    await flow.arrive("blocker", model="a")
+    response = await authz.Check(check_request({"x-request-id": "boom"}, model="a"), FakeServicerContext())
+    assert response.denied_response.status.code == 500
+    assert json.loads(response.denied_response.body)["error"]["code"] == "internal_error"
+    assert flow.recorder.tickets["boom"].outcome is Outcome.INTERNAL_ERROR
+
+
+@virtual_time
+async def test_a_cancelled_check_propagates_the_cancellation() -> None:
+    flow = Flow()
+    authz = Authorization(flow.coordinator)
+    await flow.arrive("blocker", model="a")
+    call = asyncio.ensure_future(authz.Check(check_request({"x-request-id": "gone"}, model="a"),
+                                             FakeServicerContext()))
+    await flow.idle()
+    call.cancel()
+    await flow.idle()
+    assert call.cancelled()
+    assert flow.recorder.tickets["gone"].outcome is Outcome.CANCELLED_WAITING
+
+
+# -- outcomes --------------------------------------------------------------------------------
+
+
+def test_the_outcome_table() -> None:
+    table = {outcome: (e.status, e.error_type, e.code, e.param) for outcome, e in REFUSALS.items()}
+    assert table == {
+        Outcome.REJECTED_FULL: (429, "rate_limit_error", "queue_full", None),
+        Outcome.REJECTED_UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found", "model"),
+        Outcome.EXPIRED: (503, "server_error", "queue_wait_expired", None),
+        Outcome.SHUTDOWN: (503, "server_error", "shutting_down", None),
+        Outcome.INTERNAL_ERROR: (500, "server_error", "internal_error", None),
+        Outcome.CANCELLED_WAITING: (499, "invalid_request_error", "cancelled", None),
+    }
+
+
+def test_the_messages_name_the_numbers() -> None:
+    assert http_error(Refusal(Outcome.REJECTED_FULL, 13, queue_depth=4, queue_limit=4))[0].message(
+        Refusal(Outcome.REJECTED_FULL, 13, queue_depth=4, queue_limit=4)) == (
+        "the GPU queue is full (4 requests waiting, routing.scheduler.maxQueued is 4); retry after 13 s")
+    _, body = http_error(Refusal(Outcome.EXPIRED, 7, max_wait_s=30.0))
+    assert json.loads(body)["error"]["message"] == (
+        "waited longer than routing.scheduler.maxWaitSeconds (30 s) for the GPU; retry after 7 s")
+    _, body = http_error(Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model="nope"))
+    assert json.loads(body)["error"] == {
+        "message": "the model 'nope' does not exist here: the upstream does not serve it "
+                   "(GET /v1/models lists what it serves)",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
+@pytest.mark.parametrize("outcome", [o for o in Outcome if o not in REFUSALS])
+def test_an_outcome_without_a_row_is_answered_as_internal_error(outcome: Outcome) -> None:
+    error, body = http_error(Refusal(outcome))
+    assert error is REFUSALS[Outcome.INTERNAL_ERROR]
+    assert json.loads(body)["error"]["code"] == "internal_error"
+
+
+REFUSED = [(s, o) for s, o in ENDINGS if s.__name__ in (
+    "refused_full", "unknown_model", "expired", "shutdown_waiting", "shutdown_arriving")]
+
+
+@pytest.mark.parametrize(("scenario", "outcome"), REFUSED, ids=[s.__name__ for s, _ in REFUSED])
+@virtual_time
+async def test_every_refusal_the_coordinator_makes_has_a_row(scenario: Scenario, outcome: Outcome) -> None:
+    flow = Flow({"routing": {"scheduler": {"maxQueued": 1, "maxWaitSeconds": 2, "maxRunSeconds": 4}}})
+    refusal = (await scenario(flow)).refusal
+    assert refusal.outcome is outcome and outcome in REFUSALS
+    assert denied(refusal).denied_response.status.code == REFUSALS[outcome].status
+
+
+def test_openai_error_body() -> None:
+    assert openai_error_body("m", "t", "c") == b'{"error":{"message":"m","type":"t","param":null,"code":"c"}}'
+
+
+# -- admin documents -------------------------------------------------------------------------
+
+
+@virtual_time
+async def test_the_queue_and_status_documents() -> None:
+    flow = Flow({"envoy": {"leaseSeconds": 1000}})
+    await flow.arrive("run", model="a")
+    await flow.arrive("wait", "batch", model="b")
+    await flow.advance(1)
+    document = queue_document(flow.coordinator.view())
+    assert document["gpu"] == "running" and document["loaded_model"] == "a" and document["policy"] == "serial"
+    assert document["running"]["request_id"] == "run" and document["running"]["expected_remaining_s"] == 14.0
+    assert [row["request_id"] for row in document["waiting"]] == ["wait"]
+    assert document["waiting"][0]["estimated_start_s"] == 14.0
+    assert document["bands"] == {"interactive": {"depth": 0, "oldest_wait_s": 0.0},
+                                 "normal": {"depth": 0, "oldest_wait_s": 0.0},
+                                 "batch": {"depth": 1, "oldest_wait_s": 1.0}}
+    assert json.loads(json.dumps(document)) == document
+    assert status_document(flow.coordinator, "wait") == {
+        "request_id": "wait", "state": "waiting", "position": 1, "priority": -100, "band": "batch",
+        "score": pytest.approx(-100 + 1 / 60), "waited_s": 1.0, "estimated_start_s": 14.0}
+    running = status_document(flow.coordinator, "run")
+    assert running["state"] == "running" and running["position"] == 0 and running["running_s"] == 1.0
+    assert status_document(flow.coordinator, "nobody") is None
+    tokens = {r.ticket.token for r in flow.requests.values()}
+    assert not any(token in json.dumps(document) for token in tokens)
