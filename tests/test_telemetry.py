@@ -494,7 +494,7 @@ async def text_after_traffic() -> bytes:
     two = await flow.arrive("two", "batch", "b")
     await flow.advance(1)
     await flow.end(one, ExchangeEnd.CLIENT_LEFT)  # a settle
-    assert two.granted and two.ticket.decision.load
+    assert two.granted and two.ticket.decision.swap  # a client leaving keeps model a loaded
     await flow.complete(two, 200, first_byte_s=0.1)
     return traced.telemetry.prometheus_text()[0]
 
