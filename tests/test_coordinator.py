@@ -718,6 +718,8 @@ async def test_an_adopted_lease_lapses() -> None:
     assert a.waiting
     await flow.advance(0.001)
     assert a.granted and a.ticket.decision.granted_ns == seen + round(LEASE_S * S)
+    (settle,) = [x for x in flow.recorder.settles if x.reason is SettleReason.ADOPTED]
+    assert (settle.result, settle.started_ns, settle.ended_ns) == (SettleResult.LAPSED, seen, seen + round(LEASE_S * S))
 
 
 @virtual_time
@@ -776,6 +778,8 @@ async def test_a_late_periodic_report_for_a_lapsed_grant_adopts_it_again(release
     assert b.granted
     assert a.outcome is Outcome.LEASE_EXPIRED if release == "lease" else Outcome.PROXY_GONE
     assert flow.recorder.times_finished(a.ticket) == 1
+    adopted = [x for x in flow.recorder.settles if x.reason is SettleReason.ADOPTED]
+    assert [x.result for x in adopted] == [SettleResult.ENDED]  # the GPU time it held, counted
 
 
 # -- the client leaves while waiting -----------------------------------------------------------

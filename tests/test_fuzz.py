@@ -124,11 +124,11 @@ kinds = st.sampled_from([v.number for v in accesslog_pb2.DESCRIPTOR.enum_types_b
 
 
 def expected_end(flags: set[str], tx_s: float | None, status: int) -> ExchangeEnd:
-    """The specification, by family: not sent, then the client, then the upstream."""
-    if tx_s is None or flags & set(NOT_SENT_FLAGS):
-        return ExchangeEnd.NOT_SENT
+    """The specification, by family: the client, then not sent, then the upstream."""
     if flags & set(CLIENT_LEFT_FLAGS):
         return ExchangeEnd.CLIENT_LEFT
+    if tx_s is None or flags & set(NOT_SENT_FLAGS):
+        return ExchangeEnd.NOT_SENT
     if status == 0 or flags & set(UPSTREAM_FAILED_FLAGS):
         return ExchangeEnd.UPSTREAM_FAILED
     return ExchangeEnd.COMPLETE

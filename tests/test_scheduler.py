@@ -503,19 +503,19 @@ def test_overtook_lists_earlier_waiting_arrivals_up_to_16():
 
 def test_max_queued_raises_queue_full():
     s, _ = make(serial(max_queued=2))
-    assert s.enqueue("a", P(0)) == 0
-    assert s.enqueue("b", P(0)) == 1
+    assert s.enqueue("a", P(0)).depth == 0
+    assert s.enqueue("b", P(0)).depth == 1
     with pytest.raises(QueueFull) as info:
         s.enqueue("c", P(100))
     assert (info.value.depth, info.value.limit) == (2, 2)
     assert isinstance(info.value, SchedulerError)
     assert s.depth == 2 and "c" not in waiting_ids(s)
     assert s.next().request_id == "a"  # the running request does not count
-    assert s.enqueue("c", P(100)) == 1
+    assert s.enqueue("c", P(100)).depth == 1
     with pytest.raises(QueueFull):
         s.enqueue("d", P(0))
     assert s.cancel("b") is not None
-    assert s.enqueue("d", P(0)) == 1
+    assert s.enqueue("d", P(0)).depth == 1
 
 
 def test_unlimited_queue_by_default():

@@ -102,7 +102,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{self.count}"
         prio = parse_priority(str(priority) if as_text else f" {priority:+d} ")
         assert prio.value == priority and prio.source is PrioritySource.NUMBER
-        assert self.real.enqueue(rid, prio, model) == self.ref.enqueue(rid, priority, model)
+        queued = self.real.enqueue(rid, prio, model)
+        assert queued.depth == self.ref.enqueue(rid, priority, model)
+        assert queued.arrival_ns == self.clock.now_ns()
 
     @rule(data=st.data())
     def advance(self, data):

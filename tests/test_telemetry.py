@@ -173,8 +173,12 @@ async def test_spans_join_envoys_trace_with_the_decision() -> None:
     for span in traced.finished_spans():
         text = repr(dict(span.attributes)) + repr([dict(e.attributes) for e in span.events])
         assert not any(token in text for token in tokens)
-    # The blocker had no traceparent: a root span of its own.
-    assert traced.span(RUN_SPAN, "blocker").parent is None
+    # The blocker had no traceparent: its queue span is a root, its run span under it, one trace.
+    blocker_queue = traced.span(QUEUE_SPAN, "blocker")
+    blocker_run = traced.span(RUN_SPAN, "blocker")
+    assert blocker_queue.parent is None
+    assert blocker_run.parent is not None and blocker_run.parent.span_id == blocker_queue.context.span_id
+    assert blocker_run.context.trace_id == blocker_queue.context.trace_id
 
 
 @virtual_time

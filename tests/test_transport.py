@@ -117,8 +117,8 @@ def test_the_first_byte_comes_from_the_two_durations() -> None:
 @pytest.mark.parametrize("flag", NOT_SENT_FLAGS)
 def test_flags_that_say_the_request_never_reached_the_upstream(flag: str) -> None:
     assert exchange_end(log_entry(flags=(flag,)), 503) is ExchangeEnd.NOT_SENT
-    # Even with the client gone too.
-    assert exchange_end(log_entry(flags=(flag, "downstream_remote_reset")), 0) is ExchangeEnd.NOT_SENT
+    # But a client gone too ended it first: it counts as the client's.
+    assert exchange_end(log_entry(flags=(flag, "downstream_remote_reset")), 0) is ExchangeEnd.CLIENT_LEFT
 
 
 @pytest.mark.parametrize("flag", CLIENT_LEFT_FLAGS)
@@ -142,7 +142,7 @@ def test_complete_exchanges_and_their_edges() -> None:
     assert exchange_end(log_entry(), 503) is ExchangeEnd.COMPLETE  # the status decides the outcome later
     assert exchange_end(log_entry(), 0) is ExchangeEnd.UPSTREAM_FAILED  # no response at all
     assert exchange_end(log_entry(tx_s=None), 200) is ExchangeEnd.NOT_SENT  # no upstream tx byte
-    assert exchange_end(log_entry(tx_s=None, flags=("downstream_remote_reset",)), 0) is ExchangeEnd.NOT_SENT
+    assert exchange_end(log_entry(tx_s=None, flags=("downstream_remote_reset",)), 0) is ExchangeEnd.CLIENT_LEFT
     assert report_of(log_entry(status=None)) == ExchangeReport(final=True, end=ExchangeEnd.UPSTREAM_FAILED, status=0,
                                                                first_byte_s=None)
 

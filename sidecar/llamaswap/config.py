@@ -163,8 +163,9 @@ class HostPort:
 
 
 class ModelCheck(enum.StrEnum):
-    """auto: refuse a model the upstream does not list, once it lists its models; strict: refuse
-    every model the upstream has not listed (nothing passes while the list is unknown); off: never check."""
+    """auto: refuse a model the upstream does not list where it routes by name (llama-server's router
+    mode, llama-swap); strict: refuse every model it does not list, whatever its kind; off: never
+    check. While the upstream cannot be asked, nothing is refused."""
 
     AUTO = "auto"
     STRICT = "strict"
@@ -425,13 +426,17 @@ class UpstreamConfig(_Section):
         default=300.0, gt=0, description="How long `llamaswap up` waits for the upstream's health check to pass.")
     models_poll_seconds: Annotated[_Number, _Meaning("0 = off")] = Field(
         default=5.0, ge=0,
-        description="How often to ask the upstream (llama-server's router mode) which model is loaded; 0 = off.")
+        description="How often to ask the upstream what it serves and (router mode) which model is loaded, "
+                    "while the GPU is idle; 0 = off.")
     model_check: ModelCheck = Field(
         default=ModelCheck.AUTO,
-        description="Refuse requests for models the upstream does not serve: auto, strict or off.")
+        description="Refuse requests for models the upstream does not serve, at once: auto (where it routes by "
+                    "model name: llama-server's router mode, llama-swap), strict (any model it does not list) or "
+                    "off.")
     abandoned_generation: AbandonedGeneration = Field(
         default=AbandonedGeneration.WAIT,
-        description="What to do when a client leaves a running generation: wait or stop.")
+        description="When a client leaves a running generation that the upstream goes on computing: wait for it "
+                    "to end (GET /slots) or stop it (router mode: unload the model) before the next grant.")
     settle_timeout_seconds: _Number = Field(
         default=600.0, gt=0,
         description="The longest wait for the upstream to become idle after an abandoned generation.")

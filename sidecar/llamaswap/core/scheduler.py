@@ -219,6 +219,14 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Queued:
+    """A request joined the queue: how many it found waiting, and when (the scheduler's clock)."""
+
+    depth: int
+    arrival_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Removed:
     """A waiting request that left without a grant (cancelled, expired or drained)."""
 
@@ -368,8 +376,8 @@ class Scheduler:
 
     # -- commands ------------------------------------------------------------------------
 
-    def enqueue(self, request_id: str, priority: Priority, model: str | None = None) -> int:
-        """Add a waiting request; returns the queue depth it found on arrival."""
+    def enqueue(self, request_id: str, priority: Priority, model: str | None = None) -> Queued:
+        """Add a waiting request; says the queue depth it found and its arrival time."""
         if request_id in self._waiting or (self._running is not None and self._running.request_id == request_id):
             raise SchedulerError(f"request {request_id!r} is already known")
         depth = len(self._waiting)
@@ -386,7 +394,7 @@ class Scheduler:
         self._link(entry)
         self._band_arrivals[priority.band].append(entry)
         self._band_depth[priority.band] += 1
-        return depth
+        return Queued(depth, entry.arrival_ns)
 
     def cancel(self, request_id: str) -> Removed | None:
         """Remove a waiting request; None if it is not waiting (already granted or gone)."""

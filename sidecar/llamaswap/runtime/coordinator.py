@@ -156,7 +156,9 @@ class Coordinator:
         self._by_request_id: dict[str, Ticket] = {}
         self._running: Ticket | None = None
         self._settling: _Settling | None = None
-        self._adopted: dict[str, int] = {}  # token -> lease deadline (ns) of an earlier process's grant
+        # Exchanges granted by an earlier sidecar process (or whose lease lapsed) that Envoy
+        # still reports: token -> (when adopted, lease deadline), in ns.
+        self._adopted: dict[str, tuple[int, int]] = {}
         self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
         self._catalog: Catalog | None = None
         self._catalog_refresh: asyncio.Task[Catalog | None] | None = None
@@ -240,12 +242,13 @@ class Coordinator:
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         try:
-            depth = self.scheduler.enqueue(ticket.token, priority, ticket.model)
+            queued = self.scheduler.enqueue(ticket.token, priority, ticket.model)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
-        ticket.arrival_ns = self._clock.now_ns()
-        ticket.queue_depth_at_arrival = depth
+        # One arrival time, the scheduler's: the one its waits and aging count from.
+        ticket.arrival_ns = queued.arrival_ns
+        ticket.queue_depth_at_arrival = queued.depth
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
@@ -496,14 +499,14 @@ class Coordinator:
         """An entry for a grant this process does not hold. Periodic entries prove the exchange
         still runs: if it is no grant of ours that we let go on purpose (the watchdog), the
         GPU is busy with it, so adopt it as a lease until its end."""
-        if token in self._adopted:
+        adopted = self._adopted.get(token)
+        if adopted is not None:
             if report.final:
-                del self._adopted[token]
-                _log.info("the adopted exchange ended; the GPU is free again")
+                self._end_adoption(token, SettleResult.ENDED)
                 self._update_idle()
                 self._pump()
             else:
-                self._adopted[token] = self._clock.now_ns() + self._lease_ns()
+                self._adopted[token] = (adopted[0], self._clock.now_ns() + self._lease_ns())
             return
         previous = self._finished.get(token)
         if report.final or previous is Outcome.WATCHDOG or (previous is not None and previous not in (
@@ -511,10 +514,18 @@ class Coordinator:
             return
         _log.warning("Envoy reports an exchange this sidecar did not grant (an earlier sidecar process did%s); "
                      "no grant until it ends", "" if previous is None else f", or its lease lapsed ({previous})")
-        self._adopted[token] = self._clock.now_ns() + self._lease_ns()
+        now = self._clock.now_ns()
+        self._adopted[token] = (now, now + self._lease_ns())
         self._idle.clear()
         self._changed()
         self._arm_lease()
+
+    def _end_adoption(self, token: str, result: SettleResult) -> None:
+        adopted_ns, _ = self._adopted.pop(token)
+        settle = Settle(SettleReason.ADOPTED, result, None, "-", adopted_ns, self._clock.now_ns())
+        _log.info("the adopted exchange %s after %.3f s; the GPU is free again",
+                  "ended" if result is SettleResult.ENDED else "is no longer reported by Envoy", settle.seconds)
+        self._observe(self._observer.settled, settle)
 
     # -- internals: settling -------------------------------------------------------------
 
@@ -592,7 +603,7 @@ class Coordinator:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
-        deadlines = list(self._adopted.values())
+        deadlines = [deadline for _, deadline in self._adopted.values()]
         if self._running is not None:
             deadlines.append(self._running.lease_deadline_ns)
         if not deadlines:
@@ -603,10 +614,9 @@ class Coordinator:
     def _check_leases(self) -> None:
         self._lease_timer = None
         now = self._clock.now_ns()
-        for token, deadline in list(self._adopted.items()):
+        for token, (_, deadline) in list(self._adopted.items()):
             if now >= deadline:
-                del self._adopted[token]
-                _log.warning("the adopted exchange is no longer reported by Envoy; the GPU is free again")
+                self._end_adoption(token, SettleResult.LAPSED)
         running = self._running
         if running is not None and now >= running.lease_deadline_ns:
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",

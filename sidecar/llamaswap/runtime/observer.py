@@ -53,6 +53,7 @@ class SettleResult(str, enum.Enum):
     TIMEOUT = "timeout"  # still busy at the deadline; the next request goes anyway
     UNSUPPORTED = "unsupported"  # the upstream cannot tell (no GET /slots): nothing to wait for
     ENDED = "ended"  # the adopted exchange ended (its final access-log entry arrived)
+    LAPSED = "lapsed"  # Envoy stopped reporting the adopted exchange for envoy.leaseSeconds
 
     def __str__(self) -> str:
         return self.value

@@ -102,8 +102,9 @@ class Instruments:
             WATCHDOG, unit="{request}", description="Grants released by the maxRunSeconds watchdog.")
         self.model_swap = meter.create_histogram(
             MODEL_SWAP, unit="s",
-            description="For dispatches that had to load their model (a swap or a first load): grant to the "
-                        "upstream's first response byte, by model. The cost swap affinity avoids.",
+            description="For dispatches that had to load their model (a swap or a first load): from the request "
+                        "reaching the upstream to its first response byte, by model. The cost swap affinity "
+                        "avoids.",
             explicit_bucket_boundaries_advisory=SWAP_BUCKETS)
         self.model_run = meter.create_histogram(
             MODEL_RUN, unit="s", description="Grant to release, by model.",
@@ -116,7 +117,7 @@ class Instruments:
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "
-                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unsupported, ended).",
+                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unsupported, ended, lapsed).",
             explicit_bucket_boundaries_advisory=RUN_BUCKETS)
         # Every labelled series exists from the start, at 0: a query or an alert never sees a
         # missing series for a band that has simply had no traffic yet.

@@ -106,6 +106,9 @@ class Telemetry:
         meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
         self._aging_divisor_ns = 0
+        # A request without a trace of its own (Envoy does not trace): its run span goes under
+        # its queue span, so it is still one trace. Held from the grant to the end only.
+        self._queue_spans: dict[str, Context] = {}
         self._closed = False
         self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
                                        gpu_busy=self._observe_busy)
@@ -171,8 +174,11 @@ class Telemetry:
             return
         attributes = self._attributes(ticket)
         attributes.update(_decision_attributes(ticket))
-        span = self._tracer.start_span(QUEUE_SPAN, context=parent_of(ticket) or Context(), kind=SpanKind.INTERNAL,
+        parent = parent_of(ticket)
+        span = self._tracer.start_span(QUEUE_SPAN, context=parent or Context(), kind=SpanKind.INTERNAL,
                                        attributes=attributes, start_time=self._wall(ticket.arrival_ns))
+        if parent is None:
+            self._queue_spans[ticket.token] = trace.set_span_in_context(span, Context())
         at = self._wall(decision.granted_ns)
         for other in overtaken:
             event: dict[str, Any] = {"llamaswap.request_id": other.request_id, "llamaswap.priority": other.priority,
@@ -219,7 +225,8 @@ class Telemetry:
             if ticket.response_status:
                 attributes["llamaswap.status"] = ticket.response_status
             name, start_ns = RUN_SPAN, decision.granted_ns
-        span = self._tracer.start_span(name, context=parent_of(ticket) or Context(), kind=SpanKind.INTERNAL,
+        parent = parent_of(ticket) or self._queue_spans.pop(ticket.token, None)
+        span = self._tracer.start_span(name, context=parent or Context(), kind=SpanKind.INTERNAL,
                                        attributes=attributes, start_time=self._wall(start_ns))
         if outcome is Outcome.WATCHDOG:
             span.add_event(WATCHDOG_EVENT, {"llamaswap.request_id": ticket.request_id},

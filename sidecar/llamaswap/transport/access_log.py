@@ -40,12 +40,14 @@ def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> Exchan
     """How the exchange ended, from Envoy's response flags and timings."""
     common = entry.common_properties
     flags = common.response_flags
+    # The client leaving comes first: even before the request reached the upstream, it was the
+    # client who ended the exchange (and a settle that finds the upstream idle costs one ask).
+    if flags.downstream_connection_termination or flags.downstream_remote_reset:
+        return ExchangeEnd.CLIENT_LEFT
     if (flags.upstream_connection_failure or flags.no_healthy_upstream or flags.upstream_overflow
             or flags.no_route_found or flags.no_cluster_found or flags.dns_resolution_failure
             or flags.overload_manager or not common.HasField("time_to_first_upstream_tx_byte")):
         return ExchangeEnd.NOT_SENT
-    if flags.downstream_connection_termination or flags.downstream_remote_reset:
-        return ExchangeEnd.CLIENT_LEFT
     if (status == 0 or flags.upstream_remote_reset or flags.upstream_connection_termination
             or flags.upstream_request_timeout or flags.local_reset or flags.upstream_protocol_error
             or flags.stream_idle_timeout or flags.duration_timeout or flags.upstream_max_stream_duration_reached):

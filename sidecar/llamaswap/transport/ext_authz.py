@@ -68,7 +68,8 @@ def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
     return authz_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=error.code),
         denied_response=authz_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=error.status), headers=headers, body=body.decode()),
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.StatusCode.ValueType(error.status)), headers=headers,
+            body=body.decode()),
     )
 
 
