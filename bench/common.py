@@ -20,6 +20,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import pathlib
 import resource
 import signal
@@ -76,6 +77,32 @@ def cpu_seconds(pid: int) -> float:
     text = pathlib.Path(f"/proc/{pid}/stat").read_text()
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per group of a Python sidecar's threads (/proc/PID/task/*/stat):
+    `main` is the event loop's thread (all of the sidecar's Python code and grpc.aio's Cython
+    callbacks), `poller` the other Python thread(s) (grpc.aio's completion-queue poller),
+    `grpc core` gRPC's C threads (event_engine: sockets, HTTP/2), `other` the rest (timers)."""
+    groups: dict[str, float] = {"main": 0.0, "poller": 0.0, "grpc core": 0.0, "other": 0.0}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            text = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        fields = text[text.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        if task.name == str(pid):
+            group = "main"
+        elif comm.startswith("python"):
+            group = "poller"
+        elif comm.startswith("event_engine") or comm.startswith("grpc"):
+            group = "grpc core"
+        else:
+            group = "other"
+        groups[group] += seconds
+    return groups
 
 
 def machine_load() -> str:
@@ -236,9 +263,15 @@ def _null_sidecar_main(ports_file: str, serial: bool) -> None:
                 running[0] = token
                 future.set_result(None)
 
+    # BENCH_CAPTURE=DIR: keep the last Check and final access-log message Envoy sent, as bytes
+    # (bench/hotpath.py replays them; the sidecar's protos are trimmed, unknown fields are kept).
+    capture = os.environ.get("BENCH_CAPTURE")
+
     class Authorization(authz_grpc.AuthorizationServicer):
         async def Check(self, request, context):  # noqa: N802
             token = secrets.token_urlsafe(18)
+            if capture:
+                pathlib.Path(capture, "check.bin").write_bytes(request.SerializeToString())
             if serial:
                 future = asyncio.get_running_loop().create_future()
                 waiting.append((token, future))
@@ -253,6 +286,8 @@ def _null_sidecar_main(ports_file: str, serial: bool) -> None:
                     common = entry.common_properties
                     if common.access_log_type == accesslog_pb2.DownstreamPeriodic:
                         continue
+                    if capture:
+                        pathlib.Path(capture, "access-log.bin").write_bytes(message.SerializeToString())
                     token = common.metadata.filter_metadata[GRANT_NAMESPACE].fields[TICKET_KEY].string_value
                     if token and running[0] == token:
                         running[0] = None
@@ -540,38 +575,59 @@ def profiled(pid: int, output: str | None, *, rate: int = 250) -> Iterator[None]
         print(f"profile: {output} (summary: .venv/bin/python bench/common.py profile {output})")
 
 
-def summarize_profile(path: str, top: int = 30) -> str:
-    """Self and inclusive sample shares per function from a py-spy raw (collapsed) file."""
+IDLE_LEAVES = ("EpollSelector.select", "epoll_wait", "select (selectors", "poll (libc")
+
+
+def _function(frame: str) -> str:
+    """`name (file:line)` -> `name (file)`: one entry per function, not per line."""
+    return re.sub(r":\d+\)$", ")", frame)
+
+
+def summarize_profile(path: str, top: int = 30, *, requests: int | None = None, rate: int = 250,
+                      by_line: bool = False) -> str:
+    """Self and inclusive shares per function from a py-spy raw (collapsed) file, without the
+    samples whose leaf is the event loop waiting in epoll (idle). With `requests` (how many
+    requests the profiled window served) and py-spy's sampling `rate`, also microseconds per
+    request: samples / rate / requests, i.e. the wall time a thread spent there per request."""
     self_count: dict[str, int] = {}
     total_count: dict[str, int] = {}
-    samples = 0
+    samples = idle = 0
     for line in pathlib.Path(path).read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack:
             continue
         count = int(count_text)
-        samples += count
         frames = stack.split(";")
+        if any(frames[-1].startswith(leaf) for leaf in IDLE_LEAVES):
+            idle += count
+            continue
+        if not by_line:
+            frames = [_function(frame) for frame in frames]
+        samples += count
         seen: set[str] = set()
         for frame in frames:
             if frame not in seen:
                 seen.add(frame)
                 total_count[frame] = total_count.get(frame, 0) + count
         self_count[frames[-1]] = self_count.get(frames[-1], 0) + count
-    lines = [f"{samples} samples"]
+    per = f", {1e6 * samples / rate / requests:.0f} us per request" if requests else ""
+    lines = [f"{samples} busy samples ({idle} more idle in epoll, left out){per}"]
+
+    def row(frame: str, count: int) -> str:
+        us = f" {1e6 * count / rate / requests:8.1f} us/req" if requests else ""
+        return f"{100 * count / samples:6.2f}%{us}  {frame}"
+
     lines.append("-- self --")
-    for frame, count in sorted(self_count.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"{100 * count / samples:6.2f}%  {frame}")
+    lines += [row(frame, count) for frame, count in sorted(self_count.items(), key=lambda kv: -kv[1])[:top]]
     lines.append("-- inclusive --")
-    for frame, count in sorted(total_count.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"{100 * count / samples:6.2f}%  {frame}")
+    lines += [row(frame, count) for frame, count in sorted(total_count.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines)
 
 
 __all__ = [
     "BENCH_CONFIG", "Bench", "NullSidecar", "UpstreamProcess", "bare_bootstrap", "bench_stack", "chat_body",
     "cpu_seconds", "describe_ms", "http_get", "machine_load", "percentile", "post", "profiled", "raise_nofile",
-    "rss_bytes", "run_wrk", "session", "sidecar_command", "summarize_profile", "wrk_available",
+    "rss_bytes", "run_wrk", "session", "sidecar_command", "summarize_profile", "thread_cpu", "wrk_available",
 ]
 
 
@@ -581,6 +637,16 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["null-sidecar"]:
         _null_sidecar_main(sys.argv[2], "--serial" in sys.argv[3:])
     elif sys.argv[1:2] == ["profile"]:
-        print(summarize_profile(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 30))
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="common.py profile")
+        parser.add_argument("file")
+        parser.add_argument("top", nargs="?", type=int, default=30)
+        parser.add_argument("--requests", type=int, help="requests served in the profiled window (for us/request)")
+        parser.add_argument("--rate", type=int, default=250, help="py-spy's sampling rate (bench default 250)")
+        parser.add_argument("--by-line", action="store_true", help="one entry per line, not per function")
+        options = parser.parse_args(sys.argv[2:])
+        print(summarize_profile(options.file, options.top, requests=options.requests, rate=options.rate,
+                                by_line=options.by_line))
     else:
-        sys.exit("usage: common.py upstream | null-sidecar PORTS_FILE [--serial] | profile FILE [TOP]")
+        sys.exit("usage: common.py upstream | null-sidecar PORTS_FILE [--serial] | profile FILE [TOP] [--requests N]")

@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     raise_nofile,
     run_wrk,
     session,
+    thread_cpu,
     wrk_available,
 )
 
@@ -121,7 +122,13 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
                 watched = {name: pid for name, pid in pids.items() if pid is not None}
                 watched["Envoy"] = envoys[path]
                 before = {name: cpu_seconds(pid) for name, pid in watched.items()}
+                sidecar_pid = {"llamaswap": bench.sidecar_pid, "floor": bench.null.pid}.get(path)
+                threads_before = thread_cpu(sidecar_pid) if sidecar_pid else {}
                 result = one_round(bench, paths[path], body, args)
+                if sidecar_pid:
+                    result["threads_us"] = {group: 1e6 * (seconds - threads_before.get(group, 0.0))
+                                            / max(1, result["requests"])
+                                            for group, seconds in thread_cpu(sidecar_pid).items()}
                 result["cpu_us"] = {name: 1e6 * (cpu_seconds(pid) - before[name]) / max(1, result["requests"])
                                     for name, pid in watched.items()}
                 if result["errors"] or result["non2xx"]:
@@ -157,6 +164,12 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
     print(f"per round, llamaswap p50 - bare p50: min {min(deltas):+.2f}, median {med(deltas):+.2f}, "
           f"max {max(deltas):+.2f} ms; floor: min {min(floor_deltas):+.2f}, median {med(floor_deltas):+.2f}, "
           f"max {max(floor_deltas):+.2f} ms")
+    for path in ("floor", "llamaswap"):
+        groups = rounds[path][0].get("threads_us", {})
+        print(f"{path} sidecar CPU per request by thread: " + ", ".join(
+            f"{group} {med([r['threads_us'][group] for r in rounds[path]]):.0f} us" for group in groups))
+    requests = sum(r["requests"] for r in rounds["llamaswap"])
+    print(f"llamaswap requests in the measured rounds (the profile's window): {requests}")
     print(f"upstream CPU per request: {cpu('bare', 'upstream'):.0f} us (bare path), "
           f"{cpu('llamaswap', 'upstream'):.0f} us (llamaswap path)")
     floor_added, ours_added = added("floor", "p50"), added("llamaswap", "p50")
