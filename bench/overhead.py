@@ -20,23 +20,29 @@ in the same round. Last lines:
 Goals (printed, never enforced): llamaswap's added p50 under 1.0 ms, and within 1.3x of the
 floor's (added p50 and sidecar CPU per request).
 
+With --candidate PYTHONPATH a fourth path runs in the same rounds: llamaswap again, its sidecar
+from another copy of the code (a patched one in a scratch folder): an A/B of a suggestion.
+
 Run: .venv/bin/python bench/overhead.py [--quick] [--rounds N] [--seconds S] [--clients N]
-     [--body-bytes N] [--sidecar-env K=V] [--profile FILE] [--cprofile FILE]
+     [--body-bytes N] [--sidecar-env K=V] [--profile FILE] [--cprofile FILE] [--candidate PYTHONPATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    BENCH_CONFIG,
     Bench,
     bench_stack,
     chat_body,
@@ -52,7 +58,8 @@ from common import (  # noqa: E402
     wrk_available,
 )
 
-NAMES = {"bare": "bare Envoy", "floor": "floor (do-nothing grpc.aio, same chain)", "llamaswap": "llamaswap"}
+NAMES = {"bare": "bare Envoy", "floor": "floor (do-nothing grpc.aio, same chain)", "llamaswap": "llamaswap",
+         "candidate": "llamaswap candidate (--candidate)"}
 
 
 async def _aiohttp_round(url: str, body: bytes, seconds: float, clients: int) -> dict[str, Any]:
@@ -100,13 +107,34 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def measure(bench: Bench, args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def candidate_stack(bench: Bench, pythonpath: str | None, sidecar_env: dict[str, str]) -> Iterator[Any]:
+    """A second llamaswap (sidecar from `pythonpath`, e.g. a patched copy) and its Envoy, same bootstrap."""
+    if not pythonpath:
+        yield None
+        return
+    from harness import running_stack
+
+    workdir = bench.workdir / "candidate"
+    workdir.mkdir(exist_ok=True)
+    with running_stack(workdir, BENCH_CONFIG, upstream_url=bench.upstream.url,
+                       sidecar_env={**sidecar_env, "PYTHONPATH": pythonpath}) as stack:
+        yield stack
+
+
+def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> None:
     assert bench.null is not None and bench.null.envoy is not None and bench.bare is not None
     body = chat_body(pad_bytes=args.body_bytes)
     paths = {"bare": bench.bare_url, "floor": bench.null.url, "llamaswap": bench.sidecar_url}
     pids = {"llamaswap sidecar": bench.sidecar_pid, "floor sidecar": bench.null.pid,
             "Envoy": None, "upstream": bench.upstream.pid}
     envoys = {"bare": bench.bare.popen.pid, "floor": bench.null.envoy.popen.pid, "llamaswap": bench.envoy_pid}
+    sidecars = {"floor": bench.null.pid, "llamaswap": bench.sidecar_pid}
+    if candidate is not None:
+        paths["candidate"] = candidate.url
+        pids["candidate sidecar"] = candidate.sidecar.popen.pid
+        envoys["candidate"] = candidate.envoy.popen.pid
+        sidecars["candidate"] = candidate.sidecar.popen.pid
     check_scheduled(bench, body)
     for path, url in paths.items():  # warm-up: connections, code paths, Envoy's pools
         run_wrk(url, body, seconds=args.warmup, connections=args.clients, workdir=bench.workdir) \
@@ -122,7 +150,7 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
                 watched = {name: pid for name, pid in pids.items() if pid is not None}
                 watched["Envoy"] = envoys[path]
                 before = {name: cpu_seconds(pid) for name, pid in watched.items()}
-                sidecar_pid = {"llamaswap": bench.sidecar_pid, "floor": bench.null.pid}.get(path)
+                sidecar_pid = sidecars.get(path)
                 threads_before = thread_cpu(sidecar_pid) if sidecar_pid else {}
                 result = one_round(bench, paths[path], body, args)
                 if sidecar_pid:
@@ -151,7 +179,8 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
           "| rps | +p50 | +p99 | rps ratio | sidecar CPU/req | Envoy CPU/req |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
-        sidecar = {"bare": None, "floor": "floor sidecar", "llamaswap": "llamaswap sidecar"}[path]
+        sidecar = {"bare": None, "floor": "floor sidecar", "llamaswap": "llamaswap sidecar",
+                   "candidate": "candidate sidecar"}[path]
         print(f"| {NAMES[path]} | {med([r['p50'] for r in rounds[path]]):.2f} ms "
               f"| {med([r['p90'] for r in rounds[path]]):.2f} ms | {med([r['p99'] for r in rounds[path]]):.2f} ms "
               f"| {med([r['rps'] for r in rounds[path]]):.0f} "
@@ -164,7 +193,7 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
     print(f"per round, llamaswap p50 - bare p50: min {min(deltas):+.2f}, median {med(deltas):+.2f}, "
           f"max {max(deltas):+.2f} ms; floor: min {min(floor_deltas):+.2f}, median {med(floor_deltas):+.2f}, "
           f"max {max(floor_deltas):+.2f} ms")
-    for path in ("floor", "llamaswap"):
+    for path in sidecars:
         groups = rounds[path][0].get("threads_us", {})
         print(f"{path} sidecar CPU per request by thread: " + ", ".join(
             f"{group} {med([r['threads_us'][group] for r in rounds[path]]):.0f} us" for group in groups))
@@ -181,6 +210,15 @@ def measure(bench: Bench, args: argparse.Namespace) -> None:
     print(f"goal: within 1.3x of the floor: added p50 {added_ratio:.2f}x, sidecar CPU per request "
           f"{ours_cpu / floor_cpu if floor_cpu else float('nan'):.2f}x ({ours_cpu:.0f} vs {floor_cpu:.0f} us), "
           f"latency {med([r['p50'] for r in rounds['llamaswap']]) / med([r['p50'] for r in rounds['floor']]):.2f}x")
+    if candidate is not None:
+        cand = [c["p50"] - r["p50"] for c, r in zip(rounds["candidate"], rounds["llamaswap"])]
+        print(f"candidate vs llamaswap, same rounds: p50 {med(cand):+.3f} ms (per round min {min(cand):+.3f}, max "
+              f"{max(cand):+.3f}), sidecar CPU per request {cpu('candidate', 'candidate sidecar'):.0f} vs "
+              f"{ours_cpu:.0f} us, main thread "
+              f"{med([c['threads_us']['main'] for c in rounds['candidate']]):.0f} vs "
+              f"{med([r['threads_us']['main'] for r in rounds['llamaswap']]):.0f} us; candidate: p50 "
+              f"+{added('candidate', 'p50'):.2f} ms, p99 +{added('candidate', 'p99'):.2f} ms, throughput ratio "
+              f"{ratio('candidate'):.2f}")
     print(f"client {args.client}, body {len(body)} bytes, load average {machine_load()} "
           f"(at the start: {args.load_at_start})")
     print(f"floor: p50 +{floor_added:.2f} ms, p99 +{added('floor', 'p99'):.2f} ms, "
@@ -203,6 +241,9 @@ def main() -> None:
     parser.add_argument("--cprofile", help="run the llamaswap sidecar under cProfile (bench/profile_serve.py); "
                                            "its stats go to this file when it stops")
     parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
+    parser.add_argument("--candidate", metavar="PYTHONPATH",
+                        help="also a second llamaswap whose sidecar runs with this PYTHONPATH (a patched copy, "
+                             "outside the repo), in the same interleaved rounds: an A/B of a suggestion")
     parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for the llamaswap sidecar (repeatable), e.g. OTEL_SDK_DISABLED=true")
     parser.add_argument("--keep", help="keep logs and configs in this folder")
@@ -217,7 +258,8 @@ def main() -> None:
 
     with bench_stack(bare=True, null=True, keep=args.keep, sidecar_env=sidecar_env,
                      sidecar_argv=argv_for(args.cprofile)) as bench:
-        measure(bench, args)
+        with candidate_stack(bench, args.candidate, sidecar_env) as candidate:
+            measure(bench, args, candidate)
 
 
 if __name__ == "__main__":
