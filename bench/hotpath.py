@@ -205,7 +205,7 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
 
 def show(title: str, timings: Timings, requests: int) -> float:
     print(f"\n{title}")
-    print(f"| step | calls/request | us/request |")
+    print("| step | calls/request | us/request |")
     print("|---|---|---|")
     total = 0.0
     for name, ns in sorted(timings.ns.items(), key=lambda kv: -kv[1]):

@@ -142,7 +142,7 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
 
     rounds: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     print(f"{'round':>5} " + " ".join(f"{path + ' p50':>14}" for path in paths)
-          + " " + " ".join(f"{path + ' rps':>14}" for path in paths) + f"  load")
+          + " " + " ".join(f"{path + ' rps':>14}" for path in paths) + "  load")
     with profiled(bench.sidecar_pid, args.profile):
         for index in range(args.rounds):
             order = list(paths) if index % 2 == 0 else list(reversed(paths))
