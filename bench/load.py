@@ -1,7 +1,10 @@
 """10,000 requests waiting at once through the real Envoy and sidecar: each served exactly
 once, in score order, and what a waiting request costs the sidecar in memory.
 
-    .venv/bin/python bench/load.py [--requests N]
+    .venv/bin/python bench/load.py [--quick] [--requests N]
+
+The data path is the real one: buffer -> json_to_metadata -> ext_authz (one held Check per
+waiting request) -> router, each grant released by Envoy's access log.
 
 A held request occupies the upstream while N requests with mixed priorities queue behind
 it; the upstream's arrival order must then be non-increasing in priority (aging and swap
@@ -15,12 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import pathlib
 import random
 import sys
 import time
 
-from common import bench_stack, chat_body, machine_load, post, raise_nofile, rss_bytes, session
-from harness import async_wait_for, http_get
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from common import bench_stack, chat_body, machine_load, post, raise_nofile, rss_bytes, session  # noqa: E402
+from harness import async_wait_for, http_get  # noqa: E402
 
 PRIORITIES = (-100, -99, -98, 0, 1, 2, 100)
 CONFIG = {"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 0, "swapAffinityBonus": 0}}}},
@@ -38,6 +44,7 @@ def _depth(admin_url: str) -> int:
 
 async def run(requests: int, seed: int) -> int:
     rng = random.Random(seed)
+    load_at_start = machine_load()
     with bench_stack(CONFIG, bare=False) as bench:
         admin = bench.stack.sidecar.admin_url
         body = chat_body()
@@ -46,6 +53,7 @@ async def run(requests: int, seed: int) -> int:
                                                {"x-test-id": "blocker", "x-test-hold": "1"}))
             await async_wait_for(lambda: bench.upstream.count() == 1, what="blocker at the upstream")
             rss_idle = rss_bytes(bench.sidecar_pid)
+            envoy_idle = rss_bytes(bench.envoy_pid)
             started = time.monotonic()
             tasks = []
             for index in range(requests):
@@ -69,7 +77,9 @@ async def run(requests: int, seed: int) -> int:
                 await asyncio.sleep(0.5)
             queued_s = time.monotonic() - started
             rss_full = rss_bytes(bench.sidecar_pid)
+            envoy_full = rss_bytes(bench.envoy_pid)
             per_request = (rss_full - rss_idle) / requests
+            streams = bench.envoy_stat("cluster.llamaswap_grpc.upstream_rq_active")
             bench.upstream.release("blocker")
             drain_start = time.monotonic()
             results = await asyncio.gather(blocker, *tasks)
@@ -80,10 +90,14 @@ async def run(requests: int, seed: int) -> int:
     priorities = [int(hit.split(":")[1]) for hit in served]
     exactly_once = len(served) == len(set(served)) == requests
     in_order = all(a >= b for a, b in zip(priorities, priorities[1:]))
-    print(f"machine: {machine_load()}")
+    print(f"load average: {machine_load()} (at the start: {load_at_start})")
     print(f"queued {requests} in {queued_s:.1f} s; drained in {drain_s:.1f} s ({requests / drain_s:.0f} req/s)")
     print(f"statuses: {dict(statuses)}")
-    print(f"sidecar RSS: {rss_idle / 1e6:.1f} MB idle, {rss_full / 1e6:.1f} MB with {requests} waiting")
+    print(f"sidecar RSS: {rss_idle / 1e6:.1f} MB idle, {rss_full / 1e6:.1f} MB with {requests} waiting "
+          f"({per_request:.0f} bytes each); Envoy RSS {envoy_idle / 1e6:.1f} -> {envoy_full / 1e6:.1f} MB "
+          f"({(envoy_full - envoy_idle) / requests:.0f} bytes each); Envoy held {streams} gRPC streams to the sidecar")
+    print(f"upstream hits: {len(hits)} (the blocker + {len(served)}), distinct {len(set(served))}; "
+          f"priorities served: {dict(sorted(collections.Counter(priorities).items(), reverse=True))}")
     print(f"served exactly once: {exactly_once}; in score order: {in_order}")
     verdict = "served exactly once in score order" if exactly_once and in_order and statuses == {200: requests + 1} \
         else "NOT all served exactly once in score order"
@@ -95,7 +109,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="2,000 requests")
     args = parser.parse_args()
+    if args.quick:
+        args.requests = 2000
     raise_nofile()
     sys.exit(asyncio.run(run(args.requests, args.seed)))
 

@@ -1,23 +1,30 @@
-"""What waiting requests cost the sidecar: memory (VmRSS) and CPU while they wait.
+"""What waiting requests cost: the sidecar's memory (VmRSS) and CPU while they wait, and Envoy's.
 
-A blocker holds the GPU at the upstream; then 1,000 and 10,000 requests (each its own
-client connection) are queued behind it. At 0, 1,000 and 10,000 waiting, after the
-arrivals settle, the sidecar's VmRSS (/proc/PID/status) and its CPU time over an idle
-window (/proc/PID/stat) are read; Envoy's are printed for reference. Then every waiting
-client disconnects at once and the time the sidecar takes to forget them all is measured.
-Last line (RSS growth from 0 to the largest count, divided by that count):
+A blocker holds the GPU at the upstream; then 1,000 and 10,000 requests (each its own client
+connection) are queued behind it. At 0 and at each count, after the arrivals settle, the
+sidecar's VmRSS (/proc/PID/status) and its CPU time over an idle window (/proc/PID/stat) are
+read, and Envoy's. Then every waiting client disconnects at once and the time the sidecar takes
+to forget them all is measured. The same is done for the floor, a toy FIFO (bench/common.py:
+the same protocol in ~30 lines of grpc.aio, behind the same bootstrap), and for each prompt
+size (1 KB and 1 MB by default; fewer waiting with 1 MB, since Envoy buffers every body), each
+size in freshly started processes (memory freed by one measurement would hide the next one's
+growth).
 
+Each waiting request holds a client connection here and in Envoy, and one held Check in the
+sidecar; the body stays in Envoy (json_to_metadata reads the model there), so the sidecar's
+share should not depend on the prompt's size. The benchmark raises RLIMIT_NOFILE to the hard
+limit before Envoy starts. Per waiting request = (RSS at the largest count - RSS at 0) / count;
+the marginal figure (between the last two counts) is printed beside it. Last lines (the
+summary is the largest per-request figure over the prompt sizes):
+
+    queued (N-byte prompts): N bytes per waiting request in the sidecar, floor N, Envoy N
     queued: N bytes per waiting request
 
-Each waiting request holds a client connection here and in Envoy, and two gRPC streams in
-the sidecar (ext_proc + Check); the benchmark raises RLIMIT_NOFILE to the hard limit before
-Envoy starts. With --floor the same is then measured for a toy FIFO sidecar (the same
-protocol in ~30 lines of grpc.aio, bench/common.py): what grpc.aio itself keeps per held pair
-of calls. --body-bytes pads each waiting request's prompt (the body reaches the sidecar in
-the Check).
+Goal (printed, never enforced): under 24 KB per waiting request in the sidecar, for 1 KB and
+1 MB prompts alike.
 
-Run: .venv/bin/python bench/queued.py [--quick] [--floor] [--counts 1000,10000]
-     [--idle-seconds N] [--body-bytes N] [--sidecar-env K=V]
+Run: .venv/bin/python bench/queued.py [--quick] [--plan "1024=1000,10000;1048576=200,1000"]
+     [--idle-seconds N] [--sidecar-env K=V]
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ class Target:
 
 
 async def settle(target: Target, streams: int, timeout: float) -> None:
-    """Wait until Envoy holds `streams` gRPC streams to the sidecar."""
+    """Wait until Envoy holds `streams` gRPC streams to the sidecar (one held Check per waiting
+    request, besides the access-log streams)."""
     start = time.monotonic()
     active = 0
     while time.monotonic() - start < timeout:
@@ -120,7 +128,7 @@ async def measure(bench: Bench, target: Target, counts: list[int], idle_s: float
                 for _ in range(min(batch, count - len(waiting))):
                     waiting.append(asyncio.create_task(post(client, target.url, body, {
                         **headers, "x-test-id": f"w{len(waiting)}"})))
-                await settle(target, base_streams + 2 * len(waiting), timeout=120)
+                await settle(target, base_streams + len(waiting), timeout=180)
             print(f"{target.name}: queued {count} in {time.monotonic() - start:.1f} s")
             samples.append(await sample(target, count, idle_s))
             depth = await asyncio.to_thread(target.depth)
@@ -159,58 +167,111 @@ async def measure(bench: Bench, target: Target, counts: list[int], idle_s: float
     return samples
 
 
-def report(name: str, samples: list[dict[str, float]]) -> float:
+def report(name: str, samples: list[dict[str, float]]) -> dict[str, float]:
     base = samples[0]
     for item in samples[1:]:
         n = item["waiting"]
         print(f"{name}: {n:>6.0f} waiting: sidecar +{(item['rss'] - base['rss']) / n:.0f} bytes each, "
               f"Envoy +{(item['envoy_rss'] - base['envoy_rss']) / n:.0f} bytes each")
+    last = samples[-1]
+    out = {"sidecar": (last["rss"] - base["rss"]) / last["waiting"],
+           "envoy": (last["envoy_rss"] - base["envoy_rss"]) / last["waiting"],
+           "waiting": last["waiting"], "cpu": max(s["cpu"] for s in samples)}
     if len(samples) > 2:
         a, b = samples[-2], samples[-1]
-        print(f"{name}: marginal ({a['waiting']:.0f} -> {b['waiting']:.0f}): sidecar "
-              f"{(b['rss'] - a['rss']) / (b['waiting'] - a['waiting']):.0f} bytes each")
-    last = samples[-1]
-    return (last["rss"] - base["rss"]) / last["waiting"]
+        out["marginal"] = (b["rss"] - a["rss"]) / (b["waiting"] - a["waiting"])
+        out["envoy_marginal"] = (b["envoy_rss"] - a["envoy_rss"]) / (b["waiting"] - a["waiting"])
+        print(f"{name}: marginal ({a['waiting']:.0f} -> {b['waiting']:.0f}): sidecar {out['marginal']:.0f} bytes each, "
+              f"Envoy {out['envoy_marginal']:.0f}")
+    return out
+
+
+def body_of(size: int) -> bytes:
+    """A chat body of exactly `size` bytes (its prompt padded), `model` after the messages."""
+    base = len(chat_body(pad_bytes=0))
+    body = chat_body(pad_bytes=max(0, size - base))
+    return body
+
+
+def parse_plan(text: str) -> list[tuple[int, list[int]]]:
+    plan = []
+    for part in text.split(";"):
+        size, _, counts = part.partition("=")
+        plan.append((int(size), [int(c) for c in counts.split(",")]))
+    return plan
+
+
+def measure_size(size: int, counts: list[int], args: argparse.Namespace,
+                 sidecar_env: dict[str, str]) -> dict[str, dict[str, float]]:
+    body = body_of(size)
+    print(f"-- prompts of {len(body)} bytes, {counts} waiting; load average {machine_load()}")
+    config = {"envoy": {"maxSidecarStreams": max(100_000, 4 * max(counts))}}
+    with bench_stack(config, bare=False, null=True, null_serial=True, keep=args.keep,
+                     sidecar_env=sidecar_env) as bench:
+        assert bench.null is not None
+        sidecar = Target("llamaswap", bench.sidecar_url, bench.sidecar_pid, bench.stack.envoy,
+                         bench.stack.sidecar.admin_url)
+        toy = Target("toy FIFO", bench.null.url, bench.null.pid, bench.null.envoy, None)
+        samples = asyncio.run(measure(bench, sidecar, counts, args.idle_seconds, args.batch, body))
+        floor_samples = asyncio.run(measure(bench, toy, counts, args.idle_seconds, args.batch, body))
+    return {"llamaswap": report("llamaswap", samples), "toy FIFO": report("toy FIFO", floor_samples),
+            "raw": {"llamaswap": samples, "toy FIFO": floor_samples}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="200 and 2,000 waiting, 3 s idle windows")
-    parser.add_argument("--counts", default="1000,10000", help="waiting counts, ascending")
+    parser.add_argument("--quick", action="store_true", help="1 KB: 200 and 2,000 waiting; 1 MB: 100 and 300; 3 s idle")
+    parser.add_argument("--plan", default="1024=1000,10000;1048576=200,1000",
+                        help="prompt size in bytes = waiting counts (ascending); sizes separated by ';'")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="CPU measurement window")
     parser.add_argument("--batch", type=int, default=500, help="new connections per step")
-    parser.add_argument("--body-bytes", type=int, default=0, help="pad each prompt by this many bytes")
-    parser.add_argument("--floor", action="store_true", help="then the same for the toy FIFO grpc.aio sidecar")
+    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
     parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the sidecar process (repeatable)")
+                        help="environment for the llamaswap sidecar (repeatable)")
     parser.add_argument("--keep", help="keep logs and configs in this folder")
     args = parser.parse_args()
     sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
     if args.quick:
-        args.counts, args.idle_seconds = "200,2000", 3.0
-    counts = [int(text) for text in args.counts.split(",")]
+        args.plan, args.idle_seconds = "1024=200,2000;1048576=100,300", 3.0
+    plan = parse_plan(args.plan)
     limit = raise_nofile()
-    need = max(counts) + 1000  # per process: the client's sockets, or Envoy's
+    need = max(max(counts) for _, counts in plan) + 1000  # per process: the client's sockets, or Envoy's
     if limit < need:
-        raise SystemExit(f"RLIMIT_NOFILE is {limit}; {max(counts)} waiting clients need about {need}")
-    body = chat_body(pad_bytes=args.body_bytes)
-    print(f"queued: RLIMIT_NOFILE {limit}, body {len(body)} bytes, load average {machine_load()}")
-    config = {"envoy": {"maxSidecarStreams": max(100_000, 4 * max(counts))}}
-    with bench_stack(config, bare=False, null=args.floor, null_serial=True, keep=args.keep,
-                     sidecar_env=sidecar_env) as bench:
-        sidecar = Target("llamaswap", bench.sidecar_url, bench.sidecar_pid, bench.stack.envoy,
-                         bench.stack.sidecar.admin_url)
-        samples = asyncio.run(measure(bench, sidecar, counts, args.idle_seconds, args.batch, body))
-        floor_samples = None
-        if bench.null is not None:
-            toy = Target("toy FIFO", bench.null.url, bench.null.pid, bench.null.envoy, None)
-            floor_samples = asyncio.run(measure(bench, toy, counts, args.idle_seconds, args.batch, body))
-    per_request = report("llamaswap", samples)
-    if floor_samples is not None:
-        floor = report("toy FIFO", floor_samples)
-        print(f"toy FIFO grpc.aio sidecar (floor): {floor:.0f} bytes per waiting request; "
-              f"llamaswap adds {per_request - floor:.0f}")
-    print(f"queued: {per_request:.0f} bytes per waiting request")
+        raise SystemExit(f"RLIMIT_NOFILE is {limit}; the plan needs about {need}")
+    load_at_start = machine_load()
+    print(f"queued: RLIMIT_NOFILE {limit}, load average {load_at_start}")
+    results = {size: measure_size(size, counts, args, sidecar_env) for size, counts in plan}
+
+    print()
+    print("| prompt | waiting | llamaswap sidecar RSS | toy FIFO RSS | Envoy RSS (llamaswap's) | sidecar CPU while waiting |")
+    print("|---|---|---|---|---|---|")
+    for size, result in results.items():
+        for ours, toy in zip(result["raw"]["llamaswap"], result["raw"]["toy FIFO"]):
+            print(f"| {size:,} B | {ours['waiting']:,.0f} | {ours['rss'] / 2**20:.1f} MiB | {toy['rss'] / 2**20:.1f} MiB "
+                  f"| {ours['envoy_rss'] / 2**20:.1f} MiB | {100 * ours['cpu']:.1f} % of a core |")
+    print()
+    print("| prompt | per waiting request, from 0 to N: llamaswap | floor (toy FIFO) | llamaswap's own | "
+          "marginal llamaswap / floor | Envoy (llamaswap's / floor's) |")
+    print("|---|---|---|---|---|---|")
+    for size, result in results.items():
+        ours, toy = result["llamaswap"], result["toy FIFO"]
+        marginal = (f"{ours['marginal']:,.0f} / {toy['marginal']:,.0f} B" if "marginal" in ours and "marginal" in toy
+                    else "-")
+        print(f"| {size:,} B (N = {ours['waiting']:,.0f}) | {ours['sidecar']:,.0f} B | {toy['sidecar']:,.0f} B "
+              f"| {ours['sidecar'] - toy['sidecar']:+,.0f} B | {marginal} "
+              f"| {ours['envoy']:,.0f} / {toy['envoy']:,.0f} B |")
+    print()
+    worst = max(result["llamaswap"]["sidecar"] for result in results.values())
+    for size, result in results.items():
+        ours = result["llamaswap"]["sidecar"]
+        print(f"goal: < 24 KB (24,576 B) per waiting request with {size:,}-byte prompts: {ours:,.0f} B "
+              f"({'met' if ours < 24576 else f'missed by {ours - 24576:,.0f} B'}), floor "
+              f"{result['toy FIFO']['sidecar']:,.0f} B")
+    print(f"load average {machine_load()} (at the start: {load_at_start})")
+    for size, result in results.items():
+        print(f"queued ({size}-byte prompts): {result['llamaswap']['sidecar']:.0f} bytes per waiting request in the "
+              f"sidecar, floor {result['toy FIFO']['sidecar']:.0f}, Envoy {result['llamaswap']['envoy']:.0f}")
+    print(f"queued: {worst:.0f} bytes per waiting request")
 
 
 if __name__ == "__main__":
