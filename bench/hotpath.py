@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import collections
 import functools
-import logging
 import os
 import pathlib
 import statistics
@@ -230,8 +229,11 @@ def main() -> None:
 
     print(f"llamaswap from {llamaswap.__file__}")
     log_path = os.path.join(tempfile.mkdtemp(prefix="llamaswap-hotpath-"), "sidecar.log")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        filename=log_path)
+    # Logging as the CLI sets it up, to a file as the harness does (its stderr is a file).
+    sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115 - for the whole run
+    from llamaswap.cli import configure_logging
+
+    configure_logging("INFO")
     templates = capture(pathlib.Path(log_path).parent)
     print(f"captured from Envoy: a CheckRequest of {len(templates[0])} bytes, a final access-log message of "
           f"{len(templates[1])} bytes")

@@ -238,7 +238,7 @@ async def test_prometheus_scrapes_the_specified_series(tmp_path: pathlib.Path, p
 async def test_metrics_pushed_over_otlp_with_the_same_names(tmp_path: pathlib.Path) -> None:
     with otlp_receiver() as receiver, running_stack(tmp_path, sidecar_env=sidecar_otlp_env(receiver.endpoint)) as stack:
         # Histograms appear with their first measurement; everything else is there from the start.
-        by_traffic = {names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_ERROR}
+        by_traffic = {names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO}
         await async_wait_for(lambda: set(names.ALL) - by_traffic <= receiver.metric_names(),
                              what="the metrics over OTLP")
 

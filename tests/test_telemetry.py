@@ -318,7 +318,7 @@ async def test_metric_values_after_scripted_traffic() -> None:
         assert value(samples, name) == 0, name
     assert by_label(samples, names.REQUESTS, "outcome") == {o.value: 0.0 for o in Outcome}
     assert set(metric_names(traced.telemetry.prometheus_text()[0].decode())) == set(names.ALL) - {
-        names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_ERROR, names.SETTLE}
+        names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO, names.SETTLE}
 
     a = await flow.arrive("a", None, "a")  # absent header; granted at once: a load
     await flow.advance(1)
@@ -378,13 +378,18 @@ async def test_metric_values_after_scripted_traffic() -> None:
     assert value(samples, f"{names.MODEL_SWAP}_sum", model="a") == pytest.approx(0.4)
     assert value(samples, f"{names.MODEL_SWAP}_count", model="b") == 1
     assert value(samples, f"{names.MODEL_SWAP}_sum", model="b") == pytest.approx(1.2)
-    # The estimate error of b: estimated at its batch (a, a load of 10 + 5 s, had 13.95 s left,
-    # nothing ahead) 0.05 + 13.95 = 14 s; it waited 8.5 s.
+    # The estimate of b: made at its batch (a, a load of 10 + 5 s, had 13.95 s left, nothing
+    # ahead) 0.05 + 13.95 = 14 s; it waited 8.5 s.
     assert b.ticket.estimated_wait_s == pytest.approx(14.0)
-    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="batch") == 1
-    assert value(samples, f"{names.ESTIMATE_ERROR}_sum", band="batch") == pytest.approx((14 - 8.5) / 8.5)
-    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="interactive") == 2
-    assert value(samples, f"{names.ESTIMATE_ERROR}_count", band="normal") == 1  # a was never estimated
+    assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="batch") == 1
+    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="batch") == pytest.approx(14 / 8.5)
+    # Over- and underestimates alike are recorded (a histogram takes no negative value).
+    ratios = {r.id: r.ticket.estimated_wait_s / max(r.ticket.decision.queue_wait_ns / S, 0.1) for r in (i, i2, n)}
+    assert any(ratio > 1 for ratio in ratios.values())
+    assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="interactive") == 2
+    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="interactive") == pytest.approx(ratios["i"] + ratios["i2"])
+    assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="normal") == 1  # a was never estimated
+    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="normal") == pytest.approx(ratios["n"])
 
     body = traced.telemetry.prometheus_text()[0].decode()
     assert set(metric_names(body)) == set(names.ALL) - {names.SETTLE}  # no settle happened
@@ -394,7 +399,7 @@ async def test_metric_values_after_scripted_traffic() -> None:
     for name in (names.DISPATCHED, names.REORDERS, names.SWAPS, names.LOADS, names.REQUESTS, names.UNPARSEABLE,
                  names.ABSENT, names.WATCHDOG):
         assert declared[name] == "counter"
-    for name in (names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_ERROR):
+    for name in (names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO):
         assert declared[name] == "histogram"
 
 
@@ -689,3 +694,21 @@ async def test_the_queue_table_renders_the_live_queue() -> None:
 ])
 def test_format_duration(seconds: float | None, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+@virtual_time
+async def test_an_underestimated_wait_is_recorded_too() -> None:
+    """The blocker runs far longer than the 10 s (+5 s load) default: b waited longer than said."""
+    traced = Traced(LONG_LEASE)
+    flow = traced.flow
+    a = await flow.arrive("a", None, "a")
+    b = await flow.arrive("b", "batch", "a")
+    await flow.advance(40)
+    await flow.complete(a, 200)
+    assert b.granted
+    estimated, waited = b.ticket.estimated_wait_s, b.ticket.decision.queue_wait_ns / S
+    assert estimated == pytest.approx(15.0) and waited == pytest.approx(40.0)
+    samples = traced.metrics()
+    assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="batch") == 1
+    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="batch") == pytest.approx(estimated / waited)
+    assert value(samples, f"{names.ESTIMATE_RATIO}_bucket", band="batch", le="0.5") == 1

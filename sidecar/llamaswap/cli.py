@@ -179,10 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Activity records are JSON lines that carry their own time: written as they are, one a
+    # line, which also spares every request a timestamp formatting.
+    from llamaswap.runtime.activity import LOGGER_NAME
+
+    activity = logging.getLogger(LOGGER_NAME)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    activity.addHandler(handler)
+    activity.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(str(args.log_level))
     return int(args.run(args) or 0)
 
 

@@ -23,6 +23,8 @@ from llamaswap.runtime.ticket import Ticket
 
 LOGGER_NAME = "llamaswap.activity"
 _log = logging.getLogger(LOGGER_NAME)
+# One encoder for every line: json.dumps with separators makes a new one per call.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class ActivityLog:
@@ -139,7 +141,7 @@ class ActivityLog:
     def _write(self, record: dict[str, Any]) -> None:
         if record.get("event") == "request":
             self._recent.append(record)
-        line = json.dumps(record, separators=(",", ":"))
-        _log.info("%s", line)
+        line = _ENCODE(record)
+        _log.info(line)
         if self._file is not None:
-            self._file.info("%s", line)
+            self._file.info(line)

@@ -173,6 +173,8 @@ class Coordinator:
         self._pending_estimates: list[Ticket] = []
         self._estimate_handle: asyncio.TimerHandle | None = None
         self._estimate_batch_s = ESTIMATE_BATCH_S
+        self._publish_pending = False
+        self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._observer.settings_changed(self.scheduler.policy)
 
     # -- configuration and state ---------------------------------------------------------
@@ -325,7 +327,9 @@ class Coordinator:
             self._release(self._running, Outcome.SHUTDOWN, model_loaded=True, abandoned=False)
 
     def close(self) -> None:
-        """Cancel timers and background work (the loop is about to stop)."""
+        """Cancel timers and background work, and tell the observers what is left to tell (the
+        loop is about to stop)."""
+        self._run_observers()
         for handle in (self._expiry, self._lease_timer, self._watchdog, self._estimate_handle):
             if handle is not None:
                 handle.cancel()
@@ -770,13 +774,32 @@ class Coordinator:
         self._publish()
 
     def _publish(self) -> None:
+        """The gauges' picture, once per loop turn however many changes the turn made."""
+        if not self._observe_after_grant:
+            self._publish_now()
+        elif not self._publish_pending:
+            self._publish_pending = True
+            asyncio.get_running_loop().call_soon(self._publish_now)
+
+    def _publish_now(self) -> None:
+        self._publish_pending = False
         stats = self.scheduler.band_stats()
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
-        if self._observe_after_grant:
-            asyncio.get_running_loop().call_soon(callback, *args)
-        else:
+        """Observers run after the loop's next turn: a grant's or a release's wake-ups (the next
+        Check's answer among them) are scheduled first, so no handoff waits for telemetry."""
+        if not self._observe_after_grant:
+            callback(*args)
+            return
+        self._deferred.append((callback, args))
+        if len(self._deferred) == 1:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._run_observers)
+
+    def _run_observers(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for callback, args in deferred:
             callback(*args)

@@ -52,8 +52,8 @@ WATCHDOG_EVENT = "llamaswap.watchdog"
 
 INSTRUMENTATION_NAME = "llamaswap"
 _PROPAGATOR = TraceContextTextMapPropagator()
-# A wait shorter than this counts as this long when the estimate's error is taken relative to it.
-ESTIMATE_ERROR_FLOOR_S = 0.1
+# A wait shorter than this counts as this long when the estimate is compared with it.
+ESTIMATE_FLOOR_S = 0.1
 _EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band), False)
 
 
@@ -168,8 +168,8 @@ class Telemetry:
         if decision.load:
             instruments.loads.add(1)
         if ticket.estimated_wait_s is not None:
-            error = (ticket.estimated_wait_s - wait_s) / max(wait_s, ESTIMATE_ERROR_FLOOR_S)
-            instruments.estimate_error.record(error, {"band": band})
+            ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
+            instruments.estimate_ratio.record(ratio, {"band": band})
         if not self._tracing:
             return
         attributes = self._attributes(ticket)

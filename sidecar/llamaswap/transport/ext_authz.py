@@ -13,7 +13,6 @@ import asyncio
 import logging
 
 import grpc
-from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from llamaswap._proto.envoy.config.core.v3 import base_pb2
@@ -49,15 +48,21 @@ def decision_headers(decision: Decision) -> list[tuple[str, str]]:
 
 
 def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
-    assert ticket.decision is not None
-    metadata = struct_pb2.Struct()
-    metadata.fields[TICKET_KEY].string_value = ticket.token
-    return authz_pb2.CheckResponse(
-        status=status_pb2.Status(code=code_pb2.OK),
-        ok_response=authz_pb2.OkHttpResponse(
-            response_headers_to_add=[_header(k, v) for k, v in decision_headers(ticket.decision)]),
-        dynamic_metadata=metadata,
-    )
+    """The OK: the decision's headers for the client and the ticket for Envoy's metadata. Built
+    field by field, which protobuf does about three times faster than from keyword arguments
+    (this is on every grant's path)."""
+    decision = ticket.decision
+    assert decision is not None
+    response = authz_pb2.CheckResponse()
+    response.status.code = code_pb2.OK
+    headers = response.ok_response.response_headers_to_add
+    for key, value in decision_headers(decision):
+        option = headers.add()
+        option.header.key = key
+        option.header.value = value  # ext_authz reads `value`, not `raw_value`
+        option.append_action = _OVERWRITE
+    response.dynamic_metadata.fields[TICKET_KEY].string_value = ticket.token
+    return response
 
 
 def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
