@@ -37,7 +37,7 @@ import aiohttp
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from llamaswap.config import Config, HostPort, parse_config  # noqa: E402
-from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap  # noqa: E402
+from llamaswap.envoy import EnvoyNotInstalled, build_bootstrap, envoy_binary, render_bootstrap  # noqa: E402
 from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar  # noqa: E402
 
 _log = logging.getLogger(__name__)
@@ -166,7 +166,11 @@ async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: 
     bootstrap_path.write_text(render_bootstrap(bootstrap))
     admin_path = workdir / "envoy-admin-address"
     admin_path.unlink(missing_ok=True)
-    envoy = Child("envoy", [envoy_binary(), "-c", str(bootstrap_path), "--admin-address-path", str(admin_path),
+    try:
+        binary = envoy_binary()
+    except EnvoyNotInstalled as exc:
+        raise StackError(str(exc)) from exc
+    envoy = Child("envoy", [binary, "-c", str(bootstrap_path), "--admin-address-path", str(admin_path),
                             "--disable-hot-restart", "--log-level", "warning"], workdir / "envoy.log")
     deadline = time.monotonic() + ENVOY_START_DEADLINE_S
     while not (admin_path.exists() and admin_path.read_text().strip()):
