@@ -19,6 +19,7 @@ from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from llamaswap.envoy import GRANT_NAMESPACE, TICKET_KEY
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
+from llamaswap.transport.metadata import metadata_value
 
 _log = logging.getLogger(__name__)
 
@@ -27,13 +28,10 @@ _END = accesslog_pb2.DownstreamEnd
 
 
 def ticket_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
-    filter_metadata = entry.common_properties.metadata.filter_metadata
-    if GRANT_NAMESPACE not in filter_metadata:
+    value = metadata_value(entry.common_properties.metadata, GRANT_NAMESPACE, TICKET_KEY)
+    if value is None or not value.string_value:
         return None
-    fields = filter_metadata[GRANT_NAMESPACE].fields
-    if TICKET_KEY not in fields:
-        return None
-    return fields[TICKET_KEY].string_value or None
+    return value.string_value
 
 
 def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> ExchangeEnd:

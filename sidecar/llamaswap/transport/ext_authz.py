@@ -23,6 +23,7 @@ from llamaswap.core import Decision, Outcome
 from llamaswap.envoy import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, Ticket
+from llamaswap.transport.metadata import metadata_value
 from llamaswap.transport.outcomes import http_error
 
 _log = logging.getLogger(__name__)
@@ -80,14 +81,8 @@ def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
 
 def model_of(request: authz_pb2.CheckRequest) -> str | None:
     """The body's top-level `model`, if it is a non-empty string (json_to_metadata put it there)."""
-    filter_metadata = request.attributes.metadata_context.filter_metadata
-    if MODEL_NAMESPACE not in filter_metadata:
-        return None
-    fields = filter_metadata[MODEL_NAMESPACE].fields
-    if MODEL_KEY not in fields:
-        return None
-    value = fields[MODEL_KEY]
-    if value.WhichOneof("kind") != "string_value":
+    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, MODEL_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
         return None
     model = value.string_value
     return model if 0 < len(model) <= MAX_MODEL_NAME else None
