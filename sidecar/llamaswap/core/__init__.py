@@ -11,7 +11,6 @@ from llamaswap.core.estimate import Estimator
 from llamaswap.core.outcome import Outcome
 from llamaswap.core.priority import (
     BAND_NAMES,
-    TRUST_ALL,
     Band,
     Priority,
     PriorityMode,
@@ -41,7 +40,6 @@ from llamaswap.core.scheduler import (
 __all__ = [
     "BAND_NAMES",
     "NS_PER_S",
-    "TRUST_ALL",
     "Band",
     "Clock",
     "Decision",

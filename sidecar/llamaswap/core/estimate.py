@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
@@ -102,7 +102,3 @@ class Estimator:
                 loaded = model
             at += self.expected_run_s(model)
         return starts
-
-    def models(self) -> Iterable[str]:
-        """The models measured so far ("" for requests without one)."""
-        return sorted(set(self._run) | set(self._load_first_byte))

@@ -139,6 +139,3 @@ class PriorityPolicy:
         if self.mode is PriorityMode.CLAMP and not self.minimum <= priority.value <= self.maximum:
             return Priority(min(max(priority.value, self.minimum), self.maximum), PrioritySource.CLAMPED)
         return priority
-
-
-TRUST_ALL = PriorityPolicy(PriorityMode.TRUST, INT64_MIN, INT64_MAX, None)
