@@ -1,0 +1,26 @@
+"""The pure benchmarks still run against today's code (their figures are not checked: no timing
+thresholds in tests; `bench/README.md` has the measured ones)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> str:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_core_benchmark_runs_and_agrees_with_the_scan():
+    last = run("bench/core.py", "--quick")
+    assert re.fullmatch(r"core: depth \d+: [\d.]+ us/dispatch, scan [\d.]+ us/dispatch, ratio [\d.]+", last), last
+
+
+def test_simulate_benchmark_runs():
+    assert re.fullmatch(r"simulate: 2000 requests in [\d.]+ s", run("bench/simulate.py", "--requests", "2000"))
