@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import logging
 import math
-import secrets
 from collections.abc import Callable
 
 from llamaswap.config import AbandonedGeneration, Config, ModelCheck
@@ -49,7 +48,7 @@ from llamaswap.runtime.observer import (
     SettleReason,
     SettleResult,
 )
-from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
 
 _log = logging.getLogger(__name__)
@@ -152,6 +151,7 @@ class Coordinator:
         # Telemetry for a grant runs on the next loop turn, after the grant is on its way;
         # tests that read telemetry synchronously turn this off.
         self._observe_after_grant = observe_after_grant
+        self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
         self._by_request_id: dict[str, Ticket] = {}
         self._running: Ticket | None = None
@@ -175,6 +175,8 @@ class Coordinator:
         self._estimate_batch_s = ESTIMATE_BATCH_S
         self._publish_pending = False
         self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+        self._flush_scheduled = False
+        self._holding = False  # a release is under way: the next grant's wake-up goes first
         self._observer.settings_changed(self.scheduler.policy)
 
     # -- configuration and state ---------------------------------------------------------
@@ -221,7 +223,7 @@ class Coordinator:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
         policy = self._config.priority_policy()
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
-        ticket = Ticket(secrets.token_urlsafe(18), arrival, priority, self._clock.now_ns())
+        ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         try:
             return await self._admit(ticket)
         except asyncio.CancelledError:
@@ -433,6 +435,16 @@ class Coordinator:
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
                  sent: bool = True) -> None:
+        holding, self._holding = self._holding, True
+        try:
+            self._release_and_grant(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned, sent=sent)
+        finally:
+            self._holding = holding
+        if self._deferred or self._publish_pending:
+            self._flush_soon()
+
+    def _release_and_grant(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
+                           sent: bool) -> None:
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
         if not sent and ticket.decision is not None:
             self._unsent(ticket.decision)
@@ -777,9 +789,9 @@ class Coordinator:
         """The gauges' picture, once per loop turn however many changes the turn made."""
         if not self._observe_after_grant:
             self._publish_now()
-        elif not self._publish_pending:
-            self._publish_pending = True
-            asyncio.get_running_loop().call_soon(self._publish_now)
+            return
+        self._publish_pending = True
+        self._flush_soon()
 
     def _publish_now(self) -> None:
         self._publish_pending = False
@@ -789,17 +801,24 @@ class Coordinator:
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
-        """Observers run after the loop's next turn: a grant's or a release's wake-ups (the next
-        Check's answer among them) are scheduled first, so no handoff waits for telemetry."""
+        """Observers run in one callback after the current step, scheduled after the step's
+        wake-ups (a release holds it until the next grant is on its way), so no handoff waits
+        for spans, metrics or log lines."""
         if not self._observe_after_grant:
             callback(*args)
             return
         self._deferred.append((callback, args))
-        if len(self._deferred) == 1:
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, self._run_observers)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self._flush_scheduled and not self._holding:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._run_observers)
 
     def _run_observers(self) -> None:
+        self._flush_scheduled = False
+        if self._publish_pending:
+            self._publish_now()
         deferred, self._deferred = self._deferred, []
         for callback, args in deferred:
             callback(*args)

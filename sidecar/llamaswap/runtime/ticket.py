@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import os
 
 from llamaswap.core import Decision, Outcome, Priority
 
@@ -58,6 +59,22 @@ class Arrival:
     peer: str  # the gRPC peer (one Envoy worker's connection): its access-log stream ends with it
     trace_parent: str | None  # W3C traceparent of Envoy's span for the Check call
     trace_state: str | None
+
+
+class Tokens:
+    """Unguessable grant tokens (128 random bits each, from the OS's CSPRNG), read from the OS a
+    few thousand at a time: a system call per request would cost more than the rest of admission."""
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._pool = b""
+
+    def next(self) -> str:
+        if not self._pool:
+            self._pool = os.urandom(16 * self._BATCH)
+        token, self._pool = self._pool[:16], self._pool[16:]
+        return token.hex()
 
 
 class Ticket:
