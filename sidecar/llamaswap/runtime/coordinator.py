@@ -176,7 +176,6 @@ class Coordinator:
         self._publish_pending = False
         self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._flush_scheduled = False
-        self._holding = False  # a release is under way: the next grant's wake-up goes first
         self._observer.settings_changed(self.scheduler.policy)
 
     # -- configuration and state ---------------------------------------------------------
@@ -435,16 +434,6 @@ class Coordinator:
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
                  sent: bool = True) -> None:
-        holding, self._holding = self._holding, True
-        try:
-            self._release_and_grant(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned, sent=sent)
-        finally:
-            self._holding = holding
-        if self._deferred or self._publish_pending:
-            self._flush_soon()
-
-    def _release_and_grant(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
-                           sent: bool) -> None:
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
         if not sent and ticket.decision is not None:
             self._unsent(ticket.decision)
@@ -801,9 +790,9 @@ class Coordinator:
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
-        """Observers run in one callback after the current step, scheduled after the step's
-        wake-ups (a release holds it until the next grant is on its way), so no handoff waits
-        for spans, metrics or log lines."""
+        """Observers run in one callback two loop turns on: after the step's wake-ups and after
+        what those schedule in turn (the next Check's answer going out to Envoy), so no
+        handoff waits for spans, metrics or log lines."""
         if not self._observe_after_grant:
             callback(*args)
             return
@@ -811,9 +800,10 @@ class Coordinator:
         self._flush_soon()
 
     def _flush_soon(self) -> None:
-        if not self._flush_scheduled and not self._holding:
+        if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._run_observers)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._run_observers)
 
     def _run_observers(self) -> None:
         self._flush_scheduled = False
