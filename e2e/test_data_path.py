@@ -13,8 +13,8 @@ from harness import activity_records, async_wait_for, http_get, metric_samples, 
 
 
 async def test_hold_outlives_envoy_timers(tmp_path: pathlib.Path) -> None:
-    """Envoy's stream idle timeout (1 s) and ext_proc message timeout (200 ms) never end a wait."""
-    config = {"envoy": {"streamIdleTimeoutSeconds": 1, "extProcMessageTimeoutMs": 200}}
+    """Envoy's stream idle timeout (1 s) never ends a wait: the held Check has no idle timer."""
+    config = {"envoy": {"streamIdleTimeoutSeconds": 1}}
     with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session)

@@ -63,7 +63,7 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
                 finally:
                     os.kill(llama.process.pid, signal.SIGCONT)
                 replies = await asyncio.gather(running, normal_b, normal_a)
-            # Each record is written when its exchange's ext_proc stream closes: poll for all four.
+            # Each record is written when its exchange's end reaches the sidecar: poll for all four.
             await async_wait_for(lambda: len(get_json(f"{stack.sidecar.admin_url}/activity")["activity"]) == 4,
                                  what="four activity records")
             activity = get_json(f"{stack.sidecar.admin_url}/activity")["activity"]
