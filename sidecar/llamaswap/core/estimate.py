@@ -85,10 +85,13 @@ class Estimator:
         baseline = warm.median if warm is not None and warm.median is not None else 0.0
         return max(0.0, loads.median - baseline)
 
+    def expected_grant_s(self, model: str | None, *, model_load: bool) -> float:
+        """How long a grant of `model` is expected to hold the GPU, its model's load included."""
+        return self.expected_run_s(model) + (self.expected_swap_s(model) if model_load else 0.0)
+
     def remaining_s(self, model: str | None, *, model_load: bool, running_s: float) -> float:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        expected = self.expected_run_s(model) + (self.expected_swap_s(model) if model_load else 0.0)
-        return max(0.0, expected - running_s)
+        return max(0.0, self.expected_grant_s(model, model_load=model_load) - running_s)
 
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order, given the

@@ -217,6 +217,11 @@ class Decision:
     def queue_wait_ns(self) -> int:
         return self.granted_ns - self.arrival_ns
 
+    @property
+    def model_load(self) -> bool:
+        """The grant began by loading its model: a swap, or a load from nothing known loaded."""
+        return self.load or self.swap
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queued:
@@ -527,7 +532,7 @@ class Scheduler:
                 band=decision.band,
                 score=decision.score,
                 model=decision.model,
-                model_load=decision.swap or decision.load,
+                model_load=decision.model_load,
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
             )

@@ -446,7 +446,7 @@ class Coordinator:
         decision = ticket.decision
         if outcome is Outcome.SERVED and decision is not None:
             self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
-                                  model_load=decision.load or decision.swap)
+                                  model_load=decision.model_load)
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
@@ -680,7 +680,7 @@ class Coordinator:
         running = self._running
         if running is not None and running.decision is not None:
             d = running.decision
-            return self.estimator.remaining_s(d.model, model_load=d.load or d.swap,
+            return self.estimator.remaining_s(d.model, model_load=d.model_load,
                                               running_s=(now - d.granted_ns) / NS_PER_S)
         settling = self._settling
         if settling is not None and settling.granted_ns is not None:
@@ -742,9 +742,7 @@ class Coordinator:
         decision = self.scheduler.running
         if decision is not None:
             running_s = (now - decision.granted_ns) / NS_PER_S
-            model_load = decision.load or decision.swap
-            expected = self.estimator.expected_run_s(decision.model) + (
-                self.estimator.expected_swap_s(decision.model) if model_load else 0.0)
+            expected = self.estimator.expected_grant_s(decision.model, model_load=decision.model_load)
             running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
                                  decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
                                  max(0.0, expected - running_s))

@@ -322,7 +322,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
             result = results[int(decision.request_id)]
             request = result.request
             model = request.record.model
-            load = decision.swap or decision.load
+            load = decision.model_load
             if request.run_ns is not None:
                 hold = request.run_ns
                 if load is not request.recorded_load:
