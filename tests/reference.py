@@ -76,6 +76,7 @@ class ReferenceScheduler:
         self._now_ns = now_ns
         self.waiting: list[RefRequest] = []  # kept in arrival order
         self.running: RefRequest | None = None
+        self.previous_of_running: str | None = None
         self.loaded_model: str | None = None
         self._order = 0
 
@@ -191,13 +192,16 @@ class ReferenceScheduler:
         )
         self.waiting.remove(winner)
         self.running = winner
+        self.previous_of_running = previous
         if winner.model is not None:
             self.loaded_model = winner.model
         return decision
 
-    def release(self, request_id: str, *, model_loaded: bool = True) -> None:
+    def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> None:
         assert self.running is not None and self.running.request_id == request_id
-        if not model_loaded and self.running.model is not None and self.loaded_model == self.running.model:
+        if not reached_upstream:
+            self.loaded_model = self.previous_of_running  # never used: nothing changed upstream
+        elif not model_loaded and self.running.model is not None and self.loaded_model == self.running.model:
             self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
         self.running = None
 

@@ -890,3 +890,14 @@ def test_drain_resets_the_queue_and_it_works_afterwards():
     assert all(stats.depth == 0 for stats in s.band_stats().values())
     s.enqueue("after", P(0), "a")
     assert s.next().request_id == "after"
+
+
+def test_a_grant_that_never_reached_the_upstream_changes_no_loaded_model():
+    s, _ = make(serial(60, 10))
+    s.enqueue("a1", P(0), "a")
+    s.next()
+    s.release("a1")
+    s.enqueue("b1", P(0), "b")
+    assert s.next().swap is True and s.loaded_model == "b"
+    s.release("b1", reached_upstream=False)  # its client left as it was granted
+    assert s.loaded_model == "a"

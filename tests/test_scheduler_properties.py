@@ -154,15 +154,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.real.release(decision.request_id)
             self.ref.release(decision.request_id)
 
-    @rule(model_loaded=st.booleans())
-    def release(self, model_loaded):
+    @rule(model_loaded=st.booleans(), reached_upstream=st.booleans())
+    def release(self, model_loaded, reached_upstream):
         if self.ref.running is None:
             with pytest.raises(UnknownRequest):
                 self.real.release("ghost")
             return
         rid = self.ref.running.request_id
-        released = self.real.release(rid, model_loaded=model_loaded)
-        self.ref.release(rid, model_loaded=model_loaded)
+        released = self.real.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        self.ref.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
         assert released.request_id == rid
         with pytest.raises(UnknownRequest):
             self.real.release(rid)

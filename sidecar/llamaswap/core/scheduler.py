@@ -449,11 +449,13 @@ class Scheduler:
             self._loaded_model = winner.model
         return decision
 
-    def release(self, request_id: str, *, model_loaded: bool = True) -> Released:
+    def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> Released:
         """End the running request's grant.
 
         ``model_loaded=False`` says the upstream failed the request, so its model is not known
         to be loaded: the loaded model becomes unknown until the upstream reports it.
+        ``reached_upstream=False`` says the grant was never used (its client left as it was
+        given): what was loaded before it still is.
         """
         running = self._running
         decision = self._running_decision
@@ -461,7 +463,9 @@ class Scheduler:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         self._running = None
         self._running_decision = None
-        if not model_loaded and running.model is not None and self._loaded_model == running.model:
+        if not reached_upstream:
+            self._loaded_model = decision.previous_model
+        elif not model_loaded and running.model is not None and self._loaded_model == running.model:
             self._loaded_model = None
         return Released(request_id, running.model, decision.granted_ns, self._clock.now_ns())
 

@@ -410,8 +410,7 @@ class Coordinator:
                 break
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
             # has not run its clean-up yet: nothing reached the upstream; the next one goes.
-            self.scheduler.release(decision.request_id)
-            self._unsent(decision)
+            self.scheduler.release(decision.request_id, reached_upstream=False)
             if ticket is not None:
                 self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
         ticket.state = TicketState.RUNNING
@@ -428,15 +427,9 @@ class Coordinator:
         # never waits for spans, metrics or log lines.
         self._observe(self._observer.dispatched, ticket, overtaken)
 
-    def _unsent(self, decision: Decision) -> None:
-        """A grant that never reached the upstream: what was loaded before it still is."""
-        self.scheduler.set_loaded_model(decision.previous_model, as_of=self.scheduler.dispatches)
-
     def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
                  sent: bool = True) -> None:
-        released = self.scheduler.release(ticket.token, model_loaded=model_loaded)
-        if not sent and ticket.decision is not None:
-            self._unsent(ticket.decision)
+        released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self._running = None
         if self._watchdog is not None:
             self._watchdog.cancel()
