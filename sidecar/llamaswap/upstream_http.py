@@ -128,7 +128,6 @@ def catalog_from(document: Any) -> Catalog | None:
     if not isinstance(items, list):
         return None
     names: set[str] = set()
-    states: dict[str, str] = {}
     owners: set[str] = set()
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("id"), str):
@@ -137,11 +136,9 @@ def catalog_from(document: Any) -> Catalog | None:
         aliases = item.get("aliases")
         if isinstance(aliases, list):
             names.update(alias for alias in aliases if isinstance(alias, str))
-        status = item.get("status")
-        if isinstance(status, dict) and isinstance(status.get("value"), str):
-            states[item["id"]] = status["value"]
         if isinstance(item.get("owned_by"), str):
             owners.add(item["owned_by"])
+    states = _states(document)
     if states:
         # A model being loaded is the one the upstream will have: affinity applies to it already.
         loaded = [name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING)]
@@ -153,7 +150,8 @@ def catalog_from(document: Any) -> Catalog | None:
 
 
 def _states(document: Any) -> dict[str, str]:
-    items = document.get("data") if isinstance(document, dict) else None
+    """Router mode's model states (`loaded`, `loading`, `unloaded`) by model id; {} otherwise."""
+    items = document.get("data") if isinstance(document, dict) else document
     states: dict[str, str] = {}
     for item in items if isinstance(items, list) else ():
         if isinstance(item, dict) and isinstance(item.get("id"), str) and isinstance(item.get("status"), dict):
