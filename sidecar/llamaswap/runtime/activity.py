@@ -105,9 +105,8 @@ class ActivityLog:
     def record(self, ticket: Ticket) -> dict[str, Any]:
         decision = ticket.decision
         outcome = ticket.outcome
-        finished_ns = ticket.finished_ns if ticket.finished_ns is not None else ticket.arrival_ns
+        finished_ns = ticket.ended_ns
         granted_ns = decision.granted_ns if decision is not None else None
-        waited_ns = (granted_ns if granted_ns is not None else finished_ns) - ticket.arrival_ns
         return {
             "event": "request",
             "time": round(self._unix_ms(finished_ns) / 1000, 3),
@@ -119,7 +118,7 @@ class ActivityLog:
             "serial_priority": ticket.priority.value,
             "serial_band": ticket.priority.band.value,
             "serial_score": round(decision.score, 3) if decision is not None else None,
-            "serial_queue_wait_ms": round(waited_ns / 1e6, 3),
+            "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
             "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
             "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
             "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,

@@ -109,6 +109,17 @@ class Ticket:
         self.waiter: asyncio.Future[Decision | None] | None = None
 
     @property
+    def ended_ns(self) -> int:
+        """When it finished (its arrival while it has not)."""
+        return self.finished_ns if self.finished_ns is not None else self.arrival_ns
+
+    @property
+    def queue_wait_ns(self) -> int:
+        """How long it waited: to its grant, or to its end if it never got one."""
+        left_ns = self.decision.granted_ns if self.decision is not None else self.ended_ns
+        return max(0, left_ns - self.arrival_ns)
+
+    @property
     def granted_ns(self) -> int | None:
         return self.decision.granted_ns if self.decision is not None else None
 

@@ -106,9 +106,7 @@ class Telemetry:
         meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
         self._aging_divisor_ns = 0
-        # A request without a trace of its own (Envoy does not trace): its run span goes under
-        # its queue span, so it is still one trace. Held from the grant to the end only.
-        self._queue_spans: dict[str, Context] = {}
+        self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         self._closed = False
         self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
                                        gpu_busy=self._observe_busy)
@@ -177,8 +175,9 @@ class Telemetry:
         parent = parent_of(ticket)
         span = self._tracer.start_span(QUEUE_SPAN, context=parent or Context(), kind=SpanKind.INTERNAL,
                                        attributes=attributes, start_time=self._wall(ticket.arrival_ns))
-        if parent is None:
-            self._queue_spans[ticket.token] = trace.set_span_in_context(span, Context())
+        # The run span's parent, kept from the grant to the end: Envoy's Check span, or, for a
+        # request Envoy did not trace, this queue span (so it is still one trace).
+        self._run_parents[ticket.token] = parent or trace.set_span_in_context(span, Context())
         at = self._wall(decision.granted_ns)
         for other in overtaken:
             event: dict[str, Any] = {"llamaswap.request_id": other.request_id, "llamaswap.priority": other.priority,
@@ -199,7 +198,7 @@ class Telemetry:
             instruments.unparseable.add(1)
         elif source is PrioritySource.ABSENT:
             instruments.absent.add(1)
-        finished_ns = ticket.finished_ns if ticket.finished_ns is not None else ticket.arrival_ns
+        finished_ns = ticket.ended_ns
         decision = ticket.decision
         if decision is not None:
             run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
@@ -214,7 +213,7 @@ class Telemetry:
         attributes["llamaswap.outcome"] = outcome.value
         if decision is None:
             # Never granted (refused, expired, gone): the queue span covers arrival to the end.
-            waited_ns = max(0, finished_ns - ticket.arrival_ns)
+            waited_ns = ticket.queue_wait_ns
             attributes["llamaswap.queue_wait_ms"] = waited_ns / 1e6
             attributes["llamaswap.aging"] = waited_ns / self._aging_divisor_ns if self._aging_divisor_ns else 0.0
             name, start_ns = QUEUE_SPAN, ticket.arrival_ns
@@ -225,7 +224,7 @@ class Telemetry:
             if ticket.response_status:
                 attributes["llamaswap.status"] = ticket.response_status
             name, start_ns = RUN_SPAN, decision.granted_ns
-        parent = parent_of(ticket) or self._queue_spans.pop(ticket.token, None)
+        parent = self._run_parents.pop(ticket.token, None) or parent_of(ticket)
         span = self._tracer.start_span(name, context=parent or Context(), kind=SpanKind.INTERNAL,
                                        attributes=attributes, start_time=self._wall(start_ns))
         if outcome is Outcome.WATCHDOG:
