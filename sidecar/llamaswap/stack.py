@@ -227,6 +227,9 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
+    if _PRCTL is None and sys.platform.startswith("linux"):
+        print("warning: libc's prctl is not available: Envoy and the upstream will outlive `up` if it is "
+              "killed (a SIGTERM or Ctrl-C still stops them)", file=sys.stderr, flush=True)
     failed = True
     try:
         for key, address in (("listen.http", config.listen.http), ("listen.grpc", config.listen.grpc),
