@@ -504,8 +504,11 @@ def free_port() -> int:
 
 if __name__ == "__main__":
     # `python e2e/harness.py PORT`: a fake upstream as its own process (for `llamaswap up`).
+    # A SIGTERM to the process may reach any thread that does not block it; a Python handler
+    # would then run only when the main thread next runs bytecode, which it never does while
+    # blocked on a lock (it stayed up for good that way). So every thread blocks SIGTERM and
+    # SIGINT (the server's thread inherits this mask) and the main thread waits for them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     server = FakeUpstream(int(sys.argv[1])).started()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
     server.close()
