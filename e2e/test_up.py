@@ -151,6 +151,7 @@ def test_up_serves_and_a_sigterm_stops_it_gracefully(ups) -> None:
     records = up.records()
     assert records["stream"]["outcome"] == "served"
     assert [records[f"w{i}"]["outcome"] for i in range(3)] == ["shutdown"] * 3
+    assert "did not stop within" not in up.log()  # Envoy and the upstream stopped on SIGTERM
     assert not any(_answers(up.ports[key]) for key in ("http", "grpc", "admin", "upstream"))
 
 
@@ -184,15 +185,22 @@ def test_up_does_not_adopt_another_upstream_on_its_port(ups) -> None:
 
 
 def _process_state(pid: int) -> tuple[str, int, str] | None:
-    """(state, parent pid, command line) of a live process, or None when it is gone or a zombie
-    (a dead child waits for a reaper that may never come; it holds no port and runs nothing)."""
+    """(state, parent pid, command line) of a process while any of its threads lives, else None.
+
+    Every thread counts: a killed process's main thread is a zombie ("Z") while its other
+    threads still exit, and they hold its sockets open until the last one is gone. A zombie
+    with no live thread holds no port and runs nothing (it waits for a reaper)."""
     try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
         cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        threads = [task.joinpath("stat").read_text() for task in pathlib.Path(f"/proc/{pid}/task").iterdir()]
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone, or going while we read
         return None
-    state, parent = stat[stat.rindex(")") + 2:].split()[:2]  # the name in parentheses may hold spaces
-    return None if state in ("Z", "X") else (state, int(parent), cmdline.strip())
+    states = [thread[thread.rindex(")") + 2:].split()[0] for thread in threads]  # the name may hold spaces
+    if all(state in ("Z", "X") for state in states):
+        return None
+    parent = int(stat[stat.rindex(")") + 2:].split()[1])
+    return "".join(sorted(set(states))), parent, cmdline.strip()
 
 
 def _children_of(pid: int) -> dict[int, str]:
@@ -221,7 +229,9 @@ def test_children_die_with_a_killed_up(ups) -> None:
             if state is not None:
                 os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"still running after `up` was killed: {left}\n`up` printed:\n{up.log()}") from None
-    assert not _answers(up.ports["http"]) and not _answers(up.ports["upstream"])
+    # Nothing of theirs is left to answer (a listener closes as its last thread exits).
+    wait_for(lambda: not _answers(up.ports["http"]) and not _answers(up.ports["upstream"]),
+             what="no answer on the ports of a killed `up`")
 
 
 def test_a_clean_stop_leaves_no_temporary_directory(ups, tmp_path: pathlib.Path) -> None:
