@@ -112,6 +112,9 @@ class Child:
             deadline = time.monotonic() + timeout_s
             while self.alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            if self.alive():
+                print(f"{self.name} did not stop within {timeout_s:g} s of SIGTERM: killed (its log: "
+                      f"{self.log_path})", file=sys.stderr, flush=True)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # whatever is left of its group
         await asyncio.to_thread(self.process.wait, 10)
