@@ -30,6 +30,7 @@ from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticke
 from llamaswap.runtime.upstream import Catalog, UpstreamKind
 
 S = 1_000_000_000
+OTHER_PEER = "ipv4:127.0.0.1:40002"  # another Envoy connection (another worker, or another Envoy)
 # Defaults of the configuration the numbers below rely on (asserted in test_the_defaults_used_here).
 LEASE_S = 3.0
 RUN_S = 10.0
@@ -449,7 +450,7 @@ ABANDONS = [(abandon_by_client_left, Outcome.CANCELLED_RUNNING),
 async def test_no_grant_until_the_upstream_is_idle(abandon, outcome: Outcome) -> None:
     flow = busy_flow(busy=True)
     a = await flow.arrive("a", model="a")
-    b = await flow.arrive("b", model="b")
+    b = await flow.arrive("b", model="b", peer=OTHER_PEER)  # a connection that stays (another Envoy worker)
     await abandon(flow, a)
     assert a.outcome is outcome and a.ticket.abandoned
     started_ns = flow.now_ns
@@ -542,7 +543,7 @@ async def test_a_settle_is_bounded_by_max_run_seconds_since_the_grant(ran_s: flo
 async def test_abandoned_generation_stop_stops_first_and_forgets_the_model() -> None:
     flow = busy_flow({"upstream": {"abandonedGeneration": "stop"}}, busy=True)
     a = await flow.arrive("a", model="a")
-    b = await flow.arrive("b", model="a")
+    b = await flow.arrive("b", model="a", peer=OTHER_PEER)
     await flow.peer_gone(PEER)  # a release that otherwise keeps its model loaded
     assert a.outcome is Outcome.PROXY_GONE
     settle_calls = [call for call in flow.upstream.calls if call[0] != "catalog"]
@@ -679,13 +680,15 @@ async def test_peer_gone_releases_only_that_connections_grant() -> None:
     flow = Flow()
     a = await flow.arrive("a", model="a", peer="ipv4:10.0.0.1:1")
     b = await flow.arrive("b", model="a", peer="ipv4:10.0.0.2:2")
+    c = await flow.arrive("c", model="a", peer="ipv4:10.0.0.3:3")
     await flow.peer_gone("ipv4:10.0.0.2:2")
-    assert a.outcome is None and b.waiting
-    assert flow.recorder.settles == []
+    assert a.outcome is None and a.granted  # another connection's end leaves this grant alone
+    assert b.outcome is Outcome.CANCELLED_WAITING  # its own Check went with its connection
+    assert c.waiting and flow.recorder.settles == []
     await flow.peer_gone("ipv4:10.0.0.1:1")
     assert a.outcome is Outcome.PROXY_GONE and a.ticket.abandoned
     assert flow.recorder.settles[0].request_id == "a"
-    assert b.granted
+    assert c.granted
 
 
 # -- adoption ----------------------------------------------------------------------------------
@@ -1160,3 +1163,23 @@ def test_arrival_has_the_fields_the_transport_fills() -> None:
     assert (ticket.request_id, ticket.model, ticket.peer, ticket.arrival_ns, ticket.priority.value) == (
         "id", "m", "peer", 7, 5)
     assert Ticket("t", Arrival("", None, None, None, "p", None, None), ticket.priority, 0).request_id == "-"
+
+
+@virtual_time
+async def test_peer_gone_ends_that_connections_waiting_checks_before_the_gpu_is_granted_again() -> None:
+    # Envoy died: its access-log stream ended before the cancellations of its waiting Checks
+    # arrived. None of them may get the GPU meanwhile; another connection's request does.
+    flow = Flow()
+    running = await flow.arrive("running", model="a", peer="ipv4:10.0.0.1:1")
+    gone = [await flow.arrive(f"gone-{i}", model="a", peer="ipv4:10.0.0.1:1") for i in range(2)]
+    other = await flow.arrive("other", model="a", peer="ipv4:10.0.0.2:2")
+    assert running.granted and all(request.waiting for request in gone) and other.waiting
+    await flow.peer_gone("ipv4:10.0.0.1:1")
+    assert running.outcome is Outcome.PROXY_GONE
+    assert [request.outcome for request in gone] == [Outcome.CANCELLED_WAITING] * 2
+    assert other.granted
+    assert flow.recorder.grant_order() == ["running", "other"]
+    for request in gone:  # their Checks' own cancellations, arriving late, change nothing
+        if not request.task.done():
+            await flow.cancel(request)
+        assert flow.recorder.times_finished(request.ticket) == 1

@@ -295,7 +295,16 @@ class Coordinator:
         self._release(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned)
 
     def peer_gone(self, peer: str) -> None:
-        """An Envoy access-log stream ended: that Envoy connection's grant is gone with it."""
+        """An Envoy access-log stream ended: that Envoy connection's grant and waiting Checks
+        are gone with it.
+
+        In the bootstrap llamaswap generates (static, no listener updates) the stream ends only
+        with its HTTP/2 connection, which also carried that Envoy worker's Checks. Their own
+        cancellations arrive a moment later, and in any order with this call: the waiting ones
+        end here first, so that the release below cannot grant the GPU to one of them (a grant
+        nobody would use, holding the GPU until its lease lapsed)."""
+        for ticket in [t for t in self._tickets.values() if t.peer == peer and t.state is TicketState.WAITING]:
+            self._check_cancelled(ticket)
         running = self._running
         if running is not None and running.peer == peer:
             _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
