@@ -1179,7 +1179,5 @@ async def test_peer_gone_ends_that_connections_waiting_checks_before_the_gpu_is_
     assert [request.outcome for request in gone] == [Outcome.CANCELLED_WAITING] * 2
     assert other.granted
     assert flow.recorder.grant_order() == ["running", "other"]
-    for request in gone:  # their Checks' own cancellations, arriving late, change nothing
-        if not request.task.done():
-            await flow.cancel(request)
-        assert flow.recorder.times_finished(request.ticket) == 1
+    # Their Checks were answered here, so their own cancellations have nothing left to end.
+    assert all(request.task.done() and flow.recorder.times_finished(request.ticket) == 1 for request in gone)

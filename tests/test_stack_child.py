@@ -5,21 +5,14 @@ from __future__ import annotations
 import pathlib
 import signal
 import sys
-import time
 
 import pytest
+from harness import wait_for
 
 from llamaswap.stack import Child
 
 _IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                     "print('ready', flush=True); time.sleep(120)")
-
-
-def _wait_for_line(path: pathlib.Path, text: str, deadline_s: float = 30.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while text not in path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"{text!r} never appeared in {path}"
-        time.sleep(0.02)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -37,7 +30,7 @@ async def test_a_child_that_ignores_sigterm_is_killed_and_the_stop_says_so(
         tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     log_path = tmp_path / "stubborn.log"
     child = Child("stubborn", [sys.executable, "-c", _IGNORES_SIGTERM], log_path)
-    _wait_for_line(log_path, "ready")
+    wait_for(lambda: "ready" in log_path.read_text(), what=f"the ready line in {log_path}")
     await child.stop(timeout_s=0.5)
     assert child.process.returncode == -signal.SIGKILL
     assert f"stubborn did not stop within 0.5 s of SIGTERM: killed (its log: {log_path})" in capsys.readouterr().err
@@ -48,7 +41,7 @@ async def test_a_child_that_stops_on_sigterm_is_not_reported(
     log_path = tmp_path / "polite.log"
     child = Child("polite", [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
                   log_path)
-    _wait_for_line(log_path, "ready")
+    wait_for(lambda: "ready" in log_path.read_text(), what=f"the ready line in {log_path}")
     await child.stop(timeout_s=30)
     assert child.process.returncode == -signal.SIGTERM
     assert "did not stop" not in capsys.readouterr().err
