@@ -48,7 +48,7 @@ from harness import (  # noqa: E402 - after the path set-up
     wait_for,
 )
 from llamaswap.config import parse_config  # noqa: E402
-from llamaswap.envoy import EXT_AUTHZ, JSON_TO_METADATA, build_bootstrap  # noqa: E402
+from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, build_bootstrap  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -245,7 +245,7 @@ def _null_sidecar_main(ports_file: str, serial: bool) -> None:
     from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
     from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
     from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
-    from llamaswap.envoy import GRANT_NAMESPACE, TICKET_KEY
+    from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY
 
     ok = status_pb2.Status(code=code_pb2.OK)
     waiting: collections.deque[tuple[str, asyncio.Future[None]]] = collections.deque()

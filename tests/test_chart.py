@@ -36,7 +36,7 @@ import chart_tools as ct
 ROOT = ct.ROOT
 
 from llamaswap.config import ConfigError, json_schema, parse_config  # noqa: E402
-from llamaswap.envoy import envoy_binary, validate_bootstrap  # noqa: E402
+from llamaswap.envoy.binary import envoy_binary, validate_bootstrap  # noqa: E402
 
 VALUE_SETS = {"default": {}} | {path.stem: ct.load_values(path) for path in ct.CI_VALUES}
 CHART_VALUES = ct.load_values(ct.CHART / "values.yaml")

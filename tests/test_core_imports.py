@@ -12,8 +12,8 @@ import pathlib
 import llamaswap.core
 
 CORE = pathlib.Path(llamaswap.core.__file__).parent
-FORBIDDEN = ("llamaswap.runtime", "llamaswap.transport", "llamaswap.telemetry", "llamaswap.config",
-             "llamaswap.serve", "llamaswap.stack", "llamaswap.envoy", "llamaswap.upstream_http", "llamaswap.simulate",
+FORBIDDEN = ("llamaswap.runtime", "llamaswap.adapters", "llamaswap.telemetry", "llamaswap.config",
+             "llamaswap.commands.serve", "llamaswap.commands.up", "llamaswap.envoy", "llamaswap.adapters.upstream_http", "llamaswap.simulate",
              "grpc", "asyncio", "opentelemetry", "aiohttp", "socket", "subprocess", "threading", "yaml", "pydantic")
 
 

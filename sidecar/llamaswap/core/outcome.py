@@ -1,8 +1,8 @@
 """Every way a request can end: one enum, used as metric label, span status, log key and error family.
 
 The runtime decides the outcome of each request exactly once; how an outcome looks to an HTTP
-client (status, OpenAI error type and code, message) is the transport's business
-(`llamaswap.transport.outcomes`), not the core's or the runtime's.
+client (status, OpenAI error type and code, message) is the adapters' business
+(`llamaswap.adapters.outcomes`), not the core's or the runtime's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The asyncio adapter around the pure core: tickets, waiters, leases, settles, estimates, reload.
 
 The coordinator uses two ports: `Observer` (telemetry, the activity log) and `Upstream` (what
-the upstream serves and whether it is still computing); the transport calls it.
+the upstream serves and whether it is still computing); the adapters call it.
 """
 
 from llamaswap.runtime.coordinator import Admission, Coordinator, QueueView, Refusal

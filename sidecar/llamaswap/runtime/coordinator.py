@@ -14,7 +14,7 @@ Invariants enforced here:
   `Observer.finished` fires exactly once per ticket;
 - a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released, so a lost final
   entry or a killed Envoy never leaves a ghost holder;
-- the runtime decides outcomes; how they look over HTTP is the transport's business.
+- the runtime decides outcomes; how they look over HTTP is the adapters' business.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ VIEW_MAX_AGE_S = 0.2
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a request did not get the GPU; the transport turns it into an HTTP error."""
+    """Why a request did not get the GPU; the adapters turn it into an HTTP error."""
 
     outcome: Outcome
     retry_after_s: int | None = None
@@ -231,7 +231,7 @@ class Coordinator:
             self._check_cancelled(ticket)
             raise
         except Exception:
-            # A bug while admitting: the transport answers 500; the ticket must not stay queued
+            # A bug while admitting: the adapter answers 500; the ticket must not stay queued
             # (it would be granted with nobody to use the grant) nor go unfinished.
             self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
             raise

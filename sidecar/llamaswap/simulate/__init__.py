@@ -6,5 +6,5 @@
 - `engine`: the replay itself over `llamaswap.core.Scheduler` and a `ManualClock` (no I/O);
 - `inversion`: the worst priority inversion of a replay;
 - `report`: rows as a table, JSON, per-request lines and a plot;
-- `cli`: the `simulate` subcommand (`add_parser`, `run`).
+(The `simulate` subcommand itself is `llamaswap.commands.simulate`.)
 """

@@ -37,8 +37,9 @@ import aiohttp
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from llamaswap.config import Config, HostPort, parse_config  # noqa: E402
-from llamaswap.envoy import EnvoyNotInstalled, build_bootstrap, envoy_binary, render_bootstrap  # noqa: E402
-from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar  # noqa: E402
+from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
+from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
+from llamaswap.commands.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar  # noqa: E402
 
 _log = logging.getLogger(__name__)
 

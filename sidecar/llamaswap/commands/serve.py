@@ -18,15 +18,15 @@ from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap.config import Config, ConfigError, HostPort, load_config
 from llamaswap.core import MonotonicClock
-from llamaswap.envoy import bootstrap_changes
+from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
 from llamaswap.telemetry import Telemetry
-from llamaswap.transport.access_log import AccessLogs
-from llamaswap.transport.admin import build_admin_app
-from llamaswap.transport.ext_authz import Authorization
-from llamaswap.upstream_http import HttpUpstream
+from llamaswap.adapters.access_log import AccessLogs
+from llamaswap.adapters.admin import build_admin_app
+from llamaswap.adapters.ext_authz import Authorization
+from llamaswap.adapters.upstream_http import HttpUpstream
 
 _log = logging.getLogger(__name__)
 

