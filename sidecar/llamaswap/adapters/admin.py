@@ -14,7 +14,8 @@ from aiohttp import web
 
 from llamaswap.envoy.contract import STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.coordinator import Coordinator, QueueView, RunningRow, WaitingRow
+from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
 

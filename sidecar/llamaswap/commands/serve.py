@@ -22,6 +22,7 @@ from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
+from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
@@ -177,7 +178,7 @@ class Sidecar:
     async def _reconcile_models(self) -> None:
         """Ask the upstream what it serves and has loaded, while the GPU is idle."""
         while True:
-            if self.coordinator.gpu_state == "idle":
+            if self.coordinator.gpu_state is GpuState.IDLE:
                 as_of = self.coordinator.scheduler.dispatches
                 catalog = await self.upstream.catalog()
                 if catalog is not None:

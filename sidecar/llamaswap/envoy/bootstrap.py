@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from llamaswap.config import Config
+from llamaswap.core import SHUTDOWN_RETRY_AFTER_S
 from llamaswap.envoy.contract import (
     ACCESS_LOG_NAME,
     BYPASS_PATHS,
@@ -233,7 +234,8 @@ def build_bootstrap(
         local_reply_config={"mappers": [{
             "filter": {"status_code_filter": {"comparison": {
                 "op": "EQ", "value": {"default_value": 503, "runtime_key": "llamaswap.local_503"}}}},
-            "headers_to_add": [{"header": {"key": "retry-after", "value": "5"}, "append_action": "ADD_IF_ABSENT"}],
+            "headers_to_add": [{"header": {"key": "retry-after", "value": str(SHUTDOWN_RETRY_AFTER_S)},
+                                "append_action": "ADD_IF_ABSENT"}],
         }]},
         common_http_protocol_options={"headers_with_underscores_action": "ALLOW"},
         # A client's own non-UUID x-request-id must not switch tracing off for its request.
