@@ -33,7 +33,8 @@ import time
 
 from llamaswap.core import Policy
 from llamaswap.commands import simulate as cli
-from llamaswap.simulate.engine import Simulation, prepare, simulate
+from llamaswap.simulate.engine import prepare, simulate
+from llamaswap.simulate.results import Simulation
 from llamaswap.simulate.workload import Distribution, TrafficClass, Workload, costs, generate
 
 SWAP_S = {"qwen3-8b": 12.0, "gemma3-4b": 6.0, "llama3-3b": 5.0, "phi4-mini": 4.0}

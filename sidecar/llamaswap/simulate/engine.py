@@ -50,8 +50,9 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
-from llamaswap.simulate.inversion import Inversion, worst_inversion
+from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
+from llamaswap.simulate.results import BandMetrics, Metrics, Request, Result, Simulation
 
 _log = logging.getLogger(__name__)
 
@@ -133,22 +134,6 @@ def _ms_to_ns(ms: float) -> int:
     return round(ms * 1000) * _NS_PER_US
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: 100,000s are made, and a frozen init costs double
-class Request:
-    """A record made ready to replay (the same for every setting)."""
-
-    index: int  # arrival order
-    record: RequestRecord
-    arrival_ns: int  # from the first arrival
-    priority: Priority
-    patience_ns: int | None  # None: waits as long as maxWaitSeconds lets it
-    run_ns: int | None  # the recorded run; None: never ran, the expected run applies
-    settle_ns: int
-    recorded_load: bool
-    granted_outcome: Outcome
-    model_loaded: bool  # what the release tells the scheduler
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Replay:
     requests: tuple[Request, ...]
@@ -188,52 +173,6 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
             model_loaded=model_loaded,
         ))
     return Replay(tuple(requests), dict(skipped), origin)
-
-
-@dataclasses.dataclass(slots=True)
-class Result:
-    """What one request did in the simulation."""
-
-    request: Request
-    outcome: Outcome
-    base: int  # the priority the scheduler ordered by (fifo: plus the model's)
-    start_ns: int | None = None  # granted
-    end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
-    release_ns: int | None = None
-    model_load: bool = False
-
-    @property
-    def wait_ns(self) -> int:
-        return self.end_ns - self.request.arrival_ns
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BandMetrics:
-    served: int  # granted the GPU
-    wait_p50_s: float | None  # arrival to grant, of those granted
-    wait_p95_s: float | None
-    wait_max_s: float | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Metrics:
-    requests: int
-    bands: Mapping[str, BandMetrics]
-    swaps: int  # grants that needed a model load (from nothing known, or a swap)
-    reorders: Mapping[str, int]  # ReorderCause -> grants it changed
-    busy_fraction: float  # GPU held / (last release - first arrival)
-    left: int  # gave up waiting (patience)
-    expired: int  # maxWaitSeconds
-    rejected: int  # maxQueued
-    peak_waiting: int
-    inversion: Inversion | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Simulation:
-    policy: Policy
-    results: list[Result]  # arrival order
-    metrics: Metrics
 
 
 def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
