@@ -9,7 +9,7 @@ sending that request upstream. Efficiency is the upstream's busy time divided by
 from the first start to the last end.
 
 The same burst goes, in interleaved rounds (llamaswap, toy, then toy, llamaswap, ...), through
-llamaswap and through the floor: a toy FIFO (bench/common.py, ~30 lines of grpc.aio) with
+llamaswap and through the floor: a toy FIFO (bench/floor.py, ~30 lines of grpc.aio) with
 the same protocol (ticket in the Check's dynamic metadata, release on the access log's final
 entry) behind the same bootstrap: the gap Python and grpc.aio on this chain cannot go below.
 For reference, one client sending back to back through bare Envoy (no scheduler at all) is
@@ -35,19 +35,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    Bench,
-    bench_stack,
-    chat_body,
-    cpu_seconds,
-    describe_ms,
-    machine_load,
-    percentile,
-    post,
-    profiled,
-    raise_nofile,
-    session,
-)
+from clients import chat_body, post, session  # noqa: E402
+from procfs import cpu_seconds, machine_load, raise_nofile  # noqa: E402
+from profiling import profiled  # noqa: E402
+from stack import Bench, bench_stack  # noqa: E402
+from stats import describe_ms, percentile  # noqa: E402
 
 
 def gaps_and_efficiency(hits: list[dict]) -> tuple[list[int], float, int]:

@@ -52,10 +52,11 @@ class Context:
 
 def capture(workdir: pathlib.Path) -> tuple[bytes, bytes]:
     """A real CheckRequest and a real final access-log message, as the same bootstrap's Envoy
-    sends them (captured by the floor sidecar, bench/common.py, with BENCH_CAPTURE)."""
+    sends them (captured by the floor sidecar, bench/floor.py, with BENCH_CAPTURE)."""
     import asyncio as _asyncio
 
-    from common import bench_stack, chat_body, post, session
+    from clients import chat_body, post, session
+    from stack import bench_stack
 
     os.environ["BENCH_CAPTURE"] = str(workdir)
     try:

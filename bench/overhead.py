@@ -3,7 +3,7 @@
 Three paths, all with the bootstrap `build_bootstrap()` makes, to the same instant upstream:
 
 - bare Envoy: that bootstrap with json_to_metadata, ext_authz and the access log taken out;
-- the floor: that bootstrap in front of a do-nothing grpc.aio server (bench/common.py) that
+- the floor: that bootstrap in front of a do-nothing grpc.aio server (bench/floor.py) that
   answers every Check at once with OK and a ticket in dynamic metadata and reads the access
   log: what this chain costs in Python before a scheduler does anything;
 - llamaswap: that bootstrap in front of `llamaswap serve`.
@@ -41,22 +41,11 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    BENCH_CONFIG,
-    Bench,
-    bench_stack,
-    chat_body,
-    cpu_seconds,
-    machine_load,
-    percentile,
-    post,
-    profiled,
-    raise_nofile,
-    run_wrk,
-    session,
-    thread_cpu,
-    wrk_available,
-)
+from clients import chat_body, post, run_wrk, session, wrk_available  # noqa: E402
+from procfs import cpu_seconds, machine_load, raise_nofile, thread_cpu  # noqa: E402
+from profiling import profiled  # noqa: E402
+from stack import BENCH_CONFIG, Bench, bench_stack  # noqa: E402
+from stats import percentile  # noqa: E402
 
 NAMES = {"bare": "bare Envoy", "floor": "floor (do-nothing grpc.aio, same chain)", "llamaswap": "llamaswap",
          "candidate": "llamaswap candidate (--candidate)"}

@@ -4,7 +4,7 @@
     python bench/profile_serve.py --report FILE [--per NAME]        (the hot path, per request)
 
 The benchmarks start it instead of `python -m llamaswap` with `--cprofile FILE` (through
-`common.bench_stack(sidecar_argv=...)`; the sidecar and e2e code are not touched). The
+`stack.bench_stack(sidecar_argv=...)`; the sidecar and e2e code are not touched). The
 profiler runs from the first line of `serve` until the process stops on SIGTERM, when the
 stats are written. cProfile sees Python code only: grpc.aio's Cython and C core appear as the
 time of the Python callers around them (use py-spy with --native for those), and it slows the
