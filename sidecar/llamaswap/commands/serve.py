@@ -20,7 +20,7 @@ from llamaswap.config import Config, ConfigError, HostPort, load_config
 from llamaswap.core import MonotonicClock
 from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
 from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
@@ -31,7 +31,6 @@ from llamaswap.adapters.upstream_http import HttpUpstream
 
 _log = logging.getLogger(__name__)
 
-GRACE_SECONDS_DEFAULT = 30.0
 CONFIG_POLL_S = 2.0
 # Allocations between two collections of the youngest generation (Python's default is 700).
 GC_YOUNG_THRESHOLD = 20_000

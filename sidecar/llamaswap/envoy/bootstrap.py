@@ -55,6 +55,9 @@ JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 ROUTER = "envoy.filters.http.router"
 
+# Envoy's admin server by default (`llamaswap envoy-config --admin-port/--admin-host`).
+ENVOY_ADMIN_PORT = 9901
+ENVOY_ADMIN_HOST = "127.0.0.1"
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
 
@@ -208,8 +211,8 @@ def build_bootstrap(
     *,
     grpc_port: int | None = None,
     admin_port: int | None = None,
-    envoy_admin_port: int = 9901,
-    envoy_admin_host: str = "127.0.0.1",
+    envoy_admin_port: int = ENVOY_ADMIN_PORT,
+    envoy_admin_host: str = ENVOY_ADMIN_HOST,
     otlp_endpoint: str | None = None,
     service_name: str = "llamaswap-envoy",
 ) -> dict[str, Any]:

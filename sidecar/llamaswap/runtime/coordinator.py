@@ -54,6 +54,8 @@ from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow,
 
 _log = logging.getLogger(__name__)
 
+# How long the running request may take to finish when llamaswap stops (`--grace`).
+GRACE_SECONDS_DEFAULT = 30.0
 # A refused client is told to come back when a place is expected to free, within these bounds.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 3600
@@ -62,7 +64,7 @@ RETRY_AFTER_MAX_S = 3600
 ESTIMATE_BATCH_S = 0.05
 _ESTIMATE_CPU_SHARE = 0.1
 
-__all__ = ["Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow", "WaitingRow"]
+__all__ = ["GRACE_SECONDS_DEFAULT", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow", "WaitingRow"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
