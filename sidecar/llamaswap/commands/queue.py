@@ -32,7 +32,7 @@ from llamaswap.runtime.views import GpuState
 COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
 _RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME", "START"}
 _CLEAR = "\x1b[H\x1b[2J"
-_GPU = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running",
+_GPU: dict[str, str] = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running",
         GpuState.SETTLING: "GPU settling (the upstream finishes an abandoned generation)",
         GpuState.ADOPTED: "GPU busy with an exchange granted before this sidecar started"}
 

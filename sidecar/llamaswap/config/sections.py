@@ -26,11 +26,11 @@ from llamaswap.config.types import (
     ZeroOrSeconds,
     command_document,
     command_line,
-    health_path,
+    checked_health_path,
     model_id,
     none_is_empty,
     optional_path,
-    trusted_header,
+    checked_trusted_header,
     upstream_url,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
@@ -175,7 +175,7 @@ class UpstreamConfig(Section):
         ]}),
     ] = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
                                       "(split like a shell does) or a list of arguments; empty for none.")
-    health_path: Annotated[str, BeforeValidator(health_path)] = Field(
+    health_path: Annotated[str, BeforeValidator(checked_health_path)] = Field(
         default="/health", description="The upstream's health check path, starting with '/'.",
         json_schema_extra={"pattern": "^/"})
     startup_timeout_seconds: StrictNumber = Field(
@@ -239,7 +239,7 @@ class PrioritySecurityConfig(Section):
     mode: PriorityMode = Field(default=PriorityMode.TRUST, description="trust, clamp or strip the caller's priority.")
     min: StrictInt = Field(default=-100, description="clamp: the lowest priority a caller may claim.")
     max: StrictInt = Field(default=100, description="clamp: the highest priority a caller may claim.")
-    trusted_header: Annotated[str | None, BeforeValidator(trusted_header)] = Field(
+    trusted_header: Annotated[str | None, BeforeValidator(checked_trusted_header)] = Field(
         default=None,
         description="A header set only by your authenticating proxy (which drops clients' copies): its value is the "
                     "priority, unclamped. Case-insensitive; empty or null for none.")

@@ -161,7 +161,7 @@ def upstream_url(value: Any) -> str:
     return url
 
 
-def health_path(value: Any) -> str:
+def checked_health_path(value: Any) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
         raise invalid(f"must be a path starting with '/', got {describe_value(value)}")
     return value
@@ -170,7 +170,7 @@ def health_path(value: Any) -> str:
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 
 
-def trusted_header(value: Any) -> str | None:
+def checked_trusted_header(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
