@@ -42,7 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from clients import chat_body, post, session  # noqa: E402
 from procfs import cpu_seconds, machine_load, raise_nofile, rss_bytes  # noqa: E402
-from stack import Bench, bench_stack  # noqa: E402 - (stack puts e2e/ on the path)
+from stack import Bench, bench_stack, add_stack_arguments, sidecar_env_of  # noqa: E402 - (stack puts e2e/ on the path)
 from harness import http_get  # noqa: E402
 
 ACTIVE_STREAMS = "cluster.llamaswap_grpc.upstream_rq_active"
@@ -217,12 +217,9 @@ def main() -> None:
                         help="prompt size in bytes = waiting counts (ascending); sizes separated by ';'")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="CPU measurement window")
     parser.add_argument("--batch", type=int, default=500, help="new connections per step")
-    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
-    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the llamaswap sidecar (repeatable)")
-    parser.add_argument("--keep", help="keep logs and configs in this folder")
+    add_stack_arguments(parser)
     args = parser.parse_args()
-    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
+    sidecar_env = sidecar_env_of(args)
     if args.quick:
         args.plan, args.idle_seconds = "1024=200,2000;1048576=100,300", 3.0
     plan = parse_plan(args.plan)

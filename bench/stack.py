@@ -14,6 +14,7 @@ noisy.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import pathlib
@@ -147,3 +148,17 @@ def merge_config(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     from harness import merge
 
     return merge(copy.deepcopy(base), extra)
+
+
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every stack benchmark takes: the old --floor, the sidecar's environment, --keep."""
+    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
+    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the llamaswap sidecar (repeatable), e.g. OTEL_SDK_DISABLED=true")
+    parser.add_argument("--keep", help="keep logs and configs in this folder")
+
+
+def sidecar_env_of(args: argparse.Namespace) -> dict[str, str]:
+    """--sidecar-env KEY=VALUE ... as a mapping."""
+    return dict(item.split("=", 1) for item in args.sidecar_env)
+

@@ -699,8 +699,8 @@ def test_dockerfile_context_builds_the_package(tmp_path: pathlib.Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    assert "llamaswap/serve.py" in names and any(n.startswith("llamaswap/_proto/") for n in names)
-    assert re.search(r"^llamaswap = llamaswap\.cli:main$", entry_points, re.M)
+    assert "llamaswap/commands/serve.py" in names and any(n.startswith("llamaswap/_proto/") for n in names)
+    assert re.search(r"^llamaswap = llamaswap\.commands\.main:main$", entry_points, re.M)
 
 
 # ---- the pod simulation ---------------------------------------------------------------------

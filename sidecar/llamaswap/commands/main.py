@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import yaml
 
 from llamaswap import __version__
+from llamaswap.commands.arguments import add_stop_options
 from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn
 from llamaswap.config import Config, ConfigError, load_document
 from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
-from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT
 
 # The levels --log-level accepts (logging's names).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -148,16 +148,6 @@ def _otlp_endpoint_from_env() -> str | None:
     return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more seconds")
-    return value
-
-
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
@@ -184,20 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     up.add_argument("--workdir", help="keep logs and the generated Envoy bootstrap here (default: a temporary "
                     "directory, removed on a clean stop)")
-    up.add_argument("--grace", type=_non_negative_seconds, default=GRACE_SECONDS_DEFAULT,
-                    help=f"seconds the running request may take to finish when stopping (default {GRACE_SECONDS_DEFAULT:g})")
-    up.add_argument("--activity-log", metavar="FILE", help="append the activity log's JSON lines to FILE "
-                    "(what `llamaswap simulate --activity-log` reads; overrides activity.path)")
+    add_stop_options(up, stopping="when stopping",
+                     activity_note="what `llamaswap simulate --activity-log` reads; ")
     up.set_defaults(run=_up)
 
     serve = commands.add_parser("serve", help="run the sidecar alone (what the Helm chart runs)",
                                 description="Run the sidecar: gRPC for Envoy and the admin HTTP server.")
     serve.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")
     serve.add_argument("--ports-file", help="write the bound ports as JSON here (useful with port 0)")
-    serve.add_argument("--grace", type=_non_negative_seconds, default=GRACE_SECONDS_DEFAULT,
-                       help=f"seconds the running request may take to finish on SIGTERM (default {GRACE_SECONDS_DEFAULT:g})")
-    serve.add_argument("--activity-log", metavar="FILE", help="append the activity log's JSON lines to FILE "
-                       "(overrides activity.path)")
+    add_stop_options(serve, stopping="on SIGTERM", activity_note="")
     serve.set_defaults(run=_serve)
 
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for a configuration")

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
+from llamaswap.commands.arguments import positive_seconds
 from llamaswap.config import DEFAULT_ADMIN, HostPort
 from llamaswap.runtime.views import GpuState
 
@@ -49,20 +50,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     where.add_argument("--admin", help=f"the sidecar's admin address (default: listen.admin, {DEFAULT_ADMIN})")
     where.add_argument("-c", "--config", help="the stack's YAML configuration: its listen.admin is asked")
     parser.add_argument("--json", action="store_true", help="print the queue document as JSON instead of a table")
-    parser.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
+    parser.add_argument("--watch", type=positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     parser.set_defaults(run=run)
     return parser
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError("--watch needs a positive number of seconds")
-    return value
 
 
 def admin_url(address: HostPort) -> str:
