@@ -64,7 +64,8 @@ RETRY_AFTER_MAX_S = 3600
 ESTIMATE_BATCH_S = 0.05
 _ESTIMATE_CPU_SHARE = 0.1
 
-__all__ = ["GRACE_SECONDS_DEFAULT", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow", "WaitingRow"]
+__all__ = ["GRACE_SECONDS_DEFAULT", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow",
+           "WaitingRow"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

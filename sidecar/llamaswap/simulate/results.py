@@ -52,6 +52,15 @@ class BandMetrics:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Inversion:
+    request_id: str
+    band: str
+    priority: int
+    seconds: float
+    outcome: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Metrics:
     requests: int
     bands: Mapping[str, BandMetrics]
@@ -70,12 +79,3 @@ class Simulation:
     policy: Policy
     results: list[Result]  # arrival order
     metrics: Metrics
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Inversion:
-    request_id: str
-    band: str
-    priority: int
-    seconds: float
-    outcome: str
