@@ -9,7 +9,7 @@ sending that request upstream. Efficiency is the upstream's busy time divided by
 from the first start to the last end.
 
 The same burst goes, in interleaved rounds (llamaswap, toy, then toy, llamaswap, ...), through
-llamaswap and through the floor: a toy FIFO (bench/common.py, ~30 lines of grpc.aio) with
+llamaswap and through the floor: a toy FIFO (bench/floor.py, ~30 lines of grpc.aio) with
 the same protocol (ticket in the Check's dynamic metadata, release on the access log's final
 entry) behind the same bootstrap: the gap Python and grpc.aio on this chain cannot go below.
 For reference, one client sending back to back through bare Envoy (no scheduler at all) is
@@ -35,19 +35,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    Bench,
-    bench_stack,
-    chat_body,
-    cpu_seconds,
-    describe_ms,
-    machine_load,
-    percentile,
-    post,
-    profiled,
-    raise_nofile,
-    session,
-)
+from clients import chat_body, post, session  # noqa: E402
+from procfs import cpu_seconds, machine_load, raise_nofile  # noqa: E402
+from profiling import profiled  # noqa: E402
+from stack import Bench, bench_stack, add_stack_arguments, sidecar_env_of  # noqa: E402
+from stats import describe_ms, percentile  # noqa: E402
 
 
 def gaps_and_efficiency(hits: list[dict]) -> tuple[list[int], float, int]:
@@ -120,14 +112,11 @@ def main() -> None:
                         help="bare-Envoy sequential requests (half before the bursts, half after)")
     parser.add_argument("--profile", help="py-spy the llamaswap sidecar during its bursts into this raw file")
     parser.add_argument("--cprofile", help="run the llamaswap sidecar under cProfile (bench/profile_serve.py)")
-    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
-    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the llamaswap sidecar (repeatable), e.g. OTEL_SDK_DISABLED=true")
-    parser.add_argument("--keep", help="keep logs and configs in this folder")
+    add_stack_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests, args.baseline = 1, 150, 20
-    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
+    sidecar_env = sidecar_env_of(args)
     raise_nofile()
     load_at_start = machine_load()
     print(f"dispatch: load average {load_at_start}")

@@ -52,10 +52,11 @@ class Context:
 
 def capture(workdir: pathlib.Path) -> tuple[bytes, bytes]:
     """A real CheckRequest and a real final access-log message, as the same bootstrap's Envoy
-    sends them (captured by the floor sidecar, bench/common.py, with BENCH_CAPTURE)."""
+    sends them (captured by the floor sidecar, bench/floor.py, with BENCH_CAPTURE)."""
     import asyncio as _asyncio
 
-    from common import bench_stack, chat_body, post, session
+    from clients import chat_body, post, session
+    from stack import bench_stack
 
     os.environ["BENCH_CAPTURE"] = str(workdir)
     try:
@@ -85,7 +86,7 @@ def check_bytes(template: bytes, index: int) -> bytes:
 
 def access_log_bytes(template: bytes, ticket: str) -> bytes:
     from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2
-    from llamaswap.envoy import GRANT_NAMESPACE, TICKET_KEY
+    from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY
 
     message = als_pb2.StreamAccessLogsMessage.FromString(template)
     for entry in message.http_logs.log_entry:
@@ -129,8 +130,8 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
     from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2
     from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
     from llamaswap.config import parse_config
-    from llamaswap.serve import Sidecar
-    from llamaswap.transport import access_log, ext_authz
+    from llamaswap.commands.serve import Sidecar
+    from llamaswap.adapters import access_log, ext_authz
 
     config = parse_config({"listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
                            "upstream": {"url": upstream_url, "modelsPollSeconds": 0}})
@@ -231,7 +232,7 @@ def main() -> None:
     log_path = os.path.join(tempfile.mkdtemp(prefix="llamaswap-hotpath-"), "sidecar.log")
     # Logging as the CLI sets it up, to a file as the harness does (its stderr is a file).
     sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115 - for the whole run
-    from llamaswap.cli import configure_logging
+    from llamaswap.commands.main import configure_logging
 
     configure_logging("INFO")
     templates = capture(pathlib.Path(log_path).parent)

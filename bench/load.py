@@ -25,7 +25,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import bench_stack, chat_body, machine_load, post, raise_nofile, rss_bytes, session  # noqa: E402
+from clients import chat_body, post, session  # noqa: E402
+from procfs import machine_load, raise_nofile, rss_bytes  # noqa: E402
+from stack import bench_stack  # noqa: E402
 from harness import async_wait_for, http_get  # noqa: E402
 
 PRIORITIES = (-100, -99, -98, 0, 1, 2, 100)

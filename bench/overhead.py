@@ -3,7 +3,7 @@
 Three paths, all with the bootstrap `build_bootstrap()` makes, to the same instant upstream:
 
 - bare Envoy: that bootstrap with json_to_metadata, ext_authz and the access log taken out;
-- the floor: that bootstrap in front of a do-nothing grpc.aio server (bench/common.py) that
+- the floor: that bootstrap in front of a do-nothing grpc.aio server (bench/floor.py) that
   answers every Check at once with OK and a ticket in dynamic metadata and reads the access
   log: what this chain costs in Python before a scheduler does anything;
 - llamaswap: that bootstrap in front of `llamaswap serve`.
@@ -41,22 +41,11 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    BENCH_CONFIG,
-    Bench,
-    bench_stack,
-    chat_body,
-    cpu_seconds,
-    machine_load,
-    percentile,
-    post,
-    profiled,
-    raise_nofile,
-    run_wrk,
-    session,
-    thread_cpu,
-    wrk_available,
-)
+from clients import chat_body, post, run_wrk, session, wrk_available  # noqa: E402
+from procfs import cpu_seconds, machine_load, raise_nofile, thread_cpu  # noqa: E402
+from profiling import profiled  # noqa: E402
+from stack import BENCH_CONFIG, Bench, bench_stack, add_stack_arguments, sidecar_env_of  # noqa: E402
+from stats import percentile  # noqa: E402
 
 NAMES = {"bare": "bare Envoy", "floor": "floor (do-nothing grpc.aio, same chain)", "llamaswap": "llamaswap",
          "candidate": "llamaswap candidate (--candidate)"}
@@ -240,17 +229,14 @@ def main() -> None:
     parser.add_argument("--profile", help="py-spy the llamaswap sidecar during the rounds into this raw file")
     parser.add_argument("--cprofile", help="run the llamaswap sidecar under cProfile (bench/profile_serve.py); "
                                            "its stats go to this file when it stops")
-    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
     parser.add_argument("--candidate", metavar="PYTHONPATH",
                         help="also a second llamaswap whose sidecar runs with this PYTHONPATH (a patched copy, "
                              "outside the repo), in the same interleaved rounds: an A/B of a suggestion")
-    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the llamaswap sidecar (repeatable), e.g. OTEL_SDK_DISABLED=true")
-    parser.add_argument("--keep", help="keep logs and configs in this folder")
+    add_stack_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.seconds, args.warmup = 3, 2.0, 1.0
-    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
+    sidecar_env = sidecar_env_of(args)
     raise_nofile()
     args.load_at_start = machine_load()
     print(f"overhead: load average {args.load_at_start}, client {args.client}")

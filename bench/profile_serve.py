@@ -4,7 +4,7 @@
     python bench/profile_serve.py --report FILE [--per NAME]        (the hot path, per request)
 
 The benchmarks start it instead of `python -m llamaswap` with `--cprofile FILE` (through
-`common.bench_stack(sidecar_argv=...)`; the sidecar and e2e code are not touched). The
+`stack.bench_stack(sidecar_argv=...)`; the sidecar and e2e code are not touched). The
 profiler runs from the first line of `serve` until the process stops on SIGTERM, when the
 stats are written. cProfile sees Python code only: grpc.aio's Cython and C core appear as the
 time of the Python callers around them (use py-spy with --native for those), and it slows the
@@ -24,11 +24,11 @@ import sys
 
 # What the report lists first: the sidecar's own hot path, by (file suffix, function).
 HOT_PATH = (
-    ("transport/ext_authz.py", "Check"),
-    ("transport/ext_authz.py", "_arrival"),
-    ("transport/ext_authz.py", "model_of"),
-    ("transport/ext_authz.py", "granted"),
-    ("transport/ext_authz.py", "decision_headers"),
+    ("adapters/ext_authz.py", "Check"),
+    ("adapters/ext_authz.py", "_arrival"),
+    ("adapters/ext_authz.py", "model_of"),
+    ("adapters/ext_authz.py", "granted"),
+    ("adapters/ext_authz.py", "decision_headers"),
     ("runtime/coordinator.py", "admit"),
     ("runtime/coordinator.py", "_pump"),
     ("runtime/coordinator.py", "report"),
@@ -42,10 +42,10 @@ HOT_PATH = (
     ("runtime/coordinator.py", "_estimate"),
     ("runtime/coordinator.py", "_serves"),
     ("runtime/coordinator.py", "_observe"),
-    ("transport/access_log.py", "StreamAccessLogs"),
-    ("transport/access_log.py", "ticket_of"),
-    ("transport/access_log.py", "report_of"),
-    ("transport/access_log.py", "exchange_end"),
+    ("adapters/access_log.py", "StreamAccessLogs"),
+    ("adapters/access_log.py", "ticket_of"),
+    ("adapters/access_log.py", "report_of"),
+    ("adapters/access_log.py", "exchange_end"),
     ("runtime/observer.py", "_each"),
     ("telemetry/observer.py", "dispatched"),
     ("telemetry/observer.py", "finished"),
@@ -76,7 +76,7 @@ def argv_for(output: str | None) -> list[str] | None:
 
 
 def run(output: str, argv: list[str]) -> int:
-    from llamaswap.cli import main
+    from llamaswap.commands.main import main
 
     profiler = cProfile.Profile()
     profiler.enable()

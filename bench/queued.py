@@ -4,7 +4,7 @@ A blocker holds the GPU at the upstream; then 1,000 and 10,000 requests (each it
 connection) are queued behind it. At 0 and at each count, after the arrivals settle, the
 sidecar's VmRSS (/proc/PID/status) and its CPU time over an idle window (/proc/PID/stat) are
 read, and Envoy's. Then every waiting client disconnects at once and the time the sidecar takes
-to forget them all is measured. The same is done for the floor, a toy FIFO (bench/common.py:
+to forget them all is measured. The same is done for the floor, a toy FIFO (bench/floor.py:
 the same protocol in ~30 lines of grpc.aio, behind the same bootstrap), and for each prompt
 size (1 KB and 1 MB by default; fewer waiting with 1 MB, since Envoy buffers every body), each
 size in freshly started processes (memory freed by one measurement would hide the next one's
@@ -40,18 +40,10 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    Bench,
-    bench_stack,
-    chat_body,
-    cpu_seconds,
-    http_get,
-    machine_load,
-    post,
-    raise_nofile,
-    rss_bytes,
-    session,
-)
+from clients import chat_body, post, session  # noqa: E402
+from procfs import cpu_seconds, machine_load, raise_nofile, rss_bytes  # noqa: E402
+from stack import Bench, bench_stack, add_stack_arguments, sidecar_env_of  # noqa: E402 - (stack puts e2e/ on the path)
+from harness import http_get  # noqa: E402
 
 ACTIVE_STREAMS = "cluster.llamaswap_grpc.upstream_rq_active"
 
@@ -225,12 +217,9 @@ def main() -> None:
                         help="prompt size in bytes = waiting counts (ascending); sizes separated by ';'")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="CPU measurement window")
     parser.add_argument("--batch", type=int, default=500, help="new connections per step")
-    parser.add_argument("--floor", action="store_true", help="(kept for old command lines: the floor always runs)")
-    parser.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the llamaswap sidecar (repeatable)")
-    parser.add_argument("--keep", help="keep logs and configs in this folder")
+    add_stack_arguments(parser)
     args = parser.parse_args()
-    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
+    sidecar_env = sidecar_env_of(args)
     if args.quick:
         args.plan, args.idle_seconds = "1024=200,2000;1048576=100,300", 3.0
     plan = parse_plan(args.plan)

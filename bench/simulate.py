@@ -32,8 +32,9 @@ import tempfile
 import time
 
 from llamaswap.core import Policy
-from llamaswap.simulate import cli
-from llamaswap.simulate.engine import Simulation, prepare, simulate
+from llamaswap.commands import simulate as cli
+from llamaswap.simulate.engine import prepare, simulate
+from llamaswap.simulate.results import Simulation
 from llamaswap.simulate.workload import Distribution, TrafficClass, Workload, costs, generate
 
 SWAP_S = {"qwen3-8b": 12.0, "gemma3-4b": 6.0, "llama3-3b": 5.0, "phi4-mini": 4.0}
@@ -97,7 +98,7 @@ def write_log(path: pathlib.Path, requests: int) -> Simulation:
                 "swap_affinity_bonus": 10, "max_queued": 0, "max_wait_s": 0, "model_priorities": {}}
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(PREFIX + json.dumps(settings) + "\n")
-        handle.write("2026-01-05 10:00:00,001 INFO llamaswap.serve: listening on 127.0.0.1:9000\n")
+        handle.write("2026-01-05 10:00:00,001 INFO llamaswap.commands.serve: listening on 127.0.0.1:9000\n")
         for number, line in enumerate(activity_lines(reality, origin_ms, seed=3)):
             if number % 20_000 == 0:
                 handle.write("2026-01-05 10:00:02,000 WARNING llamaswap.runtime: upstream slow to answer /models\n")

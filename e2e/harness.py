@@ -27,7 +27,8 @@ import yaml
 from aiohttp import web
 
 from llamaswap.config import parse_config
-from llamaswap.envoy import build_bootstrap, envoy_binary, render_bootstrap
+from llamaswap.envoy.binary import envoy_binary
+from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap
 
 DEADLINE_S = 60.0
 

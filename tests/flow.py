@@ -47,7 +47,7 @@ from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind
-from llamaswap.transport.ext_authz import Authorization
+from llamaswap.adapters.ext_authz import Authorization
 
 NS_PER_S = 1_000_000_000
 START_NS = 1_000 * NS_PER_S  # the clock starts at 1000 s: no time is ever 0 by accident

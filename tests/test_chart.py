@@ -36,7 +36,7 @@ import chart_tools as ct
 ROOT = ct.ROOT
 
 from llamaswap.config import ConfigError, json_schema, parse_config  # noqa: E402
-from llamaswap.envoy import envoy_binary, validate_bootstrap  # noqa: E402
+from llamaswap.envoy.binary import envoy_binary, validate_bootstrap  # noqa: E402
 
 VALUE_SETS = {"default": {}} | {path.stem: ct.load_values(path) for path in ct.CI_VALUES}
 CHART_VALUES = ct.load_values(ct.CHART / "values.yaml")
@@ -699,8 +699,8 @@ def test_dockerfile_context_builds_the_package(tmp_path: pathlib.Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    assert "llamaswap/serve.py" in names and any(n.startswith("llamaswap/_proto/") for n in names)
-    assert re.search(r"^llamaswap = llamaswap\.cli:main$", entry_points, re.M)
+    assert "llamaswap/commands/serve.py" in names and any(n.startswith("llamaswap/_proto/") for n in names)
+    assert re.search(r"^llamaswap = llamaswap\.commands\.main:main$", entry_points, re.M)
 
 
 # ---- the pod simulation ---------------------------------------------------------------------

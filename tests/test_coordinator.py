@@ -15,16 +15,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 from flow import PEER, FakeUpstream, Flow, Request, router, single, virtual_time
 from llamaswap.config import parse_config
-from llamaswap.core import Band, ManualClock, Outcome, ReorderCause, Scheduler
-from llamaswap.runtime.coordinator import (
-    RETRY_AFTER_MAX_S,
-    SETTLE_POLL_MAX_S,
-    SHUTDOWN_RETRY_AFTER_S,
-    Coordinator,
-    Refusal,
-    RunningRow,
-    WaitingRow,
-)
+from llamaswap.core import SHUTDOWN_RETRY_AFTER_S, Band, ManualClock, Outcome, ReorderCause, Scheduler
+from llamaswap.runtime.coordinator import RETRY_AFTER_MAX_S, Coordinator, Refusal
+from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
+from llamaswap.runtime.views import RunningRow, WaitingRow
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
 from llamaswap.runtime.upstream import Catalog, UpstreamKind

@@ -1,7 +1,8 @@
-"""The core stays pure: no I/O, no asyncio, no gRPC or OpenTelemetry, nothing from the edges.
+"""The core stays pure: no I/O, no asyncio, no gRPC or OpenTelemetry, nothing from the edges;
+and no layer imports one above it (the commands sit on top, the core at the bottom).
 
-Checked on the source (every import statement of every module under core/), so a lazy import
-inside a function is caught as well as a top-level one.
+Checked on the source (every import statement of every module), so a lazy import inside a
+function is caught as well as a top-level one.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import pathlib
 import llamaswap.core
 
 CORE = pathlib.Path(llamaswap.core.__file__).parent
-FORBIDDEN = ("llamaswap.runtime", "llamaswap.transport", "llamaswap.telemetry", "llamaswap.config",
-             "llamaswap.serve", "llamaswap.stack", "llamaswap.envoy", "llamaswap.upstream_http", "llamaswap.simulate",
+PACKAGE = CORE.parent
+FORBIDDEN = ("llamaswap.runtime", "llamaswap.adapters", "llamaswap.telemetry", "llamaswap.config",
+             "llamaswap.commands", "llamaswap.envoy", "llamaswap.simulate",
              "grpc", "asyncio", "opentelemetry", "aiohttp", "socket", "subprocess", "threading", "yaml", "pydantic")
 
 
@@ -43,3 +45,45 @@ def test_the_rule_catches_a_forbidden_import(tmp_path):
     sneaky = tmp_path / "sneaky.py"
     sneaky.write_text("def f():\n    import asyncio.tasks\n    from opentelemetry import trace\n")
     assert imported_modules(sneaky) == ["asyncio.tasks", "opentelemetry"]
+
+
+# What each layer may import of llamaswap (besides the package itself, for its version). The
+# commands may import anything; nothing imports them. The adapters import Envoy's contract,
+# never the bootstrap builder or the binary.
+ALLOWED = {
+    "core": {"llamaswap.core"},
+    "config": {"llamaswap.core", "llamaswap.config"},
+    "envoy": {"llamaswap.core", "llamaswap.config", "llamaswap.envoy"},
+    "runtime": {"llamaswap.core", "llamaswap.config", "llamaswap.runtime"},
+    "telemetry": {"llamaswap.core", "llamaswap.runtime", "llamaswap.telemetry"},
+    "simulate": {"llamaswap.core", "llamaswap.config", "llamaswap.simulate"},
+    "adapters": {"llamaswap.core", "llamaswap.config", "llamaswap.runtime", "llamaswap.envoy.contract",
+                 "llamaswap.adapters", "llamaswap._proto"},
+}
+
+
+def upward_imports(layer: str, names: list[str]) -> list[str]:
+    allowed = ALLOWED[layer]
+    return [name for name in names if name.startswith("llamaswap.")
+            and not any(name == ok or name.startswith(ok + ".") for ok in allowed)]
+
+
+def test_no_layer_imports_one_above_it():
+    layers = sorted(path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists())
+    assert set(layers) == {*ALLOWED, "commands", "_proto"}  # a new package needs its rule here
+    offending = {}
+    for layer in ALLOWED:
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            bad = upward_imports(layer, imported_modules(path))
+            if bad:
+                offending[str(path.relative_to(PACKAGE))] = bad
+    assert offending == {}
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path):
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text("from llamaswap.envoy.bootstrap import build_bootstrap\nfrom llamaswap.envoy.contract import TICKET_KEY\n"
+                      "def f():\n    from llamaswap.commands.main import main\n")
+    assert upward_imports("adapters", imported_modules(sneaky)) == ["llamaswap.envoy.bootstrap",
+                                                                    "llamaswap.commands.main"]
+

@@ -7,16 +7,9 @@ from pathlib import Path
 import pytest
 
 from llamaswap.config import parse_config
-from llamaswap.envoy import (
-    ACCESS_LOG_NAME,
-    EXT_AUTHZ,
-    JSON_TO_METADATA,
-    STATUS_PREFIX,
-    bootstrap_changes,
-    build_bootstrap,
-    render_bootstrap,
-    validate_bootstrap,
-)
+from llamaswap.envoy.binary import validate_bootstrap
+from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, bootstrap_changes, build_bootstrap, render_bootstrap
+from llamaswap.envoy.contract import ACCESS_LOG_NAME, STATUS_PREFIX
 
 
 def hcm(bootstrap: dict) -> dict:

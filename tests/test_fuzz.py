@@ -19,8 +19,8 @@ from llamaswap.config import Config, ConfigError, load_config, parse_config
 from llamaswap.core import PriorityMode, PriorityPolicy, PrioritySource, parse_priority
 from llamaswap.core.priority import INT64_MAX, INT64_MIN
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
-from llamaswap.transport.access_log import exchange_end, report_of
-from llamaswap.transport.ext_authz import MAX_MODEL_NAME, model_of
+from llamaswap.adapters.access_log import exchange_end, report_of
+from llamaswap.adapters.ext_authz import MAX_MODEL_NAME, model_of
 from test_transport import CLIENT_LEFT_FLAGS, NOT_SENT_FLAGS, OTHER_FLAGS, UPSTREAM_FAILED_FLAGS, log_entry
 
 # -- the priority header ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import yaml
 from llamaswap.config import Config
 from llamaswap.core import Outcome
 from llamaswap.telemetry import instruments
-from llamaswap.transport.outcomes import REFUSALS
+from llamaswap.adapters.outcomes import REFUSALS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

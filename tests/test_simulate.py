@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from llamaswap.core import Estimator, Outcome, Policy
-from llamaswap.simulate import cli
+from llamaswap.commands import simulate as cli
 from llamaswap.simulate.engine import measure_costs, prepare, simulate
 from llamaswap.simulate.records import RequestRecord, format_line, parse_activity, read_activity
 from llamaswap.simulate.workload import generate, parse_workload
@@ -330,7 +330,7 @@ def test_sweep_table_has_the_swept_columns():
 def test_junk_lines_are_skipped():
     documents = EXACT[:3]
     extra = [
-        "2026-01-05 10:00:00,001 INFO llamaswap.serve: listening on 127.0.0.1:9000\n",
+        "2026-01-05 10:00:00,001 INFO llamaswap.commands.serve: listening on 127.0.0.1:9000\n",
         "{not json at all\n",
         '{"event": "dispatch", "request_id": "old-format"}\n',
         "[1, 2, 3]\n",

@@ -9,7 +9,7 @@ import sys
 import pytest
 from harness import wait_for
 
-from llamaswap.stack import Child
+from llamaswap.commands.up import Child
 
 _IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                     "print('ready', flush=True); time.sleep(120)")

@@ -20,7 +20,7 @@ import pytest
 from flow import PEER, FakeServicerContext, FakeUpstream, Flow, check_request, clock, virtual_time
 from llamaswap.config import parse_config
 from llamaswap.core import Outcome, ReorderCause
-from llamaswap.queue_cli import format_duration, render
+from llamaswap.commands.queue import format_duration, render
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import ExchangeEnd, Ticket
 from llamaswap.telemetry import OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
@@ -676,7 +676,7 @@ def test_the_queue_tables_gpu_line(gpu: str, line: str) -> None:
 
 @virtual_time
 async def test_the_queue_table_renders_the_live_queue() -> None:
-    from llamaswap.transport.admin import queue_document
+    from llamaswap.adapters.admin import queue_document
 
     flow = Flow(LONG_LEASE)
     await flow.arrive("run-1", model="a")

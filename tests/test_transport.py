@@ -1,9 +1,9 @@
 """The transport: Envoy's protos <-> the runtime's types, and how outcomes look over HTTP.
 
-- transport/access_log.py: an access-log entry -> an ExchangeReport (or nothing);
-- transport/ext_authz.py: a Check -> an Arrival; a grant or a refusal -> a CheckResponse;
-- transport/outcomes.py: the one table from Outcome to HTTP status, OpenAI error and message;
-- transport/admin.py: the queue and status documents.
+- adapters/access_log.py: an access-log entry -> an ExchangeReport (or nothing);
+- adapters/ext_authz.py: a Check -> an Arrival; a grant or a refusal -> a CheckResponse;
+- adapters/outcomes.py: the one table from Outcome to HTTP status, OpenAI error and message;
+- adapters/admin.py: the queue and status documents.
 The servicers run against a real Coordinator (tests/flow.py).
 """
 
@@ -21,13 +21,13 @@ from llamaswap._proto.envoy.config.core.v3 import base_pb2
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2
 from llamaswap.core import Band, Decision, Outcome, Priority, PrioritySource
-from llamaswap.envoy import GRANT_NAMESPACE, MODEL_NAMESPACE, TICKET_KEY
+from llamaswap.envoy.contract import GRANT_NAMESPACE, MODEL_NAMESPACE, TICKET_KEY
 from llamaswap.runtime.coordinator import Refusal
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
-from llamaswap.transport.access_log import AccessLogs, exchange_end, report_of, ticket_of
-from llamaswap.transport.admin import queue_document, status_document
-from llamaswap.transport.ext_authz import MAX_MODEL_NAME, Authorization, decision_headers, denied, granted, model_of
-from llamaswap.transport.outcomes import REFUSALS, http_error, openai_error_body
+from llamaswap.adapters.access_log import AccessLogs, exchange_end, report_of, ticket_of
+from llamaswap.adapters.admin import queue_document, status_document
+from llamaswap.adapters.ext_authz import MAX_MODEL_NAME, Authorization, decision_headers, denied, granted, model_of
+from llamaswap.adapters.outcomes import REFUSALS, http_error, openai_error_body
 from test_coordinator import ENDINGS, RaisesOnEnqueue, Scenario
 
 # -- access log ------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamaswap.runtime.upstream import UpstreamKind
-from llamaswap.upstream_http import catalog_from
+from llamaswap.adapters.upstream_http import catalog_from
 
 
 def router(*states: tuple[str, str]) -> dict:

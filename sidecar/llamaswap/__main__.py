@@ -1,5 +1,5 @@
 import sys
 
-from llamaswap.cli import main
+from llamaswap.commands.main import main
 
 sys.exit(main())

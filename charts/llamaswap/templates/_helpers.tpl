@@ -66,7 +66,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* ---------------------------------------------------------------------------------
 The configuration file: .Values.config as it is. The sidecar reads it, and the envoy-config
-init container builds Envoy's bootstrap from it (llamaswap.envoy.build_bootstrap), so the
+init container builds Envoy's bootstrap from it (llamaswap.envoy.bootstrap.build_bootstrap), so the
 chart holds no copy of either's defaults.
 --------------------------------------------------------------------------------- */}}
 {{- define "llamaswap.configFile" -}}

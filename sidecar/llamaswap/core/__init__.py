@@ -7,8 +7,8 @@ traffic through this very code). `tests/test_core_imports.py` enforces the rule.
 """
 
 from llamaswap.core.clock import Clock, ManualClock, MonotonicClock
-from llamaswap.core.estimate import Estimator
-from llamaswap.core.outcome import Outcome
+from llamaswap.core.estimate import NO_MODEL, Estimator
+from llamaswap.core.outcome import SHUTDOWN_RETRY_AFTER_S, Outcome, model_stays_loaded
 from llamaswap.core.priority import (
     BAND_NAMES,
     Band,
@@ -39,7 +39,9 @@ from llamaswap.core.scheduler import (
 
 __all__ = [
     "BAND_NAMES",
+    "NO_MODEL",
     "NS_PER_S",
+    "SHUTDOWN_RETRY_AFTER_S",
     "Band",
     "Clock",
     "Decision",
@@ -65,5 +67,6 @@ __all__ = [
     "UnknownRequest",
     "WaitingView",
     "band_of",
+    "model_stays_loaded",
     "parse_priority",
 ]

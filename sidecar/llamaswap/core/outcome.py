@@ -1,8 +1,8 @@
 """Every way a request can end: one enum, used as metric label, span status, log key and error family.
 
 The runtime decides the outcome of each request exactly once; how an outcome looks to an HTTP
-client (status, OpenAI error type and code, message) is the transport's business
-(`llamaswap.transport.outcomes`), not the core's or the runtime's.
+client (status, OpenAI error type and code, message) is the adapters' business
+(`llamaswap.adapters.outcomes`), not the core's or the runtime's.
 """
 
 from __future__ import annotations
@@ -50,3 +50,23 @@ _ERROR_OUTCOMES = frozenset({
     Outcome.REJECTED_FULL, Outcome.REJECTED_UNKNOWN_MODEL, Outcome.EXPIRED, Outcome.UPSTREAM_ERROR,
     Outcome.SHUTDOWN, Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.INTERNAL_ERROR,
 })
+
+# Retry-After for requests refused while llamaswap stops, and for Envoy's own 503 while the
+# sidecar cannot be reached: another replica, or this one restarted, answers soon.
+SHUTDOWN_RETRY_AFTER_S = 5
+
+# Releases of a grant after which its model is still loaded at the upstream: it was still
+# generating for it (the client left, the watchdog, a lapsed lease, Envoy gone, shutdown).
+_MODEL_STAYS_LOADED = frozenset({
+    Outcome.CANCELLED_RUNNING, Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.SHUTDOWN,
+})
+
+
+def model_stays_loaded(outcome: Outcome, status: int | None) -> bool:
+    """Whether a grant that ended with `outcome` (and the upstream's HTTP `status`, None if not
+    known) leaves its model loaded: the upstream answered it successfully (200..399) or was still
+    generating for it. A failure, or a grant that never reached the upstream, says nothing is
+    known to be loaded. The runtime's releases and the simulator's replay both follow this."""
+    if outcome is Outcome.SERVED:
+        return status is None or 200 <= status < 400
+    return outcome in _MODEL_STAYS_LOADED

@@ -1,11 +1,20 @@
 """The asyncio adapter around the pure core: tickets, waiters, leases, settles, estimates, reload.
 
+- `coordinator`: admit, report, pump, release, finish (the invariants);
+- `leases`: the running grant, the adopted exchanges, the finished memory and their timer;
+- `settle`: the settle loop (waiting for the upstream to compute nothing);
+- `catalog`: the model catalog checks (upstream.modelCheck);
+- `views`: the queue view and one client's status; `GpuState`;
+- `ticket`, `observer`, `activity`, `upstream`: a request's state, the observer port and the
+  activity log, the upstream port.
+
 The coordinator uses two ports: `Observer` (telemetry, the activity log) and `Upstream` (what
-the upstream serves and whether it is still computing); the transport calls it.
+the upstream serves and whether it is still computing); the adapters call it.
 """
 
-from llamaswap.runtime.coordinator import Admission, Coordinator, QueueView, Refusal
+from llamaswap.runtime.coordinator import Admission, Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
+from llamaswap.runtime.views import GpuState, QueueView
 
-__all__ = ["Admission", "Arrival", "Coordinator", "ExchangeEnd", "ExchangeReport", "QueueView", "Refusal", "Ticket",
-           "TicketState"]
+__all__ = ["Admission", "Arrival", "Coordinator", "ExchangeEnd", "ExchangeReport", "GpuState", "QueueView", "Refusal",
+           "Ticket", "TicketState"]

@@ -6,29 +6,34 @@ reports the granted exchange: periodic entries renew its lease (`report`, not fi
 final entry ends it and decides its outcome. Everything runs on one event loop, so the core
 needs no locks.
 
-Invariants enforced here:
-- the GPU is granted only when it is free in fact: no grant runs, no abandoned generation is
-  still computing at the upstream (a settle), and no exchange granted by an earlier sidecar
-  process is still reported by Envoy (an adopted lease);
+Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
+- the GPU is granted only when it is free in fact (`_gpu_free`, checked by `_pump`): no grant
+  runs, no abandoned generation is still computing at the upstream (a settle, `settle.py`), and
+  no exchange granted by an earlier sidecar process is still reported by Envoy (an adopted
+  lease, `leases.py`);
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
-- a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released, so a lost final
-  entry or a killed Envoy never leaves a ghost holder;
-- the runtime decides outcomes; how they look over HTTP is the transport's business.
+- a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
+  lost final entry or a killed Envoy never leaves a ghost holder;
+- a release tells the scheduler whether the model stays loaded by one rule,
+  `core.model_stays_loaded`, which the simulator's replay follows too;
+- the runtime decides outcomes; how they look over HTTP is the adapters' business.
+
+Elsewhere: the model catalog checks (`catalog.py`), the queue views (`views.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import math
 from collections.abc import Callable
 
-from llamaswap.config import AbandonedGeneration, Config, ModelCheck
+from llamaswap.config import AbandonedGeneration, Config
 from llamaswap.core import (
     NS_PER_S,
+    SHUTDOWN_RETRY_AFTER_S,
     Band,
     Clock,
     Decision,
@@ -36,44 +41,36 @@ from llamaswap.core import (
     MonotonicClock,
     Outcome,
     QueueFull,
-    QueueSnapshot,
     Scheduler,
+    model_stays_loaded,
 )
-from llamaswap.runtime.observer import (
-    NoopObserver,
-    Observer,
-    Overtaken,
-    QueuePicture,
-    Settle,
-    SettleReason,
-    SettleResult,
-)
+from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.runtime.leases import Leases
+from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
+from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
+from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow
 
 _log = logging.getLogger(__name__)
 
-# Retry-After for requests refused while llamaswap stops: another replica, or this one restarted.
-SHUTDOWN_RETRY_AFTER_S = 5
+# How long the running request may take to finish when llamaswap stops (`--grace`).
+GRACE_SECONDS_DEFAULT = 30.0
 # A refused client is told to come back when a place is expected to free, within these bounds.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 3600
-# Tokens of finished grants remembered, so a late access-log entry is recognised as ours.
-FINISHED_MEMORY = 4096
-# How often the upstream is asked whether it is still busy, while it settles (backs off).
-SETTLE_POLL_FIRST_S = 0.02
-SETTLE_POLL_MAX_S = 0.25
 # Estimates made at arrival are batched: one walk of the queue for all arrivals in this window,
 # widened when walks get slow (a deep queue), so estimating never costs more than ~10% of a core.
 ESTIMATE_BATCH_S = 0.05
 _ESTIMATE_CPU_SHARE = 0.1
-# The queue view (GET /queue, the status route) is reused while younger than this.
-VIEW_MAX_AGE_S = 0.2
+
+__all__ = ["GRACE_SECONDS_DEFAULT", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow",
+           "WaitingRow"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a request did not get the GPU; the transport turns it into an HTTP error."""
+    """Why a request did not get the GPU; the adapters turn it into an HTTP error."""
 
     outcome: Outcome
     retry_after_s: int | None = None
@@ -85,54 +82,6 @@ class Refusal:
 
 # What `admit` answers: the granted ticket, or a refusal.
 Admission = Ticket | Refusal
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WaitingRow:
-    request_id: str
-    position: int
-    priority: int
-    band: Band
-    score: float  # at its turn in this order
-    swap_affinity: bool
-    waited_s: float
-    model: str | None
-    estimated_start_s: float  # from now
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunningRow:
-    request_id: str
-    priority: int
-    band: Band
-    score: float
-    model: str | None
-    queue_wait_s: float
-    running_s: float
-    expected_run_s: float
-    expected_remaining_s: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QueueView:
-    """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
-
-    policy: str
-    loaded_model: str | None
-    gpu: str  # idle | running | settling | adopted
-    running: RunningRow | None
-    waiting: tuple[WaitingRow, ...]
-    bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
-
-
-@dataclasses.dataclass(slots=True)
-class _Settling:
-    reason: SettleReason
-    model: str | None
-    request_id: str
-    granted_ns: int | None
-    started_ns: int
-    task: asyncio.Task[None] | None = None
 
 
 class Coordinator:
@@ -154,22 +103,19 @@ class Coordinator:
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
         self._by_request_id: dict[str, Ticket] = {}
-        self._running: Ticket | None = None
-        self._settling: _Settling | None = None
-        # Exchanges granted by an earlier sidecar process (or whose lease lapsed) that Envoy
-        # still reports: token -> (when adopted, lease deadline), in ns.
-        self._adopted: dict[str, tuple[int, int]] = {}
-        self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
-        self._catalog: Catalog | None = None
-        self._catalog_refresh: asyncio.Task[Catalog | None] | None = None
+        # The running grant, the adopted exchanges and the finished memory, with their timer.
+        self._leases = Leases(self._clock, self._leases_due)
+        self._settling: Settling | None = None
+        self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
+                                     observed=self.observe_catalog)
         self._expiry: asyncio.TimerHandle | None = None
-        self._lease_timer: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
         self._version = 0
-        self._view: tuple[int, int, QueueSnapshot, list[float], float] | None = None
+        self._views = QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
+                                 version=lambda: self._version, busy_s=self._busy_s, gpu_state=lambda: self.gpu_state)
         self._pending_estimates: list[Ticket] = []
         self._estimate_handle: asyncio.TimerHandle | None = None
         self._estimate_batch_s = ESTIMATE_BATCH_S
@@ -193,14 +139,18 @@ class Coordinator:
         return self._admitting
 
     @property
-    def gpu_state(self) -> str:
+    def _running(self) -> Ticket | None:
+        return self._leases.running
+
+    @property
+    def gpu_state(self) -> GpuState:
         if self._running is not None:
-            return "running"
+            return GpuState.RUNNING
         if self._settling is not None:
-            return "settling"
-        if self._adopted:
-            return "adopted"
-        return "idle"
+            return GpuState.SETTLING
+        if self._leases.adopted:
+            return GpuState.ADOPTED
+        return GpuState.IDLE
 
     def live_tickets(self) -> int:
         return len(self._tickets)
@@ -231,7 +181,7 @@ class Coordinator:
             self._check_cancelled(ticket)
             raise
         except Exception:
-            # A bug while admitting: the transport answers 500; the ticket must not stay queued
+            # A bug while admitting: the adapter answers 500; the ticket must not stay queued
             # (it would be granted with nobody to use the grant) nor go unfinished.
             self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
             raise
@@ -240,7 +190,7 @@ class Coordinator:
         priority = ticket.priority
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
-        if ticket.model is not None and not await self._serves(ticket.model):
+        if ticket.model is not None and not await self._catalog.serves(ticket.model, self._config.upstream.model_check):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
@@ -288,11 +238,8 @@ class Coordinator:
             outcome = Outcome.CANCELLED_RUNNING
         else:
             outcome = Outcome.UPSTREAM_ERROR
-        # A model is loaded if the upstream answered a request for it successfully, or was still
-        # generating for it when the client left; a failure says nothing is known to be loaded.
-        model_loaded = end is ExchangeEnd.CLIENT_LEFT or (end is ExchangeEnd.COMPLETE and 200 <= report.status < 400)
         abandoned = end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
-        self._release(ticket, outcome, model_loaded=model_loaded, abandoned=abandoned)
+        self._release(ticket, outcome, abandoned=abandoned)
 
     def peer_gone(self, peer: str) -> None:
         """An Envoy access-log stream ended: that Envoy connection's grant and waiting Checks
@@ -309,7 +256,7 @@ class Coordinator:
         if running is not None and running.peer == peer:
             _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
                          peer, running.request_id)
-            self._release(running, Outcome.PROXY_GONE, model_loaded=True, abandoned=True)
+            self._release(running, Outcome.PROXY_GONE, abandoned=True)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -334,19 +281,19 @@ class Coordinator:
     def abandon_running(self) -> None:
         """The grace period ended: record the running request as cut off by the shutdown."""
         if self._running is not None:
-            self._release(self._running, Outcome.SHUTDOWN, model_loaded=True, abandoned=False)
+            self._release(self._running, Outcome.SHUTDOWN, abandoned=False)
 
     def close(self) -> None:
         """Cancel timers and background work, and tell the observers what is left to tell (the
         loop is about to stop)."""
         self._run_observers()
-        for handle in (self._expiry, self._lease_timer, self._watchdog, self._estimate_handle):
+        for handle in (self._expiry, self._watchdog, self._estimate_handle):
             if handle is not None:
                 handle.cancel()
+        self._leases.cancel()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
-        if self._catalog_refresh is not None:
-            self._catalog_refresh.cancel()
+        self._catalog.close()
 
     # -- the upstream --------------------------------------------------------------------
 
@@ -358,52 +305,14 @@ class Coordinator:
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
-        self._catalog = catalog
+        self._catalog.latest = catalog
         if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
             self._changed()
-
-    async def _serves(self, model: str) -> bool:
-        """Whether the upstream serves `model` (upstream.modelCheck); asks again once on a miss."""
-        check = self._config.upstream.model_check
-        if check is ModelCheck.OFF:
-            return True
-        catalog = self._catalog
-        if catalog is None or not self._listed(catalog, model, check):
-            # A miss asks the upstream again (misses at the same moment share one ask), so a
-            # model added to the upstream later is served.
-            catalog = await self._refresh_catalog()
-            if catalog is None:
-                return True  # the upstream cannot be asked: refuse nothing
-        return self._listed(catalog, model, check)
-
-    @staticmethod
-    def _listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
-        routes_by_name = catalog.kind in (UpstreamKind.ROUTER, UpstreamKind.LLAMA_SWAP)
-        if not routes_by_name and check is not ModelCheck.STRICT:
-            return True  # one model that answers to any name
-        return catalog.models is None or model in catalog.models
-
-    async def _refresh_catalog(self) -> Catalog | None:
-        task = self._catalog_refresh
-        if task is None or task.done():
-            task = self._catalog_refresh = asyncio.ensure_future(self._ask_catalog())
-        return await asyncio.shield(task)
-
-    async def _ask_catalog(self) -> Catalog | None:
-        as_of = self.scheduler.dispatches
-        try:
-            catalog = await self._upstream.catalog()
-        except Exception:  # noqa: BLE001 - the upstream adapter must not break admission
-            _log.exception("asking the upstream for its models failed")
-            return self._catalog
-        if catalog is not None:
-            self.observe_catalog(catalog, as_of)
-        return catalog if catalog is not None else self._catalog
 
     # -- internals: granting and releasing -----------------------------------------------
 
     def _gpu_free(self) -> bool:
-        return self._running is None and self._settling is None and not self._adopted
+        return self._running is None and self._settling is None and not self._leases.adopted
 
     def _pump(self) -> None:
         """Grant the GPU if it is free and someone waits."""
@@ -425,10 +334,10 @@ class Coordinator:
         ticket.state = TicketState.RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._lease_ns()
-        self._running = ticket
+        self._leases.running = ticket
         self._idle.clear()
         self._changed()
-        self._arm_lease()
+        self._leases.arm()
         self._arm_watchdog(ticket)
         waiter.set_result(decision)
         overtaken = tuple(self._overtaken(token) for token in decision.overtook)
@@ -436,15 +345,15 @@ class Coordinator:
         # never waits for spans, metrics or log lines.
         self._observe(self._observer.dispatched, ticket, overtaken)
 
-    def _release(self, ticket: Ticket, outcome: Outcome, *, model_loaded: bool, abandoned: bool,
-                 sent: bool = True) -> None:
+    def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
+        model_loaded = model_stays_loaded(outcome, ticket.response_status)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
-        self._running = None
+        self._leases.running = None
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._watchdog = None
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
-        self._arm_lease()
+        self._leases.arm()
         decision = ticket.decision
         if outcome is Outcome.SERVED and decision is not None:
             self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
@@ -469,9 +378,7 @@ class Coordinator:
         if self._by_request_id.get(ticket.request_id) is ticket:
             del self._by_request_id[ticket.request_id]
         if ticket.decision is not None:
-            self._finished[ticket.token] = outcome
-            while len(self._finished) > FINISHED_MEMORY:
-                self._finished.popitem(last=False)
+            self._leases.remember(ticket.token, outcome)
         waiter = ticket.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -500,35 +407,33 @@ class Coordinator:
         elif ticket.state is TicketState.RUNNING and ticket is self._running:
             # Granted in the same instant the client left (or admission failed): the OK never
             # reached Envoy, so nothing reached the upstream either.
-            self._release(ticket, outcome, model_loaded=False, abandoned=False, sent=False)
+            self._release(ticket, outcome, abandoned=False, sent=False)
 
     def _report_unknown(self, token: str, report: ExchangeReport) -> None:
         """An entry for a grant this process does not hold. Periodic entries prove the exchange
         still runs: if it is no grant of ours that we let go on purpose (the watchdog), the
         GPU is busy with it, so adopt it as a lease until its end."""
-        adopted = self._adopted.get(token)
-        if adopted is not None:
+        if token in self._leases.adopted:
             if report.final:
                 self._end_adoption(token, SettleResult.ENDED)
                 self._update_idle()
                 self._pump()
             else:
-                self._adopted[token] = (adopted[0], self._clock.now_ns() + self._lease_ns())
+                self._leases.renew_adopted(token, self._lease_ns())
             return
-        previous = self._finished.get(token)
+        previous = self._leases.finished(token)
         if report.final or previous is Outcome.WATCHDOG or (previous is not None and previous not in (
                 Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE)):
             return
         _log.warning("Envoy reports an exchange this sidecar did not grant (an earlier sidecar process did%s); "
                      "no grant until it ends", "" if previous is None else f", or its lease lapsed ({previous})")
-        now = self._clock.now_ns()
-        self._adopted[token] = (now, now + self._lease_ns())
+        self._leases.adopt(token, self._lease_ns())
         self._idle.clear()
         self._changed()
-        self._arm_lease()
+        self._leases.arm()
 
     def _end_adoption(self, token: str, result: SettleResult) -> None:
-        adopted_ns, _ = self._adopted.pop(token)
+        adopted_ns = self._leases.end_adopted(token)
         settle = Settle(SettleReason.ADOPTED, result, None, "-", adopted_ns, self._clock.now_ns())
         _log.info("the adopted exchange %s after %.3f s; the GPU is free again",
                   "ended" if result is SettleResult.ENDED else "is no longer reported by Envoy", settle.seconds)
@@ -538,56 +443,32 @@ class Coordinator:
 
     def _begin_settle(self, reason: SettleReason, model: str | None, request_id: str, granted_ns: int | None, *,
                       stop: bool) -> None:
-        settling = _Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
+        settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
         self._settling = settling
         self._idle.clear()
         self._changed()
         settling.task = asyncio.ensure_future(self._settle(settling, stop))
 
-    async def _settle(self, settling: _Settling, stop: bool) -> None:
-        """Wait until the upstream computes nothing, with a deadline; then grant again."""
-        upstream = self._upstream
+    async def _settle(self, settling: Settling, stop: bool) -> None:
+        """The settle loop (`settle.py`); then the GPU is free again: grant."""
         config = self._config
-        deadline_s = config.upstream.settle_timeout_seconds
-        max_run = config.routing.scheduler.max_run_seconds
-        if max_run > 0 and settling.granted_ns is not None:  # waiting it out is bounded by maxRunSeconds
-            deadline_s = min(deadline_s, max(0.0, max_run - (settling.started_ns - settling.granted_ns) / NS_PER_S))
-        deadline_ns = settling.started_ns + round(deadline_s * NS_PER_S)
-        model = settling.model
-        result = SettleResult.TIMEOUT
-        try:
-            if settling.reason is SettleReason.STARTUP:
-                catalog = await self._refresh_catalog()
-                if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
-                    model = catalog.loaded
-            stopped = False
-            if stop:
-                stopped = await upstream.stop(model)
-                if stopped and self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches):
-                    self._changed()
-            delay = SETTLE_POLL_FIRST_S
-            while True:
-                busy = await upstream.busy(model)
-                if busy is None:
-                    result = SettleResult.UNSUPPORTED
-                    break
-                if not busy:
-                    result = SettleResult.STOPPED if stopped else SettleResult.IDLE
-                    break
-                if self._clock.now_ns() >= deadline_ns:
-                    break
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, SETTLE_POLL_MAX_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - a broken upstream must not stop the queue for good
-            _log.exception("asking the upstream whether it is idle failed")
-            result = SettleResult.UNSUPPORTED
-        settle = Settle(settling.reason, result, model, settling.request_id, settling.started_ns,
-                        self._clock.now_ns())
-        level = logging.WARNING if result is SettleResult.TIMEOUT else logging.INFO
-        _log.log(level, "upstream settle after %s (request %s, model %s): %s in %.3f s", settle.reason,
-                 settle.request_id, model or "-", result, settle.seconds)
+        deadline_ns = settling.deadline_ns(config.upstream.settle_timeout_seconds,
+                                           config.routing.scheduler.max_run_seconds)
+
+        async def loaded_model() -> str | None:
+            # At startup, the model to ask about is the one the upstream says it has loaded.
+            catalog = await self._catalog.refresh()
+            if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
+                return catalog.loaded
+            return settling.model
+
+        def unloaded() -> None:
+            if self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches):
+                self._changed()
+
+        settle = await settle_upstream(
+            self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
+            loaded_model=loaded_model if settling.reason is SettleReason.STARTUP else None, unloaded=unloaded)
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
@@ -596,7 +477,7 @@ class Coordinator:
         self._pump()
 
     def _update_idle(self) -> None:
-        if self._running is None and self._settling is None and not self._adopted:
+        if self._gpu_free():
             self._idle.set()
         self._publish()
 
@@ -605,34 +486,19 @@ class Coordinator:
     def _lease_ns(self) -> int:
         return round(self._config.envoy.lease_seconds * NS_PER_S)
 
-    def _arm_lease(self) -> None:
-        """One timer for the leases (the running grant's and the adopted ones), at the earliest."""
-        if self._lease_timer is not None:
-            self._lease_timer.cancel()
-            self._lease_timer = None
-        deadlines = [deadline for _, deadline in self._adopted.values()]
-        if self._running is not None:
-            deadlines.append(self._running.lease_deadline_ns)
-        if not deadlines:
-            return
-        delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)
-        self._lease_timer = asyncio.get_running_loop().call_later(delay_s, self._check_leases)
-
-    def _check_leases(self) -> None:
-        self._lease_timer = None
-        now = self._clock.now_ns()
-        for token, (_, deadline) in list(self._adopted.items()):
-            if now >= deadline:
-                self._end_adoption(token, SettleResult.LAPSED)
+    def _leases_due(self) -> None:
+        """The earliest lease deadline passed: lapsed adoptions end, a lapsed grant is released."""
+        for token in self._leases.lapsed_adopted():
+            self._end_adoption(token, SettleResult.LAPSED)
         running = self._running
-        if running is not None and now >= running.lease_deadline_ns:
+        if running is not None and self._leases.running_lapsed():
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",
                          running.request_id, self._config.envoy.lease_seconds)
-            self._release(running, Outcome.LEASE_EXPIRED, model_loaded=True, abandoned=True)
+            self._release(running, Outcome.LEASE_EXPIRED, abandoned=True)
         else:
             self._update_idle()
             self._pump()
-        self._arm_lease()
+        self._leases.arm()
 
     def _arm_watchdog(self, ticket: Ticket) -> None:
         limit = self._config.routing.scheduler.max_run_seconds
@@ -649,7 +515,7 @@ class Coordinator:
         self._observer.watchdog_fired(ticket)
         # The exchange itself goes on in Envoy; only the GPU's grant ends (and with
         # upstream.abandonedGeneration: stop, the generation is stopped).
-        self._release(ticket, Outcome.WATCHDOG, model_loaded=True, abandoned=False)
+        self._release(ticket, Outcome.WATCHDOG, abandoned=False)
 
     def _arm_expiry(self) -> None:
         if self._expiry is not None:
@@ -669,7 +535,7 @@ class Coordinator:
                 self._finish(ticket, Outcome.EXPIRED, removed.removed_ns)
         self._arm_expiry()
 
-    # -- internals: estimates and views --------------------------------------------------
+    # -- internals: Retry-After and estimates ---------------------------------------------
 
     def _retry_after_s(self) -> int:
         """When a place is expected to free: when the GPU's current work is expected to end."""
@@ -690,22 +556,6 @@ class Coordinator:
                                               running_s=(now - settling.granted_ns) / NS_PER_S)
         return 0.0
 
-    def _walk(self, *, fresh: bool = False) -> tuple[QueueSnapshot, list[float]]:
-        """The dispatch order and each one's estimated start, reused for a moment while nothing
-        changes (many readers of a deep queue should not each pay for a walk)."""
-        now = self._clock.now_ns()
-        cached = self._view
-        if (cached is not None and not fresh and cached[0] == self._version
-                and now - cached[1] < VIEW_MAX_AGE_S * NS_PER_S):
-            age_s = (now - cached[1]) / NS_PER_S
-            return cached[2], [max(0.0, start - age_s) for start in cached[3]]
-        snapshot = self.scheduler.snapshot()
-        starts = self.estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                                       busy_s=self._busy_s())
-        took_s = (self._clock.now_ns() - now) / NS_PER_S
-        self._view = (self._version, now, snapshot, starts, took_s)
-        return snapshot, starts
-
     def _estimate_later(self, ticket: Ticket) -> None:
         self._pending_estimates.append(ticket)
         if self._estimate_handle is None:
@@ -718,51 +568,24 @@ class Coordinator:
         waiting = [t for t in pending if t.state is TicketState.WAITING]
         if not waiting:
             return
-        snapshot, starts = self._walk(fresh=True)
+        snapshot, starts = self._views.walk(fresh=True)
         start_of = {view.request_id: start for view, start in zip(snapshot.waiting, starts)}
         now = self._clock.now_ns()
         for ticket in waiting:
             start = start_of.get(ticket.token)
             if start is not None:
                 ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
-        took_s = self._view[4] if self._view is not None else 0.0
-        self._estimate_batch_s = max(ESTIMATE_BATCH_S, took_s / _ESTIMATE_CPU_SHARE)
+        self._estimate_batch_s = max(ESTIMATE_BATCH_S, self._views.last_walk_s / _ESTIMATE_CPU_SHARE)
+
+    # -- views -----------------------------------------------------------------------------
 
     def view(self) -> QueueView:
-        snapshot, starts = self._walk()
-        now = self._clock.now_ns()
-
-        def request_id(token: str) -> str:
-            ticket = self._tickets.get(token)
-            return ticket.request_id if ticket is not None else "-"
-
-        waiting = tuple(
-            WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
-                       w.waited_s, w.model, start)
-            for w, start in zip(snapshot.waiting, starts))
-        running = None
-        decision = self.scheduler.running
-        if decision is not None:
-            running_s = (now - decision.granted_ns) / NS_PER_S
-            expected = self.estimator.expected_grant_s(decision.model, model_load=decision.model_load)
-            running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
-                                 decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
-                                 max(0.0, expected - running_s))
-        bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self.scheduler.band_stats().items())
-        return QueueView(str(snapshot.policy), snapshot.loaded_model, self.gpu_state, running, waiting, bands)
+        """The live queue (`views.py`)."""
+        return self._views.view()
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""
-        ticket = self._by_request_id.get(request_id)
-        if ticket is None:
-            return None
-        view = self.view()
-        if ticket.state is TicketState.RUNNING and view.running is not None:
-            return ticket, view.running
-        for row in view.waiting:
-            if row.request_id == request_id:
-                return ticket, row
-        return None
+        return self._views.status_of(request_id)
 
     def _overtaken(self, token: str) -> Overtaken:
         other = self._tickets.get(token)

@@ -4,7 +4,7 @@ Created when Envoy's ext_authz Check arrives (the hold), granted or refused by t
 coordinator, and finished exactly once: by the end of its exchange (Envoy's access log), by a
 lapsed lease, by the watchdog, or when it leaves the queue. Holds no prompt or completion text.
 
-Only the coordinator writes to a ticket; transport and observers read it.
+Only the coordinator writes to a ticket; adapters and observers read it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class TicketState(str, enum.Enum):
 
 
 class ExchangeEnd(str, enum.Enum):
-    """How a granted exchange ended, as Envoy reported it (the transport reads Envoy's flags)."""
+    """How a granted exchange ended, as Envoy reported it (the adapters read Envoy's flags)."""
 
     COMPLETE = "complete"  # the upstream's whole response went to the client
     CLIENT_LEFT = "client_left"  # the client went away mid-exchange: the upstream may still compute
@@ -50,7 +50,7 @@ class ExchangeReport:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Arrival:
-    """What the transport read from a held Check: no body, only what scheduling needs."""
+    """What the adapter read from a held Check: no body, only what scheduling needs."""
 
     request_id: str
     priority_header: str | None

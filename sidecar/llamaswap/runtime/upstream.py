@@ -1,5 +1,5 @@
 """The upstream as the runtime sees it (a port): what it serves, what it has loaded, and whether
-it is still computing. `llamaswap.upstream_http` is the adapter for llama-server and
+it is still computing. `llamaswap.adapters.upstream_http` is the adapter for llama-server and
 llama-swap over HTTP; `NoUpstream` is the default that knows nothing and refuses nothing.
 """
 

@@ -4,7 +4,8 @@
 - `workload`: synthetic traffic from a YAML description, as the same records;
 - `settings`: where each setting comes from, validation, sweeps;
 - `engine`: the replay itself over `llamaswap.core.Scheduler` and a `ManualClock` (no I/O);
+- `results`: what a replay produced (each request, the metrics, the worst inversion);
 - `inversion`: the worst priority inversion of a replay;
 - `report`: rows as a table, JSON, per-request lines and a plot;
-- `cli`: the `simulate` subcommand (`add_parser`, `run`).
+(The `simulate` subcommand itself is `llamaswap.commands.simulate`.)
 """

@@ -19,9 +19,9 @@ How each request behaves:
 - ``cancelled_waiting`` clients leave after their recorded wait unless granted by then; every
   other client waits as long as the simulated ``maxWaitSeconds`` lets it;
 - a granted request ends as it did in reality if it ran then (served, upstream_error, ...), else
-  it is served; a grant that did not end with the model loaded (an upstream error, a client
-  that left mid-run, a status outside 200..399) releases with ``model_loaded=False``, as the
-  runtime does;
+  it is served; its release tells the scheduler whether the model stays loaded by the
+  runtime's own rule, ``core.model_stays_loaded`` (not after an upstream error or a status
+  outside 200..399; still loaded after a client left mid-run, the watchdog or a lapsed lease);
 - ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
 """
 
@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from llamaswap.core import (
+    NO_MODEL,
     Band,
     Estimator,
     ManualClock,
@@ -47,9 +48,11 @@ from llamaswap.core import (
     QueueFull,
     ReorderCause,
     Scheduler,
+    model_stays_loaded,
 )
-from llamaswap.simulate.inversion import Inversion, worst_inversion
+from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
+from llamaswap.simulate.results import BandMetrics, Metrics, Request, Result, Simulation
 
 _log = logging.getLogger(__name__)
 
@@ -57,8 +60,6 @@ NOT_REPLAYED = frozenset({Outcome.REJECTED_UNKNOWN_MODEL, Outcome.INTERNAL_ERROR
 # Outcomes of a grant whose run the log measured: a granted replay ends the same way.
 _RAN = frozenset({Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ERROR, Outcome.WATCHDOG,
                   Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
-# The runtime releases these with the model still known to be loaded (served: if 200..399).
-_MODEL_STAYS = frozenset({Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
 
 _NS_PER_US = 1_000
 _NEVER = 2**63  # later than any event
@@ -83,10 +84,10 @@ class FixedCosts:
     default_swap_s: float = 0.0
 
     def expected_run_s(self, model: str | None) -> float:
-        return self.run_s.get(model or "", self.default_run_s)
+        return self.run_s.get(model or NO_MODEL, self.default_run_s)
 
     def expected_swap_s(self, model: str | None) -> float:
-        return self.swap_s.get(model or "", self.default_swap_s)
+        return self.swap_s.get(model or NO_MODEL, self.default_swap_s)
 
 
 def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, default_swap_s: float,
@@ -133,22 +134,6 @@ def _ms_to_ns(ms: float) -> int:
     return round(ms * 1000) * _NS_PER_US
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: 100,000s are made, and a frozen init costs double
-class Request:
-    """A record made ready to replay (the same for every setting)."""
-
-    index: int  # arrival order
-    record: RequestRecord
-    arrival_ns: int  # from the first arrival
-    priority: Priority
-    patience_ns: int | None  # None: waits as long as maxWaitSeconds lets it
-    run_ns: int | None  # the recorded run; None: never ran, the expected run applies
-    settle_ns: int
-    recorded_load: bool
-    granted_outcome: Outcome
-    model_loaded: bool  # what the release tells the scheduler
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Replay:
     requests: tuple[Request, ...]
@@ -172,10 +157,9 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
         patience = None
         if record.outcome is Outcome.CANCELLED_WAITING and record.queue_wait_ms is not None:
             patience = _ms_to_ns(record.queue_wait_ms)
-        if record.outcome is Outcome.SERVED:
-            model_loaded = record.status is None or 200 <= record.status < 400
-        else:
-            model_loaded = record.outcome in _MODEL_STAYS or record.outcome not in _RAN
+        # The runtime's rule for what its release tells the scheduler; a request that did not run
+        # then is served in the replay, leaving its model loaded.
+        model_loaded = model_stays_loaded(record.outcome, record.status) if record.outcome in _RAN else True
         requests.append(Request(
             index=index,
             record=record,
@@ -189,52 +173,6 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
             model_loaded=model_loaded,
         ))
     return Replay(tuple(requests), dict(skipped), origin)
-
-
-@dataclasses.dataclass(slots=True)
-class Result:
-    """What one request did in the simulation."""
-
-    request: Request
-    outcome: Outcome
-    base: int  # the priority the scheduler ordered by (fifo: plus the model's)
-    start_ns: int | None = None  # granted
-    end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
-    release_ns: int | None = None
-    model_load: bool = False
-
-    @property
-    def wait_ns(self) -> int:
-        return self.end_ns - self.request.arrival_ns
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BandMetrics:
-    served: int  # granted the GPU
-    wait_p50_s: float | None  # arrival to grant, of those granted
-    wait_p95_s: float | None
-    wait_max_s: float | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Metrics:
-    requests: int
-    bands: Mapping[str, BandMetrics]
-    swaps: int  # grants that needed a model load (from nothing known, or a swap)
-    reorders: Mapping[str, int]  # ReorderCause -> grants it changed
-    busy_fraction: float  # GPU held / (last release - first arrival)
-    left: int  # gave up waiting (patience)
-    expired: int  # maxWaitSeconds
-    rejected: int  # maxQueued
-    peak_waiting: int
-    inversion: Inversion | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Simulation:
-    policy: Policy
-    results: list[Result]  # arrival order
-    metrics: Metrics
 
 
 def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:

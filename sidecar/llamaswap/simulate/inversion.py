@@ -23,21 +23,9 @@ every higher level that arrived before it, and a departure reads its own entry.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # engine imports this module
-    from llamaswap.simulate.engine import Result
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Inversion:
-    request_id: str
-    band: str
-    priority: int
-    seconds: float
-    outcome: str
+from llamaswap.simulate.results import Inversion, Result
 
 
 class _Level:

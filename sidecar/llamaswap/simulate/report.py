@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamaswap.core import BAND_NAMES
-from llamaswap.simulate.engine import Metrics, Simulation
+from llamaswap.simulate.results import Metrics, Simulation
 from llamaswap.simulate.settings import KEYS, Settings
 
 PLOT_HINT = "pip install 'llamaswap[plot]', or pip install matplotlib"

@@ -40,7 +40,7 @@ import yaml
 
 from llamaswap.config import describe_value
 from llamaswap.core import Outcome
-from llamaswap.core.priority import ALIASES
+from llamaswap.core.priority import PrioritySource, parse_priority
 from llamaswap.simulate.engine import FixedCosts
 from llamaswap.simulate.records import RequestRecord
 
@@ -212,8 +212,11 @@ def parse_workload(data: Any) -> Workload:
 
 
 def _priority(r: _Reader, node: Any, path: str) -> int | None:
-    if isinstance(node, str) and node.strip().lower() in ALIASES:
-        return ALIASES[node.strip().lower()]
+    if isinstance(node, str):
+        # The header's own aliases; a number in quotes stays an error, as in the rest of YAML here.
+        alias = parse_priority(node)
+        if alias.source is PrioritySource.ALIAS:
+            return alias.value
     if isinstance(node, bool) or not isinstance(node, int):
         r.fail(path, f"must be an integer or interactive / normal / batch, got {describe_value(node)}")
         return None

@@ -7,7 +7,11 @@ is the one it will have at its turn in that order (the swap-affinity bonus count
 loaded by then): the score it wins its turn with. START is the
 estimate from measured run and swap times (`estimates.*` before anything is measured), and
 for the running request TIME is how long it has run and START how long it is expected to
-take still. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM.
+take still. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the
+admin server's document itself (one a line with --watch).
+
+The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
+default listen.admin.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
-DEFAULT_ADMIN = "http://127.0.0.1:9090"
+from llamaswap.commands.arguments import positive_seconds
+from llamaswap.config import DEFAULT_ADMIN, HostPort
+from llamaswap.runtime.views import GpuState
+
 COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
 _RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME", "START"}
 _CLEAR = "\x1b[H\x1b[2J"
-_GPU = {"idle": "GPU idle", "running": "1 running", "settling": "GPU settling (the upstream finishes an abandoned "
-        "generation)", "adopted": "GPU busy with an exchange granted before this sidecar started"}
+_GPU: dict[str, str] = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running",
+        GpuState.SETTLING: "GPU settling (the upstream finishes an abandoned generation)",
+        GpuState.ADOPTED: "GPU busy with an exchange granted before this sidecar started"}
 
 
 class QueueUnavailable(Exception):
@@ -38,22 +46,29 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Register `queue` on the `llamaswap` subcommands."""
     parser = commands.add_parser("queue", help="show the waiting requests and the running one (like squeue)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--admin", default=DEFAULT_ADMIN,
-                        help=f"the sidecar's admin address (default {DEFAULT_ADMIN})")
-    parser.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--admin", help=f"the sidecar's admin address (default: listen.admin, {DEFAULT_ADMIN})")
+    where.add_argument("-c", "--config", help="the stack's YAML configuration: its listen.admin is asked")
+    parser.add_argument("--json", action="store_true", help="print the queue document as JSON instead of a table")
+    parser.add_argument("--watch", type=positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     parser.set_defaults(run=run)
     return parser
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError("--watch needs a positive number of seconds")
-    return value
+def admin_url(address: HostPort) -> str:
+    """The admin server's base URL for a listen address (a wildcard host means this machine)."""
+    return f"http://{HostPort(address.connect_host, address.port)}"
+
+
+def _admin_of(args: argparse.Namespace) -> str:
+    if args.admin:
+        return str(args.admin)
+    if args.config:
+        from llamaswap.commands.loading import load_or_exit
+
+        return admin_url(load_or_exit(args.config).listen.admin)
+    return admin_url(DEFAULT_ADMIN)
 
 
 def fetch_queue(admin: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -131,9 +146,11 @@ def render(document: dict[str, Any]) -> str:
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    admin = _admin_of(args)
+    show = _as_json if getattr(args, "json", False) else render
     if not args.watch:
         try:
-            out.write(render(fetch_queue(args.admin)))
+            out.write(show(fetch_queue(admin)))
         except QueueUnavailable as exc:
             err.write(f"error: {exc}\n")
             return 1
@@ -145,11 +162,22 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         signal.signal(signum, lambda *_: stop.set())
     clear = _CLEAR if out.isatty() else ""
     while not stop.is_set():
-        try:
-            text = render(fetch_queue(args.admin))
-        except QueueUnavailable as exc:
-            text = f"error: {exc}\n"
-        out.write(f"{clear}{time.strftime('%Y-%m-%d %H:%M:%S')}  every {args.watch:g}s  (Ctrl-C to stop)\n{text}\n")
+        if show is _as_json:
+            try:
+                out.write(show(fetch_queue(admin)))
+            except QueueUnavailable as exc:
+                err.write(f"error: {exc}\n")
+        else:
+            try:
+                text = render(fetch_queue(admin))
+            except QueueUnavailable as exc:
+                text = f"error: {exc}\n"
+            out.write(f"{clear}{time.strftime('%Y-%m-%d %H:%M:%S')}  every {args.watch:g}s  (Ctrl-C to stop)\n{text}\n")
         out.flush()
         stop.wait(args.watch)
     return 0
+
+
+def _as_json(document: dict[str, Any]) -> str:
+    """The document as GET /queue answered it, on one line."""
+    return json.dumps(document, sort_keys=False) + "\n"

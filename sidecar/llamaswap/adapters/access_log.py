@@ -16,10 +16,10 @@ import grpc
 
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from llamaswap.envoy import GRANT_NAMESPACE, TICKET_KEY
+from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
-from llamaswap.transport.metadata import metadata_value
+from llamaswap.adapters.metadata import metadata_value
 
 _log = logging.getLogger(__name__)
 

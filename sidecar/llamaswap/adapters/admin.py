@@ -12,10 +12,11 @@ from typing import Any
 
 from aiohttp import web
 
-from llamaswap.envoy import STATUS_PREFIX
+from llamaswap.envoy.contract import STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.coordinator import Coordinator, QueueView, RunningRow, WaitingRow
-from llamaswap.transport.outcomes import openai_error_body
+from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
+from llamaswap.adapters.outcomes import openai_error_body
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:

@@ -27,7 +27,7 @@ the largest inversion time (shown with its seconds). A lower-priority request th
 running, or arrived before R, is not an inversion; under serial settings inversions come from
 swap affinity (a later, lower request with the loaded model goes first).
 
-Synthetic traffic: --workload FILE.yaml instead of --activity, e.g.
+Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
   seed: 1
@@ -74,7 +74,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("simulate", help="replay recorded traffic through the scheduler with other settings",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--activity", metavar="FILE", help="the sidecar's activity log (JSON lines)")
+    source.add_argument("--activity-log", "--activity", dest="activity", metavar="FILE",
+                        help="the sidecar's activity log (JSON lines; what `up --activity-log` writes)")
     source.add_argument("--workload", metavar="FILE.yaml", help="synthetic traffic described in YAML (see above)")
     parser.add_argument("-c", "--config", metavar="FILE", help="a llamaswap configuration whose settings apply")
     parser.add_argument("--scheduler", metavar="serial|fifo", help="the scheduler")

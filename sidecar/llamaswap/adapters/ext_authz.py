@@ -20,11 +20,11 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
-from llamaswap.envoy import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
+from llamaswap.envoy.contract import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, Ticket
-from llamaswap.transport.metadata import metadata_value
-from llamaswap.transport.outcomes import http_error
+from llamaswap.adapters.metadata import metadata_value
+from llamaswap.adapters.outcomes import http_error
 
 _log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 def decision_headers(decision: Decision) -> list[tuple[str, str]]:
     """The x-llamaswap-* headers that tell the client what the scheduler decided."""
     return [
-        ("x-llamaswap-priority", str(decision.priority)),
+        (PRIORITY_HEADER, str(decision.priority)),
         ("x-llamaswap-band", decision.band.value),
         ("x-llamaswap-score", f"{decision.score:.3f}"),
         ("x-llamaswap-queue-wait-ms", f"{decision.queue_wait_ns / 1e6:.1f}"),

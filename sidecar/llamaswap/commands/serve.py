@@ -18,19 +18,19 @@ from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap.config import Config, ConfigError, HostPort, load_config
 from llamaswap.core import MonotonicClock
-from llamaswap.envoy import bootstrap_changes
+from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.observer import FanOut, Observer
+from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
-from llamaswap.transport.access_log import AccessLogs
-from llamaswap.transport.admin import build_admin_app
-from llamaswap.transport.ext_authz import Authorization
-from llamaswap.upstream_http import HttpUpstream
+from llamaswap.adapters.access_log import AccessLogs
+from llamaswap.adapters.admin import build_admin_app
+from llamaswap.adapters.ext_authz import Authorization
+from llamaswap.adapters.upstream_http import HttpUpstream
 
 _log = logging.getLogger(__name__)
 
-GRACE_SECONDS_DEFAULT = 30.0
 CONFIG_POLL_S = 2.0
 # Allocations between two collections of the youngest generation (Python's default is 700).
 GC_YOUNG_THRESHOLD = 20_000
@@ -177,7 +177,7 @@ class Sidecar:
     async def _reconcile_models(self) -> None:
         """Ask the upstream what it serves and has loaded, while the GPU is idle."""
         while True:
-            if self.coordinator.gpu_state == "idle":
+            if self.coordinator.gpu_state is GpuState.IDLE:
                 as_of = self.coordinator.scheduler.dispatches
                 catalog = await self.upstream.catalog()
                 if catalog is not None:

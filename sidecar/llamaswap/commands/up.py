@@ -36,9 +36,11 @@ import aiohttp
 # they skip. Set before gRPC is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from llamaswap.config import Config, HostPort, parse_config  # noqa: E402
-from llamaswap.envoy import EnvoyNotInstalled, build_bootstrap, envoy_binary, render_bootstrap  # noqa: E402
-from llamaswap.serve import GRACE_SECONDS_DEFAULT, PortInUse, Sidecar  # noqa: E402
+from llamaswap.config import DEFAULT_UPSTREAM_PORT, Config, HostPort, parse_config  # noqa: E402
+from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
+from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
+from llamaswap.commands.serve import PortInUse, Sidecar  # noqa: E402
+from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT  # noqa: E402
 
 _log = logging.getLogger(__name__)
 
@@ -291,7 +293,6 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
 # -- the built-in default: a real llama-server with a small real model -----------------------
 
 DEFAULT_MODEL_ID = "gemma3-270m"
-DEFAULT_UPSTREAM_PORT = 8081
 # The default model is a base model without a chat template: uncapped, a "hi" generates tens
 # of thousands of tokens (20 minutes on 2 cores). Requests may still ask for more.
 DEFAULT_MAX_TOKENS = 256

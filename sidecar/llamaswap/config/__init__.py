@@ -1,0 +1,43 @@
+"""llamaswap's configuration: YAML -> validated, frozen pydantic models.
+
+- `sections`: the sections and `Config`, the one definition of every key;
+- `types`: value types (`HostPort`, the enums, strict numbers) and validators;
+- `problems`: `Problem`, `ConfigError`, and pydantic's errors as key-path problems;
+- `load`: reading and validating a file or a document;
+- `schema`: the JSON Schema of the document.
+
+This package's public names, which the rest of llamaswap imports from here.
+"""
+
+from llamaswap.config.load import load_config, load_document, parse_config
+from llamaswap.config.problems import ConfigError, Problem, describe_value
+from llamaswap.config.schema import json_schema
+from llamaswap.config.sections import (
+    DEFAULT_ADMIN,
+    DEFAULT_UPSTREAM_PORT,
+    ActivityConfig,
+    Config,
+    EnvoyConfig,
+    EstimatesConfig,
+    FifoSettings,
+    ListenConfig,
+    ModelConfig,
+    PrioritySecurityConfig,
+    RoutingConfig,
+    SchedulerConfig,
+    SchedulerSettings,
+    SecurityConfig,
+    SerialSettings,
+    UpstreamConfig,
+)
+from llamaswap.config.types import AbandonedGeneration, HostPort, ModelCheck
+from llamaswap.core.priority import PriorityMode
+from llamaswap.core.scheduler import PolicyName
+
+__all__ = [
+    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError",
+    "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ModelCheck", "ModelConfig",
+    "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
+    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UpstreamConfig", "describe_value", "json_schema",
+    "load_config", "load_document", "parse_config",
+]

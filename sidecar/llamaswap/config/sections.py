@@ -1,0 +1,332 @@
+"""The configuration's sections: validated, frozen pydantic models, the one definition of every key.
+
+Keys follow llama-swap's (``routing.scheduler...``, ``models.<id>...``) so one file can serve
+both. Each key's type, range, default and meaning is written here once; the loader
+(`llamaswap.config.load`), :meth:`Config.to_document` and the JSON Schema
+(`llamaswap.config.schema`) all come from these models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+from llamaswap.config.problems import Meaning, invalid
+from llamaswap.config.types import (
+    AbandonedGeneration,
+    HostPort,
+    ModelCheck,
+    StrictBool,
+    StrictInt,
+    StrictNumber,
+    ZeroOrSeconds,
+    command_document,
+    command_line,
+    checked_health_path,
+    model_id,
+    none_is_empty,
+    optional_path,
+    checked_trusted_header,
+    upstream_url,
+)
+from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
+from llamaswap.core.scheduler import Policy, PolicyName
+
+# The anchors (batch -100, normal 0, interactive 100) sit this far apart. The swap affinity
+# bonus stays below it, so it never lifts a request at one anchor over a request at the next
+# one up; off the anchors it can cross a band's edge (45 + 10 beats 50), and aging lifts any
+# request in time.
+BAND_SPACING = ALIASES["interactive"] - ALIASES["normal"]
+MAX_SWAP_AFFINITY_BONUS = BAND_SPACING - 1
+
+# Where the sidecar's admin HTTP server listens by default (listen.admin), which
+# `llamaswap queue` asks when it is given neither an address nor a configuration.
+DEFAULT_ADMIN = HostPort("127.0.0.1", 9090)
+# The upstream's default port (upstream.url), where `llamaswap up` starts its built-in llama-server.
+DEFAULT_UPSTREAM_PORT = 8081
+
+
+def _schema_of_ignored_keys(schema: dict[str, Any], cls: type) -> None:
+    """The keys a section accepts and ignores are part of its schema too."""
+    assert issubclass(cls, Section)
+    properties = schema.setdefault("properties", {})
+    for key in sorted(cls._llama_swap_keys):
+        properties[key] = {"description": "A llama-swap key: accepted and ignored."}
+    for key, advice in cls._deprecated_keys.items():
+        properties[key] = {"description": f"Deprecated: {advice}.", "deprecated": True}
+
+
+class Section(BaseModel):
+    """A mapping of the YAML file: snake_case attributes, camelCase keys."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        protected_namespaces=(),
+        json_schema_extra=_schema_of_ignored_keys,
+    )
+
+    # llama-swap's own keys here: accepted (so a llama-swap file loads) and ignored.
+    _llama_swap_keys: ClassVar[frozenset[str]] = frozenset()
+    # Keys no longer used: accepted and ignored, with a warning (key -> the advice).
+    _deprecated_keys: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_null_and_ignored_keys(cls, data: Any) -> Any:
+        if data is None:  # `routing:` with nothing under it: the defaults
+            return {}
+        if isinstance(data, dict) and (cls._llama_swap_keys or cls._deprecated_keys):
+            return {k: v for k, v in data.items() if k not in cls._llama_swap_keys and k not in cls._deprecated_keys}
+        return data
+
+
+class SerialSettings(Section):
+    """The serial scheduler: score = priority + swap affinity + aging; the best score goes next."""
+
+    aging_divisor: Annotated[ZeroOrSeconds, Meaning("0 disables aging")] = Field(
+        default=60.0, ge=0,
+        description="Seconds of waiting per priority point (aging = waited seconds / agingDivisor); "
+                    "0 disables aging. A positive value below 0.001 is refused: it would round to 0.")
+    swap_affinity_bonus: Annotated[StrictInt, Meaning(
+        f"0 disables it; it must stay below the band spacing of {BAND_SPACING}")] = Field(
+        default=10, ge=0, le=MAX_SWAP_AFFINITY_BONUS,
+        description=f"Bonus for a request that needs no model swap, 0..{MAX_SWAP_AFFINITY_BONUS}; 0 disables it. "
+                    f"It stays below the band spacing of {BAND_SPACING}, so it never lifts a request at one anchor "
+                    "(batch, normal, interactive) over the next; off the anchors it can (45 + 10 beats 50).")
+
+
+class FifoSettings(Section):
+    """The fifo scheduler takes no settings (a model's priority is models.<id>.priority)."""
+
+
+class SchedulerSettings(Section):
+    """Each scheduler's settings; only those of routing.scheduler.use apply."""
+
+    serial: SerialSettings = Field(default_factory=SerialSettings)
+    fifo: FifoSettings = Field(default_factory=FifoSettings)
+
+
+class SchedulerConfig(Section):
+    """Which request gets the GPU next, and how long the queue may grow."""
+
+    use: PolicyName = Field(default=PolicyName.SERIAL, description="The scheduler: serial or fifo.")
+    max_queued: Annotated[StrictInt, Meaning("0 = unlimited")] = Field(
+        default=0, ge=0, description="Waiting requests before new ones get 429 + Retry-After; 0 = unlimited.")
+    max_wait_seconds: Annotated[ZeroOrSeconds, Meaning("0 = wait forever")] = Field(
+        default=0.0, ge=0,
+        description="A request that waited longer gets 503 + Retry-After; 0 = wait forever. "
+                    "A positive value below 0.001 is refused: it would round to 0 ('forever').")
+    max_run_seconds: Annotated[StrictNumber, Meaning("0 = off")] = Field(
+        default=0.0, ge=0, description="Watchdog: free the GPU from a grant older than this; 0 = off.")
+    settings: SchedulerSettings = Field(default_factory=SchedulerSettings)
+
+
+class RoutingConfig(Section):
+    """How requests are scheduled onto the one GPU."""
+
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+
+class ModelConfig(Section):
+    """One model, by the id requests name in "model". llama-swap's per-model keys are accepted and ignored."""
+
+    _llama_swap_keys: ClassVar[frozenset[str]] = frozenset({
+        "cmd", "cmdStop", "proxy", "aliases", "env", "checkEndpoint", "ttl", "useModelName", "unlisted",
+        "filters", "name", "description", "concurrencyLimit", "metadata", "macros", "sendLoadingState",
+    })
+
+    priority: StrictInt = Field(
+        default=0, description="fifo only: added to the caller's X-LlamaSwap-Priority for this model "
+                               "(a model at 10 with a batch header queues at -90).")
+
+
+class ListenConfig(Section):
+    """The addresses the stack listens on, each 'host:port' ('[::1]:8080' for IPv6)."""
+
+    http: HostPort = Field(default=HostPort("127.0.0.1", 8080), description="Envoy's listener: clients connect here.")
+    grpc: HostPort = Field(default=HostPort("127.0.0.1", 9000),
+                           description="The sidecar's gRPC server, which Envoy calls.")
+    admin: HostPort = Field(default=DEFAULT_ADMIN,
+                            description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity.")
+
+
+class UpstreamConfig(Section):
+    """The OpenAI-compatible server behind the queue: llama-server, llama-swap, or any other."""
+
+    url: Annotated[str, BeforeValidator(upstream_url)] = Field(
+        default=f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
+        description="The upstream's base URL, http:// or https://; a trailing '/' is dropped.",
+        json_schema_extra={"pattern": r"^https?://[^\s/?#]+(/\S*)?$"})
+    command: Annotated[
+        tuple[str, ...],
+        BeforeValidator(command_line),
+        PlainSerializer(command_document),
+        WithJsonSchema({"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": ["string", "number"]}, "minItems": 1},
+            {"type": "null"},
+        ]}),
+    ] = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
+                                      "(split like a shell does) or a list of arguments; empty for none.")
+    health_path: Annotated[str, BeforeValidator(checked_health_path)] = Field(
+        default="/health", description="The upstream's health check path, starting with '/'.",
+        json_schema_extra={"pattern": "^/"})
+    startup_timeout_seconds: StrictNumber = Field(
+        default=300.0, gt=0, description="How long `llamaswap up` waits for the upstream's health check to pass.")
+    models_poll_seconds: Annotated[StrictNumber, Meaning("0 = off")] = Field(
+        default=5.0, ge=0,
+        description="How often to ask the upstream what it serves and (router mode) which model is loaded, "
+                    "while the GPU is idle; 0 = off.")
+    model_check: ModelCheck = Field(
+        default=ModelCheck.AUTO,
+        description="Refuse requests for models the upstream does not serve, at once: auto (where it routes by "
+                    "model name: llama-server's router mode, llama-swap), strict (any model it does not list) or "
+                    "off.")
+    abandoned_generation: AbandonedGeneration = Field(
+        default=AbandonedGeneration.WAIT,
+        description="When a client leaves a running generation that the upstream goes on computing: wait for it "
+                    "to end (GET /slots) or stop it (router mode: unload the model) before the next grant.")
+    settle_timeout_seconds: StrictNumber = Field(
+        default=600.0, gt=0,
+        description="The longest wait for the upstream to become idle after an abandoned generation.")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        port = urlsplit(self.url).port
+        if port is not None:
+            return port
+        return 443 if self.tls else 80
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "https"
+
+
+class EnvoyConfig(Section):
+    """Envoy's timers and limits, used by the generated bootstrap."""
+
+    _deprecated_keys: ClassVar[Mapping[str, str]] = {
+        "extProcMessageTimeoutMs": "no longer used (the data path has no ext_proc); remove it",
+    }
+
+    stream_idle_timeout_seconds: StrictNumber = Field(
+        default=300.0, gt=0, description="Idle timeout of the routes that skip the queue.")
+    max_request_bytes: StrictInt = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
+    max_sidecar_streams: StrictInt = Field(
+        default=100_000, ge=1, description="Concurrent gRPC streams from Envoy to the sidecar; waiting requests hold them.")
+    fail_open: StrictBool = Field(
+        default=False,
+        description="With the sidecar down: false = refuse clients (503/500), true = pass them unscheduled.")
+    lease_seconds: StrictNumber = Field(
+        default=3.0, ge=0.3, description="A grant Envoy has not reported on for this long is released.")
+
+
+class PrioritySecurityConfig(Section):
+    """What callers may claim with X-LlamaSwap-Priority."""
+
+    mode: PriorityMode = Field(default=PriorityMode.TRUST, description="trust, clamp or strip the caller's priority.")
+    min: StrictInt = Field(default=-100, description="clamp: the lowest priority a caller may claim.")
+    max: StrictInt = Field(default=100, description="clamp: the highest priority a caller may claim.")
+    trusted_header: Annotated[str | None, BeforeValidator(checked_trusted_header)] = Field(
+        default=None,
+        description="A header set only by your authenticating proxy (which drops clients' copies): its value is the "
+                    "priority, unclamped. Case-insensitive; empty or null for none.")
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> PrioritySecurityConfig:
+        if self.min > self.max:
+            raise invalid(f"must not exceed security.priority.max ({self.min} > {self.max})", key="min")
+        return self
+
+
+class SecurityConfig(Section):
+    """What callers are allowed to do."""
+
+    priority: PrioritySecurityConfig = Field(default_factory=PrioritySecurityConfig)
+
+
+class ActivityConfig(Section):
+    """The activity log: one JSON record per finished request."""
+
+    path: Annotated[str | None, BeforeValidator(optional_path)] = Field(
+        default=None, description="Append the records to this file, one JSON object a line; empty or null for none.")
+    recent: Annotated[StrictInt, Meaning("0 keeps none")] = Field(
+        default=1000, ge=0, description="Records kept in memory for GET /activity; 0 keeps none.")
+
+
+class EstimatesConfig(Section):
+    """Expected run and swap times, before (and between) measurements."""
+
+    default_run_seconds: StrictNumber = Field(
+        default=10.0, gt=0, description="Expected run time of a request for a model before anything is measured.")
+    default_swap_seconds: StrictNumber = Field(
+        default=5.0, ge=0, description="Expected extra cost of a model swap before anything is measured.")
+    samples: StrictInt = Field(default=50, ge=1, description="Recent measurements per model behind the rolling median.")
+
+
+class Config(Section):
+    """llamaswap's configuration file. Every key is optional; a section with nothing under it means its defaults."""
+
+    model_config = ConfigDict(title="llamaswap configuration")
+
+    _llama_swap_keys: ClassVar[frozenset[str]] = frozenset({
+        "healthCheckTimeout", "logLevel", "metricsMaxInMemory", "startPort", "macros", "groups", "hooks",
+        "includeAliasesInList", "logRequests",
+    })
+
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    models: Annotated[Mapping[Annotated[str, BeforeValidator(model_id)], ModelConfig],
+                      BeforeValidator(none_is_empty)] = Field(
+        default_factory=dict, description="Per-model settings, by model id.")
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    activity: ActivityConfig = Field(default_factory=ActivityConfig)
+    estimates: EstimatesConfig = Field(default_factory=EstimatesConfig)
+
+    _source: str = PrivateAttr("<defaults>")
+
+    @property
+    def source(self) -> str:
+        """Where this came from: a file path, ``<defaults>`` or ``<memory>``."""
+        return self._source
+
+    def __eq__(self, other: object) -> bool:
+        """The same settings; where they came from (``source``) does not count."""
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # models is a dict
+
+    def policy(self) -> Policy:
+        """The scheduler's policy."""
+        s = self.routing.scheduler
+        if s.use == PolicyName.FIFO:
+            priorities = {model_id: model.priority for model_id, model in self.models.items()}
+            return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+        serial = s.settings.serial
+        return Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
+                             max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+
+    def priority_policy(self) -> PriorityPolicy:
+        """What callers may claim with X-LlamaSwap-Priority."""
+        p = self.security.priority
+        return PriorityPolicy(mode=p.mode, minimum=p.min, maximum=p.max, trusted_header=p.trusted_header)
+
+    def to_document(self) -> dict[str, Any]:
+        """The effective configuration in the YAML shape, every default filled in."""
+        return self.model_dump(mode="json", by_alias=True)

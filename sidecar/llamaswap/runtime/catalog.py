@@ -1,0 +1,69 @@
+"""The model catalog checks (upstream.modelCheck): whether the upstream serves a request's model,
+from its last answer, asking it again once on a miss (misses at the same moment share one ask)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from llamaswap.config import ModelCheck
+from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
+
+_log = logging.getLogger(__name__)
+
+
+def listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
+    """Whether `catalog` serves `model` under `check` (not OFF)."""
+    routes_by_name = catalog.kind in (UpstreamKind.ROUTER, UpstreamKind.LLAMA_SWAP)
+    if not routes_by_name and check is not ModelCheck.STRICT:
+        return True  # one model that answers to any name
+    return catalog.models is None or model in catalog.models
+
+
+class ModelCatalog:
+    """The upstream's last known catalog. `dispatches` counts the scheduler's grants, so that a
+    catalog's loaded model is applied only if no grant happened while it was asked; `observed`
+    hears every new catalog with that count (the coordinator applies it)."""
+
+    def __init__(self, upstream: Upstream, *, dispatches: Callable[[], int],
+                 observed: Callable[[Catalog, int], None]) -> None:
+        self._upstream = upstream
+        self._dispatches = dispatches
+        self._observed = observed
+        self.latest: Catalog | None = None
+        self._refresh: asyncio.Task[Catalog | None] | None = None
+
+    async def serves(self, model: str, check: ModelCheck) -> bool:
+        """Whether the upstream serves `model`; asks again once on a miss."""
+        if check is ModelCheck.OFF:
+            return True
+        catalog = self.latest
+        if catalog is None or not listed(catalog, model, check):
+            # A miss asks the upstream again, so a model added to the upstream later is served.
+            catalog = await self.refresh()
+            if catalog is None:
+                return True  # the upstream cannot be asked: refuse nothing
+        return listed(catalog, model, check)
+
+    async def refresh(self) -> Catalog | None:
+        """Ask the upstream now (joining an ask already under way); the last known on failure."""
+        task = self._refresh
+        if task is None or task.done():
+            task = self._refresh = asyncio.ensure_future(self._ask())
+        return await asyncio.shield(task)
+
+    async def _ask(self) -> Catalog | None:
+        as_of = self._dispatches()
+        try:
+            catalog = await self._upstream.catalog()
+        except Exception:  # noqa: BLE001 - the upstream adapter must not break admission
+            _log.exception("asking the upstream for its models failed")
+            return self.latest
+        if catalog is not None:
+            self._observed(catalog, as_of)
+        return catalog if catalog is not None else self.latest
+
+    def close(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()

@@ -1,0 +1,82 @@
+"""The settle loop: after an abandoned generation (or at startup) the GPU is not free until the
+upstream says it computes nothing, or a deadline passes. With upstream.abandonedGeneration: stop
+the generation is stopped first (router mode: its model unloaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+
+from llamaswap.core import NS_PER_S, Clock
+from llamaswap.runtime.observer import Settle, SettleReason, SettleResult
+from llamaswap.runtime.upstream import Upstream
+
+_log = logging.getLogger(__name__)
+
+# How often the upstream is asked whether it is still busy, while it settles (backs off).
+SETTLE_POLL_FIRST_S = 0.02
+SETTLE_POLL_MAX_S = 0.25
+
+
+@dataclasses.dataclass(slots=True)
+class Settling:
+    """A settle under way: why, for which model and request, and since when."""
+
+    reason: SettleReason
+    model: str | None
+    request_id: str
+    granted_ns: int | None
+    started_ns: int
+    task: asyncio.Task[None] | None = None
+
+    def deadline_ns(self, settle_timeout_s: float, max_run_s: float) -> int:
+        """upstream.settleTimeoutSeconds from its start; an abandoned grant's wait is also
+        bounded by what is left of routing.scheduler.maxRunSeconds."""
+        deadline_s = settle_timeout_s
+        if max_run_s > 0 and self.granted_ns is not None:
+            deadline_s = min(deadline_s, max(0.0, max_run_s - (self.started_ns - self.granted_ns) / NS_PER_S))
+        return self.started_ns + round(deadline_s * NS_PER_S)
+
+
+async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
+                          loaded_model: Callable[[], Awaitable[str | None]] | None = None,
+                          unloaded: Callable[[], None] | None = None) -> Settle:
+    """Wait until the upstream computes nothing, with a deadline; what happened, as a Settle.
+
+    `loaded_model` (at startup) finds which model to ask about; `unloaded` hears that the
+    generation was stopped (nothing is loaded any more)."""
+    model = settling.model
+    result = SettleResult.TIMEOUT
+    try:
+        if loaded_model is not None:
+            model = await loaded_model()
+        stopped = False
+        if stop:
+            stopped = await upstream.stop(model)
+            if stopped and unloaded is not None:
+                unloaded()
+        delay = SETTLE_POLL_FIRST_S
+        while True:
+            busy = await upstream.busy(model)
+            if busy is None:
+                result = SettleResult.UNSUPPORTED
+                break
+            if not busy:
+                result = SettleResult.STOPPED if stopped else SettleResult.IDLE
+                break
+            if clock.now_ns() >= deadline_ns:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, SETTLE_POLL_MAX_S)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a broken upstream must not stop the queue for good
+        _log.exception("asking the upstream whether it is idle failed")
+        result = SettleResult.UNSUPPORTED
+    settle = Settle(settling.reason, result, model, settling.request_id, settling.started_ns, clock.now_ns())
+    level = logging.WARNING if result is SettleResult.TIMEOUT else logging.INFO
+    _log.log(level, "upstream settle after %s (request %s, model %s): %s in %.3f s", settle.reason,
+             settle.request_id, model or "-", result, settle.seconds)
+    return settle

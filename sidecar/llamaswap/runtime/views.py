@@ -1,0 +1,150 @@
+"""The queue as operators and clients see it: `view()` (GET /queue, `llamaswap queue`) and one
+client's own status (`status_of`), from the scheduler's dispatch order and the estimator.
+
+A walk of the queue (the dispatch order and each one's estimated start) is reused for a moment
+while nothing changes: many readers of a deep queue should not each pay for one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.runtime.ticket import Ticket, TicketState
+
+# The queue view (GET /queue, the status route) is reused while younger than this.
+VIEW_MAX_AGE_S = 0.2
+
+
+class GpuState(enum.StrEnum):
+    """What holds the GPU: nothing, a grant, an abandoned generation the upstream finishes, or an
+    exchange granted by an earlier sidecar process that Envoy still reports."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    SETTLING = "settling"
+    ADOPTED = "adopted"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WaitingRow:
+    request_id: str
+    position: int
+    priority: int
+    band: Band
+    score: float  # at its turn in this order
+    swap_affinity: bool
+    waited_s: float
+    model: str | None
+    estimated_start_s: float  # from now
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunningRow:
+    request_id: str
+    priority: int
+    band: Band
+    score: float
+    model: str | None
+    queue_wait_s: float
+    running_s: float
+    expected_run_s: float
+    expected_remaining_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueView:
+    """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
+
+    policy: str
+    loaded_model: str | None
+    gpu: GpuState
+    running: RunningRow | None
+    waiting: tuple[WaitingRow, ...]
+    bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Walk:
+    version: int
+    at_ns: int
+    snapshot: QueueSnapshot
+    starts: list[float]
+    took_s: float
+
+
+class QueueViews:
+    """Reads the coordinator's state, never changes it. `version` changes with every change of
+    the queue (the coordinator counts them); `busy_s` is how much longer the GPU is expected to
+    be busy before the next grant; `gpu_state` is what holds it."""
+
+    def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
+                 by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
+                 gpu_state: Callable[[], GpuState]) -> None:
+        self._scheduler = scheduler
+        self._estimator = estimator
+        self._clock = clock
+        self._tickets = tickets
+        self._by_request_id = by_request_id
+        self._version = version
+        self._busy_s = busy_s
+        self._gpu_state = gpu_state
+        self._walk: _Walk | None = None
+
+    @property
+    def last_walk_s(self) -> float:
+        """How long the last fresh walk took (the estimate batching widens with it)."""
+        return self._walk.took_s if self._walk is not None else 0.0
+
+    def walk(self, *, fresh: bool = False) -> tuple[QueueSnapshot, list[float]]:
+        """The dispatch order and each one's estimated start (seconds from now)."""
+        now = self._clock.now_ns()
+        cached = self._walk
+        if (cached is not None and not fresh and cached.version == self._version()
+                and now - cached.at_ns < VIEW_MAX_AGE_S * NS_PER_S):
+            age_s = (now - cached.at_ns) / NS_PER_S
+            return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
+        snapshot = self._scheduler.snapshot()
+        starts = self._estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
+                                        busy_s=self._busy_s())
+        took_s = (self._clock.now_ns() - now) / NS_PER_S
+        self._walk = _Walk(self._version(), now, snapshot, starts, took_s)
+        return snapshot, starts
+
+    def view(self) -> QueueView:
+        snapshot, starts = self.walk()
+        now = self._clock.now_ns()
+
+        def request_id(token: str) -> str:
+            ticket = self._tickets.get(token)
+            return ticket.request_id if ticket is not None else "-"
+
+        waiting = tuple(
+            WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
+                       w.waited_s, w.model, start)
+            for w, start in zip(snapshot.waiting, starts))
+        running = None
+        decision = self._scheduler.running
+        if decision is not None:
+            running_s = (now - decision.granted_ns) / NS_PER_S
+            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load)
+            running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
+                                 decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
+                                 max(0.0, expected - running_s))
+        bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
+        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), running, waiting, bands)
+
+    def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
+        """One client's own request, by its x-request-id (the public status route)."""
+        ticket = self._by_request_id.get(request_id)
+        if ticket is None:
+            return None
+        view = self.view()
+        if ticket.state is TicketState.RUNNING and view.running is not None:
+            return ticket, view.running
+        for row in view.waiting:
+            if row.request_id == request_id:
+                return ticket, row
+        return None

@@ -1,0 +1,81 @@
+"""What a simulation produced: each request as replayed and what it did, the metrics of a run,
+its worst priority inversion. The engine makes them; the report and the inversion read them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from llamaswap.core import Outcome, Policy, Priority
+from llamaswap.simulate.records import RequestRecord
+
+
+@dataclasses.dataclass(slots=True)  # not frozen: 100,000s are made, and a frozen init costs double
+class Request:
+    """A record made ready to replay (the same for every setting)."""
+
+    index: int  # arrival order
+    record: RequestRecord
+    arrival_ns: int  # from the first arrival
+    priority: Priority
+    patience_ns: int | None  # None: waits as long as maxWaitSeconds lets it
+    run_ns: int | None  # the recorded run; None: never ran, the expected run applies
+    settle_ns: int
+    recorded_load: bool
+    granted_outcome: Outcome
+    model_loaded: bool  # what the release tells the scheduler
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    """What one request did in the simulation."""
+
+    request: Request
+    outcome: Outcome
+    base: int  # the priority the scheduler ordered by (fifo: plus the model's)
+    start_ns: int | None = None  # granted
+    end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
+    release_ns: int | None = None
+    model_load: bool = False
+
+    @property
+    def wait_ns(self) -> int:
+        return self.end_ns - self.request.arrival_ns
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BandMetrics:
+    served: int  # granted the GPU
+    wait_p50_s: float | None  # arrival to grant, of those granted
+    wait_p95_s: float | None
+    wait_max_s: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inversion:
+    request_id: str
+    band: str
+    priority: int
+    seconds: float
+    outcome: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Metrics:
+    requests: int
+    bands: Mapping[str, BandMetrics]
+    swaps: int  # grants that needed a model load (from nothing known, or a swap)
+    reorders: Mapping[str, int]  # ReorderCause -> grants it changed
+    busy_fraction: float  # GPU held / (last release - first arrival)
+    left: int  # gave up waiting (patience)
+    expired: int  # maxWaitSeconds
+    rejected: int  # maxQueued
+    peak_waiting: int
+    inversion: Inversion | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Simulation:
+    policy: Policy
+    results: list[Result]  # arrival order
+    metrics: Metrics

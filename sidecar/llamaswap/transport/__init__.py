@@ -1,1 +1,0 @@
-"""gRPC servicers (proto <-> runtime types) and the admin HTTP server; no decisions here."""
