@@ -1,36 +1,64 @@
-"""The README's promises that can drift: its configuration block is the code's defaults, its
-metric table names every metric, and its outcome table every refusal."""
+"""The documentation's promises that can drift: the configuration block is the code's defaults
+and names every key, the metric table names every metric, every outcome is named and every
+refusal tabled, and every relative link in README.md and docs/ leads somewhere."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
 import yaml
 
-from llamaswap.config import Config
+from llamaswap.adapters.outcomes import REFUSALS
+from llamaswap.config import Config, json_schema
 from llamaswap.core import Outcome
 from llamaswap.telemetry import instruments
-from llamaswap.adapters.outcomes import REFUSALS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+LINKED = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
-def section(title: str) -> str:
-    text = README.read_text()
+def section(path: Path, title: str) -> str:
+    """The text under the heading `## title`, up to the next `## ` heading."""
+    text = path.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end != -1 else None]
 
 
 def test_the_configuration_block_is_the_defaults():
-    block = re.search(r"```yaml\n(.*?)```", section("Configuration"), re.S)
+    block = re.search(r"```yaml\n(.*?)```", section(DOCS / "configuration.md", "The defaults"), re.S)
     assert block is not None
     assert yaml.safe_load(block.group(1)) == Config().to_document()
 
 
+def _settings(node: Mapping[str, Any], path: str = "") -> Iterator[str]:
+    """The key path of every setting in the configuration's JSON Schema (llama-swap's ignored
+    keys and deprecated ones aside), `models.<id>.priority` for the per-model ones."""
+    for key, sub in node.get("properties", {}).items():
+        where = f"{path}{key}"
+        if sub.get("type") == "object" and sub.get("properties") is not None:
+            yield from _settings(sub, f"{where}.")
+        elif isinstance(sub.get("additionalProperties"), dict) and sub["additionalProperties"].get("properties"):
+            yield from _settings(sub["additionalProperties"], f"{where}.<id>.")
+        elif not sub.get("deprecated") and any(k in sub for k in ("type", "enum", "anyOf")):
+            yield where
+
+
+def test_every_key_is_explained():
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    keys = list(_settings(json_schema()))
+    assert len(keys) > 20  # the walk found the settings, not nothing
+    for key in keys:
+        assert re.search(rf"^\| `{re.escape(key)}` \| [^|]+ \| \S", text, re.M), f"{key} has no row in docs/configuration.md"
+
+
 def test_every_metric_is_documented():
-    metrics = section("Reading the metrics, traces, estimates, activity log and queue")
+    metrics = section(DOCS / "observability.md", "Metrics")
     documented = set(re.findall(r"`(llamaswap_[a-z_]+)", metrics))
     # Shared prefixes are written once: `llamaswap_scheduler_swaps_total` / `_loads_total`.
     for short in re.findall(r"/ `(_[a-z_]+)`|, `(_[a-z_]+)`", metrics):
@@ -40,11 +68,63 @@ def test_every_metric_is_documented():
 
 
 def test_every_outcome_is_named_and_every_refusal_tabled():
-    text = section("Reading the metrics, traces, estimates, activity log and queue")
+    metrics = section(DOCS / "observability.md", "Metrics")
+    outcomes = section(DOCS / "observability.md", "Outcomes")
     for outcome in Outcome:
-        assert f"`{outcome.value}`" in text, outcome
-    architecture = section("Architecture")
+        assert f"`{outcome.value}`" in metrics, outcome
+        assert f"| `{outcome.value}` |" in outcomes, outcome
+    refusals = section(DOCS / "operations.md", "What a refused client gets")
     for outcome, error in REFUSALS.items():
         if outcome is Outcome.CANCELLED_WAITING:
             continue  # never seen by a client
-        assert f"| `{outcome.value}` | {error.status} | `{error.code}` |" in architecture, outcome
+        assert f"| `{outcome.value}` | {error.status} | `{error.code}` |" in refusals, outcome
+
+
+def test_every_glossary_term_is_defined():
+    headings = set(re.findall(r"^### (.+)$", (DOCS / "glossary.md").read_text(encoding="utf-8"), re.M))
+    for term in ("grant", "lease", "settle", "adopted", "ticket", "band", "score", "swap affinity", "aging",
+                 "outcome", "swap", "load"):
+        assert term in headings, term
+
+
+# -- links ---------------------------------------------------------------------------------
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    return {_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def _links(path: Path) -> Iterator[str]:
+    yield from _LINK.findall(_FENCE.sub("", path.read_text(encoding="utf-8")))
+
+
+def test_the_anchor_rule_matches_github():
+    assert _anchor("How long a band waits: `check-config`") == "how-long-a-band-waits-check-config"
+    assert _anchor("Against the goals (issue \"Data path v2\")") == "against-the-goals-issue-data-path-v2"
+    assert _anchor("swap affinity") == "swap-affinity"
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    checked = 0
+    for page in LINKED:
+        for target in _links(page):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not ours to check
+                continue
+            file_part, _, fragment = target.partition("#")
+            linked = (page.parent / unquote(file_part)).resolve() if file_part else page
+            assert linked.exists(), f"{page.relative_to(ROOT)}: {target} leads nowhere"
+            if fragment and linked.suffix == ".md":
+                assert fragment in _anchors(linked), f"{page.relative_to(ROOT)}: {target} has no such heading"
+            checked += 1
+    assert checked > 30  # the pattern found the links

@@ -1,8 +1,8 @@
 """The `Upstream` port over HTTP, for llama-server (router or single-model mode), llama-swap and
 any OpenAI-compatible server.
 
-What each kind tells (measured on llama-server b11434; see README, "When the upstream is not
-llama-server"):
+What each kind tells (measured on llama-server b11434; see docs/operations.md, "Failure
+behaviour"):
 - every kind lists its models at `GET /v1/models`;
 - llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
   answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`.

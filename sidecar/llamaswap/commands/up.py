@@ -5,7 +5,7 @@ upstream (when `upstream.command` is set) are child processes that die with it, 
 is killed (PR_SET_PDEATHSIG with SIGKILL). Readiness is polled with deadlines. A second
 stack on the same ports refuses to start.
 
-Stopping (SIGTERM or Ctrl-C) keeps the README's promise, in this order: stop admitting and
+Stopping (SIGTERM or Ctrl-C) keeps the promise of docs/operations.md, in this order: stop admitting and
 answer every waiting request 503 with Retry-After; let the running request finish within the
 grace period (Envoy stays up meanwhile, since its access log reports the end); then stop
 Envoy, the sidecar and the upstream, and exit 0.

@@ -1,7 +1,7 @@
 """The Envoy bootstrap for a configuration: the one definition, used by `llamaswap up`,
 `llamaswap envoy-config` and the Helm chart (whose init container runs `envoy-config`).
 
-The data path (see README, "Architecture"), one held gRPC call per request and no body in
+The data path (see docs/architecture.md), one held gRPC call per request and no body in
 the sidecar:
 
     buffer -> json_to_metadata -> ext_authz -> router        + the gRPC access log
