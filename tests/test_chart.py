@@ -201,7 +201,8 @@ def test_no_collector_and_no_endpoint_exports_nothing() -> None:
     env = _env(rendered.container("sidecar"))
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
     assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_METRICS_EXPORTER"] == "none"
-    assert "env" not in rendered.init_container("envoy-config")  # no tracer endpoint for Envoy
+    names = [e["name"] for e in rendered.init_container("envoy-config")["env"]]
+    assert names == ["ENVOY_MEMORY_LIMIT_BYTES"]  # no tracer endpoint for Envoy
     assert rendered.deployment["spec"]["replicas"] == 3
 
 
@@ -347,12 +348,14 @@ def test_other_values_are_still_checked() -> None:
 def test_the_init_container_writes_envoys_bootstrap() -> None:
     rendered = ct.render()
     init, envoy, sidecar = rendered.init_container("envoy-config"), rendered.container("envoy"), rendered.container("sidecar")
-    assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config"]
+    # First: a bad configuration stops the pod before the GPU check and any model download.
+    assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config", "gpu-check"]
     assert init["image"] == sidecar["image"] and init["command"] == ["llamaswap"]
     args = init["args"]
     assert args[args.index("envoy-config"):] == [
         "envoy-config", "-c", "/etc/llamaswap/config.yaml", "-o", "/etc/envoy/envoy.yaml",
-        "--admin-host", "127.0.0.1", "--admin-port", "9901"]
+        "--admin-host", "127.0.0.1", "--admin-port", "9901",
+        "--memory-limit-bytes", "$(ENVOY_MEMORY_LIMIT_BYTES)"]
     assert _env(init) == {"OTEL_EXPORTER_OTLP_ENDPOINT": _env(sidecar)["OTEL_EXPORTER_OTLP_ENDPOINT"]}
     mounts = {c["name"]: {m["mountPath"]: m for m in c["volumeMounts"]} for c in (init, envoy, sidecar)}
     # The same ConfigMap as the sidecar's, read-only; the bootstrap into an emptyDir that Envoy reads.

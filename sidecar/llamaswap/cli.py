@@ -76,7 +76,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     config = _load_or_exit(args.config)
     bootstrap = build_bootstrap(config, envoy_admin_port=args.admin_port, envoy_admin_host=args.admin_host,
-                                otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env())
+                                otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env(),
+                                memory_limit_bytes=args.memory_limit_bytes)
     text = render_bootstrap(bootstrap)
     if args.output:
         tmp = f"{args.output}.tmp"
@@ -165,17 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     envoy_config.add_argument("--admin-host", default="127.0.0.1", help="Envoy admin address (default 127.0.0.1)")
     envoy_config.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for Envoy's tracer "
                               "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none disables tracing)")
+    envoy_config.add_argument("--memory-limit-bytes", type=int, default=None,
+                              help="Envoy's container memory limit: its overload manager's heap budget is a share "
+                              "of it (envoy.maxHeapBytes: 0); the Helm chart passes the Envoy container's limit")
     envoy_config.set_defaults(run=_envoy_config)
 
     check = commands.add_parser("check-config", help="validate a configuration and explain its settings")
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
 
-    from llamaswap import queue_cli
+    from llamaswap import model_preload, models_fetch, queue_cli
     from llamaswap.simulate import cli as simulate_cli
 
     queue_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
+    models_fetch.add_parser(commands)
+    model_preload.add_parser(commands)
     return parser
 
 

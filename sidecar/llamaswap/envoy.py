@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from llamaswap.config import Config
+from llamaswap.envoy_overload import heap_budget, overload_manager
 
 UPSTREAM_CLUSTER = "llm_upstream"
 SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
@@ -218,8 +219,10 @@ def build_bootstrap(
     envoy_admin_host: str = "127.0.0.1",
     otlp_endpoint: str | None = None,
     service_name: str = "llamaswap-envoy",
+    memory_limit_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """The bootstrap as a dict. Ports default to the configuration's listen addresses."""
+    """The bootstrap as a dict. Ports default to the configuration's listen addresses; an
+    overload manager comes with envoy.maxHeapBytes or Envoy's memory limit."""
     e = config.envoy
     listen = config.listen
     upstream = config.upstream
@@ -269,8 +272,10 @@ def build_bootstrap(
                                        service_name=service_name),
             },
         }
+    budget = heap_budget(config, memory_limit_bytes)
     return {
         "admin": {"address": {"socket_address": {"address": envoy_admin_host, "port_value": envoy_admin_port}}},
+        **({"overload_manager": overload_manager(budget)} if budget else {}),
         "static_resources": {
             "listeners": [{
                 "name": "ingress",
