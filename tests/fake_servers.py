@@ -78,13 +78,15 @@ class FileServer:
 
 class FakeRouter:
     """GET /v1/models lists `states` (id -> status value, router mode) or plain ids
-    (router=False); POST /models/load records the model and sets it `loading`. The test moves a
+    (router=False); POST /models/load records the model and sets it `loading`; GET /metrics
+    (?model=NAME in router mode, which loads NAME like llama-server does) serves one counter. The test moves a
     model to `loaded` itself, as the real router does when its child is up."""
 
     def __init__(self, states: dict[str, str], *, router: bool = True) -> None:
         self.states = dict(states)
         self.router = router
         self.loads: list[str] = []
+        self.metrics_asked: list[str | None] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -102,12 +104,32 @@ class FakeRouter:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:  # noqa: N802
+                if self.path.startswith("/metrics"):
+                    self._metrics()
+                    return
                 if self.path != "/v1/models":
                     self._json(404, {"error": "not found"})
                     return
                 data = [{"id": name, "object": "model", **({"status": {"value": state}} if outer.router else {})}
                         for name, state in outer.states.items()]
                 self._json(200, {"object": "list", "data": data})
+
+            def _metrics(self) -> None:
+                """Like llama-server --metrics: router mode wants ?model= and LOADS that model."""
+                model = self.path.partition("?model=")[2] or None
+                outer.metrics_asked.append(model)
+                if outer.router and model is None:
+                    self._json(400, {"error": {"message": "model name is missing from the request"}})
+                    return
+                if model is not None:
+                    outer.states[model] = "loaded"
+                body = b"# HELP llamacpp:tokens_predicted_total Generated tokens\n" \
+                       b"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 42\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")

@@ -60,6 +60,8 @@ BYPASS_PATHS = ("/health", "/v1/models", "/props")
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
+# llama-server's own metrics, for the loaded model, read by the sidecar (llamaswap.upstream_metrics).
+UPSTREAM_METRICS_PATH = "/llamaswap/v1/upstream/metrics"
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
 # Envoy reports a running exchange this many times per lease.
@@ -192,6 +194,8 @@ def _access_log(config: Config) -> dict[str, Any]:
 def _routes() -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        _unscheduled({"match": {"path": UPSTREAM_METRICS_PATH},
+                      "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
     ]
