@@ -44,10 +44,12 @@ def test_a_burst_of_large_bodies_gets_503s_not_a_dead_envoy(tmp_path: pathlib.Pa
     # The pool outside the stack: on a failure the stack stops first and no client waits on.
     with futures.ThreadPoolExecutor(max_workers=MAX_REQUESTS + 1) as pool, \
             running_stack(tmp_path, {"envoy": {"maxHeapBytes": HEAP_BUDGET}}) as stack:
+        upstream = stack.upstream
+        assert upstream is not None
         bootstrap_budget = stack.envoy.stat("overload.envoy.resource_monitors.fixed_heap.pressure")
         assert bootstrap_budget < 95, "Envoy starts above the overload threshold: raise HEAP_BUDGET"
         held = pool.submit(_post, stack.url, "held", hold=True)
-        wait_for(lambda: any(h.test_id == "held" for h in stack.upstream.hits), what="the held generation")
+        wait_for(lambda: any(h.test_id == "held" for h in upstream.hits), what="the held generation")
 
         # One request after another, each once the previous one waits in the queue (its body
         # buffered in Envoy) or was refused, until Envoy has refused a few.
@@ -74,7 +76,7 @@ def test_a_burst_of_large_bodies_gets_503s_not_a_dead_envoy(tmp_path: pathlib.Pa
         assert stack.envoy.alive(), "Envoy died under the burst"
 
         # The GPU frees: every accepted request is served, in turn.
-        stack.upstream.release("held")
+        upstream.release("held")
         assert held.result(timeout=60)[0] == 200
         accepted = {test_id: future for test_id, future in sent.items()
                     if not future.done() or future.result()[0] != 503}
@@ -82,7 +84,7 @@ def test_a_burst_of_large_bodies_gets_503s_not_a_dead_envoy(tmp_path: pathlib.Pa
         for test_id, future in accepted.items():
             status, _, body = future.result(timeout=120)
             assert status == 200, (test_id, status, body[:200])
-        assert {h.test_id for h in stack.upstream.hits} >= set(accepted)
+        assert {h.test_id for h in upstream.hits} >= set(accepted)
         assert stack.envoy.alive()
 
         # With the bodies gone the pressure falls and new requests are accepted again.

@@ -87,6 +87,9 @@ class FakeRouter:
         self.router = router
         self.loads: list[str] = []
         self.metrics_asked: list[str | None] = []
+        # GETs of /v1/models so far; with load_takes_looks set, a loading model is loaded after that many.
+        self.looks = 0
+        self.load_takes_looks: int | None = None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -110,6 +113,9 @@ class FakeRouter:
                 if self.path != "/v1/models":
                     self._json(404, {"error": "not found"})
                     return
+                outer.looks += 1
+                if outer.load_takes_looks is not None and outer.looks > outer.load_takes_looks:
+                    outer.states.update({name: "loaded" for name, state in outer.states.items() if state == "loading"})
                 data = [{"id": name, "object": "model", **({"status": {"value": state}} if outer.router else {})}
                         for name, state in outer.states.items()]
                 self._json(200, {"object": "list", "data": data})

@@ -10,7 +10,6 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -82,21 +81,11 @@ def test_an_upstream_not_up_yet_is_not_yet(tmp_path: pathlib.Path) -> None:
 
 
 def test_wait_polls_until_loaded(router: FakeRouter) -> None:
-    """--wait: one run that returns once the router says loaded (here after two looks)."""
-    looks = 0
-    original = router.server.RequestHandlerClass.do_GET
-
-    def counting(handler: Any) -> None:
-        nonlocal looks
-        looks += 1
-        if looks >= 3:
-            router.states["qwen3-8b"] = "loaded"
-        original(handler)
-
-    router.server.RequestHandlerClass.do_GET = counting  # type: ignore[method-assign]
+    """--wait: one run that returns once the router says loaded (after two more looks)."""
+    router.load_takes_looks = 2
     result = load_model(router.url, "qwen3-8b", "--wait", "30")
     assert result.returncode == 0, result.stderr
-    assert looks == 3 and router.loads == ["qwen3-8b"]
+    assert router.looks == 3 and router.loads == ["qwen3-8b"]
 
 
 def test_model_state_reads_router_statuses() -> None:
