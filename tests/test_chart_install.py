@@ -346,7 +346,9 @@ def test_network_policies() -> None:
 
     server = policies["llm-llamaswap"]
     assert server["policyTypes"] == ["Ingress"] and len(server["ingress"]) == 1
-    assert ports(server["ingress"][0]) == {"http"} and server["ingress"][0]["from"] == [release_pods, nginx]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert ports(server["ingress"][0]) == {"http"}
+    assert server["ingress"][0]["from"] == [release_pods, nginx, monitoring]  # Prometheus scrapes the pods too
     collector = policies["llm-llamaswap-collector"]["ingress"]
     assert ports(collector[0]) == {"otlp-grpc", "otlp-http"} and collector[0]["from"] == [release_pods]
     assert ports(collector[1]) == {"prom-metrics"}
@@ -408,6 +410,8 @@ def test_one_repository_and_one_model_url_give_a_pod_that_starts_on_a_gpu_node(
               "llamaServer": {"download": {"files": [{"url": url, "sha256": MODEL_SHA}]}}}
     rendered = ct.render(values, image=False)
     assert not _invalid(rendered)
+    report = ct.lint(values)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
     pod = rendered.pod_spec
     assert rendered.container("llama-server")["resources"]["limits"]["nvidia.com/gpu"] == 1
     for container in pod["initContainers"] + pod["containers"]:
