@@ -1,9 +1,11 @@
 # The llamaswap sidecar image: `llamaswap serve` (gRPC for Envoy, admin HTTP).
 #   docker build -t REGISTRY/llamaswap:0.1.0 .
 # The Helm chart (charts/llamaswap) runs it as `llamaswap serve -c /etc/llamaswap/config.yaml`
-# next to Envoy and llama-server, and as the init container that writes Envoy's bootstrap
-# (`llamaswap envoy-config`); it also serves the chart's `helm test` pod. It holds no Envoy:
-# nothing in it runs one.
+# next to Envoy and llama-server, as the init containers that write Envoy's bootstrap
+# (`llamaswap envoy-config`) and download the models (`llamaswap fetch-models`), and as the
+# sidecar's startup probe (`llamaswap load-model`); it also serves the chart's `helm test` pod.
+# It holds no Envoy: nothing in it runs one. Push it where your cluster pulls from and set
+# the chart's sidecar.image.repository (the chart refuses to render without it).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

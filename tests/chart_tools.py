@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -40,6 +41,8 @@ GENERATOR = CHART / "generate_schema.py"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 INSTALL_HINT = ".venv/bin/python -m pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0"
 KUBE_VERSION = "1.32.0"
+# The one value the chart cannot default: the registry the sidecar image was pushed to.
+SIDECAR_IMAGE = {"sidecar": {"image": {"repository": "registry.example.com/llamaswap"}}}
 # Kinds whose schema is a CRD that kubernetes-validate does not ship.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
@@ -86,15 +89,34 @@ def python_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def container_env(container: Mapping[str, Any], fields: Mapping[str, str] | None = None) -> dict[str, str]:
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(text: str | int) -> int:
+    """A Kubernetes memory quantity ("1Gi", "512Mi", "1000000") in bytes."""
+    match = re.fullmatch(r"([0-9]+)([kMGT]i?)?", str(text))
+    assert match, f"not a quantity this helper knows: {text!r}"
+    return int(match.group(1)) * _QUANTITY_UNITS[match.group(2) or ""]
+
+
+def container_env(container: Mapping[str, Any], fields: Mapping[str, str] | None = None,
+                  pod: Mapping[str, Any] | None = None) -> dict[str, str]:
     """A container's environment as the kubelet sets it: plain values, fieldRef values from
-    `fields` (e.g. {"metadata.name": "pod-0"}), and $(VAR) references to earlier variables."""
+    `fields` (e.g. {"metadata.name": "pod-0"}), resourceFieldRef memory limits from the `pod`
+    spec's containers, and $(VAR) references to earlier variables."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
+        source = item.get("valueFrom", {})
         if "value" in item:
             value = str(item["value"])
-        elif fields is not None and "fieldRef" in item.get("valueFrom", {}):
-            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif fields is not None and "fieldRef" in source:
+            value = fields[source["fieldRef"]["fieldPath"]]
+        elif pod is not None and "resourceFieldRef" in source:
+            ref = source["resourceFieldRef"]
+            assert ref["resource"] == "limits.memory" and str(ref.get("divisor", "1")) == "1", ref
+            owner = next(c for c in pod["containers"] if c["name"] == ref["containerName"])
+            value = str(quantity_bytes(owner["resources"]["limits"]["memory"]))
         else:
             continue
         for name, known in env.items():
@@ -155,8 +177,26 @@ class Rendered:
         return self.named("ConfigMap", volume["configMap"]["name"])["data"]["config.yaml"]
 
 
-def render(values: dict[str, Any] | None = None, *, name: str = "llm", namespace: str = "ai") -> Rendered:
-    files = helm().Chart.load(str(CHART)).render(values or {}, name=name, namespace=namespace)
+def expand(args: list[str], env: Mapping[str, str]) -> list[str]:
+    """$(VAR) in a container's arguments, as the kubelet expands them (unknown ones stay)."""
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+            for arg in args]
+
+
+def with_image(values: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Values with the sidecar image's repository (the one required value) under them; a null
+    in `values` stays, for Helm to remove the chart's default."""
+    values = dict(values or {})
+    sidecar = dict(values.get("sidecar") or {})
+    sidecar["image"] = {**SIDECAR_IMAGE["sidecar"]["image"], **(sidecar.get("image") or {})}
+    return {**values, "sidecar": sidecar}
+
+
+def render(values: dict[str, Any] | None = None, *, name: str = "llm", namespace: str = "ai",
+           image: bool = True) -> Rendered:
+    """Render the chart; `image` puts SIDECAR_IMAGE under the values (False: exactly `values`)."""
+    values = with_image(values) if image else (values or {})
+    files = helm().Chart.load(str(CHART)).render(values, name=name, namespace=namespace)
     manifests: list[dict[str, Any]] = []
     notes = ""
     for path, text in sorted(files.items()):
@@ -206,9 +246,9 @@ def run_init_container(rendered: Rendered, volumes: PodVolumes,
     init = rendered.init_container(name)
     assert init["command"] == ["llamaswap"], init["command"]
     assert init["image"] == rendered.container("sidecar")["image"], "not the sidecar's image"
-    argv = [sys.executable, "-m", "llamaswap", *volumes.argv(init, init["args"])]
-    return subprocess.run(argv, env=python_env(container_env(init)), capture_output=True, text=True,
-                          timeout=120, check=False)
+    env = container_env(init, pod=rendered.pod_spec)
+    argv = [sys.executable, "-m", "llamaswap", *volumes.argv(init, expand(init["args"], env))]
+    return subprocess.run(argv, env=python_env(env), capture_output=True, text=True, timeout=120, check=False)
 
 
 def envoy_config_path(rendered: Rendered, volumes: PodVolumes) -> pathlib.Path:
@@ -239,7 +279,7 @@ def values_schema() -> dict[str, Any]:
 
 
 def lint(values: dict[str, Any] | None = None) -> dict[str, Any]:
-    return helm().lint(str(CHART), values, strict=True, namespace="ai", kube_version=f"v{KUBE_VERSION}")
+    return helm().lint(str(CHART), with_image(values), strict=True, namespace="ai", kube_version=f"v{KUBE_VERSION}")
 
 
 def validate_manifest(manifest: dict[str, Any]) -> str | None:

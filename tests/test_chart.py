@@ -112,7 +112,7 @@ def test_every_manifest_is_valid_for_kubernetes(case: tuple[str, dict[str, Any],
 def test_kubernetes_validate_knows_no_service_monitor() -> None:
     """Why ServiceMonitor is checked structurally: kubernetes-validate has no CRD schemas."""
     kv = ct.require("kubernetes_validate", "kubernetes-validate")
-    monitor = ct.render(VALUE_SETS["full-values"]).find("ServiceMonitor")
+    monitor = ct.render(VALUE_SETS["full-values"]).named("ServiceMonitor", "llm-llamaswap")
     with pytest.raises(kv.SchemaNotFoundError):
         kv.validate(monitor, ct.KUBE_VERSION, strict=True)
 
@@ -201,7 +201,8 @@ def test_no_collector_and_no_endpoint_exports_nothing() -> None:
     env = _env(rendered.container("sidecar"))
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
     assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_METRICS_EXPORTER"] == "none"
-    assert "env" not in rendered.init_container("envoy-config")  # no tracer endpoint for Envoy
+    names = [e["name"] for e in rendered.init_container("envoy-config")["env"]]
+    assert names == ["ENVOY_MEMORY_LIMIT_BYTES"]  # no tracer endpoint for Envoy
     assert rendered.deployment["spec"]["replicas"] == 3
 
 
@@ -347,12 +348,14 @@ def test_other_values_are_still_checked() -> None:
 def test_the_init_container_writes_envoys_bootstrap() -> None:
     rendered = ct.render()
     init, envoy, sidecar = rendered.init_container("envoy-config"), rendered.container("envoy"), rendered.container("sidecar")
-    assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config"]
+    # First: a bad configuration stops the pod before the GPU check and any model download.
+    assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config", "gpu-check"]
     assert init["image"] == sidecar["image"] and init["command"] == ["llamaswap"]
     args = init["args"]
     assert args[args.index("envoy-config"):] == [
         "envoy-config", "-c", "/etc/llamaswap/config.yaml", "-o", "/etc/envoy/envoy.yaml",
-        "--admin-host", "127.0.0.1", "--admin-port", "9901"]
+        "--admin-host", "127.0.0.1", "--admin-port", "9901",
+        "--memory-limit-bytes", "$(ENVOY_MEMORY_LIMIT_BYTES)"]
     assert _env(init) == {"OTEL_EXPORTER_OTLP_ENDPOINT": _env(sidecar)["OTEL_EXPORTER_OTLP_ENDPOINT"]}
     mounts = {c["name"]: {m["mountPath"]: m for m in c["volumeMounts"]} for c in (init, envoy, sidecar)}
     # The same ConfigMap as the sidecar's, read-only; the bootstrap into an emptyDir that Envoy reads.
@@ -435,6 +438,7 @@ def test_llama_server_gets_the_gpu_router_mode_and_a_generation_cap() -> None:
     for flag, value in (("--host", "127.0.0.1"), ("--port", "8081"), ("--models-dir", "/models"),
                         ("--models-max", "1"), ("--n-predict", "256")):
         assert _arg(args, flag) == value, args
+    assert "--metrics" in args
     mount = next(m for m in llama["volumeMounts"] if m["name"] == "models")
     assert mount["mountPath"] == "/models"
     assert _arg(ct.render({"llamaServer": {"nPredict": -1}}).container("llama-server")["args"], "--n-predict") == "-1"
@@ -529,7 +533,7 @@ def test_config_checksum_rolls_the_pod() -> None:
 
 def test_service_monitor() -> None:
     rendered = ct.render(VALUE_SETS["full-values"])
-    monitor = rendered.find("ServiceMonitor")
+    monitor = rendered.named("ServiceMonitor", "llm-llamaswap")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     service = rendered.find("Service", "-collector")
@@ -542,9 +546,9 @@ def test_service_monitor() -> None:
     assert re.fullmatch(r"[0-9]+[smh]", endpoint["interval"])
 
     per_pod = ct.render(VALUE_SETS["scale-out-values"])
-    endpoint = per_pod.find("ServiceMonitor")["spec"]["endpoints"][0]
+    endpoint = per_pod.named("ServiceMonitor", "llm-llamaswap")["spec"]["endpoints"][0]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
-    selector = per_pod.find("ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    selector = per_pod.named("ServiceMonitor", "llm-llamaswap")["spec"]["selector"]["matchLabels"]
     assert selector.items() <= per_pod.find("Service")["metadata"]["labels"].items()
 
 
@@ -1050,6 +1054,13 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
                                 body=json.dumps({"model": "tiny-b", "prompt": "hello", "ignore_eos": True}).encode(),
                                 headers={"Content-Type": "application/json"})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 24, body[:500]
+
+        # llama-server's own metrics (--metrics) through Envoy's listener: the loaded model's
+        # only, and reading them loads nothing (the router would load a model asked for).
+        status, _, body = _http(f"{base}/llamaswap/v1/upstream/metrics")
+        assert status == 200 and 'llamacpp:tokens_predicted_total{model="tiny-b"}' in body.decode(), body[:500]
+        listed = json.loads(_http(f"{base}/models")[2])["data"]
+        assert [m["id"] for m in listed if (m.get("status") or {}).get("value") == "loaded"] == ["tiny-b"]
 
         result = _helm_test(rendered, base, timeout=120)
         assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr

@@ -573,7 +573,7 @@ EVERY_KEY = {
         "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0,
     },
     "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
-              "failOpen": True, "leaseSeconds": 0.3},
+              "failOpen": True, "leaseSeconds": 0.3, "maxHeapBytes": 100_000_000},
     "security": {"priority": {"mode": "clamp", "min": -5, "max": 5, "trustedHeader": "x-user-priority"}},
     "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
     "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},

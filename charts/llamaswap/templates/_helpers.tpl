@@ -60,8 +60,58 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* An image reference: repository:tag, and @digest when the values pin one. */}}
 {{- define "llamaswap.image" -}}
 {{- printf "%s:%s" .image.repository (toString (default .default .image.tag)) }}
+{{- with .image.digest }}@{{ . }}{{ end }}
+{{- end }}
+
+{{/* The sidecar image (also the init containers' and the helm test's): nobody publishes one,
+so the chart refuses to render without the repository you pushed it to. */}}
+{{- define "llamaswap.sidecarImage" -}}
+{{- if not .Values.sidecar.image.repository }}
+{{- fail (printf "sidecar.image.repository is required: the llamaswap image is not published anywhere. Build it from the repository's Dockerfile and push it to your registry:\n  docker build -t REGISTRY/llamaswap:%s .\n  docker push REGISTRY/llamaswap:%s\nthen set --set sidecar.image.repository=REGISTRY/llamaswap (see the chart's README)" .Chart.AppVersion .Chart.AppVersion) }}
+{{- end }}
+{{- include "llamaswap.image" (dict "image" .Values.sidecar.image "default" .Chart.AppVersion) }}
+{{- end }}
+
+{{/* With an Ingress, the priority a caller claims must not be trusted by default. */}}
+{{- define "llamaswap.checkIngressPriority" -}}
+{{- if and .Values.ingress.enabled (not (dig "security" "priority" "mode" "" (default (dict) .Values.config))) }}
+{{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..50), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
+{{- end }}
+{{- end }}
+
+{{/* The model id of a download entry: its name (or the URL's file name) without .gguf. */}}
+{{- define "llamaswap.downloadModelId" -}}
+{{- default (base (urlParse .url).path) .name | trimSuffix ".gguf" }}
+{{- end }}
+
+{{/* The model loaded before the pod is ready ("" = none): llamaServer.defaultModel, else the
+first downloaded file; none when llamaServer.args replaces router mode. */}}
+{{- define "llamaswap.defaultModel" -}}
+{{- $ls := .Values.llamaServer }}
+{{- if not $ls.args }}
+{{- if $ls.defaultModel }}{{ $ls.defaultModel }}
+{{- else if $ls.download.files }}{{ include "llamaswap.downloadModelId" (first $ls.download.files) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* progressDeadlineSeconds: the value, or the old pod's stop + the startup budget + 300. */}}
+{{- define "llamaswap.progressDeadlineSeconds" -}}
+{{- $v := .Values }}
+{{- $grace := int $v.terminationGracePeriodSeconds }}
+{{- if gt (int $v.progressDeadlineSeconds) 0 }}
+{{- if le (int $v.progressDeadlineSeconds) $grace }}
+{{- fail (printf "progressDeadlineSeconds (%d) must be above terminationGracePeriodSeconds (%d): a Recreate rollout first waits for the old pod to stop" (int $v.progressDeadlineSeconds) $grace) }}
+{{- end }}
+{{- int $v.progressDeadlineSeconds }}
+{{- else }}
+{{- $llama := mul (int $v.llamaServer.startupProbe.periodSeconds) (int $v.llamaServer.startupProbe.failureThreshold) }}
+{{- $sidecar := mul (int $v.sidecar.startupProbe.periodSeconds) (int $v.sidecar.startupProbe.failureThreshold) }}
+{{- add $grace (max $llama $sidecar) 300 }}
+{{- end }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------------------------
@@ -230,4 +280,19 @@ end=$(( $(date +%s) + {{ include "llamaswap.preStopSeconds" . }} ))
 while [ "$(date +%s)" -lt "$end" ] && curl -fsS -o /dev/null -m 2 {{ printf "%s/healthz" (include "llamaswap.connectURL" (include "llamaswap.listenAdmin" .)) }}; do
   sleep 1
 done
+{{- end }}
+
+{{/* sh in the llama-server image: does llama-server see a GPU? Prints what it lists; exit 1
+with the fix when no line is a GPU device (llamaServer.gpuCheck.devicePattern). */}}
+{{- define "llamaswap.gpuCheckScript" -}}
+{{- $ls := .Values.llamaServer -}}
+devices=$({{ $ls.binary | squote }} --list-devices 2>&1)
+status=$?
+printf '%s\n' "$devices"
+if [ "$status" -eq 0 ] && printf '%s\n' "$devices" | grep -Eq {{ $ls.gpuCheck.devicePattern | squote }}; then
+  echo "gpu-check: ok, llama-server sees a GPU"
+  exit 0
+fi
+echo "gpu-check: llama-server sees no GPU (--list-devices exited $status and lists no device matching llamaServer.gpuCheck.devicePattern): it would run on the CPU. Check the node's GPU driver and device plugin, llamaServer.resources.limits (e.g. nvidia.com/gpu: 1) and runtimeClassName (e.g. nvidia); set llamaServer.gpuCheck.enabled=false if CPU is intended." >&2
+exit 1
 {{- end }}

@@ -106,7 +106,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     config = load_or_exit(args.config)
     bootstrap = build_bootstrap(config, envoy_admin_port=args.admin_port, envoy_admin_host=args.admin_host,
-                                otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env())
+                                otlp_endpoint=args.otlp_endpoint or _otlp_endpoint_from_env(),
+                                memory_limit_bytes=args.memory_limit_bytes)
     text = render_bootstrap(bootstrap)
     if args.output:
         tmp = f"{args.output}.tmp"
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"Envoy admin address (default {ENVOY_ADMIN_HOST})")
     envoy_config.add_argument("--otlp-endpoint", help="OTLP/gRPC endpoint for Envoy's tracer "
                               "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none disables tracing)")
+    envoy_config.add_argument("--memory-limit-bytes", type=int, default=None,
+                              help="Envoy's container memory limit: its overload manager's heap budget is a share "
+                              "of it (envoy.maxHeapBytes: 0); the Helm chart passes the Envoy container's limit")
     envoy_config.set_defaults(run=_envoy_config)
 
     check = commands.add_parser("check-config", help="validate a configuration and explain its settings",
@@ -204,10 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
 
-    from llamaswap.commands import queue, simulate
+    from llamaswap.commands import fetch_models, load_model, queue, simulate
 
     queue.add_parser(commands)
     simulate.add_parser(commands)
+    fetch_models.add_parser(commands)
+    load_model.add_parser(commands)
     # --log-level after the subcommand too; given there, it wins (SUPPRESS keeps the top one otherwise).
     for subparser in commands.choices.values():
         _add_log_level(subparser, default=argparse.SUPPRESS)

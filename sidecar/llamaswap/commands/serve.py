@@ -28,6 +28,7 @@ from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
 from llamaswap.adapters.ext_authz import Authorization
 from llamaswap.adapters.upstream_http import HttpUpstream
+from llamaswap.adapters.upstream_metrics import add_upstream_metrics
 
 _log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Sidecar:
         await self._grpc_server.start()
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
+        add_upstream_metrics(app, self.config.upstream.url)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
         # SO_REUSEADDR: a restart may bind over TIME_WAIT; two listeners still cannot share a port.

@@ -231,6 +231,12 @@ class EnvoyConfig(Section):
         description="With the sidecar down: false = refuse clients (503/500), true = pass them unscheduled.")
     lease_seconds: StrictNumber = Field(
         default=3.0, ge=0.3, description="A grant Envoy has not reported on for this long is released.")
+    max_heap_bytes: StrictInt = Field(
+        default=0, ge=0,
+        description="Envoy's heap budget (overload manager): past 95% of it new requests get 503 + Retry-After "
+                    "instead of Envoy being killed at its memory limit with the whole queue. 0 = 75% of the limit "
+                    "passed to `llamaswap envoy-config --memory-limit-bytes` (the Helm chart passes the Envoy "
+                    "container's), or none without one.")
 
 
 class PrioritySecurityConfig(Section):

@@ -43,7 +43,9 @@ from llamaswap.envoy.contract import (
     REQUEST_ID_HEADER,
     STATUS_PREFIX,
     TICKET_KEY,
+    UPSTREAM_METRICS_PATH,
 )
+from llamaswap.envoy.overload import heap_budget, overload_manager
 
 UPSTREAM_CLUSTER = "llm_upstream"
 SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
@@ -188,6 +190,8 @@ def _access_log(config: Config) -> dict[str, Any]:
 def _routes() -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        _unscheduled({"match": {"path": UPSTREAM_METRICS_PATH},
+                      "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
     ]
@@ -215,8 +219,10 @@ def build_bootstrap(
     envoy_admin_host: str = ENVOY_ADMIN_HOST,
     otlp_endpoint: str | None = None,
     service_name: str = "llamaswap-envoy",
+    memory_limit_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """The bootstrap as a dict. Ports default to the configuration's listen addresses."""
+    """The bootstrap as a dict. Ports default to the configuration's listen addresses; an
+    overload manager comes with envoy.maxHeapBytes or Envoy's memory limit."""
     e = config.envoy
     listen = config.listen
     upstream = config.upstream
@@ -267,8 +273,10 @@ def build_bootstrap(
                                        service_name=service_name),
             },
         }
+    budget = heap_budget(config, memory_limit_bytes)
     return {
         "admin": {"address": {"socket_address": {"address": envoy_admin_host, "port_value": envoy_admin_port}}},
+        **({"overload_manager": overload_manager(budget)} if budget else {}),
         "static_resources": {
             "listeners": [{
                 "name": "ingress",

@@ -12,6 +12,7 @@ from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "METRICS_PATH", "MODEL_KEY",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
+    "UPSTREAM_METRICS_PATH",
 ]
 
 # Where the body's model goes, and where Envoy puts what the Check answered.
@@ -28,5 +29,7 @@ BYPASS_PATHS = ("/health", "/v1/models", "/props")
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
+# llama-server's own metrics, for the loaded model, read by the sidecar (adapters/upstream_metrics.py).
+UPSTREAM_METRICS_PATH = "/llamaswap/v1/upstream/metrics"
 # Envoy reports a running exchange this many times per lease.
 RENEWALS_PER_LEASE = 3
