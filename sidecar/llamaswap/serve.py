@@ -21,11 +21,13 @@ from llamaswap.core import MonotonicClock
 from llamaswap.envoy import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.history import History
 from llamaswap.runtime.observer import FanOut, Observer
 from llamaswap.telemetry import Telemetry
 from llamaswap.transport.access_log import AccessLogs
 from llamaswap.transport.admin import build_admin_app
 from llamaswap.transport.ext_authz import Authorization
+from llamaswap.transport.ui import UiState, add_ui_routes
 from llamaswap.upstream_http import HttpUpstream
 
 _log = logging.getLogger(__name__)
@@ -57,8 +59,10 @@ class Sidecar:
         self.activity = ActivityLog(clock, capacity=config.activity.recent, path=activity_path or config.activity.path)
         self.telemetry = Telemetry.from_environment(clock)
         self.upstream = HttpUpstream(config.upstream.url)
-        observers: list[Observer] = [self.activity, *extra_observers, self.telemetry]
+        self.history = History(clock, self.activity)
+        observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers), upstream=self.upstream)
+        self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -89,6 +93,7 @@ class Sidecar:
         await self._grpc_server.start()
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
+        add_ui_routes(app, self.ui)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
         # SO_REUSEADDR: a restart may bind over TIME_WAIT; two listeners still cannot share a port.
