@@ -106,9 +106,10 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
 
             # Some finished traffic first, so the timeline has history: short grants of each band.
             warm = [await send(f"warm-{index}", priority, model, sleep_ms=sleep_ms) for index, (priority, model, sleep_ms)
-                    in enumerate([("normal", "model-a", 400), ("batch", "model-a", 600), ("interactive", "model-b", 300),
-                                  ("normal", "model-b", 500), ("batch", "model-c", 700)])]
-            assert [reply.status for reply in await asyncio.gather(*warm)] == [200] * 5
+                    in enumerate([("normal", "model-a", 1200), ("batch", "model-a", 900), ("interactive", "model-b", 700),
+                                  ("normal", "model-b", 1000), ("batch", "model-c", 1500), ("normal", "model-c", 800),
+                                  ("interactive", "model-a", 600)])]
+            assert [reply.status for reply in await asyncio.gather(*warm)] == [200] * len(warm)
 
             blocker = await send("blocker", "normal", "model-a", hold=True)
             tasks = {
@@ -134,7 +135,7 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
             assert [row[0] for row in expected_queue] == ["normal-b", "normal-a", "batch-a"]
             records = get_json(f"{admin}/activity")["activity"]
             finished = Counter((r["request_id"], r["serial_band"]) for r in records if r["dispatched"])
-            assert len(finished) == 6  # the warm-up and the blocker
+            assert len(finished) == len(warm) + 1  # the warm-up and the blocker
 
             def shows_everything() -> dict[str, Any] | None:
                 seen = browser.execute_script(READ_PAGE)
@@ -165,15 +166,23 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
                                            and browser.execute_script(READ_FIND), what="batch-a's live state")
             assert waiting["position"] == "3" and waiting["band"] == "batch"
 
-            # The picture: the last 5 minutes, a tooltip on the interactive grant.
-            browser.find_element("css selector", "#zoom button[data-zoom='300000']").click()
-            bar = browser.find_element("css selector", "#timeline rect.grant[data-request-id='warm-2']")
-            from selenium.webdriver.common.action_chains import ActionChains
+            # The picture: the last minute, a tooltip on an interactive grant that overtook others.
+            from selenium.webdriver.common.action_chains import ActionChains, ScrollOrigin
 
+            bar_width = ("const r = document.querySelector('#timeline rect.grant[data-request-id=\"warm-6\"]');"
+                         "return r ? Number(r.getAttribute('width')) : 0")
+            browser.find_element("css selector", "#zoom button[data-zoom='60000']").click()
+            minute_width = await async_wait_for(lambda: browser.execute_script(bar_width), what="the last minute")
+            timeline = browser.find_element("id", "timeline")
+            for _ in range(5):  # the wheel zooms in: 60 s * 0.8^5, about 20 s
+                ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(timeline), 0, -100).perform()
+            await async_wait_for(lambda: browser.execute_script(bar_width) > 2 * minute_width,
+                                 what="the wheel zooming in")
+            bar = browser.find_element("css selector", "#timeline rect.grant[data-request-id='warm-6']")
             ActionChains(browser).move_to_element(bar).perform()
             await async_wait_for(lambda: browser.execute_script(
                 "return !document.getElementById('tooltip').hidden && "
-                "document.getElementById('tooltip').textContent.includes('warm-2')"), what="the tooltip")
+                "document.getElementById('tooltip').textContent.includes('warm-6')"), what="the tooltip")
             tooltip = browser.find_element("id", "tooltip").text
             assert "priority 100" in tooltip and "served" in tooltip
             shot = tmp_path / "ui.png"
@@ -187,8 +196,8 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
 
             # The grants that just finished join the timeline without a reload.
             records = await async_wait_for(
-                lambda: (lambda found: found if sum(r["dispatched"] for r in found) == 10 else None)(
-                    get_json(f"{admin}/activity")["activity"]), what="ten grants recorded")
+                lambda: (lambda found: found if sum(r["dispatched"] for r in found) == len(warm) + 5 else None)(
+                    get_json(f"{admin}/activity")["activity"]), what="every grant recorded")
             finished = Counter((r["request_id"], r["serial_band"]) for r in records if r["dispatched"])
             await async_wait_for(lambda: Counter(tuple(g[:2]) for g in browser.execute_script(READ_PAGE)["grants"])
                                  == finished, what="every finished grant on the timeline")

@@ -235,8 +235,12 @@ async def test_the_state_route_answers_304_while_nothing_changed() -> None:
     first = await page.get("/ui/state")
     etag = first.headers["etag"]
     assert first.status == 200 and json.loads(first.body)["running"][0]["request_id"] == "one"  # type: ignore[arg-type]
+    await page.flow.advance(7)
     again = await page.get("/ui/state", {"if-none-match": etag})
     assert again.status == 304 and again.headers["etag"] == etag and not again.body
+    # The answer's own time, for the page's clock: the document is as old as the last change.
+    assert float(again.headers["x-llamaswap-now-ms"]) == pytest.approx(page.history.now_ms(), abs=0.001)
+    assert page.history.now_ms() - json.loads(first.body)["as_of_ms"] == pytest.approx(7000, abs=0.01)  # type: ignore[arg-type]
     await page.flow.arrive("two", model="a")
     changed = await page.get("/ui/state", {"if-none-match": etag})
     assert changed.status == 200 and changed.headers["etag"] != etag

@@ -33,6 +33,7 @@ UI_WAITING_ROWS = 300
 # Requests whose position is recorded while someone watches them, and the points kept of each.
 WATCHED_REQUESTS = 32
 POSITIONS_KEPT = 600
+NOW_HEADER = "x-llamaswap-now-ms"
 ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 
 
@@ -54,6 +55,10 @@ class UiState:
         self.instance = os.urandom(6).hex()
         self._cached: tuple[tuple[int, int, str], str, bytes] | None = None
         self._positions: collections.OrderedDict[str, list[list[float]]] = collections.OrderedDict()
+
+    def now_ms(self) -> float:
+        """The sidecar's time now, in the documents' time base (Unix milliseconds)."""
+        return self._history.now_ms()
 
     # -- /ui/state -------------------------------------------------------------------------
 
@@ -182,7 +187,9 @@ def add_ui_routes(app: web.Application, ui: UiState) -> None:
 
     async def state(request: web.Request) -> web.Response:
         etag, body = ui.state()
-        headers = {"etag": etag, "cache-control": "no-cache"}
+        # The document may be older than this answer (it is built once per change): the page
+        # sets its clock from this header, and ages what the document says by its as_of_ms.
+        headers = {"etag": etag, "cache-control": "no-cache", NOW_HEADER: f"{ui.now_ms():.3f}"}
         if request.headers.get("if-none-match") == etag:
             return web.Response(status=304, headers=headers)
         return web.Response(body=body, content_type="application/json", headers=headers)

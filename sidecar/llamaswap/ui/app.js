@@ -8,6 +8,7 @@
   const TICK_MS = 250;
   const RETRY_MAX_MS = 3000;
   const DAY_MS = 86400000;
+  const ZOOM_MIN_MS = 10000;
   const SVG = "http://www.w3.org/2000/svg";
   const BANDS = ["interactive", "normal", "batch"];
   const LANES = { top: 24, height: 44, gap: 10, labelWidth: 58 };
@@ -70,6 +71,10 @@
     try {
       const headers = page.etag ? { "If-None-Match": page.etag } : {};
       const response = await fetch("/ui/state", { headers, cache: "no-store" });
+      const serverMs = Number(response.headers.get("x-llamaswap-now-ms"));
+      if (serverMs) {
+        page.offsetMs = serverMs - Date.now();
+      }
       if (response.status === 200) {
         const doc = await response.json();
         page.etag = response.headers.get("etag");
@@ -103,7 +108,6 @@
       renderTimeline();
     }
     page.doc = doc;
-    page.offsetMs = doc.as_of_ms - Date.now();
     byId("policy").textContent = `scheduler ${doc.policy}` + (doc.aging_divisor_s ? `, aging 1 point per ${doc.aging_divisor_s} s` : "");
     renderCounters(doc.counters);
     renderLive();
@@ -174,12 +178,14 @@
 
   function renderQueue(doc, ageS) {
     const aging = doc.aging_divisor_s > 0 ? ageS / doc.aging_divisor_s : 0;
+    // Estimated starts come closer only while the running request is within its expected run.
+    const sooner = Math.min(ageS, doc.running.length ? doc.running[0].expected_remaining_s : 0);
     const rows = doc.waiting.map((row) => `<tr data-request-id="${escapeHtml(row.request_id)}" data-position="${row.position}">` +
       `<td class="num">${row.position}</td><td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
       `<td class="num">${row.priority}</td><td class="num score">${score(row.score + aging)}</td>` +
       `<td class="term">${score(row.terms.priority)}</td><td class="term">${score(row.terms.affinity)}</td>` +
       `<td class="term">${score(row.terms.aging + aging)}</td><td class="num">${seconds(row.waited_s + ageS)}</td>` +
-      `<td class="num">${seconds(row.estimated_start_s - ageS)}</td><td>${model(row.model)}</td></tr>`);
+      `<td class="num">${seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
     byId("queue").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="11">nobody waits</td></tr>`;
     byId("queue-summary").textContent = `${doc.waiting_total.toLocaleString()} waiting, in dispatch order`;
@@ -239,7 +245,7 @@
   }
 
   function tickStep(spanMs) {
-    const steps = [60e3, 120e3, 300e3, 600e3, 900e3, 1800e3, 3600e3, 7200e3, 10800e3, 21600e3];
+    const steps = [1e3, 2e3, 5e3, 10e3, 15e3, 30e3, 60e3, 120e3, 300e3, 600e3, 900e3, 1800e3, 3600e3, 7200e3, 10800e3, 21600e3];
     return steps.find((step) => spanMs / step <= 8) || 21600e3;
   }
 
@@ -266,7 +272,8 @@
     for (let tick = Math.ceil(start / step) * step; tick <= end; tick += step) {
       node.appendChild(svg("line", { class: "tick", x1: x(tick), x2: x(tick), y1: 14, y2: markTop + markHeight }));
       const label = svg("text", { class: "tick-label", x: x(tick) + 3, y: 11 });
-      label.textContent = new Date(tick).toLocaleTimeString([], { hour12: false, hour: "2-digit", minute: "2-digit" });
+      const format = step < 60e3 ? { second: "2-digit" } : {};
+      label.textContent = new Date(tick).toLocaleTimeString([], { hour12: false, hour: "2-digit", minute: "2-digit", ...format });
       node.appendChild(label);
     }
     for (const entry of page.entries) {
@@ -354,6 +361,13 @@
     tip.style.top = `${event.clientY - wrap.top + 14}px`;
   }
 
+  function onTimelineWheel(event) {
+    // The wheel zooms between ZOOM_MIN_MS and a day; the window always ends now.
+    event.preventDefault();
+    const factor = event.deltaY < 0 ? 0.8 : 1.25;
+    setZoom(Math.round(Math.min(DAY_MS, Math.max(ZOOM_MIN_MS, page.zoomMs * factor))));
+  }
+
   function setZoom(ms) {
     page.zoomMs = ms;
     for (const button of byId("zoom").querySelectorAll("button")) {
@@ -422,7 +436,7 @@
     if (!points || points.length < 1) {
       return "";
     }
-    const width = 600;
+    const width = Math.max(200, byId("find-result").clientWidth);
     const height = 70;
     const t0 = points[0][0];
     const t1 = Math.max(points[points.length - 1][0], serverNow());
@@ -437,8 +451,8 @@
       path += ` ${x(t)},${y(position)}`;
     });
     path += ` ${x(t1)},${y(points[points.length - 1][1])}`;
-    return `<svg id="positions" viewBox="0 0 ${width} ${height}" preserveAspectRatio="none"><text x="0" y="12">#${most}</text>` +
-      `<text x="0" y="${height - 6}">#1</text><polyline points="${path.trim()}"></polyline></svg>` +
+    return `<svg id="positions" viewBox="0 0 ${width} ${height}"><text x="0" y="12">#1</text>` +
+      `<text x="0" y="${height - 6}">#${most}</text><polyline points="${path.trim()}"></polyline></svg>` +
       `<div class="muted">position over time while watched (${points.length} change${points.length === 1 ? "" : "s"})</div>`;
   }
 
@@ -466,6 +480,7 @@
     }
   });
   byId("timeline").addEventListener("mousemove", onTimelineHover);
+  byId("timeline").addEventListener("wheel", onTimelineWheel, { passive: false });
   byId("timeline").addEventListener("mouseleave", () => {
     byId("tooltip").hidden = true;
   });
