@@ -105,10 +105,11 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
                 return task
 
             # Some finished traffic first, so the timeline has history: short grants of each band.
-            warm = [await send(f"warm-{index}", priority, model, sleep_ms=sleep_ms) for index, (priority, model, sleep_ms)
-                    in enumerate([("normal", "model-a", 1200), ("batch", "model-a", 900), ("interactive", "model-b", 700),
-                                  ("normal", "model-b", 1000), ("batch", "model-c", 1500), ("normal", "model-c", 800),
-                                  ("interactive", "model-a", 600)])]
+            plan = [("normal", "model-a", 1200), ("batch", "model-a", 900), ("interactive", "model-b", 700),
+                    ("normal", "model-b", 1000), ("batch", "model-c", 1500), ("normal", "model-c", 800),
+                    ("interactive", "model-a", 600)]
+            warm = [await send(f"warm-{index}", priority, model, sleep_ms=sleep_ms)
+                    for index, (priority, model, sleep_ms) in enumerate(plan)]
             assert [reply.status for reply in await asyncio.gather(*warm)] == [200] * len(warm)
 
             blocker = await send("blocker", "normal", "model-a", hold=True)
@@ -140,7 +141,7 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
             def shows_everything() -> dict[str, Any] | None:
                 seen = browser.execute_script(READ_PAGE)
                 ok = (seen["connection"] == "live" and seen["gpu"] == "running" and seen["running"] == ["inter-b"]
-                      and seen["queue"] == expected_queue and Counter(map(tuple, [g[:2] for g in seen["grants"]])) == finished
+                      and seen["queue"] == expected_queue and Counter(tuple(g[:2]) for g in seen["grants"]) == finished
                       and sorted(map(tuple, seen["marks"])) == [("ghost", "rejected_unknown_model"),
                                                                  ("leaver", "cancelled_waiting")])
                 return seen if ok else None

@@ -409,7 +409,8 @@ class ListenConfig(_Section):
     grpc: HostPort = Field(default=HostPort("127.0.0.1", 9000),
                            description="The sidecar's gRPC server, which Envoy calls.")
     admin: HostPort = Field(default=HostPort("127.0.0.1", 9090),
-                            description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity.")
+                            description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity, "
+                                        "and the page /ui.")
 
 
 class UpstreamConfig(_Section):

@@ -98,6 +98,7 @@ class History:
 
     def counters(self) -> dict[str, Any]:
         ratios = list(self._ratios)
+        estimated_s = self._estimated_wait_s
         return {
             "dispatched": dict(self._dispatched),
             "reorders": dict(self._reorders),
@@ -109,7 +110,7 @@ class History:
                 # Actual wait / estimated wait at arrival, over the last RATIO_SAMPLES grants that had one.
                 "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
                 "samples": len(ratios),
-                "total_ratio": round(self._actual_wait_s / self._estimated_wait_s, 3) if self._estimated_wait_s else None,
+                "total_ratio": round(self._actual_wait_s / estimated_s, 3) if estimated_s else None,
             },
         }
 

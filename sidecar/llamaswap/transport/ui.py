@@ -30,6 +30,10 @@ from llamaswap.transport.outcomes import openai_error_body
 # Rows of the queue the page gets: enough to read, few enough to stay quick at 10,000 waiting
 # (the depth per band covers the rest).
 UI_WAITING_ROWS = 300
+# Building the state walks the whole queue (about 20 ms per 1,000 waiting): while the queue keeps
+# changing, it is rebuilt at most once per (its last build time / this share), so pages polling a
+# deep, busy queue cost the sidecar at most this share of a core (at 10,000 waiting: about once a second).
+UI_CPU_SHARE = 0.2
 # Requests whose position is recorded while someone watches them, and the points kept of each.
 WATCHED_REQUESTS = 32
 POSITIONS_KEPT = 600
@@ -54,6 +58,8 @@ class UiState:
         # A new sidecar process starts a new timeline: the page resets when this changes.
         self.instance = os.urandom(6).hex()
         self._cached: tuple[tuple[int, int, str], str, bytes] | None = None
+        self._built_ns = 0
+        self._rebuild_after_ns = 0  # how long a built state is kept while changes arrive
         self._positions: collections.OrderedDict[str, list[list[float]]] = collections.OrderedDict()
 
     def now_ms(self) -> float:
@@ -63,14 +69,19 @@ class UiState:
     # -- /ui/state -------------------------------------------------------------------------
 
     def state(self) -> tuple[str, bytes]:
-        """(ETag, body) of the state document; rebuilt only when a change counter moved."""
+        """(ETag, body) of the state document; rebuilt only when a change counter moved, and
+        not sooner than UI_CPU_SHARE allows after the last build."""
         key = (self._coordinator.version, self._history.seq, self._jaeger_url())
         cached = self._cached
-        if cached is not None and cached[0] == key:
+        clock = self._coordinator.clock
+        started_ns = clock.now_ns()
+        if cached is not None and (cached[0] == key or started_ns - self._built_ns < self._rebuild_after_ns):
             return cached[1], cached[2]
         etag = f'"{self.instance}-{key[0]}-{key[1]}"'
         body = json.dumps(self.state_document(), separators=(",", ":")).encode()
         self._cached = (key, etag, body)
+        self._built_ns = started_ns
+        self._rebuild_after_ns = round((clock.now_ns() - started_ns) / UI_CPU_SHARE)
         return etag, body
 
     def state_document(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 
 The documents run against a real Coordinator on virtual time (tests/flow.py); the routes are
 called through aiohttp's router with mocked requests (no sockets on a virtual-time loop).
-e2e/test_ui.py drives the page itself in a real browser.
+e2e/test_ui.py drives the page itself in a real browser (the two files need distinct names: pytest imports
+both folders' tests by their basename).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.history import History
 from llamaswap.runtime.ticket import ExchangeEnd
 from llamaswap.transport.admin import queue_document
-from llamaswap.transport.ui import UI_WAITING_ROWS, UiState, add_ui_routes
+from llamaswap.transport.ui import UI_CPU_SHARE, UI_WAITING_ROWS, UiState, add_ui_routes
 
 UI_DIR = pathlib.Path(__file__).resolve().parents[1] / "sidecar" / "llamaswap" / "ui"
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -211,6 +212,29 @@ async def test_the_state_is_built_once_per_change() -> None:
 
 
 @virtual_time
+async def test_a_slow_build_is_kept_a_while_however_often_the_queue_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep queue's state takes long to build: while changes keep coming, it is rebuilt at
+    most once per (build time / UI_CPU_SHARE), so polling pages cannot eat the event loop."""
+    page = Page()
+    flow = page.flow
+    view = flow.coordinator.view
+
+    def slow_view() -> Any:
+        flow.clock.advance(0.1)  # as if the walk took 100 ms
+        return view()
+
+    monkeypatch.setattr(flow.coordinator, "view", slow_view)
+    await flow.arrive("one", model="a")
+    etag, _ = page.ui.state()
+    await flow.arrive("two", model="a")
+    await flow.advance(0.1 / UI_CPU_SHARE - 0.2)  # 0.1 s of the 0.5 s already passed while building
+    assert page.ui.state()[0] == etag  # changed, but kept
+    await flow.advance(0.1)
+    rebuilt, body = page.ui.state()
+    assert rebuilt != etag and json.loads(body)["waiting_total"] == 1
+
+
+@virtual_time
 async def test_at_ten_thousand_waiting_the_state_holds_the_first_rows_and_the_counts() -> None:
     page = Page()
     flow = page.flow
@@ -240,7 +264,8 @@ async def test_the_state_route_answers_304_while_nothing_changed() -> None:
     assert again.status == 304 and again.headers["etag"] == etag and not again.body
     # The answer's own time, for the page's clock: the document is as old as the last change.
     assert float(again.headers["x-llamaswap-now-ms"]) == pytest.approx(page.history.now_ms(), abs=0.001)
-    assert page.history.now_ms() - json.loads(first.body)["as_of_ms"] == pytest.approx(7000, abs=0.01)  # type: ignore[arg-type]
+    as_of_ms = json.loads(first.body)["as_of_ms"]  # type: ignore[arg-type]
+    assert page.history.now_ms() - as_of_ms == pytest.approx(7000, abs=0.01)
     await page.flow.arrive("two", model="a")
     changed = await page.get("/ui/state", {"if-none-match": etag})
     assert changed.status == 200 and changed.headers["etag"] != etag
