@@ -5,7 +5,8 @@ Traffic with an overtake, a swap, a swap-affinity reorder, a client that leaves 
 and a refusal (an unknown model); then the page must show the running request, the waiting
 ones in /queue's order with /queue's scores, one timeline bar per finished grant in its band's
 colour, the refusal and the cancellation as marks, and a request found by its id. Then the
-sidecar restarts on the same admin port and the open page carries on with the new one.
+sidecar restarts on the same admin port and the open page carries on with the new one, whose
+timeline is read back from the activity log file.
 
 Every wait polls the DOM (one script call returns what a check needs) with a deadline.
 A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT when set
@@ -91,7 +92,8 @@ def queued(stack: Any, request_id: str) -> bool:
 async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_path: pathlib.Path,
                                                                           browser: Any) -> None:
     admin_port = free_port()  # fixed, so the restarted sidecar answers the same page
-    config = {**CONFIG, "listen": {"admin": f"127.0.0.1:{admin_port}"}}
+    config = {**CONFIG, "listen": {"admin": f"127.0.0.1:{admin_port}"},
+              "activity": {"path": str(tmp_path / "activity.jsonl")}}
     fake = FakeUpstream(router=True, models=("model-a", "model-b", "model-c"))
     with running_stack(tmp_path, config, fake=fake) as stack:
         admin = stack.sidecar.admin_url
@@ -203,15 +205,21 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
             await async_wait_for(lambda: Counter(tuple(g[:2]) for g in browser.execute_script(READ_PAGE)["grants"])
                                  == finished, what="every finished grant on the timeline")
 
-        # A sidecar restart: the open page reconnects to the new process and starts its timeline anew.
+        # A sidecar restart: the open page reconnects to the new process, whose timeline comes
+        # from the activity log file (activity.path): the same grants, in the same bands.
         stack.sidecar.stop()
         await async_wait_for(lambda: browser.execute_script(READ_PAGE)["connection"] == "reconnecting…",
                              what="the page noticing the sidecar gone")
         second = SidecarProcess(stack.config_path, tmp_path, name="sidecar-2")
         try:
             assert second.admin_port == admin_port
-            await async_wait_for(lambda: (lambda seen: seen["connection"] == "live" and seen["gpu"] == "idle"
-                                          and seen["grants"] == [] and seen["queue"] == [])(
-                browser.execute_script(READ_PAGE)), what="the page live again on the new sidecar")
+
+            def live_again() -> bool:
+                seen = browser.execute_script(READ_PAGE)
+                return (seen["connection"] == "live" and seen["gpu"] == "idle" and seen["queue"] == []
+                        and "served" not in seen["counters"]  # the new process's own counters
+                        and Counter(tuple(g[:2]) for g in seen["grants"]) == finished)
+
+            await async_wait_for(live_again, what="the page live again on the new sidecar, with the old timeline")
         finally:
             second.stop()

@@ -22,7 +22,7 @@ from aiohttp.test_utils import make_mocked_request
 from flow import FakeUpstream, Flow, Request, clock, router, virtual_time
 from llamaswap.config import ConfigError, parse_config
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.history import History
+from llamaswap.runtime.history import History, _last_lines
 from llamaswap.runtime.ticket import ExchangeEnd
 from llamaswap.transport.admin import queue_document
 from llamaswap.transport.ui import UI_CPU_SHARE, UI_WAITING_ROWS, UiState, add_ui_routes
@@ -36,8 +36,8 @@ class Page:
     """A Flow whose observers include the activity log and the history, and the page's routes."""
 
     def __init__(self, config: dict[str, Any] | None = None, *, jaeger_url: str = "", capacity: int = 20_000,
-                 window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS) -> None:
-        self.activity = ActivityLog(clock())
+                 window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS, activity_path: str | None = None) -> None:
+        self.activity = ActivityLog(clock(), path=activity_path)
         self.history = History(clock(), self.activity, capacity=capacity, window_s=window_s)
         self.flow = Flow({"envoy": {"leaseSeconds": 1000}, **(config or {})}, observers=[self.activity, self.history],
                          upstream=FakeUpstream(router("a", "b")))
@@ -86,7 +86,10 @@ async def traffic(page: Page) -> dict[str, Request]:
     await flow.complete(inter)
     await flow.complete(early_b)
     await flow.advance(1)
+    flow.upstream.busy_answer = True  # still computing for the client that left
     await flow.end(batch, ExchangeEnd.CLIENT_LEFT)  # abandoned: the GPU settles
+    await flow.advance(1)
+    flow.upstream.busy_answer = False
     await flow.advance(1)
     return {"run": run, "early-b": early_b, "late-a": late_a, "inter": inter, "batch": batch, "ghost": ghost,
             "leaver": leaver}
@@ -121,6 +124,7 @@ async def test_the_history_keeps_grants_marks_and_settles_with_the_activity_reco
     assert marks["ghost"]["outcome"] == "rejected_unknown_model" and marks["leaver"]["outcome"] == "cancelled_waiting"
     settle = entries[-1]
     assert settle["reason"] == "abandoned" and settle["start_ms"] == grants["batch"]["end_ms"]
+    assert settle["result"] == "idle" and settle["settle_ms"] >= 1000
     assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
 
 
@@ -163,6 +167,46 @@ async def test_entries_since_a_time_or_after_a_sequence_number() -> None:
     cut = every[4].end_ms
     assert [e.seq for e in page.history.entries(since_ms=cut)] == [e.seq for e in every if e.end_ms >= cut]
     assert page.history.entries(after_seq=8) == []
+
+
+@virtual_time
+async def test_a_restarted_sidecar_loads_the_timeline_from_the_activity_log_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "activity.jsonl"
+    page = Page(activity_path=str(path))
+    await traffic(page)
+    page.activity.close()
+    before = [entry.document() for entry in page.history.entries()]
+    with path.open("a") as file:
+        file.write('{"event":"request","request_id":"torn","ti\n')  # a line cut by a crash: skipped
+    restarted = History(clock(), ActivityLog(clock()))
+    assert restarted.load(str(path)) == len(before)
+    after = [entry.document() for entry in restarted.entries()]
+    assert [(e["kind"], e["request_id"]) for e in after] == [(e["kind"], e["request_id"]) for e in before]
+    for old, new in zip(before, after):
+        if old["kind"] == "settle":
+            assert new["settle_ms"] == old["settle_ms"] and new["start_ms"] == pytest.approx(old["start_ms"], abs=1)
+        else:
+            assert {k: v for k, v in new.items() if k not in ("seq", "overtook", "end_ms", "settle_ms")} == \
+                {k: v for k, v in old.items() if k not in ("seq", "overtook", "end_ms", "settle_ms")}
+            assert new["end_ms"] == pytest.approx(old["end_ms"], abs=0.5)  # the file's `time` is in whole ms
+    assert restarted.counters()["outcomes"] == {}  # the counters are this process's own
+    # At most `capacity` entries, no file is no history, and only the last day.
+    small = History(clock(), ActivityLog(clock()), capacity=2)
+    small.load(str(path))
+    assert [e.request_id for e in small.entries()] == ["batch", "batch"]
+    assert History(clock(), ActivityLog(clock())).load(str(tmp_path / "missing.jsonl")) == 0
+    two_days_on = History(clock(), ActivityLog(clock()))
+    await page.flow.advance(2 * 86_400)
+    assert two_days_on.load(str(path)) == 0
+
+
+def test_the_last_lines_of_a_long_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(b"".join(b'{"n":%d}\n' % n for n in range(20_000)))  # several read blocks
+    assert _last_lines(str(path), 15_000) == [b'{"n":%d}' % n for n in range(5_000, 20_000)]
+    assert _last_lines(str(path), 30_000)[0] == b'{"n":0}'
+    path.write_bytes(b"")
+    assert _last_lines(str(path), 10) == []
 
 
 # -- /ui/state -----------------------------------------------------------------------------

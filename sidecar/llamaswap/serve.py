@@ -60,6 +60,8 @@ class Sidecar:
         self.telemetry = Telemetry.from_environment(clock)
         self.upstream = HttpUpstream(config.upstream.url)
         self.history = History(clock, self.activity)
+        if activity_path or config.activity.path:  # a restart keeps the page's timeline
+            self.history.load(activity_path or config.activity.path or "")
         observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers), upstream=self.upstream)
         self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)

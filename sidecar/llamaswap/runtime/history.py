@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
+import os
 import statistics
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +36,9 @@ TIMELINE_CAPACITY = 20_000
 RATIO_SAMPLES = 1000
 RATIO_MIN_ESTIMATE_S = 0.1
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+# An activity log file is read backwards in blocks of this size, for its last entries only.
+_TAIL_BLOCK = 1 << 16
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,6 +119,44 @@ class History:
             },
         }
 
+    def load(self, path: str) -> int:
+        """Seed the timeline with the last day of an activity log file (`activity.path`), so a
+        restarted sidecar still shows it; the counters stay those of this process. Returns how
+        many entries it added. The file has no overtaken requests and settles only as the
+        abandoned requests' `settle_ms`."""
+        try:
+            lines = _last_lines(path, self._capacity)
+        except OSError as exc:
+            _log.warning("the timeline starts empty: reading the activity log %s failed: %s", path, exc)
+            return 0
+        oldest_ms = self.now_ms() - self._window_ms
+        added = 0
+        for line in lines:
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or record.get("event") != "request":
+                    continue
+                request_id = str(record["request_id"])
+                end_ms = float(record["time"]) * 1000
+                granted_ms = record.get("granted_unix_ms")
+                settle_ms = float(record.get("settle_ms") or 0.0)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn or foreign line: the rest still counts
+            if end_ms < oldest_ms:
+                continue
+            if record.get("dispatched") and isinstance(granted_ms, (int, float)):
+                self._add("grant", request_id, end_ms,
+                          {**record, "start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
+                if settle_ms > 0:
+                    self._add("settle", request_id, end_ms + settle_ms, {
+                        "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
+                        "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3), "settle_ms": settle_ms})
+                    added += 1
+            else:
+                self._add("mark", request_id, end_ms, {**record, "end_ms": end_ms})
+            added += 1
+        return added
+
     # -- Observer ------------------------------------------------------------------------
 
     def enqueued(self, ticket: Ticket) -> None:
@@ -174,3 +217,20 @@ class History:
         oldest_ms = end_ms - self._window_ms
         while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
             self._entries.popleft()
+
+
+def _last_lines(path: str, count: int) -> list[bytes]:
+    """The last `count` lines of a file, reading only as much of its end as they take."""
+    with open(path, "rb") as file:
+        end = file.seek(0, os.SEEK_END)
+        position = end
+        data = b""
+        while position > 0 and data.count(b"\n") <= count:
+            step = min(_TAIL_BLOCK, position)
+            position -= step
+            file.seek(position)
+            data = file.read(step) + data
+    lines = data.split(b"\n")
+    if position > 0:
+        lines = lines[1:]  # the first one is cut
+    return [line for line in lines if line.strip()][-count:]
