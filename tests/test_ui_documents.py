@@ -36,7 +36,8 @@ class Page:
     """A Flow whose observers include the activity log and the history, and the page's routes."""
 
     def __init__(self, config: dict[str, Any] | None = None, *, jaeger_url: str = "", capacity: int = 20_000,
-                 window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS, activity_path: str | None = None) -> None:
+                 window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS,
+                 activity_path: str | None = None) -> None:
         self.activity = ActivityLog(clock(), path=activity_path)
         self.history = History(clock(), self.activity, capacity=capacity, window_s=window_s)
         self.flow = Flow({"envoy": {"leaseSeconds": 1000}, **(config or {})}, observers=[self.activity, self.history],
