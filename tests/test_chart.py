@@ -243,11 +243,13 @@ def test_the_configmap_holds_config_verbatim(case: tuple[str, dict[str, Any], ct
 
 
 def test_the_chart_sets_only_what_the_pod_needs() -> None:
-    """The chart's own config values: Envoy's listener on the pod's addresses, and the two
-    addresses the pod's wiring reads (the probes' admin address, llama-server's URL)."""
+    """The chart's own config values: Envoy's listener on the pod's addresses, the two
+    addresses the pod's wiring reads (the probes' admin address, llama-server's URL), and the
+    page's trace links to the bundled Jaeger (through the NOTES' port-forward)."""
     assert CHART_VALUES["config"] == {
         "listen": {"http": "0.0.0.0:8080", "admin": "127.0.0.1:9090"},
         "upstream": {"url": "http://127.0.0.1:8081"},
+        "ui": {"jaegerUrl": "http://127.0.0.1:16686"},
     }
 
 
@@ -642,6 +644,9 @@ def test_notes_say_how_to_use_it() -> None:
     assert "curl http://127.0.0.1:8080/llamaswap/v1/requests/REQUEST_ID" in notes
     assert "at most 256 tokens" in notes
     assert "llamaswap queue --admin 127.0.0.1:9090" in notes
+    assert "port-forward deploy/llm-llamaswap 9090:9090" in notes and "open http://127.0.0.1:9090/ui" in notes
+    assert "its trace links go to http://127.0.0.1:16686" in notes
+    assert "trace links" not in ct.render({"config": {"ui": {"jaegerUrl": ""}}}).notes
     assert "logs POD -c envoy-config" in notes
     assert "ext_proc" not in notes
     assert "at most" not in ct.render({"llamaServer": {"nPredict": -1}}).notes

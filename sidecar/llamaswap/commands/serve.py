@@ -21,6 +21,7 @@ from llamaswap.core import MonotonicClock
 from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
+from llamaswap.runtime.history import History
 from llamaswap.runtime.observer import FanOut, Observer
 from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
@@ -29,6 +30,7 @@ from llamaswap.adapters.admin import build_admin_app
 from llamaswap.adapters.ext_authz import Authorization
 from llamaswap.adapters.upstream_http import HttpUpstream
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
+from llamaswap.adapters.ui import UiState, add_ui_routes
 
 _log = logging.getLogger(__name__)
 
@@ -58,8 +60,12 @@ class Sidecar:
         self.activity = ActivityLog(clock, capacity=config.activity.recent, path=activity_path or config.activity.path)
         self.telemetry = Telemetry.from_environment(clock)
         self.upstream = HttpUpstream(config.upstream.url)
-        observers: list[Observer] = [self.activity, *extra_observers, self.telemetry]
+        self.history = History(clock, self.activity)
+        if activity_path or config.activity.path:  # a restart keeps the page's timeline
+            self.history.load(activity_path or config.activity.path or "")
+        observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers), upstream=self.upstream)
+        self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -91,6 +97,7 @@ class Sidecar:
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
         add_upstream_metrics(app, self.config.upstream.url)
+        add_ui_routes(app, self.ui)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
         # SO_REUSEADDR: a restart may bind over TIME_WAIT; two listeners still cannot share a port.

@@ -263,7 +263,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             listen = config.listen.http
             admin = f"http://{config.listen.admin.connect_host}:{sidecar.admin_port}"
             print(f"llamaswap is up: send requests to http://{listen.connect_host}:{listen.port}/v1/chat/completions "
-                  f"(queue: llamaswap queue --admin {admin})", flush=True)
+                  f"(queue: llamaswap queue --admin {admin}; the page: {admin}/ui)", flush=True)
             await stop.wait()
             print("stopping: no new requests; the waiting ones get 503; the running one may finish "
                   f"(up to {grace_s:g} s; Ctrl-C again to cut it off)...", file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ from llamaswap.config.sections import (
     SchedulerSettings,
     SecurityConfig,
     SerialSettings,
+    UiConfig,
     UpstreamConfig,
 )
 from llamaswap.config.types import AbandonedGeneration, HostPort, ModelCheck
@@ -38,6 +39,6 @@ __all__ = [
     "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError",
     "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
-    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UpstreamConfig", "describe_value", "json_schema",
+    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "describe_value", "json_schema",
     "load_config", "load_document", "parse_config",
 ]

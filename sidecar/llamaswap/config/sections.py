@@ -29,6 +29,7 @@ from llamaswap.config.types import (
     checked_health_path,
     model_id,
     none_is_empty,
+    optional_http_url,
     optional_path,
     checked_trusted_header,
     upstream_url,
@@ -154,7 +155,8 @@ class ListenConfig(Section):
     grpc: HostPort = Field(default=HostPort("127.0.0.1", 9000),
                            description="The sidecar's gRPC server, which Envoy calls.")
     admin: HostPort = Field(default=DEFAULT_ADMIN,
-                            description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity.")
+                            description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity, "
+                                        "and the page /ui.")
 
 
 class UpstreamConfig(Section):
@@ -282,6 +284,14 @@ class EstimatesConfig(Section):
     samples: StrictInt = Field(default=50, ge=1, description="Recent measurements per model behind the rolling median.")
 
 
+class UiConfig(Section):
+    """The page at GET /ui on the admin server."""
+
+    jaeger_url: Annotated[str, BeforeValidator(optional_http_url)] = Field(
+        default="", description="The Jaeger UI's address as the browser reaches it (e.g. http://127.0.0.1:16686): "
+                                "the page links each request to its trace there; empty for no links.")
+
+
 class Config(Section):
     """llamaswap's configuration file. Every key is optional; a section with nothing under it means its defaults."""
 
@@ -302,6 +312,7 @@ class Config(Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     activity: ActivityConfig = Field(default_factory=ActivityConfig)
     estimates: EstimatesConfig = Field(default_factory=EstimatesConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
 
     _source: str = PrivateAttr("<defaults>")
 

@@ -161,6 +161,17 @@ def upstream_url(value: Any) -> str:
     return url
 
 
+def optional_http_url(value: Any) -> str:
+    """An http(s) URL with a host, or "" for none (a link the page at /ui offers)."""
+    if value is None or value == "":
+        return ""
+    url = value.rstrip("/") if isinstance(value, str) else ""
+    if not url.startswith(("http://", "https://")) or not urlsplit(url).hostname or any(c.isspace() for c in url):
+        raise invalid(f"must be an http:// or https:// URL with a host, or empty for none, got "
+                      f"{describe_value(value)} (e.g. 'http://127.0.0.1:16686')")
+    return url
+
+
 def checked_health_path(value: Any) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
         raise invalid(f"must be a path starting with '/', got {describe_value(value)}")

@@ -134,6 +134,10 @@ class ActivityLog:
             "status": ticket.response_status,
         }
 
+    def unix_ms(self, clock_ns: int) -> float:
+        """A time of the runtime's clock in Unix milliseconds: the time base of every record."""
+        return self._unix_ms(clock_ns)
+
     def _unix_ms(self, clock_ns: int) -> float:
         return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
 

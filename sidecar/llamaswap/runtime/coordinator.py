@@ -152,6 +152,11 @@ class Coordinator:
             return GpuState.ADOPTED
         return GpuState.IDLE
 
+    @property
+    def version(self) -> int:
+        """A change counter: it moves whenever the queue, the grant or the GPU's state does."""
+        return self._version
+
     def live_tickets(self) -> int:
         return len(self._tickets)
 

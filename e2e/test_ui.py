@@ -1,0 +1,225 @@
+"""The page at /ui in a real headless Chromium (Debian's `chromium` and `chromium-driver`,
+driven by Selenium), against the real Envoy and the real sidecar with the fake upstream.
+
+Traffic with an overtake, a swap, a swap-affinity reorder, a client that leaves while waiting
+and a refusal (an unknown model); then the page must show the running request, the waiting
+ones in /queue's order with /queue's scores, one timeline bar per finished grant in its band's
+colour, the refusal and the cancellation as marks, and a request found by its id. Then the
+sidecar restarts on the same admin port and the open page carries on with the new one, whose
+timeline is read back from the activity log file.
+
+Every wait polls the DOM (one script call returns what a check needs) with a deadline.
+A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT when set
+(docs/ui.png, which the README shows, comes from `LLAMASWAP_UI_SCREENSHOT=docs/ui.png`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from client import chat
+from harness import FakeUpstream, SidecarProcess, async_wait_for, free_port, get_json, running_stack
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+# Scores age by one point a day here: the page's scores (2 decimals) and /queue's agree whenever read.
+CONFIG = {"routing": {"scheduler": {"settings": {"serial": {"agingDivisor": 86400}}}}}
+
+# What the checks read from the page, each in one script call (the page re-renders every 250 ms).
+READ_PAGE = """
+const rows = (selector) => [...document.querySelectorAll(selector)];
+return {
+  connection: document.getElementById("connection").textContent,
+  gpu: document.getElementById("gpu-state").textContent,
+  running: rows("#running tbody tr[data-request-id]").map((tr) => tr.dataset.requestId),
+  queue: rows("#queue tbody tr[data-request-id]").map((tr) => [tr.dataset.requestId,
+      tr.querySelector("td.score").textContent]),
+  grants: rows("#timeline rect.grant").map((r) => [r.dataset.requestId, r.dataset.band,
+      getComputedStyle(r).fill]),
+  runningBars: rows("#timeline rect.running").map((r) => r.dataset.requestId),
+  marks: rows("#timeline rect.mark").map((r) => [r.dataset.requestId, r.dataset.outcome]),
+  bandCounts: rows("#band-counts .chip").map((c) => [c.dataset.band, c.querySelector("b").textContent]),
+  counters: document.getElementById("counters").textContent,
+};
+"""
+READ_FIND = """
+const record = {};
+for (const row of document.querySelectorAll("#find-record [data-key]")) {
+  record[row.dataset.key] = row.querySelector(".v").textContent;
+}
+return record;
+"""
+BAND_COLOURS = {"interactive": "rgb(240, 136, 62)", "normal": "rgb(88, 166, 255)", "batch": "rgb(63, 185, 80)"}
+
+
+@pytest.fixture
+def browser(tmp_path: pathlib.Path) -> Iterator[Any]:
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        if os.environ.get("CI"):
+            pytest.fail("CI is set but Chromium is not installed (apt-get install chromium chromium-driver)")
+        pytest.skip("Chromium is not installed (Debian packages `chromium`, `chromium-driver`); CI installs them")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1440,1400", "--hide-scrollbars",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log")),
+                              options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def queued(stack: Any, request_id: str) -> bool:
+    return any(row["request_id"] == request_id for row in stack.sidecar.queue()["waiting"])
+
+
+async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_path: pathlib.Path,
+                                                                          browser: Any) -> None:
+    admin_port = free_port()  # fixed, so the restarted sidecar answers the same page
+    config = {**CONFIG, "listen": {"admin": f"127.0.0.1:{admin_port}"},
+              "activity": {"path": str(tmp_path / "activity.jsonl")}}
+    fake = FakeUpstream(router=True, models=("model-a", "model-b", "model-c"))
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        admin = stack.sidecar.admin_url
+        async with aiohttp.ClientSession() as session:
+
+            async def send(test_id: str, priority: str | None, model: str, **kwargs: Any) -> asyncio.Task[Any]:
+                task = asyncio.create_task(chat(session, stack.url, test_id, priority=priority, model=model,
+                                                **kwargs))
+                await async_wait_for(lambda: queued(stack, test_id) or test_id in fake.order(),
+                                     what=f"{test_id} queued or running")
+                return task
+
+            # Some finished traffic first, so the timeline has history: short grants of each band.
+            plan = [("normal", "model-a", 1200), ("batch", "model-a", 900), ("interactive", "model-b", 700),
+                    ("normal", "model-b", 1000), ("batch", "model-c", 1500), ("normal", "model-c", 800),
+                    ("interactive", "model-a", 600)]
+            warm = [await send(f"warm-{index}", priority, model, sleep_ms=sleep_ms)
+                    for index, (priority, model, sleep_ms) in enumerate(plan)]
+            assert [reply.status for reply in await asyncio.gather(*warm)] == [200] * len(warm)
+
+            blocker = await send("blocker", "normal", "model-a", hold=True)
+            tasks = {
+                "batch-a": await send("batch-a", "batch", "model-a", hold=True),
+                "normal-a": await send("normal-a", "normal", "model-a", hold=True),
+                # After inter-b, model-b is loaded: normal-b overtakes normal-a by swap affinity.
+                "normal-b": await send("normal-b", "normal", "model-b", hold=True),
+                "inter-b": await send("inter-b", "interactive", "model-b", hold=True),  # overtakes all, a swap
+            }
+            leaver = await send("leaver", "normal", "model-c")
+            leaver.cancel()  # the client leaves while waiting: Envoy cancels its Check
+            await async_wait_for(lambda: not queued(stack, "leaver"), what="the leaver gone from the queue")
+            refused = await chat(session, stack.url, "ghost", model="no-such-model")
+            assert refused.status == 404 and refused.json()["error"]["code"] == "model_not_found"
+            fake.release("blocker")
+            assert (await blocker).status == 200
+            await async_wait_for(lambda: fake.order()[-1:] == ["inter-b"], what="inter-b at the upstream")
+
+            browser.get(f"{admin}/ui")
+            queue = stack.sidecar.queue()
+            assert queue["running"]["request_id"] == "inter-b"
+            expected_queue = [[row["request_id"], f"{row['score']:.2f}"] for row in queue["waiting"]]
+            assert [row[0] for row in expected_queue] == ["normal-b", "normal-a", "batch-a"]
+            records = get_json(f"{admin}/activity")["activity"]
+            finished = Counter((r["request_id"], r["serial_band"]) for r in records if r["dispatched"])
+            assert len(finished) == len(warm) + 1  # the warm-up and the blocker
+
+            def shows_everything() -> dict[str, Any] | None:
+                seen = browser.execute_script(READ_PAGE)
+                ok = (seen["connection"] == "live" and seen["gpu"] == "running" and seen["running"] == ["inter-b"]
+                      and seen["queue"] == expected_queue and Counter(tuple(g[:2]) for g in seen["grants"]) == finished
+                      and sorted(map(tuple, seen["marks"])) == [("ghost", "rejected_unknown_model"),
+                                                                 ("leaver", "cancelled_waiting")])
+                return seen if ok else None
+
+            seen = await async_wait_for(shows_everything, what="the page showing the GPU, the queue and the timeline")
+            assert seen["runningBars"] == ["inter-b"]
+            assert all(fill == BAND_COLOURS[band] for _, band, fill in seen["grants"])
+            assert dict(seen["bandCounts"]) == {"interactive": "0", "normal": "2", "batch": "1"}
+            assert "served" in seen["counters"] and "rejected_unknown_model" in seen["counters"]
+
+            # Find a finished request by its id: its record.
+            browser.find_element("id", "find-input").send_keys("warm-2")
+            browser.find_element("id", "find-button").click()
+            record = await async_wait_for(lambda: browser.execute_script(READ_FIND).get("outcome") == "served"
+                                          and browser.execute_script(READ_FIND), what="warm-2's record")
+            assert record["state"] == "finished" and record["serial_band"] == "interactive"
+            assert record["model"] == "model-b" and record["serial_priority"] == "100"
+            # And a waiting one: its live position.
+            browser.find_element("id", "find-input").clear()
+            browser.find_element("id", "find-input").send_keys("batch-a")
+            browser.find_element("id", "find-button").click()
+            waiting = await async_wait_for(lambda: browser.execute_script(READ_FIND).get("state") == "waiting"
+                                           and browser.execute_script(READ_FIND), what="batch-a's live state")
+            assert waiting["position"] == "3" and waiting["band"] == "batch"
+
+            # The picture: the last minute, a tooltip on an interactive grant that overtook others.
+            from selenium.webdriver.common.action_chains import ActionChains, ScrollOrigin
+
+            bar_width = ("const r = document.querySelector('#timeline rect.grant[data-request-id=\"warm-6\"]');"
+                         "return r ? Number(r.getAttribute('width')) : 0")
+            browser.find_element("css selector", "#zoom button[data-zoom='60000']").click()
+            minute_width = await async_wait_for(lambda: browser.execute_script(bar_width), what="the last minute")
+            timeline = browser.find_element("id", "timeline")
+            for _ in range(5):  # the wheel zooms in: 60 s * 0.8^5, about 20 s
+                ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(timeline), 0, -100).perform()
+            await async_wait_for(lambda: browser.execute_script(bar_width) > 2 * minute_width,
+                                 what="the wheel zooming in")
+            bar = browser.find_element("css selector", "#timeline rect.grant[data-request-id='warm-6']")
+            ActionChains(browser).move_to_element(bar).perform()
+            await async_wait_for(lambda: browser.execute_script(
+                "return !document.getElementById('tooltip').hidden && "
+                "document.getElementById('tooltip').textContent.includes('warm-6')"), what="the tooltip")
+            tooltip = browser.find_element("id", "tooltip").text
+            assert "priority 100" in tooltip and "served" in tooltip
+            shot = tmp_path / "ui.png"
+            browser.get_screenshot_as_file(str(shot))
+            if os.environ.get("LLAMASWAP_UI_SCREENSHOT"):
+                shutil.copyfile(shot, os.environ["LLAMASWAP_UI_SCREENSHOT"])
+
+            for test_id in ("inter-b", "normal-b", "normal-a", "batch-a"):
+                fake.release(test_id)
+            assert [reply.status for reply in await asyncio.gather(*tasks.values())] == [200] * 4
+
+            # The grants that just finished join the timeline without a reload.
+            records = await async_wait_for(
+                lambda: (lambda found: found if sum(r["dispatched"] for r in found) == len(warm) + 5 else None)(
+                    get_json(f"{admin}/activity")["activity"]), what="every grant recorded")
+            finished = Counter((r["request_id"], r["serial_band"]) for r in records if r["dispatched"])
+            await async_wait_for(lambda: Counter(tuple(g[:2]) for g in browser.execute_script(READ_PAGE)["grants"])
+                                 == finished, what="every finished grant on the timeline")
+
+        # A sidecar restart: the open page reconnects to the new process, whose timeline comes
+        # from the activity log file (activity.path): the same grants, in the same bands.
+        stack.sidecar.stop()
+        await async_wait_for(lambda: browser.execute_script(READ_PAGE)["connection"] == "reconnecting…",
+                             what="the page noticing the sidecar gone")
+        second = SidecarProcess(stack.config_path, tmp_path, name="sidecar-2")
+        try:
+            assert second.admin_port == admin_port
+
+            def live_again() -> bool:
+                seen = browser.execute_script(READ_PAGE)
+                return (seen["connection"] == "live" and seen["gpu"] == "idle" and seen["queue"] == []
+                        and "served" not in seen["counters"]  # the new process's own counters
+                        and Counter(tuple(g[:2]) for g in seen["grants"]) == finished)
+
+            await async_wait_for(live_again, what="the page live again on the new sidecar, with the old timeline")
+        finally:
+            second.stop()

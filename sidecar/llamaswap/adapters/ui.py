@@ -1,0 +1,239 @@
+"""The page at GET /ui and the JSON it polls, on the admin server (same origin as /queue).
+
+- GET /ui (and /ui/app.js, /ui/style.css): the page, shipped in the package (llamaswap/ui/);
+- GET /ui/state: the GPU now, the first UI_WAITING_ROWS waiting requests with their score's
+  terms, the depth per band, the counters; built at most once per change of the queue or the
+  history (its ETag is the change counters, so a poll that finds nothing new gets a 304);
+- GET /ui/timeline?since_ms=UNIX_MS&after=SEQ: the timeline entries that ended since then;
+- GET /ui/request/{request_id}: one request: live state, records, positions while watched,
+  and a link to its trace when `ui.jaegerUrl` is set.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.resources
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from llamaswap.core import PolicyName
+from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
+from llamaswap.runtime.history import History
+from llamaswap.adapters.admin import running_document, status_document, waiting_document
+from llamaswap.adapters.outcomes import openai_error_body
+
+# Rows of the queue the page gets: enough to read, few enough to stay quick at 10,000 waiting
+# (the depth per band covers the rest).
+UI_WAITING_ROWS = 300
+# Building the state walks the whole queue (about 20 ms per 1,000 waiting): while the queue keeps
+# changing, it is rebuilt at most once per (its last build time / this share), so pages polling a
+# deep, busy queue cost the sidecar at most this share of a core (at 10,000 waiting: about once a second).
+UI_CPU_SHARE = 0.2
+# Requests whose position is recorded while someone watches them, and the points kept of each.
+WATCHED_REQUESTS = 32
+POSITIONS_KEPT = 600
+NOW_HEADER = "x-llamaswap-now-ms"
+ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(status=status, body=openai_error_body(message, "invalid_request_error", code),
+                        content_type="application/json")
+
+
+class UiState:
+    """The documents of the page, each computed once per change of what it shows."""
+
+    def __init__(self, coordinator: Coordinator, history: History, *, jaeger_url: Callable[[], str],
+                 waiting_rows: int = UI_WAITING_ROWS) -> None:
+        self._coordinator = coordinator
+        self._history = history
+        self._jaeger_url = jaeger_url
+        self._waiting_rows = waiting_rows
+        # A new sidecar process starts a new timeline: the page resets when this changes.
+        self.instance = os.urandom(6).hex()
+        self._cached: tuple[tuple[int, int, str], str, bytes] | None = None
+        self._built_ns = 0
+        self._rebuild_after_ns = 0  # how long a built state is kept while changes arrive
+        self._positions: collections.OrderedDict[str, list[list[float]]] = collections.OrderedDict()
+
+    def now_ms(self) -> float:
+        """The sidecar's time now, in the documents' time base (Unix milliseconds)."""
+        return self._history.now_ms()
+
+    # -- /ui/state -------------------------------------------------------------------------
+
+    def state(self) -> tuple[str, bytes]:
+        """(ETag, body) of the state document; rebuilt only when a change counter moved, and
+        not sooner than UI_CPU_SHARE allows after the last build."""
+        key = (self._coordinator.version, self._history.seq, self._jaeger_url())
+        cached = self._cached
+        clock = self._coordinator.clock
+        started_ns = clock.now_ns()
+        if cached is not None and (cached[0] == key or started_ns - self._built_ns < self._rebuild_after_ns):
+            return cached[1], cached[2]
+        etag = f'"{self.instance}-{key[0]}-{key[1]}"'
+        body = json.dumps(self.state_document(), separators=(",", ":")).encode()
+        self._cached = (key, etag, body)
+        self._built_ns = started_ns
+        self._rebuild_after_ns = round((clock.now_ns() - started_ns) / UI_CPU_SHARE)
+        return etag, body
+
+    def state_document(self) -> dict[str, Any]:
+        coordinator = self._coordinator
+        view = coordinator.view()
+        now_ms = self._history.now_ms()
+        self._note_positions(view, now_ms)
+        policy = coordinator.scheduler.policy
+        return {
+            "instance": self.instance,
+            "version": coordinator.version,
+            "as_of_ms": round(now_ms, 3),
+            "policy": view.policy,
+            "aging_divisor_s": policy.aging_divisor_s if policy.name is PolicyName.SERIAL else 0.0,
+            "swap_affinity_bonus": policy.swap_affinity_bonus,
+            "gpu": view.gpu,
+            "loaded_model": view.loaded_model,
+            "running": [self._running_row(view.running, now_ms)] if view.running is not None else [],
+            "waiting": [self._waiting_row(row) for row in view.waiting[:self._waiting_rows]],
+            "waiting_total": len(view.waiting),
+            "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
+            "counters": self._history.counters(),
+            "timeline_seq": self._history.seq,
+            "jaeger_url": self._jaeger_url(),
+        }
+
+    def _waiting_row(self, row: WaitingRow) -> dict[str, Any]:
+        """GET /queue's row, with the score split into its terms."""
+        policy = self._coordinator.scheduler.policy
+        affinity = policy.swap_affinity_bonus if row.swap_affinity else 0
+        divisor = policy.aging_divisor_s if policy.name is PolicyName.SERIAL else 0.0
+        aging = row.waited_s / divisor if divisor > 0 else 0.0
+        # The rest of the score: the priority (fifo adds the model's configured priority).
+        terms = {"priority": round(row.score - affinity - aging, 6), "affinity": affinity, "aging": round(aging, 6)}
+        return {**waiting_document(row), "terms": terms}
+
+    @staticmethod
+    def _running_row(row: RunningRow, now_ms: float) -> dict[str, Any]:
+        granted_ms = now_ms - row.running_s * 1000
+        return {**running_document(row), "granted_ms": round(granted_ms, 3),
+                "expected_end_ms": round(granted_ms + row.expected_run_s * 1000, 3)}
+
+    # -- /ui/timeline ----------------------------------------------------------------------
+
+    def timeline(self, *, since_ms: float | None, after_seq: int) -> bytes:
+        entries = self._history.entries(since_ms=since_ms, after_seq=after_seq)
+        head = (f'{{"instance":"{self.instance}","last_seq":{self._history.seq},'
+                f'"now_ms":{round(self._history.now_ms(), 3)},"entries":[').encode()
+        return head + b",".join(entry.body for entry in entries) + b"]}"
+
+    # -- /ui/request/{id} ------------------------------------------------------------------
+
+    def request_document(self, request_id: str) -> dict[str, Any] | None:
+        """One request by its x-request-id; None if it is neither live nor in the timeline."""
+        live = self._coordinator.status_of(request_id)
+        records = [entry.document() for entry in self._history.of_request(request_id)]
+        if live is None and not records:
+            return None
+        trace_id = live[0].trace_id if live is not None else None
+        for record in records:
+            trace_id = trace_id or record.get("trace_id")
+        status = status_document(self._coordinator, request_id) if live is not None else None
+        if status is not None and status["state"] == "waiting":
+            self._watch(request_id, status["position"])
+        jaeger = self._jaeger_url().rstrip("/")
+        return {
+            "request_id": request_id,
+            "state": status["state"] if status is not None else "finished",
+            "status": status,
+            "records": records,
+            "positions": list(self._positions.get(request_id, [])),
+            "trace_id": trace_id,
+            "trace_url": f"{jaeger}/trace/{trace_id}" if jaeger and trace_id else None,
+        }
+
+    def _watch(self, request_id: str, position: int) -> None:
+        if request_id not in self._positions:
+            self._positions[request_id] = []
+            while len(self._positions) > WATCHED_REQUESTS:
+                self._positions.popitem(last=False)
+        self._positions.move_to_end(request_id)
+        self._note(request_id, self._history.now_ms(), position)
+
+    def _note_positions(self, view: QueueView, now_ms: float) -> None:
+        """A watched request's position, each time the state is built (it changes only then)."""
+        if not self._positions:
+            return
+        for row in view.waiting:
+            if row.request_id in self._positions:
+                self._note(row.request_id, now_ms, row.position)
+
+    def _note(self, request_id: str, now_ms: float, position: int) -> None:
+        points = self._positions[request_id]
+        if points and points[-1][1] == position:
+            return
+        points.append([round(now_ms, 3), position])
+        del points[:-POSITIONS_KEPT]
+
+
+def _assets() -> dict[str, bytes]:
+    folder = importlib.resources.files("llamaswap") / "ui"
+    return {name: (folder / name).read_bytes() for name in ASSETS}
+
+
+def add_ui_routes(app: web.Application, ui: UiState) -> None:
+    assets = _assets()
+
+    def asset(name: str) -> Callable[[web.Request], Any]:
+        async def handler(_: web.Request) -> web.Response:
+            # no-cache: a restarted sidecar of another version serves its own page.
+            return web.Response(body=assets[name], content_type=ASSETS[name], headers={"cache-control": "no-cache"})
+
+        return handler
+
+    async def state(request: web.Request) -> web.Response:
+        etag, body = ui.state()
+        # The document may be older than this answer (it is built once per change): the page
+        # sets its clock from this header, and ages what the document says by its as_of_ms.
+        headers = {"etag": etag, "cache-control": "no-cache", NOW_HEADER: f"{ui.now_ms():.3f}"}
+        if request.headers.get("if-none-match") == etag:
+            return web.Response(status=304, headers=headers)
+        return web.Response(body=body, content_type="application/json", headers=headers)
+
+    async def timeline(request: web.Request) -> web.Response:
+        try:
+            since_text = request.query.get("since_ms")
+            since_ms = float(since_text) if since_text is not None else None
+            after_seq = int(request.query.get("after", "0"))
+        except ValueError:
+            return _error(400, "invalid_parameter", "since_ms must be a number (Unix milliseconds) and after an "
+                                                    "integer (the last entry's seq the page has)")
+        if since_ms is not None and not math.isfinite(since_ms):
+            return _error(400, "invalid_parameter", "since_ms must be a finite number (Unix milliseconds)")
+        return web.Response(body=ui.timeline(since_ms=since_ms, after_seq=after_seq),
+                            content_type="application/json", headers={"cache-control": "no-store"})
+
+    async def one_request(request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        document = ui.request_document(request_id)
+        if document is None:
+            return _error(404, "request_not_found",
+                          f"no request with the x-request-id '{request_id}' is waiting, running or in the timeline")
+        return web.json_response(document, headers={"cache-control": "no-store"})
+
+    async def page_root(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/ui")
+
+    app.router.add_get("/ui", asset("index.html"))
+    app.router.add_get("/ui/", page_root)
+    app.router.add_get("/ui/app.js", asset("app.js"))
+    app.router.add_get("/ui/style.css", asset("style.css"))
+    app.router.add_get("/ui/state", state)
+    app.router.add_get("/ui/timeline", timeline)
+    app.router.add_get("/ui/request/{request_id}", one_request)

@@ -1,0 +1,236 @@
+"""The GPU's recent history for the page at /ui: what the queue view and the activity log's
+`recent` records do not keep.
+
+- the timeline of the last day: one entry per grant (the activity log's record of the request,
+  plus the requests it overtook), per request that never got the GPU (a refusal, an expiry, a
+  client gone while waiting: a mark), and per settle (the GPU waiting for the upstream);
+- counters since the sidecar started: grants per band, reorders per cause, swaps and loads,
+  endings per outcome, settles per reason, and how actual waits compare with their estimates.
+
+An Observer. A request's record is the activity log's (`ActivityLog.record`, one format and one
+time base for both). Each entry is encoded to JSON once, when it is added, and kept in end-time
+order, bounded by age and by count, so serving the last hour is a join of bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import statistics
+from collections.abc import Iterator
+from typing import Any
+
+from llamaswap.core import Band, Clock, Outcome, Policy
+from llamaswap.runtime.activity import ActivityLog
+from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.ticket import Ticket
+
+# The timeline reaches back a day at most, and holds at most this many entries (about 1 KB each).
+TIMELINE_SECONDS = 24 * 3600
+TIMELINE_CAPACITY = 20_000
+# Actual-to-estimated wait ratios kept for the counters' median; waits estimated below
+# RATIO_MIN_ESTIMATE_S (a grant expected at once) say nothing about the estimator.
+RATIO_SAMPLES = 1000
+RATIO_MIN_ESTIMATE_S = 0.1
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+# An activity log file is read backwards in blocks of this size, for its last entries only.
+_TAIL_BLOCK = 1 << 16
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One timeline entry, encoded."""
+
+    seq: int
+    kind: str  # grant | mark | settle
+    request_id: str
+    end_ms: float  # Unix milliseconds
+    body: bytes  # the entry as a JSON object
+
+    def document(self) -> dict[str, Any]:
+        decoded: dict[str, Any] = json.loads(self.body)
+        return decoded
+
+
+class History:
+    """An Observer that keeps the timeline and the counters the page shows."""
+
+    def __init__(self, clock: Clock, activity: ActivityLog, *, capacity: int = TIMELINE_CAPACITY,
+                 window_s: float = TIMELINE_SECONDS) -> None:
+        self._clock = clock
+        self._activity = activity
+        self._capacity = max(1, capacity)
+        self._window_ms = window_s * 1000
+        self._entries: collections.deque[Entry] = collections.deque()
+        self._seq = 0
+        # What each running grant overtook, by its ticket's token, until it finishes.
+        self._overtook: dict[str, list[dict[str, Any]]] = {}
+        self._dispatched: collections.Counter[str] = collections.Counter({band.value: 0 for band in Band})
+        self._reorders: collections.Counter[str] = collections.Counter()
+        self._outcomes: collections.Counter[str] = collections.Counter()
+        self._settles: collections.Counter[str] = collections.Counter()
+        self._swaps = 0
+        self._loads = 0
+        self._ratios: collections.deque[float] = collections.deque(maxlen=RATIO_SAMPLES)
+        self._actual_wait_s = 0.0
+        self._estimated_wait_s = 0.0
+
+    @property
+    def seq(self) -> int:
+        """The last entry's sequence number: it changes whenever the timeline or a counter does."""
+        return self._seq
+
+    def now_ms(self) -> float:
+        return self._activity.unix_ms(self._clock.now_ns())
+
+    def entries(self, *, since_ms: float | None = None, after_seq: int = 0) -> list[Entry]:
+        """Entries that ended at or after `since_ms` with a sequence number above `after_seq`, oldest first."""
+        picked: list[Entry] = []
+        for entry in reversed(self._entries):
+            if entry.seq <= after_seq or (since_ms is not None and entry.end_ms < since_ms):
+                break
+            picked.append(entry)
+        picked.reverse()
+        return picked
+
+    def of_request(self, request_id: str) -> Iterator[Entry]:
+        """The entries of one request id, oldest first (an id a client reused has several)."""
+        return (entry for entry in self._entries if entry.request_id == request_id)
+
+    def counters(self) -> dict[str, Any]:
+        ratios = list(self._ratios)
+        estimated_s = self._estimated_wait_s
+        return {
+            "dispatched": dict(self._dispatched),
+            "reorders": dict(self._reorders),
+            "swaps": self._swaps,
+            "loads": self._loads,
+            "outcomes": dict(self._outcomes),
+            "settles": dict(self._settles),
+            "estimate": {
+                # Actual wait / estimated wait at arrival, over the last RATIO_SAMPLES grants that had one.
+                "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
+                "samples": len(ratios),
+                "total_ratio": round(self._actual_wait_s / estimated_s, 3) if estimated_s else None,
+            },
+        }
+
+    def load(self, path: str) -> int:
+        """Seed the timeline with the last day of an activity log file (`activity.path`), so a
+        restarted sidecar still shows it; the counters stay those of this process. Returns how
+        many entries it added. The file has no overtaken requests and settles only as the
+        abandoned requests' `settle_ms`."""
+        try:
+            lines = _last_lines(path, self._capacity)
+        except OSError as exc:
+            _log.warning("the timeline starts empty: reading the activity log %s failed: %s", path, exc)
+            return 0
+        oldest_ms = self.now_ms() - self._window_ms
+        added = 0
+        for line in lines:
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or record.get("event") != "request":
+                    continue
+                request_id = str(record["request_id"])
+                end_ms = float(record["time"]) * 1000
+                granted_ms = record.get("granted_unix_ms")
+                settle_ms = float(record.get("settle_ms") or 0.0)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn or foreign line: the rest still counts
+            if end_ms < oldest_ms:
+                continue
+            if record.get("dispatched") and isinstance(granted_ms, (int, float)):
+                self._add("grant", request_id, end_ms,
+                          {**record, "start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
+                if settle_ms > 0:
+                    self._add("settle", request_id, end_ms + settle_ms, {
+                        "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
+                        "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3), "settle_ms": settle_ms})
+                    added += 1
+            else:
+                self._add("mark", request_id, end_ms, {**record, "end_ms": end_ms})
+            added += 1
+        return added
+
+    # -- Observer ------------------------------------------------------------------------
+
+    def enqueued(self, ticket: Ticket) -> None:
+        pass
+
+    def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
+        self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority, "band": o.band.value}
+                                        for o in overtaken]
+
+    def queue_changed(self, picture: QueuePicture) -> None:
+        pass
+
+    def watchdog_fired(self, ticket: Ticket) -> None:
+        pass
+
+    def settings_changed(self, policy: Policy) -> None:
+        pass
+
+    def finished(self, ticket: Ticket) -> None:
+        record = self._activity.record(ticket)
+        outcome = ticket.outcome or Outcome.INTERNAL_ERROR
+        self._outcomes[outcome.value] += 1
+        decision = ticket.decision
+        end_ms = round(self._activity.unix_ms(ticket.ended_ns), 3)  # `time` is in whole milliseconds
+        if decision is None:
+            self._add("mark", ticket.request_id, end_ms, {**record, "end_ms": end_ms})
+            return
+        self._dispatched[decision.band.value] += 1
+        for cause in decision.reordered_by:
+            self._reorders[str(cause)] += 1
+        self._swaps += decision.swap
+        self._loads += decision.load
+        estimated = ticket.estimated_wait_s
+        if estimated is not None and estimated >= RATIO_MIN_ESTIMATE_S:
+            actual = decision.queue_wait_ns / 1e9
+            self._ratios.append(actual / estimated)
+            self._actual_wait_s += actual
+            self._estimated_wait_s += estimated
+        overtook = self._overtook.pop(ticket.token, [])
+        self._add("grant", ticket.request_id, end_ms,
+                  {**record, "start_ms": record["granted_unix_ms"], "end_ms": end_ms, "overtook": overtook})
+
+    def settled(self, settle: Settle) -> None:
+        self._settles[settle.reason.value] += 1
+        start_ms = round(self._activity.unix_ms(settle.started_ns), 3)
+        end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
+        self._add("settle", settle.request_id, end_ms, {
+            "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
+            "model": settle.model, "start_ms": start_ms, "end_ms": end_ms, "settle_ms": round(settle.seconds * 1000, 3),
+        })
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any]) -> None:
+        self._seq += 1
+        body = _ENCODE({"seq": self._seq, "kind": kind, **document}).encode()
+        self._entries.append(Entry(self._seq, kind, request_id, end_ms, body))
+        oldest_ms = end_ms - self._window_ms
+        while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
+            self._entries.popleft()
+
+
+def _last_lines(path: str, count: int) -> list[bytes]:
+    """The last `count` lines of a file, reading only as much of its end as they take."""
+    with open(path, "rb") as file:
+        end = file.seek(0, os.SEEK_END)
+        position = end
+        data = b""
+        while position > 0 and data.count(b"\n") <= count:
+            step = min(_TAIL_BLOCK, position)
+            position -= step
+            file.seek(position)
+            data = file.read(step) + data
+    lines = data.split(b"\n")
+    if position > 0:
+        lines = lines[1:]  # the first one is cut
+    return [line for line in lines if line.strip()][-count:]
