@@ -15,8 +15,9 @@ Slots, straight from the issue's words: up to ``slots`` grants run at once (the 
 model the running grants name, else of the loaded model, else the default). With nothing
 running the best request goes. While some run, the best request goes if it needs the loaded
 model or none; if it needs another model nothing goes. A non-interactive request (priority
-below 50) goes only while fewer than ``slots - reserved`` run; when the best one is held back
-that way, the best interactive request goes instead, if it needs the loaded model or none.
+below 50) goes only while fewer than ``slots - reserved`` non-interactive ones run; when the
+best one is held back that way, the best interactive request goes instead, if it needs the
+loaded model or none.
 """
 
 from __future__ import annotations
@@ -226,7 +227,8 @@ class ReferenceScheduler:
         best = self.pick(now)
         if not self.fits_loaded(best):
             return None  # a swap: the running drain first
-        if self.interactive(best) or busy < total - self.policy.reserved:
+        non_interactive = sum(1 for g in self.grants if not self.interactive(g.request))
+        if self.interactive(best) or non_interactive < total - self.policy.reserved:
             return best, None
         interactive = [r for r in self.waiting if self.interactive(r)]
         if not interactive:

@@ -26,6 +26,7 @@ cost where the model changes. Pure: no clock, no I/O; times are passed in.
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -103,30 +104,34 @@ class Estimator:
         return max(0.0, self.expected_grant_s(model, model_load=model_load) - running_s)
 
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
-               remaining_s: Sequence[float] = (), slots: Slots | None = None,
-               interactive: Sequence[bool] | None = None) -> list[float]:
+               remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
+               slots: Slots | None = None, interactive: Sequence[bool] | None = None) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order.
 
         ``loaded`` is the model loaded now. ``busy_s`` is how long the GPU stays busy before the
-        first of them with one slot (one running grant, or a settling generation); with several,
-        ``remaining_s`` holds the expected remaining time of each occupied slot (both may be
-        given: every value is one occupied slot). ``slots`` gives each model's slots and the
-        reserved ones (None: one slot); ``interactive`` says which requests are in the
-        interactive band (None: none of them, so no reserved slot is ever taken).
+        first of them with one slot (one running grant, or a settling generation). With several
+        slots, ``remaining_s`` holds the expected remaining time of each occupied slot and
+        ``remaining_interactive`` which of those serve interactive work (missing: not); every
+        value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot. ``slots`` gives each
+        model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
+        requests are in the interactive band (None: none, so no reserved slot is ever taken).
         """
         if slots is None or slots.single:
             return self._serial_starts(models, loaded=loaded, busy_s=max([busy_s, *remaining_s]))
-        return self._slotted_starts(models, loaded, [busy_s, *remaining_s], slots, interactive)
+        flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
+        occupied = [(busy_s, False), *zip(remaining_s, flags)]
+        return self._slotted_starts(models, loaded, occupied, slots, interactive)
 
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = ()) -> list[float]:
         """`starts` for a scheduler's snapshot: its running grants' remaining times (plus
-        ``extra_busy_s``, slots held by work the scheduler does not grant), its waiting order
-        and bands."""
+        ``extra_busy_s``, slots held by work the scheduler does not grant, counted as
+        non-interactive), its waiting order and bands."""
         remaining = [self.remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s)
                      for grant in snapshot.grants]
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                           remaining_s=[*remaining, *extra_busy_s], slots=slots,
-                           interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting])
+                           remaining_s=[*remaining, *extra_busy_s],
+                           remaining_interactive=[grant.band is Band.INTERACTIVE for grant in snapshot.grants],
+                           slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting])
 
     def _serial_starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float) -> list[float]:
         """One slot: each request starts when the one before it ends."""
@@ -140,58 +145,65 @@ class Estimator:
             at += self.expected_run_s(model)
         return starts
 
-    def _slotted_starts(self, models: Sequence[str | None], loaded: str | None, busy: Sequence[float],
-                        slots: Slots, interactive: Sequence[bool] | None) -> list[float]:
+    def _slotted_starts(self, models: Sequence[str | None], loaded: str | None,
+                        occupied: Sequence[tuple[float, bool]], slots: Slots,
+                        interactive: Sequence[bool] | None) -> list[float]:
         """Several slots: an event walk of the dispatch rule over the given order."""
         count = len(models)
         starts: list[float | None] = [None] * count
         flags = interactive if interactive is not None else [False] * count
         # The interactive requests in order: the candidates for a reserved slot.
-        reserved_candidates = deque(i for i in range(count) if flags[i]) if slots.reserved else deque[int]()
-        ends = [b for b in busy if b > 0.0]  # when each occupied slot frees
-        heapq.heapify(ends)
+        candidates = deque(i for i in range(count) if flags[i]) if slots.reserved else deque[int]()
+        # When each occupied slot frees: interactive work and the rest apart, since only the
+        # rest counts against the non-interactive share.
+        ends: tuple[list[float], list[float]] = ([], [])  # (non-interactive, interactive)
+        for end, serves_interactive in occupied:
+            if end > 0.0:
+                ends[serves_interactive].append(end)
+        for heap in ends:
+            heapq.heapify(heap)
         now = 0.0
         ready_at = 0.0  # when the loaded model's load ends (its runs begin then)
         first = 0  # the first request not started yet
         run_s = self.expected_run_s
         while first < count:
-            while ends and ends[0] <= now:
-                heapq.heappop(ends)
+            for heap in ends:
+                while heap and heap[0] <= now:
+                    heapq.heappop(heap)
+            busy = len(ends[0]) + len(ends[1])
             model = models[first]
+            taken = first
             if model is not None and model != loaded:
-                if ends:  # a swap: every slot drains first
-                    now = max(ends)
+                if busy:  # a swap: every slot drains first
+                    now = max(max(ends[0], default=now), max(ends[1], default=now))
                     continue
-                starts[first] = now
                 ready_at = now + self.expected_swap_s(model)
-                heapq.heappush(ends, ready_at + run_s(model))
                 loaded = model
             else:
                 total = slots.of(loaded)
-                limit = total if flags[first] else total - slots.reserved
-                if len(ends) < limit:
-                    starts[first] = now
-                    heapq.heappush(ends, max(now, ready_at) + run_s(model))
-                else:
-                    taken = self._reserved_start(models, loaded, reserved_candidates, starts, len(ends) < total)
-                    if taken is None:
-                        now = ends[0]  # wait for the next slot to free
-                        continue
-                    starts[taken] = now
-                    heapq.heappush(ends, max(now, ready_at) + run_s(models[taken]))
+                choice: int | None = first
+                if busy >= total:
+                    choice = None
+                elif not flags[first] and len(ends[0]) >= total - slots.reserved:
+                    choice = self._reserved_start(models, loaded, candidates, starts)
+                if choice is None:  # wait for the next slot to free
+                    now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
                     continue
+                taken = choice
+            starts[taken] = now
+            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(models[taken]))
             while first < count and starts[first] is not None:
                 first += 1
         return [start if start is not None else 0.0 for start in starts]
 
     @staticmethod
     def _reserved_start(models: Sequence[str | None], loaded: str | None, candidates: deque[int],
-                        starts: Sequence[float | None], slot_free: bool) -> int | None:
-        """The interactive request that takes a free reserved slot now, if there is one: the
-        first interactive request not started yet, if it needs the loaded model or none."""
+                        starts: Sequence[float | None]) -> int | None:
+        """The interactive request that takes a free reserved slot now, if any: the first
+        interactive request not started yet, if it needs the loaded model or none."""
         while candidates and starts[candidates[0]] is not None:
             candidates.popleft()
-        if not slot_free or not candidates:
+        if not candidates:
             return None
         model = models[candidates[0]]
         return candidates.popleft() if model is None or model == loaded else None

@@ -86,9 +86,11 @@ class Slots:
     for the interactive band (priority >= ``INTERACTIVE_FLOOR``).
 
     ``default`` applies to every model not in ``per_model`` and to requests that name no model
-    while nothing is loaded. Non-interactive requests use at most ``of(model) - reserved`` slots,
-    so ``reserved`` must be below every model's slots (`InvalidSlots` otherwise). The defaults
-    (one slot, none reserved) are the scheduler as it was before slots existed.
+    while nothing is loaded. Non-interactive requests use at most ``of(model) - reserved`` slots
+    (whatever the interactive ones use), so at every moment at least ``reserved`` slots are idle
+    or serve interactive work; ``reserved`` must be below every model's slots (`InvalidSlots`
+    otherwise). The defaults (one slot, none reserved) are the scheduler as it was before slots
+    existed.
     """
 
     default: int = 1
@@ -395,14 +397,16 @@ class QueueSnapshot:
 
 
 class _Grant:
-    """A running grant: the request, why it won, and the model load it ran on (0: none)."""
+    """A running grant: the request, why it won, the model load it ran on (0: none), and whether
+    it counts against the non-interactive share of the slots."""
 
-    __slots__ = ("entry", "decision", "load")
+    __slots__ = ("entry", "decision", "load", "non_interactive")
 
-    def __init__(self, entry: _Entry, decision: Decision, load: int) -> None:
+    def __init__(self, entry: _Entry, decision: Decision, load: int, non_interactive: bool) -> None:
         self.entry = entry
         self.decision = decision
         self.load = load
+        self.non_interactive = non_interactive
 
 
 class Scheduler:
@@ -417,6 +421,7 @@ class Scheduler:
         # The model the running grants name (they name at most one) and how many of them do.
         self._grant_model: str | None = None
         self._grant_model_count = 0
+        self._non_interactive_running = 0  # running grants below the interactive band
         self._loaded_model: str | None = None
         # The model load the loaded model came from, while it stays loaded: its number (0: the
         # loaded model was reported, not loaded by a grant), what was loaded before it, how many
@@ -577,8 +582,9 @@ class Scheduler:
         loaded model never overtakes it (equal scores keep arrival order).
 
         Reserved slots: a non-interactive request (priority below ``INTERACTIVE_FLOOR``) starts
-        only while fewer than ``slots - reserved`` grants run. When the best request is
-        non-interactive, needs the loaded model, and only reserved slots are free, the order is
+        only while fewer than ``slots - reserved`` non-interactive grants run (interactive ones
+        take any free slot). When the best request is non-interactive, needs the loaded model,
+        and only reserved slots are free (its share is used up), the order is
         read as if the non-interactive requests were not in it: the best interactive request
         takes the free slot if it needs the loaded model or no model, whatever the
         non-interactive requests ahead of it need (none of them could use that slot); if it
@@ -599,7 +605,8 @@ class Scheduler:
             winner = self._pick(aged, loaded)
             if winner.model is not None and winner.model != loaded:
                 return None  # a swap waits until nothing runs
-            if busy >= total - self._slots.reserved and not _interactive(winner):
+            if (self._non_interactive_running >= total - self._slots.reserved
+                    and winner.priority.value < INTERACTIVE_FLOOR):
                 assert self._reserved is not None  # only reserved slots are free: reserved > 0
                 aged, plain = self._reserved
                 if aged.top() is None:
@@ -658,7 +665,10 @@ class Scheduler:
             load = self._load
             if load:
                 self._load_holders += 1
-        self._grants[winner.request_id] = _Grant(winner, decision, load)
+        non_interactive = winner.priority.value < INTERACTIVE_FLOOR
+        if non_interactive:
+            self._non_interactive_running += 1
+        self._grants[winner.request_id] = _Grant(winner, decision, load, non_interactive)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> Released:
@@ -677,6 +687,8 @@ class Scheduler:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         running, decision = grant.entry, grant.decision
         model = running.model
+        if grant.non_interactive:
+            self._non_interactive_running -= 1
         if model is not None:
             self._grant_model_count -= 1
             if not self._grant_model_count:
