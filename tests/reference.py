@@ -85,7 +85,6 @@ class RefDecision:
     overtook: tuple[str, ...]
     queue_depth_after: int
     slots_busy: int
-    slots: int
     reserved_slot: bool
 
 
@@ -276,7 +275,6 @@ class ReferenceScheduler:
             overtook=overtook,
             queue_depth_after=len(self.waiting),
             slots_busy=len(self.grants),
-            slots=self.total_slots(),
             reserved_slot=among is not None,
         )
 

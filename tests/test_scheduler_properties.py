@@ -270,14 +270,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.previous_model == ref.previous_model
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
-        assert (real.slots_busy, real.slots, real.reserved_slot) == (ref.slots_busy, ref.slots, ref.reserved_slot)
+        assert (real.slots_busy, real.reserved_slot) == (ref.slots_busy, ref.reserved_slot)
+        assert self.real.slots_total == self.ref.total_slots()
         self._slot_rules(real, ranked, loaded_before, busy_before)
         return real
 
     def _slot_rules(self, decision, ranked, loaded_before, busy_before):
         """The issue's rules for one grant, checked on their own (not through the reference)."""
         slots = self.real.policy.slots
-        assert decision.slots_busy == busy_before + 1 <= decision.slots
+        total = self.real.slots_total  # the slots it was counted against (unchanged by its grant)
+        assert decision.slots_busy == busy_before + 1 <= total
         if decision.slots_busy > 1:
             event(f"dispatch: {decision.slots_busy} running{' (reserved slot)' if decision.reserved_slot else ''}")
             # A model loads only with nothing running: the running drain before a swap.
@@ -286,7 +288,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Non-interactive work uses at most slots - reserved: the reserved ones go to interactive work only.
         non_interactive = sum(1 for d in self.real.running_grants if d.band is not Band.INTERACTIVE)
         if decision.band is not Band.INTERACTIVE:
-            assert non_interactive <= decision.slots - slots.reserved
+            assert non_interactive <= total - slots.reserved
         if decision.reserved_slot:
             assert decision.band is Band.INTERACTIVE and decision.slots_busy > 1
         # Whatever still waits with a better score was held back by the reserved slots: the best

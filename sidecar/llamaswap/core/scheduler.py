@@ -295,10 +295,9 @@ class Decision:
     reordered_by: frozenset[ReorderCause]
     overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
     queue_depth_after: int
-    # Grants running once this one began, itself included (1 with one slot), and the slots of
-    # its model then: the activity record's serial_slots_busy.
+    # Grants running once this one began, itself included (1 with one slot): the activity
+    # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
     slots_busy: int = 1
-    slots: int = 1
     # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
     # request that had used up its share of the slots.
     reserved_slot: bool = False
@@ -396,17 +395,11 @@ class QueueSnapshot:
     slots_busy: int  # len(grants)
 
 
-class _Grant:
-    """A running grant: the request, why it won, the model load it ran on (0: none), and whether
-    it counts against the non-interactive share of the slots."""
-
-    __slots__ = ("entry", "decision", "load", "non_interactive")
-
-    def __init__(self, entry: _Entry, decision: Decision, load: int, non_interactive: bool) -> None:
-        self.entry = entry
-        self.decision = decision
-        self.load = load
-        self.non_interactive = non_interactive
+# A model load begun by a grant (a load or a swap), while no grant on it has reached the
+# upstream: a box holding the model loaded before it, compared by identity.
+_Load = tuple[str | None]
+# A running grant: the request, why it won, and the load it ran on (if one was pending).
+_Grant = tuple[_Entry, Decision, _Load | None]
 
 
 class Scheduler:
@@ -418,25 +411,18 @@ class Scheduler:
         self._seq = 0
         self._dispatches = 0
         self._grants: dict[str, _Grant] = {}  # earliest first
-        # The model the running grants name (they name at most one) and how many of them do.
-        self._grant_model: str | None = None
-        self._grant_model_count = 0
-        self._non_interactive_running = 0  # running grants below the interactive band
         self._loaded_model: str | None = None
-        # The model load the loaded model came from, while it stays loaded: its number (0: the
-        # loaded model was reported, not loaded by a grant), what was loaded before it, how many
-        # running grants use it, and whether any grant on it reached the upstream.
-        self._loads = 0
-        self._load = 0
-        self._load_previous: str | None = None
-        self._load_holders = 0
-        self._load_used = False
+        # The load the loaded model came from while none of its grants has reached the upstream
+        # (None once one has, or when the model was reported rather than loaded by a grant).
+        self._load: _Load | None = None
         self._apply_policy(policy)
         self._reset_queue()
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
         self._slots = policy.slots
+        # The most slots of any model: one compare tells a full scheduler (with one slot, any grant).
+        self._slot_most = max([policy.slots.default, *policy.slots.per_model.values()])
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -496,7 +482,7 @@ class Scheduler:
         if as_of != self._dispatches or self._grants:
             return False
         self._loaded_model = model
-        self._load = 0
+        self._load = None
         return True
 
     @property
@@ -507,7 +493,7 @@ class Scheduler:
     def running(self) -> Decision | None:
         """The earliest running grant (with one slot, the grant)."""
         for grant in self._grants.values():
-            return grant.decision
+            return grant[1]
         return None
 
     @property
@@ -520,7 +506,7 @@ class Scheduler:
     @property
     def running_grants(self) -> tuple[Decision, ...]:
         """Every running grant, earliest first."""
-        return tuple(grant.decision for grant in self._grants.values())
+        return tuple(grant[1] for grant in self._grants.values())
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._grants
@@ -533,7 +519,7 @@ class Scheduler:
     def slots_total(self) -> int:
         """The slots ``next`` fills up to now: those of the model the running grants name, else
         of the loaded model (the default when none is known)."""
-        model = self._grant_model
+        model = self._running_model()
         return self._slots.of(model if model is not None else self._loaded_model)
 
     # -- commands ------------------------------------------------------------------------
@@ -598,15 +584,16 @@ class Scheduler:
         aged, plain = self._aged, self._plain
         reserved_slot = False
         if busy:
-            running_model = self._grant_model
+            if busy >= self._slot_most:
+                return None  # (with one slot, always: nothing more runs beside a grant)
+            running_model = self._running_model()
             total = self._slots.of(running_model if running_model is not None else loaded)
             if busy >= total:
                 return None
             winner = self._pick(aged, loaded)
             if winner.model is not None and winner.model != loaded:
                 return None  # a swap waits until nothing runs
-            if (self._non_interactive_running >= total - self._slots.reserved
-                    and winner.priority.value < INTERACTIVE_FLOOR):
+            if winner.priority.value < INTERACTIVE_FLOOR and self._non_interactive() >= total - self._slots.reserved:
                 assert self._reserved is not None  # only reserved slots are free: reserved > 0
                 aged, plain = self._reserved
                 if aged.top() is None:
@@ -617,7 +604,6 @@ class Scheduler:
                 reserved_slot = True
         else:
             winner = self._pick(aged, loaded)
-            total = self._slots.of(winner.model if winner.model is not None else loaded)
         now = self._clock.now_ns()
         reasons: set[ReorderCause] = set()
         if plain is not None and self._pick(plain, loaded) is not winner:
@@ -627,12 +613,11 @@ class Scheduler:
         overtook = self._overtaken_by(winner)
         self._remove(winner)
         model = winner.model
-        affinity = self._affinity(winner, loaded)
-        aging = self._aging(now - winner.arrival_ns)
+        # `_affinity` and `_aging`, inline: this runs once per grant.
+        affinity = self._bonus if model is not None and model == loaded else 0
+        divisor = self._divisor_ns
+        aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         self._dispatches += 1
-        if model is not None:
-            self._grant_model = model
-            self._grant_model_count += 1
         decision = Decision(
             request_id=winner.request_id,
             priority=winner.priority.value,
@@ -650,25 +635,15 @@ class Scheduler:
             overtook=overtook,
             queue_depth_after=len(self._waiting),
             slots_busy=busy + 1,
-            slots=total,
             reserved_slot=reserved_slot,
         )
-        load = 0
+        load = None
         if model is not None:
             if model != loaded:  # only with nothing running: a load of its own
-                self._loads += 1
-                self._load = self._loads
-                self._load_previous = loaded
-                self._load_holders = 0
-                self._load_used = False
+                self._load = (loaded,)
                 self._loaded_model = model
             load = self._load
-            if load:
-                self._load_holders += 1
-        non_interactive = winner.priority.value < INTERACTIVE_FLOOR
-        if non_interactive:
-            self._non_interactive_running += 1
-        self._grants[winner.request_id] = _Grant(winner, decision, load, non_interactive)
+        self._grants[winner.request_id] = (winner, decision, load)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> Released:
@@ -685,27 +660,18 @@ class Scheduler:
         grant = self._grants.pop(request_id, None)
         if grant is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
-        running, decision = grant.entry, grant.decision
-        model = running.model
-        if grant.non_interactive:
-            self._non_interactive_running -= 1
-        if model is not None:
-            self._grant_model_count -= 1
-            if not self._grant_model_count:
-                self._grant_model = None
-        current = grant.load != 0 and grant.load == self._load
-        if current:
-            self._load_holders -= 1
+        model = grant[0].model
+        load = grant[2]
         if not reached_upstream:
-            if current and not self._load_holders and not self._load_used:
-                self._loaded_model = self._load_previous
-                self._load = 0
+            if load is not None and load is self._load and all(other[2] is not load for other in self._grants.values()):
+                self._loaded_model = load[0]
+                self._load = None
         elif not model_loaded and model is not None and self._loaded_model == model:
             self._loaded_model = None
-            self._load = 0
-        elif current:
-            self._load_used = True
-        return Released(request_id, model, decision.granted_ns, self._clock.now_ns())
+            self._load = None
+        elif load is not None and load is self._load:
+            self._load = None  # it reached the upstream: the load happened
+        return Released(request_id, model, grant[1].granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
@@ -775,7 +741,7 @@ class Scheduler:
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
             )
-            for decision in (grant.decision for grant in self._grants.values())
+            for decision in (grant[1] for grant in self._grants.values())
         )
         return QueueSnapshot(self._policy.name, self._loaded_model, grants[0] if grants else None, waiting,
                              self.band_stats(), grants, self.slots_total, len(grants))
@@ -793,6 +759,17 @@ class Scheduler:
         return stats
 
     # -- internals -----------------------------------------------------------------------
+
+    def _running_model(self) -> str | None:
+        """The model the running grants name (they name at most one)."""
+        for entry, _, _ in self._grants.values():
+            if entry.model is not None:
+                return entry.model
+        return None
+
+    def _non_interactive(self) -> int:
+        """Running grants below the interactive band: they hold the non-interactive share."""
+        return sum(1 for entry, _, _ in self._grants.values() if entry.priority.value < INTERACTIVE_FLOOR)
 
     def _dispatch_order(self) -> list[tuple[_Entry, int]]:
         """The order `next` would grant in if nothing changed, with each one's affinity bonus
@@ -886,7 +863,10 @@ class Scheduler:
         """Earlier arrivals still waiting; the list holds only the living, so this is O(limit)."""
         overtaken: list[str] = []
         entry = self._oldest_entry
-        while entry is not None and entry.seq < winner.seq and len(overtaken) < OVERTAKEN_LIMIT:
+        seq = winner.seq
+        for _ in range(OVERTAKEN_LIMIT):  # (a bounded loop rather than a len() per step: per grant)
+            if entry is None or entry.seq >= seq:
+                break
             overtaken.append(entry.request_id)
             entry = entry.newer
         return tuple(overtaken)
