@@ -17,8 +17,9 @@ Estimated starts walk the dispatch order the scheduler's snapshot already simula
 server per slot: the slot that frees first takes the next request; a request that needs another
 model waits until every slot is free, then holds one for its swap and its run, and the requests
 granted beside it while that model loads begin their runs when the load ends; a non-interactive
-request waits until it can have a slot that is not reserved, and an interactive one behind it
-takes a reserved slot meanwhile (the scheduler's dispatch rule, `Scheduler.next`). With one slot
+request waits while non-interactive work holds its share (slots - reserved), and an interactive
+one behind it takes a free slot meanwhile (the scheduler's dispatch rule, `Scheduler.next`;
+exact when every grant takes its expected time and swap affinity plays no part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
 cost where the model changes. Pure: no clock, no I/O; times are passed in.
 """

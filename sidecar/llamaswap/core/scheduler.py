@@ -568,14 +568,14 @@ class Scheduler:
         loaded model never overtakes it (equal scores keep arrival order).
 
         Reserved slots: a non-interactive request (priority below ``INTERACTIVE_FLOOR``) starts
-        only while fewer than ``slots - reserved`` non-interactive grants run (interactive ones
-        take any free slot). When the best request is non-interactive, needs the loaded model,
-        and only reserved slots are free (its share is used up), the order is
-        read as if the non-interactive requests were not in it: the best interactive request
-        takes the free slot if it needs the loaded model or no model, whatever the
-        non-interactive requests ahead of it need (none of them could use that slot); if it
-        needs another model, nothing is granted (an interactive swap waits for the drain, and no
-        lower-scored work overtakes it).
+        only while fewer than ``slots - reserved`` non-interactive grants run; interactive ones
+        take any free slot. When the best request is non-interactive, needs the loaded model,
+        and only reserved slots are free (its share is used up), the order is read as if the
+        non-interactive requests were not in it: the best interactive request takes the free
+        slot if it needs the loaded model or no model, whatever the non-interactive requests
+        ahead of it need (none of them could use that slot); if it needs another model, nothing
+        is granted (an interactive swap waits for the drain, and no lower-scored work overtakes
+        it). Such a grant says ``reserved_slot``.
         """
         if not self._waiting:
             return None
