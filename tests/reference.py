@@ -10,6 +10,14 @@ request's score exactly, as a ``fractions.Fraction``:
 The best score wins; equal scores keep arrival order. Nothing here is shared with
 ``llamaswap.core.scheduler``'s heap logic: the only thing read from a ``Policy`` are its
 public settings, so a mistake in the real key arithmetic cannot hide in both.
+
+Slots, straight from the issue's words: up to ``slots`` grants run at once (the slots of the
+model the running grants name, else of the loaded model, else the default). With nothing
+running the best request goes. While some run, the best request goes if it needs the loaded
+model or none; if it needs another model nothing goes. A non-interactive request (priority
+below 50) goes only while fewer than ``slots - reserved`` non-interactive ones run; when the
+best one is held back that way, the best interactive request goes instead, if it needs the
+loaded model or none.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from fractions import Fraction
 
 NS_PER_S = 1_000_000_000
 OVERTAKEN_LIMIT = 16  # the decision record names at most this many overtaken requests
+INTERACTIVE = 50  # the specification's interactive band starts here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +37,9 @@ class RefPolicy:
     aging_divisor_s: float = 60.0
     swap_affinity_bonus: int = 10
     model_priorities: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    slots: int = 1
+    model_slots: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    reserved: int = 0
 
     divisor_ns: int = dataclasses.field(init=False)
     bonus: int = dataclasses.field(init=False)
@@ -41,7 +53,11 @@ class RefPolicy:
     @classmethod
     def of(cls, policy) -> "RefPolicy":
         """Read the public settings of a real ``Policy`` (nothing else)."""
-        return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, dict(policy.model_priorities))
+        return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, dict(policy.model_priorities),
+                   policy.slots.default, dict(policy.slots.per_model), policy.slots.reserved)
+
+    def slots_of(self, model: str | None) -> int:
+        return self.slots if model is None else self.model_slots.get(model, self.slots)
 
 
 @dataclasses.dataclass
@@ -68,6 +84,17 @@ class RefDecision:
     reordered_by: frozenset[str]
     overtook: tuple[str, ...]
     queue_depth_after: int
+    slots_busy: int
+    reserved_slot: bool
+
+
+@dataclasses.dataclass
+class RefGrant:
+    request: RefRequest
+    previous: str | None  # loaded before it
+    origin: "RefGrant | None"  # the grant whose load (or swap) it ran on, if a grant loaded its model
+    released: bool = False
+    reached: bool = False
 
 
 class ReferenceScheduler:
@@ -75,10 +102,31 @@ class ReferenceScheduler:
         self.policy = policy
         self._now_ns = now_ns
         self.waiting: list[RefRequest] = []  # kept in arrival order
-        self.running: RefRequest | None = None
-        self.previous_of_running: str | None = None
+        self.grants: list[RefGrant] = []  # running, in grant order
+        self.log: list[RefGrant] = []  # every grant ever made
         self.loaded_model: str | None = None
+        self.loaded_by: RefGrant | None = None  # the grant that loaded the loaded model, while it stays
         self._order = 0
+
+    @property
+    def running(self) -> RefRequest | None:
+        return self.grants[0].request if self.grants else None
+
+    @staticmethod
+    def interactive(request: RefRequest) -> bool:
+        return request.priority >= INTERACTIVE
+
+    def running_model(self) -> str | None:
+        named = {g.request.model for g in self.grants if g.request.model is not None}
+        assert len(named) <= 1, f"two models run at once: {named}"
+        return named.pop() if named else None
+
+    def total_slots(self) -> int:
+        model = self.running_model()
+        return self.policy.slots_of(model if model is not None else self.loaded_model)
+
+    def fits_loaded(self, request: RefRequest) -> bool:
+        return request.model is None or request.model == self.loaded_model
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -104,11 +152,12 @@ class ReferenceScheduler:
             total += self.aging(request, now_ns)
         return total
 
-    def pick(self, now_ns: int, *, aging: bool = True, affinity: bool = True) -> RefRequest | None:
+    def pick(self, now_ns: int, *, aging: bool = True, affinity: bool = True,
+             among: list[RefRequest] | None = None) -> RefRequest | None:
         """Scan everything; strictly greater wins, so the earliest arrival keeps a tie."""
         best: RefRequest | None = None
         best_score: Fraction | None = None
-        for request in self.waiting:  # arrival order
+        for request in self.waiting if among is None else among:  # arrival order
             s = self.score(request, now_ns, aging=aging, affinity=affinity)
             if best_score is None or s > best_score:
                 best, best_score = request, s
@@ -156,54 +205,97 @@ class ReferenceScheduler:
 
     def set_loaded_model(self, model: str | None) -> None:
         """The upstream's report; the real scheduler drops it while a request runs."""
-        if self.running is None:
+        if not self.grants:
             self.loaded_model = model
+            self.loaded_by = None
 
     def reconfigure(self, policy: RefPolicy) -> None:
         self.policy = policy
 
-    def next(self) -> RefDecision | None:
-        if self.running is not None or not self.waiting:
+    def choose(self, now: int) -> tuple[RefRequest, list[RefRequest] | None] | None:
+        """What ``next`` would grant now, and among which requests it was picked (None: all of
+        them; a list: the interactive ones, for a reserved slot). None if nothing can start."""
+        if not self.waiting:
             return None
+        busy = len(self.grants)
+        if not busy:
+            return self.pick(now), None
+        total = self.total_slots()
+        if busy >= total:
+            return None
+        best = self.pick(now)
+        if not self.fits_loaded(best):
+            return None  # a swap: the running drain first
+        non_interactive = sum(1 for g in self.grants if not self.interactive(g.request))
+        if self.interactive(best) or non_interactive < total - self.policy.reserved:
+            return best, None
+        interactive = [r for r in self.waiting if self.interactive(r)]
+        if not interactive:
+            return None
+        best = self.pick(now, among=interactive)
+        if not self.fits_loaded(best):
+            return None
+        return best, interactive
+
+    def next(self) -> RefDecision | None:
         now = self._now_ns()
-        winner = self.pick(now)
-        assert winner is not None
+        chosen = self.choose(now)
+        if chosen is None:
+            return None
+        winner, among = chosen
         reasons = set()
-        if self.pick(now, aging=False) is not winner:
+        if self.pick(now, aging=False, among=among) is not winner:
             reasons.add("aging")
-        if self.pick(now, affinity=False) is not winner:
+        if self.pick(now, affinity=False, among=among) is not winner:
             reasons.add("swap_affinity")
         overtook = tuple(r.request_id for r in self.waiting if r.order < winner.order)[:OVERTAKEN_LIMIT]
         previous = self.loaded_model
-        decision = RefDecision(
+        score, affinity = self.score(winner, now), self.has_affinity(winner)
+        self.waiting.remove(winner)
+        loads = winner.model is not None and winner.model != previous
+        grant = RefGrant(winner, previous, self.loaded_by if winner.model is not None else None)
+        if loads:
+            grant.origin = self.loaded_by = grant  # a load of its own
+        self.grants.append(grant)
+        self.log.append(grant)
+        if winner.model is not None:
+            self.loaded_model = winner.model
+        return RefDecision(
             request_id=winner.request_id,
             priority=winner.priority,
-            score=self.score(winner, now),
+            score=score,
             aging=self.aging(winner, now),
             queue_wait_ns=now - winner.arrival_ns,
             model=winner.model,
-            swap_affinity=self.has_affinity(winner),
-            load=winner.model is not None and previous is None,
-            swap=winner.model is not None and previous is not None and winner.model != previous,
+            swap_affinity=affinity,
+            load=loads and previous is None,
+            swap=loads and previous is not None,
             previous_model=previous,
             reordered_by=frozenset(reasons),
             overtook=overtook,
-            queue_depth_after=len(self.waiting) - 1,
+            queue_depth_after=len(self.waiting),
+            slots_busy=len(self.grants),
+            reserved_slot=among is not None,
         )
-        self.waiting.remove(winner)
-        self.running = winner
-        self.previous_of_running = previous
-        if winner.model is not None:
-            self.loaded_model = winner.model
-        return decision
 
     def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> None:
-        assert self.running is not None and self.running.request_id == request_id
+        grant = next(g for g in self.grants if g.request.request_id == request_id)
+        self.grants.remove(grant)
+        grant.released = True
+        grant.reached = reached_upstream
+        model = grant.request.model
         if not reached_upstream:
-            self.loaded_model = self.previous_of_running  # never used: nothing changed upstream
-        elif not model_loaded and self.running.model is not None and self.loaded_model == self.running.model:
+            # Never used: if none of the grants that ran on its model's load reached the upstream
+            # and all have ended, the load never happened.
+            origin = grant.origin
+            if origin is not None and origin is self.loaded_by:
+                users = [g for g in self.log if g.origin is origin]
+                if all(g.released and not g.reached for g in users):
+                    self.loaded_model = origin.previous
+                    self.loaded_by = None
+        elif not model_loaded and model is not None and self.loaded_model == model:
             self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
-        self.running = None
+            self.loaded_by = None
 
 
 def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | float = 0) -> bool:

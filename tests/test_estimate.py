@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llamaswap.core import Estimator
+from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
 
 
 def make(**kwargs: float) -> Estimator:
@@ -67,3 +69,126 @@ def test_remaining_of_a_running_grant():
 def test_samples_must_be_positive():
     with pytest.raises(ValueError):
         Estimator(default_run_s=1.0, default_swap_s=1.0, samples=0)
+
+
+# -- several slots: one server per slot ----------------------------------------------------
+
+
+def test_with_slots_the_slot_that_frees_first_takes_the_next_request():
+    e = make(run=10.0, swap=5.0)
+    starts = e.starts(["a", "a", "a", "a"], loaded="a", remaining_s=[3.0], slots=Slots(2))
+    # a slot is free now; the next frees at 3 (the running grant), then 10, 13
+    assert starts == [0.0, 3.0, 10.0, 13.0]
+
+
+def test_with_slots_a_swap_waits_until_every_slot_is_free_and_its_model_loads_once():
+    e = make(run=10.0, swap=5.0)
+    starts = e.starts(["a", "b", "b"], loaded="a", remaining_s=[3.0, 8.0], slots=Slots(2))
+    # a takes the slot free at 3 and ends at 13; b waits for both slots (13), loads until 18
+    # and runs to 28; the second b starts beside it at 13 (its run begins when the load ends).
+    assert starts == [3.0, 13.0, 13.0]
+    assert e.starts(["b", "b", "b"], loaded="a", slots=Slots(2)) == [0.0, 0.0, 15.0]
+
+
+def test_with_slots_the_slots_of_the_model_in_effect_count():
+    e = make(run=10.0, swap=5.0)
+    starts = e.starts(["a", "a", "b", "b", "b"], loaded="a", slots=Slots(1, {"b": 2}))
+    assert starts == [0.0, 10.0, 20.0, 20.0, 35.0]
+
+
+def test_a_reserved_slot_lets_an_interactive_request_start_before_a_held_back_one():
+    e = make(run=10.0, swap=5.0)
+    slots = Slots(2, reserved=1)
+    # A batch job holds the only slot non-interactive work may use for 100 s.
+    assert e.starts(["a", "a"], loaded="a", remaining_s=[100.0], slots=slots,
+                    interactive=[False, True]) == [100.0, 0.0]
+    # Without knowing who is interactive, nobody takes the reserved slot: one at a time.
+    assert e.starts(["a", "a"], loaded="a", remaining_s=[100.0], slots=slots) == [100.0, 110.0]
+    # An interactive request that needs another model takes no reserved slot: it is a swap.
+    assert e.starts(["a", "b"], loaded="a", remaining_s=[100.0], slots=slots,
+                    interactive=[False, True]) == [100.0, 110.0]
+    # A running interactive grant does not count against the non-interactive share.
+    assert e.starts(["a"], loaded="a", remaining_s=[50.0], remaining_interactive=[True], slots=slots) == [0.0]
+
+
+def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)), clock)
+    s.enqueue("a1", Priority(0, PrioritySource.NUMBER), "a")
+    s.next()  # loads a: expected to hold its slot for swap 5 + run 10
+    clock.advance(4)
+    for rid, model in [("a2", "a"), ("b1", "b"), ("a3", "a")]:
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), model)
+    e = make(run=10.0, swap=5.0)
+    snapshot = s.snapshot()
+    assert [w.request_id for w in snapshot.waiting] == ["a2", "a3", "b1"]
+    # a2 now beside a1 (11 s left) until 10; a3 at 10; b1 once both drain, at 20.
+    assert e.starts_of(snapshot, s.policy.slots) == [0.0, 10.0, 20.0]
+    # A slot held for 30 s by work the scheduler does not grant: a2 waits for a1 (11), a3 for a2
+    # (21), b1 for both slots (31).
+    assert e.starts_of(snapshot, s.policy.slots, extra_busy_s=[30.0]) == [11.0, 21.0, 31.0]
+
+
+# -- the walk is what the scheduler does when every grant takes its expected time ------------
+
+
+@st.composite
+def _workloads(draw):
+    reserved_room = draw(st.booleans())
+    fewest = 2 if reserved_room else 1
+    default = draw(st.integers(fewest, 4))
+    per_model = draw(st.dictionaries(st.sampled_from("abc"), st.integers(fewest, 4)))
+    slots = Slots(default, per_model, draw(st.integers(0, min([default, *per_model.values()]) - 1)))
+    fifo = draw(st.booleans())
+    policy = (Policy.fifo(model_priorities=draw(st.dictionaries(st.sampled_from("abc"), st.integers(-60, 60))),
+                          slots=slots) if fifo
+              # No swap-affinity bonus: then the order does not depend on which model is loaded
+              # when a reserved slot lets an interactive request go early.
+              else Policy.serial(aging_divisor_s=draw(st.sampled_from([0, 1, 60])), swap_affinity_bonus=0,
+                                 slots=slots))
+    requests = draw(st.lists(st.tuples(st.sampled_from([-100, 0, 49, 50, 100]),
+                                       st.sampled_from(["a", "a", "b", "c", None])), max_size=25))
+    granted_first = draw(st.integers(0, 4))
+    runs = draw(st.fixed_dictionaries({m: st.integers(1, 20) for m in ("a", "b", "c", "")}))
+    swaps = draw(st.fixed_dictionaries({m: st.integers(0, 10) for m in ("a", "b", "c")}))
+    return policy, requests, granted_first, runs, swaps
+
+
+@settings(max_examples=300, deadline=None)
+@given(_workloads())
+def test_estimated_starts_are_the_starts_of_grants_that_take_their_expected_time(workload):
+    policy, requests, granted_first, runs, swaps = workload
+    e = make(run=1.0, swap=0.0, samples=1)
+    for model, run in runs.items():  # whole seconds: every sum below is exact
+        e.record(model or None, run_s=float(run), first_byte_s=1.0, model_load=False)
+    for model, swap in swaps.items():
+        e.record(model, run_s=float(runs[model] + swap), first_byte_s=1.0 + swap, model_load=True)
+    assert all(e.expected_swap_s(m) == swaps[m] and e.expected_run_s(m) == runs[m] for m in swaps)
+    clock = ManualClock()
+    s = Scheduler(policy, clock)
+    for index, (priority, model) in enumerate(requests):
+        s.enqueue(f"r{index}", Priority(priority, PrioritySource.NUMBER), model)
+    ends: dict[str, float] = {}  # running grant -> when it ends
+    for _ in range(granted_first):  # some already run: they end when the estimator expects
+        decision = s.next()
+        if decision is not None:
+            ends[decision.request_id] = e.expected_grant_s(decision.model, model_load=decision.model_load)
+    snapshot = s.snapshot()
+    expected = dict(zip([w.request_id for w in snapshot.waiting], e.starts_of(snapshot, policy.slots)))
+
+    # Run it: release each grant at its end; grant whatever can start; a grant made while its
+    # model loads (after the grant that loads it) begins its run when the load ends.
+    starts: dict[str, float] = {}
+    ready_at = now = 0.0
+    while s.depth or ends:
+        while (decision := s.next()) is not None:
+            starts[decision.request_id] = now
+            if decision.model_load:
+                ready_at = now + e.expected_swap_s(decision.model)
+            ends[decision.request_id] = max(now, ready_at) + e.expected_run_s(decision.model)
+        now = min(ends.values())
+        clock.set_ns(round(now * 1_000_000_000))
+        for request_id in [r for r, end in ends.items() if end == now]:
+            s.release(request_id)
+            del ends[request_id]
+    assert starts == expected

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llamaswap.core import Band, Policy
+from llamaswap.core import Band, Policy, Slots
 from llamaswap.core.explain import Overtake, explain_policy, format_duration, overtake_times
 
 
@@ -74,3 +74,21 @@ def test_a_max_wait_shorter_than_an_overtake_is_pointed_out():
 ])
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
+
+
+def test_slots_are_explained_only_when_there_is_more_than_one():
+    one = explain_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(1, {"a": 1})))
+    assert one == explain_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10))
+    four = explain_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_wait_s=600, slots=Slots(4)))
+    assert four[-2:] == [
+        "slots: generations of the loaded model at once: 4; a swap waits until every slot is idle",
+        "maxWaitSeconds 600: a request that has waited 10 min is refused, so it can be refused before it "
+        "overtakes (batch over normal, batch over interactive, normal over interactive)",
+    ]
+    lines = explain_policy(Policy.fifo(model_priorities={}, slots=Slots(2, {"qwen3": 4, "gemma3": 3}, reserved=1)))
+    assert lines[-2:] == [
+        "slots: generations of the loaded model at once: gemma3 3, qwen3 4, other models 2; a swap waits until "
+        "every slot is idle",
+        "reservedSlots 1: requests below priority 50 use at most a model's slots minus 1; the other 1 go only to "
+        "interactive requests",
+    ]

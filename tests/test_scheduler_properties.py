@@ -6,6 +6,14 @@ every dispatch the real scheduler must grant the same request as the reference's
 with the same score (exact Fraction against float, within rounding), the same reorder reasons
 and the same decision record; at random points the snapshot must list the queue in the order
 the reference would grant it.
+
+The slot machines do the same with several slots (per model, some reserved for interactive
+work, changed by reconfiguration while grants run) and releases in any order, and check the
+slot rules on their own, beside the reference: never more grants than the slots of the model
+they run on, never two models, a grant that loads a model only when nothing runs, a reserved
+slot only to an interactive request (non-interactive ones never hold more than slots - reserved),
+and no grant while a better request waits for a swap.
+(`tests/test_scheduler_legacy.py` checks that one slot is the scheduler as it was.)
 """
 
 from __future__ import annotations
@@ -21,7 +29,16 @@ import llamaswap.core.scheduler as scheduler_module
 from policies import fifo, serial
 from reference import ReferenceScheduler, RefPolicy, float_close
 
-from llamaswap.core import ManualClock, PrioritySource, Scheduler, UnknownRequest, band_of, parse_priority
+from llamaswap.core import (
+    Band,
+    ManualClock,
+    PrioritySource,
+    Scheduler,
+    Slots,
+    UnknownRequest,
+    band_of,
+    parse_priority,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MODELS = ("a", "b", "c")
@@ -55,12 +72,34 @@ fifo_policies = st.builds(
 )
 
 
+
+
+@st.composite
+def slot_settings(draw, most: int = 4, fewest: int = 1) -> Slots:
+    default = draw(st.integers(fewest, most), label="slots")
+    per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(fewest, most)), label="model slots")
+    smallest = min([default, *per_model.values()])
+    return Slots(default, per_model, draw(st.integers(max(0, fewest - 1), smallest - 1), label="reserved"))
+
+
+slotted_serial = st.builds(lambda d, b, w, slots: serial(d, b, max_wait_s=w, slots=slots), divisors, bonuses,
+                           max_waits, slot_settings())
+slotted_fifo = st.builds(
+    lambda p, w, slots: fifo(p, max_wait_s=w, slots=slots),
+    st.dictionaries(st.sampled_from(MODELS), st.one_of(st.integers(-200, 200), st.integers(INT64_MIN, INT64_MAX))),
+    max_waits, slot_settings(),
+)
+# Interactive and non-interactive requests in about equal numbers, so reserved slots matter.
+slot_priorities = st.one_of(st.sampled_from(ANCHORS), st.integers(40, 60), st.integers(-20, 20), priorities)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Drives the real Scheduler and the reference with the same operations."""
 
     policies = st.one_of(serial_policies, fifo_policies)
     priorities = priorities
     gaps = gaps_ns
+    models = models
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ref: ReferenceScheduler | None = None
         self.count = 0
         self._saved_slack = scheduler_module._COMPACT_SLACK
+        self._shrunk = False  # a reconfiguration left more grants running than slots
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -94,7 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def enqueue(self, data):
         priority = data.draw(type(self).priorities, label="priority")
-        model = data.draw(models, label="model")
+        model = data.draw(type(self).models, label="model")
         gap = data.draw(type(self).gaps, label="gap")
         as_text = data.draw(st.booleans(), label="as_text")
         self.clock.set_ns(self.clock.now_ns() + gap)
@@ -113,8 +153,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data):
         candidates = [r.request_id for r in self.ref.waiting] + ["ghost"]
-        if self.ref.running is not None:
-            candidates.append(self.ref.running.request_id)
+        candidates += [g.request.request_id for g in self.ref.grants]
         rid = data.draw(st.sampled_from(candidates))
         removed = self.real.cancel(rid)
         was_waiting = self.ref.cancel(rid)
@@ -125,7 +164,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(model=models)
     def set_loaded_model(self, model):
         applied = self.real.set_loaded_model(model, as_of=self.real.dispatches)
-        assert applied == (self.ref.running is None)
+        assert applied == (not self.ref.grants)
         self.ref.set_loaded_model(model)
 
     @rule(model=models)
@@ -141,6 +180,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy = data.draw(type(self).policies, label="policy")
         self.real.reconfigure(policy)
         self.ref.reconfigure(RefPolicy.of(policy))
+        # Fewer slots than grants run: they keep their slots, and nothing starts until enough end.
+        self._shrunk = self._shrunk or self.real.slots_busy > self.real.slots_total
+        if self.real.slots_busy > self.real.slots_total:
+            event("reconfigure: fewer slots than running grants")
 
     @rule()
     def dispatch(self):
@@ -154,14 +197,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.real.release(decision.request_id)
             self.ref.release(decision.request_id)
 
-    @rule(model_loaded=st.booleans(), reached_upstream=st.booleans())
-    def release(self, model_loaded, reached_upstream):
-        if self.ref.running is None:
+    @rule(data=st.data(), model_loaded=st.booleans(), reached_upstream=st.booleans())
+    def release(self, data, model_loaded, reached_upstream):
+        if not self.ref.grants:
             with pytest.raises(UnknownRequest):
                 self.real.release("ghost")
             return
-        rid = self.ref.running.request_id
+        rid = data.draw(st.sampled_from([g.request.request_id for g in self.ref.grants]), label="release")
+        if len(self.ref.grants) > 1:
+            event(f"release: one of {len(self.ref.grants)} running, reached_upstream={reached_upstream}")
+        loaded = self.real.loaded_model
         released = self.real.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        if not reached_upstream and self.real.loaded_model != loaded:
+            event(f"release: a load undone, {len(self.ref.grants) - 1} still running")
         self.ref.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
         assert released.request_id == rid
         with pytest.raises(UnknownRequest):
@@ -184,8 +232,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.ref.cancel(rid)
 
     def _dispatch(self):
-        if self.ref.running is None and self.ref.waiting:
-            now = self.clock.now_ns()
+        now = self.clock.now_ns()
+        ranked = [r for r, _ in self.ref.order(now)]  # best current score first, before the grant
+        loaded_before, busy_before = self.ref.loaded_model, len(self.ref.grants)
+        if not self.ref.grants and self.ref.waiting:
             scores = [self.ref.score(r, now) for r in self.ref.waiting]
             if scores.count(max(scores)) > 1:
                 event("dispatch: equal top scores, arrival decides")
@@ -197,6 +247,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         ref = self.ref.next()
         if ref is None:
             assert real is None
+            if self.ref.waiting and busy_before:
+                best = ranked[0]
+                why = "a swap waits" if not (best.model is None or best.model == loaded_before) else "no free slot"
+                event(f"dispatch: nothing while {busy_before} run ({why})")
             return None
         assert real is not None
         assert real.request_id == ref.request_id
@@ -216,7 +270,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.previous_model == ref.previous_model
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
+        assert (real.slots_busy, real.reserved_slot) == (ref.slots_busy, ref.reserved_slot)
+        assert self.real.slots_total == self.ref.total_slots()
+        self._slot_rules(real, ranked, loaded_before, busy_before)
         return real
+
+    def _slot_rules(self, decision, ranked, loaded_before, busy_before):
+        """The issue's rules for one grant, checked on their own (not through the reference)."""
+        slots = self.real.policy.slots
+        total = self.real.slots_total  # the slots it was counted against (unchanged by its grant)
+        assert decision.slots_busy == busy_before + 1 <= total
+        if decision.slots_busy > 1:
+            event(f"dispatch: {decision.slots_busy} running{' (reserved slot)' if decision.reserved_slot else ''}")
+            # A model loads only with nothing running: the running drain before a swap.
+            assert not decision.model_load
+            assert decision.model is None or decision.model == loaded_before
+        # Non-interactive work uses at most slots - reserved: the reserved ones go to interactive work only.
+        non_interactive = sum(1 for d in self.real.running_grants if d.band is not Band.INTERACTIVE)
+        if decision.band is not Band.INTERACTIVE:
+            assert non_interactive <= total - slots.reserved
+        if decision.reserved_slot:
+            assert decision.band is Band.INTERACTIVE and decision.slots_busy > 1
+        # Whatever still waits with a better score was held back by the reserved slots: the best
+        # needs the loaded model (a swap would have stopped every grant), and none is interactive.
+        ahead = ranked[:[r.request_id for r in ranked].index(decision.request_id)]
+        if ahead:
+            assert decision.reserved_slot, (decision, ahead[0])
+            assert ahead[0].model is None or ahead[0].model == loaded_before
+            assert all(request.priority < 50 for request in ahead)
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -226,9 +307,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert self.real.depth == len(self.ref.waiting)
         assert self.real.running_id == (self.ref.running.request_id if self.ref.running else None)
+        assert [d.request_id for d in self.real.running_grants] == [g.request.request_id for g in self.ref.grants]
+        assert self.real.slots_busy == len(self.ref.grants)
         assert self.real.loaded_model == self.ref.loaded_model
-        if self.ref.running is not None:
-            assert self.real.next() is None  # non-preemptive
+        if self.ref.choose(self.clock.now_ns()) is None:
+            assert self.real.next() is None  # non-preemptive: no slot for the best request
+
+    @invariant()
+    def slots_hold(self):
+        if self.real is None:
+            return
+        named = {d.model for d in self.real.running_grants if d.model is not None}
+        assert len(named) <= 1, f"two models run at once: {named}"
+        if named:
+            assert self.real.slots_busy <= self.real.policy.slots.of(named.pop()) or self._shrunk
+        if self.real.policy.slots.single:
+            assert self.real.slots_busy <= 1 or self._shrunk
 
     @rule()
     def snapshot_ranks_like_the_reference(self):
@@ -253,6 +347,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert stats.oldest_wait_s == pytest.approx(oldest, rel=1e-12, abs=1e-9)
 
 
+    @rule()
+    def dispatch_until_full(self):
+        while self._dispatch() is not None:
+            pass
+
+    @rule()
+    def snapshot_lists_every_grant(self):
+        snap = self.real.snapshot()
+        assert [g.request_id for g in snap.grants] == [g.request.request_id for g in self.ref.grants]
+        assert snap.slots_busy == len(snap.grants)
+        assert snap.running == (snap.grants[0] if snap.grants else None)
+        assert snap.slots == self.ref.total_slots()
+
+
 class SerialMachine(SchedulerMachine):
     policies = serial_policies
 
@@ -272,6 +380,39 @@ class TieMachine(SchedulerMachine):
     )
 
 
+class SlotsMachine(SchedulerMachine):
+    """Several slots, per model, some reserved; reconfigured to other slots while grants run."""
+
+    policies = st.one_of(slotted_serial, slotted_fifo)
+    priorities = slot_priorities
+
+
+class ReservedMachine(SchedulerMachine):
+    """At least two slots everywhere and at least one reserved: interactive requests behind
+    non-interactive ones that have used up their share."""
+
+    policies = st.one_of(
+        st.builds(lambda d, b, slots: serial(d, b, slots=slots), divisors, bonuses, slot_settings(4, fewest=2)),
+        st.builds(lambda p, slots: fifo(p, slots=slots), st.dictionaries(st.sampled_from(MODELS), st.integers(-60, 60)),
+                  slot_settings(4, fewest=2)),
+    )
+    priorities = st.sampled_from([-100, -50, 0, 10, 49, 50, 100, 101])
+    models = st.sampled_from(["a", "a", "a", "a", None, "b"])  # mostly the loaded model: slots fill up
+
+
+class SlotTieMachine(SchedulerMachine):
+    """Several slots in the narrow world of ties: interactive and not, same and other models."""
+
+    priorities = st.sampled_from([-1, 0, 1, 49, 50, 51])
+    gaps = st.integers(0, 3)
+    policies = st.one_of(
+        st.builds(lambda d, b, slots: serial(d, b, slots=slots), st.sampled_from([0, 1e-9, 2e-9]),
+                  st.integers(0, 3), slot_settings(3)),
+        st.builds(lambda p, slots: fifo(p, slots=slots), st.dictionaries(st.sampled_from(MODELS), st.integers(-2, 2)),
+                  slot_settings(3)),
+    )
+
+
 _settings = settings(max_examples=200, deadline=None, stateful_step_count=60,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -283,3 +424,9 @@ TestMixedPoliciesAgainstReference = SchedulerMachine.TestCase
 TestMixedPoliciesAgainstReference.settings = _settings
 TestTiesAgainstReference = TieMachine.TestCase
 TestTiesAgainstReference.settings = settings(_settings, max_examples=100)
+TestSlotsAgainstReference = SlotsMachine.TestCase
+TestSlotsAgainstReference.settings = _settings
+TestReservedSlotsAgainstReference = ReservedMachine.TestCase
+TestReservedSlotsAgainstReference.settings = _settings
+TestSlotTiesAgainstReference = SlotTieMachine.TestCase
+TestSlotTiesAgainstReference.settings = settings(_settings, max_examples=100)

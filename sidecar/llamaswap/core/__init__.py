@@ -22,6 +22,7 @@ from llamaswap.core.priority import (
 from llamaswap.core.scheduler import (
     NS_PER_S,
     Decision,
+    InvalidSlots,
     Policy,
     PolicyName,
     QueueFull,
@@ -33,6 +34,7 @@ from llamaswap.core.scheduler import (
     RunningView,
     Scheduler,
     SchedulerError,
+    Slots,
     UnknownRequest,
     WaitingView,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "Clock",
     "Decision",
     "Estimator",
+    "InvalidSlots",
     "ManualClock",
     "MonotonicClock",
     "Outcome",
@@ -64,6 +67,7 @@ __all__ = [
     "RunningView",
     "Scheduler",
     "SchedulerError",
+    "Slots",
     "UnknownRequest",
     "WaitingView",
     "band_of",

@@ -13,17 +13,28 @@ Before a model has a measurement the stated defaults apply (`estimates.defaultRu
 `estimates.defaultSwapSeconds`). A grant that loaded a model also teaches the run time, minus
 the measured swap cost, so that a model that is always swapped in still gets a run estimate.
 
-Estimated starts walk the dispatch order the scheduler's snapshot already simulates: the time
-the running request still needs, then for each request ahead its model's expected run plus
-the swap cost where the model changes. Pure: no clock, no I/O; times are passed in.
+Estimated starts walk the dispatch order the scheduler's snapshot already simulates, with one
+server per slot: the slot that frees first takes the next request; a request that needs another
+model waits until every slot is free, then holds one for its swap and its run, and the requests
+granted beside it while that model loads begin their runs when the load ends; a non-interactive
+request waits while non-interactive work holds its share (slots - reserved), and an interactive
+one behind it takes a free slot meanwhile (the scheduler's dispatch rule, `Scheduler.next`;
+exact when every grant takes its expected time and swap affinity plays no part). With one slot
+this is the running request's remaining time, then each request's expected run plus the swap
+cost where the model changes. Pure: no clock, no I/O; times are passed in.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from typing import Final
+
+from llamaswap.core.priority import Band
+from llamaswap.core.scheduler import QueueSnapshot, Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 
@@ -93,9 +104,38 @@ class Estimator:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
         return max(0.0, self.expected_grant_s(model, model_load=model_load) - running_s)
 
-    def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float) -> list[float]:
-        """Estimated start, in seconds from now, of each request in dispatch order, given the
-        model loaded now and how long the GPU stays busy before the first of them."""
+    def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
+               remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
+               slots: Slots | None = None, interactive: Sequence[bool] | None = None) -> list[float]:
+        """Estimated start, in seconds from now, of each request in dispatch order.
+
+        ``loaded`` is the model loaded now. ``busy_s`` is how long the GPU stays busy before the
+        first of them with one slot (one running grant, or a settling generation). With several
+        slots, ``remaining_s`` holds the expected remaining time of each occupied slot and
+        ``remaining_interactive`` which of those serve interactive work (missing: not); every
+        value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot. ``slots`` gives each
+        model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
+        requests are in the interactive band (None: none, so no reserved slot is ever taken).
+        """
+        if slots is None or slots.single:
+            return self._serial_starts(models, loaded=loaded, busy_s=max([busy_s, *remaining_s]))
+        flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
+        occupied = [(busy_s, False), *zip(remaining_s, flags)]
+        return self._slotted_starts(models, loaded, occupied, slots, interactive)
+
+    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = ()) -> list[float]:
+        """`starts` for a scheduler's snapshot: its running grants' remaining times (plus
+        ``extra_busy_s``, slots held by work the scheduler does not grant, counted as
+        non-interactive), its waiting order and bands."""
+        remaining = [self.remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s)
+                     for grant in snapshot.grants]
+        return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
+                           remaining_s=[*remaining, *extra_busy_s],
+                           remaining_interactive=[grant.band is Band.INTERACTIVE for grant in snapshot.grants],
+                           slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting])
+
+    def _serial_starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float) -> list[float]:
+        """One slot: each request starts when the one before it ends."""
         starts: list[float] = []
         at = busy_s
         for model in models:
@@ -105,3 +145,66 @@ class Estimator:
                 loaded = model
             at += self.expected_run_s(model)
         return starts
+
+    def _slotted_starts(self, models: Sequence[str | None], loaded: str | None,
+                        occupied: Sequence[tuple[float, bool]], slots: Slots,
+                        interactive: Sequence[bool] | None) -> list[float]:
+        """Several slots: an event walk of the dispatch rule over the given order."""
+        count = len(models)
+        starts: list[float | None] = [None] * count
+        flags = interactive if interactive is not None else [False] * count
+        # The interactive requests in order: the candidates for a reserved slot.
+        candidates = deque(i for i in range(count) if flags[i]) if slots.reserved else deque[int]()
+        # When each occupied slot frees: interactive work and the rest apart, since only the
+        # rest counts against the non-interactive share.
+        ends: tuple[list[float], list[float]] = ([], [])  # (non-interactive, interactive)
+        for end, serves_interactive in occupied:
+            if end > 0.0:
+                ends[serves_interactive].append(end)
+        for heap in ends:
+            heapq.heapify(heap)
+        now = 0.0
+        ready_at = 0.0  # when the loaded model's load ends (its runs begin then)
+        first = 0  # the first request not started yet
+        run_s = self.expected_run_s
+        while first < count:
+            for heap in ends:
+                while heap and heap[0] <= now:
+                    heapq.heappop(heap)
+            busy = len(ends[0]) + len(ends[1])
+            model = models[first]
+            taken = first
+            if model is not None and model != loaded:
+                if busy:  # a swap: every slot drains first
+                    now = max(max(ends[0], default=now), max(ends[1], default=now))
+                    continue
+                ready_at = now + self.expected_swap_s(model)
+                loaded = model
+            else:
+                total = slots.of(loaded)
+                choice: int | None = first
+                if busy >= total:
+                    choice = None
+                elif not flags[first] and len(ends[0]) >= total - slots.reserved:
+                    choice = self._reserved_start(models, loaded, candidates, starts)
+                if choice is None:  # wait for the next slot to free
+                    now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
+                    continue
+                taken = choice
+            starts[taken] = now
+            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(models[taken]))
+            while first < count and starts[first] is not None:
+                first += 1
+        return [start if start is not None else 0.0 for start in starts]
+
+    @staticmethod
+    def _reserved_start(models: Sequence[str | None], loaded: str | None, candidates: deque[int],
+                        starts: Sequence[float | None]) -> int | None:
+        """The interactive request that takes a free reserved slot now, if any: the first
+        interactive request not started yet, if it needs the loaded model or none."""
+        while candidates and starts[candidates[0]] is not None:
+            candidates.popleft()
+        if not candidates:
+            return None
+        model = models[candidates[0]]
+        return candidates.popleft() if model is None or model == loaded else None

@@ -8,6 +8,9 @@ model is loaded and the old one's is not, the fresh one has the bonus B, and the
 ``(H - L + B) * D`` seconds (the worst case). The anchors are the bands' own values (batch -100,
 normal 0, interactive 100); per-tier offsets move these times by a minute or two at most.
 
+With more than one slot, a line says how many generations of the loaded model run at once and
+who may use the reserved ones; with one slot (the default) nothing is added.
+
 Pure: a Policy in, numbers and text out.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from llamaswap.core.priority import ALIASES, Band
+from llamaswap.core.priority import ALIASES, INTERACTIVE_FLOOR, Band
 from llamaswap.core.scheduler import Policy, PolicyName
 
 ANCHORS: dict[Band, int] = {Band(name): value for name, value in ALIASES.items()}
@@ -82,12 +85,12 @@ def explain_policy(policy: Policy) -> list[str]:
             lines.append(f"model priorities: {listed} (other models 0)")
         else:
             lines.append("model priorities: none configured (every model at 0)")
-        return lines + _max_wait_lines(policy, [])
+        return lines + _slots_lines(policy) + _max_wait_lines(policy, [])
     bonus = policy.swap_affinity_bonus
     if policy.aging_divisor_ns <= 0:
         return [f"serial scheduler: agingDivisor 0 (aging off), swapAffinityBonus {bonus}",
                 "lower bands never overtake higher ones: batch and normal requests can starve while "
-                "higher-priority traffic keeps arriving"] + _max_wait_lines(policy, [])
+                "higher-priority traffic keeps arriving"] + _slots_lines(policy) + _max_wait_lines(policy, [])
     divisor = policy.aging_divisor_s
     lines = [f"serial scheduler: agingDivisor {divisor:g} (one priority point per {format_duration(divisor)} "
              f"of waiting), swapAffinityBonus {bonus}"]
@@ -98,7 +101,25 @@ def explain_policy(policy: Policy) -> list[str]:
         if bonus:
             text += f" ({format_duration(item.seconds_worst)} when the fresh one has the loaded model)"
         lines.append(text)
-    return lines + _max_wait_lines(policy, times)
+    return lines + _slots_lines(policy) + _max_wait_lines(policy, times)
+
+
+def _slots_lines(policy: Policy) -> list[str]:
+    """What the slots allow; nothing with one slot for every model (the default)."""
+    slots = policy.slots
+    if slots.single:
+        return []
+    if slots.per_model:
+        listed = "".join(f"{model} {count}, " for model, count in sorted(slots.per_model.items()))
+        counts = f"{listed}other models {slots.default}"
+    else:
+        counts = str(slots.default)
+    lines = [f"slots: generations of the loaded model at once: {counts}; a swap waits until every slot is idle"]
+    if slots.reserved:
+        lines.append(f"reservedSlots {slots.reserved}: requests below priority {INTERACTIVE_FLOOR} use at most "
+                     f"a model's slots minus {slots.reserved}; the other {slots.reserved} go only to interactive "
+                     "requests")
+    return lines
 
 
 def _max_wait_lines(policy: Policy, times: list[Overtake]) -> list[str]:

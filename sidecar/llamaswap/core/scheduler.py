@@ -1,4 +1,4 @@
-"""The serial and fifo schedulers: one grant at a time, best score first.
+"""The serial and fifo schedulers: up to ``slots`` grants of the loaded model, best score first.
 
 score = priority + swap affinity + aging, where aging = waited_seconds / agingDivisor.
 
@@ -14,12 +14,20 @@ per-model heap, so the winner is the better of the top of the global heap and th
 loaded model's heap plus the bonus (`_pick`). Everything is integer nanoseconds, so the
 comparison is exact and equal scores fall back to arrival order.
 
+Slots (`Slots`): the upstream serves several generations of its loaded model at once. The
+dispatch rule is in `Scheduler.next`; with one slot (the default) it is exactly the
+one-grant-at-a-time scheduler this module always was.
+
 Invariants, enforced here:
-- at most one request holds the grant (``running``); ``next`` grants only when it is free;
+- at most ``slots`` requests hold a grant, and the models they name are one model: a grant
+  that needs another model (a swap, or a load from nothing known loaded) is made only when
+  nothing runs;
 - a request is either waiting, running, or gone; never two at once;
-- the dispatch order shown by ``snapshot`` is the order ``next`` would grant in, because both
-  use the same ``_pick``;
-- a loaded-model report older than the latest grant is ignored (``set_loaded_model``);
+- the dispatch order shown by ``snapshot`` is the order ``next`` grants in when the grants are
+  taken one at a time, because both use the same ``_pick`` (with several slots, a reserved
+  slot can let an interactive request start before a non-interactive one listed ahead of it);
+- a loaded-model report older than the latest grant, or made while anything runs, is ignored
+  (``set_loaded_model``);
 - removed entries are deleted lazily from heaps and compacted when they outnumber the living.
 """
 
@@ -29,11 +37,11 @@ import dataclasses
 import enum
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core.clock import Clock
-from llamaswap.core.priority import Band, Priority
+from llamaswap.core.priority import INTERACTIVE_FLOOR, Band, Priority
 
 NS_PER_S: Final = 1_000_000_000
 # A decision names at most this many of the requests its winner overtook.
@@ -55,6 +63,77 @@ class QueueFull(SchedulerError):
 
 class UnknownRequest(SchedulerError):
     """The request is not in the state the command needs (not waiting, or not running)."""
+
+
+class InvalidSlots(SchedulerError):
+    """Slot settings that cannot work: fewer than one slot for a model, a negative reservation,
+    or a reservation that leaves a model no slot for non-interactive work.
+
+    ``model`` names the model whose slots are at fault; None means the default (the slots of
+    every model not listed on its own). The configuration maps this to its key paths.
+    """
+
+    def __init__(self, message: str, *, model: str | None, slots: int, reserved: int) -> None:
+        super().__init__(message)
+        self.model = model
+        self.slots = slots
+        self.reserved = reserved
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slots:
+    """How many generations of the loaded model run at once, and how many of those slots are kept
+    for the interactive band (priority >= ``INTERACTIVE_FLOOR``).
+
+    ``default`` applies to every model not in ``per_model`` and to requests that name no model
+    while nothing is loaded. Non-interactive requests use at most ``of(model) - reserved`` slots
+    (whatever the interactive ones use), so at every moment at least ``reserved`` slots are idle
+    or serve interactive work; ``reserved`` must be below every model's slots (`InvalidSlots`
+    otherwise). The defaults (one slot, none reserved) are the scheduler as it was before slots
+    existed.
+    """
+
+    default: int = 1
+    per_model: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    reserved: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_model", dict(self.per_model))  # a picture, not the caller's dict
+        reserved = self.reserved
+        if not _is_int(reserved) or reserved < 0:
+            raise InvalidSlots(f"reserved slots must be an integer >= 0, not {reserved!r}", model=None,
+                               slots=self.default, reserved=reserved)
+        for model, slots in [(None, self.default), *self.per_model.items()]:
+            name = "the default" if model is None else f"model {model!r}"
+            if not _is_int(slots) or slots < 1:
+                raise InvalidSlots(f"slots of {name} must be an integer >= 1, not {slots!r}", model=model,
+                                   slots=slots, reserved=reserved)
+            if reserved >= slots:
+                raise InvalidSlots(f"{reserved} reserved slots leave {name} ({slots} slots) none for "
+                                   "non-interactive requests: reserve fewer than its slots", model=model,
+                                   slots=slots, reserved=reserved)
+
+    @classmethod
+    def fitted(cls, default: int, per_model: Mapping[str, int], reserved: int) -> Slots:
+        """Slots with ``reserved`` lowered until it is below every model's slots: for slot counts
+        learnt from the upstream, where refusing is no option (compare ``.reserved`` to warn)."""
+        fewest = min([default, *per_model.values()])
+        return cls(default, per_model, max(0, min(reserved, fewest - 1)))
+
+    def of(self, model: str | None) -> int:
+        """The slots of ``model`` (None: the default)."""
+        if model is None:
+            return self.default
+        return self.per_model.get(model, self.default)
+
+    @property
+    def single(self) -> bool:
+        """One slot for every model: the one-grant-at-a-time scheduler."""
+        return self.default == 1 and all(slots == 1 for slots in self.per_model.values())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class PolicyName(str, enum.Enum):
@@ -87,15 +166,19 @@ class Policy:
     model_priorities: Mapping[str, int]
     max_queued: int  # 0: unlimited
     max_wait_s: float  # 0: wait forever
+    slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
 
     @classmethod
     def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
-               max_wait_s: float = 0.0) -> Policy:
-        return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s)
+               max_wait_s: float = 0.0, slots: Slots | None = None) -> Policy:
+        return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s,
+                   slots if slots is not None else Slots())
 
     @classmethod
-    def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0) -> Policy:
-        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s)
+    def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0,
+             slots: Slots | None = None) -> Policy:
+        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
+                   slots if slots is not None else Slots())
 
     @property
     def aging_divisor_ns(self) -> int:
@@ -212,6 +295,12 @@ class Decision:
     reordered_by: frozenset[ReorderCause]
     overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
     queue_depth_after: int
+    # Grants running once this one began, itself included (1 with one slot): the activity
+    # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
+    slots_busy: int = 1
+    # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
+    # request that had used up its share of the slots.
+    reserved_slot: bool = False
 
     @property
     def queue_wait_ns(self) -> int:
@@ -298,48 +387,76 @@ class BandStats:
 class QueueSnapshot:
     policy: PolicyName
     loaded_model: str | None
-    running: RunningView | None
+    running: RunningView | None  # the earliest of ``grants`` (with one slot, the grant)
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
+    grants: tuple[RunningView, ...]  # every running grant, earliest first
+    slots: int  # the slots of the model in effect (what `next` fills up to)
+    slots_busy: int  # len(grants)
+
+
+# A model load begun by a grant (a load or a swap), while no grant on it has reached the
+# upstream: a box holding the model loaded before it, compared by identity.
+_Load = tuple[str | None]
+# A running grant: the request, why it won, and the load it ran on (if one was pending).
+_Grant = tuple[_Entry, Decision, _Load | None]
 
 
 class Scheduler:
-    """Non-preemptive priority queue for one size-1 resource."""
+    """Non-preemptive priority queue for one GPU that serves up to ``slots`` generations of its
+    loaded model at once (one, by default: the size-1 resource of the specification)."""
 
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
         self._seq = 0
         self._dispatches = 0
-        self._running: _Entry | None = None
-        self._running_decision: Decision | None = None
+        self._grants: dict[str, _Grant] = {}  # earliest first
         self._loaded_model: str | None = None
+        # The load the loaded model came from while none of its grants has reached the upstream
+        # (None once one has, or when the model was reported rather than loaded by a grant).
+        self._load: _Load | None = None
         self._apply_policy(policy)
         self._reset_queue()
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
+        self._slots = policy.slots
+        # The most slots of any model: one compare tells a full scheduler (with one slot, any grant).
+        self._slot_most = max([policy.slots.default, *policy.slots.per_model.values()])
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
         # only needed to tell whether aging changed a pick.
+        self._aged, self._plain = self._indexes()
+        # With reserved slots, the same two for the interactive requests alone: the reserved
+        # slots' candidates.
+        self._reserved: tuple[_Index, _Index | None] | None = self._indexes() if policy.slots.reserved else None
+
+    def _indexes(self) -> tuple[_Index, _Index | None]:
         divisor = self._divisor_ns
         if divisor:
-            self._aged = _Index(lambda e: e.base * divisor - e.arrival_ns, divisor)
-            self._plain: _Index | None = _Index(lambda e: e.base, 1)
-        else:
-            self._aged = _Index(lambda e: e.base, 1)
-            self._plain = None
+            return _Index(lambda e: e.base * divisor - e.arrival_ns, divisor), _Index(lambda e: e.base, 1)
+        return _Index(lambda e: e.base, 1), None
 
     def _reset_queue(self) -> None:
         self._waiting: dict[str, _Entry] = {}
         self._dead_in_heaps = 0
-        self._aged.rebuild(())
-        if self._plain is not None:
-            self._plain.rebuild(())
+        self._rebuild(())
         self._oldest_entry: _Entry | None = None
         self._newest_entry: _Entry | None = None
         self._band_arrivals: dict[Band, deque[_Entry]] = {band: deque() for band in Band}
         self._band_depth: dict[Band, int] = dict.fromkeys(Band, 0)
+
+    def _rebuild(self, alive: Sequence[_Entry]) -> None:
+        self._aged.rebuild(alive)
+        if self._plain is not None:
+            self._plain.rebuild(alive)
+        if self._reserved is not None:
+            interactive = [entry for entry in alive if _interactive(entry)]
+            aged, plain = self._reserved
+            aged.rebuild(interactive)
+            if plain is not None:
+                plain.rebuild(interactive)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -359,12 +476,13 @@ class Scheduler:
     def set_loaded_model(self, model: str | None, *, as_of: int) -> bool:
         """What the upstream reports as loaded, asked when ``dispatches`` was ``as_of``.
 
-        A report that a grant has overtaken (or that arrives while a request runs) describes a
+        A report that a grant has overtaken (or that arrives while any request runs) describes a
         past the scheduler has already moved on from: it is dropped. True if applied.
         """
-        if as_of != self._dispatches or self._running is not None:
+        if as_of != self._dispatches or self._grants:
             return False
         self._loaded_model = model
+        self._load = None
         return True
 
     @property
@@ -373,17 +491,42 @@ class Scheduler:
 
     @property
     def running(self) -> Decision | None:
-        return self._running_decision
+        """The earliest running grant (with one slot, the grant)."""
+        for grant in self._grants.values():
+            return grant[1]
+        return None
 
     @property
     def running_id(self) -> str | None:
-        return self._running.request_id if self._running is not None else None
+        """The request of the earliest running grant."""
+        for request_id in self._grants:
+            return request_id
+        return None
+
+    @property
+    def running_grants(self) -> tuple[Decision, ...]:
+        """Every running grant, earliest first."""
+        return tuple(grant[1] for grant in self._grants.values())
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._grants
+
+    @property
+    def slots_busy(self) -> int:
+        return len(self._grants)
+
+    @property
+    def slots_total(self) -> int:
+        """The slots ``next`` fills up to now: those of the model the running grants name, else
+        of the loaded model (the default when none is known)."""
+        model = self._running_model()
+        return self._slots.of(model if model is not None else self._loaded_model)
 
     # -- commands ------------------------------------------------------------------------
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time."""
-        if request_id in self._waiting or (self._running is not None and self._running.request_id == request_id):
+        if request_id in self._waiting or request_id in self._grants:
             raise SchedulerError(f"request {request_id!r} is already known")
         depth = len(self._waiting)
         limit = self._policy.max_queued
@@ -396,6 +539,11 @@ class Scheduler:
         self._aged.push(entry)
         if self._plain is not None:
             self._plain.push(entry)
+        if self._reserved is not None and _interactive(entry):
+            aged, plain = self._reserved
+            aged.push(entry)
+            if plain is not None:
+                plain.push(entry)
         self._link(entry)
         self._band_arrivals[priority.band].append(entry)
         self._band_depth[priority.band] += 1
@@ -410,64 +558,120 @@ class Scheduler:
         return self._removed(entry, self._clock.now_ns())
 
     def next(self) -> Decision | None:
-        """Grant the best waiting request if nothing is running."""
-        if self._running is not None or not self._waiting:
+        """Grant the best waiting request if a slot is free for it; None if nothing can start.
+
+        The dispatch rule. With nothing running, the best request in the order is granted,
+        whatever model it needs. While fewer than ``slots`` grants run (the slots of the model
+        they run on), the best request is granted at once if it needs the loaded model or no
+        model. If it needs another model (a swap, or a load from nothing known loaded), nothing
+        more is granted: the running grants drain, then the swap goes; lower-scored work of the
+        loaded model never overtakes it (equal scores keep arrival order).
+
+        Reserved slots: a non-interactive request (priority below ``INTERACTIVE_FLOOR``) starts
+        only while fewer than ``slots - reserved`` non-interactive grants run; interactive ones
+        take any free slot. When the best request is non-interactive, needs the loaded model,
+        and only reserved slots are free (its share is used up), the order is read as if the
+        non-interactive requests were not in it: the best interactive request takes the free
+        slot if it needs the loaded model or no model, whatever the non-interactive requests
+        ahead of it need (none of them could use that slot); if it needs another model, nothing
+        is granted (an interactive swap waits for the drain, and no lower-scored work overtakes
+        it). Such a grant says ``reserved_slot``.
+        """
+        if not self._waiting:
             return None
-        now = self._clock.now_ns()
+        busy = len(self._grants)
         loaded = self._loaded_model
-        winner = self._pick(self._aged, loaded)
+        aged, plain = self._aged, self._plain
+        reserved_slot = False
+        if busy:
+            if busy >= self._slot_most:
+                return None  # (with one slot, always: nothing more runs beside a grant)
+            running_model = self._running_model()
+            total = self._slots.of(running_model if running_model is not None else loaded)
+            if busy >= total:
+                return None
+            winner = self._pick(aged, loaded)
+            if winner.model is not None and winner.model != loaded:
+                return None  # a swap waits until nothing runs
+            if winner.priority.value < INTERACTIVE_FLOOR and self._non_interactive() >= total - self._slots.reserved:
+                assert self._reserved is not None  # only reserved slots are free: reserved > 0
+                aged, plain = self._reserved
+                if aged.top() is None:
+                    return None
+                winner = self._pick(aged, loaded)
+                if winner.model is not None and winner.model != loaded:
+                    return None
+                reserved_slot = True
+        else:
+            winner = self._pick(aged, loaded)
+        now = self._clock.now_ns()
         reasons: set[ReorderCause] = set()
-        if self._plain is not None and self._pick(self._plain, loaded) is not winner:
+        if plain is not None and self._pick(plain, loaded) is not winner:
             reasons.add(ReorderCause.AGING)
-        if self._bonus and loaded is not None and _entry(self._aged.top()) is not winner:
+        if self._bonus and loaded is not None and _entry(aged.top()) is not winner:
             reasons.add(ReorderCause.SWAP_AFFINITY)
         overtook = self._overtaken_by(winner)
         self._remove(winner)
-        affinity = self._affinity(winner, loaded) > 0
-        aging = self._aging(now - winner.arrival_ns)
+        model = winner.model
+        # `_affinity` and `_aging`, inline: this runs once per grant.
+        affinity = self._bonus if model is not None and model == loaded else 0
+        divisor = self._divisor_ns
+        aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         self._dispatches += 1
         decision = Decision(
             request_id=winner.request_id,
             priority=winner.priority.value,
             band=winner.priority.band,
-            score=winner.base + self._affinity(winner, loaded) + aging,
+            score=winner.base + affinity + aging,
             arrival_ns=winner.arrival_ns,
             granted_ns=now,
-            model=winner.model,
-            swap_affinity=affinity,
+            model=model,
+            swap_affinity=affinity > 0,
             aging=aging,
-            load=winner.model is not None and loaded is None,
-            swap=winner.model is not None and loaded is not None and winner.model != loaded,
+            load=model is not None and loaded is None,
+            swap=model is not None and loaded is not None and model != loaded,
             previous_model=loaded,
             reordered_by=frozenset(reasons),
             overtook=overtook,
             queue_depth_after=len(self._waiting),
+            slots_busy=busy + 1,
+            reserved_slot=reserved_slot,
         )
-        self._running = winner
-        self._running_decision = decision
-        if winner.model is not None:
-            self._loaded_model = winner.model
+        load = None
+        if model is not None:
+            if model != loaded:  # only with nothing running: a load of its own
+                self._load = (loaded,)
+                self._loaded_model = model
+            load = self._load
+        self._grants[winner.request_id] = (winner, decision, load)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> Released:
-        """End the running request's grant.
+        """End one running request's grant.
 
         ``model_loaded=False`` says the upstream failed the request, so its model is not known
         to be loaded: the loaded model becomes unknown until the upstream reports it.
         ``reached_upstream=False`` says the grant was never used (its client left as it was
-        given): what was loaded before it still is.
+        given). A grant that loaded its model, and the grants of that model made while it stayed
+        loaded, are that load's users: when the last of them is released and none reached the
+        upstream, what was loaded before the load still is. (With one slot: a grant that never
+        reached the upstream leaves the model loaded before it.)
         """
-        running = self._running
-        decision = self._running_decision
-        if running is None or decision is None or running.request_id != request_id:
+        grant = self._grants.pop(request_id, None)
+        if grant is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
-        self._running = None
-        self._running_decision = None
+        model = grant[0].model
+        load = grant[2]
         if not reached_upstream:
-            self._loaded_model = decision.previous_model
-        elif not model_loaded and running.model is not None and self._loaded_model == running.model:
+            if load is not None and load is self._load and all(other[2] is not load for other in self._grants.values()):
+                self._loaded_model = load[0]
+                self._load = None
+        elif not model_loaded and model is not None and self._loaded_model == model:
             self._loaded_model = None
-        return Released(request_id, running.model, decision.granted_ns, self._clock.now_ns())
+            self._load = None
+        elif load is not None and load is self._load:
+            self._load = None  # it reached the upstream: the load happened
+        return Released(request_id, model, grant[1].granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
@@ -490,14 +694,13 @@ class Scheduler:
         return None if entry is None else entry.arrival_ns + limit_ns
 
     def reconfigure(self, policy: Policy) -> None:
-        """Apply new settings to the waiting requests, keeping their arrival times."""
+        """Apply new settings to the waiting requests, keeping their arrival times. Running
+        grants keep their slots; with fewer slots than run, nothing starts until enough end."""
         alive = self._arrival_order()
         self._apply_policy(policy)
         for entry in alive:
             entry.base = policy.base_priority(entry.priority.value, entry.model)
-        self._aged.rebuild(alive)
-        if self._plain is not None:
-            self._plain.rebuild(alive)
+        self._rebuild(alive)
         self._dead_in_heaps = 0
 
     def drain(self) -> list[Removed]:
@@ -527,10 +730,8 @@ class Scheduler:
             )
             for index, (entry, bonus) in enumerate(self._dispatch_order())
         )
-        running = None
-        decision = self._running_decision
-        if decision is not None:
-            running = RunningView(
+        grants = tuple(
+            RunningView(
                 request_id=decision.request_id,
                 priority=decision.priority,
                 band=decision.band,
@@ -540,7 +741,10 @@ class Scheduler:
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
             )
-        return QueueSnapshot(self._policy.name, self._loaded_model, running, waiting, self.band_stats())
+            for decision in (grant[1] for grant in self._grants.values())
+        )
+        return QueueSnapshot(self._policy.name, self._loaded_model, grants[0] if grants else None, waiting,
+                             self.band_stats(), grants, self.slots_total, len(grants))
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
@@ -555,6 +759,17 @@ class Scheduler:
         return stats
 
     # -- internals -----------------------------------------------------------------------
+
+    def _running_model(self) -> str | None:
+        """The model the running grants name (they name at most one)."""
+        for entry, _, _ in self._grants.values():
+            if entry.model is not None:
+                return entry.model
+        return None
+
+    def _non_interactive(self) -> int:
+        """Running grants below the interactive band: they hold the non-interactive share."""
+        return sum(1 for entry, _, _ in self._grants.values() if entry.priority.value < INTERACTIVE_FLOOR)
 
     def _dispatch_order(self) -> list[tuple[_Entry, int]]:
         """The order `next` would grant in if nothing changed, with each one's affinity bonus
@@ -634,9 +849,7 @@ class Scheduler:
 
     def _compact(self) -> None:
         alive = self._arrival_order()
-        self._aged.rebuild(alive)
-        if self._plain is not None:
-            self._plain.rebuild(alive)
+        self._rebuild(alive)
         self._band_arrivals = {band: deque(e for e in alive if e.priority.band is band) for band in Band}
         self._dead_in_heaps = 0
 
@@ -650,7 +863,10 @@ class Scheduler:
         """Earlier arrivals still waiting; the list holds only the living, so this is O(limit)."""
         overtaken: list[str] = []
         entry = self._oldest_entry
-        while entry is not None and entry.seq < winner.seq and len(overtaken) < OVERTAKEN_LIMIT:
+        seq = winner.seq
+        for _ in range(OVERTAKEN_LIMIT):  # (a bounded loop rather than a len() per step: per grant)
+            if entry is None or entry.seq >= seq:
+                break
             overtaken.append(entry.request_id)
             entry = entry.newer
         return tuple(overtaken)
@@ -663,3 +879,8 @@ class Scheduler:
 
 def _entry(item: _Item | None) -> _Entry | None:
     return item[2] if item is not None else None
+
+
+def _interactive(entry: _Entry) -> bool:
+    """In the interactive band: the reserved slots are for these."""
+    return entry.priority.value >= INTERACTIVE_FLOOR
