@@ -12,6 +12,10 @@ from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
 
 _log = logging.getLogger(__name__)
 
+# The model key of every request where the upstream serves one model whatever the name: they
+# are all on the loaded model (no swap between them, the affinity bonus for all).
+SINGLE_MODEL = "(single)"
+
 
 def listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
     """Whether `catalog` serves `model` under `check` (not OFF)."""
@@ -33,6 +37,10 @@ class ModelCatalog:
         self._observed = observed
         self.latest: Catalog | None = None
         self._refresh: asyncio.Task[Catalog | None] | None = None
+
+    def single_model(self) -> bool:
+        """The upstream's last answer says it serves one model, whatever name a request gives."""
+        return self.latest is not None and self.latest.kind is UpstreamKind.SINGLE
 
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""
