@@ -292,3 +292,40 @@ async def test_polling_a_status_walks_the_queue_once_per_change() -> None:
     assert flow.coordinator.status_of("w0") is not None
     assert walks == 2
 
+
+
+# -- the replay learns and keys as the runtime does ------------------------------------------
+
+@virtual_time
+async def test_the_replay_of_a_single_model_upstream_counts_no_swap() -> None:
+    activity = ActivityLog(clock())
+    flow = Flow(LONG_LEASE, upstream=FakeUpstream(single("the-model")), observers=[activity])
+    for i, name in enumerate(["gpt-4", "qwen3", "gpt-4", "qwen3"]):
+        r = await flow.arrive(f"r{i}", model=name)
+        await flow.advance(1)
+        await flow.complete(r, 200)
+    records = parse_activity(format_line(r) for r in activity.recent()).requests
+    assert [r["model"] for r in activity.recent()] == ["gpt-4", "qwen3", "gpt-4", "qwen3"]  # what clients sent
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10)
+    metrics = simulate(prepare(records), policy, FixedCosts({}, {}, RUN_S, SWAP_S)).metrics
+    assert metrics.swaps == 1  # the first grant's load, nothing after
+
+
+@virtual_time
+async def test_the_replay_learns_costs_only_from_streamed_generations() -> None:
+    from llamaswap.simulate.engine import measure_costs
+
+    activity = ActivityLog(clock())
+    flow = Flow(LONG_LEASE, observers=[activity])
+    bad = await flow.arrive("bad", model="m")  # a 400: no generation
+    await flow.advance(1)
+    await flow.complete(bad, 400)
+    plain = await flow.arrive("plain", model="m", streamed=False)  # a load, but not streamed
+    await flow.advance(9)
+    await flow.complete(plain, 200, first_byte_s=9.0)
+    records = parse_activity(format_line(r) for r in activity.recent()).requests
+    assert [(r.generation, r.streamed) for r in records] == [(False, True), (True, False)]
+    costs = measure_costs(records, default_run_s=RUN_S, default_swap_s=SWAP_S, samples=20)
+    live = flow.coordinator.estimator
+    assert costs.expected_swap_s("m") == live.expected_swap_s("m") == SWAP_S
+    assert costs.expected_run_s("m") == live.expected_run_s("m") == 9.0 - SWAP_S

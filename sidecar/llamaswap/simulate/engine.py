@@ -101,11 +101,13 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
     estimator = Estimator(default_run_s=default_run_s, default_swap_s=default_swap_s, samples=samples)
     per_model: dict[str | None, list[RequestRecord]] = {}
     for record in records:
-        if record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None:
+        # As the runtime learns: only generations, and only streamed first bytes time a load.
+        if (record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None
+                and record.generation):
             per_model.setdefault(record.model or None, []).append(record)
     for grants in per_model.values():
         for record in grants[_first_needed(grants, samples):]:
-            first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None else None
+            first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
                              first_byte_s=first_byte, model_load=record.model_load)
     return estimator
