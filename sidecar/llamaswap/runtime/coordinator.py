@@ -44,7 +44,7 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
-from llamaswap.runtime.catalog import SINGLE_MODEL, ModelCatalog
+from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
 from llamaswap.runtime.settle import Settling, settle_upstream
@@ -199,8 +199,9 @@ class Coordinator:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
-        if self._catalog.single_model():
-            ticket.schedule_model = SINGLE_MODEL
+        single = self._catalog.single_model()
+        if single is not None:  # one model whatever the name: every request is on the loaded one
+            ticket.schedule_model = single
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model)
         except QueueFull as exc:

@@ -32,6 +32,8 @@ class GpuState(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WaitingRow:
+    """`model` is the name the client sent (the scheduler may key it otherwise: `Ticket.schedule_model`)."""
+
     request_id: str
     position: int
     priority: int
@@ -132,13 +134,11 @@ class QueueViews:
         snapshot, starts = self.walk()
         now = self._clock.now_ns()
 
-        def request_id(token: str) -> str:
-            ticket = self._tickets.get(token)
-            return ticket.request_id if ticket is not None else "-"
-
+        tickets = self._tickets
         waiting = tuple(
-            WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
-                       w.waited_s, w.model, start)
+            WaitingRow(ticket.request_id, w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s,
+                       ticket.model, start) if (ticket := tickets.get(w.request_id)) is not None else
+            WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model, start)
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_row(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
@@ -153,7 +153,8 @@ class QueueViews:
         expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load,
                                                     max_tokens=ticket.max_tokens if ticket is not None else None)
         return RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
-                          decision.score, decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
+                          decision.score, ticket.model if ticket is not None else decision.model,
+                          decision.queue_wait_ns / NS_PER_S, running_s, expected,
                           max(0.0, expected - running_s))
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
@@ -175,4 +176,4 @@ class QueueViews:
         w = walk.snapshot.waiting[index]
         age_s = (now - walk.at_ns) / NS_PER_S
         return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
-                                  w.waited_s, w.model, max(0.0, walk.starts[index] - age_s))
+                                  w.waited_s, ticket.model, max(0.0, walk.starts[index] - age_s))
