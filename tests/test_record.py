@@ -270,7 +270,18 @@ async def test_a_clients_status_is_its_row_of_the_live_view() -> None:
 
 
 @virtual_time
-async def test_polling_a_status_walks_the_queue_once_per_change() -> None:
+async def test_polling_a_status_walks_the_queue_once_per_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each poll builds its own row only (not the whole view), from a walk made once per change."""
+    from llamaswap.runtime import views
+
+    rows = 0
+    row_type = views.WaitingRow
+
+    def counted_row(*args: object) -> object:
+        nonlocal rows
+        rows += 1
+        return row_type(*args)  # type: ignore[arg-type]
+    monkeypatch.setattr(views, "WaitingRow", counted_row)
     flow = Flow(LONG_LEASE)
     await flow.arrive("run", model="a")
     for i in range(50):
@@ -288,6 +299,7 @@ async def test_polling_a_status_walks_the_queue_once_per_change() -> None:
         for i in (0, 25, 49):
             assert flow.coordinator.status_of(f"w{i}") is not None
     assert walks == 1
+    assert rows == 300  # one per poll, whatever the depth
     await flow.arrive("new", model="a")  # a change
     assert flow.coordinator.status_of("w0") is not None
     assert walks == 2
