@@ -40,6 +40,7 @@ from llamaswap.core import (
     Estimator,
     MonotonicClock,
     Outcome,
+    PolicyName,
     QueueFull,
     Scheduler,
     model_stays_loaded,
@@ -200,7 +201,9 @@ class Coordinator:
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         single = self._catalog.single_model()
-        if single is not None:  # one model whatever the name: every request is on the loaded one
+        # One model whatever the name: every request is on the loaded one. Not under fifo, whose
+        # models.<id>.priority keys on the name the client sent (and which has no affinity).
+        if single is not None and self.scheduler.policy.name is not PolicyName.FIFO:
             ticket.schedule_model = single
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model)
