@@ -150,7 +150,13 @@ async def test_model_from_large_and_odd_bodies(tmp_path: pathlib.Path) -> None:
         assert [big_reply.status, not_json.status, no_model.status, odd_model.status] == [200, 200, 200, 200]
         hits = {hit.test_id: hit for hit in stack.upstream.hits}
         assert hits["big"].model == "model-big" and hits["big"].body_bytes == len(big)
-        assert stack.sidecar.queue()["loaded_model"] == "model-big"  # no-model requests keep it
+        records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"big", "odd-model"}),
+                                       what="the records")
+        assert records["big"]["model"] == "model-big"  # read from the 32 MiB body
+        assert records["odd-model"]["model"] is None  # not a string: no model
+        # A single-model upstream serves every request with its one model, whatever the name.
+        assert records["big"]["scheduled_model"] == "fake.gguf"
+        assert stack.sidecar.queue()["loaded_model"] == "fake.gguf"
 
 
 async def test_streaming_passes_through_unbuffered(tmp_path: pathlib.Path) -> None:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from client import chat, start_blocker
-from harness import async_wait_for, running_stack
+from harness import FakeUpstream, async_wait_for, running_stack
 
 STATUS = "/llamaswap/v1/requests/"
 
@@ -58,7 +58,9 @@ async def test_a_client_asks_where_its_own_request_stands(tmp_path: pathlib.Path
 
 async def test_the_queue_shows_estimated_starts(tmp_path: pathlib.Path) -> None:
     config = {"estimates": {"defaultRunSeconds": 30, "defaultSwapSeconds": 4}}
-    with running_stack(tmp_path, config) as stack:
+    # A router: it serves each model by name, so changing model is a swap (a single-model
+    # upstream serves every request with its one model: no swap, tests/test_record.py).
+    with running_stack(tmp_path, config, fake=FakeUpstream(router=True)) as stack:
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session)
             tasks = []
@@ -120,7 +122,7 @@ async def test_recorded_traffic_replays_as_it_happened(tmp_path: pathlib.Path) -
     first_wave = [("i1", "interactive", "model-b", 120), ("n1", "normal", "model-a", 80),
                   ("b1", "batch", "model-a", 60), ("n2", "normal", "model-b", 100), ("i2", "interactive", "model-a", 90)]
     second_wave = [("n3", "normal", "model-a", 70), ("b2", "batch", "model-b", 50), ("i3", "interactive", "model-b", 60)]
-    with running_stack(tmp_path, config) as stack:
+    with running_stack(tmp_path, config, fake=FakeUpstream(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session, model="model-a")
             tasks = []
@@ -160,3 +162,34 @@ async def test_recorded_traffic_replays_as_it_happened(tmp_path: pathlib.Path) -
 
 def _lines(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _sized(model: str, **fields: object) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+async def test_the_size_a_request_asks_for_reaches_the_estimates(tmp_path: pathlib.Path) -> None:
+    """Envoy's json_to_metadata reads `max_tokens` (or `n_predict`) from the body into the Check:
+    the running request's expected run and each waiting one's share of the walk scale with it."""
+    config = {"estimates": {"defaultRunSeconds": 30, "defaultSwapSeconds": 0}}
+    with running_stack(tmp_path, config) as stack:
+        async with aiohttp.ClientSession() as session:
+            for index in range(3):  # teach the run time per token asked
+                reply = await chat(session, stack.url, f"warm{index}", sleep_ms=100, body=_sized("model-a", max_tokens=64))
+                assert reply.status == 200
+            blocker = await start_blocker(stack, session, body=_sized("model-a", max_tokens=200))
+            small = asyncio.create_task(chat(session, stack.url, "small", body=_sized("model-a", max_tokens=64)))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="small queued")
+            after = asyncio.create_task(chat(session, stack.url, "after", body=_sized("model-a", n_predict=64)))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="after queued")
+            document = stack.sidecar.queue()
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, small, after)
+        assert [r.status for r in replies] == [200, 200, 200]
+        running = document["running"]
+        first, second = document["waiting"]
+        assert (running["request_id"], first["request_id"], second["request_id"]) == ("blocker", "small", "after")
+        per_token = running["expected_run_s"] / 200
+        assert 0 < per_token < 30 / 200  # learnt from the warm runs, not the default
+        # The 64-token request between them is expected to take 64/200 of the 200-token one.
+        assert second["estimated_start_s"] - first["estimated_start_s"] == pytest.approx(per_token * 64, rel=1e-6)

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from client import chat
-from harness import async_wait_for, get_json, http_get, metric_samples, running_stack
+from harness import FakeUpstream, async_wait_for, get_json, http_get, metric_samples, running_stack
 from otlp import ReceivedSpan, otlp_receiver
 from prometheus import prometheus_binary, running_prometheus
 
@@ -69,8 +69,9 @@ async def queue_traffic(stack: Any, session: aiohttp.ClientSession) -> tuple[asy
     await async_wait_for(lambda: stack.upstream.order() == ["blocker"], what="blocker at the upstream")
     tasks = {}
     for index, (request_id, header, model, _) in enumerate(TRAFFIC):
+        # Streamed: a streamed first byte is what times a model load (llamaswap_model_swap_seconds).
         tasks[request_id] = asyncio.create_task(chat(session, stack.url, request_id, priority=header, model=model,
-                                                     extra_headers={"x-request-id": request_id}))
+                                                     stream=True, extra_headers={"x-request-id": request_id}))
         await async_wait_for(lambda n=index + 1: len(stack.sidecar.queue()["waiting"]) == n,
                              what=f"{request_id} in the queue")
     return blocker, tasks
@@ -105,7 +106,8 @@ async def test_one_trace_holds_client_envoy_and_sidecar_spans(tmp_path: pathlib.
     client_span = secrets.token_hex(8)
     config = {"routing": {"scheduler": {"maxQueued": 2}}}
     with otlp_receiver() as receiver, running_stack(tmp_path, config, otlp_endpoint=receiver.endpoint,
-                                                    sidecar_env=sidecar_otlp_env(receiver.endpoint)) as stack:
+                                                    sidecar_env=sidecar_otlp_env(receiver.endpoint),
+                                                    fake=FakeUpstream(router=True)) as stack:
         async with aiohttp.ClientSession() as session:
             # The winner brings its own non-UUID x-request-id: it must still be traced
             # (request_id_extension with use_request_id_for_trace_sampling off).
@@ -194,7 +196,7 @@ def prometheus_installed() -> None:
 
 @pytest.mark.prometheus
 async def test_prometheus_scrapes_the_specified_series(tmp_path: pathlib.Path, prometheus_installed: None) -> None:
-    with running_stack(tmp_path) as stack, \
+    with running_stack(tmp_path, fake=FakeUpstream(router=True)) as stack, \
             running_prometheus(tmp_path, [f"127.0.0.1:{stack.sidecar.admin_port}"]) as prometheus:
         await async_wait_for(lambda: prometheus.targets_up("llamaswap"), what="the sidecar target up")
         # The four series, every band, present before any traffic.
@@ -236,7 +238,8 @@ async def test_prometheus_scrapes_the_specified_series(tmp_path: pathlib.Path, p
 
 
 async def test_metrics_pushed_over_otlp_with_the_same_names(tmp_path: pathlib.Path) -> None:
-    with otlp_receiver() as receiver, running_stack(tmp_path, sidecar_env=sidecar_otlp_env(receiver.endpoint)) as stack:
+    with otlp_receiver() as receiver, running_stack(tmp_path, sidecar_env=sidecar_otlp_env(receiver.endpoint),
+                                                    fake=FakeUpstream(router=True)) as stack:
         # Histograms appear with their first measurement; everything else is there from the start.
         by_traffic = {names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO}
         await async_wait_for(lambda: set(names.ALL) - by_traffic <= receiver.metric_names(),
@@ -293,7 +296,7 @@ async def _llamaswap(*args: str, ignore_sigint: bool = False) -> asyncio.subproc
 
 
 async def test_activity_queue_table_and_metrics_through_envoy(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path) as stack:
+    with running_stack(tmp_path, fake=FakeUpstream(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker, tasks = await queue_traffic(stack, session)
 

@@ -426,9 +426,12 @@ class Flow:
 
     async def arrive(self, request_id: str, priority: str | None = None, model: str | None = None, *,
                      peer: str = PEER, trusted: str | None = None, trace_parent: str | None = None,
-                     trace_state: str | None = None) -> Request:
-        """A held Check: `admit` as a task, then whatever becomes ready runs."""
-        return await self.admit(Arrival(request_id, priority, trusted, model, peer, trace_parent, trace_state))
+                     trace_state: str | None = None, method: str = "POST", path: str = "/v1/chat/completions",
+                     max_tokens: int | None = None, streamed: bool = True) -> Request:
+        """A held Check: `admit` as a task, then whatever becomes ready runs. By default a streamed
+        chat completion (a generation whose first byte times its start)."""
+        return await self.admit(Arrival(request_id, priority, trusted, model, peer, trace_parent, trace_state,
+                                        method, path, max_tokens, streamed))
 
     async def check(self, request: authz_pb2.CheckRequest, context: FakeServicerContext | None = None) -> Request:
         """A held Check read by the ext_authz servicer's own `_arrival`."""

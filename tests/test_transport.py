@@ -312,11 +312,40 @@ def test_arrival_reads_the_headers_the_peer_and_the_trace() -> None:
                                                           ("tracestate", "k=v"), ("user-agent", "grpc-c++")))
     assert servicer._arrival(request, context) == Arrival(  # type: ignore[arg-type]
         request_id="req-9", priority_header="batch", trusted_header="interactive", model="m",
-        peer="ipv4:10.1.2.3:4567", trace_parent="00-" + "a" * 32 + "-" + "b" * 16 + "-01", trace_state="k=v")
+        peer="ipv4:10.1.2.3:4567", trace_parent="00-" + "a" * 32 + "-" + "b" * 16 + "-01", trace_state="k=v",
+        method="POST", path="/v1/chat/completions")
     # Without the request id header: Envoy's stream id. Without metadata: no trace. Binary values: ignored.
     bare = servicer._arrival(check_request({}, http_id="stream-4"),  # type: ignore[arg-type]
                              FakeServicerContext("p", (("traceparent", b"\x00\x01"),)))
-    assert bare == Arrival("stream-4", None, None, None, "p", None, None)
+    assert bare == Arrival("stream-4", None, None, None, "p", None, None, "POST", "/v1/chat/completions")
+
+
+def test_arrival_reads_the_size_asked_and_whether_it_streams() -> None:
+    from google.protobuf import struct_pb2
+    from llamaswap.config import parse_config
+    from llamaswap.runtime.coordinator import Coordinator
+
+    servicer = Authorization(Coordinator(parse_config({}), observe_after_grant=False))
+
+    def arrival(**fields: struct_pb2.Value) -> Arrival:
+        request = check_request({})
+        for key, value in fields.items():
+            request.attributes.metadata_context.filter_metadata["llamaswap"].fields[key].CopyFrom(value)
+        return servicer._arrival(request, FakeServicerContext())  # type: ignore[arg-type]
+
+    number, flag, text = (lambda n: struct_pb2.Value(number_value=n)), (lambda b: struct_pb2.Value(bool_value=b)), (
+        lambda t: struct_pb2.Value(string_value=t))
+    assert arrival(max_tokens=number(200)).max_tokens == 200
+    assert arrival(n_predict=number(64)).max_tokens == 64
+    assert arrival(max_completion_tokens=number(32)).max_tokens == 32
+    assert arrival(max_tokens=number(8), n_predict=number(64)).max_tokens == 8  # OpenAI's name first
+    # Not a count: absent, a string, unlimited (-1), zero, or absurd.
+    for value in (text("200"), number(-1), number(0), number(1e12)):
+        assert arrival(max_tokens=value).max_tokens is None
+    assert arrival(stream=flag(True)).streamed is True
+    assert arrival(stream=flag(False)).streamed is False
+    assert arrival(stream=text("true")).streamed is False
+    assert arrival().streamed is False and arrival().max_tokens is None
 
 
 def test_arrival_ignores_a_trusted_header_that_is_not_configured() -> None:

@@ -1,7 +1,7 @@
 """Envoy ext_authz: the Check call that is answered only when the request gets the GPU.
 
-The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`
-into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
+The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`,
+its `max_tokens` (or `max_completion_tokens`, `n_predict`) and `stream` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
 are sent. A grant answers OK with the x-llamaswap-* response headers and the grant's ticket in
 dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse in the
 OpenAI error shape. A cancelled Check means the client left while waiting.
@@ -20,7 +20,15 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
-from llamaswap.envoy.contract import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
+from llamaswap.envoy.contract import (
+    MAX_TOKENS_KEYS,
+    MODEL_KEY,
+    MODEL_NAMESPACE,
+    PRIORITY_HEADER,
+    REQUEST_ID_HEADER,
+    STREAM_KEY,
+    TICKET_KEY,
+)
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, Ticket
 from llamaswap.adapters.metadata import metadata_value
@@ -30,6 +38,8 @@ _log = logging.getLogger(__name__)
 
 # A model name longer than this is not a model name (json_to_metadata stops at 8 KiB anyway).
 MAX_MODEL_NAME = 512
+# More output tokens than any context holds is not a request's size.
+MAX_TOKENS = 10_000_000
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -88,6 +98,25 @@ def model_of(request: authz_pb2.CheckRequest) -> str | None:
     return model if 0 < len(model) <= MAX_MODEL_NAME else None
 
 
+def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
+    """The output tokens the body asks for: the first of MAX_TOKENS_KEYS that is a positive
+    number (json_to_metadata put it there); None when absent or not a count (-1: unlimited)."""
+    for key in MAX_TOKENS_KEYS:
+        value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, key)
+        if value is None or value.WhichOneof("kind") != "number_value":
+            continue
+        number = value.number_value
+        if 1 <= number <= MAX_TOKENS:
+            return int(number)
+    return None
+
+
+def streamed_of(request: authz_pb2.CheckRequest) -> bool:
+    """Whether the body asks for a streamed response (`"stream": true`)."""
+    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, STREAM_KEY)
+    return value is not None and value.WhichOneof("kind") == "bool_value" and value.bool_value
+
+
 class Authorization(authz_grpc.AuthorizationServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
@@ -125,4 +154,8 @@ class Authorization(authz_grpc.AuthorizationServicer):
             peer=context.peer(),
             trace_parent=trace_parent if isinstance(trace_parent, str) else None,
             trace_state=trace_state if isinstance(trace_state, str) else None,
+            method=http.method,
+            path=http.path,
+            max_tokens=max_tokens_of(request),
+            streamed=streamed_of(request),
         )

@@ -9,6 +9,11 @@ runaway generation):
 - expected swap cost of a model = median time to first byte of its grants that loaded it,
   minus the median time to first byte of those that did not (never below 0).
 
+Where a request says how many output tokens it asks for (`max_tokens`), its expected run scales
+with them (`expected_request_run_s`): per model, the rolling median of run time per token asked
+of its measured grants that said so. A request that does not say, or a model with no such
+measurement yet, gets the model's expected run.
+
 Before a model has a measurement the stated defaults apply (`estimates.defaultRunSeconds`,
 `estimates.defaultSwapSeconds`). A grant that loaded a model also teaches the run time, minus
 the measured swap cost, so that a model that is always swapped in still gets a run estimate.
@@ -63,18 +68,23 @@ class Estimator:
         self._run: dict[str, _Recent] = {}
         self._warm_first_byte: dict[str, _Recent] = {}
         self._load_first_byte: dict[str, _Recent] = {}
+        self._run_per_token: dict[str, _Recent] = {}
 
     # -- learning ------------------------------------------------------------------------
 
-    def record(self, model: str | None, *, run_s: float, first_byte_s: float | None, model_load: bool) -> None:
-        """One finished grant: its run time, its time to first byte (None when the upstream
-        never answered), and whether it began by loading its model."""
+    def record(self, model: str | None, *, run_s: float, first_byte_s: float | None, model_load: bool,
+               max_tokens: int | None = None) -> None:
+        """One finished generation: its run time, its time to first byte (None when it does not
+        time the start of the generation: no answer, or a response that was not streamed), whether
+        it began by loading its model, and the output tokens it asked for (None: not said)."""
         key = model or NO_MODEL
         if first_byte_s is not None:
             table = self._load_first_byte if model_load else self._warm_first_byte
             self._recent(table, key).add(max(0.0, first_byte_s))
-        run = run_s - self.expected_swap_s(model) if model_load else run_s
-        self._recent(self._run, key).add(max(0.0, run))
+        run = max(0.0, run_s - self.expected_swap_s(model) if model_load else run_s)
+        self._recent(self._run, key).add(run)
+        if max_tokens is not None and max_tokens > 0:
+            self._recent(self._run_per_token, key).add(run / max_tokens)
 
     def _recent(self, table: dict[str, _Recent], key: str) -> _Recent:
         recent = table.get(key)
@@ -88,6 +98,16 @@ class Estimator:
         recent = self._run.get(model or NO_MODEL)
         return recent.median if recent is not None and recent.median is not None else self.default_run_s
 
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None) -> float:
+        """The expected run of one request of `model` that asks for `max_tokens` output tokens
+        (None: not said): per token asked where the model has that measurement, else the
+        model's expected run."""
+        if max_tokens is not None and max_tokens > 0:
+            per_token = self._run_per_token.get(model or NO_MODEL)
+            if per_token is not None and per_token.median is not None:
+                return per_token.median * max_tokens
+        return self.expected_run_s(model)
+
     def expected_swap_s(self, model: str | None) -> float:
         loads = self._load_first_byte.get(model or NO_MODEL)
         if loads is None or loads.median is None:
@@ -96,17 +116,19 @@ class Estimator:
         baseline = warm.median if warm is not None and warm.median is not None else 0.0
         return max(0.0, loads.median - baseline)
 
-    def expected_grant_s(self, model: str | None, *, model_load: bool) -> float:
+    def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None) -> float:
         """How long a grant of `model` is expected to hold the GPU, its model's load included."""
-        return self.expected_run_s(model) + (self.expected_swap_s(model) if model_load else 0.0)
+        return self.expected_request_run_s(model, max_tokens) + (self.expected_swap_s(model) if model_load else 0.0)
 
-    def remaining_s(self, model: str | None, *, model_load: bool, running_s: float) -> float:
+    def remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
+                    max_tokens: int | None = None) -> float:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        return max(0.0, self.expected_grant_s(model, model_load=model_load) - running_s)
+        return max(0.0, self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens) - running_s)
 
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
-               slots: Slots | None = None, interactive: Sequence[bool] | None = None) -> list[float]:
+               slots: Slots | None = None, interactive: Sequence[bool] | None = None,
+               max_tokens: Sequence[int | None] | None = None) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order.
 
         ``loaded`` is the model loaded now. ``busy_s`` is how long the GPU stays busy before the
@@ -116,12 +138,15 @@ class Estimator:
         value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot. ``slots`` gives each
         model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
         requests are in the interactive band (None: none, so no reserved slot is ever taken).
+        ``max_tokens`` (one per waiting request, in the same order; None: none said) sizes each
+        one's run (`expected_request_run_s`).
         """
+        sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
         if slots is None or slots.single:
-            return self._serial_starts(models, loaded=loaded, busy_s=max([busy_s, *remaining_s]))
+            return self._serial_starts(models, sizes, loaded=loaded, busy_s=max([busy_s, *remaining_s]))
         flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
         occupied = [(busy_s, False), *zip(remaining_s, flags)]
-        return self._slotted_starts(models, loaded, occupied, slots, interactive)
+        return self._slotted_starts(models, sizes, loaded, occupied, slots, interactive)
 
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = ()) -> list[float]:
         """`starts` for a scheduler's snapshot: its running grants' remaining times (plus
@@ -134,19 +159,20 @@ class Estimator:
                            remaining_interactive=[grant.band is Band.INTERACTIVE for grant in snapshot.grants],
                            slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting])
 
-    def _serial_starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float) -> list[float]:
+    def _serial_starts(self, models: Sequence[str | None], sizes: Sequence[int | None], *, loaded: str | None,
+                       busy_s: float) -> list[float]:
         """One slot: each request starts when the one before it ends."""
         starts: list[float] = []
         at = busy_s
-        for model in models:
+        for model, size in zip(models, sizes, strict=True):
             starts.append(at)
             if model is not None and model != loaded:
                 at += self.expected_swap_s(model)
                 loaded = model
-            at += self.expected_run_s(model)
+            at += self.expected_request_run_s(model, size)
         return starts
 
-    def _slotted_starts(self, models: Sequence[str | None], loaded: str | None,
+    def _slotted_starts(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
                         occupied: Sequence[tuple[float, bool]], slots: Slots,
                         interactive: Sequence[bool] | None) -> list[float]:
         """Several slots: an event walk of the dispatch rule over the given order."""
@@ -166,7 +192,7 @@ class Estimator:
         now = 0.0
         ready_at = 0.0  # when the loaded model's load ends (its runs begin then)
         first = 0  # the first request not started yet
-        run_s = self.expected_run_s
+        run_s = self.expected_request_run_s
         while first < count:
             for heap in ends:
                 while heap and heap[0] <= now:
@@ -192,7 +218,7 @@ class Estimator:
                     continue
                 taken = choice
             starts[taken] = now
-            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(models[taken]))
+            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(models[taken], sizes[taken]))
             while first < count and starts[first] is not None:
                 first += 1
         return [start if start is not None else 0.0 for start in starts]

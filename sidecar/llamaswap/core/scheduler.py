@@ -195,15 +195,17 @@ class Policy:
 
 
 class _Entry:
-    __slots__ = ("request_id", "seq", "priority", "base", "model", "arrival_ns", "alive", "older", "newer")
+    __slots__ = ("request_id", "seq", "priority", "base", "model", "priority_model", "arrival_ns", "alive",
+                 "older", "newer")
 
     def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
-                 arrival_ns: int) -> None:
+                 arrival_ns: int, priority_model: str | None = None) -> None:
         self.request_id = request_id
         self.seq = seq
         self.priority = priority
         self.base = base
-        self.model = model
+        self.model = model  # what it is scheduled on (affinity, swaps, slots)
+        self.priority_model = priority_model if priority_model is not None else model  # models.<id>.priority
         self.arrival_ns = arrival_ns
         self.alive = True
         # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
@@ -524,8 +526,13 @@ class Scheduler:
 
     # -- commands ------------------------------------------------------------------------
 
-    def enqueue(self, request_id: str, priority: Priority, model: str | None = None) -> Queued:
-        """Add a waiting request; says the queue depth it found and its arrival time."""
+    def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
+                priority_model: str | None = None) -> Queued:
+        """Add a waiting request; says the queue depth it found and its arrival time.
+
+        ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
+        whose per-model priority it gets, which differs where a single-model upstream puts every
+        request on its one model whatever name the client sent."""
         if request_id in self._waiting or request_id in self._grants:
             raise SchedulerError(f"request {request_id!r} is already known")
         depth = len(self._waiting)
@@ -533,8 +540,9 @@ class Scheduler:
         if limit and depth >= limit:
             raise QueueFull(depth, limit)
         self._seq += 1
-        entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, model), model,
-                       self._clock.now_ns())
+        named = priority_model if priority_model is not None else model
+        entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
+                       self._clock.now_ns(), named)
         self._waiting[request_id] = entry
         self._aged.push(entry)
         if self._plain is not None:
@@ -699,7 +707,7 @@ class Scheduler:
         alive = self._arrival_order()
         self._apply_policy(policy)
         for entry in alive:
-            entry.base = policy.base_priority(entry.priority.value, entry.model)
+            entry.base = policy.base_priority(entry.priority.value, entry.priority_model)
         self._rebuild(alive)
         self._dead_in_heaps = 0
 

@@ -8,7 +8,8 @@ the sidecar:
 
 - buffer reads the whole body first: a clear 413 above the limit, and a slow sender never
   holds a place in the queue while it sends;
-- json_to_metadata puts the body's top-level `model` into dynamic metadata (namespace
+- json_to_metadata puts the body's top-level `model` (and `max_tokens` / `max_completion_tokens` /
+  `n_predict`, `stream`) into dynamic metadata (namespace
   `llamaswap`), keeping its JSON type so that only a string counts as a model;
 - ext_authz's Check carries that metadata and a few headers (no body) and is held until the
   scheduler grants the GPU; its OK adds the x-llamaswap-* response headers and writes the
@@ -36,12 +37,14 @@ from llamaswap.envoy.contract import (
     BYPASS_PATHS,
     GRANT_NAMESPACE,
     METRICS_PATH,
+    MAX_TOKENS_KEYS,
     MODEL_KEY,
     MODEL_NAMESPACE,
     PRIORITY_HEADER,
     RENEWALS_PER_LEASE,
     REQUEST_ID_HEADER,
     STATUS_PREFIX,
+    STREAM_KEY,
     TICKET_KEY,
     UPSTREAM_METRICS_PATH,
 )
@@ -139,11 +142,12 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
     json_to_metadata = {"name": JSON_TO_METADATA, "typed_config": _typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
         request_rules={
+            # PROTOBUF_VALUE keeps the JSON type: the sidecar takes only a string as a model, a
+            # number as a token count, a bool as `stream`.
             "rules": [{
-                "selectors": [{"key": MODEL_KEY}],
-                # PROTOBUF_VALUE keeps the JSON type: the sidecar takes only a string as a model.
-                "on_present": {"metadata_namespace": MODEL_NAMESPACE, "key": MODEL_KEY, "type": "PROTOBUF_VALUE"},
-            }],
+                "selectors": [{"key": key}],
+                "on_present": {"metadata_namespace": MODEL_NAMESPACE, "key": key, "type": "PROTOBUF_VALUE"},
+            } for key in (MODEL_KEY, *MAX_TOKENS_KEYS, STREAM_KEY)],
             # Any content type: a body that is not JSON simply has no model (never an error).
             "allow_content_types_regex": {"regex": ".*"},
             "allow_empty_content_type": True,

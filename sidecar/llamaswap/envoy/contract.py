@@ -10,7 +10,7 @@ from __future__ import annotations
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 __all__ = [
-    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "METRICS_PATH", "MODEL_KEY",
+    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "METRICS_PATH", "MAX_TOKENS_KEYS", "MODEL_KEY", "STREAM_KEY",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH",
 ]
@@ -18,6 +18,11 @@ __all__ = [
 # Where the body's model goes, and where Envoy puts what the Check answered.
 MODEL_NAMESPACE = "llamaswap"
 MODEL_KEY = "model"
+# Also read from the body into the same namespace: the output tokens asked for (the estimates
+# scale with it; OpenAI's two names and llama.cpp's own, first present wins) and whether the
+# response is streamed (only a streamed first byte times a model load).
+MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
+STREAM_KEY = "stream"
 GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
 TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"

@@ -113,6 +113,12 @@ class ActivityLog:
             "request_id": ticket.request_id,
             "trace_id": ticket.trace_id,
             "model": ticket.model,
+            # What the scheduler keyed it on (a single-model upstream: one key for every name),
+            # and what says whether its run and first byte measure a generation.
+            "scheduled_model": ticket.schedule_model,
+            "max_tokens": ticket.max_tokens,
+            "streamed": ticket.streamed,
+            "generation": ticket.generation,
             "outcome": outcome.value if outcome is not None else None,
             "dispatched": decision is not None,
             "serial_priority": ticket.priority.value,

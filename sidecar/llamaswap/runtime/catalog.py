@@ -12,6 +12,10 @@ from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
 
 _log = logging.getLogger(__name__)
 
+# The model key of every request where the upstream serves one model whatever the name (when it
+# does not list exactly one): they are all on the loaded model (no swap, the affinity bonus for all).
+SINGLE_MODEL = "(single)"
+
 
 def listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
     """Whether `catalog` serves `model` under `check` (not OFF)."""
@@ -33,6 +37,16 @@ class ModelCatalog:
         self._observed = observed
         self.latest: Catalog | None = None
         self._refresh: asyncio.Task[Catalog | None] | None = None
+
+    def single_model(self) -> str | None:
+        """Where the upstream's last answer says it serves one model whatever name a request gives,
+        the key every request is scheduled on: the model it lists, else SINGLE_MODEL; None otherwise."""
+        catalog = self.latest
+        if catalog is None or catalog.kind is not UpstreamKind.SINGLE:
+            return None
+        if catalog.models is not None and len(catalog.models) == 1:
+            return next(iter(catalog.models))
+        return SINGLE_MODEL
 
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""

@@ -199,8 +199,13 @@ class Coordinator:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
+        single = self._catalog.single_model()
+        # One model whatever the name: every request is on the loaded one; models.<id>.priority
+        # still keys on the name the client sent.
+        if single is not None:
+            ticket.schedule_model = single
         try:
-            queued = self.scheduler.enqueue(ticket.token, priority, ticket.model)
+            queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
@@ -360,9 +365,12 @@ class Coordinator:
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
         decision = ticket.decision
-        if outcome is Outcome.SERVED and decision is not None:
-            self.estimator.record(ticket.model, run_s=released.run_ns / NS_PER_S, first_byte_s=ticket.first_byte_s,
-                                  model_load=decision.model_load)
+        if outcome is Outcome.SERVED and decision is not None and ticket.generation:
+            # Only a streamed first byte is the generation's start: a non-streamed one is its end,
+            # and would teach generation length as swap cost.
+            self.estimator.record(decision.model, run_s=released.run_ns / NS_PER_S,
+                                  first_byte_s=ticket.first_byte_s if ticket.streamed else None,
+                                  model_load=decision.model_load, max_tokens=ticket.max_tokens)
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
@@ -554,7 +562,7 @@ class Coordinator:
         if running is not None and running.decision is not None:
             d = running.decision
             return self.estimator.remaining_s(d.model, model_load=d.model_load,
-                                              running_s=(now - d.granted_ns) / NS_PER_S)
+                                              running_s=(now - d.granted_ns) / NS_PER_S, max_tokens=running.max_tokens)
         settling = self._settling
         if settling is not None and settling.granted_ns is not None:
             return self.estimator.remaining_s(settling.model, model_load=False,

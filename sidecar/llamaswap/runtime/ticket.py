@@ -59,6 +59,24 @@ class Arrival:
     peer: str  # the gRPC peer (one Envoy worker's connection): its access-log stream ends with it
     trace_parent: str | None  # W3C traceparent of Envoy's span for the Check call
     trace_state: str | None
+    method: str = ""  # the HTTP method and path (a generation is told by them and the status)
+    path: str = ""
+    max_tokens: int | None = None  # output tokens the body asks for (max_tokens, n_predict, ...)
+    streamed: bool = False  # the body asks for a streamed response ("stream": true)
+
+
+# Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).
+GENERATION_PATHS = frozenset({
+    "/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",
+    "/embedding", "/embeddings", "/v1/embeddings", "/infill", "/rerank", "/reranking", "/v1/rerank",
+    "/v1/reranking", "/v1/messages", "/v1/responses",
+})
+
+
+def is_generation(method: str, path: str, status: int) -> bool:
+    """A POST to a generation path that the upstream answered 2xx: the only exchanges whose
+    run time says how long a model takes to generate (not a 4xx, not a GET on the catch-all)."""
+    return method == "POST" and path.split("?", 1)[0] in GENERATION_PATHS and 200 <= status < 300
 
 
 class Tokens:
@@ -82,7 +100,7 @@ class Ticket:
         "token", "request_id", "priority", "model", "peer", "trace_parent", "trace_state",
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
-        "waiter",
+        "waiter", "method", "path", "max_tokens", "streamed", "schedule_model",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -107,6 +125,18 @@ class Ticket:
         self.outcome: Outcome | None = None
         self.finished_ns: int | None = None
         self.waiter: asyncio.Future[Decision | None] | None = None
+        self.method = arrival.method
+        self.path = arrival.path
+        self.max_tokens = arrival.max_tokens
+        self.streamed = arrival.streamed
+        # The model the scheduler and the estimates key on: the client's, except where the
+        # upstream serves one model whatever the name (then every request is on the loaded one).
+        self.schedule_model = arrival.model
+
+    @property
+    def generation(self) -> bool:
+        """A generation answered 2xx (`is_generation`): what the run-time estimates learn from."""
+        return is_generation(self.method, self.path, self.response_status)
 
     @property
     def ended_ns(self) -> int:

@@ -2,7 +2,9 @@
 client's own status (`status_of`), from the scheduler's dispatch order and the estimator.
 
 A walk of the queue (the dispatch order and each one's estimated start) is reused for a moment
-while nothing changes: many readers of a deep queue should not each pay for one.
+while nothing changes: many readers of a deep queue should not each pay for one. A client's
+status is one row of the last walk, found by its position index (built once per walk): polling
+it costs O(1) however deep the queue (bench/status_poll.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class GpuState(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WaitingRow:
+    """`model` is the name the client sent (the scheduler may key it otherwise: `Ticket.schedule_model`)."""
+
     request_id: str
     position: int
     priority: int
@@ -73,6 +77,7 @@ class _Walk:
     snapshot: QueueSnapshot
     starts: list[float]
     took_s: float
+    positions: dict[str, int]  # token -> index in snapshot.waiting
 
 
 class QueueViews:
@@ -102,49 +107,73 @@ class QueueViews:
         """The dispatch order and each one's estimated start (seconds from now)."""
         now = self._clock.now_ns()
         cached = self._walk
+        cached = self._current(now, fresh=fresh)
+        age_s = (now - cached.at_ns) / NS_PER_S
+        if age_s == 0:
+            return cached.snapshot, cached.starts
+        return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
+
+    def _current(self, now: int, *, fresh: bool = False) -> _Walk:
+        """The last walk while it is current (same version, younger than VIEW_MAX_AGE_S), else a new one."""
+        cached = self._walk
         if (cached is not None and not fresh and cached.version == self._version()
                 and now - cached.at_ns < VIEW_MAX_AGE_S * NS_PER_S):
-            age_s = (now - cached.at_ns) / NS_PER_S
-            return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
+            return cached
         snapshot = self._scheduler.snapshot()
+        tickets = self._tickets
+        sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
+                 for w in snapshot.waiting]
         starts = self._estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                                        busy_s=self._busy_s())
+                                        busy_s=self._busy_s(), max_tokens=sizes)
+        positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
-        self._walk = _Walk(self._version(), now, snapshot, starts, took_s)
-        return snapshot, starts
+        walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
+        return walk
 
     def view(self) -> QueueView:
         snapshot, starts = self.walk()
         now = self._clock.now_ns()
 
-        def request_id(token: str) -> str:
-            ticket = self._tickets.get(token)
-            return ticket.request_id if ticket is not None else "-"
-
+        tickets = self._tickets
         waiting = tuple(
-            WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
-                       w.waited_s, w.model, start)
+            WaitingRow(ticket.request_id, w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s,
+                       ticket.model, start) if (ticket := tickets.get(w.request_id)) is not None else
+            WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model, start)
             for w, start in zip(snapshot.waiting, starts))
-        running = None
-        decision = self._scheduler.running
-        if decision is not None:
-            running_s = (now - decision.granted_ns) / NS_PER_S
-            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load)
-            running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
-                                 decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
-                                 max(0.0, expected - running_s))
+        running = self._running_row(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), running, waiting, bands)
 
+    def _running_row(self, now: int) -> RunningRow | None:
+        decision = self._scheduler.running
+        if decision is None:
+            return None
+        ticket = self._tickets.get(decision.request_id)
+        running_s = (now - decision.granted_ns) / NS_PER_S
+        expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load,
+                                                    max_tokens=ticket.max_tokens if ticket is not None else None)
+        return RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
+                          decision.score, ticket.model if ticket is not None else decision.model,
+                          decision.queue_wait_ns / NS_PER_S, running_s, expected,
+                          max(0.0, expected - running_s))
+
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
-        """One client's own request, by its x-request-id (the public status route)."""
+        """One client's own request, by its x-request-id (the public status route): its row of
+        the current walk, by the walk's position index, without building the others."""
         ticket = self._by_request_id.get(request_id)
         if ticket is None:
             return None
-        view = self.view()
-        if ticket.state is TicketState.RUNNING and view.running is not None:
-            return ticket, view.running
-        for row in view.waiting:
-            if row.request_id == request_id:
-                return ticket, row
-        return None
+        now = self._clock.now_ns()
+        if ticket.state is TicketState.RUNNING:
+            running = self._running_row(now)
+            return (ticket, running) if running is not None else None
+        if ticket.state is not TicketState.WAITING:
+            return None
+        walk = self._current(now)
+        index = walk.positions.get(ticket.token)
+        if index is None:
+            return None
+        w = walk.snapshot.waiting[index]
+        age_s = (now - walk.at_ns) / NS_PER_S
+        return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
+                                  w.waited_s, ticket.model, max(0.0, walk.starts[index] - age_s))

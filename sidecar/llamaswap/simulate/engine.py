@@ -101,11 +101,13 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
     estimator = Estimator(default_run_s=default_run_s, default_swap_s=default_swap_s, samples=samples)
     per_model: dict[str | None, list[RequestRecord]] = {}
     for record in records:
-        if record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None:
+        # As the runtime learns: only generations, and only streamed first bytes time a load.
+        if (record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None
+                and record.generation):
             per_model.setdefault(record.model or None, []).append(record)
     for grants in per_model.values():
         for record in grants[_first_needed(grants, samples):]:
-            first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None else None
+            first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
                              first_byte_s=first_byte, model_load=record.model_load)
     return estimator
@@ -180,7 +182,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
     ids = [str(r.index) for r in requests]
-    results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, r.record.model)) for r in requests]
+    results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, r.record.priority_model)) for r in requests]
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
     arrivals = [r.arrival_ns for r in requests] + [_NEVER]
@@ -240,7 +242,8 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
             while arrivals[arrival] == now:
                 request = requests[arrival]
                 try:
-                    enqueue(ids[arrival], request.priority, request.record.model)
+                    enqueue(ids[arrival], request.priority, request.record.model,
+                            priority_model=request.record.priority_model)
                 except QueueFull:
                     result = results[arrival]
                     result.outcome = Outcome.REJECTED_FULL

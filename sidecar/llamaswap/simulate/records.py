@@ -56,6 +56,17 @@ class RequestRecord:
     load: bool
     status: int | None = None
     order: int = 0  # position in the file: breaks ties between equal arrival times
+    # A generation answered 2xx (its run teaches the estimates), and streamed (its first byte
+    # times its start). Logs written before these were recorded count as both.
+    generation: bool = True
+    streamed: bool = True
+    # The name the client sent, where it differs from `model` (a single-model upstream keys
+    # every request on its one model): what models.<id>.priority applies to.
+    named_model: str | None = None
+
+    @property
+    def priority_model(self) -> str | None:
+        return self.named_model if self.named_model is not None else self.model
 
     @property
     def model_load(self) -> bool:
@@ -163,7 +174,8 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
     outcome = _OUTCOMES.get(document.get("outcome"))  # type: ignore[arg-type]
     if outcome is None:
         raise _Bad(f"unknown outcome {document.get('outcome')!r}")
-    model = document.get("model")
+    # The model the scheduler keyed it on, where recorded (one key for a single-model upstream).
+    model = document.get("scheduled_model", document.get("model"))
     if model is not None and type(model) is not str:
         raise _Bad(f"model is not a string: {model!r}")
     request_id = document.get("request_id")
@@ -186,6 +198,9 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
         _flag(document, "load", False),
         _integer(document, "status", required=False),
         order,
+        _flag(document, "generation", True),
+        _flag(document, "streamed", True),
+        named if isinstance(named := document.get("model"), str) and named != model else None,
     )
 
 
@@ -234,6 +249,8 @@ def request_document(record: RequestRecord) -> dict[str, Any]:
         "swap": record.swap,
         "load": record.load,
         "status": record.status,
+        "generation": record.generation,
+        "streamed": record.streamed,
     }
 
 

@@ -205,7 +205,8 @@ class Telemetry:
             instruments.run.record(run_s, {"band": decision.band.value})
             model = {"model": ticket.model or NO_MODEL}
             instruments.model_run.record(run_s, model)
-            if decision.model_load and ticket.first_byte_s is not None:
+            # A non-streamed first byte is the generation's end, not the end of the load.
+            if decision.model_load and ticket.streamed and ticket.first_byte_s is not None:
                 instruments.model_swap.record(ticket.first_byte_s, model)
         if not self._tracing:
             return
