@@ -10,7 +10,8 @@ from __future__ import annotations
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 __all__ = [
-    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "METRICS_PATH", "MODEL_KEY",
+    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
+    "PROPS_PATH", "METRICS_PATH", "MODEL_KEY",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH",
 ]
@@ -25,7 +26,14 @@ ACCESS_LOG_NAME = "llamaswap"
 REQUEST_ID_HEADER = "x-request-id"
 
 # Paths that never reach the GPU: answered by the upstream at once.
-BYPASS_PATHS = ("/health", "/v1/models", "/props")
+BYPASS_PATHS = ("/health", "/v1/models")
+# llama-server's settings: skips the queue only as a GET without ?model= or with ?autoload=false.
+# In router mode `GET /props?model=X` LOADS X (and unloads another with --models-max 1); with
+# autoload=false, as llama.cpp's web UI asks, it answers 400 "model is not loaded" instead.
+PROPS_PATH = "/props"
+# llama-server's management API (upstream.managementApi): loads run on after their answer.
+MANAGEMENT_PATHS = ("/models/load", "/models/unload")
+MANAGEMENT_PREFIXES = ("/slots/",)  # POST /slots/N?action=save|restore|erase
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
