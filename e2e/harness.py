@@ -106,6 +106,9 @@ class FakeUpstream:
     `model 'x' not found` for others, loads a model when a request names it, serves
     `GET /slots?model=NAME` for the loaded one, and `POST /models/unload` ends what it computes.
 
+    `slots_failures` makes that many next `GET /slots` answer 500, and `slots_stall_s` makes
+    them answer that late (llama-server's main loop busy with a long prompt batch).
+
     Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps
     it running until `release(test_id)`; `x-test-sleep-ms` computes that long; a body with
     `"stream": true` gets a server-sent-event stream.
@@ -127,6 +130,9 @@ class FakeUpstream:
         self.active = 0
         self.max_active = 0
         self.slots_queries = 0
+        self.slots_failures = 0
+        self.slots_stall_s = 0.0
+        self.slots_asked: list[str | None] = []  # each GET /slots's ?model=, as the upstream read it
         self.lock = threading.Lock()
 
     @property
@@ -177,7 +183,14 @@ class FakeUpstream:
     async def _slots(self, request: web.Request) -> web.Response:
         with self.lock:
             self.slots_queries += 1
+            self.slots_asked.append(request.query.get("model"))
             active = self.active
+            failing = self.slots_failures > 0
+            self.slots_failures -= failing
+        if self.slots_stall_s:
+            await asyncio.sleep(self.slots_stall_s)
+        if failing:
+            return web.json_response({"error": {"code": 500, "message": "busy"}}, status=500)
         if self.router:
             model = request.query.get("model")
             if not model:

@@ -30,6 +30,9 @@ async def _complete(session: aiohttp.ClientSession, url: str, model: str, priori
         return {"headers": dict(response.headers), "body": json.loads(text)}
 
 
+UPSTREAM_REQUESTS = "cluster.llm_upstream.upstream_rq_total"
+
+
 def _states(url: str) -> dict[str, str]:
     return {item["id"]: item["status"]["value"] for item in get_json(f"{url}/models")["data"]}
 
@@ -157,3 +160,53 @@ async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(
     assert records["next"]["outcome"] == "served"
     # With `stop` the model was unloaded, so the next request loaded it again.
     assert records["next"]["load"] is (policy == "stop")
+
+
+async def test_management_api_is_refused_and_props_cannot_load_past_the_queue(tmp_path: pathlib.Path) -> None:
+    """llama-server's management API through Envoy's listener: a load sent while a generation
+    runs is refused (403, OpenAI error shape) and never reaches llama-server. `GET /props?model=X`
+    loads X in router mode (measured): it waits in the queue; with `autoload=false` (llama.cpp's
+    web UI) and without `?model=` it skips the queue."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_tiny_pair(models)
+    with run_llama_server(router_mode_args(models), log_path=tmp_path / "llama.log") as llama:
+        with running_stack(tmp_path, {"upstream": {"modelsPollSeconds": 0.2}}, upstream_url=llama.url) as stack:
+            async with aiohttp.ClientSession() as session:
+                await _complete(session, stack.url, "tiny-a")
+                await async_wait_for(lambda: _states(llama.url).get("tiny-a") == "loaded", what="tiny-a loaded")
+                # Freeze llama-server: the next generation holds the grant for as long as the test needs.
+                os.kill(llama.process.pid, signal.SIGSTOP)
+                try:
+                    sent = stack.envoy.stat(UPSTREAM_REQUESTS)
+                    running = asyncio.create_task(_complete(session, stack.url, "tiny-a"))
+                    await async_wait_for(lambda: stack.envoy.stat(UPSTREAM_REQUESTS) == sent + 1,
+                                         what="the generation sent to llama-server")
+                    refused = []
+                    # llama-server percent-decodes paths: /models/%6coad is a load there (measured).
+                    for path, body in (("/models/load", {"model": "tiny-b"}), ("/models/%6coad", {"model": "tiny-b"}),
+                                       ("//models/./unload", {"model": "tiny-a"}), ("/slots/0?action=erase", {})):
+                        async with session.post(f"{stack.url}{path}", json=body) as response:
+                            refused.append((response.status, response.headers.get("content-type"),
+                                            (await response.json())["error"]["code"]))
+                    reached_llama = stack.envoy.stat(UPSTREAM_REQUESTS) - sent - 1
+                    props = asyncio.create_task(session.get(f"{stack.url}/props?model=tiny-b",
+                                                            headers={"x-request-id": "props-loads"}))
+                    await async_wait_for(lambda: [w["request_id"] for w in stack.sidecar.queue()["waiting"]]
+                                         == ["props-loads"], what="GET /props?model= queued behind the generation")
+                finally:
+                    os.kill(llama.process.pid, signal.SIGCONT)
+                assert refused == [(403, "application/json", "management_api_refused")] * 4
+                assert reached_llama == 0  # refused in Envoy: nothing ran beside the generation
+                await running
+                async with await props as response:
+                    assert response.status == 200
+                await async_wait_for(lambda: _states(llama.url).get("tiny-b") == "loaded", what="tiny-b loaded by /props")
+                for query in ("?model=tiny-a&autoload=false", ""):
+                    async with session.get(f"{stack.url}/props{query}",
+                                           headers={"x-request-id": f"props-bypass{query}"}) as response:
+                        assert response.status in (200, 400), await response.text()  # 400: "model is not loaded"
+            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"props-loads"}),
+                                           what="the records")
+        assert set(records) & {"props-bypass?model=tiny-a&autoload=false", "props-bypass"} == set()  # never queued
+        assert _states(llama.url)["tiny-a"] != "loaded"  # tiny-b took the one place: the load /props made

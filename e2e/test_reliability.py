@@ -211,7 +211,10 @@ async def test_watchdog_frees_a_runaway_grant(tmp_path: pathlib.Path) -> None:
 
 async def test_upstream_refusing_connections(tmp_path: pathlib.Path) -> None:
     dead = free_port()
-    with running_stack(tmp_path, upstream_url=f"http://127.0.0.1:{dead}") as stack:
+    # The startup settle asks a refused upstream again until settleTimeoutSeconds (it may be
+    # restarting): keep that short here, where the upstream never comes.
+    with running_stack(tmp_path, {"upstream": {"settleTimeoutSeconds": 1}},
+                       upstream_url=f"http://127.0.0.1:{dead}") as stack:
         async with aiohttp.ClientSession() as session:
             first = await chat(session, stack.url, "one")
             second = await chat(session, stack.url, "two")

@@ -46,7 +46,7 @@ from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
-from llamaswap.runtime.upstream import Catalog, UpstreamKind
+from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
 from llamaswap.adapters.ext_authz import Authorization
 
 NS_PER_S = 1_000_000_000
@@ -200,7 +200,8 @@ def single(*models: str) -> Catalog:
 
 class FakeUpstream:
     """The Upstream port, scripted: what `catalog()` returns, what `busy()` says, whether
-    `stop()` works; every call is logged in `calls` (in order) and counted."""
+    `stop()` works; every call is logged in `calls` (in order) and counted. `busy_failures`:
+    that many next `busy()` calls get no answer (`UpstreamUnanswered`, a timeout or a 5xx)."""
 
     def __init__(self, catalog: Catalog | None = None, *, busy: bool | None = None, stops: bool = True,
                  idle_after_stop: bool = True) -> None:
@@ -211,6 +212,7 @@ class FakeUpstream:
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
         self.fail_catalog = False
+        self.busy_failures = 0
 
     @property
     def catalog_calls(self) -> int:
@@ -234,6 +236,9 @@ class FakeUpstream:
 
     async def busy(self, model: str | None) -> bool | None:
         self.calls.append(("busy", model))
+        if self.busy_failures > 0:
+            self.busy_failures -= 1
+            raise UpstreamUnanswered("GET /slots answered 500")
         return self.busy_answer
 
     async def stop(self, model: str | None) -> bool:

@@ -136,18 +136,21 @@ def test_check_config_says_when_envoy_is_not_installed(tmp_path: Path):
 
 
 def test_queue_finds_the_admin_address_in_the_configuration_and_prints_json(tmp_path: Path):
-    from harness import SidecarProcess, free_port
+    from harness import FakeUpstream, SidecarProcess, free_port, wait_for
 
+    upstream = FakeUpstream().started()  # answers /slots: the start-up settle ends at once
     path = tmp_path / "c.yaml"
     path.write_text(f"listen:\n  grpc: 127.0.0.1:0\n  admin: 127.0.0.1:{free_port()}\n"
-                    "upstream:\n  modelsPollSeconds: 0\n")
+                    f"upstream:\n  url: {upstream.url}\n  modelsPollSeconds: 0\n")
     sidecar = SidecarProcess(path, tmp_path)
     try:
+        wait_for(lambda: sidecar.queue()["gpu"] == "idle", what="the start-up settle to end")
         result = llamaswap("queue", "-c", str(path), "--json")
         table = llamaswap("queue", "-c", str(path))
         expected = sidecar.queue()
     finally:
         sidecar.stop()
+        upstream.close()
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document == expected

@@ -570,7 +570,7 @@ EVERY_KEY = {
     "upstream": {
         "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
         "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
-        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0,
+        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0, "managementApi": "schedule",
     },
     "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
               "failOpen": True, "leaseSeconds": 0.3, "maxHeapBytes": 100_000_000},

@@ -484,19 +484,45 @@ async def test_a_settle_ends_at_once_when_the_upstream_cannot_tell() -> None:
 
 
 @virtual_time
-async def test_a_settle_that_fails_to_ask_does_not_stop_the_queue() -> None:
-    upstream = FakeUpstream(busy=True)
-
-    async def broken(model: str | None) -> bool | None:
-        raise ConnectionError("GET /slots failed")
-
-    upstream.busy = broken  # type: ignore[method-assign]
-    flow = Flow(upstream=upstream)
+async def test_a_settle_keeps_asking_an_upstream_that_does_not_answer() -> None:
+    """No answer (a timeout, a refused connection, a 5xx) is not "no /slots": ask again."""
+    flow = busy_flow(LONG_LEASE, busy=False)
+    flow.upstream.busy_failures = 6
     a = await flow.arrive("a", model="a")
     b = await flow.arrive("b", model="a")
     await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    started = flow.now_ns
+    await flow.advance(0.5)
+    assert b.waiting and flow.coordinator.gpu_state == "settling"
+    await flow.advance(5)
     assert b.granted
-    assert flow.recorder.settles[0].result is SettleResult.UNSUPPORTED
+    assert flow.upstream.busy_calls == ["a"] * 7  # six without an answer, then "idle"
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.IDLE and settle.ended_ns > started + round(0.5 * S)
+    assert b.ticket.decision.granted_ns == settle.ended_ns
+
+
+@virtual_time
+async def test_a_settle_that_never_gets_an_answer_ends_at_its_deadline() -> None:
+    upstream = FakeUpstream(busy=True)
+
+    async def broken(model: str | None) -> bool | None:
+        upstream.calls.append(("busy", model))
+        raise ConnectionError("GET /slots failed")
+
+    upstream.busy = broken  # type: ignore[method-assign]
+    flow = Flow({"upstream": {"settleTimeoutSeconds": 2}}, upstream=upstream)
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    started = flow.now_ns
+    await flow.advance(1.99)
+    assert b.waiting and len(upstream.busy_calls) > 3
+    await flow.advance(SETTLE_POLL_MAX_S + 0.01)
+    assert b.granted  # the queue goes on at the deadline
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.UNANSWERED
+    assert started + 2 * S <= settle.ended_ns <= started + round((2 + SETTLE_POLL_MAX_S) * S)
 
 
 @virtual_time
@@ -541,7 +567,7 @@ async def test_abandoned_generation_stop_stops_first_and_forgets_the_model() -> 
     await flow.peer_gone(PEER)  # a release that otherwise keeps its model loaded
     assert a.outcome is Outcome.PROXY_GONE
     settle_calls = [call for call in flow.upstream.calls if call[0] != "catalog"]
-    assert settle_calls[:2] == [("stop", "a"), ("busy", "a")]
+    assert settle_calls == [("busy", "a"), ("stop", "a"), ("busy", "a")]  # stopped because still busy
     assert b.granted
     [settle] = flow.recorder.settles
     assert settle.result is SettleResult.STOPPED
@@ -559,6 +585,33 @@ async def test_a_stop_that_fails_still_waits_for_idle() -> None:
     flow.upstream.busy_answer = False
     await flow.advance(SETTLE_POLL_MAX_S)
     assert b.granted and flow.recorder.settles[0].result is SettleResult.IDLE
+
+
+@virtual_time
+async def test_abandoned_generation_stop_stops_nothing_that_already_ended() -> None:
+    """A streamed client that left has stopped its generation itself: unloading would only cost a reload."""
+    flow = busy_flow({"upstream": {"abandonedGeneration": "stop"}}, busy=False)
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    assert b.granted
+    assert flow.upstream.stop_calls == [] and flow.upstream.busy_calls == ["a"]
+    assert flow.recorder.settles[0].result is SettleResult.IDLE
+    assert not b.ticket.decision.load  # still loaded
+
+
+@virtual_time
+async def test_abandoned_generation_stop_waits_for_an_answer_before_stopping() -> None:
+    flow = busy_flow({"upstream": {"abandonedGeneration": "stop"}}, busy=True)
+    flow.upstream.busy_failures = 2
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(1)
+    assert b.granted
+    settle_calls = [call for call in flow.upstream.calls if call[0] != "catalog"]
+    assert settle_calls == [("busy", "a")] * 3 + [("stop", "a"), ("busy", "a")]
+    assert flow.recorder.settles[0].result is SettleResult.STOPPED
 
 
 @pytest.mark.parametrize("abandoned_generation", ["wait", "stop"])
@@ -612,6 +665,46 @@ async def test_no_startup_settle_without_an_upstream() -> None:
     coordinator.begin_startup_settle()
     assert coordinator.gpu_state == "idle"
     coordinator.close()
+
+
+@virtual_time
+async def test_the_startup_settle_without_slots_waits_one_access_log_flush() -> None:
+    """Nothing can tell whether an earlier process's grant still runs, but Envoy reports a running
+    exchange every leaseSeconds/3: the first grant waits that long, and an exchange reported
+    meanwhile is adopted and holds the GPU."""
+    flow = busy_flow(busy=None)
+    flow.coordinator.begin_startup_settle()
+    a = await flow.arrive("a", model="a")
+    await flow.advance(LEASE_S / 3 - 0.01)
+    assert a.waiting and flow.coordinator.gpu_state == "settling"
+    await flow.advance(0.01)
+    assert a.granted
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.UNSUPPORTED and settle.ended_ns == settle.started_ns + round(LEASE_S / 3 * S)
+
+    flow = busy_flow(busy=None)
+    flow.coordinator.begin_startup_settle()
+    b = await flow.arrive("b", model="a")
+    await flow.advance(0.5)
+    await flow.renew("granted-by-the-earlier-process")
+    await flow.advance(LEASE_S / 3)
+    assert b.waiting and flow.coordinator.gpu_state == "adopted"
+    await flow.end("granted-by-the-earlier-process", ExchangeEnd.COMPLETE, 200)
+    assert b.granted
+
+
+@virtual_time
+async def test_the_startup_settle_asks_an_upstream_that_does_not_answer_yet() -> None:
+    """A restart while llama-server's main loop is busy with a long prompt: /slots times out."""
+    flow = busy_flow(busy=True, catalog=router("a", loaded="a"))
+    flow.upstream.busy_failures = 4
+    flow.coordinator.begin_startup_settle()
+    a = await flow.arrive("a", model="a")
+    await flow.advance(10)
+    assert a.waiting and len(flow.upstream.busy_calls) > 4  # answered "busy" after the failures
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a.granted and flow.recorder.settles[0].result is SettleResult.IDLE
 
 
 @virtual_time

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,7 @@ def test_only_granted_exchanges_are_logged_with_periodic_renewals():
 def test_unscheduled_routes_skip_the_model_lookup_and_the_check():
     routes = hcm(build_bootstrap(parse_config({})))["route_config"]["virtual_hosts"][0]["routes"]
     by_match = {r["match"].get("path") or r["match"].get("prefix"): r for r in routes}
-    for key in ("/metrics", STATUS_PREFIX, "/health", "/v1/models", "/props", "/models"):
+    for key in ("/metrics", STATUS_PREFIX, "/health", "/v1/models", "/props", "/models", "/models/load"):
         disabled = by_match[key]["typed_per_filter_config"]
         assert disabled[EXT_AUTHZ]["disabled"] is True and disabled[JSON_TO_METADATA]["disabled"] is True
     assert "typed_per_filter_config" not in by_match["/"]
@@ -77,3 +79,46 @@ def test_what_a_reload_may_change():
     assert bootstrap_changes(base, parse_config({"upstream": {"url": "http://127.0.0.1:1"}})) == ["upstream.url"]
     assert bootstrap_changes(base, parse_config({"security": {"priority": {"trustedHeader": "x-p"}}})) == [
         "security.priority.trustedHeader"]
+
+
+def _routes(document: dict) -> list[dict]:
+    return hcm(build_bootstrap(parse_config(document)))["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def test_the_management_api_is_refused_by_default_and_scheduled_on_request():
+    refused = [r for r in _routes({}) if "direct_response" in r]
+    assert [r["match"] for r in refused] == [{"path": "/models/load"}, {"path": "/models/unload"}, {"prefix": "/slots/"}]
+    for route in refused:
+        assert route["direct_response"]["status"] == 403
+        body = json.loads(route["direct_response"]["body"]["inline_string"])
+        assert body["error"]["code"] == "management_api_refused" and set(body["error"]) == {
+            "message", "type", "param", "code"}
+        assert route["typed_per_filter_config"][EXT_AUTHZ]["disabled"] is True  # refused before any Check
+    assert not [r for r in _routes({"upstream": {"managementApi": "schedule"}}) if "direct_response" in r]
+    # Matched on the path llama-server acts on (it percent-decodes paths).
+    config = hcm(build_bootstrap(parse_config({})))
+    assert (config["normalize_path"], config["merge_slashes"]) == (True, True)
+    assert config["path_with_escaped_slashes_action"] == "UNESCAPE_AND_FORWARD"
+
+
+@pytest.mark.parametrize(("path", "bypass"), [
+    ("/props", True),
+    ("/props?model=tiny-a&autoload=false", True),
+    ("/props?autoload=0&model=org%2Ftiny", True),
+    ("/props?model=tiny-a", False),  # loads tiny-a in router mode
+    ("/props?model=tiny-a&autoload=true", False),
+    ("/props?%6dodel=tiny-a", False),  # llama-server decodes the key: a load
+    ("/props?model=a&autoload=false&model=b", False),
+    ("/props?model=a&autoload=fals%65", False),
+])
+def test_props_skips_the_queue_only_where_it_cannot_load(path: str, bypass: bool):
+    (route,) = [r for r in _routes({}) if r["match"].get("prefix") == "/props"]
+    method, target = route["match"]["headers"]
+    assert method == {"name": ":method", "string_match": {"exact": "GET"}}
+    # Envoy's safe_regex (RE2) matches the whole value; this regex means the same in Python.
+    assert (re.fullmatch(target["string_match"]["safe_regex"]["regex"], path) is not None) is bypass
+
+
+def test_a_changed_management_api_needs_a_new_bootstrap():
+    assert bootstrap_changes(parse_config({}), parse_config({"upstream": {"managementApi": "schedule"}})) == [
+        "upstream.managementApi"]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from llamaswap.runtime.upstream import UpstreamKind
-from llamaswap.adapters.upstream_http import catalog_from
+import pytest
+from aiohttp import web
+from harness import FakeUpstream
+from llamaswap.adapters.upstream_http import HttpUpstream, catalog_from
+from llamaswap.core import MonotonicClock
+from llamaswap.runtime.observer import SettleReason, SettleResult
+from llamaswap.runtime.settle import Settling, settle_upstream
+from llamaswap.runtime.upstream import UpstreamKind, UpstreamUnanswered
 
 
 def router(*states: tuple[str, str]) -> dict:
@@ -57,3 +63,87 @@ def test_answers_that_are_not_a_model_list():
     assert catalog_from("text") is None
     empty = catalog_from({"data": [{"no": "id"}, 7]})
     assert empty is not None and empty.kind is UpstreamKind.SINGLE and empty.models == frozenset()
+
+
+# -- busy(): "cannot tell" versus "no answer this time", against a fake llama-server ------------
+
+
+async def test_busy_tells_no_answer_from_no_slots() -> None:
+    upstream = FakeUpstream().started()
+    client = HttpUpstream(upstream.url, timeout_s=0.2)
+    try:
+        assert await client.busy(None) is False
+        upstream.slots_failures = 1
+        with pytest.raises(UpstreamUnanswered):  # a 5xx: ask again
+            await client.busy(None)
+        upstream.slots_stall_s = 1.0
+        with pytest.raises(UpstreamUnanswered):  # a timeout: ask again
+            await client.busy(None)
+        upstream.slots_stall_s = 0.0
+        assert await client.busy(None) is False
+    finally:
+        await client.close()
+        upstream.close()
+    refused = HttpUpstream(upstream.url, timeout_s=0.2)  # nothing listens there any more
+    try:
+        with pytest.raises(UpstreamUnanswered):
+            await refused.busy(None)
+    finally:
+        await refused.close()
+
+
+async def test_busy_without_slots_is_unsupported() -> None:
+    """A server with no GET /slots (404; llama-server --no-slots answers 501) cannot tell, ever."""
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "object": "model"}]})
+
+    async def no_slots(_: web.Request) -> web.Response:
+        return web.json_response({"error": "no slots"}, status=501)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/slots", no_slots)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = HttpUpstream(f"http://127.0.0.1:{port}")
+    try:
+        assert await client.busy(None) is None
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_router_busy_asks_each_loaded_model_url_encoded() -> None:
+    upstream = FakeUpstream(router=True, models=("a b&c", "other")).started()
+    upstream.loaded_model = "a b&c"
+    client = HttpUpstream(upstream.url)
+    try:
+        assert await client.busy(None) is False
+        assert upstream.slots_asked == ["a b&c"]  # one parameter, the whole name
+        upstream.slots_failures = 1
+        with pytest.raises(UpstreamUnanswered):
+            await client.busy(None)
+    finally:
+        await client.close()
+        upstream.close()
+
+
+async def test_a_settle_against_a_failing_upstream_waits_for_its_answer() -> None:
+    """The give-up-on-first-error bug, end to end in the sidecar's process: the real HTTP adapter
+    and the real settle loop against a fake llama-server whose /slots answers 500 for a while."""
+    upstream = FakeUpstream().started()
+    upstream.slots_failures = 5
+    client = HttpUpstream(upstream.url)
+    settling = Settling(SettleReason.ABANDONED, "m", "r", None, MonotonicClock().now_ns())
+    try:
+        clock = MonotonicClock()
+        settle = await settle_upstream(client, settling, stop=False, clock=clock,
+                                       deadline_ns=clock.now_ns() + 60 * 1_000_000_000)
+    finally:
+        await client.close()
+        upstream.close()
+    assert settle.result is SettleResult.IDLE
+    assert upstream.slots_queries == 6 and upstream.slots_failures == 0

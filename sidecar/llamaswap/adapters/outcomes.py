@@ -8,10 +8,10 @@ the upstream's response, whatever its outcome is later recorded as.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 
 from llamaswap.core import Outcome
+from llamaswap.envoy.contract import openai_error_body
 from llamaswap.runtime.coordinator import Refusal
 
 
@@ -55,6 +55,3 @@ def http_error(refusal: Refusal) -> tuple[HttpError, bytes]:
     return error, openai_error_body(error.message(refusal), error.error_type, error.code, error.param)
 
 
-def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                      separators=(",", ":")).encode()

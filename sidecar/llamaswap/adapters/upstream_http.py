@@ -11,6 +11,10 @@ behaviour"):
 - single-model llama-server answers `GET /slots` (each slot's `is_processing`) and serves any
   model name;
 - llama-swap marks its models `owned_by: llama-swap`; it has no `/slots` of its own.
+
+busy() tells "cannot tell, ever" (None: 404/405/501 on /slots, llama-swap) from "no answer this
+time" (`UpstreamUnanswered`: a timeout, a refused connection, a 5xx, a garbled answer): llama-server
+answers /slots from its main loop, which a long prompt batch keeps busy, so a settle asks again.
 """
 
 from __future__ import annotations
@@ -18,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
-from llamaswap.runtime.upstream import Catalog, UpstreamKind
+from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
 
 _log = logging.getLogger(__name__)
 
 _STATUS_LOADED = "loaded"
 _STATUS_LOADING = "loading"
+# What a server without GET /slots answers (llama-server started with --no-slots: 501).
+_NO_SLOTS_STATUSES = frozenset({404, 405, 501})
 
 
 class HttpUpstream:
@@ -68,20 +75,29 @@ class HttpUpstream:
         return catalog
 
     async def busy(self, model: str | None) -> bool | None:
-        kind = self._kind
-        if kind is None:
-            catalog = await self.catalog()
-            kind = catalog.kind if catalog is not None else None
         try:
+            kind = self._kind
+            if kind is None:
+                status, document = await self._get("/v1/models")
+                catalog = catalog_from(document) if status == 200 else None
+                if catalog is None:
+                    raise UpstreamUnanswered(f"GET /v1/models answered {status}")
+                kind = self._kind = catalog.kind
             if kind is UpstreamKind.ROUTER:
                 return await self._router_busy()
             if kind is UpstreamKind.SINGLE:
-                status, slots = await self._get("/slots")
-                return _any_processing(slots) if status == 200 else None
+                return await self._slots_busy("/slots")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            _log.info("asking the upstream whether it is busy failed: %s", exc)
+            raise UpstreamUnanswered(f"asking the upstream whether it is busy failed: {exc!r}") from exc
+        return None  # llama-swap cannot tell
+
+    async def _slots_busy(self, path: str) -> bool | None:
+        status, slots = await self._get(path)
+        if status in _NO_SLOTS_STATUSES:
             return None
-        return None  # llama-swap and unknown servers cannot tell
+        if status != 200:
+            raise UpstreamUnanswered(f"GET {path} answered {status}")
+        return _any_processing(slots)
 
     async def stop(self, model: str | None) -> bool:
         if self._kind is not UpstreamKind.ROUTER:
@@ -107,18 +123,16 @@ class HttpUpstream:
     async def _router_busy(self) -> bool | None:
         status, document = await self._get("/v1/models")
         if status != 200:
-            return None
+            raise UpstreamUnanswered(f"GET /v1/models answered {status}")
         states = _states(document)
         if _STATUS_LOADING in states.values():
             return True  # a load is GPU work too
         for name, value in states.items():
             if value != _STATUS_LOADED:
                 continue  # never ask /slots for it: that would load it
-            slots_status, slots = await self._get(f"/slots?model={name}")
-            if slots_status != 200:
-                return None
-            if _any_processing(slots):
-                return True
+            busy = await self._slots_busy(f"/slots?model={quote(name, safe='')}")
+            if busy is None or busy:
+                return busy
         return False
 
 

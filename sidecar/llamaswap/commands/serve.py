@@ -93,6 +93,9 @@ class Sidecar:
             raise PortInUse("listen.grpc", listen.grpc) from exc
         if self.grpc_port == 0:
             raise PortInUse("listen.grpc", listen.grpc)
+        # Before the first Check can arrive: a restarted sidecar asks the upstream (and, when it
+        # cannot tell, waits for Envoy's periodic entries) before its first grant.
+        self.coordinator.begin_startup_settle()
         await self._grpc_server.start()
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
@@ -112,7 +115,6 @@ class Sidecar:
         server = site._server  # aiohttp keeps the bound socket here
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = sockets[0].getsockname()[1] if sockets else listen.admin.port
-        self.coordinator.begin_startup_settle()
         if self.config.upstream.models_poll_seconds > 0:
             self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:

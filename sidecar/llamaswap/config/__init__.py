@@ -31,13 +31,13 @@ from llamaswap.config.sections import (
     UiConfig,
     UpstreamConfig,
 )
-from llamaswap.config.types import AbandonedGeneration, HostPort, ModelCheck
+from llamaswap.config.types import AbandonedGeneration, HostPort, ManagementApi, ModelCheck
 from llamaswap.core.priority import PriorityMode
 from llamaswap.core.scheduler import PolicyName
 
 __all__ = [
     "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError",
-    "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ModelCheck", "ModelConfig",
+    "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi", "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
     "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "describe_value", "json_schema",
     "load_config", "load_document", "parse_config",

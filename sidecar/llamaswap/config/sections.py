@@ -19,6 +19,7 @@ from llamaswap.config.problems import Meaning, invalid
 from llamaswap.config.types import (
     AbandonedGeneration,
     HostPort,
+    ManagementApi,
     ModelCheck,
     StrictBool,
     StrictInt,
@@ -198,6 +199,10 @@ class UpstreamConfig(Section):
     settle_timeout_seconds: StrictNumber = Field(
         default=600.0, gt=0,
         description="The longest wait for the upstream to become idle after an abandoned generation.")
+    management_api: ManagementApi = Field(
+        default=ManagementApi.REFUSE,
+        description="llama-server's management API on Envoy's listener (POST /models/load, /models/unload, "
+                    "/slots/N?action=...): refuse (403), or schedule it like a generation.")
 
     @property
     def host(self) -> str:
@@ -213,6 +218,11 @@ class UpstreamConfig(Section):
     @property
     def tls(self) -> bool:
         return urlsplit(self.url).scheme == "https"
+
+
+# Envoy reports a running exchange this many times per envoy.leaseSeconds (its access-log
+# flush interval is leaseSeconds / RENEWALS_PER_LEASE).
+RENEWALS_PER_LEASE = 3
 
 
 class EnvoyConfig(Section):

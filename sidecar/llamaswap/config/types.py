@@ -89,6 +89,14 @@ class AbandonedGeneration(enum.StrEnum):
     STOP = "stop"
 
 
+class ManagementApi(enum.StrEnum):
+    """llama-server's management API on the public listener (`POST /models/load`, `/models/unload`,
+    `/slots/N?action=...`): refuse (403), or schedule it like a generation."""
+
+    REFUSE = "refuse"
+    SCHEDULE = "schedule"
+
+
 # Strict: YAML "5" is not an integer and true is not a number.
 StrictInt = Annotated[int, Strict()]
 StrictNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]

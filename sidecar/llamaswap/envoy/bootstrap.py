@@ -25,28 +25,33 @@ no one-hour cap on a held call.
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
-from llamaswap.config import Config
+from llamaswap.config import Config, ManagementApi
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S
 from llamaswap.envoy.contract import (
     ACCESS_LOG_NAME,
     BYPASS_PATHS,
     GRANT_NAMESPACE,
+    MANAGEMENT_PATHS,
+    MANAGEMENT_PREFIXES,
     METRICS_PATH,
     MAX_TOKENS_KEYS,
     MODEL_KEY,
     MODEL_NAMESPACE,
     PRIORITY_HEADER,
+    PROPS_PATH,
     RENEWALS_PER_LEASE,
     REQUEST_ID_HEADER,
     STATUS_PREFIX,
     STREAM_KEY,
     TICKET_KEY,
     UPSTREAM_METRICS_PATH,
+    openai_error_body,
 )
 from llamaswap.envoy.overload import heap_budget, overload_manager
 
@@ -191,26 +196,59 @@ def _access_log(config: Config) -> dict[str, Any]:
     }
 
 
-def _routes() -> list[dict[str, Any]]:
+def _scheduled(match: dict[str, Any]) -> dict[str, Any]:
+    """A route through the queue: the Check is held until the GPU is granted."""
+    # No route timeout or idle timer: the wait is bounded by the scheduler
+    # (maxWaitSeconds) and a generation by maxRunSeconds, not by Envoy.
+    return {"match": match, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "0s", "idle_timeout": "0s"}}
+
+
+def _management_routes(config: Config) -> list[dict[str, Any]]:
+    """llama-server's management API. A router-mode load answers at once and goes on loading in
+    the background, so its grant would end while the GPU still works: refused by default."""
+    if config.upstream.management_api is ManagementApi.SCHEDULE:
+        return []  # the catch-all schedules them
+    body = openai_error_body(
+        "llama-server's management API is not served on this port (upstream.managementApi is refuse); "
+        "send model requests instead, or call the upstream directly", "permission_error", "management_api_refused")
+    refused = {"status": 403, "body": {"inline_string": body.decode()}}
+    headers = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    matches = [{"path": path} for path in MANAGEMENT_PATHS] + [{"prefix": prefix} for prefix in MANAGEMENT_PREFIXES]
+    return [_unscheduled({"match": match, "direct_response": refused, "response_headers_to_add": headers})
+            for match in matches]
+
+
+def _props_routes() -> list[dict[str, Any]]:
+    """`GET /props` skips the queue only in the forms that cannot load a model: no query, or only
+    `model=X` with `autoload=false` (llama.cpp's web UI; llama-server takes 0 for false too,
+    measured). Everything else goes through the queue, a spelling Envoy does not recognise
+    (a percent-encoded key, a repeated parameter) included, since llama-server decodes it."""
+    query = r"(\?(model=[^&]*&autoload=(false|0)|autoload=(false|0)(&model=[^&]*)?))?"
+    return [_unscheduled({
+        "match": {"prefix": PROPS_PATH, "headers": [
+            {"name": ":method", "string_match": {"exact": "GET"}},
+            {"name": ":path", "string_match": {"safe_regex": {"regex": re.escape(PROPS_PATH) + query}}}]},
+        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
+    })]
+
+
+def _routes(config: Config) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"path": UPSTREAM_METRICS_PATH},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        *_management_routes(config),
     ]
     routes += [_unscheduled({"match": {"path": path}, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"}})
                for path in BYPASS_PATHS]
+    routes += _props_routes()
     routes.append(_unscheduled({
         "match": {"path": "/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
         "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
     }))
-    routes.append({
-        "match": {"prefix": "/"},
-        # No route timeout or idle timer: the wait is bounded by the scheduler
-        # (maxWaitSeconds) and a generation by maxRunSeconds, not by Envoy.
-        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
-    })
+    routes.append(_scheduled({"prefix": "/"}))
     return routes
 
 
@@ -235,7 +273,7 @@ def build_bootstrap(
         stat_prefix="ingress",
         codec_type="AUTO",
         stream_idle_timeout=_duration(e.stream_idle_timeout_seconds),
-        route_config={"name": "llamaswap", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes()}]},
+        route_config={"name": "llamaswap", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(config)}]},
         http_filters=_http_filters(config),
         access_log=[_access_log(config)],
         # Periodic entries for the running exchange: they renew its lease.
@@ -251,6 +289,12 @@ def build_bootstrap(
                                 "append_action": "ADD_IF_ABSENT"}],
         }]},
         common_http_protocol_options={"headers_with_underscores_action": "ALLOW"},
+        # Routes match the path llama-server will act on: it percent-decodes paths (measured:
+        # POST /models/%6coad loads a model), so Envoy decodes, merges slashes and drops dot
+        # segments before matching, or a refused or queued path would pass under another spelling.
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action="UNESCAPE_AND_FORWARD",
         # A client's own non-UUID x-request-id must not switch tracing off for its request.
         request_id_extension={"typed_config": _typed(
             "envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig", use_request_id_for_trace_sampling=False)},
@@ -306,6 +350,8 @@ def bootstrap_changes(old: Config, new: Config) -> list[str]:
         changed.append("upstream.url")
     if old.envoy != new.envoy:
         changed.append("envoy")
+    if old.upstream.management_api != new.upstream.management_api:
+        changed.append("upstream.managementApi")
     if old.security.priority.trusted_header != new.security.priority.trusted_header:
         changed.append("security.priority.trustedHeader")
     return changed

@@ -7,12 +7,16 @@ names. Both import them from here, so the two sides cannot drift apart.
 
 from __future__ import annotations
 
+import json
+
+from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 __all__ = [
-    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "METRICS_PATH", "MAX_TOKENS_KEYS", "MODEL_KEY", "STREAM_KEY",
+    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
+    "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
-    "UPSTREAM_METRICS_PATH",
+    "UPSTREAM_METRICS_PATH", "openai_error_body",
 ]
 
 # Where the body's model goes, and where Envoy puts what the Check answered.
@@ -30,11 +34,23 @@ ACCESS_LOG_NAME = "llamaswap"
 REQUEST_ID_HEADER = "x-request-id"
 
 # Paths that never reach the GPU: answered by the upstream at once.
-BYPASS_PATHS = ("/health", "/v1/models", "/props")
+BYPASS_PATHS = ("/health", "/v1/models")
+# llama-server's settings: skips the queue only as a GET without ?model= or with ?autoload=false.
+# In router mode `GET /props?model=X` LOADS X (and unloads another with --models-max 1); with
+# autoload=false, as llama.cpp's web UI asks, it answers 400 "model is not loaded" instead.
+PROPS_PATH = "/props"
+# llama-server's management API (upstream.managementApi): loads run on after their answer.
+MANAGEMENT_PATHS = ("/models/load", "/models/unload")
+MANAGEMENT_PREFIXES = ("/slots/",)  # POST /slots/N?action=save|restore|erase
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
 # llama-server's own metrics, for the loaded model, read by the sidecar (adapters/upstream_metrics.py).
 UPSTREAM_METRICS_PATH = "/llamaswap/v1/upstream/metrics"
-# Envoy reports a running exchange this many times per lease.
-RENEWALS_PER_LEASE = 3
+
+
+def openai_error_body(message: str, error_type: str, code: str, param: str | None = None) -> bytes:
+    """An error in the OpenAI API's JSON shape: what the sidecar's refusals and Envoy's own local
+    replies (configured by the bootstrap) both send a client."""
+    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}},
+                      separators=(",", ":")).encode()

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 
 from llamaswap.config import AbandonedGeneration, Config
+from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import (
     NS_PER_S,
     SHUTDOWN_RETRY_AFTER_S,
@@ -479,9 +480,13 @@ class Coordinator:
             if self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches):
                 self._changed()
 
+        startup = settling.reason is SettleReason.STARTUP
+        # After a restart, an upstream that cannot tell leaves one witness of a running exchange:
+        # Envoy's periodic access-log entry, sent every leaseSeconds/3. Wait for one interval.
+        blind_until_ns = settling.started_ns + self._lease_ns() // RENEWALS_PER_LEASE if startup else None
         settle = await settle_upstream(
             self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
-            loaded_model=loaded_model if settling.reason is SettleReason.STARTUP else None, unloaded=unloaded)
+            loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns)
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`

@@ -52,6 +52,7 @@ class SettleResult(str, enum.Enum):
     STOPPED = "stopped"  # the abandoned generation was stopped (upstream.abandonedGeneration: stop)
     TIMEOUT = "timeout"  # still busy at the deadline; the next request goes anyway
     UNSUPPORTED = "unsupported"  # the upstream cannot tell (no GET /slots): nothing to wait for
+    UNANSWERED = "unanswered"  # the upstream never answered until the deadline; the next request goes anyway
     ENDED = "ended"  # the adopted exchange ended (its final access-log entry arrived)
     LAPSED = "lapsed"  # Envoy stopped reporting the adopted exchange for envoy.leaseSeconds
 

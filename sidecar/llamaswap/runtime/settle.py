@@ -42,41 +42,62 @@ class Settling:
 
 async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
                           loaded_model: Callable[[], Awaitable[str | None]] | None = None,
-                          unloaded: Callable[[], None] | None = None) -> Settle:
+                          unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None) -> Settle:
     """Wait until the upstream computes nothing, with a deadline; what happened, as a Settle.
 
-    `loaded_model` (at startup) finds which model to ask about; `unloaded` hears that the
-    generation was stopped (nothing is loaded any more)."""
+    An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
+    until the deadline: only "idle", "cannot tell, ever" or the deadline end the wait. With `stop`
+    the generation is stopped only once the upstream says it is still busy (a streamed client
+    that left has already stopped its own; unloading costs a reload). `loaded_model` (at startup)
+    finds which model to ask about; `unloaded` hears that the generation was stopped (nothing is
+    loaded any more); with `blind_until_ns`, an upstream that cannot tell holds the GPU until
+    then (at startup: until Envoy's periodic entry would have revealed a running exchange)."""
     model = settling.model
-    result = SettleResult.TIMEOUT
-    try:
-        if loaded_model is not None:
-            model = await loaded_model()
-        stopped = False
-        if stop:
-            stopped = await upstream.stop(model)
-            if stopped and unloaded is not None:
-                unloaded()
-        delay = SETTLE_POLL_FIRST_S
-        while True:
+    result = SettleResult.UNANSWERED
+    stopped = tried_stop = False
+    delay = SETTLE_POLL_FIRST_S
+    while True:
+        try:
+            if loaded_model is not None:
+                model = await loaded_model()
+                loaded_model = None
             busy = await upstream.busy(model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no answer this time: ask again until the deadline
+            _log.info("the upstream did not say whether it is idle (%s); asking again", exc)
+        else:
             if busy is None:
                 result = SettleResult.UNSUPPORTED
                 break
             if not busy:
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
-            if clock.now_ns() >= deadline_ns:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, SETTLE_POLL_MAX_S)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - a broken upstream must not stop the queue for good
-        _log.exception("asking the upstream whether it is idle failed")
-        result = SettleResult.UNSUPPORTED
+            result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
+            if stop and not tried_stop:
+                tried_stop = True
+                stopped = await _stop(upstream, model)
+                if stopped and unloaded is not None:
+                    unloaded()
+                continue  # ask at once whether stopping it made it idle
+        if clock.now_ns() >= deadline_ns:
+            break
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, SETTLE_POLL_MAX_S)
+    if result is SettleResult.UNSUPPORTED and blind_until_ns is not None and clock.now_ns() < blind_until_ns:
+        await asyncio.sleep((blind_until_ns - clock.now_ns()) / NS_PER_S)
     settle = Settle(settling.reason, result, model, settling.request_id, settling.started_ns, clock.now_ns())
-    level = logging.WARNING if result is SettleResult.TIMEOUT else logging.INFO
+    level = logging.WARNING if result in (SettleResult.TIMEOUT, SettleResult.UNANSWERED) else logging.INFO
     _log.log(level, "upstream settle after %s (request %s, model %s): %s in %.3f s", settle.reason,
              settle.request_id, model or "-", result, settle.seconds)
     return settle
+
+
+async def _stop(upstream: Upstream, model: str | None) -> bool:
+    try:
+        return await upstream.stop(model)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a failed stop still waits for idle
+        _log.exception("stopping the abandoned generation failed")
+        return False

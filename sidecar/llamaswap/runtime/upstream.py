@@ -31,13 +31,20 @@ class Catalog:
     loaded_known: bool = False
 
 
+class UpstreamUnanswered(Exception):
+    """The upstream did not answer this time (timeout, refused connection, 5xx, a garbled answer);
+    unlike "not supported", asking again may succeed."""
+
+
 class Upstream(Protocol):
     async def catalog(self) -> Catalog | None:
         """What the upstream serves now; None when it could not be asked."""
 
     async def busy(self, model: str | None) -> bool | None:
         """Whether a generation is still running (for `model` where the upstream runs one
-        process per model); None when the upstream cannot tell (no GET /slots)."""
+        process per model); None when the upstream cannot tell, ever (no GET /slots: 404/501,
+        llama-swap). Raises `UpstreamUnanswered` when it could tell but did not answer this
+        time (a timeout, a refused connection, a 5xx): ask again."""
 
     async def stop(self, model: str | None) -> bool:
         """Stop whatever `model` is generating (router mode: unload it); True if it could."""

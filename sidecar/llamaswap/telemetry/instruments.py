@@ -139,5 +139,5 @@ class Instruments:
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "
-                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unsupported, ended, lapsed).",
+                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unanswered, unsupported, ended, lapsed).",
             explicit_bucket_boundaries_advisory=RUN_BUCKETS)
