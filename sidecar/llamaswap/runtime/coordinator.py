@@ -167,6 +167,8 @@ class Coordinator:
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
+        if self._running is not None:
+            self._rearm_watchdog(self._running)
         self._changed()
         self._arm_expiry()
         self._pump()
@@ -509,6 +511,20 @@ class Coordinator:
         limit = self._config.routing.scheduler.max_run_seconds
         if limit > 0:
             self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+
+    def _rearm_watchdog(self, ticket: Ticket) -> None:
+        """maxRunSeconds changed while `ticket` runs: its limit counts from its grant, not from now
+        (past it already, the watchdog fires on the next loop turn; 0 turns it off)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        limit = self._config.routing.scheduler.max_run_seconds
+        decision = ticket.decision
+        if limit <= 0 or decision is None:
+            return
+        held_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
+        self._watchdog = asyncio.get_running_loop().call_later(max(0.0, limit - held_s), self._watchdog_fire,
+                                                               ticket.token)
 
     def _watchdog_fire(self, token: str) -> None:
         """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""
