@@ -19,7 +19,7 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as aut
 from collections.abc import Callable
 from typing import Any
 
-from llamaswap.config import Config, ConfigError, HostPort, load_document, parse_config
+from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
 from llamaswap.config.reload import plan_reload
 from llamaswap.core import MonotonicClock
 from llamaswap.runtime.activity import ActivityLog
@@ -88,6 +88,7 @@ class Sidecar:
 
     async def start(self) -> None:
         listen = self.config.listen
+        warn_remote_listen(listen)
         self._grpc_server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
@@ -227,6 +228,14 @@ class Sidecar:
             except asyncio.TimeoutError:
                 pass
             self._poll_changed.clear()
+
+
+def warn_remote_listen(listen: ListenConfig) -> None:
+    """A sidecar port off the loopback (allowed only by listen.allowRemote) is said at every start."""
+    for key, address in (("listen.grpc", listen.grpc), ("listen.admin", listen.admin)):
+        if not address.is_loopback:
+            _log.warning("%s binds %s, which is not the loopback (listen.allowRemote: true): whoever reaches it "
+                         "can hold the GPU (gRPC) or read the queue (admin); admit only Envoy to it", key, address)
 
 
 def tune_gc() -> None:
