@@ -20,7 +20,14 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
-from llamaswap.envoy.contract import MODEL_KEY, MODEL_NAMESPACE, PRIORITY_HEADER, REQUEST_ID_HEADER, TICKET_KEY
+from llamaswap.envoy.contract import (
+    MAX_REQUEST_ID,
+    MODEL_KEY,
+    MODEL_NAMESPACE,
+    PRIORITY_HEADER,
+    REQUEST_ID_HEADER,
+    TICKET_KEY,
+)
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, Ticket
 from llamaswap.adapters.metadata import metadata_value
@@ -117,12 +124,17 @@ class Authorization(authz_grpc.AuthorizationServicer):
                 trace_parent = value
             elif key == "tracestate":
                 trace_state = value
+        request_id = headers.get(REQUEST_ID_HEADER) or http.id
+        replaced = len(request_id) > MAX_REQUEST_ID
+        if replaced:  # the ticket, the activity log and every span keep it: bounded
+            request_id = http.id
         return Arrival(
-            request_id=headers.get(REQUEST_ID_HEADER) or http.id,
+            request_id=request_id,
             priority_header=headers.get(PRIORITY_HEADER),
             trusted_header=headers.get(trusted_header) if trusted_header else None,
             model=model_of(request),
             peer=context.peer(),
             trace_parent=trace_parent if isinstance(trace_parent, str) else None,
             trace_state=trace_state if isinstance(trace_state, str) else None,
+            request_id_replaced=replaced,
         )

@@ -102,7 +102,11 @@ class Coordinator:
         self._observe_after_grant = observe_after_grant
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
+        # The live ticket a request id names: the first of those that carry it (a client may
+        # reuse an id; a later arrival must not hide the earlier one's status), the later ones
+        # in arrival order, each named in its turn.
         self._by_request_id: dict[str, Ticket] = {}
+        self._later_by_request_id: dict[str, list[Ticket]] = {}
         # The running grant, the adopted exchanges and the finished memory, with their timer.
         self._leases = Leases(self._clock, self._leases_due)
         self._settling: Settling | None = None
@@ -212,7 +216,8 @@ class Coordinator:
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
-        self._by_request_id[ticket.request_id] = ticket
+        if self._by_request_id.setdefault(ticket.request_id, ticket) is not ticket:
+            self._later_by_request_id.setdefault(ticket.request_id, []).append(ticket)
         self._changed()
         self._observer.enqueued(ticket)
         self._estimate_later(ticket)
@@ -382,8 +387,7 @@ class Coordinator:
         ticket.finished_ns = at_ns
         ticket.state = TicketState.DONE
         self._tickets.pop(ticket.token, None)
-        if self._by_request_id.get(ticket.request_id) is ticket:
-            del self._by_request_id[ticket.request_id]
+        self._forget_request_id(ticket)
         if ticket.decision is not None:
             self._leases.remember(ticket.token, outcome)
         waiter = ticket.waiter
@@ -392,6 +396,20 @@ class Coordinator:
         self._changed()
         self._observe(self._observer.finished, ticket)
         return True
+
+    def _forget_request_id(self, ticket: Ticket) -> None:
+        """A finished ticket leaves the id's index; the next live one with its id takes its place."""
+        request_id = ticket.request_id
+        later = self._later_by_request_id.get(request_id)
+        if self._by_request_id.get(request_id) is ticket:
+            if later:
+                self._by_request_id[request_id] = later.pop(0)
+            else:
+                del self._by_request_id[request_id]
+        elif later and ticket in later:
+            later.remove(ticket)
+        if later is not None and not later:
+            del self._later_by_request_id[request_id]
 
     def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
         self._finish(ticket, refusal.outcome, self._clock.now_ns())

@@ -59,6 +59,7 @@ class Arrival:
     peer: str  # the gRPC peer (one Envoy worker's connection): its access-log stream ends with it
     trace_parent: str | None  # W3C traceparent of Envoy's span for the Check call
     trace_state: str | None
+    request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
 
 
 class Tokens:
@@ -82,12 +83,13 @@ class Ticket:
         "token", "request_id", "priority", "model", "peer", "trace_parent", "trace_state",
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
-        "waiter",
+        "waiter", "request_id_replaced",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
         self.token = token  # the scheduler's id for it; a secret that only Envoy's metadata carries
         self.request_id = arrival.request_id or "-"
+        self.request_id_replaced = arrival.request_id_replaced
         self.priority = priority
         self.model = arrival.model
         self.peer = arrival.peer

@@ -144,7 +144,8 @@ class QueueViews:
         view = self.view()
         if ticket.state is TicketState.RUNNING and view.running is not None:
             return ticket, view.running
-        for row in view.waiting:
-            if row.request_id == request_id:
+        snapshot, _ = self.walk()  # the walk the view was made from (cached): rows by token, since ids repeat
+        for entry, row in zip(snapshot.waiting, view.waiting):
+            if entry.request_id == ticket.token:
                 return ticket, row
         return None
