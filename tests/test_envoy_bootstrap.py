@@ -77,3 +77,22 @@ def test_what_a_reload_may_change():
     assert bootstrap_changes(base, parse_config({"upstream": {"url": "http://127.0.0.1:1"}})) == ["upstream.url"]
     assert bootstrap_changes(base, parse_config({"security": {"priority": {"trustedHeader": "x-p"}}})) == [
         "security.priority.trustedHeader"]
+
+
+def test_the_edge_trusts_no_client_and_keeps_its_request_id():
+    hcm = build_bootstrap(parse_config({}))["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert hcm["use_remote_address"] is True
+    assert hcm["internal_address_config"] == {"unix_sockets": False, "cidr_ranges": []}
+    assert hcm["preserve_external_request_id"] is True
+
+
+def _sidecar_breaker(document: dict) -> dict:
+    [cluster] = [c for c in build_bootstrap(parse_config(document))["static_resources"]["clusters"]
+                 if c["name"] == "llamaswap_grpc"]
+    return cluster["circuit_breakers"]["thresholds"][0]
+
+
+def test_fail_open_lifts_the_breaker_that_would_fail_open():
+    assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7}})["max_requests"] == 7
+    assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7, "failOpen": True}})["max_requests"] == 2**32 - 1

@@ -514,3 +514,21 @@ async def test_the_later_request_with_a_reused_id_is_named_once_the_first_ends()
     assert flow.coordinator.status_of("same")[0] is first.ticket
     await flow.complete(first)
     assert second.granted and flow.coordinator.status_of("same")[0] is second.ticket
+
+
+@virtual_time
+async def test_with_fail_open_the_sidecar_holds_the_stream_limit_itself() -> None:
+    from llamaswap.adapters.outcomes import http_error
+    from llamaswap.core import Outcome
+
+    flow = Flow({"envoy": {"leaseSeconds": 1000, "failOpen": True, "maxSidecarStreams": 2}})
+    first = await flow.arrive("a")  # granted: its Check is answered, its stream free
+    waiting = [await flow.arrive("b"), await flow.arrive("c")]
+    over = await flow.arrive("d")
+    assert first.granted and all(r.waiting for r in waiting)
+    assert over.refusal.outcome is Outcome.REJECTED_FULL
+    error, body = http_error(over.refusal)
+    assert error.status == 429 and b"envoy.maxSidecarStreams is 2" in body
+    closed = Flow({"envoy": {"leaseSeconds": 1000, "maxSidecarStreams": 2}})  # Envoy's breaker answers 503
+    await closed.arrive("a")
+    assert all([(await closed.arrive(x)).waiting for x in "bcd"])

@@ -78,6 +78,7 @@ class Refusal:
     queue_limit: int = 0
     max_wait_s: float = 0.0
     model: str | None = None
+    limit_key: str = "routing.scheduler.maxQueued"  # the setting `queue_limit` is
 
 
 # What `admit` answers: the granted ticket, or a refusal.
@@ -107,6 +108,7 @@ class Coordinator:
         # in arrival order, each named in its turn.
         self._by_request_id: dict[str, Ticket] = {}
         self._later_by_request_id: dict[str, list[Ticket]] = {}
+        self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         # The running grant, the adopted exchanges and the finished memory, with their timer.
         self._leases = Leases(self._clock, self._leases_due)
         self._settling: Settling | None = None
@@ -184,6 +186,7 @@ class Coordinator:
         policy = self._config.priority_policy()
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
+        self._held_checks += 1
         try:
             return await self._admit(ticket)
         except asyncio.CancelledError:
@@ -196,11 +199,18 @@ class Coordinator:
             # (it would be granted with nobody to use the grant) nor go unfinished.
             self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
             raise
+        finally:
+            self._held_checks -= 1
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
+        if self._over_stream_limit():
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
+                                                queue_depth=self._held_checks - 1,
+                                                queue_limit=self._config.envoy.max_sidecar_streams,
+                                                limit_key="envoy.maxSidecarStreams"))
         if ticket.model is not None and not await self._catalog.serves(ticket.model, self._config.upstream.model_check):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
@@ -396,6 +406,13 @@ class Coordinator:
         self._changed()
         self._observe(self._observer.finished, ticket)
         return True
+
+    def _over_stream_limit(self) -> bool:
+        """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its
+        overflow would pass requests unscheduled, since ext_authz treats it as the sidecar being
+        unreachable): the sidecar holds the limit itself and refuses past it."""
+        envoy = self._config.envoy
+        return envoy.fail_open and self._held_checks > envoy.max_sidecar_streams
 
     def _forget_request_id(self, ticket: Ticket) -> None:
         """A finished ticket leaves the id's index; the next live one with its id takes its place."""
