@@ -453,7 +453,7 @@ async def test_the_queue_and_status_documents() -> None:
     assert not any(token in json.dumps(document) for token in tokens)
 
 
-async def _status_route(flow: Flow, request_id: str) -> tuple[int, Any]:
+async def _status_route(flow: Flow, request_id: str) -> tuple[int, dict]:
     """GET STATUS_PREFIX{id} through the admin app's own router (what Envoy's listener reaches)."""
     from aiohttp.test_utils import make_mocked_request
 
