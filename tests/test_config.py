@@ -756,7 +756,7 @@ def test_no_warning_without_the_deprecated_key():
     ("sidecar.svc:65535", "sidecar.svc", 65535, "sidecar.svc"),
 ])
 def test_host_port(text, host, port, connect_host):
-    address = parse_config({"listen": {"grpc": text}}).listen.grpc
+    address = parse_config({"listen": {"grpc": text, "allowRemote": True}}).listen.grpc
     assert (address.host, address.port, address.connect_host, str(address)) == (host, port, connect_host, text)
 
 
