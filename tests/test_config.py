@@ -6,6 +6,7 @@ exit status 2 and the key path on stderr.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -302,6 +303,10 @@ BAD_FILES = {
     "listen port too big": ("listen: {grpc: '127.0.0.1:99999'}", "listen.grpc", "99999"),
     "listen port not a number": ("listen: {admin: 'localhost:http'}", "listen.admin", "'localhost:http'"),
     "listen is a number": ("listen: {http: 8080}", "listen.http", "must be a string 'host:port', got a number 8080"),
+    "grpc on every address": ("listen: {grpc: '0.0.0.0:9000'}", "listen.grpc",
+                              "not a loopback address: anyone who reaches it can renew leases for ever"),
+    "admin on a pod address": ("listen: {admin: '10.0.0.5:9090'}", "listen.admin", "set listen.allowRemote: true"),
+    "admin on a host name": ("listen: {admin: 'sidecar.example:9090'}", "listen.admin", "Bind it to 127.0.0.1"),
     "listen unknown key": ("listen: {htp: '127.0.0.1:8080'}", "listen.htp", "did you mean 'http'"),
     "upstream url scheme": ("upstream: {url: 'ftp://127.0.0.1:8081'}", "upstream.url",
                             "must be an http:// or https:// URL with a host"),
@@ -566,7 +571,7 @@ EVERY_KEY = {
         "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99}, "fifo": {}},
     }},
     "models": {"qwen": {"priority": 10}, "gemma": {"priority": -5}},
-    "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091"},
+    "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091", "allowRemote": True},
     "upstream": {
         "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
         "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
@@ -661,7 +666,8 @@ def test_to_document_fills_in_every_default():
     document = parse_config({"routing": {"scheduler": {"maxQueued": 3}}}).to_document()
     assert document["routing"]["scheduler"]["maxQueued"] == 3
     assert document["routing"]["scheduler"]["settings"]["serial"] == {"agingDivisor": 60, "swapAffinityBonus": 10}
-    assert document["listen"] == {"http": "127.0.0.1:8080", "grpc": "127.0.0.1:9000", "admin": "127.0.0.1:9090"}
+    assert document["listen"] == {"http": "127.0.0.1:8080", "grpc": "127.0.0.1:9000", "admin": "127.0.0.1:9090",
+                                  "allowRemote": False}
     assert document["upstream"]["url"] == "http://127.0.0.1:8081"
     assert document["upstream"]["command"] == ""
     assert document["security"]["priority"]["trustedHeader"] is None
@@ -750,7 +756,7 @@ def test_no_warning_without_the_deprecated_key():
     ("sidecar.svc:65535", "sidecar.svc", 65535, "sidecar.svc"),
 ])
 def test_host_port(text, host, port, connect_host):
-    address = parse_config({"listen": {"grpc": text}}).listen.grpc
+    address = parse_config({"listen": {"grpc": text, "allowRemote": True}}).listen.grpc
     assert (address.host, address.port, address.connect_host, str(address)) == (host, port, connect_host, text)
 
 
@@ -832,3 +838,21 @@ def test_load_document_names_the_file(tmp_path):
         load_document(tmp_path / "nope.yaml")
     assert [p.path for p in info.value.problems] == [str(tmp_path / "nope.yaml")]
     assert info.value.problems[0].message == "cannot read the file: No such file or directory"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9000", "127.1.2.3:9000", "[::1]:9000", "localhost:9000"])
+def test_the_sidecar_ports_on_the_loopback_need_nothing(address: str) -> None:
+    config = parse_config({"listen": {"grpc": address, "admin": address}})
+    assert config.listen.grpc.is_loopback and config.listen.admin.is_loopback and not config.listen.allow_remote
+
+
+def test_allow_remote_accepts_the_sidecar_ports_anywhere_and_serve_warns(caplog: pytest.LogCaptureFixture) -> None:
+    from llamaswap.commands.serve import warn_remote_listen  # what Sidecar.start calls first
+
+    config = parse_config({"listen": {"grpc": "0.0.0.0:9000", "admin": "10.0.0.5:9090", "allowRemote": True}})
+    caplog.set_level(logging.WARNING, logger="llamaswap")
+    warn_remote_listen(parse_config({"listen": {"allowRemote": True}}).listen)
+    assert caplog.records == []
+    warn_remote_listen(config.listen)
+    warnings = [r.getMessage() for r in caplog.records if "not the loopback" in r.getMessage()]
+    assert len(warnings) == 2 and "listen.grpc" in warnings[0] and "listen.admin" in warnings[1]

@@ -866,7 +866,8 @@ async def test_a_late_periodic_report_for_a_lapsed_grant_adopts_it_again(release
     assert b.waiting
     await flow.end(a.ticket.token, ExchangeEnd.COMPLETE, 200)
     assert b.granted
-    assert a.outcome is Outcome.LEASE_EXPIRED if release == "lease" else Outcome.PROXY_GONE
+    # The first outcome stands: the adoption's end does not rewrite it.
+    assert a.outcome is (Outcome.LEASE_EXPIRED if release == "lease" else Outcome.PROXY_GONE)
     assert flow.recorder.times_finished(a.ticket) == 1
     adopted = [x for x in flow.recorder.settles if x.reason is SettleReason.ADOPTED]
     assert [x.result for x in adopted] == [SettleResult.ENDED]  # the GPU time it held, counted

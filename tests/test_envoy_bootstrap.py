@@ -122,3 +122,22 @@ def test_props_skips_the_queue_only_where_it_cannot_load(path: str, bypass: bool
 def test_a_changed_management_api_needs_a_new_bootstrap():
     assert bootstrap_changes(parse_config({}), parse_config({"upstream": {"managementApi": "schedule"}})) == [
         "upstream.managementApi"]
+
+
+def test_the_edge_trusts_no_client_and_keeps_its_request_id():
+    hcm = build_bootstrap(parse_config({}))["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert hcm["use_remote_address"] is True
+    assert hcm["internal_address_config"] == {"unix_sockets": False, "cidr_ranges": []}
+    assert hcm["preserve_external_request_id"] is True
+
+
+def _sidecar_breaker(document: dict) -> dict:
+    [cluster] = [c for c in build_bootstrap(parse_config(document))["static_resources"]["clusters"]
+                 if c["name"] == "llamaswap_grpc"]
+    return cluster["circuit_breakers"]["thresholds"][0]
+
+
+def test_fail_open_lifts_the_breaker_that_would_fail_open():
+    assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7}})["max_requests"] == 7
+    assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7, "failOpen": True}})["max_requests"] == 2**32 - 1

@@ -712,3 +712,36 @@ async def test_an_underestimated_wait_is_recorded_too() -> None:
     assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="batch") == 1
     assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="batch") == pytest.approx(estimated / waited)
     assert value(samples, f"{names.ESTIMATE_RATIO}_bucket", band="batch", le="0.5") == 1
+
+
+# -- bounded labels and ids --------------------------------------------------------------------
+
+
+@virtual_time
+async def test_the_model_label_keeps_the_first_models_and_counts_the_rest_as_other() -> None:
+    traced = Traced(LONG_LEASE)
+    flow = traced.flow
+    models = [f"m{i:02d}-" + "x" * 400 for i in range(names.MAX_MODEL_LABELS + 5)]
+    for model in [*models, models[0]]:  # the first model again: still its own series
+        request = await flow.arrive(model[:3], model=model)
+        await flow.advance(1)
+        await flow.complete(request)
+    run_by_model = by_label(traced.metrics(), names.MODEL_RUN + "_count", "model")
+    assert set(run_by_model) == {*models[:names.MAX_MODEL_LABELS], names.OTHER_MODEL}
+    assert run_by_model[models[0]] == 2 and run_by_model[names.OTHER_MODEL] == 5
+    assert value(traced.metrics(), names.MODEL_LABEL_OTHER) == 5
+
+
+@virtual_time
+async def test_a_long_request_id_is_replaced_by_envoys_and_counted() -> None:
+    traced = Traced(LONG_LEASE)
+    flow = traced.flow
+    longest = "r" * 128
+    kept = await flow.check(check_request({"x-request-id": longest}, http_id="101"))
+    await flow.complete(kept)
+    replaced = await flow.check(check_request({"x-request-id": "r" * 129}, http_id="102"))
+    assert replaced.ticket.request_id == "102"  # Envoy's id for the stream, from the Check
+    await flow.complete(replaced)
+    assert kept.ticket.request_id == longest
+    assert value(traced.metrics(), names.REQUEST_ID_REPLACED) == 1
+    assert {s.attributes.get("llamaswap.request_id") for s in traced.finished_spans(RUN_SPAN)} == {longest, "102"}

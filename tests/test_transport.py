@@ -480,3 +480,84 @@ async def test_the_queue_and_status_documents() -> None:
     assert status_document(flow.coordinator, "nobody") is None
     tokens = {r.ticket.token for r in flow.requests.values()}
     assert not any(token in json.dumps(document) for token in tokens)
+
+
+async def _status_route(flow: Flow, request_id: str) -> tuple[int, dict]:
+    """GET STATUS_PREFIX{id} through the admin app's own router (what Envoy's listener reaches)."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from llamaswap.adapters.admin import build_admin_app
+    from llamaswap.envoy.contract import STATUS_PREFIX
+    from llamaswap.runtime.activity import ActivityLog
+
+    app = build_admin_app(flow.coordinator, ActivityLog(flow.clock, capacity=0))
+    request = make_mocked_request("GET", STATUS_PREFIX + request_id, app=app)
+    match = await app.router.resolve(request)
+    request._match_info = match
+    match.add_app(app)
+    response = await match.handler(request)
+    return response.status, json.loads(response.body)
+
+
+@virtual_time
+async def test_the_public_status_route_answers_only_what_its_client_needs() -> None:
+    flow = Flow({"envoy": {"leaseSeconds": 1000}})
+    await flow.arrive("run", model="a")
+    await flow.arrive("wait", "batch", model="b")
+    await flow.advance(1)
+    assert await _status_route(flow, "wait") == (200, {
+        "request_id": "wait", "state": "waiting", "position": 1, "estimated_start_s": 14.0})
+    assert await _status_route(flow, "run") == (200, {
+        "request_id": "run", "state": "running", "position": 0, "estimated_start_s": 0.0})
+    status, body = await _status_route(flow, "nobody")
+    assert status == 404 and body["error"]["code"] == "request_not_found"
+
+
+@virtual_time
+async def test_a_reused_request_id_does_not_hide_the_first_request() -> None:
+    flow = Flow({"envoy": {"leaseSeconds": 1000}})
+    running = await flow.arrive("run", model="a")
+    await flow.arrive("same", "batch", model="b")
+    second = await flow.arrive("same", "interactive", model="b")  # another client, the same id, ahead of it
+    await flow.advance(1)
+    ticket, row = flow.coordinator.status_of("same")
+    # Flow's Request.ticket is by id, ambiguous here: tell the two by their priorities.
+    assert ticket.priority.value == -100 and row.position == 2  # the first one's place, not the second's (1)
+    assert (await _status_route(flow, "same"))[1]["position"] == 2
+    await flow.complete(running)
+    assert second.granted and second.ticket.priority.value == 100
+    ticket, row = flow.coordinator.status_of("same")
+    assert ticket.priority.value == -100 and row.position == 1  # still the first's record while it lives
+    first = ticket
+    await flow.complete(second)
+    assert flow.coordinator.status_of("same")[0] is first and first.decision is not None
+    await flow.end(first.token, ExchangeEnd.COMPLETE, 200)
+    assert flow.coordinator.status_of("same") is None
+
+
+@virtual_time
+async def test_the_later_request_with_a_reused_id_is_named_once_the_first_ends() -> None:
+    flow = Flow({"envoy": {"leaseSeconds": 1000}})
+    first = await flow.arrive("same", model="a")
+    second = await flow.arrive("same", model="a")
+    assert flow.coordinator.status_of("same")[0] is first.ticket
+    await flow.complete(first)
+    assert second.granted and flow.coordinator.status_of("same")[0] is second.ticket
+
+
+@virtual_time
+async def test_with_fail_open_the_sidecar_holds_the_stream_limit_itself() -> None:
+    from llamaswap.adapters.outcomes import http_error
+    from llamaswap.core import Outcome
+
+    flow = Flow({"envoy": {"leaseSeconds": 1000, "failOpen": True, "maxSidecarStreams": 2}})
+    first = await flow.arrive("a")  # granted: its Check is answered, its stream free
+    waiting = [await flow.arrive("b"), await flow.arrive("c")]
+    over = await flow.arrive("d")
+    assert first.granted and all(r.waiting for r in waiting)
+    assert over.refusal.outcome is Outcome.REJECTED_FULL
+    error, body = http_error(over.refusal)
+    assert error.status == 429 and b"envoy.maxSidecarStreams is 2" in body
+    closed = Flow({"envoy": {"leaseSeconds": 1000, "maxSidecarStreams": 2}})  # Envoy's breaker answers 503
+    await closed.arrive("a")
+    assert all([(await closed.arrive(x)).waiting for x in "bcd"])

@@ -60,6 +60,20 @@ def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any]
             "estimated_start_s": row.estimated_start_s}
 
 
+def public_status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:
+    """What the public status route answers: only what the request's own client needs (its
+    state, its place in the queue, when it is expected to start); nothing about priorities,
+    scores or what else waits. The admin port's /ui shows the rest."""
+    document = status_document(coordinator, request_id)
+    if document is None:
+        return None
+    return {key: document[key] for key in PUBLIC_STATUS_KEYS}
+
+
+# The public status answer's fields (Envoy's listener routes STATUS_PREFIX to this server).
+PUBLIC_STATUS_KEYS = ("request_id", "state", "position", "estimated_start_s")
+
+
 def build_admin_app(
     coordinator: Coordinator,
     activity: ActivityLog,
@@ -96,7 +110,7 @@ def build_admin_app(
             return _error(405, "invalid_request_error", "method_not_allowed",
                           f"{STATUS_PREFIX}{{request-id}} only answers GET")
         request_id = request.match_info["request_id"]
-        document = status_document(coordinator, request_id)
+        document = public_status_document(coordinator, request_id)
         if document is None:
             return _error(404, "invalid_request_error", "request_not_found",
                           f"no waiting or running request has the x-request-id '{request_id}'")

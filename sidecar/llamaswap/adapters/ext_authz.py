@@ -22,6 +22,7 @@ from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
 from llamaswap.envoy.contract import (
     MAX_TOKENS_KEYS,
+    MAX_REQUEST_ID,
     MODEL_KEY,
     MODEL_NAMESPACE,
     PRIORITY_HEADER,
@@ -146,8 +147,12 @@ class Authorization(authz_grpc.AuthorizationServicer):
                 trace_parent = value
             elif key == "tracestate":
                 trace_state = value
+        request_id = headers.get(REQUEST_ID_HEADER) or http.id
+        replaced = len(request_id) > MAX_REQUEST_ID
+        if replaced:  # the ticket, the activity log and every span keep it: bounded
+            request_id = http.id
         return Arrival(
-            request_id=headers.get(REQUEST_ID_HEADER) or http.id,
+            request_id=request_id,
             priority_header=headers.get(PRIORITY_HEADER),
             trusted_header=headers.get(trusted_header) if trusted_header else None,
             model=model_of(request),
@@ -158,4 +163,5 @@ class Authorization(authz_grpc.AuthorizationServicer):
             path=http.path,
             max_tokens=max_tokens_of(request),
             streamed=streamed_of(request),
+            request_id_replaced=replaced,
         )

@@ -27,7 +27,7 @@ class HttpError:
 REFUSALS: Mapping[Outcome, HttpError] = {
     Outcome.REJECTED_FULL: HttpError(
         429, "rate_limit_error", "queue_full",
-        lambda r: f"the GPU queue is full ({r.queue_depth} requests waiting, routing.scheduler.maxQueued is "
+        lambda r: f"the GPU queue is full ({r.queue_depth} requests waiting, {r.limit_key} is "
                   f"{r.queue_limit}); retry after {r.retry_after_s} s"),
     Outcome.REJECTED_UNKNOWN_MODEL: HttpError(
         404, "invalid_request_error", "model_not_found",

@@ -16,9 +16,12 @@ from aiohttp import web
 
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
-from llamaswap.config import Config, ConfigError, HostPort, load_config
+from collections.abc import Callable
+from typing import Any
+
+from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
+from llamaswap.config.reload import plan_reload
 from llamaswap.core import MonotonicClock
-from llamaswap.envoy.bootstrap import bootstrap_changes
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.history import History
@@ -49,13 +52,24 @@ class PortInUse(OSError):
         self.address = address
 
 
+# Validates a configuration document the way the command that runs it does (`up` adds its
+# built-in upstream to a file that names none): a reload must read the file the same way.
+DocumentParser = Callable[[Any, str], Config]
+
+
+def parse_document(document: Any, source: str) -> Config:
+    return parse_config(document, source=source, warn=lambda text: _log.warning("reload: %s", text))
+
+
 class Sidecar:
     """The running sidecar: owns the coordinator, the gRPC server and the admin server."""
 
     def __init__(self, config: Config, *, config_path: str | None = None, activity_path: str | None = None,
-                 extra_observers: tuple[Observer, ...] = ()) -> None:
+                 extra_observers: tuple[Observer, ...] = (), parse: DocumentParser = parse_document) -> None:
         self.config = config
         self.config_path = config_path
+        self._parse = parse
+        self._poll_changed = asyncio.Event()
         clock = MonotonicClock()
         self.activity = ActivityLog(clock, capacity=config.activity.recent, path=activity_path or config.activity.path)
         self.telemetry = Telemetry.from_environment(clock)
@@ -74,6 +88,7 @@ class Sidecar:
 
     async def start(self) -> None:
         listen = self.config.listen
+        warn_remote_listen(listen)
         self._grpc_server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
@@ -115,8 +130,7 @@ class Sidecar:
         server = site._server  # aiohttp keeps the bound socket here
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = sockets[0].getsockname()[1] if sockets else listen.admin.port
-        if self.config.upstream.models_poll_seconds > 0:
-            self._tasks.append(asyncio.create_task(self._reconcile_models()))
+        self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:
             self._tasks.append(asyncio.create_task(self._watch_config_file()))
         tune_gc()
@@ -128,21 +142,32 @@ class Sidecar:
         """Re-read the config file; an invalid one is refused and the old one stays."""
         if not self.config_path:
             return False
+        path = self.config_path
         try:
-            config = load_config(self.config_path, warn=lambda text: _log.warning("reload: %s", text))
+            plan = plan_reload(self.config, self._parse(load_document(path), path),
+                               parse=lambda document: self._parse(document, path))
         except ConfigError as exc:
             _log.error("reload refused, keeping the running configuration: %s", exc)
             return False
-        changed = bootstrap_changes(self.config, config)
-        if changed:
+        if plan.refused:
             # Envoy keeps the bootstrap it started with (lease renewals, ports, headers): applying
             # only half of such a change would let the two disagree.
             _log.error("reload refused, keeping the running configuration: %s changed, which Envoy's bootstrap "
-                       "uses; restart the stack (or the pod) to apply it", ", ".join(changed))
+                       "uses; restart the stack (or the pod) to apply it", ", ".join(plan.refused))
             return False
-        self.config = config
-        self.coordinator.reconfigure(config)
-        _log.info("configuration reloaded from %s (scheduler %s)", self.config_path, config.routing.scheduler.use)
+        if plan.restart:
+            _log.warning("reload: %s changed and need%s a restart to apply; the running value%s kept",
+                         ", ".join(plan.restart), "s" if len(plan.restart) == 1 else "",
+                         " is" if len(plan.restart) == 1 else "s are")
+        if not plan.live:
+            _log.info("configuration re-read from %s: nothing to apply", path)
+            return True
+        previous, self.config = self.config, plan.config
+        self.coordinator.reconfigure(plan.config)
+        if previous.upstream.models_poll_seconds != plan.config.upstream.models_poll_seconds:
+            self._poll_changed.set()
+        _log.info("configuration reloaded from %s: %s applied (scheduler %s)", path, ", ".join(plan.live),
+                  plan.config.routing.scheduler.use)
         return True
 
     async def stop(self, grace_s: float = GRACE_SECONDS_DEFAULT) -> None:
@@ -186,14 +211,33 @@ class Sidecar:
                 self.reload()
 
     async def _reconcile_models(self) -> None:
-        """Ask the upstream what it serves and has loaded, while the GPU is idle."""
+        """Ask the upstream what it serves and has loaded, while the GPU is idle, every
+        upstream.modelsPollSeconds; at 0, wait until a reload sets it again."""
         while True:
+            interval_s = self.config.upstream.models_poll_seconds
+            if interval_s <= 0:
+                await self._poll_changed.wait()
+                self._poll_changed.clear()
+                continue
             if self.coordinator.gpu_state is GpuState.IDLE:
                 as_of = self.coordinator.scheduler.dispatches
                 catalog = await self.upstream.catalog()
                 if catalog is not None:
                     self.coordinator.observe_catalog(catalog, as_of)
-            await asyncio.sleep(self.config.upstream.models_poll_seconds)
+            # A reload that changes the interval ends this wait: the new one counts from now.
+            try:
+                await asyncio.wait_for(self._poll_changed.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._poll_changed.clear()
+
+
+def warn_remote_listen(listen: ListenConfig) -> None:
+    """A sidecar port off the loopback (allowed only by listen.allowRemote) is said at every start."""
+    for key, address in (("listen.grpc", listen.grpc), ("listen.admin", listen.admin)):
+        if not address.is_loopback:
+            _log.warning("%s binds %s, which is not the loopback (listen.allowRemote: true): whoever reaches it "
+                         "can hold the GPU (gRPC) or read the queue (admin); admit only Envoy to it", key, address)
 
 
 def tune_gc() -> None:

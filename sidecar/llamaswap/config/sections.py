@@ -158,6 +158,23 @@ class ListenConfig(Section):
     admin: HostPort = Field(default=DEFAULT_ADMIN,
                             description="The sidecar's admin HTTP: /healthz /readyz /metrics /queue /activity, "
                                         "and the page /ui.")
+    allow_remote: StrictBool = Field(
+        default=False,
+        description="Allow listen.grpc and listen.admin on an address other than the loopback. Whoever reaches "
+                    "the gRPC port can hold or renew grants for ever, and the admin port shows the queue: "
+                    "only behind a network policy that admits Envoy alone.")
+
+    @model_validator(mode="after")
+    def _sidecar_ports_local(self) -> ListenConfig:
+        if self.allow_remote:
+            return self
+        for key, address, reach in (("grpc", self.grpc, "can renew leases for ever"),
+                                    ("admin", self.admin, "can read the queue and every request's record")):
+            if not address.is_loopback:
+                raise invalid(f"{address} is not a loopback address: anyone who reaches it {reach}. Bind it to "
+                              f"127.0.0.1 (Envoy runs beside the sidecar), or set listen.allowRemote: true "
+                              f"behind a network policy", key=key)
+        return self
 
 
 class UpstreamConfig(Section):

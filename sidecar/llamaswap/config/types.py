@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import re
 import shlex
 from typing import Annotated, Any
@@ -30,6 +31,16 @@ class HostPort:
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        """Reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: it resolves to whatever DNS says
+            return False
 
     @property
     def connect_host(self) -> str:

@@ -68,6 +68,8 @@ ROUTER = "envoy.filters.http.router"
 # Envoy's admin server by default (`llamaswap envoy-config --admin-port/--admin-host`).
 ENVOY_ADMIN_PORT = 9901
 ENVOY_ADMIN_HOST = "127.0.0.1"
+# A circuit-breaker threshold that never trips (the field is a uint32).
+UNLIMITED_STREAMS = 2**32 - 1
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
 
@@ -278,6 +280,15 @@ def build_bootstrap(
         access_log=[_access_log(config)],
         # Periodic entries for the running exchange: they renew its lease.
         access_log_options={"access_log_flush_interval": _duration(e.lease_seconds / RENEWALS_PER_LEASE)},
+        # The edge: every client is external, none is trusted. Envoy then drops a client's
+        # x-envoy-* headers (x-envoy-retry-on, x-envoy-max-retries, per-try timeouts), so no
+        # request can turn one grant into several upstream attempts. An explicit empty list:
+        # without one, Envoy counts RFC 1918 and loopback peers as internal.
+        use_remote_address=True,
+        internal_address_config={"unix_sockets": False, "cidr_ranges": []},
+        # An external request's x-request-id would be replaced: clients send their own to ask
+        # the status route where they stand.
+        preserve_external_request_id=True,
         # Every response says which request it was: clients find it in /queue, /activity, traces.
         always_set_request_id_in_response=True,
         # Envoy's own 503s (the sidecar unreachable, for one) tell clients when to come back;
@@ -303,8 +314,12 @@ def build_bootstrap(
     clusters = [
         _cluster(UPSTREAM_CLUSTER, upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,
                  max_requests=1024, tls_sni=upstream.host if upstream.tls else None),
+        # failOpen: ext_authz fails open on any error, the circuit breaker's overflow too, so a
+        # flood would pass unscheduled; the breaker is lifted and the sidecar refuses past the
+        # limit itself (429). Without failOpen an overflow is a 503, which is what it should be.
         _cluster(SIDECAR_GRPC_CLUSTER, listen.grpc.connect_host, grpc_port if grpc_port is not None else listen.grpc.port,
-                 http2=True, buffer_bytes=1024 * 1024, max_requests=e.max_sidecar_streams),
+                 http2=True, buffer_bytes=1024 * 1024,
+                 max_requests=UNLIMITED_STREAMS if e.fail_open else e.max_sidecar_streams),
         _cluster(SIDECAR_ADMIN_CLUSTER, listen.admin.connect_host,
                  admin_port if admin_port is not None else listen.admin.port),
     ]

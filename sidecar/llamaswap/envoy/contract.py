@@ -14,7 +14,7 @@ from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
-    "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY",
+    "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
 ]
@@ -32,6 +32,9 @@ TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"
 
 REQUEST_ID_HEADER = "x-request-id"
+# A client's x-request-id longer than this is replaced by Envoy's own id for the stream (the
+# Check's `attributes.request.http.id`): it is stored in the ticket, the activity log and spans.
+MAX_REQUEST_ID = 128
 
 # Paths that never reach the GPU: answered by the upstream at once.
 BYPASS_PATHS = ("/health", "/v1/models")

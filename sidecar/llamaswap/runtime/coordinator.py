@@ -79,6 +79,7 @@ class Refusal:
     queue_limit: int = 0
     max_wait_s: float = 0.0
     model: str | None = None
+    limit_key: str = "routing.scheduler.maxQueued"  # the setting `queue_limit` is
 
 
 # What `admit` answers: the granted ticket, or a refusal.
@@ -103,7 +104,12 @@ class Coordinator:
         self._observe_after_grant = observe_after_grant
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
+        # The live ticket a request id names: the first of those that carry it (a client may
+        # reuse an id; a later arrival must not hide the earlier one's status), the later ones
+        # in arrival order, each named in its turn.
         self._by_request_id: dict[str, Ticket] = {}
+        self._later_by_request_id: dict[str, list[Ticket]] = {}
+        self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         # The running grant, the adopted exchanges and the finished memory, with their timer.
         self._leases = Leases(self._clock, self._leases_due)
         self._settling: Settling | None = None
@@ -168,6 +174,8 @@ class Coordinator:
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
+        if self._running is not None:
+            self._rearm_watchdog(self._running)
         self._changed()
         self._arm_expiry()
         self._pump()
@@ -179,6 +187,7 @@ class Coordinator:
         policy = self._config.priority_policy()
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
+        self._held_checks += 1
         try:
             return await self._admit(ticket)
         except asyncio.CancelledError:
@@ -191,11 +200,18 @@ class Coordinator:
             # (it would be granted with nobody to use the grant) nor go unfinished.
             self._check_cancelled(ticket, Outcome.INTERNAL_ERROR)
             raise
+        finally:
+            self._held_checks -= 1
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
+        if self._over_stream_limit():
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
+                                                queue_depth=self._held_checks - 1,
+                                                queue_limit=self._config.envoy.max_sidecar_streams,
+                                                limit_key="envoy.maxSidecarStreams"))
         if ticket.model is not None and not await self._catalog.serves(ticket.model, self._config.upstream.model_check):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
@@ -216,7 +232,8 @@ class Coordinator:
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
-        self._by_request_id[ticket.request_id] = ticket
+        if self._by_request_id.setdefault(ticket.request_id, ticket) is not ticket:
+            self._later_by_request_id.setdefault(ticket.request_id, []).append(ticket)
         self._changed()
         self._observer.enqueued(ticket)
         self._estimate_later(ticket)
@@ -389,8 +406,7 @@ class Coordinator:
         ticket.finished_ns = at_ns
         ticket.state = TicketState.DONE
         self._tickets.pop(ticket.token, None)
-        if self._by_request_id.get(ticket.request_id) is ticket:
-            del self._by_request_id[ticket.request_id]
+        self._forget_request_id(ticket)
         if ticket.decision is not None:
             self._leases.remember(ticket.token, outcome)
         waiter = ticket.waiter
@@ -399,6 +415,27 @@ class Coordinator:
         self._changed()
         self._observe(self._observer.finished, ticket)
         return True
+
+    def _over_stream_limit(self) -> bool:
+        """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its
+        overflow would pass requests unscheduled, since ext_authz treats it as the sidecar being
+        unreachable): the sidecar holds the limit itself and refuses past it."""
+        envoy = self._config.envoy
+        return envoy.fail_open and self._held_checks > envoy.max_sidecar_streams
+
+    def _forget_request_id(self, ticket: Ticket) -> None:
+        """A finished ticket leaves the id's index; the next live one with its id takes its place."""
+        request_id = ticket.request_id
+        later = self._later_by_request_id.get(request_id)
+        if self._by_request_id.get(request_id) is ticket:
+            if later:
+                self._by_request_id[request_id] = later.pop(0)
+            else:
+                del self._by_request_id[request_id]
+        elif later and ticket in later:
+            later.remove(ticket)
+        if later is not None and not later:
+            del self._later_by_request_id[request_id]
 
     def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
         self._finish(ticket, refusal.outcome, self._clock.now_ns())
@@ -522,6 +559,20 @@ class Coordinator:
         limit = self._config.routing.scheduler.max_run_seconds
         if limit > 0:
             self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+
+    def _rearm_watchdog(self, ticket: Ticket) -> None:
+        """maxRunSeconds changed while `ticket` runs: its limit counts from its grant, not from now
+        (past it already, the watchdog fires on the next loop turn; 0 turns it off)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        limit = self._config.routing.scheduler.max_run_seconds
+        decision = ticket.decision
+        if limit <= 0 or decision is None:
+            return
+        held_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
+        self._watchdog = asyncio.get_running_loop().call_later(max(0.0, limit - held_s), self._watchdog_fire,
+                                                               ticket.token)
 
     def _watchdog_fire(self, token: str) -> None:
         """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""

@@ -63,6 +63,7 @@ class Arrival:
     path: str = ""
     max_tokens: int | None = None  # output tokens the body asks for (max_tokens, n_predict, ...)
     streamed: bool = False  # the body asks for a streamed response ("stream": true)
+    request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).
@@ -100,12 +101,13 @@ class Ticket:
         "token", "request_id", "priority", "model", "peer", "trace_parent", "trace_state",
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
-        "waiter", "method", "path", "max_tokens", "streamed", "schedule_model",
+        "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
         self.token = token  # the scheduler's id for it; a secret that only Envoy's metadata carries
         self.request_id = arrival.request_id or "-"
+        self.request_id_replaced = arrival.request_id_replaced
         self.priority = priority
         self.model = arrival.model
         self.peer = arrival.peer

@@ -42,11 +42,19 @@ MODEL_SWAP = "llamaswap_model_swap_seconds"
 MODEL_RUN = "llamaswap_model_run_seconds"
 ESTIMATE_RATIO = "llamaswap_estimate_wait_ratio"
 SETTLE = "llamaswap_upstream_settle_seconds"
+REQUEST_ID_REPLACED = "llamaswap_request_id_replaced_total"
+MODEL_LABEL_OTHER = "llamaswap_model_label_other_total"
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
-       ABSENT, GPU_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE)
+       ABSENT, GPU_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
+       MODEL_LABEL_OTHER)
+
+# The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
+# the name, up to 512 characters: unbounded series otherwise).
+MAX_MODEL_LABELS = 20
+OTHER_MODEL = "other"
 
 # Seconds, from a quick local request to a day-long batch wait.
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
@@ -80,6 +88,24 @@ class Tally:
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(count, dict(key)) for key, count in list(self._counts.items())]
+
+
+class ModelLabels:
+    """The `model` label's values: the first MAX_MODEL_LABELS models measured keep their name (with
+    modelCheck the models the upstream serves, the ones in use), every later one is OTHER_MODEL."""
+
+    def __init__(self, limit: int = MAX_MODEL_LABELS) -> None:
+        self._limit = limit
+        self._named: set[str] = set()
+
+    def label(self, model: str) -> str | None:
+        """The model's own name, or None when it falls under OTHER_MODEL."""
+        if model in self._named:
+            return model
+        if len(self._named) < self._limit:
+            self._named.add(model)
+            return model
+        return None
 
 
 class Instruments:
@@ -136,6 +162,15 @@ class Instruments:
             description="For dispatched requests: the wait estimated at arrival / the actual wait (an actual "
                         "wait below 0.1 s counts as 0.1 s), by band. 1 is exact.",
             explicit_bucket_boundaries_advisory=ESTIMATE_RATIO_BUCKETS)
+        self.request_id_replaced = Tally(
+            meter, REQUEST_ID_REPLACED, unit="{request}",
+            description="Requests whose x-request-id was longer than 128 characters and was replaced by Envoy's "
+                        "own id for the request.")
+        self.model_label_other = Tally(
+            meter, MODEL_LABEL_OTHER, unit="{request}",
+            description=f"Measurements recorded under model=\"{OTHER_MODEL}\": the model label keeps "
+                        f"{MAX_MODEL_LABELS} model names, the first measured.")
+        self.model_labels = ModelLabels()
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "

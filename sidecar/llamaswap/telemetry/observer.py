@@ -40,7 +40,7 @@ from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Polic
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
-from llamaswap.telemetry.instruments import Instruments
+from llamaswap.telemetry.instruments import OTHER_MODEL, Instruments
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader
 
 _log = logging.getLogger(__name__)
@@ -193,6 +193,8 @@ class Telemetry:
             return
         instruments = self.instruments
         instruments.requests.add(1, {"outcome": outcome.value})
+        if ticket.request_id_replaced:
+            instruments.request_id_replaced.add(1)
         source = ticket.priority.source
         if source is PrioritySource.UNPARSEABLE:
             instruments.unparseable.add(1)
@@ -203,7 +205,10 @@ class Telemetry:
         if decision is not None:
             run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
             instruments.run.record(run_s, {"band": decision.band.value})
-            model = {"model": ticket.model or NO_MODEL}
+            label = instruments.model_labels.label(ticket.model or NO_MODEL)
+            if label is None:
+                instruments.model_label_other.add(1)
+            model = {"model": label or OTHER_MODEL}
             instruments.model_run.record(run_s, model)
             # A non-streamed first byte is the generation's end, not the end of the load.
             if decision.model_load and ticket.streamed and ticket.first_byte_s is not None:

@@ -1,0 +1,127 @@
+"""What a reload does with each key: the one table, read by the sidecar's reload and kept equal
+to docs/configuration.md's "Reloading" section by a test.
+
+A key path names the key and everything under it (``routing`` covers
+``routing.scheduler.maxRunSeconds``); the most specific entry wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from llamaswap.config.sections import Config
+
+
+class OnReload(enum.Enum):
+    LIVE = "applies at once"
+    RESTART = "kept until a restart"  # the rest of the file applies; the log names the key
+    REFUSED = "reload refused"  # Envoy's bootstrap uses it: the whole file waits for a restart
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadKey:
+    path: str
+    on_reload: OnReload
+    why: str
+
+
+RELOAD_KEYS: tuple[ReloadKey, ...] = (
+    ReloadKey("routing", OnReload.LIVE, "the waiting requests keep their arrival times; a new `maxRunSeconds` "
+                                        "re-arms the running grant's watchdog from its grant"),
+    ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too"),
+    ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
+    ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
+    ReloadKey("upstream.managementApi", OnReload.REFUSED, "Envoy's routes refuse or schedule the management API"),
+    ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
+    ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
+    ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),
+    ReloadKey("upstream.modelsPollSeconds", OnReload.LIVE, "the next poll uses it; 0 stops polling, "
+                                                           "and a positive value starts it again"),
+    ReloadKey("upstream.modelCheck", OnReload.LIVE, "from the next arrival"),
+    ReloadKey("upstream.abandonedGeneration", OnReload.LIVE, "from the next release"),
+    ReloadKey("upstream.settleTimeoutSeconds", OnReload.LIVE, "from the next settle"),
+    ReloadKey("envoy", OnReload.REFUSED, "Envoy's bootstrap (limits, lease renewals, failOpen)"),
+    ReloadKey("security.priority.mode", OnReload.LIVE, "from the next arrival"),
+    ReloadKey("security.priority.min", OnReload.LIVE, "from the next arrival"),
+    ReloadKey("security.priority.max", OnReload.LIVE, "from the next arrival"),
+    ReloadKey("security.priority.trustedHeader", OnReload.REFUSED, "Envoy sends the sidecar only the headers "
+                                                                   "its bootstrap names"),
+    ReloadKey("activity", OnReload.RESTART, "the log file is opened and the memory sized at start"),
+    ReloadKey("estimates.defaultRunSeconds", OnReload.LIVE, "from the next estimate"),
+    ReloadKey("estimates.defaultSwapSeconds", OnReload.LIVE, "from the next estimate"),
+    ReloadKey("estimates.samples", OnReload.RESTART, "the measurements' windows are sized at start"),
+    ReloadKey("ui", OnReload.LIVE, "from the page's next load"),
+)
+
+
+def reload_key(path: str) -> ReloadKey:
+    """The table's entry for a key path (its most specific prefix)."""
+    best: ReloadKey | None = None
+    for entry in RELOAD_KEYS:
+        if path == entry.path or path.startswith(entry.path + "."):
+            if best is None or len(entry.path) > len(best.path):
+                best = entry
+    if best is None:
+        raise KeyError(path)
+    return best
+
+
+def _leaves(document: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(document, dict) and document and prefix not in ("models",):
+        out: dict[str, Any] = {}
+        for key, value in document.items():
+            out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return {prefix: document}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadPlan:
+    """What a reload of `new` over `running` does: the configuration to run, and the keys that
+    changed, by what happens to them."""
+
+    config: Config
+    live: tuple[str, ...]
+    restart: tuple[str, ...]
+    refused: tuple[str, ...]
+
+
+def plan_reload(running: Config, new: Config, *, parse: Callable[[Any], Config]) -> ReloadPlan:
+    """Split the changed keys by the table; a RESTART key keeps its running value (so the running
+    configuration says what runs). `parse` validates a document (the caller's loader)."""
+    old_leaves, new_leaves = _leaves(running.to_document()), _leaves(new.to_document())
+    changed = sorted(path for path in old_leaves.keys() | new_leaves.keys()
+                     if old_leaves.get(path) != new_leaves.get(path))
+    by_kind: dict[OnReload, list[str]] = {kind: [] for kind in OnReload}
+    for path in changed:
+        entry = reload_key(path)
+        if entry.path not in by_kind[entry.on_reload]:
+            by_kind[entry.on_reload].append(entry.path)
+    config = new
+    if by_kind[OnReload.RESTART]:
+        document = new.to_document()
+        kept = running.to_document()
+        for path in by_kind[OnReload.RESTART]:
+            _set(document, path, _get(kept, path))
+        config = parse(document)
+        config._source = new.source
+    return ReloadPlan(config, tuple(by_kind[OnReload.LIVE]), tuple(by_kind[OnReload.RESTART]),
+                      tuple(by_kind[OnReload.REFUSED]))
+
+
+def _get(document: dict[str, Any], path: str) -> Any:
+    value: Any = document
+    for key in path.split("."):
+        value = value[key]
+    return value
+
+
+def _set(document: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    target = document
+    for key in parents:
+        target = target[key]
+    target[last] = value
