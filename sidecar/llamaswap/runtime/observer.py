@@ -54,6 +54,7 @@ class SettleResult(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # the upstream cannot tell (no GET /slots): nothing to wait for
     ENDED = "ended"  # the adopted exchange ended (its final access-log entry arrived)
     LAPSED = "lapsed"  # Envoy stopped reporting the adopted exchange for envoy.leaseSeconds
+    WATCHDOG = "watchdog"  # the adopted exchange outlived routing.scheduler.maxRunSeconds: let go
 
     def __str__(self) -> str:
         return self.value
