@@ -272,6 +272,56 @@ async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
         upstream.close()
 
 
+def _adopted_watchdog_sum_s(admin_url: str) -> float | None:
+    """How long the adopted exchange the watchdog let go was held (s), once it was let go."""
+    samples = metric_samples(http_get(f"{admin_url}/metrics")[1].decode())
+    held = {name.split("{")[0]: value for name, value in samples.items()
+            if name.startswith("llamaswap_upstream_settle_seconds_") and 'reason="adopted"' in name
+            and 'result="watchdog"' in name}
+    return held.get("llamaswap_upstream_settle_seconds_sum") if held.get(
+        "llamaswap_upstream_settle_seconds_count") == 1 else None
+
+
+async def test_an_exchange_adopted_after_a_restart_is_let_go_at_max_run_seconds_from_its_start(
+        tmp_path: pathlib.Path) -> None:
+    """The sidecar restarts while an exchange it granted runs on: the new process adopts it from
+    Envoy's entries and holds the GPU for it, but not for ever: maxRunSeconds counts from the
+    exchange's start (Envoy's start_time), so it is let go sooner after its adoption than that."""
+    max_run_s = 8
+    upstream, path, bootstrap = _fixed_port_stack(tmp_path, {"upstream": {"settleTimeoutSeconds": 1}})
+    sidecar = SidecarProcess(path, tmp_path)
+    envoy = EnvoyProcess(bootstrap, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            running = asyncio.create_task(chat(session, envoy.url, "running", hold=True))
+            await async_wait_for(lambda: "running" in upstream.order(), what="running at the upstream")
+            await async_wait_for(lambda: envoy.stat("access_logs.grpc_access_log.logs_written") > 0,
+                                 what="a periodic entry for it (its worker's stream is open)")
+            sidecar.popen.kill()
+            sidecar.stop()
+            document = yaml.safe_load(path.read_text())
+            document["routing"] = {"scheduler": {"maxRunSeconds": max_run_s}}
+            path.write_text(yaml.safe_dump(document))
+            sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
+            await async_wait_for(lambda: sidecar.queue()["gpu"] == "adopted", what="the exchange adopted")
+            after = asyncio.create_task(chat(session, envoy.url, "after"))
+            held_s = await async_wait_for(lambda: _adopted_watchdog_sum_s(sidecar.admin_url), timeout=60,
+                                          what="the adopted exchange let go by the watchdog")
+            reply = await asyncio.wait_for(after, 30)
+            assert "running" in upstream.order() and not running.done()  # let go, still held at the upstream
+            upstream.release("running")
+            await asyncio.wait_for(running, 30)
+        assert reply.status == 200
+        assert upstream.order() == ["running", "after"]
+        # Counted from its adoption it would have been held maxRunSeconds at least (a timer
+        # never fires early); counted from its start, the time before the restart is deducted.
+        assert held_s < max_run_s
+    finally:
+        envoy.stop()
+        sidecar.stop()
+        upstream.close()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("worker", ["fresh", "warm"])
 async def test_envoy_killed_while_a_request_runs_and_others_wait(tmp_path: pathlib.Path, signum, worker) -> None:

@@ -462,9 +462,11 @@ class Flow:
         self.coordinator.report(token, report)
         await self.idle()
 
-    async def renew(self, request: Request | str, *, first_byte_s: float | None = None) -> None:
-        """A periodic access-log entry: the exchange still runs."""
-        await self.report(request, ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s))
+    async def renew(self, request: Request | str, *, first_byte_s: float | None = None,
+                    elapsed_s: float | None = None) -> None:
+        """A periodic access-log entry: the exchange still runs (for `elapsed_s`, from Envoy's start_time)."""
+        await self.report(request, ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s,
+                                                  elapsed_s=elapsed_s))
 
     async def end(self, request: Request | str, end: ExchangeEnd, status: int = 0, *,
                   first_byte_s: float | None = None) -> None:

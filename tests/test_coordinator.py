@@ -20,7 +20,7 @@ from llamaswap.runtime.coordinator import RETRY_AFTER_MAX_S, Coordinator, Refusa
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
 from llamaswap.runtime.views import RunningRow, WaitingRow
 from llamaswap.runtime.observer import SettleReason, SettleResult
-from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, UpstreamKind
 
 S = 1_000_000_000
@@ -29,7 +29,8 @@ OTHER_PEER = "ipv4:127.0.0.1:40002"  # another Envoy connection (another worker,
 LEASE_S = 3.0
 RUN_S = 10.0
 SWAP_S = 5.0
-LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}  # for scenarios longer than a lease without renewals
+LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}
+FINISHED_MEMORY_ON_MAIN = 4096  # how many finished grants the sidecar used to remember, and no more  # for scenarios longer than a lease without renewals
 
 
 def test_the_defaults_used_here() -> None:
@@ -871,6 +872,176 @@ async def test_a_late_periodic_report_for_a_lapsed_grant_adopts_it_again(release
     assert flow.recorder.times_finished(a.ticket) == 1
     adopted = [x for x in flow.recorder.settles if x.reason is SettleReason.ADOPTED]
     assert [x.result for x in adopted] == [SettleResult.ENDED]  # the GPU time it held, counted
+
+
+async def serve_many(flow: Flow, count: int) -> None:
+    for i in range(count):
+        other = await flow.arrive(f"other-{i}", model="a")
+        await flow.complete(other)
+
+
+@virtual_time
+async def test_a_watchdog_released_grant_is_ignored_however_many_grants_finished_since() -> None:
+    """Ours, finished, needs no memory: the token's epoch says it is ours, and no live ticket holds it."""
+    flow = Flow({"routing": {"scheduler": {"maxRunSeconds": 5}}, "envoy": {"leaseSeconds": 100}})
+    a = await flow.arrive("a", model="a")
+    await flow.advance(5)
+    assert a.outcome is Outcome.WATCHDOG
+    await serve_many(flow, FINISHED_MEMORY_ON_MAIN + 1)
+    await flow.renew(a.ticket.token)  # its exchange still goes on in Envoy
+    assert flow.coordinator.gpu_state == "idle"
+    b = await flow.arrive("b", model="a")
+    assert b.granted
+
+
+@pytest.mark.parametrize("release", ["lease", "proxy_gone"])
+@virtual_time
+async def test_a_lapsed_grant_is_adopted_however_many_grants_finished_since(release: str) -> None:
+    flow = Flow()
+    a = await flow.arrive("a", model="a")
+    if release == "lease":
+        await flow.advance(LEASE_S)
+    else:
+        await flow.peer_gone(PEER)
+    await serve_many(flow, FINISHED_MEMORY_ON_MAIN + 1)
+    await flow.renew(a.ticket.token)  # Envoy still runs it after all
+    assert flow.coordinator.gpu_state == "adopted"
+    b = await flow.arrive("b", model="a")
+    assert b.waiting
+    await flow.complete(a.ticket.token)
+    assert b.granted
+    await flow.complete(b)
+    await flow.renew(a.ticket.token)  # after its final entry it is forgotten: ours, finished
+    assert flow.coordinator.gpu_state == "idle"
+
+
+def test_tokens_say_which_process_issued_them() -> None:
+    ours, earlier = Tokens(), Tokens()
+    token = ours.next()
+    assert ours.issued(token) and not earlier.issued(token)
+    assert ours.epoch != earlier.epoch and token.startswith(ours.epoch + ".")
+    assert len({ours.next() for _ in range(1000)}) == 1000
+    assert not ours.issued(ours.epoch) and not ours.issued("guessed") and not ours.issued(earlier.next())
+
+
+@pytest.mark.parametrize("elapsed_s", [None, 20.0])
+@virtual_time
+async def test_the_watchdog_lets_an_adopted_exchange_go_at_max_run_seconds_from_its_start(
+        elapsed_s: float | None) -> None:
+    flow = Flow({"routing": {"scheduler": {"maxRunSeconds": 30}}, "envoy": {"leaseSeconds": 100}})
+    await flow.renew("old", elapsed_s=elapsed_s)  # an earlier process's exchange, started 20 s ago (or unknown)
+    a = await flow.arrive("a", model="a")
+    left_s = 30 - (elapsed_s or 0)
+    await flow.advance(left_s - 0.001)
+    await flow.renew("old", elapsed_s=None if elapsed_s is None else elapsed_s + left_s - 0.001)
+    assert a.waiting and flow.coordinator.gpu_state == "adopted"
+    await flow.advance(0.001)
+    assert a.granted  # no settle: abandonedGeneration is wait, as for a grant of ours
+    adopted = [x for x in flow.recorder.settles if x.reason is SettleReason.ADOPTED]
+    assert [x.result for x in adopted] == [SettleResult.WATCHDOG]
+    assert [x.reason for x in flow.recorder.settles] == [SettleReason.ADOPTED]
+    await flow.complete(a)
+    # Let go on purpose: later entries do not adopt it again.
+    await flow.renew("old", elapsed_s=None if elapsed_s is None else 31.0)
+    assert flow.coordinator.gpu_state == "idle"
+
+
+@virtual_time
+async def test_an_exchange_already_past_max_run_seconds_is_not_adopted() -> None:
+    flow = Flow({"routing": {"scheduler": {"maxRunSeconds": 30}}})
+    await flow.renew("old", elapsed_s=30.0)
+    assert flow.coordinator.gpu_state == "idle"
+    await flow.renew("younger", elapsed_s=29.0)
+    assert flow.coordinator.gpu_state == "adopted"
+
+
+@virtual_time
+async def test_a_lapsed_grant_adopted_again_is_let_go_at_max_run_seconds_from_its_grant() -> None:
+    flow = Flow({"routing": {"scheduler": {"maxRunSeconds": 10}}})
+    a = await flow.arrive("a", model="a")
+    granted_ns = a.ticket.decision.granted_ns
+    await flow.advance(LEASE_S)
+    assert a.outcome is Outcome.LEASE_EXPIRED
+    await flow.renew(a.ticket.token, elapsed_s=0.0)  # its own grant's time counts, not what the entry says
+    assert flow.coordinator.gpu_state == "adopted"
+    b = await flow.arrive("b", model="a")
+    for _ in range(3):
+        await flow.advance(2)
+        await flow.renew(a.ticket.token)
+    await flow.advance_to(granted_ns + 10 * S - 1)
+    assert b.waiting
+    await flow.advance_to(granted_ns + 10 * S)
+    assert b.granted
+    await flow.complete(b)
+    await flow.renew(a.ticket.token)  # let go: ours, finished
+    assert flow.coordinator.gpu_state == "idle"
+
+
+@virtual_time
+async def test_a_changed_max_run_seconds_applies_to_an_adopted_exchange() -> None:
+    flow = Flow({"envoy": {"leaseSeconds": 100}})
+    await flow.renew("old", elapsed_s=50.0)
+    a = await flow.arrive("a", model="a")
+    await flow.advance(10)
+    assert a.waiting  # no watchdog
+    flow.coordinator.reconfigure(parse_config({"envoy": {"leaseSeconds": 100},
+                                               "routing": {"scheduler": {"maxRunSeconds": 70}}}))
+    await flow.advance(9.999)
+    assert a.waiting
+    await flow.advance(0.001)  # 70 s after the exchange started
+    assert a.granted
+
+
+@pytest.mark.parametrize(("end", "settles"), [(ExchangeEnd.CLIENT_LEFT, True), (ExchangeEnd.UPSTREAM_FAILED, True),
+                                              (None, True), (ExchangeEnd.COMPLETE, False)])
+@virtual_time
+async def test_an_adopted_exchange_that_may_leave_the_upstream_computing_is_followed_by_a_settle(
+        end: ExchangeEnd | None, settles: bool) -> None:
+    flow = busy_flow(busy=True)
+    await flow.renew("old")
+    a = await flow.arrive("a", model="a")
+    await flow.report("old", ExchangeReport(final=True, end=end, status=0 if settles else 200, first_byte_s=None))
+    if not settles:
+        assert a.granted and flow.upstream.busy_calls == []
+        return
+    ended_ns = flow.now_ns
+    assert flow.coordinator.gpu_state == "settling"
+    await flow.advance(20)
+    assert a.waiting and flow.upstream.busy_calls and set(flow.upstream.busy_calls) == {None}
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a.granted
+    adopted, settle = flow.recorder.settles
+    assert (adopted.reason, adopted.result) == (SettleReason.ADOPTED, SettleResult.ENDED)
+    assert (settle.reason, settle.result, settle.started_ns) == (SettleReason.ABANDONED, SettleResult.IDLE, ended_ns)
+    assert a.ticket.decision.granted_ns == settle.ended_ns
+
+
+@virtual_time
+async def test_an_adopted_lease_that_lapses_is_followed_by_a_settle() -> None:
+    flow = busy_flow(busy=True)
+    await flow.renew("old")
+    a = await flow.arrive("a", model="a")
+    await flow.advance(LEASE_S)
+    assert flow.coordinator.gpu_state == "settling" and a.waiting
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a.granted
+    assert [(x.reason, x.result) for x in flow.recorder.settles] == [
+        (SettleReason.ADOPTED, SettleResult.LAPSED), (SettleReason.ABANDONED, SettleResult.IDLE)]
+
+
+@virtual_time
+async def test_the_watchdog_stops_an_adopted_generation_with_abandoned_generation_stop() -> None:
+    flow = busy_flow({"routing": {"scheduler": {"maxRunSeconds": 30}}, "envoy": {"leaseSeconds": 100},
+                      "upstream": {"abandonedGeneration": "stop"}}, busy=True)
+    await flow.renew("old", elapsed_s=25.0)
+    a = await flow.arrive("a", model="a")
+    await flow.advance(5)
+    assert a.granted
+    assert flow.upstream.stop_calls == [None]  # its model is unknown: every loaded one
+    assert [(x.reason, x.result) for x in flow.recorder.settles] == [
+        (SettleReason.ADOPTED, SettleResult.WATCHDOG), (SettleReason.ABANDONED, SettleResult.STOPPED)]
 
 
 # -- the client leaves while waiting -----------------------------------------------------------

@@ -147,6 +147,33 @@ def test_complete_exchanges_and_their_edges() -> None:
                                                                first_byte_s=None)
 
 
+def test_the_exchange_age_comes_from_envoys_start_time() -> None:
+    entry = log_entry(accesslog_pb2.DownstreamPeriodic)
+    assert report_of(entry).elapsed_s is None  # an entry without a start time says nothing
+    entry.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
+    later = (1_700_000_000 + 42) * 1_000_000_000 + 500_000_000
+    assert report_of(entry, now_unix_ns=later).elapsed_s == pytest.approx(42.5)
+    assert report_of(entry, now_unix_ns=later - 50 * 1_000_000_000).elapsed_s == 0.0  # clocks a hair apart: never negative
+    end = log_entry(accesslog_pb2.DownstreamEnd)
+    end.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
+    assert report_of(end, now_unix_ns=later).elapsed_s == pytest.approx(42.5)
+
+
+@virtual_time
+async def test_the_ticket_goes_out_and_comes_back_unchanged() -> None:
+    """The grant's token (`<epoch>.<random>`) is what the OK's dynamic metadata carries and what
+    the access log reads back, character for character."""
+    flow = Flow()
+    a = await flow.arrive("a", model="a")
+    token = a.ticket.token
+    epoch, _, random_part = token.partition(".")
+    assert len(epoch) == 8 and len(random_part) == 32 and int(epoch, 16) >= 0 and int(random_part, 16) >= 0
+    metadata = granted(a.ticket).dynamic_metadata
+    entry = log_entry(accesslog_pb2.DownstreamEnd)
+    entry.common_properties.metadata.filter_metadata[GRANT_NAMESPACE].CopyFrom(metadata)
+    assert ticket_of(entry) == token
+
+
 def _message(*entries: accesslog_pb2.HTTPAccessLogEntry) -> als_pb2.StreamAccessLogsMessage:
     message = als_pb2.StreamAccessLogsMessage()
     message.http_logs.log_entry.extend(entries)

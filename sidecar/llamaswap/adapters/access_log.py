@@ -10,6 +10,7 @@ end of a stream means that Envoy connection is gone, and with it the grant it wa
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -53,20 +54,27 @@ def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> Exchan
     return ExchangeEnd.COMPLETE
 
 
-def report_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> ExchangeReport | None:
+def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None = None) -> ExchangeReport | None:
+    """The entry in the runtime's terms; `now_unix_ns` (the wall clock by default) dates it, so that
+    the exchange's age can be read from Envoy's start_time (the same host's clock)."""
     common = entry.common_properties
     kind = common.access_log_type
     if kind not in (_PERIODIC, _END, accesslog_pb2.NotSet):
         return None
+    elapsed_s = None
+    if common.HasField("start_time"):
+        now_ns = time.time_ns() if now_unix_ns is None else now_unix_ns
+        elapsed_s = max(0, now_ns - common.start_time.ToNanoseconds()) / 1e9
     first_byte_s = None
     if common.HasField("time_to_first_upstream_rx_byte") and common.HasField("time_to_first_upstream_tx_byte"):
         first_byte_s = max(0.0, common.time_to_first_upstream_rx_byte.ToNanoseconds()
                            - common.time_to_first_upstream_tx_byte.ToNanoseconds()) / 1e9
     if kind == _PERIODIC:
-        return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s)
+        return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s, elapsed_s=elapsed_s)
     response = entry.response
     status = response.response_code.value if response.HasField("response_code") else 0
-    return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s)
+    return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s,
+                          elapsed_s=elapsed_s)
 
 
 class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

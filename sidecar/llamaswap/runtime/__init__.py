@@ -1,7 +1,7 @@
 """The asyncio adapter around the pure core: tickets, waiters, leases, settles, estimates, reload.
 
 - `coordinator`: admit, report, pump, release, finish (the invariants);
-- `leases`: the running grant, the adopted exchanges, the finished memory and their timer;
+- `leases`: the running grant, the adopted exchanges, the lapsed grants kept and their timer;
 - `settle`: the settle loop (waiting for the upstream to compute nothing);
 - `catalog`: the model catalog checks (upstream.modelCheck);
 - `views`: the queue view and one client's status; `GpuState`;

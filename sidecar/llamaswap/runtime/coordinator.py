@@ -9,12 +9,14 @@ needs no locks.
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
 - the GPU is granted only when it is free in fact (`_gpu_free`, checked by `_pump`): no grant
   runs, no abandoned generation is still computing at the upstream (a settle, `settle.py`), and
-  no exchange granted by an earlier sidecar process is still reported by Envoy (an adopted
-  lease, `leases.py`);
+  no exchange this process does not hold is still reported by Envoy (an adopted lease,
+  `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed);
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
 - a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
   lost final entry or a killed Envoy never leaves a ghost holder;
+- an adopted exchange is held like a grant: `maxRunSeconds` applies to it (from the exchange's
+  start) and an end that may leave the upstream computing is followed by a settle;
 - a release tells the scheduler whether the model stays loaded by one rule,
   `core.model_stays_loaded`, which the simulator's replay follows too;
 - the runtime decides outcomes; how they look over HTTP is the adapters' business.
@@ -110,8 +112,9 @@ class Coordinator:
         self._by_request_id: dict[str, Ticket] = {}
         self._later_by_request_id: dict[str, list[Ticket]] = {}
         self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
-        # The running grant, the adopted exchanges and the finished memory, with their timer.
-        self._leases = Leases(self._clock, self._leases_due)
+        # The running grant, the adopted exchanges and what is remembered of finished grants,
+        # with their timer (which is also the adopted exchanges' watchdog).
+        self._leases = Leases(self._clock, self._leases_due, max_run_ns=self._max_run_ns)
         self._settling: Settling | None = None
         self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
                                      observed=self.observe_catalog)
@@ -178,6 +181,7 @@ class Coordinator:
             self._rearm_watchdog(self._running)
         self._changed()
         self._arm_expiry()
+        self._leases.arm()  # the adopted exchanges' watchdog follows a changed maxRunSeconds
         self._pump()
 
     # -- the request's way ---------------------------------------------------------------
@@ -407,8 +411,9 @@ class Coordinator:
         ticket.state = TicketState.DONE
         self._tickets.pop(ticket.token, None)
         self._forget_request_id(ticket)
-        if ticket.decision is not None:
-            self._leases.remember(ticket.token, outcome)
+        if ticket.decision is not None and outcome in (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE):
+            # Released while its exchange may still run: if Envoy reports it again, it is adopted.
+            self._leases.remember_lapsed(ticket.token, ticket.decision.granted_ns)
         waiter = ticket.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -461,34 +466,63 @@ class Coordinator:
             self._release(ticket, outcome, abandoned=False, sent=False)
 
     def _report_unknown(self, token: str, report: ExchangeReport) -> None:
-        """An entry for a grant this process does not hold. Periodic entries prove the exchange
-        still runs: if it is no grant of ours that we let go on purpose (the watchdog), the
-        GPU is busy with it, so adopt it as a lease until its end."""
+        """An entry for an exchange this process does not hold. Periodic entries prove it still
+        runs: unless it is ours and finished, or was let go on purpose (the watchdog), the GPU
+        is busy with it, so adopt it as a lease until its end."""
         if token in self._leases.adopted:
-            if report.final:
-                self._end_adoption(token, SettleResult.ENDED)
-                self._update_idle()
-                self._pump()
-            else:
+            if not report.final:
                 self._leases.renew_adopted(token, self._lease_ns())
+                return
+            end = report.end or ExchangeEnd.UPSTREAM_FAILED
+            self._end_adoption(token, SettleResult.ENDED,
+                               abandoned=end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED))
+            self._update_idle()
+            self._pump()
             return
-        previous = self._leases.finished(token)
-        if report.final or previous is Outcome.WATCHDOG or (previous is not None and previous not in (
-                Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE)):
-            return
-        _log.warning("Envoy reports an exchange this sidecar did not grant (an earlier sidecar process did%s); "
-                     "no grant until it ends", "" if previous is None else f", or its lease lapsed ({previous})")
-        self._leases.adopt(token, self._lease_ns())
+        now = self._clock.now_ns()
+        ours = self._tokens.issued(token)
+        if ours:
+            # A grant of ours that is not live finished (served, failed, let go by the watchdog,
+            # cut off at shutdown): nothing runs for it, unless it was released while it could.
+            granted_ns = self._leases.lapsed_grant(token)
+            if granted_ns is None:
+                return
+            if report.final:
+                self._leases.forget_lapsed(token)
+                return
+            started_ns = granted_ns
+        else:
+            if report.final or self._leases.was_let_go(token):
+                return
+            started_ns = now if report.elapsed_s is None else now - round(report.elapsed_s * NS_PER_S)
+        if self._leases.past_max_run(started_ns):
+            return  # the watchdog would let it go at once
+        _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
+                     "no grant until it ends", "a grant of ours whose lease lapsed or whose Envoy connection went"
+                     if ours else "granted by an earlier sidecar process", (now - started_ns) / NS_PER_S)
+        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours)
         self._idle.clear()
         self._changed()
         self._leases.arm()
 
-    def _end_adoption(self, token: str, result: SettleResult) -> None:
-        adopted_ns = self._leases.end_adopted(token)
-        settle = Settle(SettleReason.ADOPTED, result, None, "-", adopted_ns, self._clock.now_ns())
-        _log.info("the adopted exchange %s after %.3f s; the GPU is free again",
-                  "ended" if result is SettleResult.ENDED else "is no longer reported by Envoy", settle.seconds)
+    def _end_adoption(self, token: str, result: SettleResult, *, abandoned: bool) -> None:
+        """An adopted exchange no longer holds the GPU. As after a grant of ours, an end that may
+        leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
+        is followed by a settle."""
+        adoption = self._leases.end_adopted(token)
+        if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
+            self._leases.forget_lapsed(token)
+        elif result is SettleResult.WATCHDOG:
+            self._leases.let_go(token)
+        settle = Settle(SettleReason.ADOPTED, result, None, "-", adoption.adopted_ns, self._clock.now_ns())
+        _log.info("the adopted exchange %s after %.3f s; the GPU is free again", {
+            SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
+            SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}.get(result, str(result)), settle.seconds)
         self._observe(self._observer.settled, settle)
+        stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
+        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and self._settling is None:
+            # Its model is not known: the upstream is asked about (or stops) every loaded one.
+            self._begin_settle(SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
 
     # -- internals: settling -------------------------------------------------------------
 
@@ -541,10 +575,17 @@ class Coordinator:
     def _lease_ns(self) -> int:
         return round(self._config.envoy.lease_seconds * NS_PER_S)
 
+    def _max_run_ns(self) -> int:
+        return round(self._config.routing.scheduler.max_run_seconds * NS_PER_S)
+
     def _leases_due(self) -> None:
-        """The earliest lease deadline passed: lapsed adoptions end, a lapsed grant is released."""
+        """The earliest lease deadline passed: lapsed adoptions end (as a lapsed grant of ours, with
+        a settle), so do adoptions past maxRunSeconds (the watchdog's), a lapsed grant is released."""
         for token in self._leases.lapsed_adopted():
-            self._end_adoption(token, SettleResult.LAPSED)
+            self._end_adoption(token, SettleResult.LAPSED, abandoned=True)
+        for token in self._leases.overrun_adopted():
+            _log.warning("watchdog: an adopted exchange held the GPU past maxRunSeconds; letting it go")
+            self._end_adoption(token, SettleResult.WATCHDOG, abandoned=False)
         running = self._running
         if running is not None and self._leases.running_lapsed():
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",

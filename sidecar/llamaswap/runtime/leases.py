@@ -1,69 +1,118 @@
-"""The leases: the running grant, the adopted exchanges, the memory of finished grants, and the
-one timer that watches their deadlines.
+"""The leases: the running grant, the adopted exchanges, what must be remembered of finished
+grants, and the one timer that watches their deadlines.
 
 A grant is a lease: Envoy's periodic access-log entries renew it, and unrenewed for
-envoy.leaseSeconds it lapses. An exchange Envoy reports that this process did not grant (an
-earlier sidecar process did, or its lease lapsed) is adopted: the GPU is busy with it until it
-ends or is no longer reported. The finished memory tells a late entry of ours from a stranger's.
+envoy.leaseSeconds it lapses. An exchange Envoy reports that this process does not hold (an
+earlier sidecar process granted it, or its lease lapsed) is adopted: the GPU is busy with it
+until it ends, is no longer reported, or outlives routing.scheduler.maxRunSeconds.
+
+Which process issued a token is in the token (its epoch, `ticket.Tokens`): a late entry for a
+grant of ours that finished needs no memory. Only what decides something is remembered: our
+grants released while they may still run (lease lapsed, Envoy connection gone), and earlier
+processes' exchanges the watchdog let go. Both are rare, and both memories are bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from collections.abc import Callable
 
-from llamaswap.core import NS_PER_S, Clock, Outcome
+from llamaswap.core import NS_PER_S, Clock
 from llamaswap.runtime.ticket import Ticket
 
-# Tokens of finished grants remembered, so a late access-log entry is recognised as ours.
-FINISHED_MEMORY = 4096
+# Grants of ours released while they may still run, kept until their final entry, until the
+# watchdog would let them go anyway (maxRunSeconds after the grant), or past this many.
+LAPSED_MEMORY = 4096
+# Earlier processes' exchanges the watchdog let go; needed only when Envoy's entries carry no
+# start time (they do: the next entry is past maxRunSeconds by itself).
+LET_GO_MEMORY = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class Adoption:
+    """An exchange this process holds by lease without a ticket for it."""
+
+    adopted_ns: int
+    started_ns: int  # the exchange's start: our grant, Envoy's start_time, or else the adoption
+    lease_deadline_ns: int
+    ours: bool  # a grant of this process whose lease lapsed (or whose Envoy connection went)
 
 
 class Leases:
     """What holds the GPU by lease. `due` runs when the earliest deadline passes (the coordinator
-    decides what a lapse means)."""
+    decides what a lapse means); `max_run_ns` reads routing.scheduler.maxRunSeconds (0: off)."""
 
-    def __init__(self, clock: Clock, due: Callable[[], None]) -> None:
+    def __init__(self, clock: Clock, due: Callable[[], None], max_run_ns: Callable[[], int] = lambda: 0) -> None:
         self._clock = clock
         self._due = due
+        self._max_run_ns = max_run_ns
         self.running: Ticket | None = None
-        # token -> (when adopted, lease deadline), in ns.
-        self.adopted: dict[str, tuple[int, int]] = {}
-        self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
+        self.adopted: dict[str, Adoption] = {}
+        self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
+        self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
 
-    # -- the finished memory ---------------------------------------------------------------
+    # -- what is remembered ----------------------------------------------------------------
 
-    def remember(self, token: str, outcome: Outcome) -> None:
-        """A granted ticket finished with `outcome` (the oldest memories are forgotten)."""
-        self._finished[token] = outcome
-        while len(self._finished) > FINISHED_MEMORY:
-            self._finished.popitem(last=False)
+    def remember_lapsed(self, token: str, granted_ns: int) -> None:
+        """A grant of ours was released while its exchange may still run."""
+        self._lapsed[token] = granted_ns
+        while self._lapsed and (len(self._lapsed) > LAPSED_MEMORY or self._overrun(next(iter(self._lapsed.values())))):
+            self._lapsed.popitem(last=False)
 
-    def finished(self, token: str) -> Outcome | None:
-        """How a grant of ours ended, if it is still remembered."""
-        return self._finished.get(token)
+    def lapsed_grant(self, token: str) -> int | None:
+        """When a lapsed grant of ours was granted (ns), if it may still run; None for every
+        other grant of ours (it finished, or the watchdog would let it go by now)."""
+        granted_ns = self._lapsed.get(token)
+        if granted_ns is not None and self._overrun(granted_ns):
+            del self._lapsed[token]
+            return None
+        return granted_ns
+
+    def forget_lapsed(self, token: str) -> None:
+        self._lapsed.pop(token, None)
+
+    def let_go(self, token: str) -> None:
+        """An earlier process's exchange the watchdog let go: never adopt it again."""
+        self._let_go[token] = None
+        while len(self._let_go) > LET_GO_MEMORY:
+            self._let_go.popitem(last=False)
+
+    def was_let_go(self, token: str) -> bool:
+        return token in self._let_go
+
+    def _overrun(self, started_ns: int) -> bool:
+        max_run_ns = self._max_run_ns()
+        return max_run_ns > 0 and self._clock.now_ns() >= started_ns + max_run_ns
 
     # -- adopted exchanges -----------------------------------------------------------------
 
-    def adopt(self, token: str, lease_ns: int) -> None:
+    def adopt(self, token: str, lease_ns: int, *, started_ns: int, ours: bool) -> Adoption:
         now = self._clock.now_ns()
-        self.adopted[token] = (now, now + lease_ns)
+        adoption = self.adopted[token] = Adoption(now, started_ns, now + lease_ns, ours)
+        return adoption
 
     def renew_adopted(self, token: str, lease_ns: int) -> None:
-        adopted_ns, _ = self.adopted[token]
-        self.adopted[token] = (adopted_ns, self._clock.now_ns() + lease_ns)
+        self.adopted[token].lease_deadline_ns = self._clock.now_ns() + lease_ns
 
-    def end_adopted(self, token: str) -> int:
-        """Forget an adopted exchange; when it was adopted (ns)."""
-        adopted_ns, _ = self.adopted.pop(token)
-        return adopted_ns
+    def end_adopted(self, token: str) -> Adoption:
+        """Forget an adopted exchange (what was known of it)."""
+        return self.adopted.pop(token)
 
     def lapsed_adopted(self) -> list[str]:
         """The adopted exchanges whose lease has passed."""
         now = self._clock.now_ns()
-        return [token for token, (_, deadline) in self.adopted.items() if now >= deadline]
+        return [token for token, adoption in self.adopted.items() if now >= adoption.lease_deadline_ns]
+
+    def overrun_adopted(self) -> list[str]:
+        """The adopted exchanges older than routing.scheduler.maxRunSeconds (the watchdog's)."""
+        return [token for token, adoption in self.adopted.items() if self._overrun(adoption.started_ns)]
+
+    def past_max_run(self, started_ns: int) -> bool:
+        """An exchange started then is older than maxRunSeconds: the watchdog lets it go."""
+        return self._overrun(started_ns)
 
     # -- the running grant -----------------------------------------------------------------
 
@@ -74,9 +123,13 @@ class Leases:
     # -- the one timer ---------------------------------------------------------------------
 
     def arm(self) -> None:
-        """One timer for the leases (the running grant's and the adopted ones), at the earliest."""
+        """One timer for the leases (the running grant's and the adopted ones) and the adopted
+        exchanges' watchdog, at the earliest."""
         self.cancel()
-        deadlines = [deadline for _, deadline in self.adopted.values()]
+        deadlines = [adoption.lease_deadline_ns for adoption in self.adopted.values()]
+        max_run_ns = self._max_run_ns()
+        if max_run_ns > 0:
+            deadlines.extend(adoption.started_ns + max_run_ns for adoption in self.adopted.values())
         if self.running is not None:
             deadlines.append(self.running.lease_deadline_ns)
         if not deadlines:

@@ -55,6 +55,7 @@ class SettleResult(str, enum.Enum):
     UNANSWERED = "unanswered"  # the upstream never answered until the deadline; the next request goes anyway
     ENDED = "ended"  # the adopted exchange ended (its final access-log entry arrived)
     LAPSED = "lapsed"  # Envoy stopped reporting the adopted exchange for envoy.leaseSeconds
+    WATCHDOG = "watchdog"  # the adopted exchange outlived routing.scheduler.maxRunSeconds: let go
 
     def __str__(self) -> str:
         return self.value

@@ -46,6 +46,8 @@ class ExchangeReport:
     end: ExchangeEnd | None  # set on a final entry
     status: int  # the HTTP status sent to the client (0: none)
     first_byte_s: float | None  # request at the upstream -> its first response byte
+    # How long the exchange had run when the entry arrived (Envoy's start_time), if it says.
+    elapsed_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,19 +83,29 @@ def is_generation(method: str, path: str, status: int) -> bool:
 
 
 class Tokens:
-    """Unguessable grant tokens (128 random bits each, from the OS's CSPRNG), read from the OS a
+    """Unguessable grant tokens, each `<epoch>.<128 random bits>` in hex, from the OS's CSPRNG.
+
+    The epoch (32 random bits, one per Tokens, so one per sidecar process) says which process
+    issued a token: an access-log entry whose token has our epoch and no live ticket is a grant
+    of ours that finished, with no memory of it needed. The random part is read from the OS a
     few thousand at a time: a system call per request would cost more than the rest of admission."""
 
     _BATCH = 256
 
     def __init__(self) -> None:
+        self.epoch = os.urandom(4).hex()
+        self._prefix = self.epoch + "."
         self._pool = b""
 
     def next(self) -> str:
         if not self._pool:
             self._pool = os.urandom(16 * self._BATCH)
         token, self._pool = self._pool[:16], self._pool[16:]
-        return token.hex()
+        return self._prefix + token.hex()
+
+    def issued(self, token: str) -> bool:
+        """Whether this process issued `token` (its epoch; a forged or an earlier process's one is not)."""
+        return token.startswith(self._prefix)
 
 
 class Ticket:
