@@ -177,3 +177,29 @@ async def test_streaming_passes_through_unbuffered(tmp_path: pathlib.Path) -> No
         assert rest.count(b"data: ") == 4  # three more chunks and [DONE]
         status, _ = http_get(f"{stack.sidecar.admin_url}/queue")
         assert status == 200
+
+
+ENVOY_CONTROL_HEADERS = {
+    "x-envoy-retry-on": "5xx,reset,retriable-status-codes",
+    "x-envoy-retriable-status-codes": "500",
+    "x-envoy-max-retries": "3",
+    "x-envoy-upstream-rq-per-try-timeout-ms": "300",
+}
+
+
+async def test_a_clients_envoy_headers_never_give_one_grant_several_upstream_attempts(tmp_path: pathlib.Path) -> None:
+    """The listener is the edge (use_remote_address, no internal addresses): a client's retry and
+    per-try-timeout headers are not Envoy's to follow, so one grant is one upstream attempt."""
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            failed = await chat(session, stack.url, "fails", extra_headers={**ENVOY_CONTROL_HEADERS,
+                                                                           "x-test-fail": "1"})
+            slow = await chat(session, stack.url, "slow", sleep_ms=1000, extra_headers=ENVOY_CONTROL_HEADERS)
+        assert (failed.status, slow.status) == (500, 200)  # no retry of the 500, no per-try timeout
+        assert stack.upstream.order() == ["fails", "slow"]  # one attempt each
+        with stack.upstream.lock:
+            forwarded = [set(hit.headers) & set(ENVOY_CONTROL_HEADERS) for hit in stack.upstream.hits]
+        assert forwarded == [set(), set()]  # an external client's x-envoy-* headers are dropped
+        records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"fails", "slow"}),
+                                       what="both activity records")
+        assert (records["fails"]["outcome"], records["slow"]["outcome"]) == ("upstream_error", "served")

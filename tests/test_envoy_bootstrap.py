@@ -18,14 +18,15 @@ def hcm(bootstrap: dict) -> dict:
     return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
-def test_the_chain_is_buffer_json_to_metadata_ext_authz_router():
+def test_the_chain_is_header_mutation_buffer_json_to_metadata_ext_authz_router():
     config = hcm(build_bootstrap(parse_config({})))
     names = [f["name"] for f in config["http_filters"]]
-    assert names == ["envoy.filters.http.buffer", JSON_TO_METADATA, EXT_AUTHZ, "envoy.filters.http.router"]
-    authz = config["http_filters"][2]["typed_config"]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.buffer", JSON_TO_METADATA, EXT_AUTHZ,
+                     "envoy.filters.http.router"]
+    authz = config["http_filters"][3]["typed_config"]
     assert "with_request_body" not in authz  # no body in the sidecar
     assert authz["metadata_context_namespaces"] == ["llamaswap"]
-    rule = config["http_filters"][1]["typed_config"]["request_rules"]["rules"][0]
+    rule = config["http_filters"][2]["typed_config"]["request_rules"]["rules"][0]
     assert rule["on_present"]["type"] == "PROTOBUF_VALUE"  # only a JSON string counts as a model
 
 
@@ -51,7 +52,7 @@ def test_unscheduled_routes_skip_the_model_lookup_and_the_check():
 
 def test_the_trusted_priority_header_is_sent_to_the_check():
     config = parse_config({"security": {"priority": {"trustedHeader": "x-auth-priority"}}})
-    authz = hcm(build_bootstrap(config))["http_filters"][2]["typed_config"]
+    authz = hcm(build_bootstrap(config))["http_filters"][3]["typed_config"]
     assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
         "x-llamaswap-priority", "x-request-id", "x-auth-priority"}
 
@@ -141,3 +142,12 @@ def _sidecar_breaker(document: dict) -> dict:
 def test_fail_open_lifts_the_breaker_that_would_fail_open():
     assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7}})["max_requests"] == 7
     assert _sidecar_breaker({"envoy": {"maxSidecarStreams": 7, "failOpen": True}})["max_requests"] == 2**32 - 1
+
+
+def test_a_clients_router_controls_are_removed_before_any_filter_reads_them():
+    config = hcm(build_bootstrap(parse_config({})))
+    first = config["http_filters"][0]
+    assert first["name"] == "envoy.filters.http.header_mutation"
+    removed = {m["remove"] for m in first["typed_config"]["mutations"]["request_mutations"]}
+    assert {"x-envoy-retry-on", "x-envoy-max-retries", "x-envoy-upstream-rq-per-try-timeout-ms",
+            "x-envoy-upstream-rq-timeout-ms"} <= removed

@@ -64,6 +64,15 @@ BUFFER = "envoy.filters.http.buffer"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 ROUTER = "envoy.filters.http.router"
+HEADER_MUTATION = "envoy.filters.http.header_mutation"
+
+# Request headers by which a client could steer Envoy's router (Envoy's header sanitizing list).
+CLIENT_ROUTER_CONTROLS = (
+    "x-envoy-retry-on", "x-envoy-retry-grpc-on", "x-envoy-max-retries", "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names", "x-envoy-upstream-rq-timeout-ms", "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response", "x-envoy-expected-rq-timeout-ms", "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-stream-duration-ms", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
+)
 
 # Envoy's admin server by default (`llamaswap envoy-config --admin-port/--admin-host`).
 ENVOY_ADMIN_PORT = 9901
@@ -171,8 +180,14 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         # Only what scheduling reads: a held Check should cost the sidecar as little as possible.
         allowed_headers={"patterns": [{"exact": name} for name in headers]},
     )}
+    # A client's router controls (retries, per-try timeouts) would give one grant several upstream
+    # attempts. use_remote_address alone does not drop them: Envoy still counts a loopback or
+    # RFC1918 client (every pod network) as internal and follows them. Removed before anything.
+    strip = {"name": HEADER_MUTATION, "typed_config": _typed(
+        "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        mutations={"request_mutations": [{"remove": name} for name in CLIENT_ROUTER_CONTROLS]})}
     router = {"name": ROUTER, "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router")}
-    return [buffer, json_to_metadata, ext_authz, router]
+    return [strip, buffer, json_to_metadata, ext_authz, router]
 
 
 def _access_log(config: Config) -> dict[str, Any]:
