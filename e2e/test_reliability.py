@@ -239,7 +239,10 @@ def _fixed_port_stack(tmp_path: pathlib.Path, extra: dict | None = None):
 
 @pytest.mark.parametrize("fail_open", [False, True])
 async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
-    upstream, path, bootstrap = _fixed_port_stack(tmp_path, {"envoy": {"failOpen": fail_open}})
+    # The start-up settle gives up on the still-busy upstream after 1 s, so that what holds the
+    # GPU after the restart is the adoption alone.
+    upstream, path, bootstrap = _fixed_port_stack(tmp_path, {"envoy": {"failOpen": fail_open},
+                                                             "upstream": {"settleTimeoutSeconds": 1}})
     sidecar = SidecarProcess(path, tmp_path)
     envoy = EnvoyProcess(bootstrap, tmp_path)
     url = envoy.url
@@ -247,6 +250,8 @@ async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
         async with aiohttp.ClientSession() as session:
             running = asyncio.create_task(chat(session, url, "running", hold=True))
             await async_wait_for(lambda: "running" in upstream.order(), what="running at upstream")
+            await async_wait_for(lambda: envoy.stat("access_logs.grpc_access_log.logs_written") > 0,
+                                 what="a periodic entry for it (its worker's stream is open)")
             waiting = asyncio.create_task(chat(session, url, "waiting"))
             await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 1, what="one waiting")
             sidecar.popen.kill()
@@ -259,13 +264,18 @@ async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
                 assert "waiting" not in upstream.order()
             sidecar.stop()
             sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
+            # Back again while the exchange granted before the restart still runs: the new
+            # process adopts it from Envoy's entries, and nothing else reaches the upstream.
+            await async_wait_for(lambda: sidecar.queue()["gpu"] == "adopted", what="the running exchange adopted")
+            upstream.max_active = upstream.active
+            after = [asyncio.create_task(chat(session, url, f"after-{i}", sleep_ms=20)) for i in range(4)]
+            await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 4, what="four waiting behind it")
+            assert not [test_id for test_id in upstream.order() if test_id.startswith("after-")]
             upstream.release("running")
             await asyncio.wait_for(running, 30)
-            # Back again: strictly one at a time.
-            upstream.max_active = upstream.active
-            replies = await asyncio.gather(*(chat(session, url, f"after-{i}", sleep_ms=20) for i in range(4)))
+            replies = await asyncio.gather(*after)
         assert [r.status for r in replies] == [200] * 4
-        assert upstream.max_active <= 1
+        assert upstream.max_active <= 1  # strictly one at a time, the adopted exchange included
     finally:
         envoy.stop()
         sidecar.stop()
