@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent import futures
 import urllib.error
 import urllib.request
 
@@ -28,14 +29,15 @@ class Up:
     """A `llamaswap up` process with a fake upstream of its own (`python e2e/harness.py PORT`)."""
 
     def __init__(self, tmp_path: pathlib.Path, name: str = "up", *, ports: dict[str, int] | None = None,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True,
+                 envoy: dict[str, object] | None = None) -> None:
         self.ports = ports or {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
         config = {
             "listen": {key: f"127.0.0.1:{self.ports[key]}" for key in ("http", "grpc", "admin")},
             "upstream": {"url": f"http://127.0.0.1:{self.ports['upstream']}",
                          "command": [sys.executable, str(HERE / "harness.py"), str(self.ports["upstream"])],
                          "modelsPollSeconds": 0, "startupTimeoutSeconds": 60},
-            "envoy": {"leaseSeconds": 1.5},
+            "envoy": {"leaseSeconds": 1.5, **(envoy or {})},
         }
         self.config_path = tmp_path / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -334,3 +336,54 @@ def test_a_second_sigterm_cuts_the_running_request_off(ups) -> None:
     assert "stopping now: the running request is cut off" in up.log()
     assert up.records()["long"]["outcome"] == "shutdown"
     assert results["long"][2].count(b"data: ") < 600  # it did not run to its end
+
+
+def test_up_with_a_small_envoy_heap_answers_503_instead_of_dying(tmp_path: pathlib.Path) -> None:
+    """`llamaswap up` builds Envoy's overload manager from envoy.maxHeapBytes: a burst of large
+    bodies waiting behind a long generation gets 503 with Retry-After once the heap is near the
+    budget, Envoy and the stack stay up, and every request that was accepted is served."""
+    body_bytes = 2 * 1024 * 1024
+    up = Up(tmp_path, envoy={"maxHeapBytes": 40 * 1024 * 1024})  # about a dozen 2 MiB bodies
+    try:
+        up.wait_up()
+
+        def post(test_id: str, extra: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+            body = json.dumps({"model": "model-a", "messages": [], "padding": "x" * body_bytes}).encode()
+            request = urllib.request.Request(f"{up.url}/v1/chat/completions", data=body, headers={
+                "content-type": "application/json", "x-request-id": test_id, "x-test-id": test_id, **extra})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+        def waiting() -> int:
+            return len(get_json(f"{up.admin}/queue")["waiting"])
+
+        with futures.ThreadPoolExecutor(max_workers=64) as pool:
+            held = pool.submit(post, "held", {"x-test-sleep-ms": "20000"})
+            wait_for(lambda: get_json(f"{up.admin}/queue")["running"] is not None, what="the long generation")
+            sent: dict[str, futures.Future[tuple[int, dict[str, str], bytes]]] = {}
+            refused: list[tuple[int, dict[str, str], bytes]] = []
+            for index in range(60):
+                test_id = f"burst-{index}"
+                sent[test_id] = pool.submit(post, test_id, {})
+                accepted_before = len(sent) - 1 - len(refused)
+                wait_for(lambda: sent[test_id].done() or waiting() > accepted_before,
+                         what=f"{test_id} queued or answered")
+                if sent[test_id].done():
+                    refused.append(sent[test_id].result())
+                    if len(refused) >= 3:
+                        break
+            assert len(refused) >= 3, f"no overload 503 after {len(sent)} bodies"
+            for status, headers, reply in refused:
+                assert (status, reply) == (503, b"envoy overloaded")
+                assert int(headers["retry-after"]) >= 1
+            assert up.process.poll() is None, up.log()  # the stack (and so its Envoy) is up
+            accepted = {test_id: f for test_id, f in sent.items() if not f.done() or f.result()[0] != 503}
+            assert held.result(timeout=60)[0] == 200
+            assert {test_id: f.result(timeout=120)[0] for test_id, f in accepted.items()} == dict.fromkeys(accepted, 200)
+        records = up.records()
+        assert {test_id: records[test_id]["outcome"] for test_id in accepted} == dict.fromkeys(accepted, "served")
+    finally:
+        up.stop()
