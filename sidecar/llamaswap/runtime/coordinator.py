@@ -7,13 +7,16 @@ final entry ends it and decides its outcome. Everything runs on one event loop, 
 needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
-- the GPU is granted only when it is free in fact (`_gpu_free`, checked by `_pump`): no grant
-  runs, no abandoned generation is still computing at the upstream (a settle, `settle.py`), and
-  no exchange granted by an earlier sidecar process is still reported by Envoy (an adopted
-  lease, `leases.py`);
+- a grant is made only when the GPU has room for it in fact (`_may_grant`, checked by `_pump`):
+  no abandoned generation is still computing at the upstream (a settle, `settle.py`), no
+  exchange granted by an earlier sidecar process is still reported by Envoy (an adopted lease,
+  `leases.py`), and the scheduler has a free slot for the best request (`Scheduler.next`: at
+  most ``slots`` grants, all of one model). An abandoned generation keeps its slot until the
+  upstream's /slots says it ended the simple way: while its settle runs, nothing new is granted
+  at all, so a swap also waits until every slot is idle;
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
-- a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
+- each grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
   lost final entry or a killed Envoy never leaves a ghost holder;
 - a release tells the scheduler whether the model stays loaded by one rule,
   `core.model_stays_loaded`, which the simulator's replay follows too;
@@ -109,7 +112,8 @@ class Coordinator:
         self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
                                      observed=self.observe_catalog)
         self._expiry: asyncio.TimerHandle | None = None
-        self._watchdog: asyncio.TimerHandle | None = None
+        # One watchdog timer per running grant, by token.
+        self._watchdogs: dict[str, asyncio.TimerHandle] = {}
         self._admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
@@ -139,12 +143,13 @@ class Coordinator:
         return self._admitting
 
     @property
-    def _running(self) -> Ticket | None:
-        return self._leases.running
+    def _running(self) -> list[Ticket]:
+        """The running grants, earliest first."""
+        return list(self._leases.running.values())
 
     @property
     def gpu_state(self) -> GpuState:
-        if self._running is not None:
+        if self._leases.running:
             return GpuState.RUNNING
         if self._settling is not None:
             return GpuState.SETTLING
@@ -257,11 +262,11 @@ class Coordinator:
         nobody would use, holding the GPU until its lease lapsed)."""
         for ticket in [t for t in self._tickets.values() if t.peer == peer and t.state is TicketState.WAITING]:
             self._check_cancelled(ticket)
-        running = self._running
-        if running is not None and running.peer == peer:
-            _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
-                         peer, running.request_id)
-            self._release(running, Outcome.PROXY_GONE, abandoned=True)
+        for running in [t for t in self._running if t.peer == peer]:
+            if running.state is TicketState.RUNNING and running.token in self._leases.running:
+                _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
+                             peer, running.request_id)
+                self._release(running, Outcome.PROXY_GONE, abandoned=True)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -276,7 +281,8 @@ class Coordinator:
         self._arm_expiry()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing runs; True if it finished within the grace period."""
+        """Wait until nothing runs (no grant in any slot, no settle, no adopted exchange); True if
+        it finished within the grace period."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
@@ -284,17 +290,19 @@ class Coordinator:
             return False
 
     def abandon_running(self) -> None:
-        """The grace period ended: record the running request as cut off by the shutdown."""
-        if self._running is not None:
-            self._release(self._running, Outcome.SHUTDOWN, abandoned=False)
+        """The grace period ended: record every running request as cut off by the shutdown."""
+        for ticket in self._running:
+            if ticket.token in self._leases.running:
+                self._release(ticket, Outcome.SHUTDOWN, abandoned=False)
 
     def close(self) -> None:
         """Cancel timers and background work, and tell the observers what is left to tell (the
         loop is about to stop)."""
         self._run_observers()
-        for handle in (self._expiry, self._watchdog, self._estimate_handle):
+        for handle in (self._expiry, self._estimate_handle, *self._watchdogs.values()):
             if handle is not None:
                 handle.cancel()
+        self._watchdogs.clear()
         self._leases.cancel()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
@@ -317,11 +325,18 @@ class Coordinator:
     # -- internals: granting and releasing -----------------------------------------------
 
     def _gpu_free(self) -> bool:
-        return self._running is None and self._settling is None and not self._leases.adopted
+        """Nothing holds the GPU: no grant in any slot, no settle, no adopted exchange."""
+        return not self._leases.running and self._may_grant()
+
+    def _may_grant(self) -> bool:
+        """Nothing but our own grants holds the GPU: no settle (an abandoned generation keeps
+        its slot, and every other, until /slots says it ended) and no adopted exchange. Whether
+        a slot is free for the best request is the scheduler's to say (`Scheduler.next`)."""
+        return self._settling is None and not self._leases.adopted
 
     def _pump(self) -> None:
-        """Grant the GPU if it is free and someone waits."""
-        if not self._gpu_free():
+        """Grant while the GPU has room and someone waits: up to the slots of the loaded model."""
+        if not self._may_grant():
             return
         while True:
             decision = self.scheduler.next()
@@ -330,16 +345,19 @@ class Coordinator:
             ticket = self._tickets.get(decision.request_id)
             waiter = ticket.waiter if ticket is not None else None
             if ticket is not None and waiter is not None and not waiter.done():
-                break
+                self._grant(ticket, waiter, decision)
+                continue
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
             # has not run its clean-up yet: nothing reached the upstream; the next one goes.
             self.scheduler.release(decision.request_id, reached_upstream=False)
             if ticket is not None:
                 self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
+
+    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None], decision: Decision) -> None:
         ticket.state = TicketState.RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._lease_ns()
-        self._leases.running = ticket
+        self._leases.running[ticket.token] = ticket
         self._idle.clear()
         self._changed()
         self._leases.arm()
@@ -353,10 +371,10 @@ class Coordinator:
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         model_loaded = model_stays_loaded(outcome, ticket.response_status)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
-        self._leases.running = None
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        self._watchdog = None
+        self._leases.running.pop(ticket.token, None)
+        watchdog = self._watchdogs.pop(ticket.token, None)
+        if watchdog is not None:
+            watchdog.cancel()
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
         decision = ticket.decision
@@ -366,7 +384,9 @@ class Coordinator:
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
-        if ticket.abandoned:
+        # A settle under way already waits for every slot to be idle (it asks whether anything
+        # computes), this abandoned generation's included.
+        if ticket.abandoned and self._settling is None:
             granted = decision.granted_ns if decision is not None else None
             self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
         self._update_idle()
@@ -409,7 +429,7 @@ class Coordinator:
             removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
-        elif ticket.state is TicketState.RUNNING and ticket is self._running:
+        elif ticket.state is TicketState.RUNNING and self._leases.running.get(ticket.token) is ticket:
             # Granted in the same instant the client left (or admission failed): the OK never
             # reached Envoy, so nothing reached the upstream either.
             self._release(ticket, outcome, abandoned=False, sent=False)
@@ -492,15 +512,17 @@ class Coordinator:
         return round(self._config.envoy.lease_seconds * NS_PER_S)
 
     def _leases_due(self) -> None:
-        """The earliest lease deadline passed: lapsed adoptions end, a lapsed grant is released."""
+        """The earliest lease deadline passed: lapsed adoptions end, lapsed grants are released."""
         for token in self._leases.lapsed_adopted():
             self._end_adoption(token, SettleResult.LAPSED)
-        running = self._running
-        if running is not None and self._leases.running_lapsed():
+        lapsed = self._leases.lapsed_running()
+        for running in lapsed:
+            if self._leases.running.get(running.token) is not running:
+                continue  # released by the release before it
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",
                          running.request_id, self._config.envoy.lease_seconds)
             self._release(running, Outcome.LEASE_EXPIRED, abandoned=True)
-        else:
+        if not lapsed:
             self._update_idle()
             self._pump()
         self._leases.arm()
@@ -508,13 +530,14 @@ class Coordinator:
     def _arm_watchdog(self, ticket: Ticket) -> None:
         limit = self._config.routing.scheduler.max_run_seconds
         if limit > 0:
-            self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+            self._watchdogs[ticket.token] = asyncio.get_running_loop().call_later(
+                limit, self._watchdog_fire, ticket.token)
 
     def _watchdog_fire(self, token: str) -> None:
-        """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""
-        self._watchdog = None
-        ticket = self._running
-        if ticket is None or ticket.token != token:
+        """A grant outlived routing.scheduler.maxRunSeconds: free its slot for the next."""
+        self._watchdogs.pop(token, None)
+        ticket = self._leases.running.get(token)
+        if ticket is None:
             return
         _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
         self._observer.watchdog_fired(ticket)
@@ -548,13 +571,20 @@ class Coordinator:
         return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(busy_s))))
 
     def _busy_s(self) -> float:
-        """How much longer the GPU is expected to be busy before the next grant."""
+        """How much longer the GPU is expected to be busy before the next grant: the earliest
+        end among the running grants when every slot is taken (with one slot, the grant's)."""
         now = self._clock.now_ns()
-        running = self._running
-        if running is not None and running.decision is not None:
-            d = running.decision
-            return self.estimator.remaining_s(d.model, model_load=d.model_load,
-                                              running_s=(now - d.granted_ns) / NS_PER_S)
+        running = [t.decision for t in self._running if t.decision is not None]
+        if running and len(running) >= self.scheduler.slots_total:
+            return min(self.estimator.remaining_s(d.model, model_load=d.model_load,
+                                                  running_s=(now - d.granted_ns) / NS_PER_S) for d in running)
+        if running:
+            return 0.0
+        return self._settle_busy_s()
+
+    def _settle_busy_s(self) -> float:
+        """How much longer a settling generation is expected to run (0 without one)."""
+        now = self._clock.now_ns()
         settling = self._settling
         if settling is not None and settling.granted_ns is not None:
             return self.estimator.remaining_s(settling.model, model_load=False,

@@ -1,4 +1,4 @@
-"""The leases: the running grant, the adopted exchanges, the memory of finished grants, and the
+"""The leases: the running grants, the adopted exchanges, the memory of finished grants, and the
 one timer that watches their deadlines.
 
 A grant is a lease: Envoy's periodic access-log entries renew it, and unrenewed for
@@ -27,7 +27,8 @@ class Leases:
     def __init__(self, clock: Clock, due: Callable[[], None]) -> None:
         self._clock = clock
         self._due = due
-        self.running: Ticket | None = None
+        # The running grants by token, earliest first (one per slot in use).
+        self.running: dict[str, Ticket] = {}
         # token -> (when adopted, lease deadline), in ns.
         self.adopted: dict[str, tuple[int, int]] = {}
         self._finished: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
@@ -65,20 +66,20 @@ class Leases:
         now = self._clock.now_ns()
         return [token for token, (_, deadline) in self.adopted.items() if now >= deadline]
 
-    # -- the running grant -----------------------------------------------------------------
+    # -- the running grants ----------------------------------------------------------------
 
-    def running_lapsed(self) -> bool:
-        running = self.running
-        return running is not None and self._clock.now_ns() >= running.lease_deadline_ns
+    def lapsed_running(self) -> list[Ticket]:
+        """The running grants whose lease has passed, earliest granted first."""
+        now = self._clock.now_ns()
+        return [ticket for ticket in self.running.values() if now >= ticket.lease_deadline_ns]
 
     # -- the one timer ---------------------------------------------------------------------
 
     def arm(self) -> None:
-        """One timer for the leases (the running grant's and the adopted ones), at the earliest."""
+        """One timer for the leases (every running grant's and the adopted ones), at the earliest."""
         self.cancel()
         deadlines = [deadline for _, deadline in self.adopted.values()]
-        if self.running is not None:
-            deadlines.append(self.running.lease_deadline_ns)
+        deadlines.extend(ticket.lease_deadline_ns for ticket in self.running.values())
         if not deadlines:
             return
         delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)
