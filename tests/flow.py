@@ -478,5 +478,5 @@ class Flow:
 
     def running_id(self) -> str | None:
         running = self.coordinator.view().running
-        return running.request_id if running is not None else None
+        return running[0].request_id if running else None
 

@@ -5,8 +5,12 @@ leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 
 from __future__ import annotations
 
+import pytest
 from flow import PEER, FakeUpstream, Flow, virtual_time
+from llamaswap.adapters.admin import queue_document
+from llamaswap.commands.queue import render
 from llamaswap.core import Outcome
+from llamaswap.runtime.views import RunningRow
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
 from llamaswap.runtime.ticket import ExchangeEnd
 
@@ -167,3 +171,37 @@ async def test_shutdown_waits_for_every_slot_and_cuts_them_all_off() -> None:
     await flow.idle()
     assert a2.ticket.outcome is Outcome.SHUTDOWN
     assert flow.coordinator.gpu_state == "idle" and running(flow) == set()
+
+
+@virtual_time
+async def test_the_view_shows_every_running_request_and_the_slots() -> None:
+    flow = slots_flow(2)
+    a1 = await flow.arrive("a1", model="a")
+    await flow.advance(2)
+    await flow.arrive("a2", model="a")
+    for i in range(3, 6):
+        await flow.arrive(f"a{i}", model="a")
+    view = flow.coordinator.view()
+    assert [row.request_id for row in view.running] == ["a1", "a2"]
+    assert (view.slots_busy, view.slots_total) == (2, 2)
+    # Two servers: a2 frees its slot in 10 s, a1 (10 + 5 s load, 2 s run) in 13 s, then a3's slot at 20.
+    assert [row.estimated_start_s for row in view.waiting] == pytest.approx([10, 13, 20])
+    ticket, row = flow.coordinator.status_of("a2")
+    assert row.request_id == "a2" and isinstance(row, RunningRow)
+    document = queue_document(view)
+    assert document["running"]["request_id"] == "a1"  # the earliest, as before slots
+    assert [r["request_id"] for r in document["running_all"]] == ["a1", "a2"]
+    assert (document["slots_busy"], document["slots_total"]) == (2, 2)
+    table = render(document)
+    assert "2 running, slots 2/2" in table
+    assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["a1", "a2"]
+    await flow.complete(a1)
+
+
+def test_the_queue_command_reads_a_document_from_before_slots() -> None:
+    document = {"policy": "serial", "loaded_model": "a", "gpu": "running", "waiting": [], "bands": {},
+                "running": {"request_id": "only", "priority": 0, "band": "normal", "score": 0.0, "model": "a",
+                            "queue_wait_s": 0.0, "running_s": 1.0, "expected_remaining_s": 2.0}}
+    table = render(document)
+    assert "1 running" in table and "slots" not in table
+    assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["only"]

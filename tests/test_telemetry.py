@@ -712,3 +712,29 @@ async def test_an_underestimated_wait_is_recorded_too() -> None:
     assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="batch") == 1
     assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="batch") == pytest.approx(estimated / waited)
     assert value(samples, f"{names.ESTIMATE_RATIO}_bucket", band="batch", le="0.5") == 1
+
+
+@virtual_time
+async def test_slot_gauges_and_the_running_count_at_grant() -> None:
+    traced = Traced({"upstream": {"slots": 3}, "envoy": {"leaseSeconds": 1000}})
+    flow = traced.flow
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (3, 0)
+    a = await flow.arrive("a", None, "a")
+    b = await flow.arrive("b", None, "a")
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (3, 2)
+    await flow.complete(a)
+    assert value(traced.metrics(), names.GPU_SLOTS_BUSY) == 1
+    await flow.complete(b)
+    assert value(traced.metrics(), names.GPU_SLOTS_BUSY) == 0
+    assert [traced.span(RUN_SPAN, rid).attributes["llamaswap.serial_slots_busy"] for rid in ("a", "b")] == [1, 2]
+
+
+@virtual_time
+async def test_one_slot_by_default_in_the_gauges() -> None:
+    traced = Traced(LONG_LEASE)
+    a = await traced.flow.arrive("a", None, "a")
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (1, 1)
+    await traced.flow.complete(a)

@@ -119,7 +119,8 @@ class Coordinator:
         self._idle.set()
         self._version = 0
         self._views = QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
-                                 version=lambda: self._version, busy_s=self._busy_s, gpu_state=lambda: self.gpu_state)
+                                 version=lambda: self._version, busy_s=self._settle_busy_s,
+                                 gpu_state=lambda: self.gpu_state)
         self._pending_estimates: list[Ticket] = []
         self._estimate_handle: asyncio.TimerHandle | None = None
         self._estimate_batch_s = ESTIMATE_BATCH_S
@@ -645,7 +646,8 @@ class Coordinator:
         stats = self.scheduler.band_stats()
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
+        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free(), self.scheduler.slots_busy,
+                                                  self.scheduler.slots_total))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run in one callback two loop turns on: after the step's wake-ups and after

@@ -61,9 +61,11 @@ class QueueView:
     policy: str
     loaded_model: str | None
     gpu: GpuState
-    running: RunningRow | None
+    running: tuple[RunningRow, ...]  # every running grant, earliest first (one per busy slot)
     waiting: tuple[WaitingRow, ...]
     bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
+    slots_busy: int = 0  # running grants
+    slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,8 +79,8 @@ class _Walk:
 
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
-    the queue (the coordinator counts them); `busy_s` is how much longer the GPU is expected to
-    be busy before the next grant; `gpu_state` is what holds it."""
+    the queue (the coordinator counts them); `busy_s` is how much longer a slot is held by work
+    the scheduler did not grant (a settling generation); `gpu_state` is what holds the GPU."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
@@ -107,8 +109,9 @@ class QueueViews:
             age_s = (now - cached.at_ns) / NS_PER_S
             return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
         snapshot = self._scheduler.snapshot()
-        starts = self._estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                                        busy_s=self._busy_s())
+        extra_busy_s = self._busy_s()
+        starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots,
+                                           extra_busy_s=[extra_busy_s] if extra_busy_s > 0 else [])
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         self._walk = _Walk(self._version(), now, snapshot, starts, took_s)
         return snapshot, starts
@@ -125,16 +128,16 @@ class QueueViews:
             WaitingRow(request_id(w.request_id), w.position, w.priority, w.band, w.score, w.swap_affinity,
                        w.waited_s, w.model, start)
             for w, start in zip(snapshot.waiting, starts))
-        running = None
-        decision = self._scheduler.running
-        if decision is not None:
+        running = []
+        for decision in self._scheduler.running_grants:
             running_s = (now - decision.granted_ns) / NS_PER_S
             expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load)
-            running = RunningRow(request_id(decision.request_id), decision.priority, decision.band, decision.score,
-                                 decision.model, decision.queue_wait_ns / NS_PER_S, running_s, expected,
-                                 max(0.0, expected - running_s))
+            running.append(RunningRow(request_id(decision.request_id), decision.priority, decision.band,
+                                      decision.score, decision.model, decision.queue_wait_ns / NS_PER_S, running_s,
+                                      expected, max(0.0, expected - running_s)))
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
-        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), running, waiting, bands)
+        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
+                         bands, self._scheduler.slots_busy, self._scheduler.slots_total)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""
@@ -142,8 +145,10 @@ class QueueViews:
         if ticket is None:
             return None
         view = self.view()
-        if ticket.state is TicketState.RUNNING and view.running is not None:
-            return ticket, view.running
+        if ticket.state is TicketState.RUNNING:
+            for running in view.running:
+                if running.request_id == request_id:
+                    return ticket, running
         for row in view.waiting:
             if row.request_id == request_id:
                 return ticket, row
