@@ -210,6 +210,7 @@ class FakeUpstream:
         self.idle_after_stop = idle_after_stop
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
+        self.slots_answer: int | None = None  # what total_slots() says
         self.fail_catalog = False
 
     @property
@@ -235,6 +236,10 @@ class FakeUpstream:
     async def busy(self, model: str | None) -> bool | None:
         self.calls.append(("busy", model))
         return self.busy_answer
+
+    async def total_slots(self) -> int | None:
+        self.calls.append(("total_slots", None))
+        return self.slots_answer
 
     async def stop(self, model: str | None) -> bool:
         self.calls.append(("stop", model))

@@ -205,3 +205,40 @@ def test_the_queue_command_reads_a_document_from_before_slots() -> None:
     table = render(document)
     assert "1 running" in table and "slots" not in table
     assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["only"]
+
+
+@virtual_time
+async def test_auto_slots_are_what_the_upstream_says() -> None:
+    upstream = FakeUpstream()
+    upstream.slots_answer = 3
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    assert flow.coordinator.scheduler.policy.slots.default == 1  # before it is asked
+    await flow.coordinator.learn_slots()
+    assert flow.coordinator.scheduler.policy.slots.default == 3
+    requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
+    assert [r.granted for r in requests] == [True, True, True, False]
+
+
+@virtual_time
+async def test_auto_slots_fall_back_to_one_and_fit_the_reservation(caplog) -> None:
+    upstream = FakeUpstream()
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE,
+                 "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}}, upstream=upstream)
+    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+        await flow.coordinator.learn_slots()  # the upstream cannot tell
+    assert flow.coordinator.scheduler.policy.slots.default == 1
+    assert "does not say how many slots it has; scheduling with 1" in caplog.text
+    upstream.slots_answer = 2
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+        await flow.coordinator.learn_slots()
+    slots = flow.coordinator.scheduler.policy.slots
+    assert (slots.default, slots.reserved) == (2, 1)
+    assert "too few for 2 reserved" in caplog.text and "reserving 1" in caplog.text
+
+
+@virtual_time
+async def test_configured_slots_never_ask_the_upstream() -> None:
+    flow = slots_flow(2)
+    await flow.coordinator.learn_slots()
+    assert "total_slots" not in [name for name, _ in flow.upstream.calls]

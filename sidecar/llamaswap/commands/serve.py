@@ -113,6 +113,7 @@ class Sidecar:
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = sockets[0].getsockname()[1] if sockets else listen.admin.port
         self.coordinator.begin_startup_settle()
+        self._tasks.append(asyncio.create_task(self.coordinator.learn_slots()))
         if self.config.upstream.models_poll_seconds > 0:
             self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:

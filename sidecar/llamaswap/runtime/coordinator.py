@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from llamaswap.config import AbandonedGeneration, Config
+from llamaswap.config import SLOTS_AUTO, AbandonedGeneration, Config
 from llamaswap.core import (
     NS_PER_S,
     SHUTDOWN_RETRY_AFTER_S,
@@ -94,6 +94,8 @@ class Coordinator:
                  upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
+        # upstream.slots: auto: what the upstream said (`learn_slots`); None before it is asked.
+        self._learnt_slots: int | None = None
         self.scheduler = Scheduler(config.policy(), self._clock)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
@@ -169,7 +171,7 @@ class Coordinator:
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
         self._config = config
-        self.scheduler.reconfigure(config.policy())
+        self.scheduler.reconfigure(config.policy(self._learnt_slots))
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
@@ -316,6 +318,27 @@ class Coordinator:
         if isinstance(self._upstream, NoUpstream) or self._settling is not None:
             return
         self._begin_settle(SettleReason.STARTUP, None, "-", None, stop=False)
+
+    async def learn_slots(self) -> None:
+        """upstream.slots: auto: ask the upstream how many generations it runs at once, and
+        schedule with that many slots (1, with a log line, when it cannot tell). A reservation
+        the learnt slots cannot hold is lowered, with a warning."""
+        config = self._config
+        if config.upstream.slots != SLOTS_AUTO:
+            return
+        learnt = await self._upstream.total_slots()
+        if learnt is None:
+            _log.info("upstream.slots: auto: the upstream does not say how many slots it has; scheduling with 1")
+            return
+        self._learnt_slots = learnt
+        slots = config.slots(learnt)
+        if slots.reserved < config.reserved_slots:
+            _log.warning("upstream.slots: auto: the upstream has %d slots, too few for %d reserved "
+                         "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
+                         config.reserved_slots, config.routing.scheduler.use, slots.reserved)
+        _log.info("upstream.slots: auto: the upstream runs %d generations at once", learnt)
+        if self._config is config:
+            self.reconfigure(config)
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
