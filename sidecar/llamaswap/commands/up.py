@@ -244,10 +244,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             if config.upstream.command:
                 # Whatever answers there now is not ours: refuse instead of adopting it.
                 _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
-                parallel = parallel_of(config.upstream.command)
-                slots = f" ({parallel} generations at once: --parallel {parallel})" if parallel is not None else ""
-                print(f"starting the upstream{slots}: {' '.join(config.upstream.command)}", file=sys.stderr,
-                      flush=True)
+                print(upstream_start_line(config.upstream.command), file=sys.stderr, flush=True)
                 upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log")
                 # A stop while the upstream loads (minutes for a big model) ends the wait at once.
                 await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
@@ -364,6 +361,13 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
         upstream.update(default_upstream(config.slots().of(DEFAULT_MODEL_ID)))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
+
+
+def upstream_start_line(command: tuple[str, ...]) -> str:
+    """What `up` says as it starts the upstream: the command, and its slots where it passes --parallel."""
+    parallel = parallel_of(command)
+    slots = f" with {parallel} slot{'' if parallel == '1' else 's'} (--parallel {parallel})" if parallel else ""
+    return f"starting the upstream{slots}: {' '.join(command)}"
 
 
 def parallel_of(command: tuple[str, ...]) -> str | None:
