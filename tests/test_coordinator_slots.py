@@ -6,7 +6,7 @@ leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 from __future__ import annotations
 
 import pytest
-from flow import PEER, FakeUpstream, Flow, virtual_time
+from flow import PEER, FakeUpstream, Flow, router, virtual_time
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
 from llamaswap.core import Outcome
@@ -242,3 +242,20 @@ async def test_configured_slots_never_ask_the_upstream() -> None:
     flow = slots_flow(2)
     await flow.coordinator.learn_slots()
     assert "total_slots" not in [name for name, _ in flow.upstream.calls]
+
+
+@virtual_time
+async def test_auto_slots_in_router_mode_are_asked_once_a_model_is_loaded() -> None:
+    upstream = FakeUpstream(router("a", "b"))
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()  # nothing loaded: the upstream cannot tell
+    assert flow.coordinator.scheduler.policy.slots.default == 1
+    upstream.slots_answer = 2
+    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
+    await flow.idle()
+    assert flow.coordinator.scheduler.policy.slots.default == 2
+    asked = [name for name, _ in upstream.calls].count("total_slots")
+    flow.coordinator.observe_catalog(router("a", "b", loaded="b"), flow.coordinator.scheduler.dispatches)
+    await flow.idle()
+    assert asked == 2 and [name for name, _ in upstream.calls].count("total_slots") == 2  # learnt: not again

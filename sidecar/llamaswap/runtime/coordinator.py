@@ -96,6 +96,8 @@ class Coordinator:
         self._config = config
         # upstream.slots: auto: what the upstream said (`learn_slots`); None before it is asked.
         self._learnt_slots: int | None = None
+        self._asking_slots = False
+        self._slots_task: asyncio.Future[None] | None = None
         self.scheduler = Scheduler(config.policy(), self._clock)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
@@ -307,6 +309,8 @@ class Coordinator:
                 handle.cancel()
         self._watchdogs.clear()
         self._leases.cancel()
+        if self._slots_task is not None:
+            self._slots_task.cancel()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
         self._catalog.close()
@@ -322,11 +326,19 @@ class Coordinator:
     async def learn_slots(self) -> None:
         """upstream.slots: auto: ask the upstream how many generations it runs at once, and
         schedule with that many slots (1, with a log line, when it cannot tell). A reservation
-        the learnt slots cannot hold is lowered, with a warning."""
-        config = self._config
-        if config.upstream.slots != SLOTS_AUTO:
+        the learnt slots cannot hold is lowered, with a warning. In router mode only a loaded
+        model can be asked about: `observe_catalog` asks again once one is loaded."""
+        if self._config.upstream.slots != SLOTS_AUTO or self._asking_slots:
             return
-        learnt = await self._upstream.total_slots()
+        self._asking_slots = True
+        await self._learn_slots()
+
+    async def _learn_slots(self) -> None:
+        config = self._config
+        try:
+            learnt = await self._upstream.total_slots()
+        finally:
+            self._asking_slots = False
         if learnt is None:
             _log.info("upstream.slots: auto: the upstream does not say how many slots it has; scheduling with 1")
             return
@@ -345,6 +357,10 @@ class Coordinator:
         self._catalog.latest = catalog
         if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
             self._changed()
+        if (catalog.loaded and self._learnt_slots is None and not self._asking_slots
+                and self._config.upstream.slots == SLOTS_AUTO):
+            self._asking_slots = True
+            self._slots_task = asyncio.ensure_future(self._learn_slots())
 
     # -- internals: granting and releasing -----------------------------------------------
 
