@@ -101,7 +101,7 @@ class FakeUpstream:
 
     Like llama-server, it keeps computing a non-streamed request after its client has gone (its
     handler is never cancelled), and it answers `GET /slots` with `is_processing` per slot while
-    anything computes. In single-model mode (the default) it serves any model name; with
+    anything computes (``slots`` entries; `GET /props` says ``total_slots``). In single-model mode (the default) it serves any model name; with
     ``router=True`` it lists ``models`` with their states at `GET /v1/models`, answers 400
     `model 'x' not found` for others, loads a model when a request names it, serves
     `GET /slots?model=NAME` for the loaded one, and `POST /models/unload` ends what it computes.
@@ -115,8 +115,9 @@ class FakeUpstream:
     """
 
     def __init__(self, port: int = 0, *, router: bool = False,
-                 models: tuple[str, ...] = ("model-a", "model-b", "model-c")) -> None:
+                 models: tuple[str, ...] = ("model-a", "model-b", "model-c"), slots: int = 4) -> None:
         self.hits: list[UpstreamHit] = []
+        self.slots = slots  # what GET /slots lists and GET /props says (total_slots), like --parallel
         self.loaded_model: str | None = None
         self.router = router
         self.models = set(models)
@@ -161,6 +162,7 @@ class FakeUpstream:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/models", self._models)
         app.router.add_get("/slots", self._slots)
+        app.router.add_get("/props", self._props)
         app.router.add_post("/models/unload", self._unload)
         app.router.add_route("*", "/{tail:.*}", self._complete)
         # handler_cancellation off (aiohttp's default): a client that leaves does not stop the work.
@@ -198,7 +200,12 @@ class FakeUpstream:
                                                     "type": "invalid_request_error"}}, status=400)
             if model != self.loaded_model:  # llama-server would load it: the sidecar must never ask
                 raise AssertionError(f"GET /slots?model={model} for a model that is not loaded")
-        return web.json_response([{"id": index, "is_processing": index < active} for index in range(4)])
+        return web.json_response([{"id": index, "is_processing": index < active} for index in range(self.slots)])
+
+    async def _props(self, request: web.Request) -> web.Response:
+        if self.router and request.query.get("model") != self.loaded_model:
+            raise AssertionError("GET /props for a model that is not loaded: llama-server would load it")
+        return web.json_response({"total_slots": self.slots})
 
     async def _unload(self, request: web.Request) -> web.Response:
         document = await request.json()

@@ -193,3 +193,38 @@ async def test_the_size_a_request_asks_for_reaches_the_estimates(tmp_path: pathl
         assert 0 < per_token < 30 / 200  # learnt from the warm runs, not the default
         # The 64-token request between them is expected to take 64/200 of the 200-token one.
         assert second["estimated_start_s"] - first["estimated_start_s"] == pytest.approx(per_token * 64, rel=1e-6)
+
+
+async def test_recorded_traffic_with_two_slots_replays_as_it_happened(tmp_path: pathlib.Path) -> None:
+    """Fidelity with `upstream.slots: 2`: recorded through the real stack, replayed by
+    `llamaswap simulate --slots 2`, every request waits as long as it did (the fake upstream
+    runs two at once as fast as one each, the replay's default)."""
+    activity = tmp_path / "activity.jsonl"
+    config = {"activity": {"path": str(activity)}, "upstream": {"slots": 2}}
+    wave = [("i1", "interactive", "model-b", 120), ("n1", "normal", "model-a", 80), ("b1", "batch", "model-a", 60),
+            ("n2", "normal", "model-b", 100), ("i2", "interactive", "model-a", 90), ("n3", "normal", "model-a", 70)]
+    with running_stack(tmp_path, config) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await start_blocker(stack, session, model="model-a")
+            tasks = []
+            for request_id, priority, model, run_ms in wave:
+                tasks.append(asyncio.create_task(chat(session, stack.url, request_id, priority=priority, model=model,
+                                                      sleep_ms=run_ms)))
+                await async_wait_for(lambda rid=request_id: any(w["request_id"] == rid
+                                                                for w in stack.sidecar.queue()["waiting"])
+                                     or rid in stack.upstream.order(), what=f"{request_id} arrived")
+            stack.upstream.release("blocker")
+            replies = await asyncio.gather(blocker, *tasks)
+            await async_wait_for(lambda: len(_lines(activity)) >= 1 + len(wave) + 1, what="every request recorded")
+    assert {r.status for r in replies} == {200}
+    assert stack.upstream.max_active == 2
+    recorded = {r["request_id"]: r for r in _lines(activity) if r.get("event") == "request"}
+    assert max(r["serial_slots_busy"] for r in recorded.values()) == 2
+    result = subprocess.run([sys.executable, "-m", "llamaswap", "simulate", "--activity", str(activity), "--slots", "2",
+                             "--requests", "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    per_request = {r["request_id"]: r for r in map(json.loads, filter(str.strip, result.stdout.splitlines()))
+                   if "request_id" in r}
+    noise_ms = 5.0
+    for request_id, record in recorded.items():
+        assert abs(per_request[request_id]["wait_ms"] - record["serial_queue_wait_ms"]) <= noise_ms, request_id

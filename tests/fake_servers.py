@@ -87,6 +87,9 @@ class FakeRouter:
         self.router = router
         self.loads: list[str] = []
         self.metrics_asked: list[str | None] = []
+        # GET /props answers total_slots (router mode: ?model=NAME, which loads NAME).
+        self.total_slots = 4
+        self.props_asked: list[str | None] = []
         # GETs of /v1/models so far; with load_takes_looks set, a loading model is loaded after that many.
         self.looks = 0
         self.load_takes_looks: int | None = None
@@ -109,6 +112,13 @@ class FakeRouter:
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.startswith("/metrics"):
                     self._metrics()
+                    return
+                if self.path.startswith("/props"):
+                    model = self.path.partition("?model=")[2] or None
+                    outer.props_asked.append(model)
+                    if model is not None:
+                        outer.states[model] = "loaded"
+                    self._json(200, {"total_slots": outer.total_slots, "model_path": "/models/x.gguf"})
                     return
                 if self.path != "/v1/models":
                     self._json(404, {"error": "not found"})

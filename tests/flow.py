@@ -211,6 +211,7 @@ class FakeUpstream:
         self.idle_after_stop = idle_after_stop
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
+        self.slots_answer: int | None = None  # what total_slots() says
         self.fail_catalog = False
         self.busy_failures = 0
 
@@ -240,6 +241,10 @@ class FakeUpstream:
             self.busy_failures -= 1
             raise UpstreamUnanswered("GET /slots answered 500")
         return self.busy_answer
+
+    async def total_slots(self) -> int | None:
+        self.calls.append(("total_slots", None))
+        return self.slots_answer
 
     async def stop(self, model: str | None) -> bool:
         self.calls.append(("stop", model))
@@ -488,5 +493,5 @@ class Flow:
 
     def running_id(self) -> str | None:
         running = self.coordinator.view().running
-        return running.request_id if running is not None else None
+        return running[0].request_id if running else None
 

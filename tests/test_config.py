@@ -33,7 +33,7 @@ from llamaswap.config import (
     load_document,
     parse_config,
 )
-from llamaswap.core import ManualClock, Policy, QueueFull, Scheduler, parse_priority
+from llamaswap.core import ManualClock, Policy, QueueFull, Scheduler, Slots, parse_priority
 from llamaswap.core.priority import PriorityPolicy
 
 # The Configuration block of ../shared/spec/request-priority.md, verbatim.
@@ -321,6 +321,12 @@ BAD_FILES = {
                                      "must be an integer, got a string '5'"),
     "maxWaitSeconds negative": ("routing: {scheduler: {maxWaitSeconds: -3}}", "routing.scheduler.maxWaitSeconds",
                                 "must be >= 0 (0 = wait forever), got -3"),
+    "reservedSlots not below the slots": ("routing: {scheduler: {settings: {serial: {reservedSlots: 1}}}}",
+                                          f"{SERIAL}.reservedSlots",
+                                          "leave upstream.slots (1) no slot for non-interactive requests: "
+                                          "set it below 1, or raise upstream.slots"),
+    "upstream slots zero": ("upstream: {slots: 0}", "upstream.slots",
+                            "must be an integer >= 1 or 'auto' (ask the upstream), got a number 0"),
 }
 
 
@@ -365,8 +371,9 @@ BAD_DOCUMENTS = {
                           "a smaller positive value would round to 0"),
     "maxRunSeconds negative": ({"routing": {"scheduler": {"maxRunSeconds": -1}}},
                                "routing.scheduler.maxRunSeconds: must be >= 0 (0 = off), got -1"),
-    "fifo takes no keys": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
-                           "routing.scheduler.settings.fifo.agingDivisor: unknown key; nothing is allowed here"),
+    "fifo takes only reservedSlots": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
+                                      "routing.scheduler.settings.fifo.agingDivisor: unknown key; "
+                                      "allowed here: reservedSlots"),
     "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, envoy, estimates, listen, "
                                              "models, routing, security, ui, upstream (and llama-swap's keys, which are "
                                              "ignored)"),
@@ -435,6 +442,25 @@ BAD_DOCUMENTS = {
                                     "estimates.defaultSwapSeconds: must be >= 0, got -0.5"),
     "samples zero": ({"estimates": {"samples": 0}}, "estimates.samples: must be >= 1, got 0"),
     "model id is null": ({"models": {None: {}}}, "models.None: a model id must be a string, got nothing"),
+    # slots
+    "slots a string": ({"upstream": {"slots": "four"}},
+                       "upstream.slots: must be an integer >= 1 or 'auto' (ask the upstream), got a string 'four'"),
+    "slots a boolean": ({"upstream": {"slots": True}},
+                        "upstream.slots: must be an integer >= 1 or 'auto' (ask the upstream), got a boolean true"),
+    "slots a float": ({"upstream": {"slots": 2.0}},
+                      "upstream.slots: must be an integer >= 1 or 'auto' (ask the upstream), got a number 2.0"),
+    "model slots zero": ({"models": {"a": {"slots": 0}}}, "models.a.slots: must be >= 1 (null = upstream.slots), got 0"),
+    "reservedSlots negative": ({"routing": {"scheduler": {"settings": {"fifo": {"reservedSlots": -1}}}}},
+                               "routing.scheduler.settings.fifo.reservedSlots: must be >= 0 (0 reserves none), got -1"),
+    "reservedSlots leave a model none": (
+        {"upstream": {"slots": 4}, "models": {"small": {"slots": 2}},
+         "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}},
+        f"{SERIAL}.reservedSlots: 2 reserved slots leave models.small.slots (2) no slot for non-interactive "
+        "requests: set it below 2, or raise models.small.slots"),
+    "fifo reservedSlots checked under fifo": (
+        {"upstream": {"slots": 2}, "routing": {"scheduler": {"use": "fifo", "settings": {"fifo": {"reservedSlots": 2}}}}},
+        "routing.scheduler.settings.fifo.reservedSlots: 2 reserved slots leave upstream.slots (2) no slot for "
+        "non-interactive requests: set it below 2, or raise upstream.slots"),
 }
 
 
@@ -528,6 +554,35 @@ def test_parse_config_problems_carry_paths():
     assert all(str(p) == f"{p.path}: {p.message}" for p in info.value.problems)
 
 
+def test_slots_reach_the_policy():
+    cfg = parse_config({"upstream": {"slots": 4}, "models": {"small": {"slots": 2}, "other": {}},
+                        "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}})
+    assert cfg.policy().slots == Slots(4, {"small": 2}, 1)
+    fifo = parse_config({"upstream": {"slots": 3}, "routing": {"scheduler": {
+        "use": "fifo", "settings": {"fifo": {"reservedSlots": 2}, "serial": {"reservedSlots": 0}}}}})
+    assert fifo.policy().slots == Slots(3, {}, 2)
+    # serial's reservation does not apply under fifo, and is not checked against the slots there
+    assert parse_config({"routing": {"scheduler": {"use": "fifo", "settings": {
+        "serial": {"reservedSlots": 5}}}}}).policy().slots == Slots()
+
+
+def test_slots_default_to_one_grant_at_a_time():
+    slots = Config().policy().slots
+    assert slots == Slots() and slots.single
+
+
+def test_auto_slots_take_what_the_upstream_says_and_fit_the_reservation():
+    cfg = parse_config({"upstream": {"slots": "auto"}, "routing": {"scheduler": {"settings": {
+        "serial": {"reservedSlots": 2}}}}})
+    assert cfg.upstream.slots == "auto"
+    assert cfg.policy(4).slots == Slots(4, {}, 2)
+    # fewer slots than reserved: lowered, not refused (the caller compares with reserved_slots to warn)
+    assert cfg.policy(2).slots == Slots(2, {}, 1)
+    assert cfg.policy().slots == Slots(1, {}, 0)
+    assert cfg.reserved_slots == 2
+    assert cfg.to_document()["upstream"]["slots"] == "auto"
+
+
 def test_policy_from_parsed_config_matches_the_documented_defaults():
     cfg = parse_config({})
     assert cfg.policy() == Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_queued=0, max_wait_s=0)
@@ -568,14 +623,15 @@ def test_a_millisecond_or_more_is_enforced(seconds):
 EVERY_KEY = {
     "routing": {"scheduler": {
         "use": "fifo", "maxQueued": 7, "maxWaitSeconds": 2.5, "maxRunSeconds": 900.0,
-        "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99}, "fifo": {}},
+        "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99, "reservedSlots": 3},
+                     "fifo": {"reservedSlots": 1}},
     }},
-    "models": {"qwen": {"priority": 10}, "gemma": {"priority": -5}},
+    "models": {"qwen": {"priority": 10, "slots": 2}, "gemma": {"priority": -5, "slots": None}},
     "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091", "allowRemote": True},
     "upstream": {
         "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
         "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
-        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0, "managementApi": "schedule",
+        "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0, "managementApi": "schedule", "slots": 4,
     },
     "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
               "failOpen": True, "leaseSeconds": 0.3, "maxHeapBytes": 100_000_000},
@@ -601,7 +657,9 @@ def test_every_key_reaches_its_attribute():
     s = cfg.routing.scheduler
     assert (s.use, s.max_queued, s.max_wait_seconds, s.max_run_seconds) == ("fifo", 7, 2.5, 900)
     assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (30, 99)
+    assert (s.settings.serial.reserved_slots, s.settings.fifo.reserved_slots) == (3, 1)
     assert model_priorities(cfg) == {"qwen": 10, "gemma": -5}
+    assert cfg.policy().slots == Slots(4, {"qwen": 2}, 1)
     assert (str(cfg.listen.http), str(cfg.listen.grpc), str(cfg.listen.admin)) == \
         ("0.0.0.0:8000", "[::1]:9001", "10.0.0.5:9091")
     u = cfg.upstream
@@ -665,7 +723,9 @@ def test_to_document_round_trips(cfg):
 def test_to_document_fills_in_every_default():
     document = parse_config({"routing": {"scheduler": {"maxQueued": 3}}}).to_document()
     assert document["routing"]["scheduler"]["maxQueued"] == 3
-    assert document["routing"]["scheduler"]["settings"]["serial"] == {"agingDivisor": 60, "swapAffinityBonus": 10}
+    assert document["routing"]["scheduler"]["settings"]["serial"] == {"agingDivisor": 60, "swapAffinityBonus": 10,
+                                                                      "reservedSlots": 0}
+    assert document["upstream"]["slots"] == 1
     assert document["listen"] == {"http": "127.0.0.1:8080", "grpc": "127.0.0.1:9000", "admin": "127.0.0.1:9090",
                                   "allowRemote": False}
     assert document["upstream"]["url"] == "http://127.0.0.1:8081"
@@ -710,7 +770,7 @@ def test_python_names_build_the_same_configuration():
 ])
 def test_a_section_with_nothing_under_it_means_its_defaults(tmp_path, text):
     cfg = load_config(write(tmp_path, text))
-    expected = Config().to_document() | ({"models": {"qwen": {"priority": 0}}} if "qwen" in text else {})
+    expected = Config().to_document() | ({"models": {"qwen": {"priority": 0, "slots": None}}} if "qwen" in text else {})
     assert cfg.to_document() == expected
 
 

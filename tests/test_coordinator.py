@@ -1363,7 +1363,7 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     starts = [row.estimated_start_s for row in view.waiting]
     assert starts == pytest.approx([13, 28, 38, 53])
     assert starts == flow.coordinator.estimator.starts([row.model for row in view.waiting], loaded="a", busy_s=13)
-    running = view.running
+    [running] = view.running
     assert running is not None and running.request_id == "a" and running.model == "a"
     assert (running.running_s, running.queue_wait_s) == (2.0, 0.0)
     assert (running.expected_run_s, running.expected_remaining_s) == (RUN_S + SWAP_S, RUN_S + SWAP_S - 2)
@@ -1371,7 +1371,7 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     assert {band: oldest for band, _, oldest in view.bands} == {Band.INTERACTIVE: 2.0, Band.NORMAL: 2.0,
                                                                 Band.BATCH: 0.0}
     await flow.advance(20)
-    assert flow.coordinator.view().running.expected_remaining_s == 0.0  # overdue, never negative
+    assert flow.coordinator.view().running[0].expected_remaining_s == 0.0  # overdue, never negative
 
 
 @virtual_time

@@ -239,8 +239,8 @@ async def test_a_200_token_request_is_estimated_200_64ths_of_a_64_token_one() ->
     assert big.granted
     await flow.advance(1)
     view = flow.coordinator.view()
-    assert view.running is not None
-    assert view.running.expected_run_s == pytest.approx(4.0 * 200 / 64)
+    assert len(view.running) == 1
+    assert view.running[0].expected_run_s == pytest.approx(4.0 * 200 / 64)
     starts = {row.request_id: row.estimated_start_s for row in view.waiting}
     assert starts["small"] == pytest.approx(4.0 * 200 / 64 - 1)
     assert starts["after"] == pytest.approx(4.0 * 200 / 64 - 1 + 4.0)
@@ -265,7 +265,7 @@ async def test_a_clients_status_is_its_row_of_the_live_view() -> None:
         assert found is not None
         assert found[1] == row
     running = flow.coordinator.status_of("run")
-    assert running is not None and running[1] == view.running
+    assert running is not None and running[1] == view.running[0]
     assert flow.coordinator.status_of("nobody") is None
 
 

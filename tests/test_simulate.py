@@ -625,3 +625,62 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     assert "--plot needs matplotlib" in err
     assert "pip install 'llamaswap[plot]'" in err
     assert not (tmp_path / "w.png").exists()
+
+
+# -- slots ------------------------------------------------------------------------------------
+
+# Four requests of model A 1 ms apart, 4 s each; the first loaded A (as it does in the replay).
+SAME_MODEL = [request(f"r{i}", 0.001 * i, 0, "A", run_s=4.0, first_byte_s=0.1, load=i == 0) for i in range(4)]
+
+
+def _slots_replay(slots: int, speed: str | None = None):
+    from llamaswap.core import Slots
+    from llamaswap.simulate.engine import ConcurrencySpeed
+
+    records = list(parse_activity(format_line(d) for d in SAME_MODEL).requests)
+    costs = measure_costs(records, default_run_s=10.0, default_swap_s=0.0, samples=50)
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(slots))
+    return simulate(prepare(records), policy, costs,
+                    concurrency_speed=ConcurrencySpeed.parse(speed) if speed else None)
+
+
+def test_slots_run_several_at_once_and_one_slot_is_one_at_a_time():
+    s = 1_000_000_000
+    one = _slots_replay(1)
+    assert [r.start_ns for r in one.results] == [0, 4 * s, 8 * s, 12 * s]
+    two = _slots_replay(2)
+    ms = 1_000_000
+    assert [r.start_ns for r in two.results] == [0, 1 * ms, 4 * s, 4 * s + 1 * ms]
+    assert two.metrics.busy_fraction == pytest.approx(1.0)  # the GPU held throughout, not twice over
+
+
+def test_a_concurrency_speed_scales_each_run_by_n_over_speed():
+    s, ms = 1_000_000_000, 1_000_000
+    sim = _slots_replay(2, "1:1,2:1.6")
+    # r0 alone: 4 s; r1 beside it: 4 * 2 / 1.6 = 5 s; r2 starts as r0 ends, beside r1: 5 s.
+    assert [(r.start_ns, r.release_ns) for r in sim.results[:3]] == [
+        (0, 4 * s), (1 * ms, 1 * ms + 5 * s), (4 * s, 9 * s)]
+
+
+def test_concurrency_speed_parsing_and_interpolation():
+    from llamaswap.simulate.engine import ConcurrencySpeed, ConcurrencySpeedError
+
+    speed = ConcurrencySpeed.parse("2:1.8,4:3.1")
+    assert [speed.of(n) for n in (1, 2, 4, 8)] == [1.0, 1.8, 3.1, 3.1]
+    assert speed.of(3) == pytest.approx(2.45)
+    for bad in ("", "2", "x:1", "0:1", "2:-1"):
+        with pytest.raises(ConcurrencySpeedError):
+            ConcurrencySpeed.parse(bad)
+
+
+def test_the_slots_flags():
+    one = run_json([], SAME_MODEL)
+    two = run_json(["--slots", "2"], SAME_MODEL)
+    assert one["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(12.0, abs=0.01)
+    assert two["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(4.0, abs=0.01)
+    slower = run_json(["--slots", "2", "--concurrency-speed", "1:1,2:1"], SAME_MODEL)
+    assert slower["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(8.0, abs=0.01)
+    with pytest.raises(SystemExit):
+        run_cli(["--slots", "0"], SAME_MODEL)
+    with pytest.raises(SystemExit):
+        run_cli(["--concurrency-speed", "fast"], SAME_MODEL)

@@ -745,3 +745,29 @@ async def test_a_long_request_id_is_replaced_by_envoys_and_counted() -> None:
     assert kept.ticket.request_id == longest
     assert value(traced.metrics(), names.REQUEST_ID_REPLACED) == 1
     assert {s.attributes.get("llamaswap.request_id") for s in traced.finished_spans(RUN_SPAN)} == {longest, "102"}
+
+
+@virtual_time
+async def test_slot_gauges_and_the_running_count_at_grant() -> None:
+    traced = Traced({"upstream": {"slots": 3}, "envoy": {"leaseSeconds": 1000}})
+    flow = traced.flow
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (3, 0)
+    a = await flow.arrive("a", None, "a")
+    b = await flow.arrive("b", None, "a")
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (3, 2)
+    await flow.complete(a)
+    assert value(traced.metrics(), names.GPU_SLOTS_BUSY) == 1
+    await flow.complete(b)
+    assert value(traced.metrics(), names.GPU_SLOTS_BUSY) == 0
+    assert [traced.span(RUN_SPAN, rid).attributes["llamaswap.serial_slots_busy"] for rid in ("a", "b")] == [1, 2]
+
+
+@virtual_time
+async def test_one_slot_by_default_in_the_gauges() -> None:
+    traced = Traced(LONG_LEASE)
+    a = await traced.flow.arrive("a", None, "a")
+    samples = traced.metrics()
+    assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (1, 1)
+    await traced.flow.complete(a)

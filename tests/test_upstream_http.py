@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
+from fake_servers import FakeRouter
 from harness import FakeUpstream
 from llamaswap.adapters.upstream_http import HttpUpstream, catalog_from
 from llamaswap.core import MonotonicClock
@@ -147,3 +150,49 @@ async def test_a_settle_against_a_failing_upstream_waits_for_its_answer() -> Non
         upstream.close()
     assert settle.result is SettleResult.IDLE
     assert upstream.slots_queries == 6 and upstream.slots_failures == 0
+
+
+# -- total_slots (upstream.slots: auto) ------------------------------------------------------
+
+
+def _total_slots(url: str) -> int | None:
+    async def ask() -> int | None:
+        upstream = HttpUpstream(url)
+        try:
+            return await upstream.total_slots()
+        finally:
+            await upstream.close()
+
+    return asyncio.run(ask())
+
+
+def test_total_slots_of_a_single_model_llama_server() -> None:
+    fake = FakeRouter({"m": "loaded"}, router=False)
+    try:
+        fake.total_slots = 3
+        assert _total_slots(fake.url) == 3
+        assert fake.props_asked == [None]
+    finally:
+        fake.close()
+
+
+def test_total_slots_in_router_mode_asks_only_about_the_loaded_model() -> None:
+    fake = FakeRouter({"a": "unloaded", "b": "loaded"})
+    try:
+        assert _total_slots(fake.url) == 4
+        assert fake.props_asked == ["b"] and fake.states["a"] == "unloaded"
+    finally:
+        fake.close()
+
+
+def test_total_slots_in_router_mode_with_nothing_loaded_loads_nothing() -> None:
+    fake = FakeRouter({"a": "unloaded"})
+    try:
+        assert _total_slots(fake.url) is None
+        assert fake.props_asked == [] and fake.states == {"a": "unloaded"}
+    finally:
+        fake.close()
+
+
+def test_total_slots_of_an_upstream_that_cannot_tell() -> None:
+    assert _total_slots("http://127.0.0.1:9") is None  # nothing listens: None, no exception

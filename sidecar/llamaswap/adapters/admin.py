@@ -34,12 +34,17 @@ def running_document(row: RunningRow) -> dict[str, Any]:
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
-    """GET /queue: the running request, then the waiting ones in dispatch order."""
+    """GET /queue: the running requests, then the waiting ones in dispatch order. ``running`` is
+    the earliest running request (null for none: the shape before slots); ``running_all`` is
+    every one, earliest first, with ``slots_busy`` of ``slots_total``."""
     return {
         "policy": view.policy,
         "loaded_model": view.loaded_model,
         "gpu": view.gpu,
-        "running": running_document(view.running) if view.running is not None else None,
+        "running": running_document(view.running[0]) if view.running else None,
+        "running_all": [running_document(row) for row in view.running],
+        "slots_busy": view.slots_busy,
+        "slots_total": view.slots_total,
         "waiting": [waiting_document(row) for row in view.waiting],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
     }

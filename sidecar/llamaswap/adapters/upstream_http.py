@@ -120,6 +120,23 @@ class HttpUpstream:
             return None
         return [name for name, value in _states(document).items() if value == state]
 
+    async def total_slots(self) -> int | None:
+        try:
+            catalog = await self.catalog()
+            path = "/props"
+            if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
+                if not catalog.loaded:
+                    return None  # /props?model= for a model not loaded would load it
+                path = f"/props?model={catalog.loaded}"
+            elif catalog is not None and catalog.kind is UpstreamKind.LLAMA_SWAP:
+                return None
+            status, document = await self._get(path)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            _log.info("asking the upstream for its slots failed: %s", exc)
+            return None
+        slots = document.get("total_slots") if status == 200 and isinstance(document, dict) else None
+        return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1 else None
+
     async def _router_busy(self) -> bool | None:
         status, document = await self._get("/v1/models")
         if status != 200:

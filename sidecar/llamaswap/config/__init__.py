@@ -15,6 +15,7 @@ from llamaswap.config.schema import json_schema
 from llamaswap.config.sections import (
     DEFAULT_ADMIN,
     DEFAULT_UPSTREAM_PORT,
+    SLOTS_AUTO,
     ActivityConfig,
     Config,
     EnvoyConfig,
@@ -36,8 +37,9 @@ from llamaswap.core.priority import PriorityMode
 from llamaswap.core.scheduler import PolicyName
 
 __all__ = [
-    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "AbandonedGeneration", "ActivityConfig", "Config", "ConfigError",
-    "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi", "ModelCheck", "ModelConfig",
+    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "SLOTS_AUTO", "AbandonedGeneration", "ActivityConfig", "Config",
+    "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi",
+    "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
     "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "describe_value", "json_schema",
     "load_config", "load_document", "parse_config",

@@ -35,6 +35,7 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
     ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
     ReloadKey("upstream.managementApi", OnReload.REFUSED, "Envoy's routes refuse or schedule the management API"),
+    ReloadKey("upstream.slots", OnReload.LIVE, "the scheduler's slots from the next grant (the upstream's own --parallel is set where it starts)"),
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
     ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
     ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),

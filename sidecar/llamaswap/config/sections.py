@@ -9,13 +9,13 @@ both. Each key's type, range, default and meaning is written here once; the load
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from llamaswap.config.problems import Meaning, invalid
+from llamaswap.config.problems import Meaning, describe_value, invalid
 from llamaswap.config.types import (
     AbandonedGeneration,
     HostPort,
@@ -36,7 +36,7 @@ from llamaswap.config.types import (
     upstream_url,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
-from llamaswap.core.scheduler import Policy, PolicyName
+from llamaswap.core.scheduler import InvalidSlots, Policy, PolicyName, Slots
 
 # The anchors (batch -100, normal 0, interactive 100) sit this far apart. The swap affinity
 # bonus stays below it, so it never lifts a request at one anchor over a request at the next
@@ -50,6 +50,19 @@ MAX_SWAP_AFFINITY_BONUS = BAND_SPACING - 1
 DEFAULT_ADMIN = HostPort("127.0.0.1", 9090)
 # The upstream's default port (upstream.url), where `llamaswap up` starts its built-in llama-server.
 DEFAULT_UPSTREAM_PORT = 8081
+
+
+RESERVED_SLOTS_MEANING = (
+    "Of a model's slots, this many are kept for the interactive band (priority >= 50); it must be below "
+    "every model's slots. 0 reserves none.")
+# The value of upstream.slots that asks the upstream (llama-server's /props total_slots).
+SLOTS_AUTO = "auto"
+
+
+def _slots_value(value: Any) -> Any:
+    if value == SLOTS_AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise invalid(f"must be an integer >= 1 or 'auto' (ask the upstream), got {describe_value(value)}")
 
 
 def _schema_of_ignored_keys(schema: dict[str, Any], cls: type) -> None:
@@ -102,10 +115,15 @@ class SerialSettings(Section):
         description=f"Bonus for a request that needs no model swap, 0..{MAX_SWAP_AFFINITY_BONUS}; 0 disables it. "
                     f"It stays below the band spacing of {BAND_SPACING}, so it never lifts a request at one anchor "
                     "(batch, normal, interactive) over the next; off the anchors it can (45 + 10 beats 50).")
+    reserved_slots: Annotated[StrictInt, Meaning("0 reserves none")] = Field(
+        default=0, ge=0, description=RESERVED_SLOTS_MEANING)
 
 
 class FifoSettings(Section):
-    """The fifo scheduler takes no settings (a model's priority is models.<id>.priority)."""
+    """The fifo scheduler (a model's priority is models.<id>.priority)."""
+
+    reserved_slots: Annotated[StrictInt, Meaning("0 reserves none")] = Field(
+        default=0, ge=0, description=RESERVED_SLOTS_MEANING)
 
 
 class SchedulerSettings(Section):
@@ -147,6 +165,9 @@ class ModelConfig(Section):
     priority: StrictInt = Field(
         default=0, description="fifo only: added to the caller's X-LlamaSwap-Priority for this model "
                                "(a model at 10 with a batch header queues at -90).")
+    slots: Annotated[StrictInt | None, Meaning("null = upstream.slots")] = Field(
+        default=None, ge=1, description="Generations of this model at once; overrides upstream.slots. "
+                                        "Null (the default) takes upstream.slots.")
 
 
 class ListenConfig(Section):
@@ -220,6 +241,12 @@ class UpstreamConfig(Section):
         default=ManagementApi.REFUSE,
         description="llama-server's management API on Envoy's listener (POST /models/load, /models/unload, "
                     "/slots/N?action=...): refuse (403), or schedule it like a generation.")
+    slots: Annotated[int | Literal["auto"], BeforeValidator(_slots_value)] = Field(
+        default=1,
+        description="Generations of the loaded model at once (llama-server's --parallel): an integer >= 1, or "
+                    "'auto': ask the upstream (/props total_slots; 1 with a log line if it cannot tell). 1 (the "
+                    "default) grants one request at a time.",
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}]})
 
     @property
     def host(self) -> str:
@@ -356,15 +383,49 @@ class Config(Section):
 
     __hash__ = None  # type: ignore[assignment]  # models is a dict
 
-    def policy(self) -> Policy:
-        """The scheduler's policy."""
+    @model_validator(mode="after")
+    def _slots_fit(self) -> Config:
+        # The one check across sections: a reservation must leave every model a non-interactive slot.
+        try:
+            self.slots()
+        except InvalidSlots as exc:
+            use = self.routing.scheduler.use
+            reserved_key = f"routing.scheduler.settings.{use}.reservedSlots"
+            slots_key = "upstream.slots" if exc.model is None else f"models.{exc.model}.slots"
+            raise invalid(f"{exc.reserved} reserved slots leave {slots_key} ({exc.slots}) no slot for "
+                          f"non-interactive requests: set it below {exc.slots}, or raise {slots_key}",
+                          key=reserved_key) from None
+        return self
+
+    @property
+    def reserved_slots(self) -> int:
+        """routing.scheduler.settings.<use>.reservedSlots of the scheduler in use."""
+        settings = self.routing.scheduler.settings
+        return (settings.fifo if self.routing.scheduler.use == PolicyName.FIFO else settings.serial).reserved_slots
+
+    def slots(self, learnt: int | None = None) -> Slots:
+        """The slots of every model. With ``upstream.slots: auto``, the default is ``learnt`` (what
+        the upstream said; 1 before it is asked) and a reservation it cannot hold is lowered
+        (`Slots.fitted`: compare ``.reserved`` with `reserved_slots` to warn); configured numbers
+        are checked as written (InvalidSlots)."""
+        per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
+        configured = self.upstream.slots
+        if configured == SLOTS_AUTO:
+            return Slots.fitted(learnt if learnt is not None else 1, per_model, self.reserved_slots)
+        assert isinstance(configured, int)
+        return Slots(configured, per_model, self.reserved_slots)
+
+    def policy(self, learnt_slots: int | None = None) -> Policy:
+        """The scheduler's policy (``learnt_slots``: what the upstream said, for ``upstream.slots: auto``)."""
         s = self.routing.scheduler
+        slots = self.slots(learnt_slots)
         if s.use == PolicyName.FIFO:
             priorities = {model_id: model.priority for model_id, model in self.models.items()}
-            return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+            return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds,
+                               slots=slots)
         serial = s.settings.serial
         return Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
-                             max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+                             max_queued=s.max_queued, max_wait_s=s.max_wait_seconds, slots=slots)
 
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""

@@ -148,16 +148,22 @@ class Estimator:
         occupied = [(busy_s, False), *zip(remaining_s, flags)]
         return self._slotted_starts(models, sizes, loaded, occupied, slots, interactive)
 
-    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = ()) -> list[float]:
+    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = (),
+                  max_tokens: Sequence[int | None] | None = None,
+                  grant_max_tokens: Sequence[int | None] | None = None) -> list[float]:
         """`starts` for a scheduler's snapshot: its running grants' remaining times (plus
         ``extra_busy_s``, slots held by work the scheduler does not grant, counted as
-        non-interactive), its waiting order and bands."""
-        remaining = [self.remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s)
-                     for grant in snapshot.grants]
+        non-interactive), its waiting order and bands, and the size each waiting request and
+        each running grant asked for (same orders as the snapshot's; None: not said)."""
+        grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
+        remaining = [self.remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
+                                      max_tokens=size)
+                     for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
                            remaining_s=[*remaining, *extra_busy_s],
                            remaining_interactive=[grant.band is Band.INTERACTIVE for grant in snapshot.grants],
-                           slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting])
+                           slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting],
+                           max_tokens=max_tokens)
 
     def _serial_starts(self, models: Sequence[str | None], sizes: Sequence[int | None], *, loaded: str | None,
                        busy_s: float) -> list[float]:

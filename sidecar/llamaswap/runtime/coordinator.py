@@ -7,13 +7,16 @@ final entry ends it and decides its outcome. Everything runs on one event loop, 
 needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
-- the GPU is granted only when it is free in fact (`_gpu_free`, checked by `_pump`): no grant
-  runs, no abandoned generation is still computing at the upstream (a settle, `settle.py`), and
-  no exchange this process does not hold is still reported by Envoy (an adopted lease,
-  `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed);
+- a grant is made only when the GPU has room for it in fact (`_may_grant`, checked by `_pump`):
+  no abandoned generation is still computing at the upstream (a settle, `settle.py`), no
+  exchange this process does not hold is still reported by Envoy (an adopted lease,
+  `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot for the best request (`Scheduler.next`: at
+  most ``slots`` grants, all of one model). An abandoned generation keeps its slot until the
+  upstream's /slots says it ended the simple way: while its settle runs, nothing new is granted
+  at all, so a swap also waits until every slot is idle;
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
-- a grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
+- each grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
   lost final entry or a killed Envoy never leaves a ghost holder;
 - an adopted exchange is held like a grant: `maxRunSeconds` applies to it (from the exchange's
   start) and an end that may leave the upstream computing is followed by a settle;
@@ -32,7 +35,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from llamaswap.config import AbandonedGeneration, Config
+from llamaswap.config import SLOTS_AUTO, AbandonedGeneration, Config
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import (
     NS_PER_S,
@@ -95,6 +98,10 @@ class Coordinator:
                  upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
+        # upstream.slots: auto: what the upstream said (`learn_slots`); None before it is asked.
+        self._learnt_slots: int | None = None
+        self._asking_slots = False
+        self._slots_task: asyncio.Future[None] | None = None
         self.scheduler = Scheduler(config.policy(), self._clock)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
@@ -119,13 +126,15 @@ class Coordinator:
         self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
                                      observed=self.observe_catalog)
         self._expiry: asyncio.TimerHandle | None = None
-        self._watchdog: asyncio.TimerHandle | None = None
+        # One watchdog timer per running grant, by token.
+        self._watchdogs: dict[str, asyncio.TimerHandle] = {}
         self._admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
         self._version = 0
         self._views = QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
-                                 version=lambda: self._version, busy_s=self._busy_s, gpu_state=lambda: self.gpu_state)
+                                 version=lambda: self._version, busy_s=self._settle_busy_s,
+                                 gpu_state=lambda: self.gpu_state)
         self._pending_estimates: list[Ticket] = []
         self._estimate_handle: asyncio.TimerHandle | None = None
         self._estimate_batch_s = ESTIMATE_BATCH_S
@@ -149,12 +158,13 @@ class Coordinator:
         return self._admitting
 
     @property
-    def _running(self) -> Ticket | None:
-        return self._leases.running
+    def _running(self) -> list[Ticket]:
+        """The running grants, earliest first."""
+        return list(self._leases.running.values())
 
     @property
     def gpu_state(self) -> GpuState:
-        if self._running is not None:
+        if self._leases.running:
             return GpuState.RUNNING
         if self._settling is not None:
             return GpuState.SETTLING
@@ -173,12 +183,12 @@ class Coordinator:
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
         self._config = config
-        self.scheduler.reconfigure(config.policy())
+        self.scheduler.reconfigure(config.policy(self._learnt_slots))
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
-        if self._running is not None:
-            self._rearm_watchdog(self._running)
+        for ticket in self._running:
+            self._rearm_watchdog(ticket)
         self._changed()
         self._arm_expiry()
         self._leases.arm()  # the adopted exchanges' watchdog follows a changed maxRunSeconds
@@ -284,11 +294,11 @@ class Coordinator:
         nobody would use, holding the GPU until its lease lapsed)."""
         for ticket in [t for t in self._tickets.values() if t.peer == peer and t.state is TicketState.WAITING]:
             self._check_cancelled(ticket)
-        running = self._running
-        if running is not None and running.peer == peer:
-            _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
-                         peer, running.request_id)
-            self._release(running, Outcome.PROXY_GONE, abandoned=True)
+        for running in [t for t in self._running if t.peer == peer]:
+            if running.state is TicketState.RUNNING and running.token in self._leases.running:
+                _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
+                             peer, running.request_id)
+                self._release(running, Outcome.PROXY_GONE, abandoned=True)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -303,7 +313,8 @@ class Coordinator:
         self._arm_expiry()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing runs; True if it finished within the grace period."""
+        """Wait until nothing runs (no grant in any slot, no settle, no adopted exchange); True if
+        it finished within the grace period."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
@@ -311,18 +322,22 @@ class Coordinator:
             return False
 
     def abandon_running(self) -> None:
-        """The grace period ended: record the running request as cut off by the shutdown."""
-        if self._running is not None:
-            self._release(self._running, Outcome.SHUTDOWN, abandoned=False)
+        """The grace period ended: record every running request as cut off by the shutdown."""
+        for ticket in self._running:
+            if ticket.token in self._leases.running:
+                self._release(ticket, Outcome.SHUTDOWN, abandoned=False)
 
     def close(self) -> None:
         """Cancel timers and background work, and tell the observers what is left to tell (the
         loop is about to stop)."""
         self._run_observers()
-        for handle in (self._expiry, self._watchdog, self._estimate_handle):
+        for handle in (self._expiry, self._estimate_handle, *self._watchdogs.values()):
             if handle is not None:
                 handle.cancel()
+        self._watchdogs.clear()
         self._leases.cancel()
+        if self._slots_task is not None:
+            self._slots_task.cancel()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
         self._catalog.close()
@@ -335,20 +350,60 @@ class Coordinator:
             return
         self._begin_settle(SettleReason.STARTUP, None, "-", None, stop=False)
 
+    async def learn_slots(self) -> None:
+        """upstream.slots: auto: ask the upstream how many generations it runs at once, and
+        schedule with that many slots (1, with a log line, when it cannot tell). A reservation
+        the learnt slots cannot hold is lowered, with a warning. In router mode only a loaded
+        model can be asked about: `observe_catalog` asks again once one is loaded."""
+        if self._config.upstream.slots != SLOTS_AUTO or self._asking_slots:
+            return
+        self._asking_slots = True
+        await self._learn_slots()
+
+    async def _learn_slots(self) -> None:
+        config = self._config
+        try:
+            learnt = await self._upstream.total_slots()
+        finally:
+            self._asking_slots = False
+        if learnt is None:
+            _log.info("upstream.slots: auto: the upstream does not say how many slots it has; scheduling with 1")
+            return
+        self._learnt_slots = learnt
+        slots = config.slots(learnt)
+        if slots.reserved < config.reserved_slots:
+            _log.warning("upstream.slots: auto: the upstream has %d slots, too few for %d reserved "
+                         "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
+                         config.reserved_slots, config.routing.scheduler.use, slots.reserved)
+        _log.info("upstream.slots: auto: the upstream runs %d generations at once", learnt)
+        if self._config is config:
+            self.reconfigure(config)
+
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
         self._catalog.latest = catalog
         if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
             self._changed()
+        if (catalog.loaded and self._learnt_slots is None and not self._asking_slots
+                and self._config.upstream.slots == SLOTS_AUTO):
+            self._asking_slots = True
+            self._slots_task = asyncio.ensure_future(self._learn_slots())
 
     # -- internals: granting and releasing -----------------------------------------------
 
     def _gpu_free(self) -> bool:
-        return self._running is None and self._settling is None and not self._leases.adopted
+        """Nothing holds the GPU: no grant in any slot, no settle, no adopted exchange."""
+        return not self._leases.running and self._may_grant()
+
+    def _may_grant(self) -> bool:
+        """Nothing but our own grants holds the GPU: no settle (an abandoned generation keeps
+        its slot, and every other, until /slots says it ended) and no adopted exchange. Whether
+        a slot is free for the best request is the scheduler's to say (`Scheduler.next`)."""
+        return self._settling is None and not self._leases.adopted
 
     def _pump(self) -> None:
-        """Grant the GPU if it is free and someone waits."""
-        if not self._gpu_free():
+        """Grant while the GPU has room and someone waits: up to the slots of the loaded model."""
+        if not self._may_grant():
             return
         while True:
             decision = self.scheduler.next()
@@ -357,16 +412,19 @@ class Coordinator:
             ticket = self._tickets.get(decision.request_id)
             waiter = ticket.waiter if ticket is not None else None
             if ticket is not None and waiter is not None and not waiter.done():
-                break
+                self._grant(ticket, waiter, decision)
+                continue
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
             # has not run its clean-up yet: nothing reached the upstream; the next one goes.
             self.scheduler.release(decision.request_id, reached_upstream=False)
             if ticket is not None:
                 self._finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
+
+    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None], decision: Decision) -> None:
         ticket.state = TicketState.RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._lease_ns()
-        self._leases.running = ticket
+        self._leases.running[ticket.token] = ticket
         self._idle.clear()
         self._changed()
         self._leases.arm()
@@ -380,10 +438,10 @@ class Coordinator:
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         model_loaded = model_stays_loaded(outcome, ticket.response_status)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
-        self._leases.running = None
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        self._watchdog = None
+        self._leases.running.pop(ticket.token, None)
+        watchdog = self._watchdogs.pop(ticket.token, None)
+        if watchdog is not None:
+            watchdog.cancel()
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
         decision = ticket.decision
@@ -396,7 +454,9 @@ class Coordinator:
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
-        if ticket.abandoned:
+        # A settle under way already waits for every slot to be idle (it asks whether anything
+        # computes), this abandoned generation's included.
+        if ticket.abandoned and self._settling is None:
             granted = decision.granted_ns if decision is not None else None
             self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
         self._update_idle()
@@ -460,7 +520,7 @@ class Coordinator:
             removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
-        elif ticket.state is TicketState.RUNNING and ticket is self._running:
+        elif ticket.state is TicketState.RUNNING and self._leases.running.get(ticket.token) is ticket:
             # Granted in the same instant the client left (or admission failed): the OK never
             # reached Envoy, so nothing reached the upstream either.
             self._release(ticket, outcome, abandoned=False, sent=False)
@@ -580,18 +640,20 @@ class Coordinator:
 
     def _leases_due(self) -> None:
         """The earliest lease deadline passed: lapsed adoptions end (as a lapsed grant of ours, with
-        a settle), so do adoptions past maxRunSeconds (the watchdog's), a lapsed grant is released."""
+        a settle), so do adoptions past maxRunSeconds (the watchdog's), lapsed grants are released."""
         for token in self._leases.lapsed_adopted():
             self._end_adoption(token, SettleResult.LAPSED, abandoned=True)
         for token in self._leases.overrun_adopted():
             _log.warning("watchdog: an adopted exchange held the GPU past maxRunSeconds; letting it go")
             self._end_adoption(token, SettleResult.WATCHDOG, abandoned=False)
-        running = self._running
-        if running is not None and self._leases.running_lapsed():
+        lapsed = self._leases.lapsed_running()
+        for running in lapsed:
+            if self._leases.running.get(running.token) is not running:
+                continue  # released by the release before it
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",
                          running.request_id, self._config.envoy.lease_seconds)
             self._release(running, Outcome.LEASE_EXPIRED, abandoned=True)
-        else:
+        if not lapsed:
             self._update_idle()
             self._pump()
         self._leases.arm()
@@ -599,27 +661,28 @@ class Coordinator:
     def _arm_watchdog(self, ticket: Ticket) -> None:
         limit = self._config.routing.scheduler.max_run_seconds
         if limit > 0:
-            self._watchdog = asyncio.get_running_loop().call_later(limit, self._watchdog_fire, ticket.token)
+            self._watchdogs[ticket.token] = asyncio.get_running_loop().call_later(
+                limit, self._watchdog_fire, ticket.token)
 
     def _rearm_watchdog(self, ticket: Ticket) -> None:
         """maxRunSeconds changed while `ticket` runs: its limit counts from its grant, not from now
         (past it already, the watchdog fires on the next loop turn; 0 turns it off)."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        watchdog = self._watchdogs.pop(ticket.token, None)
+        if watchdog is not None:
+            watchdog.cancel()
         limit = self._config.routing.scheduler.max_run_seconds
         decision = ticket.decision
         if limit <= 0 or decision is None:
             return
         held_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
-        self._watchdog = asyncio.get_running_loop().call_later(max(0.0, limit - held_s), self._watchdog_fire,
-                                                               ticket.token)
+        self._watchdogs[ticket.token] = asyncio.get_running_loop().call_later(
+            max(0.0, limit - held_s), self._watchdog_fire, ticket.token)
 
     def _watchdog_fire(self, token: str) -> None:
-        """A grant outlived routing.scheduler.maxRunSeconds: free the GPU for the next."""
-        self._watchdog = None
-        ticket = self._running
-        if ticket is None or ticket.token != token:
+        """A grant outlived routing.scheduler.maxRunSeconds: free its slot for the next."""
+        self._watchdogs.pop(token, None)
+        ticket = self._leases.running.get(token)
+        if ticket is None:
             return
         _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
         self._observer.watchdog_fired(ticket)
@@ -653,13 +716,20 @@ class Coordinator:
         return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(busy_s))))
 
     def _busy_s(self) -> float:
-        """How much longer the GPU is expected to be busy before the next grant."""
+        """How much longer the GPU is expected to be busy before the next grant: the earliest
+        end among the running grants when every slot is taken (with one slot, the grant's)."""
         now = self._clock.now_ns()
-        running = self._running
-        if running is not None and running.decision is not None:
-            d = running.decision
-            return self.estimator.remaining_s(d.model, model_load=d.model_load,
-                                              running_s=(now - d.granted_ns) / NS_PER_S, max_tokens=running.max_tokens)
+        running = [(t.decision, t.max_tokens) for t in self._running if t.decision is not None]
+        if running and len(running) >= self.scheduler.slots_total:
+            return min(self.estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
+                                                  running_s=(now - d.granted_ns) / NS_PER_S) for d, size in running)
+        if running:
+            return 0.0
+        return self._settle_busy_s()
+
+    def _settle_busy_s(self) -> float:
+        """How much longer a settling generation is expected to run (0 without one)."""
+        now = self._clock.now_ns()
         settling = self._settling
         if settling is not None and settling.granted_ns is not None:
             return self.estimator.remaining_s(settling.model, model_load=False,
@@ -720,7 +790,8 @@ class Coordinator:
         stats = self.scheduler.band_stats()
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free()))
+        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free(), self.scheduler.slots_busy,
+                                                  self.scheduler.slots_total))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run in one callback two loop turns on: after the step's wake-ups and after

@@ -1,4 +1,4 @@
-"""The leases: the running grant, the adopted exchanges, what must be remembered of finished
+"""The leases: the running grants, the adopted exchanges, what must be remembered of finished
 grants, and the one timer that watches their deadlines.
 
 A grant is a lease: Envoy's periodic access-log entries renew it, and unrenewed for
@@ -48,7 +48,8 @@ class Leases:
         self._clock = clock
         self._due = due
         self._max_run_ns = max_run_ns
-        self.running: Ticket | None = None
+        # The running grants by token, earliest first (one per slot in use).
+        self.running: dict[str, Ticket] = {}
         self.adopted: dict[str, Adoption] = {}
         self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -114,24 +115,24 @@ class Leases:
         """An exchange started then is older than maxRunSeconds: the watchdog lets it go."""
         return self._overrun(started_ns)
 
-    # -- the running grant -----------------------------------------------------------------
+    # -- the running grants ----------------------------------------------------------------
 
-    def running_lapsed(self) -> bool:
-        running = self.running
-        return running is not None and self._clock.now_ns() >= running.lease_deadline_ns
+    def lapsed_running(self) -> list[Ticket]:
+        """The running grants whose lease has passed, earliest granted first."""
+        now = self._clock.now_ns()
+        return [ticket for ticket in self.running.values() if now >= ticket.lease_deadline_ns]
 
     # -- the one timer ---------------------------------------------------------------------
 
     def arm(self) -> None:
-        """One timer for the leases (the running grant's and the adopted ones) and the adopted
+        """One timer for the leases (every running grant's and the adopted ones) and the adopted
         exchanges' watchdog, at the earliest."""
         self.cancel()
         deadlines = [adoption.lease_deadline_ns for adoption in self.adopted.values()]
         max_run_ns = self._max_run_ns()
         if max_run_ns > 0:
             deadlines.extend(adoption.started_ns + max_run_ns for adoption in self.adopted.values())
-        if self.running is not None:
-            deadlines.append(self.running.lease_deadline_ns)
+        deadlines.extend(ticket.lease_deadline_ns for ticket in self.running.values())
         if not deadlines:
             return
         delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)

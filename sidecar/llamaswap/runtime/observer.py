@@ -34,6 +34,8 @@ class QueuePicture:
     depth: tuple[tuple[Band, int], ...]
     oldest_arrival_ns: tuple[tuple[Band, int | None], ...]  # the coordinator's clock
     busy: bool  # a grant holds the GPU, or the upstream is still finishing an abandoned one
+    slots_busy: int = 0  # running grants
+    slots_total: int = 1  # the slots of the model in effect
 
 
 class SettleReason(str, enum.Enum):

@@ -49,6 +49,10 @@ class Upstream(Protocol):
     async def stop(self, model: str | None) -> bool:
         """Stop whatever `model` is generating (router mode: unload it); True if it could."""
 
+    async def total_slots(self) -> int | None:
+        """How many generations the upstream runs at once (llama-server's /props total_slots;
+        router mode: of a loaded model); None when it cannot tell."""
+
 
 class NoUpstream:
     """Knows nothing: serves every model, cannot tell whether it is busy, cannot stop."""
@@ -61,3 +65,6 @@ class NoUpstream:
 
     async def stop(self, model: str | None) -> bool:
         return False
+
+    async def total_slots(self) -> int | None:
+        return None

@@ -65,9 +65,11 @@ class QueueView:
     policy: str
     loaded_model: str | None
     gpu: GpuState
-    running: RunningRow | None
+    running: tuple[RunningRow, ...]  # every running grant, earliest first (one per busy slot)
     waiting: tuple[WaitingRow, ...]
     bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
+    slots_busy: int = 0  # running grants
+    slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,8 +84,8 @@ class _Walk:
 
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
-    the queue (the coordinator counts them); `busy_s` is how much longer the GPU is expected to
-    be busy before the next grant; `gpu_state` is what holds it."""
+    the queue (the coordinator counts them); `busy_s` is how much longer a slot is held by work
+    the scheduler did not grant (a settling generation); `gpu_state` is what holds the GPU."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
@@ -123,8 +125,12 @@ class QueueViews:
         tickets = self._tickets
         sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
                  for w in snapshot.waiting]
-        starts = self._estimator.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                                        busy_s=self._busy_s(), max_tokens=sizes)
+        extra_busy_s = self._busy_s()
+        grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
+                       for g in snapshot.grants]
+        starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots, max_tokens=sizes,
+                                           grant_max_tokens=grant_sizes,
+                                           extra_busy_s=[extra_busy_s] if extra_busy_s > 0 else [])
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
@@ -140,22 +146,26 @@ class QueueViews:
                        ticket.model, start) if (ticket := tickets.get(w.request_id)) is not None else
             WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model, start)
             for w, start in zip(snapshot.waiting, starts))
-        running = self._running_row(now)
+        running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
-        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), running, waiting, bands)
+        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
+                         bands, self._scheduler.slots_busy, self._scheduler.slots_total)
 
-    def _running_row(self, now: int) -> RunningRow | None:
-        decision = self._scheduler.running
-        if decision is None:
-            return None
-        ticket = self._tickets.get(decision.request_id)
-        running_s = (now - decision.granted_ns) / NS_PER_S
-        expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load,
-                                                    max_tokens=ticket.max_tokens if ticket is not None else None)
-        return RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
-                          decision.score, ticket.model if ticket is not None else decision.model,
-                          decision.queue_wait_ns / NS_PER_S, running_s, expected,
-                          max(0.0, expected - running_s))
+    def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
+        """A row per running grant, earliest first (with `only`, that ticket's row alone)."""
+        rows = []
+        for decision in self._scheduler.running_grants:
+            if only is not None and decision.request_id != only:
+                continue
+            ticket = self._tickets.get(decision.request_id)
+            running_s = (now - decision.granted_ns) / NS_PER_S
+            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load,
+                                                        max_tokens=ticket.max_tokens if ticket is not None else None)
+            rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
+                                   decision.score, ticket.model if ticket is not None else decision.model,
+                                   decision.queue_wait_ns / NS_PER_S, running_s, expected,
+                                   max(0.0, expected - running_s)))
+        return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route): its row of
@@ -165,8 +175,8 @@ class QueueViews:
             return None
         now = self._clock.now_ns()
         if ticket.state is TicketState.RUNNING:
-            running = self._running_row(now)
-            return (ticket, running) if running is not None else None
+            row = self._running_rows(now, only=ticket.token)
+            return (ticket, row[0]) if row else None
         if ticket.state is not TicketState.WAITING:
             return None
         walk = self._current(now)

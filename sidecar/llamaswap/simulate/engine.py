@@ -23,6 +23,12 @@ How each request behaves:
   runtime's own rule, ``core.model_stays_loaded`` (not after an upstream error or a status
   outside 200..399; still loaded after a client left mid-run, the watchdog or a lapsed lease);
 - ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
+
+Slots (the policy's `Slots`): up to that many grants run at once, as the scheduler grants them.
+A grant made while n grants run (itself included) holds its slot for its time scaled by
+n / speed(n), where speed(n) is the aggregate throughput of n concurrent generations relative
+to one (`ConcurrencySpeed`; without one, n generations run as fast as one each). With one slot
+nothing changes.
 """
 
 from __future__ import annotations
@@ -131,6 +137,49 @@ def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
     return start
 
 
+class ConcurrencySpeedError(ValueError):
+    """A concurrency speed table that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConcurrencySpeed:
+    """Aggregate throughput of n concurrent generations relative to one (``{1: 1, 2: 1.8, 4: 3.1}``):
+    linear between the points given, flat after the last; speed(1) is 1 unless given."""
+
+    points: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        for count, speed in self.points.items():
+            if not isinstance(count, int) or count < 1 or not (isinstance(speed, (int, float)) and speed > 0):
+                raise ConcurrencySpeedError(f"each point must be N:SPEED with N >= 1 and SPEED > 0, got {count}:{speed}")
+        object.__setattr__(self, "points", dict(sorted({1: 1.0, **self.points}.items())))
+
+    @classmethod
+    def parse(cls, text: str) -> ConcurrencySpeed:
+        """``1:1,2:1.8,4:3.1``."""
+        points: dict[int, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            count, sep, speed = part.partition(":")
+            try:
+                if not sep:
+                    raise ValueError(part)
+                points[int(count)] = float(speed)
+            except ValueError:
+                raise ConcurrencySpeedError(f"expected N:SPEED,... (e.g. 1:1,2:1.8,4:3.1), got {part!r}") from None
+        if not points:
+            raise ConcurrencySpeedError("expected N:SPEED,... (e.g. 1:1,2:1.8,4:3.1), got nothing")
+        return cls(points)
+
+    def of(self, count: int) -> float:
+        below = max(n for n in self.points if n <= count)
+        above = [n for n in self.points if n > count]
+        if below == count or not above:
+            return self.points[below]
+        upper = min(above)
+        low, high = self.points[below], self.points[upper]
+        return low + (high - low) * (count - below) / (upper - below)
+
+
 def _ms_to_ns(ms: float) -> int:
     # Recorded times have 3 decimals (microseconds): rounding to them keeps sums exact.
     return round(ms * 1000) * _NS_PER_US
@@ -177,7 +226,8 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
     return Replay(tuple(requests), dict(skipped), origin)
 
 
-def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
+def simulate(replay: Replay, policy: Policy, costs: Costs, *,
+             concurrency_speed: ConcurrencySpeed | None = None) -> Simulation:
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
@@ -192,9 +242,11 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
     swaps = peak = waiting = 0
-    busy_ns = last_release = 0
-    running: Result | None = None
+    busy_ns = last_release = busy_since = 0
+    # The running grants' (release time, index), earliest first: one per busy slot.
+    releases: list[tuple[int, int]] = []
     release_at = _NEVER
+    speed = concurrency_speed.of if concurrency_speed is not None else None
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     next_deadline = scheduler.next_deadline_ns
@@ -216,12 +268,13 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
             break
         clock.set_ns(now)
 
-        if release_at == now:
-            assert running is not None
-            scheduler.release(ids[running.request.index], model_loaded=running.request.model_loaded)
-            running.release_ns = last_release = now
-            running = None
-            release_at = _NEVER
+        while release_at == now:
+            released = results[heappop(releases)[1]]
+            scheduler.release(ids[released.request.index], model_loaded=released.request.model_loaded)
+            released.release_ns = last_release = now
+            release_at = releases[0][0] if releases else _NEVER
+            if not releases:
+                busy_ns += now - busy_since
         if expiry is not None and expiry <= now:
             for expired in scheduler.expire_overdue():
                 result = results[int(expired.request_id)]
@@ -256,9 +309,10 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
                         heappush(patience, (now + request.patience_ns, arrival))
                 arrival += 1
 
-        if running is None and waiting:
+        while waiting:
             decision = grant()
-            assert decision is not None
+            if decision is None:
+                break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1
             result = results[int(decision.request_id)]
             request = result.request
@@ -278,9 +332,12 @@ def simulate(replay: Replay, policy: Policy, costs: Costs) -> Simulation:
             if decision.reordered_by:
                 for cause in decision.reordered_by:
                     reorders[cause] += 1
-            busy_ns += hold
-            running = result
-            release_at = now + hold
+            if speed is not None and decision.slots_busy > 1:
+                hold = round(hold * decision.slots_busy / speed(decision.slots_busy))
+            if not releases:
+                busy_since = now
+            heappush(releases, (now + hold, result.request.index))
+            release_at = releases[0][0]
 
     metrics = _metrics(results, swaps, reorders, busy_ns, last_release, peak)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)

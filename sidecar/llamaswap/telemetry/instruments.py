@@ -37,6 +37,8 @@ REQUESTS = "llamaswap_requests_total"
 UNPARSEABLE = "llamaswap_priority_unparseable_total"
 ABSENT = "llamaswap_priority_absent_total"
 GPU_BUSY = "llamaswap_gpu_busy"
+GPU_SLOTS = "llamaswap_gpu_slots"
+GPU_SLOTS_BUSY = "llamaswap_gpu_slots_busy"
 WATCHDOG = "llamaswap_watchdog_fired_total"
 MODEL_SWAP = "llamaswap_model_swap_seconds"
 MODEL_RUN = "llamaswap_model_run_seconds"
@@ -48,7 +50,7 @@ MODEL_LABEL_OTHER = "llamaswap_model_label_other_total"
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
-       ABSENT, GPU_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
+       ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
        MODEL_LABEL_OTHER)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
@@ -109,7 +111,8 @@ class ModelLabels:
 
 
 class Instruments:
-    def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback) -> None:
+    def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
+                 gpu_slots: Callback, gpu_slots_busy: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
         meter.create_observable_gauge(
@@ -119,6 +122,11 @@ class Instruments:
             GPU_BUSY, [gpu_busy],
             description="1 while the GPU is busy (a grant holds it, or the upstream finishes an abandoned "
                         "generation), else 0.")
+        meter.create_observable_gauge(
+            GPU_SLOTS, [gpu_slots], unit="{slot}",
+            description="Generations of the loaded model the GPU may run at once (upstream.slots, models.<id>.slots).")
+        meter.create_observable_gauge(
+            GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description="Slots held by running grants.")
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)

@@ -19,6 +19,7 @@ Nothing here ever sees prompt or completion text: only the ticket's scheduling f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -109,7 +110,8 @@ class Telemetry:
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         self._closed = False
         self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
-                                       gpu_busy=self._observe_busy)
+                                       gpu_busy=self._observe_busy, gpu_slots=self._observe_slots,
+                                       gpu_slots_busy=self._observe_slots_busy)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -146,6 +148,9 @@ class Telemetry:
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
+        if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
+            # publishes the loaded model's with every change)
+            self._picture = dataclasses.replace(self._picture, slots_total=policy.slots.default)
 
     def queue_changed(self, picture: QueuePicture) -> None:
         self._picture = picture
@@ -279,6 +284,12 @@ class Telemetry:
     def _observe_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(1 if self._picture.busy else 0)]
 
+    def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._picture.slots_total)]
+
+    def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._picture.slots_busy)]
+
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
     decision = ticket.decision
@@ -290,6 +301,7 @@ def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
         "llamaswap.aging": decision.aging,
         "llamaswap.swap": decision.swap,
         "llamaswap.load": decision.load,
+        "llamaswap.serial_slots_busy": decision.slots_busy,  # running grants, this one included
     }
     if decision.reordered_by:
         attributes["llamaswap.reordered_by"] = sorted(cause.value for cause in decision.reordered_by)

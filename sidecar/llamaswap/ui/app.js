@@ -154,6 +154,7 @@
     gpu.textContent = doc.gpu;
     gpu.className = `gpu gpu-${doc.gpu}`;
     byId("loaded-model").textContent = doc.loaded_model || "none known";
+    byId("slots").textContent = `${doc.slots_busy} / ${doc.slots_total}`;
     byId("waiting-total").textContent = doc.waiting_total.toLocaleString();
     renderRunning(doc);
     renderQueue(doc, ageS);

@@ -1,0 +1,72 @@
+"""Slots through the real Envoy and the real sidecar, against the fake upstream: same-model
+requests run side by side up to upstream.slots, a request for another model waits until every
+slot has drained, and `upstream.slots: auto` reads the upstream's /props."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import aiohttp
+
+from client import chat
+from harness import FakeUpstream, async_wait_for, running_stack
+
+
+async def test_two_at_once_and_a_swap_waits_for_both(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2)) as stack:
+        upstream = stack.upstream
+        assert upstream is not None
+        async with aiohttp.ClientSession() as session:
+            a1 = asyncio.create_task(chat(session, stack.url, "a1", hold=True, model="model-a"))
+            await async_wait_for(lambda: upstream.active == 1, what="a1 at the upstream")
+            a2 = asyncio.create_task(chat(session, stack.url, "a2", hold=True, model="model-a"))
+            await async_wait_for(lambda: upstream.active == 2, what="a1 and a2 at the upstream at once")
+            b = asyncio.create_task(chat(session, stack.url, "b", priority="interactive", model="model-b"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="b in the queue")
+            a3 = asyncio.create_task(chat(session, stack.url, "a3", model="model-a"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="a3 in the queue")
+            queue = stack.sidecar.queue()
+            assert [row["request_id"] for row in queue["running_all"]] == ["a1", "a2"]
+            assert (queue["slots_busy"], queue["slots_total"]) == (2, 2)
+            upstream.release("a1")
+            assert (await a1).status == 200
+            await async_wait_for(lambda: len(stack.sidecar.queue()["running_all"]) == 1, what="a1's grant released")
+            # A slot is free, but the best request needs another model: nothing more starts.
+            assert upstream.order() == ["a1", "a2"]
+            upstream.release("a2")
+            replies = [await a2, await b, await a3]
+        assert [reply.status for reply in replies] == [200] * 3
+        assert upstream.order() == ["a1", "a2", "b", "a3"]
+        assert upstream.max_active == 2
+        hits = {hit.test_id: hit for hit in upstream.hits}
+        assert hits["b"].start_ns >= max(hits["a1"].end_ns, hits["a2"].end_ns)
+        assert replies[1].headers["x-llamaswap-band"] == "interactive"
+
+
+async def test_at_most_slots_at_the_upstream(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2)) as stack:
+        upstream = stack.upstream
+        assert upstream is not None
+        async with aiohttp.ClientSession() as session:
+            replies = await asyncio.gather(*(chat(session, stack.url, f"r{i}", sleep_ms=150, model="model-a")
+                                             for i in range(6)))
+        assert [reply.status for reply in replies] == [200] * 6
+        assert upstream.max_active == 2
+
+
+async def test_auto_reads_the_upstreams_slots(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, {"upstream": {"slots": "auto"}}, fake=FakeUpstream(slots=3)) as stack:
+        await async_wait_for(lambda: stack.sidecar.queue()["slots_total"] == 3, what="3 slots learnt from /props")
+        upstream = stack.upstream
+        assert upstream is not None
+        async with aiohttp.ClientSession() as session:
+            held = [asyncio.create_task(chat(session, stack.url, f"h{i}", hold=True, model="model-a"))
+                    for i in range(4)]
+            await async_wait_for(lambda: upstream.active == 3 and len(stack.sidecar.queue()["waiting"]) == 1,
+                                 what="three at the upstream, one waiting")
+            for i in range(4):
+                upstream.release(f"h{i}")
+            replies = await asyncio.gather(*held)
+        assert [reply.status for reply in replies] == [200] * 4
+        assert upstream.max_active == 3

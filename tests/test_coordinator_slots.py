@@ -1,0 +1,261 @@
+"""The coordinator with several slots (upstream.slots > 1), on the fake clock (tests/flow.py):
+at most N grants at once and all of one model, a swap drains first, the reserved slot goes only
+to interactive work, an abandoned generation holds every slot until the upstream is idle, and
+leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
+
+from __future__ import annotations
+
+import pytest
+from flow import PEER, FakeUpstream, Flow, router, virtual_time
+from llamaswap.adapters.admin import queue_document
+from llamaswap.commands.queue import render
+from llamaswap.core import Outcome
+from llamaswap.runtime.views import RunningRow
+from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
+from llamaswap.runtime.ticket import ExchangeEnd
+
+OTHER_PEER = "ipv4:127.0.0.1:40002"
+LONG_LEASE = {"leaseSeconds": 1000}
+
+
+def slots_flow(slots: int, *, reserved: int = 0, envoy: dict | None = None, upstream: FakeUpstream | None = None,
+               **scheduler: object) -> Flow:
+    return Flow({"upstream": {"slots": slots}, "envoy": envoy or LONG_LEASE,
+                 "routing": {"scheduler": {**scheduler, "settings": {"serial": {"reservedSlots": reserved}}}}},
+                upstream=upstream)
+
+
+def running(flow: Flow) -> set[str]:
+    return {t.request_id for t, _ in flow.recorder.grants if t.outcome is None}
+
+
+@virtual_time
+async def test_at_most_n_grants_at_once() -> None:
+    flow = slots_flow(2)
+    requests = [await flow.arrive(f"r{i}", model="a") for i in range(5)]
+    assert [r.granted for r in requests] == [True, True, False, False, False]
+    assert flow.coordinator.scheduler.slots_busy == 2
+    await flow.complete(requests[0])
+    assert running(flow) == {"r1", "r2"}
+    await flow.complete(requests[2])
+    await flow.complete(requests[1])
+    assert running(flow) == {"r3", "r4"}
+    assert flow.recorder.most_holders == 2
+    assert [t.decision.slots_busy for t, _ in flow.recorder.grants] == [1, 2, 2, 2, 2]
+
+
+@virtual_time
+async def test_one_slot_is_one_grant_at_a_time() -> None:
+    flow = slots_flow(1)
+    requests = [await flow.arrive(f"r{i}", model="a") for i in range(3)]
+    assert [r.granted for r in requests] == [True, False, False]
+    await flow.complete(requests[0])
+    assert running(flow) == {"r1"} and flow.recorder.most_holders == 1
+
+
+@virtual_time
+async def test_a_swap_drains_the_slots_first_and_is_not_overtaken() -> None:
+    flow = slots_flow(3)
+    a1 = await flow.arrive("a1", "normal", "a")
+    a2 = await flow.arrive("a2", "normal", "a")
+    b = await flow.arrive("b", "interactive", "b")  # the best: it needs a swap
+    a3 = await flow.arrive("a3", "normal", "a")  # a free slot of the loaded model, but lower-scored
+    assert a1.granted and a2.granted and b.waiting and a3.waiting
+    await flow.complete(a1)
+    assert b.waiting and a3.waiting  # a2 still runs on model a
+    await flow.complete(a2)
+    assert b.granted and b.ticket.decision.swap and a3.waiting
+    models = {t.model for t, _ in flow.recorder.grants if t.outcome is None}
+    assert models == {"b"}
+    await flow.complete(b)
+    assert a3.granted
+
+
+@virtual_time
+async def test_the_reserved_slot_goes_only_to_interactive_work() -> None:
+    flow = slots_flow(2, reserved=1)
+    batch1 = await flow.arrive("batch1", "batch", "a")
+    batch2 = await flow.arrive("batch2", "batch", "a")
+    normal = await flow.arrive("normal", "normal", "a")
+    assert batch1.granted and batch2.waiting and normal.waiting  # one slot kept for interactive work
+    chat = await flow.arrive("chat", "interactive", "a")
+    assert chat.granted and batch2.waiting and normal.waiting
+    await flow.complete(chat)
+    assert normal.waiting and batch2.waiting
+    await flow.complete(batch1)
+    assert normal.granted and batch2.waiting
+
+
+@virtual_time
+async def test_an_abandoned_generation_holds_every_slot_until_the_upstream_is_idle() -> None:
+    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
+    await flow.advance(5)
+    assert a3.waiting  # a slot is free, but a1 still computes
+    await flow.complete(a2)
+    await flow.advance(5)
+    assert a3.waiting and flow.coordinator.gpu_state == "settling"
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a3.granted and len(flow.recorder.settles) == 1
+
+
+@virtual_time
+async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
+    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    await flow.end(a2, ExchangeEnd.CLIENT_LEFT)
+    assert a2.ticket.abandoned and a3.waiting
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a3.granted and len(flow.recorder.settles) == 1
+
+
+@virtual_time
+async def test_each_grant_has_its_own_lease() -> None:
+    flow = slots_flow(2, envoy={"leaseSeconds": 3.0})
+    a1 = await flow.arrive("a1", model="a")
+    await flow.advance(1)
+    a2 = await flow.arrive("a2", model="a")
+    await flow.advance(1.5)
+    await flow.renew(a2)
+    await flow.advance(0.5)  # a1's lease lapses at 3 s; a2's was renewed at 2.5 s
+    assert a1.outcome is Outcome.LEASE_EXPIRED
+    assert a2.ticket.outcome is None and running(flow) == {"a2"}
+    await flow.advance(3)
+    assert a2.ticket.outcome is Outcome.LEASE_EXPIRED
+
+
+@virtual_time
+async def test_each_grant_has_its_own_watchdog() -> None:
+    flow = slots_flow(2, maxRunSeconds=5.0)
+    a1 = await flow.arrive("a1", model="a")
+    await flow.advance(2)
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    await flow.advance(3)
+    assert a1.outcome is Outcome.WATCHDOG and a2.ticket.outcome is None and a3.granted
+    await flow.advance(2)
+    assert a2.ticket.outcome is Outcome.WATCHDOG and a3.ticket.outcome is None
+    assert [t.request_id for t in flow.recorder.watchdogs] == ["a1", "a2"]
+
+
+@virtual_time
+async def test_a_lost_envoy_connection_releases_only_its_grants() -> None:
+    flow = slots_flow(3)
+    mine1 = await flow.arrive("mine1", model="a")
+    other = await flow.arrive("other", model="a", peer=OTHER_PEER)
+    mine2 = await flow.arrive("mine2", model="a")
+    await flow.peer_gone(PEER)
+    assert mine1.outcome is Outcome.PROXY_GONE and mine2.outcome is Outcome.PROXY_GONE
+    assert other.ticket.outcome is None and running(flow) == {"other"}
+
+
+@virtual_time
+async def test_shutdown_waits_for_every_slot_and_cuts_them_all_off() -> None:
+    flow = slots_flow(2)
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    flow.coordinator.stop_admitting()
+    assert not await flow.coordinator.wait_idle(0)
+    await flow.complete(a1)
+    assert not await flow.coordinator.wait_idle(0)
+    flow.coordinator.abandon_running()
+    await flow.idle()
+    assert a2.ticket.outcome is Outcome.SHUTDOWN
+    assert flow.coordinator.gpu_state == "idle" and running(flow) == set()
+
+
+@virtual_time
+async def test_the_view_shows_every_running_request_and_the_slots() -> None:
+    flow = slots_flow(2)
+    a1 = await flow.arrive("a1", model="a")
+    await flow.advance(2)
+    await flow.arrive("a2", model="a")
+    for i in range(3, 6):
+        await flow.arrive(f"a{i}", model="a")
+    view = flow.coordinator.view()
+    assert [row.request_id for row in view.running] == ["a1", "a2"]
+    assert (view.slots_busy, view.slots_total) == (2, 2)
+    # Two servers: a2 frees its slot in 10 s, a1 (10 + 5 s load, 2 s run) in 13 s, then a3's slot at 20.
+    assert [row.estimated_start_s for row in view.waiting] == pytest.approx([10, 13, 20])
+    ticket, row = flow.coordinator.status_of("a2")
+    assert row.request_id == "a2" and isinstance(row, RunningRow)
+    document = queue_document(view)
+    assert document["running"]["request_id"] == "a1"  # the earliest, as before slots
+    assert [r["request_id"] for r in document["running_all"]] == ["a1", "a2"]
+    assert (document["slots_busy"], document["slots_total"]) == (2, 2)
+    table = render(document)
+    assert "2 running, slots 2/2" in table
+    assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["a1", "a2"]
+    await flow.complete(a1)
+
+
+def test_the_queue_command_reads_a_document_from_before_slots() -> None:
+    document = {"policy": "serial", "loaded_model": "a", "gpu": "running", "waiting": [], "bands": {},
+                "running": {"request_id": "only", "priority": 0, "band": "normal", "score": 0.0, "model": "a",
+                            "queue_wait_s": 0.0, "running_s": 1.0, "expected_remaining_s": 2.0}}
+    table = render(document)
+    assert "1 running" in table and "slots" not in table
+    assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["only"]
+
+
+@virtual_time
+async def test_auto_slots_are_what_the_upstream_says() -> None:
+    upstream = FakeUpstream()
+    upstream.slots_answer = 3
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    assert flow.coordinator.scheduler.policy.slots.default == 1  # before it is asked
+    await flow.coordinator.learn_slots()
+    assert flow.coordinator.scheduler.policy.slots.default == 3
+    requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
+    assert [r.granted for r in requests] == [True, True, True, False]
+
+
+@virtual_time
+async def test_auto_slots_fall_back_to_one_and_fit_the_reservation(caplog) -> None:
+    upstream = FakeUpstream()
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE,
+                 "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}}, upstream=upstream)
+    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+        await flow.coordinator.learn_slots()  # the upstream cannot tell
+    assert flow.coordinator.scheduler.policy.slots.default == 1
+    assert "does not say how many slots it has; scheduling with 1" in caplog.text
+    upstream.slots_answer = 2
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+        await flow.coordinator.learn_slots()
+    slots = flow.coordinator.scheduler.policy.slots
+    assert (slots.default, slots.reserved) == (2, 1)
+    assert "too few for 2 reserved" in caplog.text and "reserving 1" in caplog.text
+
+
+@virtual_time
+async def test_configured_slots_never_ask_the_upstream() -> None:
+    flow = slots_flow(2)
+    await flow.coordinator.learn_slots()
+    assert "total_slots" not in [name for name, _ in flow.upstream.calls]
+
+
+@virtual_time
+async def test_auto_slots_in_router_mode_are_asked_once_a_model_is_loaded() -> None:
+    upstream = FakeUpstream(router("a", "b"))
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()  # nothing loaded: the upstream cannot tell
+    assert flow.coordinator.scheduler.policy.slots.default == 1
+    upstream.slots_answer = 2
+    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
+    await flow.idle()
+    assert flow.coordinator.scheduler.policy.slots.default == 2
+    asked = [name for name, _ in upstream.calls].count("total_slots")
+    flow.coordinator.observe_catalog(router("a", "b", loaded="b"), flow.coordinator.scheduler.dispatches)
+    await flow.idle()
+    assert asked == 2 and [name for name, _ in upstream.calls].count("total_slots") == 2  # learnt: not again
