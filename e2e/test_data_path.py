@@ -203,3 +203,27 @@ async def test_a_clients_envoy_headers_never_give_one_grant_several_upstream_att
         records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"fails", "slow"}),
                                        what="both activity records")
         assert (records["fails"]["outcome"], records["slow"]["outcome"]) == ("upstream_error", "served")
+
+
+async def test_fail_open_never_passes_a_flood_past_the_stream_limit_unscheduled(tmp_path: pathlib.Path) -> None:
+    """With envoy.failOpen: true, a flood past envoy.maxSidecarStreams gets 429 from the sidecar;
+    Envoy's breaker is lifted, so its overflow can never be mistaken for an unreachable sidecar
+    and let through to the GPU."""
+    config = {"envoy": {"failOpen": True, "maxSidecarStreams": 3}}
+    with running_stack(tmp_path, config) as stack:
+        async with aiohttp.ClientSession() as session:
+            blocker = await start_blocker(stack, session)
+            # Three held Checks: the sidecar's stream limit is reached.
+            waiting = [asyncio.create_task(chat(session, stack.url, f"w{i}")) for i in range(3)]
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 3, what="three waiting")
+            flood = await asyncio.wait_for(
+                asyncio.gather(*(chat(session, stack.url, f"flood-{i}") for i in range(4))), 60)
+            assert [r.status for r in flood] == [429] * 4
+            assert not [test_id for test_id in stack.upstream.order() if test_id.startswith("flood-")]
+            assert stack.upstream.max_active == 1
+            stack.upstream.release("blocker")
+            replies = await asyncio.wait_for(asyncio.gather(blocker, *waiting), 60)
+        assert [r.status for r in replies] == [200] * 4
+        assert stack.upstream.max_active == 1
+        body = json.loads(flood[0].body)
+        assert "envoy.maxSidecarStreams" in body["error"]["message"]
