@@ -14,7 +14,8 @@ from harness import FakeUpstream, async_wait_for, running_stack
 
 
 async def test_two_at_once_and_a_swap_waits_for_both(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2)) as stack:
+    # A router: its models swap by name (a single-model upstream puts every request on its one model).
+    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2, router=True)) as stack:
         upstream = stack.upstream
         assert upstream is not None
         async with aiohttp.ClientSession() as session:
