@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-import llamaswap.core.scheduler as scheduler_module
+from core_lines import core_lines
 from policies import fifo, serial
 
 from llamaswap.core import (
@@ -791,27 +789,17 @@ def _core_lines_per_dispatch(waiting: int, *, old_request_first: bool, dispatche
         s.enqueue(f"n{i}", P(0))
     for _ in range(waiting // 4):  # granted and gone, but not yet compacted away
         s.release(s.next().request_id)
-    core_dir = os.path.dirname(scheduler_module.__file__)
-    count = 0
+    last: list[str] = []
 
-    def local(frame, event, arg):
-        nonlocal count
-        if event == "line":
-            count += 1
-        return local
-
-    def global_(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(core_dir) else None
-
-    previous = sys.gettrace()
-    sys.settrace(global_)
-    try:
+    def dispatch() -> None:
         for _ in range(dispatches):
             d = s.next()
+            assert d is not None
             s.release(d.request_id)
-    finally:
-        sys.settrace(previous)
-    assert d.request_id.startswith("n")
+            last[:] = [d.request_id]
+
+    count = core_lines(dispatch)
+    assert last[0].startswith("n")
     return count / dispatches
 
 

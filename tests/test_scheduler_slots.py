@@ -4,12 +4,10 @@ interactive work. Exact cases on a fake clock (the random ones are in test_sched
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 
-import llamaswap.core.scheduler as scheduler_module
+from core_lines import core_lines
 from policies import fifo, serial
 
 from llamaswap.core import (
@@ -423,26 +421,13 @@ def _lines_per_dispatch(waiting: int, slots: Slots, dispatches: int = 20) -> flo
     for i in range(waiting):
         s.enqueue(f"r{i}", P([-100, 0, 100][i % 3]), "a")
     granted(s)
-    core_dir = os.path.dirname(scheduler_module.__file__)
-    count = 0
 
-    def local(frame, event, arg):
-        nonlocal count
-        if event == "line":
-            count += 1
-        return local
-
-    def global_(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(core_dir) else None
-
-    previous = sys.gettrace()
-    sys.settrace(global_)
-    try:
+    def dispatch() -> None:
         for _ in range(dispatches):
             s.release(s.running_id)
             assert granted(s)
-    finally:
-        sys.settrace(previous)
+
+    count = core_lines(dispatch)
     return count / dispatches
 
 
