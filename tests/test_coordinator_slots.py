@@ -1,6 +1,7 @@
 """The coordinator with several slots (upstream.slots > 1), on the fake clock (tests/flow.py):
 at most N grants at once and all of one model, a swap drains first, the reserved slot goes only
-to interactive work, an abandoned generation holds every slot until the upstream is idle, and
+to interactive work, an abandoned generation holds every slot until the upstream is idle (and `stop` waits for the
+generations granted beside it), and
 leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
 from llamaswap.core import Outcome
 from llamaswap.runtime.views import RunningRow
+from llamaswap.runtime.observer import SettleResult
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
 from llamaswap.runtime.ticket import ExchangeEnd
 
@@ -116,6 +118,40 @@ async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
     flow.upstream.busy_answer = False
     await flow.advance(SETTLE_POLL_MAX_S)
     assert a3.granted and len(flow.recorder.settles) == 1
+
+
+@virtual_time
+async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one() -> None:
+    """Unloading the model (router mode's stop) would cut a2 too: a1 is stopped once a2 ended."""
+    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": 60},
+                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(5)
+    assert flow.upstream.stop_calls == [] and a2.outcome is None and a3.waiting
+    await flow.complete(a2)
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert flow.upstream.stop_calls == ["a"]
+    assert a3.granted and a3.ticket.decision.load  # stopping unloaded the model
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.STOPPED
+
+
+@virtual_time
+async def test_stop_never_cuts_a_generation_granted_beside_it_even_at_the_deadline() -> None:
+    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": 2},
+                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(2 + SETTLE_POLL_MAX_S)
+    assert flow.upstream.stop_calls == [] and a2.outcome is None
+    assert a3.granted and not a3.ticket.decision.load  # the deadline freed the slot; the model stayed
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.TIMEOUT
 
 
 @virtual_time

@@ -617,7 +617,8 @@ class Coordinator:
         blind_until_ns = settling.started_ns + self._lease_ns() // RENEWALS_PER_LEASE if startup else None
         settle = await settle_upstream(
             self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
-            loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns)
+            loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
+            others_running=lambda: len(self._leases.running))
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`

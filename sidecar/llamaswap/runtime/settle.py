@@ -1,6 +1,7 @@
 """The settle loop: after an abandoned generation (or at startup) the GPU is not free until the
 upstream says it computes nothing, or a deadline passes. With upstream.abandonedGeneration: stop
-the generation is stopped first (router mode: its model unloaded)."""
+the generation is stopped first (router mode: its model unloaded), but never while generations
+we granted still run beside it: stopping would cut them too."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Settling:
 
 async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
                           loaded_model: Callable[[], Awaitable[str | None]] | None = None,
-                          unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None) -> Settle:
+                          unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None,
+                          others_running: Callable[[], int] | None = None) -> Settle:
     """Wait until the upstream computes nothing, with a deadline; what happened, as a Settle.
 
     An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
@@ -51,10 +53,14 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     that left has already stopped its own; unloading costs a reload). `loaded_model` (at startup)
     finds which model to ask about; `unloaded` hears that the generation was stopped (nothing is
     loaded any more); with `blind_until_ns`, an upstream that cannot tell holds the GPU until
-    then (at startup: until Envoy's periodic entry would have revealed a running exchange)."""
+    then (at startup: until Envoy's periodic entry would have revealed a running exchange).
+    `others_running` counts the generations still granted beside the abandoned one (several
+    slots): stopping waits until it is 0, because unloading the model, or cancelling every slot,
+    would cut them as well; until then the settle only waits (nothing new is granted meanwhile,
+    so they drain)."""
     model = settling.model
     result = SettleResult.UNANSWERED
-    stopped = tried_stop = False
+    stopped = tried_stop = told_waiting = False
     delay = SETTLE_POLL_FIRST_S
     while True:
         try:
@@ -74,12 +80,18 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
             result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
-            if stop and not tried_stop:
+            beside = others_running() if others_running is not None else 0
+            if stop and not tried_stop and beside == 0:
                 tried_stop = True
                 stopped = await _stop(upstream, model)
                 if stopped and unloaded is not None:
                     unloaded()
                 continue  # ask at once whether stopping it made it idle
+            if stop and beside and not told_waiting:
+                told_waiting = True
+                _log.info("not stopping the abandoned generation of %s (request %s) yet: %d granted "
+                          "generation(s) run beside it; stopping once they end", model or "-",
+                          settling.request_id, beside)
         if clock.now_ns() >= deadline_ns:
             break
         await asyncio.sleep(delay)
