@@ -55,6 +55,9 @@ def test_every_key_is_explained():
     assert len(keys) > 20  # the walk found the settings, not nothing
     for key in keys:
         assert re.search(rf"^\| `{re.escape(key)}` \| [^|]+ \| \S", text, re.M), f"{key} has no row in docs/configuration.md"
+        # The reload table's rows name a verdict, not a default: a key has one row of each kind at most.
+        defaults = re.findall(rf"^\| `{re.escape(key)}` \| `", text, re.M)
+        assert len(defaults) == 1, f"{key} has {len(defaults)} default rows in docs/configuration.md"
 
 
 def test_every_metric_is_documented():
