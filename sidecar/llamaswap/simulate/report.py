@@ -107,13 +107,15 @@ def header_lines(summary: Summary) -> list[str]:
     lines = [text + (f" ({'; '.join(notes)})" if notes else "")]
     if summary.settings_note:
         lines.append(summary.settings_note)
-    if summary.concurrency is not None:
-        lines.append(summary.concurrency.describe())
     return lines
 
 
 def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> str:
     lines = header_lines(summary)
+    # Which concurrency table ran, where it can matter: a table, or a row with several slots.
+    concurrency = summary.concurrency
+    if concurrency is not None and (concurrency.speed is not None or any(r.settings.most_slots > 1 for r in rows)):
+        lines.append(concurrency.describe())
     first = rows[0].settings
     fixed = [name for name in KEYS if name not in swept]
     values = first.values()
