@@ -197,25 +197,31 @@ async def test_the_size_a_request_asks_for_reaches_the_estimates(tmp_path: pathl
 
 async def test_recorded_traffic_with_two_slots_replays_as_it_happened(tmp_path: pathlib.Path) -> None:
     """Fidelity with `upstream.slots: 2`: recorded through the real stack, replayed by
-    `llamaswap simulate --slots 2`, every request waits as long as it did (the fake upstream
-    runs two at once as fast as one each, the replay's default)."""
+    `llamaswap simulate --slots 2` with the concurrency speed it measures from the log, every
+    request waits as long as it did. The fake upstream runs two at once as fast as one each and
+    each request asks for as many tokens as it sleeps milliseconds."""
     activity = tmp_path / "activity.jsonl"
     config = {"activity": {"path": str(activity)}, "upstream": {"slots": 2}}
-    wave = [("i1", "interactive", "model-b", 120), ("n1", "normal", "model-a", 80), ("b1", "batch", "model-a", 60),
-            ("n2", "normal", "model-b", 100), ("i2", "interactive", "model-a", 90), ("n3", "normal", "model-a", 70)]
+    wave = [("i1", "interactive", 120), ("n1", "normal", 80), ("b1", "batch", 60), ("n2", "normal", 100),
+            ("i2", "interactive", 90), ("n3", "normal", 70)]
     with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession() as session:
+            # Alone first (the first one loads the model): runs that time one at a time.
+            for request_id, run_ms in (("w1", 50), ("w2", 60), ("w3", 110)):
+                reply = await chat(session, stack.url, request_id, sleep_ms=run_ms,
+                                   body=_sized("model-a", max_tokens=run_ms))
+                assert reply.status == 200
             blocker = await start_blocker(stack, session, model="model-a")
             tasks = []
-            for request_id, priority, model, run_ms in wave:
-                tasks.append(asyncio.create_task(chat(session, stack.url, request_id, priority=priority, model=model,
-                                                      sleep_ms=run_ms)))
+            for request_id, priority, run_ms in wave:
+                tasks.append(asyncio.create_task(chat(session, stack.url, request_id, priority=priority, sleep_ms=run_ms,
+                                                      body=_sized("model-a", max_tokens=run_ms))))
                 await async_wait_for(lambda rid=request_id: any(w["request_id"] == rid
                                                                 for w in stack.sidecar.queue()["waiting"])
                                      or rid in stack.upstream.order(), what=f"{request_id} arrived")
             stack.upstream.release("blocker")
             replies = await asyncio.gather(blocker, *tasks)
-            await async_wait_for(lambda: len(_lines(activity)) >= 1 + len(wave) + 1, what="every request recorded")
+            await async_wait_for(lambda: len(_lines(activity)) >= 1 + 3 + len(wave) + 1, what="every request recorded")
     assert {r.status for r in replies} == {200}
     assert stack.upstream.max_active == 2
     recorded = {r["request_id"]: r for r in _lines(activity) if r.get("event") == "request"}
@@ -223,8 +229,13 @@ async def test_recorded_traffic_with_two_slots_replays_as_it_happened(tmp_path: 
     result = subprocess.run([sys.executable, "-m", "llamaswap", "simulate", "--activity", str(activity), "--slots", "2",
                              "--requests", "--format", "json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    per_request = {r["request_id"]: r for r in map(json.loads, filter(str.strip, result.stdout.splitlines()))
-                   if "request_id" in r}
+    lines = [json.loads(line) for line in filter(str.strip, result.stdout.splitlines())]
+    per_request = {r["request_id"]: r for r in lines if "request_id" in r}
     noise_ms = 5.0
     for request_id, record in recorded.items():
         assert abs(per_request[request_id]["wait_ms"] - record["serial_queue_wait_ms"]) <= noise_ms, request_id
+    speed = lines[-1]["concurrency_speed"]
+    assert speed["source"] == "measured", speed
+    # Each run also holds a few milliseconds of HTTP and Envoy that no token count explains.
+    print("SPEED", speed)
+    assert abs(speed["points"]["2"] - 2.0) <= 0.25, speed

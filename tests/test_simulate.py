@@ -258,7 +258,7 @@ def test_requests_to_a_file_and_per_setting_when_sweeping(tmp_path):
 def test_json_output_shape():
     document = run_json([])
     assert set(document) == {"source", "requests", "not_replayed", "skipped_lines", "malformed_records", "swept",
-                             "rows"}
+                             "concurrency_speed", "rows"}
     assert document["requests"] == 8
     assert document["not_replayed"] == {"rejected_unknown_model": 1, "shutdown": 1}
     assert document["swept"] == []
@@ -266,7 +266,9 @@ def test_json_output_shape():
     assert set(row) == {"settings", "requests", "bands", "swaps", "reorders", "busy_fraction", "left", "expired",
                         "rejected", "peak_waiting", "worst_inversion"}
     assert row["settings"] == {"scheduler": "serial", "agingDivisor": 60, "swapAffinityBonus": 10, "maxQueued": 0,
-                               "maxWaitSeconds": 0, "modelPriorities": {}}
+                               "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "modelPriorities": {},
+                               "modelSlots": {}}
+    assert set(document["concurrency_speed"]) == {"points", "source", "detail"}
     assert set(row["bands"]) == {"interactive", "normal", "batch"}
     assert set(row["bands"]["normal"]) == {"served", "wait_p50_s", "wait_p95_s", "wait_max_s"}
     assert set(row["reorders"]) == {"aging", "swap_affinity"}
@@ -629,15 +631,30 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
 
 # -- slots ------------------------------------------------------------------------------------
 
-# Four requests of model A 1 ms apart, 4 s each; the first loaded A (as it does in the replay).
-SAME_MODEL = [request(f"r{i}", 0.001 * i, 0, "A", run_s=4.0, first_byte_s=0.1, load=i == 0) for i in range(4)]
+# Four requests of model A 1 ms apart, 4 s each, recorded at one slot: each granted as the one
+# before ended (at 0, 4, 8, 12 s); the first loaded A (as it does in the replay).
+SAME_MODEL = [request(f"r{i}", 0.001 * i, 0, "A", run_s=4.0, first_byte_s=0.1, load=i == 0, wait_s=4 * i - 0.001 * i)
+              for i in range(4)]
+S, MS = 1_000_000_000, 1_000_000
 
 
-def _slots_replay(slots: int, speed: str | None = None):
+def ran(request_id: str, granted_s: float, run_s: float, *, at_s: float | None = None, max_tokens: int | None = None,
+        model: str = "A", load: bool = False, priority: int = 0) -> dict:
+    """A served generation as the sidecar records it: granted at ``granted_s``, run ``run_s``."""
+    at_s = granted_s if at_s is None else at_s
+    return dict(request(request_id, at_s, priority, model, run_s=run_s, wait_s=granted_s - at_s, load=load),
+                granted_unix_ms=ORIGIN_MS + granted_s * 1000, max_tokens=max_tokens)
+
+
+def records_of(documents: list[dict]) -> list[RequestRecord]:
+    return list(parse_activity(format_line(d) for d in documents).requests)
+
+
+def _slots_replay(slots: int, speed: str | None = None, documents: list[dict] = SAME_MODEL):
     from llamaswap.core import Slots
-    from llamaswap.simulate.engine import ConcurrencySpeed
+    from llamaswap.simulate.concurrency import ConcurrencySpeed
 
-    records = list(parse_activity(format_line(d) for d in SAME_MODEL).requests)
+    records = records_of(documents)
     costs = measure_costs(records, default_run_s=10.0, default_swap_s=0.0, samples=50)
     policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(slots))
     return simulate(prepare(records), policy, costs,
@@ -645,32 +662,162 @@ def _slots_replay(slots: int, speed: str | None = None):
 
 
 def test_slots_run_several_at_once_and_one_slot_is_one_at_a_time():
-    s = 1_000_000_000
     one = _slots_replay(1)
-    assert [r.start_ns for r in one.results] == [0, 4 * s, 8 * s, 12 * s]
+    assert [r.start_ns for r in one.results] == [0, 4 * S, 8 * S, 12 * S]
     two = _slots_replay(2)
-    ms = 1_000_000
-    assert [r.start_ns for r in two.results] == [0, 1 * ms, 4 * s, 4 * s + 1 * ms]
+    assert [r.start_ns for r in two.results] == [0, 1 * MS, 4 * S, 4 * S + 1 * MS]
     assert two.metrics.busy_fraction == pytest.approx(1.0)  # the GPU held throughout, not twice over
 
 
-def test_a_concurrency_speed_scales_each_run_by_n_over_speed():
-    s, ms = 1_000_000_000, 1_000_000
-    sim = _slots_replay(2, "1:1,2:1.6")
-    # r0 alone: 4 s; r1 beside it: 4 * 2 / 1.6 = 5 s; r2 starts as r0 ends, beside r1: 5 s.
-    assert [(r.start_ns, r.release_ns) for r in sim.results[:3]] == [
-        (0, 4 * s), (1 * ms, 1 * ms + 5 * s), (4 * s, 9 * s)]
+def test_concurrent_grants_share_the_gpu_by_the_concurrency_speed():
+    # speed(2) = 1.6: two at once each run at 0.8 of their solo rate. x (4 s solo) alone 0..1,
+    # then beside y (2 s solo): y needs 2 / 0.8 = 2.5 s, ending at 3.5, when x has 3 - 2 = 1 s
+    # left, which it runs alone: it ends at 4.5.
+    documents = [ran("x", 0.0, 4.0, load=True), ran("y", 1.0, 2.0)]
+    sim = _slots_replay(2, "2:1.6", documents)
+    assert [(r.start_ns, r.release_ns) for r in sim.results] == [(0, 4 * S + S // 2), (1 * S, 3 * S + S // 2)]
+    # Without a table two at once run as fast as one each; with one slot the table changes nothing.
+    assert [r.release_ns for r in _slots_replay(2, None, documents).results] == [4 * S, 3 * S]
+    assert [r.release_ns for r in _slots_replay(1, "2:1.6", documents).results] == [4 * S, 6 * S]
 
 
 def test_concurrency_speed_parsing_and_interpolation():
-    from llamaswap.simulate.engine import ConcurrencySpeed, ConcurrencySpeedError
+    from llamaswap.simulate.concurrency import ConcurrencySpeed, ConcurrencySpeedError
 
     speed = ConcurrencySpeed.parse("2:1.8,4:3.1")
-    assert [speed.of(n) for n in (1, 2, 4, 8)] == [1.0, 1.8, 3.1, 3.1]
-    assert speed.of(3) == pytest.approx(2.45)
-    for bad in ("", "2", "x:1", "0:1", "2:-1"):
+    assert [speed.of(n) for n in (1, 2, 4, 8)] == [1.0, 1.8, 3.1, 3.1]  # flat after the last
+    assert speed.of(3) == pytest.approx(2.45)  # linear between the points
+    assert speed.rate(2) == pytest.approx(0.9)
+    for bad in ("", "2", "x:1", "0:1", "2:-1", "1:2"):
         with pytest.raises(ConcurrencySpeedError):
             ConcurrencySpeed.parse(bad)
+
+
+# -- the concurrency speed measured from the log ---------------------------------------------
+
+
+def test_the_measured_speed_of_a_hand_made_log():
+    from llamaswap.simulate.concurrency import measure
+
+    # The case above as the sidecar would have recorded it: x asked 400 tokens, y 200, and
+    # speed(2) = 1.6. x: 400 w = 2 s alone + 2.5 s x r2; y: 200 w = 2.5 s x r2. So w = 0.01 s,
+    # r2 = 0.8, speed(2) = 1.6.
+    measurement = measure(records_of([ran("x", 0.0, 4.5, max_tokens=400), ran("y", 1.0, 2.5, max_tokens=200)]))
+    assert measurement.speed is not None and measurement.speed.points == {1: 1.0, 2: pytest.approx(1.6, rel=1e-12)}
+    assert (measurement.generations, measurement.concurrent, measurement.work) == (2, 2, "max_tokens")
+    # Without max_tokens every request is one unit of work: z alone took 2 s, and so did x and y,
+    # which ran 1 s of it side by side: two at once each ran as fast as one, speed(2) = 2.
+    even = measure(records_of([ran("x", 0.0, 2.0), ran("y", 1.0, 2.0), ran("z", 4.0, 2.0)]))
+    assert even.speed is not None and even.speed.points == {1: 1.0, 2: pytest.approx(2.0, rel=1e-12)}
+    assert even.work == "requests"
+
+
+def _shared_log(speed: str, slots: int, seed: int, rate: float = 1.0) -> tuple[list[dict], list[RequestRecord]]:
+    """Traffic run through the engine with ``speed`` (solo runs of 10 ms per token asked), and
+    the activity log the sidecar would have written of it."""
+    from llamaswap.core import Slots
+    from llamaswap.simulate.concurrency import ConcurrencySpeed
+    from llamaswap.simulate.engine import FixedCosts
+
+    rng = random.Random(seed)
+    solo, at = [], 0.0
+    for number in range(120):
+        at += rng.expovariate(rate)  # 1/s: about as fast as one slot serves, all levels occur
+        tokens = rng.randint(20, 150)
+        solo.append(RequestRecord(f"q{number}", "A", 0, Outcome.SERVED, True, round(at * 1000, 3), None, None,
+                                  tokens * 10.0, 0.0, False, False, order=number, max_tokens=tokens))
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(slots))
+    sim = simulate(prepare(solo), policy, FixedCosts({}, {}, 1.0, 0.0), concurrency_speed=ConcurrencySpeed.parse(speed))
+    documents = [ran(r.request.record.request_id, r.start_ns / 1e9, (r.release_ns - r.start_ns) / 1e9,
+                     at_s=r.request.arrival_ns / 1e9, max_tokens=r.request.record.max_tokens, load=r.model_load)
+                 for r in sorted(sim.results, key=lambda r: r.release_ns)]  # the log is in finish order
+    for document in documents:  # as the sidecar rounds them: microseconds
+        for key in ("arrival_unix_ms", "granted_unix_ms", "serial_queue_wait_ms", "run_ms"):
+            document[key] = round(document[key], 3)
+    return documents, solo
+
+
+def test_a_known_speed_in_is_the_speed_measured_out():
+    from llamaswap.simulate.concurrency import RecordedConcurrency, as_solo, measure
+
+    documents, solo = _shared_log("2:1.7,3:2.2", 3, seed=3)
+    records = records_of(documents)
+    recorded = RecordedConcurrency.of(records)
+    assert recorded.peak == 3
+    measurement = measure(records, recorded)
+    assert measurement.speed is not None
+    # Exact to the microseconds the log keeps.
+    assert measurement.speed.points == {1: 1.0, 2: pytest.approx(1.7, rel=1e-5), 3: pytest.approx(2.2, rel=1e-5)}
+    assert measurement.concurrent > 0 and measurement.generations == len(records) - 1  # the first loaded A
+    # The recorded runs turned back into solo time are the runs the engine was given.
+    back = {r.request_id: r.run_ms for r in as_solo(records, recorded, measurement.speed)}
+    assert back == {r.request_id: pytest.approx(r.run_ms, abs=0.01) for r in solo}
+
+
+def _requests_file(argv: list[str], documents: list[dict]) -> dict[str, float]:
+    target = _LOG_DIR[0] / "requests.jsonl"
+    run_json([*argv, "--requests", str(target)], documents)
+    return {line["request_id"]: line["wait_ms"] for line in map(json.loads, target.read_text().splitlines())}
+
+
+def test_the_replay_of_concurrent_traffic_with_its_measured_speed_waits_as_recorded():
+    documents, solo = _shared_log("2:1.5,3:1.8", 3, seed=4, rate=1.8)  # a queue builds: waits
+    document = run_json(["--slots", "3"], documents)
+    assert document["concurrency_speed"]["source"] == "measured"
+    assert document["concurrency_speed"]["points"] == {"1": 1.0, "2": pytest.approx(1.5, rel=1e-4),
+                                                      "3": pytest.approx(1.8, rel=1e-4)}
+    waits = _requests_file(["--slots", "3"], documents)
+    assert sum(waits.values()) > 10_000
+    assert waits == {d["request_id"]: pytest.approx(d["serial_queue_wait_ms"], abs=0.01) for d in documents}
+    # What two slots would have done: the engine given the true solo runs and speed says...
+    from llamaswap.core import Slots
+    from llamaswap.simulate.concurrency import ConcurrencySpeed
+    from llamaswap.simulate.engine import FixedCosts
+
+    truth = simulate(prepare(solo), Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)),
+                     FixedCosts({}, {}, 1.0, 0.0), concurrency_speed=ConcurrencySpeed.parse("2:1.5,3:1.8"))
+    expected = {r.request.record.request_id: r.wait_ns / 1e6 for r in truth.results}
+    # ...and the log's replay with its measured speed says the same; taken linear, it does not.
+    assert _requests_file(["--slots", "2"], documents) == {k: pytest.approx(v, abs=0.05) for k, v in expected.items()}
+    linear = _requests_file(["--slots", "2", "--concurrency-speed", "2:2,3:3"], documents)
+    assert max(abs(linear[k] - v) for k, v in expected.items()) > 100
+
+
+def test_the_table_line_says_which_speed_ran_and_where_it_came_from():
+    documents, _ = _shared_log("2:1.6", 2, seed=5)
+    out, _, status = run_cli(["--slots", "2"], documents)
+    assert status == 0
+    line = next(line for line in out.splitlines() if line.startswith("concurrency speed"))
+    assert line.startswith("concurrency speed 1:1,2:1.6 (measured from ")
+    assert "generations, work in max_tokens)" in line
+    out, _, _ = run_cli(["--slots", "2", "--concurrency-speed", "2:1.9"], documents)
+    line = next(line for line in out.splitlines() if line.startswith("concurrency speed"))
+    assert line.startswith("concurrency speed 1:1,2:1.9 (given --concurrency-speed; the log measured 1:1,2:1.6 from ")
+
+
+def test_a_log_without_concurrent_runs_gives_the_given_table_or_linear():
+    linear = run_json(["--slots", "2"], SAME_MODEL)["concurrency_speed"]
+    assert linear == {"points": {}, "source": "linear",
+                      "detail": "n at once run as fast as one each; no two generations ran at once"}
+    given = run_json(["--slots", "2", "--concurrency-speed", "2:1.6"], SAME_MODEL)["concurrency_speed"]
+    assert given == {"points": {"1": 1.0, "2": 1.6}, "source": "given",
+                     "detail": "--concurrency-speed; the log measured nothing: no two generations ran at once"}
+
+
+def test_runs_that_never_ran_alone_cannot_be_measured():
+    from llamaswap.simulate.concurrency import measure
+
+    # Two at once throughout: twice the work or half the speed, the log cannot tell.
+    measurement = measure(records_of([ran("x", 0.0, 4.0), ran("y", 0.0, 4.0), ran("w", 0.0, 1.0, load=True)]))
+    assert measurement.speed is None and "cannot tell concurrency from run length" in measurement.why
+
+
+def test_a_grant_as_another_ends_is_no_overlap():
+    from llamaswap.simulate.concurrency import RecordedConcurrency
+
+    # Rounded on their own, y's grant lands a microsecond before x's end.
+    records = records_of([ran("x", 0.0, 1.0), dict(ran("y", 0.999999, 1.0))])
+    assert RecordedConcurrency.of(records).peak == 1
 
 
 def test_the_slots_flags():
@@ -678,9 +825,81 @@ def test_the_slots_flags():
     two = run_json(["--slots", "2"], SAME_MODEL)
     assert one["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(12.0, abs=0.01)
     assert two["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(4.0, abs=0.01)
+    assert two["rows"][0]["settings"]["slots"] == 2
+    # Two at once no faster than one: r0 and r1 share the GPU for 8 s, and so on.
     slower = run_json(["--slots", "2", "--concurrency-speed", "1:1,2:1"], SAME_MODEL)
     assert slower["rows"][0]["bands"]["normal"]["wait_max_s"] == pytest.approx(8.0, abs=0.01)
-    with pytest.raises(SystemExit):
-        run_cli(["--slots", "0"], SAME_MODEL)
+    _, err, status = run_cli(["--slots", "0"], SAME_MODEL)
+    assert status == 2 and "error: --slots 0: must be an integer >= 1, got 0" in err
     with pytest.raises(SystemExit):
         run_cli(["--concurrency-speed", "fast"], SAME_MODEL)
+
+
+# -- slots in a sweep -------------------------------------------------------------------------
+
+
+def test_sweep_slots_with_another_key():
+    document = run_json(["--sweep", "slots=1,2,4", "--sweep", "swapAffinityBonus=0,10"], SAME_MODEL)
+    assert document["swept"] == ["slots", "swapAffinityBonus"]
+    rows = document["rows"]
+    assert [(r["settings"]["slots"], r["settings"]["swapAffinityBonus"]) for r in rows] == [
+        (1, 0), (1, 10), (2, 0), (2, 10), (4, 0), (4, 10)]
+    # One slot: the last waits 12 s; two: 4 s; four: all at once.
+    assert [r["bands"]["normal"]["wait_max_s"] for r in rows] == pytest.approx([12.0, 12.0, 4.0, 4.0, 0.0, 0.0],
+                                                                               abs=0.01)
+    out, _, status = run_cli(["--sweep", "slots=1,2"], SAME_MODEL)
+    assert status == 0
+    assert "fixed settings: scheduler serial, agingDivisor 60, swapAffinityBonus 10, maxQueued 0, maxWaitSeconds 0, " \
+           "reservedSlots 0" in out
+    body = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [cells[0] for cells in body] == ["1", "2"]
+
+
+def test_sweep_reserved_slots_keeps_slots_for_the_interactive_band():
+    # Three batch jobs of 4 s at 0, then an interactive one of 1 s at 1 s, recorded at one slot
+    # (b0 0..4, i 4..5, b1 5..9, b2 9..13). Slots 2: b0 and b1 take both, and i waits for b0 to
+    # end (3 s). One reserved: the batch jobs use one slot and i starts at once.
+    documents = [ran("b0", 0.0, 4.0, load=True, priority=-100), ran("i", 4.0, 1.0, at_s=1.0, priority=100),
+                 ran("b1", 5.0, 4.0, at_s=0.001, priority=-100), ran("b2", 9.0, 4.0, at_s=0.002, priority=-100)]
+    rows = run_json(["--slots", "2", "--sweep", "reservedSlots=0,1"], documents)["rows"]
+    assert [r["settings"]["reservedSlots"] for r in rows] == [0, 1]
+    assert [r["bands"]["interactive"]["wait_max_s"] for r in rows] == pytest.approx([3.0, 0.0], abs=0.01)
+
+
+def test_reserved_slots_must_fit_the_slots():
+    _, err, status = run_cli(["--sweep", "slots=1,2", "--reserved-slots", "1"], SAME_MODEL)
+    assert status == 2
+    assert "error: reservedSlots 1 with slots 1 leaves no slot for non-interactive requests" in err
+    _, err, status = run_cli(["--reserved-slots", "-1"], SAME_MODEL)
+    assert status == 2 and "error: --reserved-slots -1: must be 0 (none reserved) or more" in err
+
+
+def test_reserved_slots_from_the_configuration_are_lowered_to_fit(tmp_path):
+    config = tmp_path / "llamaswap.yaml"
+    config.write_text("upstream:\n  slots: 4\nmodels:\n  A:\n    slots: 3\nrouting:\n  scheduler:\n    settings:\n"
+                      "      serial:\n        reservedSlots: 2\n")
+    values = run_json(["-c", str(config)], SAME_MODEL)["rows"][0]["settings"]
+    assert (values["slots"], values["reservedSlots"], values["modelSlots"]) == (4, 2, {"A": 3})
+    out, _, status = run_cli(["-c", str(config), "--sweep", "slots=1,2,4"], SAME_MODEL)
+    assert status == 0
+    assert "reservedSlots 2 (recorded or -c) is lowered to fit: 0 at slots 1, 1 at slots 2" in out
+    rows = run_json(["-c", str(config), "--sweep", "slots=1,2,4"], SAME_MODEL)["rows"]
+    # A flag's or a sweep's slots are every model's: A's 3 gives way.
+    assert [(r["settings"]["slots"], r["settings"]["reservedSlots"], r["settings"]["modelSlots"]) for r in rows] == [
+        (1, 0, {}), (2, 1, {}), (4, 2, {})]
+
+
+def test_slots_from_the_settings_record_and_a_note_when_the_log_ran_more_at_once():
+    documents, _ = _shared_log("2:1.6", 2, seed=6)
+    out, _, _ = run_cli([], documents)
+    assert "the log ran up to 2 requests at once, the simulation 1 at most" in out
+    recorded = run_json([], documents, settings=dict(SETTINGS, slots=2, reserved_slots=1))
+    assert (recorded["rows"][0]["settings"]["slots"], recorded["rows"][0]["settings"]["reservedSlots"]) == (2, 1)
+
+
+def test_plot_against_slots(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "slots.png"
+    _, err, status = run_cli(["--sweep", "slots=1,2,4", "--plot", str(target)], SAME_MODEL)
+    assert status == 0, err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

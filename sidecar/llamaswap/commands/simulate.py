@@ -13,10 +13,15 @@ each).
 Settings, later ones win: the log's first settings record (the defaults without one), -c FILE,
 the single flags, --sweep.
 
-Slots: --slots N (else those of -c FILE, else 1) lets N generations of the loaded model run at
-once, as the scheduler grants them; --concurrency-speed 1:1,2:1.8,4:3.1 gives the aggregate
-throughput of n at once relative to one, and each grant made while n run takes n/speed(n) times
-its own time (without it, n at once run as fast as one each).
+Slots: --slots N (else the log's or -c FILE's, else 1; sweepable) lets N generations of the
+loaded model run at once, as the scheduler grants them; --reserved-slots R keeps R of them for
+the interactive band. While n run, each progresses at speed(n)/n of its solo rate, speed(n)
+being the aggregate throughput of n at once relative to one: measured from the log where
+generations overlapped (from the grant times, each generation's work its max_tokens where
+recorded, else one unit per request; least squares), or --concurrency-speed 1:1,2:1.8,4:3.1,
+which overrides it; neither: n at once run as fast as one each. Levels between the points are
+interpolated, beyond the last flat. Recorded runs are first turned into solo time by the same
+table. The report's "concurrency speed" line says which table ran and where it came from.
 
 Columns, per band (interactive, normal, batch): n granted the GPU, wait p50 / p95 / max in
 seconds from arrival to grant; then swaps (grants that loaded a model), grants reordered by
@@ -47,7 +52,6 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -55,17 +59,26 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from llamaswap.simulate import report
-from llamaswap.core import Slots
-from llamaswap.simulate.engine import (
+from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
     ConcurrencySpeedError,
-    Costs,
-    measure_costs,
-    prepare,
-    simulate,
+    Measurement,
+    RecordedConcurrency,
+    SpeedChoice,
+    as_solo,
+    measure,
 )
+from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
 from llamaswap.simulate.records import Activity, RequestRecord, read_activity
-from llamaswap.simulate.settings import Settings, SettingsError, combinations, override, parse_sweep
+from llamaswap.simulate.settings import (
+    KEYS,
+    Settings,
+    SettingsError,
+    combinations,
+    fit_reserved,
+    override,
+    parse_sweep,
+)
 from llamaswap.simulate.workload import WorkloadError, costs as workload_costs, generate, load_workload
 
 _log = logging.getLogger(__name__)
@@ -97,13 +110,16 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--swap-affinity-bonus", metavar="N", help="0..99 (0: off)")
     parser.add_argument("--max-queued", metavar="N", help="waiting requests before rejections (0: unlimited)")
     parser.add_argument("--max-wait", metavar="S", help="seconds of waiting before expiry (0: forever)")
-    parser.add_argument("--slots", type=_slots_flag, metavar="N",
-                        help="generations of the loaded model at once (default: -c FILE's, else 1)")
+    parser.add_argument("--slots", metavar="N",
+                        help="generations of the loaded model at once, every model (default: the log's or "
+                             "-c FILE's, else 1)")
+    parser.add_argument("--reserved-slots", metavar="N", help="of the slots, kept for the interactive band")
     parser.add_argument("--concurrency-speed", type=_speed_flag, metavar="N:SPEED,...",
-                        help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1")
+                        help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1 "
+                             "(default: measured from the log, else linear)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
-                        help="run every value (repeatable: every combination); keys agingDivisor, "
-                             "swapAffinityBonus, maxQueued, maxWaitSeconds, scheduler")
+                        help="run every value (repeatable: every combination); keys "
+                             + ", ".join(KEYS))
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
                         help="also one JSON line per simulated request (request_id, band, priority, model, "
@@ -143,10 +159,18 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     config = _load_config(args.config, err) if args.config else None
     started = time.perf_counter()
+    notes: list[str] = []
+    peak = 0
     if args.activity:
         activity = _read_activity(args.activity)
         records: Sequence[RequestRecord] = activity.requests
         base, note = _recorded_settings(activity, configured=config is not None)
+        recorded = RecordedConcurrency.of(records)
+        peak = recorded.peak
+        measurement: Measurement | None = measure(records, recorded)
+        concurrency = SpeedChoice.choose(args.concurrency_speed, measurement)
+        if concurrency.speed is not None:
+            records = as_solo(records, recorded, concurrency.speed)
         run_s, swap_s, samples = _estimates(config)
         costs: Costs = measure_costs(records, default_run_s=run_s, default_swap_s=swap_s, samples=samples)
         source = args.activity
@@ -160,36 +184,45 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             raise UsageError(f"{args.workload}: the workload produced no arrivals (raise duration or rate)")
         activity = Activity((), tuple(records), len(records), 0, 0, None)
         base, note = _defaults(), None
+        concurrency = SpeedChoice.choose(args.concurrency_speed, None)
         costs = workload_costs(workload, list(records))
         source = args.workload
+    if note:
+        notes.append(note)
     if config is not None:
         base = Settings.from_policy(config.policy())
     try:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
-                               "maxWaitSeconds": args.max_wait})
+                               "maxWaitSeconds": args.max_wait, "slots": args.slots,
+                               "reservedSlots": args.reserved_slots})
         settings = combinations(base, sweeps)
+        explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
+        settings, lowered = fit_reserved(settings, explicit=explicit)
+        policies = [setting.policy() for setting in settings]
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
+    if lowered:
+        notes.append(lowered)
+    most = max(setting.most_slots for setting in settings)
+    if peak > most:
+        notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most (--slots or "
+                     "--sweep slots=... to give more)")
 
     replay = prepare(records)
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
-    slots = config.policy().slots if config is not None else Slots()
-    if args.slots is not None:
-        slots = Slots.fitted(args.slots, {}, slots.reserved)
     rows, simulations = [], []
-    for setting in settings:
-        policy = dataclasses.replace(setting.policy(), slots=slots)
-        simulation = simulate(replay, policy, costs, concurrency_speed=args.concurrency_speed)
+    for setting, policy in zip(settings, policies):
+        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed)
         simulations.append(simulation)
         rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
                time.perf_counter() - started)
 
     summary = report.Summary(source, len(replay.requests), replay.not_replayed, activity.skipped,
-                             activity.malformed, activity.first_problem, note)
+                             activity.malformed, activity.first_problem, "; ".join(notes) or None, concurrency)
     swept = [sweep.key.name for sweep in sweeps]
     requests_to_stdout = args.requests == "-"
     if args.requests:
@@ -206,16 +239,6 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.flush()  # the table first, then the note about the plot
         err.write(f"plot written to {args.plot}\n")
     return 0
-
-
-def _slots_flag(text: str) -> int:
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = 0
-    if slots < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return slots
 
 
 def _speed_flag(text: str) -> ConcurrencySpeed:

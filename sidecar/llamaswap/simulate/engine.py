@@ -25,10 +25,11 @@ How each request behaves:
 - ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
 
 Slots (the policy's `Slots`): up to that many grants run at once, as the scheduler grants them.
-A grant made while n grants run (itself included) holds its slot for its time scaled by
-n / speed(n), where speed(n) is the aggregate throughput of n concurrent generations relative
-to one (`ConcurrencySpeed`; without one, n generations run as fast as one each). With one slot
-nothing changes.
+A grant's time is its solo time (the records given are solo: ``concurrency.as_solo``); while n
+grants run, each progresses at speed(n) / n of that rate, where speed(n) is the aggregate
+throughput of n concurrent generations relative to one (`ConcurrencySpeed`), so each running
+grant's release moves whenever one starts or ends. Without a table, n generations run as fast
+as one each. With one slot nothing changes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
+from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
 from llamaswap.simulate.results import BandMetrics, Metrics, Request, Result, Simulation
@@ -137,49 +139,6 @@ def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
     return start
 
 
-class ConcurrencySpeedError(ValueError):
-    """A concurrency speed table that cannot be used."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ConcurrencySpeed:
-    """Aggregate throughput of n concurrent generations relative to one (``{1: 1, 2: 1.8, 4: 3.1}``):
-    linear between the points given, flat after the last; speed(1) is 1 unless given."""
-
-    points: Mapping[int, float]
-
-    def __post_init__(self) -> None:
-        for count, speed in self.points.items():
-            if not isinstance(count, int) or count < 1 or not (isinstance(speed, (int, float)) and speed > 0):
-                raise ConcurrencySpeedError(f"each point must be N:SPEED with N >= 1 and SPEED > 0, got {count}:{speed}")
-        object.__setattr__(self, "points", dict(sorted({1: 1.0, **self.points}.items())))
-
-    @classmethod
-    def parse(cls, text: str) -> ConcurrencySpeed:
-        """``1:1,2:1.8,4:3.1``."""
-        points: dict[int, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            count, sep, speed = part.partition(":")
-            try:
-                if not sep:
-                    raise ValueError(part)
-                points[int(count)] = float(speed)
-            except ValueError:
-                raise ConcurrencySpeedError(f"expected N:SPEED,... (e.g. 1:1,2:1.8,4:3.1), got {part!r}") from None
-        if not points:
-            raise ConcurrencySpeedError("expected N:SPEED,... (e.g. 1:1,2:1.8,4:3.1), got nothing")
-        return cls(points)
-
-    def of(self, count: int) -> float:
-        below = max(n for n in self.points if n <= count)
-        above = [n for n in self.points if n > count]
-        if below == count or not above:
-            return self.points[below]
-        upper = min(above)
-        low, high = self.points[below], self.points[upper]
-        return low + (high - low) * (count - below) / (upper - below)
-
-
 def _ms_to_ns(ms: float) -> int:
     # Recorded times have 3 decimals (microseconds): rounding to them keeps sums exact.
     return round(ms * 1000) * _NS_PER_US
@@ -243,10 +202,10 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     reorders = Counter[ReorderCause]()
     swaps = peak = waiting = 0
     busy_ns = last_release = busy_since = 0
-    # The running grants' (release time, index), earliest first: one per busy slot.
-    releases: list[tuple[int, int]] = []
+    # The running grants, one per busy slot.
+    running: _Running = (_Shared(concurrency_speed) if concurrency_speed is not None and not policy.slots.single
+                         else _Apart())
     release_at = _NEVER
-    speed = concurrency_speed.of if concurrency_speed is not None else None
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     next_deadline = scheduler.next_deadline_ns
@@ -268,12 +227,13 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             break
         clock.set_ns(now)
 
-        while release_at == now:
-            released = results[heappop(releases)[1]]
-            scheduler.release(ids[released.request.index], model_loaded=released.request.model_loaded)
-            released.release_ns = last_release = now
-            release_at = releases[0][0] if releases else _NEVER
-            if not releases:
+        if release_at == now:
+            for index in running.finish(now):
+                released = results[index]
+                scheduler.release(ids[index], model_loaded=released.request.model_loaded)
+                released.release_ns = last_release = now
+            release_at = running.release_at
+            if not running:
                 busy_ns += now - busy_since
         if expiry is not None and expiry <= now:
             for expired in scheduler.expire_overdue():
@@ -332,16 +292,101 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if decision.reordered_by:
                 for cause in decision.reordered_by:
                     reorders[cause] += 1
-            if speed is not None and decision.slots_busy > 1:
-                hold = round(hold * decision.slots_busy / speed(decision.slots_busy))
-            if not releases:
+            if not running:
                 busy_since = now
-            heappush(releases, (now + hold, result.request.index))
-            release_at = releases[0][0]
+            running.start(now, request.index, hold)
+            release_at = running.release_at
 
     metrics = _metrics(results, swaps, reorders, busy_ns, last_release, peak)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
+
+
+class _Running(Protocol):
+    """The grants holding a slot: ``start`` one, ``finish`` those done at ``release_at``."""
+
+    release_at: int  # the next release (_NEVER: none running)
+
+    def __len__(self) -> int: ...
+
+    def start(self, now: int, index: int, hold_ns: int) -> None: ...
+
+    def finish(self, now: int) -> list[int]: ...
+
+
+class _Apart:
+    """Each grant runs its own time, whatever else runs (one slot, or no concurrency table)."""
+
+    def __init__(self) -> None:
+        self._releases: list[tuple[int, int]] = []  # (release time, index), earliest first
+        self.release_at = _NEVER
+
+    def __len__(self) -> int:
+        return len(self._releases)
+
+    def start(self, now: int, index: int, hold_ns: int) -> None:
+        heapq.heappush(self._releases, (now + hold_ns, index))
+        self.release_at = self._releases[0][0]
+
+    def finish(self, now: int) -> list[int]:
+        releases, done = self._releases, []
+        while releases and releases[0][0] == now:
+            done.append(heapq.heappop(releases)[1])
+        self.release_at = releases[0][0] if releases else _NEVER
+        return done
+
+
+class _Shared:
+    """The running grants share the GPU: while n run, each progresses at speed(n) / n of its solo
+    rate. Work is kept in solo nanoseconds; a release lands on the first nanosecond at which its
+    work is done to within half a nanosecond (floating point)."""
+
+    _EPS_NS = 0.5
+
+    def __init__(self, speed: ConcurrencySpeed) -> None:
+        self._speed = speed
+        self._rates: dict[int, float] = {}  # n running -> each one's rate
+        self._left: dict[int, float] = {}  # index -> solo ns of work left
+        self._since = 0  # when _left was last brought up to date
+        self.release_at = _NEVER
+
+    def __len__(self) -> int:
+        return len(self._left)
+
+    def _rate(self) -> float:
+        count = len(self._left)
+        rate = self._rates.get(count)
+        if rate is None:
+            rate = self._rates[count] = self._speed.rate(count)
+        return rate
+
+    def _advance(self, now: int) -> None:
+        if self._left and now != self._since:
+            done = (now - self._since) * self._rate()
+            for index in self._left:
+                self._left[index] -= done
+        self._since = now
+
+    def _plan(self) -> None:
+        if not self._left:
+            self.release_at = _NEVER
+            return
+        least = min(self._left.values()) / self._rate()
+        self.release_at = self._since + max(0, math.ceil(least - self._EPS_NS))
+
+    def start(self, now: int, index: int, hold_ns: int) -> None:
+        self._advance(now)
+        self._left[index] = float(hold_ns)
+        self._plan()
+
+    def finish(self, now: int) -> list[int]:
+        self._advance(now)
+        rate = self._rate()
+        done = sorted(index for index, left in self._left.items() if left / rate <= self._EPS_NS)
+        for index in done:
+            del self._left[index]
+        self._plan()
+        return done
 
 
 def quantile(ordered: Sequence[int], fraction: float) -> int:

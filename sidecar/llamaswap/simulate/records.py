@@ -32,6 +32,10 @@ class SettingsRecord:
     max_queued: int | None
     max_wait_s: float | None
     model_priorities: Mapping[str, int] | None
+    # Slots, where the record carries them (`slots`: the default, `model_slots`: per model).
+    slots: int | None = None
+    model_slots: Mapping[str, int] | None = None
+    reserved_slots: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,6 +67,11 @@ class RequestRecord:
     # The name the client sent, where it differs from `model` (a single-model upstream keys
     # every request on its one model): what models.<id>.priority applies to.
     named_model: str | None = None
+    # When it was granted (granted_unix_ms; None: not recorded or not granted), the output
+    # tokens it asked for, and how many grants ran at its grant, itself included.
+    granted_ms: float | None = None
+    max_tokens: int | None = None
+    slots_busy: int | None = None
 
     @property
     def priority_model(self) -> str | None:
@@ -161,6 +170,12 @@ def _integer(document: Mapping[str, Any], key: str, *, required: bool) -> int | 
     raise _Bad(f"{key} is not an integer: {value!r}")
 
 
+def _count(document: Mapping[str, Any], key: str) -> int | None:
+    """A positive integer, else None: a size or count the replay can do without."""
+    value = document.get(key)
+    return value if type(value) is int and value >= 1 else None
+
+
 def _flag(document: Mapping[str, Any], key: str, default: bool) -> bool:
     value = document.get(key)
     if value is None:
@@ -201,6 +216,9 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
         _flag(document, "generation", True),
         _flag(document, "streamed", True),
         named if isinstance(named := document.get("model"), str) and named != model else None,
+        _number(document, "granted_unix_ms", required=False, minimum=None),
+        _count(document, "max_tokens"),
+        _count(document, "serial_slots_busy"),
     )
 
 
@@ -218,6 +236,13 @@ def _settings(document: Mapping[str, Any]) -> SettingsRecord:
     if priorities is not None and (not isinstance(priorities, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in priorities.items())):
         raise _Bad("model_priorities is not a mapping of model to integer")
+    model_slots = document.get("model_slots")
+    if model_slots is not None and (not isinstance(model_slots, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 1 for k, v in model_slots.items())):
+        raise _Bad("model_slots is not a mapping of model to an integer >= 1")
+    reserved = _integer(document, "reserved_slots", required=False)
+    if reserved is not None and reserved < 0:
+        raise _Bad(f"reserved_slots is negative: {reserved}")
     return SettingsRecord(
         time=_number(document, "time", required=False, minimum=None),
         scheduler=PolicyName(scheduler) if scheduler is not None else None,
@@ -226,6 +251,9 @@ def _settings(document: Mapping[str, Any]) -> SettingsRecord:
         max_queued=queued,
         max_wait_s=_number(document, "max_wait_s", required=False),
         model_priorities=dict(priorities) if priorities is not None else None,
+        slots=_count(document, "slots"),
+        model_slots=dict(model_slots) if model_slots is not None else None,
+        reserved_slots=reserved,
     )
 
 
@@ -251,6 +279,9 @@ def request_document(record: RequestRecord) -> dict[str, Any]:
         "status": record.status,
         "generation": record.generation,
         "streamed": record.streamed,
+        "granted_unix_ms": record.granted_ms,
+        "max_tokens": record.max_tokens,
+        "serial_slots_busy": record.slots_busy,
     }
 
 

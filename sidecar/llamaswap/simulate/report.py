@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llamaswap.core import BAND_NAMES
+from llamaswap.simulate.concurrency import SpeedChoice
 from llamaswap.simulate.results import Metrics, Simulation
-from llamaswap.simulate.settings import KEYS, Settings
+from llamaswap.simulate.settings import KEYS, Settings, model_slots_text
 
 PLOT_HINT = "pip install 'llamaswap[plot]', or pip install matplotlib"
 
@@ -38,6 +39,7 @@ class Summary:
     malformed: int
     first_problem: str | None
     settings_note: str | None  # e.g. the log changed settings after its first record
+    concurrency: SpeedChoice | None = None  # the concurrency speed table the rows ran with
 
 
 def row_document(row: Row) -> dict[str, Any]:
@@ -65,6 +67,7 @@ def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dic
         "skipped_lines": summary.skipped_lines,
         "malformed_records": summary.malformed,
         "swept": list(swept),
+        "concurrency_speed": summary.concurrency.document() if summary.concurrency is not None else None,
         "rows": [row_document(row) for row in rows],
     }
 
@@ -109,12 +112,16 @@ def header_lines(summary: Summary) -> list[str]:
 
 def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> str:
     lines = header_lines(summary)
+    # Which concurrency table ran, where it can matter: a table, or a row with several slots.
+    concurrency = summary.concurrency
+    if concurrency is not None and (concurrency.speed is not None or any(r.settings.most_slots > 1 for r in rows)):
+        lines.append(concurrency.describe())
     first = rows[0].settings
     fixed = [name for name in KEYS if name not in swept]
     values = first.values()
     label = "settings" if not swept else "fixed settings"
     lines.append(f"{label}: " + ", ".join(f"{name} {_setting(values[name])}" for name in fixed)
-                 + _model_priorities(first))
+                 + _model_priorities(first) + ("" if "slots" in swept else model_slots_text(first)))
     groups: list[tuple[str, list[str]]] = [("", list(swept))] if swept else []
     for band in BAND_NAMES:
         groups.append((band, ["n", "p50", "p95", "max"]))

@@ -3,6 +3,11 @@
 Precedence, lowest first: the recorded settings (the log's first settings record; the
 configuration defaults without one), then a whole configuration file (``-c``), then the single
 flags (``--scheduler``, ``--aging-divisor``, ...), then ``--sweep``, whose every combination runs.
+
+``slots`` set by a flag or a sweep applies to every model (the per-model slots of ``-c`` or the
+record give way). A ``reservedSlots`` that a flag or a sweep gives must be below the slots of
+its combination (``SettingsError`` otherwise); one from the record or ``-c`` is lowered to fit,
+as the sidecar does where ``auto`` learns fewer slots (``fit_reserved``).
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ import dataclasses
 import difflib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from llamaswap.core import Policy, PolicyName
+from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
 from llamaswap.simulate.records import SettingsRecord
 
 MAX_BONUS = 99
@@ -32,40 +37,60 @@ class Settings:
     max_queued: int
     max_wait_s: float
     model_priorities: Mapping[str, int]
+    slots: int = 1  # every model's, unless in model_slots
+    reserved_slots: int = 0
+    model_slots: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_policy(cls, policy: Policy) -> Settings:
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
-                   policy.max_wait_s, dict(policy.model_priorities))
+                   policy.max_wait_s, dict(policy.model_priorities), policy.slots.default, policy.slots.reserved,
+                   dict(policy.slots.per_model))
 
     def policy(self) -> Policy:
+        """Raises SettingsError where reservedSlots leaves a model no slot (see ``fit_reserved``)."""
+        try:
+            slots = Slots(self.slots, self.model_slots, self.reserved_slots)
+        except InvalidSlots as exc:
+            raise SettingsError(f"reservedSlots {self.reserved_slots} with slots {self.slots}: {exc}") from None
         if self.scheduler is PolicyName.FIFO:
             return Policy.fifo(model_priorities=self.model_priorities, max_queued=self.max_queued,
-                               max_wait_s=self.max_wait_s)
+                               max_wait_s=self.max_wait_s, slots=slots)
         return Policy.serial(aging_divisor_s=self.aging_divisor_s, swap_affinity_bonus=self.swap_affinity_bonus,
-                             max_queued=self.max_queued, max_wait_s=self.max_wait_s)
+                             max_queued=self.max_queued, max_wait_s=self.max_wait_s, slots=slots)
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
         changes: dict[str, Any] = {}
         for field in ("scheduler", "aging_divisor_s", "swap_affinity_bonus", "max_queued", "max_wait_s",
-                      "model_priorities"):
+                      "model_priorities", "slots", "reserved_slots", "model_slots"):
             value = getattr(record, field)
             if value is not None:
                 changes[field] = value
         return dataclasses.replace(self, **changes)
 
+    @property
+    def most_slots(self) -> int:
+        return max([self.slots, *self.model_slots.values()])
+
     def values(self) -> dict[str, Any]:
-        """Keyed by the configuration's names (the sweep keys), plus the model priorities."""
+        """Keyed by the configuration's names (the sweep keys), plus the model priorities and
+        the per-model slots."""
         return {key.name: getattr(self, key.field) for key in KEYS.values()} | {
-            "modelPriorities": dict(self.model_priorities)}
+            "modelPriorities": dict(self.model_priorities), "modelSlots": dict(self.model_slots)}
 
     def describe(self) -> str:
         values = self.values()
         text = ", ".join(f"{name} {_show(values[name])}" for name in KEYS)
         if self.scheduler is PolicyName.FIFO and self.model_priorities:
             text += ", model priorities " + ", ".join(f"{m} {p:+d}" for m, p in sorted(self.model_priorities.items()))
-        return text
+        return text + model_slots_text(self)
+
+
+def model_slots_text(settings: Settings) -> str:
+    if not settings.model_slots:
+        return ""
+    return ", model slots " + ", ".join(f"{m} {n}" for m, n in sorted(settings.model_slots.items()))
 
 
 def _show(value: Any) -> str:
@@ -127,12 +152,27 @@ def parse_max_wait(text: str) -> float:
     return value
 
 
+def parse_slots(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise SettingsError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def parse_reserved_slots(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise SettingsError(f"must be 0 (none reserved) or more, got {value}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Key:
     name: str  # as in the configuration and --sweep
     field: str  # the Settings field
     flag: str
     parse: Callable[[str], Any]
+    replaces: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields set along with it
 
 
 KEYS: dict[str, Key] = {key.name: key for key in (
@@ -141,6 +181,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("swapAffinityBonus", "swap_affinity_bonus", "--swap-affinity-bonus", parse_bonus),
     Key("maxQueued", "max_queued", "--max-queued", parse_max_queued),
     Key("maxWaitSeconds", "max_wait_s", "--max-wait", parse_max_wait),
+    # A flag's or a sweep's slots are every model's.
+    Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}}),
+    Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
 )}
 
 
@@ -182,19 +225,51 @@ def combinations(base: Settings, sweeps: Sequence[Sweep]) -> list[Settings]:
         seen.add(sweep.key.name)
     if not sweeps:
         return [base]
-    return [dataclasses.replace(base, **{s.key.field: v for s, v in zip(sweeps, combo)})
+    return [dataclasses.replace(base, **_changes((s.key, v) for s, v in zip(sweeps, combo)))
             for combo in itertools.product(*(s.values for s in sweeps))]
+
+
+def _changes(pairs: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    for key, value in pairs:
+        changes |= dict(key.replaces)
+        changes[key.field] = value
+    return changes
+
+
+def fit_reserved(settings: Sequence[Settings], *, explicit: bool) -> tuple[list[Settings], str | None]:
+    """Each combination with a reservedSlots below its slots. An explicit one (a flag or a sweep)
+    that is not is refused; one from the record or -c is lowered, and the note says where."""
+    fitted: list[Settings] = []
+    lowered: list[int] = []
+    for setting in settings:
+        fewest = min([setting.slots, *setting.model_slots.values()])
+        if setting.reserved_slots < fewest:
+            fitted.append(setting)
+        elif explicit:
+            raise SettingsError(f"reservedSlots {setting.reserved_slots} with slots {fewest} leaves no slot for "
+                                "non-interactive requests: reserve fewer than the slots of every combination")
+        else:
+            fitted.append(dataclasses.replace(setting, reserved_slots=fewest - 1))
+            if fewest not in lowered:
+                lowered.append(fewest)
+    note = None
+    if lowered:
+        reserved = settings[0].reserved_slots
+        where = ", ".join(f"{fewest - 1} at slots {fewest}" for fewest in lowered)
+        note = f"reservedSlots {reserved} (recorded or -c) is lowered to fit: {where}"
+    return fitted, note
 
 
 def override(base: Settings, flags: Mapping[str, str | None]) -> Settings:
     """Apply the single flags given (keyed by KEYS names; None = not given)."""
-    changes = {}
+    pairs = []
     for name, text in flags.items():
         if text is None:
             continue
         key = KEYS[name]
         try:
-            changes[key.field] = key.parse(text)
+            pairs.append((key, key.parse(text)))
         except SettingsError as exc:
             raise SettingsError(f"{key.flag} {text}: {exc}") from None
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **_changes(pairs))
