@@ -150,15 +150,19 @@ async def test_the_settings_at_start_and_after_each_reload(tmp_path: pathlib.Pat
     flow = Flow({"routing": {"scheduler": {"maxQueued": 7, "settings": {"serial": {"agingDivisor": 30}}}}},
                 observers=[activity])
     await flow.advance(5)
-    flow.coordinator.reconfigure(parse_config({"routing": {"scheduler": {"use": "fifo", "maxWaitSeconds": 9}},
-                                               "models": {"m": {"priority": 10}}}))
+    flow.coordinator.reconfigure(parse_config({
+        "upstream": {"slots": 3},
+        "routing": {"scheduler": {"use": "fifo", "maxWaitSeconds": 9, "settings": {"fifo": {"reservedSlots": 1}}}},
+        "models": {"m": {"priority": 10, "slots": 2}}}))
     first, second = lines_of(path)
     assert {k: v for k, v in first.items() if k != "time"} == {
         "event": "settings", "scheduler": "serial", "aging_divisor_s": 30.0, "swap_affinity_bonus": 10,
-        "max_queued": 7, "max_wait_s": 0.0, "model_priorities": {}}
+        "max_queued": 7, "max_wait_s": 0.0, "model_priorities": {}, "slots": 1, "model_slots": {},
+        "reserved_slots": 0}
     assert {k: v for k, v in second.items() if k != "time"} == {
         "event": "settings", "scheduler": "fifo", "aging_divisor_s": 0.0, "swap_affinity_bonus": 0,
-        "max_queued": 0, "max_wait_s": 9.0, "model_priorities": {"m": 10}}
+        "max_queued": 0, "max_wait_s": 9.0, "model_priorities": {"m": 10}, "slots": 3, "model_slots": {"m": 2},
+        "reserved_slots": 1}
     assert second["time"] - first["time"] == pytest.approx(5, abs=1e-3)
     assert activity.recent() == []  # GET /activity lists requests
     activity.close()

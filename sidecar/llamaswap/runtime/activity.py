@@ -85,6 +85,10 @@ class ActivityLog:
             "max_queued": policy.max_queued,
             "max_wait_s": policy.max_wait_s,
             "model_priorities": dict(policy.model_priorities),
+            # The slots it ran with (after `auto` learnt them), so a replay runs with the same.
+            "slots": policy.slots.default,
+            "model_slots": dict(policy.slots.per_model),
+            "reserved_slots": policy.slots.reserved,
         })
 
     def finished(self, ticket: Ticket) -> None:
