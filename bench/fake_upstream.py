@@ -1,5 +1,5 @@
-"""The upstream of the data-path benchmarks: FakeUpstream (e2e/harness.py) in a process of its own
-(`python bench/fake_upstream.py`), so the client's event loop and the upstream's do not share a
+"""The upstream of the data-path benchmarks: FakeLlamaServer (e2e/fake_llama.py) in a process of
+its own (`python bench/fake_upstream.py`), so the client's event loop and the upstream's do not share a
 GIL. It records each hit's start and end (CLOCK_MONOTONIC) and answers a few commands on stdin."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import threading
 from typing import Any
 
 import bench_paths  # noqa: F401 - puts e2e/ on the path
-from harness import FakeUpstream
+from fake_llama import FakeLlamaServer
 
 
 class UpstreamProcess:
-    """FakeUpstream (e2e/harness.py) in a child process, driven over stdin/stdout."""
+    """FakeLlamaServer (e2e/fake_llama.py) in a child process, driven over stdin/stdout."""
 
     def __init__(self, log_dir: pathlib.Path) -> None:
         self._stderr = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in close()
@@ -69,7 +69,7 @@ class UpstreamProcess:
 
 
 def _upstream_main() -> None:
-    server = FakeUpstream().started()
+    server = FakeLlamaServer().started()
     for line in sys.stdin:
         command, _, argument = line.strip().partition(" ")
         if command == "port":

@@ -1,7 +1,7 @@
 """The sidecar's own hot path per request, timed in-process without gRPC or Envoy.
 
 The real pieces, wired as `llamaswap serve` wires them (`serve.Sidecar`: the coordinator, the
-activity log, telemetry from the environment, the HTTP upstream adapter against a FakeUpstream,
+activity log, telemetry from the environment, the HTTP upstream adapter against a FakeLlamaServer,
 logging configured like the CLI, to a file as the harness does), are driven one request at a
 time with the messages Envoy would send: a CheckRequest (the allowed headers, the model in
 metadata_context) parsed from bytes, the Check handler (`Authorization._arrival`,
@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "e2e"))
 
-from harness import FakeUpstream  # noqa: E402
+from fake_llama import FakeLlamaServer  # noqa: E402
 
 
 class Context:
@@ -238,7 +238,7 @@ def main() -> None:
     templates = capture(pathlib.Path(log_path).parent)
     print(f"captured from Envoy: a CheckRequest of {len(templates[0])} bytes, a final access-log message of "
           f"{len(templates[1])} bytes")
-    upstream = FakeUpstream().started()
+    upstream = FakeLlamaServer().started()
     try:
         asyncio.run(drive(args.warmup, False, upstream.url, templates))
         clean: list[Timings] = []

@@ -1,7 +1,7 @@
 """The stacks the data-path benchmarks (overhead.py, dispatch.py, queued.py) measure, torn down on exit.
 
 They reuse the end-to-end harness (`e2e/harness.py`): the real Envoy binary, the real sidecar
-process (`python -m llamaswap serve`) and the FakeUpstream, in a process of its own
+process (`python -m llamaswap serve`) and the fake llama-server, in a process of its own
 (`fake_upstream.py`).
 
 "Bare Envoy" is the same bootstrap (`build_bootstrap`) with json_to_metadata, ext_authz and

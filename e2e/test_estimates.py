@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from client import chat, start_blocker
-from harness import FakeUpstream, async_wait_for, running_stack
+from fake_llama import FakeLlamaServer
+from harness import async_wait_for, running_stack
 
 STATUS = "/llamaswap/v1/requests/"
 
@@ -60,7 +61,7 @@ async def test_the_queue_shows_estimated_starts(tmp_path: pathlib.Path) -> None:
     config = {"estimates": {"defaultRunSeconds": 30, "defaultSwapSeconds": 4}}
     # A router: it serves each model by name, so changing model is a swap (a single-model
     # upstream serves every request with its one model: no swap, tests/test_record.py).
-    with running_stack(tmp_path, config, fake=FakeUpstream(router=True)) as stack:
+    with running_stack(tmp_path, config, fake=FakeLlamaServer(router=True)) as stack:
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session)
             tasks = []
@@ -122,7 +123,7 @@ async def test_recorded_traffic_replays_as_it_happened(tmp_path: pathlib.Path) -
     first_wave = [("i1", "interactive", "model-b", 120), ("n1", "normal", "model-a", 80),
                   ("b1", "batch", "model-a", 60), ("n2", "normal", "model-b", 100), ("i2", "interactive", "model-a", 90)]
     second_wave = [("n3", "normal", "model-a", 70), ("b2", "batch", "model-b", 50), ("i3", "interactive", "model-b", 60)]
-    with running_stack(tmp_path, config, fake=FakeUpstream(router=True)) as stack:  # models swap by name
+    with running_stack(tmp_path, config, fake=FakeLlamaServer(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session, model="model-a")
             tasks = []

@@ -9,20 +9,21 @@ import pathlib
 import aiohttp
 
 from client import chat, start_blocker
-from harness import FakeUpstream, activity_records, async_wait_for, http_get, metric_samples, running_stack
+from fake_llama import FakeLlamaServer
+from harness import activity_records, async_wait_for, http_get, metric_samples, running_stack
 
 
 async def test_an_unknown_model_is_refused_at_once_without_queueing(tmp_path: pathlib.Path) -> None:
     """Router mode lists what it serves: a request for anything else gets 404 model_not_found
     while the GPU is busy, instead of waiting its turn to get llama-server's 400."""
-    fake = FakeUpstream(router=True, models=("model-a", "model-b"))
+    fake = FakeLlamaServer(router=True, models=("model-a", "model-b"))
     with running_stack(tmp_path, fake=fake) as stack:
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session)
             refused = await chat(session, stack.url, "bogus", model="no-such-model")
             assert stack.sidecar.queue()["waiting"] == []
             # A model added to the upstream later is served: a miss asks the upstream again.
-            fake.models.add("model-new")
+            fake.states["model-new"] = "unloaded"
             later = asyncio.create_task(chat(session, stack.url, "new", model="model-new"))
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="the new model queued")
             stack.upstream.release("blocker")
@@ -62,7 +63,7 @@ async def test_strict_refuses_what_a_single_model_server_does_not_list(tmp_path:
 async def test_a_failed_dispatch_does_not_leave_its_model_loaded(tmp_path: pathlib.Path) -> None:
     """With the check off, a bogus model reaches router-mode llama-server (400): afterwards the
     sidecar does not believe the bogus name is loaded."""
-    fake = FakeUpstream(router=True, models=("model-a",))
+    fake = FakeLlamaServer(router=True, models=("model-a",))
     with running_stack(tmp_path, {"upstream": {"modelCheck": "off"}}, fake=fake) as stack:
         async with aiohttp.ClientSession() as session:
             good = await chat(session, stack.url, "good", model="model-a")

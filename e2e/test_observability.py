@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 
 from client import chat
-from harness import FakeUpstream, async_wait_for, get_json, http_get, metric_samples, running_stack
+from fake_llama import FakeLlamaServer
+from harness import async_wait_for, get_json, http_get, metric_samples, running_stack
 from otlp import ReceivedSpan, otlp_receiver
 from prometheus import prometheus_binary, running_prometheus
 
@@ -107,7 +108,7 @@ async def test_one_trace_holds_client_envoy_and_sidecar_spans(tmp_path: pathlib.
     config = {"routing": {"scheduler": {"maxQueued": 2}}}
     with otlp_receiver() as receiver, running_stack(tmp_path, config, otlp_endpoint=receiver.endpoint,
                                                     sidecar_env=sidecar_otlp_env(receiver.endpoint),
-                                                    fake=FakeUpstream(router=True)) as stack:
+                                                    fake=FakeLlamaServer(router=True)) as stack:
         async with aiohttp.ClientSession() as session:
             # The winner brings its own non-UUID x-request-id: it must still be traced
             # (request_id_extension with use_request_id_for_trace_sampling off).
@@ -196,7 +197,7 @@ def prometheus_installed() -> None:
 
 @pytest.mark.prometheus
 async def test_prometheus_scrapes_the_specified_series(tmp_path: pathlib.Path, prometheus_installed: None) -> None:
-    with running_stack(tmp_path, fake=FakeUpstream(router=True)) as stack, \
+    with running_stack(tmp_path, fake=FakeLlamaServer(router=True)) as stack, \
             running_prometheus(tmp_path, [f"127.0.0.1:{stack.sidecar.admin_port}"]) as prometheus:
         await async_wait_for(lambda: prometheus.targets_up("llamaswap"), what="the sidecar target up")
         # The four series, every band, present before any traffic.
@@ -239,7 +240,7 @@ async def test_prometheus_scrapes_the_specified_series(tmp_path: pathlib.Path, p
 
 async def test_metrics_pushed_over_otlp_with_the_same_names(tmp_path: pathlib.Path) -> None:
     with otlp_receiver() as receiver, running_stack(tmp_path, sidecar_env=sidecar_otlp_env(receiver.endpoint),
-                                                    fake=FakeUpstream(router=True)) as stack:
+                                                    fake=FakeLlamaServer(router=True)) as stack:
         # Histograms appear with their first measurement; everything else is there from the start.
         by_traffic = {names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO}
         await async_wait_for(lambda: set(names.ALL) - by_traffic <= receiver.metric_names(),
@@ -296,7 +297,7 @@ async def _llamaswap(*args: str, ignore_sigint: bool = False) -> asyncio.subproc
 
 
 async def test_activity_queue_table_and_metrics_through_envoy(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path, fake=FakeUpstream(router=True)) as stack:  # models swap by name
+    with running_stack(tmp_path, fake=FakeLlamaServer(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker, tasks = await queue_traffic(stack, session)
 
@@ -365,4 +366,4 @@ async def test_activity_queue_table_and_metrics_through_envoy(tmp_path: pathlib.
             assert samples[f'{names.QUEUE_DEPTH}{{band="{band}"}}'] == 0
             assert samples[f'{names.QUEUE_OLDEST_WAIT}{{band="{band}"}}'] == 0
         assert samples[f'{names.REORDERS}{{band="interactive",reason="swap_affinity"}}'] == 1
-        assert all(hit.path != "/metrics" for hit in stack.upstream.hits)  # answered by the sidecar
+        assert stack.upstream.metrics_asked == []  # answered by the sidecar

@@ -8,7 +8,8 @@ import pathlib
 import aiohttp
 
 from client import chat
-from harness import FakeUpstream, async_wait_for, running_stack
+from fake_llama import FakeLlamaServer
+from harness import async_wait_for, running_stack
 
 
 async def _queue_behind_blocker(stack, session, requests, blocker_id="blocker"):
@@ -50,7 +51,7 @@ async def test_priority_order(tmp_path: pathlib.Path) -> None:
 
 async def test_swap_affinity(tmp_path: pathlib.Path) -> None:
     """With model A loaded, normal A overtakes an earlier normal B, never an interactive B."""
-    with running_stack(tmp_path, fake=FakeUpstream(router=True)) as stack:  # models swap by name
+    with running_stack(tmp_path, fake=FakeLlamaServer(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker, tasks = await _queue_behind_blocker(stack, session, [
                 ("normal-b", "normal", "model-b"),
@@ -78,7 +79,7 @@ async def test_fifo_with_model_priority(tmp_path: pathlib.Path) -> None:
     config = {"routing": {"scheduler": {"use": "fifo"}},
               "models": {"model-hi": {"priority": 10}, "model-lo": {"priority": -5}}}
     # A router serves each model by name (a single-model upstream keys every request on its one model).
-    fake = FakeUpstream(router=True, models=("model-a", "model-hi", "model-lo"))
+    fake = FakeLlamaServer(router=True, models=("model-a", "model-hi", "model-lo"))
     with running_stack(tmp_path, config, fake=fake) as stack:
         async with aiohttp.ClientSession() as session:
             blocker, tasks = await _queue_behind_blocker(stack, session, [

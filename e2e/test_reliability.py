@@ -225,9 +225,10 @@ async def test_upstream_refusing_connections(tmp_path: pathlib.Path) -> None:
 
 def _fixed_port_stack(tmp_path: pathlib.Path, extra: dict | None = None):
     """Config, sidecar and bootstrap with fixed sidecar ports, so the sidecar can come back."""
-    from harness import FakeUpstream, merge
+    from fake_llama import FakeLlamaServer
+    from harness import merge
 
-    upstream = FakeUpstream().started()
+    upstream = FakeLlamaServer().started()
     document = merge({
         "listen": {"http": "127.0.0.1:0", "grpc": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
         "upstream": {"url": upstream.url, "modelsPollSeconds": 0},

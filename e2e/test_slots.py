@@ -10,12 +10,13 @@ import pathlib
 import aiohttp
 
 from client import chat
-from harness import FakeUpstream, async_wait_for, running_stack
+from fake_llama import FakeLlamaServer
+from harness import async_wait_for, running_stack
 
 
 async def test_two_at_once_and_a_swap_waits_for_both(tmp_path: pathlib.Path) -> None:
     # A router: its models swap by name (a single-model upstream puts every request on its one model).
-    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2, router=True)) as stack:
+    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeLlamaServer(slots=2, router=True)) as stack:
         upstream = stack.upstream
         assert upstream is not None
         async with aiohttp.ClientSession() as session:
@@ -46,7 +47,7 @@ async def test_two_at_once_and_a_swap_waits_for_both(tmp_path: pathlib.Path) -> 
 
 
 async def test_at_most_slots_at_the_upstream(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeUpstream(slots=2)) as stack:
+    with running_stack(tmp_path, {"upstream": {"slots": 2}}, fake=FakeLlamaServer(slots=2)) as stack:
         upstream = stack.upstream
         assert upstream is not None
         async with aiohttp.ClientSession() as session:
@@ -57,7 +58,7 @@ async def test_at_most_slots_at_the_upstream(tmp_path: pathlib.Path) -> None:
 
 
 async def test_auto_reads_the_upstreams_slots(tmp_path: pathlib.Path) -> None:
-    with running_stack(tmp_path, {"upstream": {"slots": "auto"}}, fake=FakeUpstream(slots=3)) as stack:
+    with running_stack(tmp_path, {"upstream": {"slots": "auto"}}, fake=FakeLlamaServer(slots=3)) as stack:
         await async_wait_for(lambda: stack.sidecar.queue()["slots_total"] == 3, what="3 slots learnt from /props")
         upstream = stack.upstream
         assert upstream is not None

@@ -27,7 +27,8 @@ import aiohttp
 import pytest
 
 from client import chat
-from harness import FakeUpstream, SidecarProcess, async_wait_for, free_port, get_json, running_stack
+from fake_llama import FakeLlamaServer
+from harness import SidecarProcess, async_wait_for, free_port, get_json, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -94,7 +95,7 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
     admin_port = free_port()  # fixed, so the restarted sidecar answers the same page
     config = {**CONFIG, "listen": {"admin": f"127.0.0.1:{admin_port}"},
               "activity": {"path": str(tmp_path / "activity.jsonl")}}
-    fake = FakeUpstream(router=True, models=("model-a", "model-b", "model-c"))
+    fake = FakeLlamaServer(router=True, models=("model-a", "model-b", "model-c"))
     with running_stack(tmp_path, config, fake=fake) as stack:
         admin = stack.sidecar.admin_url
         async with aiohttp.ClientSession() as session:

@@ -26,7 +26,7 @@ HERE = pathlib.Path(__file__).parent
 
 
 class Up:
-    """A `llamaswap up` process with a fake upstream of its own (`python e2e/harness.py PORT`)."""
+    """A `llamaswap up` process with a fake upstream of its own (`python e2e/fake_llama.py PORT`)."""
 
     def __init__(self, tmp_path: pathlib.Path, name: str = "up", *, ports: dict[str, int] | None = None,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True,
@@ -35,7 +35,7 @@ class Up:
         config = {
             "listen": {key: f"127.0.0.1:{self.ports[key]}" for key in ("http", "grpc", "admin")},
             "upstream": {"url": f"http://127.0.0.1:{self.ports['upstream']}",
-                         "command": [sys.executable, str(HERE / "harness.py"), str(self.ports["upstream"])],
+                         "command": [sys.executable, str(HERE / "fake_llama.py"), str(self.ports["upstream"])],
                          "modelsPollSeconds": 0, "startupTimeoutSeconds": 60},
             "envoy": {"leaseSeconds": 1.5, **(envoy or {})},
         }
@@ -228,7 +228,7 @@ def test_children_die_with_a_killed_up(ups) -> None:
     up.wait_up()
     assert _answers(up.ports["http"]) and _answers(up.ports["upstream"])
     children = _children_of(up.process.pid)
-    assert sorted("envoy" if "envoy.yaml" in line else "upstream" if "harness.py" in line else line
+    assert sorted("envoy" if "envoy.yaml" in line else "upstream" if "fake_llama.py" in line else line
                   for line in children.values()) == ["envoy", "upstream"], children
     up.process.kill()  # SIGKILL: no chance to stop anything itself
     up.process.wait(30)

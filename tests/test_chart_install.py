@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 import chart_tools as ct
-from fake_servers import FakeRouter, FileServer
+from fake_llama import FakeLlamaServer
+from file_server import FileServer
 from llamaswap.envoy.binary import validate_bootstrap
 from llamaswap.envoy.overload import HEAP_SHARE_OF_MEMORY_LIMIT, STOP_ACCEPTING_REQUESTS_AT
 
@@ -253,7 +254,7 @@ def test_the_sidecars_startup_probe_loads_the_default_model() -> None:
 def test_the_startup_probe_against_a_fake_router() -> None:
     """The rendered probe run as the kubelet would, again and again: not ready while the model
     loads (one load asked for), ready once /v1/models says loaded."""
-    router = FakeRouter({"qwen3-8b-q4_k_m": "unloaded"})
+    router = FakeLlamaServer(router=True, models=("qwen3-8b-q4_k_m",)).started()
     try:
         rendered = ct.render(ONE_MODEL | {"config": {"upstream": {"url": router.url}}})
         command = rendered.container("sidecar")["startupProbe"]["exec"]["command"]

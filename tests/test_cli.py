@@ -136,9 +136,10 @@ def test_check_config_says_when_envoy_is_not_installed(tmp_path: Path):
 
 
 def test_queue_finds_the_admin_address_in_the_configuration_and_prints_json(tmp_path: Path):
-    from harness import FakeUpstream, SidecarProcess, free_port, wait_for
+    from fake_llama import FakeLlamaServer
+    from harness import SidecarProcess, free_port, wait_for
 
-    upstream = FakeUpstream().started()  # answers /slots: the start-up settle ends at once
+    upstream = FakeLlamaServer().started()  # answers /slots: the start-up settle ends at once
     path = tmp_path / "c.yaml"
     path.write_text(f"listen:\n  grpc: 127.0.0.1:0\n  admin: 127.0.0.1:{free_port()}\n"
                     f"upstream:\n  url: {upstream.url}\n  modelsPollSeconds: 0\n")

@@ -13,15 +13,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from fake_servers import FakeRouter
+from fake_llama import FakeLlamaServer
 from llamaswap.commands.load_model import PreloadError, model_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def router() -> Iterator[FakeRouter]:
-    fake = FakeRouter({"qwen3-8b": "unloaded", "other": "unloaded"})
+def router() -> Iterator[FakeLlamaServer]:
+    fake = FakeLlamaServer(router=True, models=("qwen3-8b", "other")).started()
     try:
         yield fake
     finally:
@@ -34,7 +34,7 @@ def load_model(url: str, model: str, *extra: str) -> subprocess.CompletedProcess
                           env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
-def test_a_probe_run_asks_for_the_load_then_waits_for_loaded(router: FakeRouter) -> None:
+def test_a_probe_run_asks_for_the_load_then_waits_for_loaded(router: FakeLlamaServer) -> None:
     first = load_model(router.url, "qwen3-8b")
     assert first.returncode == 1 and "qwen3-8b: not loaded yet: loading" in first.stderr
     assert router.loads == ["qwen3-8b"]
@@ -47,14 +47,14 @@ def test_a_probe_run_asks_for_the_load_then_waits_for_loaded(router: FakeRouter)
     assert router.loads == ["qwen3-8b"]
 
 
-def test_a_model_unloaded_again_is_asked_for_again(router: FakeRouter) -> None:
+def test_a_model_unloaded_again_is_asked_for_again(router: FakeLlamaServer) -> None:
     router.states["qwen3-8b"] = "loading"
     assert load_model(router.url, "qwen3-8b").returncode == 1 and router.loads == []
     router.states["qwen3-8b"] = "unloaded"  # e.g. its load failed
     assert load_model(router.url, "qwen3-8b").returncode == 1 and router.loads == ["qwen3-8b"]
 
 
-def test_an_unknown_model_exits_2(router: FakeRouter) -> None:
+def test_an_unknown_model_exits_2(router: FakeLlamaServer) -> None:
     result = load_model(router.url, "nope")
     assert result.returncode == 2
     assert result.stderr == "error: nope: not among the upstream's models (a GGUF file name without .gguf)\n"
@@ -62,7 +62,7 @@ def test_an_unknown_model_exits_2(router: FakeRouter) -> None:
 
 
 def test_an_upstream_without_router_mode_exits_2() -> None:
-    plain = FakeRouter({"qwen3-8b": "loaded"}, router=False)
+    plain = FakeLlamaServer().started()
     try:
         result = load_model(plain.url, "qwen3-8b")
         assert result.returncode == 2 and "not llama-server in router mode" in result.stderr, result.stderr
@@ -80,7 +80,7 @@ def test_an_upstream_not_up_yet_is_not_yet(tmp_path: pathlib.Path) -> None:
     assert result.returncode == 1 and "upstream not answering" in result.stderr, result.stderr
 
 
-def test_wait_polls_until_loaded(router: FakeRouter) -> None:
+def test_wait_polls_until_loaded(router: FakeLlamaServer) -> None:
     """--wait: one run that returns once the router says loaded (after two more looks)."""
     router.load_takes_looks = 2
     result = load_model(router.url, "qwen3-8b", "--wait", "30")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fake_servers import FileServer
+from file_server import FileServer
 from llamaswap.commands.fetch_models import ModelFile, SpecError, parse_argument, parse_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ from typing import Any
 import grpc
 import pytest
 from flow import check_request
-from harness import FakeUpstream, async_wait_for
+from fake_llama import FakeLlamaServer
+from harness import async_wait_for
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap.commands.serve import Sidecar
 from llamaswap.config import parse_config
@@ -21,7 +22,7 @@ def _config(upstream_url: str) -> Any:
 
 @pytest.fixture
 def upstream():
-    server = FakeUpstream().started()
+    server = FakeLlamaServer().started()
     yield server
     server.close()
 

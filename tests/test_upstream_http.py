@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 from aiohttp import web
-from fake_servers import FakeRouter
-from harness import FakeUpstream
+from fake_llama import FakeLlamaServer
 from llamaswap.adapters.upstream_http import HttpUpstream, catalog_from
 from llamaswap.core import MonotonicClock
 from llamaswap.runtime.observer import SettleReason, SettleResult
@@ -72,7 +71,7 @@ def test_answers_that_are_not_a_model_list():
 
 
 async def test_busy_tells_no_answer_from_no_slots() -> None:
-    upstream = FakeUpstream().started()
+    upstream = FakeLlamaServer().started()
     client = HttpUpstream(upstream.url, timeout_s=0.2)
     try:
         assert await client.busy(None) is False
@@ -120,8 +119,7 @@ async def test_busy_without_slots_is_unsupported() -> None:
 
 
 async def test_router_busy_asks_each_loaded_model_url_encoded() -> None:
-    upstream = FakeUpstream(router=True, models=("a b&c", "other")).started()
-    upstream.loaded_model = "a b&c"
+    upstream = FakeLlamaServer(router=True, models=("a b&c", "other"), loaded="a b&c").started()
     client = HttpUpstream(upstream.url)
     try:
         assert await client.busy(None) is False
@@ -137,7 +135,7 @@ async def test_router_busy_asks_each_loaded_model_url_encoded() -> None:
 async def test_a_settle_against_a_failing_upstream_waits_for_its_answer() -> None:
     """The give-up-on-first-error bug, end to end in the sidecar's process: the real HTTP adapter
     and the real settle loop against a fake llama-server whose /slots answers 500 for a while."""
-    upstream = FakeUpstream().started()
+    upstream = FakeLlamaServer().started()
     upstream.slots_failures = 5
     client = HttpUpstream(upstream.url)
     settling = Settling(SettleReason.ABANDONED, "m", "r", None, MonotonicClock().now_ns())
@@ -167,9 +165,8 @@ def _total_slots(url: str) -> int | None:
 
 
 def test_total_slots_of_a_single_model_llama_server() -> None:
-    fake = FakeRouter({"m": "loaded"}, router=False)
+    fake = FakeLlamaServer(slots=3).started()
     try:
-        fake.total_slots = 3
         assert _total_slots(fake.url) == 3
         assert fake.props_asked == [None]
     finally:
@@ -177,7 +174,7 @@ def test_total_slots_of_a_single_model_llama_server() -> None:
 
 
 def test_total_slots_in_router_mode_asks_only_about_the_loaded_model() -> None:
-    fake = FakeRouter({"a": "unloaded", "b": "loaded"})
+    fake = FakeLlamaServer(router=True, models=("a", "b"), loaded="b").started()
     try:
         assert _total_slots(fake.url) == 4
         assert fake.props_asked == ["b"] and fake.states["a"] == "unloaded"
@@ -186,7 +183,7 @@ def test_total_slots_in_router_mode_asks_only_about_the_loaded_model() -> None:
 
 
 def test_total_slots_in_router_mode_with_nothing_loaded_loads_nothing() -> None:
-    fake = FakeRouter({"a": "unloaded"})
+    fake = FakeLlamaServer(router=True, models=("a",)).started()
     try:
         assert _total_slots(fake.url) is None
         assert fake.props_asked == [] and fake.states == {"a": "unloaded"}

@@ -11,14 +11,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp import web
 
-from fake_servers import FakeRouter
+from fake_llama import FakeLlamaServer
 from llamaswap.envoy.contract import UPSTREAM_METRICS_PATH
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics, loaded_models, with_model_label
 
 
 @pytest.fixture
-def router() -> Iterator[FakeRouter]:
-    fake = FakeRouter({"qwen3-8b": "unloaded", "gemma3": "unloaded"})
+def router() -> Iterator[FakeLlamaServer]:
+    fake = FakeLlamaServer(router=True, models=("qwen3-8b", "gemma3")).started()
     try:
         yield fake
     finally:
@@ -33,7 +33,7 @@ async def _scrape(upstream: str) -> tuple[int, str]:
         return response.status, await response.text()
 
 
-async def test_only_the_loaded_model_is_read(router: FakeRouter) -> None:
+async def test_only_the_loaded_model_is_read(router: FakeLlamaServer) -> None:
     router.states["gemma3"] = "loaded"
     status, text = await _scrape(router.url)
     assert status == 200
@@ -43,14 +43,14 @@ async def test_only_the_loaded_model_is_read(router: FakeRouter) -> None:
     assert router.states == {"qwen3-8b": "unloaded", "gemma3": "loaded"}  # the scrape loaded nothing
 
 
-async def test_nothing_loaded_reads_nothing_and_loads_nothing(router: FakeRouter) -> None:
+async def test_nothing_loaded_reads_nothing_and_loads_nothing(router: FakeLlamaServer) -> None:
     status, text = await _scrape(router.url)
     assert (status, text) == (200, "")
     assert router.metrics_asked == [] and set(router.states.values()) == {"unloaded"}
 
 
 async def test_an_upstream_without_router_mode_is_read_as_it_is() -> None:
-    plain = FakeRouter({"m": "loaded"}, router=False)
+    plain = FakeLlamaServer().started()
     try:
         status, text = await _scrape(plain.url)
         assert status == 200 and "llamacpp:tokens_predicted_total 42" in text.splitlines()

