@@ -140,8 +140,8 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
     authz = ext_authz.Authorization(coordinator)
     timings = Timings()
     if wrapped:
-        for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry", "_arm_lease",
-                       "_arm_watchdog", "_estimate_later", "_estimate", "_serves", "_update_idle", "_observe",
+        for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry",
+                       "_arm_watchdog", "_estimate_later", "_estimate", "_update_idle", "_observe",
                        "_overtaken"):
             timings.wrap(coordinator, method, f"Coordinator.{method}")
         scheduler = coordinator.scheduler
@@ -260,4 +260,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # stderr is the sidecar's log file by now: say what failed where the caller reads.
+        import traceback
+
+        traceback.print_exc(file=sys.__stderr__)
+        raise SystemExit(1) from None

@@ -24,3 +24,9 @@ def test_core_benchmark_runs_and_agrees_with_the_scan():
 
 def test_simulate_benchmark_runs():
     assert re.fullmatch(r"simulate: 2000 requests in [\d.]+ s", run("bench/simulate.py", "--requests", "2000"))
+
+
+def test_hotpath_benchmark_runs_against_todays_coordinator():
+    """It wraps the coordinator's inner methods by name: a rename must fail here, not in a bench run."""
+    last = run("bench/hotpath.py", "--requests", "50", "--warmup", "10", "--rounds", "1")
+    assert last.startswith("log: "), last
