@@ -85,6 +85,7 @@ class FakeLlamaServer:
         self.port = port
         self.router = router
         self.slots = slots
+        self.model_slots: dict[str, int] = {}  # router mode: a model's own --parallel (`/props`), tests may set
         # Router mode: each model's status, as GET /v1/models lists it. Tests may set it.
         self.states: dict[str, str] = {name: UNLOADED for name in models} if router else {}
         if loaded is not None:
@@ -175,6 +176,8 @@ class FakeLlamaServer:
             return None, _error(400, "model name is missing from the request")
         if model not in self.states:
             return None, _error(400, f"model '{model}' not found")
+        if request.query.get("autoload") == "false" and self.states[model] != LOADED:
+            return None, _error(400, "model is not loaded")  # what llama-server answers (measured)
         self._autoload(model)
         return model, None
 
@@ -218,7 +221,7 @@ class FakeLlamaServer:
         model, refused = self._queried_model(request)
         if refused is not None:
             return refused
-        return web.json_response({"total_slots": self.slots, "model_path": f"{model}.gguf"})
+        return web.json_response({"total_slots": self.model_slots.get(model, self.slots), "model_path": f"{model}.gguf"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics_asked.append(request.query.get("model"))

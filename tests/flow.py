@@ -211,7 +211,7 @@ class FakeUpstream:
         self.idle_after_stop = idle_after_stop
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
-        self.slots_answer: int | None = None  # what total_slots() says
+        self.slots_answer: int | dict[str | None, int] | None = None  # what total_slots() says (by model)
         self.fail_catalog = False
         self.busy_failures = 0
 
@@ -242,8 +242,10 @@ class FakeUpstream:
             raise UpstreamUnanswered("GET /slots answered 500")
         return self.busy_answer
 
-    async def total_slots(self) -> int | None:
-        self.calls.append(("total_slots", None))
+    async def total_slots(self, model: str | None = None) -> int | None:
+        self.calls.append(("total_slots", model))
+        if isinstance(self.slots_answer, dict):
+            return self.slots_answer.get(model)
         return self.slots_answer
 
     async def stop(self, model: str | None) -> bool:

@@ -575,12 +575,19 @@ def test_auto_slots_take_what_the_upstream_says_and_fit_the_reservation():
     cfg = parse_config({"upstream": {"slots": "auto"}, "routing": {"scheduler": {"settings": {
         "serial": {"reservedSlots": 2}}}}})
     assert cfg.upstream.slots == "auto"
-    assert cfg.policy(4).slots == Slots(4, {}, 2)
+    assert cfg.policy({None: 4}).slots == Slots(4, {}, 2)
     # fewer slots than reserved: lowered, not refused (the caller compares with reserved_slots to warn)
-    assert cfg.policy(2).slots == Slots(2, {}, 1)
+    assert cfg.policy({None: 2}).slots == Slots(2, {}, 1)
     assert cfg.policy().slots == Slots(1, {}, 0)
     assert cfg.reserved_slots == 2
     assert cfg.to_document()["upstream"]["slots"] == "auto"
+
+
+def test_auto_slots_in_router_mode_are_per_model_and_configured_ones_win():
+    cfg = parse_config({"upstream": {"slots": "auto"}, "models": {"c": {"slots": 1}}})
+    # The last model learnt gives the default for models not asked about yet.
+    assert cfg.policy({"a": 4, "b": 2}).slots == Slots(2, {"a": 4, "b": 2, "c": 1}, 0)
+    assert cfg.policy({"c": 3}).slots == Slots(3, {"c": 1}, 0)
 
 
 def test_policy_from_parsed_config_matches_the_documented_defaults():

@@ -281,17 +281,26 @@ async def test_configured_slots_never_ask_the_upstream() -> None:
 
 
 @virtual_time
-async def test_auto_slots_in_router_mode_are_asked_once_a_model_is_loaded() -> None:
-    upstream = FakeUpstream(router("a", "b"))
-    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
-    await flow.coordinator.learn_slots()  # nothing loaded: the upstream cannot tell
+async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loaded() -> None:
+    upstream = FakeUpstream(router("a", "b", "c"))
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE, "models": {"c": {"slots": 1}}},
+                upstream=upstream)
+    await flow.coordinator.learn_slots()  # nothing loaded: nothing to ask about
     assert flow.coordinator.scheduler.policy.slots.default == 1
-    upstream.slots_answer = 2
-    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
-    flow.coordinator.observe_catalog(router("a", "b", loaded="a"), flow.coordinator.scheduler.dispatches)
+    assert [model for name, model in upstream.calls if name == "total_slots"] == []
+    upstream.slots_answer = {"a": 3, "b": 2, "c": 4}
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"), flow.coordinator.scheduler.dispatches)
     await flow.idle()
-    assert flow.coordinator.scheduler.policy.slots.default == 2
-    asked = [name for name, _ in upstream.calls].count("total_slots")
-    flow.coordinator.observe_catalog(router("a", "b", loaded="b"), flow.coordinator.scheduler.dispatches)
+    slots = flow.coordinator.scheduler.policy.slots
+    assert (slots.of("a"), slots.of("b")) == (3, 3)  # b not asked yet: the last number learnt
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="b"), flow.coordinator.scheduler.dispatches)
     await flow.idle()
-    assert asked == 2 and [name for name, _ in upstream.calls].count("total_slots") == 2  # learnt: not again
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="c"), flow.coordinator.scheduler.dispatches)
+    await flow.idle()
+    slots = flow.coordinator.scheduler.policy.slots
+    assert (slots.of("a"), slots.of("b"), slots.of("c")) == (3, 2, 1)  # c's configured slots win
+    # Each model asked once, by name, only while loaded, and never one whose slots are configured.
+    assert [model for name, model in upstream.calls if name == "total_slots"] == ["a", "b"]
+    requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
+    assert [r.granted for r in requests] == [True, True, True, False]

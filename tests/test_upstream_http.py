@@ -153,11 +153,11 @@ async def test_a_settle_against_a_failing_upstream_waits_for_its_answer() -> Non
 # -- total_slots (upstream.slots: auto) ------------------------------------------------------
 
 
-def _total_slots(url: str) -> int | None:
+def _total_slots(url: str, model: str | None = None) -> int | None:
     async def ask() -> int | None:
         upstream = HttpUpstream(url)
         try:
-            return await upstream.total_slots()
+            return await upstream.total_slots(model)
         finally:
             await upstream.close()
 
@@ -173,20 +173,22 @@ def test_total_slots_of_a_single_model_llama_server() -> None:
         fake.close()
 
 
-def test_total_slots_in_router_mode_asks_only_about_the_loaded_model() -> None:
+def test_total_slots_in_router_mode_are_the_named_models() -> None:
     fake = FakeLlamaServer(router=True, models=("a", "b"), loaded="b").started()
+    fake.model_slots["b"] = 2
     try:
-        assert _total_slots(fake.url) == 4
+        assert _total_slots(fake.url, "b") == 2
         assert fake.props_asked == ["b"] and fake.states["a"] == "unloaded"
     finally:
         fake.close()
 
 
-def test_total_slots_in_router_mode_with_nothing_loaded_loads_nothing() -> None:
+def test_total_slots_in_router_mode_never_load_a_model() -> None:
     fake = FakeLlamaServer(router=True, models=("a",)).started()
     try:
-        assert _total_slots(fake.url) is None
-        assert fake.props_asked == [] and fake.states == {"a": "unloaded"}
+        assert _total_slots(fake.url) is None  # the router's own /props has no slots: not asked
+        assert _total_slots(fake.url, "a") is None  # autoload=false: 400 "model is not loaded"
+        assert fake.props_asked == ["a"] and fake.states == {"a": "unloaded"} and fake.autoloaded == []
     finally:
         fake.close()
 

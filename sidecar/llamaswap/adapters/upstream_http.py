@@ -120,14 +120,15 @@ class HttpUpstream:
             return None
         return [name for name, value in _states(document).items() if value == state]
 
-    async def total_slots(self) -> int | None:
+    async def total_slots(self, model: str | None = None) -> int | None:
         try:
             catalog = await self.catalog()
             path = "/props"
             if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
-                if not catalog.loaded:
-                    return None  # /props?model= for a model not loaded would load it
-                path = f"/props?model={catalog.loaded}"
+                if model is None:
+                    return None  # the router's own /props has no slots
+                # autoload=false: /props?model= for a model not loaded would load it.
+                path = f"/props?model={quote(model, safe='')}&autoload=false"
             elif catalog is not None and catalog.kind is UpstreamKind.LLAMA_SWAP:
                 return None
             status, document = await self._get(path)

@@ -403,19 +403,25 @@ class Config(Section):
         settings = self.routing.scheduler.settings
         return (settings.fifo if self.routing.scheduler.use == PolicyName.FIFO else settings.serial).reserved_slots
 
-    def slots(self, learnt: int | None = None) -> Slots:
-        """The slots of every model. With ``upstream.slots: auto``, the default is ``learnt`` (what
-        the upstream said; 1 before it is asked) and a reservation it cannot hold is lowered
-        (`Slots.fitted`: compare ``.reserved`` with `reserved_slots` to warn); configured numbers
-        are checked as written (InvalidSlots)."""
+    def slots(self, learnt: Mapping[str | None, int] | None = None) -> Slots:
+        """The slots of every model. With ``upstream.slots: auto``, ``learnt`` is what the
+        upstream said: by model in router mode, under None for a single-model upstream. A model
+        configured in ``models.<id>.slots`` keeps its number; one asked about has what it said;
+        every other has the last number learnt (a router's children mostly share --parallel),
+        1 before any. A reservation that does not fit is lowered (`Slots.fitted`: compare
+        ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as written
+        (InvalidSlots)."""
         per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
         configured = self.upstream.slots
         if configured == SLOTS_AUTO:
-            return Slots.fitted(learnt if learnt is not None else 1, per_model, self.reserved_slots)
+            learnt = dict(learnt or {})
+            default = learnt.get(None, next(reversed(learnt.values()), 1))
+            asked = {model: slots for model, slots in learnt.items() if model is not None}
+            return Slots.fitted(default, {**asked, **per_model}, self.reserved_slots)
         assert isinstance(configured, int)
         return Slots(configured, per_model, self.reserved_slots)
 
-    def policy(self, learnt_slots: int | None = None) -> Policy:
+    def policy(self, learnt_slots: Mapping[str | None, int] | None = None) -> Policy:
         """The scheduler's policy (``learnt_slots``: what the upstream said, for ``upstream.slots: auto``)."""
         s = self.routing.scheduler
         slots = self.slots(learnt_slots)

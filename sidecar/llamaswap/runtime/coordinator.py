@@ -98,8 +98,9 @@ class Coordinator:
                  upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
-        # upstream.slots: auto: what the upstream said (`learn_slots`); None before it is asked.
-        self._learnt_slots: int | None = None
+        # upstream.slots: auto: what the upstream said (`learn_slots`), by model in router mode
+        # (None: a single-model upstream); empty before it is asked.
+        self._learnt_slots: dict[str | None, int] = {}
         self._asking_slots = False
         self._slots_task: asyncio.Future[None] | None = None
         self.scheduler = Scheduler(config.policy(), self._clock)
@@ -353,41 +354,57 @@ class Coordinator:
     async def learn_slots(self) -> None:
         """upstream.slots: auto: ask the upstream how many generations it runs at once, and
         schedule with that many slots (1, with a log line, when it cannot tell). A reservation
-        the learnt slots cannot hold is lowered, with a warning. In router mode only a loaded
-        model can be asked about: `observe_catalog` asks again once one is loaded."""
+        the learnt slots cannot hold is lowered, with a warning. In router mode each model is
+        asked about once it is loaded (asking never loads it): `observe_catalog` asks for every
+        model it sees loaded for the first time."""
         if self._config.upstream.slots != SLOTS_AUTO or self._asking_slots:
             return
         self._asking_slots = True
-        await self._learn_slots()
+        try:
+            catalog = await self._catalog.refresh()
+        except BaseException:
+            self._asking_slots = False
+            raise
+        router = catalog is not None and catalog.kind is UpstreamKind.ROUTER
+        await self._learn_slots(catalog.loaded if router and catalog is not None else None, router=router)
 
-    async def _learn_slots(self) -> None:
+    async def _learn_slots(self, model: str | None, *, router: bool) -> None:
         config = self._config
         try:
-            learnt = await self._upstream.total_slots()
+            learnt = await self._upstream.total_slots(model) if model is not None or not router else None
         finally:
             self._asking_slots = False
         if learnt is None:
-            _log.info("upstream.slots: auto: the upstream does not say how many slots it has; scheduling with 1")
+            _log.info("upstream.slots: auto: the upstream does not say how many slots %s; scheduling with %d",
+                      f"model {model} has" if model else "it has", self._slots_guess())
             return
-        self._learnt_slots = learnt
-        slots = config.slots(learnt)
+        self._learnt_slots[model] = learnt
+        slots = config.slots(self._learnt_slots)
         if slots.reserved < config.reserved_slots:
-            _log.warning("upstream.slots: auto: the upstream has %d slots, too few for %d reserved "
+            _log.warning("upstream.slots: auto: the upstream has %d slots%s, too few for %d reserved "
                          "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
-                         config.reserved_slots, config.routing.scheduler.use, slots.reserved)
-        _log.info("upstream.slots: auto: the upstream runs %d generations at once", learnt)
+                         f" for model {model}" if model else "", config.reserved_slots,
+                         config.routing.scheduler.use, slots.reserved)
+        _log.info("upstream.slots: auto: the upstream runs %d generations%s at once", learnt,
+                  f" of model {model}" if model else "")
         if self._config is config:
             self.reconfigure(config)
+
+    def _slots_guess(self) -> int:
+        return self.scheduler.policy.slots.default
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
         self._catalog.latest = catalog
         if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
             self._changed()
-        if (catalog.loaded and self._learnt_slots is None and not self._asking_slots
-                and self._config.upstream.slots == SLOTS_AUTO):
+        router = catalog.kind is UpstreamKind.ROUTER
+        model = catalog.loaded if router else None
+        configured = model is not None and model in self._config.models and self._config.models[model].slots
+        if ((model is not None or not router) and model not in self._learnt_slots and not configured
+                and not self._asking_slots and self._config.upstream.slots == SLOTS_AUTO):
             self._asking_slots = True
-            self._slots_task = asyncio.ensure_future(self._learn_slots())
+            self._slots_task = asyncio.ensure_future(self._learn_slots(model, router=router))
 
     # -- internals: granting and releasing -----------------------------------------------
 

@@ -49,9 +49,10 @@ class Upstream(Protocol):
     async def stop(self, model: str | None) -> bool:
         """Stop whatever `model` is generating (router mode: unload it); True if it could."""
 
-    async def total_slots(self) -> int | None:
-        """How many generations the upstream runs at once (llama-server's /props total_slots;
-        router mode: of a loaded model); None when it cannot tell."""
+    async def total_slots(self, model: str | None = None) -> int | None:
+        """How many generations the upstream runs at once (llama-server's /props total_slots);
+        in router mode of `model`, only while it is loaded (asking never loads it); None when it
+        cannot tell."""
 
 
 class NoUpstream:
@@ -66,5 +67,5 @@ class NoUpstream:
     async def stop(self, model: str | None) -> bool:
         return False
 
-    async def total_slots(self) -> int | None:
+    async def total_slots(self, model: str | None = None) -> int | None:
         return None
