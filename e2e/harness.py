@@ -93,6 +93,7 @@ class UpstreamHit:
     body_bytes: int
     start_ns: int
     end_ns: int | None = None
+    peer_port: int | None = None  # the connection it came on (Envoy's side)
 
 
 class FakeUpstream:
@@ -230,8 +231,10 @@ class FakeUpstream:
         if self.router and (not isinstance(model, str) or model not in self.models):
             return web.json_response({"error": {"code": 400, "message": f"model '{model}' not found",
                                                 "type": "invalid_request_error"}}, status=400)
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
         hit = UpstreamHit(test_id, request.path, model if isinstance(model, str) else None,
-                          dict(request.headers), len(body), time.monotonic_ns())
+                          dict(request.headers), len(body), time.monotonic_ns(),
+                          peer_port=int(peer[1]) if peer else None)
         with self.lock:
             self.hits.append(hit)
             self.active += 1
