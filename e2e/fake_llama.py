@@ -73,6 +73,7 @@ class UpstreamHit:
     body_bytes: int
     start_ns: int
     end_ns: int | None = None
+    peer_port: int | None = None  # the connection it came on (Envoy's side)
 
 
 class FakeLlamaServer:
@@ -271,8 +272,10 @@ class FakeLlamaServer:
         test_id = request.headers.get("x-test-id", "")
         if self.router and (not isinstance(model, str) or model not in self.states):
             return _error(400, f"model '{model}' not found")
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
         hit = UpstreamHit(test_id, request.path, model if isinstance(model, str) else None,
-                          dict(request.headers), len(body), time.monotonic_ns())
+                          dict(request.headers), len(body), time.monotonic_ns(),
+                          peer_port=int(peer[1]) if peer else None)
         with self.lock:
             self.hits.append(hit)
             self.active += 1

@@ -126,6 +126,21 @@ async def test_max_wait_gets_503(tmp_path: pathlib.Path) -> None:
         assert "too-late" not in stack.upstream.order()
 
 
+async def test_each_granted_request_reaches_the_upstream_on_a_connection_of_its_own(tmp_path: pathlib.Path) -> None:
+    """Envoy keeps no idle connection to the upstream: llama-server gives each open connection one
+    of its few HTTP threads until 5 s after its last request, and Envoy's per-worker pools could
+    hold them all, leaving a granted request unread that long. One client, one downstream
+    connection: with keep-alive upstream, all would share one connection."""
+    with running_stack(tmp_path) as stack:
+        async with aiohttp.ClientSession() as session:
+            replies = [await chat(session, stack.url, f"r{index}") for index in range(4)]
+        assert [reply.status for reply in replies] == [200] * 4
+        assert stack.upstream is not None
+        ports = [hit.peer_port for hit in stack.upstream.hits]
+        assert len(ports) == 4 and None not in ports
+        assert len(set(ports)) == 4, ports
+
+
 async def test_bypass_routes_skip_the_queue(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path) as stack:
         async with aiohttp.ClientSession() as session:

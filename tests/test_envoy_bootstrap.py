@@ -57,6 +57,15 @@ def test_the_trusted_priority_header_is_sent_to_the_check():
         "x-llamaswap-priority", "x-request-id", "x-auth-priority"}
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8080", "https://llm.example.com"])
+def test_the_upstream_gets_one_request_per_connection(url: str) -> None:
+    clusters = {c["name"]: c for c in build_bootstrap(parse_config({"upstream": {"url": url}}))["static_resources"]["clusters"]}
+    options = clusters["llm_upstream"]["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["common_http_protocol_options"]["max_requests_per_connection"] == 1
+    assert "http_protocol_options" in options["explicit_http_config"]  # HTTP/1.1, as before
+
+
 def test_the_listener_does_not_share_its_port():
     listener = build_bootstrap(parse_config({}))["static_resources"]["listeners"][0]
     assert listener["enable_reuse_port"] is False

@@ -56,6 +56,13 @@ from llamaswap.envoy.contract import (
 from llamaswap.envoy.overload import heap_budget, overload_manager
 
 UPSTREAM_CLUSTER = "llm_upstream"
+# One request per upstream connection. llama-server (cpp-httplib) gives each open connection one
+# of its HTTP threads (--threads-http; the default is --parallel + 4 in the version tested) until
+# the connection closes, 5 s after its last request; Envoy keeps a pool per worker, so with W
+# workers and N slots it may hold W x N idle connections: past the upstream's threads, a granted
+# request's new connection waited unread for up to 5 s (and so did the sidecar's own asks). A new
+# loopback connection per request costs about 0.4 ms of handoff (bench/README.md, slots).
+UPSTREAM_REQUESTS_PER_CONNECTION = 1
 SIDECAR_GRPC_CLUSTER = "llamaswap_grpc"
 SIDECAR_ADMIN_CLUSTER = "llamaswap_admin"
 OTLP_CLUSTER = "otlp_collector"
@@ -100,7 +107,8 @@ def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
 
 
 def _cluster(name: str, host: str, port: int, *, http2: bool = False, buffer_bytes: int | None = None,
-             max_requests: int | None = None, tls_sni: str | None = None) -> dict[str, Any]:
+             max_requests: int | None = None, tls_sni: str | None = None,
+             requests_per_connection: int | None = None) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
@@ -121,6 +129,13 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = False, buffer_byt
                     "initial_stream_window_size": 16 * 1024 * 1024,
                     "initial_connection_window_size": 64 * 1024 * 1024,
                 }}),
+        }
+    elif requests_per_connection is not None:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                common_http_protocol_options={"max_requests_per_connection": requests_per_connection},
+                explicit_http_config={"http_protocol_options": {}}),
         }
     if buffer_bytes is not None:
         cluster["per_connection_buffer_limit_bytes"] = buffer_bytes
@@ -328,7 +343,8 @@ def build_bootstrap(
     )
     clusters = [
         _cluster(UPSTREAM_CLUSTER, upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,
-                 max_requests=1024, tls_sni=upstream.host if upstream.tls else None),
+                 max_requests=1024, tls_sni=upstream.host if upstream.tls else None,
+                 requests_per_connection=UPSTREAM_REQUESTS_PER_CONNECTION),
         # failOpen: ext_authz fails open on any error, the circuit breaker's overflow too, so a
         # flood would pass unscheduled; the breaker is lifted and the sidecar refuses past the
         # limit itself (429). Without failOpen an overflow is a 503, which is what it should be.
