@@ -7,7 +7,7 @@ leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 from __future__ import annotations
 
 import pytest
-from flow import PEER, FakeUpstream, Flow, router, virtual_time
+from flow import PEER, FakeUpstream, Flow, Request, router, virtual_time
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
 from llamaswap.core import Outcome
@@ -120,15 +120,21 @@ async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
     assert a3.granted and len(flow.recorder.settles) == 1
 
 
-@virtual_time
-async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one() -> None:
-    """Unloading the model (router mode's stop) would cut a2 too: a1 is stopped once a2 ended."""
-    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": 60},
+async def _abandoned_beside_another(*, settle_timeout_s: float) -> tuple[Flow, Request, Request]:
+    """abandonedGeneration: stop, two slots: a1's client left while a2 runs beside it and a3 waits."""
+    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": settle_timeout_s},
                  "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
     await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    return flow, a2, a3
+
+
+@virtual_time
+async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one() -> None:
+    """Unloading the model (router mode's stop) would cut a2 too: a1 is stopped once a2 ended."""
+    flow, a2, a3 = await _abandoned_beside_another(settle_timeout_s=60)
     await flow.advance(5)
     assert flow.upstream.stop_calls == [] and a2.outcome is None and a3.waiting
     await flow.complete(a2)
@@ -141,12 +147,7 @@ async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one()
 
 @virtual_time
 async def test_stop_never_cuts_a_generation_granted_beside_it_even_at_the_deadline() -> None:
-    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": 2},
-                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
-    a1 = await flow.arrive("a1", model="a")
-    a2 = await flow.arrive("a2", model="a")
-    a3 = await flow.arrive("a3", model="a")
-    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    flow, a2, a3 = await _abandoned_beside_another(settle_timeout_s=2)
     await flow.advance(2 + SETTLE_POLL_MAX_S)
     assert flow.upstream.stop_calls == [] and a2.outcome is None
     assert a3.granted and not a3.ticket.decision.load  # the deadline freed the slot; the model stayed

@@ -376,7 +376,7 @@ class Coordinator:
             self._asking_slots = False
         if learnt is None:
             _log.info("upstream.slots: auto: the upstream does not say how many slots %s; scheduling with %d",
-                      f"model {model} has" if model else "it has", self._slots_guess())
+                      f"model {model} has" if model else "it has", self.scheduler.policy.slots.default)
             return
         self._learnt_slots[model] = learnt
         slots = config.slots(self._learnt_slots)
@@ -389,9 +389,6 @@ class Coordinator:
                   f" of model {model}" if model else "")
         if self._config is config:
             self.reconfigure(config)
-
-    def _slots_guess(self) -> int:
-        return self.scheduler.policy.slots.default
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
