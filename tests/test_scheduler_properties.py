@@ -13,6 +13,12 @@ slot rules on their own, beside the reference: never more grants than the slots 
 they run on, never two models, a grant that loads a model only when nothing runs, a reserved
 slot only to an interactive request (non-interactive ones never hold more than slots - reserved),
 and no grant while a better request waits for a swap.
+
+Whatever the request's path: requests also arrive as llama-server would take them (a GET whose
+query loads a model, a model unload or load, a body's model), turned into what the scheduler sees
+by the sidecar's own rule (`adapters.ext_authz.scheduled_as`); what each does at the upstream is
+written beside it here, by hand, and no grant ever runs beside a grant of another model or
+beside an unload, and a grant that loads a model is made only when nothing runs.
 (`tests/test_scheduler_legacy.py` checks that one slot is the scheduler as it was.)
 """
 
@@ -26,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import llamaswap.core.scheduler as scheduler_module
+from llamaswap.adapters.ext_authz import scheduled_as
 from policies import fifo, serial
 from reference import ReferenceScheduler, RefPolicy, float_close
 
@@ -89,6 +96,32 @@ slotted_fifo = st.builds(
     st.dictionaries(st.sampled_from(MODELS), st.one_of(st.integers(-200, 200), st.integers(INT64_MIN, INT64_MAX))),
     max_waits, slot_settings(),
 )
+# Requests by path, with what each makes router-mode llama-server do, written out by hand: the
+# model it uses or loads (None: none) and whether it unloads that model. (method, path, body's
+# model, what it uses or loads, unloads)
+PathRequest = tuple[str, str, "str | None", "str | None", bool]
+
+
+@st.composite
+def path_requests(draw, models) -> PathRequest:
+    model = draw(st.sampled_from(MODELS), label="named model")
+    body = draw(models, label="body model")
+    return draw(st.sampled_from([
+        ("GET", f"/props?model={model}", None, model, False),
+        ("GET", f"/slots?model={model}", None, model, False),
+        ("GET", f"/metrics?model={model}&x=1", None, model, False),
+        ("GET", f"/v1/models/x?model={model}", None, model, False),
+        ("GET", f"/slots?model={model}&autoload=false", None, None, False),  # loads nothing
+        ("GET", f"/props?autoload=0&model={model}", None, None, False),
+        ("GET", "/slots", None, None, False),
+        ("POST", "/models/unload", model, model, True),
+        ("POST", "/models/unload?x=1", model, model, True),
+        ("POST", "/models/load", model, model, False),
+        ("POST", f"/v1/chat/completions?model={model}", body, body if body is not None else model, False),
+        ("POST", "/v1/completions", body, body, False),
+    ]), label="request")
+
+
 # Interactive and non-interactive requests in about equal numbers, so reserved slots matter.
 slot_priorities = st.one_of(st.sampled_from(ANCHORS), st.integers(40, 60), st.integers(-20, 20), priorities)
 
@@ -107,6 +140,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.real: Scheduler | None = None
         self.ref: ReferenceScheduler | None = None
         self.count = 0
+        # What each request does at the upstream: (the model it uses or loads, unloads it).
+        self.effects: dict[str, tuple[str | None, bool]] = {}
         self._saved_slack = scheduler_module._COMPACT_SLACK
         self._shrunk = False  # a reconfiguration left more grants running than slots
 
@@ -145,6 +180,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         queued = self.real.enqueue(rid, prio, model)
         assert queued.depth == self.ref.enqueue(rid, priority, model)
         assert queued.arrival_ns == self.clock.now_ns()
+        self.effects[rid] = (model, False)
+
+    @rule(data=st.data())
+    def enqueue_by_path(self, data):
+        method, path, body, uses, unloads = data.draw(path_requests(type(self).models), label="path request")
+        scheduled = scheduled_as(method, path, body)
+        priority = data.draw(type(self).priorities, label="priority")
+        self.clock.set_ns(self.clock.now_ns() + data.draw(type(self).gaps, label="gap"))
+        self.count += 1
+        rid = f"r{self.count}"
+        event(f"enqueue_by_path: {method} {path.split('?')[0]}")
+        prio = parse_priority(str(priority))
+        queued = self.real.enqueue(rid, prio, scheduled.model, alone=scheduled.alone)
+        assert queued.depth == self.ref.enqueue(rid, priority, scheduled.model, scheduled.alone)
+        self.effects[rid] = (uses, unloads)
 
     @rule(data=st.data())
     def advance(self, data):
@@ -197,7 +247,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.real.release(decision.request_id)
             self.ref.release(decision.request_id)
 
-    @rule(data=st.data(), model_loaded=st.booleans(), reached_upstream=st.booleans())
+    @rule(data=st.data(), model_loaded=st.sampled_from([True, False, None]), reached_upstream=st.booleans())
     def release(self, data, model_loaded, reached_upstream):
         if not self.ref.grants:
             with pytest.raises(UnknownRequest):
@@ -270,7 +320,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.previous_model == ref.previous_model
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
-        assert (real.slots_busy, real.reserved_slot) == (ref.slots_busy, ref.reserved_slot)
+        assert (real.slots_busy, real.reserved_slot, real.alone) == (ref.slots_busy, ref.reserved_slot, ref.alone)
         assert self.real.slots_total == self.ref.total_slots()
         self._slot_rules(real, ranked, loaded_before, busy_before)
         return real
@@ -285,6 +335,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             # A model loads only with nothing running: the running drain before a swap.
             assert not decision.model_load
             assert decision.model is None or decision.model == loaded_before
+            assert not decision.alone  # an unload only with nothing running
         # Non-interactive work uses at most slots - reserved: the reserved ones go to interactive work only.
         non_interactive = sum(1 for d in self.real.running_grants if d.band is not Band.INTERACTIVE)
         if decision.band is not Band.INTERACTIVE:
@@ -323,6 +374,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.real.slots_busy <= self.real.policy.slots.of(named.pop()) or self._shrunk
         if self.real.policy.slots.single:
             assert self.real.slots_busy <= 1 or self._shrunk
+
+    @invariant()
+    def one_model_at_the_upstream_whatever_the_path(self):
+        """What the running grants do at the upstream, by their paths: one model, and nothing
+        beside an unload."""
+        if self.real is None:
+            return
+        effects = [self.effects[d.request_id] for d in self.real.running_grants]
+        used = {model for model, _ in effects if model is not None}
+        assert len(used) <= 1, f"two models at the upstream at once: {used}"
+        if any(unloads for _, unloads in effects):
+            assert len(effects) == 1, "a grant beside an unload"
 
     @rule()
     def snapshot_ranks_like_the_reference(self):

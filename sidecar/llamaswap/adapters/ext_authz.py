@@ -2,7 +2,9 @@
 
 The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`,
 its `max_tokens` (or `max_completion_tokens`, `n_predict`) and `stream` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
-are sent. A grant answers OK with the x-llamaswap-* response headers and the grant's ticket in
+are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
+the body's model, else the model its query names (router-mode llama-server loads it), and an
+unload runs alone. A grant answers OK with the x-llamaswap-* response headers and the grant's ticket in
 dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse in the
 OpenAI error shape. A cancelled Check means the client left while waiting.
 """
@@ -10,7 +12,9 @@ OpenAI error shape. A cancelled Check means the client left while waiting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from urllib.parse import parse_qs
 
 import grpc
 from google.rpc import code_pb2, status_pb2
@@ -29,6 +33,7 @@ from llamaswap.envoy.contract import (
     REQUEST_ID_HEADER,
     STREAM_KEY,
     TICKET_KEY,
+    UNLOAD_PATH,
 )
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.ticket import Arrival, Ticket
@@ -99,6 +104,38 @@ def model_of(request: authz_pb2.CheckRequest) -> str | None:
     return model if 0 < len(model) <= MAX_MODEL_NAME else None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scheduled:
+    """What a request is scheduled as: the model it makes the upstream use or load (None: none),
+    and whether it runs alone (it unloads that model under any generation of it)."""
+
+    model: str | None
+    alone: bool = False
+
+
+def query_model(path: str) -> str | None:
+    """The model a request's query string names for the upstream to load: router-mode
+    llama-server loads the `?model=` of `GET /props`, `/slots`, `/metrics` (and of any GET it
+    routes by the query) unless `autoload` is false or 0. None if it names none."""
+    _, _, query = path.partition("?")
+    if not query:
+        return None
+    params = parse_qs(query, keep_blank_values=True)
+    model = params.get("model", [""])[0]  # the first, as llama-server reads it
+    if not 0 < len(model) <= MAX_MODEL_NAME or params.get("autoload", [""])[0] in ("false", "0"):
+        return None
+    return model
+
+
+def scheduled_as(method: str, path: str, body_model: str | None) -> Scheduled:
+    """The rule that keeps one model at the upstream whatever the request's path: a request is
+    scheduled on the model it makes the upstream use or load, the body's, else the one its
+    query names; `POST /models/unload` (upstream.managementApi: schedule) runs alone, since it
+    ends whatever its model computes (a load is a request for the model it loads)."""
+    model = body_model if body_model is not None else query_model(path)
+    return Scheduled(model, alone=method == "POST" and path.partition("?")[0] == UNLOAD_PATH)
+
+
 def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
     """The output tokens the body asks for: the first of MAX_TOKENS_KEYS that is a positive
     number (json_to_metadata put it there); None when absent or not a count (-1: unlimited)."""
@@ -151,11 +188,12 @@ class Authorization(authz_grpc.AuthorizationServicer):
         replaced = len(request_id) > MAX_REQUEST_ID
         if replaced:  # the ticket, the activity log and every span keep it: bounded
             request_id = http.id
+        scheduled = scheduled_as(http.method, http.path, model_of(request))
         return Arrival(
             request_id=request_id,
             priority_header=headers.get(PRIORITY_HEADER),
             trusted_header=headers.get(trusted_header) if trusted_header else None,
-            model=model_of(request),
+            model=scheduled.model,
             peer=context.peer(),
             trace_parent=trace_parent if isinstance(trace_parent, str) else None,
             trace_state=trace_state if isinstance(trace_state, str) else None,
@@ -164,4 +202,5 @@ class Authorization(authz_grpc.AuthorizationServicer):
             max_tokens=max_tokens_of(request),
             streamed=streamed_of(request),
             request_id_replaced=replaced,
+            alone=scheduled.alone,
         )

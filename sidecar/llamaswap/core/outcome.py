@@ -62,11 +62,16 @@ _MODEL_STAYS_LOADED = frozenset({
 })
 
 
-def model_stays_loaded(outcome: Outcome, status: int | None) -> bool:
+def model_stays_loaded(outcome: Outcome, status: int | None) -> bool | None:
     """Whether a grant that ended with `outcome` (and the upstream's HTTP `status`, None if not
-    known) leaves its model loaded: the upstream answered it successfully (200..399) or was still
-    generating for it. A failure, or a grant that never reached the upstream, says nothing is
-    known to be loaded. The runtime's releases and the simulator's replay both follow this."""
+    known) leaves its model loaded: True if the upstream answered it successfully (200..399) or
+    was still generating for it; False after a failure (nothing is known to be loaded); None
+    when the answer says nothing about the model (a 4xx: the request was refused, a prompt too
+    long, an unknown path), so what the scheduler believed stays, except that a model this grant
+    was to load is not known to have loaded (`Scheduler.release`). The runtime's releases and
+    the simulator's replay both follow this."""
     if outcome is Outcome.SERVED:
+        if status is not None and 400 <= status < 500:
+            return None
         return status is None or 200 <= status < 400
     return outcome in _MODEL_STAYS_LOADED

@@ -22,6 +22,9 @@ Invariants, enforced here:
 - at most ``slots`` requests hold a grant, and the models they name are one model: a grant
   that needs another model (a swap, or a load from nothing known loaded) is made only when
   nothing runs;
+- a request that runs alone (``enqueue(alone=True)``: it changes what the upstream has loaded
+  under any generation, as llama-server's model unload does) is granted only when nothing runs,
+  and nothing is granted beside it;
 - a request is either waiting, running, or gone; never two at once;
 - the dispatch order shown by ``snapshot`` is the order ``next`` grants in when the grants are
   taken one at a time, because both use the same ``_pick`` (with several slots, a reserved
@@ -196,10 +199,10 @@ class Policy:
 
 class _Entry:
     __slots__ = ("request_id", "seq", "priority", "base", "model", "priority_model", "arrival_ns", "alive",
-                 "older", "newer")
+                 "older", "newer", "alone")
 
     def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
-                 arrival_ns: int, priority_model: str | None = None) -> None:
+                 arrival_ns: int, priority_model: str | None = None, alone: bool = False) -> None:
         self.request_id = request_id
         self.seq = seq
         self.priority = priority
@@ -208,6 +211,7 @@ class _Entry:
         self.priority_model = priority_model if priority_model is not None else model  # models.<id>.priority
         self.arrival_ns = arrival_ns
         self.alive = True
+        self.alone = alone  # granted only when nothing runs, and nothing beside it
         # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
         # from the oldest meets only waiting requests.
         self.older: _Entry | None = None
@@ -303,6 +307,9 @@ class Decision:
     # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
     # request that had used up its share of the slots.
     reserved_slot: bool = False
+    # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
+    # beside it. It loads nothing (neither `load` nor `swap`).
+    alone: bool = False
 
     @property
     def queue_wait_ns(self) -> int:
@@ -397,9 +404,19 @@ class QueueSnapshot:
     slots_busy: int  # len(grants)
 
 
-# A model load begun by a grant (a load or a swap), while no grant on it has reached the
-# upstream: a box holding the model loaded before it, compared by identity.
-_Load = tuple[str | None]
+class _Load:
+    """A model load begun by a grant (a load or a swap) that no release has confirmed yet:
+    the model loaded before it, and whether a grant on it reached the upstream and got an
+    answer that said nothing about the model (then, unconfirmed, the load may or may not have
+    happened). Compared by identity."""
+
+    __slots__ = ("previous", "unsure")
+
+    def __init__(self, previous: str | None) -> None:
+        self.previous = previous
+        self.unsure = False
+
+
 # A running grant: the request, why it won, and the load it ran on (if one was pending).
 _Grant = tuple[_Entry, Decision, _Load | None]
 
@@ -527,12 +544,15 @@ class Scheduler:
     # -- commands ------------------------------------------------------------------------
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
-                priority_model: str | None = None) -> Queued:
+                priority_model: str | None = None, alone: bool = False) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time.
 
         ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
         whose per-model priority it gets, which differs where a single-model upstream puts every
-        request on its one model whatever name the client sent."""
+        request on its one model whatever name the client sent. ``alone``: it changes what the
+        upstream has loaded under any generation (an unload of ``model``): granted only when
+        nothing runs, nothing is granted beside it, and it loads nothing (its release says
+        whether ``model`` is still loaded)."""
         if request_id in self._waiting or request_id in self._grants:
             raise SchedulerError(f"request {request_id!r} is already known")
         depth = len(self._waiting)
@@ -542,7 +562,7 @@ class Scheduler:
         self._seq += 1
         named = priority_model if priority_model is not None else model
         entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
-                       self._clock.now_ns(), named)
+                       self._clock.now_ns(), named, alone)
         self._waiting[request_id] = entry
         self._aged.push(entry)
         if self._plain is not None:
@@ -571,9 +591,10 @@ class Scheduler:
         The dispatch rule. With nothing running, the best request in the order is granted,
         whatever model it needs. While fewer than ``slots`` grants run (the slots of the model
         they run on), the best request is granted at once if it needs the loaded model or no
-        model. If it needs another model (a swap, or a load from nothing known loaded), nothing
-        more is granted: the running grants drain, then the swap goes; lower-scored work of the
-        loaded model never overtakes it (equal scores keep arrival order).
+        model. If it needs another model (a swap, or a load from nothing known loaded), or runs
+        alone, nothing more is granted: the running grants drain, then it goes; lower-scored
+        work of the loaded model never overtakes it (equal scores keep arrival order). Nothing
+        is granted beside a request that runs alone.
 
         Reserved slots: a non-interactive request (priority below ``INTERACTIVE_FLOOR``) starts
         only while fewer than ``slots - reserved`` non-interactive grants run; interactive ones
@@ -581,9 +602,9 @@ class Scheduler:
         and only reserved slots are free (its share is used up), the order is read as if the
         non-interactive requests were not in it: the best interactive request takes the free
         slot if it needs the loaded model or no model, whatever the non-interactive requests
-        ahead of it need (none of them could use that slot); if it needs another model, nothing
-        is granted (an interactive swap waits for the drain, and no lower-scored work overtakes
-        it). Such a grant says ``reserved_slot``.
+        ahead of it need (none of them could use that slot); if it needs another model or runs
+        alone, nothing is granted (an interactive swap waits for the drain, and no lower-scored
+        work overtakes it). Such a grant says ``reserved_slot``.
         """
         if not self._waiting:
             return None
@@ -596,18 +617,18 @@ class Scheduler:
                 return None  # (with one slot, always: nothing more runs beside a grant)
             running_model = self._running_model()
             total = self._slots.of(running_model if running_model is not None else loaded)
-            if busy >= total:
+            if busy >= total or self._alone_runs():
                 return None
             winner = self._pick(aged, loaded)
-            if winner.model is not None and winner.model != loaded:
-                return None  # a swap waits until nothing runs
+            if winner.alone or (winner.model is not None and winner.model != loaded):
+                return None  # a swap (or a request that runs alone) waits until nothing runs
             if winner.priority.value < INTERACTIVE_FLOOR and self._non_interactive() >= total - self._slots.reserved:
                 assert self._reserved is not None  # only reserved slots are free: reserved > 0
                 aged, plain = self._reserved
                 if aged.top() is None:
                     return None
                 winner = self._pick(aged, loaded)
-                if winner.model is not None and winner.model != loaded:
+                if winner.alone or (winner.model is not None and winner.model != loaded):
                     return None
                 reserved_slot = True
         else:
@@ -621,6 +642,8 @@ class Scheduler:
         overtook = self._overtaken_by(winner)
         self._remove(winner)
         model = winner.model
+        alone = winner.alone
+        loads = model is not None and not alone and model != loaded
         # `_affinity` and `_aging`, inline: this runs once per grant.
         affinity = self._bonus if model is not None and model == loaded else 0
         divisor = self._divisor_ns
@@ -636,44 +659,55 @@ class Scheduler:
             model=model,
             swap_affinity=affinity > 0,
             aging=aging,
-            load=model is not None and loaded is None,
-            swap=model is not None and loaded is not None and model != loaded,
+            load=loads and loaded is None,
+            swap=loads and loaded is not None,
             previous_model=loaded,
             reordered_by=frozenset(reasons),
             overtook=overtook,
             queue_depth_after=len(self._waiting),
             slots_busy=busy + 1,
             reserved_slot=reserved_slot,
+            alone=alone,
         )
         load = None
-        if model is not None:
-            if model != loaded:  # only with nothing running: a load of its own
-                self._load = (loaded,)
+        if model is not None and not alone:
+            if loads:  # only with nothing running: a load of its own
+                self._load = _Load(loaded)
                 self._loaded_model = model
             load = self._load
         self._grants[winner.request_id] = (winner, decision, load)
         return decision
 
-    def release(self, request_id: str, *, model_loaded: bool = True, reached_upstream: bool = True) -> Released:
+    def release(self, request_id: str, *, model_loaded: bool | None = True,
+                reached_upstream: bool = True) -> Released:
         """End one running request's grant.
 
-        ``model_loaded=False`` says the upstream failed the request, so its model is not known
-        to be loaded: the loaded model becomes unknown until the upstream reports it.
+        ``model_loaded=False`` says the upstream failed the request (or unloaded its model), so
+        its model is not known to be loaded: the loaded model becomes unknown until the upstream
+        reports it. ``model_loaded=None`` says the upstream's answer tells nothing about the
+        model (a 4xx, `core.model_stays_loaded`): what was loaded stays so, unless this grant
+        used a load that no release has confirmed (it may never have happened: a model name the
+        upstream does not know), below.
         ``reached_upstream=False`` says the grant was never used (its client left as it was
         given). A grant that loaded its model, and the grants of that model made while it stayed
-        loaded, are that load's users: when the last of them is released and none reached the
-        upstream, what was loaded before the load still is. (With one slot: a grant that never
-        reached the upstream leaves the model loaded before it.)
+        loaded, are that load's users: when the last of them is released and none confirmed the
+        load, what was loaded before the load still is if none reached the upstream, and nothing
+        is known to be loaded if some did with an answer that said nothing. (With one slot: a
+        grant that never reached the upstream leaves the model loaded before it.)
         """
         grant = self._grants.pop(request_id, None)
         if grant is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         model = grant[0].model
         load = grant[2]
-        if not reached_upstream:
-            if load is not None and load is self._load and all(other[2] is not load for other in self._grants.values()):
-                self._loaded_model = load[0]
-                self._load = None
+        if not reached_upstream or model_loaded is None:
+            if load is not None and load is self._load:
+                load.unsure = load.unsure or reached_upstream
+                if all(other[2] is not load for other in self._grants.values()):
+                    # Its last user, and none confirmed the load: none reached the upstream (what
+                    # was loaded before still is), or those that did were not told (not known).
+                    self._loaded_model = None if load.unsure else load.previous
+                    self._load = None
         elif not model_loaded and model is not None and self._loaded_model == model:
             self._loaded_model = None
             self._load = None
@@ -775,6 +809,10 @@ class Scheduler:
                 return entry.model
         return None
 
+    def _alone_runs(self) -> bool:
+        """A running grant runs alone: nothing more is granted until it ends."""
+        return any(entry.alone for entry, _, _ in self._grants.values())
+
     def _non_interactive(self) -> int:
         """Running grants below the interactive band: they hold the non-interactive share."""
         return sum(1 for entry, _, _ in self._grants.values() if entry.priority.value < INTERACTIVE_FLOOR)
@@ -791,7 +829,7 @@ class Scheduler:
             pick = self._pick(index, loaded, taken)
             taken.add(pick.seq)
             order.append((pick, self._affinity(pick, loaded)))
-            if pick.model is not None:
+            if pick.model is not None and not pick.alone:
                 loaded = pick.model
         return order
 

@@ -14,7 +14,7 @@ from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
-    "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY",
+    "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY", "UNLOAD_PATH",
     "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
 ]
@@ -42,8 +42,10 @@ BYPASS_PATHS = ("/health", "/v1/models")
 # In router mode `GET /props?model=X` LOADS X (and unloads another with --models-max 1); with
 # autoload=false, as llama.cpp's web UI asks, it answers 400 "model is not loaded" instead.
 PROPS_PATH = "/props"
-# llama-server's management API (upstream.managementApi): loads run on after their answer.
-MANAGEMENT_PATHS = ("/models/load", "/models/unload")
+# llama-server's management API (upstream.managementApi): loads run on after their answer. An
+# unload ends whatever its model computes, so it is scheduled to run alone.
+UNLOAD_PATH = "/models/unload"
+MANAGEMENT_PATHS = ("/models/load", UNLOAD_PATH)
 MANAGEMENT_PREFIXES = ("/slots/",)  # POST /slots/N?action=save|restore|erase
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"

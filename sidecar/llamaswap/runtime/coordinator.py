@@ -21,7 +21,11 @@ Invariants enforced here (the other rooms of the runtime serve them and change n
 - an adopted exchange is held like a grant: `maxRunSeconds` applies to it (from the exchange's
   start) and an end that may leave the upstream computing is followed by a settle;
 - a release tells the scheduler whether the model stays loaded by one rule,
-  `core.model_stays_loaded`, which the simulator's replay follows too;
+  `core.model_stays_loaded`, which the simulator's replay follows too (an unload says it is
+  not; a single-model upstream's one model always is);
+- whatever can free a slot or change the best waiting request re-runs the grant decision
+  (`_pump`): a release, a waiting request that leaves or expires, a reload, a settle's end,
+  an adoption's end;
 - the runtime decides outcomes; how they look over HTTP is the adapters' business.
 
 Elsewhere: the model catalog checks (`catalog.py`), the queue views (`views.py`).
@@ -237,7 +241,8 @@ class Coordinator:
         if single is not None:
             ticket.schedule_model = single
         try:
-            queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model)
+            queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model,
+                                            alone=ticket.alone)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
@@ -294,12 +299,13 @@ class Coordinator:
         end here first, so that the release below cannot grant the GPU to one of them (a grant
         nobody would use, holding the GPU until its lease lapsed)."""
         for ticket in [t for t in self._tickets.values() if t.peer == peer and t.state is TicketState.WAITING]:
-            self._check_cancelled(ticket)
+            self._check_cancelled(ticket, pump=False)
         for running in [t for t in self._running if t.peer == peer]:
             if running.state is TicketState.RUNNING and running.token in self._leases.running:
                 _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
                              peer, running.request_id)
                 self._release(running, Outcome.PROXY_GONE, abandoned=True)
+        self._pump()  # the requests that left may have been the best: the next best may go now
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -393,8 +399,12 @@ class Coordinator:
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
         self._catalog.latest = catalog
-        if catalog.loaded_known and self.scheduler.set_loaded_model(catalog.loaded, as_of=as_of):
-            self._changed()
+        # A single-model upstream has its one model loaded whenever it answers.
+        single = self._catalog.single_model()
+        if catalog.loaded_known or single is not None:
+            loaded = catalog.loaded if catalog.loaded_known else single
+            if self.scheduler.set_loaded_model(loaded, as_of=as_of):
+                self._changed()
         router = catalog.kind is UpstreamKind.ROUTER
         model = catalog.loaded if router else None
         configured = model is not None and model in self._config.models and self._config.models[model].slots
@@ -451,6 +461,10 @@ class Coordinator:
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         model_loaded = model_stays_loaded(outcome, ticket.response_status)
+        if ticket.alone:
+            model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
+        elif self._catalog.single_model() is not None:
+            model_loaded = True  # one model that nothing unloads: a failure changes nothing there
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self._leases.running.pop(ticket.token, None)
         watchdog = self._watchdogs.pop(ticket.token, None)
@@ -529,11 +543,14 @@ class Coordinator:
             return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
         return Refusal(outcome or Outcome.INTERNAL_ERROR)
 
-    def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING) -> None:
+    def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING, *,
+                         pump: bool = True) -> None:
         if ticket.state is TicketState.WAITING:
             removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
+            if pump:
+                self._pump()  # it may have been the best (a swap that held the rest back)
         elif ticket.state is TicketState.RUNNING and self._leases.running.get(ticket.token) is ticket:
             # Granted in the same instant the client left (or admission failed): the OK never
             # reached Envoy, so nothing reached the upstream either.
@@ -722,6 +739,7 @@ class Coordinator:
             if ticket is not None:
                 self._finish(ticket, Outcome.EXPIRED, removed.removed_ns)
         self._arm_expiry()
+        self._pump()  # an expired request may have been the best (a swap that held the rest back)
 
     # -- internals: Retry-After and estimates ---------------------------------------------
 

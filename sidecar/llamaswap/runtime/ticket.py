@@ -66,6 +66,8 @@ class Arrival:
     max_tokens: int | None = None  # output tokens the body asks for (max_tokens, n_predict, ...)
     streamed: bool = False  # the body asks for a streamed response ("stream": true)
     request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
+    # It unloads `model` (llama-server's POST /models/unload): it runs alone (`Scheduler.enqueue`).
+    alone: bool = False
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).
@@ -113,7 +115,7 @@ class Ticket:
         "token", "request_id", "priority", "model", "peer", "trace_parent", "trace_state",
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
-        "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced",
+        "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -143,6 +145,7 @@ class Ticket:
         self.path = arrival.path
         self.max_tokens = arrival.max_tokens
         self.streamed = arrival.streamed
+        self.alone = arrival.alone
         # The model the scheduler and the estimates key on: the client's, except where the
         # upstream serves one model whatever the name (then every request is on the loaded one).
         self.schedule_model = arrival.model

@@ -20,8 +20,9 @@ How each request behaves:
   other client waits as long as the simulated ``maxWaitSeconds`` lets it;
 - a granted request ends as it did in reality if it ran then (served, upstream_error, ...), else
   it is served; its release tells the scheduler whether the model stays loaded by the
-  runtime's own rule, ``core.model_stays_loaded`` (not after an upstream error or a status
-  outside 200..399; still loaded after a client left mid-run, the watchdog or a lapsed lease);
+  runtime's own rule, ``core.model_stays_loaded`` (not after an upstream error; unchanged by a
+  4xx, except that a load no grant confirmed is then not known to have happened; still loaded
+  after a client left mid-run, the watchdog or a lapsed lease);
 - ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
 
 Slots (the policy's `Slots`): up to that many grants run at once, as the scheduler grants them.

@@ -23,7 +23,7 @@ class Request:
     settle_ns: int
     recorded_load: bool
     granted_outcome: Outcome
-    model_loaded: bool  # what the release tells the scheduler
+    model_loaded: bool | None  # what the release tells the scheduler (None: the answer said nothing)
 
 
 @dataclasses.dataclass(slots=True)
