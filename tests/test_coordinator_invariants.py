@@ -86,6 +86,22 @@ async def test_a_refusal_leaves_the_model_loaded_and_the_next_grant_is_no_load()
 
 
 @virtual_time
+async def test_a_refusal_beside_the_grant_that_loads_the_model_does_not_undo_the_load() -> None:
+    """Nothing loaded: a1 loads model a, a2 runs on that load and is refused. a1 still runs on
+    it, so the model stays believed loaded and a3 takes the free slot."""
+    flow = slots_flow(3, upstream=FakeUpstream(router("a", "b", loaded=None)))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    assert a1.ticket.decision.load and a2.granted
+    await flow.complete(a2, 400)
+    a3 = await flow.arrive("a3", model="a")
+    assert a3.granted and not a3.ticket.decision.model_load
+    await flow.complete(a1)
+    await flow.complete(a3)
+    assert flow.coordinator.scheduler.loaded_model == "a"
+
+
+@virtual_time
 async def test_a_refused_load_leaves_nothing_known_loaded() -> None:
     """A 4xx to the grant that loaded its model says nothing about whether the load happened."""
     flow = slots_flow(upstream=FakeUpstream(router("a", "b", loaded="a")))
