@@ -4,9 +4,9 @@ The Check carries no body: Envoy's json_to_metadata filter has already put the b
 its `max_tokens` (or `max_completion_tokens`, `n_predict`) and `stream` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
 are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
 the body's model, else the model its query names (router-mode llama-server loads it), and an
-unload runs alone. A grant answers OK with the x-llamaswap-* response headers and the grant's ticket in
-dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse in the
-OpenAI error shape. A cancelled Check means the client left while waiting.
+unload runs alone. A grant answers OK with the x-llamaswap-* response headers and the grant's
+ticket in dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse
+in the OpenAI error shape. A cancelled Check means the client left while waiting.
 """
 
 from __future__ import annotations
