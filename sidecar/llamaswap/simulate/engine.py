@@ -23,7 +23,10 @@ How each request behaves:
   runtime's own rule, ``core.model_stays_loaded`` (not after an upstream error; unchanged by a
   4xx, except that a load no grant confirmed is then not known to have happened; still loaded
   after a client left mid-run, the watchdog or a lapsed lease);
-- ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed.
+- ``rejected_unknown_model``, ``internal_error`` and ``shutdown`` records are not replayed;
+- the replay starts with the model loaded that the recording's first grant found loaded (when
+  the log records grant times and that grant was no load: a single-model upstream's model is
+  loaded from the start); otherwise with nothing loaded.
 
 Slots (the policy's `Slots`): up to that many grants run at once, as the scheduler grants them.
 A grant's time is its solo time (the records given are solo: ``concurrency.as_solo``); while n
@@ -191,6 +194,13 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
+    # The replay starts with what the recording started with: a first recorded grant that did
+    # not load its model found it loaded (a single-model upstream's one model always is).
+    # Records without a grant time (older logs, synthetic workloads) start from nothing loaded.
+    first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None),
+                key=lambda r: (r.record.granted_ms, r.index), default=None)
+    if first is not None and not first.recorded_load and first.record.model is not None:
+        scheduler.set_loaded_model(first.record.model, as_of=scheduler.dispatches)
     ids = [str(r.index) for r in requests]
     results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, r.record.priority_model)) for r in requests]
     # The loop runs once per event: everything it reads per request or per model is looked up
