@@ -2,13 +2,14 @@
 on the fake clock (tests/flow.py): a request is scheduled as what it loads or unloads (a query's
 ?model=, a management body), a 4xx leaves the model loaded (and a single-model upstream's one
 model always is), and whatever can free a slot or change the best request re-runs the grant
-decision (a waiting request that leaves or expires, an Envoy connection that goes)."""
+decision (a waiting request that leaves or expires, an Envoy connection that goes, a reload)."""
 
 from __future__ import annotations
 
 from flow import FakeUpstream, Flow, Request, check_request, router, single, virtual_time
 
 from llamaswap.adapters.ext_authz import Scheduled, query_model, scheduled_as
+from llamaswap.config import parse_config
 from llamaswap.core import Outcome
 from llamaswap.runtime.ticket import ExchangeEnd
 
@@ -161,3 +162,28 @@ async def test_a_gone_envoy_connection_ends_its_waiting_checks_before_the_next_g
     assert b.outcome is gone.outcome is Outcome.CANCELLED_WAITING
     assert a2.granted and gone.ticket.decision is None
     await flow.end(a1, ExchangeEnd.COMPLETE, 200)
+
+
+@virtual_time
+async def test_a_reload_that_adds_slots_grants_at_once() -> None:
+    flow = slots_flow(1)
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    assert a1.granted and a2.waiting
+    flow.coordinator.reconfigure(parse_config({"upstream": {"slots": 2}, "envoy": LONG_LEASE}))
+    await flow.idle()
+    assert a2.granted and a1.outcome is None
+
+
+@virtual_time
+async def test_a_reload_that_makes_the_swap_no_longer_the_best_grants_at_once() -> None:
+    """fifo: b (a swap) is ahead by arrival until a reload lowers model b's priority."""
+    fifo = {"upstream": {"slots": 2}, "envoy": LONG_LEASE, "routing": {"scheduler": {"use": "fifo"}}}
+    flow = Flow(fifo, upstream=FakeUpstream(router("a", "b", loaded="a")))
+    a1 = await flow.arrive("a1", model="a")
+    b = await flow.arrive("b", model="b")
+    a2 = await flow.arrive("a2", model="a")
+    assert a1.granted and b.waiting and a2.waiting
+    flow.coordinator.reconfigure(parse_config({**fifo, "models": {"b": {"priority": -100}}}))
+    await flow.idle()
+    assert a2.granted and b.waiting
