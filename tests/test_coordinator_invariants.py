@@ -122,6 +122,12 @@ async def test_a_single_model_upstreams_model_stays_loaded_after_a_failure() -> 
     assert failed.outcome is Outcome.UPSTREAM_ERROR
     a2 = await flow.arrive("a2", model="m")
     assert a2.granted and not a2.ticket.decision.model_load
+    unload = await via_envoy(flow, "unload", "POST", "/models/unload", model="m")  # (llama-server: 404)
+    await flow.complete(a1)
+    await flow.complete(a2)
+    assert unload.granted
+    await flow.complete(unload, 404)
+    assert flow.coordinator.scheduler.loaded_model == "m"
 
 
 async def _swap_holds_back_a2(flow: Flow) -> tuple[Request, Request, Request]:

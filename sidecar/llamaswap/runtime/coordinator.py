@@ -461,10 +461,10 @@ class Coordinator:
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         model_loaded = model_stays_loaded(outcome, ticket.response_status)
-        if ticket.alone:
-            model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
-        elif self._catalog.single_model() is not None:
+        if self._catalog.single_model() is not None:
             model_loaded = True  # one model that nothing unloads: a failure changes nothing there
+        elif ticket.alone:
+            model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self._leases.running.pop(ticket.token, None)
         watchdog = self._watchdogs.pop(ticket.token, None)
