@@ -101,6 +101,25 @@ async def test_an_unload_waits_for_its_models_generations_and_runs_alone(tmp_pat
         assert records["a2"]["load"]  # model-a was unloaded: a2 loaded it again
 
 
+async def test_a_load_of_another_model_waits_like_a_swap(tmp_path: pathlib.Path) -> None:
+    """upstream.managementApi: schedule. `POST /models/load {"model": "model-b"}` is a request
+    for model-b: it waits for model-a's generations (this one held already on main: the body
+    names the model)."""
+    fake = FakeLlamaServer(router=True, loaded="model-a", slots=2)
+    config = {**SLOTS_2, "upstream": {"slots": 2, "managementApi": "schedule"}}
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        async with aiohttp.ClientSession() as session:
+            a1 = await start_blocker(stack, session, "a1", model="model-a")
+            load = asyncio.create_task(_send(session, "POST", f"{stack.url}/models/load", "load", {"model": "model-b"}))
+            await _seen(stack, "load")
+            assert "load" not in fake.order()
+            fake.release("a1")
+            replies = [await a1, await load]
+        assert [reply.status for reply in replies] == [200, 200]
+        hits = {hit.test_id: hit for hit in fake.hits}
+        assert hits["load"].loaded and hits["a1"].end_ns <= hits["load"].start_ns
+
+
 @pytest.mark.parametrize(("router", "status"), [(True, 400), (True, 404), (False, 400), (False, 500)])
 async def test_a_refused_request_leaves_its_model_loaded(tmp_path: pathlib.Path, router: bool, status: int) -> None:
     """A 4xx says nothing about the model, and a single-model upstream's one model stays loaded
