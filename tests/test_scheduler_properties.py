@@ -110,7 +110,6 @@ def path_requests(draw, models) -> PathRequest:
         ("GET", f"/props?model={model}", None, model, False),
         ("GET", f"/slots?model={model}", None, model, False),
         ("GET", f"/metrics?model={model}&x=1", None, model, False),
-        ("GET", f"/v1/models/x?model={model}", None, model, False),
         ("GET", f"/slots?model={model}&autoload=false", None, None, False),  # loads nothing
         ("GET", f"/props?autoload=0&model={model}", None, None, False),
         ("GET", "/slots", None, None, False),
