@@ -115,8 +115,9 @@ class Scheduled:
 
 def query_model(path: str) -> str | None:
     """The model a request's query string names for the upstream to load: router-mode
-    llama-server loads the `?model=` of `GET /props`, `/slots`, `/metrics` (and of any GET it
-    routes by the query) unless `autoload` is false or 0. None if it names none."""
+    llama-server loads the `?model=` of `GET /props`, `/slots`, `/metrics` unless `autoload` is
+    false or 0 (any other path naming one is taken at its word: scheduling on a model is the
+    safe side). None if it names none."""
     _, _, query = path.partition("?")
     if not query:
         return None
