@@ -34,7 +34,7 @@ from llamaswap.config.sections import (
 )
 from llamaswap.config.types import AbandonedGeneration, HostPort, ManagementApi, ModelCheck
 from llamaswap.core.priority import PriorityMode
-from llamaswap.core.scheduler import PolicyName
+from llamaswap.core.policy import PolicyName
 
 __all__ = [
     "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "SLOTS_AUTO", "AbandonedGeneration", "ActivityConfig", "Config",

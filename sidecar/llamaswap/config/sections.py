@@ -36,7 +36,7 @@ from llamaswap.config.types import (
     upstream_url,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
-from llamaswap.core.scheduler import InvalidSlots, Policy, PolicyName, Slots
+from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
 
 # The anchors (batch -100, normal 0, interactive 100) sit this far apart. The swap affinity
 # bonus stays below it, so it never lifts a request at one anchor over a request at the next

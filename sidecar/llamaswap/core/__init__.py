@@ -19,25 +19,21 @@ from llamaswap.core.priority import (
     band_of,
     parse_priority,
 )
-from llamaswap.core.scheduler import (
-    NS_PER_S,
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.decisions import (
     Decision,
-    InvalidSlots,
-    Policy,
-    PolicyName,
-    QueueFull,
     Queued,
     QueueSnapshot,
     Released,
     Removed,
     ReorderCause,
     RunningView,
-    Scheduler,
-    SchedulerError,
-    Slots,
-    UnknownRequest,
     WaitingView,
 )
+from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
+from llamaswap.core.policy import Policy, PolicyName
+from llamaswap.core.scheduler import Scheduler
+from llamaswap.core.slots import Slots
 
 __all__ = [
     "BAND_NAMES",

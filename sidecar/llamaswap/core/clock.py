@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Final, Protocol
+
+NS_PER_S: Final = 1_000_000_000
 
 
 class Clock(Protocol):

@@ -19,12 +19,13 @@ Before a model has a measurement the stated defaults apply (`estimates.defaultRu
 the measured swap cost, so that a model that is always swapped in still gets a run estimate.
 
 Estimated starts walk the dispatch order the scheduler's snapshot already simulates, with one
-server per slot: the slot that frees first takes the next request; a request that needs another
-model waits until every slot is free, then holds one for its swap and its run, and the requests
-granted beside it while that model loads begin their runs when the load ends; a non-interactive
-request waits while non-interactive work holds its share (slots - reserved), and an interactive
-one behind it takes a free slot meanwhile (the scheduler's dispatch rule, `Scheduler.next`;
-exact when every grant takes its expected time and swap affinity plays no part). With one slot
+server per slot, asking the grant's own dispatch rule (`dispatch.turn`) at every step: the slot
+that frees first takes the next request; a request that needs another model waits until every
+slot is free, then holds one for its swap and its run, and the requests granted beside it while
+that model loads begin their runs when the load ends; a non-interactive request waits while
+non-interactive work holds its share (slots - reserved), and an interactive one behind it takes
+a free slot meanwhile (exact when every grant takes its expected time and swap affinity plays no
+part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
 cost where the model changes. Pure: no clock, no I/O; times are passed in.
 """
@@ -38,8 +39,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
-from llamaswap.core.priority import Band
-from llamaswap.core.scheduler import QueueSnapshot, Slots
+from llamaswap.core.decisions import QueueSnapshot
+from llamaswap.core.dispatch import Running, Turn, turn
+from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 
@@ -142,11 +144,9 @@ class Estimator:
         one's run (`expected_request_run_s`).
         """
         sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
-        if slots is None or slots.single:
-            return self._serial_starts(models, sizes, loaded=loaded, busy_s=max([busy_s, *remaining_s]))
         flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
         occupied = [(busy_s, False), *zip(remaining_s, flags)]
-        return self._slotted_starts(models, sizes, loaded, occupied, slots, interactive)
+        return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive)
 
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = (),
                   max_tokens: Sequence[int | None] | None = None,
@@ -161,32 +161,27 @@ class Estimator:
                      for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
                            remaining_s=[*remaining, *extra_busy_s],
-                           remaining_interactive=[grant.band is Band.INTERACTIVE for grant in snapshot.grants],
-                           slots=slots, interactive=[w.band is Band.INTERACTIVE for w in snapshot.waiting],
+                           remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
+                           slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
                            max_tokens=max_tokens)
 
-    def _serial_starts(self, models: Sequence[str | None], sizes: Sequence[int | None], *, loaded: str | None,
-                       busy_s: float) -> list[float]:
-        """One slot: each request starts when the one before it ends."""
-        starts: list[float] = []
-        at = busy_s
-        for model, size in zip(models, sizes, strict=True):
-            starts.append(at)
-            if model is not None and model != loaded:
-                at += self.expected_swap_s(model)
-                loaded = model
-            at += self.expected_request_run_s(model, size)
-        return starts
-
-    def _slotted_starts(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
-                        occupied: Sequence[tuple[float, bool]], slots: Slots,
-                        interactive: Sequence[bool] | None) -> list[float]:
-        """Several slots: an event walk of the dispatch rule over the given order."""
+    def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
+              occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None) -> list[float]:
+        """An event walk of the dispatch rule (`dispatch.turn`, the grant's own) over the given
+        order: at each moment the rule says whether the first request not started yet starts,
+        or the first interactive one in a reserved slot, or nothing until the next slot frees."""
         count = len(models)
         starts: list[float | None] = [None] * count
         flags = interactive if interactive is not None else [False] * count
+        waiting = [_Waiting(model, flag) for model, flag in zip(models, flags, strict=True)]
         # The interactive requests in order: the candidates for a reserved slot.
         candidates = deque(i for i in range(count) if flags[i]) if slots.reserved else deque[int]()
+
+        def best_interactive() -> _Waiting | None:
+            while candidates and starts[candidates[0]] is not None:
+                candidates.popleft()
+            return waiting[candidates[0]] if candidates else None
+
         # When each occupied slot frees: interactive work and the rest apart, since only the
         # rest counts against the non-interactive share.
         ends: tuple[list[float], list[float]] = ([], [])  # (non-interactive, interactive)
@@ -203,40 +198,29 @@ class Estimator:
             for heap in ends:
                 while heap and heap[0] <= now:
                     heapq.heappop(heap)
-            busy = len(ends[0]) + len(ends[1])
-            model = models[first]
-            taken = first
-            if model is not None and model != loaded:
-                if busy:  # a swap: every slot drains first
-                    now = max(max(ends[0], default=now), max(ends[1], default=now))
-                    continue
+            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]))
+            verdict = turn(slots, loaded, running, waiting[first], best_interactive)
+            if verdict is Turn.WAIT:  # until the next slot frees
+                now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
+                continue
+            taken = first if verdict is Turn.BEST else candidates.popleft()
+            model = models[taken]
+            if model is not None and model != loaded:  # the rule allows it only with nothing running
                 ready_at = now + self.expected_swap_s(model)
                 loaded = model
-            else:
-                total = slots.of(loaded)
-                choice: int | None = first
-                if busy >= total:
-                    choice = None
-                elif not flags[first] and len(ends[0]) >= total - slots.reserved:
-                    choice = self._reserved_start(models, loaded, candidates, starts)
-                if choice is None:  # wait for the next slot to free
-                    now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
-                    continue
-                taken = choice
             starts[taken] = now
-            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(models[taken], sizes[taken]))
+            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(model, sizes[taken]))
             while first < count and starts[first] is not None:
                 first += 1
         return [start if start is not None else 0.0 for start in starts]
 
-    @staticmethod
-    def _reserved_start(models: Sequence[str | None], loaded: str | None, candidates: deque[int],
-                        starts: Sequence[float | None]) -> int | None:
-        """The interactive request that takes a free reserved slot now, if any: the first
-        interactive request not started yet, if it needs the loaded model or none."""
-        while candidates and starts[candidates[0]] is not None:
-            candidates.popleft()
-        if not candidates:
-            return None
-        model = models[candidates[0]]
-        return candidates.popleft() if model is None or model == loaded else None
+
+class _Waiting:
+    """A waiting request as the walk hands it to the dispatch rule (a `dispatch.Candidate`)."""
+
+    __slots__ = ("model", "interactive")
+    alone = False  # the estimate's order carries no unload
+
+    def __init__(self, model: str | None, interactive: bool) -> None:
+        self.model = model
+        self.interactive = interactive

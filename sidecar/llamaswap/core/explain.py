@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from llamaswap.core.priority import ALIASES, INTERACTIVE_FLOOR, Band
-from llamaswap.core.scheduler import Policy, PolicyName
+from llamaswap.core.policy import Policy, PolicyName
 
 ANCHORS: dict[Band, int] = {Band(name): value for name, value in ALIASES.items()}
 # Lowest first: a band can only need to overtake the bands after it.

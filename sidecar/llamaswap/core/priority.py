@@ -30,6 +30,12 @@ class Band(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def interactive(self) -> bool:
+        """The band the reserved slots are kept for: the one test of "interactive" (a value is
+        in it when `band_of` says so)."""
+        return self is Band.INTERACTIVE
+
 
 BAND_NAMES: tuple[str, ...] = tuple(band.value for band in Band)
 

@@ -14,11 +14,12 @@ per-model heap, so the winner is the better of the top of the global heap and th
 loaded model's heap plus the bonus (`_pick`). Everything is integer nanoseconds, so the
 comparison is exact and equal scores fall back to arrival order.
 
-Slots (`Slots`): the upstream serves several generations of its loaded model at once. The
-dispatch rule is in `Scheduler.next`; with one slot (the default) it is exactly the
-one-grant-at-a-time scheduler this module always was.
+Slots (`slots.py`): the upstream serves several generations of its loaded model at once. The
+dispatch rule is `dispatch.turn`, which the estimates' walk runs too; with one slot (the
+default) it is exactly the one-grant-at-a-time scheduler this module always was. The policy is
+in `policy.py`, the heap indexes in `index.py`, the decision and view types in `decisions.py`.
 
-Invariants, enforced here:
+Invariants, enforced here (by applying `dispatch.turn` to the one record of the grants):
 - at most ``slots`` requests hold a grant, and the models they name are one model: a grant
   that needs another model (a swap, or a load from nothing known loaded) is made only when
   nothing runs;
@@ -36,372 +37,37 @@ Invariants, enforced here:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Final
 
-from llamaswap.core.clock import Clock
-from llamaswap.core.priority import INTERACTIVE_FLOOR, Band, Priority
+from llamaswap.core.clock import NS_PER_S, Clock
+from llamaswap.core.decisions import (
+    OVERTAKEN_LIMIT,
+    BandStats,
+    Decision,
+    Queued,
+    QueueSnapshot,
+    Released,
+    Removed,
+    ReorderCause,
+    RunningView,
+    WaitingView,
+)
+from llamaswap.core.dispatch import IDLE, Running, Turn, slots_in_effect, turn
+from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
+from llamaswap.core.index import Entry, Index, entry_of
+from llamaswap.core.policy import Policy, PolicyName
+from llamaswap.core.priority import Band, Priority
+from llamaswap.core.slots import Slots
 
-NS_PER_S: Final = 1_000_000_000
-# A decision names at most this many of the requests its winner overtook.
-OVERTAKEN_LIMIT: Final = 16
+# The scheduler's names, where they were before the rooms were split (imported from here too).
+__all__ = ["NS_PER_S", "OVERTAKEN_LIMIT", "BandStats", "Decision", "InvalidSlots", "Policy", "PolicyName",
+           "QueueFull", "QueueSnapshot", "Queued", "Released", "Removed", "ReorderCause", "RunningView",
+           "Scheduler", "SchedulerError", "Slots", "UnknownRequest", "WaitingView"]
+
 # Rebuild heaps once dead entries outnumber living ones by this much.
 _COMPACT_SLACK: Final = 1024
-
-
-class SchedulerError(Exception):
-    """Base for every failure the core reports."""
-
-
-class QueueFull(SchedulerError):
-    def __init__(self, depth: int, limit: int) -> None:
-        super().__init__(f"queue is full: {depth} waiting, limit {limit}")
-        self.depth = depth
-        self.limit = limit
-
-
-class UnknownRequest(SchedulerError):
-    """The request is not in the state the command needs (not waiting, or not running)."""
-
-
-class InvalidSlots(SchedulerError):
-    """Slot settings that cannot work: fewer than one slot for a model, a negative reservation,
-    or a reservation that leaves a model no slot for non-interactive work.
-
-    ``model`` names the model whose slots are at fault; None means the default (the slots of
-    every model not listed on its own). The configuration maps this to its key paths.
-    """
-
-    def __init__(self, message: str, *, model: str | None, slots: int, reserved: int) -> None:
-        super().__init__(message)
-        self.model = model
-        self.slots = slots
-        self.reserved = reserved
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Slots:
-    """How many generations of the loaded model run at once, and how many of those slots are kept
-    for the interactive band (priority >= ``INTERACTIVE_FLOOR``).
-
-    ``default`` applies to every model not in ``per_model`` and to requests that name no model
-    while nothing is loaded. Non-interactive requests use at most ``of(model) - reserved`` slots
-    (whatever the interactive ones use), so at every moment at least ``reserved`` slots are idle
-    or serve interactive work; ``reserved`` must be below every model's slots (`InvalidSlots`
-    otherwise). The defaults (one slot, none reserved) are the scheduler as it was before slots
-    existed.
-    """
-
-    default: int = 1
-    per_model: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    reserved: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "per_model", dict(self.per_model))  # a picture, not the caller's dict
-        reserved = self.reserved
-        if not _is_int(reserved) or reserved < 0:
-            raise InvalidSlots(f"reserved slots must be an integer >= 0, not {reserved!r}", model=None,
-                               slots=self.default, reserved=reserved)
-        for model, slots in [(None, self.default), *self.per_model.items()]:
-            name = "the default" if model is None else f"model {model!r}"
-            if not _is_int(slots) or slots < 1:
-                raise InvalidSlots(f"slots of {name} must be an integer >= 1, not {slots!r}", model=model,
-                                   slots=slots, reserved=reserved)
-            if reserved >= slots:
-                raise InvalidSlots(f"{reserved} reserved slots leave {name} ({slots} slots) none for "
-                                   "non-interactive requests: reserve fewer than its slots", model=model,
-                                   slots=slots, reserved=reserved)
-
-    @classmethod
-    def fitted(cls, default: int, per_model: Mapping[str, int], reserved: int) -> Slots:
-        """Slots with ``reserved`` lowered until it is below every model's slots: for slot counts
-        learnt from the upstream, where refusing is no option (compare ``.reserved`` to warn)."""
-        fewest = min([default, *per_model.values()])
-        return cls(default, per_model, max(0, min(reserved, fewest - 1)))
-
-    def of(self, model: str | None) -> int:
-        """The slots of ``model`` (None: the default)."""
-        if model is None:
-            return self.default
-        return self.per_model.get(model, self.default)
-
-    @property
-    def single(self) -> bool:
-        """One slot for every model: the one-grant-at-a-time scheduler."""
-        return self.default == 1 and all(slots == 1 for slots in self.per_model.values())
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class PolicyName(str, enum.Enum):
-    SERIAL = "serial"  # priority + swap affinity + aging
-    FIFO = "fifo"  # the model's configured priority + the header, then arrival
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ReorderCause(str, enum.Enum):
-    """A term of the score that changed which request went next."""
-
-    AGING = "aging"
-    SWAP_AFFINITY = "swap_affinity"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Policy:
-    """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`; the defaults of every
-    setting live in the configuration (`llamaswap.config`), not here."""
-
-    name: PolicyName
-    aging_divisor_s: float
-    swap_affinity_bonus: int
-    # fifo only: the model's configured priority is added to the header's.
-    model_priorities: Mapping[str, int]
-    max_queued: int  # 0: unlimited
-    max_wait_s: float  # 0: wait forever
-    slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
-
-    @classmethod
-    def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
-               max_wait_s: float = 0.0, slots: Slots | None = None) -> Policy:
-        return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s,
-                   slots if slots is not None else Slots())
-
-    @classmethod
-    def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0,
-             slots: Slots | None = None) -> Policy:
-        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
-                   slots if slots is not None else Slots())
-
-    @property
-    def aging_divisor_ns(self) -> int:
-        return round(self.aging_divisor_s * NS_PER_S)
-
-    @property
-    def max_wait_ns(self) -> int:
-        return round(self.max_wait_s * NS_PER_S)
-
-    def base_priority(self, priority: int, model: str | None) -> int:
-        if self.name is PolicyName.FIFO and model is not None:
-            return priority + self.model_priorities.get(model, 0)
-        return priority
-
-
-class _Entry:
-    __slots__ = ("request_id", "seq", "priority", "base", "model", "priority_model", "arrival_ns", "alive",
-                 "older", "newer", "alone")
-
-    def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
-                 arrival_ns: int, priority_model: str | None = None, alone: bool = False) -> None:
-        self.request_id = request_id
-        self.seq = seq
-        self.priority = priority
-        self.base = base
-        self.model = model  # what it is scheduled on (affinity, swaps, slots)
-        self.priority_model = priority_model if priority_model is not None else model  # models.<id>.priority
-        self.arrival_ns = arrival_ns
-        self.alive = True
-        self.alone = alone  # granted only when nothing runs, and nothing beside it
-        # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
-        # from the oldest meets only waiting requests.
-        self.older: _Entry | None = None
-        self.newer: _Entry | None = None
-
-
-# Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
-_Item = tuple[int, int, _Entry]
-
-
-class _Index:
-    """The waiting requests ordered by one time-free key: a global heap plus one heap per model
-    (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
-
-    ``taken`` (a set of seqs) lets a simulation treat entries as gone without touching them.
-    """
-
-    __slots__ = ("key", "scale", "all", "by_model")
-
-    def __init__(self, key: Callable[[_Entry], int], scale: int) -> None:
-        self.key = key
-        self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
-        self.all: list[_Item] = []
-        self.by_model: dict[str, list[_Item]] = {}
-
-    def push(self, entry: _Entry) -> None:
-        item: _Item = (-self.key(entry), entry.seq, entry)
-        heapq.heappush(self.all, item)
-        if entry.model is not None:
-            heapq.heappush(self.by_model.setdefault(entry.model, []), item)
-
-    def rebuild(self, entries: Iterable[_Entry]) -> None:
-        key = self.key
-        self.all = [(-key(entry), entry.seq, entry) for entry in entries]
-        self.by_model = {}
-        for item in self.all:
-            model = item[2].model
-            if model is not None:
-                self.by_model.setdefault(model, []).append(item)
-        heapq.heapify(self.all)
-        for heap in self.by_model.values():
-            heapq.heapify(heap)
-
-    def copy(self) -> _Index:
-        twin = _Index(self.key, self.scale)
-        twin.all = list(self.all)
-        twin.by_model = {model: list(heap) for model, heap in self.by_model.items()}
-        return twin
-
-    def top(self, taken: set[int] | None = None) -> _Item | None:
-        return _prune(self.all, taken)
-
-    def top_of(self, model: str, taken: set[int] | None = None) -> _Item | None:
-        heap = self.by_model.get(model)
-        if heap is None:
-            return None
-        item = _prune(heap, taken)
-        if item is None:
-            del self.by_model[model]
-        return item
-
-
-def _prune(heap: list[_Item], taken: set[int] | None) -> _Item | None:
-    while heap and (not heap[0][2].alive or (taken is not None and heap[0][1] in taken)):
-        heapq.heappop(heap)
-    return heap[0] if heap else None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """Why a request got the grant; one per dispatch."""
-
-    request_id: str
-    priority: int
-    band: Band
-    score: float
-    arrival_ns: int
-    granted_ns: int
-    model: str | None
-    swap_affinity: bool
-    aging: float
-    # The upstream has to load this model first: `load` from nothing known loaded, `swap` from
-    # a different model.
-    load: bool
-    swap: bool
-    previous_model: str | None
-    reordered_by: frozenset[ReorderCause]
-    overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
-    queue_depth_after: int
-    # Grants running once this one began, itself included (1 with one slot): the activity
-    # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
-    slots_busy: int = 1
-    # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
-    # request that had used up its share of the slots.
-    reserved_slot: bool = False
-    # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
-    # beside it. It loads nothing (neither `load` nor `swap`).
-    alone: bool = False
-
-    @property
-    def queue_wait_ns(self) -> int:
-        return self.granted_ns - self.arrival_ns
-
-    @property
-    def model_load(self) -> bool:
-        """The grant began by loading its model: a swap, or a load from nothing known loaded."""
-        return self.load or self.swap
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Queued:
-    """A request joined the queue: how many it found waiting, and when (the scheduler's clock)."""
-
-    depth: int
-    arrival_ns: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Removed:
-    """A waiting request that left without a grant (cancelled, expired or drained)."""
-
-    request_id: str
-    priority: int
-    band: Band
-    model: str | None
-    arrival_ns: int
-    removed_ns: int
-
-    @property
-    def queue_wait_ns(self) -> int:
-        return self.removed_ns - self.arrival_ns
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Released:
-    """The end of a grant."""
-
-    request_id: str
-    model: str | None
-    granted_ns: int
-    released_ns: int
-
-    @property
-    def run_ns(self) -> int:
-        return self.released_ns - self.granted_ns
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WaitingView:
-    request_id: str
-    position: int
-    priority: int
-    band: Band
-    # The score it will have when its turn comes in this order: the affinity bonus counts the
-    # model loaded by then, not the one loaded now.
-    score: float
-    swap_affinity: bool
-    waited_s: float
-    model: str | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunningView:
-    request_id: str
-    priority: int
-    band: Band
-    score: float
-    model: str | None
-    model_load: bool  # the grant began by loading its model (from nothing, or a swap)
-    queue_wait_s: float
-    running_s: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BandStats:
-    depth: int
-    oldest_wait_s: float
-    oldest_arrival_ns: int | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QueueSnapshot:
-    policy: PolicyName
-    loaded_model: str | None
-    running: RunningView | None  # the earliest of ``grants`` (with one slot, the grant)
-    waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
-    bands: Mapping[Band, BandStats]
-    grants: tuple[RunningView, ...]  # every running grant, earliest first
-    slots: int  # the slots of the model in effect (what `next` fills up to)
-    slots_busy: int  # len(grants)
 
 
 class _Load:
@@ -418,7 +84,8 @@ class _Load:
 
 
 # A running grant: the request, why it won, and the load it ran on (if one was pending).
-_Grant = tuple[_Entry, Decision, _Load | None]
+_Grant = tuple[Entry, Decision, _Load | None]
+
 
 
 class Scheduler:
@@ -429,7 +96,8 @@ class Scheduler:
         self._clock = clock
         self._seq = 0
         self._dispatches = 0
-        self._grants: dict[str, _Grant] = {}  # earliest first
+        self._grants: dict[str, _Grant] = {}  # earliest first: the one record of what runs
+        self._running = IDLE  # what the grants hold, as the dispatch rule reads it (`_what_runs`)
         self._loaded_model: str | None = None
         # The load the loaded model came from while none of its grants has reached the upstream
         # (None once one has, or when the model was reported rather than loaded by a grant).
@@ -449,29 +117,29 @@ class Scheduler:
         self._aged, self._plain = self._indexes()
         # With reserved slots, the same two for the interactive requests alone: the reserved
         # slots' candidates.
-        self._reserved: tuple[_Index, _Index | None] | None = self._indexes() if policy.slots.reserved else None
+        self._reserved: tuple[Index, Index | None] | None = self._indexes() if policy.slots.reserved else None
 
-    def _indexes(self) -> tuple[_Index, _Index | None]:
+    def _indexes(self) -> tuple[Index, Index | None]:
         divisor = self._divisor_ns
         if divisor:
-            return _Index(lambda e: e.base * divisor - e.arrival_ns, divisor), _Index(lambda e: e.base, 1)
-        return _Index(lambda e: e.base, 1), None
+            return Index(lambda e: e.base * divisor - e.arrival_ns, divisor), Index(lambda e: e.base, 1)
+        return Index(lambda e: e.base, 1), None
 
     def _reset_queue(self) -> None:
-        self._waiting: dict[str, _Entry] = {}
+        self._waiting: dict[str, Entry] = {}
         self._dead_in_heaps = 0
         self._rebuild(())
-        self._oldest_entry: _Entry | None = None
-        self._newest_entry: _Entry | None = None
-        self._band_arrivals: dict[Band, deque[_Entry]] = {band: deque() for band in Band}
+        self._oldest_entry: Entry | None = None
+        self._newest_entry: Entry | None = None
+        self._band_arrivals: dict[Band, deque[Entry]] = {band: deque() for band in Band}
         self._band_depth: dict[Band, int] = dict.fromkeys(Band, 0)
 
-    def _rebuild(self, alive: Sequence[_Entry]) -> None:
+    def _rebuild(self, alive: Sequence[Entry]) -> None:
         self._aged.rebuild(alive)
         if self._plain is not None:
             self._plain.rebuild(alive)
         if self._reserved is not None:
-            interactive = [entry for entry in alive if _interactive(entry)]
+            interactive = [entry for entry in alive if entry.interactive]
             aged, plain = self._reserved
             aged.rebuild(interactive)
             if plain is not None:
@@ -538,8 +206,12 @@ class Scheduler:
     def slots_total(self) -> int:
         """The slots ``next`` fills up to now: those of the model the running grants name, else
         of the loaded model (the default when none is known)."""
-        model = self._running_model()
-        return self._slots.of(model if model is not None else self._loaded_model)
+        return slots_in_effect(self._slots, self._running, self._loaded_model)
+
+    @property
+    def what_runs(self) -> Running:
+        """What the grants hold, as the dispatch rule reads it."""
+        return self._running
 
     # -- commands ------------------------------------------------------------------------
 
@@ -561,13 +233,13 @@ class Scheduler:
             raise QueueFull(depth, limit)
         self._seq += 1
         named = priority_model if priority_model is not None else model
-        entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
+        entry = Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
                        self._clock.now_ns(), named, alone)
         self._waiting[request_id] = entry
         self._aged.push(entry)
         if self._plain is not None:
             self._plain.push(entry)
-        if self._reserved is not None and _interactive(entry):
+        if self._reserved is not None and entry.interactive:
             aged, plain = self._reserved
             aged.push(entry)
             if plain is not None:
@@ -588,56 +260,34 @@ class Scheduler:
     def next(self) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
 
-        The dispatch rule. With nothing running, the best request in the order is granted,
-        whatever model it needs. While fewer than ``slots`` grants run (the slots of the model
-        they run on), the best request is granted at once if it needs the loaded model or no
-        model. If it needs another model (a swap, or a load from nothing known loaded), or runs
-        alone, nothing more is granted: the running grants drain, then it goes; lower-scored
-        work of the loaded model never overtakes it (equal scores keep arrival order). Nothing
-        is granted beside a request that runs alone.
-
-        Reserved slots: a non-interactive request (priority below ``INTERACTIVE_FLOOR``) starts
-        only while fewer than ``slots - reserved`` non-interactive grants run; interactive ones
-        take any free slot. When the best request is non-interactive, needs the loaded model,
-        and only reserved slots are free (its share is used up), the order is read as if the
-        non-interactive requests were not in it: the best interactive request takes the free
-        slot if it needs the loaded model or no model, whatever the non-interactive requests
-        ahead of it need (none of them could use that slot); if it needs another model or runs
-        alone, nothing is granted (an interactive swap waits for the drain, and no lower-scored
-        work overtakes it). Such a grant says ``reserved_slot``.
+        The dispatch rule is `dispatch.turn` (the estimates run it too): with nothing running the
+        best request goes whatever model it needs; beside running grants only a request of the
+        loaded model (or none) goes, a swap or a request that runs alone waits for the drain,
+        and a non-interactive request past its share (``slots - reserved``) leaves the free
+        slot to the best interactive request, read as if the non-interactive ones were not in
+        the order. Such a grant says ``reserved_slot``.
         """
         if not self._waiting:
             return None
-        busy = len(self._grants)
+        running = self._running
+        if running.busy >= self._slot_most:
+            return None  # every slot is taken (with one slot: anything runs)
         loaded = self._loaded_model
         aged, plain = self._aged, self._plain
-        reserved_slot = False
-        if busy:
-            if busy >= self._slot_most:
-                return None  # (with one slot, always: nothing more runs beside a grant)
-            running_model = self._running_model()
-            total = self._slots.of(running_model if running_model is not None else loaded)
-            if busy >= total or self._alone_runs():
-                return None
-            winner = self._pick(aged, loaded)
-            if winner.alone or (winner.model is not None and winner.model != loaded):
-                return None  # a swap (or a request that runs alone) waits until nothing runs
-            if winner.priority.value < INTERACTIVE_FLOOR and self._non_interactive() >= total - self._slots.reserved:
-                assert self._reserved is not None  # only reserved slots are free: reserved > 0
-                aged, plain = self._reserved
-                if aged.top() is None:
-                    return None
-                winner = self._pick(aged, loaded)
-                if winner.alone or (winner.model is not None and winner.model != loaded):
-                    return None
-                reserved_slot = True
-        else:
+        winner = self._pick(aged, loaded)
+        verdict = turn(self._slots, loaded, running, winner, self._best_interactive)
+        if verdict is Turn.WAIT:
+            return None
+        reserved_slot = verdict is Turn.RESERVED
+        if reserved_slot:
+            assert self._reserved is not None  # only reserved slots are free: reserved > 0
+            aged, plain = self._reserved
             winner = self._pick(aged, loaded)
         now = self._clock.now_ns()
         reasons: set[ReorderCause] = set()
         if plain is not None and self._pick(plain, loaded) is not winner:
             reasons.add(ReorderCause.AGING)
-        if self._bonus and loaded is not None and _entry(aged.top()) is not winner:
+        if self._bonus and loaded is not None and entry_of(aged.top()) is not winner:
             reasons.add(ReorderCause.SWAP_AFFINITY)
         overtook = self._overtaken_by(winner)
         self._remove(winner)
@@ -665,7 +315,7 @@ class Scheduler:
             reordered_by=frozenset(reasons),
             overtook=overtook,
             queue_depth_after=len(self._waiting),
-            slots_busy=busy + 1,
+            slots_busy=running.busy + 1,
             reserved_slot=reserved_slot,
             alone=alone,
         )
@@ -676,6 +326,7 @@ class Scheduler:
                 self._loaded_model = model
             load = self._load
         self._grants[winner.request_id] = (winner, decision, load)
+        self._running = self._what_runs()
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
@@ -698,6 +349,7 @@ class Scheduler:
         grant = self._grants.pop(request_id, None)
         if grant is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
+        self._running = self._what_runs()
         model = grant[0].model
         load = grant[2]
         if not reached_upstream or model_loaded is None:
@@ -802,29 +454,35 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _running_model(self) -> str | None:
-        """The model the running grants name (they name at most one)."""
+    def _what_runs(self) -> Running:
+        """The grants as the dispatch rule reads them; kept in `_running`, renewed on every grant
+        and release."""
+        if not self._grants:
+            return IDLE
+        model = None
+        alone = False
+        non_interactive = 0
         for entry, _, _ in self._grants.values():
             if entry.model is not None:
-                return entry.model
-        return None
+                model = entry.model  # they name at most one
+            alone = alone or entry.alone
+            non_interactive += not entry.interactive
+        return Running(len(self._grants), non_interactive, model, alone)
 
-    def _alone_runs(self) -> bool:
-        """A running grant runs alone: nothing more is granted until it ends."""
-        return any(entry.alone for entry, _, _ in self._grants.values())
+    def _best_interactive(self) -> Entry | None:
+        """The reserved slots' candidate: the best interactive request (None: none waits)."""
+        assert self._reserved is not None
+        aged = self._reserved[0]
+        return self._pick(aged, self._loaded_model) if aged.top() is not None else None
 
-    def _non_interactive(self) -> int:
-        """Running grants below the interactive band: they hold the non-interactive share."""
-        return sum(1 for entry, _, _ in self._grants.values() if entry.priority.value < INTERACTIVE_FLOOR)
-
-    def _dispatch_order(self) -> list[tuple[_Entry, int]]:
+    def _dispatch_order(self) -> list[tuple[Entry, int]]:
         """The order `next` would grant in if nothing changed, with each one's affinity bonus
         at its turn: the same `_pick` on a copy of the index, each simulated grant making its
         model the loaded one."""
         index = self._aged.copy()
         taken: set[int] = set()
         loaded = self._loaded_model
-        order: list[tuple[_Entry, int]] = []
+        order: list[tuple[Entry, int]] = []
         for _ in range(len(self._waiting)):
             pick = self._pick(index, loaded, taken)
             taken.add(pick.seq)
@@ -833,7 +491,7 @@ class Scheduler:
                 loaded = pick.model
         return order
 
-    def _pick(self, index: _Index, loaded: str | None, taken: set[int] | None = None) -> _Entry:
+    def _pick(self, index: Index, loaded: str | None, taken: set[int] | None = None) -> Entry:
         """The winner among the waiting in `index` while `loaded` is loaded: the better of the
         global top and the loaded model's top plus the bonus (key, then earlier arrival)."""
         top = index.top(taken)
@@ -849,14 +507,14 @@ class Scheduler:
             return favourite[2]
         return top[2]
 
-    def _affinity(self, entry: _Entry, loaded: str | None) -> int:
+    def _affinity(self, entry: Entry, loaded: str | None) -> int:
         """The swap-affinity bonus, in points, that `entry` gets while `loaded` is loaded."""
         return self._bonus if entry.model is not None and entry.model == loaded else 0
 
     def _aging(self, waited_ns: int) -> float:
         return waited_ns / self._divisor_ns if self._divisor_ns else 0.0
 
-    def _arrival_order(self) -> list[_Entry]:
+    def _arrival_order(self) -> list[Entry]:
         entries = []
         entry = self._oldest_entry
         while entry is not None:
@@ -864,7 +522,7 @@ class Scheduler:
             entry = entry.newer
         return entries
 
-    def _link(self, entry: _Entry) -> None:
+    def _link(self, entry: Entry) -> None:
         entry.older = self._newest_entry
         entry.newer = None
         if self._newest_entry is not None:
@@ -873,7 +531,7 @@ class Scheduler:
             self._oldest_entry = entry
         self._newest_entry = entry
 
-    def _unlink(self, entry: _Entry) -> None:
+    def _unlink(self, entry: Entry) -> None:
         if entry.older is not None:
             entry.older.newer = entry.newer
         else:
@@ -884,7 +542,7 @@ class Scheduler:
             self._newest_entry = entry.older
         entry.older = entry.newer = None
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: Entry) -> None:
         entry.alive = False
         self._unlink(entry)
         del self._waiting[entry.request_id]
@@ -900,12 +558,12 @@ class Scheduler:
         self._dead_in_heaps = 0
 
     @staticmethod
-    def _oldest(arrivals: deque[_Entry]) -> _Entry | None:
+    def _oldest(arrivals: deque[Entry]) -> Entry | None:
         while arrivals and not arrivals[0].alive:
             arrivals.popleft()
         return arrivals[0] if arrivals else None
 
-    def _overtaken_by(self, winner: _Entry) -> tuple[str, ...]:
+    def _overtaken_by(self, winner: Entry) -> tuple[str, ...]:
         """Earlier arrivals still waiting; the list holds only the living, so this is O(limit)."""
         overtaken: list[str] = []
         entry = self._oldest_entry
@@ -918,15 +576,6 @@ class Scheduler:
         return tuple(overtaken)
 
     @staticmethod
-    def _removed(entry: _Entry, now_ns: int) -> Removed:
+    def _removed(entry: Entry, now_ns: int) -> Removed:
         return Removed(entry.request_id, entry.priority.value, entry.priority.band, entry.model, entry.arrival_ns,
                        now_ns)
-
-
-def _entry(item: _Item | None) -> _Entry | None:
-    return item[2] if item is not None else None
-
-
-def _interactive(entry: _Entry) -> bool:
-    """In the interactive band: the reserved slots are for these."""
-    return entry.priority.value >= INTERACTIVE_FLOOR

@@ -1,0 +1,149 @@
+"""What the scheduler answers and shows: a grant's `Decision`, the other events of a request's
+way (`Queued`, `Removed`, `Released`) and the read-only picture of the queue (`QueueSnapshot`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Final
+
+from llamaswap.core.policy import PolicyName
+from llamaswap.core.priority import Band
+
+# A decision names at most this many of the requests its winner overtook.
+OVERTAKEN_LIMIT: Final = 16
+
+
+class ReorderCause(str, enum.Enum):
+    """A term of the score that changed which request went next."""
+
+    AGING = "aging"
+    SWAP_AFFINITY = "swap_affinity"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """Why a request got the grant; one per dispatch."""
+
+    request_id: str
+    priority: int
+    band: Band
+    score: float
+    arrival_ns: int
+    granted_ns: int
+    model: str | None
+    swap_affinity: bool
+    aging: float
+    # The upstream has to load this model first: `load` from nothing known loaded, `swap` from
+    # a different model.
+    load: bool
+    swap: bool
+    previous_model: str | None
+    reordered_by: frozenset[ReorderCause]
+    overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
+    queue_depth_after: int
+    # Grants running once this one began, itself included (1 with one slot): the activity
+    # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
+    slots_busy: int = 1
+    # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
+    # request that had used up its share of the slots.
+    reserved_slot: bool = False
+    # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
+    # beside it. It loads nothing (neither `load` nor `swap`).
+    alone: bool = False
+
+    @property
+    def queue_wait_ns(self) -> int:
+        return self.granted_ns - self.arrival_ns
+
+    @property
+    def model_load(self) -> bool:
+        """The grant began by loading its model: a swap, or a load from nothing known loaded."""
+        return self.load or self.swap
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Queued:
+    """A request joined the queue: how many it found waiting, and when (the scheduler's clock)."""
+
+    depth: int
+    arrival_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Removed:
+    """A waiting request that left without a grant (cancelled, expired or drained)."""
+
+    request_id: str
+    priority: int
+    band: Band
+    model: str | None
+    arrival_ns: int
+    removed_ns: int
+
+    @property
+    def queue_wait_ns(self) -> int:
+        return self.removed_ns - self.arrival_ns
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Released:
+    """The end of a grant."""
+
+    request_id: str
+    model: str | None
+    granted_ns: int
+    released_ns: int
+
+    @property
+    def run_ns(self) -> int:
+        return self.released_ns - self.granted_ns
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WaitingView:
+    request_id: str
+    position: int
+    priority: int
+    band: Band
+    # The score it will have when its turn comes in this order: the affinity bonus counts the
+    # model loaded by then, not the one loaded now.
+    score: float
+    swap_affinity: bool
+    waited_s: float
+    model: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunningView:
+    request_id: str
+    priority: int
+    band: Band
+    score: float
+    model: str | None
+    model_load: bool  # the grant began by loading its model (from nothing, or a swap)
+    queue_wait_s: float
+    running_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BandStats:
+    depth: int
+    oldest_wait_s: float
+    oldest_arrival_ns: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    policy: PolicyName
+    loaded_model: str | None
+    running: RunningView | None  # the earliest of ``grants`` (with one slot, the grant)
+    waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
+    bands: Mapping[Band, BandStats]
+    grants: tuple[RunningView, ...]  # every running grant, earliest first
+    slots: int  # the slots of the model in effect (what `next` fills up to)
+    slots_busy: int  # len(grants)

@@ -1,0 +1,99 @@
+"""The waiting requests' indexes: one heap per time-free key, plus one per model for the
+swap-affinity bonus (why heaps work although scores change: `scheduler.py`'s docstring)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from llamaswap.core.priority import Priority
+
+
+class Entry:
+    """A waiting request as the scheduler keeps it (it is also a `dispatch.Candidate`)."""
+
+    __slots__ = ("request_id", "seq", "priority", "base", "model", "priority_model", "arrival_ns", "alive",
+                 "older", "newer", "alone", "interactive")
+
+    def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
+                 arrival_ns: int, priority_model: str | None = None, alone: bool = False) -> None:
+        self.request_id = request_id
+        self.seq = seq
+        self.priority = priority
+        self.base = base
+        self.model = model  # what it is scheduled on (affinity, swaps, slots)
+        self.priority_model = priority_model if priority_model is not None else model  # models.<id>.priority
+        self.arrival_ns = arrival_ns
+        self.alive = True
+        self.alone = alone  # granted only when nothing runs, and nothing beside it
+        self.interactive = priority.band.interactive  # may take a reserved slot
+        # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
+        # from the oldest meets only waiting requests.
+        self.older: Entry | None = None
+        self.newer: Entry | None = None
+
+
+# Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
+Item = tuple[int, int, Entry]
+
+
+class Index:
+    """The waiting requests ordered by one time-free key: a global heap plus one heap per model
+    (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
+
+    ``taken`` (a set of seqs) lets a simulation treat entries as gone without touching them.
+    """
+
+    __slots__ = ("key", "scale", "all", "by_model")
+
+    def __init__(self, key: Callable[[Entry], int], scale: int) -> None:
+        self.key = key
+        self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
+        self.all: list[Item] = []
+        self.by_model: dict[str, list[Item]] = {}
+
+    def push(self, entry: Entry) -> None:
+        item: Item = (-self.key(entry), entry.seq, entry)
+        heapq.heappush(self.all, item)
+        if entry.model is not None:
+            heapq.heappush(self.by_model.setdefault(entry.model, []), item)
+
+    def rebuild(self, entries: Iterable[Entry]) -> None:
+        key = self.key
+        self.all = [(-key(entry), entry.seq, entry) for entry in entries]
+        self.by_model = {}
+        for item in self.all:
+            model = item[2].model
+            if model is not None:
+                self.by_model.setdefault(model, []).append(item)
+        heapq.heapify(self.all)
+        for heap in self.by_model.values():
+            heapq.heapify(heap)
+
+    def copy(self) -> Index:
+        twin = Index(self.key, self.scale)
+        twin.all = list(self.all)
+        twin.by_model = {model: list(heap) for model, heap in self.by_model.items()}
+        return twin
+
+    def top(self, taken: set[int] | None = None) -> Item | None:
+        return prune(self.all, taken)
+
+    def top_of(self, model: str, taken: set[int] | None = None) -> Item | None:
+        heap = self.by_model.get(model)
+        if heap is None:
+            return None
+        item = prune(heap, taken)
+        if item is None:
+            del self.by_model[model]
+        return item
+
+
+def prune(heap: list[Item], taken: set[int] | None) -> Item | None:
+    while heap and (not heap[0][2].alive or (taken is not None and heap[0][1] in taken)):
+        heapq.heappop(heap)
+    return heap[0] if heap else None
+
+
+def entry_of(item: Item | None) -> Entry | None:
+    return item[2] if item is not None else None

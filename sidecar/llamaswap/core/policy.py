@@ -1,0 +1,59 @@
+"""How requests are ordered: the policy (serial or fifo) and its settings. Settings come from the
+configuration (`llamaswap.config`); the core holds no defaults of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.slots import Slots
+
+
+class PolicyName(str, enum.Enum):
+    SERIAL = "serial"  # priority + swap affinity + aging
+    FIFO = "fifo"  # the model's configured priority + the header, then arrival
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Policy:
+    """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`; the defaults of every
+    setting live in the configuration (`llamaswap.config`), not here."""
+
+    name: PolicyName
+    aging_divisor_s: float
+    swap_affinity_bonus: int
+    # fifo only: the model's configured priority is added to the header's.
+    model_priorities: Mapping[str, int]
+    max_queued: int  # 0: unlimited
+    max_wait_s: float  # 0: wait forever
+    slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
+
+    @classmethod
+    def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
+               max_wait_s: float = 0.0, slots: Slots | None = None) -> Policy:
+        return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s,
+                   slots if slots is not None else Slots())
+
+    @classmethod
+    def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0,
+             slots: Slots | None = None) -> Policy:
+        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
+                   slots if slots is not None else Slots())
+
+    @property
+    def aging_divisor_ns(self) -> int:
+        return round(self.aging_divisor_s * NS_PER_S)
+
+    @property
+    def max_wait_ns(self) -> int:
+        return round(self.max_wait_s * NS_PER_S)
+
+    def base_priority(self, priority: int, model: str | None) -> int:
+        if self.name is PolicyName.FIFO and model is not None:
+            return priority + self.model_priorities.get(model, 0)
+        return priority
