@@ -25,6 +25,7 @@ from llamaswap.envoy.contract import (
     MAX_REQUEST_ID,
     MODEL_KEY,
     MODEL_NAMESPACE,
+    OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     REQUEST_ID_HEADER,
     STREAM_KEY,
@@ -164,4 +165,5 @@ class Authorization(authz_grpc.AuthorizationServicer):
             max_tokens=max_tokens_of(request),
             streamed=streamed_of(request),
             request_id_replaced=replaced,
+            objective=headers.get(OBJECTIVE_HEADER),
         )

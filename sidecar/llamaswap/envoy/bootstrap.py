@@ -43,6 +43,7 @@ from llamaswap.envoy.contract import (
     MAX_TOKENS_KEYS,
     MODEL_KEY,
     MODEL_NAMESPACE,
+    OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     PROPS_PATH,
     RENEWALS_PER_LEASE,
@@ -164,7 +165,8 @@ def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
 
 def _http_filters(config: Config) -> list[dict[str, Any]]:
     e = config.envoy
-    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER]
+    # The objective header always: routing.objectives may change on a reload, the bootstrap not.
+    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER, OBJECTIVE_HEADER]
     trusted = config.security.priority.trusted_header
     if trusted:
         headers.append(trusted)

@@ -66,6 +66,7 @@ class Arrival:
     max_tokens: int | None = None  # output tokens the body asks for (max_tokens, n_predict, ...)
     streamed: bool = False  # the body asks for a streamed response ("stream": true)
     request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
+    objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).

@@ -46,12 +46,22 @@ ESTIMATE_RATIO = "llamaswap_estimate_wait_ratio"
 SETTLE = "llamaswap_upstream_settle_seconds"
 REQUEST_ID_REPLACED = "llamaswap_request_id_replaced_total"
 MODEL_LABEL_OTHER = "llamaswap_model_label_other_total"
+# For an endpoint picker (llm-d's router, the InferencePool's EPP): unlabelled, one series each,
+# so a metric spec that names the family reads the pod's whole figure (the picker takes the
+# first series that matches a spec; it cannot sum the per-band depth).
+WAITING = "llamaswap_scheduler_waiting_requests"
+SATURATION = "llamaswap_gpu_saturation"
+MODELS_INFO = "llamaswap_loaded_models_info"
+# The LoRA info gauge's label names (vLLM's `vllm:lora_requests_info`, which pickers parse).
+RUNNING_ADAPTERS = "running_lora_adapters"
+WAITING_ADAPTERS = "waiting_lora_adapters"
+MAX_ADAPTERS = "max_lora"
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
        ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
-       MODEL_LABEL_OTHER)
+       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -112,7 +122,8 @@ class ModelLabels:
 
 class Instruments:
     def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
-                 gpu_slots: Callback, gpu_slots_busy: Callback) -> None:
+                 gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback, saturation: Callback,
+                 models_info: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
         meter.create_observable_gauge(
@@ -127,6 +138,18 @@ class Instruments:
             description="Generations of the loaded model the GPU may run at once (upstream.slots, models.<id>.slots).")
         meter.create_observable_gauge(
             GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description="Slots held by running grants.")
+        meter.create_observable_gauge(
+            WAITING, [waiting], unit="{request}", description="Requests waiting for the GPU, all bands together.")
+        meter.create_observable_gauge(
+            SATURATION, [saturation],
+            description="Busy slots / the slots of the model in effect; 1 while no grant can be made because the "
+                        "upstream finishes an abandoned or adopted generation.")
+        meter.create_observable_gauge(
+            MODELS_INFO, [models_info],
+            description=f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} "
+                        f"the loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, "
+                        f"at most {MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is "
+                        "when the labels last changed (Unix seconds).")
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)
