@@ -1,19 +1,20 @@
-"""What an endpoint picker's scrape costs: `GET /metrics` read every 50 ms by llm-d's router.
+"""What an endpoint picker's scrape costs: a pod's metrics read every 50 ms by llm-d's router.
 
 A real Coordinator with the real Telemetry as its observer holds one running grant and WAITING
-(10,000) held Checks over several models. The picker reads the whole page, so the figure that
-matters is the page's render (`Telemetry.prometheus_text`, what the admin route answers);
-beside it, in the same run:
+(10,000) held Checks over several models. Two pages a picker can read: its own
+(`Telemetry.picker_text`, at /llamaswap/v1/picker/metrics: its four gauges, written from the
+published picture) and the whole `/metrics` (`Telemetry.prometheus_text`, an SDK collection of
+every instrument). Beside them, in the same run:
 
-- the page of a second coordinator in the same process with SMALL (100) waiting, measured round
-  by round with the first: the gauges are O(1), so the two should be alike;
+- both pages of a second coordinator in the same process with SMALL (100) waiting, measured
+  round by round with the first: the gauges are O(1), so the two should be alike;
 - the picker's four gauges alone (their callbacks, as the SDK calls them);
 - the floor: a MeterProvider with four gauges whose callbacks return a constant, rendered by
   the same reader (the SDK's and the renderer's cost for four series, llamaswap doing nothing).
 
 Printed per scrape (median over rounds), and a last line:
 
-    picker: N waiting: page N us/scrape (100 waiting N us), picker gauges N.N us, floor N.N us
+    picker: N waiting: picker page N.N us/scrape (100 waiting N.N us), whole page N us, floor N.N us
 
 Run: .venv/bin/python bench/picker_scrape.py [--quick] [--waiting N] [--rounds N]
 """
@@ -98,9 +99,10 @@ async def _main(args: argparse.Namespace) -> None:
     # Both queues live in one process (one heap, one machine state), measured round by round.
     small_telemetry, small_coordinator, small_tasks = await _queue(SMALL, rng)
     telemetry, coordinator, tasks = await _queue(args.waiting, rng)
-    small = f"page, {SMALL} waiting"
+    small = f"picker page, {SMALL} waiting"
     scrapes: dict[str, Callable[[], Any]] = {
-        "page": telemetry.prometheus_text, small: small_telemetry.prometheus_text,
+        "picker page": telemetry.picker_text, small: small_telemetry.picker_text,
+        "whole page": telemetry.prometheus_text, f"whole page, {SMALL} waiting": small_telemetry.prometheus_text,
         "picker gauges": _picker_gauges(telemetry), "floor": _floor()}
     figures: dict[str, list[float]] = {name: [] for name in scrapes}
     for _ in range(args.rounds):
@@ -118,9 +120,9 @@ async def _main(args: argparse.Namespace) -> None:
     median = {name: statistics.median(values) for name, values in figures.items()}
     print(f"{args.waiting} waiting, {args.rounds} rounds of {SCRAPES_PER_ROUND} scrapes; us per scrape (median):")
     for name, value in median.items():
-        print(f"  {name:18}{value:10.1f}")
-    print(f"picker: {args.waiting} waiting: page {median['page']:.0f} us/scrape "
-          f"({SMALL} waiting {median[small]:.0f} us), picker gauges {median['picker gauges']:.1f} us, "
+        print(f"  {name:28}{value:10.1f}")
+    print(f"picker: {args.waiting} waiting: picker page {median['picker page']:.1f} us/scrape "
+          f"({SMALL} waiting {median[small]:.1f} us), whole page {median['whole page']:.0f} us, "
           f"floor {median['floor']:.1f} us")
 
 

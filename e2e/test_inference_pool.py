@@ -18,6 +18,7 @@ from client import chat
 from fake_llama import FakeLlamaServer
 from harness import async_wait_for, running_stack
 from inference_kinds import EngineConfig, read_picker_config
+from llamaswap.envoy.contract import PICKER_METRICS_PATH
 from picker import Adapters, parse_exposition, read_adapters, read_gauge
 
 OBJECTIVE = "x-llm-d-inference-objective"
@@ -31,9 +32,9 @@ def engine_config() -> EngineConfig:
     return read_picker_config(document).engines[label]
 
 
-def scrape(url: str, engine: EngineConfig) -> tuple[float, float, float, Adapters | None]:
+def scrape(url: str, engine: EngineConfig, path: str = "/metrics") -> tuple[float, float, float, Adapters | None]:
     """What the picker reads from the pod's port (Envoy's listener), spec by spec."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"{url}{path}", timeout=5) as response:
         families = parse_exposition(response.read().decode())
     specs = engine.specs
     return (read_gauge(families, specs["queuedRequestsSpec"]), read_gauge(families, specs["runningRequestsSpec"]),
@@ -46,8 +47,10 @@ def scrape_beside_queue(stack: Any, engine: EngineConfig) -> tuple[tuple[float, 
     for _ in range(50):
         before = stack.sidecar.queue()
         figures = scrape(stack.url, engine)
+        slim = scrape(stack.url, engine, PICKER_METRICS_PATH)
         after = stack.sidecar.queue()
         if _counts(before) == _counts(after):
+            assert slim == figures  # the picker's own page reads the same
             return figures, after
     raise AssertionError("the queue never held still for a scrape")
 

@@ -24,6 +24,13 @@ def read(traced: Traced) -> dict:
 
 def picture(traced: Traced) -> tuple[float, float, float, object]:
     families = read(traced)
+    # The picker's own page is the same four families, word for word, as the whole page's.
+    picker_page = parse_exposition(traced.telemetry.picker_text()[0].decode())
+    assert list(picker_page) == list(names.PICKER)
+    assert picker_page == {name: families[name] for name in names.PICKER}
+    whole = traced.telemetry.prometheus_text()[0].decode()
+    for line in traced.telemetry.picker_text()[0].decode().splitlines():
+        assert line in whole.splitlines(), line
     return (read_gauge(families, WAITING), read_gauge(families, RUNNING), read_gauge(families, SATURATION),
             read_adapters(families, MODELS))
 

@@ -44,6 +44,7 @@ from llamaswap.envoy.contract import (
     MODEL_KEY,
     MODEL_NAMESPACE,
     OBJECTIVE_HEADER,
+    PICKER_METRICS_PATH,
     PRIORITY_HEADER,
     PROPS_PATH,
     RENEWALS_PER_LEASE,
@@ -269,6 +270,8 @@ def _props_routes() -> list[dict[str, Any]]:
 def _routes(config: Config) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        _unscheduled({"match": {"path": PICKER_METRICS_PATH},
+                      "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"path": UPSTREAM_METRICS_PATH},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},

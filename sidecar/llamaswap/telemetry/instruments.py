@@ -56,6 +56,8 @@ MODELS_INFO = "llamaswap_loaded_models_info"
 RUNNING_ADAPTERS = "running_lora_adapters"
 WAITING_ADAPTERS = "waiting_lora_adapters"
 MAX_ADAPTERS = "max_lora"
+# The picker's four gauges, in the order of its engine config (queued, running, KV use, LoRA).
+PICKER = (WAITING, GPU_SLOTS_BUSY, SATURATION, MODELS_INFO)
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
@@ -77,6 +79,18 @@ SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
 # Estimated / actual wait: 1 is exact, 0.5 said half as long, 2 twice as long. (A histogram
 # takes no negative values, so the ratio, not the difference.)
 ESTIMATE_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
+
+# Written once: the page at /metrics (through the SDK) and the picker's own page print them.
+DESCRIPTIONS = {
+    GPU_SLOTS_BUSY: "Slots held by running grants.",
+    WAITING: "Requests waiting for the GPU, all bands together.",
+    SATURATION: "Busy slots / the slots of the model in effect; 1 while no grant can be made because the upstream "
+                "finishes an abandoned or adopted generation.",
+    MODELS_INFO: f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} the "
+                 f"loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, at most "
+                 f"{MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is when the labels "
+                 "last changed (Unix seconds).",
+}
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
 Labels = Mapping[str, str]
@@ -137,19 +151,10 @@ class Instruments:
             GPU_SLOTS, [gpu_slots], unit="{slot}",
             description="Generations of the loaded model the GPU may run at once (upstream.slots, models.<id>.slots).")
         meter.create_observable_gauge(
-            GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description="Slots held by running grants.")
-        meter.create_observable_gauge(
-            WAITING, [waiting], unit="{request}", description="Requests waiting for the GPU, all bands together.")
-        meter.create_observable_gauge(
-            SATURATION, [saturation],
-            description="Busy slots / the slots of the model in effect; 1 while no grant can be made because the "
-                        "upstream finishes an abandoned or adopted generation.")
-        meter.create_observable_gauge(
-            MODELS_INFO, [models_info],
-            description=f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} "
-                        f"the loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, "
-                        f"at most {MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is "
-                        "when the labels last changed (Unix seconds).")
+            GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description=DESCRIPTIONS[GPU_SLOTS_BUSY])
+        meter.create_observable_gauge(WAITING, [waiting], unit="{request}", description=DESCRIPTIONS[WAITING])
+        meter.create_observable_gauge(SATURATION, [saturation], description=DESCRIPTIONS[SATURATION])
+        meter.create_observable_gauge(MODELS_INFO, [models_info], description=DESCRIPTIONS[MODELS_INFO])
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)
