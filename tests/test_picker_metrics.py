@@ -115,11 +115,15 @@ async def test_the_waiting_models_label_is_bounded() -> None:
     """Clients name models: without modelCheck any name waits, and the label stays bounded."""
     traced = Traced({**LONG_LEASE, "upstream": {"modelCheck": "off"}})
     await traced.flow.arrive("running", None, "a")
-    for index in range(names.MAX_MODEL_LABELS + 5):
-        await traced.flow.arrive(f"r{index}", None, f"m{index:02d}")
+    order = [f"m{index:02d}" for index in reversed(range(names.MAX_MODEL_LABELS + 5))]
+    for index, model in enumerate(order):
+        await traced.flow.arrive(f"r{index}", None, model)
     adapters = read_adapters(read(traced), MODELS)
     assert adapters is not None
-    assert adapters.waiting == tuple(f"m{index:02d}" for index in range(names.MAX_MODEL_LABELS))
+    assert adapters.waiting == tuple(order[:names.MAX_MODEL_LABELS])  # the first to start waiting
+    await traced.flow.cancel(traced.flow.requests["r0"])  # m24 leaves: the 21st comes in
+    adapters = read_adapters(read(traced), MODELS)
+    assert adapters is not None and adapters.waiting == tuple(order[1:names.MAX_MODEL_LABELS + 1])
 
 
 @pytest.mark.parametrize(("text", "spec"), [

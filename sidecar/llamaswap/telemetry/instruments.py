@@ -87,8 +87,8 @@ DESCRIPTIONS = {
     SATURATION: "Busy slots / the slots of the model in effect; 1 while no grant can be made because the upstream "
                 "finishes an abandoned or adopted generation.",
     MODELS_INFO: f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} the "
-                 f"loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, at most "
-                 f"{MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is when the labels "
+                 f"loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, in the order "
+                 f"they started waiting, at most {MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is when the labels "
                  "last changed (Unix seconds).",
 }
 

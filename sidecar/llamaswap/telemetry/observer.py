@@ -20,6 +20,7 @@ Nothing here ever sees prompt or completion text: only the ticket's scheduling f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -311,8 +312,9 @@ class Telemetry:
         self._models_changed(self._picture.loaded_model)
 
     def _models_labels(self, loaded: str | None) -> dict[str, str]:
-        # Bounded like the `model` label: clients name models (without modelCheck, any name).
-        waiting = sorted(self._waiting_models)[:MAX_MODEL_LABELS]
+        # Bounded like the `model` label: clients name models (without modelCheck, any name). The
+        # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
+        waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
         return {RUNNING_ADAPTERS: loaded or "", WAITING_ADAPTERS: ",".join(waiting), MAX_ADAPTERS: "1"}
 
     def _models_changed(self, loaded: str | None) -> None:
