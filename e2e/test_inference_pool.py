@@ -28,8 +28,9 @@ def engine_config() -> EngineConfig:
     """The engine config the chart renders for llamaswap's pods (their llm-d.ai/engine-type)."""
     rendered = ct.render(ct.load_values(ct.CHART / "ci" / "inference-pool-values.yaml"))
     label = rendered.deployment["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"]
-    document = yaml.safe_load(rendered.configmap_file("-epp", "llamaswap-epp.yaml"))
-    return read_picker_config(document).engines[label]
+    config = read_picker_config(yaml.safe_load(rendered.configmap_file("-epp", "llamaswap-epp.yaml")))
+    assert config.metrics_path == PICKER_METRICS_PATH  # where the chart points the picker
+    return config.engines[label]
 
 
 def scrape(url: str, engine: EngineConfig, path: str = "/metrics") -> tuple[float, float, float, Adapters | None]:
@@ -46,11 +47,11 @@ def scrape_beside_queue(stack: Any, engine: EngineConfig) -> tuple[tuple[float, 
     """A scrape between two reads of /queue that agree: the queue as it was at the scrape."""
     for _ in range(50):
         before = stack.sidecar.queue()
-        figures = scrape(stack.url, engine)
-        slim = scrape(stack.url, engine, PICKER_METRICS_PATH)
+        figures = scrape(stack.url, engine, PICKER_METRICS_PATH)
+        whole = scrape(stack.url, engine)
         after = stack.sidecar.queue()
         if _counts(before) == _counts(after):
-            assert slim == figures  # the picker's own page reads the same
+            assert whole == figures  # the whole /metrics reads the same
             return figures, after
     raise AssertionError("the queue never held still for a scrape")
 
@@ -66,9 +67,6 @@ def assert_matches(figures: tuple[float, float, float, Adapters | None], queue: 
     assert running == len(queue["running_all"]) == queue["slots_busy"]
     assert saturation == queue["slots_busy"] / queue["slots_total"]
     models = sorted({row["model"] for row in queue["waiting"] if row["model"]})
-    if queue["loaded_model"] is None and not models:
-        assert adapters is None
-        return
     assert adapters is not None
     assert adapters.running == ((queue["loaded_model"],) if queue["loaded_model"] else ())
     assert sorted(adapters.waiting) == models

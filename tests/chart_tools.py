@@ -46,6 +46,7 @@ SIDECAR_IMAGE = {"sidecar": {"image": {"repository": "registry.example.com/llama
 # The Gateway API inference extension's kinds (a CRD each): checked against their field lists
 # (inference_kinds.py), not by kubernetes-validate.
 INFERENCE_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"),
+                   ("llm-d.ai/v1alpha2", "InferenceObjective"),
                    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective")}
 # Kinds whose schema is a CRD that kubernetes-validate does not ship.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), *INFERENCE_KINDS}

@@ -1,9 +1,12 @@
-"""The Gateway API inference extension's kinds that the chart renders, as field lists, and the
-endpoint picker's configuration read the way llm-d's router reads it. No CRD schema or EPP
-binary can be had here (facts/components.md, "Many nodes"): these lists are the published API
-as read (InferencePool in `inference.networking.k8s.io/v1`, InferenceObjective in
-`inference.networking.x-k8s.io/v1alpha2`, EndpointPickerConfig in
-`inference.networking.x-k8s.io/v1alpha1`); docs/kubernetes.md says what a user must check.
+"""The inference kinds the chart renders, as field lists, and the endpoint picker's
+configuration read the way llm-d's router reads it. No cluster or EPP binary runs here
+(facts/components.md, "Many nodes"); the lists follow the API types as of 2026-08:
+InferencePool `inference.networking.k8s.io/v1` (gateway-api-inference-extension
+`api/v1/inferencepool_types.go`), InferenceObjective `llm-d.ai/v1alpha2` and the legacy
+`inference.networking.x-k8s.io/v1alpha2` (llm-d-router `apix/v1alpha2`, which the router reads
+in either group, preferring llm-d.ai), EndpointPickerConfig `llm-d.ai/v1alpha1` (llm-d-router
+`apix/config/v1alpha1`, decoded strictly; the old `inference.networking.x-k8s.io/v1alpha1` is
+still read, with a deprecation notice).
 
 A field spec is a type (str, int, dict for a map of strings), an `Obj` (fields, which of them
 are required; any other field is refused, as a structural CRD schema would drop it) or a
@@ -51,25 +54,32 @@ _PORT = Obj({"number": Int(1, 65535)}, frozenset({"number"}))
 _METADATA = Obj({"name": str, "namespace": str, "labels": STRING_MAP, "annotations": STRING_MAP},
                 frozenset({"name"}))
 
+_POOL_REF = Obj({"group": str, "kind": str, "name": str}, frozenset({"name"}))
+_OBJECTIVE = Obj({
+    "apiVersion": str, "kind": str, "metadata": _METADATA,
+    "spec": Obj({
+        "priority": Int(*INT32),
+        "poolRef": _POOL_REF,
+        "poolRefs": ListOf(_POOL_REF, 1),
+        "poolSelector": Obj({"matchLabels": STRING_MAP, "matchExpressions": ListOf(dict)}),
+    }),
+}, frozenset({"apiVersion", "kind", "metadata", "spec"}))
+OBJECTIVE_VERSIONS = ("llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2")
+
 KINDS: dict[tuple[str, str], Obj] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): Obj({
         "apiVersion": str, "kind": str, "metadata": _METADATA,
         "spec": Obj({
             "selector": Obj({"matchLabels": STRING_MAP}, frozenset({"matchLabels"})),
             "targetPorts": ListOf(_PORT, 1, 8),
+            "appProtocol": OneOf(frozenset({"http", "kubernetes.io/h2c"})),
             "endpointPickerRef": Obj({
                 "group": str, "kind": str, "name": str, "port": _PORT,
                 "failureMode": OneOf(frozenset({"FailOpen", "FailClose"})),
             }, frozenset({"name"})),
-        }, frozenset({"selector", "targetPorts", "endpointPickerRef"})),
+        }, frozenset({"selector", "targetPorts"})),
     }, frozenset({"apiVersion", "kind", "metadata", "spec"})),
-    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"): Obj({
-        "apiVersion": str, "kind": str, "metadata": _METADATA,
-        "spec": Obj({
-            "priority": Int(*INT32),
-            "poolRef": Obj({"group": str, "kind": str, "name": str}, frozenset({"name"})),
-        }, frozenset({"poolRef"})),
-    }, frozenset({"apiVersion", "kind", "metadata", "spec"})),
+    **{(version, "InferenceObjective"): _OBJECTIVE for version in OBJECTIVE_VERSIONS},
 }
 
 
@@ -80,11 +90,21 @@ def problems(manifest: Mapping[str, Any]) -> list[str]:
         return [f"unknown kind {manifest.get('apiVersion')}/{manifest.get('kind')}"]
     found: list[str] = []
     _check(manifest, spec, manifest.get("kind", "?"), found)
-    endpoint_picker = manifest.get("spec", {}).get("endpointPickerRef")
+    spec = manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {}
+    endpoint_picker = spec.get("endpointPickerRef")
     # The port is needed when the reference is a Service (the default kind).
     if isinstance(endpoint_picker, dict) and endpoint_picker.get("kind", "Service") == "Service" \
             and "port" not in endpoint_picker:
         found.append("spec.endpointPickerRef.port: required for a Service")
+    ports = [port.get("number") for port in spec.get("targetPorts") or [] if isinstance(port, dict)]
+    if len(ports) != len(set(ports)):
+        found.append("spec.targetPorts: port numbers must be unique")
+    labels = (spec.get("selector") or {}).get("matchLabels") if isinstance(spec.get("selector"), dict) else None
+    if isinstance(labels, dict) and not 1 <= len(labels) <= 64:
+        found.append("spec.selector.matchLabels: 1 to 64 labels")
+    if manifest.get("kind") == "InferenceObjective" and not any(spec.get(k) for k in ("poolRef", "poolRefs")) \
+            and "poolSelector" not in spec:
+        found.append("spec: one of poolRef, poolRefs, poolSelector is needed")
     return found
 
 
@@ -123,10 +143,20 @@ def _check(value: Any, spec: Any, path: str, found: list[str]) -> None:
 
 # ---- the endpoint picker's configuration -----------------------------------------------------
 
-EPP_API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+EPP_API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")  # the second deprecated
 EPP_KIND = "EndpointPickerConfig"
+# The top-level fields the router's strict decoder knows.
+EPP_FIELDS = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "dataLayer", "flowControl",
+              "requestHandler", "saturationDetector", "parser"}
+METRICS_SOURCE = "metrics-data-source"
 METRICS_EXTRACTOR = "core-metrics-extractor"
 SPEC_KEYS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")
+# Each plugin's parameters are decoded strictly too: the fields of these two.
+SOURCE_PARAMETERS = {"scheme", "path", "port", "insecureSkipVerify", "caCertPath", "clientCertPath", "clientKeyPath",
+                     "interval"}
+EXTRACTOR_PARAMETERS = {"engineLabelKey", "defaultEngine", "engineConfigs"}
+ENGINE_FIELDS = {"name", *SPEC_KEYS, "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec",
+                 "cacheNumBlocksSpec", "customMetrics"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +170,7 @@ class PickerConfig:
     plugins: dict[str, tuple[str, dict[str, Any]]]  # name -> (type, parameters)
     profiles: dict[str, list[str]]  # profile -> the plugin names it refers to
     engines: dict[str, EngineConfig]
+    metrics_path: str  # where the metrics data source reads each endpoint
 
 
 class PickerConfigError(ValueError):
@@ -147,14 +178,20 @@ class PickerConfigError(ValueError):
 
 
 def read_picker_config(document: Any) -> PickerConfig:
-    """An EndpointPickerConfig as the router loads it: every plugin a `type` (its `name`
-    defaults to the type, names unique) with a map of `parameters`; every profile's pluginRefs
-    name a plugin; each engine config of the metrics extractor a unique name and specs that
-    parse (name plus label matchers)."""
+    """An EndpointPickerConfig as the router loads it: known top-level fields, plugins and
+    profiles present; every plugin a `type` (its `name` defaults to the type, names unique) with
+    a map of `parameters` (the metrics source's and extractor's fields known); every profile's
+    pluginRefs name a plugin; each engine config of the metrics extractor a unique name, known
+    fields and specs that parse (name plus label matchers)."""
     if not isinstance(document, dict):
         raise PickerConfigError("not a mapping")
-    if (document.get("apiVersion"), document.get("kind")) != (EPP_API_VERSION, EPP_KIND):
+    if document.get("apiVersion") not in EPP_API_VERSIONS or document.get("kind") != EPP_KIND:
         raise PickerConfigError(f"apiVersion/kind {document.get('apiVersion')}/{document.get('kind')}")
+    unknown = set(document) - EPP_FIELDS
+    if unknown:
+        raise PickerConfigError(f"unknown fields {sorted(unknown)}")
+    if not isinstance(document.get("plugins"), list) or not isinstance(document.get("schedulingProfiles"), list):
+        raise PickerConfigError("plugins and schedulingProfiles are required")
     plugins: dict[str, tuple[str, dict[str, Any]]] = {}
     for index, plugin in enumerate(document.get("plugins") or []):
         if not isinstance(plugin, dict) or not isinstance(plugin.get("type"), str) or not plugin["type"]:
@@ -181,18 +218,27 @@ def read_picker_config(document: Any) -> PickerConfig:
             refs.append(name)
         profiles[profile["name"]] = refs
     engines: dict[str, EngineConfig] = {}
+    metrics_path = "/metrics"
     for name, (kind, parameters) in plugins.items():
+        if kind == METRICS_SOURCE:
+            unknown = set(parameters) - SOURCE_PARAMETERS
+            if unknown:
+                raise PickerConfigError(f"plugin {name}: unknown parameters {sorted(unknown)}")
+            metrics_path = parameters.get("path") or metrics_path
         if kind != METRICS_EXTRACTOR:
             continue
+        unknown = set(parameters) - EXTRACTOR_PARAMETERS
+        if unknown:
+            raise PickerConfigError(f"plugin {name}: unknown parameters {sorted(unknown)}")
         for index, engine in enumerate(parameters.get("engineConfigs") or []):
             where = f"plugin {name}: engineConfigs[{index}]"
             if not isinstance(engine, dict) or not isinstance(engine.get("name"), str) or not engine["name"]:
                 raise PickerConfigError(f"{where}: needs a name")
-            unknown = set(engine) - {"name", *SPEC_KEYS}
+            unknown = set(engine) - ENGINE_FIELDS
             if unknown:
                 raise PickerConfigError(f"{where}: unknown fields {sorted(unknown)}")
             if engine["name"] in engines:
                 raise PickerConfigError(f"{where}: engine {engine['name']!r} configured twice")
             specs = {key: parse_spec(str(engine[key])) for key in SPEC_KEYS if engine.get(key)}
             engines[engine["name"]] = EngineConfig(engine["name"], specs)
-    return PickerConfig(plugins, profiles, engines)
+    return PickerConfig(plugins, profiles, engines, metrics_path)

@@ -1,15 +1,16 @@
 """An endpoint picker's reading of a pod's metrics, as llm-d's router (the InferencePool's EPP)
 reads them: a model of its contract for the chart and end-to-end tests (no EPP runs here).
 
-What is modelled, from the inference extension's metric code as read (facts/components.md,
-"Many nodes"; the router kept it when the EPP moved to llm-d):
-- a metric spec is `name` or `name{label=value,...}`: braces hold at least one pair, values
-  unquoted, nothing after the closing brace;
-- a gauge spec (queued, running, KV use) reads the first series of the family whose labels
-  include every pair of the spec (series carry no timestamps, so "the latest" is the first);
-- the LoRA spec reads, of the series whose `running_lora_adapters` or `waiting_lora_adapters`
-  is not empty, the one with the highest value (vLLM sets it to the time the labels were set);
-  the adapters are comma-separated, `max_lora` an integer.
+What is modelled, from llm-d-router's core metrics extractor as of 2026-08 (its `spec.go`,
+`loraspec.go` and `extractor.go`):
+- a metric spec is a PromQL instant-vector selector, `name` or `name{label=value,...}`, the
+  values quoted or not (the router adds the quotes); only `=` matchers select, other operators
+  are parsed and ignored; a spec without a name is refused;
+- a gauge spec (queued, running, KV use) reads, of the series whose labels include every pair,
+  the one with the latest timestamp: with none in the text, the first;
+- the LoRA spec reads the matching series with the highest value (vLLM sets it to the time the
+  labels were set); a missing family means no LoRA information. Its `running_lora_adapters`
+  and `waiting_lora_adapters` are split at commas and trimmed, `max_lora` is an integer.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*(?:"((?:[^"\\]|\\.)*)"|([^",}\s]+))\s*')
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)(?: (-?\d+))?$")
 _PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
 
@@ -34,29 +35,31 @@ class MetricSpec:
 
 
 def parse_spec(text: str) -> MetricSpec:
-    """`name` or `name{a=b,c=d}`, as the picker parses an engine config's spec."""
+    """`name` or `name{a=b, c="d"}`, as the router parses an engine config's spec."""
     spec = text.strip()
-    if not spec:
-        raise SpecError("empty metric spec")
-    start, end = spec.find("{"), spec.find("}")
+    name_match = _NAME.match(spec)
+    if name_match is None:
+        raise SpecError(f"{text!r}: no metric name")
+    name, rest = name_match.group(0), spec[name_match.end():].strip()
     labels: dict[str, str] = {}
-    name = spec
-    if start != -1 or end != -1:
-        if start == -1 or end == -1 or end <= start + 1:
-            raise SpecError(f"{text!r}: needs both braces around at least one label")
-        if end != len(spec) - 1:
-            raise SpecError(f"{text!r}: characters after the closing brace")
-        name = spec[:start].strip()
-        for pair in spec[start + 1:end].split(","):
-            parts = pair.split("=")
-            if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
-                raise SpecError(f"{text!r}: bad label pair {pair!r}")
-            key = parts[0].strip()
-            if not _LABEL_NAME.match(key):
-                raise SpecError(f"{text!r}: bad label name {key!r}")
-            labels[key] = parts[1].strip()
-    if not _NAME.match(name):
-        raise SpecError(f"{text!r}: bad metric name {name!r}")
+    if rest:
+        if not (rest.startswith("{") and rest.endswith("}")):
+            raise SpecError(f"{text!r}: expected {{label=value,...}} after the name")
+        body = rest[1:-1].strip()
+        position = 0
+        while position < len(body):
+            matcher = _MATCHER.match(body, position)
+            if matcher is None:
+                raise SpecError(f"{text!r}: bad label matcher at {body[position:]!r}")
+            key, operator = matcher.group(1), matcher.group(2)
+            value = matcher.group(3) if matcher.group(3) is not None else matcher.group(4)
+            if operator == "=" and not key.startswith("__"):
+                labels[key] = value
+            position = matcher.end()
+            if position < len(body):
+                if body[position] != ",":
+                    raise SpecError(f"{text!r}: expected a comma at {body[position:]!r}")
+                position += 1
     return MetricSpec(name, labels)
 
 
@@ -138,12 +141,10 @@ class Adapters:
 
 
 def read_adapters(families: dict[str, list[Series]], spec: MetricSpec) -> Adapters | None:
-    """What a LoRA spec reads: the latest series with adapters; None when no series has any."""
+    """What a LoRA spec reads: the matching series with the highest value; None without one."""
     latest: Series | None = None
     for series in families.get(spec.name, ()):
         if not all(series.labels.get(key) == value for key, value in spec.labels.items()):
-            continue
-        if not series.labels.get("running_lora_adapters") and not series.labels.get("waiting_lora_adapters"):
             continue
         if latest is None or series.value > latest.value:
             latest = series
@@ -151,7 +152,7 @@ def read_adapters(families: dict[str, list[Series]], spec: MetricSpec) -> Adapte
         return None
 
     def names(label: str) -> tuple[str, ...]:
-        return tuple(name for name in latest.labels.get(label, "").split(",") if name)
+        return tuple(name.strip() for name in latest.labels.get(label, "").split(",") if name.strip())
 
     return Adapters(names("running_lora_adapters"), names("waiting_lora_adapters"),
                     int(latest.labels.get("max_lora", "0") or 0))

@@ -18,6 +18,7 @@ from inference_kinds import KINDS, PickerConfigError, problems, read_picker_conf
 from picker import SpecError
 from llamaswap.config import parse_config
 from llamaswap.core.priority import ALIASES
+from llamaswap.envoy.contract import PICKER_METRICS_PATH
 from llamaswap.telemetry import instruments
 
 VALUES = ct.load_values(ct.CHART / "ci" / "inference-pool-values.yaml")
@@ -35,7 +36,7 @@ def picker_config(rendered: ct.Rendered) -> Any:
 
 def test_every_document_is_valid(rendered: ct.Rendered) -> None:
     kinds = {(m["apiVersion"], m["kind"]) for m in rendered.manifests}
-    assert set(KINDS) <= kinds
+    assert {("inference.networking.k8s.io/v1", "InferencePool"), ("llm-d.ai/v1alpha2", "InferenceObjective")} <= kinds
     errors = []
     for manifest in rendered.manifests:
         key = (manifest["apiVersion"], manifest["kind"])
@@ -83,7 +84,8 @@ def test_the_pool_selects_the_pods_at_envoys_port(rendered: ct.Rendered) -> None
             assert not all(other_labels.get(key) == value for key, value in selector.items())
     envoy_port = next(p["containerPort"] for p in rendered.container("envoy")["ports"] if p["name"] == "http")
     assert pool["spec"]["targetPorts"] == [{"number": envoy_port}]
-    assert pool["spec"]["endpointPickerRef"] == {"name": "epp", "port": {"number": 9002}, "failureMode": "FailClose"}
+    assert pool["spec"]["endpointPickerRef"] == {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    assert pool["spec"]["appProtocol"] == "http"
     assert rendered.deployment["spec"]["replicas"] == 2
 
 
@@ -101,11 +103,16 @@ def test_the_engine_label_picks_llamaswaps_gauges(rendered: ct.Rendered) -> None
     }
     assert set(config.profiles["default"]) == {"queue-scorer", "kv-cache-utilization-scorer",
                                                "lora-affinity-scorer", "max-score-picker"}
+    # The source reads the pods' picker page, which Envoy's listener routes to the sidecar.
+    assert config.plugins["metrics-data-source"][0] == "metrics-data-source"
+    assert config.metrics_path == PICKER_METRICS_PATH
+    assert config.plugins["core-metrics-extractor"][0] == "core-metrics-extractor"
 
 
 def test_the_objectives_are_the_sidecars_priorities(rendered: ct.Rendered) -> None:
     pool = rendered.find("InferencePool")["metadata"]["name"]
     objectives = {m["metadata"]["name"]: m["spec"] for m in rendered.all("InferenceObjective")}
+    assert {m["apiVersion"] for m in rendered.all("InferenceObjective")} == {"llm-d.ai/v1alpha2"}
     assert {name: spec["priority"] for name, spec in objectives.items()} == ALIASES
     assert objectives["batch"]["priority"] < 0  # sheddable
     assert all(spec["poolRef"]["name"] == pool for spec in objectives.values())
@@ -122,6 +129,10 @@ def test_custom_objectives_reach_the_sidecar_unless_the_config_names_its_own() -
         "chat": 80, "offline": -20}
     own = ct.merge_values(values, {"config": {"routing": {"objectives": {"chat": "interactive"}}}})
     assert dict(parse_config(yaml.safe_load(ct.render(own).sidecar_config)).routing.objectives) == {"chat": 100}
+    legacy = ct.render(ct.merge_values(VALUES, {"inferencePool": {"objectives": {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2"}}}))
+    assert {m["apiVersion"] for m in legacy.all("InferenceObjective")} == {"inference.networking.x-k8s.io/v1alpha2"}
+    assert all(not problems(m) for m in legacy.all("InferenceObjective"))
     none = ct.render(ct.merge_values(VALUES, {"inferencePool": {"objectives": {"create": False}}}))
     assert not none.all("InferenceObjective")
     assert "objectives" not in (yaml.safe_load(none.sidecar_config).get("routing") or {})
@@ -164,16 +175,20 @@ def test_the_picker_config_reader_refuses_what_the_router_refuses(rendered: ct.R
     good = picker_config(rendered)
     for change in (lambda d: d["plugins"].append({"type": "queue-scorer"}),  # a name taken twice
                    lambda d: d["plugins"][1].pop("type"),
+                   lambda d: d.update(data={"sources": []}),  # not a field of the strict decoder
+                   lambda d: d.pop("schedulingProfiles"),
+                   lambda d: d["plugins"][0]["parameters"].update(metricsPath="/m"),
+                   lambda d: d["plugins"][1]["parameters"].update(engines=[]),
                    lambda d: d["schedulingProfiles"][0]["plugins"].append({"pluginRef": "nope"}),
                    lambda d: d.update(kind="Config"),
-                   lambda d: d["plugins"][0]["parameters"]["engineConfigs"].append({"name": "llamaswap"}),
-                   lambda d: d["plugins"][0]["parameters"]["engineConfigs"][0].update(kvUsage="x")):
+                   lambda d: d["plugins"][1]["parameters"]["engineConfigs"].append({"name": "llamaswap"}),
+                   lambda d: d["plugins"][1]["parameters"]["engineConfigs"][0].update(kvUsage="x")):
         document = copy.deepcopy(good)
         change(document)
         with pytest.raises(PickerConfigError):
             read_picker_config(document)
     document = copy.deepcopy(good)
-    document["plugins"][0]["parameters"]["engineConfigs"][0]["loraSpec"] = "info{max_lora}"
+    document["plugins"][1]["parameters"]["engineConfigs"][0]["loraSpec"] = "info{max_lora}"
     with pytest.raises(SpecError):
         read_picker_config(document)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from flow import FakeUpstream, virtual_time
-from picker import MetricSpec, SpecError, parse_exposition, parse_spec, read_adapters, read_gauge
+from picker import Adapters, MetricSpec, SpecError, parse_exposition, parse_spec, read_adapters, read_gauge
 from test_telemetry import LONG_LEASE, Traced
 
 from llamaswap.runtime.ticket import ExchangeEnd
@@ -41,7 +41,9 @@ async def test_the_picker_reads_waiting_running_saturation_and_models() -> None:
     flow = traced.flow
     waiting, running, saturation, adapters = picture(traced)
     assert (waiting, running, saturation) == (0, 0, 0)
-    assert adapters is None  # nothing loaded, nothing waiting: the series has empty adapter labels
+    # Nothing loaded, nothing waiting: the one series lists no adapter (the family is there, so
+    # the picker reads "none", not "no information").
+    assert adapters == Adapters((), (), 1)
     families = read(traced)
     assert [series.labels for series in families[names.MODELS_INFO]] == [
         {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "1"}]
@@ -130,12 +132,17 @@ async def test_the_waiting_models_label_is_bounded() -> None:
     ("llamaswap_gpu_saturation", MetricSpec("llamaswap_gpu_saturation", {})),
     (" vllm:num_requests_waiting ", MetricSpec("vllm:num_requests_waiting", {})),
     ("m{model=a, band = batch}", MetricSpec("m", {"model": "a", "band": "batch"})),
+    ('nv_trt_llm_request_metrics{request_type="waiting"}', MetricSpec("nv_trt_llm_request_metrics",
+                                                                      {"request_type": "waiting"})),
+    ('m{a="b,c", d!=e}', MetricSpec("m", {"a": "b,c"})),  # only = selects
+    ("m{}", MetricSpec("m", {})),
+    ("m{a=b=c}", MetricSpec("m", {"a": "b=c"})),
 ])
 def test_metric_specs_parse_as_the_picker_parses_them(text: str, spec: MetricSpec) -> None:
     assert parse_spec(text) == spec
 
 
-@pytest.mark.parametrize("text", ["", "m{}", "m{a=b", "m}a=b{", "m{a=b}x", "m{a}", "m{=b}", "m{a=}", "9m", "m{a=b=c}"])
+@pytest.mark.parametrize("text", ["", "{a=b}", "m{a=b", "m}a=b{", "m{a=b}x", "m{a}", "m{=b}", "m{a=}", "9m", "m{a=b c=d}"])
 def test_metric_specs_the_picker_refuses(text: str) -> None:
     with pytest.raises(SpecError):
         parse_spec(text)

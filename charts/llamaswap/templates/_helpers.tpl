@@ -320,12 +320,16 @@ Many nodes: the InferencePool and its endpoint picker (templates/inferencepool.y
 llamaswap-epp.yaml
 {{- end }}
 
-{{/* The EndpointPickerConfig: the core-metrics-extractor with llamaswap's engine config, then
-the scorers, picker and profiles of the values. */}}
+{{/* The EndpointPickerConfig (llm-d's router): the metrics data source reading the pods'
+picker page, the core-metrics-extractor with llamaswap's engine config (the router wires the two
+together when both are declared under their type names), then the scorers, picker and profiles
+of the values. */}}
 {{- define "llamaswap.eppConfig" -}}
 {{- $ip := .Values.inferencePool }}
 {{- $engine := merge (dict "name" $ip.engineType) $ip.engineConfig }}
+{{- $source := dict "type" "metrics-data-source" "parameters" (dict "scheme" "http" "path" $ip.endpointPicker.metricsPath) }}
 {{- $extractor := dict "type" "core-metrics-extractor" "parameters" (dict "engineConfigs" (list $engine)) }}
-{{- $config := dict "apiVersion" "inference.networking.x-k8s.io/v1alpha1" "kind" "EndpointPickerConfig" "plugins" (prepend $ip.endpointPicker.plugins $extractor) "schedulingProfiles" $ip.endpointPicker.schedulingProfiles }}
+{{- $plugins := concat (list $source $extractor) $ip.endpointPicker.plugins }}
+{{- $config := dict "apiVersion" "llm-d.ai/v1alpha1" "kind" "EndpointPickerConfig" "plugins" $plugins "schedulingProfiles" $ip.endpointPicker.schedulingProfiles }}
 {{- toYaml (merge $config $ip.endpointPicker.extraConfig) }}
 {{- end }}
