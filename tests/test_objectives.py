@@ -8,7 +8,7 @@ import pytest
 from flow import Flow, check_request, virtual_time
 
 from llamaswap.config import parse_config
-from llamaswap.core.priority import OBJECTIVE_HEADER, PriorityMode, PriorityPolicy, PrioritySource
+from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER, PriorityMode, PriorityPolicy, PrioritySource
 from llamaswap.envoy.bootstrap import build_bootstrap
 
 OBJECTIVES = {"interactive": 100, "normal": 0, "batch": -100, "nightly": -300}
@@ -58,7 +58,7 @@ def test_envoy_sends_the_objective_header_to_the_check() -> None:
         filters = build_bootstrap(config)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         authz = next(f for f in filters["typed_config"]["http_filters"] if f["name"].endswith("ext_authz"))
         patterns = {p["exact"] for p in authz["typed_config"]["allowed_headers"]["patterns"]}
-        assert OBJECTIVE_HEADER in patterns
+        assert {OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER} <= patterns
 
 
 @virtual_time
@@ -70,9 +70,13 @@ async def test_a_check_naming_an_objective_is_queued_at_its_priority() -> None:
     chat = await flow.check(check_request({"x-request-id": "i", OBJECTIVE_HEADER: "interactive"}, model="m"))
     both = await flow.check(check_request({"x-request-id": "h", OBJECTIVE_HEADER: "interactive",
                                            "x-llamaswap-priority": "-5"}, model="m"))
+    # The header's earlier name, which the router still reads, and the new one winning over it.
+    old = await flow.check(check_request({"x-request-id": "o", OLD_OBJECTIVE_HEADER: "batch"}, model="m"))
+    new = await flow.check(check_request({"x-request-id": "w", OLD_OBJECTIVE_HEADER: "batch",
+                                          OBJECTIVE_HEADER: "interactive"}, model="m"))
     assert running.granted
-    assert [r.ticket.priority.value for r in (batch, normal, chat, both)] == [-100, 0, 100, -5]
-    assert flow.waiting_ids() == ["i", "n", "h", "b"]
+    assert [r.ticket.priority.value for r in (batch, normal, chat, both, old, new)] == [-100, 0, 100, -5, -100, 100]
+    assert flow.waiting_ids() == ["i", "w", "n", "h", "b", "o"]
     await flow.complete(running)
     assert chat.granted
     flow.close()

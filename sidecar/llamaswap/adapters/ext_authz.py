@@ -26,6 +26,7 @@ from llamaswap.envoy.contract import (
     MODEL_KEY,
     MODEL_NAMESPACE,
     OBJECTIVE_HEADER,
+    OLD_OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     REQUEST_ID_HEADER,
     STREAM_KEY,
@@ -165,5 +166,5 @@ class Authorization(authz_grpc.AuthorizationServicer):
             max_tokens=max_tokens_of(request),
             streamed=streamed_of(request),
             request_id_replaced=replaced,
-            objective=headers.get(OBJECTIVE_HEADER),
+            objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
         )

@@ -11,6 +11,8 @@ HEADER = "x-llamaswap-priority"
 # The InferenceObjective a request names for llm-d's router (the InferencePool's endpoint
 # picker); `routing.objectives` maps it to a priority when the request sends no HEADER.
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+# Its earlier name, which the router still reads when the new one is absent.
+OLD_OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 ALIASES: dict[str, int] = {"interactive": 100, "normal": 0, "batch": -100}
 

@@ -44,6 +44,7 @@ from llamaswap.envoy.contract import (
     MODEL_KEY,
     MODEL_NAMESPACE,
     OBJECTIVE_HEADER,
+    OLD_OBJECTIVE_HEADER,
     PICKER_METRICS_PATH,
     PRIORITY_HEADER,
     PROPS_PATH,
@@ -167,7 +168,7 @@ def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
 def _http_filters(config: Config) -> list[dict[str, Any]]:
     e = config.envoy
     # The objective header always: routing.objectives may change on a reload, the bootstrap not.
-    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER, OBJECTIVE_HEADER]
+    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER, OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER]
     trusted = config.security.priority.trusted_header
     if trusted:
         headers.append(trusted)
