@@ -217,9 +217,13 @@ def read_picker_config(document: Any) -> PickerConfig:
                 raise PickerConfigError(f"schedulingProfiles[{index}]: pluginRef {name!r} names no plugin")
             refs.append(name)
         profiles[profile["name"]] = refs
+    wired = _wired_extractors(document.get("dataLayer"), plugins)
     engines: dict[str, EngineConfig] = {}
     metrics_path = "/metrics"
     for name, (kind, parameters) in plugins.items():
+        if kind in (METRICS_SOURCE, METRICS_EXTRACTOR) and name not in wired:
+            raise PickerConfigError(f"plugin {name}: no data layer source wires it (name it {kind}, or list it "
+                                    "under dataLayer.sources)")
         if kind == METRICS_SOURCE:
             unknown = set(parameters) - SOURCE_PARAMETERS
             if unknown:
@@ -242,3 +246,30 @@ def read_picker_config(document: Any) -> PickerConfig:
             specs = {key: parse_spec(str(engine[key])) for key in SPEC_KEYS if engine.get(key)}
             engines[engine["name"]] = EngineConfig(engine["name"], specs)
     return PickerConfig(plugins, profiles, engines, metrics_path)
+
+
+def _wired_extractors(data_layer: Any, plugins: dict[str, tuple[str, dict[str, Any]]]) -> set[str]:
+    """The plugins the data layer runs: its sources and their extractors, plus (unless
+    injectDefaults is false or a metrics source is listed) the default pair, which the router
+    wires by the names `metrics-data-source` and `core-metrics-extractor`."""
+    wired: set[str] = set()
+    sources = []
+    inject = True
+    if data_layer is not None:
+        if not isinstance(data_layer, dict):
+            raise PickerConfigError("dataLayer: not a mapping")
+        inject = data_layer.get("injectDefaults", True) is not False
+        sources = data_layer.get("sources") or []
+    for index, source in enumerate(sources):
+        ref = source.get("pluginRef") if isinstance(source, dict) else None
+        if ref not in plugins:
+            raise PickerConfigError(f"dataLayer.sources[{index}]: pluginRef {ref!r} names no plugin")
+        wired.add(ref)
+        for extractor in source.get("extractors") or []:
+            name = extractor.get("pluginRef") if isinstance(extractor, dict) else None
+            if name not in plugins:
+                raise PickerConfigError(f"dataLayer.sources[{index}]: extractor {name!r} names no plugin")
+            wired.add(name)
+    if inject and not any(ref == METRICS_SOURCE for ref in wired):
+        wired.update({METRICS_SOURCE, METRICS_EXTRACTOR})
+    return wired

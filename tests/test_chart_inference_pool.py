@@ -179,6 +179,8 @@ def test_the_picker_config_reader_refuses_what_the_router_refuses(rendered: ct.R
                    lambda d: d.pop("schedulingProfiles"),
                    lambda d: d["plugins"][0]["parameters"].update(metricsPath="/m"),
                    lambda d: d["plugins"][1]["parameters"].update(engines=[]),
+                   lambda d: d["plugins"][1].update(name="llamaswap-metrics"),  # not wired by default
+                   lambda d: d.update(dataLayer={"sources": [{"pluginRef": "nope", "extractors": []}]}),
                    lambda d: d["schedulingProfiles"][0]["plugins"].append({"pluginRef": "nope"}),
                    lambda d: d.update(kind="Config"),
                    lambda d: d["plugins"][1]["parameters"]["engineConfigs"].append({"name": "llamaswap"}),
@@ -201,3 +203,11 @@ def test_a_pool_rendered_by_llm_ds_chart() -> None:
     assert rendered.has("ConfigMap", "-epp")
     assert rendered.deployment["spec"]["template"]["metadata"]["labels"][ENGINE_LABEL] == "llamaswap"
     assert {m["spec"]["poolRef"]["name"] for m in rendered.all("InferenceObjective")} == {"llamaswap-epp"}
+
+
+def test_an_extractor_under_another_name_counts_once_the_data_layer_wires_it(rendered: ct.Rendered) -> None:
+    document = picker_config(rendered)
+    document["plugins"][1]["name"] = "llamaswap-metrics"
+    document["dataLayer"] = {"sources": [{"pluginRef": "metrics-data-source",
+                                          "extractors": [{"pluginRef": "llamaswap-metrics"}]}]}
+    assert set(read_picker_config(document).engines) == {"llamaswap"}
