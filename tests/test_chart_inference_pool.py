@@ -211,3 +211,10 @@ def test_an_extractor_under_another_name_counts_once_the_data_layer_wires_it(ren
     document["dataLayer"] = {"sources": [{"pluginRef": "metrics-data-source",
                                           "extractors": [{"pluginRef": "llamaswap-metrics"}]}]}
     assert set(read_picker_config(document).engines) == {"llamaswap"}
+
+
+def test_the_notes_say_where_the_picker_configuration_is(rendered: ct.Rendered) -> None:
+    assert "InferencePool llm-llamaswap" in rendered.notes
+    assert "get configmap llm-llamaswap-epp -o jsonpath='{.data.llamaswap-epp\\.yaml}'" in rendered.notes
+    assert "(interactive, normal, batch)" in rendered.notes
+    assert "InferencePool" not in ct.render().notes
