@@ -204,7 +204,7 @@ class Coordinator:
     async def admit(self, arrival: Arrival) -> Admission:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
         policy = self._config.priority_policy()
-        priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
+        priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         self._held_checks += 1
         try:
@@ -824,7 +824,7 @@ class Coordinator:
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free(), self.scheduler.slots_busy,
-                                                  self.scheduler.slots_total))
+                                                  self.scheduler.slots_total, self.scheduler.loaded_model))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run in one callback two loop turns on: after the step's wake-ups and after

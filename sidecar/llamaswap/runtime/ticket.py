@@ -68,6 +68,7 @@ class Arrival:
     request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
     # It unloads `model` (llama-server's POST /models/unload): it runs alone (`Scheduler.enqueue`).
     alone: bool = False
+    objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).
