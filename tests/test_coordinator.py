@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from flow import PEER, FakeUpstream, Flow, Request, router, single, virtual_time
+from llamaswap.adapters.admin import queue_document
+from llamaswap.commands.queue import render
 from llamaswap.config import parse_config
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S, Band, ManualClock, Outcome, ReorderCause, Scheduler
 from llamaswap.runtime.coordinator import RETRY_AFTER_MAX_S, Coordinator, Refusal
@@ -1371,7 +1373,17 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     assert {band: oldest for band, _, oldest in view.bands} == {Band.INTERACTIVE: 2.0, Band.NORMAL: 2.0,
                                                                 Band.BATCH: 0.0}
     await flow.advance(20)
-    assert flow.coordinator.view().running[0].expected_remaining_s == 0.0  # overdue, never negative
+    # Overdue: how much longer it runs is unknown, and so is when the requests behind it start;
+    # never "0 s", a time known to be wrong (issue 25).
+    overdue = flow.coordinator.view()
+    assert overdue.running[0].expected_remaining_s is None
+    assert [row.estimated_start_s for row in overdue.waiting] == [None] * 4
+    document = queue_document(overdue)
+    assert document["running"]["expected_remaining_s"] is None and document["waiting"][0]["estimated_start_s"] is None
+    text = render(document)
+    assert "unknown" in text and "+0:00" not in text
+    found = flow.coordinator.status_of("e")
+    assert found is not None and found[1].estimated_start_s is None
 
 
 @virtual_time

@@ -768,7 +768,7 @@ class Coordinator:
         now = self._clock.now_ns()
         for ticket in waiting:
             start = start_of.get(ticket.token)
-            if start is not None:
+            if start is not None and math.isfinite(start):  # inf: unknown, no estimate to record
                 ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
         self._estimate_batch_s = max(ESTIMATE_BATCH_S, self._views.last_walk_s / _ESTIMATE_CPU_SHARE)
 
