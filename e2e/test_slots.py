@@ -72,3 +72,34 @@ async def test_auto_reads_the_upstreams_slots(tmp_path: pathlib.Path) -> None:
             replies = await asyncio.gather(*held)
         assert [reply.status for reply in replies] == [200] * 4
         assert upstream.max_active == 3
+
+
+async def test_an_abandoned_generation_holds_only_its_own_slot(tmp_path: pathlib.Path) -> None:
+    """Four slots, two long generations and a short one whose client leaves (the upstream computes
+    it on): nothing new starts while it computes, and once it ended the next request goes beside
+    the long ones still running. Issue 25: the settle waited until every slot was idle."""
+    # A settle that would wait for the whole upstream never ends by its deadline in this test.
+    config = {"upstream": {"slots": 4, "settleTimeoutSeconds": 3600}}
+    with running_stack(tmp_path, config, fake=FakeLlamaServer(slots=4)) as stack:
+        upstream = stack.upstream
+        assert upstream is not None
+        async with aiohttp.ClientSession() as session:
+            long = [asyncio.create_task(chat(session, stack.url, f"long{i}", hold=True)) for i in range(2)]
+            await async_wait_for(lambda: upstream.active == 2, what="the two long generations at the upstream")
+            short = asyncio.create_task(chat(session, stack.url, "short", hold=True))
+            await async_wait_for(lambda: upstream.active == 3, what="the short one at the upstream")
+            short.cancel()  # its client leaves; the upstream computes it on
+            await async_wait_for(lambda: len(stack.sidecar.queue()["running_all"]) == 2,
+                                 what="the short one's grant released (its settle begins)")
+            new = asyncio.create_task(chat(session, stack.url, "new"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="new waiting")
+            assert "new" not in upstream.order()  # the abandoned generation still takes a slot
+            upstream.release("short")
+            await async_wait_for(lambda: "new" in upstream.order(), what="new granted beside the long ones")
+            assert not any(task.done() for task in long) and not upstream.finished("long0")
+            reply = await new
+            for i in range(2):
+                upstream.release(f"long{i}")
+            replies = await asyncio.gather(*long)
+        assert reply.status == 200 and [r.status for r in replies] == [200, 200]
+        assert upstream.max_active == 3

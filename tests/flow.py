@@ -199,11 +199,12 @@ def single(*models: str) -> Catalog:
 
 
 class FakeUpstream:
-    """The Upstream port, scripted: what `catalog()` returns, what `busy()` says, whether
+    """The Upstream port, scripted: what `catalog()` returns, what `busy()` says (how many slots
+    compute: True is one, False none; None: cannot tell), whether
     `stop()` works; every call is logged in `calls` (in order) and counted. `busy_failures`:
     that many next `busy()` calls get no answer (`UpstreamUnanswered`, a timeout or a 5xx)."""
 
-    def __init__(self, catalog: Catalog | None = None, *, busy: bool | None = None, stops: bool = True,
+    def __init__(self, catalog: Catalog | None = None, *, busy: int | None = None, stops: bool = True,
                  idle_after_stop: bool = True) -> None:
         self.catalog_answer = catalog
         self.busy_answer = busy
@@ -235,7 +236,7 @@ class FakeUpstream:
             raise ConnectionError("the upstream's GET /v1/models failed")
         return self.catalog_answer
 
-    async def busy(self, model: str | None) -> bool | None:
+    async def busy(self, model: str | None) -> int | None:
         self.calls.append(("busy", model))
         if self.busy_failures > 0:
             self.busy_failures -= 1

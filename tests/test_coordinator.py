@@ -876,6 +876,26 @@ async def test_a_late_periodic_report_for_a_lapsed_grant_adopts_it_again(release
     assert [x.result for x in adopted] == [SettleResult.ENDED]  # the GPU time it held, counted
 
 
+@virtual_time
+async def test_a_settle_never_stops_the_generation_of_an_exchange_envoy_reports_again() -> None:
+    """abandonedGeneration: stop after a lapsed lease; before the settle could stop it, Envoy
+    reported the exchange again: it is alive, and stopping would cut it (issue 25)."""
+    flow = busy_flow({"upstream": {"abandonedGeneration": "stop"}}, busy=True)
+    flow.upstream.busy_failures = 1  # the settle's first ask gets no answer
+    a = await flow.arrive("a", model="a")
+    await flow.advance(LEASE_S)
+    assert a.outcome is Outcome.LEASE_EXPIRED and flow.coordinator.gpu_state == "settling"
+    await flow.renew(a.ticket.token)  # Envoy still runs it after all
+    b = await flow.arrive("b", model="a")
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert flow.upstream.stop_calls == []
+    assert flow.coordinator.gpu_state == "adopted" and b.waiting  # the one computing slot is the adopted exchange
+    settle = [x for x in flow.recorder.settles if x.reason is SettleReason.ABANDONED]
+    assert [x.result for x in settle] == [SettleResult.IDLE]
+    await flow.end(a.ticket.token, ExchangeEnd.COMPLETE, 200)
+    assert b.granted
+
+
 async def serve_many(flow: Flow, count: int) -> None:
     for i in range(count):
         other = await flow.arrive(f"other-{i}", model="a")

@@ -1,7 +1,7 @@
 """The coordinator with several slots (upstream.slots > 1), on the fake clock (tests/flow.py):
 at most N grants at once and all of one model, a swap drains first, the reserved slot goes only
-to interactive work, an abandoned generation holds every slot until the upstream is idle (and `stop` waits for the
-generations granted beside it), and
+to interactive work, an abandoned generation holds the GPU until the upstream computes no more
+than the grants still running (and `stop` waits for the generations granted beside it), and
 leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 
 from __future__ import annotations
@@ -89,33 +89,54 @@ async def test_the_reserved_slot_goes_only_to_interactive_work() -> None:
 
 
 @virtual_time
-async def test_an_abandoned_generation_holds_every_slot_until_the_upstream_is_idle() -> None:
-    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+async def test_an_abandoned_generation_holds_its_slot_until_it_ended() -> None:
+    """While it computes, nothing is granted; once the upstream computes no more than the grants
+    still running, the next one goes beside them (issue 25: it waited for the whole upstream)."""
+    flow = slots_flow(3, upstream=FakeUpstream(busy=3))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    a4 = await flow.arrive("a4", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
+    await flow.advance(5)
+    assert a4.waiting and flow.coordinator.gpu_state == "running"  # a slot is free, but a1 still computes
+    flow.upstream.busy_answer = 2  # a1 ended; a2 and a3 compute on
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a4.granted and a2.outcome is None and a3.outcome is None
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.IDLE
+
+
+@virtual_time
+async def test_an_abandoned_generation_outliving_its_neighbours_holds_the_gpu() -> None:
+    flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
     await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
-    assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
-    await flow.advance(5)
-    assert a3.waiting  # a slot is free, but a1 still computes
     await flow.complete(a2)
+    flow.upstream.busy_answer = 1  # a2 ended, a1 has not
     await flow.advance(5)
     assert a3.waiting and flow.coordinator.gpu_state == "settling"
-    flow.upstream.busy_answer = False
+    flow.upstream.busy_answer = 0
     await flow.advance(SETTLE_POLL_MAX_S)
     assert a3.granted and len(flow.recorder.settles) == 1
 
 
 @virtual_time
 async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
-    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+    flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
     await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
     await flow.end(a2, ExchangeEnd.CLIENT_LEFT)
     assert a2.ticket.abandoned and a3.waiting
-    flow.upstream.busy_answer = False
+    flow.upstream.busy_answer = 1  # one of them still computes: no grant
+    await flow.advance(5)
+    assert a3.waiting
+    flow.upstream.busy_answer = 0
     await flow.advance(SETTLE_POLL_MAX_S)
     assert a3.granted and len(flow.recorder.settles) == 1
 
@@ -123,7 +144,7 @@ async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
 async def _abandoned_beside_another(*, settle_timeout_s: float) -> tuple[Flow, Request, Request]:
     """abandonedGeneration: stop, two slots: a1's client left while a2 runs beside it and a3 waits."""
     flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": settle_timeout_s},
-                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
+                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
@@ -138,6 +159,7 @@ async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one()
     await flow.advance(5)
     assert flow.upstream.stop_calls == [] and a2.outcome is None and a3.waiting
     await flow.complete(a2)
+    flow.upstream.busy_answer = 1  # a1 alone
     await flow.advance(SETTLE_POLL_MAX_S)
     assert flow.upstream.stop_calls == ["a"]
     assert a3.granted and a3.ticket.decision.load  # stopping unloaded the model
@@ -305,3 +327,4 @@ async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loa
     assert [model for name, model in upstream.calls if name == "total_slots"] == ["a", "b"]
     requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
     assert [r.granted for r in requests] == [True, True, True, False]
+

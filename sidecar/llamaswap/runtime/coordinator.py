@@ -12,8 +12,8 @@ Invariants enforced here (the other rooms of the runtime serve them and change n
   exchange this process does not hold is still reported by Envoy (an adopted lease,
   `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot for the best request (`Scheduler.next`: at
   most ``slots`` grants, all of one model). An abandoned generation keeps its slot until the
-  upstream's /slots says it ended the simple way: while its settle runs, nothing new is granted
-  at all, so a swap also waits until every slot is idle;
+  upstream's /slots processes no more slots than the grants and adopted exchanges this process
+  holds: while its settle runs, nothing new is granted at all;
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
 - each grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
@@ -410,8 +410,8 @@ class Coordinator:
         return not self._leases.running and self._may_grant()
 
     def _may_grant(self) -> bool:
-        """Nothing but our own grants holds the GPU: no settle (an abandoned generation keeps
-        its slot, and every other, until /slots says it ended) and no adopted exchange. Whether
+        """Nothing but our own grants holds the GPU: no settle (while an abandoned generation
+        still takes a slot, nothing is granted) and no adopted exchange. Whether
         a slot is free for the best request is the scheduler's to say (`Scheduler.next`)."""
         return self._settling is None and not self._leases.adopted
 
@@ -468,8 +468,8 @@ class Coordinator:
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
-        # A settle under way already waits for every slot to be idle (it asks whether anything
-        # computes), this abandoned generation's included.
+        # A settle under way covers this abandoned generation too: it waits until the upstream
+        # computes no more than what this process holds, and this grant is no longer held.
         if ticket.abandoned and self._settling is None:
             granted = decision.granted_ns if decision is not None else None
             self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
@@ -632,7 +632,7 @@ class Coordinator:
         settle = await settle_upstream(
             self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
             loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
-            others_running=lambda: len(self._leases.running))
+            held=lambda: len(self._leases.running) + len(self._leases.adopted))
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
