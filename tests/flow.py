@@ -212,6 +212,7 @@ class FakeUpstream:
         self.idle_after_stop = idle_after_stop
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
+        self.slots_gate: asyncio.Event | None = None  # set: total_slots() waits for it
         self.slots_answer: int | dict[str | None, int] | None = None  # what total_slots() says (by model)
         self.fail_catalog = False
         self.busy_failures = 0
@@ -245,6 +246,8 @@ class FakeUpstream:
 
     async def total_slots(self, model: str | None = None) -> int | None:
         self.calls.append(("total_slots", model))
+        if self.slots_gate is not None:
+            await self.slots_gate.wait()
         if isinstance(self.slots_answer, dict):
             return self.slots_answer.get(model)
         return self.slots_answer

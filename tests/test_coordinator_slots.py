@@ -6,11 +6,15 @@ leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from flow import PEER, FakeUpstream, Flow, Request, router, virtual_time
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
+from llamaswap.config import parse_config
 from llamaswap.core import Outcome
+from llamaswap.runtime.coordinator import LEARN_POLL_MAX_S
 from llamaswap.runtime.views import RunningRow
 from llamaswap.runtime.observer import SettleResult
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
@@ -328,3 +332,60 @@ async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loa
     requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
     assert [r.granted for r in requests] == [True, True, True, False]
 
+
+@virtual_time
+async def test_auto_slots_learnt_while_a_reload_applies_are_applied() -> None:
+    """The answer comes back after a reload replaced the settings it was asked under (issue 25:
+    it was stored but never applied)."""
+    upstream = FakeUpstream()
+    upstream.slots_answer = 3
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    upstream.slots_gate = asyncio.Event()  # the ask is under way while the reload applies
+    asking = asyncio.ensure_future(flow.coordinator.learn_slots())
+    await flow.idle()
+    assert ("total_slots", None) in upstream.calls
+    flow.coordinator.reconfigure(parse_config({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE,
+                                               "routing": {"scheduler": {"maxQueued": 50}}}))
+    upstream.slots_gate.set()
+    await asking
+    assert flow.coordinator.scheduler.policy.slots.default == 3
+    assert flow.coordinator.scheduler.policy.max_queued == 50
+
+
+@virtual_time
+async def test_auto_slots_of_a_model_swapped_in_under_steady_traffic_are_learnt_while_it_runs() -> None:
+    """Router mode: the GPU is never idle, yet the model swapped in gets its own slots (issue 25:
+    it kept the last model's until the GPU was idle once)."""
+    upstream = FakeUpstream(router("a", "b", loaded="a"))
+    upstream.slots_answer = {"a": 2, "b": 4}
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()
+    await flow.idle()
+    assert flow.coordinator.scheduler.policy.slots.of("a") == 2
+    a1 = await flow.arrive("a1", "normal", "a")
+    b1 = await flow.arrive("b1", "interactive", "b")
+    b_more = [await flow.arrive(f"b{i}", "normal", "b") for i in range(2, 5)]
+    await flow.complete(a1)
+    assert b1.granted and b1.ticket.decision.swap
+    upstream.catalog_answer = router("a", "b", loaded="b")  # the upstream has swapped
+    await flow.advance(LEARN_POLL_MAX_S)
+    assert flow.coordinator.scheduler.policy.slots.of("b") == 4
+    assert b1.outcome is None and all(r.granted for r in b_more)  # four of b at once, beside b1
+    assert ("total_slots", "b") in upstream.calls
+
+
+@virtual_time
+async def test_auto_slots_are_not_asked_of_a_model_before_the_upstream_has_it_loaded() -> None:
+    upstream = FakeUpstream(router("a", "b", loaded="a"))
+    upstream.slots_answer = {"a": 2, "b": 4}
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()
+    b1 = await flow.arrive("b1", model="b")
+    assert b1.granted
+    await flow.advance(LEARN_POLL_MAX_S)  # the catalog still says a: b is not asked about (it would load)
+    assert [model for name, model in upstream.calls if name == "total_slots"] == ["a"]
+    await flow.complete(b1)
+    await flow.advance(10 * LEARN_POLL_MAX_S)  # b ended before it was seen loaded: the asking stops
+    calls = len(upstream.calls)
+    await flow.advance(10 * LEARN_POLL_MAX_S)
+    assert len(upstream.calls) == calls
