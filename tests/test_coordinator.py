@@ -1407,6 +1407,22 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
 
 
 @virtual_time
+async def test_a_start_that_came_while_the_view_was_reused_is_unknown_not_now() -> None:
+    """The walk is reused for a moment while nothing changes; a start that passes meanwhile
+    waited for a grant that outran its estimate (nothing ended): unknown, never "0 s"."""
+    flow = Flow({**LONG_LEASE, "estimates": {"defaultRunSeconds": 1, "defaultSwapSeconds": 0}})
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    assert a.granted and b.waiting
+    await flow.advance(0.9)
+    assert flow.coordinator.view().waiting[0].estimated_start_s == pytest.approx(0.1)
+    await flow.advance(0.15)  # the walk is younger than VIEW_MAX_AGE_S: reused
+    assert flow.coordinator.view().waiting[0].estimated_start_s is None
+    found = flow.coordinator.status_of("b")
+    assert found is not None and found[1].estimated_start_s is None
+
+
+@virtual_time
 async def test_status_of_finds_a_waiting_or_running_request_and_nothing_else() -> None:
     flow = Flow()
     await estimate_scene(flow)

@@ -114,7 +114,7 @@ class QueueViews:
         age_s = (now - cached.at_ns) / NS_PER_S
         if age_s == 0:
             return cached.snapshot, cached.starts
-        return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
+        return cached.snapshot, [_aged(start, age_s) for start in cached.starts]
 
     def _current(self, now: int, *, fresh: bool = False) -> _Walk:
         """The last walk while it is current (same version, younger than VIEW_MAX_AGE_S), else a new one."""
@@ -193,7 +193,15 @@ class QueueViews:
         w = walk.snapshot.waiting[index]
         age_s = (now - walk.at_ns) / NS_PER_S
         return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
-                                  w.waited_s, ticket.model, _known(max(0.0, walk.starts[index] - age_s)))
+                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)))
+
+
+def _aged(start_s: float, age_s: float) -> float:
+    """A start estimated `age_s` ago, from now. One that has come while the walk is still current
+    (nothing ended since) waited for work that outran its estimate: unknown (`math.inf`), not 0."""
+    if 0 < start_s <= age_s:
+        return math.inf
+    return max(0.0, start_s - age_s)
 
 
 def _known(start_s: float) -> float | None:
