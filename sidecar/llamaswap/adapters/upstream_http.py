@@ -7,15 +7,17 @@ behaviour"):
 - llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
   answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`.
   Asking `/slots` for a model that is not loaded LOADS it (router autoload), so busy() asks
-  only for models the list says are loaded, and with `autoload=false` (400 if it was unloaded
-  in between);
+  only for models the list says are loaded, and with `autoload=false` (checked on b11434:
+  `/slots` and `/metrics` then answer 400 "model is not loaded" for a model not loaded, and
+  load nothing);
 - single-model llama-server answers `GET /slots` (each slot's `is_processing`) and serves any
   model name;
 - llama-swap marks its models `owned_by: llama-swap`; it has no `/slots` of its own.
 
-busy() counts the slots processing; it tells "cannot tell, ever" (None: 404/405/501 on /slots, llama-swap) from "no answer this
-time" (`UpstreamUnanswered`: a timeout, a refused connection, a 5xx, a garbled answer): llama-server
-answers /slots from its main loop, which a long prompt batch keeps busy, so a settle asks again.
+busy() counts the slots processing. It tells "cannot tell, ever" (None: 404/405/501 on /slots,
+llama-swap) from "no answer this time" (`UpstreamUnanswered`: a timeout, a refused connection, a
+5xx, a garbled answer): llama-server answers /slots from its main loop, which a long prompt batch
+keeps busy, so a settle asks again.
 """
 
 from __future__ import annotations
