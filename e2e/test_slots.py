@@ -103,3 +103,28 @@ async def test_an_abandoned_generation_holds_only_its_own_slot(tmp_path: pathlib
             replies = await asyncio.gather(*long)
         assert reply.status == 200 and [r.status for r in replies] == [200, 200]
         assert upstream.max_active == 3
+
+
+async def test_auto_learns_the_slots_of_a_model_swapped_in_while_it_runs(tmp_path: pathlib.Path) -> None:
+    """Router mode, slots: auto: the model swapped in gets its own slots while its first grant
+    runs, without the GPU ever being idle (issue 25: it kept the last model's until then)."""
+    fake = FakeLlamaServer(router=True, loaded="model-a")
+    fake.model_slots = {"model-a": 2, "model-b": 4}
+    with running_stack(tmp_path, {"upstream": {"slots": "auto"}}, fake=fake) as stack:
+        await async_wait_for(lambda: stack.sidecar.queue()["slots_total"] == 2, what="model-a's 2 slots learnt")
+        async with aiohttp.ClientSession() as session:
+            a = asyncio.create_task(chat(session, stack.url, "a", hold=True, model="model-a"))
+            await async_wait_for(lambda: "a" in fake.order(), what="a at the upstream")
+            b = [asyncio.create_task(chat(session, stack.url, f"b{i}", hold=True, model="model-b")) for i in range(4)]
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 4, what="the b requests waiting")
+            fake.release("a")
+            assert (await a).status == 200
+            # Four of model-b at once, while they run: its own slots, learnt from /props.
+            await async_wait_for(lambda: fake.active == 4, what="four of model-b at the upstream")
+            queue = stack.sidecar.queue()
+            assert (queue["slots_busy"], queue["slots_total"], queue["loaded_model"]) == (4, 4, "model-b")
+            for i in range(4):
+                fake.release(f"b{i}")
+            replies = await asyncio.gather(*b)
+        assert [reply.status for reply in replies] == [200] * 4
+        assert fake.props_asked.count("model-b") >= 1 and fake.max_active == 4
