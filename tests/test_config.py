@@ -463,6 +463,11 @@ BAD_DOCUMENTS = {
          "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}},
         f"{SERIAL}.reservedSlots: 2 reserved slots leave models.small.slots (2) no slot for non-interactive "
         "requests: set it below 2, or raise models.small.slots"),
+    "reservedSlots leave a configured model none under auto": (
+        {"upstream": {"slots": "auto"}, "models": {"small": {"slots": 1}},
+         "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}},
+        f"{SERIAL}.reservedSlots: 1 reserved slots leave models.small.slots (1) no slot for non-interactive "
+        "requests: set it below 1, or raise models.small.slots"),
     "fifo reservedSlots checked under fifo": (
         {"upstream": {"slots": 2}, "routing": {"scheduler": {"use": "fifo", "settings": {"fifo": {"reservedSlots": 2}}}}},
         "routing.scheduler.settings.fifo.reservedSlots: 2 reserved slots leave upstream.slots (2) no slot for "

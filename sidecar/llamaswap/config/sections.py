@@ -424,12 +424,14 @@ class Config(Section):
         upstream said: by model in router mode, under None for a single-model upstream. A model
         configured in ``models.<id>.slots`` keeps its number; one asked about has what it said;
         every other has the last number learnt (a router's children mostly share --parallel),
-        1 before any. A reservation that does not fit is lowered (`Slots.fitted`: compare
-        ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as written
-        (InvalidSlots)."""
+        1 before any. A reservation that does not fit learnt numbers is lowered (`Slots.fitted`:
+        compare ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as
+        written (InvalidSlots), under ``auto`` too."""
         per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
         configured = self.upstream.slots
         if configured == SLOTS_AUTO:
+            # The numbers written in models.<id>.slots must hold the reservation as they are.
+            Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
             learnt = dict(learnt or {})
             default = learnt.get(None, next(reversed(learnt.values()), 1))
             asked = {model: slots for model, slots in learnt.items() if model is not None}
