@@ -36,7 +36,8 @@ running until `release(test_id)`; `x-test-sleep-ms` computes that long; `x-test-
 (a request it refuses: 400 for a prompt too long, 404, ...); a body with `"stream": true` gets a server-sent-event stream of `x-test-chunks` events
 `x-test-chunk-ms` apart. By attribute: `slots_failures` makes that many next `GET /slots` answer
 500, `slots_stall_s` makes them answer that late (llama-server's main loop busy with a long
-prompt batch).
+prompt batch), `listed_loaded` (router mode) lists those models loaded though they are not (a
+list read just before an unload).
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class FakeLlamaServer:
         self.max_active = 0
         self.lock = threading.Lock()
         self.looks = 0  # GETs of /v1/models
+        # Router mode: models GET /v1/models lists as loaded although they are not, as a list read
+        # just before an unload tells (what a query that follows such a list meets).
+        self.listed_loaded: set[str] = set()
         self.load_takes_looks: int | None = None
         self.loads: list[str] = []  # each accepted POST /models/load
         self.autoloaded: list[str] = []  # models a GET of /slots, /props or /metrics loaded
@@ -218,7 +222,8 @@ class FakeLlamaServer:
             if self.load_takes_looks is not None and self.looks - since >= self.load_takes_looks:
                 self._load(name)
         return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "owned_by": "llamacpp", "status": {"value": self.states[name]}}
+            {"id": name, "object": "model", "owned_by": "llamacpp",
+             "status": {"value": LOADED if name in self.listed_loaded else self.states[name]}}
             for name in sorted(self.states)]})
 
     async def _slots(self, request: web.Request) -> web.Response:

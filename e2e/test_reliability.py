@@ -333,6 +333,49 @@ async def test_an_exchange_adopted_after_a_restart_is_let_go_at_max_run_seconds_
         upstream.close()
 
 
+async def test_an_exchange_that_waited_longer_than_max_run_seconds_is_adopted_after_a_restart(
+        tmp_path: pathlib.Path) -> None:
+    """Its age counts from its grant (its first byte to the upstream), not from its arrival:
+    Envoy's start_time is the arrival, and the wait in the queue is no generation time. Issue 25:
+    an exchange that had waited longer than maxRunSeconds was not adopted at all, and the next
+    request ran beside it."""
+    max_run_s = 12
+    upstream, path, bootstrap = _fixed_port_stack(tmp_path, {"upstream": {"settleTimeoutSeconds": 1},
+                                                             "envoy": {"leaseSeconds": 3}})
+    sidecar = SidecarProcess(path, tmp_path)
+    envoy = EnvoyProcess(bootstrap, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(chat(session, envoy.url, "first", hold=True))
+            await async_wait_for(lambda: "first" in upstream.order(), what="first at the upstream")
+            waited = asyncio.create_task(chat(session, envoy.url, "waited", hold=True))
+            await async_wait_for(lambda: [row["waited_s"] for row in sidecar.queue()["waiting"]][0] > max_run_s,
+                                 what=f"waited in the queue for more than {max_run_s} s")
+            upstream.release("first")
+            assert (await first).status == 200
+            await async_wait_for(lambda: "waited" in upstream.order(), what="waited at the upstream")
+            await async_wait_for(lambda: envoy.stat("access_logs.grpc_access_log.logs_written") > 1,
+                                 what="a periodic entry for it")
+            sidecar.popen.kill()
+            sidecar.stop()
+            document = yaml.safe_load(path.read_text())
+            document["routing"] = {"scheduler": {"maxRunSeconds": max_run_s}}
+            path.write_text(yaml.safe_dump(document))
+            sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
+            await async_wait_for(lambda: sidecar.queue()["gpu"] == "adopted", what="the exchange adopted")
+            after = asyncio.create_task(chat(session, envoy.url, "after"))
+            await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 1, what="after waiting behind it")
+            assert "after" not in upstream.order()
+            upstream.release("waited")
+            replies = [await asyncio.wait_for(waited, 30), await asyncio.wait_for(after, 30)]
+        assert [reply.status for reply in replies] == [200, 200]
+        assert upstream.order() == ["first", "waited", "after"] and upstream.max_active == 1
+    finally:
+        envoy.stop()
+        sidecar.stop()
+        upstream.close()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("worker", ["fresh", "warm"])
 async def test_envoy_killed_while_a_request_runs_and_others_wait(tmp_path: pathlib.Path, signum, worker) -> None:

@@ -72,3 +72,59 @@ async def test_auto_reads_the_upstreams_slots(tmp_path: pathlib.Path) -> None:
             replies = await asyncio.gather(*held)
         assert [reply.status for reply in replies] == [200] * 4
         assert upstream.max_active == 3
+
+
+async def test_an_abandoned_generation_holds_only_its_own_slot(tmp_path: pathlib.Path) -> None:
+    """Four slots, two long generations and a short one whose client leaves (the upstream computes
+    it on): nothing new starts while it computes, and once it ended the next request goes beside
+    the long ones still running. Issue 25: the settle waited until every slot was idle."""
+    # A settle that would wait for the whole upstream never ends by its deadline in this test.
+    config = {"upstream": {"slots": 4, "settleTimeoutSeconds": 3600}}
+    with running_stack(tmp_path, config, fake=FakeLlamaServer(slots=4)) as stack:
+        upstream = stack.upstream
+        assert upstream is not None
+        async with aiohttp.ClientSession() as session:
+            long = [asyncio.create_task(chat(session, stack.url, f"long{i}", hold=True)) for i in range(2)]
+            await async_wait_for(lambda: upstream.active == 2, what="the two long generations at the upstream")
+            short = asyncio.create_task(chat(session, stack.url, "short", hold=True))
+            await async_wait_for(lambda: upstream.active == 3, what="the short one at the upstream")
+            short.cancel()  # its client leaves; the upstream computes it on
+            await async_wait_for(lambda: len(stack.sidecar.queue()["running_all"]) == 2,
+                                 what="the short one's grant released (its settle begins)")
+            new = asyncio.create_task(chat(session, stack.url, "new"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="new waiting")
+            assert "new" not in upstream.order()  # the abandoned generation still takes a slot
+            upstream.release("short")
+            await async_wait_for(lambda: "new" in upstream.order(), what="new granted beside the long ones")
+            assert not any(task.done() for task in long) and not upstream.finished("long0")
+            reply = await new
+            for i in range(2):
+                upstream.release(f"long{i}")
+            replies = await asyncio.gather(*long)
+        assert reply.status == 200 and [r.status for r in replies] == [200, 200]
+        assert upstream.max_active == 3
+
+
+async def test_auto_learns_the_slots_of_a_model_swapped_in_while_it_runs(tmp_path: pathlib.Path) -> None:
+    """Router mode, slots: auto: the model swapped in gets its own slots while its first grant
+    runs, without the GPU ever being idle (issue 25: it kept the last model's until then)."""
+    fake = FakeLlamaServer(router=True, loaded="model-a")
+    fake.model_slots = {"model-a": 2, "model-b": 4}
+    with running_stack(tmp_path, {"upstream": {"slots": "auto"}}, fake=fake) as stack:
+        await async_wait_for(lambda: stack.sidecar.queue()["slots_total"] == 2, what="model-a's 2 slots learnt")
+        async with aiohttp.ClientSession() as session:
+            a = asyncio.create_task(chat(session, stack.url, "a", hold=True, model="model-a"))
+            await async_wait_for(lambda: "a" in fake.order(), what="a at the upstream")
+            b = [asyncio.create_task(chat(session, stack.url, f"b{i}", hold=True, model="model-b")) for i in range(4)]
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 4, what="the b requests waiting")
+            fake.release("a")
+            assert (await a).status == 200
+            # Four of model-b at once, while they run: its own slots, learnt from /props.
+            await async_wait_for(lambda: fake.active == 4, what="four of model-b at the upstream")
+            queue = stack.sidecar.queue()
+            assert (queue["slots_busy"], queue["slots_total"], queue["loaded_model"]) == (4, 4, "model-b")
+            for i in range(4):
+                fake.release(f"b{i}")
+            replies = await asyncio.gather(*b)
+        assert [reply.status for reply in replies] == [200] * 4
+        assert fake.props_asked.count("model-b") >= 1 and fake.max_active == 4

@@ -224,3 +224,39 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
             await async_wait_for(live_again, what="the page live again on the new sidecar, with the old timeline")
         finally:
             second.stop()
+
+
+READ_ESTIMATES = """
+const cells = (selector) => [...document.querySelectorAll(selector)].map((td) => td.textContent);
+const dispatched = document.querySelector("#counters .counter .big");
+return {
+  runningEnd: cells("#running tbody tr[data-request-id] td:last-child"),
+  queueStart: cells("#queue tbody tr[data-request-id] td:nth-last-child(2)"),
+  dispatched: dispatched ? dispatched.textContent : null,
+};
+"""
+
+
+async def test_the_page_says_unknown_past_the_expected_run_and_counts_the_running_grant(
+        tmp_path: pathlib.Path, browser: Any) -> None:
+    """Issue 25: a request that outran its expected run (here the stated prior,
+    estimates.defaultRunSeconds) showed an end already past and starts of "0.00 s" behind it;
+    and the Dispatched counter left the running grant out."""
+    with running_stack(tmp_path, {"estimates": {"defaultRunSeconds": 0.5}}) as stack:
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(chat(session, stack.url, "held", hold=True))
+            await async_wait_for(lambda: "held" in stack.upstream.order(), what="held at the upstream")
+            after = asyncio.create_task(chat(session, stack.url, "after"))
+            await async_wait_for(lambda: queued(stack, "after"), what="after waiting")
+            queue = await async_wait_for(
+                lambda: (lambda q: q if q["running"]["expected_remaining_s"] is None else None)(stack.sidecar.queue()),
+                what="held past its expected run")
+            assert queue["waiting"][0]["estimated_start_s"] is None
+            browser.get(f"{stack.sidecar.admin_url}/ui")
+            seen = await async_wait_for(
+                lambda: (lambda page: page if page["runningEnd"] and page["queueStart"] else None)(
+                    browser.execute_script(READ_ESTIMATES)), what="the page's running and waiting rows")
+            assert seen == {"runningEnd": ["unknown"], "queueStart": ["unknown"], "dispatched": "1"}
+            stack.upstream.release("held")
+            replies = [await held, await after]
+        assert [reply.status for reply in replies] == [200, 200]

@@ -43,8 +43,13 @@ INSTALL_HINT = ".venv/bin/python -m pip install helm-python-sdk==0.2.2 kubernete
 KUBE_VERSION = "1.32.0"
 # The one value the chart cannot default: the registry the sidecar image was pushed to.
 SIDECAR_IMAGE = {"sidecar": {"image": {"repository": "registry.example.com/llamaswap"}}}
+# The Gateway API inference extension's kinds (a CRD each): checked against their field lists
+# (inference_kinds.py), not by kubernetes-validate.
+INFERENCE_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"),
+                   ("llm-d.ai/v1alpha2", "InferenceObjective"),
+                   ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective")}
 # Kinds whose schema is a CRD that kubernetes-validate does not ship.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), *INFERENCE_KINDS}
 
 
 def require(module: str, package: str) -> ModuleType:

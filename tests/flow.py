@@ -199,11 +199,12 @@ def single(*models: str) -> Catalog:
 
 
 class FakeUpstream:
-    """The Upstream port, scripted: what `catalog()` returns, what `busy()` says, whether
+    """The Upstream port, scripted: what `catalog()` returns, what `busy()` says (how many slots
+    compute: True is one, False none; None: cannot tell), whether
     `stop()` works; every call is logged in `calls` (in order) and counted. `busy_failures`:
     that many next `busy()` calls get no answer (`UpstreamUnanswered`, a timeout or a 5xx)."""
 
-    def __init__(self, catalog: Catalog | None = None, *, busy: bool | None = None, stops: bool = True,
+    def __init__(self, catalog: Catalog | None = None, *, busy: int | None = None, stops: bool = True,
                  idle_after_stop: bool = True) -> None:
         self.catalog_answer = catalog
         self.busy_answer = busy
@@ -211,6 +212,7 @@ class FakeUpstream:
         self.idle_after_stop = idle_after_stop
         self.calls: list[tuple[str, str | None]] = []
         self.catalog_gate: asyncio.Event | None = None  # set: catalog() waits for it
+        self.slots_gate: asyncio.Event | None = None  # set: total_slots() waits for it
         self.slots_answer: int | dict[str | None, int] | None = None  # what total_slots() says (by model)
         self.fail_catalog = False
         self.busy_failures = 0
@@ -235,7 +237,7 @@ class FakeUpstream:
             raise ConnectionError("the upstream's GET /v1/models failed")
         return self.catalog_answer
 
-    async def busy(self, model: str | None) -> bool | None:
+    async def busy(self, model: str | None) -> int | None:
         self.calls.append(("busy", model))
         if self.busy_failures > 0:
             self.busy_failures -= 1
@@ -244,6 +246,8 @@ class FakeUpstream:
 
     async def total_slots(self, model: str | None = None) -> int | None:
         self.calls.append(("total_slots", model))
+        if self.slots_gate is not None:
+            await self.slots_gate.wait()
         if isinstance(self.slots_answer, dict):
             return self.slots_answer.get(model)
         return self.slots_answer

@@ -30,3 +30,10 @@ def test_hotpath_benchmark_runs_against_todays_coordinator():
     """It wraps the coordinator's inner methods by name: a rename must fail here, not in a bench run."""
     last = run("bench/hotpath.py", "--requests", "50", "--warmup", "10", "--rounds", "1")
     assert last.startswith("log: "), last
+
+
+def test_picker_scrape_benchmark_runs():
+    """It reads the Telemetry's picker callbacks by name: a rename must fail here."""
+    last = run("bench/picker_scrape.py", "--waiting", "300", "--rounds", "1")
+    assert re.fullmatch(r"picker: 300 waiting: picker page [\d.]+ us/scrape \(100 waiting [\d.]+ us\), "
+                        r"whole page \d+ us, floor [\d.]+ us", last), last

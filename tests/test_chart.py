@@ -66,7 +66,14 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 def _config_of(values: dict[str, Any]) -> dict[str, Any]:
     """The configuration file Helm should write for these values: the chart's `config` with
     the user's merged over it."""
-    return ct.merge_values(CHART_VALUES["config"], values.get("config") or {})
+    config = ct.merge_values(CHART_VALUES["config"], values.get("config") or {})
+    # With an InferencePool, the InferenceObjectives the chart creates are routing.objectives
+    # unless the config sets it (test_chart_inference_pool.py).
+    pool = ct.merge_values(CHART_VALUES["inferencePool"], values.get("inferencePool") or {})
+    if pool["enabled"] and pool["objectives"]["create"] and "objectives" not in config.get("routing", {}):
+        objectives = {item["name"]: item["priority"] for item in pool["objectives"]["items"]}
+        config["routing"] = {**config.get("routing", {}), "objectives": objectives}
+    return config
 
 
 def _socket(cluster: dict[str, Any]) -> dict[str, Any]:

@@ -298,6 +298,12 @@ BAD_FILES = {
     "settings is a scalar": ("routing: {scheduler: {settings: 5}}", "routing.scheduler.settings",
                              "must be a mapping, got a number 5"),
     "models is a list": ("models: [qwen, llama]", "models", "must be a mapping, got a list"),
+    "objective priority is a word": ("routing: {objectives: {chat: urgent}}", "routing.objectives.chat",
+                                     "must be a priority: a 64-bit integer or one of interactive, normal, batch"),
+    "objective priority is fractional": ("routing: {objectives: {chat: 1.5}}", "routing.objectives.chat",
+                                         "got a number 1.5"),
+    "objective name is not a Kubernetes name": ("routing: {objectives: {Chat_1: 5}}", "routing.objectives.Chat_1",
+                                                "named like a Kubernetes object"),
     "a model is a scalar": ("models: {qwen: 5}", "models.qwen", "must be a mapping, got a number 5"),
     "listen without a port": ("listen: {http: localhost}", "listen.http", "must be 'host:port' with a port 0..65535"),
     "listen port too big": ("listen: {grpc: '127.0.0.1:99999'}", "listen.grpc", "99999"),
@@ -457,6 +463,11 @@ BAD_DOCUMENTS = {
          "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}},
         f"{SERIAL}.reservedSlots: 2 reserved slots leave models.small.slots (2) no slot for non-interactive "
         "requests: set it below 2, or raise models.small.slots"),
+    "reservedSlots leave a configured model none under auto": (
+        {"upstream": {"slots": "auto"}, "models": {"small": {"slots": 1}},
+         "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}},
+        f"{SERIAL}.reservedSlots: 1 reserved slots leave models.small.slots (1) no slot for non-interactive "
+        "requests: set it below 1, or raise models.small.slots"),
     "fifo reservedSlots checked under fifo": (
         {"upstream": {"slots": 2}, "routing": {"scheduler": {"use": "fifo", "settings": {"fifo": {"reservedSlots": 2}}}}},
         "routing.scheduler.settings.fifo.reservedSlots: 2 reserved slots leave upstream.slots (2) no slot for "
@@ -632,7 +643,7 @@ EVERY_KEY = {
         "use": "fifo", "maxQueued": 7, "maxWaitSeconds": 2.5, "maxRunSeconds": 900.0,
         "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99, "reservedSlots": 3},
                      "fifo": {"reservedSlots": 1}},
-    }},
+    }, "objectives": {"interactive": 90, "normal": 5, "batch": -90}},
     "models": {"qwen": {"priority": 10, "slots": 2}, "gemma": {"priority": -5, "slots": None}},
     "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091", "allowRemote": True},
     "upstream": {
@@ -681,7 +692,8 @@ def test_every_key_reaches_its_attribute():
     p = cfg.security.priority
     assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.CLAMP, -5, 5, "x-user-priority")
     assert cfg.priority_policy() == PriorityPolicy(mode="clamp", minimum=-5, maximum=5,
-                                                   trusted_header="x-user-priority")
+                                                   trusted_header="x-user-priority",
+                                                   objectives={"interactive": 90, "normal": 5, "batch": -90})
     assert (cfg.activity.path, cfg.activity.recent) == ("/var/log/llamaswap/activity.jsonl", 0)
     es = cfg.estimates
     assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (2.5, 0, 1)
@@ -706,7 +718,8 @@ def test_the_defaults():
             e.lease_seconds) == (300, 67108864, 100000, False, 3)
     p = cfg.security.priority
     assert (p.mode, p.min, p.max, p.trusted_header) == (PriorityMode.TRUST, -100, 100, None)
-    assert cfg.priority_policy() == PriorityPolicy(mode="trust", minimum=-100, maximum=100, trusted_header=None)
+    assert cfg.priority_policy() == PriorityPolicy(mode="trust", minimum=-100, maximum=100, trusted_header=None,
+                                                   objectives={"interactive": 100, "normal": 0, "batch": -100})
     assert (cfg.activity.path, cfg.activity.recent) == (None, 1000)
     es = cfg.estimates
     assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (10, 5, 50)
@@ -880,7 +893,8 @@ def test_upstream_choices(key, value):
 def test_priority_modes_reach_the_policy(mode):
     cfg = parse_config({"security": {"priority": {"mode": mode, "min": -1, "max": 1}}})
     assert cfg.security.priority.mode is PriorityMode(mode)
-    assert cfg.priority_policy() == PriorityPolicy(mode=mode, minimum=-1, maximum=1, trusted_header=None)
+    assert cfg.priority_policy() == PriorityPolicy(mode=mode, minimum=-1, maximum=1, trusted_header=None,
+                                                   objectives=Config().routing.objectives)
 
 
 def test_model_ids_that_yaml_reads_as_numbers_are_strings():

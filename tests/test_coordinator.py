@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from flow import PEER, FakeUpstream, Flow, Request, router, single, virtual_time
+from llamaswap.adapters.admin import queue_document
+from llamaswap.commands.queue import render
 from llamaswap.config import parse_config
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S, Band, ManualClock, Outcome, ReorderCause, Scheduler
 from llamaswap.runtime.coordinator import RETRY_AFTER_MAX_S, Coordinator, Refusal
@@ -875,6 +877,26 @@ async def test_a_late_periodic_report_for_a_lapsed_grant_adopts_it_again(release
     assert [x.result for x in adopted] == [SettleResult.ENDED]  # the GPU time it held, counted
 
 
+@virtual_time
+async def test_a_settle_never_stops_the_generation_of_an_exchange_envoy_reports_again() -> None:
+    """abandonedGeneration: stop after a lapsed lease; before the settle could stop it, Envoy
+    reported the exchange again: it is alive, and stopping would cut it (issue 25)."""
+    flow = busy_flow({"upstream": {"abandonedGeneration": "stop"}}, busy=True)
+    flow.upstream.busy_failures = 1  # the settle's first ask gets no answer
+    a = await flow.arrive("a", model="a")
+    await flow.advance(LEASE_S)
+    assert a.outcome is Outcome.LEASE_EXPIRED and flow.coordinator.gpu_state == "settling"
+    await flow.renew(a.ticket.token)  # Envoy still runs it after all
+    b = await flow.arrive("b", model="a")
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert flow.upstream.stop_calls == []
+    assert flow.coordinator.gpu_state == "adopted" and b.waiting  # the one computing slot is the adopted exchange
+    settle = [x for x in flow.recorder.settles if x.reason is SettleReason.ABANDONED]
+    assert [x.result for x in settle] == [SettleResult.IDLE]
+    await flow.end(a.ticket.token, ExchangeEnd.COMPLETE, 200)
+    assert b.granted
+
+
 async def serve_many(flow: Flow, count: int) -> None:
     for i in range(count):
         other = await flow.arrive(f"other-{i}", model="a")
@@ -1372,7 +1394,33 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     assert {band: oldest for band, _, oldest in view.bands} == {Band.INTERACTIVE: 2.0, Band.NORMAL: 2.0,
                                                                 Band.BATCH: 0.0}
     await flow.advance(20)
-    assert flow.coordinator.view().running[0].expected_remaining_s == 0.0  # overdue, never negative
+    # Overdue: how much longer it runs is unknown, and so is when the requests behind it start;
+    # never "0 s", a time known to be wrong (issue 25).
+    overdue = flow.coordinator.view()
+    assert overdue.running[0].expected_remaining_s is None
+    assert [row.estimated_start_s for row in overdue.waiting] == [None] * 4
+    document = queue_document(overdue)
+    assert document["running"]["expected_remaining_s"] is None and document["waiting"][0]["estimated_start_s"] is None
+    text = render(document)
+    assert "unknown" in text and "+0:00" not in text
+    found = flow.coordinator.status_of("e")
+    assert found is not None and found[1].estimated_start_s is None
+
+
+@virtual_time
+async def test_a_start_that_came_while_the_view_was_reused_is_unknown_not_now() -> None:
+    """The walk is reused for a moment while nothing changes; a start that passes meanwhile
+    waited for a grant that outran its estimate (nothing ended): unknown, never "0 s"."""
+    flow = Flow({**LONG_LEASE, "estimates": {"defaultRunSeconds": 1, "defaultSwapSeconds": 0}})
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    assert a.granted and b.waiting
+    await flow.advance(0.9)
+    assert flow.coordinator.view().waiting[0].estimated_start_s == pytest.approx(0.1)
+    await flow.advance(0.15)  # the walk is younger than VIEW_MAX_AGE_S: reused
+    assert flow.coordinator.view().waiting[0].estimated_start_s is None
+    found = flow.coordinator.status_of("b")
+    assert found is not None and found[1].estimated_start_s is None
 
 
 @virtual_time

@@ -1,16 +1,20 @@
 """The coordinator with several slots (upstream.slots > 1), on the fake clock (tests/flow.py):
 at most N grants at once and all of one model, a swap drains first, the reserved slot goes only
-to interactive work, an abandoned generation holds every slot until the upstream is idle (and `stop` waits for the
-generations granted beside it), and
+to interactive work, an abandoned generation holds the GPU until the upstream computes no more
+than the grants still running (and `stop` waits for the generations granted beside it), and
 leases, the watchdog, a lost Envoy connection and shutdown work per grant."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from flow import PEER, FakeUpstream, Flow, Request, router, virtual_time
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
+from llamaswap.config import parse_config
 from llamaswap.core import Outcome
+from llamaswap.runtime.coordinator import LEARN_POLL_MAX_S
 from llamaswap.runtime.views import RunningRow
 from llamaswap.runtime.observer import SettleResult
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
@@ -89,33 +93,54 @@ async def test_the_reserved_slot_goes_only_to_interactive_work() -> None:
 
 
 @virtual_time
-async def test_an_abandoned_generation_holds_every_slot_until_the_upstream_is_idle() -> None:
-    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+async def test_an_abandoned_generation_holds_its_slot_until_it_ended() -> None:
+    """While it computes, nothing is granted; once the upstream computes no more than the grants
+    still running, the next one goes beside them (issue 25: it waited for the whole upstream)."""
+    flow = slots_flow(3, upstream=FakeUpstream(busy=3))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    a3 = await flow.arrive("a3", model="a")
+    a4 = await flow.arrive("a4", model="a")
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
+    await flow.advance(5)
+    assert a4.waiting and flow.coordinator.gpu_state == "running"  # a slot is free, but a1 still computes
+    flow.upstream.busy_answer = 2  # a1 ended; a2 and a3 compute on
+    await flow.advance(SETTLE_POLL_MAX_S)
+    assert a4.granted and a2.outcome is None and a3.outcome is None
+    [settle] = flow.recorder.settles
+    assert settle.result is SettleResult.IDLE
+
+
+@virtual_time
+async def test_an_abandoned_generation_outliving_its_neighbours_holds_the_gpu() -> None:
+    flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
     await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
-    assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
-    await flow.advance(5)
-    assert a3.waiting  # a slot is free, but a1 still computes
     await flow.complete(a2)
+    flow.upstream.busy_answer = 1  # a2 ended, a1 has not
     await flow.advance(5)
     assert a3.waiting and flow.coordinator.gpu_state == "settling"
-    flow.upstream.busy_answer = False
+    flow.upstream.busy_answer = 0
     await flow.advance(SETTLE_POLL_MAX_S)
     assert a3.granted and len(flow.recorder.settles) == 1
 
 
 @virtual_time
 async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
-    flow = slots_flow(2, upstream=FakeUpstream(busy=True))
+    flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
     await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
     await flow.end(a2, ExchangeEnd.CLIENT_LEFT)
     assert a2.ticket.abandoned and a3.waiting
-    flow.upstream.busy_answer = False
+    flow.upstream.busy_answer = 1  # one of them still computes: no grant
+    await flow.advance(5)
+    assert a3.waiting
+    flow.upstream.busy_answer = 0
     await flow.advance(SETTLE_POLL_MAX_S)
     assert a3.granted and len(flow.recorder.settles) == 1
 
@@ -123,7 +148,7 @@ async def test_a_second_abandonment_joins_the_settle_under_way() -> None:
 async def _abandoned_beside_another(*, settle_timeout_s: float) -> tuple[Flow, Request, Request]:
     """abandonedGeneration: stop, two slots: a1's client left while a2 runs beside it and a3 waits."""
     flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop", "settleTimeoutSeconds": settle_timeout_s},
-                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=True))
+                 "envoy": LONG_LEASE}, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")
     a2 = await flow.arrive("a2", model="a")
     a3 = await flow.arrive("a3", model="a")
@@ -138,6 +163,7 @@ async def test_stop_waits_for_the_generations_granted_beside_the_abandoned_one()
     await flow.advance(5)
     assert flow.upstream.stop_calls == [] and a2.outcome is None and a3.waiting
     await flow.complete(a2)
+    flow.upstream.busy_answer = 1  # a1 alone
     await flow.advance(SETTLE_POLL_MAX_S)
     assert flow.upstream.stop_calls == ["a"]
     assert a3.granted and a3.ticket.decision.load  # stopping unloaded the model
@@ -305,3 +331,61 @@ async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loa
     assert [model for name, model in upstream.calls if name == "total_slots"] == ["a", "b"]
     requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
     assert [r.granted for r in requests] == [True, True, True, False]
+
+
+@virtual_time
+async def test_auto_slots_learnt_while_a_reload_applies_are_applied() -> None:
+    """The answer comes back after a reload replaced the settings it was asked under (issue 25:
+    it was stored but never applied)."""
+    upstream = FakeUpstream()
+    upstream.slots_answer = 3
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    upstream.slots_gate = asyncio.Event()  # the ask is under way while the reload applies
+    asking = asyncio.ensure_future(flow.coordinator.learn_slots())
+    await flow.idle()
+    assert ("total_slots", None) in upstream.calls
+    flow.coordinator.reconfigure(parse_config({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE,
+                                               "routing": {"scheduler": {"maxQueued": 50}}}))
+    upstream.slots_gate.set()
+    await asking
+    assert flow.coordinator.scheduler.policy.slots.default == 3
+    assert flow.coordinator.scheduler.policy.max_queued == 50
+
+
+@virtual_time
+async def test_auto_slots_of_a_model_swapped_in_under_steady_traffic_are_learnt_while_it_runs() -> None:
+    """Router mode: the GPU is never idle, yet the model swapped in gets its own slots (issue 25:
+    it kept the last model's until the GPU was idle once)."""
+    upstream = FakeUpstream(router("a", "b", loaded="a"))
+    upstream.slots_answer = {"a": 2, "b": 4}
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()
+    await flow.idle()
+    assert flow.coordinator.scheduler.policy.slots.of("a") == 2
+    a1 = await flow.arrive("a1", "normal", "a")
+    b1 = await flow.arrive("b1", "interactive", "b")
+    b_more = [await flow.arrive(f"b{i}", "normal", "b") for i in range(2, 5)]
+    await flow.complete(a1)
+    assert b1.granted and b1.ticket.decision.swap
+    upstream.catalog_answer = router("a", "b", loaded="b")  # the upstream has swapped
+    await flow.advance(LEARN_POLL_MAX_S)
+    assert flow.coordinator.scheduler.policy.slots.of("b") == 4
+    assert b1.outcome is None and all(r.granted for r in b_more)  # four of b at once, beside b1
+    assert ("total_slots", "b") in upstream.calls
+
+
+@virtual_time
+async def test_auto_slots_are_not_asked_of_a_model_before_the_upstream_has_it_loaded() -> None:
+    upstream = FakeUpstream(router("a", "b", loaded="a"))
+    upstream.slots_answer = {"a": 2, "b": 4}
+    flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
+    await flow.coordinator.learn_slots()
+    b1 = await flow.arrive("b1", model="b")
+    assert b1.granted
+    await flow.advance(LEARN_POLL_MAX_S)  # the catalog still says a: b is not asked about (it would load)
+    assert [model for name, model in upstream.calls if name == "total_slots"] == ["a"]
+    await flow.complete(b1)
+    await flow.advance(10 * LEARN_POLL_MAX_S)  # b ended before it was seen loaded: the asking stops
+    calls = len(upstream.calls)
+    await flow.advance(10 * LEARN_POLL_MAX_S)
+    assert len(upstream.calls) == calls

@@ -54,7 +54,8 @@ def test_the_trusted_priority_header_is_sent_to_the_check():
     config = parse_config({"security": {"priority": {"trustedHeader": "x-auth-priority"}}})
     authz = hcm(build_bootstrap(config))["http_filters"][3]["typed_config"]
     assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
-        "x-llamaswap-priority", "x-request-id", "x-auth-priority"}
+        "x-llamaswap-priority", "x-request-id", "x-auth-priority", "x-llm-d-inference-objective",
+        "x-gateway-inference-objective"}
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8080", "https://llm.example.com"])

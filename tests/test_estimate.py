@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,6 +59,23 @@ def test_starts_walk_the_order_adding_runs_and_swaps():
     starts = e.starts(["a", "a", "b", None, "a"], loaded="a", busy_s=1.5)
     # a (loaded): 1.5; a: +2; b: +2 -> 5.5, then swap 5 + run 3; None: +10 (default, no swap); a: swap again
     assert starts == [1.5, 3.5, 5.5, 13.5, 23.5]
+
+
+def test_a_grant_past_its_expected_run_makes_the_starts_behind_it_unknown():
+    """Issue 25: an overdue grant still runs; "starts in 0 s" behind it would be known wrong."""
+    e = make(run=10.0, swap=5.0)
+    assert e.known_remaining_s("a", model_load=False, running_s=4.0) == 6.0
+    assert e.known_remaining_s("a", model_load=False, running_s=10.0) is None
+    assert e.starts(["a", "a"], loaded="a", busy_s=math.inf) == [math.inf, math.inf]
+    # Two slots, one held for an unknown time: the other still serves the queue, in turn.
+    assert e.starts(["a", "a", "b"], loaded="a", remaining_s=[math.inf], slots=Slots(2)) == [0.0, 10.0, math.inf]
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10), clock)
+    for name in ("run", "next"):
+        s.enqueue(name, Priority(0, PrioritySource.NUMBER), "a")
+    s.next()
+    clock.advance(30)  # the load and run expected: 15 s
+    assert e.starts_of(s.snapshot(), s.policy.slots) == [math.inf]
 
 
 def test_remaining_of_a_running_grant():

@@ -147,16 +147,20 @@ def test_complete_exchanges_and_their_edges() -> None:
                                                                first_byte_s=None)
 
 
-def test_the_exchange_age_comes_from_envoys_start_time() -> None:
-    entry = log_entry(accesslog_pb2.DownstreamPeriodic)
+def test_the_exchange_age_counts_from_its_first_upstream_byte() -> None:
+    """start_time is the arrival; the wait for the grant (here 30 s) is not the exchange's age."""
+    entry = log_entry(accesslog_pb2.DownstreamPeriodic, tx_s=30.0)
     assert report_of(entry).elapsed_s is None  # an entry without a start time says nothing
     entry.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
     later = (1_700_000_000 + 42) * 1_000_000_000 + 500_000_000
-    assert report_of(entry, now_unix_ns=later).elapsed_s == pytest.approx(42.5)
-    assert report_of(entry, now_unix_ns=later - 50 * 1_000_000_000).elapsed_s == 0.0  # clocks a hair apart: never negative
-    end = log_entry(accesslog_pb2.DownstreamEnd)
+    assert report_of(entry, now_unix_ns=later).elapsed_s == pytest.approx(12.5)
+    assert report_of(entry, now_unix_ns=later - 20 * 1_000_000_000).elapsed_s == 0.0  # clocks a hair apart: never negative
+    end = log_entry(accesslog_pb2.DownstreamEnd, tx_s=30.0)
     end.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
-    assert report_of(end, now_unix_ns=later).elapsed_s == pytest.approx(42.5)
+    assert report_of(end, now_unix_ns=later).elapsed_s == pytest.approx(12.5)
+    not_sent = log_entry(accesslog_pb2.DownstreamPeriodic, tx_s=None)  # granted, not at the upstream yet
+    not_sent.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
+    assert report_of(not_sent, now_unix_ns=later).elapsed_s == 0.0
 
 
 @virtual_time

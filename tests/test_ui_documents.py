@@ -145,6 +145,19 @@ async def test_the_counters() -> None:
 
 
 @virtual_time
+async def test_the_counters_count_the_running_grants() -> None:
+    """With two slots, one grant finished and one running: two dispatched (issue 25: one)."""
+    page = Page({"upstream": {"slots": 2}})
+    first = await page.flow.arrive("first", model="a")
+    second = await page.flow.arrive("second", "interactive", model="a")
+    await page.flow.complete(first)
+    assert second.granted and second.outcome is None
+    counters = (await page.get_json("/ui/state"))["counters"]
+    assert counters["dispatched"] == {"interactive": 1, "normal": 1, "batch": 0}
+    assert counters["loads"] == 1 and counters["outcomes"] == {"served": 1}
+
+
+@virtual_time
 async def test_the_timeline_is_bounded_by_count_and_by_age() -> None:
     page = Page(capacity=3)
     await traffic(page)

@@ -74,7 +74,7 @@ async def test_busy_tells_no_answer_from_no_slots() -> None:
     upstream = FakeLlamaServer().started()
     client = HttpUpstream(upstream.url, timeout_s=0.2)
     try:
-        assert await client.busy(None) is False
+        assert await client.busy(None) == 0
         upstream.slots_failures = 1
         with pytest.raises(UpstreamUnanswered):  # a 5xx: ask again
             await client.busy(None)
@@ -82,7 +82,7 @@ async def test_busy_tells_no_answer_from_no_slots() -> None:
         with pytest.raises(UpstreamUnanswered):  # a timeout: ask again
             await client.busy(None)
         upstream.slots_stall_s = 0.0
-        assert await client.busy(None) is False
+        assert await client.busy(None) == 0
     finally:
         await client.close()
         upstream.close()
@@ -122,11 +122,38 @@ async def test_router_busy_asks_each_loaded_model_url_encoded() -> None:
     upstream = FakeLlamaServer(router=True, models=("a b&c", "other"), loaded="a b&c").started()
     client = HttpUpstream(upstream.url)
     try:
-        assert await client.busy(None) is False
+        assert await client.busy(None) == 0
         assert upstream.slots_asked == ["a b&c"]  # one parameter, the whole name
         upstream.slots_failures = 1
         with pytest.raises(UpstreamUnanswered):
             await client.busy(None)
+    finally:
+        await client.close()
+        upstream.close()
+
+
+async def test_busy_counts_the_slots_processing() -> None:
+    """A settle compares the count with the grants it holds (issue 25): not only busy or idle."""
+    for upstream in (FakeLlamaServer(slots=4), FakeLlamaServer(router=True, loaded="model-a", slots=4)):
+        upstream.started()
+        client = HttpUpstream(upstream.url)
+        try:
+            upstream.active = 3
+            assert await client.busy(None) == 3
+        finally:
+            upstream.active = 0
+            await client.close()
+            upstream.close()
+
+
+async def test_router_busy_never_loads_a_model_unloaded_since_the_list_was_read() -> None:
+    upstream = FakeLlamaServer(router=True, loaded="model-a").started()
+    upstream.listed_loaded = {"model-b"}  # listed loaded, unloaded by the time /slots is asked
+    client = HttpUpstream(upstream.url)
+    try:
+        assert await client.busy(None) == 0
+        assert upstream.slots_asked == ["model-a", "model-b"]
+        assert upstream.autoloaded == [] and upstream.states["model-b"] == "unloaded"
     finally:
         await client.close()
         upstream.close()

@@ -43,6 +43,14 @@ async def test_only_the_loaded_model_is_read(router: FakeLlamaServer) -> None:
     assert router.states == {"qwen3-8b": "unloaded", "gemma3": "loaded"}  # the scrape loaded nothing
 
 
+async def test_a_model_unloaded_since_the_list_was_read_is_not_loaded_again(router: FakeLlamaServer) -> None:
+    router.states["gemma3"] = "loaded"
+    router.listed_loaded = {"qwen3-8b"}  # listed loaded, unloaded by the time its metrics are asked
+    status, text = await _scrape(router.url)
+    assert status == 200 and 'model="gemma3"' in text and "qwen3-8b" not in text
+    assert router.autoloaded == [] and router.states["qwen3-8b"] == "unloaded"
+
+
 async def test_nothing_loaded_reads_nothing_and_loads_nothing(router: FakeLlamaServer) -> None:
     status, text = await _scrape(router.url)
     assert (status, text) == (200, "")

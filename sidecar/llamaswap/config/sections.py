@@ -30,8 +30,10 @@ from llamaswap.config.types import (
     checked_health_path,
     model_id,
     none_is_empty,
+    objective_name,
     optional_http_url,
     optional_path,
+    priority_value,
     checked_trusted_header,
     upstream_url,
 )
@@ -148,10 +150,24 @@ class SchedulerConfig(Section):
     settings: SchedulerSettings = Field(default_factory=SchedulerSettings)
 
 
+# The Helm chart's three InferenceObjectives, named after the bands.
+DEFAULT_OBJECTIVES: Mapping[str, int] = dict(ALIASES)
+
+
 class RoutingConfig(Section):
     """How requests are scheduled onto the one GPU."""
 
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    objectives: Annotated[Mapping[Annotated[str, BeforeValidator(objective_name)],
+                                  Annotated[int, BeforeValidator(priority_value),
+                                            WithJsonSchema({"anyOf": [{"type": "integer"},
+                                                                      {"enum": list(ALIASES)}]})]],
+                          BeforeValidator(none_is_empty)] = Field(
+        default_factory=lambda: dict(DEFAULT_OBJECTIVES),
+        description="The priority of a request that sends no X-LlamaSwap-Priority but names an InferenceObjective "
+                    "in x-llm-d-inference-objective (llm-d's router in front of an InferencePool): objective name -> "
+                    "an integer or interactive, normal, batch. An objective not listed counts as no header (0); "
+                    "{} ignores the objective header.")
 
 
 class ModelConfig(Section):
@@ -408,12 +424,14 @@ class Config(Section):
         upstream said: by model in router mode, under None for a single-model upstream. A model
         configured in ``models.<id>.slots`` keeps its number; one asked about has what it said;
         every other has the last number learnt (a router's children mostly share --parallel),
-        1 before any. A reservation that does not fit is lowered (`Slots.fitted`: compare
-        ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as written
-        (InvalidSlots)."""
+        1 before any. A reservation that does not fit learnt numbers is lowered (`Slots.fitted`:
+        compare ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as
+        written (InvalidSlots), under ``auto`` too."""
         per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
         configured = self.upstream.slots
         if configured == SLOTS_AUTO:
+            # The numbers written in models.<id>.slots must hold the reservation as they are.
+            Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
             learnt = dict(learnt or {})
             default = learnt.get(None, next(reversed(learnt.values()), 1))
             asked = {model: slots for model, slots in learnt.items() if model is not None}
@@ -436,7 +454,8 @@ class Config(Section):
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""
         p = self.security.priority
-        return PriorityPolicy(mode=p.mode, minimum=p.min, maximum=p.max, trusted_header=p.trusted_header)
+        return PriorityPolicy(mode=p.mode, minimum=p.min, maximum=p.max, trusted_header=p.trusted_header,
+                              objectives=self.routing.objectives)
 
     def to_document(self) -> dict[str, Any]:
         """The effective configuration in the YAML shape, every default filled in."""

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaH
 from pydantic_core import PydanticCustomError, core_schema
 
 from llamaswap.config.problems import describe_value, invalid
+from llamaswap.core.priority import ALIASES, INT64_MAX, INT64_MIN
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 # host, then port; an IPv6 host is bracketed. Also the JSON Schema's pattern.
@@ -139,6 +140,26 @@ def model_id(value: Any) -> Any:
 
 def none_is_empty(value: Any) -> Any:
     return {} if value is None else value
+
+
+# An InferenceObjective's name is a Kubernetes object name (a DNS subdomain).
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def objective_name(value: Any) -> str:
+    if not isinstance(value, str) or not _OBJECT_NAME.fullmatch(value):
+        raise invalid(f"an objective is named like a Kubernetes object (lowercase letters, digits, '-', '.'), "
+                      f"got {describe_value(value)}")
+    return value
+
+
+def priority_value(value: Any) -> int:
+    """An integer, or an alias of X-LlamaSwap-Priority (interactive, normal, batch)."""
+    if isinstance(value, str) and value.strip().lower() in ALIASES:
+        return ALIASES[value.strip().lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX:
+        return value
+    raise invalid(f"must be a priority: a 64-bit integer or one of {', '.join(ALIASES)}, got {describe_value(value)}")
 
 
 def _is_argument(value: Any) -> bool:

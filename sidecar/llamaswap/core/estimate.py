@@ -27,7 +27,12 @@ non-interactive work holds its share (slots - reserved), and an interactive one 
 a free slot meanwhile (exact when every grant takes its expected time and swap affinity plays no
 part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
-cost where the model changes. Pure: no clock, no I/O; times are passed in.
+cost where the model changes.
+
+A grant that has run longer than expected holds its slot for a time nobody can tell: its
+remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
+waits for that slot (`math.inf` from `starts`), never a time already known to be wrong. Pure:
+no clock, no I/O; times are passed in.
 """
 
 from __future__ import annotations
@@ -127,17 +132,26 @@ class Estimator:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
         return max(0.0, self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens) - running_s)
 
+    def known_remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
+                          max_tokens: int | None = None) -> float | None:
+        """`remaining_s`, or None once the grant has outrun its expected time: it still runs, so
+        "0" would be wrong, and how much longer it takes cannot be told."""
+        remaining = self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens) - running_s
+        return remaining if remaining > 0 else None
+
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
                slots: Slots | None = None, interactive: Sequence[bool] | None = None,
                max_tokens: Sequence[int | None] | None = None) -> list[float]:
-        """Estimated start, in seconds from now, of each request in dispatch order.
+        """Estimated start, in seconds from now, of each request in dispatch order; `math.inf`
+        where it cannot be told (it waits for a slot held for an unknown time).
 
         ``loaded`` is the model loaded now. ``busy_s`` is how long the GPU stays busy before the
         first of them with one slot (one running grant, or a settling generation). With several
         slots, ``remaining_s`` holds the expected remaining time of each occupied slot and
         ``remaining_interactive`` which of those serve interactive work (missing: not); every
-        value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot. ``slots`` gives each
+        value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot (`math.inf`: held
+        for an unknown time). ``slots`` gives each
         model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
         requests are in the interactive band (None: none, so no reserved slot is ever taken).
         ``max_tokens`` (one per waiting request, in the same order; None: none said) sizes each
@@ -151,14 +165,15 @@ class Estimator:
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = (),
                   max_tokens: Sequence[int | None] | None = None,
                   grant_max_tokens: Sequence[int | None] | None = None) -> list[float]:
-        """`starts` for a scheduler's snapshot: its running grants' remaining times (plus
-        ``extra_busy_s``, slots held by work the scheduler does not grant, counted as
-        non-interactive), its waiting order and bands, and the size each waiting request and
-        each running grant asked for (same orders as the snapshot's; None: not said)."""
+        """`starts` for a scheduler's snapshot: its running grants' remaining times (unknown,
+        `math.inf`, for one that outran its expected time; plus ``extra_busy_s``, slots held by
+        work the scheduler does not grant, counted as non-interactive), its waiting order and
+        bands, and the size each waiting request and each running grant asked for (same orders
+        as the snapshot's; None: not said)."""
         grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
-        remaining = [self.remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
-                                      max_tokens=size)
-                     for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
+        remaining = [math.inf if (left := self.known_remaining_s(grant.model, model_load=grant.model_load,
+                                                                 running_s=grant.running_s, max_tokens=size)) is None
+                     else left for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
                            remaining_s=[*remaining, *extra_busy_s],
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],

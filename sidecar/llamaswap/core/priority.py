@@ -5,8 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Mapping
 
 HEADER = "x-llamaswap-priority"
+# The InferenceObjective a request names for llm-d's router (the InferencePool's endpoint
+# picker); `routing.objectives` maps it to a priority when the request sends no HEADER.
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+# Its earlier name, which the router still reads when the new one is absent.
+OLD_OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 ALIASES: dict[str, int] = {"interactive": 100, "normal": 0, "batch": -100}
 
@@ -61,6 +67,7 @@ class PrioritySource(str, enum.Enum):
     CLAMPED = "clamped"  # the operator's policy moved it into the allowed range
     STRIPPED = "stripped"  # the operator's policy ignores callers' priorities
     TRUSTED = "trusted"  # from the operator's trusted header (set by an authenticating proxy)
+    OBJECTIVE = "objective"  # no header: the priority of the InferenceObjective the request named
 
     def __str__(self) -> str:
         return self.value
@@ -126,21 +133,30 @@ class PriorityPolicy:
     """What the operator lets callers claim (built from `security.priority`; defaults live there).
 
     A ``trusted_header`` (set by an authenticating proxy, which must drop client copies)
-    overrides the mode: its value is taken as the priority, unclamped.
+    overrides the mode: its value is taken as the priority, unclamped. A request without the
+    header that names an objective in ``objectives`` gets that priority; the caller chose it, so
+    the mode applies to it as to the header.
     """
 
     mode: PriorityMode
     minimum: int
     maximum: int
     trusted_header: str | None
+    objectives: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
-    def resolve(self, header: str | bytes | None, trusted: str | bytes | None = None) -> Priority:
+    def resolve(self, header: str | bytes | None, trusted: str | bytes | None = None,
+                objective: str | None = None) -> Priority:
         if self.trusted_header is not None and trusted is not None:
             granted = parse_priority(trusted)
             if granted.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
                 return Priority(granted.value, PrioritySource.TRUSTED)
         priority = parse_priority(header)
-        if self.mode is PriorityMode.STRIP and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
+        if priority.source is PrioritySource.ABSENT and objective is not None:
+            named = self.objectives.get(objective.strip())
+            if named is not None:
+                priority = Priority(named, PrioritySource.OBJECTIVE)
+        if self.mode is PriorityMode.STRIP and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS,
+                                                                   PrioritySource.OBJECTIVE):
             return Priority(0, PrioritySource.STRIPPED)
         if self.mode is PriorityMode.CLAMP and not self.minimum <= priority.value <= self.maximum:
             return Priority(min(max(priority.value, self.minimum), self.maximum), PrioritySource.CLAMPED)

@@ -43,6 +43,9 @@ from llamaswap.envoy.contract import (
     MAX_TOKENS_KEYS,
     MODEL_KEY,
     MODEL_NAMESPACE,
+    OBJECTIVE_HEADER,
+    OLD_OBJECTIVE_HEADER,
+    PICKER_METRICS_PATH,
     PRIORITY_HEADER,
     PROPS_PATH,
     RENEWALS_PER_LEASE,
@@ -164,7 +167,8 @@ def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
 
 def _http_filters(config: Config) -> list[dict[str, Any]]:
     e = config.envoy
-    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER]
+    # The objective header always: routing.objectives may change on a reload, the bootstrap not.
+    headers = [PRIORITY_HEADER, REQUEST_ID_HEADER, OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER]
     trusted = config.security.priority.trusted_header
     if trusted:
         headers.append(trusted)
@@ -267,6 +271,8 @@ def _props_routes() -> list[dict[str, Any]]:
 def _routes(config: Config) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        _unscheduled({"match": {"path": PICKER_METRICS_PATH},
+                      "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"path": UPSTREAM_METRICS_PATH},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},

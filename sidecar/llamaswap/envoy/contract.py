@@ -11,11 +11,13 @@ import json
 
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
+from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
     "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY", "UNLOAD_PATH",
-    "MODEL_NAMESPACE", "PRIORITY_HEADER", "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
+    "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
+    "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
 ]
 
@@ -50,6 +52,8 @@ MANAGEMENT_PREFIXES = ("/slots/",)  # POST /slots/N?action=save|restore|erase
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
+# The endpoint picker's gauges alone (telemetry: Telemetry.picker_text), cheap to read every 50 ms.
+PICKER_METRICS_PATH = "/llamaswap/v1/picker/metrics"
 # llama-server's own metrics, for the loaded model, read by the sidecar (adapters/upstream_metrics.py).
 UPSTREAM_METRICS_PATH = "/llamaswap/v1/upstream/metrics"
 

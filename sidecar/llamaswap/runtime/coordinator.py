@@ -12,8 +12,8 @@ Invariants enforced here (the other rooms of the runtime serve them and change n
   exchange this process does not hold is still reported by Envoy (an adopted lease,
   `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot for the best request (`Scheduler.next`: at
   most ``slots`` grants, all of one model). An abandoned generation keeps its slot until the
-  upstream's /slots says it ended the simple way: while its settle runs, nothing new is granted
-  at all, so a swap also waits until every slot is idle;
+  upstream's /slots processes no more slots than the grants and adopted exchanges this process
+  holds: while its settle runs, nothing new is granted at all;
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
 - each grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
@@ -69,6 +69,11 @@ GRACE_SECONDS_DEFAULT = 30.0
 # A refused client is told to come back when a place is expected to free, within these bounds.
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 3600
+# upstream.slots: auto in router mode: after the grant of a model not asked about yet, the
+# catalog is read until the upstream has loaded it (backing off), at most this many times.
+LEARN_POLL_FIRST_S = 0.05
+LEARN_POLL_MAX_S = 1.0
+LEARN_POLLS = 30
 # Estimates made at arrival are batched: one walk of the queue for all arrivals in this window,
 # widened when walks get slow (a deep queue), so estimating never costs more than ~10% of a core.
 ESTIMATE_BATCH_S = 0.05
@@ -107,6 +112,7 @@ class Coordinator:
         self._learnt_slots: dict[str | None, int] = {}
         self._asking_slots = False
         self._slots_task: asyncio.Future[None] | None = None
+        self._learning: asyncio.Task[None] | None = None  # `_learn_when_loaded`
         self.scheduler = Scheduler(config.policy(), self._clock)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
@@ -204,7 +210,7 @@ class Coordinator:
     async def admit(self, arrival: Arrival) -> Admission:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
         policy = self._config.priority_policy()
-        priority = policy.resolve(arrival.priority_header, arrival.trusted_header)
+        priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         self._held_checks += 1
         try:
@@ -343,8 +349,9 @@ class Coordinator:
                 handle.cancel()
         self._watchdogs.clear()
         self._leases.cancel()
-        if self._slots_task is not None:
-            self._slots_task.cancel()
+        for task in (self._slots_task, self._learning):
+            if task is not None:
+                task.cancel()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
         self._catalog.close()
@@ -385,16 +392,56 @@ class Coordinator:
                       f"model {model} has" if model else "it has", self.scheduler.policy.slots.default)
             return
         self._learnt_slots[model] = learnt
+        _log.info("upstream.slots: auto: the upstream runs %d generations%s at once", learnt,
+                  f" of model {model}" if model else "")
+        # The settings now in force: a reload while the upstream was asked has replaced `config`.
+        config = self._config
+        if config.upstream.slots != SLOTS_AUTO:
+            return
         slots = config.slots(self._learnt_slots)
         if slots.reserved < config.reserved_slots:
             _log.warning("upstream.slots: auto: the upstream has %d slots%s, too few for %d reserved "
                          "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
                          f" for model {model}" if model else "", config.reserved_slots,
                          config.routing.scheduler.use, slots.reserved)
-        _log.info("upstream.slots: auto: the upstream runs %d generations%s at once", learnt,
-                  f" of model {model}" if model else "")
-        if self._config is config:
-            self.reconfigure(config)
+        self.reconfigure(config)
+        self._pump()  # more slots may let waiting requests go now
+
+    def _wants_slots_of(self, model: str) -> bool:
+        """upstream.slots: auto has not learnt `model`'s slots (router mode), nor are they configured."""
+        configured = model in self._config.models and self._config.models[model].slots is not None
+        return self._config.upstream.slots == SLOTS_AUTO and model not in self._learnt_slots and not configured
+
+    def _learn_after_grant(self, model: str | None) -> None:
+        """A grant of a router-mode model whose slots are not known yet: learn them once the upstream
+        has it loaded, while it runs (the reconcile loop reads the catalog only when idle, which a
+        steady stream of requests never is)."""
+        latest = self._catalog.latest
+        if (model is None or latest is None or latest.kind is not UpstreamKind.ROUTER
+                or not self._wants_slots_of(model) or (self._learning is not None and not self._learning.done())):
+            return
+        self._learning = asyncio.ensure_future(self._learn_when_loaded(model))
+
+    async def _learn_when_loaded(self, model: str) -> None:
+        delay = LEARN_POLL_FIRST_S
+        for _ in range(LEARN_POLLS):
+            catalog = await self._catalog.refresh()  # `observe_catalog` may begin to ask about it
+            asking = self._slots_task
+            asked = asking is not None and not asking.done()
+            if asking is not None and asked:
+                await asyncio.shield(asking)
+            if not self._wants_slots_of(model) or catalog is None or catalog.kind is not UpstreamKind.ROUTER:
+                return
+            if catalog.loaded == model:
+                if not asked and not self._asking_slots:
+                    self._asking_slots = True
+                    await self._learn_slots(model, router=True)  # None while it still loads: asked again
+                    if not self._wants_slots_of(model):
+                        return
+            elif not any(t.decision is not None and t.decision.model == model for t in self._running):
+                return  # it went before the upstream had it loaded: asked at its next grant
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, LEARN_POLL_MAX_S)
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
@@ -420,8 +467,8 @@ class Coordinator:
         return not self._leases.running and self._may_grant()
 
     def _may_grant(self) -> bool:
-        """Nothing but our own grants holds the GPU: no settle (an abandoned generation keeps
-        its slot, and every other, until /slots says it ended) and no adopted exchange. Whether
+        """Nothing but our own grants holds the GPU: no settle (while an abandoned generation
+        still takes a slot, nothing is granted) and no adopted exchange. Whether
         a slot is free for the best request is the scheduler's to say (`Scheduler.next`)."""
         return self._settling is None and not self._leases.adopted
 
@@ -454,6 +501,8 @@ class Coordinator:
         self._leases.arm()
         self._arm_watchdog(ticket)
         waiter.set_result(decision)
+        if self._config.upstream.slots == SLOTS_AUTO:
+            self._learn_after_grant(decision.model)
         overtaken = tuple(self._overtaken(token) for token in decision.overtook)
         # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
         # never waits for spans, metrics or log lines.
@@ -482,8 +531,8 @@ class Coordinator:
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
-        # A settle under way already waits for every slot to be idle (it asks whether anything
-        # computes), this abandoned generation's included.
+        # A settle under way covers this abandoned generation too: it waits until the upstream
+        # computes no more than what this process holds, and this grant is no longer held.
         if ticket.abandoned and self._settling is None:
             granted = decision.granted_ns if decision is not None else None
             self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
@@ -649,7 +698,7 @@ class Coordinator:
         settle = await settle_upstream(
             self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
             loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
-            others_running=lambda: len(self._leases.running))
+            held=lambda: len(self._leases.running) + len(self._leases.adopted))
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
@@ -786,7 +835,7 @@ class Coordinator:
         now = self._clock.now_ns()
         for ticket in waiting:
             start = start_of.get(ticket.token)
-            if start is not None:
+            if start is not None and math.isfinite(start):  # inf: unknown, no estimate to record
                 ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
         self._estimate_batch_s = max(ESTIMATE_BATCH_S, self._views.last_walk_s / _ESTIMATE_CPU_SHARE)
 
@@ -824,7 +873,7 @@ class Coordinator:
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free(), self.scheduler.slots_busy,
-                                                  self.scheduler.slots_total))
+                                                  self.scheduler.slots_total, self.scheduler.loaded_model))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run in one callback two loop turns on: after the step's wake-ups and after

@@ -165,6 +165,14 @@ class History:
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
         self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority, "band": o.band.value}
                                         for o in overtaken]
+        # Counted at the grant, so the running grants are in the counters too.
+        decision = ticket.decision
+        if decision is not None:
+            self._dispatched[decision.band.value] += 1
+            for cause in decision.reordered_by:
+                self._reorders[str(cause)] += 1
+            self._swaps += decision.swap
+            self._loads += decision.load
 
     def queue_changed(self, picture: QueuePicture) -> None:
         pass
@@ -184,11 +192,6 @@ class History:
         if decision is None:
             self._add("mark", ticket.request_id, end_ms, {**record, "end_ms": end_ms})
             return
-        self._dispatched[decision.band.value] += 1
-        for cause in decision.reordered_by:
-            self._reorders[str(cause)] += 1
-        self._swaps += decision.swap
-        self._loads += decision.load
         estimated = ticket.estimated_wait_s
         if estimated is not None and estimated >= RATIO_MIN_ESTIMATE_S:
             actual = decision.queue_wait_ns / 1e9

@@ -36,6 +36,7 @@ class QueuePicture:
     busy: bool  # a grant holds the GPU, or the upstream is still finishing an abandoned one
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect
+    loaded_model: str | None = None  # the scheduler's loaded model (None: none known)
 
 
 class SettleReason(str, enum.Enum):

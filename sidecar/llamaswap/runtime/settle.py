@@ -1,7 +1,8 @@
 """The settle loop: after an abandoned generation (or at startup) the GPU is not free until the
-upstream says it computes nothing, or a deadline passes. With upstream.abandonedGeneration: stop
-the generation is stopped first (router mode: its model unloaded), but never while generations
-we granted still run beside it: stopping would cut them too."""
+upstream computes nothing beyond what this process holds (its running grants and adopted
+exchanges), or a deadline passes. With upstream.abandonedGeneration: stop the generation is
+stopped first (router mode: its model unloaded), but never while generations we hold still run
+beside it: stopping would cut them too."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ class Settling:
 async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
                           loaded_model: Callable[[], Awaitable[str | None]] | None = None,
                           unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None,
-                          others_running: Callable[[], int] | None = None) -> Settle:
-    """Wait until the upstream computes nothing, with a deadline; what happened, as a Settle.
+                          held: Callable[[], int] | None = None) -> Settle:
+    """Wait until the upstream computes no more generations than `held()` counts, with a
+    deadline; what happened, as a Settle.
 
     An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
     until the deadline: only "idle", "cannot tell, ever" or the deadline end the wait. With `stop`
@@ -54,10 +56,13 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     finds which model to ask about; `unloaded` hears that the generation was stopped (nothing is
     loaded any more); with `blind_until_ns`, an upstream that cannot tell holds the GPU until
     then (at startup: until Envoy's periodic entry would have revealed a running exchange).
-    `others_running` counts the generations still granted beside the abandoned one (several
-    slots): stopping waits until it is 0, because unloading the model, or cancelling every slot,
-    would cut them as well; until then the settle only waits (nothing new is granted meanwhile,
-    so they drain)."""
+    `held` counts the generations this process knows to run beside the abandoned one (its
+    running grants and adopted exchanges, with several slots): the settle is over once the
+    processing slots are no more than those, so the abandoned generation no longer takes one of
+    the slots (/slots does not say which slot computes what, so a count is what can be told).
+    Stopping waits until `held` is 0, because unloading the model, or cancelling every slot,
+    would cut them as well (an adopted exchange is known to be alive); until then the settle only
+    waits."""
     model = settling.model
     result = SettleResult.UNANSWERED
     stopped = tried_stop = told_waiting = False
@@ -67,20 +72,20 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
             if loaded_model is not None:
                 model = await loaded_model()
                 loaded_model = None
-            busy = await upstream.busy(model)
+            processing = await upstream.busy(model)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - no answer this time: ask again until the deadline
             _log.info("the upstream did not say whether it is idle (%s); asking again", exc)
         else:
-            if busy is None:
+            if processing is None:
                 result = SettleResult.UNSUPPORTED
                 break
-            if not busy:
+            beside = held() if held is not None else 0
+            if processing <= beside:
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
             result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
-            beside = others_running() if others_running is not None else 0
             if stop and not tried_stop and beside == 0:
                 tried_stop = True
                 stopped = await _stop(upstream, model)
@@ -89,8 +94,8 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 continue  # ask at once whether stopping it made it idle
             if stop and beside and not told_waiting:
                 told_waiting = True
-                _log.info("not stopping the abandoned generation of %s (request %s) yet: %d granted "
-                          "generation(s) run beside it; stopping once they end", model or "-",
+                _log.info("not stopping the abandoned generation of %s (request %s) yet: %d generation(s) "
+                          "this sidecar holds run beside it; stopping once they end", model or "-",
                           settling.request_id, beside)
         if clock.now_ns() >= deadline_ns:
             break

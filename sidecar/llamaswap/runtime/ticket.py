@@ -46,7 +46,8 @@ class ExchangeReport:
     end: ExchangeEnd | None  # set on a final entry
     status: int  # the HTTP status sent to the client (0: none)
     first_byte_s: float | None  # request at the upstream -> its first response byte
-    # How long the exchange had run when the entry arrived (Envoy's start_time), if it says.
+    # How long the exchange had run at the upstream when the entry arrived (from Envoy's
+    # start_time and its first upstream byte: the queue wait does not count), if it says.
     elapsed_s: float | None = None
 
 
@@ -68,6 +69,7 @@ class Arrival:
     request_id_replaced: bool = False  # the client's x-request-id was too long: this is Envoy's id
     # It unloads `model` (llama-server's POST /models/unload): it runs alone (`Scheduler.enqueue`).
     alone: bool = False
+    objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).

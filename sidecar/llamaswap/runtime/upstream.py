@@ -40,11 +40,12 @@ class Upstream(Protocol):
     async def catalog(self) -> Catalog | None:
         """What the upstream serves now; None when it could not be asked."""
 
-    async def busy(self, model: str | None) -> bool | None:
-        """Whether a generation is still running (for `model` where the upstream runs one
-        process per model); None when the upstream cannot tell, ever (no GET /slots: 404/501,
-        llama-swap). Raises `UpstreamUnanswered` when it could tell but did not answer this
-        time (a timeout, a refused connection, a 5xx): ask again."""
+    async def busy(self, model: str | None) -> int | None:
+        """How many generations are still running (slots processing; a model being loaded
+        counts as one), 0 when idle (for `model` where the upstream runs one process per model);
+        None when the upstream cannot tell, ever (no GET /slots: 404/501, llama-swap). Raises
+        `UpstreamUnanswered` when it could tell but did not answer this time (a timeout, a
+        refused connection, a 5xx): ask again."""
 
     async def stop(self, model: str | None) -> bool:
         """Stop whatever `model` is generating (router mode: unload it); True if it could."""
@@ -61,7 +62,7 @@ class NoUpstream:
     async def catalog(self) -> Catalog | None:
         return None
 
-    async def busy(self, model: str | None) -> bool | None:
+    async def busy(self, model: str | None) -> int | None:
         return None
 
     async def stop(self, model: str | None) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
@@ -42,7 +43,7 @@ class WaitingRow:
     swap_affinity: bool
     waited_s: float
     model: str | None
-    estimated_start_s: float  # from now
+    estimated_start_s: float | None  # from now; None: unknown (it waits behind work of unknown length)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class RunningRow:
     queue_wait_s: float
     running_s: float
     expected_run_s: float
-    expected_remaining_s: float
+    expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class QueueViews:
         age_s = (now - cached.at_ns) / NS_PER_S
         if age_s == 0:
             return cached.snapshot, cached.starts
-        return cached.snapshot, [max(0.0, start - age_s) for start in cached.starts]
+        return cached.snapshot, [_aged(start, age_s) for start in cached.starts]
 
     def _current(self, now: int, *, fresh: bool = False) -> _Walk:
         """The last walk while it is current (same version, younger than VIEW_MAX_AGE_S), else a new one."""
@@ -126,6 +127,10 @@ class QueueViews:
         sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
                  for w in snapshot.waiting]
         extra_busy_s = self._busy_s()
+        if extra_busy_s <= 0 and self._gpu_state() in (GpuState.SETTLING, GpuState.ADOPTED):
+            # An adopted exchange, or a settling generation past its expected end: held for a
+            # time nobody can tell.
+            extra_busy_s = math.inf
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
         starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots, max_tokens=sizes,
@@ -143,8 +148,9 @@ class QueueViews:
         tickets = self._tickets
         waiting = tuple(
             WaitingRow(ticket.request_id, w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s,
-                       ticket.model, start) if (ticket := tickets.get(w.request_id)) is not None else
-            WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model, start)
+                       ticket.model, _known(start)) if (ticket := tickets.get(w.request_id)) is not None else
+            WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model,
+                       _known(start))
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
@@ -159,12 +165,13 @@ class QueueViews:
                 continue
             ticket = self._tickets.get(decision.request_id)
             running_s = (now - decision.granted_ns) / NS_PER_S
-            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load,
-                                                        max_tokens=ticket.max_tokens if ticket is not None else None)
+            size = ticket.max_tokens if ticket is not None else None
+            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load, max_tokens=size)
+            remaining = self._estimator.known_remaining_s(decision.model, model_load=decision.model_load,
+                                                          running_s=running_s, max_tokens=size)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
-                                   decision.queue_wait_ns / NS_PER_S, running_s, expected,
-                                   max(0.0, expected - running_s)))
+                                   decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining))
         return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
@@ -186,4 +193,17 @@ class QueueViews:
         w = walk.snapshot.waiting[index]
         age_s = (now - walk.at_ns) / NS_PER_S
         return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
-                                  w.waited_s, ticket.model, max(0.0, walk.starts[index] - age_s))
+                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)))
+
+
+def _aged(start_s: float, age_s: float) -> float:
+    """A start estimated `age_s` ago, from now. One that has come while the walk is still current
+    (nothing ended since) waited for work that outran its estimate: unknown (`math.inf`), not 0."""
+    if 0 < start_s <= age_s:
+        return math.inf
+    return max(0.0, start_s - age_s)
+
+
+def _known(start_s: float) -> float | None:
+    """An estimated start as the views show it: None where it cannot be told (`math.inf`)."""
+    return start_s if math.isfinite(start_s) else None

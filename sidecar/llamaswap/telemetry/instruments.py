@@ -46,12 +46,24 @@ ESTIMATE_RATIO = "llamaswap_estimate_wait_ratio"
 SETTLE = "llamaswap_upstream_settle_seconds"
 REQUEST_ID_REPLACED = "llamaswap_request_id_replaced_total"
 MODEL_LABEL_OTHER = "llamaswap_model_label_other_total"
+# For an endpoint picker (llm-d's router, the InferencePool's EPP): unlabelled, one series each,
+# so a metric spec that names the family reads the pod's whole figure (the picker takes the
+# first series that matches a spec; it cannot sum the per-band depth).
+WAITING = "llamaswap_scheduler_waiting_requests"
+SATURATION = "llamaswap_gpu_saturation"
+MODELS_INFO = "llamaswap_loaded_models_info"
+# The LoRA info gauge's label names (vLLM's `vllm:lora_requests_info`, which pickers parse).
+RUNNING_ADAPTERS = "running_lora_adapters"
+WAITING_ADAPTERS = "waiting_lora_adapters"
+MAX_ADAPTERS = "max_lora"
+# The picker's four gauges, in the order of its engine config (queued, running, KV use, LoRA).
+PICKER = (WAITING, GPU_SLOTS_BUSY, SATURATION, MODELS_INFO)
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
        ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
-       MODEL_LABEL_OTHER)
+       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -67,6 +79,18 @@ SWAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
 # Estimated / actual wait: 1 is exact, 0.5 said half as long, 2 twice as long. (A histogram
 # takes no negative values, so the ratio, not the difference.)
 ESTIMATE_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
+
+# Written once: the page at /metrics (through the SDK) and the picker's own page print them.
+DESCRIPTIONS = {
+    GPU_SLOTS_BUSY: "Slots held by running grants.",
+    WAITING: "Requests waiting for the GPU, all bands together.",
+    SATURATION: "Busy slots / the slots of the model in effect; 1 while no grant can be made because the upstream "
+                "finishes an abandoned or adopted generation.",
+    MODELS_INFO: f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} the "
+                 f"loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, in the order "
+                 f"they started waiting, at most {MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is when the labels "
+                 "last changed (Unix seconds).",
+}
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
 Labels = Mapping[str, str]
@@ -112,7 +136,8 @@ class ModelLabels:
 
 class Instruments:
     def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
-                 gpu_slots: Callback, gpu_slots_busy: Callback) -> None:
+                 gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback, saturation: Callback,
+                 models_info: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
         meter.create_observable_gauge(
@@ -126,7 +151,10 @@ class Instruments:
             GPU_SLOTS, [gpu_slots], unit="{slot}",
             description="Generations of the loaded model the GPU may run at once (upstream.slots, models.<id>.slots).")
         meter.create_observable_gauge(
-            GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description="Slots held by running grants.")
+            GPU_SLOTS_BUSY, [gpu_slots_busy], unit="{slot}", description=DESCRIPTIONS[GPU_SLOTS_BUSY])
+        meter.create_observable_gauge(WAITING, [waiting], unit="{request}", description=DESCRIPTIONS[WAITING])
+        meter.create_observable_gauge(SATURATION, [saturation], description=DESCRIPTIONS[SATURATION])
+        meter.create_observable_gauge(MODELS_INFO, [models_info], description=DESCRIPTIONS[MODELS_INFO])
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)

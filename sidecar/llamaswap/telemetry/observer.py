@@ -20,6 +20,7 @@ Nothing here ever sees prompt or completion text: only the ticket's scheduling f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -41,8 +42,20 @@ from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Polic
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
-from llamaswap.telemetry.instruments import OTHER_MODEL, Instruments
-from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader
+from llamaswap.telemetry.instruments import (
+    DESCRIPTIONS,
+    GPU_SLOTS_BUSY,
+    MAX_ADAPTERS,
+    MAX_MODEL_LABELS,
+    OTHER_MODEL,
+    MODELS_INFO,
+    RUNNING_ADAPTERS,
+    SATURATION,
+    WAITING,
+    WAITING_ADAPTERS,
+    Instruments,
+)
+from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, gauge_family
 
 _log = logging.getLogger(__name__)
 
@@ -109,9 +122,15 @@ class Telemetry:
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         self._closed = False
+        # The models of the waiting requests, kept per event (O(1)) so a picker's scrape every
+        # 50 ms reads a finished label set whatever the depth.
+        self._waiting_model: dict[str, str] = {}  # token -> the model it is scheduled on
+        self._waiting_models: dict[str, int] = {}  # model -> requests waiting for it
+        self._models_info: tuple[dict[str, str], float] = (self._models_labels(None), time.time())
         self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
                                        gpu_busy=self._observe_busy, gpu_slots=self._observe_slots,
-                                       gpu_slots_busy=self._observe_slots_busy)
+                                       gpu_slots_busy=self._observe_slots_busy, waiting=self._observe_waiting,
+                                       saturation=self._observe_saturation, models_info=self._observe_models_info)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -126,6 +145,19 @@ class Telemetry:
     def prometheus_text(self) -> tuple[bytes, str]:
         """The admin `GET /metrics` body and content type (Prometheus text format 0.0.4)."""
         return self._pull.render(), CONTENT_TYPE
+
+    def picker_text(self) -> tuple[bytes, str]:
+        """An endpoint picker's page: its four gauges alone, written from the published picture
+        without an SDK collection (microseconds, against milliseconds for the whole page, which a
+        picker reading every 50 ms would pay on the event loop). The same families, values and
+        text as in `prometheus_text`."""
+        options = CallbackOptions()
+        observe = ((WAITING, self._observe_waiting), (GPU_SLOTS_BUSY, self._observe_slots_busy),
+                   (SATURATION, self._observe_saturation), (MODELS_INFO, self._observe_models_info))
+        text = "".join(gauge_family(name, DESCRIPTIONS[name],
+                                    [(point.attributes, point.value) for point in callback(options)])
+                       for name, callback in observe)
+        return text.encode("utf-8"), CONTENT_TYPE
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Flush spans and a last metrics export, then stop the providers. Idempotent."""
@@ -144,7 +176,15 @@ class Telemetry:
     # -- Observer ------------------------------------------------------------------------
 
     def enqueued(self, ticket: Ticket) -> None:
-        pass  # spans are written when they end; a waiting request costs telemetry nothing
+        # Spans are written when they end; only the waiting models are counted here.
+        model = ticket.schedule_model
+        if model is None:
+            return
+        self._waiting_model[ticket.token] = model
+        count = self._waiting_models.get(model, 0)
+        self._waiting_models[model] = count + 1
+        if not count:
+            self._models_changed(self._picture.loaded_model)
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
@@ -153,9 +193,12 @@ class Telemetry:
             self._picture = dataclasses.replace(self._picture, slots_total=policy.slots.default)
 
     def queue_changed(self, picture: QueuePicture) -> None:
+        if picture.loaded_model != self._picture.loaded_model:
+            self._models_changed(picture.loaded_model)
         self._picture = picture
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
+        self._left_queue(ticket.token)
         decision = ticket.decision
         if self._closed or decision is None:
             return
@@ -193,6 +236,7 @@ class Telemetry:
         span.end(end_time=at)
 
     def finished(self, ticket: Ticket) -> None:
+        self._left_queue(ticket.token)
         outcome = ticket.outcome
         if self._closed or outcome is None:
             return
@@ -256,6 +300,30 @@ class Telemetry:
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _left_queue(self, token: str) -> None:
+        model = self._waiting_model.pop(token, None)
+        if model is None:
+            return
+        count = self._waiting_models[model] - 1
+        if count:
+            self._waiting_models[model] = count
+            return
+        del self._waiting_models[model]
+        self._models_changed(self._picture.loaded_model)
+
+    def _models_labels(self, loaded: str | None) -> dict[str, str]:
+        # Bounded like the `model` label: clients name models (without modelCheck, any name). The
+        # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
+        waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
+        return {RUNNING_ADAPTERS: loaded or "", WAITING_ADAPTERS: ",".join(waiting), MAX_ADAPTERS: "1"}
+
+    def _models_changed(self, loaded: str | None) -> None:
+        labels = self._models_labels(loaded)
+        if labels != self._models_info[0]:
+            # The value is when the labels changed, as in vLLM: a picker that sees several series
+            # (a Prometheus between them, or an old scrape) takes the one with the latest value.
+            self._models_info = (labels, time.time())
+
     def _wall(self, clock_ns: int) -> int:
         return clock_ns + self._wall_offset_ns
 
@@ -289,6 +357,19 @@ class Telemetry:
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._picture.slots_busy)]
+
+    def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(sum(depth for _, depth in self._picture.depth))]
+
+    def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
+        picture = self._picture
+        if picture.busy and not picture.slots_busy:  # a settle or an adopted exchange: no grant possible
+            return [Observation(1.0)]
+        return [Observation(picture.slots_busy / picture.slots_total if picture.slots_total else 0.0)]
+
+    def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        labels, changed = self._models_info
+        return [Observation(changed, labels)]
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:

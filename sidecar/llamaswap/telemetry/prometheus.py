@@ -153,6 +153,14 @@ def _escape_label(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def gauge_family(name: str, help_text: str, samples: Iterable[tuple[Mapping[str, Any] | None, float]]) -> str:
+    """One gauge family in the text format, as `render_text` writes it (for pages rendered
+    without the SDK: the picker's)."""
+    lines = [f"# HELP {name} {_escape_help(help_text)}", f"# TYPE {name} gauge"]
+    lines.extend(_sample(name, labels, value) for labels, value in samples)
+    return "\n".join(lines) + "\n"
+
+
 def metric_names(text: str) -> Iterable[str]:
     """The family names declared in a text exposition (for tests and checks)."""
     for line in text.splitlines():

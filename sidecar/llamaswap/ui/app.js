@@ -51,6 +51,9 @@
     return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} m`;
   }
 
+  // An estimate the sidecar cannot tell is null: "unknown", never a time known to be wrong.
+  const startIn = (value) => (value === null || value === undefined ? "unknown" : seconds(value));
+
   const score = (value) => (value === null || value === undefined ? "–" : Number(value).toFixed(2));
   const clock = (ms) => new Date(ms).toLocaleTimeString([], { hour12: false });
   const serverNow = () => Date.now() + page.offsetMs;
@@ -165,13 +168,14 @@
     const now = serverNow();
     const rows = doc.running.map((row) => {
       const elapsedS = (now - row.granted_ms) / 1000;
+      const known = row.expected_end_ms !== null && row.expected_end_ms !== undefined;
       const late = now > row.expected_end_ms;
       return `<tr data-request-id="${escapeHtml(row.request_id)}">` +
         `<td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
         `<td class="num">${row.priority}</td><td class="num score">${score(row.score)}</td>` +
         `<td>${model(row.model)}</td><td class="num">${seconds(row.queue_wait_s)}</td>` +
         `<td class="num elapsed">${seconds(elapsedS)}</td>` +
-        `<td class="num">${clock(row.expected_end_ms)} ${late ? "(overdue)" : `(in ${seconds((row.expected_end_ms - now) / 1000)})`}</td></tr>`;
+        `<td class="num">${known ? `${clock(row.expected_end_ms)} ${late ? "(overdue)" : `(in ${seconds((row.expected_end_ms - now) / 1000)})`}` : "unknown"}</td></tr>`;
     });
     byId("running").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="8">nothing holds the GPU</td></tr>`;
@@ -180,13 +184,13 @@
   function renderQueue(doc, ageS) {
     const aging = doc.aging_divisor_s > 0 ? ageS / doc.aging_divisor_s : 0;
     // Estimated starts come closer only while the running request is within its expected run.
-    const sooner = Math.min(ageS, doc.running.length ? doc.running[0].expected_remaining_s : 0);
+    const sooner = Math.min(ageS, doc.running.length ? doc.running[0].expected_remaining_s ?? 0 : 0);
     const rows = doc.waiting.map((row) => `<tr data-request-id="${escapeHtml(row.request_id)}" data-position="${row.position}">` +
       `<td class="num">${row.position}</td><td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
       `<td class="num">${row.priority}</td><td class="num score">${score(row.score + aging)}</td>` +
       `<td class="term">${score(row.terms.priority)}</td><td class="term">${score(row.terms.affinity)}</td>` +
       `<td class="term">${score(row.terms.aging + aging)}</td><td class="num">${seconds(row.waited_s + ageS)}</td>` +
-      `<td class="num">${seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
+      `<td class="num">${row.estimated_start_s === null ? startIn(null) : seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
     byId("queue").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="11">nobody waits</td></tr>`;
     byId("queue-summary").textContent = `${doc.waiting_total.toLocaleString()} waiting, in dispatch order`;
@@ -406,7 +410,7 @@
     const live = doc.status;
     if (live) {
       fields.push(["state", live.state], ["position", live.position], ["band", live.band], ["priority", live.priority],
-        ["score", score(live.score)], ["waited", seconds(live.waited_s)], ["estimated start", seconds(live.estimated_start_s)]);
+        ["score", score(live.score)], ["waited", seconds(live.waited_s)], ["estimated start", startIn(live.estimated_start_s)]);
     }
     const records = doc.records.filter((r) => r.kind !== "settle");
     const record = records[records.length - 1];
