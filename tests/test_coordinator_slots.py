@@ -14,7 +14,7 @@ from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
 from llamaswap.config import parse_config
 from llamaswap.core import Outcome
-from llamaswap.runtime.coordinator import LEARN_POLL_MAX_S
+from llamaswap.runtime.slot_learning import LEARN_POLL_MAX_S
 from llamaswap.runtime.views import RunningRow
 from llamaswap.runtime.observer import SettleResult
 from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
@@ -287,13 +287,13 @@ async def test_auto_slots_fall_back_to_one_and_fit_the_reservation(caplog) -> No
     upstream = FakeUpstream()
     flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE,
                  "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}}, upstream=upstream)
-    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+    with caplog.at_level("INFO", logger="llamaswap.runtime.slot_learning"):
         await flow.coordinator.learn_slots()  # the upstream cannot tell
     assert flow.coordinator.scheduler.policy.slots.default == 1
     assert "does not say how many slots it has; scheduling with 1" in caplog.text
     upstream.slots_answer = 2
     caplog.clear()
-    with caplog.at_level("INFO", logger="llamaswap.runtime.coordinator"):
+    with caplog.at_level("INFO", logger="llamaswap.runtime.slot_learning"):
         await flow.coordinator.learn_slots()
     slots = flow.coordinator.scheduler.policy.slots
     assert (slots.default, slots.reserved) == (2, 1)

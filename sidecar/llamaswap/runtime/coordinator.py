@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 
 from llamaswap.config import SLOTS_AUTO, AbandonedGeneration, Config
@@ -55,31 +54,22 @@ from llamaswap.core import (
     model_stays_loaded,
 )
 from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.runtime.deferred import Deferred
+from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
 from llamaswap.runtime.settle import Settling, settle_upstream
+from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
 from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow
+from llamaswap.runtime.watchdogs import Watchdogs
 
 _log = logging.getLogger(__name__)
 
 # How long the running request may take to finish when llamaswap stops (`--grace`).
 GRACE_SECONDS_DEFAULT = 30.0
-# A refused client is told to come back when a place is expected to free, within these bounds.
-RETRY_AFTER_MIN_S = 1
-RETRY_AFTER_MAX_S = 3600
-# upstream.slots: auto in router mode: after the grant of a model not asked about yet, the
-# catalog is read until the upstream has loaded it (backing off), at most this many times.
-LEARN_POLL_FIRST_S = 0.05
-LEARN_POLL_MAX_S = 1.0
-LEARN_POLLS = 30
-# Estimates made at arrival are batched: one walk of the queue for all arrivals in this window,
-# widened when walks get slow (a deep queue), so estimating never costs more than ~10% of a core.
-ESTIMATE_BATCH_S = 0.05
-_ESTIMATE_CPU_SHARE = 0.1
-
-__all__ = ["GRACE_SECONDS_DEFAULT", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow",
+__all__ = ["GRACE_SECONDS_DEFAULT", "RETRY_AFTER_MAX_S", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow",
            "WaitingRow"]
 
 
@@ -107,21 +97,12 @@ class Coordinator:
                  upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
         self._clock = clock or MonotonicClock()
         self._config = config
-        # upstream.slots: auto: what the upstream said (`learn_slots`), by model in router mode
-        # (None: a single-model upstream); empty before it is asked.
-        self._learnt_slots: dict[str | None, int] = {}
-        self._asking_slots = False
-        self._slots_task: asyncio.Future[None] | None = None
-        self._learning: asyncio.Task[None] | None = None  # `_learn_when_loaded`
         self.scheduler = Scheduler(config.policy(), self._clock)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
                                    default_swap_s=estimates.default_swap_seconds, samples=estimates.samples)
         self._observer: Observer = observer or NoopObserver()
         self._upstream: Upstream = upstream or NoUpstream()
-        # Telemetry for a grant runs on the next loop turn, after the grant is on its way;
-        # tests that read telemetry synchronously turn this off.
-        self._observe_after_grant = observe_after_grant
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
         # The live ticket a request id names: the first of those that carry it (a client may
@@ -136,22 +117,23 @@ class Coordinator:
         self._settling: Settling | None = None
         self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
                                      observed=self.observe_catalog)
+        # upstream.slots: auto (`slot_learning.py`).
+        self._slots = SlotLearner(config=lambda: self._config, catalog=self._catalog, upstream=self._upstream,
+                                  apply=self._learnt, runs=self._runs_model,
+                                  default_slots=lambda: self.scheduler.policy.slots.default)
         self._expiry: asyncio.TimerHandle | None = None
-        # One watchdog timer per running grant, by token.
-        self._watchdogs: dict[str, asyncio.TimerHandle] = {}
+        self._watchdogs = Watchdogs(self._clock, lambda: self._config.routing.scheduler.max_run_seconds,
+                                    self._watchdog_fire)
         self._admitting = True
         self._idle = asyncio.Event()
         self._idle.set()
         self._version = 0
-        self._views = QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
-                                 version=lambda: self._version, busy_s=self._settle_busy_s,
-                                 gpu_state=lambda: self.gpu_state)
-        self._pending_estimates: list[Ticket] = []
-        self._estimate_handle: asyncio.TimerHandle | None = None
-        self._estimate_batch_s = ESTIMATE_BATCH_S
-        self._publish_pending = False
-        self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
-        self._flush_scheduled = False
+        self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
+                                  settling=lambda: self._settling, schedule_model=lambda model: model)
+        self._views = self._forecast.views = QueueViews(
+            self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
+            version=lambda: self._version, busy_s=self._forecast.settle_busy_s, gpu_state=lambda: self.gpu_state)
+        self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
 
     # -- configuration and state ---------------------------------------------------------
@@ -194,12 +176,12 @@ class Coordinator:
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
         self._config = config
-        self.scheduler.reconfigure(config.policy(self._learnt_slots))
+        self.scheduler.reconfigure(config.policy(self._slots.learnt))
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
         for ticket in self._running:
-            self._rearm_watchdog(ticket)
+            self._watchdogs.rearm(ticket)
         self._changed()
         self._arm_expiry()
         self._leases.arm()  # the adopted exchanges' watchdog follows a changed maxRunSeconds
@@ -233,7 +215,7 @@ class Coordinator:
         if not self._admitting:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         if self._over_stream_limit():
-            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=self._held_checks - 1,
                                                 queue_limit=self._config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
@@ -250,7 +232,7 @@ class Coordinator:
             queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model,
                                             alone=ticket.alone)
         except QueueFull as exc:
-            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
+            return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
         # One arrival time, the scheduler's: the one its waits and aging count from.
         ticket.arrival_ns = queued.arrival_ns
@@ -262,7 +244,7 @@ class Coordinator:
             self._later_by_request_id.setdefault(ticket.request_id, []).append(ticket)
         self._changed()
         self._observer.enqueued(ticket)
-        self._estimate_later(ticket)
+        self._forecast.estimate_later(ticket)
         self._arm_expiry()
         self._pump()
         decision = await waiter
@@ -343,15 +325,13 @@ class Coordinator:
     def close(self) -> None:
         """Cancel timers and background work, and tell the observers what is left to tell (the
         loop is about to stop)."""
-        self._run_observers()
-        for handle in (self._expiry, self._estimate_handle, *self._watchdogs.values()):
-            if handle is not None:
-                handle.cancel()
-        self._watchdogs.clear()
+        self._deferred.run()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._forecast.close()
+        self._watchdogs.close()
         self._leases.cancel()
-        for task in (self._slots_task, self._learning):
-            if task is not None:
-                task.cancel()
+        self._slots.close()
         if self._settling is not None and self._settling.task is not None:
             self._settling.task.cancel()
         self._catalog.close()
@@ -369,79 +349,16 @@ class Coordinator:
         schedule with that many slots (1, with a log line, when it cannot tell). A reservation
         the learnt slots cannot hold is lowered, with a warning. In router mode each model is
         asked about once it is loaded (asking never loads it): `observe_catalog` asks for every
-        model it sees loaded for the first time."""
-        if self._config.upstream.slots != SLOTS_AUTO or self._asking_slots:
-            return
-        self._asking_slots = True
-        try:
-            catalog = await self._catalog.refresh()
-        except BaseException:
-            self._asking_slots = False
-            raise
-        router = catalog is not None and catalog.kind is UpstreamKind.ROUTER
-        await self._learn_slots(catalog.loaded if router and catalog is not None else None, router=router)
+        model it sees loaded for the first time (`slot_learning.py`)."""
+        await self._slots.learn()
 
-    async def _learn_slots(self, model: str | None, *, router: bool) -> None:
-        config = self._config
-        try:
-            learnt = await self._upstream.total_slots(model) if model is not None or not router else None
-        finally:
-            self._asking_slots = False
-        if learnt is None:
-            _log.info("upstream.slots: auto: the upstream does not say how many slots %s; scheduling with %d",
-                      f"model {model} has" if model else "it has", self.scheduler.policy.slots.default)
-            return
-        self._learnt_slots[model] = learnt
-        _log.info("upstream.slots: auto: the upstream runs %d generations%s at once", learnt,
-                  f" of model {model}" if model else "")
-        # The settings now in force: a reload while the upstream was asked has replaced `config`.
-        config = self._config
-        if config.upstream.slots != SLOTS_AUTO:
-            return
-        slots = config.slots(self._learnt_slots)
-        if slots.reserved < config.reserved_slots:
-            _log.warning("upstream.slots: auto: the upstream has %d slots%s, too few for %d reserved "
-                         "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
-                         f" for model {model}" if model else "", config.reserved_slots,
-                         config.routing.scheduler.use, slots.reserved)
+    def _learnt(self, config: Config) -> None:
+        """The upstream said how many slots it has: schedule with them."""
         self.reconfigure(config)
         self._pump()  # more slots may let waiting requests go now
 
-    def _wants_slots_of(self, model: str) -> bool:
-        """upstream.slots: auto has not learnt `model`'s slots (router mode), nor are they configured."""
-        configured = model in self._config.models and self._config.models[model].slots is not None
-        return self._config.upstream.slots == SLOTS_AUTO and model not in self._learnt_slots and not configured
-
-    def _learn_after_grant(self, model: str | None) -> None:
-        """A grant of a router-mode model whose slots are not known yet: learn them once the upstream
-        has it loaded, while it runs (the reconcile loop reads the catalog only when idle, which a
-        steady stream of requests never is)."""
-        latest = self._catalog.latest
-        if (model is None or latest is None or latest.kind is not UpstreamKind.ROUTER
-                or not self._wants_slots_of(model) or (self._learning is not None and not self._learning.done())):
-            return
-        self._learning = asyncio.ensure_future(self._learn_when_loaded(model))
-
-    async def _learn_when_loaded(self, model: str) -> None:
-        delay = LEARN_POLL_FIRST_S
-        for _ in range(LEARN_POLLS):
-            catalog = await self._catalog.refresh()  # `observe_catalog` may begin to ask about it
-            asking = self._slots_task
-            asked = asking is not None and not asking.done()
-            if asking is not None and asked:
-                await asyncio.shield(asking)
-            if not self._wants_slots_of(model) or catalog is None or catalog.kind is not UpstreamKind.ROUTER:
-                return
-            if catalog.loaded == model:
-                if not asked and not self._asking_slots:
-                    self._asking_slots = True
-                    await self._learn_slots(model, router=True)  # None while it still loads: asked again
-                    if not self._wants_slots_of(model):
-                        return
-            elif not any(t.decision is not None and t.decision.model == model for t in self._running):
-                return  # it went before the upstream had it loaded: asked at its next grant
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, LEARN_POLL_MAX_S)
+    def _runs_model(self, model: str) -> bool:
+        return any(t.decision is not None and t.decision.model == model for t in self._running)
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
@@ -452,13 +369,7 @@ class Coordinator:
             loaded = catalog.loaded if catalog.loaded_known else single
             if self.scheduler.set_loaded_model(loaded, as_of=as_of):
                 self._changed()
-        router = catalog.kind is UpstreamKind.ROUTER
-        model = catalog.loaded if router else None
-        configured = model is not None and model in self._config.models and self._config.models[model].slots
-        if ((model is not None or not router) and model not in self._learnt_slots and not configured
-                and not self._asking_slots and self._config.upstream.slots == SLOTS_AUTO):
-            self._asking_slots = True
-            self._slots_task = asyncio.ensure_future(self._learn_slots(model, router=router))
+        self._slots.observe(catalog)
 
     # -- internals: granting and releasing -----------------------------------------------
 
@@ -499,10 +410,10 @@ class Coordinator:
         self._idle.clear()
         self._changed()
         self._leases.arm()
-        self._arm_watchdog(ticket)
+        self._watchdogs.arm(ticket)
         waiter.set_result(decision)
         if self._config.upstream.slots == SLOTS_AUTO:
-            self._learn_after_grant(decision.model)
+            self._slots.after_grant(decision.model)
         overtaken = tuple(self._overtaken(token) for token in decision.overtook)
         # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
         # never waits for spans, metrics or log lines.
@@ -516,9 +427,7 @@ class Coordinator:
             model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self._leases.running.pop(ticket.token, None)
-        watchdog = self._watchdogs.pop(ticket.token, None)
-        if watchdog is not None:
-            watchdog.cancel()
+        self._watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
         decision = ticket.decision
@@ -587,7 +496,7 @@ class Coordinator:
         """The answer for a ticket that left the queue without a grant (expired, shut down)."""
         outcome = ticket.outcome
         if outcome is Outcome.EXPIRED:
-            return Refusal(outcome, self._retry_after_s(), max_wait_s=self.scheduler.policy.max_wait_s)
+            return Refusal(outcome, self._forecast.retry_after_s(), max_wait_s=self.scheduler.policy.max_wait_s)
         if outcome is Outcome.SHUTDOWN:
             return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
         return Refusal(outcome or Outcome.INTERNAL_ERROR)
@@ -739,29 +648,8 @@ class Coordinator:
             self._pump()
         self._leases.arm()
 
-    def _arm_watchdog(self, ticket: Ticket) -> None:
-        limit = self._config.routing.scheduler.max_run_seconds
-        if limit > 0:
-            self._watchdogs[ticket.token] = asyncio.get_running_loop().call_later(
-                limit, self._watchdog_fire, ticket.token)
-
-    def _rearm_watchdog(self, ticket: Ticket) -> None:
-        """maxRunSeconds changed while `ticket` runs: its limit counts from its grant, not from now
-        (past it already, the watchdog fires on the next loop turn; 0 turns it off)."""
-        watchdog = self._watchdogs.pop(ticket.token, None)
-        if watchdog is not None:
-            watchdog.cancel()
-        limit = self._config.routing.scheduler.max_run_seconds
-        decision = ticket.decision
-        if limit <= 0 or decision is None:
-            return
-        held_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
-        self._watchdogs[ticket.token] = asyncio.get_running_loop().call_later(
-            max(0.0, limit - held_s), self._watchdog_fire, ticket.token)
-
     def _watchdog_fire(self, token: str) -> None:
         """A grant outlived routing.scheduler.maxRunSeconds: free its slot for the next."""
-        self._watchdogs.pop(token, None)
         ticket = self._leases.running.get(token)
         if ticket is None:
             return
@@ -790,55 +678,6 @@ class Coordinator:
         self._arm_expiry()
         self._pump()  # an expired request may have been the best (a swap that held the rest back)
 
-    # -- internals: Retry-After and estimates ---------------------------------------------
-
-    def _retry_after_s(self) -> int:
-        """When a place is expected to free: when the GPU's current work is expected to end."""
-        busy_s = self._busy_s()
-        return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(busy_s))))
-
-    def _busy_s(self) -> float:
-        """How much longer the GPU is expected to be busy before the next grant: the earliest
-        end among the running grants when every slot is taken (with one slot, the grant's)."""
-        now = self._clock.now_ns()
-        running = [(t.decision, t.max_tokens) for t in self._running if t.decision is not None]
-        if running and len(running) >= self.scheduler.slots_total:
-            return min(self.estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
-                                                  running_s=(now - d.granted_ns) / NS_PER_S) for d, size in running)
-        if running:
-            return 0.0
-        return self._settle_busy_s()
-
-    def _settle_busy_s(self) -> float:
-        """How much longer a settling generation is expected to run (0 without one)."""
-        now = self._clock.now_ns()
-        settling = self._settling
-        if settling is not None and settling.granted_ns is not None:
-            return self.estimator.remaining_s(settling.model, model_load=False,
-                                              running_s=(now - settling.granted_ns) / NS_PER_S)
-        return 0.0
-
-    def _estimate_later(self, ticket: Ticket) -> None:
-        self._pending_estimates.append(ticket)
-        if self._estimate_handle is None:
-            self._estimate_handle = asyncio.get_running_loop().call_later(self._estimate_batch_s, self._estimate)
-
-    def _estimate(self) -> None:
-        """The estimate made at arrival, for the arrivals of the last batch: one walk for all."""
-        self._estimate_handle = None
-        pending, self._pending_estimates = self._pending_estimates, []
-        waiting = [t for t in pending if t.state is TicketState.WAITING]
-        if not waiting:
-            return
-        snapshot, starts = self._views.walk(fresh=True)
-        start_of = {view.request_id: start for view, start in zip(snapshot.waiting, starts)}
-        now = self._clock.now_ns()
-        for ticket in waiting:
-            start = start_of.get(ticket.token)
-            if start is not None and math.isfinite(start):  # inf: unknown, no estimate to record
-                ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
-        self._estimate_batch_s = max(ESTIMATE_BATCH_S, self._views.last_walk_s / _ESTIMATE_CPU_SHARE)
-
     # -- views -----------------------------------------------------------------------------
 
     def view(self) -> QueueView:
@@ -860,15 +699,10 @@ class Coordinator:
         self._publish()
 
     def _publish(self) -> None:
-        """The gauges' picture, once per loop turn however many changes the turn made."""
-        if not self._observe_after_grant:
-            self._publish_now()
-            return
-        self._publish_pending = True
-        self._flush_soon()
+        self._deferred.publish()
 
     def _publish_now(self) -> None:
-        self._publish_pending = False
+        """The gauges' picture (`deferred.py` sends it once per loop turn)."""
         stats = self.scheduler.band_stats()
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
@@ -876,25 +710,5 @@ class Coordinator:
                                                   self.scheduler.slots_total, self.scheduler.loaded_model))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
-        """Observers run in one callback two loop turns on: after the step's wake-ups and after
-        what those schedule in turn (the next Check's answer going out to Envoy), so no
-        handoff waits for spans, metrics or log lines."""
-        if not self._observe_after_grant:
-            callback(*args)
-            return
-        self._deferred.append((callback, args))
-        self._flush_soon()
-
-    def _flush_soon(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, self._run_observers)
-
-    def _run_observers(self) -> None:
-        self._flush_scheduled = False
-        if self._publish_pending:
-            self._publish_now()
-        deferred, self._deferred = self._deferred, []
-        for callback, args in deferred:
-            callback(*args)
+        """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""
+        self._deferred.observe(callback, *args)

@@ -1,0 +1,53 @@
+"""Telemetry off the request's way: observers run after the step that made the change, and the
+gauges' picture is published once per loop turn however many changes the turn made."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+
+class Deferred:
+    """``publish_now`` sends the gauges' picture. With ``immediate`` (tests that read telemetry
+    synchronously) everything runs at once."""
+
+    def __init__(self, publish_now: Callable[[], None], *, immediate: bool) -> None:
+        self._publish_now = publish_now
+        self._immediate = immediate
+        self._publish_pending = False
+        self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+        self._flush_scheduled = False
+
+    def publish(self) -> None:
+        """The gauges' picture, once per loop turn."""
+        if self._immediate:
+            self._publish_now()
+            return
+        self._publish_pending = True
+        self._flush_soon()
+
+    def observe(self, callback: Callable[..., None], *args: object) -> None:
+        """Observers run in one callback two loop turns on: after the step's wake-ups and after
+        what those schedule in turn (the next Check's answer going out to Envoy), so no
+        handoff waits for spans, metrics or log lines."""
+        if self._immediate:
+            callback(*args)
+            return
+        self._deferred.append((callback, args))
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self.run)
+
+    def run(self) -> None:
+        """Run what waits now (also at close: the loop is about to stop)."""
+        self._flush_scheduled = False
+        if self._publish_pending:
+            self._publish_pending = False
+            self._publish_now()
+        deferred, self._deferred = self._deferred, []
+        for callback, args in deferred:
+            callback(*args)

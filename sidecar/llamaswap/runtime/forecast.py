@@ -1,0 +1,90 @@
+"""What the runtime tells clients about time: when to come back (Retry-After) and the estimated
+wait recorded at arrival, both from the estimator (`core.estimate`) over what runs now."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+
+from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
+from llamaswap.runtime.settle import Settling
+from llamaswap.runtime.ticket import Ticket, TicketState
+from llamaswap.runtime.views import QueueViews
+
+# A refused client is told to come back when a place is expected to free, within these bounds.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 3600
+# Estimates made at arrival are batched: one walk of the queue for all arrivals in this window,
+# widened when walks get slow (a deep queue), so estimating never costs more than ~10% of a core.
+ESTIMATE_BATCH_S = 0.05
+_ESTIMATE_CPU_SHARE = 0.1
+
+
+class Forecast:
+    """``running`` lists the running grants' tickets; ``settling`` is the settle under way, if any;
+    ``schedule_model`` says what a settling generation was scheduled as (the estimator's key)."""
+
+    def __init__(self, clock: Clock, scheduler: Scheduler, estimator: Estimator, *,
+                 running: Callable[[], Sequence[Ticket]], settling: Callable[[], Settling | None],
+                 schedule_model: Callable[[str | None], str | None]) -> None:
+        self._clock = clock
+        self._scheduler = scheduler
+        self._estimator = estimator
+        self._running = running
+        self._settling = settling
+        self._schedule_model = schedule_model
+        self.views: QueueViews | None = None  # set once the views exist (they read `settle_busy_s`)
+        self._pending: list[Ticket] = []
+        self._handle: asyncio.TimerHandle | None = None
+        self._batch_s = ESTIMATE_BATCH_S
+
+    def retry_after_s(self) -> int:
+        """When a place is expected to free: when the GPU's current work is expected to end."""
+        return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(self.busy_s()))))
+
+    def busy_s(self) -> float:
+        """How much longer the GPU is expected to be busy before the next grant: the earliest
+        end among the running grants when every slot is taken (with one slot, the grant's)."""
+        now = self._clock.now_ns()
+        running = [(t.decision, t.max_tokens) for t in self._running() if t.decision is not None]
+        if running and len(running) >= self._scheduler.slots_total:
+            return min(self._estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
+                                                   running_s=(now - d.granted_ns) / NS_PER_S) for d, size in running)
+        if running:
+            return 0.0
+        return self.settle_busy_s()
+
+    def settle_busy_s(self) -> float:
+        """How much longer a settling generation is expected to run (0 without one)."""
+        now = self._clock.now_ns()
+        settling = self._settling()
+        if settling is not None and settling.granted_ns is not None:
+            return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
+                                               running_s=(now - settling.granted_ns) / NS_PER_S)
+        return 0.0
+
+    def estimate_later(self, ticket: Ticket) -> None:
+        """Record `ticket`'s estimated wait soon, in one walk with the other arrivals of the batch."""
+        self._pending.append(ticket)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self._batch_s, self._estimate)
+
+    def _estimate(self) -> None:
+        self._handle = None
+        pending, self._pending = self._pending, []
+        waiting = [t for t in pending if t.state is TicketState.WAITING]
+        if not waiting or self.views is None:
+            return
+        snapshot, starts = self.views.walk(fresh=True)
+        start_of = {view.request_id: start for view, start in zip(snapshot.waiting, starts)}
+        now = self._clock.now_ns()
+        for ticket in waiting:
+            start = start_of.get(ticket.token)
+            if start is not None and math.isfinite(start):  # inf: unknown, no estimate to record
+                ticket.estimated_wait_s = (now - ticket.arrival_ns) / NS_PER_S + start
+        self._batch_s = max(ESTIMATE_BATCH_S, self.views.last_walk_s / _ESTIMATE_CPU_SHARE)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
