@@ -38,7 +38,7 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 from llamaswap.core.clock import NS_PER_S, Clock
@@ -194,6 +194,10 @@ class Scheduler:
     def running_grants(self) -> tuple[Decision, ...]:
         """Every running grant, earliest first."""
         return tuple(grant[1] for grant in self._grants.values())
+
+    def running_ids(self) -> Iterator[str]:
+        """The requests of the running grants, earliest first."""
+        return iter(self._grants)
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._grants

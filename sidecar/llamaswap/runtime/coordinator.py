@@ -7,7 +7,7 @@ final entry ends it and decides its outcome. Everything runs on one event loop, 
 needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
-- a grant is made only when the GPU has room for it in fact (`_may_grant`, checked by `_pump`):
+- a grant is made only when the GPU has room for it in fact (`Holders.others`, checked by `_pump`):
   no abandoned generation is still computing at the upstream (a settle, `settle.py`), no
   exchange this process does not hold is still reported by Envoy (an adopted lease,
   `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot for the best request (`Scheduler.next`: at
@@ -57,12 +57,13 @@ from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.deferred import Deferred
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.leases import Leases
+from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
-from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow
+from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
 from llamaswap.runtime.watchdogs import Watchdogs
 
 _log = logging.getLogger(__name__)
@@ -105,15 +106,11 @@ class Coordinator:
         self._upstream: Upstream = upstream or NoUpstream()
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
-        # The live ticket a request id names: the first of those that carry it (a client may
-        # reuse an id; a later arrival must not hide the earlier one's status), the later ones
-        # in arrival order, each named in its turn.
-        self._by_request_id: dict[str, Ticket] = {}
-        self._later_by_request_id: dict[str, list[Ticket]] = {}
+        self._request_ids = RequestIds()
         self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         # The running grant, the adopted exchanges and what is remembered of finished grants,
         # with their timer (which is also the adopted exchanges' watchdog).
-        self._leases = Leases(self._clock, self._leases_due, max_run_ns=self._max_run_ns)
+        self._leases = Leases(self._clock, self._leases_due, lambda: self._running, max_run_ns=self._max_run_ns)
         self._settling: Settling | None = None
         self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
                                      observed=self.observe_catalog)
@@ -131,7 +128,7 @@ class Coordinator:
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
                                   settling=lambda: self._settling, schedule_model=lambda model: model)
         self._views = self._forecast.views = QueueViews(
-            self.scheduler, self.estimator, self._clock, self._tickets, self._by_request_id,
+            self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, busy_s=self._forecast.settle_busy_s, gpu_state=lambda: self.gpu_state)
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
@@ -152,18 +149,19 @@ class Coordinator:
 
     @property
     def _running(self) -> list[Ticket]:
-        """The running grants, earliest first."""
-        return list(self._leases.running.values())
+        """The running grants' tickets, earliest first: the scheduler's grants are the one record
+        of what runs (a grant's ticket is live until its release)."""
+        tickets = self._tickets
+        return [ticket for token in self.scheduler.running_ids() if (ticket := tickets.get(token)) is not None]
+
+    def _holders(self) -> Holders:
+        """What holds the GPU: the one question, which `gpu_state`, the grant decision and the
+        idle wait each read."""
+        return Holders(self.scheduler.slots_busy, self._settling is not None, len(self._leases.adopted))
 
     @property
     def gpu_state(self) -> GpuState:
-        if self._leases.running:
-            return GpuState.RUNNING
-        if self._settling is not None:
-            return GpuState.SETTLING
-        if self._leases.adopted:
-            return GpuState.ADOPTED
-        return GpuState.IDLE
+        return self._holders().state
 
     @property
     def version(self) -> int:
@@ -240,8 +238,7 @@ class Coordinator:
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
-        if self._by_request_id.setdefault(ticket.request_id, ticket) is not ticket:
-            self._later_by_request_id.setdefault(ticket.request_id, []).append(ticket)
+        self._request_ids.add(ticket)
         self._changed()
         self._observer.enqueued(ticket)
         self._forecast.estimate_later(ticket)
@@ -289,7 +286,7 @@ class Coordinator:
         for ticket in [t for t in self._tickets.values() if t.peer == peer and t.state is TicketState.WAITING]:
             self._check_cancelled(ticket, pump=False)
         for running in [t for t in self._running if t.peer == peer]:
-            if running.state is TicketState.RUNNING and running.token in self._leases.running:
+            if running.state is TicketState.RUNNING and self.scheduler.is_running(running.token):
                 _log.warning("Envoy connection %s closed while request %s held the GPU; releasing it",
                              peer, running.request_id)
                 self._release(running, Outcome.PROXY_GONE, abandoned=True)
@@ -319,7 +316,7 @@ class Coordinator:
     def abandon_running(self) -> None:
         """The grace period ended: record every running request as cut off by the shutdown."""
         for ticket in self._running:
-            if ticket.token in self._leases.running:
+            if self.scheduler.is_running(ticket.token):
                 self._release(ticket, Outcome.SHUTDOWN, abandoned=False)
 
     def close(self) -> None:
@@ -373,20 +370,10 @@ class Coordinator:
 
     # -- internals: granting and releasing -----------------------------------------------
 
-    def _gpu_free(self) -> bool:
-        """Nothing holds the GPU: no grant in any slot, no settle, no adopted exchange."""
-        return not self._leases.running and self._may_grant()
-
-    def _may_grant(self) -> bool:
-        """Nothing but our own grants holds the GPU: no settle (while an abandoned generation
-        still takes a slot, nothing is granted) and no adopted exchange. Whether
-        a slot is free for the best request is the scheduler's to say (`Scheduler.next`)."""
-        return self._settling is None and not self._leases.adopted
-
     def _pump(self) -> None:
         """Grant while the GPU has room and someone waits: up to the slots of the loaded model."""
-        if not self._may_grant():
-            return
+        if self._holders().others:
+            return  # a settle or an adopted exchange: nothing is granted until it ends
         while True:
             decision = self.scheduler.next()
             if decision is None:
@@ -406,7 +393,6 @@ class Coordinator:
         ticket.state = TicketState.RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._lease_ns()
-        self._leases.running[ticket.token] = ticket
         self._idle.clear()
         self._changed()
         self._leases.arm()
@@ -426,7 +412,6 @@ class Coordinator:
         elif ticket.alone:
             model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
-        self._leases.running.pop(ticket.token, None)
         self._watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
@@ -456,7 +441,7 @@ class Coordinator:
         ticket.finished_ns = at_ns
         ticket.state = TicketState.DONE
         self._tickets.pop(ticket.token, None)
-        self._forget_request_id(ticket)
+        self._request_ids.forget(ticket)
         if ticket.decision is not None and outcome in (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE):
             # Released while its exchange may still run: if Envoy reports it again, it is adopted.
             self._leases.remember_lapsed(ticket.token, ticket.decision.granted_ns)
@@ -473,20 +458,6 @@ class Coordinator:
         unreachable): the sidecar holds the limit itself and refuses past it."""
         envoy = self._config.envoy
         return envoy.fail_open and self._held_checks > envoy.max_sidecar_streams
-
-    def _forget_request_id(self, ticket: Ticket) -> None:
-        """A finished ticket leaves the id's index; the next live one with its id takes its place."""
-        request_id = ticket.request_id
-        later = self._later_by_request_id.get(request_id)
-        if self._by_request_id.get(request_id) is ticket:
-            if later:
-                self._by_request_id[request_id] = later.pop(0)
-            else:
-                del self._by_request_id[request_id]
-        elif later and ticket in later:
-            later.remove(ticket)
-        if later is not None and not later:
-            del self._later_by_request_id[request_id]
 
     def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
         self._finish(ticket, refusal.outcome, self._clock.now_ns())
@@ -509,7 +480,7 @@ class Coordinator:
             self._arm_expiry()
             if pump:
                 self._pump()  # it may have been the best (a swap that held the rest back)
-        elif ticket.state is TicketState.RUNNING and self._leases.running.get(ticket.token) is ticket:
+        elif ticket.state is TicketState.RUNNING and self.scheduler.is_running(ticket.token):
             # Granted in the same instant the client left (or admission failed): the OK never
             # reached Envoy, so nothing reached the upstream either.
             self._release(ticket, outcome, abandoned=False, sent=False)
@@ -607,7 +578,7 @@ class Coordinator:
         settle = await settle_upstream(
             self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
             loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
-            held=lambda: len(self._leases.running) + len(self._leases.adopted))
+            held=lambda: self._holders().held)
         if self._settling is settling:
             self._settling = None
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
@@ -616,7 +587,7 @@ class Coordinator:
         self._pump()
 
     def _update_idle(self) -> None:
-        if self._gpu_free():
+        if self._holders().free:
             self._idle.set()
         self._publish()
 
@@ -638,7 +609,7 @@ class Coordinator:
             self._end_adoption(token, SettleResult.WATCHDOG, abandoned=False)
         lapsed = self._leases.lapsed_running()
         for running in lapsed:
-            if self._leases.running.get(running.token) is not running:
+            if not self.scheduler.is_running(running.token):
                 continue  # released by the release before it
             _log.warning("Envoy has not reported request %s for %.1f s (envoy.leaseSeconds); releasing its grant",
                          running.request_id, self._config.envoy.lease_seconds)
@@ -650,9 +621,9 @@ class Coordinator:
 
     def _watchdog_fire(self, token: str) -> None:
         """A grant outlived routing.scheduler.maxRunSeconds: free its slot for the next."""
-        ticket = self._leases.running.get(token)
-        if ticket is None:
+        if not self.scheduler.is_running(token):
             return
+        ticket = self._tickets[token]
         _log.warning("watchdog: request %s held the GPU past maxRunSeconds; releasing it", ticket.request_id)
         self._observer.watchdog_fired(ticket)
         # The exchange itself goes on in Envoy; only the GPU's grant ends (and with
@@ -706,7 +677,7 @@ class Coordinator:
         stats = self.scheduler.band_stats()
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-        self._observer.queue_changed(QueuePicture(depth, oldest, not self._gpu_free(), self.scheduler.slots_busy,
+        self._observer.queue_changed(QueuePicture(depth, oldest, not self._holders().free, self.scheduler.slots_busy,
                                                   self.scheduler.slots_total, self.scheduler.loaded_model))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:

@@ -1,4 +1,4 @@
-"""The leases: the running grants, the adopted exchanges, what must be remembered of finished
+"""The leases: the running grants' deadlines, the adopted exchanges, what must be remembered of finished
 grants, and the one timer that watches their deadlines.
 
 A grant is a lease: Envoy's periodic access-log entries renew it, and unrenewed for
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock
 from llamaswap.runtime.ticket import Ticket
@@ -42,14 +42,16 @@ class Adoption:
 
 class Leases:
     """What holds the GPU by lease. `due` runs when the earliest deadline passes (the coordinator
-    decides what a lapse means); `max_run_ns` reads routing.scheduler.maxRunSeconds (0: off)."""
+    decides what a lapse means); `running` lists the running grants' tickets, earliest first (the
+    scheduler's grants are the record of what runs: the leases only watch their deadlines);
+    `max_run_ns` reads routing.scheduler.maxRunSeconds (0: off)."""
 
-    def __init__(self, clock: Clock, due: Callable[[], None], max_run_ns: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, clock: Clock, due: Callable[[], None], running: Callable[[], Sequence[Ticket]],
+                 max_run_ns: Callable[[], int] = lambda: 0) -> None:
         self._clock = clock
         self._due = due
+        self._running = running
         self._max_run_ns = max_run_ns
-        # The running grants by token, earliest first (one per slot in use).
-        self.running: dict[str, Ticket] = {}
         self.adopted: dict[str, Adoption] = {}
         self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -120,7 +122,7 @@ class Leases:
     def lapsed_running(self) -> list[Ticket]:
         """The running grants whose lease has passed, earliest granted first."""
         now = self._clock.now_ns()
-        return [ticket for ticket in self.running.values() if now >= ticket.lease_deadline_ns]
+        return [ticket for ticket in self._running() if now >= ticket.lease_deadline_ns]
 
     # -- the one timer ---------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class Leases:
         max_run_ns = self._max_run_ns()
         if max_run_ns > 0:
             deadlines.extend(adoption.started_ns + max_run_ns for adoption in self.adopted.values())
-        deadlines.extend(ticket.lease_deadline_ns for ticket in self.running.values())
+        deadlines.extend(ticket.lease_deadline_ns for ticket in self._running())
         if not deadlines:
             return
         delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)

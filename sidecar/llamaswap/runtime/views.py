@@ -32,6 +32,40 @@ class GpuState(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Holders:
+    """What holds the GPU now, asked one way (`Coordinator._holders`): our running grants, a
+    settle (an abandoned generation the upstream finishes) and the adopted exchanges."""
+
+    grants: int
+    settling: bool
+    adopted: int
+
+    @property
+    def state(self) -> GpuState:
+        """The one word for it (grants first, then a settle, then an adopted exchange)."""
+        if self.grants:
+            return GpuState.RUNNING
+        if self.settling:
+            return GpuState.SETTLING
+        return GpuState.ADOPTED if self.adopted else GpuState.IDLE
+
+    @property
+    def others(self) -> bool:
+        """Something besides our grants holds it: nothing new is granted."""
+        return self.settling or self.adopted > 0
+
+    @property
+    def free(self) -> bool:
+        """Nothing holds it."""
+        return not self.grants and not self.others
+
+    @property
+    def held(self) -> int:
+        """Exchanges this process holds: its grants and the adopted ones."""
+        return self.grants + self.adopted
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class WaitingRow:
     """`model` is the name the client sent (the scheduler may key it otherwise: `Ticket.schedule_model`)."""
 
