@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from llamaswap.config.model_key import single_model_slots
 from llamaswap.config.problems import Meaning, describe_value, invalid
 from llamaswap.config.types import (
     AbandonedGeneration,
@@ -419,15 +420,18 @@ class Config(Section):
         settings = self.routing.scheduler.settings
         return (settings.fifo if self.routing.scheduler.use == PolicyName.FIFO else settings.serial).reserved_slots
 
-    def slots(self, learnt: Mapping[str | None, int] | None = None) -> Slots:
+    def slots(self, learnt: Mapping[str | None, int] | None = None, single: str | None = None) -> Slots:
         """The slots of every model. With ``upstream.slots: auto``, ``learnt`` is what the
         upstream said: by model in router mode, under None for a single-model upstream. A model
         configured in ``models.<id>.slots`` keeps its number; one asked about has what it said;
         every other has the last number learnt (a router's children mostly share --parallel),
         1 before any. A reservation that does not fit learnt numbers is lowered (`Slots.fitted`:
         compare ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as
-        written (InvalidSlots), under ``auto`` too."""
+        written (InvalidSlots), under ``auto`` too. ``single`` is the key of a single-model
+        upstream's one model (`model_key`): every ``models.<id>.slots`` describes it."""
         per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
+        if single is not None:
+            per_model = single_model_slots(single, per_model)
         configured = self.upstream.slots
         if configured == SLOTS_AUTO:
             # The numbers written in models.<id>.slots must hold the reservation as they are.
@@ -439,10 +443,11 @@ class Config(Section):
         assert isinstance(configured, int)
         return Slots(configured, per_model, self.reserved_slots)
 
-    def policy(self, learnt_slots: Mapping[str | None, int] | None = None) -> Policy:
-        """The scheduler's policy (``learnt_slots``: what the upstream said, for ``upstream.slots: auto``)."""
+    def policy(self, learnt_slots: Mapping[str | None, int] | None = None, single: str | None = None) -> Policy:
+        """The scheduler's policy (``learnt_slots``: what the upstream said, for ``upstream.slots: auto``;
+        ``single``: as for `slots`)."""
         s = self.routing.scheduler
-        slots = self.slots(learnt_slots)
+        slots = self.slots(learnt_slots, single)
         if s.use == PolicyName.FIFO:
             priorities = {model_id: model.priority for model_id, model in self.models.items()}
             return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds,

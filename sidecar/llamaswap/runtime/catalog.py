@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 
 from llamaswap.config import ModelCheck
+from llamaswap.config.model_key import ModelKey, model_key, unmatched
 from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
 
 _log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class ModelCatalog:
         self._observed = observed
         self.latest: Catalog | None = None
         self._refresh: asyncio.Task[Catalog | None] | None = None
+        self._said: set[str] = set()  # the models.<id> already warned about (`warn_unmatched`)
 
     def single_model(self) -> str | None:
         """Where the upstream's last answer says it serves one model whatever name a request gives,
@@ -47,6 +49,27 @@ class ModelCatalog:
         if catalog.models is not None and len(catalog.models) == 1:
             return next(iter(catalog.models))
         return SINGLE_MODEL
+
+    def key(self, requested: str | None, configured: Collection[str]) -> ModelKey:
+        """What a request naming `requested` is scheduled as and which models.<id> is its
+        (`config.model_key`, with what the upstream's last answer says)."""
+        return model_key(requested, self.single_model(), configured)
+
+    def warn_unmatched(self, configured: Iterable[str], *, anew: bool = False) -> None:
+        """Log each models.<id> that can never apply to anything the upstream serves, once (again
+        for every id after a reload: ``anew``)."""
+        if anew:
+            self._said.clear()
+        catalog = self.latest
+        if catalog is None:
+            return
+        by_name = catalog.kind in (UpstreamKind.ROUTER, UpstreamKind.LLAMA_SWAP)
+        for model_id in unmatched(configured, catalog.models, by_name=by_name):
+            if model_id not in self._said:
+                self._said.add(model_id)
+                _log.warning("models.%s: the upstream does not serve %s (it lists %s): this entry applies to "
+                             "nothing; name a model it lists (llama-server's router: the GGUF file name without "
+                             ".gguf)", model_id, model_id, ", ".join(sorted(catalog.models or ())) or "none")
 
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""

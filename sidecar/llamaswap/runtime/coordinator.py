@@ -126,7 +126,8 @@ class Coordinator:
         self._idle.set()
         self._version = 0
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
-                                  settling=lambda: self._settling, schedule_model=lambda model: model)
+                                  settling=lambda: self._settling,
+                                  schedule_model=lambda model: self._catalog.key(model, self._config.models).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, busy_s=self._forecast.settle_busy_s, gpu_state=lambda: self.gpu_state)
@@ -173,8 +174,10 @@ class Coordinator:
 
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
+        if config is not self._config:  # a reload: models.<id> that match nothing are said again
+            self._catalog.warn_unmatched(config.models, anew=True)
         self._config = config
-        self.scheduler.reconfigure(config.policy(self._slots.learnt))
+        self.scheduler.reconfigure(config.policy(self._slots.learnt, self._catalog.single_model()))
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
@@ -221,13 +224,12 @@ class Coordinator:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
-        single = self._catalog.single_model()
-        # One model whatever the name: every request is on the loaded one; models.<id>.priority
-        # still keys on the name the client sent.
-        if single is not None:
-            ticket.schedule_model = single
+        # What it is scheduled as (a single-model upstream: its one model, whatever the name) and
+        # whose models.<id> settings it gets: one function says both.
+        key = self._catalog.key(ticket.model, self._config.models)
+        ticket.schedule_model = key.scheduled
         try:
-            queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model,
+            queued = self.scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
                                             alone=ticket.alone)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
@@ -359,6 +361,7 @@ class Coordinator:
 
     def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
         """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
+        before = self._catalog.single_model()
         self._catalog.latest = catalog
         # A single-model upstream has its one model loaded whenever it answers.
         single = self._catalog.single_model()
@@ -366,6 +369,9 @@ class Coordinator:
             loaded = catalog.loaded if catalog.loaded_known else single
             if self.scheduler.set_loaded_model(loaded, as_of=as_of):
                 self._changed()
+        self._catalog.warn_unmatched(self._config.models)
+        if single != before and self._config.policy(self._slots.learnt, single) != self.scheduler.policy:
+            self.reconfigure(self._config)  # the one model's models.<id>.slots, whatever the id
         self._slots.observe(catalog)
 
     # -- internals: granting and releasing -----------------------------------------------

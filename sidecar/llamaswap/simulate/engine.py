@@ -202,7 +202,9 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     if first is not None and not first.recorded_load and first.record.model is not None:
         scheduler.set_loaded_model(first.record.model, as_of=scheduler.dispatches)
     ids = [str(r.index) for r in requests]
-    results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, r.record.priority_model)) for r in requests]
+    entries = [r.record.settings_of(policy.model_priorities) for r in requests]  # their models.<id>
+    results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, entry))
+               for r, entry in zip(requests, entries, strict=True)]
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
     arrivals = [r.arrival_ns for r in requests] + [_NEVER]
@@ -267,7 +269,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 request = requests[arrival]
                 try:
                     enqueue(ids[arrival], request.priority, request.record.model,
-                            priority_model=request.record.priority_model)
+                            priority_model=entries[arrival])
                 except QueueFull:
                     result = results[arrival]
                     result.outcome = Outcome.REJECTED_FULL

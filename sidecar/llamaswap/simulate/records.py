@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from llamaswap.config.model_key import model_key
 from llamaswap.core import Outcome, PolicyName
 
 _DECODER = json.JSONDecoder()
@@ -73,9 +74,12 @@ class RequestRecord:
     max_tokens: int | None = None
     slots_busy: int | None = None
 
-    @property
-    def priority_model(self) -> str | None:
-        return self.named_model if self.named_model is not None else self.model
+    def settings_of(self, configured: Collection[str]) -> str | None:
+        """The models.<id> entry it had (`config.model_key`, as the sidecar keyed it): where the
+        client's name differed from the scheduled one, a single-model upstream's one model."""
+        if self.named_model is None:
+            return model_key(self.model, None, configured).settings
+        return model_key(self.named_model, self.model, configured).settings
 
     @property
     def model_load(self) -> bool:
