@@ -333,6 +333,25 @@ def test_an_ingress_needs_an_explicit_priority_mode() -> None:
         assert rendered.has("Ingress")
 
 
+def test_a_public_clamp_into_the_interactive_band_is_warned_about() -> None:
+    """A clamp whose max is 50 or more lets public callers into the interactive band (50 is
+    nearer to 100 than to 0): the NOTES say so with an Ingress or a public Service, and the
+    README's advice (max 0) and the full example keep callers at normal."""
+    def notes(priority: dict[str, Any], **values: Any) -> str:
+        return ct.render({"config": {"security": {"priority": priority}}, **values}).notes
+
+    ingress = {"enabled": True}
+    assert "in the interactive band" in notes({"mode": "clamp", "max": 50}, ingress=ingress)
+    assert "in the interactive band" in notes({"mode": "clamp"}, ingress=ingress)  # the default max, 100
+    assert "in the interactive band" in notes({"mode": "clamp", "max": 60}, service={"type": "LoadBalancer"})
+    for quiet in (notes({"mode": "clamp", "max": 0}, ingress=ingress), notes({"mode": "clamp", "max": 50}),
+                  notes({"mode": "trust"}, ingress=ingress)):
+        assert "in the interactive band" not in quiet
+    assert "min: -100, max: 0}" in (ct.CHART / "README.md").read_text()
+    full = ct.load_values(ct.CHART / "ci" / "full-values.yaml")
+    assert full["config"]["security"]["priority"]["max"] < 50
+
+
 def test_network_policies() -> None:
     rendered = ct.render(ct.load_values(ct.CHART / "ci" / "full-values.yaml"))
     policies = {p["metadata"]["name"]: p["spec"] for p in rendered.all("NetworkPolicy")}

@@ -116,6 +116,23 @@ def test_check_config_applies_the_built_in_upstream_and_validates_with_envoy(tmp
     assert any("passes `envoy --mode validate`" in line for line in lines)
 
 
+CLAMP = "upstream:\n  url: http://127.0.0.1:18081\nsecurity:\n  priority: {mode: clamp, max: %d}\n"
+
+
+def test_check_config_warns_when_a_public_clamp_reaches_the_interactive_band(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CLAMP % 50 + "listen: {http: '0.0.0.0:8080'}\n")
+    result = llamaswap("check-config", "-c", str(path))
+    assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stderr
+    assert "warning: security.priority.max: 50 is in the interactive band" in result.stderr
+    assert "Set max: 0" in result.stderr
+    # max 0 keeps callers at normal; on the loopback only this machine's callers reach it.
+    for text in (CLAMP % 0 + "listen: {http: '0.0.0.0:8080'}\n", CLAMP % 50):
+        path.write_text(text)
+        result = llamaswap("check-config", "-c", str(path))
+        assert result.returncode == 0 and "warning" not in result.stderr, (text, result.stderr)
+
+
 def test_check_config_keeps_the_upstream_a_file_names(tmp_path: Path):
     lines = check_config(tmp_path, "upstream:\n  url: http://127.0.0.1:18081\n")
     assert lines[0] == "ok" and not any("built-in" in line for line in lines)

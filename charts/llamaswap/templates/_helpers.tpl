@@ -78,8 +78,19 @@ so the chart refuses to render without the repository you pushed it to. */}}
 {{/* With an Ingress, the priority a caller claims must not be trusted by default. */}}
 {{- define "llamaswap.checkIngressPriority" -}}
 {{- if and .Values.ingress.enabled (not (dig "security" "priority" "mode" "" (default (dict) .Values.config))) }}
-{{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..50), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
+{{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..0: a max of 50 or more is the interactive band), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
 {{- end }}
+{{- end }}
+
+{{/* "true" when the listener is public (an Ingress, or a LoadBalancer or NodePort Service) and
+the priority clamp lets callers into the interactive band (max >= 50, the sidecar's default max
+being 100): what `llamaswap check-config` warns about, said in the NOTES. */}}
+{{- define "llamaswap.publicClampReachesInteractive" -}}
+{{- $priority := dig "security" "priority" (dict) (default (dict) .Values.config) -}}
+{{- $public := or .Values.ingress.enabled (has .Values.service.type (list "LoadBalancer" "NodePort")) -}}
+{{- if and $public (eq (toString (get $priority "mode")) "clamp") (ge (int (dig "max" 100 $priority)) 50) -}}
+true
+{{- end -}}
 {{- end }}
 
 {{/* The model id of a download entry: its name (or the URL's file name) without .gguf. */}}

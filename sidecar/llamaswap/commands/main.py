@@ -12,7 +12,7 @@ import yaml
 
 from llamaswap import __version__
 from llamaswap.commands.arguments import add_stop_options
-from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn
+from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn, warn_about
 from llamaswap.config import Config, ConfigError, load_document
 from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
 
@@ -58,6 +58,7 @@ def _check_config(args: argparse.Namespace) -> int:
     if envoy_error is not None:
         print(f"error: {envoy_error}", file=sys.stderr)
         return EXIT_CONFIG
+    warn_about(config)
     print("ok")
     for line in [*notes, envoy_line, *explain_policy(config.policy())]:
         print(f"  {line}")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
+from llamaswap.config.advice import advice
 from llamaswap.config.reload import plan_reload
 from llamaswap.core import MonotonicClock
 from llamaswap.runtime.activity import ActivityLog
@@ -89,6 +90,8 @@ class Sidecar:
     async def start(self) -> None:
         listen = self.config.listen
         warn_remote_listen(listen)
+        for problem in advice(self.config):
+            _log.warning("%s", problem)
         self._grpc_server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
