@@ -21,6 +21,7 @@ from typing import Any
 
 from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
 from llamaswap.config.advice import advice
+from llamaswap.commands.ports import is_llamaswap, port_holder
 from llamaswap.config.reload import plan_reload
 from llamaswap.core import MonotonicClock
 from llamaswap.runtime.activity import ActivityLog
@@ -44,11 +45,21 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 class PortInUse(OSError):
-    """A listen address is taken (by another llamaswap, most likely)."""
+    """A listen address is taken: by another llamaswap, or by another server (llama-server's own
+    default port is 8080, llamaswap's listen.http); the message names the holder where it can."""
 
-    def __init__(self, key: str, address: HostPort) -> None:
-        super().__init__(errno.EADDRINUSE, f"{key} {address} is already in use: is another llamaswap running? "
-                                           f"Stop it or choose another address for {key}")
+    def __init__(self, key: str, address: HostPort, holder: str | None = None) -> None:
+        holder = holder if holder is not None else port_holder(address.port)
+        if holder is None:
+            text = (f"{key} {address} is already in use, by another llamaswap or another server (llama-server listens "
+                    f"on 8080 unless given --port): stop it or choose another address for {key}")
+        elif is_llamaswap(holder):
+            text = (f"{key} {address} is already in use by {holder}: is another llamaswap running? Stop it or choose "
+                    f"another address for {key}")
+        else:
+            text = (f"{key} {address} is already in use by {holder}, not by llamaswap: stop it or move it to another "
+                    f"port (llama-server --port 8081, the port of upstream.url), or set {key} to another address")
+        super().__init__(errno.EADDRINUSE, text)
         self.key = key
         self.address = address
 
