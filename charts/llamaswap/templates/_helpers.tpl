@@ -131,7 +131,25 @@ init container builds Envoy's bootstrap from it (llamaswap.envoy.bootstrap.build
 chart holds no copy of either's defaults.
 --------------------------------------------------------------------------------- */}}
 {{- define "llamaswap.configFile" -}}
-{{- toYaml (default (dict) .Values.config) }}
+{{- $config := deepCopy (default (dict) .Values.config) -}}
+{{- if and .Values.llamaServer.apiKey.existingSecret (not (dig "upstream" "apiKey" "" $config)) -}}
+{{- $_ := set $config "upstream" (merge (dict "apiKey" (printf "env:%s" (include "llamaswap.upstreamKeyEnv" .))) (default (dict) (get $config "upstream"))) -}}
+{{- end -}}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* The sidecar's variable holding llama-server's API key (llamaServer.apiKey). */}}
+{{- define "llamaswap.upstreamKeyEnv" -}}LLAMASWAP_UPSTREAM_API_KEY{{- end }}
+
+{{/* An env entry NAME with llama-server's API key from llamaServer.apiKey's Secret; nothing without one. */}}
+{{- define "llamaswap.upstreamKeyEntry" -}}
+{{- with .root.Values.llamaServer.apiKey.existingSecret }}
+- name: {{ $.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $.root.Values.llamaServer.apiKey.secretKey | quote }}
+{{- end }}
 {{- end }}
 
 {{/* The few config values the pod's own wiring reads (probes, ports, hooks). */}}

@@ -52,6 +52,7 @@ def _check_config(args: argparse.Namespace) -> int:
             except StackError as exc:
                 config = load_or_exit(args.config)
                 notes.append(f"upstream: none named, and `llamaswap up` could not add the built-in one: {exc}")
+        config.upstream.read_api_key()  # named but unreadable: what `up` and `serve` would refuse
     except ConfigError as exc:
         raise exit_on(exc) from exc
     envoy_line, envoy_error = _validate_with_envoy(config)
@@ -95,6 +96,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_or_exit(args.config)
     try:
+        config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
+    except ConfigError as exc:
+        raise exit_on(exc) from exc
+    try:
         return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file,
                                  activity_path=args.activity_log, grace_s=args.grace))
     except OSError as exc:
@@ -133,6 +138,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
             return 0
+        config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
         if built_in:
             ensure_default_model()
     except ConfigError as exc:
