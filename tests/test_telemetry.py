@@ -23,7 +23,7 @@ from llamaswap.core import Outcome, ReorderCause
 from llamaswap.commands.queue import format_duration, render
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import ExchangeEnd, Ticket
-from llamaswap.telemetry import OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
+from llamaswap.telemetry import OVERTAKEN_BY_EVENT, OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
@@ -163,6 +163,15 @@ async def test_spans_join_envoys_trace_with_the_decision() -> None:
         "llamaswap.request_id": "early", "llamaswap.priority": 0, "llamaswap.band": "normal",
         "llamaswap.trace_id": OTHER_TRACE}]
     assert events[0].timestamp == queue.end_time
+
+    # `early`'s own queue span, written at its grant, names who went ahead of it.
+    queue_early = traced.span(QUEUE_SPAN, "early")
+    taken = [e for e in queue_early.events if e.name == OVERTAKEN_BY_EVENT]
+    assert [dict(e.attributes) for e in taken] == [{
+        "llamaswap.request_id": "winner", "llamaswap.priority": 100, "llamaswap.band": "interactive",
+        "llamaswap.trace_id": TRACE_ID}]
+    assert taken[0].timestamp == queue.end_time and queue_early.attributes["llamaswap.overtaken_count"] == 1
+    assert "llamaswap.overtaken_count" not in queue.attributes
 
     await flow.complete(early, 502)
     run_early = traced.span(RUN_SPAN, "early")

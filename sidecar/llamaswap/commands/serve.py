@@ -157,7 +157,8 @@ class Sidecar:
         self.coordinator.begin_startup_settle()
         await self._grpc_server.start()
 
-        app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text)
+        app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text,
+                              history=self.history)
         add_upstream_metrics(app, self.config.upstream.url, self._api_key)
         add_ui_routes(app, self.ui)
         self._admin_runner = web.AppRunner(app, access_log=None)
