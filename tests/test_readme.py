@@ -131,3 +131,76 @@ def test_every_relative_link_leads_to_a_file_and_heading():
                 assert fragment in _anchors(linked), f"{page.relative_to(ROOT)}: {target} has no such heading"
             checked += 1
     assert checked > 30  # the pattern found the links
+
+
+def _subcommands() -> dict[str, Any]:
+    import argparse
+
+    from llamaswap.commands.main import build_parser
+
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+def test_the_command_table_names_every_command_and_option():
+    """docs/operations.md's command table: a row per subcommand with each of its options (simulate's
+    are in docs/simulate.md); README's layout names every subcommand."""
+    rows = {}
+    for line in section(DOCS / "operations.md", "Commands").splitlines():
+        match = re.match(r"\| `llamaswap ([a-z-]+)(.*?)` \|", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    commands = _subcommands()
+    assert set(rows) == set(commands)
+    simulate = (DOCS / "simulate.md").read_text()
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest in ("help", "log_level"):
+                continue
+            where = simulate if name == "simulate" else rows[name]
+            assert any(option in where for option in action.option_strings), (name, action.option_strings)
+    layout = (ROOT / "README.md").read_text().split("commands/    ", 1)[1].splitlines()[0]
+    assert all(name in layout for name in commands), layout
+
+
+def test_the_configuration_tables_sit_under_their_sections():
+    """docs/configuration.md: a key's row is under the `## section` its first word names."""
+    text = (DOCS / "configuration.md").read_text()
+    heading = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+        match = re.match(r"\| `([a-zA-Z]+)\.[^`]*` \| `", line)  # a key row: | `key` | `default` |
+        if match and heading not in ("The defaults", "Reloading", "Checking a file"):
+            assert match.group(1) == heading, (heading, line[:60])
+
+
+def test_the_public_listener_routes_to_the_sidecar_are_the_documented_ones():
+    """What Envoy's listener serves from the sidecar, in the bootstrap and in the docs."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import build_bootstrap
+    from llamaswap.envoy.contract import STATUS_PREFIX, UPSTREAM_METRICS_PATH
+
+    text = repr(build_bootstrap(Config()))
+    security = section(DOCS / "configuration.md", "security")
+    for path in ("/metrics", STATUS_PREFIX, UPSTREAM_METRICS_PATH):
+        assert repr(path) in text or path in text
+    assert "`/llamaswap/v1/upstream/metrics`" in security and "request status" in security
+
+
+def test_get_activity_says_how_many_records():
+    from llamaswap.adapters.admin import ACTIVITY_DEFAULT_LIMIT
+
+    activity = section(DOCS / "observability.md", "Activity log")
+    assert f"most recent {ACTIVITY_DEFAULT_LIMIT} records (`?limit=N`" in activity
+
+
+def test_no_one_grant_at_a_time():
+    """Slots allow several grants: where the one-at-a-time rule is stated, the slots are too."""
+    from llamaswap.commands.main import DESCRIPTION
+
+    grant = (DOCS / "glossary.md").read_text().split("### grant", 1)[1].split("###", 1)[0]
+    for text in (DESCRIPTION, grant, (ROOT / "README.md").read_text()):
+        flat = " ".join(text.split())
+        assert "one grant exists at a time" not in flat and "upstream.slots" in flat

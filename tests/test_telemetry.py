@@ -410,6 +410,10 @@ async def test_metric_values_after_scripted_traffic() -> None:
         assert declared[name] == "counter"
     for name in (names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO):
         assert declared[name] == "histogram"
+    # docs/observability.md's metric table names each metric's labels.
+    documented = documented_metric_labels()
+    for name in set(metric_names(body)):
+        assert documented[name] == labels_of(body, name), name
 
 
 @virtual_time
@@ -780,3 +784,34 @@ async def test_one_slot_by_default_in_the_gauges() -> None:
     samples = traced.metrics()
     assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (1, 1)
     await traced.flow.complete(a)
+
+
+
+def labels_of(body: str, name: str) -> set[str]:
+    """The label names a metric's samples carry in a Prometheus text (a histogram's le aside)."""
+    found: set[str] = set()
+    for line in body.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in (name, f"{name}_bucket", f"{name}_sum", f"{name}_count"):
+            found |= {label for label, _ in _LABEL.findall(match.group(2) or "")} - {"le"}
+    return found
+
+
+def documented_metric_labels() -> dict[str, set[str]]:
+    """docs/observability.md's metric table: {metric: its labels column}. A row may name several
+    metrics, a later one by its suffix after the first two words of the one before
+    (`llamaswap_scheduler_swaps_total` / `_loads_total`)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    table: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) != 4 or not cells[0].startswith("`llamaswap_"):
+            continue
+        labels = {label.strip(" `") for label in cells[2].split(",")} if cells[2] not in ("", "-") else set()
+        full = ""
+        for name in re.findall(r"`([a-z_]+)", cells[0]):
+            full = "_".join(full.split("_")[:2]) + name if name.startswith("_") else name
+            table[full] = labels
+    return table

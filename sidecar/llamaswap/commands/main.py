@@ -21,8 +21,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 DESCRIPTION = """\
 A priority scheduler for one GPU behind an OpenAI-compatible LLM server. Envoy holds each
-request until the scheduler grants the GPU, one at a time, by
-score = X-LlamaSwap-Priority + swap affinity + aging.
+request until the scheduler grants the GPU, by
+score = X-LlamaSwap-Priority + swap affinity + aging; one grant at a time, or up to
+upstream.slots of the loaded model (llama-server's --parallel).
 """
 EPILOG = """\
 examples:

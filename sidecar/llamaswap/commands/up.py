@@ -269,7 +269,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             listen = config.listen.http
             admin = f"http://{config.listen.admin.connect_host}:{sidecar.admin_port}"
             print(f"llamaswap is up: send requests to http://{listen.connect_host}:{listen.port}/v1/chat/completions "
-                  f"(queue: llamaswap queue --admin {admin}; the page: {admin}/ui)", flush=True)
+                  f"(queue: {own_command()} queue --admin {admin}; the page: {admin}/ui)", flush=True)
             await first_of(stop, sidecar.failed)
             if sidecar.failure is not None:
                 raise StackError(sidecar.failure)
@@ -377,6 +377,21 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
         upstream.update(default_upstream(config.slots().of(DEFAULT_MODEL_ID)))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
+
+
+def own_command() -> str:
+    """How the user runs this `llamaswap` again: `llamaswap` where PATH finds this one, else its
+    path (`.venv/bin/llamaswap` of a checkout, which install.sh does not put on PATH)."""
+    beside = pathlib.Path(sys.executable).parent / "llamaswap"
+    found = shutil.which("llamaswap")
+    if found is not None and pathlib.Path(found).resolve() == beside.resolve():
+        return "llamaswap"
+    if beside.exists():
+        try:
+            return str(beside.relative_to(pathlib.Path.cwd()))
+        except ValueError:
+            return str(beside)
+    return f"{sys.executable} -m llamaswap"
 
 
 def upstream_start_line(command: tuple[str, ...]) -> str:
