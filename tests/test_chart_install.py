@@ -400,6 +400,17 @@ def test_load_model_sends_the_key_and_names_a_refusal(tmp_path: pathlib.Path) ->
         fake.close()
 
 
+def test_notes_warn_of_a_model_setting_for_no_downloaded_model() -> None:
+    download = {"download": {"files": [{"url": "https://models.example.com/qwen3-8b-q4_k_m.gguf", "sha256": "ab" * 32}]}}
+    fifo = {"routing": {"scheduler": {"use": "fifo"}}}
+
+    def notes(model_id: str) -> str:
+        return ct.render({"llamaServer": download, "config": {**fifo, "models": {model_id: {"priority": 10}}}}).notes
+
+    assert "WARNING: config.models.qwen3-8b names no downloaded model (qwen3-8b-q4_k_m)" in notes("qwen3-8b")
+    assert "WARNING" not in notes("qwen3-8b-q4_k_m")
+
+
 def test_network_policies() -> None:
     rendered = ct.render(ct.load_values(ct.CHART / "ci" / "full-values.yaml"))
     policies = {p["metadata"]["name"]: p["spec"] for p in rendered.all("NetworkPolicy")}

@@ -29,6 +29,7 @@ from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.observer import FanOut, Observer
+from llamaswap.runtime.upstream import Catalog, UpstreamKind
 from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
@@ -112,6 +113,7 @@ class Sidecar:
         # A 401 or 403 from the upstream before it ever answered otherwise: `failure` says why.
         self.failed = asyncio.Event()
         self.failure: str | None = None
+        self._unserved_said: set[str] = set()
         self.history = History(clock, self.activity)
         if activity_path or config.activity.path:  # a restart keeps the page's timeline
             self.history.load(activity_path or config.activity.path or "")
@@ -256,6 +258,18 @@ class Sidecar:
                 last = current
                 self.reload()
 
+    def _warn_unserved_models(self, catalog: Catalog) -> None:
+        """models.<id> for a model the upstream does not list applies to nothing: said once per id
+        (an upstream that serves any name, single-model llama-server, lists one id and is skipped)."""
+        if catalog.models is None or catalog.kind is UpstreamKind.SINGLE:
+            return
+        for model_id in self.config.models:
+            if model_id not in catalog.models and model_id not in self._unserved_said:
+                self._unserved_said.add(model_id)
+                _log.warning("models.%s: the upstream does not serve %s (it lists %s): this entry applies to "
+                             "nothing; name a model it lists (llama-server's router: the GGUF file name without "
+                             ".gguf)", model_id, model_id, ", ".join(sorted(catalog.models)) or "none")
+
     async def _check_upstream_access(self) -> bool:
         """Whether the upstream answered GET /v1/models at all; a 401 or 403 sets `failure`."""
         status = await self.upstream.access_status()
@@ -284,6 +298,7 @@ class Sidecar:
                 catalog = await self.upstream.catalog()
                 if catalog is not None:
                     self.coordinator.observe_catalog(catalog, as_of)
+                    self._warn_unserved_models(catalog)
             # A reload that changes the interval ends this wait: the new one counts from now.
             try:
                 await asyncio.wait_for(self._poll_changed.wait(), interval_s)
