@@ -1095,6 +1095,7 @@ def test_the_readme_counts_and_lists_what_the_chart_and_a_reload_do() -> None:
     readme = (ct.CHART / "README.md").read_text()
     count = NUMBERS[len(_leaves(CHART_VALUES["config"]))]
     assert f"so the {count} the chart sets stay" in readme
+    assert "| `upstream.slots` | integer or `auto` |" in readme  # the generated type column
     refused = re.search(r"a key Envoy's bootstrap is built from\s*\(([^)]*)\)", readme)
     assert refused is not None
     listed = {name.rstrip(".*") for name in re.findall(r"`([^`]+)`", refused.group(1))}

@@ -176,17 +176,47 @@ def test_the_configuration_tables_sit_under_their_sections():
             assert match.group(1) == heading, (heading, line[:60])
 
 
+def _routes(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "match" in node:
+            yield node
+        for value in node.values():
+            yield from _routes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _routes(value)
+
+
 def test_the_public_listener_routes_to_the_sidecar_are_the_documented_ones():
-    """What Envoy's listener serves from the sidecar, in the bootstrap and in the docs."""
+    """Every path Envoy's listener sends to the sidecar's admin server is named where the docs
+    say what the listener exposes (configuration.md's security note)."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import SIDECAR_ADMIN_CLUSTER, build_bootstrap
+
+    to_sidecar = [route["match"] for route in _routes(build_bootstrap(Config()))
+                  if route.get("route", {}).get("cluster") == SIDECAR_ADMIN_CLUSTER]
+    paths = {match.get("path") or match.get("prefix") or match.get("safe_regex", {}).get("regex", "")
+             for match in to_sidecar}
+    assert len(paths) == 3, paths
+    security = " ".join(section(DOCS / "configuration.md", "security").split())
+    assert "`/metrics`" in security and "`/llamaswap/v1/upstream/metrics`" in security
+    assert "request status" in security  # the status route: /llamaswap/v1/requests/{id}
+    assert any(path.startswith("/llamaswap/v1/requests") or "requests" in path for path in paths), paths
+    assert "/metrics" in paths and "/llamaswap/v1/upstream/metrics" in paths
+
+
+def test_envoys_own_refusals_are_tabled():
+    """README and operations.md name the answers Envoy gives itself, without x-llamaswap-outcome."""
     from llamaswap.config import Config
     from llamaswap.envoy.bootstrap import build_bootstrap
-    from llamaswap.envoy.contract import STATUS_PREFIX, UPSTREAM_METRICS_PATH
 
-    text = repr(build_bootstrap(Config()))
-    security = section(DOCS / "configuration.md", "security")
-    for path in ("/metrics", STATUS_PREFIX, UPSTREAM_METRICS_PATH):
-        assert repr(path) in text or path in text
-    assert "`/llamaswap/v1/upstream/metrics`" in security and "request status" in security
+    direct = [route["direct_response"] for route in _routes(build_bootstrap(Config())) if "direct_response" in route]
+    assert {response["status"] for response in direct} == {403}
+    table = section(DOCS / "operations.md", "What a refused client gets").split("### Envoy's own refusals", 1)[1]
+    for row in ("| 403 |", "`management_api_refused`", "| 413 |", "`envoy overloaded`", "`envoy.failOpen`"):
+        assert row in table
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "403 for llama-server's management API, 413" in readme
 
 
 def test_get_activity_says_how_many_records():
