@@ -261,6 +261,7 @@ def test_config_passes_check_config(case: tuple[str, dict[str, Any], ct.Rendered
                             env=ct.python_env(), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stdout + result.stderr
     assert "warning" not in result.stderr
+    assert "WARNING" not in rendered.notes  # nor in what the chart itself can tell
 
 
 def test_full_values_reach_the_sidecar() -> None:
