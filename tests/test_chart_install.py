@@ -332,6 +332,11 @@ def test_an_ingress_needs_an_explicit_priority_mode() -> None:
     for mode in ("clamp", "strip", "trust"):  # an explicit choice, trust included, renders
         rendered = ct.render(ingress | {"config": {"security": {"priority": {"mode": mode}}}})
         assert rendered.has("Ingress")
+    # A Service reachable from outside the cluster is as public as an Ingress.
+    assert "service.type LoadBalancer needs an explicit config.security.priority.mode" in _refusal(
+        {"service": {"type": "LoadBalancer"}})
+    assert ct.render({"service": {"type": "NodePort"}, "config": {"security": {"priority": {"mode": "strip"}}}})
+    assert ct.render({"service": {"type": "ClusterIP"}})
 
 
 def test_a_public_clamp_into_the_interactive_band_is_warned_about() -> None:

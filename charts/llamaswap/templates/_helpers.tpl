@@ -75,10 +75,15 @@ so the chart refuses to render without the repository you pushed it to. */}}
 {{- include "llamaswap.image" (dict "image" .Values.sidecar.image "default" .Chart.AppVersion) }}
 {{- end }}
 
-{{/* With an Ingress, the priority a caller claims must not be trusted by default. */}}
+{{/* With an Ingress (or a LoadBalancer or NodePort Service), the priority a caller claims must
+not be trusted by default. */}}
 {{- define "llamaswap.checkIngressPriority" -}}
-{{- if and .Values.ingress.enabled (not (dig "security" "priority" "mode" "" (default (dict) .Values.config))) }}
+{{- if not (dig "security" "priority" "mode" "" (default (dict) .Values.config)) }}
+{{- if .Values.ingress.enabled }}
 {{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..0: a max of 50 or more is the interactive band), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
+{{- else if has .Values.service.type (list "LoadBalancer" "NodePort") }}
+{{- fail (printf "service.type %s needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone who reaches the Service choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..0: a max of 50 or more is the interactive band), strip, or trust if whatever is in front sets or authenticates X-LlamaSwap-Priority" .Values.service.type) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
