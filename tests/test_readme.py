@@ -234,3 +234,14 @@ def test_no_one_grant_at_a_time():
     for text in (DESCRIPTION, grant, (ROOT / "README.md").read_text()):
         flat = " ".join(text.split())
         assert "one grant exists at a time" not in flat and "upstream.slots" in flat
+
+
+def test_the_documented_warning_is_what_check_config_says():
+    from llamaswap.config import parse_config
+    from llamaswap.config.advice import advice
+
+    checking = section(DOCS / "configuration.md", "Checking a file")
+    documented = re.search(r"^warning: (.*)$", checking, re.M)
+    assert documented is not None
+    said = advice(parse_config({"models": {"qwen3-8b": {"priority": 10}}}))
+    assert [str(problem) for problem in said] == [documented.group(1)]
