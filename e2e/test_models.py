@@ -10,7 +10,7 @@ import aiohttp
 
 from client import chat, start_blocker
 from fake_llama import FakeLlamaServer
-from harness import activity_records, async_wait_for, http_get, metric_samples, running_stack
+from harness import activity_records, async_wait_for, http_get, metric_samples, running_stack, wait_for
 
 
 async def test_an_unknown_model_is_refused_at_once_without_queueing(tmp_path: pathlib.Path) -> None:
@@ -76,3 +76,17 @@ async def test_a_failed_dispatch_does_not_leave_its_model_loaded(tmp_path: pathl
         assert records["bogus"]["outcome"] == "served"  # the upstream answered (a 4xx is the client's)
         assert records["bogus"]["status"] == 400
         assert loaded is None  # not "nope", and not known until the upstream says
+
+
+def test_a_model_setting_for_a_model_the_upstream_does_not_serve_is_logged(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    config = {"routing": {"scheduler": {"use": "fifo"}}, "models": {"model-a": {"priority": 5},
+                                                                    "qwen3-8b": {"priority": 10}},
+              "upstream": {"modelsPollSeconds": 0.1}}
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        wait_for(lambda: "models.qwen3-8b: the upstream does not serve qwen3-8b" in stack.sidecar.log_path.read_text()
+                 or None, what="the warning")
+        wait_for(lambda: fake.looks >= 5 or None, what="more polls")
+        log = stack.sidecar.log_path.read_text()
+    assert log.count("models.qwen3-8b: the upstream does not serve") == 1  # once, not every poll
+    assert "(it lists model-a, model-b, model-c)" in log and "models.model-a:" not in log

@@ -169,6 +169,13 @@ async def test_the_page_shows_the_gpu_the_queue_the_timeline_and_a_request(tmp_p
             waiting = await async_wait_for(lambda: browser.execute_script(READ_FIND).get("state") == "waiting"
                                            and browser.execute_script(READ_FIND), what="batch-a's live state")
             assert waiting["position"] == "3" and waiting["band"] == "batch"
+            # A finished batch request: who went ahead of it while it waited (the interactive warm-6).
+            browser.find_element("id", "find-input").clear()
+            browser.find_element("id", "find-input").send_keys("warm-4")
+            browser.find_element("id", "find-button").click()
+            overtaken = await async_wait_for(lambda: browser.execute_script(READ_FIND).get("serial_band") == "batch"
+                                             and browser.execute_script(READ_FIND), what="warm-4's record")
+            assert "warm-6 (interactive)" in overtaken.get("overtaken by", ""), overtaken
 
             # The picture: the last minute, a tooltip on an interactive grant that overtook others.
             from selenium.webdriver.common.action_chains import ActionChains, ScrollOrigin

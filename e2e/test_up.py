@@ -30,13 +30,13 @@ class Up:
 
     def __init__(self, tmp_path: pathlib.Path, name: str = "up", *, ports: dict[str, int] | None = None,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True,
-                 envoy: dict[str, object] | None = None) -> None:
+                 envoy: dict[str, object] | None = None, upstream: dict[str, object] | None = None) -> None:
         self.ports = ports or {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
         config = {
             "listen": {key: f"127.0.0.1:{self.ports[key]}" for key in ("http", "grpc", "admin")},
             "upstream": {"url": f"http://127.0.0.1:{self.ports['upstream']}",
                          "command": [sys.executable, str(HERE / "fake_llama.py"), str(self.ports["upstream"])],
-                         "modelsPollSeconds": 0, "startupTimeoutSeconds": 60},
+                         "modelsPollSeconds": 0, "startupTimeoutSeconds": 60, **(upstream or {})},
             "envoy": {"leaseSeconds": 1.5, **(envoy or {})},
         }
         self.config_path = tmp_path / f"{name}.yaml"
@@ -387,3 +387,21 @@ def test_up_with_a_small_envoy_heap_answers_503_instead_of_dying(tmp_path: pathl
         assert {test_id: records[test_id]["outcome"] for test_id in accepted} == dict.fromkeys(accepted, "served")
     finally:
         up.stop()
+
+
+def test_up_gives_the_upstream_it_starts_the_key_and_sends_it_itself(ups) -> None:
+    key = "sk-up-test-93b1"
+    up = ups(upstream={"apiKey": "env:LLAMASWAP_TEST_UPSTREAM_KEY"}, env={"LLAMASWAP_TEST_UPSTREAM_KEY": key})
+    up.wait_up()  # the sidecar's first GET /v1/models, with the key, was not refused
+    status, _, _ = _post(up.url, "with-key", headers={"authorization": f"Bearer {key}"})
+    assert status == 200
+    status, _, body = _post(up.url, "without-key")
+    assert status == 401 and b"Invalid API Key" in body  # the upstream wants the key of LLAMA_API_KEY
+    assert key not in up.log()
+
+
+def test_up_stops_with_the_key_to_set_when_the_upstream_refuses_it(ups, tmp_path: pathlib.Path) -> None:
+    # The upstream command's own LLAMA_API_KEY, and none configured for llamaswap.
+    up = ups(env={"LLAMA_API_KEY": "sk-only-the-upstream-knows"})
+    assert up.process.wait(60) == 1
+    assert "answered 401 to GET /v1/models: it wants an API key" in up.log()

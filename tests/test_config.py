@@ -650,6 +650,7 @@ EVERY_KEY = {
         "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
         "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
         "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0, "managementApi": "schedule", "slots": 4,
+        "apiKey": "env:LLAMASWAP_UPSTREAM_API_KEY",
     },
     "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
               "failOpen": True, "leaseSeconds": 0.3, "maxHeapBytes": 100_000_000},
@@ -937,3 +938,26 @@ def test_allow_remote_accepts_the_sidecar_ports_anywhere_and_serve_warns(caplog:
     warn_remote_listen(config.listen)
     warnings = [r.getMessage() for r in caplog.records if "not the loopback" in r.getMessage()]
     assert len(warnings) == 2 and "listen.grpc" in warnings[0] and "listen.admin" in warnings[1]
+
+
+def test_the_upstream_api_key_is_a_reference_never_the_key(tmp_path, monkeypatch):
+    for inline in ("sk-secret-123", "file:", "env:1BAD", "env:", 42):
+        with pytest.raises(ConfigError) as caught:
+            parse_config({"upstream": {"apiKey": inline}})
+        text = str(caught.value)
+        assert text.startswith("upstream.apiKey: must say where the key is, 'file:PATH' or 'env:NAME'")
+        assert "sk-secret-123" not in text  # a key pasted inline is not repeated in a log
+    key_file = tmp_path / "key"
+    key_file.write_text("  sk-from-file \n")
+    assert parse_config({"upstream": {"apiKey": f"file:{key_file}"}}).upstream.read_api_key() == "sk-from-file"
+    monkeypatch.setenv("LLAMASWAP_TEST_KEY", "sk-from-env")
+    assert parse_config({"upstream": {"apiKey": "env:LLAMASWAP_TEST_KEY"}}).upstream.read_api_key() == "sk-from-env"
+    assert parse_config({"upstream": {"apiKey": ""}}).upstream.read_api_key() is None
+    for reference, message in ((f"file:{tmp_path / 'none'}", "cannot read the file"),
+                               ("env:LLAMASWAP_TEST_UNSET", "the environment variable LLAMASWAP_TEST_UNSET is unset")):
+        with pytest.raises(ConfigError, match=f"upstream.apiKey: {message}"):
+            parse_config({"upstream": {"apiKey": reference}}).upstream.read_api_key()
+    key_file.write_text("one\ntwo\n")
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"upstream": {"apiKey": f"file:{key_file}"}}).upstream.read_api_key()
+    assert "more than one line" in str(caught.value) and "two" not in str(caught.value)

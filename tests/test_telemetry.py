@@ -23,7 +23,7 @@ from llamaswap.core import Outcome, ReorderCause
 from llamaswap.commands.queue import format_duration, render
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import ExchangeEnd, Ticket
-from llamaswap.telemetry import OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
+from llamaswap.telemetry import OVERTAKEN_BY_EVENT, OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
@@ -163,6 +163,15 @@ async def test_spans_join_envoys_trace_with_the_decision() -> None:
         "llamaswap.request_id": "early", "llamaswap.priority": 0, "llamaswap.band": "normal",
         "llamaswap.trace_id": OTHER_TRACE}]
     assert events[0].timestamp == queue.end_time
+
+    # `early`'s own queue span, written at its grant, names who went ahead of it.
+    queue_early = traced.span(QUEUE_SPAN, "early")
+    taken = [e for e in queue_early.events if e.name == OVERTAKEN_BY_EVENT]
+    assert [dict(e.attributes) for e in taken] == [{
+        "llamaswap.request_id": "winner", "llamaswap.priority": 100, "llamaswap.band": "interactive",
+        "llamaswap.trace_id": TRACE_ID}]
+    assert taken[0].timestamp == queue.end_time and queue_early.attributes["llamaswap.overtaken_count"] == 1
+    assert "llamaswap.overtaken_count" not in queue.attributes
 
     await flow.complete(early, 502)
     run_early = traced.span(RUN_SPAN, "early")
@@ -401,6 +410,10 @@ async def test_metric_values_after_scripted_traffic() -> None:
         assert declared[name] == "counter"
     for name in (names.QUEUE_WAIT, names.RUN, names.MODEL_SWAP, names.MODEL_RUN, names.ESTIMATE_RATIO):
         assert declared[name] == "histogram"
+    # docs/observability.md's metric table names each metric's labels.
+    documented = documented_metric_labels()
+    for name in set(metric_names(body)):
+        assert documented[name] == labels_of(body, name), name
 
 
 @virtual_time
@@ -771,3 +784,34 @@ async def test_one_slot_by_default_in_the_gauges() -> None:
     samples = traced.metrics()
     assert (value(samples, names.GPU_SLOTS), value(samples, names.GPU_SLOTS_BUSY)) == (1, 1)
     await traced.flow.complete(a)
+
+
+
+def labels_of(body: str, name: str) -> set[str]:
+    """The label names a metric's samples carry in a Prometheus text (a histogram's le aside)."""
+    found: set[str] = set()
+    for line in body.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in (name, f"{name}_bucket", f"{name}_sum", f"{name}_count"):
+            found |= {label for label, _ in _LABEL.findall(match.group(2) or "")} - {"le"}
+    return found
+
+
+def documented_metric_labels() -> dict[str, set[str]]:
+    """docs/observability.md's metric table: {metric: its labels column}. A row may name several
+    metrics, a later one by its suffix after the first two words of the one before
+    (`llamaswap_scheduler_swaps_total` / `_loads_total`)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    table: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) != 4 or not cells[0].startswith("`llamaswap_"):
+            continue
+        labels = {label.strip(" `") for label in cells[2].split(",")} if cells[2] not in ("", "-") else set()
+        full = ""
+        for name in re.findall(r"`([a-z_]+)", cells[0]):
+            full = "_".join(full.split("_")[:2]) + name if name.startswith("_") else name
+            table[full] = labels
+    return table

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
-from flow import PEER, FakeServicerContext, Flow, check_request, virtual_time
+from flow import PEER, FakeServicerContext, Flow, check_request, current_loop, virtual_time
 from google.protobuf import duration_pb2, struct_pb2
 from google.rpc import code_pb2
 from llamaswap._proto.envoy.config.core.v3 import base_pb2
@@ -513,7 +514,7 @@ async def test_the_queue_and_status_documents() -> None:
     assert not any(token in json.dumps(document) for token in tokens)
 
 
-async def _status_route(flow: Flow, request_id: str) -> tuple[int, dict]:
+async def _status_route(flow: Flow, request_id: str, history: Any = None) -> tuple[int, dict]:
     """GET STATUS_PREFIX{id} through the admin app's own router (what Envoy's listener reaches)."""
     from aiohttp.test_utils import make_mocked_request
 
@@ -521,7 +522,7 @@ async def _status_route(flow: Flow, request_id: str) -> tuple[int, dict]:
     from llamaswap.envoy.contract import STATUS_PREFIX
     from llamaswap.runtime.activity import ActivityLog
 
-    app = build_admin_app(flow.coordinator, ActivityLog(flow.clock, capacity=0))
+    app = build_admin_app(flow.coordinator, ActivityLog(flow.clock, capacity=0), history=history)
     request = make_mocked_request("GET", STATUS_PREFIX + request_id, app=app)
     match = await app.router.resolve(request)
     request._match_info = match
@@ -542,6 +543,30 @@ async def test_the_public_status_route_answers_only_what_its_client_needs() -> N
         "request_id": "run", "state": "running", "position": 0, "estimated_start_s": 0.0})
     status, body = await _status_route(flow, "nobody")
     assert status == 404 and body["error"]["code"] == "request_not_found"
+
+
+@virtual_time
+async def test_the_status_route_answers_for_a_finished_request_from_the_history() -> None:
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+
+    clock = current_loop().clock
+    history = History(clock, ActivityLog(clock, capacity=0))
+    flow = Flow({"envoy": {"leaseSeconds": 1000}}, observers=(history,))
+    run = await flow.arrive("run", model="a")
+    await flow.arrive("wait", "batch", model="a")
+    gone = await flow.arrive("gone", model="a")
+    await flow.advance(2)
+    await flow.cancel(gone)
+    await flow.complete(run)
+    assert await _status_route(flow, "run", history) == (200, {
+        "request_id": "run", "state": "finished", "position": None, "estimated_start_s": None,
+        "outcome": "served", "waited_s": 0.0})
+    status, body = await _status_route(flow, "gone", history)
+    assert (status, body["outcome"], body["waited_s"]) == (200, "cancelled_waiting", 2.0)
+    assert (await _status_route(flow, "wait", history))[1]["state"] == "running"  # the live one first
+    assert (await _status_route(flow, "run"))[0] == 404  # without the history: only the live ones
+    assert (await _status_route(flow, "nobody", history))[0] == 404
 
 
 @virtual_time

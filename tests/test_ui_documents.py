@@ -369,6 +369,12 @@ async def test_finding_a_request() -> None:
     assert [r["kind"] for r in batch["records"]] == ["grant", "settle"]
     ghost = await page.get_json("/ui/request/ghost")
     assert ghost["records"][0]["outcome"] == "rejected_unknown_model"
+    # Who went ahead of early-b while it waited: late-a (its model loaded), then inter.
+    early_b = await page.get_json("/ui/request/early-b")
+    assert [(o["request_id"], o["band"]) for o in early_b["overtaken_by"]] == [("late-a", "normal"),
+                                                                              ("inter", "interactive")]
+    assert early_b["overtaken_by"][0]["granted_ms"] < early_b["overtaken_by"][1]["granted_ms"]
+    assert run["overtaken_by"] == []
     missing = await page.get_json("/ui/request/nobody", status=404)
     assert missing["error"]["code"] == "request_not_found" and "nobody" in missing["error"]["message"]
     # A waiting one: its live status, and its position each time it changes while watched.

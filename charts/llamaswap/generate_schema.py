@@ -62,6 +62,8 @@ def _is_setting(node: Mapping[str, Any]) -> bool:
 def _type(node: Mapping[str, Any]) -> str:
     if "enum" in node:
         return " \\| ".join(f"`{value}`" for value in node["enum"])
+    if "const" in node:
+        return f"`{node['const']}`"
     if "anyOf" in node:
         options = [_type(option) for option in node["anyOf"]]
         return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"

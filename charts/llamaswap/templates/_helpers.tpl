@@ -75,11 +75,27 @@ so the chart refuses to render without the repository you pushed it to. */}}
 {{- include "llamaswap.image" (dict "image" .Values.sidecar.image "default" .Chart.AppVersion) }}
 {{- end }}
 
-{{/* With an Ingress, the priority a caller claims must not be trusted by default. */}}
+{{/* With an Ingress (or a LoadBalancer or NodePort Service), the priority a caller claims must
+not be trusted by default. */}}
 {{- define "llamaswap.checkIngressPriority" -}}
-{{- if and .Values.ingress.enabled (not (dig "security" "priority" "mode" "" (default (dict) .Values.config))) }}
-{{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..50), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
+{{- if not (dig "security" "priority" "mode" "" (default (dict) .Values.config)) }}
+{{- if .Values.ingress.enabled }}
+{{- fail "ingress.enabled needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone on the internet choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..0: a max of 50 or more is the interactive band), strip, or trust if your ingress sets or authenticates X-LlamaSwap-Priority" }}
+{{- else if has .Values.service.type (list "LoadBalancer" "NodePort") }}
+{{- fail (printf "service.type %s needs an explicit config.security.priority.mode: the sidecar's default, trust, lets anyone who reaches the Service choose any priority. Set clamp (with config.security.priority.min/max, e.g. -100..0: a max of 50 or more is the interactive band), strip, or trust if whatever is in front sets or authenticates X-LlamaSwap-Priority" .Values.service.type) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the listener is public (an Ingress, or a LoadBalancer or NodePort Service) and
+the priority clamp lets callers into the interactive band (max >= 50, the sidecar's default max
+being 100): what `llamaswap check-config` warns about, said in the NOTES. */}}
+{{- define "llamaswap.publicClampReachesInteractive" -}}
+{{- $priority := dig "security" "priority" (dict) (default (dict) .Values.config) -}}
+{{- $public := or .Values.ingress.enabled (has .Values.service.type (list "LoadBalancer" "NodePort")) -}}
+{{- if and $public (eq (toString (get $priority "mode")) "clamp") (ge (int (dig "max" 100 $priority)) 50) -}}
+true
+{{- end -}}
 {{- end }}
 
 {{/* The model id of a download entry: its name (or the URL's file name) without .gguf. */}}
@@ -131,7 +147,24 @@ them (routing.objectives), unless the config says otherwise: one list, the value
 {{- $_ := set $routing "objectives" $objectives }}
 {{- $_ := set $config "routing" $routing }}
 {{- end }}
+{{- if and .Values.llamaServer.apiKey.existingSecret (not (dig "upstream" "apiKey" "" $config)) -}}
+{{- $_ := set $config "upstream" (merge (dict "apiKey" (printf "env:%s" (include "llamaswap.upstreamKeyEnv" .))) (default (dict) (get $config "upstream"))) -}}
+{{- end -}}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* The sidecar's variable holding llama-server's API key (llamaServer.apiKey). */}}
+{{- define "llamaswap.upstreamKeyEnv" -}}LLAMASWAP_UPSTREAM_API_KEY{{- end }}
+
+{{/* An env entry NAME with llama-server's API key from llamaServer.apiKey's Secret; nothing without one. */}}
+{{- define "llamaswap.upstreamKeyEntry" -}}
+{{- with .root.Values.llamaServer.apiKey.existingSecret }}
+- name: {{ $.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $.root.Values.llamaServer.apiKey.secretKey | quote }}
+{{- end }}
 {{- end }}
 
 {{/* The few config values the pod's own wiring reads (probes, ports, hooks). */}}

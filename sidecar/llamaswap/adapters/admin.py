@@ -2,7 +2,7 @@
 through Envoy's listener, one client's own request status.
 
 It binds to localhost by default and exposes nothing that changes state. Envoy's listener
-routes only `/metrics` and `/llamaswap/v1/requests/` here.
+routes only `/metrics`, `/llamaswap/v1/requests/` and `/llamaswap/v1/upstream/metrics` here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from aiohttp import web
 from llamaswap.envoy.contract import PICKER_METRICS_PATH, STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
+from llamaswap.runtime.history import History
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
@@ -77,6 +78,20 @@ def public_status_document(coordinator: Coordinator, request_id: str) -> dict[st
 
 # The public status answer's fields (Envoy's listener routes STATUS_PREFIX to this server).
 PUBLIC_STATUS_KEYS = ("request_id", "state", "position", "estimated_start_s")
+# GET /activity without ?limit=: this many of the most recent records (at most activity.recent).
+ACTIVITY_DEFAULT_LIMIT = 100
+
+
+def finished_status_document(history: History, request_id: str) -> dict[str, Any] | None:
+    """A request that has ended, while the timeline keeps it (a day, TIMELINE_CAPACITY entries):
+    its outcome and how long it waited, for its own client; None when it is not there."""
+    ended = [entry for entry in history.of_request(request_id) if entry.kind in ("grant", "mark")]
+    if not ended:
+        return None
+    record = ended[-1].document()  # the latest of a reused id
+    wait_ms = record.get("serial_queue_wait_ms")
+    return {"request_id": request_id, "state": "finished", "position": None, "estimated_start_s": None,
+            "outcome": record.get("outcome"), "waited_s": round(wait_ms / 1000, 3) if wait_ms is not None else None}
 
 
 def build_admin_app(
@@ -86,6 +101,7 @@ def build_admin_app(
     metrics: Callable[[], tuple[bytes, str]] | None = None,
     picker_metrics: Callable[[], tuple[bytes, str]] | None = None,
     ready: Callable[[], bool] = lambda: True,
+    history: History | None = None,
 ) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -100,9 +116,9 @@ def build_admin_app(
 
     async def recent(request: web.Request) -> web.Response:
         try:
-            limit = int(request.query.get("limit", "100"))
+            limit = int(request.query.get("limit", str(ACTIVITY_DEFAULT_LIMIT)))
         except ValueError:
-            limit = 100
+            limit = ACTIVITY_DEFAULT_LIMIT
         return web.json_response({"activity": activity.recent(max(1, limit))})
 
     async def metrics_handler(_: web.Request) -> web.Response:
@@ -123,9 +139,11 @@ def build_admin_app(
                           f"{STATUS_PREFIX}{{request-id}} only answers GET")
         request_id = request.match_info["request_id"]
         document = public_status_document(coordinator, request_id)
+        if document is None and history is not None:
+            document = finished_status_document(history, request_id)
         if document is None:
             return _error(404, "invalid_request_error", "request_not_found",
-                          f"no waiting or running request has the x-request-id '{request_id}'")
+                          f"no waiting, running or recently finished request has the x-request-id '{request_id}'")
         return web.json_response(document, headers={"cache-control": "no-store"})
 
     app = web.Application()

@@ -157,9 +157,25 @@ class UiState:
             "status": status,
             "records": records,
             "positions": list(self._positions.get(request_id, [])),
+            "overtaken_by": self._overtaken_by(request_id),
             "trace_id": trace_id,
             "trace_url": f"{jaeger}/trace/{trace_id}" if jaeger and trace_id else None,
         }
+
+    def _overtaken_by(self, request_id: str) -> list[dict[str, Any]]:
+        """The grants in the timeline that went ahead of this request while it waited (the
+        winner's `overtook`), oldest first."""
+        needle = json.dumps(request_id).encode()
+        found = []
+        for entry in self._history.entries():
+            if entry.kind != "grant" or needle not in entry.body:  # most entries: no decoding
+                continue
+            document = entry.document()
+            if any(other.get("request_id") == request_id for other in document.get("overtook", ())):
+                found.append({"request_id": document.get("request_id"), "priority": document.get("serial_priority"),
+                              "band": document.get("serial_band"), "granted_ms": document.get("start_ms"),
+                              "trace_id": document.get("trace_id")})
+        return found
 
     def _watch(self, request_id: str, position: int) -> None:
         if request_id not in self._positions:

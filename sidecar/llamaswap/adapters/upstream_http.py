@@ -18,6 +18,11 @@ busy() counts the slots processing. It tells "cannot tell, ever" (None: 404/405/
 llama-swap) from "no answer this time" (`UpstreamUnanswered`: a timeout, a refused connection, a
 5xx, a garbled answer): llama-server answers /slots from its main loop, which a long prompt batch
 keeps busy, so a settle asks again.
+
+With an API key (upstream.apiKey) every request carries it as
+`Authorization: Bearer`, as llama-server's --api-key wants on everything but /health. A 401 or
+403 is logged as an error naming those keys (never the key), once until the upstream answers
+otherwise; the sidecar makes one at start fatal (`access_status`).
 """
 
 from __future__ import annotations
@@ -39,14 +44,23 @@ _STATUS_LOADING = "loading"
 _NO_SLOTS_STATUSES = frozenset({404, 405, 501})
 # What router mode answers a query with autoload=false for a model that is not loaded.
 _NOT_LOADED_STATUS = 400
+# What a server behind an API key answers without the right one (llama-server: 401).
+KEY_REFUSED_STATUSES = frozenset({401, 403})
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that carries the upstream's API key; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class HttpUpstream:
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0) -> None:
         self._url = url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = bearer(api_key)
         self._session: aiohttp.ClientSession | None = None
         self._kind: UpstreamKind | None = None
+        self._refused_said = False
 
     async def close(self) -> None:
         if self._session is not None:
@@ -55,14 +69,34 @@ class HttpUpstream:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         return self._session
 
     async def _get(self, path: str) -> tuple[int, Any]:
         async with self._client().get(self._url + path) as response:
+            self._note_status(response.status, f"GET {path}")
             if response.status != 200:
                 return response.status, None
             return 200, await response.json(content_type=None)
+
+    def _note_status(self, status: int, request: str) -> None:
+        if status not in KEY_REFUSED_STATUSES:
+            self._refused_said = False
+        elif not self._refused_said:
+            self._refused_said = True
+            sent = "with the key of upstream.apiKey" if self._headers else "without an API key"
+            _log.error("the upstream answered %d to %s %s: set upstream.apiKey (file:PATH or env:NAME) to "
+                       "a key it accepts (llama-server's --api-key); until then it cannot tell whether it is busy",
+                       status, request, sent)
+
+    async def access_status(self) -> int | None:
+        """The status of GET /v1/models (401 or 403: the key is missing or wrong); None when the
+        upstream does not answer (not started yet)."""
+        try:
+            async with self._client().get(self._url + "/v1/models") as response:
+                return response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
 
     # -- the port ------------------------------------------------------------------------
 
@@ -114,6 +148,7 @@ class HttpUpstream:
         for name in names or ():
             try:
                 async with self._client().post(f"{self._url}/models/unload", json={"model": name}) as response:
+                    self._note_status(response.status, "POST /models/unload")
                     stopped = stopped or response.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 _log.warning("unloading %s failed: %s", name, exc)

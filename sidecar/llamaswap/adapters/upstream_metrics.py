@@ -22,6 +22,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from llamaswap.adapters.upstream_http import bearer
 from llamaswap.envoy.contract import UPSTREAM_METRICS_PATH
 
 _log = logging.getLogger(__name__)
@@ -65,12 +66,12 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
         return response.status, await response.text()
 
 
-async def upstream_metrics_text(upstream_url: str) -> str:
+async def upstream_metrics_text(upstream_url: str, api_key: str | None = None) -> str:
     """What GET UPSTREAM_METRICS_PATH answers. Raises UpstreamMetricsError."""
     base = upstream_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key)) as session:
             status, text = await _get(session, f"{base}/v1/models")
             if status != 200:
                 raise UpstreamMetricsError(f"GET /v1/models: HTTP {status}")
@@ -97,12 +98,12 @@ async def upstream_metrics_text(upstream_url: str) -> str:
         raise UpstreamMetricsError(f"upstream not answering: {exc!r}") from exc
 
 
-def add_upstream_metrics(app: web.Application, upstream_url: str) -> None:
+def add_upstream_metrics(app: web.Application, upstream_url: str, api_key: str | None = None) -> None:
     """Serve GET UPSTREAM_METRICS_PATH on the admin app."""
 
     async def handler(_: web.Request) -> web.Response:
         try:
-            text = await upstream_metrics_text(upstream_url)
+            text = await upstream_metrics_text(upstream_url, api_key)
         except UpstreamMetricsError as exc:
             _log.debug("upstream metrics: %s", exc)
             return web.Response(status=502, text=f"llama-server's metrics: {exc}\n")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -35,9 +36,12 @@ class PreloadError(Exception):
     """The model cannot be loaded this way (unknown model, no router mode): retrying is useless."""
 
 
-def _request(url: str, body: dict[str, Any] | None = None) -> Any:
+def _request(url: str, body: dict[str, Any] | None = None, api_key: str | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:  # noqa: S310 - the pod's upstream
         return json.load(response)
 
@@ -58,26 +62,32 @@ def model_state(document: Any, model: str) -> str | None:
     return None
 
 
-def step(upstream: str, model: str) -> bool:
+def step(upstream: str, model: str, api_key: str | None = None) -> bool:
     """One look: True if loaded; otherwise start a load if none is under way. Raises
     PreloadError (hopeless) or OSError/URLError (not reachable yet)."""
     base = upstream.rstrip("/")
-    state = model_state(_request(f"{base}/v1/models"), model)
+    try:
+        state = model_state(_request(f"{base}/v1/models", api_key=api_key), model)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise PreloadError(f"the upstream answered {exc.code} to GET /v1/models: it wants an API key "
+                               f"({'a wrong one was sent' if api_key else 'pass --api-key-env NAME'})") from exc
+        raise
     if state is None:
         raise PreloadError(f"{model}: not among the upstream's models (a GGUF file name without .gguf)")
     if state == "loaded":
         return True
     if state != "loading":
-        _request(f"{base}/models/load", {"model": model})
+        _request(f"{base}/models/load", {"model": model}, api_key)
     return False
 
 
 def run(upstream: str, model: str, wait_s: float, *, clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep) -> int:
+        sleep: Callable[[float], None] = time.sleep, api_key: str | None = None) -> int:
     deadline = clock() + wait_s
     while True:
         try:
-            if step(upstream, model):
+            if step(upstream, model, api_key):
                 print(f"{model}: loaded")
                 return 0
             reason = "loading"
@@ -95,7 +105,11 @@ def run(upstream: str, model: str, wait_s: float, *, clock: Callable[[], float] 
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run(args.upstream, args.model, args.wait)
+    api_key = os.environ.get(args.api_key_env, "").strip() if args.api_key_env else None
+    if args.api_key_env and not api_key:
+        print(f"error: --api-key-env: the environment variable {args.api_key_env} is unset or empty", file=sys.stderr)
+        return EXIT_CANNOT
+    return run(args.upstream, args.model, args.wait, api_key=api_key)
 
 
 def add_parser(commands: Any) -> None:
@@ -107,5 +121,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--upstream", default="http://127.0.0.1:8081", help="llama-server's base URL")
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                         help="poll until loaded for up to this long (default 0: look once)")
+    parser.add_argument("--api-key-env", metavar="NAME",
+                        help="the environment variable holding llama-server's API key (its --api-key)")
     parser.add_argument("model", help="the model id (its GGUF file name without .gguf)")
     parser.set_defaults(run=_run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from llamaswap.config import Config, ConfigError, load_config
+from llamaswap.config.advice import advice
 
 # The exit status of a configuration error (also of a bad command line, as argparse's).
 EXIT_CONFIG = 2
@@ -13,6 +14,12 @@ EXIT_CONFIG = 2
 
 def warn(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr)
+
+
+def warn_about(config: Config) -> None:
+    """Settings that run but do not do what they seem to, each with its fix."""
+    for problem in advice(config):
+        warn(str(problem))
 
 
 def exit_on(exc: ConfigError) -> SystemExit:

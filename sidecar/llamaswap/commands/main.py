@@ -12,7 +12,7 @@ import yaml
 
 from llamaswap import __version__
 from llamaswap.commands.arguments import add_stop_options
-from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn
+from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn, warn_about
 from llamaswap.config import Config, ConfigError, load_document
 from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
 
@@ -21,8 +21,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 DESCRIPTION = """\
 A priority scheduler for one GPU behind an OpenAI-compatible LLM server. Envoy holds each
-request until the scheduler grants the GPU, one at a time, by
-score = X-LlamaSwap-Priority + swap affinity + aging.
+request until the scheduler grants the GPU, by
+score = X-LlamaSwap-Priority + swap affinity + aging; one grant at a time, or up to
+upstream.slots of the loaded model (llama-server's --parallel).
 """
 EPILOG = """\
 examples:
@@ -52,12 +53,14 @@ def _check_config(args: argparse.Namespace) -> int:
             except StackError as exc:
                 config = load_or_exit(args.config)
                 notes.append(f"upstream: none named, and `llamaswap up` could not add the built-in one: {exc}")
+        config.upstream.read_api_key()  # named but unreadable: what `up` and `serve` would refuse
     except ConfigError as exc:
         raise exit_on(exc) from exc
     envoy_line, envoy_error = _validate_with_envoy(config)
     if envoy_error is not None:
         print(f"error: {envoy_error}", file=sys.stderr)
         return EXIT_CONFIG
+    warn_about(config)
     print("ok")
     for line in [*notes, envoy_line, *explain_policy(config.policy())]:
         print(f"  {line}")
@@ -93,6 +96,10 @@ def _serve(args: argparse.Namespace) -> int:
     from llamaswap.commands.serve import serve
 
     config = load_or_exit(args.config)
+    try:
+        config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
+    except ConfigError as exc:
+        raise exit_on(exc) from exc
     try:
         return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file,
                                  activity_path=args.activity_log, grace_s=args.grace))
@@ -132,6 +139,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
             return 0
+        config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
         if built_in:
             ensure_default_model()
     except ConfigError as exc:

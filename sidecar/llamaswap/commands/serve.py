@@ -20,6 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
+from llamaswap.config.advice import advice
+from llamaswap.commands.loading import EXIT_CONFIG
+from llamaswap.commands.ports import is_llamaswap, port_holder
 from llamaswap.config.reload import plan_reload
 from llamaswap.core import MonotonicClock
 from llamaswap.runtime.activity import ActivityLog
@@ -31,7 +34,7 @@ from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
 from llamaswap.adapters.ext_authz import Authorization
-from llamaswap.adapters.upstream_http import HttpUpstream
+from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
 from llamaswap.adapters.ui import UiState, add_ui_routes
 
@@ -42,12 +45,42 @@ CONFIG_POLL_S = 2.0
 GC_YOUNG_THRESHOLD = 20_000
 
 
-class PortInUse(OSError):
-    """A listen address is taken (by another llamaswap, most likely)."""
+# How often the sidecar asks an upstream that does not answer yet whether it wants an API key.
+ACCESS_RETRY_S = 1.0
 
-    def __init__(self, key: str, address: HostPort) -> None:
-        super().__init__(errno.EADDRINUSE, f"{key} {address} is already in use: is another llamaswap running? "
-                                           f"Stop it or choose another address for {key}")
+
+class UpstreamKeyRefused(Exception):
+    """The upstream refused the sidecar's requests (401, 403): its API key is missing or wrong."""
+
+
+def key_refusal(config: Config, status: int) -> str:
+    """What to say when the upstream answered ``status`` (401, 403) to the sidecar: the key to set,
+    never the key itself."""
+    upstream = config.upstream
+    head = f"the upstream {upstream.url} answered {status} to GET /v1/models"
+    if upstream.api_key is not None:
+        return (f"{head} with the API key of upstream.apiKey ({upstream.api_key}): it is not a key the upstream "
+                f"accepts (llama-server's --api-key)")
+    return (f"{head}: it wants an API key (llama-server's --api-key). Set upstream.apiKey to where the key is: "
+            f"file:PATH (a file holding it) or env:NAME (an environment variable)")
+
+
+class PortInUse(OSError):
+    """A listen address is taken: by another llamaswap, or by another server (llama-server's own
+    default port is 8080, llamaswap's listen.http); the message names the holder where it can."""
+
+    def __init__(self, key: str, address: HostPort, holder: str | None = None) -> None:
+        holder = holder if holder is not None else port_holder(address.port)
+        if holder is None:
+            text = (f"{key} {address} is already in use, by another llamaswap or another server (llama-server listens "
+                    f"on 8080 unless given --port): stop it or choose another address for {key}")
+        elif is_llamaswap(holder):
+            text = (f"{key} {address} is already in use by {holder}: is another llamaswap running? Stop it or choose "
+                    f"another address for {key}")
+        else:
+            text = (f"{key} {address} is already in use by {holder}, not by llamaswap: stop it or move it to another "
+                    f"port (llama-server --port 8081, the port of upstream.url), or set {key} to another address")
+        super().__init__(errno.EADDRINUSE, text)
         self.key = key
         self.address = address
 
@@ -73,7 +106,12 @@ class Sidecar:
         clock = MonotonicClock()
         self.activity = ActivityLog(clock, capacity=config.activity.recent, path=activity_path or config.activity.path)
         self.telemetry = Telemetry.from_environment(clock)
-        self.upstream = HttpUpstream(config.upstream.url)
+        # Read once (ConfigError when it cannot be); only the HTTP clients hold it.
+        self._api_key = config.upstream.read_api_key()
+        self.upstream = HttpUpstream(config.upstream.url, api_key=self._api_key)
+        # A 401 or 403 from the upstream before it ever answered otherwise: `failure` says why.
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
         self.history = History(clock, self.activity)
         if activity_path or config.activity.path:  # a restart keeps the page's timeline
             self.history.load(activity_path or config.activity.path or "")
@@ -89,6 +127,12 @@ class Sidecar:
     async def start(self) -> None:
         listen = self.config.listen
         warn_remote_listen(listen)
+        for problem in advice(self.config):
+            _log.warning("%s", problem)
+        if not await self._check_upstream_access():
+            self._tasks.append(asyncio.create_task(self._watch_upstream_access()))
+        if self.failure is not None:
+            raise UpstreamKeyRefused(self.failure)
         self._grpc_server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 1 << 30),
@@ -114,8 +158,8 @@ class Sidecar:
         await self._grpc_server.start()
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text,
-                              picker_metrics=self.telemetry.picker_text)
-        add_upstream_metrics(app, self.config.upstream.url)
+                              picker_metrics=self.telemetry.picker_text, history=self.history)
+        add_upstream_metrics(app, self.config.upstream.url, self._api_key)
         add_ui_routes(app, self.ui)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
@@ -212,6 +256,20 @@ class Sidecar:
                 last = current
                 self.reload()
 
+    async def _check_upstream_access(self) -> bool:
+        """Whether the upstream answered GET /v1/models at all; a 401 or 403 sets `failure`."""
+        status = await self.upstream.access_status()
+        if status in KEY_REFUSED_STATUSES:
+            self.failure = key_refusal(self.config, status)
+            self.failed.set()
+        return status is not None
+
+    async def _watch_upstream_access(self) -> None:
+        """An upstream that starts after the sidecar (a pod's containers start together): its
+        first answer tells whether the key is right, instead of every settle waiting it out."""
+        while not await self._check_upstream_access():
+            await asyncio.sleep(ACCESS_RETRY_S)
+
     async def _reconcile_models(self) -> None:
         """Ask the upstream what it serves and has loaded, while the GPU is idle, every
         upstream.modelsPollSeconds; at 0, wait until a reload sets it again."""
@@ -225,7 +283,7 @@ class Sidecar:
                 as_of = self.coordinator.scheduler.dispatches
                 catalog = await self.upstream.catalog()
                 if catalog is not None:
-                    self.coordinator.observe_catalog(catalog, as_of)
+                    self.coordinator.observe_catalog(catalog, as_of)  # warns of models.<id> it never serves
             # A reload that changes the interval ends this wait: the new one counts from now.
             try:
                 await asyncio.wait_for(self._poll_changed.wait(), interval_s)
@@ -262,7 +320,12 @@ def _mtime(path: pathlib.Path) -> float | None:
 async def serve(config: Config, *, config_path: str | None = None, ports_file: str | None = None,
                 activity_path: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT) -> int:
     sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path)
-    await sidecar.start()
+    try:
+        await sidecar.start()
+    except UpstreamKeyRefused as exc:
+        _log.critical("cannot start: %s", exc)
+        await sidecar.close()
+        return EXIT_CONFIG
     if ports_file:
         tmp = f"{ports_file}.tmp"
         pathlib.Path(tmp).write_text(json.dumps({"grpc": sidecar.grpc_port, "admin": sidecar.admin_port}))
@@ -272,7 +335,21 @@ async def serve(config: Config, *, config_path: str | None = None, ports_file: s
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
-    await stop.wait()
+    await first_of(stop, sidecar.failed)
+    if sidecar.failure is not None:
+        _log.critical("stopping: %s", sidecar.failure)
+        await sidecar.stop(0.0)
+        return EXIT_CONFIG
     _log.info("shutting down: no new requests; waiting up to %.0f s for the running one", grace_s)
     await sidecar.stop(grace_s)
     return 0
+
+
+async def first_of(*events: asyncio.Event) -> None:
+    """Wait until one of ``events`` is set."""
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -39,7 +39,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, parse_config  # noqa: E402
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
-from llamaswap.commands.serve import PortInUse, Sidecar  # noqa: E402
+from llamaswap.adapters.upstream_http import bearer  # noqa: E402
+from llamaswap.commands.serve import PortInUse, Sidecar, UpstreamKeyRefused, first_of  # noqa: E402
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT  # noqa: E402
 
 _log = logging.getLogger(__name__)
@@ -85,14 +86,16 @@ class Child:
     """A child process whose output goes to a log file, in a session of its own (Ctrl-C at a
     terminal goes to `up`, which stops it in order), and which dies with `up`."""
 
-    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         parent = os.getpid()
         try:
             self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
+                                            start_new_session=True, preexec_fn=lambda: _die_with_parent(parent),
+                                            env=env)
         except OSError as exc:
             self._log.close()
             raise StackError(f"cannot start {name} ({argv[0]}): {exc}") from exc
@@ -240,12 +243,15 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
         for key, address in (("listen.http", config.listen.http), ("listen.grpc", config.listen.grpc),
                              ("listen.admin", config.listen.admin)):
             _check_free(key, address)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+        api_key = config.upstream.read_api_key()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3), headers=bearer(api_key)) as session:
             if config.upstream.command:
                 # Whatever answers there now is not ours: refuse instead of adopting it.
                 _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
                 print(upstream_start_line(config.upstream.command), file=sys.stderr, flush=True)
-                upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log")
+                # The configured key, in the variable llama-server reads for --api-key (off the command line).
+                env = {**os.environ, UPSTREAM_API_KEY_ENV: api_key} if api_key else None
+                upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log", env=env)
                 # A stop while the upstream loads (minutes for a big model) ends the wait at once.
                 await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
                                                  child=upstream, deadline_s=config.upstream.startup_timeout_seconds,
@@ -253,7 +259,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path, parse=_reload_parser)
             try:
                 await sidecar.start()
-            except PortInUse as exc:
+            except (PortInUse, UpstreamKeyRefused) as exc:
                 raise StackError(str(exc)) from exc
             loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
             envoy = await _start_envoy(session, config, sidecar, workdir, otlp_endpoint, envoy_admin_port)
@@ -263,8 +269,10 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             listen = config.listen.http
             admin = f"http://{config.listen.admin.connect_host}:{sidecar.admin_port}"
             print(f"llamaswap is up: send requests to http://{listen.connect_host}:{listen.port}/v1/chat/completions "
-                  f"(queue: llamaswap queue --admin {admin}; the page: {admin}/ui)", flush=True)
-            await stop.wait()
+                  f"(queue: {own_command()} queue --admin {admin}; the page: {admin}/ui)", flush=True)
+            await first_of(stop, sidecar.failed)
+            if sidecar.failure is not None:
+                raise StackError(sidecar.failure)
             print("stopping: no new requests; the waiting ones get 503; the running one may finish "
                   f"(up to {grace_s:g} s; Ctrl-C again to cut it off)...", file=sys.stderr, flush=True)
             failed = False
@@ -293,6 +301,9 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
 # -- the built-in default: a real llama-server with a small real model -----------------------
 
 DEFAULT_MODEL_ID = "gemma3-270m"
+# llama-server reads --api-key from this variable: `up` gives the upstream it starts the key of
+# upstream.apiKey there.
+UPSTREAM_API_KEY_ENV = "LLAMA_API_KEY"
 # The default model is a base model without a chat template: uncapped, a "hi" generates tens
 # of thousands of tokens (20 minutes on 2 cores). Requests may still ask for more.
 DEFAULT_MAX_TOKENS = 256
@@ -366,6 +377,21 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
         upstream.update(default_upstream(config.slots().of(DEFAULT_MODEL_ID)))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
+
+
+def own_command() -> str:
+    """How the user runs this `llamaswap` again: `llamaswap` where PATH finds this one, else its
+    path (`.venv/bin/llamaswap` of a checkout, which install.sh does not put on PATH)."""
+    beside = pathlib.Path(sys.executable).parent / "llamaswap"
+    found = shutil.which("llamaswap")
+    if found is not None and pathlib.Path(found).resolve() == beside.resolve():
+        return "llamaswap"
+    if beside.exists():
+        try:
+            return str(beside.relative_to(pathlib.Path.cwd()))
+        except ValueError:
+            return str(beside)
+    return f"{sys.executable} -m llamaswap"
 
 
 def upstream_start_line(command: tuple[str, ...]) -> str:

@@ -42,6 +42,7 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
     ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
     ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),
+    ReloadKey("upstream.apiKey", OnReload.RESTART, "the key is read once, at start"),
     ReloadKey("upstream.modelsPollSeconds", OnReload.LIVE, "the next poll uses it; 0 stops polling, "
                                                            "and a positive value starts it again"),
     ReloadKey("upstream.modelCheck", OnReload.LIVE, "from the next arrival"),

@@ -8,6 +8,8 @@ both. Each key's type, range, default and meaning is written here once; the load
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
@@ -16,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 from pydantic.alias_generators import to_camel
 
 from llamaswap.config.model_key import single_model_slots
-from llamaswap.config.problems import Meaning, describe_value, invalid
+from llamaswap.config.problems import ConfigError, Meaning, Problem, describe_value, invalid
 from llamaswap.config.types import (
     AbandonedGeneration,
     HostPort,
@@ -31,6 +33,7 @@ from llamaswap.config.types import (
     checked_health_path,
     model_id,
     none_is_empty,
+    api_key_reference,
     objective_name,
     optional_http_url,
     optional_path,
@@ -264,6 +267,35 @@ class UpstreamConfig(Section):
                     "'auto': ask the upstream (/props total_slots; 1 with a log line if it cannot tell). 1 (the "
                     "default) grants one request at a time.",
         json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}]})
+    api_key: Annotated[str | None, BeforeValidator(api_key_reference)] = Field(
+        default=None,
+        description="Where the upstream's API key is (llama-server's --api-key): 'file:PATH' or 'env:NAME', never "
+                    "the key itself. The sidecar sends it as 'Authorization: Bearer' on its own requests to the "
+                    "upstream, and `llamaswap up` gives it to the upstream it starts; read at start, never logged. "
+                    "Empty or null for none.",
+        json_schema_extra={"pattern": r"^((file:.+)|(env:[A-Za-z_][A-Za-z0-9_]*))?$"})
+
+    def read_api_key(self) -> str | None:
+        """The upstream's API key, read from where upstream.apiKey says; None without one. Raises
+        ConfigError (naming the file or variable, never the value) when it cannot be read."""
+        if self.api_key is None:
+            return None
+        kind, _, where = self.api_key.partition(":")
+        if kind == "file":
+            try:
+                key = pathlib.Path(where).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+                raise ConfigError([Problem("upstream.apiKey", f"cannot read the file {where}: {reason}")]) from None
+            empty = f"the file {where} is empty"
+        else:
+            key = os.environ.get(where, "").strip()
+            empty = f"the environment variable {where} is unset or empty"
+        if not key:
+            raise ConfigError([Problem("upstream.apiKey", empty)])
+        if any(c in key for c in "\r\n"):
+            raise ConfigError([Problem("upstream.apiKey", f"{self.api_key} holds more than one line: put one key in it")])
+        return key
 
     @property
     def host(self) -> str:

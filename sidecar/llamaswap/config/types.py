@@ -243,3 +243,21 @@ def optional_path(value: Any) -> str | None:
     if not isinstance(value, str):
         raise invalid(f"must be a file path, or empty for none, got {describe_value(value)}")
     return value
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def api_key_reference(value: Any) -> str | None:
+    """upstream.apiKey: ``file:PATH`` or ``env:NAME``. Anything else is refused without quoting
+    it: it may be the key itself, which must not reach a log."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        kind, colon, where = value.partition(":")
+        if colon and kind == "file" and where.strip():
+            return f"file:{where.strip()}"
+        if colon and kind == "env" and _ENV_NAME.fullmatch(where):
+            return value
+    raise invalid("must say where the key is, 'file:PATH' or 'env:NAME' (an environment variable), not the key "
+                  "itself (the value is not repeated here)")

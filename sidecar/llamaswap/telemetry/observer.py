@@ -62,6 +62,10 @@ _log = logging.getLogger(__name__)
 QUEUE_SPAN = "llamaswap.queue"
 RUN_SPAN = "llamaswap.run"
 OVERTOOK_EVENT = "llamaswap.overtook"
+# On the overtaken request's own queue span: each request that went ahead of it while it waited
+# (the first OVERTAKEN_EVENTS_KEPT; `llamaswap.overtaken_count` counts them all).
+OVERTAKEN_BY_EVENT = "llamaswap.overtaken_by"
+OVERTAKEN_EVENTS_KEPT = 100
 WATCHDOG_EVENT = "llamaswap.watchdog"
 
 INSTRUMENTATION_NAME = "llamaswap"
@@ -121,6 +125,9 @@ class Telemetry:
         self._picture = _EMPTY_PICTURE
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
+        # By request id, while it waits: (when, the event's attributes) of each request that
+        # overtook it, and how many did (its queue span is written only when it stops waiting).
+        self._overtaken_by: dict[str, tuple[list[tuple[int, dict[str, Any]]], list[int]]] = {}
         self._closed = False
         # The models of the waiting requests, kept per event (O(1)) so a picker's scrape every
         # 50 ms reads a finished label set whatever the depth.
@@ -227,13 +234,30 @@ class Telemetry:
         # request Envoy did not trace, this queue span (so it is still one trace).
         self._run_parents[ticket.token] = parent or trace.set_span_in_context(span, Context())
         at = self._wall(decision.granted_ns)
+        winner: dict[str, Any] = {"llamaswap.request_id": ticket.request_id, "llamaswap.priority": decision.priority,
+                                  "llamaswap.band": decision.band.value}
+        if ticket.trace_id is not None:
+            winner["llamaswap.trace_id"] = ticket.trace_id
         for other in overtaken:
             event: dict[str, Any] = {"llamaswap.request_id": other.request_id, "llamaswap.priority": other.priority,
                                      "llamaswap.band": other.band.value}
             if other.trace_id is not None:
                 event["llamaswap.trace_id"] = other.trace_id
             span.add_event(OVERTOOK_EVENT, event, timestamp=at)
+            kept, count = self._overtaken_by.setdefault(other.request_id, ([], [0]))
+            count[0] += 1
+            if len(kept) < OVERTAKEN_EVENTS_KEPT:
+                kept.append((at, winner))
+        self._add_overtaken_by(span, ticket.request_id)
         span.end(end_time=at)
+
+    def _add_overtaken_by(self, span: Any, request_id: str) -> None:
+        """The requests that went ahead of this one while it waited, as events on its queue span."""
+        kept, count = self._overtaken_by.pop(request_id, ([], [0]))
+        for at, winner in kept:
+            span.add_event(OVERTAKEN_BY_EVENT, winner, timestamp=at)
+        if count[0]:
+            span.set_attribute("llamaswap.overtaken_count", count[0])
 
     def finished(self, ticket: Ticket) -> None:
         self._left_queue(ticket.token)
@@ -282,6 +306,8 @@ class Telemetry:
         parent = self._run_parents.pop(ticket.token, None) or parent_of(ticket)
         span = self._tracer.start_span(name, context=parent or Context(), kind=SpanKind.INTERNAL,
                                        attributes=attributes, start_time=self._wall(start_ns))
+        if decision is None:
+            self._add_overtaken_by(span, ticket.request_id)
         if outcome is Outcome.WATCHDOG:
             span.add_event(WATCHDOG_EVENT, {"llamaswap.request_id": ticket.request_id},
                            timestamp=self._wall(finished_ns))

@@ -427,6 +427,9 @@
         fields.push(["overtook", record.overtook.map((o) => o.request_id).join(", ")]);
       }
     }
+    if (doc.overtaken_by && doc.overtaken_by.length) {
+      fields.push(["overtaken by", doc.overtaken_by.map((o) => `${o.request_id} (${o.band})`).join(", ")]);
+    }
     for (const settle of doc.records.filter((r) => r.kind === "settle")) {
       fields.push([`settle (${settle.reason})`, `${settle.result}, ${seconds(settle.settle_ms / 1000)}`]);
     }
