@@ -197,9 +197,10 @@ def test_the_public_listener_routes_to_the_sidecar_are_the_documented_ones():
                   if route.get("route", {}).get("cluster") == SIDECAR_ADMIN_CLUSTER]
     paths = {match.get("path") or match.get("prefix") or match.get("safe_regex", {}).get("regex", "")
              for match in to_sidecar}
-    assert len(paths) == 3, paths
+    assert len(paths) == 4, paths
     security = " ".join(section(DOCS / "configuration.md", "security").split())
     assert "`/metrics`" in security and "`/llamaswap/v1/upstream/metrics`" in security
+    assert "`/llamaswap/v1/picker/metrics`" in security and "/llamaswap/v1/picker/metrics" in paths
     assert "request status" in security  # the status route: /llamaswap/v1/requests/{id}
     assert any(path.startswith("/llamaswap/v1/requests") or "requests" in path for path in paths), paths
     assert "/metrics" in paths and "/llamaswap/v1/upstream/metrics" in paths
