@@ -141,9 +141,16 @@ class BandStats:
 class QueueSnapshot:
     policy: PolicyName
     loaded_model: str | None
-    running: RunningView | None  # the earliest of ``grants`` (with one slot, the grant)
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
     slots: int  # the slots of the model in effect (what `next` fills up to)
-    slots_busy: int  # len(grants)
+
+    @property
+    def running(self) -> RunningView | None:
+        """The earliest of ``grants`` (with one slot, the grant)."""
+        return self.grants[0] if self.grants else None
+
+    @property
+    def slots_busy(self) -> int:
+        return len(self.grants)

@@ -37,6 +37,7 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Final
@@ -70,21 +71,26 @@ __all__ = ["NS_PER_S", "OVERTAKEN_LIMIT", "BandStats", "Decision", "InvalidSlots
 _COMPACT_SLACK: Final = 1024
 
 
-class _Load:
-    """A model load begun by a grant (a load or a swap) that no release has confirmed yet:
-    the model loaded before it, and whether a grant on it reached the upstream and got an
-    answer that said nothing about the model (then, unconfirmed, the load may or may not have
-    happened). Compared by identity."""
+@dataclasses.dataclass(slots=True)
+class _PendingLoad:
+    """A model load begun by a grant (a load or a swap) that no release has confirmed yet: which
+    load it is (the scheduler counts them), the model loaded before it, and whether a grant on it
+    reached the upstream and got an answer that said nothing about the model (then, unconfirmed,
+    the load may or may not have happened)."""
 
-    __slots__ = ("previous", "unsure")
-
-    def __init__(self, previous: str | None) -> None:
-        self.previous = previous
-        self.unsure = False
+    number: int
+    previous: str | None
+    unsure: bool = False
 
 
-# A running grant: the request, why it won, and the load it ran on (if one was pending).
-_Grant = tuple[Entry, Decision, _Load | None]
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Grant:
+    """A running grant: the request, why it won, and the number of the pending load it ran on
+    (None: none was pending; the grants that carry a load's number are its users)."""
+
+    entry: Entry
+    decision: Decision
+    load: int | None
 
 
 
@@ -101,7 +107,8 @@ class Scheduler:
         self._loaded_model: str | None = None
         # The load the loaded model came from while none of its grants has reached the upstream
         # (None once one has, or when the model was reported rather than loaded by a grant).
-        self._load: _Load | None = None
+        self._load: _PendingLoad | None = None
+        self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -180,7 +187,7 @@ class Scheduler:
     def running(self) -> Decision | None:
         """The earliest running grant (with one slot, the grant)."""
         for grant in self._grants.values():
-            return grant[1]
+            return grant.decision
         return None
 
     @property
@@ -193,7 +200,7 @@ class Scheduler:
     @property
     def running_grants(self) -> tuple[Decision, ...]:
         """Every running grant, earliest first."""
-        return tuple(grant[1] for grant in self._grants.values())
+        return tuple(grant.decision for grant in self._grants.values())
 
     def running_ids(self) -> Iterator[str]:
         """The requests of the running grants, earliest first."""
@@ -326,10 +333,11 @@ class Scheduler:
         load = None
         if model is not None and not alone:
             if loads:  # only with nothing running: a load of its own
-                self._load = _Load(loaded)
+                self._loads += 1
+                self._load = _PendingLoad(self._loads, loaded)
                 self._loaded_model = model
-            load = self._load
-        self._grants[winner.request_id] = (winner, decision, load)
+            load = self._load.number if self._load is not None else None
+        self._grants[winner.request_id] = _Grant(winner, decision, load)
         self._running = self._what_runs()
         return decision
 
@@ -354,22 +362,24 @@ class Scheduler:
         if grant is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         self._running = self._what_runs()
-        model = grant[0].model
-        load = grant[2]
+        model = grant.entry.model
+        pending = self._load
+        on_pending = pending is not None and grant.load == pending.number  # a user of the pending load
         if not reached_upstream or model_loaded is None:
-            if load is not None and load is self._load:
-                load.unsure = load.unsure or reached_upstream
-                if all(other[2] is not load for other in self._grants.values()):
+            if on_pending:
+                assert pending is not None
+                pending.unsure = pending.unsure or reached_upstream
+                if all(other.load != pending.number for other in self._grants.values()):
                     # Its last user, and none confirmed the load: none reached the upstream (what
                     # was loaded before still is), or those that did were not told (not known).
-                    self._loaded_model = None if load.unsure else load.previous
+                    self._loaded_model = None if pending.unsure else pending.previous
                     self._load = None
         elif not model_loaded and model is not None and self._loaded_model == model:
             self._loaded_model = None
             self._load = None
-        elif load is not None and load is self._load:
+        elif on_pending:
             self._load = None  # it reached the upstream: the load happened
-        return Released(request_id, model, grant[1].granted_ns, self._clock.now_ns())
+        return Released(request_id, model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
@@ -439,10 +449,10 @@ class Scheduler:
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
             )
-            for decision in (grant[1] for grant in self._grants.values())
+            for decision in (grant.decision for grant in self._grants.values())
         )
-        return QueueSnapshot(self._policy.name, self._loaded_model, grants[0] if grants else None, waiting,
-                             self.band_stats(), grants, self.slots_total, len(grants))
+        return QueueSnapshot(self._policy.name, self._loaded_model, waiting, self.band_stats(), grants,
+                             self.slots_total)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
@@ -466,7 +476,8 @@ class Scheduler:
         model = None
         alone = False
         non_interactive = 0
-        for entry, _, _ in self._grants.values():
+        for grant in self._grants.values():
+            entry = grant.entry
             if entry.model is not None:
                 model = entry.model  # they name at most one
             alone = alone or entry.alone

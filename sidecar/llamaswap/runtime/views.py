@@ -143,7 +143,6 @@ class QueueViews:
     def walk(self, *, fresh: bool = False) -> tuple[QueueSnapshot, list[float]]:
         """The dispatch order and each one's estimated start (seconds from now)."""
         now = self._clock.now_ns()
-        cached = self._walk
         cached = self._current(now, fresh=fresh)
         age_s = (now - cached.at_ns) / NS_PER_S
         if age_s == 0:
