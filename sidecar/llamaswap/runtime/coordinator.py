@@ -28,7 +28,10 @@ Invariants enforced here (the other rooms of the runtime serve them and change n
   an adoption's end;
 - the runtime decides outcomes; how they look over HTTP is the adapters' business.
 
-Elsewhere: the model catalog checks (`catalog.py`), the queue views (`views.py`).
+Elsewhere (docs/architecture.md, "The rooms"): the model catalog checks and the model key
+(`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
+(`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
+queue views and what holds the GPU (`views.py`).
 """
 
 from __future__ import annotations
