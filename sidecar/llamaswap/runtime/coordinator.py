@@ -37,7 +37,6 @@ queue views and what holds the GPU (`views.py`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -64,7 +63,7 @@ from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
-from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
+from llamaswap.runtime.ticket import Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
 from llamaswap.runtime.watchdogs import Watchdogs
@@ -73,25 +72,8 @@ _log = logging.getLogger(__name__)
 
 # How long the running request may take to finish when llamaswap stops (`--grace`).
 GRACE_SECONDS_DEFAULT = 30.0
-__all__ = ["GRACE_SECONDS_DEFAULT", "RETRY_AFTER_MAX_S", "Admission", "Coordinator", "GpuState", "QueueView", "Refusal", "RunningRow",
-           "WaitingRow"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a request did not get the GPU; the adapters turn it into an HTTP error."""
-
-    outcome: Outcome
-    retry_after_s: int | None = None
-    queue_depth: int = 0
-    queue_limit: int = 0
-    max_wait_s: float = 0.0
-    model: str | None = None
-    limit_key: str = "routing.scheduler.maxQueued"  # the setting `queue_limit` is
-
-
-# What `admit` answers: the granted ticket, or a refusal.
-Admission = Ticket | Refusal
+__all__ = ["GRACE_SECONDS_DEFAULT", "RETRY_AFTER_MAX_S", "Admission", "Coordinator", "GpuState", "QueueView",
+           "Refusal", "RunningRow", "WaitingRow"]
 
 
 class Coordinator:

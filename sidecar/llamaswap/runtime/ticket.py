@@ -180,3 +180,20 @@ class Ticket:
             return None
         trace_id = parent[3:35]
         return None if trace_id == "0" * 32 else trace_id
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request did not get the GPU; the adapters turn it into an HTTP error."""
+
+    outcome: Outcome
+    retry_after_s: int | None = None
+    queue_depth: int = 0
+    queue_limit: int = 0
+    max_wait_s: float = 0.0
+    model: str | None = None
+    limit_key: str = "routing.scheduler.maxQueued"  # the setting `queue_limit` is
+
+
+# What `admit` answers: the granted ticket, or a refusal.
+Admission = Ticket | Refusal
