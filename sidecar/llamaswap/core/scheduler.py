@@ -38,10 +38,10 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Final
 
+from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
     OVERTAKEN_LIMIT,
@@ -136,10 +136,7 @@ class Scheduler:
         self._waiting: dict[str, Entry] = {}
         self._dead_in_heaps = 0
         self._rebuild(())
-        self._oldest_entry: Entry | None = None
-        self._newest_entry: Entry | None = None
-        self._band_arrivals: dict[Band, deque[Entry]] = {band: deque() for band in Band}
-        self._band_depth: dict[Band, int] = dict.fromkeys(Band, 0)
+        self._arrivals = Arrivals()
 
     def _rebuild(self, alive: Sequence[Entry]) -> None:
         self._aged.rebuild(alive)
@@ -255,9 +252,7 @@ class Scheduler:
             aged.push(entry)
             if plain is not None:
                 plain.push(entry)
-        self._link(entry)
-        self._band_arrivals[priority.band].append(entry)
-        self._band_depth[priority.band] += 1
+        self._arrivals.add(entry)
         return Queued(depth, entry.arrival_ns)
 
     def cancel(self, request_id: str) -> Removed | None:
@@ -300,7 +295,7 @@ class Scheduler:
             reasons.add(ReorderCause.AGING)
         if self._bonus and loaded is not None and entry_of(aged.top()) is not winner:
             reasons.add(ReorderCause.SWAP_AFFINITY)
-        overtook = self._overtaken_by(winner)
+        overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
         model = winner.model
         alone = winner.alone
@@ -389,7 +384,7 @@ class Scheduler:
         now = self._clock.now_ns()
         expired: list[Removed] = []
         while True:
-            entry = self._oldest_entry
+            entry = self._arrivals.oldest
             if entry is None or now - entry.arrival_ns < limit_ns:
                 return expired
             self._remove(entry)
@@ -398,13 +393,13 @@ class Scheduler:
     def next_deadline_ns(self) -> int | None:
         """When the oldest waiting request will be overdue; None without a limit."""
         limit_ns = self._policy.max_wait_ns
-        entry = self._oldest_entry if limit_ns else None
+        entry = self._arrivals.oldest if limit_ns else None
         return None if entry is None else entry.arrival_ns + limit_ns
 
     def reconfigure(self, policy: Policy) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times. Running
         grants keep their slots; with fewer slots than run, nothing starts until enough end."""
-        alive = self._arrival_order()
+        alive = self._arrivals.order()
         self._apply_policy(policy)
         for entry in alive:
             entry.base = policy.base_priority(entry.priority.value, entry.priority_model)
@@ -414,7 +409,7 @@ class Scheduler:
     def drain(self) -> list[Removed]:
         """Remove every waiting request (shutdown), oldest first."""
         now = self._clock.now_ns()
-        removed = [self._removed(entry, now) for entry in self._arrival_order()]
+        removed = [self._removed(entry, now) for entry in self._arrivals.order()]
         for entry in self._waiting.values():
             entry.alive = False
         self._reset_queue()
@@ -459,11 +454,11 @@ class Scheduler:
         now = self._clock.now_ns()
         stats = {}
         for band in Band:
-            oldest = self._oldest(self._band_arrivals[band])
+            oldest = self._arrivals.oldest_of(band)
             if oldest is None:
                 stats[band] = BandStats(0, 0.0, None)
             else:
-                stats[band] = BandStats(self._band_depth[band], (now - oldest.arrival_ns) / NS_PER_S, oldest.arrival_ns)
+                stats[band] = BandStats(self._arrivals.depth(band), (now - oldest.arrival_ns) / NS_PER_S, oldest.arrival_ns)
         return stats
 
     # -- internals -----------------------------------------------------------------------
@@ -529,66 +524,19 @@ class Scheduler:
     def _aging(self, waited_ns: int) -> float:
         return waited_ns / self._divisor_ns if self._divisor_ns else 0.0
 
-    def _arrival_order(self) -> list[Entry]:
-        entries = []
-        entry = self._oldest_entry
-        while entry is not None:
-            entries.append(entry)
-            entry = entry.newer
-        return entries
-
-    def _link(self, entry: Entry) -> None:
-        entry.older = self._newest_entry
-        entry.newer = None
-        if self._newest_entry is not None:
-            self._newest_entry.newer = entry
-        else:
-            self._oldest_entry = entry
-        self._newest_entry = entry
-
-    def _unlink(self, entry: Entry) -> None:
-        if entry.older is not None:
-            entry.older.newer = entry.newer
-        else:
-            self._oldest_entry = entry.newer
-        if entry.newer is not None:
-            entry.newer.older = entry.older
-        else:
-            self._newest_entry = entry.older
-        entry.older = entry.newer = None
-
     def _remove(self, entry: Entry) -> None:
         entry.alive = False
-        self._unlink(entry)
+        self._arrivals.remove(entry)
         del self._waiting[entry.request_id]
-        self._band_depth[entry.priority.band] -= 1
         self._dead_in_heaps += 1
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
     def _compact(self) -> None:
-        alive = self._arrival_order()
+        alive = self._arrivals.order()
         self._rebuild(alive)
-        self._band_arrivals = {band: deque(e for e in alive if e.priority.band is band) for band in Band}
+        self._arrivals.compact(alive)
         self._dead_in_heaps = 0
-
-    @staticmethod
-    def _oldest(arrivals: deque[Entry]) -> Entry | None:
-        while arrivals and not arrivals[0].alive:
-            arrivals.popleft()
-        return arrivals[0] if arrivals else None
-
-    def _overtaken_by(self, winner: Entry) -> tuple[str, ...]:
-        """Earlier arrivals still waiting; the list holds only the living, so this is O(limit)."""
-        overtaken: list[str] = []
-        entry = self._oldest_entry
-        seq = winner.seq
-        for _ in range(OVERTAKEN_LIMIT):  # (a bounded loop rather than a len() per step: per grant)
-            if entry is None or entry.seq >= seq:
-                break
-            overtaken.append(entry.request_id)
-            entry = entry.newer
-        return tuple(overtaken)
 
     @staticmethod
     def _removed(entry: Entry, now_ns: int) -> Removed:
