@@ -8,7 +8,7 @@ from pydantic import BaseModel
 
 from llamaswap.config.problems import Problem
 from llamaswap.config.sections import Config
-from llamaswap.core.priority import INTERACTIVE_FLOOR, Band, PriorityMode, band_of
+from llamaswap.core.priority import INTERACTIVE_FLOOR, PriorityMode, band_of
 from llamaswap.core.scheduler import PolicyName
 
 
@@ -24,7 +24,7 @@ def _clamp_reaches_interactive(config: Config) -> list[Problem]:
     # chart's 0.0.0.0, behind its Service and Ingress).
     security = config.security.priority
     listen = config.listen.http
-    if security.mode is not PriorityMode.CLAMP or band_of(security.max) is not Band.INTERACTIVE or listen.is_loopback:
+    if security.mode is not PriorityMode.CLAMP or not band_of(security.max).interactive or listen.is_loopback:
         return []
     return [Problem("security.priority.max",
                     f"{security.max} is in the interactive band (>= {INTERACTIVE_FLOOR}) and listen.http {listen} "
