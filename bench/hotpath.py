@@ -140,10 +140,12 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
     authz = ext_authz.Authorization(coordinator)
     timings = Timings()
     if wrapped:
-        for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry",
-                       "_arm_watchdog", "_estimate_later", "_estimate", "_update_idle", "_observe",
-                       "_overtaken"):
+        for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry", "_update_idle",
+                       "_observe", "_overtaken"):
             timings.wrap(coordinator, method, f"Coordinator.{method}")
+        timings.wrap(coordinator._watchdogs, "arm", "Watchdogs.arm")
+        for method in ("estimate_later", "_estimate"):
+            timings.wrap(coordinator._forecast, method, f"Forecast.{method}")
         scheduler = coordinator.scheduler
         for method in ("enqueue", "next", "release", "band_stats"):
             timings.wrap(scheduler, method, f"Scheduler.{method}")

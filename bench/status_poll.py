@@ -56,7 +56,7 @@ def _before(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:
 
 def _floor(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:
     """Do nothing but find the ticket and answer."""
-    ticket = coordinator._by_request_id.get(request_id)  # noqa: SLF001 - the floor reads the index directly
+    ticket = coordinator._request_ids.first.get(request_id)  # noqa: SLF001 - the floor reads the index directly
     if ticket is None:
         return None
     return {"request_id": request_id, "state": "waiting", "position": 0, "priority": ticket.priority.value,
