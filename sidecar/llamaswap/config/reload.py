@@ -31,6 +31,7 @@ class ReloadKey:
 RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("routing", OnReload.LIVE, "the waiting requests keep their arrival times; a new `maxRunSeconds` "
                                         "re-arms the running grant's watchdog from its grant"),
+    ReloadKey("routing.retryGraceSeconds", OnReload.LIVE, "from the next client that leaves; Envoy's bootstrap carries the body and headers that tell a retry only while it is positive, so turning it on from 0 takes effect at the next restart"),
     ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too"),
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
     ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
