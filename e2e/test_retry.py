@@ -18,6 +18,7 @@ import aiohttp
 import openai
 
 from client import chat
+from fake_llama import FakeLlamaServer
 from harness import Stack, async_wait_for, get_json, http_get, metric_samples, running_stack
 
 RUNNING_MS = 6000
@@ -198,3 +199,26 @@ async def test_an_untaken_kept_place_expires_on_time_and_is_counted(tmp_path: pa
         left = next(r for r in _activity(stack) if r["outcome"] == "cancelled_waiting")
         assert served["arrival_unix_ms"] > left["arrival_unix_ms"]
         assert _kept_metric(stack) == {"kept": 1, "taken_over": 0, "expired": 1}
+
+
+async def test_answers_say_whether_and_when_to_retry(tmp_path: pathlib.Path) -> None:
+    """x-should-retry: false where sending the same request again cannot help; retry-after-ms
+    beside Retry-After where it can (the OpenAI SDKs read both)."""
+    config = {"routing": {"scheduler": {"maxQueued": 1}}, "envoy": {"maxRequestBytes": 4096}}
+    with running_stack(tmp_path, config, fake=FakeLlamaServer(router=True)) as stack:
+        async with aiohttp.ClientSession() as session:
+            unknown = await chat(session, stack.url, "unknown", model="no-such-model")
+            assert (unknown.status, unknown.headers.get("x-should-retry")) == (404, "false")
+            async with session.post(f"{stack.url}/models/load", json={"model": "model-a"}) as response:
+                assert (response.status, response.headers.get("x-should-retry")) == (403, "false")
+            large = await chat(session, stack.url, "large", body=b'{"model":"model-a","pad":"' + b"x" * 8192 + b'"}')
+            assert (large.status, large.headers.get("x-should-retry")) == (413, "false")
+            blocker = asyncio.create_task(chat(session, stack.url, "blocker", hold=True))
+            await async_wait_for(lambda: stack.upstream.order() == ["blocker"], what="blocker at the upstream")
+            waiting = asyncio.create_task(chat(session, stack.url, "waiting"))
+            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="one waiting")
+            full = await chat(session, stack.url, "full")
+            assert full.status == 429 and "x-should-retry" not in full.headers
+            assert int(full.headers["retry-after-ms"]) == 1000 * int(full.headers["retry-after"])
+            stack.upstream.release("blocker")
+            assert [(await t).status for t in (blocker, waiting)] == [200, 200]

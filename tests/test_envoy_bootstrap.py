@@ -177,3 +177,11 @@ def test_a_clients_router_controls_are_removed_before_any_filter_reads_them():
     removed = {m["remove"] for m in first["typed_config"]["mutations"]["request_mutations"]}
     assert {"x-envoy-retry-on", "x-envoy-max-retries", "x-envoy-upstream-rq-per-try-timeout-ms",
             "x-envoy-upstream-rq-timeout-ms"} <= removed
+
+
+def test_envoys_own_answers_say_whether_and_when_to_retry():
+    mappers = hcm(build_bootstrap(parse_config({})))["local_reply_config"]["mappers"]
+    added = {m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]:
+             {h["header"]["key"]: h["header"]["value"] for h in m["headers_to_add"]} for m in mappers}
+    assert added[503] == {"retry-after": "5", "retry-after-ms": "5000"}  # the sidecar unreachable
+    assert added[413] == {"x-should-retry": "false"}  # the body is too large whenever it is sent
