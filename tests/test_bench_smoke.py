@@ -30,3 +30,9 @@ def test_hotpath_benchmark_runs_against_todays_coordinator():
     """It wraps the coordinator's inner methods by name: a rename must fail here, not in a bench run."""
     last = run("bench/hotpath.py", "--requests", "50", "--warmup", "10", "--rounds", "1")
     assert last.startswith("log: "), last
+
+
+def test_retry_benchmark_reads_a_check_with_a_body_as_the_adapter_does():
+    """Its in-process part (it asserts that the grace-on Check gives a digest)."""
+    last = run("bench/retry.py", "--quick", "--no-stack", "--body-bytes", "1024")
+    assert re.fullmatch(r"\| 1,\d{3} B \| \d+ \| [\d,]+ \| [\d.]+ us \| [\d.]+ us \| [+-][\d.]+ us \|", last), last

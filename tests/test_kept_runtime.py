@@ -5,7 +5,9 @@ once; and the adapter's digest says which requests are the same one."""
 from __future__ import annotations
 
 from flow import Flow, Request, check_request, virtual_time
+from llamaswap.adapters.admin import queue_document
 from llamaswap.adapters.ext_authz import retry_identity
+from llamaswap.commands.queue import render
 from llamaswap.core import NS_PER_S, Outcome
 from llamaswap.runtime.kept import KeptEventKind, RetryKeys, parse_attempt
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd
@@ -150,3 +152,21 @@ def test_the_same_request_is_the_same_caller_and_id_or_body() -> None:
 
 def test_the_attempt_is_the_sdks_retry_count() -> None:
     assert [parse_attempt(v) for v in ("0", "2", None, "-1", "x", "99999")] == [0, 2, None, None, None, None]
+
+
+@virtual_time
+async def test_queue_and_the_command_list_a_kept_place() -> None:
+    flow = Flow()
+    running = await _arrive(flow, "running", key=None)
+    first = await _arrive(flow, "job", attempt=2)
+    await flow.advance(2)
+    await flow.renew(running)  # (its lease: envoy.leaseSeconds)
+    await flow.cancel(first)
+    await flow.advance(1)
+    document = queue_document(flow.coordinator.view())
+    assert document["kept"] == [{"request_id": "job", "state": "kept", "attempt": 2, "priority": 0,
+                                 "band": "normal", "model": "m", "waited_s": 3.0, "away_s": 1.0,
+                                 "expires_in_s": 9.0}]
+    summary, _, *rows = render(document).splitlines()
+    assert summary.endswith(", 1 kept for a retry")
+    assert rows[-1].split()[:3] == ["-", "K", "job"]
