@@ -1,10 +1,12 @@
 """A client that retries keeps its place in the queue (routing.retryGraceSeconds), with the real
 `openai` Python SDK as the client, through the real Envoy and sidecar, against the fake upstream.
 
-The scenario of issue 29: `OpenAI(timeout=2, max_retries=3)` behind a 6 s running generation,
-with later arrivals of the same priority. The SDK times each try out after 2 s, backs off
-0.375-0.5 s, 0.75-1 s, 1.5-2 s (its own source), and sends the same body again: its third try
-is waiting when the generation ends.
+The scenario of issue 29: `OpenAI(timeout=2, max_retries=3)` behind a running generation of
+about 6 s, with later arrivals of the same priority. The SDK times each try out after 2 s, backs
+off 0.375-0.5 s, 0.75-1 s, 1.5-2 s (its own source) and sends the same body again. The
+generation ends when the SDK's third try waits (5.1-5.5 s after its first): by the test's hand,
+not by a clock, so that the end never falls in the moment the SDK is away between two tries
+(then the GPU would go to the next waiting request: a kept place holds a position, not the GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from client import chat
 from fake_llama import FakeLlamaServer
 from harness import Stack, async_wait_for, get_json, http_get, metric_samples, running_stack
 
-RUNNING_MS = 6000
+TRIES_BEFORE_THE_END = 2  # tries that time out before the generation ends
 BODY = {"model": "model-a", "messages": [{"role": "user", "content": "the same question each try"}]}
 
 
@@ -52,10 +54,11 @@ def _kept_metric(stack: Stack) -> dict[str, float]:
 
 async def _sdk_behind_running(stack: Stack, session: aiohttp.ClientSession, *, request_id: str | None,
                               grace: bool = True) -> tuple[Any, dict[str, Any]]:
-    """The issue's scenario: a 6 s generation runs; the SDK call arrives; one same-priority request
+    """The issue's scenario: a generation runs; the SDK call arrives; one same-priority request
     arrives after its first try, another while its client is away (between two tries, when the
-    grace period is on). Returns the SDK's raw response and the later requests' replies."""
-    running = asyncio.create_task(chat(session, stack.url, "running", sleep_ms=RUNNING_MS))
+    grace period is on); the generation ends once the SDK's third try waits. Returns the SDK's raw
+    response and the later requests' replies."""
+    running = asyncio.create_task(chat(session, stack.url, "running", hold=True))
     await async_wait_for(lambda: stack.upstream.order() == ["running"], what="the running generation")
     sdk = asyncio.ensure_future(asyncio.to_thread(_sdk_call, stack, request_id=request_id))
     await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="the SDK's first try waiting")
@@ -65,6 +68,13 @@ async def _sdk_behind_running(stack: Stack, session: aiohttp.ClientSession, *, r
         # Arrives while the SDK's client is away: its first try timed out, the retry is not here yet.
         await async_wait_for(lambda: stack.sidecar.queue()["kept"], what="the SDK's place kept", interval=0.005)
     later["later-2"] = asyncio.create_task(chat(session, stack.url, "later-2"))
+
+    def third_try_waits() -> bool:
+        left = sum(1 for r in _activity(stack) if r["outcome"] == "cancelled_waiting")
+        return left == TRIES_BEFORE_THE_END and len(stack.sidecar.queue()["waiting"]) == 3
+
+    await async_wait_for(third_try_waits, what="the SDK's third try waiting")
+    stack.upstream.release("running")
     raw = await sdk
     replies = dict(zip(later, await asyncio.gather(*later.values())))
     assert (await running).status == 200
@@ -81,6 +91,8 @@ async def _keeps_its_place(tmp_path: pathlib.Path, *, request_id: str | None) ->
         # Served before every request that arrived after its first try (the tries that timed out
         # never reached the upstream: they waited).
         assert stack.upstream.order() == ["running", "sdk", "later-1", "later-2"]
+        sdk_hit = stack.upstream.hits[1]
+        assert "x-llamaswap-client-request-id" not in {key.lower() for key in sdk_hit.headers}  # Envoy's, not theirs
         served_id = raw.headers["x-request-id"]
         if request_id is not None:
             assert served_id == request_id

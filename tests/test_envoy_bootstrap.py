@@ -69,6 +69,7 @@ def test_a_retry_grace_period_sends_the_check_what_tells_a_retry():
         "x-stainless-retry-count"}
     assert hcm(build_bootstrap(parse_config({})))["http_filters"][3]["typed_config"]["with_request_body"][
         "max_request_bytes"] == 256 * 1024  # only the beginning of a large body
+    assert config["route_config"]["virtual_hosts"][0]["request_headers_to_remove"] == ["x-llamaswap-client-request-id"]
     (early,) = config["early_header_mutation_extensions"]
     assert early["typed_config"]["mutations"][-1]["append"]["header"] == {
         "key": "x-llamaswap-client-request-id", "value": "%REQ(x-request-id)%"}

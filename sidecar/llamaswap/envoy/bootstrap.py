@@ -343,7 +343,10 @@ def build_bootstrap(
         stat_prefix="ingress",
         codec_type="AUTO",
         stream_idle_timeout=_duration(e.stream_idle_timeout_seconds),
-        route_config={"name": "llamaswap", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(config)}]},
+        route_config={"name": "llamaswap", "virtual_hosts": [{
+            "name": "llm", "domains": ["*"], "routes": _routes(config),
+            # The copy of the client's x-request-id is the sidecar's business, not the upstream's.
+            **({"request_headers_to_remove": [CLIENT_REQUEST_ID_HEADER]} if _retry_material(config) else {})}]},
         http_filters=_http_filters(config),
         access_log=[_access_log(config)],
         # Periodic entries for the running exchange: they renew its lease.
