@@ -220,7 +220,8 @@ class _Entry:
         return False
 
 
-# Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
+# Heap items: (negated key, seq, entry). seq is unique among the living, so living entries are never
+# compared (a taken-over place's dead twin may be: `_Entry.__lt__`).
 _Item = tuple[int, int, _Entry]
 
 

@@ -229,6 +229,8 @@
       counterCard("Models", [["swaps", counters.swaps], ["loads", counters.loads],
         ...settles.map(([k, v]) => [`settles (${escapeHtml(k)})`, v])]),
       counterCard("Endings", outcomes.length ? outcomes.map(([k, v]) => [escapeHtml(k), v]) : [["none yet", ""]]),
+      counterCard("Places kept for a retry", Object.entries(counters.kept_places || {}).length
+        ? Object.entries(counters.kept_places).map(([k, v]) => [escapeHtml(k.replace("_", " ")), v]) : [["none yet", ""]]),
       counterCard("Wait: actual / estimated", [["median", ratio(estimate.median_ratio)],
         ["all waits", ratio(estimate.total_ratio)], ["grants with an estimate", estimate.samples]]),
     ].join("");
