@@ -169,6 +169,9 @@ async def test_another_callers_identical_body_never_takes_the_place(tmp_path: pa
             await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 1, what="the other caller waiting")
             queue = stack.sidecar.queue()
             assert len(queue["kept"]) == 1  # the place is still kept: not taken by key-b
+            assert queue["kept"][0]["state"] == "kept" and queue["kept"][0]["waited_s"] >= queue["kept"][0]["away_s"]
+            page = get_json(f"{stack.sidecar.admin_url}/ui/state")  # what the page at /ui lists
+            assert [row["state"] for row in page["kept"]] == ["kept"]
             assert _kept_metric(stack)["taken_over"] == 0
             # The caller whose place it is takes it, ahead of the other caller who came first.
             retry = asyncio.create_task(_post(session, stack.url, "retry", "key-a"))

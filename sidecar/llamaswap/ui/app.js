@@ -189,14 +189,13 @@
       `<td class="num">${seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
     byId("queue").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="11">nobody waits</td></tr>`;
-    const kept = (doc.kept || []).map((row) => `<tr class="kept" data-request-id="${escapeHtml(row.request_id)}">` +
-      `<td class="num">kept</td><td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
-      `<td class="num">${row.priority}</td><td colspan="4" class="muted">client away ${seconds(row.away_s + ageS)}` +
-      `${row.attempt === null ? "" : ` after try ${row.attempt}`}; kept ${seconds(Math.max(0, row.expires_in_s - ageS))} more</td>` +
-      `<td class="num">${seconds(row.waited_s + ageS)}</td><td></td><td>${model(row.model)}</td></tr>`);
-    if (kept.length) {
-      byId("queue").tBodies[0].innerHTML += kept.join("");
-    }
+    // Places kept for a client's retry (routing.retryGraceSeconds): not in the dispatch order.
+    const kept = (doc.kept || []).map((row) => `<li class="kept" data-kept-id="${escapeHtml(row.request_id)}">` +
+      `kept: <span class="id">${escapeHtml(row.request_id)}</span> ${band(row.band)} ${row.priority}, ` +
+      `waited ${seconds(row.waited_s + ageS)}, client away ${seconds(row.away_s + ageS)}` +
+      `${row.attempt === null ? "" : ` after try ${row.attempt}`}, kept ${seconds(Math.max(0, row.expires_in_s - ageS))} more` +
+      `${row.model ? `, ${model(row.model)}` : ""}</li>`);
+    byId("queue-kept").innerHTML = kept.join("");
     byId("queue-summary").textContent = `${doc.waiting_total.toLocaleString()} waiting, in dispatch order` +
       (kept.length ? `; ${kept.length} kept for a retry` : "");
     byId("band-counts").innerHTML = BANDS.map((name) => {
