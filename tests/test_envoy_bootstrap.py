@@ -26,6 +26,7 @@ def test_the_chain_is_header_mutation_buffer_json_to_metadata_ext_authz_router()
     authz = config["http_filters"][3]["typed_config"]
     assert "with_request_body" not in authz  # no body in the sidecar without a retry grace period
     assert "early_header_mutation_extensions" not in config
+    assert set(config["route_config"]["virtual_hosts"][0]) == {"name", "domains", "routes"}
     assert authz["metadata_context_namespaces"] == ["llamaswap"]
     rule = config["http_filters"][2]["typed_config"]["request_rules"]["rules"][0]
     assert rule["on_present"]["type"] == "PROTOBUF_VALUE"  # only a JSON string counts as a model
