@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core.clock import Clock
+from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.priority import INTERACTIVE_FLOOR, Band, Priority
 
 NS_PER_S: Final = 1_000_000_000
@@ -217,8 +218,14 @@ class _Entry:
         self.older: _Entry | None = None
         self.newer: _Entry | None = None
 
+    def __lt__(self, other: _Entry) -> bool:
+        # Heap items are (key, seq, entry); a place taken over comes back with its seq, so a dead
+        # item of the request that left may tie with it up to the entry: any order will do.
+        return False
 
-# Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
+
+# Heap items: (negated key, seq, entry). seq is unique among the living, so living entries are never
+# compared (a taken-over place's dead twin may be: `_Entry.__lt__`).
 _Item = tuple[int, int, _Entry]
 
 
@@ -327,6 +334,7 @@ class Queued:
 
     depth: int
     arrival_ns: int
+    taken: KeptPlace | None = None  # the kept place it took over (its arrival is the place's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -434,6 +442,7 @@ class Scheduler:
         # The load the loaded model came from while none of its grants has reached the upstream
         # (None once one has, or when the model was reported rather than loaded by a grant).
         self._load: _Load | None = None
+        self._kept = KeptPlaces()
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -544,7 +553,8 @@ class Scheduler:
     # -- commands ------------------------------------------------------------------------
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
-                priority_model: str | None = None, alone: bool = False) -> Queued:
+                priority_model: str | None = None, alone: bool = False,
+                retry_key: bytes | None = None) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time.
 
         ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
@@ -552,17 +562,31 @@ class Scheduler:
         request on its one model whatever name the client sent. ``alone``: it changes what the
         upstream has loaded under any generation (an unload of ``model``): granted only when
         nothing runs, nothing is granted beside it, and it loads nothing (its release says
-        whether ``model`` is still loaded)."""
+        whether ``model`` is still loaded). A ``retry_key`` under which a place is kept (`keep`)
+        with the same priority and model takes that place over: the place's arrival time and
+        arrival order, so its aging, position and max wait."""
         if request_id in self._waiting or request_id in self._grants:
             raise SchedulerError(f"request {request_id!r} is already known")
-        depth = len(self._waiting)
-        limit = self._policy.max_queued
-        if limit and depth >= limit:
-            raise QueueFull(depth, limit)
-        self._seq += 1
         named = priority_model if priority_model is not None else model
-        entry = _Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
-                       self._clock.now_ns(), named, alone)
+        depth = len(self._waiting)
+        now = self._clock.now_ns()
+        place = self._kept.take(retry_key) if retry_key is not None else None
+        if place is not None and (place.priority.value != priority.value or place.model != model
+                                  or now >= place.until_ns or self._past_max_wait(place.arrival_ns, now)):
+            # Not the same request after all, or a place already due (its end is `expire_kept`'s
+            # to report, however late its timer runs): it stays kept.
+            self._kept.add(place)
+            place = None
+        if place is None:
+            limit = self._policy.max_queued
+            if limit and depth + len(self._kept) >= limit:
+                raise QueueFull(depth + len(self._kept), limit)
+            self._seq += 1
+            seq, arrival_ns = self._seq, now
+        else:
+            seq, arrival_ns = place.seq, place.arrival_ns
+        entry = _Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
+                       arrival_ns, named, alone)
         self._waiting[request_id] = entry
         self._aged.push(entry)
         if self._plain is not None:
@@ -572,10 +596,48 @@ class Scheduler:
             aged.push(entry)
             if plain is not None:
                 plain.push(entry)
-        self._link(entry)
-        self._band_arrivals[priority.band].append(entry)
+        if place is None:
+            self._link(entry)
+            self._band_arrivals[priority.band].append(entry)
+        else:
+            self._link_in_order(entry)
         self._band_depth[priority.band] += 1
-        return Queued(depth, entry.arrival_ns)
+        return Queued(depth, entry.arrival_ns, place)
+
+    def keep(self, request_id: str, key: bytes, grace_ns: int) -> tuple[Removed, KeptPlace | None] | None:
+        """A waiting request's client left: remove it, and keep its place under ``key`` for
+        ``grace_ns`` (unless a place is already kept under that key). None if it is not waiting:
+        a request that got the GPU never has a place kept."""
+        entry = self._waiting.get(request_id)
+        if entry is None:
+            return None
+        self._remove(entry)
+        now = self._clock.now_ns()
+        place = KeptPlace(key, request_id, entry.priority, entry.model, entry.priority_model, entry.arrival_ns,
+                          entry.seq, now, now + grace_ns)
+        return self._removed(entry, now), place if self._kept.add(place) else None
+
+    def _past_max_wait(self, arrival_ns: int, now_ns: int) -> bool:
+        limit_ns = self._policy.max_wait_ns
+        return bool(limit_ns) and now_ns - arrival_ns >= limit_ns
+
+    def expire_kept(self) -> list[KeptPlace]:
+        """End every kept place whose grace period is over or that waited ``max_wait_s`` since
+        its first arrival."""
+        return self._kept.due(self._clock.now_ns(), self._policy.max_wait_ns)
+
+    def drain_kept(self) -> list[KeptPlace]:
+        """End every kept place (shutdown), oldest first."""
+        return self._kept.drain()
+
+    @property
+    def kept(self) -> tuple[KeptPlace, ...]:
+        """The kept places, oldest first."""
+        return self._kept.places()
+
+    @property
+    def kept_count(self) -> int:
+        return len(self._kept)
 
     def cancel(self, request_id: str) -> Removed | None:
         """Remove a waiting request; None if it is not waiting (already granted or gone)."""
@@ -730,10 +792,15 @@ class Scheduler:
             expired.append(self._removed(entry, now))
 
     def next_deadline_ns(self) -> int | None:
-        """When the oldest waiting request will be overdue; None without a limit."""
+        """When the oldest waiting request will be overdue, or a kept place falls due
+        (`expire_overdue`, `expire_kept`); None if neither can happen."""
         limit_ns = self._policy.max_wait_ns
         entry = self._oldest_entry if limit_ns else None
-        return None if entry is None else entry.arrival_ns + limit_ns
+        waiting = None if entry is None else entry.arrival_ns + limit_ns
+        kept = self._kept.next_deadline_ns(limit_ns) if self._kept else None
+        if waiting is None or kept is None:
+            return waiting if kept is None else kept
+        return min(waiting, kept)
 
     def reconfigure(self, policy: Policy) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times. Running
@@ -872,6 +939,28 @@ class Scheduler:
         else:
             self._oldest_entry = entry
         self._newest_entry = entry
+
+    def _link_in_order(self, entry: _Entry) -> None:
+        """Link a request that took a kept place over where its arrival order puts it, in the
+        arrival list and its band's (O(n) in the newer requests: a retry, not every arrival)."""
+        newer = None
+        older = self._newest_entry
+        while older is not None and older.seq > entry.seq:
+            newer, older = older, older.older
+        entry.older, entry.newer = older, newer
+        if older is not None:
+            older.newer = entry
+        else:
+            self._oldest_entry = entry
+        if newer is not None:
+            newer.older = entry
+        else:
+            self._newest_entry = entry
+        arrivals = self._band_arrivals[entry.priority.band]
+        index = len(arrivals)
+        while index and arrivals[index - 1].seq > entry.seq:
+            index -= 1
+        arrivals.insert(index, entry)
 
     def _unlink(self, entry: _Entry) -> None:
         if entry.older is not None:

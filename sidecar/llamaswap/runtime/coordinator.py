@@ -51,10 +51,13 @@ from llamaswap.core import (
     MonotonicClock,
     Outcome,
     QueueFull,
+    Removed,
     Scheduler,
     model_stays_loaded,
 )
+from llamaswap.core.kept import KeptPlace
 from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.runtime.kept import KeptEvent, KeptLedger
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
 from llamaswap.runtime.settle import Settling, settle_upstream
@@ -129,6 +132,8 @@ class Coordinator:
         # in arrival order, each named in its turn.
         self._by_request_id: dict[str, Ticket] = {}
         self._later_by_request_id: dict[str, list[Ticket]] = {}
+        # routing.retryGraceSeconds: who left each kept place (the scheduler keeps the place).
+        self._kept = KeptLedger()
         self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         # The running grant, the adopted exchanges and what is remembered of finished grants,
         # with their timer (which is also the adopted exchanges' watchdog).
@@ -248,13 +253,16 @@ class Coordinator:
             ticket.schedule_model = single
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, ticket.schedule_model, priority_model=ticket.model,
-                                            alone=ticket.alone)
+                                            alone=ticket.alone,
+                                            retry_key=ticket.retry_key if self._grace_ns() else None)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
         # One arrival time, the scheduler's: the one its waits and aging count from.
         ticket.arrival_ns = queued.arrival_ns
         ticket.queue_depth_at_arrival = queued.depth
+        if queued.taken is not None:
+            self._took_over(ticket, queued.taken)
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
@@ -322,6 +330,7 @@ class Coordinator:
             ticket = self._tickets.get(removed.request_id)
             if ticket is not None:
                 self._finish(ticket, Outcome.SHUTDOWN, removed.removed_ns)
+        self._places_ended(self.scheduler.drain_kept())
         self._changed()
         self._arm_expiry()
 
@@ -595,7 +604,9 @@ class Coordinator:
     def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING, *,
                          pump: bool = True) -> None:
         if ticket.state is TicketState.WAITING:
-            removed = self.scheduler.cancel(ticket.token)
+            removed = self._keep_place(ticket) if outcome is Outcome.CANCELLED_WAITING else None
+            if removed is None:
+                removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
             if pump:
@@ -787,6 +798,7 @@ class Coordinator:
             ticket = self._tickets.get(removed.request_id)
             if ticket is not None:
                 self._finish(ticket, Outcome.EXPIRED, removed.removed_ns)
+        self._places_ended(self.scheduler.expire_kept())
         self._arm_expiry()
         self._pump()  # an expired request may have been the best (a swap that held the rest back)
 
@@ -842,8 +854,44 @@ class Coordinator:
     # -- views -----------------------------------------------------------------------------
 
     def view(self) -> QueueView:
-        """The live queue (`views.py`)."""
-        return self._views.view()
+        """The live queue (`views.py`), with the kept places."""
+        view = self._views.view()
+        if not self.scheduler.kept_count:
+            return view
+        return dataclasses.replace(view, kept=self._kept.rows(self.scheduler.kept, self._clock.now_ns()))
+
+    # -- kept places (routing.retryGraceSeconds; runtime/kept.py, core/kept.py) -----------
+
+    def _grace_ns(self) -> int:
+        return round(self._config.routing.retry_grace_seconds * NS_PER_S)
+
+    def _keep_place(self, ticket: Ticket) -> Removed | None:
+        """The client of a waiting request left: keep its place for its retry, if it can be
+        recognised (a digest) and a grace period is set. The ticket itself ends as
+        cancelled_waiting; the place lives on in the scheduler. None if no place is kept."""
+        grace_ns = self._grace_ns()
+        if not grace_ns or ticket.retry_key is None or not self._admitting:
+            return None
+        kept = self.scheduler.keep(ticket.token, ticket.retry_key, grace_ns)
+        if kept is None:
+            return None
+        removed, place = kept
+        if place is not None:
+            self._observe(self._observer.kept_place, self._kept.kept(ticket, place))
+        return removed
+
+    def _took_over(self, ticket: Ticket, place: KeptPlace) -> None:
+        ticket.takeover, event = self._kept.taken(ticket, place, self._clock.now_ns())
+        self._observe(self._observer.kept_place, event)
+
+    def _places_ended(self, places: list[KeptPlace]) -> None:
+        if not places:
+            return
+        now = self._clock.now_ns()
+        for place in places:
+            event: KeptEvent = self._kept.ended(place, now)
+            self._observe(self._observer.kept_place, event)
+        self._changed()
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""
