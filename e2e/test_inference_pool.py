@@ -86,14 +86,15 @@ async def test_the_picker_reads_what_the_queue_says(tmp_path: pathlib.Path) -> N
             held = [asyncio.create_task(chat(session, stack.url, f"a{i}", hold=True, model="model-a"))
                     for i in (1, 2)]
             await async_wait_for(lambda: upstream.active == 2, what="a1 and a2 running")
-            waiting = [
-                asyncio.create_task(chat(session, stack.url, "b1", model="model-b",
-                                         extra_headers={OBJECTIVE: "batch"})),
-                asyncio.create_task(chat(session, stack.url, "c1", model="model-c",
-                                         extra_headers={OBJECTIVE: "interactive"})),
-                asyncio.create_task(chat(session, stack.url, "a3", model="model-a", hold=True)),
-            ]
-            await async_wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 3, what="three waiting")
+            # One at a time, each queued before the next is sent: the order they began waiting.
+            waiting = []
+            for test_id, model, headers in (("b1", "model-b", {OBJECTIVE: "batch"}),
+                                            ("c1", "model-c", {OBJECTIVE: "interactive"}),
+                                            ("a3", "model-a", {})):
+                waiting.append(asyncio.create_task(chat(session, stack.url, test_id, model=model,
+                                                        hold=test_id == "a3", extra_headers=headers)))
+                await async_wait_for(lambda n=len(waiting): len(stack.sidecar.queue()["waiting"]) == n,
+                                     what=f"{test_id} waiting")
             figures, queue = scrape_beside_queue(stack, engine)
             assert figures[:3] == (3, 2, 1.0)
             assert figures[3] is not None and figures[3].running == ("model-a",)

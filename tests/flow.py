@@ -44,6 +44,7 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap.config import Config, parse_config
 from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
+from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
@@ -272,6 +273,7 @@ class Recorder:
         self.finish_counts: collections.Counter[int] = collections.Counter()  # by id(ticket)
         self.grants: list[tuple[Ticket, tuple[Overtaken, ...]]] = []  # dispatched, in order
         self.settles: list[Settle] = []
+        self.kept_events: list[KeptEvent] = []
         self.watchdogs: list[Ticket] = []
         self.pictures: list[QueuePicture] = []
         self.settings: list[Policy] = []
@@ -310,6 +312,10 @@ class Recorder:
 
     def settings_changed(self, policy: Policy) -> None:
         self.settings.append(policy)
+
+    def kept_place(self, event: KeptEvent) -> None:
+        self.events.append(("kept_place", event))
+        self.kept_events.append(event)
 
     # -- questions -----------------------------------------------------------------------
 

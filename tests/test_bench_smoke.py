@@ -37,3 +37,9 @@ def test_picker_scrape_benchmark_runs():
     last = run("bench/picker_scrape.py", "--waiting", "300", "--rounds", "1")
     assert re.fullmatch(r"picker: 300 waiting: picker page [\d.]+ us/scrape \(100 waiting [\d.]+ us\), "
                         r"whole page \d+ us, floor [\d.]+ us", last), last
+
+
+def test_retry_benchmark_reads_a_check_with_a_body_as_the_adapter_does():
+    """Its in-process part (it asserts that the grace-on Check gives a digest)."""
+    last = run("bench/retry.py", "--quick", "--no-stack", "--body-bytes", "1024")
+    assert re.fullmatch(r"\| 1,\d{3} B \| \d+ \| [\d,]+ \| [\d.]+ us \| [\d.]+ us \| [+-][\d.]+ us \|", last), last

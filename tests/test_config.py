@@ -643,7 +643,7 @@ EVERY_KEY = {
         "use": "fifo", "maxQueued": 7, "maxWaitSeconds": 2.5, "maxRunSeconds": 900.0,
         "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99, "reservedSlots": 3},
                      "fifo": {"reservedSlots": 1}},
-    }, "objectives": {"interactive": 90, "normal": 5, "batch": -90}},
+    }, "objectives": {"interactive": 90, "normal": 5, "batch": -90}, "retryGraceSeconds": 30.0},
     "models": {"qwen": {"priority": 10, "slots": 2}, "gemma": {"priority": -5, "slots": None}},
     "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091", "allowRemote": True},
     "upstream": {

@@ -19,12 +19,14 @@ def hcm(bootstrap: dict) -> dict:
 
 
 def test_the_chain_is_header_mutation_buffer_json_to_metadata_ext_authz_router():
-    config = hcm(build_bootstrap(parse_config({})))
+    config = hcm(build_bootstrap(parse_config({"routing": {"retryGraceSeconds": 0}})))
     names = [f["name"] for f in config["http_filters"]]
     assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.buffer", JSON_TO_METADATA, EXT_AUTHZ,
                      "envoy.filters.http.router"]
     authz = config["http_filters"][3]["typed_config"]
-    assert "with_request_body" not in authz  # no body in the sidecar
+    assert "with_request_body" not in authz  # no body in the sidecar without a retry grace period
+    assert "early_header_mutation_extensions" not in config
+    assert set(config["route_config"]["virtual_hosts"][0]) == {"name", "domains", "routes"}
     assert authz["metadata_context_namespaces"] == ["llamaswap"]
     rule = config["http_filters"][2]["typed_config"]["request_rules"]["rules"][0]
     assert rule["on_present"]["type"] == "PROTOBUF_VALUE"  # only a JSON string counts as a model
@@ -51,11 +53,28 @@ def test_unscheduled_routes_skip_the_model_lookup_and_the_check():
 
 
 def test_the_trusted_priority_header_is_sent_to_the_check():
-    config = parse_config({"security": {"priority": {"trustedHeader": "x-auth-priority"}}})
+    config = parse_config({"security": {"priority": {"trustedHeader": "x-auth-priority"}},
+                           "routing": {"retryGraceSeconds": 0}})
     authz = hcm(build_bootstrap(config))["http_filters"][3]["typed_config"]
     assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
         "x-llamaswap-priority", "x-request-id", "x-auth-priority", "x-llm-d-inference-objective",
         "x-gateway-inference-objective"}
+
+
+def test_a_retry_grace_period_sends_the_check_what_tells_a_retry():
+    config = hcm(build_bootstrap(parse_config({"envoy": {"maxRequestBytes": 100_000}})))  # the default grace
+    authz = config["http_filters"][3]["typed_config"]
+    assert authz["with_request_body"] == {"max_request_bytes": 100_000, "allow_partial_message": True,
+                                          "pack_as_bytes": True}
+    assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
+        "x-llamaswap-priority", "x-request-id", "authorization", "x-llamaswap-client-request-id", "content-length",
+        "x-stainless-retry-count"}
+    assert hcm(build_bootstrap(parse_config({})))["http_filters"][3]["typed_config"]["with_request_body"][
+        "max_request_bytes"] == 256 * 1024  # only the beginning of a large body
+    assert config["route_config"]["virtual_hosts"][0]["request_headers_to_remove"] == ["x-llamaswap-client-request-id"]
+    (early,) = config["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"][-1]["append"]["header"] == {
+        "key": "x-llamaswap-client-request-id", "value": "%REQ(x-request-id)%"}
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8080", "https://llm.example.com"])
@@ -161,3 +180,11 @@ def test_a_clients_router_controls_are_removed_before_any_filter_reads_them():
     removed = {m["remove"] for m in first["typed_config"]["mutations"]["request_mutations"]}
     assert {"x-envoy-retry-on", "x-envoy-max-retries", "x-envoy-upstream-rq-per-try-timeout-ms",
             "x-envoy-upstream-rq-timeout-ms"} <= removed
+
+
+def test_envoys_own_answers_say_whether_and_when_to_retry():
+    mappers = hcm(build_bootstrap(parse_config({})))["local_reply_config"]["mappers"]
+    added = {m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]:
+             {h["header"]["key"]: h["header"]["value"] for h in m["headers_to_add"]} for m in mappers}
+    assert added[503] == {"retry-after": "5", "retry-after-ms": "5000"}  # the sidecar unreachable
+    assert added[413] == {"x-should-retry": "false"}  # the body is too large whenever it is sent

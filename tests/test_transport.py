@@ -324,6 +324,9 @@ def test_denied_is_an_openai_error(refusal: Refusal) -> None:
     expected = {"content-type": "application/json", "x-llamaswap-outcome": refusal.outcome.value}
     if refusal.retry_after_s is not None:
         expected["retry-after"] = str(refusal.retry_after_s)
+        expected["retry-after-ms"] = str(refusal.retry_after_s * 1000)  # what the OpenAI SDKs read first
+    if refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL:
+        expected["x-should-retry"] = "false"  # the same model is unknown next time too
     assert headers == expected
     document = json.loads(response.denied_response.body)
     assert document == json.loads(body)

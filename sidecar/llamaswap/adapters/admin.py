@@ -16,6 +16,7 @@ from llamaswap.envoy.contract import PICKER_METRICS_PATH, STATUS_PREFIX
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
+from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
@@ -27,6 +28,13 @@ def waiting_document(row: WaitingRow) -> dict[str, Any]:
             "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s}
 
 
+def kept_document(row: KeptRow) -> dict[str, Any]:
+    """A place kept for a client's retry (routing.retryGraceSeconds), as GET /queue and the page show it."""
+    return {"request_id": row.request_id, "state": "kept", "attempt": row.attempt, "priority": row.priority,
+            "band": row.band.value, "model": row.model, "waited_s": row.waited_s, "away_s": row.away_s,
+            "expires_in_s": row.expires_in_s}
+
+
 def running_document(row: RunningRow) -> dict[str, Any]:
     """The running request as GET /queue (and the page at /ui) shows it."""
     return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
@@ -35,7 +43,8 @@ def running_document(row: RunningRow) -> dict[str, Any]:
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
-    """GET /queue: the running requests, then the waiting ones in dispatch order. ``running`` is
+    """GET /queue: the running requests, then the waiting ones in dispatch order, then the places
+    kept for a client's retry (``kept``, oldest first). ``running`` is
     the earliest running request (null for none: the shape before slots); ``running_all`` is
     every one, earliest first, with ``slots_busy`` of ``slots_total``."""
     return {
@@ -47,6 +56,7 @@ def queue_document(view: QueueView) -> dict[str, Any]:
         "slots_busy": view.slots_busy,
         "slots_total": view.slots_total,
         "waiting": [waiting_document(row) for row in view.waiting],
+        "kept": [kept_document(row) for row in view.kept],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
     }
 

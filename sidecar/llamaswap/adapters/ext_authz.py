@@ -25,6 +25,9 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as aut
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
 from llamaswap.envoy.contract import (
+    AUTHORIZATION_HEADER,
+    CLIENT_REQUEST_ID_HEADER,
+    CONTENT_LENGTH_HEADER,
     MAX_TOKENS_KEYS,
     MAX_REQUEST_ID,
     MODEL_KEY,
@@ -33,11 +36,15 @@ from llamaswap.envoy.contract import (
     OLD_OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     REQUEST_ID_HEADER,
+    RETRY_AFTER_MS_HEADER,
+    RETRY_COUNT_HEADER,
+    SHOULD_RETRY_HEADER,
     STREAM_KEY,
     TICKET_KEY,
     UNLOAD_PATH,
 )
 from llamaswap.runtime.coordinator import Coordinator, Refusal
+from llamaswap.runtime.kept import RetryKeys, parse_attempt
 from llamaswap.runtime.ticket import Arrival, Ticket
 from llamaswap.adapters.metadata import metadata_value
 from llamaswap.adapters.outcomes import http_error
@@ -88,7 +95,11 @@ def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
     error, body = http_error(refusal)
     headers = [_header("content-type", "application/json"), _header("x-llamaswap-outcome", refusal.outcome.value)]
     if refusal.retry_after_s is not None:
+        # The OpenAI SDKs read retry-after-ms first: both say the same.
         headers.append(_header("retry-after", str(refusal.retry_after_s)))
+        headers.append(_header(RETRY_AFTER_MS_HEADER, str(refusal.retry_after_s * 1000)))
+    if not error.retry_helps:
+        headers.append(_header(SHOULD_RETRY_HEADER, "false"))
     return authz_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=error.code),
         denied_response=authz_pb2.DeniedHttpResponse(
@@ -158,9 +169,30 @@ def streamed_of(request: authz_pb2.CheckRequest) -> bool:
     return value is not None and value.WhichOneof("kind") == "bool_value" and value.bool_value
 
 
+def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[bytes | None, int | None]:
+    """routing.retryGraceSeconds: the request's keyed digest (runtime/kept.py) and which try it is.
+
+    The caller is the Authorization header and the client's address. A client-chosen x-request-id
+    is one Envoy found on arrival (copied to CLIENT_REQUEST_ID_HEADER before Envoy makes one up for
+    a request without); else the body, which the bootstrap sends (its beginning, and the full
+    length in content-length, which the buffer filter sets) only while a grace period is set."""
+    http = request.attributes.request.http
+    headers = http.headers
+    own = headers.get(REQUEST_ID_HEADER)
+    chosen = own if own and headers.get(CLIENT_REQUEST_ID_HEADER) == own else None
+    length = headers.get(CONTENT_LENGTH_HEADER)
+    body = http.raw_body if length is not None else None
+    caller = f"{headers.get(AUTHORIZATION_HEADER, '')}\n{request.attributes.source.address.socket_address.address}"
+    digest = keys.digest(caller=caller, client_request_id=chosen, body=body, body_length=length)
+    if body:
+        http.ClearField("raw_body")  # hashed, never kept
+    return digest, parse_attempt(headers.get(RETRY_COUNT_HEADER))
+
+
 class Authorization(authz_grpc.AuthorizationServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, *, retry_keys: RetryKeys | None = None) -> None:
         self._coordinator = coordinator
+        self._retry_keys = retry_keys or RetryKeys()
 
     async def Check(  # noqa: N802 - the gRPC method name
         self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -192,6 +224,9 @@ class Authorization(authz_grpc.AuthorizationServicer):
         if replaced:  # the ticket, the activity log and every span keep it: bounded
             request_id = http.id
         scheduled = scheduled_as(http.method, http.path, model_of(request))
+        retry_key = attempt = None
+        if self._coordinator.config.routing.retry_grace_seconds > 0:
+            retry_key, attempt = retry_identity(request, self._retry_keys)
         return Arrival(
             request_id=request_id,
             priority_header=headers.get(PRIORITY_HEADER),
@@ -207,4 +242,6 @@ class Authorization(authz_grpc.AuthorizationServicer):
             request_id_replaced=replaced,
             alone=scheduled.alone,
             objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
+            retry_key=retry_key,
+            attempt=attempt,
         )

@@ -22,6 +22,9 @@ class HttpError:
     code: str  # OpenAI's error "code"
     message: Callable[[Refusal], str]
     param: str | None = None
+    # Whether the same request may succeed if sent again: False answers `x-should-retry: false`,
+    # which the OpenAI SDKs obey (they would otherwise retry a 5xx, say, and some 4xx).
+    retry_helps: bool = True
 
 
 REFUSALS: Mapping[Outcome, HttpError] = {
@@ -32,7 +35,7 @@ REFUSALS: Mapping[Outcome, HttpError] = {
     Outcome.REJECTED_UNKNOWN_MODEL: HttpError(
         404, "invalid_request_error", "model_not_found",
         lambda r: f"the model '{r.model}' does not exist here: the upstream does not serve it "
-                  "(GET /v1/models lists what it serves)", param="model"),
+                  "(GET /v1/models lists what it serves)", param="model", retry_helps=False),
     Outcome.EXPIRED: HttpError(
         503, "server_error", "queue_wait_expired",
         lambda r: f"waited longer than routing.scheduler.maxWaitSeconds ({r.max_wait_s:g} s) for the GPU; "

@@ -7,7 +7,8 @@ is the one it will have at its turn in that order (the swap-affinity bonus count
 loaded by then): the score it wins its turn with. START is the
 estimate from measured run and swap times (`estimates.*` before anything is measured), and
 for the running request TIME is how long it has run and START how long it is expected to
-take still. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the
+take still. Places kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`):
+WAIT counts from the first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the
 admin server's document itself (one a line with --watch).
 
 The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
@@ -112,6 +113,10 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
                       str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
                       format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
                       item.get("model") or "-"))
+    for item in document.get("kept") or []:
+        table.append(("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
+                      str(item.get("band", "")), "", format_duration(item.get("waited_s")),
+                      format_duration(item.get("away_s")), "", item.get("model") or "-"))
     return table
 
 
@@ -151,6 +156,9 @@ def render(document: dict[str, Any]) -> str:
     bands = document.get("bands") or {}
     if bands:
         summary += " (" + ", ".join(f"{name} {stats.get('depth', 0)}" for name, stats in bands.items()) + ")"
+    kept = document.get("kept") or []
+    if kept:
+        summary += f", {len(kept)} kept for a retry"
     table = [COLUMNS, *rows(document)]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = [summary]

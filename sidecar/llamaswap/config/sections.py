@@ -58,6 +58,11 @@ DEFAULT_ADMIN = HostPort("127.0.0.1", 9090)
 DEFAULT_UPSTREAM_PORT = 8081
 
 
+# routing.retryGraceSeconds: the OpenAI SDKs back off at most 8 s between tries (facts:
+# components.md, "Clients"); 10 s covers that and the client's new connection. At most an hour.
+RETRY_GRACE_SECONDS_DEFAULT = 10.0
+MAX_RETRY_GRACE_SECONDS = 3600.0
+
 RESERVED_SLOTS_MEANING = (
     "Of a model's slots, this many are kept for the interactive band (priority >= 50); it must be below "
     "every model's slots. 0 reserves none.")
@@ -172,6 +177,12 @@ class RoutingConfig(Section):
                     "in x-llm-d-inference-objective (llm-d's router in front of an InferencePool): objective name -> "
                     "an integer or interactive, normal, batch. An objective not listed counts as no header (0); "
                     "{} ignores the objective header.")
+    retry_grace_seconds: Annotated[ZeroOrSeconds, Meaning("0 = off")] = Field(
+        default=RETRY_GRACE_SECONDS_DEFAULT, ge=0, le=MAX_RETRY_GRACE_SECONDS,
+        description="A waiting request whose client leaves keeps its place this long: the client's retry of the "
+                    "same request (same caller, and the same client-chosen x-request-id, or else the same body, "
+                    "model and priority) takes it over, with its arrival time. 0 = off (no body reaches the "
+                    "sidecar). A change between 0 and a positive value needs a restart (Envoy's bootstrap).")
 
 
 class ModelConfig(Section):

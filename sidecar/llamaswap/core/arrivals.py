@@ -35,6 +35,30 @@ class Arrivals:
         self._by_band[band].append(entry)
         self._depth[band] += 1
 
+    def add_in_order(self, entry: Entry) -> None:
+        """A request that took a kept place over, where its arrival order (its seq) puts it, in the
+        list and its band's (O(n) in the newer requests: a retry, not every arrival)."""
+        newer = None
+        older = self.newest
+        while older is not None and older.seq > entry.seq:
+            newer, older = older, older.older
+        entry.older, entry.newer = older, newer
+        if older is not None:
+            older.newer = entry
+        else:
+            self.oldest = entry
+        if newer is not None:
+            newer.older = entry
+        else:
+            self.newest = entry
+        band = entry.priority.band
+        arrivals = self._by_band[band]
+        index = len(arrivals)
+        while index and arrivals[index - 1].seq > entry.seq:
+            index -= 1
+        arrivals.insert(index, entry)
+        self._depth[band] += 1
+
     def remove(self, entry: Entry) -> None:
         """A waiting request left (its band's deque drops it when met: `oldest_of`)."""
         if entry.older is not None:

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
+from llamaswap.core.kept import KeptPlace
 from llamaswap.core.policy import PolicyName
 from llamaswap.core.priority import Band
 
@@ -72,6 +73,7 @@ class Queued:
 
     depth: int
     arrival_ns: int
+    taken: KeptPlace | None = None  # the kept place it took over (its arrival is the place's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

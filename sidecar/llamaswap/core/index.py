@@ -32,8 +32,14 @@ class Entry:
         self.older: Entry | None = None
         self.newer: Entry | None = None
 
+    def __lt__(self, other: Entry) -> bool:
+        # Heap items are (key, seq, entry); a place taken over comes back with its seq, so a dead
+        # item of the request that left may tie with it up to the entry: any order will do.
+        return False
 
-# Heap items: (negated key, seq, entry). seq is unique, so entries are never compared.
+
+# Heap items: (negated key, seq, entry). seq is unique among the living, so living entries are never
+# compared (a taken-over place's dead twin may be: `Entry.__lt__`).
 Item = tuple[int, int, Entry]
 
 

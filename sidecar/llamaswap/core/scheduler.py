@@ -58,6 +58,7 @@ from llamaswap.core.decisions import (
 from llamaswap.core.dispatch import IDLE, Running, Turn, slots_in_effect, turn
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
+from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -109,6 +110,7 @@ class Scheduler:
         # (None once one has, or when the model was reported rather than loaded by a grant).
         self._load: _PendingLoad | None = None
         self._loads = 0  # model loads begun by grants so far: each pending load's number
+        self._kept = KeptPlaces()
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -224,7 +226,8 @@ class Scheduler:
     # -- commands ------------------------------------------------------------------------
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
-                priority_model: str | None = None, alone: bool = False) -> Queued:
+                priority_model: str | None = None, alone: bool = False,
+                retry_key: bytes | None = None) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time.
 
         ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
@@ -232,17 +235,31 @@ class Scheduler:
         request on its one model whatever name the client sent. ``alone``: it changes what the
         upstream has loaded under any generation (an unload of ``model``): granted only when
         nothing runs, nothing is granted beside it, and it loads nothing (its release says
-        whether ``model`` is still loaded)."""
+        whether ``model`` is still loaded). A ``retry_key`` under which a place is kept (`keep`)
+        with the same priority and model takes that place over: the place's arrival time and
+        arrival order, so its aging, position and max wait."""
         if request_id in self._waiting or request_id in self._grants:
             raise SchedulerError(f"request {request_id!r} is already known")
-        depth = len(self._waiting)
-        limit = self._policy.max_queued
-        if limit and depth >= limit:
-            raise QueueFull(depth, limit)
-        self._seq += 1
         named = priority_model if priority_model is not None else model
-        entry = Entry(request_id, self._seq, priority, self._policy.base_priority(priority.value, named), model,
-                       self._clock.now_ns(), named, alone)
+        depth = len(self._waiting)
+        now = self._clock.now_ns()
+        place = self._kept.take(retry_key) if retry_key is not None else None
+        if place is not None and (place.priority.value != priority.value or place.model != model
+                                  or now >= place.until_ns or self._past_max_wait(place.arrival_ns, now)):
+            # Not the same request after all, or a place already due (its end is `expire_kept`'s
+            # to report, however late its timer runs): it stays kept.
+            self._kept.add(place)
+            place = None
+        if place is None:
+            limit = self._policy.max_queued
+            if limit and depth + len(self._kept) >= limit:
+                raise QueueFull(depth + len(self._kept), limit)
+            self._seq += 1
+            seq, arrival_ns = self._seq, now
+        else:
+            seq, arrival_ns = place.seq, place.arrival_ns
+        entry = Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
+                      arrival_ns, named, alone)
         self._waiting[request_id] = entry
         self._aged.push(entry)
         if self._plain is not None:
@@ -252,8 +269,46 @@ class Scheduler:
             aged.push(entry)
             if plain is not None:
                 plain.push(entry)
-        self._arrivals.add(entry)
-        return Queued(depth, entry.arrival_ns)
+        if place is None:
+            self._arrivals.add(entry)
+        else:
+            self._arrivals.add_in_order(entry)
+        return Queued(depth, entry.arrival_ns, place)
+
+    def keep(self, request_id: str, key: bytes, grace_ns: int) -> tuple[Removed, KeptPlace | None] | None:
+        """A waiting request's client left: remove it, and keep its place under ``key`` for
+        ``grace_ns`` (unless a place is already kept under that key). None if it is not waiting:
+        a request that got the GPU never has a place kept."""
+        entry = self._waiting.get(request_id)
+        if entry is None:
+            return None
+        self._remove(entry)
+        now = self._clock.now_ns()
+        place = KeptPlace(key, request_id, entry.priority, entry.model, entry.priority_model, entry.arrival_ns,
+                          entry.seq, now, now + grace_ns)
+        return self._removed(entry, now), place if self._kept.add(place) else None
+
+    def _past_max_wait(self, arrival_ns: int, now_ns: int) -> bool:
+        limit_ns = self._policy.max_wait_ns
+        return bool(limit_ns) and now_ns - arrival_ns >= limit_ns
+
+    def expire_kept(self) -> list[KeptPlace]:
+        """End every kept place whose grace period is over or that waited ``max_wait_s`` since
+        its first arrival."""
+        return self._kept.due(self._clock.now_ns(), self._policy.max_wait_ns)
+
+    def drain_kept(self) -> list[KeptPlace]:
+        """End every kept place (shutdown), oldest first."""
+        return self._kept.drain()
+
+    @property
+    def kept(self) -> tuple[KeptPlace, ...]:
+        """The kept places, oldest first."""
+        return self._kept.places()
+
+    @property
+    def kept_count(self) -> int:
+        return len(self._kept)
 
     def cancel(self, request_id: str) -> Removed | None:
         """Remove a waiting request; None if it is not waiting (already granted or gone)."""
@@ -391,10 +446,15 @@ class Scheduler:
             expired.append(self._removed(entry, now))
 
     def next_deadline_ns(self) -> int | None:
-        """When the oldest waiting request will be overdue; None without a limit."""
+        """When the oldest waiting request will be overdue, or a kept place falls due
+        (`expire_overdue`, `expire_kept`); None if neither can happen."""
         limit_ns = self._policy.max_wait_ns
         entry = self._arrivals.oldest if limit_ns else None
-        return None if entry is None else entry.arrival_ns + limit_ns
+        waiting = None if entry is None else entry.arrival_ns + limit_ns
+        kept = self._kept.next_deadline_ns(limit_ns) if self._kept else None
+        if waiting is None or kept is None:
+            return waiting if kept is None else kept
+        return min(waiting, kept)
 
     def reconfigure(self, policy: Policy) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times. Running

@@ -35,6 +35,13 @@ from llamaswap.config import Config, ManagementApi
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S
 from llamaswap.envoy.contract import (
     ACCESS_LOG_NAME,
+    AUTHORIZATION_HEADER,
+    CLIENT_REQUEST_ID_HEADER,
+    CONTENT_LENGTH_HEADER,
+    MAX_DIGESTED_BODY,
+    RETRY_AFTER_MS_HEADER,
+    RETRY_COUNT_HEADER,
+    SHOULD_RETRY_HEADER,
     BYPASS_PATHS,
     GRANT_NAMESPACE,
     MANAGEMENT_PATHS,
@@ -172,6 +179,9 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
     trusted = config.security.priority.trusted_header
     if trusted:
         headers.append(trusted)
+    retry = _retry_material(config)
+    if retry:
+        headers += [AUTHORIZATION_HEADER, CLIENT_REQUEST_ID_HEADER, CONTENT_LENGTH_HEADER, RETRY_COUNT_HEADER]
     buffer = {"name": BUFFER, "typed_config": _typed("envoy.extensions.filters.http.buffer.v3.Buffer",
                                                       max_request_bytes=e.max_request_bytes)}
     json_to_metadata = {"name": JSON_TO_METADATA, "typed_config": _typed(
@@ -198,6 +208,11 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         metadata_context_namespaces=[MODEL_NAMESPACE],
         # Only what scheduling reads: a held Check should cost the sidecar as little as possible.
         allowed_headers={"patterns": [{"exact": name} for name in headers]},
+        **({"with_request_body": {
+            # routing.retryGraceSeconds: the body's beginning, hashed by the sidecar to know a
+            # client's retry (its full length comes in content-length); never stored.
+            "max_request_bytes": min(MAX_DIGESTED_BODY, e.max_request_bytes),
+            "allow_partial_message": True, "pack_as_bytes": True}} if retry else {}),
     )}
     # A client's router controls (retries, per-try timeouts) would give one grant several upstream
     # attempts. use_remote_address alone does not drop them: Envoy still counts a loopback or
@@ -207,6 +222,27 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         mutations={"request_mutations": [{"remove": name} for name in CLIENT_ROUTER_CONTROLS]})}
     router = {"name": ROUTER, "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router")}
     return [strip, buffer, json_to_metadata, ext_authz, router]
+
+
+def _retry_material(config: Config) -> bool:
+    """Whether the Check carries what tells a client's retry (routing.retryGraceSeconds > 0)."""
+    return config.routing.retry_grace_seconds > 0
+
+
+def _early_header_mutations(config: Config) -> dict[str, Any]:
+    """routing.retryGraceSeconds: copy the client's own x-request-id before Envoy makes one up
+    for a request that has none (early mutations run ahead of it), so that the sidecar can tell
+    a client-chosen id; a client's own copy of the header is overwritten."""
+    if not _retry_material(config):
+        return {}
+    return {"early_header_mutation_extensions": [{
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": _typed(
+            "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            mutations=[{"remove": CLIENT_REQUEST_ID_HEADER}, {"append": {
+                "header": {"key": CLIENT_REQUEST_ID_HEADER, "value": f"%REQ({REQUEST_ID_HEADER})%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]),
+    }]}
 
 
 def _access_log(config: Config) -> dict[str, Any]:
@@ -248,7 +284,9 @@ def _management_routes(config: Config) -> list[dict[str, Any]]:
         "llama-server's management API is not served on this port (upstream.managementApi is refuse); "
         "send model requests instead, or call the upstream directly", "permission_error", "management_api_refused")
     refused = {"status": 403, "body": {"inline_string": body.decode()}}
-    headers = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    headers = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+               # Refused whatever the moment: the OpenAI SDKs would not retry a 403 anyway, others might.
+               {"header": {"key": SHOULD_RETRY_HEADER, "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     matches = [{"path": path} for path in MANAGEMENT_PATHS] + [{"prefix": prefix} for prefix in MANAGEMENT_PREFIXES]
     return [_unscheduled({"match": match, "direct_response": refused, "response_headers_to_add": headers})
             for match in matches]
@@ -311,7 +349,10 @@ def build_bootstrap(
         stat_prefix="ingress",
         codec_type="AUTO",
         stream_idle_timeout=_duration(e.stream_idle_timeout_seconds),
-        route_config={"name": "llamaswap", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(config)}]},
+        route_config={"name": "llamaswap", "virtual_hosts": [{
+            "name": "llm", "domains": ["*"], "routes": _routes(config),
+            # The copy of the client's x-request-id is the sidecar's business, not the upstream's.
+            **({"request_headers_to_remove": [CLIENT_REQUEST_ID_HEADER]} if _retry_material(config) else {})}]},
         http_filters=_http_filters(config),
         access_log=[_access_log(config)],
         # Periodic entries for the running exchange: they renew its lease.
@@ -329,11 +370,20 @@ def build_bootstrap(
         always_set_request_id_in_response=True,
         # Envoy's own 503s (the sidecar unreachable, for one) tell clients when to come back;
         # the sidecar's refusals already carry their own Retry-After, which this keeps.
+        # (retry-after-ms too: the OpenAI SDKs read it first.) A body over envoy.maxRequestBytes
+        # (413, the buffer filter's) is too large whenever it is sent: `x-should-retry: false`.
         local_reply_config={"mappers": [{
             "filter": {"status_code_filter": {"comparison": {
                 "op": "EQ", "value": {"default_value": 503, "runtime_key": "llamaswap.local_503"}}}},
             "headers_to_add": [{"header": {"key": "retry-after", "value": str(SHUTDOWN_RETRY_AFTER_S)},
+                                "append_action": "ADD_IF_ABSENT"},
+                               {"header": {"key": RETRY_AFTER_MS_HEADER, "value": str(SHUTDOWN_RETRY_AFTER_S * 1000)},
                                 "append_action": "ADD_IF_ABSENT"}],
+        }, {
+            "filter": {"status_code_filter": {"comparison": {
+                "op": "EQ", "value": {"default_value": 413, "runtime_key": "llamaswap.local_413"}}}},
+            "headers_to_add": [{"header": {"key": SHOULD_RETRY_HEADER, "value": "false"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         }]},
         common_http_protocol_options={"headers_with_underscores_action": "ALLOW"},
         # Routes match the path llama-server will act on: it percent-decodes paths (measured:
@@ -346,6 +396,7 @@ def build_bootstrap(
         request_id_extension={"typed_config": _typed(
             "envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig", use_request_id_for_trace_sampling=False)},
         http2_protocol_options={"max_concurrent_streams": 100_000},
+        **_early_header_mutations(config),
     )
     clusters = [
         _cluster(UPSTREAM_CLUSTER, upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,

@@ -16,6 +16,8 @@ from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
     "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY", "UNLOAD_PATH",
+    "AUTHORIZATION_HEADER", "CLIENT_REQUEST_ID_HEADER", "CONTENT_LENGTH_HEADER", "RETRY_AFTER_MS_HEADER",
+    "MAX_DIGESTED_BODY", "RETRY_COUNT_HEADER", "SHOULD_RETRY_HEADER",
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
     "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
@@ -34,6 +36,22 @@ TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"
 
 REQUEST_ID_HEADER = "x-request-id"
+# routing.retryGraceSeconds: Envoy copies the client's own x-request-id here before it generates
+# one for a request that has none (an early header mutation, ahead of the request id), so the
+# sidecar can tell a client-chosen id (the two are equal) from Envoy's.
+CLIENT_REQUEST_ID_HEADER = "x-llamaswap-client-request-id"
+# The caller's identity, the try (the OpenAI SDKs count them), and the body's full length (the
+# Check may carry only the body's beginning): what a retry's match key is made of.
+AUTHORIZATION_HEADER = "authorization"
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+CONTENT_LENGTH_HEADER = "content-length"
+# The answer tells the OpenAI SDKs (and others that read it) whether a retry can help, and when.
+SHOULD_RETRY_HEADER = "x-should-retry"
+# Envoy sends the sidecar at most this much of a body (ext_authz `with_request_body`, partial): the
+# digest covers these bytes and the body's length. A held Check keeps its request in memory, so
+# this bounds what a waiting request costs beyond its headers (docs/architecture.md).
+MAX_DIGESTED_BODY = 256 * 1024
+RETRY_AFTER_MS_HEADER = "retry-after-ms"
 # A client's x-request-id longer than this is replaced by Envoy's own id for the stream (the
 # Check's `attributes.request.http.id`): it is stored in the ticket, the activity log and spans.
 MAX_REQUEST_ID = 128

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from llamaswap.core import NS_PER_S, Clock, Policy
+from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
@@ -75,6 +76,9 @@ class ActivityLog:
     def watchdog_fired(self, ticket: Ticket) -> None:
         pass
 
+    def kept_place(self, event: KeptEvent) -> None:
+        pass
+
     def settings_changed(self, policy: Policy) -> None:
         self._write({
             "event": "settings",
@@ -111,6 +115,7 @@ class ActivityLog:
         outcome = ticket.outcome
         finished_ns = ticket.ended_ns
         granted_ns = decision.granted_ns if decision is not None else None
+        takeover = ticket.takeover
         return {
             "event": "request",
             "time": round(self._unix_ms(finished_ns) / 1000, 3),
@@ -143,6 +148,10 @@ class ActivityLog:
             "estimated_wait_ms": round(ticket.estimated_wait_s * 1000, 3) if ticket.estimated_wait_s is not None
             else None,
             "status": ticket.response_status,
+            # routing.retryGraceSeconds: it took over the place of an earlier try of the same
+            # request (its arrival and wait are that try's): which try, and how long the client was away.
+            "kept_from_attempt": takeover.from_attempt if takeover is not None else None,
+            "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
 
     def unix_ms(self, clock_ns: int) -> float:

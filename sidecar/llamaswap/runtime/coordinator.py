@@ -58,6 +58,7 @@ from llamaswap.core import (
 from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.deferred import Deferred
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
+from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
@@ -92,6 +93,10 @@ class Coordinator:
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
         self._request_ids = RequestIds()
+        # routing.retryGraceSeconds: places kept for a retry (`kept.py`; the scheduler keeps them).
+        self._kept = PlaceKeeper(self.scheduler, self._clock,
+                                 grace_ns=lambda: round(self._config.routing.retry_grace_seconds * NS_PER_S),
+                                 observe=lambda event: self._observe(self._observer.kept_place, event))
         self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         # The running grant, the adopted exchanges and what is remembered of finished grants,
         # with their timer (which is also the adopted exchanges' watchdog).
@@ -215,13 +220,15 @@ class Coordinator:
         ticket.schedule_model = key.scheduled
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
-                                            alone=ticket.alone)
+                                            alone=ticket.alone, retry_key=self._kept.retry_key(ticket))
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))
         # One arrival time, the scheduler's: the one its waits and aging count from.
         ticket.arrival_ns = queued.arrival_ns
         ticket.queue_depth_at_arrival = queued.depth
+        if queued.taken is not None:
+            self._kept.took_over(ticket, queued.taken)
         waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
         ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
@@ -288,6 +295,7 @@ class Coordinator:
             ticket = self._tickets.get(removed.request_id)
             if ticket is not None:
                 self._finish(ticket, Outcome.SHUTDOWN, removed.removed_ns)
+        self._kept.ended(self.scheduler.drain_kept())
         self._changed()
         self._arm_expiry()
 
@@ -466,7 +474,9 @@ class Coordinator:
     def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING, *,
                          pump: bool = True) -> None:
         if ticket.state is TicketState.WAITING:
-            removed = self.scheduler.cancel(ticket.token)
+            removed = self._kept.keep(ticket, admitting=self._admitting) if outcome is Outcome.CANCELLED_WAITING else None
+            if removed is None:
+                removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())
             self._arm_expiry()
             if pump:
@@ -637,14 +647,16 @@ class Coordinator:
             ticket = self._tickets.get(removed.request_id)
             if ticket is not None:
                 self._finish(ticket, Outcome.EXPIRED, removed.removed_ns)
+        if self._kept.ended(self.scheduler.expire_kept()):
+            self._changed()
         self._arm_expiry()
         self._pump()  # an expired request may have been the best (a swap that held the rest back)
 
     # -- views -----------------------------------------------------------------------------
 
     def view(self) -> QueueView:
-        """The live queue (`views.py`)."""
-        return self._views.view()
+        """The live queue (`views.py`), with the kept places."""
+        return self._kept.shown(self._views.view())
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from llamaswap.core import Band, Clock, Outcome, Policy
 from llamaswap.runtime.activity import ActivityLog
+from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
@@ -72,6 +73,7 @@ class History:
         self._dispatched: collections.Counter[str] = collections.Counter({band.value: 0 for band in Band})
         self._reorders: collections.Counter[str] = collections.Counter()
         self._outcomes: collections.Counter[str] = collections.Counter()
+        self._kept: collections.Counter[str] = collections.Counter()  # kept places, by event
         self._settles: collections.Counter[str] = collections.Counter()
         self._swaps = 0
         self._loads = 0
@@ -110,6 +112,7 @@ class History:
             "swaps": self._swaps,
             "loads": self._loads,
             "outcomes": dict(self._outcomes),
+            "kept_places": dict(self._kept),
             "settles": dict(self._settles),
             "estimate": {
                 # Actual wait / estimated wait at arrival, over the last RATIO_SAMPLES grants that had one.
@@ -182,6 +185,9 @@ class History:
 
     def settings_changed(self, policy: Policy) -> None:
         pass
+
+    def kept_place(self, event: KeptEvent) -> None:
+        self._kept[event.kind.value] += 1
 
     def finished(self, ticket: Ticket) -> None:
         record = self._activity.record(ticket)

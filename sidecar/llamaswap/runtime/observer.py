@@ -11,6 +11,7 @@ import logging
 from typing import Protocol
 
 from llamaswap.core import Band, Policy
+from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
 
 _log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class Observer(Protocol):
     def settings_changed(self, policy: Policy) -> None:
         """The scheduler's settings at start and after each reload (for replays)."""
 
+    def kept_place(self, event: KeptEvent) -> None:
+        """A place was kept for a client's retry, taken over by one, or ended untaken."""
+
 
 class NoopObserver:
     def enqueued(self, ticket: Ticket) -> None:
@@ -119,6 +123,9 @@ class NoopObserver:
         pass
 
     def settings_changed(self, policy: Policy) -> None:
+        pass
+
+    def kept_place(self, event: KeptEvent) -> None:
         pass
 
 
@@ -155,3 +162,6 @@ class FanOut:
 
     def settings_changed(self, policy: Policy) -> None:
         self._each("settings_changed", policy)
+
+    def kept_place(self, event: KeptEvent) -> None:
+        self._each("kept_place", event)

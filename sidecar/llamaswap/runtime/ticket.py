@@ -70,6 +70,23 @@ class Arrival:
     # It unloads `model` (llama-server's POST /models/unload): it runs alone (`Scheduler.enqueue`).
     alone: bool = False
     objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
+    # routing.retryGraceSeconds: the keyed digest that says which request this is (runtime/kept.py),
+    # and which try (the SDKs' x-stainless-retry-count), if the client said.
+    retry_key: bytes | None = None
+    attempt: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Takeover:
+    """A request that took a kept place over: from which try, and how long the client was away."""
+
+    from_attempt: int | None  # the x-stainless-retry-count of the try that left, if it said
+    left_ns: int
+    taken_ns: int
+
+    @property
+    def away_ns(self) -> int:
+        return self.taken_ns - self.left_ns
 
 
 # Paths whose POST runs a generation on the GPU (OpenAI's and llama-server's own names).
@@ -118,6 +135,7 @@ class Ticket:
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
         "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
+        "retry_key", "attempt", "takeover",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -151,6 +169,9 @@ class Ticket:
         # The model the scheduler and the estimates key on: the client's, except where the
         # upstream serves one model whatever the name (then every request is on the loaded one).
         self.schedule_model = arrival.model
+        self.retry_key = arrival.retry_key
+        self.attempt = arrival.attempt
+        self.takeover: Takeover | None = None  # the kept place it took over, if it did
 
     @property
     def generation(self) -> bool:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
 
 # The queue view (GET /queue, the status route) is reused while younger than this.
@@ -105,6 +106,7 @@ class QueueView:
     bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
+    kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from llamaswap.core import Band, Outcome, ReorderCause
+from llamaswap.runtime.kept import KeptEventKind
 
 QUEUE_DEPTH = "llamaswap_scheduler_queue_depth"
 QUEUE_OLDEST_WAIT = "llamaswap_scheduler_queue_oldest_wait_seconds"
@@ -58,12 +59,13 @@ WAITING_ADAPTERS = "waiting_lora_adapters"
 MAX_ADAPTERS = "max_lora"
 # The picker's four gauges, in the order of its engine config (queued, running, KV use, LoRA).
 PICKER = (WAITING, GPU_SLOTS_BUSY, SATURATION, MODELS_INFO)
+KEPT_PLACES = "llamaswap_kept_places_total"
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
        ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
-       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO)
+       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -207,6 +209,11 @@ class Instruments:
             description=f"Measurements recorded under model=\"{OTHER_MODEL}\": the model label keeps "
                         f"{MAX_MODEL_LABELS} model names, the first measured.")
         self.model_labels = ModelLabels()
+        self.kept_places = Tally(
+            meter, KEPT_PLACES, unit="{place}",
+            description="Places kept for a client's retry (routing.retryGraceSeconds), by event: kept (a waiting "
+                        "request's client left), taken_over (its retry took the place), expired (nobody did).",
+            series=[{"event": kind.value} for kind in KeptEventKind])
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "

@@ -40,6 +40,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from llamaswap import __version__
 from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Policy, PrioritySource
 from llamaswap.core.estimate import NO_MODEL
+from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
@@ -319,6 +320,10 @@ class Telemetry:
         if not self._closed:
             self.instruments.watchdog.add(1)
 
+    def kept_place(self, event: KeptEvent) -> None:
+        if not self._closed:
+            self.instruments.kept_places.add(1, {"event": event.kind.value})
+
     def settled(self, settle: Settle) -> None:
         if not self._closed:
             self.instruments.settle.record(settle.seconds, {"reason": settle.reason.value,
@@ -363,6 +368,11 @@ class Telemetry:
         }
         if ticket.model is not None:
             attributes["llamaswap.model"] = ticket.model
+        takeover = ticket.takeover
+        if takeover is not None:  # it took over a kept place: its wait counts from that earlier try
+            if takeover.from_attempt is not None:
+                attributes["llamaswap.kept.from_attempt"] = takeover.from_attempt
+            attributes["llamaswap.kept.away_ms"] = takeover.away_ns / 1e6
         return attributes
 
     # -- gauges --------------------------------------------------------------------------

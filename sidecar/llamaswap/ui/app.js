@@ -193,7 +193,15 @@
       `<td class="num">${row.estimated_start_s === null ? startIn(null) : seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
     byId("queue").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="11">nobody waits</td></tr>`;
-    byId("queue-summary").textContent = `${doc.waiting_total.toLocaleString()} waiting, in dispatch order`;
+    // Places kept for a client's retry (routing.retryGraceSeconds): not in the dispatch order.
+    const kept = (doc.kept || []).map((row) => `<li class="kept" data-kept-id="${escapeHtml(row.request_id)}">` +
+      `kept: <span class="id">${escapeHtml(row.request_id)}</span> ${band(row.band)} ${row.priority}, ` +
+      `waited ${seconds(row.waited_s + ageS)}, client away ${seconds(row.away_s + ageS)}` +
+      `${row.attempt === null ? "" : ` after try ${row.attempt}`}, kept ${seconds(Math.max(0, row.expires_in_s - ageS))} more` +
+      `${row.model ? `, ${model(row.model)}` : ""}</li>`);
+    byId("queue-kept").innerHTML = kept.join("");
+    byId("queue-summary").textContent = `${doc.waiting_total.toLocaleString()} waiting, in dispatch order` +
+      (kept.length ? `; ${kept.length} kept for a retry` : "");
     byId("band-counts").innerHTML = BANDS.map((name) => {
       const stats = doc.bands[name] || { depth: 0, oldest_wait_s: 0 };
       const oldest = stats.depth ? `, oldest ${seconds(stats.oldest_wait_s + ageS)}` : "";
@@ -224,6 +232,8 @@
       counterCard("Models", [["swaps", counters.swaps], ["loads", counters.loads],
         ...settles.map(([k, v]) => [`settles (${escapeHtml(k)})`, v])]),
       counterCard("Endings", outcomes.length ? outcomes.map(([k, v]) => [escapeHtml(k), v]) : [["none yet", ""]]),
+      counterCard("Places kept for a retry", Object.entries(counters.kept_places || {}).length
+        ? Object.entries(counters.kept_places).map(([k, v]) => [escapeHtml(k.replace("_", " ")), v]) : [["none yet", ""]]),
       counterCard("Wait: actual / estimated", [["median", ratio(estimate.median_ratio)],
         ["all waits", ratio(estimate.total_ratio)], ["grants with an estimate", estimate.samples]]),
     ].join("");
