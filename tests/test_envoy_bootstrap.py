@@ -68,7 +68,7 @@ def test_a_retry_grace_period_sends_the_check_what_tells_a_retry():
                                           "pack_as_bytes": True}
     assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {
         "x-llamaswap-priority", "x-request-id", "authorization", "x-llamaswap-client-request-id", "content-length",
-        "x-stainless-retry-count"}
+        "x-stainless-retry-count", "x-llm-d-inference-objective", "x-gateway-inference-objective"}
     assert hcm(build_bootstrap(parse_config({})))["http_filters"][3]["typed_config"]["with_request_body"][
         "max_request_bytes"] == 256 * 1024  # only the beginning of a large body
     assert config["route_config"]["virtual_hosts"][0]["request_headers_to_remove"] == ["x-llamaswap-client-request-id"]
