@@ -84,7 +84,7 @@ class SlotLearner:
         config = self._config()
         if config.upstream.slots != SLOTS_AUTO:
             return
-        slots = config.slots(self.learnt)
+        slots = config.slots(self.learnt, self._catalog.single_model())  # as the coordinator applies them
         if slots.reserved < config.reserved_slots:
             _log.warning("upstream.slots: auto: the upstream has %d slots%s, too few for %d reserved "
                          "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
