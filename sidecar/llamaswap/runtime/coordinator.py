@@ -31,7 +31,8 @@ Invariants enforced here (the other rooms of the runtime serve them and change n
 Elsewhere (docs/architecture.md, "The rooms"): the model catalog checks and the model key
 (`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
-queue views and what holds the GPU (`views.py`).
+queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
+request-id index (`request_ids.py`).
 """
 
 from __future__ import annotations
