@@ -246,3 +246,17 @@ def test_the_documented_warning_is_what_check_config_says():
     assert documented is not None
     said = advice(parse_config({"models": {"qwen3-8b": {"priority": 10}}}))
     assert [str(problem) for problem in said] == [documented.group(1)]
+
+
+def test_the_layer_table_names_every_package_and_command():
+    """docs/architecture.md's layer table: a row per package of sidecar/llamaswap/, and the
+    commands row names every subcommand."""
+    rows = {}
+    for line in section(DOCS / "architecture.md", "The layers").splitlines():
+        match = re.match(r"\| `sidecar/llamaswap/([a-z_]+)/` \| (.*) \|$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    packages = {path.name for path in (ROOT / "sidecar" / "llamaswap").iterdir()
+                if path.is_dir() and path.name != "__pycache__"}
+    assert set(rows) == packages
+    assert all(f"`{name}`" in rows["commands"] for name in _subcommands()), rows["commands"]
