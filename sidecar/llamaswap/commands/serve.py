@@ -82,8 +82,13 @@ class PortInUse(OSError):
             text = (f"{key} {address} is already in use by {holder}, not by llamaswap: stop it or move it to another "
                     f"port (llama-server --port 8081, the port of upstream.url), or set {key} to another address")
         super().__init__(errno.EADDRINUSE, text)
+        self.text = text
         self.key = key
         self.address = address
+
+    def __str__(self) -> str:
+        # The sentence alone: OSError's own form prefixes "[Errno 98] ", which `up` printed.
+        return self.text
 
 
 # Validates a configuration document the way the command that runs it does (`up` adds its
