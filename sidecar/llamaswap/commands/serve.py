@@ -234,7 +234,11 @@ class Sidecar:
         self.coordinator.stop_admitting()
         finished = await self.coordinator.wait_idle(grace_s)
         if not finished:
-            _log.warning("grace period of %.0f s ended with a request still running", grace_s)
+            # Not finished also when only a settle runs (`up` failing at start, an upstream that
+            # refuses the key) or, with a grace of 0, when nothing runs at all: name requests only.
+            running = len(self.coordinator.view().running)
+            if running:
+                _log.warning("grace period of %.0f s ended with %d request(s) still running", grace_s, running)
             self.coordinator.abandon_running()
 
     async def close(self) -> None:
