@@ -269,3 +269,20 @@ def test_kubernetes_md_says_whether_simulate_pods_is_built():
     built = any("--pods" in action.option_strings for action in simulate._actions)
     many_nodes = " ".join(section(DOCS / "kubernetes.md", "Many nodes").split())
     assert ("`llamaswap simulate --pods N` is not built" in many_nodes) is not built
+
+
+def test_the_routes_that_skip_the_queue_are_named():
+    """docs/architecture.md's list of requests that skip the queue names every path of a route
+    that Envoy's bootstrap sends on without the Check."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import build_bootstrap
+
+    unscheduled = {route["match"].get("path") or route["match"].get("prefix")
+                   for route in _routes(build_bootstrap(Config()))
+                   if "route" in route and route.get("typed_per_filter_config", {})
+                   .get("envoy.filters.http.ext_authz", {}).get("disabled")}
+    assert "/llamaswap/v1/upstream/metrics" in unscheduled and "/health" in unscheduled
+    text = (DOCS / "architecture.md").read_text()
+    skipping = " ".join(text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0].split())
+    for path in unscheduled:
+        assert f"`{path.rstrip('/')}" in skipping or f"`GET {path}" in skipping, path
