@@ -286,3 +286,14 @@ def test_the_routes_that_skip_the_queue_are_named():
     skipping = " ".join(text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0].split())
     for path in unscheduled:
         assert f"`{path.rstrip('/')}" in skipping or f"`GET {path}" in skipping, path
+
+
+def test_the_check_config_example_is_what_the_defaults_explain():
+    """docs/scheduling.md's check-config example: its lines after `...` are what check-config
+    says of the default settings."""
+    from llamaswap.core.explain import explain_policy
+
+    example = section(DOCS / "scheduling.md", "How long a band waits: `check-config`")
+    block = example.split("```\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[:2] == ["ok", "  ..."]
+    assert block[2:] == [f"  {line}" for line in explain_policy(Config().policy())]
