@@ -93,6 +93,10 @@ def _arg(args: list[str], flag: str) -> str:
 
 def test_the_ci_folder_has_value_files() -> None:
     assert {"minimal-values", "full-values", "scale-out-values"} <= {p.stem for p in ct.CI_VALUES}
+    # The README says what each example is for.
+    examples = (ct.CHART / "README.md").read_text().split("Example value files are in", 1)[1].split("\n\n", 1)[0]
+    for path in ct.CI_VALUES:
+        assert f"`{path.name}`" in examples, path.name
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
