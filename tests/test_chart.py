@@ -1146,3 +1146,13 @@ def test_kubernetes_md_names_what_the_chart_uses() -> None:
     for value in ("llamaServer.modelsVolume.type=hostPath", "llamaServer.modelsVolume.hostPath.path=",
                   "llamaServer.defaultModel=", "runtimeClassName=nvidia"):
         assert value in text
+    # Every value its `helm install ... charts/llamaswap` commands set is one of the chart's.
+    commands = re.findall(r"helm install \S+ charts/llamaswap((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert "llamaServer.defaultModel=" in command  # a model to serve, on every path
+        for key in re.findall(r"--set '?([A-Za-z.\[\]0-9]+)=", command):
+            node: Any = CHART_VALUES
+            for part in re.sub(r"\[\d+\]", "", key).split("."):
+                assert isinstance(node, dict) and part in node, key
+                node = node[part]
