@@ -93,6 +93,10 @@ def _arg(args: list[str], flag: str) -> str:
 
 def test_the_ci_folder_has_value_files() -> None:
     assert {"minimal-values", "full-values", "scale-out-values"} <= {p.stem for p in ct.CI_VALUES}
+    # The README says what each example is for.
+    examples = (ct.CHART / "README.md").read_text().split("Example value files are in", 1)[1].split("\n\n", 1)[0]
+    for path in ct.CI_VALUES:
+        assert f"`{path.name}`" in examples, path.name
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -1142,3 +1146,13 @@ def test_kubernetes_md_names_what_the_chart_uses() -> None:
     for value in ("llamaServer.modelsVolume.type=hostPath", "llamaServer.modelsVolume.hostPath.path=",
                   "llamaServer.defaultModel=", "runtimeClassName=nvidia"):
         assert value in text
+    # Every value its `helm install ... charts/llamaswap` commands set is one of the chart's.
+    commands = re.findall(r"helm install \S+ charts/llamaswap((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert "llamaServer.defaultModel=" in command  # a model to serve, on every path
+        for key in re.findall(r"--set '?([A-Za-z.\[\]0-9]+)=", command):
+            node: Any = CHART_VALUES
+            for part in re.sub(r"\[\d+\]", "", key).split("."):
+                assert isinstance(node, dict) and part in node, key
+                node = node[part]

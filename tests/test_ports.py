@@ -61,3 +61,12 @@ def test_up_names_a_foreign_server_on_its_port(tmp_path: Path) -> None:
     name = Path(sys.executable).name
     assert f"listen.http 127.0.0.1:{port} is already in use by {name} (pid {other.pid}), not by llamaswap" \
         in result.stderr, result.stderr
+
+
+def test_the_documented_message_is_what_up_prints() -> None:
+    """docs/operations.md shows the message for llama-server on 8080 as `up` prints it (one
+    sentence, no "[Errno 98]" prefix)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    shown = text.split("naming what holds it:\n\n```\n", 1)[1].split("\n```", 1)[0]
+    said = str(PortInUse("listen.http", HostPort("127.0.0.1", 8080), holder="llama-server (pid 4242)"))
+    assert f"error: {said}" == " ".join(shown.split())

@@ -246,3 +246,54 @@ def test_the_documented_warning_is_what_check_config_says():
     assert documented is not None
     said = advice(parse_config({"models": {"qwen3-8b": {"priority": 10}}}))
     assert [str(problem) for problem in said] == [documented.group(1)]
+
+
+def test_the_layer_table_names_every_package_and_command():
+    """docs/architecture.md's layer table: a row per package of sidecar/llamaswap/, and the
+    commands row names every subcommand."""
+    rows = {}
+    for line in section(DOCS / "architecture.md", "The layers").splitlines():
+        match = re.match(r"\| `sidecar/llamaswap/([a-z_]+)/` \| (.*) \|$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    packages = {path.name for path in (ROOT / "sidecar" / "llamaswap").iterdir()
+                if path.is_dir() and path.name != "__pycache__"}
+    assert set(rows) == packages
+    assert all(f"`{name}`" in rows["commands"] for name in _subcommands()), rows["commands"]
+
+
+def test_kubernetes_md_says_whether_simulate_pods_is_built():
+    """docs/kubernetes.md says `simulate --pods` is not built exactly while the command has no
+    such option (issue 28's replay over many pods waits for issue 27)."""
+    simulate = _subcommands()["simulate"]
+    built = any("--pods" in action.option_strings for action in simulate._actions)
+    many_nodes = " ".join(section(DOCS / "kubernetes.md", "Many nodes").split())
+    assert ("`llamaswap simulate --pods N` is not built" in many_nodes) is not built
+
+
+def test_the_routes_that_skip_the_queue_are_named():
+    """docs/architecture.md's list of requests that skip the queue names every path of a route
+    that Envoy's bootstrap sends on without the Check."""
+    from llamaswap.config import Config
+    from llamaswap.envoy.bootstrap import build_bootstrap
+
+    unscheduled = {route["match"].get("path") or route["match"].get("prefix")
+                   for route in _routes(build_bootstrap(Config()))
+                   if "route" in route and route.get("typed_per_filter_config", {})
+                   .get("envoy.filters.http.ext_authz", {}).get("disabled")}
+    assert "/llamaswap/v1/upstream/metrics" in unscheduled and "/health" in unscheduled
+    text = (DOCS / "architecture.md").read_text()
+    skipping = " ".join(text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0].split())
+    for path in unscheduled:
+        assert f"`{path.rstrip('/')}" in skipping or f"`GET {path}" in skipping, path
+
+
+def test_the_check_config_example_is_what_the_defaults_explain():
+    """docs/scheduling.md's check-config example: its lines after `...` are what check-config
+    says of the default settings."""
+    from llamaswap.core.explain import explain_policy
+
+    example = section(DOCS / "scheduling.md", "How long a band waits: `check-config`")
+    block = example.split("```\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[:2] == ["ok", "  ..."]
+    assert block[2:] == [f"  {line}" for line in explain_policy(Config().policy())]

@@ -69,3 +69,20 @@ async def test_the_first_grant_waits_for_an_upstream_that_answers_500_for_a_whil
         assert sidecar.coordinator.gpu_state == "running"
     finally:
         await sidecar.close()
+
+
+@pytest.mark.parametrize("settling", [False, True])
+async def test_a_drain_names_running_requests_only(upstream, caplog, settling: bool) -> None:
+    """`up` failing at start drains with no grace: nothing running (or only the startup settle,
+    against an upstream that cannot answer /slots) is no request cut off."""
+    upstream.slots_failures = 1_000_000 if settling else 0
+    sidecar = Sidecar(_config(upstream.url))
+    await sidecar.start()
+    try:
+        if not settling:
+            await async_wait_for(lambda: sidecar.coordinator.gpu_state == "idle", what="the startup settle")
+        assert (sidecar.coordinator.gpu_state == "settling") is settling
+        await sidecar.drain(0.0)
+    finally:
+        await sidecar.close()
+    assert "still running" not in caplog.text

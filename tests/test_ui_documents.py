@@ -449,3 +449,20 @@ def test_ui_jaeger_url() -> None:
         [problem] = info.value.problems
         assert problem.path == "ui.jaegerUrl" and "http:// or https:// URL" in problem.message
 
+
+
+@virtual_time
+async def test_every_admin_route_is_documented() -> None:
+    """Each GET route of the sidecar's admin server (the page's among them) is named in README.md
+    or docs/, its path up to the first {parameter} (the page's own files aside)."""
+    from llamaswap.adapters.admin import build_admin_app
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    page = Page()
+    app = build_admin_app(page.flow.coordinator, page.activity, history=page.history)
+    add_ui_routes(app, page.ui)
+    paths = {resource.canonical for resource in app.router.resources()}
+    assert "/ui/timeline" in paths and "/activity" in paths
+    for path in paths - {"/ui/", "/ui/app.js", "/ui/style.css"}:
+        assert f"`{path.split('{', 1)[0]}" in docs, path

@@ -81,8 +81,13 @@ class PortInUse(OSError):
             text = (f"{key} {address} is already in use by {holder}, not by llamaswap: stop it or move it to another "
                     f"port (llama-server --port 8081, the port of upstream.url), or set {key} to another address")
         super().__init__(errno.EADDRINUSE, text)
+        self.text = text
         self.key = key
         self.address = address
+
+    def __str__(self) -> str:
+        # The sentence alone: OSError's own form prefixes "[Errno 98] ", which `up` printed.
+        return self.text
 
 
 # Validates a configuration document the way the command that runs it does (`up` adds its
@@ -227,7 +232,11 @@ class Sidecar:
         self.coordinator.stop_admitting()
         finished = await self.coordinator.wait_idle(grace_s)
         if not finished:
-            _log.warning("grace period of %.0f s ended with a request still running", grace_s)
+            # Not finished also when only a settle runs (`up` failing at start, an upstream that
+            # refuses the key) or, with a grace of 0, when nothing runs at all: name requests only.
+            running = len(self.coordinator.view().running)
+            if running:
+                _log.warning("grace period of %.0f s ended with %d request(s) still running", grace_s, running)
             self.coordinator.abandon_running()
 
     async def close(self) -> None:
