@@ -719,6 +719,7 @@ async def test_gpu_state_and_wait_idle() -> None:
     done = asyncio.ensure_future(flow.coordinator.wait_idle(100))
     await flow.idle()
     assert done.done() and done.result() is True  # idle already
+    assert await flow.coordinator.wait_idle(0) is True  # no grace period at all: idle is still idle
 
     a = await flow.arrive("a", model="a")
     assert flow.coordinator.gpu_state == "running" == flow.coordinator.view().gpu

@@ -303,6 +303,8 @@ class Coordinator:
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing runs (no grant in any slot, no settle, no adopted exchange); True if
         it finished within the grace period."""
+        if self._idle.is_set():  # wait_for(..., 0) times out even on a set event (Python 3.11)
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
