@@ -25,6 +25,12 @@ released request's model; an answer that says nothing (None, a 4xx) keeps it, un
 it came from is confirmed by no release yet: then, when its last user ends, it is unknown; a
 grant that never reached the upstream, as the last user of an unconfirmed load no user reached
 the upstream with, puts back what was loaded before the load.
+
+Kept places (routing.retryGraceSeconds): a waiting request whose client leaves keeps its place
+under a key (the first one kept under that key; a request that ran never keeps one); a later
+request with that key, the same priority and the same model, before the place's grace period
+ends and before maxWaitSeconds since the first arrival, takes it: the first arrival's time and
+arrival order, as if it had never left.
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ class RefRequest:
     alone: bool = False
 
 
+@dataclasses.dataclass
+class RefPlace:
+    request: RefRequest  # the request that left, as it waited
+    until_ns: int  # the end of its grace period
+
+
 @dataclasses.dataclass(frozen=True)
 class RefDecision:
     request_id: str
@@ -116,6 +128,8 @@ class ReferenceScheduler:
         self.log: list[RefGrant] = []  # every grant ever made
         self.loaded_model: str | None = None
         self.loaded_by: RefGrant | None = None  # the grant that loaded the loaded model, while it stays
+        self.places: dict[bytes, RefPlace] = {}  # kept places by key
+        self.taken: RefPlace | None = None  # the place the latest enqueue took, if any
         self._order = 0
 
     @property
@@ -200,12 +214,44 @@ class ReferenceScheduler:
 
     # -- commands --------------------------------------------------------------------------
 
-    def enqueue(self, request_id: str, priority: int, model: str | None = None, alone: bool = False) -> int:
+    def enqueue(self, request_id: str, priority: int, model: str | None = None, alone: bool = False, *,
+                key: bytes | None = None, max_wait_ns: int = 0) -> int:
+        """Queue a request; its depth on arrival. With `key`, it takes a matching kept place."""
         assert all(r.request_id != request_id for r in self.waiting)
         depth = len(self.waiting)
-        self._order += 1
-        self.waiting.append(RefRequest(request_id, self._order, priority, model, self._now_ns(), alone))
+        now = self._now_ns()
+        place = self.places.get(key) if key is not None else None
+        if (place is not None and place.request.priority == priority and place.request.model == model
+                and now < place.until_ns and not (max_wait_ns and now - place.request.arrival_ns >= max_wait_ns)):
+            del self.places[key]
+            request = RefRequest(request_id, place.request.order, priority, model, place.request.arrival_ns, alone)
+            self.taken = place
+        else:
+            self._order += 1
+            request = RefRequest(request_id, self._order, priority, model, now, alone)
+            self.taken = None
+        self.waiting.append(request)
+        self.waiting.sort(key=lambda r: r.order)
         return depth
+
+    def keep(self, request_id: str, key: bytes, grace_ns: int) -> bool | None:
+        """The client of `request_id` left: None if it was not waiting, else whether its place is
+        kept (False: another place is kept under `key`)."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                if key in self.places:
+                    return False
+                self.places[key] = RefPlace(request, self._now_ns() + grace_ns)
+                return True
+        return None
+
+    def expire_kept(self, max_wait_ns: int) -> list[str]:
+        """End the places whose grace period or maxWaitSeconds passed; the ids of those that left."""
+        now = self._now_ns()
+        due = [key for key, place in self.places.items() if place.until_ns <= now
+               or (max_wait_ns and now - place.request.arrival_ns >= max_wait_ns)]
+        return [self.places.pop(key).request.request_id for key in due]
 
     def cancel(self, request_id: str) -> bool:
         for index, request in enumerate(self.waiting):

@@ -119,8 +119,9 @@ async def test_shutdown_ends_the_kept_places() -> None:
 
 
 def _digest(keys: RetryKeys, headers: dict[str, str], body: bytes | None = None,
-            address: str = "10.0.0.1") -> bytes | None:
+            address: str = "10.0.0.1", path: str = "/v1/chat/completions") -> bytes | None:
     request = check_request(headers)
+    request.attributes.request.http.path = path
     request.attributes.source.address.socket_address.address = address
     if body is not None:
         request.attributes.request.http.raw_body = body
@@ -148,6 +149,18 @@ def test_the_same_request_is_the_same_caller_and_id_or_body() -> None:
     assert _digest(RetryKeys(), {**sized, "x-request-id": "envoy-1"}, body) != by_body
     # Without a body from Envoy (no content-length) and no id of the client's own: no digest.
     assert _digest(keys, {"x-request-id": "envoy-1"}) is None
+
+
+def test_the_same_body_to_another_route_is_another_request() -> None:
+    # managementApi: schedule: a load and an unload of one model send the same body; an unload
+    # (it runs alone) is no retry of the load, nor a completion of a chat completion.
+    keys = RetryKeys()
+    body = b'{"model":"m"}'
+    sized = {"content-length": str(len(body)), "x-request-id": "envoy-1"}
+    load = _digest(keys, sized, body, path="/models/load")
+    assert load is not None and load == _digest(keys, sized, body, path="/models/load")
+    assert _digest(keys, sized, body, path="/models/unload") != load
+    assert _digest(keys, sized, body, path="/v1/completions") != _digest(keys, sized, body)
 
 
 def test_the_attempt_is_the_sdks_retry_count() -> None:

@@ -195,6 +195,90 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert queued.depth == self.ref.enqueue(rid, priority, scheduled.model, scheduled.alone)
         self.effects[rid] = (uses, unloads)
 
+    # -- kept places (routing.retryGraceSeconds) -----------------------------------------
+
+    keys = st.sampled_from([b"k1", b"k2", b"k3"])
+    graces = st.one_of(st.integers(1, 5), st.integers(1, 10**12))
+
+    def _max_wait_ns(self) -> int:
+        return round(Fraction(self.real.policy.max_wait_s) * 1_000_000_000)
+
+    @rule(data=st.data(), key=keys)
+    def client_leaves(self, data, key):
+        """A request's client leaves: a waiting one keeps its place under `key`; a granted one never."""
+        candidates = [r.request_id for r in self.ref.waiting] + [g.request.request_id for g in self.ref.grants]
+        rid = data.draw(st.sampled_from(candidates + ["ghost"]), label="leaves")
+        grace_ns = data.draw(type(self).graces, label="grace")
+        kept = self.real.keep(rid, key, grace_ns)
+        expected = self.ref.keep(rid, key, grace_ns)
+        if expected is None:
+            assert kept is None
+        else:
+            assert kept is not None and kept[0].request_id == rid
+            assert (kept[1] is not None) == expected
+            event(f"client_leaves: place {'kept' if expected else 'not kept (key taken)'}")
+        assert self.real.kept_count == len(self.ref.places)
+
+    @rule(data=st.data(), key=keys)
+    def retry(self, data, key):
+        """A request arrives with a key: the same request as the one kept under it (same priority
+        and model), or not; with a path, so a retry of an unload or a query runs as it would."""
+        if self.ref.places and data.draw(st.booleans(), label="a kept key"):
+            key = data.draw(st.sampled_from(sorted(self.ref.places)), label="key")
+        place = self.ref.places.get(key)
+        if place is not None and data.draw(st.booleans(), label="same request"):
+            priority, model, alone = place.request.priority, place.request.model, place.request.alone
+            effect = self.effects[place.request.request_id]
+        else:
+            method, path, body, uses, unloads = data.draw(path_requests(type(self).models), label="path request")
+            scheduled = scheduled_as(method, path, body)
+            priority = data.draw(type(self).priorities, label="priority")
+            model, alone, effect = scheduled.model, scheduled.alone, (uses, unloads)
+        # Often at once: a retry within the grace period, ahead of whatever arrives after it.
+        self.clock.set_ns(self.clock.now_ns() + data.draw(st.one_of(st.just(0), type(self).gaps), label="gap"))
+        self.count += 1
+        rid = f"r{self.count}"
+        queued = self.real.enqueue(rid, parse_priority(str(priority)), model, alone=alone, retry_key=key)
+        depth = self.ref.enqueue(rid, priority, model, alone, key=key, max_wait_ns=self._max_wait_ns())
+        assert queued.depth == depth
+        taken = self.ref.taken
+        assert (queued.taken is None) == (taken is None)
+        if taken is not None:
+            event("retry: took a kept place over")
+            assert queued.taken.request_id == taken.request.request_id
+            assert queued.arrival_ns == taken.request.arrival_ns
+        else:
+            assert queued.arrival_ns == self.clock.now_ns()
+        assert self.real.kept_count == len(self.ref.places)
+        self.effects[rid] = effect
+
+    @rule(data=st.data(), key=keys, later=st.integers(0, 4))
+    def leave_then_retry(self, data, key, later):
+        """A waiting request's client leaves, others arrive, then its retry (the SDK's way)."""
+        if not self.ref.waiting:
+            return
+        request = data.draw(st.sampled_from(self.ref.waiting), label="leaves")
+        if self.ref.keep(request.request_id, key, 10**15) is not True:
+            self.real.keep(request.request_id, key, 10**15)
+            return
+        assert self.real.keep(request.request_id, key, 10**15) is not None
+        for _ in range(later):
+            self.enqueue(data)
+        self.count += 1
+        rid = f"r{self.count}"
+        queued = self.real.enqueue(rid, parse_priority(str(request.priority)), request.model, alone=request.alone,
+                                   retry_key=key)
+        self.ref.enqueue(rid, request.priority, request.model, request.alone, key=key, max_wait_ns=self._max_wait_ns())
+        assert (queued.taken is None) == (self.ref.taken is None)
+        assert queued.arrival_ns == (request.arrival_ns if self.ref.taken is not None else self.clock.now_ns())
+        self.effects[rid] = self.effects[request.request_id]
+
+    @rule()
+    def expire_kept(self):
+        ended = [place.request_id for place in self.real.expire_kept()]
+        assert sorted(ended) == sorted(self.ref.expire_kept(self._max_wait_ns()))
+        assert self.real.kept_count == len(self.ref.places)
+
     @rule(data=st.data())
     def advance(self, data):
         self.clock.set_ns(self.clock.now_ns() + data.draw(type(self).gaps, label="gap"))
@@ -475,6 +559,20 @@ class SlotTieMachine(SchedulerMachine):
     )
 
 
+class KeptMachine(SchedulerMachine):
+    """Kept places often taken over: short gaps (grace periods outlast them), few models, slots."""
+
+    priorities = st.sampled_from([-1, 0, 1, 49, 50, 51])
+    gaps = st.integers(0, 5)
+    graces = st.integers(1, 50)
+    policies = st.one_of(
+        st.builds(lambda d, b, w, slots: serial(d, b, max_wait_s=w, slots=slots), st.sampled_from([0, 1e-9, 1]),
+                  st.integers(0, 3), st.sampled_from([0.0, 0.0, 5e-9]), slot_settings(3)),
+        st.builds(lambda p, slots: fifo(p, slots=slots), st.dictionaries(st.sampled_from(MODELS), st.integers(-2, 2)),
+                  slot_settings(3)),
+    )
+
+
 _settings = settings(max_examples=200, deadline=None, stateful_step_count=60,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -492,3 +590,5 @@ TestReservedSlotsAgainstReference = ReservedMachine.TestCase
 TestReservedSlotsAgainstReference.settings = _settings
 TestSlotTiesAgainstReference = SlotTieMachine.TestCase
 TestSlotTiesAgainstReference.settings = settings(_settings, max_examples=100)
+TestKeptPlacesAgainstReference = KeptMachine.TestCase
+TestKeptPlacesAgainstReference.settings = _settings

@@ -22,7 +22,7 @@ from llamaswap.config import parse_config
 from llamaswap.core import Outcome, ReorderCause
 from llamaswap.commands.queue import format_duration, render
 from llamaswap.runtime.observer import SettleReason, SettleResult
-from llamaswap.runtime.ticket import ExchangeEnd, Ticket
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, Ticket
 from llamaswap.telemetry import OVERTAKEN_BY_EVENT, OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
@@ -188,6 +188,34 @@ async def test_spans_join_envoys_trace_with_the_decision() -> None:
     assert blocker_queue.parent is None
     assert blocker_run.parent is not None and blocker_run.parent.span_id == blocker_queue.context.span_id
     assert blocker_run.context.trace_id == blocker_queue.context.trace_id
+
+
+@virtual_time
+async def test_the_spans_of_a_retry_that_took_a_kept_place_say_from_which_try_and_how_long_away() -> None:
+    traced = Traced(LONG_LEASE)  # routing.retryGraceSeconds: its default
+    flow = traced.flow
+
+    async def arrive(request_id: str, attempt: int | None, key: bytes | None = b"k" * 16):
+        return await flow.admit(Arrival(request_id, None, None, "a", PEER, None, None, "POST",
+                                        "/v1/chat/completions", retry_key=key, attempt=attempt))
+
+    blocker = await arrive("blocker", None, key=None)
+    first = await arrive("job", 0)
+    await flow.advance(1)
+    await flow.cancel(first)
+    await flow.advance(0.75)
+    retry = await arrive("job", 1)
+    await flow.complete(blocker)
+    assert retry.granted
+    await flow.complete(retry)
+    # Two queue spans carry its id: the first try's (it left) and the retry's, which took the place.
+    queues = [s for s in traced.finished_spans(QUEUE_SPAN) if s.attributes.get("llamaswap.request_id") == "job"]
+    assert ["llamaswap.kept.away_ms" in s.attributes for s in queues] == [False, True]
+    for attributes in (queues[1].attributes, traced.span(RUN_SPAN, "job").attributes):
+        assert attributes["llamaswap.kept.from_attempt"] == 0
+        assert attributes["llamaswap.kept.away_ms"] == 750.0
+    # The request that did not take a place says nothing of one.
+    assert "llamaswap.kept.away_ms" not in traced.span(RUN_SPAN, "blocker").attributes
 
 
 @virtual_time

@@ -183,7 +183,8 @@ def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[by
     length = headers.get(CONTENT_LENGTH_HEADER)
     body = http.raw_body if length is not None else None
     caller = f"{headers.get(AUTHORIZATION_HEADER, '')}\n{request.attributes.source.address.socket_address.address}"
-    digest = keys.digest(caller=caller, client_request_id=chosen, body=body, body_length=length)
+    digest = keys.digest(caller=caller, client_request_id=chosen, body=body, body_length=length,
+                         route=f"{http.method} {http.path}")
     if body:
         http.ClearField("raw_body")  # hashed, never kept
     return digest, parse_attempt(headers.get(RETRY_COUNT_HEADER))

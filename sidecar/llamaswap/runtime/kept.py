@@ -51,16 +51,18 @@ class RetryKeys:
         self._secret = secret if secret is not None else os.urandom(32)
 
     def digest(self, *, caller: str, client_request_id: str | None, body: bytes | None,
-               body_length: str | None = None) -> bytes | None:
+               body_length: str | None = None, route: str = "") -> bytes | None:
         """The request's digest: by the client's own x-request-id if it chose one, else by its
-        body (and the body's full length, when Envoy sent only its beginning). None without
+        body (and the body's full length, when Envoy sent only its beginning) and its `route`
+        (method and path: a load and an unload of one model send the same body). None without
         either: such a request never has a place kept."""
         if client_request_id is None and body is None:
             return None
         mac = hmac.new(self._secret, digestmod=hashlib.sha256)
-        for part in (caller.encode(), b"id" if client_request_id is not None else b"body",
-                     client_request_id.encode() if client_request_id is not None else (body or b""),
-                     (body_length or "").encode() if client_request_id is None else b""):
+        by_body = client_request_id is None
+        for part in (caller.encode(), b"body" if by_body else b"id",
+                     (body or b"") if client_request_id is None else client_request_id.encode(),
+                     (body_length or "").encode() if by_body else b"", route.encode() if by_body else b""):
             mac.update(len(part).to_bytes(8, "big"))  # length-prefixed: no two splits hash alike
             mac.update(part)
         return mac.digest()[:16]
