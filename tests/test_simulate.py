@@ -889,6 +889,19 @@ def test_reserved_slots_from_the_configuration_are_lowered_to_fit(tmp_path):
         (1, 0, {}), (2, 1, {}), (4, 2, {})]
 
 
+def test_models_slots_of_a_single_model_upstream_key_on_its_one_model(tmp_path):
+    """With -c, models.<id>.slots apply as the sidecar applied them (issue 26, `config.model_key`):
+    on a single-model upstream the log keys every request on its one model, and an entry under
+    the name the clients send describes that model. A router's log keeps the ids as written."""
+    config = tmp_path / "llamaswap.yaml"
+    config.write_text("upstream:\n  slots: 1\nmodels:\n  chat:\n    slots: 3\n")
+    single = [dict(r, model="chat", scheduled_model="the-model.gguf") for r in SAME_MODEL]
+    values = run_json(["-c", str(config)], single)["rows"][0]["settings"]
+    assert (values["slots"], values["modelSlots"]) == (1, {"the-model.gguf": 3})
+    routed = [dict(r, model="chat") for r in SAME_MODEL]
+    assert run_json(["-c", str(config)], routed)["rows"][0]["settings"]["modelSlots"] == {"chat": 3}
+
+
 def test_slots_from_the_settings_record_and_a_note_when_the_log_ran_more_at_once():
     documents, _ = _shared_log("2:1.6", 2, seed=6)
     out, _, _ = run_cli([], documents)

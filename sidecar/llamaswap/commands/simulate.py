@@ -69,7 +69,7 @@ from llamaswap.simulate.concurrency import (
     measure,
 )
 from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
-from llamaswap.simulate.records import Activity, RequestRecord, read_activity
+from llamaswap.simulate.records import Activity, RequestRecord, read_activity, single_model
 from llamaswap.simulate.settings import (
     KEYS,
     Settings,
@@ -190,7 +190,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if note:
         notes.append(note)
     if config is not None:
-        base = Settings.from_policy(config.policy())
+        # models.<id>.slots as the sidecar applied them: on a single-model upstream every entry
+        # describes its one model, whatever the id (`config.model_key`).
+        base = Settings.from_policy(config.policy(single=single_model(records)))
     try:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,

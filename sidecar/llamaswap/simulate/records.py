@@ -87,6 +87,23 @@ class RequestRecord:
         return self.swap or self.load
 
 
+def single_model(records: Iterable[RequestRecord]) -> str | None:
+    """The key a single-model upstream scheduled every request of the log on, where the log shows
+    it: every request is on that one key and some client named it otherwise (only a single-model
+    upstream schedules a request on another name than the one it gave). None otherwise: a
+    router, a workload, or a log that cannot tell. `Config.slots` needs it to key
+    ``models.<id>.slots`` as the sidecar did (`config.model_key`)."""
+    keys = set()
+    renamed = False
+    for record in records:
+        keys.add(record.model)
+        renamed = renamed or record.named_model is not None
+    if renamed and len(keys) == 1:
+        (key,) = keys
+        return key
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Activity:
     settings: tuple[SettingsRecord, ...]
