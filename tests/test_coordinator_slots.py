@@ -113,6 +113,24 @@ async def test_an_abandoned_generation_holds_its_slot_until_it_ended() -> None:
 
 
 @virtual_time
+async def test_a_request_waiting_for_a_settle_is_estimated_to_start_when_it_ends() -> None:
+    """A free slot does not start anything while a settle runs (`Holders.others`), so the
+    estimate waits for the settle too: the estimated start is the abandoned generation's
+    expected end, not now (the walk used to count the settle as one more busy slot)."""
+    flow = Flow({"upstream": {"slots": 3}, "envoy": LONG_LEASE,
+                 "estimates": {"defaultRunSeconds": 10, "defaultSwapSeconds": 0}}, upstream=FakeUpstream(busy=3))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    await flow.advance(1)
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    a3 = await flow.arrive("a3", model="a")
+    await flow.advance(0.5)
+    assert a2.granted and a3.waiting and flow.coordinator.gpu_state == "running"
+    [row] = flow.coordinator.view().waiting
+    assert row.estimated_start_s == pytest.approx(8.5)  # a1's 10 s run, 1.5 s gone
+
+
+@virtual_time
 async def test_an_abandoned_generation_outliving_its_neighbours_holds_the_gpu() -> None:
     flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")

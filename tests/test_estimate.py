@@ -143,9 +143,11 @@ def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
     assert [w.request_id for w in snapshot.waiting] == ["a2", "a3", "b1"]
     # a2 now beside a1 (11 s left) until 10; a3 at 10; b1 once both drain, at 20.
     assert e.starts_of(snapshot, s.policy.slots) == [0.0, 10.0, 20.0]
-    # A slot held for 30 s by work the scheduler does not grant: a2 waits for a1 (11), a3 for a2
-    # (21), b1 for both slots (31).
-    assert e.starts_of(snapshot, s.policy.slots, extra_busy_s=[30.0]) == [11.0, 21.0, 31.0]
+    # Work the scheduler did not grant (a settle) holds the GPU for 30 s: nothing is granted
+    # until it ends (the coordinator's `Holders.others`), then a2 and a3 (a1 ended at 11), b1
+    # once they drain at 40.
+    assert e.starts_of(snapshot, s.policy.slots, blocked_s=30.0) == [30.0, 30.0, 40.0]
+    assert e.starts_of(snapshot, s.policy.slots, blocked_s=math.inf) == [math.inf] * 3  # held for a time unknown
 
 
 # -- the walk is what the scheduler does when every grant takes its expected time ------------

@@ -41,7 +41,8 @@ class Candidate(Protocol):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Running:
     """What runs on the upstream, as the rule needs it: the one record's answer (`Scheduler`'s
-    grants, plus slots held by work the scheduler did not grant, in an estimate)."""
+    grants; in an estimate, plus work the scheduler did not grant, a settle or an adopted
+    exchange, which holds the upstream like a request that runs alone)."""
 
     busy: int = 0  # slots held
     non_interactive: int = 0  # of those, held by work below the interactive band

@@ -142,7 +142,7 @@ class Estimator:
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
                slots: Slots | None = None, interactive: Sequence[bool] | None = None,
-               max_tokens: Sequence[int | None] | None = None) -> list[float]:
+               max_tokens: Sequence[int | None] | None = None, blocked_s: float = 0.0) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order; `math.inf`
         where it cannot be told (it waits for a slot held for an unknown time).
 
@@ -155,19 +155,21 @@ class Estimator:
         model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
         requests are in the interactive band (None: none, so no reserved slot is ever taken).
         ``max_tokens`` (one per waiting request, in the same order; None: none said) sizes each
-        one's run (`expected_request_run_s`).
+        one's run (`expected_request_run_s`). ``blocked_s`` is how long work the scheduler did not
+        grant holds the GPU (a settle, an adopted exchange; `math.inf`: unknown): nothing starts
+        until it ends, as the coordinator grants nothing meanwhile.
         """
         sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
         flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
-        occupied = [(busy_s, False), *zip(remaining_s, flags)]
-        return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive)
+        occupied = [(busy_s, False), *zip(remaining_s, flags), (blocked_s, False)]
+        return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive,
+                          blocked_s)
 
-    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, extra_busy_s: Sequence[float] = (),
+    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, blocked_s: float = 0.0,
                   max_tokens: Sequence[int | None] | None = None,
                   grant_max_tokens: Sequence[int | None] | None = None) -> list[float]:
         """`starts` for a scheduler's snapshot: its running grants' remaining times (unknown,
-        `math.inf`, for one that outran its expected time; plus ``extra_busy_s``, slots held by
-        work the scheduler does not grant, counted as non-interactive), its waiting order and
+        `math.inf`, for one that outran its expected time; ``blocked_s`` as for `starts`), its waiting order and
         bands, and the size each waiting request and each running grant asked for (same orders
         as the snapshot's; None: not said)."""
         grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
@@ -175,16 +177,19 @@ class Estimator:
                                                                  running_s=grant.running_s, max_tokens=size)) is None
                      else left for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                           remaining_s=[*remaining, *extra_busy_s],
+                           remaining_s=remaining, blocked_s=blocked_s,
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
                            slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
                            max_tokens=max_tokens)
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
-              occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None) -> list[float]:
+              occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,
+              blocked_until: float = 0.0) -> list[float]:
         """An event walk of the dispatch rule (`dispatch.turn`, the grant's own) over the given
         order: at each moment the rule says whether the first request not started yet starts,
-        or the first interactive one in a reserved slot, or nothing until the next slot frees."""
+        or the first interactive one in a reserved slot, or nothing until the next slot frees.
+        Until ``blocked_until`` (work the scheduler did not grant, one of ``occupied``) the rule
+        reads it as a request that runs alone: nothing starts beside it."""
         count = len(models)
         starts: list[float | None] = [None] * count
         flags = interactive if interactive is not None else [False] * count
@@ -213,7 +218,7 @@ class Estimator:
             for heap in ends:
                 while heap and heap[0] <= now:
                     heapq.heappop(heap)
-            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]))
+            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]), alone=blocked_until > now)
             verdict = turn(slots, loaded, running, waiting[first], best_interactive)
             if verdict is Turn.WAIT:  # until the next slot frees
                 now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)

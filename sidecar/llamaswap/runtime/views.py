@@ -121,8 +121,8 @@ class _Walk:
 
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
-    the queue (the coordinator counts them); `busy_s` is how much longer a slot is held by work
-    the scheduler did not grant (a settling generation); `gpu_state` is what holds the GPU."""
+    the queue (the coordinator counts them); `busy_s` is how much longer work the scheduler did
+    not grant (a settling generation) holds the GPU, nothing granted meanwhile; `gpu_state` is what holds the GPU."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
@@ -161,16 +161,17 @@ class QueueViews:
         tickets = self._tickets
         sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
                  for w in snapshot.waiting]
-        extra_busy_s = self._busy_s()
-        if extra_busy_s <= 0 and self._gpu_state() in (GpuState.SETTLING, GpuState.ADOPTED):
+        # A settle or an adopted exchange: nothing is granted until it ends (`Holders.others`).
+        blocked_s = self._busy_s()
+        if blocked_s <= 0 and self._gpu_state() in (GpuState.SETTLING, GpuState.ADOPTED):
             # An adopted exchange, or a settling generation past its expected end: held for a
             # time nobody can tell.
-            extra_busy_s = math.inf
+            blocked_s = math.inf
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
         starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots, max_tokens=sizes,
                                            grant_max_tokens=grant_sizes,
-                                           extra_busy_s=[extra_busy_s] if extra_busy_s > 0 else [])
+                                           blocked_s=blocked_s)
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
