@@ -150,6 +150,21 @@ def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
     assert e.starts_of(snapshot, s.policy.slots, blocked_s=math.inf) == [math.inf] * 3  # held for a time unknown
 
 
+def test_starts_of_wait_for_a_grant_that_runs_alone():
+    """Nothing starts beside a running unload (`dispatch.turn`, `Scheduler.next`); the estimate
+    waits for it too, though a slot is free and the waiting request needs the loaded model."""
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)), clock)
+    s.set_loaded_model("a", as_of=s.dispatches)
+    s.enqueue("unload", Priority(0, PrioritySource.NUMBER), "a", alone=True)
+    assert s.next() is not None
+    clock.advance(4)
+    s.enqueue("a1", Priority(0, PrioritySource.NUMBER), "a")
+    assert s.next() is None  # the rule: nothing beside it
+    e = make(run=10.0, swap=5.0)
+    assert e.starts_of(s.snapshot(), s.policy.slots) == [6.0]  # when the unload is expected to end
+
+
 # -- the walk is what the scheduler does when every grant takes its expected time ------------
 
 

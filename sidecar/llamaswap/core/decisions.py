@@ -130,6 +130,7 @@ class RunningView:
     model_load: bool  # the grant began by loading its model (from nothing, or a swap)
     queue_wait_s: float
     running_s: float
+    alone: bool = False  # it runs alone (an unload): nothing starts beside it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

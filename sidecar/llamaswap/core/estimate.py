@@ -169,15 +169,18 @@ class Estimator:
                   max_tokens: Sequence[int | None] | None = None,
                   grant_max_tokens: Sequence[int | None] | None = None) -> list[float]:
         """`starts` for a scheduler's snapshot: its running grants' remaining times (unknown,
-        `math.inf`, for one that outran its expected time; ``blocked_s`` as for `starts`), its waiting order and
+        `math.inf`, for one that outran its expected time; one that runs alone holds back every
+        start until it ends; ``blocked_s`` as for `starts`), its waiting order and
         bands, and the size each waiting request and each running grant asked for (same orders
         as the snapshot's; None: not said)."""
         grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
         remaining = [math.inf if (left := self.known_remaining_s(grant.model, model_load=grant.model_load,
                                                                  running_s=grant.running_s, max_tokens=size)) is None
                      else left for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
+        # A grant that runs alone (an unload) holds back every start until it ends, as in `next`.
+        alone_s = max((left for grant, left in zip(snapshot.grants, remaining) if grant.alone), default=0.0)
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                           remaining_s=remaining, blocked_s=blocked_s,
+                           remaining_s=remaining, blocked_s=max(blocked_s, alone_s),
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
                            slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
                            max_tokens=max_tokens)

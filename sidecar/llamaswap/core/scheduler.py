@@ -503,6 +503,7 @@ class Scheduler:
                 model_load=decision.model_load,
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
+                alone=decision.alone,
             )
             for decision in (grant.decision for grant in self._grants.values())
         )
