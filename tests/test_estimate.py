@@ -228,3 +228,25 @@ def test_estimated_starts_are_the_starts_of_grants_that_take_their_expected_time
             s.release(request_id)
             del ends[request_id]
     assert starts == expected
+
+
+def test_starts_of_fill_the_slots_of_the_running_model_while_none_is_known_loaded():
+    """After a failed release nothing is known loaded, yet the grants of model a still run: the
+    scheduler fills a's slots (`slots_in_effect` reads the running model), and so does the walk."""
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2, {"a": 4})), clock)
+    for rid in ("a1", "a2"):
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), "a")
+        assert s.next() is not None
+    clock.advance(1)
+    s.release("a1", model_loaded=False)  # the upstream failed it: a is not known loaded
+    assert s.loaded_model is None
+    for rid in ("n1", "n2", "n3", "n4", "n5"):
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), None)
+    assert [s.next() is not None for _ in range(4)] == [True, True, True, False]  # a's 4 slots
+    clock.advance(1)
+    e = make(run=10.0, swap=5.0)
+    for _ in range(3):
+        e.record("a", run_s=20.0, first_byte_s=None, model_load=False)
+    # a2 has 18 s left, n1..n3 9 s: when they end, a2 still runs, so n4 and n5 both go (4 slots).
+    assert e.starts_of(s.snapshot(), s.policy.slots) == [9.0, 9.0]

@@ -142,7 +142,8 @@ class Estimator:
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
                slots: Slots | None = None, interactive: Sequence[bool] | None = None,
-               max_tokens: Sequence[int | None] | None = None, blocked_s: float = 0.0) -> list[float]:
+               max_tokens: Sequence[int | None] | None = None, blocked_s: float = 0.0,
+               running_model: tuple[str | None, float] = (None, 0.0)) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order; `math.inf`
         where it cannot be told (it waits for a slot held for an unknown time).
 
@@ -157,13 +158,15 @@ class Estimator:
         ``max_tokens`` (one per waiting request, in the same order; None: none said) sizes each
         one's run (`expected_request_run_s`). ``blocked_s`` is how long work the scheduler did not
         grant holds the GPU (a settle, an adopted exchange; `math.inf`: unknown): nothing starts
-        until it ends, as the coordinator grants nothing meanwhile.
+        until it ends, as the coordinator grants nothing meanwhile. ``running_model`` is the model
+        the running grants name and until when one of them runs (None: none names one): the
+        slots in effect are its, as in `Scheduler.next`, even while no model is known loaded.
         """
         sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
         flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
         occupied = [(busy_s, False), *zip(remaining_s, flags), (blocked_s, False)]
         return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive,
-                          blocked_s)
+                          blocked_s, running_model)
 
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, blocked_s: float = 0.0,
                   max_tokens: Sequence[int | None] | None = None,
@@ -179,20 +182,23 @@ class Estimator:
                      else left for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
         # A grant that runs alone (an unload) holds back every start until it ends, as in `next`.
         alone_s = max((left for grant, left in zip(snapshot.grants, remaining) if grant.alone), default=0.0)
+        named = [(grant.model, left) for grant, left in zip(snapshot.grants, remaining) if grant.model is not None]
+        running_model = (named[0][0], max(left for _, left in named)) if named else (None, 0.0)
         return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
                            remaining_s=remaining, blocked_s=max(blocked_s, alone_s),
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
                            slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
-                           max_tokens=max_tokens)
+                           max_tokens=max_tokens, running_model=running_model)
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
               occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,
-              blocked_until: float = 0.0) -> list[float]:
+              blocked_until: float = 0.0, running_model: tuple[str | None, float] = (None, 0.0)) -> list[float]:
         """An event walk of the dispatch rule (`dispatch.turn`, the grant's own) over the given
         order: at each moment the rule says whether the first request not started yet starts,
         or the first interactive one in a reserved slot, or nothing until the next slot frees.
         Until ``blocked_until`` (work the scheduler did not grant, one of ``occupied``) the rule
-        reads it as a request that runs alone: nothing starts beside it."""
+        reads it as a request that runs alone: nothing starts beside it. The model the running
+        work names is ``running_model``'s until its end, then that of the requests the walk starts."""
         count = len(models)
         starts: list[float | None] = [None] * count
         flags = interactive if interactive is not None else [False] * count
@@ -216,12 +222,14 @@ class Estimator:
         now = 0.0
         ready_at = 0.0  # when the loaded model's load ends (its runs begin then)
         first = 0  # the first request not started yet
+        named, named_until = running_model  # the model running work names, and until when
         run_s = self.expected_request_run_s
         while first < count:
             for heap in ends:
                 while heap and heap[0] <= now:
                     heapq.heappop(heap)
-            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]), alone=blocked_until > now)
+            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]), named if named_until > now else None,
+                              alone=blocked_until > now)
             verdict = turn(slots, loaded, running, waiting[first], best_interactive)
             if verdict is Turn.WAIT:  # until the next slot frees
                 now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
@@ -232,7 +240,11 @@ class Estimator:
                 ready_at = now + self.expected_swap_s(model)
                 loaded = model
             starts[taken] = now
-            heapq.heappush(ends[flags[taken]], max(now, ready_at) + run_s(model, sizes[taken]))
+            end = max(now, ready_at) + run_s(model, sizes[taken])
+            heapq.heappush(ends[flags[taken]], end)
+            if model is not None:  # another model than `named` only once nothing runs
+                named_until = max(named_until, end) if model == named else end
+                named = model
             while first < count and starts[first] is not None:
                 first += 1
         return [start if start is not None else 0.0 for start in starts]
