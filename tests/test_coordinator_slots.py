@@ -131,6 +131,22 @@ async def test_a_request_waiting_for_a_settle_is_estimated_to_start_when_it_ends
 
 
 @virtual_time
+async def test_retry_after_while_settling_beside_a_free_slot_counts_the_settle() -> None:
+    """A full queue during a settle: the next grant waits for the settle, free slot or not, so
+    Retry-After is the settle's expected rest (it was the minimum, as if a grant came at once)."""
+    flow = Flow({"upstream": {"slots": 3}, "envoy": LONG_LEASE, "routing": {"scheduler": {"maxQueued": 1}},
+                 "estimates": {"defaultRunSeconds": 10, "defaultSwapSeconds": 0}}, upstream=FakeUpstream(busy=3))
+    a1 = await flow.arrive("a1", model="a")
+    a2 = await flow.arrive("a2", model="a")
+    await flow.advance(1)
+    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    a3 = await flow.arrive("a3", model="a")
+    await flow.advance(2)
+    assert a2.granted and a3.waiting
+    assert (await flow.arrive("a4", model="a")).refusal.retry_after_s == 7  # a1's 10 s run, 3 s gone
+
+
+@virtual_time
 async def test_an_abandoned_generation_outliving_its_neighbours_holds_the_gpu() -> None:
     flow = slots_flow(2, upstream=FakeUpstream(busy=2))
     a1 = await flow.arrive("a1", model="a")

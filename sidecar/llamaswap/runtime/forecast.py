@@ -45,15 +45,16 @@ class Forecast:
 
     def busy_s(self) -> float:
         """How much longer the GPU is expected to be busy before the next grant: the earliest
-        end among the running grants when every slot is taken (with one slot, the grant's)."""
+        end among the running grants when every slot is taken (with one slot, the grant's), and
+        not before a settle ends (nothing is granted meanwhile, free slot or not)."""
         now = self._clock.now_ns()
+        settle = self.settle_busy_s()
         running = [(t.decision, t.max_tokens) for t in self._running() if t.decision is not None]
         if running and len(running) >= self._scheduler.slots_total:
-            return min(self._estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
-                                                   running_s=(now - d.granted_ns) / NS_PER_S) for d, size in running)
-        if running:
-            return 0.0
-        return self.settle_busy_s()
+            return max(settle, min(self._estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
+                                                               running_s=(now - d.granted_ns) / NS_PER_S)
+                                   for d, size in running))
+        return settle
 
     def settle_busy_s(self) -> float:
         """How much longer a settling generation is expected to run (0 without one)."""
