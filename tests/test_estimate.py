@@ -205,17 +205,20 @@ def test_estimated_starts_are_the_starts_of_grants_that_take_their_expected_time
     for index, (priority, model) in enumerate(requests):
         s.enqueue(f"r{index}", Priority(priority, PrioritySource.NUMBER), model)
     ends: dict[str, float] = {}  # running grant -> when it ends
+    ready_at = 0.0
     for _ in range(granted_first):  # some already run: they end when the estimator expects
         decision = s.next()
-        if decision is not None:
-            ends[decision.request_id] = e.expected_grant_s(decision.model, model_load=decision.model_load)
+        if decision is not None:  # one made beside a load begins its run when the load ends
+            if decision.model_load:
+                ready_at = e.expected_swap_s(decision.model)
+            ends[decision.request_id] = ready_at + e.expected_run_s(decision.model)
     snapshot = s.snapshot()
     expected = dict(zip([w.request_id for w in snapshot.waiting], e.starts_of(snapshot, policy.slots)))
 
     # Run it: release each grant at its end; grant whatever can start; a grant made while its
     # model loads (after the grant that loads it) begins its run when the load ends.
     starts: dict[str, float] = {}
-    ready_at = now = 0.0
+    now = 0.0
     while s.depth or ends:
         while (decision := s.next()) is not None:
             starts[decision.request_id] = now
@@ -250,3 +253,17 @@ def test_starts_of_fill_the_slots_of_the_running_model_while_none_is_known_loade
         e.record("a", run_s=20.0, first_byte_s=None, model_load=False)
     # a2 has 18 s left, n1..n3 9 s: when they end, a2 still runs, so n4 and n5 both go (4 slots).
     assert e.starts_of(s.snapshot(), s.policy.slots) == [9.0, 9.0]
+
+
+def test_starts_of_a_grant_made_beside_a_load_runs_after_the_load():
+    """A grant made beside the grant that loads its model begins its run when the load ends (the
+    walk reads the ones it starts so), so its slot frees a run after the load, not after its grant."""
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=0, swap_affinity_bonus=0, slots=Slots(2)), clock)
+    for rid, model in (("a0", "a"), ("n1", None), ("n2", None)):
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), model)
+    assert [d.request_id if (d := s.next()) else None for _ in range(3)] == ["a0", "n1", None]
+    clock.advance(1)
+    e = make(run=2.0, swap=5.0)
+    # a0 loads until 5 and runs until 7; n1 waits for the load and also runs until 7.
+    assert e.starts_of(s.snapshot(), s.policy.slots) == [6.0]

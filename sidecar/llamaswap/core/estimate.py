@@ -177,9 +177,20 @@ class Estimator:
         bands, and the size each waiting request and each running grant asked for (same orders
         as the snapshot's; None: not said)."""
         grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
-        remaining = [math.inf if (left := self.known_remaining_s(grant.model, model_load=grant.model_load,
-                                                                 running_s=grant.running_s, max_tokens=size)) is None
-                     else left for grant, size in zip(snapshot.grants, grant_sizes, strict=True)]
+        # A grant made beside a load (while its grant runs) begins its run when the load ends,
+        # as the walk reads the ones it starts (``ready_at``): it ends a run after the later of
+        # its grant and the load's end.
+        ready_in = max((self.expected_swap_s(grant.model) - grant.running_s for grant in snapshot.grants
+                        if grant.model_load), default=None)
+        remaining: list[float] = []
+        for grant, size in zip(snapshot.grants, grant_sizes, strict=True):
+            if ready_in is not None and not grant.model_load:
+                left: float | None = max(-grant.running_s, ready_in) + self.expected_request_run_s(grant.model, size)
+                left = left if left is not None and left > 0 else None
+            else:
+                left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
+                                              max_tokens=size)
+            remaining.append(math.inf if left is None else left)
         # A grant that runs alone (an unload) holds back every start until it ends, as in `next`.
         alone_s = max((left for grant, left in zip(snapshot.grants, remaining) if grant.alone), default=0.0)
         named = [(grant.model, left) for grant, left in zip(snapshot.grants, remaining) if grant.model is not None]
