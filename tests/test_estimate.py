@@ -141,8 +141,9 @@ def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
     e = make(run=10.0, swap=5.0)
     snapshot = s.snapshot()
     assert [w.request_id for w in snapshot.waiting] == ["a2", "a3", "b1"]
-    # a2 now beside a1 (11 s left) until 10; a3 at 10; b1 once both drain, at 20.
-    assert e.starts_of(snapshot, s.policy.slots) == [0.0, 10.0, 20.0]
+    # a2 now beside a1 (11 s left), its run once a's load ends (in 1 s) until 11; a3 at 11;
+    # b1 once both drain, at 21.
+    assert e.starts_of(snapshot, s.policy.slots) == [0.0, 11.0, 21.0]
     # Work the scheduler did not grant (a settle) holds the GPU for 30 s: nothing is granted
     # until it ends (the coordinator's `Holders.others`), then a2 and a3 (a1 ended at 11), b1
     # once they drain at 40.
@@ -267,3 +268,19 @@ def test_starts_of_a_grant_made_beside_a_load_runs_after_the_load():
     e = make(run=2.0, swap=5.0)
     # a0 loads until 5 and runs until 7; n1 waits for the load and also runs until 7.
     assert e.starts_of(s.snapshot(), s.policy.slots) == [6.0]
+
+
+def test_starts_of_requests_started_beside_a_load_under_way_run_after_it():
+    """The walk starts a request beside a load that is under way: its run, too, begins when
+    the load ends, so the slot it takes frees a run after the load."""
+    clock = ManualClock()
+    s = Scheduler(Policy.serial(aging_divisor_s=0, swap_affinity_bonus=0, slots=Slots(3)), clock)
+    for rid, model in (("a0", "a"), ("n1", None)):
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), model)
+        assert s.next() is not None
+    clock.advance(1)
+    for rid in ("n2", "n3"):
+        s.enqueue(rid, Priority(0, PrioritySource.NUMBER), None)
+    e = make(run=2.0, swap=5.0)
+    # a0 loads until 5 and runs until 7; n1 and n2 (in the free slot now) run 5..7: n3 at 7.
+    assert e.starts_of(s.snapshot(), s.policy.slots) == [0.0, 6.0]

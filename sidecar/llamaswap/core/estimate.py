@@ -143,7 +143,7 @@ class Estimator:
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
                slots: Slots | None = None, interactive: Sequence[bool] | None = None,
                max_tokens: Sequence[int | None] | None = None, blocked_s: float = 0.0,
-               running_model: tuple[str | None, float] = (None, 0.0)) -> list[float]:
+               running_model: tuple[str | None, float] = (None, 0.0), loading_s: float = 0.0) -> list[float]:
         """Estimated start, in seconds from now, of each request in dispatch order; `math.inf`
         where it cannot be told (it waits for a slot held for an unknown time).
 
@@ -161,12 +161,14 @@ class Estimator:
         until it ends, as the coordinator grants nothing meanwhile. ``running_model`` is the model
         the running grants name and until when one of them runs (None: none names one): the
         slots in effect are its, as in `Scheduler.next`, even while no model is known loaded.
+        ``loading_s`` is how long the load of the loaded model under way still takes: the runs of
+        the requests started beside it begin when it ends.
         """
         sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
         flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
         occupied = [(busy_s, False), *zip(remaining_s, flags), (blocked_s, False)]
         return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive,
-                          blocked_s, running_model)
+                          blocked_s, running_model, loading_s)
 
     def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, blocked_s: float = 0.0,
                   max_tokens: Sequence[int | None] | None = None,
@@ -199,11 +201,13 @@ class Estimator:
                            remaining_s=remaining, blocked_s=max(blocked_s, alone_s),
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
                            slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
-                           max_tokens=max_tokens, running_model=running_model)
+                           max_tokens=max_tokens, running_model=running_model,
+                           loading_s=max(0.0, ready_in) if ready_in is not None else 0.0)
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
               occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,
-              blocked_until: float = 0.0, running_model: tuple[str | None, float] = (None, 0.0)) -> list[float]:
+              blocked_until: float = 0.0, running_model: tuple[str | None, float] = (None, 0.0),
+              ready_at: float = 0.0) -> list[float]:
         """An event walk of the dispatch rule (`dispatch.turn`, the grant's own) over the given
         order: at each moment the rule says whether the first request not started yet starts,
         or the first interactive one in a reserved slot, or nothing until the next slot frees.
@@ -231,7 +235,7 @@ class Estimator:
         for heap in ends:
             heapq.heapify(heap)
         now = 0.0
-        ready_at = 0.0  # when the loaded model's load ends (its runs begin then)
+        # ``ready_at``: when the loaded model's load ends (its runs begin then)
         first = 0  # the first request not started yet
         named, named_until = running_model  # the model running work names, and until when
         run_s = self.expected_request_run_s
