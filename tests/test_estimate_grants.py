@@ -16,6 +16,14 @@ that has one, else the default), a grant that loads a model holds its slot for t
 beside it while the model loads begins its run when the load ends (the walk's ``ready_at``).
 Times are whole seconds, so every sum is exact in floats and nanoseconds.
 
+One case is promised less, and the property checks only that: a grant made beside a load that
+still runs at the instant while the grant that loaded has ended. It began its run when the load
+ended, but the snapshot no longer says when that was, so `starts_of` reads it as a grant that
+outran its expected time (held for an unknown time). The estimator then promises no exact time:
+each estimate is `math.inf` or, filling the other slots, not earlier than the grant (it is
+checked to be an upper bound). `test_a_grant_beside_a_finished_load_is_not_read_as_overdue`
+pins the exact answer as a known failure.
+
 Left out, on purpose: requests that run alone (an unload: "the estimate's order carries no
 unload", `_Waiting.alone`), failed or unanswered releases (the loaded model is then not known,
 a picture the estimate does not predict), and max_wait (a request that expires is never
@@ -30,7 +38,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from policies import fifo, serial
 
@@ -80,6 +89,8 @@ class Play:
         self.ends: list[tuple[int, str]] = []  # (end ns, request id): a heap
         self.ready_ns = 0  # when the model the last load began is loaded
         self.granted_ns: dict[str, int] = {}
+        self.loads: dict[str, bool] = {}  # running grant -> it loads its model
+        self.waited_for_load: dict[str, bool] = {}  # grant -> made beside a load, it ran after it
 
     def run_until(self, t_ns: int) -> None:
         """Release and grant everything due up to and including ``t_ns``; the clock ends there."""
@@ -90,8 +101,16 @@ class Play:
             end, request_id = heapq.heappop(self.ends)
             self.clock.set_ns(end)
             self.scheduler.release(request_id)
+            del self.loads[request_id]
         self.clock.set_ns(t_ns)
         self.grant_all()
+
+    def blind_at(self, t_ns: int) -> bool:
+        """A grant made beside a load still runs at ``t_ns`` while the grant that loaded has
+        ended: the snapshot no longer says when the load ended (see the module's docstring)."""
+        loading = [rid for rid, loads in self.loads.items() if loads]
+        beside = [rid for rid, loads in self.loads.items() if not loads and self.waited_for_load[rid]]
+        return bool(beside) and not loading
 
     def grant_all(self) -> None:
         while (decision := self.scheduler.next()) is not None:
@@ -100,10 +119,12 @@ class Play:
                 self.ready_ns = now + round(self.estimator.expected_swap_s(decision.model) * NS)
             run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
             heapq.heappush(self.ends, (max(now, self.ready_ns) + run_ns, decision.request_id))
+            self.loads[decision.request_id] = decision.model_load
+            self.waited_for_load[decision.request_id] = not decision.model_load and now < self.ready_ns
             self.granted_ns[decision.request_id] = now
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
@@ -122,8 +143,37 @@ def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     estimates = estimator.starts_of(snapshot, case.policy.slots)
     expected = {view.request_id: look_ns + round(start * NS) if math.isfinite(start) else None
                 for view, start in zip(snapshot.waiting, estimates, strict=True)}
+    blind = play.blind_at(look_ns)
     while play.ends:  # no new arrival: play every grant out
         play.run_until(play.ends[0][0])
     assert not play.scheduler.snapshot().waiting
     actual = {request_id: play.granted_ns[request_id] for request_id in expected}
-    assert actual == expected
+    if not blind:
+        assert actual == expected
+    else:  # see the module's docstring: not later than said, or unknown
+        event("a grant made beside a finished load still runs")
+        assert all(when is None or actual[rid] <= when for rid, when in expected.items())
+
+
+@pytest.mark.xfail(strict=True, reason="the snapshot does not say when a finished grant's load ended")
+def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
+    """Two slots, swap 5 s, run 2 s (a: 1 s). a0 loads at 0 and ends at 6; n1, granted at 1
+    beside it, runs 5..7; n2 is granted at 6 and runs until 8. At 6, n3 waits for the first slot
+    to free: n1's, at 7 (1 s). `starts_of` sees n1 running 5 s of a 2 s run, overdue, and puts
+    n3 in n2's slot at 8 (2 s). Known, left as is: telling it needs the load's end in the
+    snapshot's view of n1 (a RunningView field), a change beyond this test."""
+    case = Case(fifo(slots=Slots(2)), 2, 5, {"a": 1},
+                [(0, -100, "a"), (1, -100, None), (2, -100, None), (2, -100, None)], 1)
+    estimator = Estimator(default_run_s=2, default_swap_s=5, samples=3)
+    estimator.record("a", run_s=1, first_byte_s=None, model_load=False)
+    play = Play(case, estimator)
+    t_ns = 0
+    for number, (gap_s, value, model) in enumerate(case.arrivals):
+        t_ns += gap_s * NS
+        play.run_until(t_ns)
+        play.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
+    play.run_until(6 * NS)
+    snapshot = play.scheduler.snapshot()
+    assert [w.request_id for w in snapshot.waiting] == ["r3"]
+    assert play.blind_at(6 * NS)
+    assert estimator.starts_of(snapshot, case.policy.slots) == [1.0]
