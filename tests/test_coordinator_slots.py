@@ -281,8 +281,9 @@ async def test_the_view_shows_every_running_request_and_the_slots() -> None:
     view = flow.coordinator.view()
     assert [row.request_id for row in view.running] == ["a1", "a2"]
     assert (view.slots_busy, view.slots_total) == (2, 2)
-    # Two servers: a2 frees its slot in 10 s, a1 (10 + 5 s load, 2 s run) in 13 s, then a3's slot at 20.
-    assert [row.estimated_start_s for row in view.waiting] == pytest.approx([10, 13, 20])
+    # Two servers: a1 (5 s load + 10 s run, 2 s in) frees its slot in 13 s; a2, granted beside
+    # the load, runs once it ends (in 3 s) and also frees in 13 s: a3 and a4 then, a5 at 23.
+    assert [row.estimated_start_s for row in view.waiting] == pytest.approx([13, 13, 23])
     ticket, row = flow.coordinator.status_of("a2")
     assert row.request_id == "a2" and isinstance(row, RunningRow)
     document = queue_document(view)
