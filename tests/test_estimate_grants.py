@@ -105,8 +105,8 @@ class Play:
         self.clock.set_ns(t_ns)
         self.grant_all()
 
-    def blind_at(self, t_ns: int) -> bool:
-        """A grant made beside a load still runs at ``t_ns`` while the grant that loaded has
+    def blind(self) -> bool:
+        """A grant made beside a load still runs now while the grant that loaded has
         ended: the snapshot no longer says when the load ended (see the module's docstring)."""
         loading = [rid for rid, loads in self.loads.items() if loads]
         beside = [rid for rid, loads in self.loads.items() if not loads and self.waited_for_load[rid]]
@@ -143,7 +143,7 @@ def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     estimates = estimator.starts_of(snapshot, case.policy.slots)
     expected = {view.request_id: look_ns + round(start * NS) if math.isfinite(start) else None
                 for view, start in zip(snapshot.waiting, estimates, strict=True)}
-    blind = play.blind_at(look_ns)
+    blind = play.blind()
     while play.ends:  # no new arrival: play every grant out
         play.run_until(play.ends[0][0])
     assert not play.scheduler.snapshot().waiting
@@ -175,5 +175,5 @@ def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
     play.run_until(6 * NS)
     snapshot = play.scheduler.snapshot()
     assert [w.request_id for w in snapshot.waiting] == ["r3"]
-    assert play.blind_at(6 * NS)
+    assert play.blind()
     assert estimator.starts_of(snapshot, case.policy.slots) == [1.0]
