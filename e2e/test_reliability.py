@@ -283,6 +283,24 @@ async def test_sidecar_killed(tmp_path: pathlib.Path, fail_open: bool) -> None:
         upstream.close()
 
 
+async def _restarted_with_max_run(sidecar: SidecarProcess, path: pathlib.Path, tmp_path: pathlib.Path,
+                                  max_run_s: float) -> SidecarProcess:
+    """Kill the sidecar, start a new one with routing.scheduler.maxRunSeconds set, and wait until
+    it has adopted the exchange Envoy still reports."""
+    sidecar.popen.kill()
+    sidecar.stop()
+    document = yaml.safe_load(path.read_text())
+    document["routing"] = {"scheduler": {"maxRunSeconds": max_run_s}}
+    path.write_text(yaml.safe_dump(document))
+    restarted = SidecarProcess(path, tmp_path, name="sidecar-2")
+    try:
+        await async_wait_for(lambda: restarted.queue()["gpu"] == "adopted", what="the exchange adopted")
+    except BaseException:
+        restarted.stop()  # the caller's clean-up holds the old process, not this one
+        raise
+    return restarted
+
+
 def _adopted_watchdog_sum_s(admin_url: str) -> float | None:
     """How long the adopted exchange the watchdog let go was held (s), once it was let go."""
     samples = metric_samples(http_get(f"{admin_url}/metrics")[1].decode())
@@ -308,13 +326,7 @@ async def test_an_exchange_adopted_after_a_restart_is_let_go_at_max_run_seconds_
             await async_wait_for(lambda: "running" in upstream.order(), what="running at the upstream")
             await async_wait_for(lambda: envoy.stat("access_logs.grpc_access_log.logs_written") > 0,
                                  what="a periodic entry for it (its worker's stream is open)")
-            sidecar.popen.kill()
-            sidecar.stop()
-            document = yaml.safe_load(path.read_text())
-            document["routing"] = {"scheduler": {"maxRunSeconds": max_run_s}}
-            path.write_text(yaml.safe_dump(document))
-            sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
-            await async_wait_for(lambda: sidecar.queue()["gpu"] == "adopted", what="the exchange adopted")
+            sidecar = await _restarted_with_max_run(sidecar, path, tmp_path, max_run_s)
             after = asyncio.create_task(chat(session, envoy.url, "after"))
             held_s = await async_wait_for(lambda: _adopted_watchdog_sum_s(sidecar.admin_url), timeout=60,
                                           what="the adopted exchange let go by the watchdog")
@@ -356,13 +368,7 @@ async def test_an_exchange_that_waited_longer_than_max_run_seconds_is_adopted_af
             await async_wait_for(lambda: "waited" in upstream.order(), what="waited at the upstream")
             await async_wait_for(lambda: envoy.stat("access_logs.grpc_access_log.logs_written") > 1,
                                  what="a periodic entry for it")
-            sidecar.popen.kill()
-            sidecar.stop()
-            document = yaml.safe_load(path.read_text())
-            document["routing"] = {"scheduler": {"maxRunSeconds": max_run_s}}
-            path.write_text(yaml.safe_dump(document))
-            sidecar = SidecarProcess(path, tmp_path, name="sidecar-2")
-            await async_wait_for(lambda: sidecar.queue()["gpu"] == "adopted", what="the exchange adopted")
+            sidecar = await _restarted_with_max_run(sidecar, path, tmp_path, max_run_s)
             after = asyncio.create_task(chat(session, envoy.url, "after"))
             await async_wait_for(lambda: len(sidecar.queue()["waiting"]) == 1, what="after waiting behind it")
             assert "after" not in upstream.order()
