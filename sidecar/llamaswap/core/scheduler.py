@@ -38,7 +38,7 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core.arrivals import Arrivals
@@ -456,12 +456,17 @@ class Scheduler:
             return waiting if kept is None else kept
         return min(waiting, kept)
 
-    def reconfigure(self, policy: Policy) -> None:
+    def reconfigure(self, policy: Policy, priority_models: Mapping[str, str | None] | None = None) -> None:
         """Apply new settings to the waiting requests, keeping their arrival times. Running
-        grants keep their slots; with fewer slots than run, nothing starts until enough end."""
+        grants keep their slots; with fewer slots than run, nothing starts until enough end.
+        ``priority_models`` gives waiting requests the ``models.<id>`` entry that is theirs under
+        the new settings (an entry added by the reload; None: their scheduled model's)."""
         alive = self._arrivals.order()
         self._apply_policy(policy)
         for entry in alive:
+            if priority_models is not None and entry.request_id in priority_models:
+                named = priority_models[entry.request_id]
+                entry.priority_model = named if named is not None else entry.model
             entry.base = policy.base_priority(entry.priority.value, entry.priority_model)
         self._rebuild(alive)
         self._dead_in_heaps = 0

@@ -168,7 +168,10 @@ class Coordinator:
         if config is not self._config:  # a reload: models.<id> that match nothing are said again
             self._catalog.warn_unmatched(config.models, anew=True)
         self._config = config
-        self.scheduler.reconfigure(config.policy(self._slots.learnt, self._catalog.single_model()))
+        # Which models.<id> is each waiting request's under the new file (one may have been added).
+        settings = {ticket.token: self._catalog.key(ticket.model, config.models).settings
+                    for ticket in self._tickets.values() if ticket.state is TicketState.WAITING}
+        self.scheduler.reconfigure(config.policy(self._slots.learnt, self._catalog.single_model()), settings)
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
