@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from llamaswap.core.kept import KeptPlace
-from llamaswap.core.policy import PolicyName
+from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
 from llamaswap.core.priority import Band
 
 # A decision names at most this many of the requests its winner overtook.
@@ -56,6 +56,7 @@ class Decision:
     # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
     # beside it. It loads nothing (neither `load` nor `swap`).
     alone: bool = False
+    upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
 
     @property
     def queue_wait_ns(self) -> int:
@@ -131,6 +132,7 @@ class RunningView:
     queue_wait_s: float
     running_s: float
     alone: bool = False  # it runs alone (an unload): nothing starts beside it
+    upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,6 +143,16 @@ class BandStats:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LaneView:
+    """One upstream of the node: its loaded model and its slots, busy and in effect."""
+
+    name: str
+    loaded_model: str | None
+    slots_busy: int
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     policy: PolicyName
     loaded_model: str | None
@@ -148,6 +160,8 @@ class QueueSnapshot:
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
     slots: int  # the slots of the model in effect (what `next` fills up to)
+    lanes: tuple[LaneView, ...] = ()  # every upstream, in the configured order
+
 
     @property
     def running(self) -> RunningView | None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence, Set
 from typing import Protocol
 
 from llamaswap.core.slots import Slots
@@ -84,3 +85,156 @@ def turn(slots: Slots, loaded: str | None, running: Running, best: Candidate,
         return Turn.BEST
     candidate = best_interactive()  # only reserved slots are free: reserved > 0
     return Turn.RESERVED if candidate is not None and fits(candidate, loaded) else Turn.WAIT
+
+
+# -- a node of several upstreams -----------------------------------------------------------
+#
+# One queue over several upstreams (GPUs), each with its own slots, its loaded model and what
+# runs on it. The best waiting request takes, in this order: a free slot on an upstream that
+# has its model loaded (`LaneTurn.FREE`); else an idle upstream, loading its model there, unless
+# an upstream that has it is expected to free a slot sooner than the load would take; else it
+# waits, and one upstream (the one that has its model and frees a slot first, else the one
+# expected to drain first) takes no new work until it can start there: drain then swap, per
+# upstream. The next request in the order is then asked the same over the upstreams still
+# open, so the others keep serving. `choose` is that rule for one request; `Scheduler.next` and
+# the estimates' node walk run it over the order, so both say the same.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lane:
+    """One upstream as the node rule reads it."""
+
+    name: str
+    slots: Slots
+    models: frozenset[str] | None  # the models it may serve; None: any
+    loaded: str | None
+    running: Running = IDLE
+    blocked: bool = False  # work the scheduler did not grant holds it (a settle, an adopted exchange)
+
+    def may_serve(self, candidate: Candidate) -> bool:
+        return self.models is None or candidate.model is None or candidate.model in self.models
+
+
+class LaneTurn(enum.Enum):
+    """What one upstream can do for one request now."""
+
+    CLOSED = "closed"  # it takes nothing: blocked, full, a request runs alone, or it may not serve it
+    IDLE = "idle"  # nothing runs: it starts there, loading its model if another is loaded
+    FREE = "free"  # a free slot of the loaded model is its to take
+    SHARE_USED = "share_used"  # its model is loaded, but only reserved slots are free and it is not interactive
+    OTHER_MODEL = "other_model"  # a slot is free but another model runs: a drain first
+
+
+def lane_turn(lane: Lane, candidate: Candidate) -> LaneTurn:
+    """`turn` for one upstream of a node, with the reserved-slot case told apart."""
+    running = lane.running
+    if lane.blocked or not lane.may_serve(candidate):
+        return LaneTurn.CLOSED
+    if not running.busy:
+        return LaneTurn.IDLE
+    total = slots_in_effect(lane.slots, running, lane.loaded)
+    if running.busy >= total or running.alone:
+        return LaneTurn.CLOSED
+    if not fits(candidate, lane.loaded):
+        return LaneTurn.OTHER_MODEL
+    if candidate.interactive or running.non_interactive < total - lane.slots.reserved:
+        return LaneTurn.FREE
+    return LaneTurn.SHARE_USED
+
+
+class LaneTimes(Protocol):
+    """What the node rule may know of time (learnt run times and swap costs); `NO_TIMES` knows
+    nothing, and then an idle upstream always takes the best request it may serve."""
+
+    def slot_free_in_s(self, lane: str) -> float: ...  # until its first running slot frees
+
+    def drained_in_s(self, lane: str) -> float: ...  # until all it runs has ended
+
+    def swap_s(self, model: str | None) -> float: ...  # loading that model
+
+
+class _NoTimes:
+    def slot_free_in_s(self, lane: str) -> float:
+        return math.inf
+
+    def drained_in_s(self, lane: str) -> float:
+        return math.inf
+
+    def swap_s(self, model: str | None) -> float:
+        return 0.0
+
+
+NO_TIMES: LaneTimes = _NoTimes()
+
+
+class Step(enum.Enum):
+    START = "start"  # it starts on `lane`
+    CLAIM = "claim"  # it waits for `lane`, which takes no new work meanwhile
+    INTERACTIVE_ONLY = "interactive_only"  # it waits for `lane`'s share; its reserved slots stay open
+    SKIP = "skip"  # every upstream that may serve it is closed already
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Choice:
+    step: Step
+    lane: int | None = None
+
+
+def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], interactive_only: Set[int],
+           times: LaneTimes, wanted: Callable[[str | None], int]) -> Choice:
+    """The node rule for one waiting request, every request ahead of it in the order having been
+    asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
+    non-interactive share they wait for). ``wanted(model)``: how many waiting requests name it."""
+    model = candidate.model
+    turns: list[tuple[int, LaneTurn]] = []
+    holding: list[int] = []  # upstreams that have its model loaded but no slot for it now
+    for index, lane in enumerate(lanes):
+        if index in closed or lane.blocked or not lane.may_serve(candidate):
+            continue
+        verdict = lane_turn(lane, candidate)
+        if index in interactive_only and not candidate.interactive:
+            verdict = LaneTurn.SHARE_USED if verdict is LaneTurn.FREE else verdict
+        if verdict is not LaneTurn.CLOSED:
+            turns.append((index, verdict))
+        if (verdict is not LaneTurn.IDLE and verdict is not LaneTurn.FREE and model is not None
+                and lane.loaded == model and lane.running.busy):
+            holding.append(index)
+    if not turns and not holding:
+        return Choice(Step.SKIP)
+    if candidate.alone and model is not None:
+        # An unload is for the upstream that has the model loaded, if one has.
+        having = [(index, verdict) for index, verdict in turns if lanes[index].loaded == model]
+        if having or holding:
+            turns = having
+    free = [index for index, verdict in turns if verdict is LaneTurn.FREE]
+    if free:  # the one with the most free slots: the least crowded
+        return Choice(Step.START, max(free, key=lambda i: _free_slots(lanes[i])))
+    idle = [index for index, verdict in turns if verdict is LaneTurn.IDLE]
+    if idle:
+        warm = [index for index in idle if model is not None and lanes[index].loaded == model]
+        if warm:
+            return Choice(Step.START, warm[0])
+        soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name), default=None)
+        if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model):
+            # Nothing loaded first, then the model the queue wants least.
+            return Choice(Step.START, min(idle, key=lambda i: (lanes[i].loaded is not None, wanted(lanes[i].loaded))))
+        return _wait_for(soonest, turns)
+    if holding:
+        return _wait_for(min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name)), turns)
+    if not turns:
+        return Choice(Step.SKIP)
+    # Another model everywhere it may run: the one expected to drain first drains for it.
+    draining = min((index for index, _ in turns),
+                   key=lambda i: (times.drained_in_s(lanes[i].name), lanes[i].running.busy))
+    return Choice(Step.CLAIM, draining)
+
+
+def _wait_for(index: int, turns: Sequence[tuple[int, LaneTurn]]) -> Choice:
+    """It waits for a slot on an upstream that has its model: only its share used there leaves
+    the reserved slots open to interactive requests; else the upstream takes nothing else."""
+    verdict = dict(turns).get(index)
+    return Choice(Step.INTERACTIVE_ONLY if verdict is LaneTurn.SHARE_USED else Step.CLAIM, index)
+
+
+def _free_slots(lane: Lane) -> int:
+    return slots_in_effect(lane.slots, lane.running, lane.loaded) - lane.running.busy

@@ -56,22 +56,20 @@ class Index:
         self.key = key
         self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
         self.all: list[Item] = []
-        self.by_model: dict[str, list[Item]] = {}
+        # Per model named (None: no model), for the bonus and a node's upstreams.
+        self.by_model: dict[str | None, list[Item]] = {}
 
     def push(self, entry: Entry) -> None:
         item: Item = (-self.key(entry), entry.seq, entry)
         heapq.heappush(self.all, item)
-        if entry.model is not None:
-            heapq.heappush(self.by_model.setdefault(entry.model, []), item)
+        heapq.heappush(self.by_model.setdefault(entry.model, []), item)
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         key = self.key
         self.all = [(-key(entry), entry.seq, entry) for entry in entries]
         self.by_model = {}
         for item in self.all:
-            model = item[2].model
-            if model is not None:
-                self.by_model.setdefault(model, []).append(item)
+            self.by_model.setdefault(item[2].model, []).append(item)
         heapq.heapify(self.all)
         for heap in self.by_model.values():
             heapq.heapify(heap)
@@ -85,7 +83,7 @@ class Index:
     def top(self, taken: set[int] | None = None) -> Item | None:
         return prune(self.all, taken)
 
-    def top_of(self, model: str, taken: set[int] | None = None) -> Item | None:
+    def top_of(self, model: str | None, taken: set[int] | None = None) -> Item | None:
         heap = self.by_model.get(model)
         if heap is None:
             return None

@@ -20,6 +20,20 @@ class PolicyName(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LanePolicy:
+    """One upstream of the node as the policy describes it: its name, its slots (with the
+    node's reserved slots) and the models it may serve (None: any)."""
+
+    name: str
+    slots: Slots = dataclasses.field(default_factory=Slots)
+    models: frozenset[str] | None = None
+
+
+# The name of the one upstream of a configuration that lists none (`upstream:` alone).
+SINGLE_UPSTREAM = "gpu0"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Policy:
     """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`; the defaults of every
     setting live in the configuration (`llamaswap.config`), not here."""
@@ -32,6 +46,8 @@ class Policy:
     max_queued: int  # 0: unlimited
     max_wait_s: float  # 0: wait forever
     slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
+    # The node's upstreams (`upstreams:`), one queue over them; empty: one, SINGLE_UPSTREAM, with `slots`.
+    lanes: tuple[LanePolicy, ...] = ()
 
     @classmethod
     def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
@@ -44,6 +60,14 @@ class Policy:
              slots: Slots | None = None) -> Policy:
         return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
                    slots if slots is not None else Slots())
+
+    def with_lanes(self, lanes: tuple[LanePolicy, ...]) -> Policy:
+        """This policy over these upstreams; `slots` becomes the first one's."""
+        return dataclasses.replace(self, lanes=lanes, slots=lanes[0].slots if lanes else self.slots)
+
+    @property
+    def lanes_in_effect(self) -> tuple[LanePolicy, ...]:
+        return self.lanes or (LanePolicy(SINGLE_UPSTREAM, self.slots),)
 
     @property
     def aging_divisor_ns(self) -> int:

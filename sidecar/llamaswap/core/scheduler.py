@@ -37,8 +37,7 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core.arrivals import Arrivals
@@ -47,6 +46,7 @@ from llamaswap.core.decisions import (
     OVERTAKEN_LIMIT,
     BandStats,
     Decision,
+    LaneView,
     Queued,
     QueueSnapshot,
     Released,
@@ -55,10 +55,12 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import IDLE, Running, Turn, slots_in_effect, turn
+from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, Turn, slots_in_effect, turn
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
+from llamaswap.core.lanes import Grant, LaneState, PendingLoad
+from llamaswap.core.node import NodeWalk
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -72,29 +74,6 @@ __all__ = ["NS_PER_S", "OVERTAKEN_LIMIT", "BandStats", "Decision", "InvalidSlots
 _COMPACT_SLACK: Final = 1024
 
 
-@dataclasses.dataclass(slots=True)
-class _PendingLoad:
-    """A model load begun by a grant (a load or a swap) that no release has confirmed yet: which
-    load it is (the scheduler counts them), the model loaded before it, and whether a grant on it
-    reached the upstream and got an answer that said nothing about the model (then, unconfirmed,
-    the load may or may not have happened)."""
-
-    number: int
-    previous: str | None
-    unsure: bool = False
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Grant:
-    """A running grant: the request, why it won, and the number of the pending load it ran on
-    (None: none was pending; the grants that carry a load's number are its users)."""
-
-    entry: Entry
-    decision: Decision
-    load: int | None
-
-
-
 class Scheduler:
     """Non-preemptive priority queue for one GPU that serves up to ``slots`` generations of its
     loaded model at once (one, by default: the size-1 resource of the specification)."""
@@ -102,23 +81,29 @@ class Scheduler:
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
         self._seq = 0
-        self._dispatches = 0
-        self._grants: dict[str, _Grant] = {}  # earliest first: the one record of what runs
-        self._running = IDLE  # what the grants hold, as the dispatch rule reads it (`_what_runs`)
-        self._loaded_model: str | None = None
-        # The load the loaded model came from while none of its grants has reached the upstream
-        # (None once one has, or when the model was reported rather than loaded by a grant).
-        self._load: _PendingLoad | None = None
+        self._lanes: list[LaneState] = []  # the upstreams, in the configured order
+        self._lane_of: dict[str, LaneState] = {}  # running request -> the upstream it runs on
         self._loads = 0  # model loads begun by grants so far: each pending load's number
+        self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
         self._apply_policy(policy)
         self._reset_queue()
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
-        self._slots = policy.slots
-        # The most slots of any model: one compare tells a full scheduler (with one slot, any grant).
-        self._slot_most = max([policy.slots.default, *policy.slots.per_model.values()])
+        lanes = policy.lanes_in_effect
+        known = {lane.name: lane for lane in self._lanes}
+        if self._lanes and set(known) != {lane.name for lane in lanes}:
+            raise SchedulerError("the upstreams cannot change while the scheduler runs")
+        for lane_policy in lanes:
+            if lane_policy.name in known:
+                known[lane_policy.name].apply(lane_policy)
+        if not self._lanes:
+            self._lanes = [LaneState(lane_policy) for lane_policy in lanes]
+        order = [lane.name for lane in lanes]
+        self._lanes.sort(key=lambda lane: order.index(lane.name))
+        self._first = self._lanes[0]
+        self._node = len(self._lanes) > 1
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -136,6 +121,7 @@ class Scheduler:
 
     def _reset_queue(self) -> None:
         self._waiting: dict[str, Entry] = {}
+        self._wanted = {}
         self._dead_in_heaps = 0
         self._rebuild(())
         self._arrivals = Arrivals()
@@ -158,24 +144,45 @@ class Scheduler:
         return self._policy
 
     @property
+    def lanes(self) -> tuple[str, ...]:
+        """The upstreams' names, in the configured order."""
+        return tuple(lane.name for lane in self._lanes)
+
+    def _lane(self, upstream: str | None) -> LaneState:
+        if upstream is None:
+            return self._first
+        for lane in self._lanes:
+            if lane.name == upstream:
+                return lane
+        raise UnknownRequest(f"no upstream is named {upstream!r}")
+
+    @property
     def loaded_model(self) -> str | None:
-        return self._loaded_model
+        """The first upstream's loaded model (with one upstream, the loaded model)."""
+        return self._first.loaded
+
+    def loaded_on(self, upstream: str | None = None) -> str | None:
+        return self._lane(upstream).loaded
 
     @property
     def dispatches(self) -> int:
-        """Grants so far: the generation a loaded-model report was asked at."""
-        return self._dispatches
+        """Grants so far on the first upstream: the generation a loaded-model report was asked at."""
+        return self._first.dispatches
 
-    def set_loaded_model(self, model: str | None, *, as_of: int) -> bool:
-        """What the upstream reports as loaded, asked when ``dispatches`` was ``as_of``.
+    def dispatches_on(self, upstream: str | None = None) -> int:
+        return self._lane(upstream).dispatches
 
-        A report that a grant has overtaken (or that arrives while any request runs) describes a
-        past the scheduler has already moved on from: it is dropped. True if applied.
+    def set_loaded_model(self, model: str | None, *, as_of: int, upstream: str | None = None) -> bool:
+        """What an upstream reports as loaded, asked when its ``dispatches_on`` was ``as_of``.
+
+        A report that a grant has overtaken (or that arrives while any request runs there)
+        describes a past the scheduler has already moved on from: it is dropped. True if applied.
         """
-        if as_of != self._dispatches or self._grants:
+        lane = self._lane(upstream)
+        if as_of != lane.dispatches or lane.grants:
             return False
-        self._loaded_model = model
-        self._load = None
+        lane.loaded = model
+        lane.load = None
         return True
 
     @property
@@ -185,43 +192,64 @@ class Scheduler:
     @property
     def running(self) -> Decision | None:
         """The earliest running grant (with one slot, the grant)."""
-        for grant in self._grants.values():
-            return grant.decision
+        for request_id in self._lane_of:
+            return self._lane_of[request_id].grants[request_id].decision
         return None
 
     @property
     def running_id(self) -> str | None:
         """The request of the earliest running grant."""
-        for request_id in self._grants:
+        for request_id in self._lane_of:
             return request_id
         return None
 
     @property
     def running_grants(self) -> tuple[Decision, ...]:
         """Every running grant, earliest first."""
-        return tuple(grant.decision for grant in self._grants.values())
+        return tuple(lane.grants[request_id].decision for request_id, lane in self._lane_of.items())
 
     def running_ids(self) -> Iterator[str]:
         """The requests of the running grants, earliest first."""
-        return iter(self._grants)
+        return iter(self._lane_of)
 
     def is_running(self, request_id: str) -> bool:
-        return request_id in self._grants
+        return request_id in self._lane_of
+
+    def upstream_of(self, request_id: str) -> str | None:
+        """The upstream a running request runs on (None: it does not run)."""
+        lane = self._lane_of.get(request_id)
+        return lane.name if lane is not None else None
 
     @property
     def slots_busy(self) -> int:
-        return len(self._grants)
+        """Grants running, over every upstream."""
+        return len(self._lane_of)
+
+    def slots_busy_on(self, upstream: str | None = None) -> int:
+        return len(self._lane(upstream).grants)
 
     @property
     def slots_total(self) -> int:
-        """The slots ``next`` fills up to now: those of the model the running grants name, else
-        of the loaded model (the default when none is known)."""
-        return slots_in_effect(self._slots, self._running, self._loaded_model)
+        """The slots ``next`` fills up to now on the first upstream (`slots_total_on`)."""
+        return self.slots_total_on(None)
+
+    def slots_total_on(self, upstream: str | None = None) -> int:
+        """The slots ``next`` fills up to now on an upstream: those of the model its grants name,
+        else of its loaded model (the default when none is known)."""
+        lane = self._lane(upstream)
+        return slots_in_effect(lane.policy.slots, lane.running, lane.loaded)
 
     @property
     def what_runs(self) -> Running:
-        """What the grants hold, as the dispatch rule reads it."""
-        return self._running
+        """What the first upstream's grants hold, as the dispatch rule reads it."""
+        return self._first.running
+
+    def what_runs_on(self, upstream: str | None = None) -> Running:
+        return self._lane(upstream).running
+
+    def lane_views(self, blocked: frozenset[str] = frozenset()) -> tuple[Lane, ...]:
+        """Every upstream as the node rule reads it."""
+        return tuple(lane.lane(lane.name in blocked) for lane in self._lanes)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -238,7 +266,7 @@ class Scheduler:
         whether ``model`` is still loaded). A ``retry_key`` under which a place is kept (`keep`)
         with the same priority and model takes that place over: the place's arrival time and
         arrival order, so its aging, position and max wait."""
-        if request_id in self._waiting or request_id in self._grants:
+        if request_id in self._waiting or request_id in self._lane_of:
             raise SchedulerError(f"request {request_id!r} is already known")
         named = priority_model if priority_model is not None else model
         depth = len(self._waiting)
@@ -261,6 +289,15 @@ class Scheduler:
         entry = Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
                       arrival_ns, named, alone)
         self._waiting[request_id] = entry
+        self._wanted[model] = self._wanted.get(model, 0) + 1
+        self._push(entry)
+        if place is None:
+            self._arrivals.add(entry)
+        else:
+            self._arrivals.add_in_order(entry)
+        return Queued(depth, entry.arrival_ns, place)
+
+    def _push(self, entry: Entry) -> None:
         self._aged.push(entry)
         if self._plain is not None:
             self._plain.push(entry)
@@ -269,11 +306,6 @@ class Scheduler:
             aged.push(entry)
             if plain is not None:
                 plain.push(entry)
-        if place is None:
-            self._arrivals.add(entry)
-        else:
-            self._arrivals.add_in_order(entry)
-        return Queued(depth, entry.arrival_ns, place)
 
     def keep(self, request_id: str, key: bytes, grace_ns: int) -> tuple[Removed, KeptPlace | None] | None:
         """A waiting request's client left: remove it, and keep its place under ``key`` for
@@ -318,25 +350,31 @@ class Scheduler:
         self._remove(entry)
         return self._removed(entry, self._clock.now_ns())
 
-    def next(self) -> Decision | None:
+    def next(self, blocked: frozenset[str] = frozenset(), times: LaneTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
+        ``blocked``: upstreams that take nothing now (a settle, an adopted exchange holds them).
 
         The dispatch rule is `dispatch.turn` (the estimates run it too): with nothing running the
         best request goes whatever model it needs; beside running grants only a request of the
         loaded model (or none) goes, a swap or a request that runs alone waits for the drain,
         and a non-interactive request past its share (``slots - reserved``) leaves the free
         slot to the best interactive request, read as if the non-interactive ones were not in
-        the order. Such a grant says ``reserved_slot``.
+        the order. Such a grant says ``reserved_slot``. Over several upstreams the rule is
+        `dispatch.choose`, asked down the order (`_next_on_node`); ``times`` is what it may know
+        of run times and swap costs.
         """
         if not self._waiting:
             return None
-        running = self._running
-        if running.busy >= self._slot_most:
+        if self._node:
+            return self._next_on_node(blocked, times)
+        lane = self._first
+        running = lane.running
+        if running.busy >= lane.slot_most or lane.name in blocked:
             return None  # every slot is taken (with one slot: anything runs)
-        loaded = self._loaded_model
+        loaded = lane.loaded
         aged, plain = self._aged, self._plain
         winner = self._pick(aged, loaded)
-        verdict = turn(self._slots, loaded, running, winner, self._best_interactive)
+        verdict = turn(lane.policy.slots, loaded, running, winner, self._best_interactive)
         if verdict is Turn.WAIT:
             return None
         reserved_slot = verdict is Turn.RESERVED
@@ -344,9 +382,52 @@ class Scheduler:
             assert self._reserved is not None  # only reserved slots are free: reserved > 0
             aged, plain = self._reserved
             winner = self._pick(aged, loaded)
+        return self._grant(lane, winner, aged, plain, reserved_slot, lambda index: self._pick(index, loaded))
+
+    def _next_on_node(self, blocked: frozenset[str], times: LaneTimes) -> Decision | None:
+        """The node rule down the order (`node.walk`), then the grant it found."""
+        loaded = frozenset(lane.loaded for lane in self._lanes if lane.loaded is not None)
+
+        def pick(index: Index) -> Entry:
+            return self._pick_among(index, loaded)
+
+        walk = NodeWalk(self.lane_views(blocked), [lane.slot_most for lane in self._lanes], self._aged,
+                        self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
+                        self._wanted, times)
+        try:
+            found = walk.find()
+        finally:
+            self._resume(walk.suspended)  # before the grant: its reasons read the whole order
+        if found is None:
+            return None
+        index, winner = found
+        return self._grant_on_node(self._lanes[index], winner, pick)
+
+    def _grant_on_node(self, lane: LaneState, winner: Entry, pick: Callable[[Index], Entry]) -> Decision:
+        slots = lane.policy.slots
+        running = lane.running
+        reserved_slot = bool(winner.interactive and slots.reserved and running.busy and running.non_interactive
+                             >= slots_in_effect(slots, running, lane.loaded) - slots.reserved)
+        return self._grant(lane, winner, self._aged, self._plain, reserved_slot, pick)
+
+    def _resume(self, suspended: list[Entry]) -> None:
+        """Put the requests a node walk passed over back in the indexes. Their old items, where
+        no prune met them, stay as twins: counted as dead, so compaction clears them."""
+        for entry in suspended:
+            entry.alive = True
+            self._push(entry)
+        self._dead_in_heaps += len(suspended)
+        suspended.clear()
+        if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
+            self._compact()
+
+    def _grant(self, lane: LaneState, winner: Entry, aged: Index, plain: Index | None, reserved_slot: bool,
+               pick: Callable[[Index], Entry]) -> Decision:
         now = self._clock.now_ns()
+        loaded = lane.loaded
+        running = lane.running
         reasons: set[ReorderCause] = set()
-        if plain is not None and self._pick(plain, loaded) is not winner:
+        if plain is not None and pick(plain) is not winner:
             reasons.add(ReorderCause.AGING)
         if self._bonus and loaded is not None and entry_of(aged.top()) is not winner:
             reasons.add(ReorderCause.SWAP_AFFINITY)
@@ -359,7 +440,7 @@ class Scheduler:
         affinity = self._bonus if model is not None and model == loaded else 0
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
-        self._dispatches += 1
+        lane.dispatches += 1
         decision = Decision(
             request_id=winner.request_id,
             priority=winner.priority.value,
@@ -379,16 +460,18 @@ class Scheduler:
             slots_busy=running.busy + 1,
             reserved_slot=reserved_slot,
             alone=alone,
+            upstream=lane.name,
         )
         load = None
         if model is not None and not alone:
-            if loads:  # only with nothing running: a load of its own
+            if loads:  # only with nothing running there: a load of its own
                 self._loads += 1
-                self._load = _PendingLoad(self._loads, loaded)
-                self._loaded_model = model
-            load = self._load.number if self._load is not None else None
-        self._grants[winner.request_id] = _Grant(winner, decision, load)
-        self._running = self._what_runs()
+                lane.load = PendingLoad(self._loads, loaded)
+                lane.loaded = model
+            load = lane.load.number if lane.load is not None else None
+        lane.grants[winner.request_id] = Grant(winner, decision, load)
+        self._lane_of[winner.request_id] = lane
+        lane.renew()
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
@@ -408,28 +491,13 @@ class Scheduler:
         is known to be loaded if some did with an answer that said nothing. (With one slot: a
         grant that never reached the upstream leaves the model loaded before it.)
         """
-        grant = self._grants.pop(request_id, None)
-        if grant is None:
+        lane = self._lane_of.pop(request_id, None)
+        if lane is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
-        self._running = self._what_runs()
-        model = grant.entry.model
-        pending = self._load
-        on_pending = pending is not None and grant.load == pending.number  # a user of the pending load
-        if not reached_upstream or model_loaded is None:
-            if on_pending:
-                assert pending is not None
-                pending.unsure = pending.unsure or reached_upstream
-                if all(other.load != pending.number for other in self._grants.values()):
-                    # Its last user, and none confirmed the load: none reached the upstream (what
-                    # was loaded before still is), or those that did were not told (not known).
-                    self._loaded_model = None if pending.unsure else pending.previous
-                    self._load = None
-        elif not model_loaded and model is not None and self._loaded_model == model:
-            self._loaded_model = None
-            self._load = None
-        elif on_pending:
-            self._load = None  # it reached the upstream: the load happened
-        return Released(request_id, model, grant.decision.granted_ns, self._clock.now_ns())
+        grant = lane.grants.pop(request_id)
+        lane.renew()
+        lane.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
@@ -509,11 +577,14 @@ class Scheduler:
                 queue_wait_s=decision.queue_wait_ns / NS_PER_S,
                 running_s=(now - decision.granted_ns) / NS_PER_S,
                 alone=decision.alone,
+                upstream=decision.upstream,
             )
-            for decision in (grant.decision for grant in self._grants.values())
+            for decision in self.running_grants
         )
-        return QueueSnapshot(self._policy.name, self._loaded_model, waiting, self.band_stats(), grants,
-                             self.slots_total)
+        lanes = tuple(LaneView(lane.name, lane.loaded, len(lane.grants), self.slots_total_on(lane.name))
+                      for lane in self._lanes)
+        return QueueSnapshot(self._policy.name, self._first.loaded, waiting, self.band_stats(), grants,
+                             self.slots_total, lanes)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
@@ -529,36 +600,28 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _what_runs(self) -> Running:
-        """The grants as the dispatch rule reads them; kept in `_running`, renewed on every grant
-        and release."""
-        if not self._grants:
-            return IDLE
-        model = None
-        alone = False
-        non_interactive = 0
-        for grant in self._grants.values():
-            entry = grant.entry
-            if entry.model is not None:
-                model = entry.model  # they name at most one
-            alone = alone or entry.alone
-            non_interactive += not entry.interactive
-        return Running(len(self._grants), non_interactive, model, alone)
-
     def _best_interactive(self) -> Entry | None:
         """The reserved slots' candidate: the best interactive request (None: none waits)."""
         assert self._reserved is not None
         aged = self._reserved[0]
-        return self._pick(aged, self._loaded_model) if aged.top() is not None else None
+        return self._pick(aged, self._first.loaded) if aged.top() is not None else None
 
     def _dispatch_order(self) -> list[tuple[Entry, int]]:
         """The order `next` would grant in if nothing changed, with each one's affinity bonus
         at its turn: the same `_pick` on a copy of the index, each simulated grant making its
-        model the loaded one."""
+        model the loaded one. (Over several upstreams: best score first, with the bonus where a
+        request's model is loaded now; which upstream each one takes is the estimates' walk.)"""
         index = self._aged.copy()
         taken: set[int] = set()
-        loaded = self._loaded_model
         order: list[tuple[Entry, int]] = []
+        if self._node:
+            loaded_now = frozenset(lane.loaded for lane in self._lanes if lane.loaded is not None)
+            for _ in range(len(self._waiting)):
+                pick = self._pick_among(index, loaded_now, taken)
+                taken.add(pick.seq)
+                order.append((pick, self._bonus if pick.model is not None and pick.model in loaded_now else 0))
+            return order
+        loaded = self._first.loaded
         for _ in range(len(self._waiting)):
             pick = self._pick(index, loaded, taken)
             taken.add(pick.seq)
@@ -566,6 +629,22 @@ class Scheduler:
             if pick.model is not None and not pick.alone:
                 loaded = pick.model
         return order
+
+    def _pick_among(self, index: Index, loaded: frozenset[str], taken: set[int] | None = None) -> Entry:
+        """`_pick` over several upstreams: a request's bonus counts where its model is loaded."""
+        top = index.top(taken)
+        assert top is not None, "called with an empty queue"
+        if not loaded or not self._bonus:
+            return top[2]
+        best_key, best_seq, best = -top[0], top[1], top[2]
+        for model in loaded:
+            favourite = index.top_of(model, taken)
+            if favourite is None or favourite[2] is top[2]:
+                continue
+            key = -favourite[0] + self._bonus * index.scale
+            if key > best_key or (key == best_key and favourite[1] < best_seq):
+                best_key, best_seq, best = key, favourite[1], favourite[2]
+        return best
 
     def _pick(self, index: Index, loaded: str | None, taken: set[int] | None = None) -> Entry:
         """The winner among the waiting in `index` while `loaded` is loaded: the better of the
@@ -594,6 +673,11 @@ class Scheduler:
         entry.alive = False
         self._arrivals.remove(entry)
         del self._waiting[entry.request_id]
+        left = self._wanted[entry.model] - 1
+        if left:
+            self._wanted[entry.model] = left
+        else:
+            del self._wanted[entry.model]
         self._dead_in_heaps += 1
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()

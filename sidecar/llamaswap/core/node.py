@@ -1,0 +1,87 @@
+"""The node rule walked down the order: which waiting request starts next, and on which upstream.
+
+`dispatch.choose` says it for one request; this walks the scheduler's order with it. The best
+request starts on an upstream or claims one, which then takes nothing else until it can start
+there; each request after it starts where the rule lets it, or waits (only the best claims: one
+upstream drains for the one best request, and lower ones never hold an upstream back). Once no
+open upstream is idle, only a request of a model loaded on one (or of none) can start, and the
+first such in the order is the best of those models' tops (`_warm_pick`): the walk never reads
+the whole queue for it. Requests it asks are suspended (marked not alive, so the indexes skip
+them) and the caller puts them back (`suspended`) whatever happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose
+from llamaswap.core.index import Entry, Index
+
+
+class NodeWalk:
+    def __init__(self, lanes: Sequence[Lane], slot_most: Sequence[int], aged: Index, reserved: Index | None,
+                 bonus: int, pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
+                 times: LaneTimes) -> None:
+        self._lanes = lanes
+        self._aged = aged
+        self._reserved = reserved  # the interactive requests alone (reserved slots), or None
+        self._bonus = bonus
+        self._pick = pick
+        self._wanted = wanted
+        self._times = times
+        # Upstreams that take nothing now: held by a settle, full, or running a request alone.
+        self._full = {i for i, lane in enumerate(lanes)
+                      if lane.blocked or lane.running.busy >= slot_most[i] or lane.running.alone}
+        self._closed: set[int] = set()  # claimed by the best request
+        self._interactive_only: set[int] = set()  # the best waits for its share: reserved slots stay open
+        self.suspended: list[Entry] = []
+
+    def _wants(self, model: str | None) -> int:
+        return self._wanted.get(model, 0)
+
+    def _choose(self, candidate: Entry) -> tuple[Step, int | None]:
+        choice = choose(self._lanes, candidate, self._closed, self._interactive_only, self._times, self._wants)
+        return choice.step, choice.lane
+
+    def find(self) -> tuple[int, Entry] | None:
+        """The upstream and the request that starts next; None if nothing starts now."""
+        lanes = self._lanes
+        best = True
+        while len(self._closed | self._full) < len(lanes) and self._aged.top() is not None:
+            if not best and all(lanes[i].running.busy for i in range(len(lanes)) if i not in self._closed):
+                candidate = self._warm_pick()
+                if candidate is None:
+                    return None
+            else:
+                candidate = self._pick(self._aged)
+            step, lane = self._choose(candidate)
+            if step is Step.START:
+                assert lane is not None
+                return lane, candidate
+            if best and lane is not None:
+                (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
+            best = False
+            candidate.alive = False
+            self.suspended.append(candidate)
+        return None
+
+    def _warm_pick(self) -> Entry | None:
+        """With every open upstream busy: the first request in the order that the rule starts,
+        among the tops of the models loaded on them and of no model (by the reserved slots'
+        index too, where only interactive requests can take a slot)."""
+        items: list[tuple[int, int, Entry]] = []
+        scale = self._aged.scale
+        indexes = [self._aged] if self._reserved is None else [self._aged, self._reserved]
+        for i, lane in enumerate(self._lanes):
+            if i in self._closed or lane.blocked:
+                continue
+            for index in indexes:
+                for model in {lane.loaded, None}:
+                    item = index.top_of(model)
+                    if item is not None:
+                        bonus = self._bonus * scale if model is not None else 0
+                        items.append((-item[0] + bonus, -item[1], item[2]))
+        for _, _, entry in sorted(items, key=lambda item: (item[0], item[1]), reverse=True):
+            if self._choose(entry)[0] is Step.START:
+                return entry
+        return None
