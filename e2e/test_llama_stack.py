@@ -28,7 +28,7 @@ async def _complete(session: aiohttp.ClientSession, url: str, model: str, priori
         return {"headers": dict(response.headers), "body": json.loads(text)}
 
 
-UPSTREAM_REQUESTS = "cluster.llm_upstream.upstream_rq_total"
+UPSTREAM_REQUESTS = "cluster.upstream-gpu0.upstream_rq_total"
 
 
 async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) -> None:

@@ -403,7 +403,7 @@ def test_the_pods_bootstrap_is_valid_and_wired_to_the_pod(case: tuple[str, dict[
     admin = bootstrap["admin"]["address"]["socket_address"]
     assert f"/dev/tcp/{admin['address']}/{admin['port_value']}" in envoy["readinessProbe"]["exec"]["command"][-1]
     clusters = _clusters(bootstrap)
-    assert _socket(clusters["llm_upstream"])["port_value"] == int(_arg(llama["args"], "--port"))
+    assert _socket(clusters["upstream-gpu0"])["port_value"] == int(_arg(llama["args"], "--port"))
     assert _socket(clusters["llamaswap_admin"])["port_value"] == config.listen.admin.port
     assert f":{config.listen.admin.port}/readyz" in sidecar["readinessProbe"]["exec"]["command"][-1]
     assert _socket(clusters["llamaswap_grpc"])["port_value"] == config.listen.grpc.port

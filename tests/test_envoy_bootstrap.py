@@ -12,6 +12,7 @@ from llamaswap.config import parse_config
 from llamaswap.envoy.binary import validate_bootstrap
 from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, bootstrap_changes, build_bootstrap, render_bootstrap
 from llamaswap.envoy.contract import ACCESS_LOG_NAME, STATUS_PREFIX
+from several_upstreams import SeveralUpstreams
 
 
 def hcm(bootstrap: dict) -> dict:
@@ -25,7 +26,8 @@ def test_the_chain_is_header_mutation_buffer_json_to_metadata_ext_authz_router()
                      "envoy.filters.http.router"]
     authz = config["http_filters"][3]["typed_config"]
     assert "with_request_body" not in authz  # no body in the sidecar without a retry grace period
-    assert "early_header_mutation_extensions" not in config
+    (early,) = config["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [{"remove": "x-llamaswap-upstream"}]  # nothing else without retries
     assert set(config["route_config"]["virtual_hosts"][0]) == {"name", "domains", "routes"}
     assert authz["metadata_context_namespaces"] == ["llamaswap"]
     rule = config["http_filters"][2]["typed_config"]["request_rules"]["rules"][0]
@@ -80,7 +82,7 @@ def test_a_retry_grace_period_sends_the_check_what_tells_a_retry():
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8080", "https://llm.example.com"])
 def test_the_upstream_gets_one_request_per_connection(url: str) -> None:
     clusters = {c["name"]: c for c in build_bootstrap(parse_config({"upstream": {"url": url}}))["static_resources"]["clusters"]}
-    options = clusters["llm_upstream"]["typed_extension_protocol_options"][
+    options = clusters["upstream-gpu0"]["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert options["common_http_protocol_options"]["max_requests_per_connection"] == 1
     assert "http_protocol_options" in options["explicit_http_config"]  # HTTP/1.1, as before
@@ -188,3 +190,99 @@ def test_envoys_own_answers_say_whether_and_when_to_retry():
              {h["header"]["key"]: h["header"]["value"] for h in m["headers_to_add"]} for m in mappers}
     assert added[503] == {"retry-after": "5", "retry-after-ms": "5000"}  # the sidecar unreachable
     assert added[413] == {"x-should-retry": "false"}  # the body is too large whenever it is sent
+
+
+# -- several upstreams (issue 27): a cluster each, the Check's OK names the one -------------------
+
+TWO = {"gpu0": "http://127.0.0.1:8081", "gpu1": "https://gpu1.example.com:8443"}
+
+
+def _clusters(config) -> dict:
+    return {c["name"]: c for c in build_bootstrap(config)["static_resources"]["clusters"]}
+
+
+def _scheduled(config) -> list[dict]:
+    routes = hcm(build_bootstrap(config))["route_config"]["virtual_hosts"][0]["routes"]
+    return [r for r in routes if r["match"].get("prefix") == "/"]
+
+
+def _socket(cluster: dict) -> dict:
+    return cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+
+
+def test_each_upstream_has_its_own_cluster_like_the_single_one_had():
+    clusters = _clusters(SeveralUpstreams(parse_config({}), TWO))
+    assert _socket(clusters["upstream-gpu0"]) == {"address": "127.0.0.1", "port_value": 8081}
+    assert _socket(clusters["upstream-gpu1"]) == {"address": "gpu1.example.com", "port_value": 8443}
+    assert "transport_socket" not in clusters["upstream-gpu0"]
+    assert clusters["upstream-gpu1"]["transport_socket"]["typed_config"]["sni"] == "gpu1.example.com"
+    single = _clusters(parse_config({}))["upstream-gpu0"]
+    for name in TWO:  # the same limits, buffer and connection reuse as the one upstream had
+        for key in ("circuit_breakers", "per_connection_buffer_limit_bytes", "typed_extension_protocol_options"):
+            assert clusters[f"upstream-{name}"][key] == single[key]
+
+
+def test_a_scheduled_request_goes_to_the_upstream_the_check_named():
+    config = SeveralUpstreams(parse_config({}), TWO)
+    *named, fallback = _scheduled(config)
+    assert [(r["match"]["headers"], r["route"]["cluster"]) for r in named] == [
+        ([{"name": "x-llamaswap-upstream", "string_match": {"exact": "gpu0"}}], "upstream-gpu0"),
+        ([{"name": "x-llamaswap-upstream", "string_match": {"exact": "gpu1"}}], "upstream-gpu1")]
+    for route in [*named, fallback]:  # the held Check matches the fallback: no timer on either
+        assert (route["route"]["timeout"], route["route"]["idle_timeout"]) == ("0s", "0s")
+        assert "typed_per_filter_config" not in route
+    # Without failOpen a request no Check named an upstream for reaches none (503).
+    assert "headers" not in fallback["match"] and fallback["route"]["cluster"] == "llamaswap_unrouted"
+    assert _clusters(config)["llamaswap_unrouted"]["load_assignment"]["endpoints"] == []
+    authz = hcm(build_bootstrap(config))["http_filters"][3]["typed_config"]
+    assert authz["clear_route_cache"] is True  # the OK's header chooses the route again
+
+
+def test_fail_open_sends_an_unscheduled_request_to_the_first_upstream():
+    config = SeveralUpstreams(parse_config({"envoy": {"failOpen": True}}), TWO)
+    assert _scheduled(config)[-1]["route"]["cluster"] == "upstream-gpu0"
+    assert "llamaswap_unrouted" not in _clusters(config)
+
+
+def test_what_skips_the_queue_asks_the_first_upstream():
+    routes = hcm(build_bootstrap(SeveralUpstreams(parse_config({}), {"b": "http://127.0.0.1:1", "a": "http://127.0.0.1:2"})))[
+        "route_config"]["virtual_hosts"][0]["routes"]
+    upstream = [r for r in routes if "typed_per_filter_config" in r and r.get("route", {}).get("cluster", "").startswith(
+        "upstream-")]
+    assert {r["match"].get("path") or r["match"].get("prefix") for r in upstream} == {"/health", "/v1/models", "/props",
+                                                                                    "/models"}
+    assert {r["route"]["cluster"] for r in upstream} == {"upstream-b"}
+
+
+def test_a_clients_own_upstream_header_is_removed_before_envoy_matches_a_route():
+    for document in ({"routing": {"retryGraceSeconds": 0}}, {}):
+        (early,) = hcm(build_bootstrap(parse_config(document)))["early_header_mutation_extensions"]
+        assert early["typed_config"]["mutations"][0] == {"remove": "x-llamaswap-upstream"}
+
+
+def test_one_upstream_is_routed_as_before_under_its_new_name():
+    clusters = _clusters(parse_config({"upstream": {"url": "http://127.0.0.1:9000"}}))
+    assert set(clusters) == {"upstream-gpu0", "llamaswap_grpc", "llamaswap_admin", "llamaswap_unrouted"}
+    assert _socket(clusters["upstream-gpu0"]) == {"address": "127.0.0.1", "port_value": 9000}
+    named, fallback = _scheduled(parse_config({}))
+    assert named["route"]["cluster"] == "upstream-gpu0"
+    assert named["match"]["headers"][0]["string_match"] == {"exact": "gpu0"}
+    assert fallback["route"]["cluster"] == "llamaswap_unrouted"
+    assert _scheduled(parse_config({"envoy": {"failOpen": True}}))[-1]["route"]["cluster"] == "upstream-gpu0"
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_envoy_accepts_several_upstreams(tmp_path: Path, fail_open: bool) -> None:
+    path = tmp_path / "envoy.yaml"
+    config = SeveralUpstreams(parse_config({"envoy": {"failOpen": fail_open}}), TWO)
+    path.write_text(render_bootstrap(build_bootstrap(config)))
+    result = validate_bootstrap(str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_changed_upstreams_need_a_new_bootstrap():
+    base = parse_config({})
+    assert bootstrap_changes(SeveralUpstreams(base, TWO), SeveralUpstreams(base, TWO)) == []
+    assert bootstrap_changes(base, SeveralUpstreams(base, TWO)) == ["upstreams"]
+    assert bootstrap_changes(SeveralUpstreams(base, TWO), SeveralUpstreams(base, {**TWO, "gpu1": "http://h:1"})) == [
+        "upstreams"]

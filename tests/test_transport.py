@@ -59,9 +59,10 @@ def duration(seconds: float) -> duration_pb2.Duration:
 
 def log_entry(kind: int = accesslog_pb2.DownstreamEnd, *, status: int | None = 200, flags: tuple[str, ...] = (),
               tx_s: float | None = 0.01, rx_s: float | None = None, ticket: str | None = "the-ticket",
-              namespace: str = GRANT_NAMESPACE) -> accesslog_pb2.HTTPAccessLogEntry:
+              namespace: str = GRANT_NAMESPACE, cluster: str = "") -> accesslog_pb2.HTTPAccessLogEntry:
     entry = accesslog_pb2.HTTPAccessLogEntry()
     common = entry.common_properties
+    common.upstream_cluster = cluster
     common.access_log_type = kind
     for flag in flags:
         setattr(common.response_flags, flag, True)
@@ -106,6 +107,15 @@ def test_an_end_entry_is_final(kind: int) -> None:
                                   accesslog_pb2.TcpConnectionStart, accesslog_pb2.UpstreamPoolReady])
 def test_other_entry_kinds_report_nothing(kind: int) -> None:
     assert report_of(log_entry(kind)) is None
+
+
+@pytest.mark.parametrize("kind", [accesslog_pb2.DownstreamPeriodic, accesslog_pb2.DownstreamEnd])
+def test_the_entry_says_which_upstream_served(kind: int) -> None:
+    assert report_of(log_entry(kind, cluster="upstream-gpu1")).upstream == "gpu1"
+    assert report_of(log_entry(kind, cluster="upstream-big-gpu-0")).upstream == "big-gpu-0"
+    # No cluster (the route chose none) or not an upstream's: nobody served it.
+    for cluster in ("", "upstream-", "llamaswap_unrouted", "llamaswap_admin", "gpu1"):
+        assert report_of(log_entry(kind, cluster=cluster)).upstream is None
 
 
 def test_the_first_byte_comes_from_the_two_durations() -> None:
@@ -303,8 +313,28 @@ def test_granted_carries_the_decision_headers_and_the_ticket() -> None:
     for option in response.ok_response.response_headers_to_add:
         assert option.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
         assert option.header.raw_value == b""  # ext_authz reads `value`
-    assert not response.ok_response.headers  # nothing added to the upstream request
+    # For Envoy's route: the one upstream (the core's decision names none yet).
+    (upstream,) = response.ok_response.headers
+    assert (upstream.header.key, upstream.header.value) == ("x-llamaswap-upstream", "gpu0")
+    assert upstream.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     assert dict(response.dynamic_metadata) == {TICKET_KEY: "secret-token"}
+
+
+class _DecisionOn:
+    """A decision that names the upstream it runs on (the core's Decision.upstream)."""
+
+    def __init__(self, decision: Decision, upstream: str) -> None:
+        self._decision, self.upstream = decision, upstream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._decision, name)
+
+
+def test_granted_names_the_decisions_upstream_for_envoys_route() -> None:
+    ticket = Ticket("t", Arrival("r", None, None, "m", PEER, None, None), Priority(-7, PrioritySource.NUMBER), 0)
+    ticket.decision = _DecisionOn(_decision(), "gpu1")  # type: ignore[assignment]
+    (upstream,) = granted(ticket).ok_response.headers
+    assert (upstream.header.key, upstream.header.value) == ("x-llamaswap-upstream", "gpu1")
 
 
 @pytest.mark.parametrize("refusal", [

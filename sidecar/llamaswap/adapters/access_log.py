@@ -17,7 +17,7 @@ import grpc
 
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY
+from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY, upstream_of_cluster
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
 from llamaswap.adapters.metadata import metadata_value
@@ -79,12 +79,15 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     if common.HasField("time_to_first_upstream_rx_byte") and common.HasField("time_to_first_upstream_tx_byte"):
         first_byte_s = max(0.0, common.time_to_first_upstream_rx_byte.ToNanoseconds()
                            - common.time_to_first_upstream_tx_byte.ToNanoseconds()) / 1e9
+    # The upstream whose cluster the route chose (the OK's x-llamaswap-upstream).
+    upstream = upstream_of_cluster(common.upstream_cluster)
     if kind == _PERIODIC:
-        return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s, elapsed_s=elapsed_s)
+        return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s, elapsed_s=elapsed_s,
+                              upstream=upstream)
     response = entry.response
     status = response.response_code.value if response.HasField("response_code") else 0
     return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s,
-                          elapsed_s=elapsed_s)
+                          elapsed_s=elapsed_s, upstream=upstream)
 
 
 class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

@@ -4,8 +4,9 @@ The Check carries no body: Envoy's json_to_metadata filter has already put the b
 its `max_tokens` (or `max_completion_tokens`, `n_predict`) and `stream` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
 are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
 the body's model, else the model its query names (router-mode llama-server loads it), and an
-unload runs alone. A grant answers OK with the x-llamaswap-* response headers and the grant's
-ticket in dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse
+unload runs alone. A grant answers OK with the x-llamaswap-* response headers, the granted
+upstream's name in the request header x-llamaswap-upstream (Envoy's route sends the request to
+that upstream) and the grant's ticket in dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse
 in the OpenAI error shape. A cancelled Check means the client left while waiting.
 """
 
@@ -39,9 +40,11 @@ from llamaswap.envoy.contract import (
     RETRY_AFTER_MS_HEADER,
     RETRY_COUNT_HEADER,
     SHOULD_RETRY_HEADER,
+    SINGLE_UPSTREAM_NAME,
     STREAM_KEY,
     TICKET_KEY,
     UNLOAD_PATH,
+    UPSTREAM_HEADER,
 )
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import RetryKeys, parse_attempt
@@ -73,20 +76,34 @@ def decision_headers(decision: Decision) -> list[tuple[str, str]]:
     ]
 
 
+def upstream_of(decision: Decision) -> str:
+    """The name of the upstream the grant runs on."""
+    # Until the core's Decision names one, every grant runs on the single upstream.
+    upstream = getattr(decision, "upstream", None)
+    return upstream if isinstance(upstream, str) and upstream else SINGLE_UPSTREAM_NAME
+
+
 def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
-    """The OK: the decision's headers for the client and the ticket for Envoy's metadata. Built
-    field by field, which protobuf does about three times faster than from keyword arguments
-    (this is on every grant's path)."""
+    """The OK: the decision's headers for the client, the granted upstream for Envoy's route and
+    the ticket for Envoy's metadata. Built field by field, which protobuf does about three times
+    faster than from keyword arguments (this is on every grant's path)."""
     decision = ticket.decision
     assert decision is not None
     response = authz_pb2.CheckResponse()
     response.status.code = code_pb2.OK
-    headers = response.ok_response.response_headers_to_add
+    ok = response.ok_response
+    headers = ok.response_headers_to_add
     for key, value in decision_headers(decision):
         option = headers.add()
         option.header.key = key
         option.header.value = value  # ext_authz reads `value`, not `raw_value`
         option.append_action = _OVERWRITE
+    # A request header: the route reads it (it overwrites any copy, though the bootstrap removed
+    # the client's before Envoy matched a route).
+    option = ok.headers.add()
+    option.header.key = UPSTREAM_HEADER
+    option.header.value = upstream_of(decision)
+    option.append_action = _OVERWRITE
     response.dynamic_metadata.fields[TICKET_KEY].string_value = ticket.token
     return response
 

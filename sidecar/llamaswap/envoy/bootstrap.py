@@ -12,8 +12,10 @@ the sidecar:
   `n_predict`, `stream`) into dynamic metadata (namespace
   `llamaswap`), keeping its JSON type so that only a string counts as a model;
 - ext_authz's Check carries that metadata and a few headers (no body) and is held until the
-  scheduler grants the GPU; its OK adds the x-llamaswap-* response headers and writes the
-  grant's unguessable ticket into dynamic metadata (namespace `envoy.filters.http.ext_authz`);
+  scheduler grants the GPU; its OK adds the x-llamaswap-* response headers, names the granted
+  upstream in the request header x-llamaswap-upstream (the route then sends the request to that
+  upstream's cluster, `upstream-<name>`, and no other) and writes the grant's unguessable ticket
+  into dynamic metadata (namespace `envoy.filters.http.ext_authz`);
 - the gRPC access log, limited to exchanges that carry a ticket, reports each granted exchange
   every leaseSeconds/3 while it runs (lease renewals) and once when it ends (the release).
 
@@ -24,9 +26,10 @@ no one-hour cap on a held call.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import yaml
@@ -57,15 +60,21 @@ from llamaswap.envoy.contract import (
     PROPS_PATH,
     RENEWALS_PER_LEASE,
     REQUEST_ID_HEADER,
+    SINGLE_UPSTREAM_NAME,
     STATUS_PREFIX,
     STREAM_KEY,
     TICKET_KEY,
+    UPSTREAM_HEADER,
     UPSTREAM_METRICS_PATH,
     openai_error_body,
+    upstream_cluster,
 )
 from llamaswap.envoy.overload import heap_budget, overload_manager
 
-UPSTREAM_CLUSTER = "llm_upstream"
+# Where a scheduled request goes that names no configured upstream without envoy.failOpen: a
+# cluster with no endpoints (503, flag UH). Only a Check's OK names an upstream, and it always
+# does, so nothing is ever sent here; it makes sure nothing unscheduled reaches a GPU.
+UNROUTED_CLUSTER = "llamaswap_unrouted"
 # One request per upstream connection. llama-server (cpp-httplib) gives each open connection one
 # of its HTTP threads (--threads-http; the default is --parallel + 4 in the version tested) until
 # the connection closes, 5 s after its last request; Envoy keeps a pool per worker, so with W
@@ -98,6 +107,37 @@ ENVOY_ADMIN_HOST = "127.0.0.1"
 UNLIMITED_STREAMS = 2**32 - 1
 # ext_authz's limit on a held Check: 100 days (Envoy accepts it; the scheduler bounds waits).
 UNLIMITED_HOLD_S = 8_640_000
+
+
+class Upstream(Protocol):
+    """What the bootstrap reads of an upstream (config's UpstreamEntry)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def tls(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SingleUpstream:
+    name: str
+    host: str
+    port: int
+    tls: bool
+
+
+def _entries(config: Config) -> tuple[Upstream, ...]:
+    """The configuration's upstreams, first one first: `Config.upstream_entries` where the
+    configuration has it, else the one `upstream.url` describes (named gpu0)."""
+    entries = getattr(config, "upstream_entries", None)
+    if entries:
+        return tuple(entries)
+    upstream = config.upstream
+    return (_SingleUpstream(SINGLE_UPSTREAM_NAME, upstream.host, upstream.port, upstream.tls),)
 
 
 def _duration(seconds: float) -> str:
@@ -203,6 +243,8 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         # a reload may change maxWaitSeconds without a new bootstrap.
         grpc_service={"envoy_grpc": {"cluster_name": SIDECAR_GRPC_CLUSTER}, "timeout": _duration(UNLIMITED_HOLD_S)},
         transport_api_version="V3",
+        # The OK's x-llamaswap-upstream must choose the route again (Envoy matched one on arrival).
+        clear_route_cache=True,
         failure_mode_allow=e.fail_open,
         status_on_error={"code": "ServiceUnavailable"},
         metadata_context_namespaces=[MODEL_NAMESPACE],
@@ -230,18 +272,23 @@ def _retry_material(config: Config) -> bool:
 
 
 def _early_header_mutations(config: Config) -> dict[str, Any]:
-    """routing.retryGraceSeconds: copy the client's own x-request-id before Envoy makes one up
-    for a request that has none (early mutations run ahead of it), so that the sidecar can tell
-    a client-chosen id; a client's own copy of the header is overwritten."""
-    if not _retry_material(config):
-        return {}
+    """Header changes made before Envoy matches a route or makes up a request id.
+
+    A client's x-llamaswap-upstream is removed: Envoy matches the route on arrival, before any
+    HTTP filter runs, and keeps that match unless the Check's OK changes a header; with
+    envoy.failOpen a failed Check would then send the request wherever the client said.
+    routing.retryGraceSeconds: the client's own x-request-id is copied before Envoy makes one up
+    for a request that has none, so that the sidecar can tell a client-chosen id; a client's own
+    copy of that header is overwritten."""
+    mutations: list[dict[str, Any]] = [{"remove": UPSTREAM_HEADER}]
+    if _retry_material(config):
+        mutations += [{"remove": CLIENT_REQUEST_ID_HEADER}, {"append": {
+            "header": {"key": CLIENT_REQUEST_ID_HEADER, "value": f"%REQ({REQUEST_ID_HEADER})%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]
     return {"early_header_mutation_extensions": [{
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": _typed(
-            "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            mutations=[{"remove": CLIENT_REQUEST_ID_HEADER}, {"append": {
-                "header": {"key": CLIENT_REQUEST_ID_HEADER, "value": f"%REQ({REQUEST_ID_HEADER})%"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]),
+            "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation", mutations=mutations),
     }]}
 
 
@@ -268,11 +315,28 @@ def _access_log(config: Config) -> dict[str, Any]:
     }
 
 
-def _scheduled(match: dict[str, Any]) -> dict[str, Any]:
-    """A route through the queue: the Check is held until the GPU is granted."""
+def _scheduled(match: dict[str, Any], config: Config) -> list[dict[str, Any]]:
+    """The routes through the queue: the Check is held until an upstream is granted, and its OK
+    names that upstream in x-llamaswap-upstream (and makes Envoy match the route again).
+
+    One route per upstream, matched on the header's value (`cluster_header` would need the header
+    to carry the cluster's full name), then one without it. A request matches that last one while
+    its Check is held (nothing has named an upstream yet: a client's own header is gone), so it
+    carries the same timers. Past the Check it is reached only with envoy.failOpen, by a request
+    whose Check failed and that goes on unscheduled, as it went before there were several
+    upstreams: to the first one. Without failOpen nothing goes there (every OK names an
+    upstream), and should anything, it gets a 503 from a cluster with no endpoints: an
+    unscheduled request never reaches a GPU."""
     # No route timeout or idle timer: the wait is bounded by the scheduler
     # (maxWaitSeconds) and a generation by maxRunSeconds, not by Envoy.
-    return {"match": match, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "0s", "idle_timeout": "0s"}}
+    timers = {"timeout": "0s", "idle_timeout": "0s"}
+    routes = [{
+        "match": {**match, "headers": [{"name": UPSTREAM_HEADER, "string_match": {"exact": upstream.name}}]},
+        "route": {"cluster": upstream_cluster(upstream.name), **timers},
+    } for upstream in _entries(config)]
+    fallback = upstream_cluster(_entries(config)[0].name) if config.envoy.fail_open else UNROUTED_CLUSTER
+    routes.append({"match": match, "route": {"cluster": fallback, **timers}})
+    return routes
 
 
 def _management_routes(config: Config) -> list[dict[str, Any]]:
@@ -292,7 +356,7 @@ def _management_routes(config: Config) -> list[dict[str, Any]]:
             for match in matches]
 
 
-def _props_routes() -> list[dict[str, Any]]:
+def _props_routes(first: str) -> list[dict[str, Any]]:
     """`GET /props` skips the queue only in the forms that cannot load a model: no query, or only
     `model=X` with `autoload=false` (llama.cpp's web UI; llama-server takes 0 for false too,
     measured). Everything else goes through the queue, a spelling Envoy does not recognise
@@ -302,11 +366,13 @@ def _props_routes() -> list[dict[str, Any]]:
         "match": {"prefix": PROPS_PATH, "headers": [
             {"name": ":method", "string_match": {"exact": "GET"}},
             {"name": ":path", "string_match": {"safe_regex": {"regex": re.escape(PROPS_PATH) + query}}}]},
-        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
+        "route": {"cluster": first, "timeout": "30s"},
     })]
 
 
 def _routes(config: Config) -> list[dict[str, Any]]:
+    # What skips the queue asks the first upstream, as it asked the only one before.
+    first = upstream_cluster(_entries(config)[0].name)
     routes: list[dict[str, Any]] = [
         _unscheduled({"match": {"path": METRICS_PATH}, "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"path": PICKER_METRICS_PATH},
@@ -317,14 +383,14 @@ def _routes(config: Config) -> list[dict[str, Any]]:
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         *_management_routes(config),
     ]
-    routes += [_unscheduled({"match": {"path": path}, "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"}})
+    routes += [_unscheduled({"match": {"path": path}, "route": {"cluster": first, "timeout": "30s"}})
                for path in BYPASS_PATHS]
-    routes += _props_routes()
+    routes += _props_routes(first)
     routes.append(_unscheduled({
         "match": {"path": "/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
-        "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "30s"},
+        "route": {"cluster": first, "timeout": "30s"},
     }))
-    routes.append(_scheduled({"prefix": "/"}))
+    routes += _scheduled({"prefix": "/"}, config)
     return routes
 
 
@@ -343,7 +409,6 @@ def build_bootstrap(
     overload manager comes with envoy.maxHeapBytes or Envoy's memory limit."""
     e = config.envoy
     listen = config.listen
-    upstream = config.upstream
     hcm: dict[str, Any] = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix="ingress",
@@ -399,9 +464,9 @@ def build_bootstrap(
         **_early_header_mutations(config),
     )
     clusters = [
-        _cluster(UPSTREAM_CLUSTER, upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,
-                 max_requests=1024, tls_sni=upstream.host if upstream.tls else None,
-                 requests_per_connection=UPSTREAM_REQUESTS_PER_CONNECTION),
+        *(_cluster(upstream_cluster(upstream.name), upstream.host, upstream.port, buffer_bytes=e.max_request_bytes,
+                   max_requests=1024, tls_sni=upstream.host if upstream.tls else None,
+                   requests_per_connection=UPSTREAM_REQUESTS_PER_CONNECTION) for upstream in _entries(config)),
         # failOpen: ext_authz fails open on any error, the circuit breaker's overflow too, so a
         # flood would pass unscheduled; the breaker is lifted and the sidecar refuses past the
         # limit itself (429). Without failOpen an overflow is a 503, which is what it should be.
@@ -411,6 +476,9 @@ def build_bootstrap(
         _cluster(SIDECAR_ADMIN_CLUSTER, listen.admin.connect_host,
                  admin_port if admin_port is not None else listen.admin.port),
     ]
+    if not e.fail_open:
+        clusters.append({"name": UNROUTED_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+                         "load_assignment": {"cluster_name": UNROUTED_CLUSTER, "endpoints": []}})
     if otlp_endpoint:
         parts = urlsplit(otlp_endpoint if "//" in otlp_endpoint else f"http://{otlp_endpoint}")
         clusters.append(_cluster(OTLP_CLUSTER, parts.hostname or "127.0.0.1", parts.port or 4317, http2=True))
@@ -451,6 +519,8 @@ def bootstrap_changes(old: Config, new: Config) -> list[str]:
         changed.append("listen")
     if old.upstream.url != new.upstream.url:
         changed.append("upstream.url")
+    elif _clusters_of(old) != _clusters_of(new):
+        changed.append("upstreams")
     if old.envoy != new.envoy:
         changed.append("envoy")
     if old.upstream.management_api != new.upstream.management_api:
@@ -458,6 +528,10 @@ def bootstrap_changes(old: Config, new: Config) -> list[str]:
     if old.security.priority.trusted_header != new.security.priority.trusted_header:
         changed.append("security.priority.trustedHeader")
     return changed
+
+
+def _clusters_of(config: Config) -> list[tuple[str, str, int, bool]]:
+    return [(u.name, u.host, u.port, u.tls) for u in _entries(config)]
 
 
 def render_bootstrap(bootstrap: dict[str, Any]) -> str:

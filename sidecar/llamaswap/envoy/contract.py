@@ -21,6 +21,7 @@ __all__ = [
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
     "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
+    "SINGLE_UPSTREAM_NAME", "UPSTREAM_CLUSTER_PREFIX", "UPSTREAM_HEADER", "upstream_cluster", "upstream_of_cluster",
 ]
 
 # Where the body's model goes, and where Envoy puts what the Check answered.
@@ -36,6 +37,14 @@ TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"
 
 REQUEST_ID_HEADER = "x-request-id"
+# Which upstream a grant runs on: the Check's OK sets it on the request (its value an upstream's
+# name) and the scheduled routes send the request to that upstream's cluster. A client's own copy
+# is removed before Envoy matches a route (an early header mutation).
+UPSTREAM_HEADER = "x-llamaswap-upstream"
+# Each upstream's Envoy cluster is this prefix and its name; the access log reads the name back.
+UPSTREAM_CLUSTER_PREFIX = "upstream-"
+# The name of the one upstream a configuration without `upstreams:` describes (upstream.url).
+SINGLE_UPSTREAM_NAME = "gpu0"
 # routing.retryGraceSeconds: Envoy copies the client's own x-request-id here before it generates
 # one for a request that has none (an early header mutation, ahead of the request id), so the
 # sidecar can tell a client-chosen id (the two are equal) from Envoy's.
@@ -81,3 +90,16 @@ def openai_error_body(message: str, error_type: str, code: str, param: str | Non
     replies (configured by the bootstrap) both send a client."""
     return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}},
                       separators=(",", ":")).encode()
+
+
+def upstream_cluster(name: str) -> str:
+    """The Envoy cluster of the upstream called `name`."""
+    return UPSTREAM_CLUSTER_PREFIX + name
+
+
+def upstream_of_cluster(cluster: str) -> str | None:
+    """The upstream's name from its cluster's (an access-log entry's upstream_cluster); None for
+    another cluster or none (the request never reached an upstream)."""
+    if not cluster.startswith(UPSTREAM_CLUSTER_PREFIX) or len(cluster) == len(UPSTREAM_CLUSTER_PREFIX):
+        return None
+    return cluster[len(UPSTREAM_CLUSTER_PREFIX):]

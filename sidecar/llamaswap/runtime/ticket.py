@@ -49,6 +49,8 @@ class ExchangeReport:
     # How long the exchange had run at the upstream when the entry arrived (from Envoy's
     # start_time and its first upstream byte: the queue wait does not count), if it says.
     elapsed_s: float | None = None
+    # The upstream that served it, by name (its Envoy cluster's); None if it reached none.
+    upstream: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
