@@ -37,6 +37,12 @@ the largest inversion time (shown with its seconds). A lower-priority request th
 running, or arrived before R, is not an inversion; under serial settings inversions come from
 swap affinity (a later, lower request with the loaded model goes first).
 
+GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one queue, named
+gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
+scheduler's node rule places each request. A log whose grants record several upstreams replays
+with those (by name) unless --gpus says otherwise. The table then gives each GPU's swaps and
+busy fraction below the rows (busy in the row: their mean).
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -52,6 +58,7 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -69,7 +76,7 @@ from llamaswap.simulate.concurrency import (
     measure,
 )
 from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
-from llamaswap.simulate.records import Activity, RequestRecord, read_activity, single_model
+from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_upstreams, single_model
 from llamaswap.simulate.settings import (
     KEYS,
     Settings,
@@ -114,6 +121,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="generations of the loaded model at once, every model (default: the log's or "
                              "-c FILE's, else 1)")
     parser.add_argument("--reserved-slots", metavar="N", help="of the slots, kept for the interactive band")
+    parser.add_argument("--gpus", metavar="N",
+                        help="upstreams (GPUs) behind the one queue, gpu0..gpuN-1, each with the slots (default: "
+                             "the log's recorded upstreams, else -c FILE's, else 1)")
     parser.add_argument("--concurrency-speed", type=_speed_flag, metavar="N:SPEED,...",
                         help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1 "
                              "(default: measured from the log, else linear)")
@@ -123,7 +133,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
                         help="also one JSON line per simulated request (request_id, band, priority, model, "
-                             "start_ms from the first arrival, wait_ms, outcome), to FILE or, without one, to "
+                             "start_ms from the first arrival, wait_ms, outcome, upstream), to FILE or, without one, to "
                              "stdout before the summary (which is then one JSON line with --format json)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw wait p50/p95 per band against each swept setting, one panel per "
@@ -165,6 +175,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         activity = _read_activity(args.activity)
         records: Sequence[RequestRecord] = activity.requests
         base, note = _recorded_settings(activity, configured=config is not None)
+        upstreams = recorded_upstreams(records)
+        if upstreams:  # the log's grants ran on these: the replay has them
+            base = dataclasses.replace(base, gpus=len(upstreams), upstreams=upstreams)
         recorded = RecordedConcurrency.of(records)
         peak = recorded.peak
         measurement: Measurement | None = measure(records, recorded)
@@ -192,12 +205,15 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if config is not None:
         # models.<id>.slots as the sidecar applied them: on a single-model upstream every entry
         # describes its one model, whatever the id (`config.model_key`).
-        base = Settings.from_policy(config.policy(single=single_model(records)))
+        configured = Settings.from_policy(config.policy(single=single_model(records)))
+        if configured.gpus == 1 and base.gpus > 1:  # a configuration of one upstream keeps the log's
+            configured = dataclasses.replace(configured, gpus=base.gpus, upstreams=base.upstreams)
+        base = configured
     try:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
-                               "reservedSlots": args.reserved_slots})
+                               "reservedSlots": args.reserved_slots, "gpus": args.gpus})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)
@@ -208,8 +224,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         notes.append(lowered)
     most = max(setting.most_slots for setting in settings)
     if peak > most:
-        notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most (--slots or "
-                     "--sweep slots=... to give more)")
+        notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most per upstream "
+                     "(--slots or --sweep slots=... to give more)")
 
     replay = prepare(records)
     if not replay.requests:

@@ -135,6 +135,8 @@ class ActivityLog:
             "serial_score": round(decision.score, 3) if decision is not None else None,
             "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
             "serial_slots_busy": decision.slots_busy if decision is not None else None,
+            # Which upstream (GPU) its grant ran on: a replay runs with the log's upstreams.
+            "upstream": decision.upstream if decision is not None else None,
             "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
             "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
             "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,
