@@ -7,6 +7,7 @@ Every expected number is worked out by hand in the comments next to it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import pathlib
@@ -19,6 +20,7 @@ from llamaswap.core import Outcome, Policy, Slots
 from llamaswap.core.policy import LanePolicy
 from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.records import RequestRecord, format_line, parse_activity
+from llamaswap.simulate.settings import SettingsError
 
 S = 1_000_000_000
 ORIGIN_MS = 1_764_580_000_000.0
@@ -222,3 +224,20 @@ def test_records_carry_their_upstream():
     assert record.upstream == "big"
     (record,) = parse_activity([format_line(dict(NAMED[0], upstream=None))]).requests
     assert record.upstream is None
+
+
+def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_replaces_them():
+    from llamaswap.simulate.settings import KEYS, Settings, override
+
+    lanes = (LanePolicy("big", Slots(2, {"A": 3})), LanePolicy("small", Slots(1), frozenset({"B"})))
+    base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_lanes(lanes))
+    assert (base.gpus, base.upstreams, base.most_slots, base.fewest_slots) == (2, ("big", "small"), 3, 1)
+    assert base.policy().lanes == lanes
+    with_reserved = dataclasses.replace(base, reserved_slots=1)
+    with pytest.raises(SettingsError, match="reservedSlots 1"):  # small has one slot
+        with_reserved.policy()
+    # --slots gives every upstream those slots, and any model; --gpus names them gpu0..
+    flat = override(base, {"slots": "2"}).policy().lanes
+    assert flat == (LanePolicy("big", Slots(2)), LanePolicy("small", Slots(2)))
+    assert [lane.name for lane in override(base, {"gpus": "3"}).policy().lanes] == ["gpu0", "gpu1", "gpu2"]
+    assert "gpus" in KEYS

@@ -25,7 +25,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from llamaswap.core.decisions import QueueSnapshot, RunningView
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
+from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import Lane, Running, Step, Turn, choose, turn
 
 if TYPE_CHECKING:
@@ -115,6 +117,16 @@ class NodeTimes:
         sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
         for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
             self._remaining[upstream] = estimator.remaining_of(grants, grant_sizes)[0]
+
+    @classmethod
+    def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator,
+                  grant_max_tokens: Sequence[int | None] | None = None) -> NodeTimes:
+        """The same from the running grants alone (`Scheduler.running_grants`), without the
+        snapshot's dispatch order: what a grant on the hot path can afford."""
+        views = tuple(RunningView(d.request_id, d.priority, d.band, d.score, d.model, d.model_load,
+                                  d.queue_wait_ns / NS_PER_S, (now_ns - d.granted_ns) / NS_PER_S, d.alone, d.upstream)
+                      for d in grants)
+        return cls(QueueSnapshot(PolicyName.SERIAL, None, (), {}, views, 0), estimator, grant_max_tokens)
 
     def slot_free_in_s(self, lane: str) -> float:
         return min(self._remaining.get(lane, ()), default=0.0)

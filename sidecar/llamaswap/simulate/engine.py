@@ -332,7 +332,10 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if not gpu.running:
                 gpu.busy_since = now
             gpu.running.start(now, request.index, hold)
-            gpu.expected_end[request.index] = now + run_ns[model] + (swap_ns[model] if load else 0)
+            if load:
+                gpu.ready_ns = now + swap_ns[model]
+            # A grant beside a load runs once the load ends, as the estimates read it.
+            gpu.expected_end[request.index] = max(now, gpu.ready_ns) + run_ns[model]
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 
@@ -344,12 +347,13 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
 class _Gpu:
     """One upstream of the replay: its running grants and its figures."""
 
-    __slots__ = ("name", "running", "expected_end", "swaps", "busy_ns", "busy_since")
+    __slots__ = ("name", "running", "expected_end", "ready_ns", "swaps", "busy_ns", "busy_since")
 
     def __init__(self, name: str, running: _Running) -> None:
         self.name = name
         self.running = running
         self.expected_end: dict[int, int] = {}  # running request -> when the runtime expects its end
+        self.ready_ns = 0  # when the last load on it is expected to end
         self.swaps = 0
         self.busy_ns = 0
         self.busy_since = 0
@@ -357,8 +361,8 @@ class _Gpu:
 
 class _ExpectedEnds:
     """`dispatch.LaneTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
-    remaining time of each upstream's grants (their model's run, plus its swap for a load), a
-    grant that outran it held for an unknown time."""
+    remaining time of each upstream's grants (their model's run, after the load under way there),
+    a grant that outran it held for an unknown time."""
 
     def __init__(self, gpus: Sequence[_Gpu], clock: ManualClock, costs: Costs) -> None:
         self._gpus = {gpu.name: gpu for gpu in gpus}
