@@ -14,8 +14,10 @@ moves with the models loaded, which a snapshot's order cannot say in advance); u
 failed releases and max_wait (as in test_estimate_grants.py). Settles are in: an upstream may
 be blocked from before the instant until a known time after it. A grant made beside a load
 that still runs once the grant that loaded has ended is read as overdue by the snapshot
-(test_estimate_grants.py's module docstring), both by the estimate and by `NodeTimes`; where
-that happens only "unknown or not earlier than the grant" is checked.
+(test_estimate_grants.py's module docstring): `NodeTimes` then says "unknown" where the walk
+knew the end, and over a node that can change where the next request goes, later or sooner.
+Where that happens the grants made before that moment must still be the estimated ones; after
+it nothing is promised (`Estimator.remaining_of` would need the load's start in the snapshot).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def single_cases(draw: st.DrawFn) -> tuple[Estimator, QueueSnapshot, Slots, floa
     waiting = tuple(WaitingView(f"w{i}", i + 1, 0, draw(st.sampled_from(BANDS)), 0.0, False, 0.0,
                                 draw(st.sampled_from([*MODELS, None])))
                     for i in range(draw(st.integers(0, 10))))
-    loaded = running_model if running_model is not None and draw(st.booleans()) else draw(
-        st.sampled_from([*MODELS, None]))
+    # Grants that name a model run on it: it is the loaded one, or none is known loaded.
+    named = any(grant.model is not None for grant in grants)
+    loaded = draw(st.sampled_from([running_model, None] if named else [*MODELS, None]))
     snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
     blocked = draw(st.sampled_from([0.0, 0.0, 3.0, math.inf]))
     sizes = [draw(st.sampled_from([None, 5, 50])) for _ in waiting]
@@ -185,7 +188,7 @@ def node_cases(draw: st.DrawFn) -> NodeCase:
     lanes = []
     sizes = []
     for i in range(count):
-        default = draw(st.integers(1, 3))
+        default = draw(st.integers(1, 2))
         per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 3), max_size=2))
         models = draw(st.one_of(st.none(), st.frozensets(st.sampled_from(MODELS), min_size=1)))
         lanes.append((f"gpu{i}", default, per_model, models))
@@ -202,12 +205,13 @@ def node_cases(draw: st.DrawFn) -> NodeCase:
     priority = st.one_of(st.sampled_from([-100, -60, -50, -49, -1, 0, 1, 10, 49, 50, 51, 60, 99, 100]),
                          st.integers(-3, 3))
     model = st.one_of(st.none(), st.sampled_from(MODELS), st.sampled_from(MODELS))
-    arrivals = draw(st.lists(st.tuples(st.integers(0, 4), priority, model), min_size=1, max_size=16))
+    # Arrivals closer than the runs: a queue builds over the node.
+    arrivals = draw(st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2]), priority, model), min_size=6, max_size=24))
     blocks = draw(st.dictionaries(st.sampled_from([name for name, *_ in lanes]),
                                   st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=1))
-    return NodeCase(policy.with_lanes(lane_policies), draw(st.integers(1, 3)), draw(st.sampled_from([0, 0, 3, 5])),
-                    draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 9))), arrivals,
-                    draw(st.integers(0, 6)), blocks)
+    return NodeCase(policy.with_lanes(lane_policies), draw(st.integers(2, 5)), draw(st.sampled_from([0, 0, 3, 5])),
+                    draw(st.dictionaries(st.sampled_from(MODELS), st.integers(2, 9))), arrivals,
+                    draw(st.sampled_from([0, 0, 1, 3])), blocks)
 
 
 class NodePlay:
@@ -226,7 +230,7 @@ class NodePlay:
         self.loads: dict[str, tuple[str, bool]] = {}  # running request -> (upstream, it loads its model)
         self.waited_for_load: dict[str, bool] = {}
         self.watch_blind = False
-        self.blind = False
+        self.blind_ns: int | None = None  # when the play first went blind (see the module's docstring)
 
     def blocked(self) -> frozenset[str]:
         now = self.clock.now_ns()
@@ -261,8 +265,8 @@ class NodePlay:
 
     def grant_all(self) -> None:
         while True:
-            if self.watch_blind and self._blind_now():
-                self.blind = True
+            if self.watch_blind and self.blind_ns is None and self._blind_now():
+                self.blind_ns = self.clock.now_ns()
             times = NodeTimes(self.scheduler.snapshot(), self.estimator)
             cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             assert all((times.slot_free_in_s(u), times.drained_in_s(u)) == (cheap.slot_free_in_s(u), cheap.drained_in_s(u))
@@ -300,16 +304,20 @@ def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
     snapshot = play.scheduler.snapshot()
     blocked_s = {name: (end - look_ns) / NS for name, (start, end) in play.blocks.items() if start <= look_ns < end}
     estimates = estimator.starts_of_node(snapshot, play.scheduler.lane_views(), blocked_s)
+    event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}{'+' if len(snapshot.waiting) >= 4 else ''}")
+    event(f"upstreams the estimates name: {len({u for _, u in estimates if u is not None})}")
+    if blocked_s:
+        event("a settle at the instant")
     expected = {view.request_id: (look_ns + round(start * NS), upstream) if math.isfinite(start) else None
                 for view, (start, upstream) in zip(snapshot.waiting, estimates, strict=True)}
-    play.blind = play._blind_now()
     play.watch_blind = True
     while play.ends or play._next_event() < 2**62:  # no new arrival: play every grant out
         play.run_until(play._next_event())
     assert not play.scheduler.snapshot().waiting
     actual = {request_id: play.granted[request_id] for request_id in expected}
-    if not play.blind:
+    if play.blind_ns is None:
         assert actual == expected
-    else:
+    else:  # exact for the grants made before it went blind; after it, no promise
         event("a grant made beside a finished load still ran")
-        assert all(when is None or actual[rid][0] <= when[0] for rid, when in expected.items())
+        before = {rid: when for rid, when in actual.items() if when[0] < play.blind_ns}
+        assert before == {rid: expected[rid] for rid in before}
