@@ -74,6 +74,7 @@ async def test_a_record_per_finished_request(tmp_path: pathlib.Path) -> None:
     # Estimated at the batch: a (a load, 10 + 5 s) had 14.95 s left; b waited 0.05 s by then.
     assert rb["estimated_wait_ms"] == pytest.approx(15_000)
     assert requests_of(path) == [ra, rb]  # in finish order
+    assert (ra["upstream"], rb["upstream"]) == ("gpu0", "gpu0")  # the one upstream of `upstream:`
     activity.close()
 
 
@@ -101,8 +102,8 @@ async def test_requests_never_granted_are_recorded_with_how_long_they_waited(tmp
         assert (record["outcome"], record["serial_queue_wait_ms"]) == (outcome, waited_ms), name
         assert record["dispatched"] is False
         assert (record["serial_score"], record["granted_unix_ms"], record["run_ms"], record["settle_ms"],
-                record["first_byte_ms"], record["swap"], record["load"], record["status"]) == (
-            None, None, None, None, None, False, False, 0)
+                record["first_byte_ms"], record["swap"], record["load"], record["status"], record["upstream"]) == (
+            None, None, None, None, None, False, False, 0, None)
         assert record["time"] * 1000 == pytest.approx(record["arrival_unix_ms"] + waited_ms, abs=1)
     assert records["leaves"]["serial_priority"] == 100 and records["leaves"]["serial_band"] == "interactive"
 
