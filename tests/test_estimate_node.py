@@ -12,12 +12,9 @@ granted exactly when and where the estimate said.
 What the property leaves out, and why: swap affinity (0: with a bonus the order over a node
 moves with the models loaded, which a snapshot's order cannot say in advance); unloads,
 failed releases and max_wait (as in test_estimate_grants.py). Settles are in: an upstream may
-be blocked from before the instant until a known time after it. A grant made beside a load
-that still runs once the grant that loaded has ended is read as overdue by the snapshot
-(test_estimate_grants.py's module docstring): `NodeTimes` then says "unknown" where the walk
-knew the end, and over a node that can change where the next request goes, later or sooner.
-Where that happens the grants made before that moment must still be the estimated ones; after
-it nothing is promised (`Estimator.remaining_of` would need the load's start in the snapshot).
+be blocked from before the instant until a known time after it. Grants made beside a load run
+once it ends, which `NodeTimes` and the estimate read from the snapshot (`beside_load`) also
+after the grant that loaded has ended.
 """
 
 from __future__ import annotations
@@ -72,7 +69,9 @@ def single_cases(draw: st.DrawFn) -> tuple[Estimator, QueueSnapshot, Slots, floa
     grants = tuple(
         RunningView(f"g{i}", 0, draw(st.sampled_from(BANDS)), 0.0,
                     running_model if draw(st.booleans()) else None, draw(st.booleans()), 0.0,
-                    float(draw(st.integers(0, 12))), alone=draw(st.integers(0, 9)) == 0)
+                    float(draw(st.integers(0, 12))), alone=draw(st.integers(0, 9)) == 0,
+                    beside_load=(running_model, float(draw(st.integers(0, 12))))
+                    if running_model is not None and draw(st.booleans()) else None)
         for i in range(draw(st.integers(0, 3))))
     waiting = tuple(WaitingView(f"w{i}", i + 1, 0, draw(st.sampled_from(BANDS)), 0.0, False, 0.0,
                                 draw(st.sampled_from([*MODELS, None])))
@@ -164,6 +163,10 @@ def test_node_times_read_each_upstreams_grants() -> None:
     # gpu1: a load under way (14 s left) and a grant beside it that runs after it.
     assert (times.slot_free_in_s("gpu1"), times.drained_in_s("gpu1")) == (14.0, 14.0)
     assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x")) == (0.0, 0.0, 5.0)
+    # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
+    beside = QueueSnapshot(PolicyName.SERIAL, None, (), {}, (
+        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),), 1)
+    assert NodeTimes(beside, estimator).slot_free_in_s("gpu0") == 11.0
     overdue = NodeTimes(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
     assert (overdue.slot_free_in_s("gpu0"), overdue.drained_in_s("gpu0")) == (9.0, math.inf)
 
@@ -227,10 +230,6 @@ class NodePlay:
         self.ends: list[tuple[int, str]] = []  # (end ns, request id): a heap
         self.ready_ns: dict[str, int] = {}  # per upstream: when its last load ends
         self.granted: dict[str, tuple[int, str]] = {}  # request -> (grant ns, upstream)
-        self.loads: dict[str, tuple[str, bool]] = {}  # running request -> (upstream, it loads its model)
-        self.waited_for_load: dict[str, bool] = {}
-        self.watch_blind = False
-        self.blind_ns: int | None = None  # when the play first went blind (see the module's docstring)
 
     def blocked(self) -> frozenset[str]:
         now = self.clock.now_ns()
@@ -252,21 +251,11 @@ class NodePlay:
             while self.ends and self.ends[0][0] == when:  # every end of the instant, then grants
                 request_id = heapq.heappop(self.ends)[1]
                 self.scheduler.release(request_id)
-                del self.loads[request_id]
         self.clock.set_ns(t_ns)
         self.grant_all()
 
-    def _blind_now(self) -> bool:
-        for upstream in self.scheduler.lanes:
-            mine = [(rid, load) for rid, (lane, load) in self.loads.items() if lane == upstream]
-            if any(not load and self.waited_for_load[rid] for rid, load in mine) and not any(load for _, load in mine):
-                return True
-        return False
-
     def grant_all(self) -> None:
         while True:
-            if self.watch_blind and self.blind_ns is None and self._blind_now():
-                self.blind_ns = self.clock.now_ns()
             times = NodeTimes(self.scheduler.snapshot(), self.estimator)
             cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             assert all((times.slot_free_in_s(u), times.drained_in_s(u)) == (cheap.slot_free_in_s(u), cheap.drained_in_s(u))
@@ -281,8 +270,6 @@ class NodePlay:
             ready = self.ready_ns.get(upstream, 0)
             run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
             heapq.heappush(self.ends, (max(now, ready) + run_ns, decision.request_id))
-            self.loads[decision.request_id] = (upstream, decision.model_load)
-            self.waited_for_load[decision.request_id] = not decision.model_load and now < ready
             self.granted[decision.request_id] = (now, upstream)
 
 
@@ -310,14 +297,8 @@ def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
         event("a settle at the instant")
     expected = {view.request_id: (look_ns + round(start * NS), upstream) if math.isfinite(start) else None
                 for view, (start, upstream) in zip(snapshot.waiting, estimates, strict=True)}
-    play.watch_blind = True
     while play.ends or play._next_event() < 2**62:  # no new arrival: play every grant out
         play.run_until(play._next_event())
     assert not play.scheduler.snapshot().waiting
     actual = {request_id: play.granted[request_id] for request_id in expected}
-    if play.blind_ns is None:
-        assert actual == expected
-    else:  # exact for the grants made before it went blind; after it, no promise
-        event("a grant made beside a finished load still ran")
-        before = {rid: when for rid, when in actual.items() if when[0] < play.blind_ns}
-        assert before == {rid: expected[rid] for rid in before}
+    assert actual == expected

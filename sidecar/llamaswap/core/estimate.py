@@ -204,8 +204,11 @@ class Estimator:
                         if grant.model_load), default=None)
         remaining: list[float] = []
         for grant, size in zip(grants, grant_sizes, strict=True):
-            if ready_in is not None and not grant.model_load:
-                left: float | None = max(-grant.running_s, ready_in) + self.expected_request_run_s(grant.model, size)
+            ready = ready_in
+            if grant.beside_load is not None and not grant.model_load:  # known after the loading grant ended
+                ready = self.expected_swap_s(grant.beside_load[0]) - grant.beside_load[1]
+            if ready is not None and not grant.model_load:
+                left: float | None = max(-grant.running_s, ready) + self.expected_request_run_s(grant.model, size)
                 left = left if left is not None and left > 0 else None
             else:
                 left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,

@@ -124,7 +124,9 @@ class NodeTimes:
         """The same from the running grants alone (`Scheduler.running_grants`), without the
         snapshot's dispatch order: what a grant on the hot path can afford."""
         views = tuple(RunningView(d.request_id, d.priority, d.band, d.score, d.model, d.model_load,
-                                  d.queue_wait_ns / NS_PER_S, (now_ns - d.granted_ns) / NS_PER_S, d.alone, d.upstream)
+                                  d.queue_wait_ns / NS_PER_S, (now_ns - d.granted_ns) / NS_PER_S, d.alone, d.upstream,
+                                  None if d.beside_load is None else (d.beside_load[0],
+                                                                      (now_ns - d.beside_load[1]) / NS_PER_S))
                       for d in grants)
         return cls(QueueSnapshot(PolicyName.SERIAL, None, (), {}, views, 0), estimator, grant_max_tokens)
 
