@@ -125,3 +125,15 @@ async def test_a_model_goes_only_where_the_configuration_lets_it() -> None:
     small = await flow.arrive("small", model="small")
     assert big1.granted and on(flow, "big1") == "gpu1" and big2.waiting
     assert small.granted and on(flow, "small") == "gpu0"
+
+
+@virtual_time
+async def test_reserved_slots_hold_per_gpu_with_each_ones_slots() -> None:
+    # upstream.slots stays 1; the entries' 2 and 3 slots carry the reservation of one.
+    flow = two_gpus(slots=2, routing={"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}})
+    lanes = flow.coordinator.scheduler.policy.lanes_in_effect
+    assert [(lane.slots.default, lane.slots.reserved) for lane in lanes] == [(2, 1), (2, 1)]
+    batch = [await flow.arrive(f"b{i}", "batch", "m") for i in range(3)]
+    assert [b.granted for b in batch] == [True, True, False]  # one per GPU: the other slot is kept
+    chat = await flow.arrive("chat", "interactive", "m")
+    assert chat.granted and chat.ticket.decision.reserved_slot  # type: ignore[union-attr]
