@@ -540,3 +540,31 @@ def test_up_with_two_gpus_serves_through_both(ups, tmp_path: pathlib.Path) -> No
     assert loaded == [("tiny-a",), ("tiny-b",)]
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(60) == 0, up.log()
+
+
+def test_up_with_two_gpus_refuses_a_taken_port_of_either_and_starts_nothing(ups) -> None:
+    first = _free_port_run(2)
+    ports = {**{key: free_port() for key in ("http", "grpc", "admin")}, "upstream": first}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first + 1))
+        holder.listen()
+        up = ups(ports=ports, extra_args=("--gpus", "2"))
+        assert up.process.wait(60) == 1
+    log = up.log()
+    assert f"upstreams[1].url (gpu1) 127.0.0.1:{first + 1} is already in use" in log
+    assert "starting upstream" not in log and "Traceback" not in log
+    assert not _answers(first)
+
+
+def test_when_one_of_two_gpus_fails_to_start_up_stops_the_other(ups, tmp_path: pathlib.Path) -> None:
+    # gpu1's server exits at once; gpu0's would run for ten minutes.
+    marker = f"gpus-failing-start-{tmp_path.name}"
+    script = (f"import os, sys, time; {marker!r}; "
+              "sys.exit(3) if os.environ['CUDA_VISIBLE_DEVICES'] == '1' else time.sleep(600)")
+    up = ups(extra_args=("--gpus", "2"), upstream={"command": [sys.executable, "-c", script]})
+    assert up.process.wait(60) == 1
+    log = up.log()
+    assert "error: upstream gpu1 exited with status 3" in log
+    assert "llamaswap is up" not in log
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == ""  # gpu0's server is gone too

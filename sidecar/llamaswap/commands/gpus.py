@@ -11,6 +11,7 @@ bootstrap, ``--print-config`` and a reload all see every server; slots stay upst
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -90,6 +91,7 @@ def server_command(command: Sequence[str], *, port: int, device: str, threads: i
     return ("env", f"{CUDA_DEVICES_ENV}={device}", *argv)
 
 
+@functools.cache  # asked again by each reload; the machine's GPUs stay
 def nvidia_gpu_count() -> int | None:
     """The GPUs `nvidia-smi -L` lists; None where there is no nvidia-smi or it fails."""
     binary = shutil.which("nvidia-smi")
