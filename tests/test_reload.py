@@ -143,7 +143,7 @@ async def _until(predicate: Any, what: str, deadline_s: float = 10.0) -> None:
 async def test_models_poll_off_does_not_spin_and_a_reload_turns_it_on_and_off(tmp_path: pathlib.Path) -> None:
     sidecar, path = _sidecar(tmp_path, {"upstream": {"modelsPollSeconds": 0}})
     upstream = _CountingUpstream()
-    sidecar.upstream = upstream  # type: ignore[assignment]
+    sidecar.coordinator.gpus.first.upstream = upstream  # type: ignore[assignment]  # the loop asks each GPU
     task = asyncio.create_task(sidecar._reconcile_models())
     try:
         for _ in range(200):  # a spinning loop would ask on every turn
