@@ -5,7 +5,6 @@ same ports refuses to start, and its children die with it even if it is killed."
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import os
 import pathlib
@@ -515,14 +514,7 @@ def test_up_with_two_gpus_runs_a_llama_server_on_each_and_stops_both(ups, tmp_pa
     assert not any(_answers(port) for port in (first, first + 1, up.ports["http"]))
 
 
-def _coordinator_per_upstream() -> bool:
-    return importlib.util.find_spec("llamaswap.runtime.gpus") is not None
-
-
-# Requests through both GPUs need the coordinator made per upstream (issue 27, the lead's runtime
-# work, runtime/gpus.py): skipped until it is in.
 @pytest.mark.llama
-@pytest.mark.skipif(not _coordinator_per_upstream(), reason="needs the per-upstream coordinator (runtime/gpus.py)")
 def test_up_with_two_gpus_serves_through_both(ups, tmp_path: pathlib.Path) -> None:
     up, first = _two_gpus(ups, tmp_path)
     from llama import model_states
