@@ -141,7 +141,7 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
     timings = Timings()
     if wrapped:
         for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry", "_update_idle",
-                       "_observe", "_overtaken"):
+                       "_observe"):
             timings.wrap(coordinator, method, f"Coordinator.{method}")
         timings.wrap(coordinator._watchdogs, "arm", "Watchdogs.arm")
         for method in ("estimate_later", "_estimate"):

@@ -395,14 +395,17 @@ class Flow:
     """A real Coordinator driven the way Envoy's ext_authz and access log drive it."""
 
     def __init__(self, config: dict[str, Any] | Config | None = None, *, observers: Iterable[Observer] = (),
-                 upstream: FakeUpstream | None = None) -> None:
+                 upstream: FakeUpstream | None = None, upstreams: Sequence[FakeUpstream] | None = None) -> None:
+        """``upstreams``: one per upstream of the configuration's ``upstreams:`` list."""
         self.loop = current_loop()
         self.clock = self.loop.clock
         self.config = config if isinstance(config, Config) else parse_config(config or {})
-        self.upstream = upstream if upstream is not None else FakeUpstream()
+        self.upstreams = list(upstreams) if upstreams is not None else [
+            upstream if upstream is not None else FakeUpstream()]
+        self.upstream = self.upstreams[0]
         self.recorder = Recorder()
         self.coordinator = Coordinator(self.config, clock=self.clock, observer=_Tee((self.recorder, *observers)),
-                                       upstream=self.upstream, observe_after_grant=False)
+                                       upstreams=self.upstreams, observe_after_grant=False)
         self.requests: dict[str, Request] = {}
         _FLOWS.setdefault(self.loop, []).append(self)
 

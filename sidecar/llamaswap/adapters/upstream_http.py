@@ -62,6 +62,10 @@ class HttpUpstream:
         self._kind: UpstreamKind | None = None
         self._refused_said = False
 
+    @property
+    def base_url(self) -> str:
+        return self._url
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

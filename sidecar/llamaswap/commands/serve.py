@@ -29,7 +29,6 @@ from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.observer import FanOut, Observer
-from llamaswap.runtime.views import GpuState
 from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
@@ -53,11 +52,11 @@ class UpstreamKeyRefused(Exception):
     """The upstream refused the sidecar's requests (401, 403): its API key is missing or wrong."""
 
 
-def key_refusal(config: Config, status: int) -> str:
-    """What to say when the upstream answered ``status`` (401, 403) to the sidecar: the key to set,
-    never the key itself."""
+def key_refusal(config: Config, status: int, url: str | None = None) -> str:
+    """What to say when an upstream (``url``; None: upstream.url) answered ``status`` (401, 403)
+    to the sidecar: the key to set, never the key itself."""
     upstream = config.upstream
-    head = f"the upstream {upstream.url} answered {status} to GET /v1/models"
+    head = f"the upstream {url or upstream.url} answered {status} to GET /v1/models"
     if upstream.api_key is not None:
         return (f"{head} with the API key of upstream.apiKey ({upstream.api_key}): it is not a key the upstream "
                 f"accepts (llama-server's --api-key)")
@@ -113,7 +112,9 @@ class Sidecar:
         self.telemetry = Telemetry.from_environment(clock)
         # Read once (ConfigError when it cannot be); only the HTTP clients hold it.
         self._api_key = config.upstream.read_api_key()
-        self.upstream = HttpUpstream(config.upstream.url, api_key=self._api_key)
+        # One client per upstream of the node (`upstreams:`), in order; `upstream` is the first.
+        self.upstreams = [HttpUpstream(entry.url, api_key=self._api_key) for entry in config.upstream_entries]
+        self.upstream = self.upstreams[0]
         # A 401 or 403 from the upstream before it ever answered otherwise: `failure` says why.
         self.failed = asyncio.Event()
         self.failure: str | None = None
@@ -121,7 +122,8 @@ class Sidecar:
         if activity_path or config.activity.path:  # a restart keeps the page's timeline
             self.history.load(activity_path or config.activity.path or "")
         observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
-        self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers), upstream=self.upstream)
+        self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers),
+                                       upstreams=self.upstreams)
         self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)
         self.grpc_port = 0
         self.admin_port = 0
@@ -249,7 +251,8 @@ class Sidecar:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
-        await self.upstream.close()
+        for upstream in self.upstreams:
+            await upstream.close()
         await asyncio.sleep(0)  # let the last observer callbacks run before the providers stop
         self.activity.close()
         self.telemetry.shutdown()
@@ -266,12 +269,15 @@ class Sidecar:
                 self.reload()
 
     async def _check_upstream_access(self) -> bool:
-        """Whether the upstream answered GET /v1/models at all; a 401 or 403 sets `failure`."""
-        status = await self.upstream.access_status()
-        if status in KEY_REFUSED_STATUSES:
-            self.failure = key_refusal(self.config, status)
-            self.failed.set()
-        return status is not None
+        """Whether every upstream answered GET /v1/models at all; a 401 or 403 sets `failure`."""
+        answered = True
+        for upstream in self.upstreams:
+            status = await upstream.access_status()
+            if status in KEY_REFUSED_STATUSES:
+                self.failure = key_refusal(self.config, status, upstream.base_url)
+                self.failed.set()
+            answered = answered and status is not None
+        return answered
 
     async def _watch_upstream_access(self) -> None:
         """An upstream that starts after the sidecar (a pod's containers start together): its
@@ -288,11 +294,13 @@ class Sidecar:
                 await self._poll_changed.wait()
                 self._poll_changed.clear()
                 continue
-            if self.coordinator.gpu_state is GpuState.IDLE:
-                as_of = self.coordinator.scheduler.dispatches
-                catalog = await self.upstream.catalog()
-                if catalog is not None:
-                    self.coordinator.observe_catalog(catalog, as_of)  # warns of models.<id> it never serves
+            scheduler = self.coordinator.scheduler
+            for gpu in self.coordinator.gpus:  # each while it is idle: its loaded model can change only then
+                if gpu.holders(scheduler.slots_busy_on(gpu.name)).free:
+                    as_of = scheduler.dispatches_on(gpu.name)
+                    catalog = await gpu.upstream.catalog()
+                    if catalog is not None:  # warns of models.<id> it never serves
+                        self.coordinator.observe_catalog(catalog, as_of, gpu.name)
             # A reload that changes the interval ends this wait: the new one counts from now.
             try:
                 await asyncio.wait_for(self._poll_changed.wait(), interval_s)

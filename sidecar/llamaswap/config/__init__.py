@@ -4,7 +4,8 @@
 - `types`: value types (`HostPort`, the enums, strict numbers) and validators;
 - `problems`: `Problem`, `ConfigError`, and pydantic's errors as key-path problems;
 - `load`: reading and validating a file or a document;
-- `schema`: the JSON Schema of the document.
+- `schema`: the JSON Schema of the document;
+- `upstreams`: `UpstreamEntry`, an upstream of the node (`Config.upstream_entries`), and the checks of the list.
 
 This package's public names, which the rest of llamaswap imports from here.
 """
@@ -31,16 +32,19 @@ from llamaswap.config.sections import (
     SerialSettings,
     UiConfig,
     UpstreamConfig,
+    UpstreamItem,
 )
 from llamaswap.config.types import AbandonedGeneration, HostPort, ManagementApi, ModelCheck
+from llamaswap.config.upstreams import IMPLICIT_UPSTREAM, UpstreamEntry
 from llamaswap.core.priority import PriorityMode
 from llamaswap.core.policy import PolicyName
 
 __all__ = [
-    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "SLOTS_AUTO", "AbandonedGeneration", "ActivityConfig", "Config",
+    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_UPSTREAM", "SLOTS_AUTO", "AbandonedGeneration", "ActivityConfig", "Config",
     "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi",
     "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
-    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "describe_value", "json_schema",
+    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "UpstreamEntry",
+    "UpstreamItem", "describe_value", "json_schema",
     "load_config", "load_document", "parse_config",
 ]

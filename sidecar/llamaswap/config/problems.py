@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,12 @@ def invalid(message: str, **ctx: Any) -> PydanticCustomError:
     return PydanticCustomError("llamaswap", "{message}", {"message": message, **ctx})
 
 
+def invalid_all(title: str, problems: Sequence[Problem]) -> ValidationError:
+    """Several final problems at once, from a validator of the root section (each its whole key path)."""
+    return ValidationError.from_exception_data(title, [
+        InitErrorDetails(type=invalid(problem.message, key=problem.path), loc=(), input=None) for problem in problems])
+
+
 @dataclasses.dataclass(frozen=True)
 class Meaning:
     """What a setting's special value means; range errors quote it. (Pydantic ignores it.)"""
@@ -88,6 +95,13 @@ class _MappingOf:
     section: type[BaseModel]
 
 
+@dataclasses.dataclass(frozen=True)
+class _ListOf:
+    """A list key (``upstreams``) whose items are sections; its key paths say ``upstreams[1]``."""
+
+    section: type[BaseModel]
+
+
 def _field(section: type[BaseModel], key: Any) -> FieldInfo | None:
     for name, info in section.model_fields.items():
         if key in (info.alias, name):
@@ -99,25 +113,33 @@ def _unannotated(annotation: Any) -> Any:
     return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
 
 
-def _child(section: type[BaseModel], key: Any) -> type[BaseModel] | _MappingOf | None:
-    """What is under ``key`` of a section: a section, a mapping of sections, or a value (None)."""
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _child(section: type[BaseModel], key: Any) -> type[BaseModel] | _MappingOf | _ListOf | None:
+    """What is under ``key`` of a section: a section, a mapping or a list of sections, or a value (None)."""
     info = _field(section, key)
     if info is None:
         return None
     annotation = _unannotated(info.annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (dict, Mapping):
-        value = _unannotated(typing.get_args(annotation)[1])
-        if isinstance(value, type) and issubclass(value, BaseModel):
-            return _MappingOf(value)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # `X | None`: X
+        present = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        annotation = _unannotated(present[0]) if len(present) == 1 else annotation
+    if _is_section(annotation):
+        return typing.cast(type[BaseModel], annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (dict, Mapping) and _is_section(_unannotated(args[1])):
+        return _MappingOf(_unannotated(args[1]))
+    if origin in (tuple, list) and args and _is_section(_unannotated(args[0])):
+        return _ListOf(_unannotated(args[0]))
     return None
 
 
 def _section_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    node: type[BaseModel] | _MappingOf | None = root
+    node: type[BaseModel] | _MappingOf | _ListOf | None = root
     for part in loc:
-        if isinstance(node, _MappingOf):
+        if isinstance(node, (_MappingOf, _ListOf)):
             node = node.section
         elif node is not None:
             node = _child(node, part)
@@ -129,8 +151,23 @@ def _field_at(root: type[BaseModel], loc: tuple[Any, ...]) -> FieldInfo | None:
     return _field(section, loc[-1]) if section is not None else None
 
 
-def _dotted(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc if part != "[key]") or "(top level)"
+def _dotted(loc: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
+    """A location as a key path: ``models.qwen.slots``, ``upstreams[1].url`` (an item of a list
+    of sections, found by walking ``root``)."""
+    text = ""
+    node: type[BaseModel] | _MappingOf | _ListOf | None = root
+    for part in loc:
+        if part == "[key]":
+            continue
+        if isinstance(node, _ListOf) and isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+        if isinstance(node, (_MappingOf, _ListOf)):
+            node = node.section
+        elif node is not None:
+            node = _child(node, part)
+    return text or "(top level)"
 
 
 def _unknown_key(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
@@ -176,6 +213,7 @@ _TYPE_MESSAGES = {
     "bool_type": "must be true or false", "bool_parsing": "must be true or false",
     "string_type": "must be a string",
     "model_type": "must be a mapping", "model_attributes_type": "must be a mapping", "dict_type": "must be a mapping",
+    "list_type": "must be a list", "tuple_type": "must be a list",
 }
 
 
@@ -186,8 +224,10 @@ def problem_of(error: Mapping[str, Any], root: type[BaseModel]) -> Problem:
     value = error.get("input")
     ctx = error.get("ctx") or {}
     if kind == "llamaswap":
-        return Problem(_dotted(loc + ((ctx["key"],) if "key" in ctx else ())), str(error["msg"]))
-    if kind == "extra_forbidden":
+        return Problem(_dotted(loc + ((ctx["key"],) if "key" in ctx else ()), root), str(error["msg"]))
+    if kind == "missing":
+        message = "is required"
+    elif kind == "extra_forbidden":
         message = _unknown_key(root, loc)
     elif kind == "invalid_key":
         message = f"keys must be strings, got {describe_value(loc[-1] if loc else value)}"
@@ -210,20 +250,25 @@ def problem_of(error: Mapping[str, Any], root: type[BaseModel]) -> Problem:
                    "a smaller positive value would round to 0")
     else:
         message = str(error["msg"])
-    return Problem(_dotted(loc), message)
+    return Problem(_dotted(loc, root), message)
 
 
-def deprecated_keys(data: Any, section: type[BaseModel], loc: tuple[Any, ...] = ()) -> Iterator[Problem]:
+def deprecated_keys(data: Any, section: type[BaseModel], loc: tuple[Any, ...] = (),
+                    root: type[BaseModel] | None = None) -> Iterator[Problem]:
     """The deprecated keys a document uses, each with its advice."""
     if not isinstance(data, dict):
         return
+    root = root or section
     for key, value in data.items():
         if key in _deprecated_keys_of(section):
-            yield Problem(_dotted(loc + (key,)), _deprecated_keys_of(section)[key])
+            yield Problem(_dotted(loc + (key,), root), _deprecated_keys_of(section)[key])
             continue
         child = _child(section, key)
         if isinstance(child, _MappingOf) and isinstance(value, dict):
             for item_key, item in value.items():
-                yield from deprecated_keys(item, child.section, loc + (key, item_key))
+                yield from deprecated_keys(item, child.section, loc + (key, item_key), root)
+        elif isinstance(child, _ListOf) and isinstance(value, list):
+            for index, item in enumerate(value):
+                yield from deprecated_keys(item, child.section, loc + (key, index), root)
         elif isinstance(child, type):
-            yield from deprecated_keys(value, child, loc + (key,))
+            yield from deprecated_keys(value, child, loc + (key,), root)

@@ -49,6 +49,9 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("upstream.modelCheck", OnReload.LIVE, "from the next arrival"),
     ReloadKey("upstream.abandonedGeneration", OnReload.LIVE, "from the next release"),
     ReloadKey("upstream.settleTimeoutSeconds", OnReload.LIVE, "from the next settle"),
+    ReloadKey("upstreams", OnReload.REFUSED, "Envoy's bootstrap has a cluster per upstream, and each upstream's "
+                                             "catalog, slots and learnt costs are set up at start: any change to "
+                                             "the list (names, urls, slots, models, commands) needs a restart"),
     ReloadKey("envoy", OnReload.REFUSED, "Envoy's bootstrap (limits, lease renewals, failOpen)"),
     ReloadKey("security.priority.mode", OnReload.LIVE, "from the next arrival"),
     ReloadKey("security.priority.min", OnReload.LIVE, "from the next arrival"),

@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 from pydantic.alias_generators import to_camel
 
 from llamaswap.config.model_key import single_model_slots
-from llamaswap.config.problems import ConfigError, Meaning, Problem, describe_value, invalid
+from llamaswap.config.problems import ConfigError, Meaning, Problem, describe_value, invalid, invalid_all
 from llamaswap.config.types import (
     AbandonedGeneration,
     HostPort,
@@ -40,6 +40,19 @@ from llamaswap.config.types import (
     priority_value,
     checked_trusted_header,
     upstream_url,
+)
+from llamaswap.config.upstreams import (
+    IMPLICIT_UPSTREAM,
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    UpstreamEntry,
+    duplicates,
+    model_list,
+    moved_keys,
+    slots_left_unreserved,
+    unserved_models,
+    upstream_list,
+    upstream_name,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
@@ -74,6 +87,36 @@ def _slots_value(value: Any) -> Any:
     if value == SLOTS_AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise invalid(f"must be an integer >= 1 or 'auto' (ask the upstream), got {describe_value(value)}")
+
+
+def _entry_slots_value(value: Any) -> Any:
+    if value is None:
+        return None
+    if value == SLOTS_AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise invalid(f"must be an integer >= 1, 'auto' (ask the upstream), or null for upstream.slots, got "
+                  f"{describe_value(value)}")
+
+
+def _at_least_one_item(schema: dict[str, Any]) -> None:
+    """An empty list is refused (upstreams: [] names no upstream); null is the default."""
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") == "array":
+            branch["minItems"] = 1
+
+
+# A command line (upstream.command, upstreams[i].command): a string split like a shell does, or a list.
+Command = Annotated[
+    tuple[str, ...],
+    BeforeValidator(command_line),
+    PlainSerializer(command_document),
+    WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": ["string", "number"]}, "minItems": 1},
+        {"type": "null"},
+    ]}),
+]
+UPSTREAM_URL_PATTERN = r"^https?://[^\s/?#]+(/\S*)?$"
 
 
 def _schema_of_ignored_keys(schema: dict[str, Any], cls: type) -> None:
@@ -235,17 +278,8 @@ class UpstreamConfig(Section):
     url: Annotated[str, BeforeValidator(upstream_url)] = Field(
         default=f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
         description="The upstream's base URL, http:// or https://; a trailing '/' is dropped.",
-        json_schema_extra={"pattern": r"^https?://[^\s/?#]+(/\S*)?$"})
-    command: Annotated[
-        tuple[str, ...],
-        BeforeValidator(command_line),
-        PlainSerializer(command_document),
-        WithJsonSchema({"anyOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": ["string", "number"]}, "minItems": 1},
-            {"type": "null"},
-        ]}),
-    ] = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
+        json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
+    command: Command = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
                                       "(split like a shell does) or a list of arguments; empty for none.")
     health_path: Annotated[str, BeforeValidator(checked_health_path)] = Field(
         default="/health", description="The upstream's health check path, starting with '/'.",
@@ -322,6 +356,34 @@ class UpstreamConfig(Section):
     @property
     def tls(self) -> bool:
         return urlsplit(self.url).scheme == "https"
+
+
+class UpstreamItem(Section):
+    """One entry of upstreams: one llama-server (one GPU, or the GPUs it uses together)."""
+
+    # The rest of `upstream` (apiKey, modelCheck, healthPath, ...) applies to every entry.
+
+    name: Annotated[str, BeforeValidator(upstream_name)] = Field(
+        description=f"The upstream's name, 1..{MAX_NAME_LENGTH} lowercase letters, digits and '-': its Envoy "
+                    "cluster is upstream-<name>, and metrics, /queue and the activity log name it.",
+        json_schema_extra={"pattern": f"^{NAME_PATTERN}$", "maxLength": MAX_NAME_LENGTH})
+    url: Annotated[str, BeforeValidator(upstream_url)] = Field(
+        description="Its base URL, http:// or https://; a trailing '/' is dropped. Each entry its own server.",
+        json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
+    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value),
+                     Meaning("null = upstream.slots")] = Field(
+        default=None,
+        description="Its generations at once (its --parallel): an integer >= 1, or 'auto' (ask it); null (the "
+                    "default) takes upstream.slots.",
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}, {"type": "null"}]})
+    models: Annotated[tuple[str, ...] | None, BeforeValidator(model_list),
+                      WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": ["string", "number"]}},
+                                                {"type": "null"}]})] = Field(
+        default=None,
+        description="The model ids it may serve (a small GPU cannot hold the big model); null or empty: any.")
+    command: Command = Field(default=(), description="`llamaswap up` starts this for the entry, like "
+                                                     "upstream.command; empty for none.",
+                             json_schema_extra={"default": ""})  # as to_document writes ()
 
 
 # Envoy reports a running exchange this many times per envoy.leaseSeconds (its access-log
@@ -422,6 +484,13 @@ class Config(Section):
         default_factory=dict, description="Per-model settings, by model id.")
     listen: ListenConfig = Field(default_factory=ListenConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    upstreams: Annotated[tuple[UpstreamItem, ...] | None, BeforeValidator(upstream_list)] = Field(
+        default=None,
+        description="Several upstreams behind the one queue, each one llama-server (a GPU): name, url, and "
+                    "optionally slots, models, command. Null (the default): upstream.url, slots and command are "
+                    f"the one upstream, named {IMPLICIT_UPSTREAM}. With a list, those three go in the entries "
+                    "(upstream.slots stays the default of an entry's slots); a change needs a restart.",
+        json_schema_extra=_at_least_one_item)
     envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     activity: ActivityConfig = Field(default_factory=ActivityConfig)
@@ -444,10 +513,30 @@ class Config(Section):
     __hash__ = None  # type: ignore[assignment]  # models is a dict
 
     @model_validator(mode="after")
+    def _upstreams_fit(self) -> Config:
+        # Every problem of the list at once; the moved keys last (`up` may add upstream.url itself).
+        if self.upstreams is None:
+            return self
+        entries = self.upstream_entries
+        own_slots = [item.slots is not None for item in self.upstreams]
+        reserved_key = f"routing.scheduler.settings.{self.routing.scheduler.use}.reservedSlots"
+        upstream_set = {self.upstream.model_fields[name].alias or name for name in self.upstream.model_fields_set}
+        problems = [*duplicates(entries), *unserved_models(entries, self.models),
+                    *slots_left_unreserved(entries, own_slots, self.reserved_slots, reserved_key),
+                    *moved_keys(upstream_set, own_slots)]
+        if problems:
+            raise invalid_all(type(self).__name__, problems)
+        return self
+
+    @model_validator(mode="after")
     def _slots_fit(self) -> Config:
         # The one check across sections: a reservation must leave every model a non-interactive slot.
         try:
-            self.slots()
+            if self.upstreams is None:
+                self.slots()
+            else:  # the upstreams' own slots are checked above; models.<id>.slots here
+                per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots}
+                Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
         except InvalidSlots as exc:
             use = self.routing.scheduler.use
             reserved_key = f"routing.scheduler.settings.{use}.reservedSlots"
@@ -456,6 +545,17 @@ class Config(Section):
                           f"non-interactive requests: set it below {exc.slots}, or raise {slots_key}",
                           key=reserved_key) from None
         return self
+
+    @property
+    def upstream_entries(self) -> tuple[UpstreamEntry, ...]:
+        """The node's upstreams, in the file's order: ``upstreams``, or without it one entry
+        (``gpu0``) of upstream.url, slots and command. An entry's slots default to upstream.slots."""
+        if self.upstreams is None:
+            return (UpstreamEntry(IMPLICIT_UPSTREAM, self.upstream.url, self.upstream.slots, None,
+                                  self.upstream.command),)
+        return tuple(UpstreamEntry(item.name, item.url, self.upstream.slots if item.slots is None else item.slots,
+                                   None if item.models is None else frozenset(item.models), item.command)
+                     for item in self.upstreams)
 
     @property
     def reserved_slots(self) -> int:
@@ -506,5 +606,7 @@ class Config(Section):
                               objectives=self.routing.objectives)
 
     def to_document(self) -> dict[str, Any]:
-        """The effective configuration in the YAML shape, every default filled in."""
-        return self.model_dump(mode="json", by_alias=True)
+        """The effective configuration in the YAML shape, every default filled in. With
+        ``upstreams``, upstream.url and command are left out: the entries have them."""
+        exclude = None if self.upstreams is None else {"upstream": {"url", "command"}}
+        return self.model_dump(mode="json", by_alias=True, exclude=exclude)

@@ -7,13 +7,15 @@ final entry ends it and decides its outcome. Everything runs on one event loop, 
 needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
-- a grant is made only when the GPU has room for it in fact (`Holders.others`, checked by `_pump`):
-  no abandoned generation is still computing at the upstream (a settle, `settle.py`), no
-  exchange this process does not hold is still reported by Envoy (an adopted lease,
-  `leases.py`: granted by an earlier sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot for the best request (`Scheduler.next`: at
-  most ``slots`` grants, all of one model). An abandoned generation keeps its slot until the
-  upstream's /slots processes no more slots than the grants and adopted exchanges this process
-  holds: while its settle runs, nothing new is granted at all;
+- a grant is made on a GPU (one upstream of `upstreams:`, `gpus.py`) only when it has room for
+  it in fact (`Gpus.blocked`, read by `_pump`): no abandoned generation is still computing
+  there (a settle, `settle.py`), no exchange this process does not hold is still reported on it
+  by Envoy (an adopted lease, `leases.py`: granted by an earlier sidecar process, or a grant of
+  ours whose lease lapsed), and the scheduler has a free slot there for the request
+  (`Scheduler.next`: at most its ``slots`` grants, all of one model). An abandoned generation
+  keeps its slot until its upstream's /slots processes no more slots than the grants and
+  adopted exchanges this process holds there: while its settle runs, nothing new is granted on
+  that GPU (the others serve on);
 - every ticket is finished exactly once, through `_finish` (the first call wins), and
   `Observer.finished` fires exactly once per ticket;
 - each grant is a lease: unrenewed for `envoy.leaseSeconds` it is released (`_leases_due`), so a
@@ -39,14 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from llamaswap.config import SLOTS_AUTO, AbandonedGeneration, Config
-from llamaswap.config.sections import RENEWALS_PER_LEASE
+from llamaswap.config import AbandonedGeneration, Config
 from llamaswap.core import (
     NS_PER_S,
     SHUTDOWN_RETRY_AFTER_S,
-    Band,
     Clock,
     Decision,
     Estimator,
@@ -56,17 +56,18 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
-from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.core.dispatch import NO_TIMES
+from llamaswap.config.model_key import ModelKey, model_key
+from llamaswap.runtime.gpus import Gpu, auto_slots, make_gpus, node_policy
 from llamaswap.runtime.deferred import Deferred
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
-from llamaswap.runtime.observer import NoopObserver, Observer, Overtaken, QueuePicture, Settle, SettleReason, SettleResult
-from llamaswap.runtime.settle import Settling, settle_upstream
-from llamaswap.runtime.slot_learning import SlotLearner
+from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult, overtaken_by
+from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState, Tokens
-from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream, UpstreamKind
+from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
 from llamaswap.runtime.watchdogs import Watchdogs
 
@@ -82,15 +83,26 @@ class Coordinator:
     """Owns the Scheduler and every live Ticket; all methods run on one event loop."""
 
     def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None,
-                 upstream: Upstream | None = None, observe_after_grant: bool = True) -> None:
+                 upstream: Upstream | None = None, upstreams: Sequence[Upstream] | None = None,
+                 observe_after_grant: bool = True) -> None:
+        """``upstreams``: one per `Config.upstream_entries`, in order (``upstream``: the one of a
+        configuration with one upstream; neither: `NoUpstream`s)."""
         self._clock = clock or MonotonicClock()
         self._config = config
-        self.scheduler = Scheduler(config.policy(), self._clock)
+        if upstreams is None:
+            upstreams = [upstream or NoUpstream()] if upstream is not None else [
+                NoUpstream() for _ in config.upstream_entries]
+        self.gpus = make_gpus(config, upstreams, dispatches=lambda name: self.scheduler.dispatches_on(name),
+                               observed=lambda name, catalog, as_of: self.observe_catalog(catalog, as_of, name),
+                               config_now=lambda: self._config, learnt=lambda: self._learnt(self._config),
+                               runs=self._runs_model, default_slots=self._default_slots)
+        self._first = self.gpus.first
+        self.scheduler = Scheduler(node_policy(config, self.gpus, None), self._clock)
+        self._auto_slots = auto_slots(config)
         estimates = config.estimates
         self.estimator = Estimator(default_run_s=estimates.default_run_seconds,
                                    default_swap_s=estimates.default_swap_seconds, samples=estimates.samples)
         self._observer: Observer = observer or NoopObserver()
-        self._upstream: Upstream = upstream or NoUpstream()
         self._tokens = Tokens()
         self._tickets: dict[str, Ticket] = {}
         self._request_ids = RequestIds()
@@ -102,13 +114,7 @@ class Coordinator:
         # The running grant, the adopted exchanges and what is remembered of finished grants,
         # with their timer (which is also the adopted exchanges' watchdog).
         self._leases = Leases(self._clock, self._leases_due, lambda: self._running, max_run_ns=self._max_run_ns)
-        self._settling: Settling | None = None
-        self._catalog = ModelCatalog(self._upstream, dispatches=lambda: self.scheduler.dispatches,
-                                     observed=self.observe_catalog)
-        # upstream.slots: auto (`slot_learning.py`).
-        self._slots = SlotLearner(config=lambda: self._config, catalog=self._catalog, upstream=self._upstream,
-                                  apply=self._learnt, runs=self._runs_model,
-                                  default_slots=lambda: self.scheduler.policy.slots.default)
+        # Each GPU's catalog, slot learning (upstream.slots: auto), settle and adopted exchanges: `gpus.py`.
         self._expiry: asyncio.TimerHandle | None = None
         self._watchdogs = Watchdogs(self._clock, lambda: self._config.routing.scheduler.max_run_seconds,
                                     self._watchdog_fire)
@@ -118,7 +124,7 @@ class Coordinator:
         self._version = 0
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
                                   settling=lambda: self._settling,
-                                  schedule_model=lambda model: self._catalog.key(model, self._config.models).scheduled)
+                                  schedule_model=lambda model: self._key(model).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, busy_s=self._forecast.settle_busy_s, gpu_state=lambda: self.gpu_state)
@@ -146,10 +152,26 @@ class Coordinator:
         tickets = self._tickets
         return [ticket for token in self.scheduler.running_ids() if (ticket := tickets.get(token)) is not None]
 
-    def _holders(self) -> Holders:
-        """What holds the GPU: the one question, which `gpu_state`, the grant decision and the
-        idle wait each read."""
+    def _holders(self, gpu: Gpu | None = None) -> Holders:
+        """What holds a GPU (None: any of them): the one question, which `gpu_state`, the grant
+        decision and the idle wait each read."""
+        if gpu is not None:
+            return gpu.holders(self.scheduler.slots_busy_on(gpu.name))
         return Holders(self.scheduler.slots_busy, self._settling is not None, len(self._leases.adopted))
+
+    @property
+    def _settling(self) -> Settling | None:
+        return self.gpus.settling
+
+    def _key(self, model: str | None) -> ModelKey:
+        """What a request naming ``model`` is scheduled as, and whose models.<id> it gets."""
+        return model_key(model, self._single_model(), self._config.models.keys())
+
+    def _single_model(self) -> str | None:
+        return self.gpus.single_model()
+
+    def _default_slots(self, name: str) -> int:
+        return self.scheduler.policy.lanes_in_effect[self.scheduler.lanes.index(name)].slots.default
 
     @property
     def gpu_state(self) -> GpuState:
@@ -166,12 +188,14 @@ class Coordinator:
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
         if config is not self._config:  # a reload: models.<id> that match nothing are said again
-            self._catalog.warn_unmatched(config.models, anew=True)
+            for gpu in self.gpus:
+                gpu.catalog.warn_unmatched(config.models, anew=True)
         self._config = config
+        self._auto_slots = auto_slots(config)
         # Which models.<id> is each waiting request's under the new file (one may have been added).
-        settings = {ticket.token: self._catalog.key(ticket.model, config.models).settings
+        settings = {ticket.token: model_key(ticket.model, self._single_model(), config.models.keys()).settings
                     for ticket in self._tickets.values() if ticket.state is TicketState.WAITING}
-        self.scheduler.reconfigure(config.policy(self._slots.learnt, self._catalog.single_model()), settings)
+        self.scheduler.reconfigure(node_policy(config, self.gpus, self._single_model()), settings)
         self.estimator.default_run_s = config.estimates.default_run_seconds
         self.estimator.default_swap_s = config.estimates.default_swap_seconds
         self._observer.settings_changed(self.scheduler.policy)
@@ -214,13 +238,13 @@ class Coordinator:
                                                 queue_depth=self._held_checks - 1,
                                                 queue_limit=self._config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
-        if ticket.model is not None and not await self._catalog.serves(ticket.model, self._config.upstream.model_check):
+        if ticket.model is not None and not await self._serves(ticket.model):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         # What it is scheduled as (a single-model upstream: its one model, whatever the name) and
         # whose models.<id> settings it gets: one function says both.
-        key = self._catalog.key(ticket.model, self._config.models)
+        key = self._key(ticket.model)
         ticket.schedule_model = key.scheduled
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
@@ -329,18 +353,15 @@ class Coordinator:
         self._forecast.close()
         self._watchdogs.close()
         self._leases.cancel()
-        self._slots.close()
-        if self._settling is not None and self._settling.task is not None:
-            self._settling.task.cancel()
-        self._catalog.close()
+        self.gpus.close()
 
     # -- the upstream --------------------------------------------------------------------
 
     def begin_startup_settle(self) -> None:
-        """A new sidecar cannot know what the upstream is doing: ask before the first grant."""
-        if isinstance(self._upstream, NoUpstream) or self._settling is not None:
-            return
-        self._begin_settle(SettleReason.STARTUP, None, "-", None, stop=False)
+        """A new sidecar cannot know what the upstreams are doing: ask each before its first grant."""
+        for gpu in self.gpus:
+            if not isinstance(gpu.upstream, NoUpstream) and gpu.settling is None:
+                self._begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
 
     async def learn_slots(self) -> None:
         """upstream.slots: auto: ask the upstream how many generations it runs at once, and
@@ -348,39 +369,52 @@ class Coordinator:
         the learnt slots cannot hold is lowered, with a warning. In router mode each model is
         asked about once it is loaded (asking never loads it): `observe_catalog` asks for every
         model it sees loaded for the first time (`slot_learning.py`)."""
-        await self._slots.learn()
+        await asyncio.gather(*(gpu.slots.learn() for gpu in self.gpus))
 
     def _learnt(self, config: Config) -> None:
         """The upstream said how many slots it has: schedule with them."""
         self.reconfigure(config)
         self._pump()  # more slots may let waiting requests go now
 
-    def _runs_model(self, model: str) -> bool:
-        return any(t.decision is not None and t.decision.model == model for t in self._running)
+    def _runs_model(self, upstream: str, model: str) -> bool:
+        return any(t.decision is not None and t.decision.model == model and t.decision.upstream == upstream
+                   for t in self._running)
 
-    def observe_catalog(self, catalog: Catalog, as_of: int) -> None:
-        """A catalog asked when `scheduler.dispatches` was `as_of` (the reconcile loop)."""
-        before = self._catalog.single_model()
-        self._catalog.latest = catalog
+    async def _serves(self, model: str) -> bool:
+        """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled."""
+        return await self.gpus.serves(model, self._config, lambda: any(
+            lane.models is None or self._key(model).scheduled in lane.models
+            for lane in self.scheduler.policy.lanes_in_effect))
+
+    def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
+        """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`
+        was `as_of` (the reconcile loop)."""
+        gpu = self.gpus.named(upstream)
+        before = gpu.catalog.single_model(), self._single_model()
+        gpu.catalog.latest = catalog
         # A single-model upstream has its one model loaded whenever it answers.
-        single = self._catalog.single_model()
-        if catalog.loaded_known or single is not None:
-            loaded = catalog.loaded if catalog.loaded_known else single
-            if self.scheduler.set_loaded_model(loaded, as_of=as_of):
+        own = gpu.catalog.single_model()
+        if catalog.loaded_known or own is not None:
+            loaded = catalog.loaded if catalog.loaded_known else (self._single_model() or own)
+            if self.scheduler.set_loaded_model(loaded, as_of=as_of, upstream=gpu.name):
                 self._changed()
-        self._catalog.warn_unmatched(self._config.models)
-        if single != before and self._config.policy(self._slots.learnt, single) != self.scheduler.policy:
+        gpu.catalog.warn_unmatched(self._config.models)
+        if ((own, self._single_model()) != before
+                and node_policy(self._config, self.gpus, self._single_model()) != self.scheduler.policy):
             self.reconfigure(self._config)  # the one model's models.<id>.slots, whatever the id
-        self._slots.observe(catalog)
+        gpu.slots.observe(catalog)
 
     # -- internals: granting and releasing -----------------------------------------------
 
     def _pump(self) -> None:
-        """Grant while the GPU has room and someone waits: up to the slots of the loaded model."""
-        if self._holders().others:
-            return  # a settle or an adopted exchange: nothing is granted until it ends
+        """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
+        # A settle or an adopted exchange on a GPU: nothing is granted there until it ends.
+        blocked = self.gpus.blocked()
+        if len(blocked) == len(self.gpus):
+            return
+        times = self._forecast.lane_times() if len(self.gpus) > 1 else NO_TIMES
         while True:
-            decision = self.scheduler.next()
+            decision = self.scheduler.next(blocked, times)
             if decision is None:
                 return
             ticket = self._tickets.get(decision.request_id)
@@ -403,16 +437,18 @@ class Coordinator:
         self._leases.arm()
         self._watchdogs.arm(ticket)
         waiter.set_result(decision)
-        if self._config.upstream.slots == SLOTS_AUTO:
-            self._slots.after_grant(decision.model)
-        overtaken = tuple(self._overtaken(token) for token in decision.overtook)
+        if decision.upstream in self._auto_slots:
+            self.gpus.named(decision.upstream).slots.after_grant(decision.model)
+        overtaken = tuple(overtaken_by(self._tickets.get(token)) for token in decision.overtook)
         # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
         # never waits for spans, metrics or log lines.
         self._observe(self._observer.dispatched, ticket, overtaken)
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         model_loaded = model_stays_loaded(outcome, ticket.response_status)
-        if self._catalog.single_model() is not None:
+        decision = ticket.decision
+        gpu = self.gpus.named(decision.upstream if decision is not None else None)
+        if gpu.catalog.single_model() is not None:
             model_loaded = True  # one model that nothing unloads: a failure changes nothing there
         elif ticket.alone:
             model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
@@ -420,7 +456,6 @@ class Coordinator:
         self._watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self._leases.arm()
-        decision = ticket.decision
         if outcome is Outcome.SERVED and decision is not None and ticket.generation:
             # Only a streamed first byte is the generation's start: a non-streamed one is its end,
             # and would teach generation length as swap cost.
@@ -432,9 +467,9 @@ class Coordinator:
         self._finish(ticket, outcome, released.released_ns)
         # A settle under way covers this abandoned generation too: it waits until the upstream
         # computes no more than what this process holds, and this grant is no longer held.
-        if ticket.abandoned and self._settling is None:
+        if ticket.abandoned and gpu.settling is None:
             granted = decision.granted_ns if decision is not None else None
-            self._begin_settle(SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
+            self._begin_settle(gpu, SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
         self._update_idle()
         self._pump()
 
@@ -508,26 +543,15 @@ class Coordinator:
             return
         now = self._clock.now_ns()
         ours = self._tokens.issued(token)
-        if ours:
-            # A grant of ours that is not live finished (served, failed, let go by the watchdog,
-            # cut off at shutdown): nothing runs for it, unless it was released while it could.
-            granted_ns = self._leases.lapsed_grant(token)
-            if granted_ns is None:
-                return
-            if report.final:
-                self._leases.forget_lapsed(token)
-                return
-            started_ns = granted_ns
-        else:
-            if report.final or self._leases.was_let_go(token):
-                return
-            started_ns = now if report.elapsed_s is None else now - round(report.elapsed_s * NS_PER_S)
-        if self._leases.past_max_run(started_ns):
-            return  # the watchdog would let it go at once
+        started_ns = self._leases.to_adopt(token, ours=ours, final=report.final, elapsed_s=report.elapsed_s, now_ns=now)
+        if started_ns is None:
+            return
         _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
                      "no grant until it ends", "a grant of ours whose lease lapsed or whose Envoy connection went"
                      if ours else "granted by an earlier sidecar process", (now - started_ns) / NS_PER_S)
         self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours)
+        # It holds the upstream Envoy's entry names (the first one, where it names none).
+        self.gpus.named(report.upstream).adopted.add(token)
         self._idle.clear()
         self._changed()
         self._leases.arm()
@@ -537,6 +561,8 @@ class Coordinator:
         leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
         is followed by a settle."""
         adoption = self._leases.end_adopted(token)
+        gpu = self.gpus.adopting(token)
+        gpu.adopted.discard(token)
         if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
             self._leases.forget_lapsed(token)
         elif result is SettleResult.WATCHDOG:
@@ -547,47 +573,32 @@ class Coordinator:
             SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}.get(result, str(result)), settle.seconds)
         self._observe(self._observer.settled, settle)
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
-        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and self._settling is None:
+        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and gpu.settling is None:
             # Its model is not known: the upstream is asked about (or stops) every loaded one.
-            self._begin_settle(SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
+            self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
 
     # -- internals: settling -------------------------------------------------------------
 
-    def _begin_settle(self, reason: SettleReason, model: str | None, request_id: str, granted_ns: int | None, *,
-                      stop: bool) -> None:
+    def _begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
+                      granted_ns: int | None, *, stop: bool) -> None:
         settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
-        self._settling = settling
+        gpu.settling = settling
         self._idle.clear()
         self._changed()
-        settling.task = asyncio.ensure_future(self._settle(settling, stop))
+        settling.task = asyncio.ensure_future(self._settle(gpu, settling, stop))
 
-    async def _settle(self, settling: Settling, stop: bool) -> None:
-        """The settle loop (`settle.py`); then the GPU is free again: grant."""
+    async def _settle(self, gpu: Gpu, settling: Settling, stop: bool) -> None:
+        """The settle loop (`settle.py`) of one GPU; then it is free again: grant."""
         config = self._config
-        deadline_ns = settling.deadline_ns(config.upstream.settle_timeout_seconds,
-                                           config.routing.scheduler.max_run_seconds)
-
-        async def loaded_model() -> str | None:
-            # At startup, the model to ask about is the one the upstream says it has loaded.
-            catalog = await self._catalog.refresh()
-            if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
-                return catalog.loaded
-            return settling.model
 
         def unloaded() -> None:
-            if self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches):
+            if self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()
 
-        startup = settling.reason is SettleReason.STARTUP
-        # After a restart, an upstream that cannot tell leaves one witness of a running exchange:
-        # Envoy's periodic access-log entry, sent every leaseSeconds/3. Wait for one interval.
-        blind_until_ns = settling.started_ns + self._lease_ns() // RENEWALS_PER_LEASE if startup else None
-        settle = await settle_upstream(
-            self._upstream, settling, stop=stop, clock=self._clock, deadline_ns=deadline_ns,
-            loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
-            held=lambda: self._holders().held)
-        if self._settling is settling:
-            self._settling = None
+        settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
+                                  settle_timeout_s=config.upstream.settle_timeout_seconds,
+                                  max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
+                                  held=lambda: self._holders(gpu).held)
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
         self._changed()
         self._update_idle()
@@ -667,12 +678,6 @@ class Coordinator:
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""
         return self._views.status_of(request_id)
-
-    def _overtaken(self, token: str) -> Overtaken:
-        other = self._tickets.get(token)
-        if other is None:
-            return Overtaken("-", 0, Band.NORMAL, None)
-        return Overtaken(other.request_id, other.priority.value, other.priority.band, other.trace_id)
 
     def _changed(self) -> None:
         self._version += 1

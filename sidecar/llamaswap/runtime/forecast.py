@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
+from llamaswap.core.dispatch import LaneTimes
 from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -47,14 +48,38 @@ class Forecast:
         """How much longer the GPU is expected to be busy before the next grant: the earliest
         end among the running grants when every slot is taken (with one slot, the grant's), and
         not before a settle ends (nothing is granted meanwhile, free slot or not)."""
-        now = self._clock.now_ns()
         settle = self.settle_busy_s()
-        running = [(t.decision, t.max_tokens) for t in self._running() if t.decision is not None]
-        if running and len(running) >= self._scheduler.slots_total:
-            return max(settle, min(self._estimator.remaining_s(d.model, model_load=d.model_load, max_tokens=size,
-                                                               running_s=(now - d.granted_ns) / NS_PER_S)
-                                   for d, size in running))
+        ends = self._ends(known=False)
+        scheduler = self._scheduler
+        if all(len(ends.get(lane, ())) >= scheduler.slots_total_on(lane) for lane in scheduler.lanes):
+            # Every GPU full: a place frees when the first of them frees a slot.
+            return max(settle, min(min(ends[lane]) for lane in scheduler.lanes))
         return settle
+
+    def _ends(self, *, known: bool) -> dict[str, list[float]]:
+        """Each GPU's running grants' expected remaining times (``known``: `math.inf` for one that
+        outran its expected time, else 0 for it)."""
+        now = self._clock.now_ns()
+        ends: dict[str, list[float]] = {}
+        for ticket in self._running():
+            d = ticket.decision
+            if d is None:
+                continue
+            running_s = (now - d.granted_ns) / NS_PER_S
+            if known:
+                left = self._estimator.known_remaining_s(d.model, model_load=d.model_load, running_s=running_s,
+                                                         max_tokens=ticket.max_tokens)
+                end = math.inf if left is None else left
+            else:
+                end = self._estimator.remaining_s(d.model, model_load=d.model_load, running_s=running_s,
+                                                  max_tokens=ticket.max_tokens)
+            ends.setdefault(d.upstream, []).append(end)
+        return ends
+
+    def lane_times(self) -> LaneTimes:
+        """What the node rule may know of time now (`dispatch.LaneTimes`), from the estimator
+        over what runs on each GPU: read once, when the rule first asks."""
+        return _RunningTimes(self._ends, self._estimator)
 
     def settle_busy_s(self) -> float:
         """How much longer a settling generation is expected to run (0 without one)."""
@@ -89,3 +114,26 @@ class Forecast:
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
+
+
+class _RunningTimes:
+    """`dispatch.LaneTimes` from the running grants' expected remaining times (unknown: inf)."""
+
+    def __init__(self, ends: Callable[..., dict[str, list[float]]], estimator: Estimator) -> None:
+        self._read = ends
+        self._ends: dict[str, list[float]] | None = None
+        self._estimator = estimator
+
+    def _of(self, lane: str) -> list[float]:
+        if self._ends is None:
+            self._ends = self._read(known=True)
+        return self._ends.get(lane, [])
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return min(self._of(lane), default=0.0)
+
+    def drained_in_s(self, lane: str) -> float:
+        return max(self._of(lane), default=0.0)
+
+    def swap_s(self, model: str | None) -> float:
+        return self._estimator.expected_swap_s(model)

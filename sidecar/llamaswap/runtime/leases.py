@@ -113,6 +113,25 @@ class Leases:
         """The adopted exchanges older than routing.scheduler.maxRunSeconds (the watchdog's)."""
         return [token for token, adoption in self.adopted.items() if self._overrun(adoption.started_ns)]
 
+    def to_adopt(self, token: str, *, ours: bool, final: bool, elapsed_s: float | None, now_ns: int) -> int | None:
+        """An entry for an exchange this process does not hold: when it started, if it is to be
+        adopted; None if nothing runs for it. A grant of ours that is not live finished (served,
+        failed, let go by the watchdog, cut off at shutdown), unless it was released while it
+        could still run (`remember_lapsed`); one let go on purpose stays let go; one past
+        maxRunSeconds would be let go by the watchdog at once."""
+        if ours:
+            started_ns = self.lapsed_grant(token)
+            if started_ns is None:
+                return None
+            if final:
+                self.forget_lapsed(token)
+                return None
+        else:
+            if final or self.was_let_go(token):
+                return None
+            started_ns = now_ns if elapsed_s is None else now_ns - round(elapsed_s * NS_PER_S)
+        return None if self.past_max_run(started_ns) else started_ns
+
     def past_max_run(self, started_ns: int) -> bool:
         """An exchange started then is older than maxRunSeconds: the watchdog lets it go."""
         return self._overrun(started_ns)

@@ -27,6 +27,13 @@ class Overtaken:
     trace_id: str | None
 
 
+def overtaken_by(ticket: Ticket | None) -> Overtaken:
+    """What the queue span says of an overtaken request (gone already: a placeholder)."""
+    if ticket is None:
+        return Overtaken("-", 0, Band.NORMAL, None)
+    return Overtaken(ticket.request_id, ticket.priority.value, ticket.priority.band, ticket.trace_id)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueuePicture:
     """The gauges' view of the queue, published after every change. Immutable, so an exporter

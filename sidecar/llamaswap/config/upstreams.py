@@ -1,0 +1,157 @@
+"""The upstreams a node's one queue serves (issue 27): `UpstreamEntry`, what `Config.upstream_entries`
+gives, and the checks across ``upstreams``, ``upstream`` and ``models`` that the configuration
+runs on it. Without ``upstreams`` the list is one entry, ``gpu0``, made of upstream.url, slots
+and command."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from llamaswap.config.problems import Problem, describe_value, invalid
+
+# The entry that upstream.url, slots and command make when the file has no `upstreams`.
+IMPLICIT_UPSTREAM = "gpu0"
+# A name becomes part of an Envoy cluster name (upstream-<name>) and a metric label value.
+MAX_NAME_LENGTH = 40
+NAME_PATTERN = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+_NAME = re.compile(NAME_PATTERN)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpstreamEntry:
+    """One upstream of the node: a llama-server on one GPU (or on the GPUs it uses together).
+    ``slots`` is resolved (an entry without its own takes upstream.slots); ``models`` None means
+    it may serve any model."""
+
+    name: str
+    url: str
+    slots: int | Literal["auto"]
+    models: frozenset[str] | None
+    command: tuple[str, ...]
+
+    def may_serve(self, model: str) -> bool:
+        """Whether the file lets this upstream serve ``model`` (its ``models`` list, if any)."""
+        return self.models is None or model in self.models
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        port = urlsplit(self.url).port
+        if port is not None:
+            return port
+        return 443 if self.tls else 80
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "https"
+
+
+def upstream_name(value: Any) -> str:
+    if isinstance(value, str) and len(value) <= MAX_NAME_LENGTH and _NAME.fullmatch(value):
+        return value
+    raise invalid(f"must be 1..{MAX_NAME_LENGTH} lowercase letters, digits and '-', starting and ending with a "
+                  f"letter or digit (it names the upstream's Envoy cluster and metric label), got "
+                  f"{describe_value(value)} (e.g. gpu0)")
+
+
+def model_list(value: Any) -> tuple[str, ...] | None:
+    """``models`` of an entry: model ids, in order, once each; absent or empty means any model."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise invalid(f"must be a list of model ids (empty or absent: any model), got {describe_value(value)}")
+    ids: list[str] = []
+    for position, item in enumerate(value, 1):
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            item = str(item)  # `- 7` in YAML is the model "7", as under models:
+        if not isinstance(item, str) or not item:
+            raise invalid(f"item {position} must be a model id (a non-empty string), got {describe_value(item)}")
+        if item not in ids:
+            ids.append(item)
+    return tuple(ids) or None
+
+
+def upstream_list(value: Any) -> Any:
+    if value is None:
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise invalid(f"must be a list of upstreams, each a mapping with name and url, got {describe_value(value)}")
+    if not value:
+        raise invalid("lists no upstream: give at least one entry (name, url), or remove upstreams to use "
+                      f"upstream.url as the one upstream ({IMPLICIT_UPSTREAM})")
+    return value
+
+
+def _same_server(url: str) -> tuple[str, str, int | None, str]:
+    parts = urlsplit(url)
+    port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
+def duplicates(entries: Sequence[UpstreamEntry]) -> list[Problem]:
+    """A name or a server given twice: each repeat, naming the first."""
+    problems = []
+    names: dict[str, int] = {}
+    servers: dict[tuple[str, str, int | None, str], int] = {}
+    for index, entry in enumerate(entries):
+        first = names.setdefault(entry.name, index)
+        if first != index:
+            problems.append(Problem(f"upstreams[{index}].name",
+                                    f"{entry.name!r} is also upstreams[{first}].name: give each upstream its own "
+                                    f"name"))
+        first = servers.setdefault(_same_server(entry.url), index)
+        if first != index:
+            problems.append(Problem(f"upstreams[{index}].url",
+                                    f"{entry.url} is also upstreams[{first}].url ({entries[first].name}): each entry "
+                                    f"is its own llama-server; list it once, or give this one its own port"))
+    return problems
+
+
+def unserved_models(entries: Sequence[UpstreamEntry], configured: Iterable[str]) -> list[Problem]:
+    """``models.<id>`` entries that no upstream may serve, where every upstream lists its models."""
+    if any(entry.models is None for entry in entries):
+        return []
+    served = set().union(*(entry.models or () for entry in entries))
+    return [Problem(f"models.{model_id}",
+                    f"no upstream may serve it: every entry of upstreams lists its models and none lists "
+                    f"{model_id!r}; add it to the models of an upstream that can hold it, or remove models.{model_id}")
+            for model_id in configured if model_id not in served]
+
+
+def slots_left_unreserved(entries: Sequence[UpstreamEntry], own_slots: Sequence[bool], reserved: int,
+                          reserved_key: str) -> list[Problem]:
+    """Upstreams whose integer slots the reservation fills (``own_slots``: whether each entry
+    gives its own, or takes upstream.slots)."""
+    problems = []
+    for index, (entry, own) in enumerate(zip(entries, own_slots, strict=True)):
+        if isinstance(entry.slots, int) and reserved >= entry.slots:
+            slots = f"{entry.slots}" if own else f"unset, it takes upstream.slots ({entry.slots}), which"
+            problems.append(Problem(f"upstreams[{index}].slots",
+                                    f"{slots} leaves no slot for non-interactive requests beside the {reserved} "
+                                    f"reserved by {reserved_key}: give {entry.name} more than {reserved} slots, or "
+                                    f"set {reserved_key} below {entry.slots}"))
+    return problems
+
+
+def moved_keys(upstream_set: Iterable[str], own_slots: Sequence[bool]) -> list[Problem]:
+    """Keys of ``upstream`` that ``upstreams`` replaces, set anyway (``upstream_set``: the keys
+    the file gives there, camelCase). upstream.slots stays the entries' default, unless every
+    entry gives its own."""
+    given = set(upstream_set)
+    problems = [Problem(f"upstream.{key}",
+                        f"describes the one upstream of a file without upstreams, and this file has upstreams: move "
+                        f"it into the entries of upstreams ({key}: on each) and remove upstream.{key}")
+                for key in ("url", "command") if key in given]
+    if "slots" in given and all(own_slots):
+        problems.append(Problem("upstream.slots",
+                                "applies to no upstream: every entry of upstreams gives its own slots. Remove it, or "
+                                "remove slots from the entries that should take it"))
+    return problems
+

@@ -1,0 +1,194 @@
+"""The node's GPUs as the runtime keeps them: one `Gpu` per upstream (`upstreams:`), each with
+its own catalog, slot learning, settle and adopted exchanges. The scheduler holds the one queue
+over them (its lanes); everything here is what holds one upstream apart from the others: a settle
+or an adopted exchange on one GPU stops grants on that GPU only.
+
+`gpu_config` is the configuration as one upstream sees it (its url and slots in `upstream:`),
+so the rooms written for one upstream (slot learning, `Config.slots`) serve each GPU unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+from llamaswap.config import SLOTS_AUTO, Config, UpstreamEntry
+from llamaswap.config.sections import RENEWALS_PER_LEASE
+from llamaswap.core import Clock, Policy
+from llamaswap.core.policy import LanePolicy
+from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.runtime.observer import Settle, SettleReason
+from llamaswap.runtime.settle import Settling, settle_upstream
+from llamaswap.runtime.slot_learning import SlotLearner
+from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
+from llamaswap.runtime.views import Holders
+
+
+def gpu_config(config: Config, entry: UpstreamEntry) -> Config:
+    """The configuration as one upstream of the node sees it: its url and slots in `upstream:`."""
+    if len(config.upstream_entries) == 1:
+        return config
+    upstream = config.upstream.model_copy(update={"url": entry.url, "slots": entry.slots})
+    return config.model_copy(update={"upstream": upstream})
+
+
+@dataclasses.dataclass(eq=False)
+class Gpu:
+    """One upstream of the node and what the runtime knows of it."""
+
+    name: str
+    upstream: Upstream
+    catalog: ModelCatalog
+    slots: SlotLearner
+    settling: Settling | None = None
+    adopted: set[str] = dataclasses.field(default_factory=set)  # tokens of the adopted exchanges on it
+
+    def holders(self, grants: int) -> Holders:
+        return Holders(grants, self.settling is not None, len(self.adopted))
+
+    async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
+                     settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
+        """Its settle loop (`settle.py`) until it ends; then the settle is no longer under way."""
+        deadline_ns = settling.deadline_ns(settle_timeout_s, max_run_s)
+
+        async def loaded_model() -> str | None:
+            # At startup, the model to ask about is the one the upstream says it has loaded.
+            catalog = await self.catalog.refresh()
+            if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
+                return catalog.loaded
+            return settling.model
+
+        startup = settling.reason is SettleReason.STARTUP
+        # After a restart, an upstream that cannot tell leaves one witness of a running exchange:
+        # Envoy's periodic access-log entry, sent every leaseSeconds/3. Wait for one interval.
+        blind_until_ns = settling.started_ns + lease_ns // RENEWALS_PER_LEASE if startup else None
+        try:
+            return await settle_upstream(
+                self.upstream, settling, stop=stop, clock=clock, deadline_ns=deadline_ns,
+                loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
+                held=held)
+        finally:
+            if self.settling is settling:
+                self.settling = None
+
+
+class Gpus:
+    """The node's GPUs, in the configured order (the first is also the one of a single-upstream
+    configuration, and where an unknown name goes)."""
+
+    def __init__(self, gpus: list[Gpu]) -> None:
+        self.all = gpus
+        self.first = gpus[0]
+        self._by_name = {gpu.name: gpu for gpu in gpus}
+
+    def __iter__(self) -> Iterator[Gpu]:
+        return iter(self.all)
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def named(self, name: str | None) -> Gpu:
+        """The GPU of that name; an unknown or missing name (an adopted exchange Envoy did not
+        place) is the first one's."""
+        return self._by_name.get(name or "", self.first)
+
+    @property
+    def settling(self) -> Settling | None:
+        """A settle under way on any GPU (the first found)."""
+        return next((gpu.settling for gpu in self.all if gpu.settling is not None), None)
+
+    def blocked(self) -> frozenset[str]:
+        """The GPUs a settle or an adopted exchange holds: nothing is granted there until it ends."""
+        return frozenset(gpu.name for gpu in self.all if gpu.settling is not None or gpu.adopted)
+
+    def adopting(self, token: str) -> Gpu:
+        """The GPU an adopted exchange holds."""
+        return next((gpu for gpu in self.all if token in gpu.adopted), self.first)
+
+    def single_model(self) -> str | None:
+        """The key every request is scheduled on where every upstream serves one model whatever
+        the name, and the same one (`ModelCatalog.single_model`); None otherwise."""
+        keys = {gpu.catalog.single_model() for gpu in self.all}
+        return keys.pop() if len(keys) == 1 else None
+
+    async def serves(self, model: str, config: Config, may_run: Callable[[], bool]) -> bool:
+        """Whether an upstream that may serve ``model`` lists it (upstream.modelCheck; each asked
+        again once on a miss), and the scheduler has an upstream it may run on (``may_run``)."""
+        entries = {entry.name: entry for entry in config.upstream_entries}
+        for gpu in self.all:
+            entry = entries.get(gpu.name)
+            if (entry is None or entry.may_serve(model)) and await gpu.catalog.serves(model, config.upstream.model_check):
+                return may_run()
+        return False
+
+    def close(self) -> None:
+        for gpu in self.all:
+            gpu.slots.close()
+            if gpu.settling is not None and gpu.settling.task is not None:
+                gpu.settling.task.cancel()
+            gpu.catalog.close()
+
+
+def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Callable[[str], int],
+              observed: Callable[[str, Catalog, int], None], config_now: Callable[[], Config],
+              learnt: Callable[[], None], runs: Callable[[str, str], bool],
+              default_slots: Callable[[str], int]) -> Gpus:
+    """One `Gpu` per configured upstream, in order (``upstreams`` in the same order)."""
+    gpus = []
+    for entry, upstream in zip(config.upstream_entries, upstreams, strict=True):
+        name = entry.name
+        catalog = ModelCatalog(upstream, dispatches=functools.partial(dispatches, name),
+                               observed=functools.partial(observed, name))
+        learner = SlotLearner(config=functools.partial(_config_of, config_now, name), catalog=catalog,
+                              upstream=upstream, apply=lambda _config: learnt(), runs=functools.partial(runs, name),
+                              default_slots=functools.partial(default_slots, name))
+        gpus.append(Gpu(name, upstream, catalog, learner))
+    return Gpus(gpus)
+
+
+def _config_of(config_now: Callable[[], Config], name: str) -> Config:
+    config = config_now()
+    return gpu_config(config, entry_of(config, name))
+
+
+def auto_slots(config: Config) -> frozenset[str]:
+    """The upstreams whose slots are learnt (slots: auto)."""
+    return frozenset(entry.name for entry in config.upstream_entries if entry.slots == SLOTS_AUTO)
+
+
+def entry_of(config: Config, name: str) -> UpstreamEntry:
+    for entry in config.upstream_entries:
+        if entry.name == name:
+            return entry
+    raise KeyError(name)
+
+
+def served_by(catalog: Catalog | None) -> frozenset[str] | None:
+    """The one model a single-model upstream serves, by its last answer (it answers any name
+    with it, so the node sends it only that model's requests); None: no such limit known."""
+    if catalog is None or catalog.kind is not UpstreamKind.SINGLE or catalog.models is None:
+        return None
+    return catalog.models if len(catalog.models) == 1 else None
+
+
+def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
+    """The scheduler's policy over the node: with one upstream exactly `Config.policy`; with
+    several, one lane per upstream with its own slots (learnt ones too) and the models it may
+    serve (its ``models`` list, narrowed to the one model a single-model server serves)."""
+    first = gpus.first
+    if len(gpus) == 1:
+        return config.policy(first.slots.learnt, single)
+    lanes = []
+    for gpu in gpus:
+        entry = entry_of(config, gpu.name)
+        own = gpu.catalog.single_model() if single is not None else None
+        slots = gpu_config(config, entry).slots(gpu.slots.learnt, own)
+        models = entry.models
+        served = served_by(gpu.catalog.latest)
+        if served is not None:
+            models = served if models is None else models & served
+        lanes.append(LanePolicy(gpu.name, slots, models))
+    # The node-wide settings (order, aging, limits) with the first upstream's slots: the lanes say each one's.
+    first_config = gpu_config(config, entry_of(config, first.name))
+    return first_config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))

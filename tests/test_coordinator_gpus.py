@@ -1,0 +1,139 @@
+"""The coordinator over a node of two GPUs (`upstreams:`, issue 27), on the fake clock
+(tests/flow.py): grants go to a GPU by the node rule and say which; a settle or an adopted
+exchange holds its own GPU only; catalogs, learnt slots and single-model servers are per GPU."""
+
+from __future__ import annotations
+
+from flow import FakeUpstream, Flow, router, single, virtual_time
+from llamaswap.core import Outcome
+from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
+
+LONG_LEASE = {"leaseSeconds": 1000}
+
+
+def two_gpus(*upstreams: FakeUpstream, slots: int | str = 1, models: tuple[list[str] | None, ...] = (None, None),
+             **extra: object) -> Flow:
+    entries = []
+    for index, allowed in enumerate(models):
+        entry: dict[str, object] = {"name": f"gpu{index}", "url": f"http://127.0.0.1:{8081 + index}", "slots": slots}
+        if allowed is not None:
+            entry["models"] = allowed
+        entries.append(entry)
+    fakes = list(upstreams) or [FakeUpstream(), FakeUpstream()]
+    return Flow({"upstreams": entries, "envoy": LONG_LEASE, **extra}, upstreams=fakes)
+
+
+def on(flow: Flow, request_id: str) -> str:
+    decision = flow.requests[request_id].ticket.decision
+    assert decision is not None, f"{request_id} was not granted"
+    return decision.upstream
+
+
+@virtual_time
+async def test_two_models_run_at_once_on_the_two_gpus() -> None:
+    flow = two_gpus()
+    a = await flow.arrive("a", model="qwen")
+    b = await flow.arrive("b", model="llama")
+    c = await flow.arrive("c", model="qwen")
+    assert a.granted and b.granted and c.waiting
+    assert {on(flow, "a"), on(flow, "b")} == {"gpu0", "gpu1"}
+    await flow.complete(b)  # llama's GPU frees: the next qwen request takes it
+    assert c.granted and on(flow, "c") == on(flow, "b")
+    await flow.complete(a)
+    await flow.complete(c)
+    assert flow.recorder.outcomes() == {"a": Outcome.SERVED, "b": Outcome.SERVED, "c": Outcome.SERVED}
+
+
+@virtual_time
+async def test_a_request_goes_to_the_gpu_that_has_its_model_loaded() -> None:
+    gpu0, gpu1 = FakeUpstream(router("qwen", "llama")), FakeUpstream(router("qwen", "llama"))
+    flow = two_gpus(gpu0, gpu1)
+    flow.coordinator.observe_catalog(router("qwen", "llama", loaded="llama"), 0, "gpu1")
+    flow.coordinator.observe_catalog(router("qwen", "llama", loaded="qwen"), 0, "gpu0")
+    await flow.arrive("l", model="llama")
+    await flow.arrive("q", model="qwen")
+    assert on(flow, "l") == "gpu1" and on(flow, "q") == "gpu0"
+    assert not flow.requests["l"].ticket.decision.model_load  # type: ignore[union-attr]
+
+
+@virtual_time
+async def test_an_abandoned_generation_settles_its_own_gpu_while_the_other_serves() -> None:
+    gpu0, gpu1 = FakeUpstream(busy=1), FakeUpstream(busy=0)
+    flow = two_gpus(gpu0, gpu1)
+    first = await flow.arrive("first", model="m")
+    assert on(flow, "first") == "gpu0"
+    await flow.end(first, ExchangeEnd.CLIENT_LEFT)  # gpu0 goes on computing it
+    await flow.advance(0.1)
+    assert flow.coordinator.gpus.named("gpu0").settling is not None
+    assert flow.coordinator.gpus.named("gpu1").settling is None
+    second = await flow.arrive("second", model="m")
+    third = await flow.arrive("third", model="m")
+    assert second.granted and on(flow, "second") == "gpu1" and third.waiting
+    assert gpu0.busy_calls and not gpu1.busy_calls  # only the abandoned generation's upstream is asked
+    gpu0.busy_answer = 0
+    await flow.advance(1.0)
+    assert third.granted and on(flow, "third") == "gpu0"
+
+
+@virtual_time
+async def test_an_adopted_exchange_holds_the_gpu_envoy_names() -> None:
+    flow = two_gpus()
+    flow.coordinator.report("someone-elses", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                            elapsed_s=1.0, upstream="gpu1"))
+    await flow.idle()
+    assert flow.coordinator.gpus.named("gpu1").adopted
+    one = await flow.arrive("one", model="m")
+    two = await flow.arrive("two", model="n")
+    assert one.granted and on(flow, "one") == "gpu0" and two.waiting
+    flow.coordinator.report("someone-elses", ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200,
+                                                            first_byte_s=None, upstream="gpu1"))
+    await flow.idle()
+    assert two.granted and on(flow, "two") == "gpu1"
+
+
+@virtual_time
+async def test_slots_are_learnt_per_gpu() -> None:
+    gpu0, gpu1 = FakeUpstream(single("m")), FakeUpstream(single("m"))
+    gpu0.slots_answer, gpu1.slots_answer = 2, 1
+    flow = two_gpus(gpu0, gpu1, slots="auto")
+    await flow.coordinator.learn_slots()
+    scheduler = flow.coordinator.scheduler
+    assert [lane.slots.default for lane in scheduler.policy.lanes_in_effect] == [2, 1]
+    requests = [await flow.arrive(f"r{i}", model="m") for i in range(4)]
+    assert [r.granted for r in requests] == [True, True, True, False]
+    assert sorted(on(flow, f"r{i}") for i in range(3)) == ["gpu0", "gpu0", "gpu1"]
+
+
+@virtual_time
+async def test_single_model_servers_get_only_their_model() -> None:
+    gpu0, gpu1 = FakeUpstream(single("qwen")), FakeUpstream(single("llama"))
+    flow = two_gpus(gpu0, gpu1)
+    flow.coordinator.observe_catalog(single("qwen"), 0, "gpu0")
+    flow.coordinator.observe_catalog(single("llama"), 0, "gpu1")
+    l1 = await flow.arrive("l1", model="llama")
+    l2 = await flow.arrive("l2", model="llama")
+    assert l1.granted and on(flow, "l1") == "gpu1" and l2.waiting  # gpu0 idles: it serves qwen only
+    unknown = await flow.arrive("x", model="mistral")
+    assert unknown.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
+
+
+@virtual_time
+async def test_a_model_goes_only_where_the_configuration_lets_it() -> None:
+    flow = two_gpus(models=(["small"], None))
+    big1 = await flow.arrive("big1", model="big")
+    big2 = await flow.arrive("big2", model="big")
+    small = await flow.arrive("small", model="small")
+    assert big1.granted and on(flow, "big1") == "gpu1" and big2.waiting
+    assert small.granted and on(flow, "small") == "gpu0"
+
+
+@virtual_time
+async def test_reserved_slots_hold_per_gpu_with_each_ones_slots() -> None:
+    # upstream.slots stays 1; the entries' 2 and 3 slots carry the reservation of one.
+    flow = two_gpus(slots=2, routing={"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}})
+    lanes = flow.coordinator.scheduler.policy.lanes_in_effect
+    assert [(lane.slots.default, lane.slots.reserved) for lane in lanes] == [(2, 1), (2, 1)]
+    batch = [await flow.arrive(f"b{i}", "batch", "m") for i in range(3)]
+    assert [b.granted for b in batch] == [True, True, False]  # one per GPU: the other slot is kept
+    chat = await flow.arrive("chat", "interactive", "m")
+    assert chat.granted and chat.ticket.decision.reserved_slot  # type: ignore[union-attr]
