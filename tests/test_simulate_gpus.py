@@ -241,3 +241,81 @@ def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_r
     assert flat == (LanePolicy("big", Slots(2)), LanePolicy("small", Slots(2)))
     assert [lane.name for lane in override(base, {"gpus": "3"}).policy().lanes] == ["gpu0", "gpu1", "gpu2"]
     assert "gpus" in KEYS
+
+
+# -- fidelity: a recording of the runtime over two GPUs -------------------------------------------
+
+# Each GPU serves its own models (`upstreams[].models`), so no choice of the rule rests on
+# times the live estimator and the replay's may learn differently; the one queue still orders
+# every request across both (bands, aging), and each GPU loads its models itself.
+NODE_CONFIG = {
+    "upstreams": [{"name": "gpu0", "url": "http://127.0.0.1:8081", "slots": 1, "models": ["qwen", "gemma"]},
+                  {"name": "gpu1", "url": "http://127.0.0.1:8082", "slots": 1, "models": ["llama"]}],
+    "envoy": {"leaseSeconds": 1000},
+}
+
+
+def test_the_replay_of_the_runtimes_two_gpu_record_is_what_it_did(tmp_path):
+    import yaml
+    from flow import FakeUpstream, Flow, clock, virtual_time
+
+    from llamaswap.runtime.activity import ActivityLog
+
+    @virtual_time
+    async def record() -> list[dict]:
+        activity = ActivityLog(clock())
+        flow = Flow(NODE_CONFIG, observers=[activity], upstreams=[FakeUpstream(), FakeUpstream()])
+        # Apart in time: a replay enqueues the arrivals of one instant together before it grants.
+        q1 = await flow.arrive("q1", None, "qwen")
+        l1 = await flow.arrive("l1", None, "llama")
+        await flow.advance(0.5)
+        g1 = await flow.arrive("g1", "batch", "gemma")
+        q2 = await flow.arrive("q2", "interactive", "qwen")
+        await flow.advance(1.5)
+        await flow.complete(q1, first_byte_s=0.5)  # q2 (interactive) before g1
+        l2 = await flow.arrive("l2", "batch", "llama")
+        await flow.advance(1)
+        l3 = await flow.arrive("l3", "interactive", "llama")
+        await flow.advance(1)
+        await flow.complete(l1, first_byte_s=0.5)  # l3 before the earlier l2
+        await flow.advance(1.5)
+        await flow.complete(q2, first_byte_s=0.1)  # g1 swaps gpu0 to gemma
+        await flow.advance(2)
+        await flow.complete(l3, first_byte_s=0.1)
+        await flow.advance(0.5)
+        await flow.complete(g1, first_byte_s=0.5)
+        await flow.advance(3)
+        await flow.complete(l2, first_byte_s=0.1)
+        return activity.recent()
+
+    documents = record()
+    granted = {d["request_id"]: (d["serial_queue_wait_ms"], d["upstream"]) for d in documents}
+    assert granted == {"q1": (0.0, "gpu0"), "l1": (0.0, "gpu1"), "q2": (1500.0, "gpu0"), "g1": (5000.0, "gpu0"),
+                       "l3": (1000.0, "gpu1"), "l2": (5500.0, "gpu1")}
+    config = tmp_path / "llamaswap.yaml"
+    config.write_text(yaml.safe_dump(NODE_CONFIG))
+    target = tmp_path / "requests.jsonl"
+    document = run_json(["-c", str(config), "--requests", str(target)], documents, tmp_path,
+                        settings=dict(SETTINGS, swap_affinity_bonus=0))
+    (row,) = document["rows"]
+    assert row["settings"]["gpus"] == 2
+    lines = {line["request_id"]: line for line in map(json.loads, target.read_text().splitlines())}
+    assert {rid: (line["wait_ms"], line["upstream"]) for rid, line in lines.items()} == granted
+    assert {name: gpu["swaps"] for name, gpu in row["gpus"].items()} == {"gpu0": 2, "gpu1": 1}
+
+
+def test_a_configuration_with_upstreams_replays_them_with_their_slots_and_models(tmp_path):
+    import yaml
+
+    from llamaswap.config import load_config
+
+    document = dict(NODE_CONFIG, upstreams=[dict(NODE_CONFIG["upstreams"][0], slots="auto"),  # type: ignore[index]
+                                            dict(NODE_CONFIG["upstreams"][1], slots=3)])  # type: ignore[index]
+    path = tmp_path / "llamaswap.yaml"
+    path.write_text(yaml.safe_dump(document))
+    # auto: the slots the log recorded (2 here).
+    assert cli._node_policy(load_config(str(path)), None, 2).lanes == (
+        LanePolicy("gpu0", Slots(2), frozenset({"qwen", "gemma"})), LanePolicy("gpu1", Slots(3), frozenset({"llama"})))
+    (row,) = run_json(["-c", str(path)], NAMED, tmp_path)["rows"]
+    assert set(row["gpus"]) == {"gpu0", "gpu1"}  # the configuration's, not the log's "big" and "small"
+

@@ -65,6 +65,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from llamaswap.core import Policy
+from llamaswap.core.policy import LanePolicy
 from llamaswap.simulate import report
 from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
@@ -205,7 +207,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if config is not None:
         # models.<id>.slots as the sidecar applied them: on a single-model upstream every entry
         # describes its one model, whatever the id (`config.model_key`).
-        configured = Settings.from_policy(config.policy(single=single_model(records)))
+        configured = Settings.from_policy(_node_policy(config, single_model(records), base.slots))
         if configured.gpus == 1 and base.gpus > 1:  # a configuration of one upstream keeps the log's
             configured = dataclasses.replace(configured, gpus=base.gpus, upstreams=base.upstreams)
         base = configured
@@ -257,6 +259,24 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.flush()  # the table first, then the note about the plot
         err.write(f"plot written to {args.plot}\n")
     return 0
+
+
+def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy:
+    """`Config.policy`, over the configuration's upstreams where it lists several: each with its
+    own slots (``auto``: the slots the log recorded) and the models it may serve."""
+    from llamaswap.config import Config
+
+    policy = config.policy(single=single)
+    entries = getattr(config, "upstream_entries", ())
+    if len(entries) < 2:
+        return policy
+    lanes = []
+    for entry in entries:
+        slots = recorded_slots if entry.slots == "auto" else entry.slots
+        upstream = config.upstream.model_copy(update={"url": entry.url, "slots": slots})
+        own: Config = config.model_copy(update={"upstream": upstream})
+        lanes.append(LanePolicy(entry.name, own.slots(None, single), entry.models))
+    return policy.with_lanes(tuple(lanes))
 
 
 def _speed_flag(text: str) -> ConcurrencySpeed:
