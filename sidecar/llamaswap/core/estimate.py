@@ -27,7 +27,9 @@ non-interactive work holds its share (slots - reserved), and an interactive one 
 a free slot meanwhile (exact when every grant takes its expected time and swap affinity plays no
 part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
-cost where the model changes.
+cost where the model changes. A running grant made beside a load runs after it, also once the
+grant that loaded has ended (`RunningView.beside_load`). Over a node of several upstreams,
+`starts_of_node` walks the node rule instead (`estimate_node`) and says where each one starts.
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
 remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
