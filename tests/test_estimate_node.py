@@ -19,6 +19,7 @@ after the grant that loaded has ended.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -128,6 +129,9 @@ def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     starts = estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 25.0})
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
     assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
+    # Blocked for a time nobody said (a lane view marked blocked): gpu1 serves all three.
+    blocked = [dataclasses.replace(lanes[0], blocked=True), lanes[1]]
+    assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 
 def test_waiting_for_the_warm_upstream_beats_a_slow_load() -> None:

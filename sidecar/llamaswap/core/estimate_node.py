@@ -155,8 +155,10 @@ def node_starts(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[L
                 grant_max_tokens: Sequence[int | None] | None) -> list[tuple[float, str | None]]:
     """`Estimator.starts_of_node`: ``lanes`` in the configured order (their slots, the models
     they may serve and their loaded model; what runs there is read from the snapshot's grants),
-    ``blocked_s`` how long a settle still holds an upstream (inf: unknown)."""
-    walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, 0.0)) for lane in lanes}
+    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a lane marked
+    ``blocked`` and not in it: unknown)."""
+    # A lane marked blocked (`Scheduler.lane_views(blocked)`) with no time said: for how long, unknown.
+    walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
     sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
     for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
         walk = walks.get(upstream)
