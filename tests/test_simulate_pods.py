@@ -3,7 +3,13 @@ round-robin, or not at all (one queue over every GPU), through the real schedule
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
+import yaml
+
+from llamaswap.commands.main import main
 
 from llamaswap.core import Outcome, Policy
 from llamaswap.simulate.engine import FixedCosts
@@ -71,3 +77,34 @@ def test_every_request_is_granted_once_whatever_the_routing(routing: Routing) ->
 def test_pods_and_gpus_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         simulate_pods([], POLICY, NO_SWAP, pods=0, gpus=1, routing=Routing.PICKER)
+
+
+def _workload_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "workload.yaml"
+    path.write_text(yaml.safe_dump({"duration": 300, "seed": 5, "classes": [
+        {"name": "chat", "rate": 0.5, "priority": "interactive", "models": {"a": 1, "b": 1},
+         "run": {"fixed": 2}, "swap": 4},
+        {"name": "batch", "rate": 0.05, "priority": "batch", "models": "c", "run": {"fixed": 20}, "swap": 4}]}))
+    return path
+
+
+def test_simulate_pods_reports_the_three_routings(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _workload_file(tmp_path)
+    assert main(["simulate", "--workload", str(path), "--pods", "2", "--gpus", "2", "--format", "json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    rows = {row["routing"]: row for row in document["routings"]}
+    assert set(rows) == {"picker", "round-robin", "one-queue"}
+    assert len({row["granted"] for row in rows.values()}) == 1 and rows["picker"]["granted"] > 100
+    assert all(row["pods"] == 2 and row["gpus"] == 2 for row in rows.values())
+    assert main(["simulate", "--workload", str(path), "--pods", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "over 2 pods x 1 GPUs" in table and "round-robin" in table
+
+
+def test_simulate_pods_refuses_what_it_cannot_show(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _workload_file(tmp_path)
+    assert main(["simulate", "--workload", str(path), "--pods", "2", "--sweep", "slots=1,2"]) == 2
+    assert "--pods compares three routings" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--workload", str(path), "--pods", "zero"])
+    assert exit_info.value.code == 2

@@ -43,6 +43,11 @@ scheduler's node rule places each request. A log whose grants record several ups
 with those (by name) unless --gpus says otherwise. The table then gives each GPU's swaps and
 busy fraction below the rows (busy in the row: their mean).
 
+Many nodes: --pods N (with --gpus G per pod) replays the traffic over N pods three ways: routed
+by an endpoint picker's rule (least queued, with model affinity), by round-robin, and as one
+queue over every GPU; one row each with the interactive p95 wait, swaps, loads and the GPU time
+idle while work waited (docs/kubernetes.md).
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -77,7 +82,8 @@ from llamaswap.simulate.concurrency import (
     as_solo,
     measure,
 )
-from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
+from llamaswap.simulate.engine import NOT_REPLAYED, Costs, measure_costs, prepare, simulate
+from llamaswap.simulate.pods import Routing, render_pods_json, render_pods_table, simulate_pods
 from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_upstreams, single_model
 from llamaswap.simulate.settings import (
     KEYS,
@@ -126,6 +132,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--gpus", metavar="N",
                         help="upstreams (GPUs) behind the one queue, gpu0..gpuN-1, each with the slots (default: "
                              "the log's recorded upstreams, else -c FILE's, else 1)")
+    parser.add_argument("--pods", metavar="N", type=_pods_flag,
+                        help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
+                             "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
+                             "over every GPU; one row each (see docs/kubernetes.md)")
     parser.add_argument("--concurrency-speed", type=_speed_flag, metavar="N:SPEED,...",
                         help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1 "
                              "(default: measured from the log, else linear)")
@@ -161,6 +171,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         combinations(_defaults(), sweeps)  # refuses a key swept twice, before any work
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
+    if args.pods is not None and (sweeps or args.plot or args.requests):
+        raise UsageError("--pods compares three routings for one setting: drop --sweep, --plot and --requests")
     if args.plot:
         if not sweeps:
             raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
@@ -229,6 +241,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most per upstream "
                      "(--slots or --sweep slots=... to give more)")
 
+    if args.pods is not None:
+        replayed = [record for record in records if record.outcome not in NOT_REPLAYED]
+        if not replayed:
+            raise UsageError(f"{source}: no request can be replayed")
+        results = [simulate_pods(replayed, policies[0], costs, pods=args.pods, gpus=settings[0].gpus, routing=routing)
+                   for routing in Routing]
+        out.write(render_pods_json(source, results) if args.format == "json" else render_pods_table(source, results))
+        return 0
     replay = prepare(records)
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
@@ -277,6 +297,16 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
         own: Config = config.model_copy(update={"upstream": upstream})
         lanes.append(LanePolicy(entry.name, own.slots(None, single), entry.models))
     return policy.with_lanes(tuple(lanes))
+
+
+def _pods_flag(text: str) -> int:
+    try:
+        pods = int(text)
+    except ValueError:
+        pods = 0
+    if not 1 <= pods <= 1000:
+        raise argparse.ArgumentTypeError(f"must be a whole number of pods from 1 to 1000, not {text!r}")
+    return pods
 
 
 def _speed_flag(text: str) -> ConcurrencySpeed:

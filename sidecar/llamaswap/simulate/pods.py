@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import heapq
 import itertools
+import json
 import math
 from collections.abc import Sequence
 
@@ -190,3 +191,29 @@ def _p95_s(waits: list[int]) -> float | None:
     if not waits:
         return None
     return quantile(sorted(waits), 0.95) / _NS_PER_S
+
+
+def render_pods_table(source: str, results: Sequence[PodsResult]) -> str:
+    """One row per routing, the figures side by side."""
+    first = results[0]
+    lines = [f"{first.granted} requests from {source} over {first.pods} pods x {first.gpus} GPUs",
+             f"{'routing':<12} {'interactive p95 wait':>21} {'all p95 wait':>13} {'swaps':>6} {'loads':>6} "
+             f"{'GPU idle while work waited':>27}"]
+    for result in results:
+        lines.append(f"{result.routing.value:<12} {_seconds(result.interactive_p95_wait_s):>21} "
+                     f"{_seconds(result.wait_p95_s):>13} {result.swaps:>6} {result.loads:>6} "
+                     f"{result.idle_while_waiting * 100:>26.1f}%")
+    lines.append("picker: least queued with model affinity (within 2 requests of the shortest queue); "
+                 "one-queue: one llamaswap queue over every GPU (no routing)")
+    return "\n".join(lines) + "\n"
+
+
+def render_pods_json(source: str, results: Sequence[PodsResult]) -> str:
+    rows = [{"routing": r.routing.value, "pods": r.pods, "gpus": r.gpus, "granted": r.granted,
+             "interactive_p95_wait_s": r.interactive_p95_wait_s, "wait_p95_s": r.wait_p95_s, "swaps": r.swaps,
+             "loads": r.loads, "gpu_idle_while_work_waited": r.idle_while_waiting} for r in results]
+    return json.dumps({"source": source, "routings": rows}, indent=2) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
