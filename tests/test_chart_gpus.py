@@ -7,6 +7,8 @@ envoy-config init container writes from that file.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pathlib
 import re
 import subprocess
@@ -244,3 +246,58 @@ def test_kubernetes_md_example_renders_as_it_says() -> None:
     assert [(u["name"], u["slots"]) for u in _config(rendered)["upstreams"]] == [(f"gpu{i}", 2) for i in range(4)]
     for words in ("llama-server-0", "CUDA_VISIBLE_DEVICES", "per container", "gpu-check", "issue 25"):
         assert words in text, words
+
+
+@needs_upstreams
+def test_two_gpu_pod_serves_on_the_free_gpu_while_the_other_runs(tmp_path: pathlib.Path) -> None:
+    """The rendered two-GPU pod on this machine (the init container's bootstrap, the rendered
+    Envoy and sidecar, a stand-in on each llama-server container's port, their rendered probes):
+    with a generation held on one GPU, the next request runs on the other one at once."""
+    from concurrent import futures
+
+    from harness import http_get, wait_for
+    from test_chart import DEFAULT_PORTS, PodUpstream, _http, _pod_values, _run_script, _start_pod
+
+    ports = ct.pod_ports(DEFAULT_PORTS)
+    while not ct.port_free(ports["llama"] + 1) or ports["llama"] + 1 in ports.values():
+        ports = ct.pod_ports({key: ct.free_port() for key in DEFAULT_PORTS})
+    values = _pod_values(ports, 0)
+    values["collector"] = {"enabled": False, "endpoint": ""}
+    values["llamaServer"] = {"gpus": 2}
+    rendered = ct.render(values)
+    servers = _llama_servers(rendered)
+    stand_ins = [PodUpstream(int(_arg(s["args"], "--port"))) for s in servers]
+    processes: list[Any] = []
+    try:
+        _, sidecar, envoy = _start_pod(rendered, tmp_path)
+        processes += [sidecar, envoy]
+        wait_for(lambda: http_get(f"http://127.0.0.1:{ports['admin']}/readyz")[0] == 200, what="sidecar /readyz")
+        wait_for(lambda: http_get(f"http://127.0.0.1:{ports['envoy_admin']}/ready")[0] == 200, what="Envoy /ready")
+        for server in servers:
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                result = _run_script(server[kind]["exec"]["command"])
+                assert result.returncode == 0, (server["name"], kind, result.stderr)
+
+        url = f"http://127.0.0.1:{ports['http']}/v1/chat/completions"
+        body = json.dumps({"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        with futures.ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(_http, url, body=body, headers={"Content-Type": "application/json", "x-test-hold": "a"})
+            busy = wait_for(lambda: [i for i, s in enumerate(stand_ins) if any(h.get("x-test-hold") == "a" for h in s.hits)],
+                            what="the held generation running on one GPU")
+            assert len(busy) == 1
+            other = stand_ins[1 - busy[0]]
+            status, _, _ = _http(url, body=body, headers={"Content-Type": "application/json"})
+            assert status == 200
+            assert len(other.hits) == 1 and not held.done()  # served by the other GPU, meanwhile
+            stand_ins[busy[0]].release("a")
+            assert held.result(timeout=60)[0] == 200
+    except BaseException:
+        for process in processes:
+            process.dump()
+        raise
+    finally:
+        for process in processes:
+            with contextlib.suppress(Exception):
+                process.stop()
+        for stand_in in stand_ins:
+            stand_in.close()
