@@ -85,8 +85,9 @@ def test_each_gpu_gets_a_llama_server_with_one_gpu_its_own_port_and_the_shared_m
 
 def test_the_config_lists_one_upstream_per_llama_server() -> None:
     """The configuration file gets `upstreams` (HELPERS.md's shape): gpu0..gpuN-1 at each
-    container's port, each with upstream.slots; upstream.url, which named only the first, goes;
-    upstream's other keys stay, for every upstream."""
+    container's port, each with upstream.slots; upstream.url (the first port only) and
+    upstream.slots go, as the sidecar wants beside upstreams; upstream's other keys stay, for
+    every upstream."""
     rendered = ct.render({"llamaServer": {"gpus": 3, "apiKey": {"existingSecret": "llama-key"}},
                           "config": {"upstream": {"slots": 2, "modelCheck": "strict"}}})
     config = _config(rendered)
@@ -95,7 +96,7 @@ def test_the_config_lists_one_upstream_per_llama_server() -> None:
         {"name": "gpu1", "url": "http://127.0.0.1:8082", "slots": 2},
         {"name": "gpu2", "url": "http://127.0.0.1:8083", "slots": 2},
     ]
-    assert config["upstream"] == {"slots": 2, "modelCheck": "strict", "apiKey": "env:LLAMASWAP_UPSTREAM_API_KEY"}
+    assert config["upstream"] == {"modelCheck": "strict", "apiKey": "env:LLAMASWAP_UPSTREAM_API_KEY"}
     servers = _llama_servers(rendered)
     assert [f"http://127.0.0.1:{_arg(s['args'], '--port')}" for s in servers] == [u["url"] for u in config["upstreams"]]
     assert [_arg(s["args"], "--parallel") for s in servers] == ["2", "2", "2"]
@@ -105,8 +106,9 @@ def test_the_config_lists_one_upstream_per_llama_server() -> None:
     assert plain["upstreams"] == [{"name": "gpu0", "url": "http://127.0.0.1:18081"},
                                   {"name": "gpu1", "url": "http://127.0.0.1:18082"}]
     assert "upstream" not in plain
-    assert _config(ct.render({"llamaServer": {"gpus": 2}, "config": {"upstream": {"slots": "auto"}}}))[
-        "upstreams"][1] == {"name": "gpu1", "url": "http://127.0.0.1:8082", "slots": "auto"}
+    auto = _config(ct.render({"llamaServer": {"gpus": 2}, "config": {"upstream": {"slots": "auto"}}}))
+    assert auto["upstreams"][1] == {"name": "gpu1", "url": "http://127.0.0.1:8082", "slots": "auto"}
+    assert "upstream" not in auto
 
 
 def test_the_init_container_reads_the_config_the_chart_renders() -> None:

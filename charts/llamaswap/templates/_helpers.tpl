@@ -153,14 +153,15 @@ them (routing.objectives), unless the config says otherwise: one list, the value
 {{- end }}
 {{- if gt $gpus 1 }}
 {{- /* One upstream per llama-server container (llamaServer.gpus), on the ports the containers
-get; upstream.url only gave the first port, so it goes (upstream's other keys apply to all). */ -}}
+get. upstream.url (only the first port) and upstream.slots (now on each entry) go: the sidecar
+refuses them beside upstreams. upstream's other keys apply to every upstream. */ -}}
 {{- $upstreams := list }}
 {{- range $i, $port := (include "llamaswap.llamaServerPorts" . | fromJsonArray) }}
 {{- $entry := dict "name" (printf "gpu%d" $i) "url" (printf "http://127.0.0.1:%d" (int $port)) }}
 {{- with dig "upstream" "slots" "" $config }}{{ $_ := set $entry "slots" . }}{{ end }}
 {{- $upstreams = append $upstreams $entry }}
 {{- end }}
-{{- $upstream := omit (default (dict) $config.upstream) "url" }}
+{{- $upstream := omit (default (dict) $config.upstream) "url" "slots" }}
 {{- if $upstream }}{{ $_ := set $config "upstream" $upstream }}{{ else }}{{ $_ := unset $config "upstream" }}{{ end }}
 {{- $_ := set $config "upstreams" $upstreams }}
 {{- end }}
