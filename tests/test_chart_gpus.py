@@ -20,14 +20,9 @@ import yaml
 
 import chart_tools as ct
 
-from llamaswap.config import json_schema, parse_config  # noqa: E402
+from llamaswap.config import parse_config  # noqa: E402
 
 GPU = "nvidia.com/gpu"
-# The sidecar side of issue 27 (the `upstreams` key) lands apart from the chart: the tests that
-# hand the rendered file to the sidecar's own code wait for it.
-SIDECAR_READS_UPSTREAMS = "upstreams" in json_schema().get("properties", {})
-needs_upstreams = pytest.mark.skipif(not SIDECAR_READS_UPSTREAMS,
-                                     reason="this sidecar has no config.upstreams yet (issue 27's config part)")
 
 
 def _llama_servers(rendered: ct.Rendered) -> list[dict[str, Any]]:
@@ -182,11 +177,8 @@ def test_upstreams_are_the_charts_to_write() -> None:
     helm = ct.helm()
     with pytest.raises(helm.HelmError) as refused:
         ct.render({"config": {"upstreams": [{"name": "gpu0", "url": "http://127.0.0.1:8081"}]}})
-    expected = ("config.upstreams is written by the chart" if SIDECAR_READS_UPSTREAMS
-                else "additional properties 'upstreams' not allowed")
-    assert expected in str(refused.value), str(refused.value)
-    if SIDECAR_READS_UPSTREAMS:
-        assert "set llamaServer.gpus" in str(refused.value)
+    assert "config.upstreams is written by the chart" in str(refused.value), str(refused.value)
+    assert "set llamaServer.gpus" in str(refused.value)
 
 
 def test_several_gpus_lint_clean_and_valid_for_kubernetes() -> None:
@@ -201,7 +193,6 @@ def test_several_gpus_lint_clean_and_valid_for_kubernetes() -> None:
 # ---- with the sidecar's side of issue 27 ---------------------------------------------------
 
 
-@needs_upstreams
 def test_the_config_with_upstreams_passes_check_config(tmp_path: pathlib.Path) -> None:
     rendered = ct.render({"llamaServer": {"gpus": 2}, "config": {"upstream": {"slots": 2}}})
     path = tmp_path / "config.yaml"
@@ -213,7 +204,6 @@ def test_the_config_with_upstreams_passes_check_config(tmp_path: pathlib.Path) -
     assert [(e.name, e.port, e.slots) for e in entries] == [("gpu0", 8081, 2), ("gpu1", 8082, 2)]
 
 
-@needs_upstreams
 def test_the_pods_bootstrap_has_a_cluster_per_gpu(tmp_path: pathlib.Path) -> None:
     """The init container run as the pod would: a cluster upstream-gpuI for each llama-server
     container, at its --port."""
@@ -250,7 +240,6 @@ def test_kubernetes_md_example_renders_as_it_says() -> None:
         assert words in text, words
 
 
-@needs_upstreams
 def test_two_gpu_pod_serves_on_the_free_gpu_while_the_other_runs(tmp_path: pathlib.Path) -> None:
     """The rendered two-GPU pod on this machine (the init container's bootstrap, the rendered
     Envoy and sidecar, a stand-in on each llama-server container's port, their rendered probes):
