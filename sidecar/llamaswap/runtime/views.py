@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
 
@@ -92,6 +93,18 @@ class RunningRow:
     running_s: float
     expected_run_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
+    upstream: str = SINGLE_UPSTREAM  # the upstream (GPU) it runs on
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GpuRow:
+    """One upstream of the node (a GPU, or the GPUs one llama-server uses together): what it has
+    loaded and how many of its slots the running grants hold."""
+
+    name: str
+    loaded_model: str | None
+    slots_busy: int
+    slots: int  # the slots of the model in effect there
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,6 +120,9 @@ class QueueView:
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
     kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
+    # Every upstream, in the configured order (one with `upstream:` alone). With several, the
+    # fields above describe the node: `loaded_model` the first one's, the slots summed over all.
+    gpus: tuple[GpuRow, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,8 +206,14 @@ class QueueViews:
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
+        # The lanes as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
+        scheduler = self._scheduler
+        gpus = tuple(GpuRow(name, scheduler.loaded_on(name), scheduler.slots_busy_on(name), scheduler.slots_total_on(name))
+                     for name in scheduler.lanes)
+        # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
+        slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
-                         bands, self._scheduler.slots_busy, self._scheduler.slots_total)
+                         bands, scheduler.slots_busy, slots_total, gpus=gpus)
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""
@@ -207,7 +229,8 @@ class QueueViews:
                                                           running_s=running_s, max_tokens=size)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
-                                   decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining))
+                                   decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,
+                                   decision.upstream))
         return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
