@@ -188,3 +188,44 @@ def test_the_spans_name_the_gpu() -> None:
     assert {rid: spans[(QUEUE_SPAN, rid)].attributes["llamaswap.upstream"] for rid in ("x1", "x2", "y1", "z1")} == {
         "x1": "big", "x2": "big", "y1": "small", "z1": "small"}
     assert spans[(RUN_SPAN, "y1")].attributes["llamaswap.upstream"] == "small"
+
+
+# -- the page's documents -------------------------------------------------------------------------
+
+
+def test_the_pages_state_and_timeline_name_each_gpu() -> None:
+    import json
+
+    from llamaswap.adapters.ui import UiState
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+
+    clock = ManualClock()
+    activity = ActivityLog(clock)
+    history = History(clock, activity)
+    node, tickets = busy_node((activity, history), clock)
+    node.finish(tickets["y1"])
+    node.grant()
+    ui = UiState(node.coordinator, history, jaeger_url=lambda: "")  # type: ignore[arg-type]
+    state = ui.state_document()
+    assert state["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2},
+                             {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1}]
+    assert {row["request_id"]: row["upstream"] for row in state["running"]} == {"x1": "big", "x2": "big",
+                                                                                "z1": "small"}
+    entries = json.loads(ui.timeline(since_ms=None, after_seq=0))["entries"]
+    assert [(entry["kind"], entry["request_id"], entry["upstream"]) for entry in entries] == [
+        ("grant", "y1", "small")]
+
+
+def test_a_settle_on_the_timeline_names_its_gpu() -> None:
+    import json
+
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+    from llamaswap.runtime.observer import Settle, SettleReason, SettleResult
+
+    clock = ManualClock()
+    history = History(clock, ActivityLog(clock))
+    history.settled(Settle(SettleReason.ABANDONED, SettleResult.IDLE, "y", "y1", 0, 2_000_000_000, upstream="small"))
+    (entry,) = history.entries()
+    assert json.loads(entry.body)["upstream"] == "small"

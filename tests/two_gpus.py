@@ -101,3 +101,23 @@ class TwoGpus:
     def _changed(self) -> None:
         self.version += 1
         self.publish()
+
+    @property
+    def coordinator(self) -> _Coordinator:
+        """What the page's documents (`adapters/ui.py`) ask of a coordinator, over this node."""
+        return _Coordinator(self)
+
+
+class _Coordinator:
+    def __init__(self, node: TwoGpus) -> None:
+        self._node = node
+        self.scheduler = node.scheduler
+        self.clock = node.clock
+        self.status_of = node.views.status_of
+
+    @property
+    def version(self) -> int:
+        return self._node.version
+
+    def view(self) -> QueueView:
+        return self._node.view()
