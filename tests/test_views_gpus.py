@@ -229,3 +229,19 @@ def test_a_settle_on_the_timeline_names_its_gpu() -> None:
     history.settled(Settle(SettleReason.ABANDONED, SettleResult.IDLE, "y", "y1", 0, 2_000_000_000, upstream="small"))
     (entry,) = history.entries()
     assert json.loads(entry.body)["upstream"] == "small"
+
+
+def test_the_dashboard_shows_each_gpu_with_series_that_exist() -> None:
+    import json
+    import pathlib
+    import re
+
+    board = json.loads((pathlib.Path(__file__).resolve().parents[1] / "charts" / "llamaswap" / "dashboards"
+                        / "llamaswap.json").read_text())
+    expressions = [target["expr"] for panel in board["panels"] for target in panel["targets"]]
+    per_gpu = [e for e in expressions if "by (instance, upstream)" in e]
+    assert {name for e in per_gpu for name in re.findall(r"llamaswap_[a-z_]+", e)} == {
+        names.UPSTREAM_SLOTS_BUSY, names.UPSTREAM_SLOTS, names.UPSTREAM_DISPATCHED, names.UPSTREAM_SWAPS}
+    # Every series the dashboard reads is one the sidecar writes (a histogram by its _bucket).
+    for name in {name for e in expressions for name in re.findall(r"llamaswap_[a-z_]+", e)}:
+        assert name in names.ALL or name.removesuffix("_bucket") in names.ALL, name
