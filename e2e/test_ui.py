@@ -281,6 +281,7 @@ return {
       c.querySelector(".gpu-slots").textContent]),
   runningGpu: rows("#running tbody tr[data-request-id]").map((tr) => [tr.dataset.requestId,
       tr.querySelector("td.gpu-name").textContent]),
+  counters: document.getElementById("counters").textContent,
 };
 """
 
@@ -338,6 +339,7 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
             assert lanes[gpu] < y < lanes[gpu] + 44
         assert seen["header"] == [["big", "x", "1 / 2"], ["small", "z", "1 / 1"]]
         assert dict(seen["runningGpu"]) == {"x2": "big", "z1": "small"}
+        assert "Per GPU" in seen["counters"] and "big2 grants, 0 swaps, 1 loads" in seen["counters"]
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)

@@ -212,6 +212,8 @@ def test_the_pages_state_and_timeline_name_each_gpu() -> None:
                              {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1}]
     assert {row["request_id"]: row["upstream"] for row in state["running"]} == {"x1": "big", "x2": "big",
                                                                                 "z1": "small"}
+    assert state["counters"]["upstreams"] == {"big": {"dispatched": 2, "swaps": 0, "loads": 1},
+                                              "small": {"dispatched": 2, "swaps": 1, "loads": 1}}
     entries = json.loads(ui.timeline(since_ms=None, after_seq=0))["entries"]
     assert [(entry["kind"], entry["request_id"], entry["upstream"]) for entry in entries] == [
         ("grant", "y1", "small")]

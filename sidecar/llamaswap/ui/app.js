@@ -243,6 +243,10 @@
     const settles = Object.entries(counters.settles);
     const estimate = counters.estimate;
     const ratio = (value) => (value === null ? "–" : `${value.toFixed(2)}×`);
+    // Several GPUs: each one's grants, and its swaps and loads.
+    const gpus = Object.entries(counters.upstreams || {});
+    const perGpu = gpus.length > 1 ? [counterCard("Per GPU", gpus.map(([name, c]) =>
+      [escapeHtml(name), `${c.dispatched} grants, ${c.swaps} swaps, ${c.loads} loads`]))] : [];
     byId("counters").innerHTML = [
       counterCard("Dispatched", dispatched, total),
       counterCard("Reorders", reorders.length ? reorders.map(([k, v]) => [escapeHtml(k), v]) : [["none yet", ""]]),
@@ -253,6 +257,7 @@
         ? Object.entries(counters.kept_places).map(([k, v]) => [escapeHtml(k.replace("_", " ")), v]) : [["none yet", ""]]),
       counterCard("Wait: actual / estimated", [["median", ratio(estimate.median_ratio)],
         ["all waits", ratio(estimate.total_ratio)], ["grants with an estimate", estimate.samples]]),
+      ...perGpu,
     ].join("");
   }
 
