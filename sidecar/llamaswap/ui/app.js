@@ -245,8 +245,8 @@
     const ratio = (value) => (value === null ? "–" : `${value.toFixed(2)}×`);
     // Several GPUs: each one's grants, and its swaps and loads.
     const gpus = Object.entries(counters.upstreams || {});
-    const perGpu = gpus.length > 1 ? [counterCard("Per GPU", gpus.map(([name, c]) =>
-      [escapeHtml(name), `${c.dispatched} grants, ${c.swaps} swaps, ${c.loads} loads`]))] : [];
+    const perGpu = gpus.length > 1 ? [counterCard("Per GPU: grants / swaps / loads", gpus.map(([name, c]) =>
+      [escapeHtml(name), `${c.dispatched} / ${c.swaps} / ${c.loads}`]))] : [];
     byId("counters").innerHTML = [
       counterCard("Dispatched", dispatched, total),
       counterCard("Reorders", reorders.length ? reorders.map(([k, v]) => [escapeHtml(k), v]) : [["none yet", ""]]),
