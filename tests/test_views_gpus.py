@@ -36,8 +36,8 @@ def busy_node(observers: tuple = (), clock: ManualClock | None = None) -> tuple[
 def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None:
     node, _ = busy_node()
     document = queue_document(node.view())
-    assert document["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2},
-                                {"name": "small", "loaded_model": "y", "slots_busy": 1, "slots": 1}]
+    assert document["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2, "state": "running"},
+                                {"name": "small", "loaded_model": "y", "slots_busy": 1, "slots": 1, "state": "running"}]
     assert [(row["request_id"], row["upstream"]) for row in document["running_all"]] == [
         ("x1", "big"), ("x2", "big"), ("y1", "small")]
     # The fields a client of one GPU reads stay: the first running request, the first GPU's
@@ -63,9 +63,26 @@ def test_a_gpu_frees_and_the_document_follows() -> None:
     node.finish(tickets["y1"])
     assert node.grant() == {"z1": "small"}  # small swaps y for z; big stays busy with x
     document = queue_document(node.view())
-    assert document["gpus"][1] == {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1}
+    assert document["gpus"][1] == {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1,
+                                   "state": "running"}
     assert {row["request_id"]: row["upstream"] for row in document["running_all"]} == {
         "x1": "big", "x2": "big", "z1": "small"}
+
+
+def test_what_holds_each_gpu_comes_from_the_coordinator_where_it_says() -> None:
+    """A settle on one upstream (the coordinator's per-upstream holders): that GPU says settling,
+    the other what its grants say."""
+    from llamaswap.runtime.views import GpuState
+
+    node = TwoGpus(lane_states=lambda: {"small": GpuState.SETTLING})
+    document = queue_document(node.view())
+    assert [(gpu["name"], gpu["state"]) for gpu in document["gpus"]] == [("big", "idle"), ("small", "settling")]
+    lines = render(document).splitlines()
+    assert lines[2].split()[0] == "small" and lines[2].endswith("settling (it finishes an abandoned generation)")
+    assert lines[1].endswith("idle")
+    node.arrive("x1", "x")
+    node.grant()
+    assert [gpu["state"] for gpu in queue_document(node.view())["gpus"]] == ["running", "settling"]
 
 
 # -- llamaswap queue ----------------------------------------------------------------------------
@@ -208,8 +225,8 @@ def test_the_pages_state_and_timeline_name_each_gpu() -> None:
     node.grant()
     ui = UiState(node.coordinator, history, jaeger_url=lambda: "")  # type: ignore[arg-type]
     state = ui.state_document()
-    assert state["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2},
-                             {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1}]
+    assert state["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2, "state": "running"},
+                             {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1, "state": "running"}]
     assert {row["request_id"]: row["upstream"] for row in state["running"]} == {"x1": "big", "x2": "big",
                                                                                 "z1": "small"}
     assert state["counters"]["upstreams"] == {"big": {"dispatched": 2, "swaps": 0, "loads": 1},

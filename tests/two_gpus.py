@@ -7,7 +7,7 @@ while the coordinator is being made per-upstream.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core import Estimator, ManualClock, Outcome, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.policy import LanePolicy
@@ -21,7 +21,8 @@ class TwoGpus:
     """`big` (two slots) and `small` (one), in that order; one queue over both."""
 
     def __init__(self, observers: Sequence[Observer] = (), *, clock: ManualClock | None = None,
-                 trace_parent: str | None = None) -> None:
+                 trace_parent: str | None = None,
+                 lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self.clock = clock or ManualClock()
         self.policy = serial(aging_divisor_s=0.0).with_lanes(
             (LanePolicy("big", Slots(2)), LanePolicy("small", Slots(1))))
@@ -33,7 +34,8 @@ class TwoGpus:
         self.observers = list(observers)
         self.trace_parent = trace_parent
         self.views = QueueViews(self.scheduler, self.estimator, self.clock, self.tickets, self.by_request_id,
-                                version=lambda: self.version, busy_s=lambda: 0.0, gpu_state=self._gpu_state)
+                                version=lambda: self.version, busy_s=lambda: 0.0, gpu_state=self._gpu_state,
+                                lane_states=lane_states)
         for observer in self.observers:
             observer.settings_changed(self.policy)
         self.publish()

@@ -43,6 +43,12 @@ _GPU: dict[str, str] = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running"
         GpuState.ADOPTED: "GPU busy with an exchange granted before this sidecar started"}
 
 
+# A GPU's own line: what holds it, where its grants do not say it all.
+_GPU_LINE: dict[str, str] = {GpuState.IDLE: "idle",
+                             GpuState.SETTLING: "settling (it finishes an abandoned generation)",
+                             GpuState.ADOPTED: "busy with an exchange granted before this sidecar started"}
+
+
 class QueueUnavailable(Exception):
     pass
 
@@ -146,7 +152,7 @@ def gpu_lines(document: dict[str, Any]) -> list[str]:
     lines = []
     for name, gpu in zip(names, gpus):
         busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
-        state = "idle" if not busy else f"{busy} running"
+        state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
         lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  loaded model {gpu.get('loaded_model') or '-'}  {state}")
     return lines
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.policy import SINGLE_UPSTREAM
@@ -105,6 +105,7 @@ class GpuRow:
     loaded_model: str | None
     slots_busy: int
     slots: int  # the slots of the model in effect there
+    state: GpuState = GpuState.IDLE  # what holds it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,11 +139,14 @@ class _Walk:
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
     the queue (the coordinator counts them); `busy_s` is how much longer work the scheduler did
-    not grant (a settling generation) holds the GPU, nothing granted meanwhile; `gpu_state` is what holds the GPU."""
+    not grant (a settling generation) holds the GPU, nothing granted meanwhile; `gpu_state` is what holds the GPU;
+    `lane_states`, what holds each upstream, by name (without it, or for one it does not name:
+    running while grants run there, else idle)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
-                 gpu_state: Callable[[], GpuState]) -> None:
+                 gpu_state: Callable[[], GpuState],
+                 lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
@@ -151,6 +155,7 @@ class QueueViews:
         self._version = version
         self._busy_s = busy_s
         self._gpu_state = gpu_state
+        self._lane_states = lane_states
         self._walk: _Walk | None = None
 
     @property
@@ -208,12 +213,16 @@ class QueueViews:
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
         # The lanes as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
         scheduler = self._scheduler
-        gpus = tuple(GpuRow(name, scheduler.loaded_on(name), scheduler.slots_busy_on(name), scheduler.slots_total_on(name))
-                     for name in scheduler.lanes)
+        states = self._lane_states() if self._lane_states is not None else {}
+        gpus = []
+        for name in scheduler.lanes:
+            busy = scheduler.slots_busy_on(name)
+            state = states.get(name, GpuState.RUNNING if busy else GpuState.IDLE)
+            gpus.append(GpuRow(name, scheduler.loaded_on(name), busy, scheduler.slots_total_on(name), state))
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
         slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
-                         bands, scheduler.slots_busy, slots_total, gpus=gpus)
+                         bands, scheduler.slots_busy, slots_total, gpus=tuple(gpus))
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""

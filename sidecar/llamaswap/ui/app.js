@@ -175,8 +175,8 @@
       return;
     }
     byId("loaded-model").textContent = `${gpus.length} GPUs`;
-    byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}">` +
-      `${escapeHtml(gpu.name)} <span class="gpu-model">${model(gpu.loaded_model)}</span>` +
+    byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}" data-state="${escapeHtml(gpu.state || "")}">` +
+      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> <span class="gpu-model">${model(gpu.loaded_model)}</span>` +
       `<b class="gpu-slots">${gpu.slots_busy} / ${gpu.slots}</b></span>`).join("");
   }
 
