@@ -153,3 +153,24 @@ async def test_the_grant_reads_a_run_beside_a_load_as_the_estimates_do() -> None
     await flow.advance(2)
     x3 = await flow.arrive("x3", model="x")
     assert x3.granted and on(flow, "x3") == "gpu1"
+
+
+@virtual_time
+async def test_the_estimated_start_reads_every_gpu() -> None:
+    # Both GPUs run m (expected 30 s each); gpu0's grant is 10 s older, so the one waiting
+    # starts when gpu0 frees: in 20 s.
+    flow = two_gpus(estimates={"defaultRunSeconds": 30, "defaultSwapSeconds": 0})
+    await flow.arrive("a", model="m")
+    await flow.advance(10)
+    await flow.arrive("b", model="m")
+    waiting = await flow.arrive("c", model="m")
+    assert waiting.waiting and {on(flow, "a"), on(flow, "b")} == {"gpu0", "gpu1"}
+    found = flow.coordinator.status_of("c")
+    assert found is not None
+    _, row = found
+    assert row.estimated_start_s == 20.0  # type: ignore[union-attr]
+    # A settle on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
+    flow.coordinator.gpus.named(on(flow, "a")).adopted.add("someone")
+    flow.coordinator.reconfigure(flow.config)  # any change: a new walk
+    _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
+    assert row.estimated_start_s == 30.0  # type: ignore[union-attr]

@@ -34,7 +34,7 @@ class TwoGpus:
         self.observers = list(observers)
         self.trace_parent = trace_parent
         self.views = QueueViews(self.scheduler, self.estimator, self.clock, self.tickets, self.by_request_id,
-                                version=lambda: self.version, busy_s=lambda: 0.0, gpu_state=self._gpu_state,
+                                version=lambda: self.version, blocked=dict, gpu_state=self._gpu_state,
                                 lane_states=lane_states)
         for observer in self.observers:
             observer.settings_changed(self.policy)

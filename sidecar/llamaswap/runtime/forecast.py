@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import LaneTimes
 from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -96,6 +97,23 @@ class Forecast:
             return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
                                                running_s=(now - settling.granted_ns) / NS_PER_S)
         return 0.0
+
+    def blocked_by_upstream(self, gpus: Gpus) -> dict[str, float]:
+        """How much longer work the scheduler did not grant holds each GPU that has some (a
+        settling generation's expected rest; `math.inf` once it is past its expected end, or for
+        an adopted exchange: held for a time nobody can tell)."""
+        now = self._clock.now_ns()
+        blocked: dict[str, float] = {}
+        for gpu in gpus:
+            settling = gpu.settling
+            if settling is None and not gpu.adopted:
+                continue
+            left = 0.0
+            if settling is not None and settling.granted_ns is not None:
+                left = self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
+                                                   running_s=(now - settling.granted_ns) / NS_PER_S)
+            blocked[gpu.name] = left if left > 0 else math.inf
+        return blocked
 
     def estimate_later(self, ticket: Ticket) -> None:
         """Record `ticket`'s estimated wait soon, in one walk with the other arrivals of the batch."""

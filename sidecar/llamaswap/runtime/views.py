@@ -138,13 +138,15 @@ class _Walk:
 
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
-    the queue (the coordinator counts them); `busy_s` is how much longer work the scheduler did
-    not grant (a settling generation) holds the GPU, nothing granted meanwhile; `gpu_state` is what holds the GPU;
+    the queue (the coordinator counts them); `blocked` says, for each GPU that work the scheduler
+    did not grant holds (a settling generation, an adopted exchange), how much longer it does
+    (`math.inf`: unknown), nothing granted there meanwhile; `gpu_state` is what holds the GPU;
     `lane_states`, what holds each upstream, by name (without it, or for one it does not name:
     running while grants run there, else idle)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
-                 by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
+                 by_request_id: dict[str, Ticket], *, version: Callable[[], int],
+                 blocked: Callable[[], Mapping[str, float]],
                  gpu_state: Callable[[], GpuState],
                  lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self._scheduler = scheduler
@@ -153,7 +155,7 @@ class QueueViews:
         self._tickets = tickets
         self._by_request_id = by_request_id
         self._version = version
-        self._busy_s = busy_s
+        self._blocked = blocked
         self._gpu_state = gpu_state
         self._lane_states = lane_states
         self._walk: _Walk | None = None
@@ -182,17 +184,14 @@ class QueueViews:
         tickets = self._tickets
         sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
                  for w in snapshot.waiting]
-        # A settle or an adopted exchange: nothing is granted until it ends (`Holders.others`).
-        blocked_s = self._busy_s()
-        if blocked_s <= 0 and self._gpu_state() in (GpuState.SETTLING, GpuState.ADOPTED):
-            # An adopted exchange, or a settling generation past its expected end: held for a
-            # time nobody can tell.
-            blocked_s = math.inf
+        # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`Gpus.blocked`).
+        blocked = self._blocked()
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
-        starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots, max_tokens=sizes,
-                                           grant_max_tokens=grant_sizes,
-                                           blocked_s=blocked_s)
+        # The grants' own rule over every GPU (`Estimator.starts_of_node`; with one, `starts_of`).
+        placed = self._estimator.starts_of_node(snapshot, self._scheduler.lane_views(frozenset(blocked)), blocked,
+                                                sizes, grant_sizes)
+        starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
