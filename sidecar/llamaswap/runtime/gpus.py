@@ -189,4 +189,6 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
         if served is not None:
             models = served if models is None else models & served
         lanes.append(LanePolicy(gpu.name, slots, models))
-    return config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))
+    # The node-wide settings (order, aging, limits) with the first upstream's slots: the lanes say each one's.
+    first_config = gpu_config(config, entry_of(config, first.name))
+    return first_config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))
