@@ -236,8 +236,7 @@ class PinnedClients:
                 self._wake[index].clear()
                 if len(self.done) >= total:
                     return
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake[index].wait(), 0.5)  # re-check the end now and then
+                await self._wake[index].wait()
                 continue
             queue = self.pending[index]
             chosen = next((item for item in queue if item[1].model == last), queue[0])
@@ -251,6 +250,9 @@ class PinnedClients:
                 self.sending[index] = False
             self.done.append(Done(job, arrived, wait_ms))
             last = job.model
+            if len(self.done) >= total:
+                for wake in self._wake:  # the other client ends now too: the span ends at this answer
+                    wake.set()
 
 
 @dataclasses.dataclass
