@@ -327,3 +327,20 @@ class NodeMachine(RuleBasedStateMachine):
 NodeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_node_rule_properties = NodeMachine.TestCase
+
+
+def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
+    # gpu1 runs y (one slot, full); gpu0 is idle with x loaded. y1 is older than x1, both at 0:
+    # y1's model is loaded only where it cannot start now, so x1 (the idle GPU's model) wins by
+    # the bonus and starts on gpu0 without a swap, as it would with one GPU.
+    scheduler, clock = node(lane("gpu0"), lane("gpu1"), bonus=10)
+    scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
+    scheduler.enqueue("y0", prio(0), "y")
+    first = scheduler.next()
+    assert first is not None and first.upstream == "gpu1"  # gpu1: nothing loaded there yet
+    scheduler.enqueue("y1", prio(0), "y")
+    clock.advance(1.0)
+    scheduler.enqueue("x1", prio(0), "x")
+    decision = scheduler.next()
+    assert decision is not None and (decision.request_id, decision.upstream) == ("x1", "gpu0")
+    assert not decision.model_load and decision.swap_affinity

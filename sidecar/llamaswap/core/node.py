@@ -85,3 +85,23 @@ class NodeWalk:
             if self._choose(entry)[0] is Step.START:
                 return entry
         return None
+
+
+def pick_among(index: Index, loaded: frozenset[str], bonus: int, taken: set[int] | None = None) -> Entry:
+    """`Scheduler._pick` over several upstreams: the best of the global top and each of the
+    ``loaded`` models' tops plus the bonus (key, then earlier arrival)."""
+    top = index.top(taken)
+    assert top is not None, "called with an empty queue"
+    if not loaded or not bonus:
+        return top[2]
+    # The global top gets the bonus too where its own model is loaded.
+    best_key = -top[0] + (bonus * index.scale if top[2].model in loaded else 0)
+    best_seq, best = top[1], top[2]
+    for model in sorted(loaded):  # sorted: a tie between two models' tops goes the same way every run
+        favourite = index.top_of(model, taken)
+        if favourite is None or favourite[2] is top[2]:
+            continue
+        key = -favourite[0] + bonus * index.scale
+        if key > best_key or (key == best_key and favourite[1] < best_seq):
+            best_key, best_seq, best = key, favourite[1], favourite[2]
+    return best

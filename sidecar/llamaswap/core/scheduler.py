@@ -60,7 +60,7 @@ from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, Unkno
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.lanes import Grant, LaneState, PendingLoad
-from llamaswap.core.node import NodeWalk
+from llamaswap.core.node import NodeWalk, pick_among
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -386,10 +386,10 @@ class Scheduler:
 
     def _next_on_node(self, blocked: frozenset[str], times: LaneTimes) -> Decision | None:
         """The node rule down the order (`node.walk`), then the grant it found."""
-        loaded = frozenset(lane.loaded for lane in self._lanes if lane.loaded is not None)
+        loaded = self._warm_models(blocked)
 
         def pick(index: Index) -> Entry:
-            return self._pick_among(index, loaded)
+            return pick_among(index, loaded, self._bonus)
 
         walk = NodeWalk(self.lane_views(blocked), [lane.slot_most for lane in self._lanes], self._aged,
                         self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
@@ -618,9 +618,9 @@ class Scheduler:
         taken: set[int] = set()
         order: list[tuple[Entry, int]] = []
         if self._node:
-            loaded_now = frozenset(lane.loaded for lane in self._lanes if lane.loaded is not None)
+            loaded_now = self._warm_models(frozenset())
             for _ in range(len(self._waiting)):
-                pick = self._pick_among(index, loaded_now, taken)
+                pick = pick_among(index, loaded_now, self._bonus, taken)
                 taken.add(pick.seq)
                 order.append((pick, self._bonus if pick.model is not None and pick.model in loaded_now else 0))
             return order
@@ -633,21 +633,15 @@ class Scheduler:
                 loaded = pick.model
         return order
 
-    def _pick_among(self, index: Index, loaded: frozenset[str], taken: set[int] | None = None) -> Entry:
-        """`_pick` over several upstreams: a request's bonus counts where its model is loaded."""
-        top = index.top(taken)
-        assert top is not None, "called with an empty queue"
-        if not loaded or not self._bonus:
-            return top[2]
-        best_key, best_seq, best = -top[0], top[1], top[2]
-        for model in loaded:
-            favourite = index.top_of(model, taken)
-            if favourite is None or favourite[2] is top[2]:
-                continue
-            key = -favourite[0] + self._bonus * index.scale
-            if key > best_key or (key == best_key and favourite[1] < best_seq):
-                best_key, best_seq, best = key, favourite[1], favourite[2]
-        return best
+    def _warm_models(self, blocked: frozenset[str]) -> frozenset[str]:
+        """The models whose requests get the swap-affinity bonus over a node: those loaded on a
+        GPU that has a slot for one now. A model loaded only on full or held GPUs earns none:
+        the bonus is for starting without a swap, as with one GPU, so an idle GPU's own model
+        wins by it over a slightly better request whose model runs elsewhere (which would swap
+        the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
+        return frozenset(lane.loaded for lane in self._lanes
+                         if lane.loaded is not None and lane.name not in blocked and not lane.running.alone
+                         and lane.running.busy < slots_in_effect(lane.policy.slots, lane.running, lane.loaded))
 
     def _pick(self, index: Index, loaded: str | None, taken: set[int] | None = None) -> Entry:
         """The winner among the waiting in `index` while `loaded` is loaded: the better of the
