@@ -19,6 +19,7 @@ import asyncio
 import os
 import pathlib
 import shutil
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -267,3 +268,82 @@ async def test_the_page_says_unknown_past_the_expected_run_and_counts_the_runnin
             stack.upstream.release("held")
             replies = [await held, await after]
         assert [reply.status for reply in replies] == [200, 200]
+
+
+READ_GPUS = """
+const rows = (selector) => [...document.querySelectorAll(selector)];
+return {
+  lanes: rows("#timeline rect.gpu-lane").map((r) => [r.dataset.gpu, Number(r.getAttribute("y"))]),
+  grants: rows("#timeline rect.grant").map((r) => [r.dataset.requestId, r.dataset.gpu, Number(r.getAttribute("y"))]),
+  runningBars: rows("#timeline rect.running").map((r) => [r.dataset.requestId, r.dataset.gpu,
+      Number(r.getAttribute("y"))]),
+  header: rows("#gpus .chip").map((c) => [c.dataset.gpu, c.querySelector(".gpu-model").textContent,
+      c.querySelector(".gpu-slots").textContent]),
+  runningGpu: rows("#running tbody tr[data-request-id]").map((tr) => [tr.dataset.requestId,
+      tr.querySelector("td.gpu-name").textContent]),
+  counters: document.getElementById("counters").textContent,
+};
+"""
+
+
+async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
+    """Two upstreams (issue 27): a timeline row per GPU with each bar on the GPU it ran on, and
+    each GPU's loaded model and busy slots in the header. The page's own documents are served
+    in-process over a scheduler of two lanes (tests/two_gpus.py), without Envoy or an upstream:
+    what is checked is the page, and the sidecar's coordinator does not run two upstreams yet.
+    Once it does, the same checks belong on a `running_stack` with `upstreams:`."""
+    from aiohttp import web
+    from two_gpus import TwoGpus
+
+    from llamaswap.adapters.ui import UiState, add_ui_routes
+    from llamaswap.core import ManualClock
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+
+    clock = ManualClock()
+    activity = ActivityLog(clock)
+    history = History(clock, activity)
+    node = TwoGpus((activity, history), clock=clock)
+    tickets = {rid: node.arrive(rid, model) for rid, model in (("x1", "x"), ("y1", "y"), ("x2", "x"), ("z1", "z"))}
+    assert node.grant() == {"x1": "big", "y1": "small", "x2": "big"}
+    clock.advance(2)
+    node.finish(tickets["y1"])
+    node.finish(tickets["x1"])
+    assert node.grant() == {"z1": "small"}
+    clock.advance(1)
+    app = web.Application()
+    add_ui_routes(app, UiState(node.coordinator, history, jaeger_url=lambda: ""))  # type: ignore[arg-type]
+    # Its own thread and loop: the browser's driver calls block this one.
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    port = free_port()
+
+    async def serve() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    server = threading.Thread(target=loop.run_forever, daemon=True)
+    server.start()
+    asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
+    try:
+        browser.get(f"http://127.0.0.1:{port}/ui")
+        seen = await async_wait_for(
+            lambda: (lambda page: page if len(page["grants"]) == 2 and len(page["runningBars"]) == 2 else None)(
+                browser.execute_script(READ_GPUS)), what="the page's two GPU rows")
+        lanes = dict(seen["lanes"])
+        assert list(lanes) == ["big", "small"] and lanes["big"] < lanes["small"]
+        bars = {rid: (gpu, y) for rid, gpu, y in seen["grants"] + seen["runningBars"]}
+        assert {rid: gpu for rid, (gpu, _) in bars.items()} == {"x1": "big", "y1": "small", "x2": "big",
+                                                                 "z1": "small"}
+        for gpu, y in bars.values():  # each bar inside its GPU's row
+            assert lanes[gpu] < y < lanes[gpu] + 44
+        assert seen["header"] == [["big", "x", "1 / 2"], ["small", "z", "1 / 1"]]
+        assert dict(seen["runningGpu"]) == {"x2": "big", "z1": "small"}
+        if os.environ.get("LLAMASWAP_UI_GPUS_SCREENSHOT"):  # to look at it
+            browser.save_screenshot(os.environ["LLAMASWAP_UI_GPUS_SCREENSHOT"])
+        assert "Per GPU" in seen["counters"] and "big2 / 0 / 1small2 / 1 / 1" in seen["counters"]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        server.join(timeout=30)
+        loop.close()

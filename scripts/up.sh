@@ -5,8 +5,9 @@
 # in (a relative -c path is yours):
 #   scripts/up.sh                 built-in default (llama-server + gemma3 270M on CPU or GPU):
 #                                 scripts/install.sh demo (compiles llama.cpp the first time)
+#   scripts/up.sh --gpus 2        the same with two llama-servers, one per GPU, behind the one queue
 #   scripts/up.sh -c my.yaml      your own configuration; one that names its upstream
-#                                 (upstream.url or upstream.command) needs only
+#                                 (upstream.url, upstream.command or upstreams) needs only
 #                                 scripts/install.sh base: no llama.cpp, no model
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

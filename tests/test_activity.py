@@ -74,6 +74,7 @@ async def test_a_record_per_finished_request(tmp_path: pathlib.Path) -> None:
     # Estimated at the batch: a (a load, 10 + 5 s) had 14.95 s left; b waited 0.05 s by then.
     assert rb["estimated_wait_ms"] == pytest.approx(15_000)
     assert requests_of(path) == [ra, rb]  # in finish order
+    assert (ra["upstream"], rb["upstream"]) == ("gpu0", "gpu0")  # the one upstream of `upstream:`
     activity.close()
 
 
@@ -101,8 +102,8 @@ async def test_requests_never_granted_are_recorded_with_how_long_they_waited(tmp
         assert (record["outcome"], record["serial_queue_wait_ms"]) == (outcome, waited_ms), name
         assert record["dispatched"] is False
         assert (record["serial_score"], record["granted_unix_ms"], record["run_ms"], record["settle_ms"],
-                record["first_byte_ms"], record["swap"], record["load"], record["status"]) == (
-            None, None, None, None, None, False, False, 0)
+                record["first_byte_ms"], record["swap"], record["load"], record["status"], record["upstream"]) == (
+            None, None, None, None, None, False, False, 0, None)
         assert record["time"] * 1000 == pytest.approx(record["arrival_unix_ms"] + waited_ms, abs=1)
     assert records["leaves"]["serial_priority"] == 100 and records["leaves"]["serial_band"] == "interactive"
 
@@ -158,11 +159,11 @@ async def test_the_settings_at_start_and_after_each_reload(tmp_path: pathlib.Pat
     assert {k: v for k, v in first.items() if k != "time"} == {
         "event": "settings", "scheduler": "serial", "aging_divisor_s": 30.0, "swap_affinity_bonus": 10,
         "max_queued": 7, "max_wait_s": 0.0, "model_priorities": {}, "slots": 1, "model_slots": {},
-        "reserved_slots": 0}
+        "reserved_slots": 0, "upstreams": [{"name": "gpu0", "slots": 1, "model_slots": {}, "models": None}]}
     assert {k: v for k, v in second.items() if k != "time"} == {
         "event": "settings", "scheduler": "fifo", "aging_divisor_s": 0.0, "swap_affinity_bonus": 0,
         "max_queued": 0, "max_wait_s": 9.0, "model_priorities": {"m": 10}, "slots": 3, "model_slots": {"m": 2},
-        "reserved_slots": 1}
+        "reserved_slots": 1, "upstreams": [{"name": "gpu0", "slots": 3, "model_slots": {"m": 2}, "models": None}]}
     assert second["time"] - first["time"] == pytest.approx(5, abs=1e-3)
     assert activity.recent() == []  # GET /activity lists requests
     activity.close()
@@ -251,3 +252,27 @@ async def test_the_record_says_how_many_slots_were_busy_at_its_grant() -> None:
     await flow.complete(b)
     records = {r["request_id"]: r for r in activity.recent() if r.get("event") == "request"}
     assert {rid: r["serial_slots_busy"] for rid, r in records.items()} == {"a": 1, "b": 2, "c": None}
+    assert {rid: r["upstream"] for rid, r in records.items()} == {"a": "gpu0", "b": "gpu0", "c": None}
+
+
+def test_each_dispatch_record_names_the_upstream_it_ran_on(tmp_path: pathlib.Path) -> None:
+    """Several upstreams (issue 27): the record says which one; the settings list them, for a replay."""
+    from llamaswap.core import ManualClock
+    from two_gpus import TwoGpus
+
+    path = tmp_path / "activity.jsonl"
+    activity = ActivityLog(manual := ManualClock(), path=str(path))
+    node = TwoGpus([activity], clock=manual)
+    tickets = [node.arrive("x1", "x"), node.arrive("y1", "y"), node.arrive("x2", "x"), node.arrive("z1", "z")]
+    assert node.grant() == {"x1": "big", "y1": "small", "x2": "big"}
+    for ticket in tickets[:3]:
+        node.finish(ticket)
+    assert node.grant() == {"z1": "big"}
+    node.finish(tickets[3])
+    activity.close()
+    lines = lines_of(path)
+    assert lines[0]["event"] == "settings" and lines[0]["upstreams"] == [
+        {"name": "big", "slots": 2, "model_slots": {}, "models": None},
+        {"name": "small", "slots": 1, "model_slots": {}, "models": None}]
+    assert {r["request_id"]: r["upstream"] for r in lines if r["event"] == "request"} == {
+        "x1": "big", "y1": "small", "x2": "big", "z1": "big"}

@@ -125,3 +125,52 @@ async def test_a_model_goes_only_where_the_configuration_lets_it() -> None:
     small = await flow.arrive("small", model="small")
     assert big1.granted and on(flow, "big1") == "gpu1" and big2.waiting
     assert small.granted and on(flow, "small") == "gpu0"
+
+
+@virtual_time
+async def test_reserved_slots_hold_per_gpu_with_each_ones_slots() -> None:
+    # upstream.slots stays 1; the entries' 2 and 3 slots carry the reservation of one.
+    flow = two_gpus(slots=2, routing={"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}})
+    lanes = flow.coordinator.scheduler.policy.lanes_in_effect
+    assert [(lane.slots.default, lane.slots.reserved) for lane in lanes] == [(2, 1), (2, 1)]
+    batch = [await flow.arrive(f"b{i}", "batch", "m") for i in range(3)]
+    assert [b.granted for b in batch] == [True, True, False]  # one per GPU: the other slot is kept
+    chat = await flow.arrive("chat", "interactive", "m")
+    assert chat.granted and chat.ticket.decision.reserved_slot  # type: ignore[union-attr]
+
+
+@virtual_time
+async def test_the_grant_reads_a_run_beside_a_load_as_the_estimates_do() -> None:
+    # Two slots per GPU, runs 10 s, loads 10 s. x1 loads x on gpu0 at 0 (expected to end at 20);
+    # x2, granted beside it at 1, runs once the load ends: until 20, not 11. At 3 gpu0 is full
+    # and frees a slot in 17 s, later than a load (10 s): x3 loads x on the idle gpu1. (Read as
+    # 10 s from its grant, x2 would free its slot in 8 s and x3 would wait for gpu0.)
+    flow = two_gpus(slots=2, estimates={"defaultRunSeconds": 10, "defaultSwapSeconds": 10})
+    await flow.arrive("x1", model="x")
+    await flow.advance(1)
+    await flow.arrive("x2", model="x")
+    assert on(flow, "x1") == on(flow, "x2") == "gpu0"
+    await flow.advance(2)
+    x3 = await flow.arrive("x3", model="x")
+    assert x3.granted and on(flow, "x3") == "gpu1"
+
+
+@virtual_time
+async def test_the_estimated_start_reads_every_gpu() -> None:
+    # Both GPUs run m (expected 30 s each); gpu0's grant is 10 s older, so the one waiting
+    # starts when gpu0 frees: in 20 s.
+    flow = two_gpus(estimates={"defaultRunSeconds": 30, "defaultSwapSeconds": 0})
+    await flow.arrive("a", model="m")
+    await flow.advance(10)
+    await flow.arrive("b", model="m")
+    waiting = await flow.arrive("c", model="m")
+    assert waiting.waiting and {on(flow, "a"), on(flow, "b")} == {"gpu0", "gpu1"}
+    found = flow.coordinator.status_of("c")
+    assert found is not None
+    _, row = found
+    assert row.estimated_start_s == 20.0  # type: ignore[union-attr]
+    # A settle on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
+    flow.coordinator.gpus.named(on(flow, "a")).adopted.add("someone")
+    flow.coordinator.reconfigure(flow.config)  # any change: a new walk
+    _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
+    assert row.estimated_start_s == 30.0  # type: ignore[union-attr]

@@ -16,13 +16,8 @@ that has one, else the default), a grant that loads a model holds its slot for t
 beside it while the model loads begins its run when the load ends (the walk's ``ready_at``).
 Times are whole seconds, so every sum is exact in floats and nanoseconds.
 
-One case is promised less, and the property checks only that: a grant made beside a load that
-still runs at the instant while the grant that loaded has ended. It began its run when the load
-ended, but the snapshot no longer says when that was, so `starts_of` reads it as a grant that
-outran its expected time (held for an unknown time). The estimator then promises no exact time:
-each estimate is `math.inf` or, filling the other slots, not earlier than the grant (it is
-checked to be an upper bound). `test_a_grant_beside_a_finished_load_is_not_read_as_overdue`
-pins the exact answer as a known failure.
+A grant made beside a load begins its run when the load ends, also once the grant that loaded
+has ended: the snapshot says when that load was granted (`RunningView.beside_load`).
 
 Left out, on purpose: requests that run alone (an unload: "the estimate's order carries no
 unload", `_Waiting.alone`), failed or unanswered releases (the loaded model is then not known,
@@ -38,8 +33,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policies import fifo, serial
 
@@ -89,8 +83,6 @@ class Play:
         self.ends: list[tuple[int, str]] = []  # (end ns, request id): a heap
         self.ready_ns = 0  # when the model the last load began is loaded
         self.granted_ns: dict[str, int] = {}
-        self.loads: dict[str, bool] = {}  # running grant -> it loads its model
-        self.waited_for_load: dict[str, bool] = {}  # grant -> made beside a load, it ran after it
 
     def run_until(self, t_ns: int) -> None:
         """Release and grant everything due up to and including ``t_ns``; the clock ends there."""
@@ -101,16 +93,8 @@ class Play:
             end, request_id = heapq.heappop(self.ends)
             self.clock.set_ns(end)
             self.scheduler.release(request_id)
-            del self.loads[request_id]
         self.clock.set_ns(t_ns)
         self.grant_all()
-
-    def blind(self) -> bool:
-        """A grant made beside a load still runs now while the grant that loaded has
-        ended: the snapshot no longer says when the load ended (see the module's docstring)."""
-        loading = [rid for rid, loads in self.loads.items() if loads]
-        beside = [rid for rid, loads in self.loads.items() if not loads and self.waited_for_load[rid]]
-        return bool(beside) and not loading
 
     def grant_all(self) -> None:
         while (decision := self.scheduler.next()) is not None:
@@ -119,8 +103,6 @@ class Play:
                 self.ready_ns = now + round(self.estimator.expected_swap_s(decision.model) * NS)
             run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
             heapq.heappush(self.ends, (max(now, self.ready_ns) + run_ns, decision.request_id))
-            self.loads[decision.request_id] = decision.model_load
-            self.waited_for_load[decision.request_id] = not decision.model_load and now < self.ready_ns
             self.granted_ns[decision.request_id] = now
 
 
@@ -143,25 +125,18 @@ def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     estimates = estimator.starts_of(snapshot, case.policy.slots)
     expected = {view.request_id: look_ns + round(start * NS) if math.isfinite(start) else None
                 for view, start in zip(snapshot.waiting, estimates, strict=True)}
-    blind = play.blind()
     while play.ends:  # no new arrival: play every grant out
         play.run_until(play.ends[0][0])
     assert not play.scheduler.snapshot().waiting
     actual = {request_id: play.granted_ns[request_id] for request_id in expected}
-    if not blind:
-        assert actual == expected
-    else:  # see the module's docstring: not later than said, or unknown
-        event("a grant made beside a finished load still runs")
-        assert all(when is None or actual[rid] <= when for rid, when in expected.items())
+    assert actual == expected
 
 
-@pytest.mark.xfail(strict=True, reason="the snapshot does not say when a finished grant's load ended")
 def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
     """Two slots, swap 5 s, run 2 s (a: 1 s). a0 loads at 0 and ends at 6; n1, granted at 1
     beside it, runs 5..7; n2 is granted at 6 and runs until 8. At 6, n3 waits for the first slot
-    to free: n1's, at 7 (1 s). `starts_of` sees n1 running 5 s of a 2 s run, overdue, and puts
-    n3 in n2's slot at 8 (2 s). Known, left as is: telling it needs the load's end in the
-    snapshot's view of n1 (a RunningView field), a change beyond this test."""
+    to free: n1's, at 7 (1 s). The snapshot says n1 was granted beside a0's load (granted 6 s
+    ago, 5 s swap): its run began at 5, so it is not overdue (read so, n3 went in n2's slot at 8)."""
     case = Case(fifo(slots=Slots(2)), 2, 5, {"a": 1},
                 [(0, -100, "a"), (1, -100, None), (2, -100, None), (2, -100, None)], 1)
     estimator = Estimator(default_run_s=2, default_swap_s=5, samples=3)
@@ -175,5 +150,4 @@ def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
     play.run_until(6 * NS)
     snapshot = play.scheduler.snapshot()
     assert [w.request_id for w in snapshot.waiting] == ["r3"]
-    assert play.blind()
     assert estimator.starts_of(snapshot, case.policy.slots) == [1.0]

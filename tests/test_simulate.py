@@ -237,9 +237,10 @@ def test_requests_lines():
     by_id = {line["request_id"]: line for line in lines}
     assert list(by_id) == ["a1", "b1", "a2", "i1", "x1", "q1", "b2", "z1"]  # arrival order
     assert by_id["a2"] == {"request_id": "a2", "band": "normal", "priority": 0, "model": "A",
-                           "start_ms": 10000.0, "wait_ms": 8000.0, "outcome": "served"}
+                           "start_ms": 10000.0, "wait_ms": 8000.0, "outcome": "served", "upstream": "gpu0"}
     assert by_id["i1"] == {"request_id": "i1", "band": "interactive", "priority": 100, "model": "B",
-                           "start_ms": None, "wait_ms": 6000.0, "outcome": "cancelled_waiting"}
+                           "start_ms": None, "wait_ms": 6000.0, "outcome": "cancelled_waiting",
+                           "upstream": None}
     assert by_id["x1"]["outcome"] == "expired" and by_id["x1"]["wait_ms"] == 14000.0
     assert by_id["q1"]["outcome"] == "rejected_full" and by_id["q1"]["wait_ms"] == 0.0
     # The table follows the request lines and says what was not replayed.
@@ -264,10 +265,11 @@ def test_json_output_shape():
     assert document["swept"] == []
     (row,) = document["rows"]
     assert set(row) == {"settings", "requests", "bands", "swaps", "reorders", "busy_fraction", "left", "expired",
-                        "rejected", "peak_waiting", "worst_inversion"}
+                        "rejected", "peak_waiting", "worst_inversion", "gpus"}
     assert row["settings"] == {"scheduler": "serial", "agingDivisor": 60, "swapAffinityBonus": 10, "maxQueued": 0,
-                               "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "modelPriorities": {},
-                               "modelSlots": {}}
+                               "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "gpus": 1,
+                               "modelPriorities": {}, "modelSlots": {}}
+    assert row["gpus"] == {"gpu0": {"swaps": row["swaps"], "busy_fraction": row["busy_fraction"]}}
     assert set(document["concurrency_speed"]) == {"points", "source", "detail"}
     assert set(row["bands"]) == {"interactive", "normal", "batch"}
     assert set(row["bands"]["normal"]) == {"served", "wait_p50_s", "wait_p95_s", "wait_max_s"}

@@ -137,6 +137,7 @@ async def test_the_counters() -> None:
     assert counters["dispatched"] == {"interactive": 1, "normal": 3, "batch": 1}
     assert counters["reorders"] == {"swap_affinity": 1}
     assert (counters["swaps"], counters["loads"]) == (2, 1)  # a -> b (inter), b -> a (batch); the first load
+    assert counters["upstreams"] == {"gpu0": {"dispatched": 5, "swaps": 2, "loads": 1}}  # one GPU: all of them
     assert counters["outcomes"] == {"served": 4, "rejected_unknown_model": 1, "cancelled_waiting": 1,
                                     "cancelled_running": 1}
     assert counters["settles"] == {"abandoned": 1}

@@ -147,6 +147,24 @@ them (routing.objectives), unless the config says otherwise: one list, the value
 {{- $_ := set $routing "objectives" $objectives }}
 {{- $_ := set $config "routing" $routing }}
 {{- end }}
+{{- $gpus := int .Values.llamaServer.gpus }}
+{{- if hasKey $config "upstreams" }}
+{{- fail "config.upstreams is written by the chart, one entry per llama-server container of the pod: remove config.upstreams and set llamaServer.gpus (the number of GPUs, one llama-server each)" }}
+{{- end }}
+{{- if gt $gpus 1 }}
+{{- /* One upstream per llama-server container (llamaServer.gpus), on the ports the containers
+get. upstream.url (only the first port) and upstream.slots (now on each entry) go: the sidecar
+refuses them beside upstreams. upstream's other keys apply to every upstream. */ -}}
+{{- $upstreams := list }}
+{{- range $i, $port := (include "llamaswap.llamaServerPorts" . | fromJsonArray) }}
+{{- $entry := dict "name" (printf "gpu%d" $i) "url" (printf "http://127.0.0.1:%d" (int $port)) }}
+{{- with dig "upstream" "slots" "" $config }}{{ $_ := set $entry "slots" . }}{{ end }}
+{{- $upstreams = append $upstreams $entry }}
+{{- end }}
+{{- $upstream := omit (default (dict) $config.upstream) "url" "slots" }}
+{{- if $upstream }}{{ $_ := set $config "upstream" $upstream }}{{ else }}{{ $_ := unset $config "upstream" }}{{ end }}
+{{- $_ := set $config "upstreams" $upstreams }}
+{{- end }}
 {{- if and .Values.llamaServer.apiKey.existingSecret (not (dig "upstream" "apiKey" "" $config)) -}}
 {{- $_ := set $config "upstream" (merge (dict "apiKey" (printf "env:%s" (include "llamaswap.upstreamKeyEnv" .))) (default (dict) (get $config "upstream"))) -}}
 {{- end -}}
@@ -186,6 +204,32 @@ pod's localhost over http (llama-server listens on 127.0.0.1 there). */}}
 {{- fail (printf "config.upstream.url must be http://127.0.0.1:PORT (llama-server in this pod, on localhost), got %q" $url) }}
 {{- end }}
 {{- if regexMatch ":[0-9]+$" $parts.host }}{{ regexReplaceAll "^.*:" $parts.host "" }}{{ else }}80{{ end }}
+{{- end }}
+
+{{/* The ports of the llama-server containers, a JSON list: the port of config.upstream.url,
+then one more for each further GPU (llamaServer.gpus). Refuses ports the pod already uses. */}}
+{{- define "llamaswap.llamaServerPorts" -}}
+{{- $base := int (include "llamaswap.llamaServerPort" .) }}
+{{- $gpus := int .Values.llamaServer.gpus }}
+{{- $ports := list }}
+{{- range $i := until $gpus }}{{ $ports = append $ports (add $base $i) }}{{ end }}
+{{- if gt $gpus 1 }}
+{{- if gt (int (last $ports)) 65535 }}
+{{- fail (printf "llamaServer.gpus: %d llama-server containers take ports %d..%d (config.upstream.url's port + 0..%d), past 65535: lower the port of config.upstream.url" $gpus $base (int (last $ports)) (sub $gpus 1)) }}
+{{- end }}
+{{- $config := default (dict) .Values.config }}
+{{- $taken := dict }}
+{{- range $key := list "http" "admin" "grpc" }}
+{{- with dig "listen" $key "" $config }}{{ $_ := set $taken (include "llamaswap.port" .) (printf "config.listen.%s" $key) }}{{ end }}
+{{- end }}
+{{- $_ := set $taken (include "llamaswap.port" .Values.envoy.admin) "envoy.admin" }}
+{{- range $port := $ports }}
+{{- with get $taken (toString $port) }}
+{{- fail (printf "llamaServer.gpus: the llama-server containers take ports %d..%d (config.upstream.url's port + 0..%d), and %d is %s's: move config.upstream.url's port or %s" $base (int (last $ports)) (sub $gpus 1) (int $port) . .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $ports }}
 {{- end }}
 
 {{/* Values of the old layout (chart 0.1): each moved under config: or went away. Helm's

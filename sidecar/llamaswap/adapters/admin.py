@@ -17,7 +17,7 @@ from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.kept import KeptRow
-from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
+from llamaswap.runtime.views import GpuRow, QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
 
@@ -39,14 +39,23 @@ def running_document(row: RunningRow) -> dict[str, Any]:
     """The running request as GET /queue (and the page at /ui) shows it."""
     return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
             "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
-            "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s}
+            "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s,
+            "upstream": row.upstream}
+
+
+def gpu_document(row: GpuRow) -> dict[str, Any]:
+    """One upstream (GPU) as GET /queue (and the page at /ui) shows it."""
+    return {"name": row.name, "loaded_model": row.loaded_model, "slots_busy": row.slots_busy, "slots": row.slots,
+            "state": row.state}
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
     """GET /queue: the running requests, then the waiting ones in dispatch order, then the places
     kept for a client's retry (``kept``, oldest first). ``running`` is
     the earliest running request (null for none: the shape before slots); ``running_all`` is
-    every one, earliest first, with ``slots_busy`` of ``slots_total``."""
+    every one, earliest first, each with the ``upstream`` it runs on, and ``slots_busy`` of
+    ``slots_total`` (over every upstream). ``gpus`` lists the upstreams in the configured order:
+    each one's loaded model, slots and state (``gpu``'s words); ``loaded_model`` is the first one's."""
     return {
         "policy": view.policy,
         "loaded_model": view.loaded_model,
@@ -55,6 +64,7 @@ def queue_document(view: QueueView) -> dict[str, Any]:
         "running_all": [running_document(row) for row in view.running],
         "slots_busy": view.slots_busy,
         "slots_total": view.slots_total,
+        "gpus": [gpu_document(row) for row in view.gpus],
         "waiting": [waiting_document(row) for row in view.waiting],
         "kept": [kept_document(row) for row in view.kept],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
@@ -70,7 +80,7 @@ def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any]
     if isinstance(row, RunningRow):
         return {"request_id": request_id, "state": "running", "position": 0, "priority": row.priority,
                 "band": row.band.value, "score": row.score, "waited_s": row.queue_wait_s, "running_s": row.running_s,
-                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s}
+                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s, "upstream": row.upstream}
     return {"request_id": request_id, "state": "waiting", "position": row.position, "priority": row.priority,
             "band": row.band.value, "score": row.score, "waited_s": row.waited_s,
             "estimated_start_s": row.estimated_start_s}

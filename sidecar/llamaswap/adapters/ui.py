@@ -25,7 +25,7 @@ from llamaswap.core import PolicyName
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.runtime.history import History
-from llamaswap.adapters.admin import kept_document, running_document, status_document, waiting_document
+from llamaswap.adapters.admin import gpu_document, kept_document, running_document, status_document, waiting_document
 from llamaswap.adapters.outcomes import openai_error_body
 
 # Rows of the queue the page gets: enough to read, few enough to stay quick at 10,000 waiting
@@ -103,6 +103,8 @@ class UiState:
             "running": [self._running_row(row, now_ms) for row in view.running],
             "slots_busy": view.slots_busy,
             "slots_total": view.slots_total,
+            # Every upstream in the configured order: a timeline row each, its model and slots in the header.
+            "gpus": [gpu_document(row) for row in view.gpus],
             "waiting": [self._waiting_row(row) for row in view.waiting[:self._waiting_rows]],
             "waiting_total": len(view.waiting),
             "kept": [kept_document(row) for row in view.kept],

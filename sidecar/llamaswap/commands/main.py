@@ -29,6 +29,7 @@ EPILOG = """\
 examples:
   llamaswap up                           Envoy, the sidecar and a small llama-server on this machine
   llamaswap up -c my.yaml                the same with your settings (or your own upstream.url)
+  llamaswap up --gpus 2                  two llama-servers, one per GPU, behind the one queue
   llamaswap queue --watch                the live queue with estimated starts, like squeue --start
   llamaswap simulate --activity-log act.log  replay recorded traffic under other settings
   llamaswap check-config -c my.yaml      validate a configuration and explain its settings
@@ -134,7 +135,8 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         document = load_document(args.config) if args.config else {}
-        config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=warn)
+        config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=warn,
+                                            gpus=args.gpus, say=lambda text: print(text, file=sys.stderr))
         if args.print_config:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
@@ -150,7 +152,7 @@ def _up(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.workdir) if args.workdir else None
     return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
                                  otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
-                                 activity_path=args.activity_log))
+                                 activity_path=args.activity_log, gpus=args.gpus))
 
 
 def _otlp_endpoint_from_env() -> str | None:
@@ -162,6 +164,16 @@ def _log_level(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"unknown level {text!r}; one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def _gpu_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of GPUs, 1 or more, got {text!r}")
+    return count
 
 
 def _add_log_level(parser: argparse.ArgumentParser, *, default: object) -> None:
@@ -180,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Run the whole stack on this machine until SIGTERM or Ctrl-C.")
     up.add_argument("-c", "--config", help="YAML configuration file; one that names no upstream (upstream.url or "
                     "upstream.command) keeps the built-in llama-server with a small model")
+    up.add_argument("--gpus", type=_gpu_count, metavar="N",
+                    help="start N llama-servers from upstream.command (or the built-in one) behind the one queue: "
+                    "server i on the port of upstream.url + i, with CUDA_VISIBLE_DEVICES=i and --threads "
+                    "max(1, cores / N) unless the command sets threads; upstreams gpu0..gpuN-1. Not with a file "
+                    "that lists upstreams (`up` starts their commands). 1: the one upstream, as without --gpus")
     up.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     up.add_argument("--workdir", help="keep logs and the generated Envoy bootstrap here (default: a temporary "
                     "directory, removed on a clean stop)")

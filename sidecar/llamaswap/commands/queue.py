@@ -7,7 +7,9 @@ is the one it will have at its turn in that order (the swap-affinity bonus count
 loaded by then): the score it wins its turn with. START is the
 estimate from measured run and swap times (`estimates.*` before anything is measured), and
 for the running request TIME is how long it has run and START how long it is expected to
-take still. Places kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`):
+take still. With several upstreams (GPUs) GPU says which one a running request runs on, and one
+line per GPU above the table says what it has loaded and how many of its slots are busy (like
+`squeue`'s partitions). Places kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`):
 WAIT counts from the first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the
 admin server's document itself (one a line with --watch).
 
@@ -32,11 +34,19 @@ from llamaswap.config import DEFAULT_ADMIN, HostPort
 from llamaswap.runtime.views import GpuState
 
 COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
+# With several upstreams: which one a running request runs on.
+GPU_COLUMN = "GPU"
 _RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME", "START"}
 _CLEAR = "\x1b[H\x1b[2J"
 _GPU: dict[str, str] = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running",
         GpuState.SETTLING: "GPU settling (the upstream finishes an abandoned generation)",
         GpuState.ADOPTED: "GPU busy with an exchange granted before this sidecar started"}
+
+
+# A GPU's own line: what holds it, where its grants do not say it all.
+_GPU_LINE: dict[str, str] = {GpuState.IDLE: "idle",
+                             GpuState.SETTLING: "settling (it finishes an abandoned generation)",
+                             GpuState.ADOPTED: "busy with an exchange granted before this sidecar started"}
 
 
 class QueueUnavailable(Exception):
@@ -102,22 +112,49 @@ def format_duration(seconds: float | None) -> str:
 
 
 def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The table's rows, in COLUMNS order (with several GPUs, GPU_COLUMN last)."""
+    several = len(_gpus(document)) > 1
     table: list[tuple[str, ...]] = []
     for running in _running(document):
-        table.append(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
-                      str(running.get("band", "")), _score(running.get("score")),
-                      format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
-                      _start(running, "expected_remaining_s"), running.get("model") or "-"))
+        row: tuple[str, ...] = (
+            "-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
+            str(running.get("band", "")), _score(running.get("score")),
+            format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
+            _start(running, "expected_remaining_s"), running.get("model") or "-")
+        table.append((*row, str(running.get("upstream") or "-")) if several else row)
     for item in document.get("waiting") or []:
-        table.append((str(item.get("position", "")), "PD", str(item.get("request_id", "")),
-                      str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
-                      format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
-                      item.get("model") or "-"))
+        row = (str(item.get("position", "")), "PD", str(item.get("request_id", "")),
+               str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
+               format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
+               item.get("model") or "-")
+        table.append((*row, "") if several else row)
     for item in document.get("kept") or []:
-        table.append(("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
-                      str(item.get("band", "")), "", format_duration(item.get("waited_s")),
-                      format_duration(item.get("away_s")), "", item.get("model") or "-"))
+        row = ("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
+               str(item.get("band", "")), "", format_duration(item.get("waited_s")),
+               format_duration(item.get("away_s")), "", item.get("model") or "-")
+        table.append((*row, "") if several else row)
     return table
+
+
+def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The upstreams (``gpus``; an older sidecar lists none)."""
+    gpus = document.get("gpus")
+    return [gpu for gpu in gpus if isinstance(gpu, dict)] if isinstance(gpus, list) else []
+
+
+def gpu_lines(document: dict[str, Any]) -> list[str]:
+    """One line per upstream when there are several: its name, loaded model and busy slots."""
+    gpus = _gpus(document)
+    if len(gpus) <= 1:
+        return []
+    names = [str(gpu.get("name", "?")) for gpu in gpus]
+    width = max(len(name) for name in names)
+    lines = []
+    for name, gpu in zip(names, gpus):
+        busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
+        state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
+        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  loaded model {gpu.get('loaded_model') or '-'}  {state}")
+    return lines
 
 
 def _running(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -151,19 +188,22 @@ def render(document: dict[str, Any]) -> str:
     slots_total = document.get("slots_total")
     if isinstance(slots_total, int) and slots_total > 1:
         gpu += f", slots {document.get('slots_busy', running)}/{slots_total}"
-    summary = (f"policy {document.get('policy', '?')}, loaded model {document.get('loaded_model') or '-'}, "
-               f"{gpu}, {len(waiting)} waiting")
+    gpus = gpu_lines(document)
+    # Several GPUs: each one's loaded model is on its own line.
+    loaded = f"{len(gpus)} GPUs" if gpus else f"loaded model {document.get('loaded_model') or '-'}"
+    summary = f"policy {document.get('policy', '?')}, {loaded}, {gpu}, {len(waiting)} waiting"
     bands = document.get("bands") or {}
     if bands:
         summary += " (" + ", ".join(f"{name} {stats.get('depth', 0)}" for name, stats in bands.items()) + ")"
     kept = document.get("kept") or []
     if kept:
         summary += f", {len(kept)} kept for a retry"
-    table = [COLUMNS, *rows(document)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
-    lines = [summary]
+    columns = (*COLUMNS, GPU_COLUMN) if gpus else COLUMNS
+    table = [columns, *rows(document)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    lines = [summary, *gpus]
     for row in table:
-        cells = [cell.rjust(width) if COLUMNS[i] in _RIGHT else cell.ljust(width)
+        cells = [cell.rjust(width) if columns[i] in _RIGHT else cell.ljust(width)
                  for i, (cell, width) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines) + "\n"

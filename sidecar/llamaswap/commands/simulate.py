@@ -37,6 +37,17 @@ the largest inversion time (shown with its seconds). A lower-priority request th
 running, or arrived before R, is not an inversion; under serial settings inversions come from
 swap affinity (a later, lower request with the loaded model goes first).
 
+GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one queue, named
+gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
+scheduler's node rule places each request. A log whose grants record several upstreams replays
+with those (by name) unless --gpus says otherwise. The table then gives each GPU's swaps and
+busy fraction below the rows (busy in the row: their mean).
+
+Many nodes: --pods N (with --gpus G per pod) replays the traffic over N pods three ways: routed
+by an endpoint picker's rule (least queued, with model affinity), by round-robin, and as one
+queue over every GPU; one row each with the interactive p95 wait, swaps, loads and the GPU time
+idle while work waited (docs/kubernetes.md).
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -52,12 +63,15 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from llamaswap.core import Policy
+from llamaswap.core.policy import LanePolicy
 from llamaswap.simulate import report
 from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
@@ -68,8 +82,9 @@ from llamaswap.simulate.concurrency import (
     as_solo,
     measure,
 )
-from llamaswap.simulate.engine import Costs, measure_costs, prepare, simulate
-from llamaswap.simulate.records import Activity, RequestRecord, read_activity, single_model
+from llamaswap.simulate.engine import NOT_REPLAYED, Costs, measure_costs, prepare, simulate
+from llamaswap.simulate.pods import Routing, render_pods_json, render_pods_table, simulate_pods
+from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_upstreams, single_model
 from llamaswap.simulate.settings import (
     KEYS,
     Settings,
@@ -114,6 +129,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="generations of the loaded model at once, every model (default: the log's or "
                              "-c FILE's, else 1)")
     parser.add_argument("--reserved-slots", metavar="N", help="of the slots, kept for the interactive band")
+    parser.add_argument("--gpus", metavar="N",
+                        help="upstreams (GPUs) behind the one queue, gpu0..gpuN-1, each with the slots (default: "
+                             "the log's recorded upstreams, else -c FILE's, else 1)")
+    parser.add_argument("--pods", metavar="N", type=_pods_flag,
+                        help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
+                             "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
+                             "over every GPU; one row each (see docs/kubernetes.md)")
     parser.add_argument("--concurrency-speed", type=_speed_flag, metavar="N:SPEED,...",
                         help="aggregate throughput of N at once relative to one, e.g. 1:1,2:1.8,4:3.1 "
                              "(default: measured from the log, else linear)")
@@ -123,7 +145,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
                         help="also one JSON line per simulated request (request_id, band, priority, model, "
-                             "start_ms from the first arrival, wait_ms, outcome), to FILE or, without one, to "
+                             "start_ms from the first arrival, wait_ms, outcome, upstream), to FILE or, without one, to "
                              "stdout before the summary (which is then one JSON line with --format json)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw wait p50/p95 per band against each swept setting, one panel per "
@@ -149,6 +171,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         combinations(_defaults(), sweeps)  # refuses a key swept twice, before any work
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
+    if args.pods is not None and (sweeps or args.plot or args.requests):
+        raise UsageError("--pods compares three routings for one setting: drop --sweep, --plot and --requests")
     if args.plot:
         if not sweeps:
             raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
@@ -165,6 +189,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         activity = _read_activity(args.activity)
         records: Sequence[RequestRecord] = activity.requests
         base, note = _recorded_settings(activity, configured=config is not None)
+        upstreams = recorded_upstreams(records)
+        if upstreams:  # the log's grants ran on these: the replay has them
+            base = dataclasses.replace(base, gpus=len(upstreams), upstreams=upstreams)
         recorded = RecordedConcurrency.of(records)
         peak = recorded.peak
         measurement: Measurement | None = measure(records, recorded)
@@ -192,12 +219,15 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if config is not None:
         # models.<id>.slots as the sidecar applied them: on a single-model upstream every entry
         # describes its one model, whatever the id (`config.model_key`).
-        base = Settings.from_policy(config.policy(single=single_model(records)))
+        configured = Settings.from_policy(_node_policy(config, single_model(records), base.slots))
+        if configured.gpus == 1 and base.gpus > 1:  # a configuration of one upstream keeps the log's
+            configured = dataclasses.replace(configured, gpus=base.gpus, upstreams=base.upstreams)
+        base = configured
     try:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
-                               "reservedSlots": args.reserved_slots})
+                               "reservedSlots": args.reserved_slots, "gpus": args.gpus})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)
@@ -208,9 +238,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         notes.append(lowered)
     most = max(setting.most_slots for setting in settings)
     if peak > most:
-        notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most (--slots or "
-                     "--sweep slots=... to give more)")
+        notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most per upstream "
+                     "(--slots or --sweep slots=... to give more)")
 
+    if args.pods is not None:
+        replayed = [record for record in records if record.outcome not in NOT_REPLAYED]
+        if not replayed:
+            raise UsageError(f"{source}: no request can be replayed")
+        results = [simulate_pods(replayed, policies[0], costs, pods=args.pods, gpus=settings[0].gpus, routing=routing)
+                   for routing in Routing]
+        out.write(render_pods_json(source, results) if args.format == "json" else render_pods_table(source, results))
+        return 0
     replay = prepare(records)
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
@@ -241,6 +279,34 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.flush()  # the table first, then the note about the plot
         err.write(f"plot written to {args.plot}\n")
     return 0
+
+
+def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy:
+    """`Config.policy`, over the configuration's upstreams where it lists several: each with its
+    own slots (``auto``: the slots the log recorded) and the models it may serve."""
+    from llamaswap.config import Config
+
+    policy = config.policy(single=single)
+    entries = getattr(config, "upstream_entries", ())
+    if len(entries) < 2:
+        return policy
+    lanes = []
+    for entry in entries:
+        slots = recorded_slots if entry.slots == "auto" else entry.slots
+        upstream = config.upstream.model_copy(update={"url": entry.url, "slots": slots})
+        own: Config = config.model_copy(update={"upstream": upstream})
+        lanes.append(LanePolicy(entry.name, own.slots(None, single), entry.models))
+    return policy.with_lanes(tuple(lanes))
+
+
+def _pods_flag(text: str) -> int:
+    try:
+        pods = int(text)
+    except ValueError:
+        pods = 0
+    if not 1 <= pods <= 1000:
+        raise argparse.ArgumentTypeError(f"must be a whole number of pods from 1 to 1000, not {text!r}")
+    return pods
 
 
 def _speed_flag(text: str) -> ConcurrencySpeed:

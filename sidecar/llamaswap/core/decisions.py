@@ -57,6 +57,9 @@ class Decision:
     # beside it. It loads nothing (neither `load` nor `swap`).
     alone: bool = False
     upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
+    # Granted beside a grant that loads its model there: that model and when that grant was made
+    # (its run begins once the load ends, which the estimates need after that grant has ended).
+    beside_load: tuple[str, int] | None = None
 
     @property
     def queue_wait_ns(self) -> int:
@@ -133,6 +136,8 @@ class RunningView:
     running_s: float
     alone: bool = False  # it runs alone (an unload): nothing starts beside it
     upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
+    # Granted beside a load (`Decision.beside_load`): that model, and how long ago its load began.
+    beside_load: tuple[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,7 +27,9 @@ non-interactive work holds its share (slots - reserved), and an interactive one 
 a free slot meanwhile (exact when every grant takes its expected time and swap affinity plays no
 part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
-cost where the model changes.
+cost where the model changes. A running grant made beside a load runs after it, also once the
+grant that loaded has ended (`RunningView.beside_load`). Over a node of several upstreams,
+`starts_of_node` walks the node rule instead (`estimate_node`) and says where each one starts.
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
 remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
@@ -41,11 +43,12 @@ import heapq
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final
 
-from llamaswap.core.decisions import QueueSnapshot
-from llamaswap.core.dispatch import Running, Turn, turn
+from llamaswap.core.decisions import QueueSnapshot, RunningView
+from llamaswap.core.dispatch import Lane, Running, Turn, turn
+from llamaswap.core.estimate_node import node_starts
 from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
@@ -178,21 +181,7 @@ class Estimator:
         start until it ends; ``blocked_s`` as for `starts`), its waiting order and
         bands, and the size each waiting request and each running grant asked for (same orders
         as the snapshot's; None: not said)."""
-        grant_sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
-        # A grant made beside a load (while its grant runs) begins its run when the load ends,
-        # as the walk reads the ones it starts (``ready_at``): it ends a run after the later of
-        # its grant and the load's end.
-        ready_in = max((self.expected_swap_s(grant.model) - grant.running_s for grant in snapshot.grants
-                        if grant.model_load), default=None)
-        remaining: list[float] = []
-        for grant, size in zip(snapshot.grants, grant_sizes, strict=True):
-            if ready_in is not None and not grant.model_load:
-                left: float | None = max(-grant.running_s, ready_in) + self.expected_request_run_s(grant.model, size)
-                left = left if left is not None and left > 0 else None
-            else:
-                left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
-                                              max_tokens=size)
-            remaining.append(math.inf if left is None else left)
+        remaining, loading_s = self.remaining_of(snapshot.grants, grant_max_tokens)
         # A grant that runs alone (an unload) holds back every start until it ends, as in `next`.
         alone_s = max((left for grant, left in zip(snapshot.grants, remaining) if grant.alone), default=0.0)
         named = [(grant.model, left) for grant, left in zip(snapshot.grants, remaining) if grant.model is not None]
@@ -202,7 +191,40 @@ class Estimator:
                            remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
                            slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
                            max_tokens=max_tokens, running_model=running_model,
-                           loading_s=max(0.0, ready_in) if ready_in is not None else 0.0)
+                           loading_s=loading_s)
+
+    def remaining_of(self, grants: Sequence[RunningView],
+                     sizes: Sequence[int | None] | None = None) -> tuple[list[float], float]:
+        """The expected remaining time of each of these running grants of one upstream
+        (`math.inf`: it outran its expected time) and how long the load under way there still
+        takes (0: none). ``sizes``: the output tokens each asked for (None: not said)."""
+        grant_sizes = sizes if sizes is not None else [None] * len(grants)
+        # A grant made beside a load (while its grant runs) begins its run when the load ends,
+        # as the walk reads the ones it starts (``ready_at``): it ends a run after the later of
+        # its grant and the load's end.
+        ready_in = max((self.expected_swap_s(grant.model) - grant.running_s for grant in grants
+                        if grant.model_load), default=None)
+        remaining: list[float] = []
+        for grant, size in zip(grants, grant_sizes, strict=True):
+            ready = ready_in
+            if grant.beside_load is not None and not grant.model_load:  # known after the loading grant ended
+                ready = self.expected_swap_s(grant.beside_load[0]) - grant.beside_load[1]
+            if ready is not None and not grant.model_load:
+                left: float | None = max(-grant.running_s, ready) + self.expected_request_run_s(grant.model, size)
+                left = left if left is not None and left > 0 else None
+            else:
+                left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
+                                              max_tokens=size)
+            remaining.append(math.inf if left is None else left)
+        return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
+
+    def starts_of_node(self, snapshot: QueueSnapshot, lanes: Sequence[Lane],
+                       blocked_s_by_upstream: Mapping[str, float] | None = None,
+                       max_tokens: Sequence[int | None] | None = None,
+                       grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
+        """`starts_of` over a node's upstreams (`estimate_node`): each waiting request's
+        estimated start and the upstream it is expected to start on (None where not known)."""
+        return node_starts(self, snapshot, lanes, blocked_s_by_upstream or {}, max_tokens, grant_max_tokens)
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
               occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,

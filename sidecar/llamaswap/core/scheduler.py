@@ -441,6 +441,7 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         lane.dispatches += 1
+        loading = next((g.decision for g in lane.grants.values() if g.decision.model_load), None)
         decision = Decision(
             request_id=winner.request_id,
             priority=winner.priority.value,
@@ -461,6 +462,7 @@ class Scheduler:
             reserved_slot=reserved_slot,
             alone=alone,
             upstream=lane.name,
+            beside_load=(loading.model, loading.granted_ns) if loading is not None and loading.model else None,
         )
         load = None
         if model is not None and not alone:
@@ -578,6 +580,7 @@ class Scheduler:
                 running_s=(now - decision.granted_ns) / NS_PER_S,
                 alone=decision.alone,
                 upstream=decision.upstream,
+                beside_load=None if (load := decision.beside_load) is None else (load[0], (now - load[1]) / NS_PER_S),
             )
             for decision in self.running_grants
         )

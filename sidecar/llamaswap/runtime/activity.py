@@ -93,6 +93,10 @@ class ActivityLog:
             "slots": policy.slots.default,
             "model_slots": dict(policy.slots.per_model),
             "reserved_slots": policy.slots.reserved,
+            # The node's upstreams (issue 27), in the configured order: a replay runs with the same.
+            "upstreams": [{"name": lane.name, "slots": lane.slots.default, "model_slots": dict(lane.slots.per_model),
+                           "models": sorted(lane.models) if lane.models is not None else None}
+                          for lane in policy.lanes_in_effect],
         })
 
     def finished(self, ticket: Ticket) -> None:
@@ -135,6 +139,8 @@ class ActivityLog:
             "serial_score": round(decision.score, 3) if decision is not None else None,
             "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
             "serial_slots_busy": decision.slots_busy if decision is not None else None,
+            # The upstream (GPU) its grant ran on (None: never dispatched): a replay runs with the log's upstreams.
+            "upstream": decision.upstream if decision is not None else None,
             "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
             "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
             "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,

@@ -64,7 +64,8 @@ from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
-from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult, overtaken_by
+from llamaswap.runtime.observer import (NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult,
+                                        lane_pictures, overtaken_by)
 from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
@@ -123,11 +124,12 @@ class Coordinator:
         self._idle.set()
         self._version = 0
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
-                                  settling=lambda: self._settling,
+                                  settling=lambda: self.gpus.settling,
                                   schedule_model=lambda model: self._key(model).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
-            version=lambda: self._version, busy_s=self._forecast.settle_busy_s, gpu_state=lambda: self.gpu_state)
+            version=lambda: self._version, blocked=lambda: self._forecast.blocked_by_upstream(self.gpus),
+            gpu_state=lambda: self.gpu_state, lane_states=lambda: self.gpus.states(self.scheduler))
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
 
@@ -157,11 +159,7 @@ class Coordinator:
         decision and the idle wait each read."""
         if gpu is not None:
             return gpu.holders(self.scheduler.slots_busy_on(gpu.name))
-        return Holders(self.scheduler.slots_busy, self._settling is not None, len(self._leases.adopted))
-
-    @property
-    def _settling(self) -> Settling | None:
-        return self.gpus.settling
+        return Holders(self.scheduler.slots_busy, self.gpus.settling is not None, len(self._leases.adopted))
 
     def _key(self, model: str | None) -> ModelKey:
         """What a request naming ``model`` is scheduled as, and whose models.<id> it gets."""
@@ -567,7 +565,7 @@ class Coordinator:
             self._leases.forget_lapsed(token)
         elif result is SettleResult.WATCHDOG:
             self._leases.let_go(token)
-        settle = Settle(SettleReason.ADOPTED, result, None, "-", adoption.adopted_ns, self._clock.now_ns())
+        settle = Settle(SettleReason.ADOPTED, result, None, "-", adoption.adopted_ns, self._clock.now_ns(), gpu.name)
         _log.info("the adopted exchange %s after %.3f s; the GPU is free again", {
             SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
             SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}.get(result, str(result)), settle.seconds)
@@ -692,7 +690,8 @@ class Coordinator:
         depth = tuple((band, s.depth) for band, s in stats.items())
         oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
         self._observer.queue_changed(QueuePicture(depth, oldest, not self._holders().free, self.scheduler.slots_busy,
-                                                  self.scheduler.slots_total, self.scheduler.loaded_model))
+                                                  self.scheduler.slots_total, self.scheduler.loaded_model,
+                                                  lane_pictures(self.scheduler, self.gpus.blocked())))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""

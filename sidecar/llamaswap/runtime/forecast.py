@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import LaneTimes
+from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -77,9 +79,15 @@ class Forecast:
         return ends
 
     def lane_times(self) -> LaneTimes:
-        """What the node rule may know of time now (`dispatch.LaneTimes`), from the estimator
-        over what runs on each GPU: read once, when the rule first asks."""
-        return _RunningTimes(self._ends, self._estimator)
+        """What the node rule may know of time now (`dispatch.LaneTimes`): the times the
+        estimates walk from (`NodeTimes`, a grant beside a load run after it), over what runs
+        on each GPU; read once, when the rule first asks."""
+        return _RunningTimes(self._node_times, self._estimator)
+
+    def _node_times(self) -> NodeTimes:
+        running = [ticket for ticket in self._running() if ticket.decision is not None]
+        return NodeTimes.of_grants([ticket.decision for ticket in running if ticket.decision is not None],
+                                   self._clock.now_ns(), self._estimator, [ticket.max_tokens for ticket in running])
 
     def settle_busy_s(self) -> float:
         """How much longer a settling generation is expected to run (0 without one)."""
@@ -89,6 +97,23 @@ class Forecast:
             return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
                                                running_s=(now - settling.granted_ns) / NS_PER_S)
         return 0.0
+
+    def blocked_by_upstream(self, gpus: Gpus) -> dict[str, float]:
+        """How much longer work the scheduler did not grant holds each GPU that has some (a
+        settling generation's expected rest; `math.inf` once it is past its expected end, or for
+        an adopted exchange: held for a time nobody can tell)."""
+        now = self._clock.now_ns()
+        blocked: dict[str, float] = {}
+        for gpu in gpus:
+            settling = gpu.settling
+            if settling is None and not gpu.adopted:
+                continue
+            left = 0.0
+            if settling is not None and settling.granted_ns is not None:
+                left = self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
+                                                   running_s=(now - settling.granted_ns) / NS_PER_S)
+            blocked[gpu.name] = left if left > 0 else math.inf
+        return blocked
 
     def estimate_later(self, ticket: Ticket) -> None:
         """Record `ticket`'s estimated wait soon, in one walk with the other arrivals of the batch."""
@@ -117,23 +142,23 @@ class Forecast:
 
 
 class _RunningTimes:
-    """`dispatch.LaneTimes` from the running grants' expected remaining times (unknown: inf)."""
+    """`dispatch.LaneTimes` read from `NodeTimes` the first time the rule asks."""
 
-    def __init__(self, ends: Callable[..., dict[str, list[float]]], estimator: Estimator) -> None:
-        self._read = ends
-        self._ends: dict[str, list[float]] | None = None
+    def __init__(self, read: Callable[[], NodeTimes], estimator: Estimator) -> None:
+        self._read = read
+        self._times: NodeTimes | None = None
         self._estimator = estimator
 
-    def _of(self, lane: str) -> list[float]:
-        if self._ends is None:
-            self._ends = self._read(known=True)
-        return self._ends.get(lane, [])
+    def _of(self) -> NodeTimes:
+        if self._times is None:
+            self._times = self._read()
+        return self._times
 
     def slot_free_in_s(self, lane: str) -> float:
-        return min(self._of(lane), default=0.0)
+        return self._of().slot_free_in_s(lane)
 
     def drained_in_s(self, lane: str) -> float:
-        return max(self._of(lane), default=0.0)
+        return self._of().drained_in_s(lane)
 
     def swap_s(self, model: str | None) -> float:
         return self._estimator.expected_swap_s(model)

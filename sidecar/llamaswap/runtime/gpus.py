@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 from llamaswap.config import SLOTS_AUTO, Config, UpstreamEntry
 from llamaswap.config.sections import RENEWALS_PER_LEASE
-from llamaswap.core import Clock, Policy
+from llamaswap.core import Clock, Policy, Scheduler
 from llamaswap.core.policy import LanePolicy
 from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.observer import Settle, SettleReason
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
-from llamaswap.runtime.views import Holders
+from llamaswap.runtime.views import GpuState, Holders
 
 
 def gpu_config(config: Config, entry: UpstreamEntry) -> Config:
@@ -64,10 +64,11 @@ class Gpu:
         # Envoy's periodic access-log entry, sent every leaseSeconds/3. Wait for one interval.
         blind_until_ns = settling.started_ns + lease_ns // RENEWALS_PER_LEASE if startup else None
         try:
-            return await settle_upstream(
+            settle = await settle_upstream(
                 self.upstream, settling, stop=stop, clock=clock, deadline_ns=deadline_ns,
                 loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
                 held=held)
+            return dataclasses.replace(settle, upstream=self.name)
         finally:
             if self.settling is settling:
                 self.settling = None
@@ -101,6 +102,10 @@ class Gpus:
     def blocked(self) -> frozenset[str]:
         """The GPUs a settle or an adopted exchange holds: nothing is granted there until it ends."""
         return frozenset(gpu.name for gpu in self.all if gpu.settling is not None or gpu.adopted)
+
+    def states(self, scheduler: Scheduler) -> dict[str, GpuState]:
+        """What holds each GPU, by name."""
+        return {gpu.name: gpu.holders(scheduler.slots_busy_on(gpu.name)).state for gpu in self.all}
 
     def adopting(self, token: str) -> Gpu:
         """The GPU an adopted exchange holds."""
@@ -189,4 +194,6 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
         if served is not None:
             models = served if models is None else models & served
         lanes.append(LanePolicy(gpu.name, slots, models))
-    return config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))
+    # The node-wide settings (order, aging, limits) with the first upstream's slots: the lanes say each one's.
+    first_config = gpu_config(config, entry_of(config, first.name))
+    return first_config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))

@@ -77,6 +77,8 @@ class History:
         self._settles: collections.Counter[str] = collections.Counter()
         self._swaps = 0
         self._loads = 0
+        # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one.
+        self._upstreams: dict[str, collections.Counter[str]] = {}
         self._ratios: collections.deque[float] = collections.deque(maxlen=RATIO_SAMPLES)
         self._actual_wait_s = 0.0
         self._estimated_wait_s = 0.0
@@ -111,6 +113,8 @@ class History:
             "reorders": dict(self._reorders),
             "swaps": self._swaps,
             "loads": self._loads,
+            "upstreams": {name: {"dispatched": counts["dispatched"], "swaps": counts["swaps"], "loads": counts["loads"]}
+                          for name, counts in self._upstreams.items()},
             "outcomes": dict(self._outcomes),
             "kept_places": dict(self._kept),
             "settles": dict(self._settles),
@@ -153,7 +157,7 @@ class History:
                 if settle_ms > 0:
                     self._add("settle", request_id, end_ms + settle_ms, {
                         "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
-                        "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3), "settle_ms": settle_ms})
+                        "upstream": record.get("upstream"), "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3), "settle_ms": settle_ms})
                     added += 1
             else:
                 self._add("mark", request_id, end_ms, {**record, "end_ms": end_ms})
@@ -176,6 +180,10 @@ class History:
                 self._reorders[str(cause)] += 1
             self._swaps += decision.swap
             self._loads += decision.load
+            counts = self._upstreams.setdefault(decision.upstream, collections.Counter())
+            counts["dispatched"] += 1
+            counts["swaps"] += decision.swap
+            counts["loads"] += decision.load
 
     def queue_changed(self, picture: QueuePicture) -> None:
         pass
@@ -214,7 +222,7 @@ class History:
         end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
         self._add("settle", settle.request_id, end_ms, {
             "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
-            "model": settle.model, "start_ms": start_ms, "end_ms": end_ms, "settle_ms": round(settle.seconds * 1000, 3),
+            "model": settle.model, "upstream": settle.upstream, "start_ms": start_ms, "end_ms": end_ms, "settle_ms": round(settle.seconds * 1000, 3),
         })
 
     # -- internals -----------------------------------------------------------------------

@@ -10,7 +10,10 @@ import enum
 import logging
 from typing import Protocol
 
-from llamaswap.core import Band, Policy
+from collections.abc import Collection
+
+from llamaswap.core import Band, Policy, Scheduler
+from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
 
@@ -35,6 +38,25 @@ def overtaken_by(ticket: Ticket | None) -> Overtaken:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LanePicture:
+    """One upstream (GPU) in the gauges' picture."""
+
+    name: str
+    loaded_model: str | None
+    slots_busy: int  # its running grants
+    slots_total: int  # the slots of the model in effect there
+    # Something besides our grants holds it (a settle, an adopted exchange): nothing starts there.
+    blocked: bool = False
+
+
+def lane_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[LanePicture, ...]:
+    """Every upstream of the scheduler, in the configured order, for `QueuePicture.lanes`;
+    `blocked` names the ones a settle or an adopted exchange holds."""
+    return tuple(LanePicture(name, scheduler.loaded_on(name), scheduler.slots_busy_on(name),
+                             scheduler.slots_total_on(name), name in blocked) for name in scheduler.lanes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QueuePicture:
     """The gauges' view of the queue, published after every change. Immutable, so an exporter
     thread may read it while the event loop moves on."""
@@ -45,6 +67,8 @@ class QueuePicture:
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect
     loaded_model: str | None = None  # the scheduler's loaded model (None: none known)
+    # Every upstream (`lane_pictures`); empty: one, described by the fields above.
+    lanes: tuple[LanePicture, ...] = ()
 
 
 class SettleReason(str, enum.Enum):
@@ -80,6 +104,7 @@ class Settle:
     request_id: str  # the abandoned (or adopted) request, "-" at startup
     started_ns: int
     ended_ns: int
+    upstream: str = SINGLE_UPSTREAM  # the upstream that waited (the others keep serving)
 
     @property
     def seconds(self) -> float:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
 
@@ -92,6 +93,19 @@ class RunningRow:
     running_s: float
     expected_run_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
+    upstream: str = SINGLE_UPSTREAM  # the upstream (GPU) it runs on
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GpuRow:
+    """One upstream of the node (a GPU, or the GPUs one llama-server uses together): what it has
+    loaded and how many of its slots the running grants hold."""
+
+    name: str
+    loaded_model: str | None
+    slots_busy: int
+    slots: int  # the slots of the model in effect there
+    state: GpuState = GpuState.IDLE  # what holds it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,6 +121,9 @@ class QueueView:
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
     kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
+    # Every upstream, in the configured order (one with `upstream:` alone). With several, the
+    # fields above describe the node: `loaded_model` the first one's, the slots summed over all.
+    gpus: tuple[GpuRow, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,20 +138,26 @@ class _Walk:
 
 class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
-    the queue (the coordinator counts them); `busy_s` is how much longer work the scheduler did
-    not grant (a settling generation) holds the GPU, nothing granted meanwhile; `gpu_state` is what holds the GPU."""
+    the queue (the coordinator counts them); `blocked` says, for each GPU that work the scheduler
+    did not grant holds (a settling generation, an adopted exchange), how much longer it does
+    (`math.inf`: unknown), nothing granted there meanwhile; `gpu_state` is what holds the GPU;
+    `lane_states`, what holds each upstream, by name (without it, or for one it does not name:
+    running while grants run there, else idle)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
-                 by_request_id: dict[str, Ticket], *, version: Callable[[], int], busy_s: Callable[[], float],
-                 gpu_state: Callable[[], GpuState]) -> None:
+                 by_request_id: dict[str, Ticket], *, version: Callable[[], int],
+                 blocked: Callable[[], Mapping[str, float]],
+                 gpu_state: Callable[[], GpuState],
+                 lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
         self._tickets = tickets
         self._by_request_id = by_request_id
         self._version = version
-        self._busy_s = busy_s
+        self._blocked = blocked
         self._gpu_state = gpu_state
+        self._lane_states = lane_states
         self._walk: _Walk | None = None
 
     @property
@@ -161,17 +184,14 @@ class QueueViews:
         tickets = self._tickets
         sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
                  for w in snapshot.waiting]
-        # A settle or an adopted exchange: nothing is granted until it ends (`Holders.others`).
-        blocked_s = self._busy_s()
-        if blocked_s <= 0 and self._gpu_state() in (GpuState.SETTLING, GpuState.ADOPTED):
-            # An adopted exchange, or a settling generation past its expected end: held for a
-            # time nobody can tell.
-            blocked_s = math.inf
+        # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`Gpus.blocked`).
+        blocked = self._blocked()
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
-        starts = self._estimator.starts_of(snapshot, self._scheduler.policy.slots, max_tokens=sizes,
-                                           grant_max_tokens=grant_sizes,
-                                           blocked_s=blocked_s)
+        # The grants' own rule over every GPU (`Estimator.starts_of_node`; with one, `starts_of`).
+        placed = self._estimator.starts_of_node(snapshot, self._scheduler.lane_views(frozenset(blocked)), blocked,
+                                                sizes, grant_sizes)
+        starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
@@ -190,8 +210,18 @@ class QueueViews:
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
+        # The lanes as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
+        scheduler = self._scheduler
+        states = self._lane_states() if self._lane_states is not None else {}
+        gpus = []
+        for name in scheduler.lanes:
+            busy = scheduler.slots_busy_on(name)
+            state = states.get(name, GpuState.RUNNING if busy else GpuState.IDLE)
+            gpus.append(GpuRow(name, scheduler.loaded_on(name), busy, scheduler.slots_total_on(name), state))
+        # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
+        slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
-                         bands, self._scheduler.slots_busy, self._scheduler.slots_total)
+                         bands, scheduler.slots_busy, slots_total, gpus=tuple(gpus))
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""
@@ -207,7 +237,8 @@ class QueueViews:
                                                           running_s=running_s, max_tokens=size)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
-                                   decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining))
+                                   decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,
+                                   decision.upstream))
         return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:

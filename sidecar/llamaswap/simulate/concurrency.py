@@ -115,11 +115,23 @@ class RecordedConcurrency:
 
     @classmethod
     def of(cls, records: Iterable[RequestRecord]) -> RecordedConcurrency:
-        intervals = {}
+        """Per upstream (the record's; not recorded: one): generations on different GPUs do
+        not share one."""
+        by_upstream: dict[str | None, dict[int, tuple[int, int]]] = {}
         for record in records:
             interval = _interval_us(record)
             if interval is not None and interval[1] > interval[0]:
-                intervals[record.order] = interval
+                by_upstream.setdefault(record.upstream, {})[record.order] = interval
+        exposure: dict[int, Mapping[int, int]] = {}
+        peak = 0
+        for intervals in by_upstream.values():
+            part = cls._of_one(intervals)
+            exposure.update(part.exposure)
+            peak = max(peak, part.peak)
+        return cls(exposure, peak)
+
+    @classmethod
+    def _of_one(cls, intervals: Mapping[int, tuple[int, int]]) -> RecordedConcurrency:
         # The number running between consecutive grant and end times: a step function.
         changes: dict[int, int] = {}
         for start, end in intervals.values():

@@ -34,6 +34,12 @@ grants run, each progresses at speed(n) / n of that rate, where speed(n) is the 
 throughput of n concurrent generations relative to one (`ConcurrencySpeed`), so each running
 grant's release moves whenever one starts or ends. Without a table, n generations run as fast
 as one each. With one slot nothing changes.
+
+Upstreams (the policy's lanes: `simulate --gpus N`, or the log's recorded upstreams): one queue
+over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
+runtime would read: each upstream's grants' expected ends, `_ExpectedEnds`). Each GPU has its
+own slots, loaded model, swaps and concurrency; the replay starts each with the model its first
+recorded grant found loaded. The metrics give each GPU's swaps and busy fraction.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from llamaswap.core import (
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
-from llamaswap.simulate.results import BandMetrics, Metrics, Request, Result, Simulation
+from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation
 
 _log = logging.getLogger(__name__)
 
@@ -194,13 +200,18 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
+    names = scheduler.lanes
+    node = len(names) > 1
     # The replay starts with what the recording started with: a first recorded grant that did
-    # not load its model found it loaded (a single-model upstream's one model always is).
-    # Records without a grant time (older logs, synthetic workloads) start from nothing loaded.
-    first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None),
-                key=lambda r: (r.record.granted_ms, r.index), default=None)
-    if first is not None and not first.recorded_load and first.record.model is not None:
-        scheduler.set_loaded_model(first.record.model, as_of=scheduler.dispatches)
+    # not load its model found it loaded (a single-model upstream's one model always is), per
+    # upstream where the log names them. Records without a grant time (older logs, synthetic
+    # workloads) start from nothing loaded.
+    for name in names:
+        first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None
+                     and (not node or r.record.upstream == name)),
+                    key=lambda r: (r.record.granted_ms, r.index), default=None)
+        if first is not None and not first.recorded_load and first.record.model is not None:
+            scheduler.set_loaded_model(first.record.model, as_of=scheduler.dispatches_on(name), upstream=name)
     ids = [str(r.index) for r in requests]
     entries = [r.record.settings_of(policy.model_priorities) for r in requests]  # their models.<id>
     results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, entry))
@@ -214,10 +225,15 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
     swaps = peak = waiting = 0
-    busy_ns = last_release = busy_since = 0
-    # The running grants, one per busy slot.
-    running: _Running = (_Shared(concurrency_speed) if concurrency_speed is not None and not policy.slots.single
-                         else _Apart())
+    last_release = 0
+    # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
+    # speed), its swaps and how long it was held.
+    shared = concurrency_speed is not None and not all(lane.slots.single for lane in policy.lanes_in_effect)
+    gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
+            for name in names]
+    gpu_of = {gpu.name: gpu for gpu in gpus}
+    # What the runtime would know of each upstream's time (`NodeTimes`): the expected ends.
+    times = _ExpectedEnds(gpus, clock, costs)
     release_at = _NEVER
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
@@ -241,13 +257,18 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
         clock.set_ns(now)
 
         if release_at == now:
-            for index in running.finish(now):
-                released = results[index]
-                scheduler.release(ids[index], model_loaded=released.request.model_loaded)
-                released.release_ns = last_release = now
-            release_at = running.release_at
-            if not running:
-                busy_ns += now - busy_since
+            for gpu in gpus:
+                running = gpu.running
+                if running.release_at != now:
+                    continue
+                for index in running.finish(now):
+                    released = results[index]
+                    scheduler.release(ids[index], model_loaded=released.request.model_loaded)
+                    released.release_ns = last_release = now
+                    del gpu.expected_end[index]
+                if not running:
+                    gpu.busy_ns += now - gpu.busy_since
+            release_at = min(gpu.running.release_at for gpu in gpus)
         if expiry is not None and expiry <= now:
             for expired in scheduler.expire_overdue():
                 result = results[int(expired.request_id)]
@@ -283,7 +304,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 arrival += 1
 
         while waiting:
-            decision = grant()
+            decision = grant(times=times) if node else grant()
             if decision is None:
                 break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1
@@ -301,18 +322,65 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             result.outcome = request.granted_outcome
             result.start_ns = result.end_ns = now
             result.model_load = load
+            result.upstream = decision.upstream
             swaps += load
             if decision.reordered_by:
                 for cause in decision.reordered_by:
                     reorders[cause] += 1
-            if not running:
-                busy_since = now
-            running.start(now, request.index, hold)
-            release_at = running.release_at
+            gpu = gpu_of[decision.upstream]
+            gpu.swaps += load
+            if not gpu.running:
+                gpu.busy_since = now
+            gpu.running.start(now, request.index, hold)
+            if load:
+                gpu.ready_ns = now + swap_ns[model]
+            # A grant beside a load runs once the load ends, as the estimates read it.
+            gpu.expected_end[request.index] = max(now, gpu.ready_ns) + run_ns[model]
+            if gpu.running.release_at < release_at:
+                release_at = gpu.running.release_at
 
-    metrics = _metrics(results, swaps, reorders, busy_ns, last_release, peak)
+    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
+
+
+class _Gpu:
+    """One upstream of the replay: its running grants and its figures."""
+
+    __slots__ = ("name", "running", "expected_end", "ready_ns", "swaps", "busy_ns", "busy_since")
+
+    def __init__(self, name: str, running: _Running) -> None:
+        self.name = name
+        self.running = running
+        self.expected_end: dict[int, int] = {}  # running request -> when the runtime expects its end
+        self.ready_ns = 0  # when the last load on it is expected to end
+        self.swaps = 0
+        self.busy_ns = 0
+        self.busy_since = 0
+
+
+class _ExpectedEnds:
+    """`dispatch.LaneTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
+    remaining time of each upstream's grants (their model's run, after the load under way there),
+    a grant that outran it held for an unknown time."""
+
+    def __init__(self, gpus: Sequence[_Gpu], clock: ManualClock, costs: Costs) -> None:
+        self._gpus = {gpu.name: gpu for gpu in gpus}
+        self._clock = clock
+        self._costs = costs
+
+    def _remaining_s(self, lane: str) -> list[float]:
+        now = self._clock.now_ns()
+        return [(end - now) / 1e9 if end > now else math.inf for end in self._gpus[lane].expected_end.values()]
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return min(self._remaining_s(lane), default=0.0)
+
+    def drained_in_s(self, lane: str) -> float:
+        return max(self._remaining_s(lane), default=0.0)
+
+    def swap_s(self, model: str | None) -> float:
+        return self._costs.expected_swap_s(model)
 
 
 class _Running(Protocol):
@@ -408,8 +476,8 @@ def quantile(ordered: Sequence[int], fraction: float) -> int:
     return ordered[rank - 1]
 
 
-def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], busy_ns: int, last_release: int,
-             peak: int) -> Metrics:
+def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[_Gpu],
+             last_release: int, peak: int) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
     for result in results:
@@ -425,15 +493,19 @@ def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause],
                                             values[-1] / 1e9)
         else:
             bands[band.value] = BandMetrics(0, None, None, None)
+    per_gpu = {gpu.name: GpuMetrics(gpu.swaps, gpu.busy_ns / last_release if last_release > 0 else 0.0)
+               for gpu in gpus}
     return Metrics(
         requests=len(results),
         bands=bands,
         swaps=swaps,
         reorders={cause.value: reorders[cause] for cause in ReorderCause},
-        busy_fraction=busy_ns / last_release if last_release > 0 else 0.0,
+        # Of the node: the mean of its GPUs'.
+        busy_fraction=sum(gpu.busy_fraction for gpu in per_gpu.values()) / len(per_gpu),
         left=outcomes[Outcome.CANCELLED_WAITING],
         expired=outcomes[Outcome.EXPIRED],
         rejected=outcomes[Outcome.REJECTED_FULL],
         peak_waiting=peak,
         inversion=worst_inversion(results),
+        gpus=per_gpu,
     )

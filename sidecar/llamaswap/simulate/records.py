@@ -73,6 +73,7 @@ class RequestRecord:
     granted_ms: float | None = None
     max_tokens: int | None = None
     slots_busy: int | None = None
+    upstream: str | None = None  # the upstream its grant ran on (None: not recorded, or not granted)
 
     def settings_of(self, configured: Collection[str]) -> str | None:
         """The models.<id> entry it had (`config.model_key`, as the sidecar keyed it): where the
@@ -85,6 +86,11 @@ class RequestRecord:
     def model_load(self) -> bool:
         """The grant had to load its model first (from nothing known, or from another model)."""
         return self.swap or self.load
+
+
+def recorded_upstreams(records: Iterable[RequestRecord]) -> tuple[str, ...]:
+    """The upstreams the log's grants ran on, by name (empty: none recorded)."""
+    return tuple(sorted({record.upstream for record in records if record.upstream is not None}))
 
 
 def single_model(records: Iterable[RequestRecord]) -> str | None:
@@ -240,6 +246,7 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
         _number(document, "granted_unix_ms", required=False, minimum=None),
         _count(document, "max_tokens"),
         _count(document, "serial_slots_busy"),
+        upstream if isinstance(upstream := document.get("upstream"), str) and upstream else None,
     )
 
 
@@ -303,6 +310,7 @@ def request_document(record: RequestRecord) -> dict[str, Any]:
         "granted_unix_ms": record.granted_ms,
         "max_tokens": record.max_tokens,
         "serial_slots_busy": record.slots_busy,
+        "upstream": record.upstream,
     }
 
 

@@ -56,6 +56,8 @@ def row_document(row: Row) -> dict[str, Any]:
         "rejected": m.rejected,
         "peak_waiting": m.peak_waiting,
         "worst_inversion": dataclasses.asdict(m.inversion) if m.inversion is not None else None,
+        "gpus": {name: {"swaps": gpu.swaps, "busy_fraction": round(gpu.busy_fraction, 6)}
+                 for name, gpu in m.gpus.items()},
     }
 
 
@@ -153,13 +155,19 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
         # The inversion names a request: left-aligned, the numbers right-aligned.
         line = "  ".join(cell.rjust(w) for cell, w in zip(cells[:-1], widths[:-1]))
         lines.append((line + "  " + cells[-1]).rstrip())
+    if any(len(row.metrics.gpus) > 1 for row in rows):
+        lines.append("")
+        for number, row in enumerate(rows, 1):
+            gpus = row.metrics.gpus
+            lines.append((f"row {number}: " if len(rows) > 1 else "per GPU: ") + "; ".join(
+                f"{name} swaps {gpu.swaps} busy {gpu.busy_fraction:.3f}" for name, gpu in gpus.items()))
     lines.append("")
     lines += textwrap.wrap(_LEGEND, width=100)
     return "\n".join(lines) + "\n"
 
 
 _LEGEND = ("n: granted the GPU; p50/p95/max: seconds from arrival to grant; swaps: grants that loaded a model; "
-           "aging/affinity: grants that term reordered; busy: GPU held / (last release - first arrival); left: "
+           "aging/affinity: grants that term reordered; busy: GPU held / (last release - first arrival), the mean of the GPUs'; left: "
            "clients that gave up; expired: maxWaitSeconds; rejected: maxQueued; inversion: the worst priority "
            "inversion in seconds, and its request (see --help)")
 
@@ -186,6 +194,7 @@ def request_lines(simulation: Simulation, setting: int | None = None) -> list[st
             "start_ms": round(result.start_ns / 1e6, 3) if result.start_ns is not None else None,
             "wait_ms": round(result.wait_ns / 1e6, 3),
             "outcome": result.outcome.value,
+            "upstream": result.upstream,  # the GPU it ran on (None: never granted)
         }
         if setting is not None:
             item["setting"] = setting

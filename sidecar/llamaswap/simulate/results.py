@@ -37,6 +37,7 @@ class Result:
     end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
     release_ns: int | None = None
     model_load: bool = False
+    upstream: str | None = None  # the upstream (GPU) its grant ran on
 
     @property
     def wait_ns(self) -> int:
@@ -61,6 +62,14 @@ class Inversion:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GpuMetrics:
+    """One upstream (GPU) of the node."""
+
+    swaps: int  # grants on it that loaded a model
+    busy_fraction: float  # held / (last release - first arrival)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Metrics:
     requests: int
     bands: Mapping[str, BandMetrics]
@@ -72,6 +81,7 @@ class Metrics:
     rejected: int  # maxQueued
     peak_waiting: int
     inversion: Inversion | None
+    gpus: Mapping[str, GpuMetrics] = dataclasses.field(default_factory=dict)  # per upstream, by name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

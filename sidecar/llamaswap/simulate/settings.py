@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
+from llamaswap.core.policy import SINGLE_UPSTREAM, LanePolicy
 from llamaswap.simulate.records import SettingsRecord
 
 MAX_BONUS = 99
+MAX_GPUS = 64
 
 
 class SettingsError(ValueError):
@@ -40,12 +42,32 @@ class Settings:
     slots: int = 1  # every model's, unless in model_slots
     reserved_slots: int = 0
     model_slots: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # The upstreams (GPUs) of the node, each with these slots: their names where the log or -c
+    # names them (as many as ``gpus``), else gpu0..gpuN-1.
+    gpus: int = 1
+    upstreams: tuple[str, ...] = ()
+    # The upstreams as -c FILE describes them (their own slots and models), while no flag or
+    # sweep of slots or gpus replaces them.
+    configured: tuple[LanePolicy, ...] = ()
 
     @classmethod
     def from_policy(cls, policy: Policy) -> Settings:
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
                    policy.max_wait_s, dict(policy.model_priorities), policy.slots.default, policy.slots.reserved,
-                   dict(policy.slots.per_model))
+                   dict(policy.slots.per_model), len(policy.lanes_in_effect),
+                   tuple(lane.name for lane in policy.lanes), policy.lanes)
+
+    @property
+    def fewest_slots(self) -> int:
+        """The fewest slots of any model on any upstream (reservedSlots must stay below)."""
+        per_lane = [min([lane.slots.default, *lane.slots.per_model.values()]) for lane in self.configured]
+        return min([self.slots, *self.model_slots.values(), *per_lane])
+
+    @property
+    def upstream_names(self) -> tuple[str, ...]:
+        if len(self.upstreams) == self.gpus:
+            return self.upstreams
+        return tuple(f"gpu{i}" for i in range(self.gpus))
 
     def policy(self) -> Policy:
         """Raises SettingsError where reservedSlots leaves a model no slot (see ``fit_reserved``)."""
@@ -54,10 +76,23 @@ class Settings:
         except InvalidSlots as exc:
             raise SettingsError(f"reservedSlots {self.reserved_slots} with slots {self.slots}: {exc}") from None
         if self.scheduler is PolicyName.FIFO:
-            return Policy.fifo(model_priorities=self.model_priorities, max_queued=self.max_queued,
-                               max_wait_s=self.max_wait_s, slots=slots)
-        return Policy.serial(aging_divisor_s=self.aging_divisor_s, swap_affinity_bonus=self.swap_affinity_bonus,
-                             max_queued=self.max_queued, max_wait_s=self.max_wait_s, slots=slots)
+            policy = Policy.fifo(model_priorities=self.model_priorities, max_queued=self.max_queued,
+                                 max_wait_s=self.max_wait_s, slots=slots)
+        else:
+            policy = Policy.serial(aging_divisor_s=self.aging_divisor_s, swap_affinity_bonus=self.swap_affinity_bonus,
+                                   max_queued=self.max_queued, max_wait_s=self.max_wait_s, slots=slots)
+        names = self.upstream_names
+        if len(self.configured) == self.gpus and self.gpus > 1:
+            try:
+                return policy.with_lanes(tuple(
+                    dataclasses.replace(lane, slots=Slots(lane.slots.default, lane.slots.per_model,
+                                                          self.reserved_slots))
+                    for lane in self.configured))
+            except InvalidSlots as exc:
+                raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
+        if len(names) == 1 and names[0] == SINGLE_UPSTREAM:
+            return policy  # one upstream, as a configuration without `upstreams` has it
+        return policy.with_lanes(tuple(LanePolicy(name, slots) for name in names))
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
@@ -71,7 +106,9 @@ class Settings:
 
     @property
     def most_slots(self) -> int:
-        return max([self.slots, *self.model_slots.values()])
+        """The most slots of any model on any upstream."""
+        per_lane = [max([lane.slots.default, *lane.slots.per_model.values()]) for lane in self.configured]
+        return max([self.slots, *self.model_slots.values(), *per_lane])
 
     def values(self) -> dict[str, Any]:
         """Keyed by the configuration's names (the sweep keys), plus the model priorities and
@@ -159,6 +196,13 @@ def parse_slots(text: str) -> int:
     return value
 
 
+def parse_gpus(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= MAX_GPUS:
+        raise SettingsError(f"must be an integer from 1 to {MAX_GPUS}, got {value}")
+    return value
+
+
 def parse_reserved_slots(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -182,8 +226,10 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("maxQueued", "max_queued", "--max-queued", parse_max_queued),
     Key("maxWaitSeconds", "max_wait_s", "--max-wait", parse_max_wait),
     # A flag's or a sweep's slots are every model's.
-    Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}}),
+    Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}, "configured": ()}),
     Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
+    # A flag's or a sweep's GPUs are gpu0..gpuN-1, whatever the log or -c named them.
+    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": ()}),
 )}
 
 
@@ -243,7 +289,7 @@ def fit_reserved(settings: Sequence[Settings], *, explicit: bool) -> tuple[list[
     fitted: list[Settings] = []
     lowered: list[int] = []
     for setting in settings:
-        fewest = min([setting.slots, *setting.model_slots.values()])
+        fewest = setting.fewest_slots
         if setting.reserved_slots < fewest:
             fitted.append(setting)
         elif explicit:

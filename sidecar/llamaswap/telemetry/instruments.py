@@ -60,12 +60,23 @@ MAX_ADAPTERS = "max_lora"
 # The picker's four gauges, in the order of its engine config (queued, running, KV use, LoRA).
 PICKER = (WAITING, GPU_SLOTS_BUSY, SATURATION, MODELS_INFO)
 KEPT_PLACES = "llamaswap_kept_places_total"
+# Per upstream (issue 27: several GPUs behind one queue), label `upstream`: new series beside the
+# node-wide ones above, which keep their names and labels (a dashboard over one GPU reads on).
+UPSTREAM_SLOTS = "llamaswap_upstream_slots"
+UPSTREAM_SLOTS_BUSY = "llamaswap_upstream_slots_busy"
+UPSTREAM_BUSY = "llamaswap_upstream_busy"
+UPSTREAM_MODEL = "llamaswap_upstream_loaded_model_info"
+UPSTREAM_DISPATCHED = "llamaswap_upstream_dispatched_total"
+UPSTREAM_SWAPS = "llamaswap_upstream_swaps_total"
+UPSTREAM_LOADS = "llamaswap_upstream_loads_total"
+PER_UPSTREAM = (UPSTREAM_SLOTS, UPSTREAM_SLOTS_BUSY, UPSTREAM_BUSY, UPSTREAM_MODEL, UPSTREAM_DISPATCHED, UPSTREAM_SWAPS,
+                UPSTREAM_LOADS)
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
        ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
-       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES)
+       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES, *PER_UPSTREAM)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -84,14 +95,15 @@ ESTIMATE_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
 
 # Written once: the page at /metrics (through the SDK) and the picker's own page print them.
 DESCRIPTIONS = {
-    GPU_SLOTS_BUSY: "Slots held by running grants.",
+    GPU_SLOTS_BUSY: "Slots held by running grants, over every upstream.",
     WAITING: "Requests waiting for the GPU, all bands together.",
-    SATURATION: "Busy slots / the slots of the model in effect; 1 while no grant can be made because the upstream "
-                "finishes an abandoned or adopted generation.",
+    SATURATION: "Busy slots / the slots of the models in effect, over every upstream; an upstream where no grant "
+                "can be made because it finishes an abandoned or adopted generation counts as full.",
     MODELS_INFO: f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} the "
-                 f"loaded model, {WAITING_ADAPTERS} the models of the waiting requests (comma-separated, in the order "
-                 f"they started waiting, at most {MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the GPU holds at once; the value is when the labels "
-                 "last changed (Unix seconds).",
+                 f"loaded models (each upstream's, comma-separated, in the configured order), {WAITING_ADAPTERS} the "
+                 f"models of the waiting requests (comma-separated, in the order they started waiting, at most "
+                 f"{MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the pod holds at once (one per upstream); the value "
+                 "is when the labels last changed (Unix seconds).",
 }
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
@@ -109,6 +121,10 @@ class Tally:
         # Every series exists from the start, at 0: a query never misses a band with no traffic.
         self._counts: dict[tuple[tuple[str, str], ...], int] = {tuple(labels.items()): 0 for labels in series}
         meter.create_observable_counter(name, [self._observe], unit=unit, description=description)
+
+    def declare(self, labels: Labels) -> None:
+        """A series that exists from now on, at 0 until counted."""
+        self._counts.setdefault(tuple(labels.items()), 0)
 
     def add(self, amount: int, attributes: Labels | None = None) -> None:
         key = tuple(attributes.items()) if attributes else ()
@@ -139,7 +155,8 @@ class ModelLabels:
 class Instruments:
     def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
                  gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback, saturation: Callback,
-                 models_info: Callback) -> None:
+                 models_info: Callback, upstream_slots: Callback, upstream_slots_busy: Callback,
+                 upstream_busy: Callback, upstream_model: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
         meter.create_observable_gauge(
@@ -157,6 +174,20 @@ class Instruments:
         meter.create_observable_gauge(WAITING, [waiting], unit="{request}", description=DESCRIPTIONS[WAITING])
         meter.create_observable_gauge(SATURATION, [saturation], description=DESCRIPTIONS[SATURATION])
         meter.create_observable_gauge(MODELS_INFO, [models_info], description=DESCRIPTIONS[MODELS_INFO])
+        meter.create_observable_gauge(
+            UPSTREAM_SLOTS, [upstream_slots], unit="{slot}",
+            description="Generations of its loaded model an upstream may run at once, by upstream.")
+        meter.create_observable_gauge(
+            UPSTREAM_SLOTS_BUSY, [upstream_slots_busy], unit="{slot}",
+            description="Slots of an upstream held by running grants, by upstream.")
+        meter.create_observable_gauge(
+            UPSTREAM_BUSY, [upstream_busy],
+            description="1 while an upstream is busy (a grant holds it, or it finishes an abandoned or adopted "
+                        "generation), else 0, by upstream.")
+        meter.create_observable_gauge(
+            UPSTREAM_MODEL, [upstream_model],
+            description="1, with the model the scheduler knows loaded on the upstream (model=\"\": none known), "
+                        "by upstream.")
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)
@@ -171,6 +202,14 @@ class Instruments:
         self.run = meter.create_histogram(
             RUN, unit="s", description="Time from grant to release (the GPU held), by band.",
             explicit_bucket_boundaries_advisory=RUN_BUCKETS)
+        self.upstream_dispatched = Tally(meter, UPSTREAM_DISPATCHED, unit="{request}",
+                                         description="Requests granted an upstream, by upstream.", series=())
+        self.upstream_swaps = Tally(meter, UPSTREAM_SWAPS, unit="{dispatch}",
+                                    description="Dispatches that replaced an upstream's loaded model with another one, "
+                                                "by upstream.", series=())
+        self.upstream_loads = Tally(meter, UPSTREAM_LOADS, unit="{dispatch}",
+                                    description="Dispatches that loaded a model on an upstream where none was known to "
+                                                "be loaded, by upstream.", series=())
         self.swaps = Tally(meter, SWAPS, unit="{dispatch}",
                            description="Dispatches that replaced the loaded model with another one (a swap).")
         self.loads = Tally(meter, LOADS, unit="{dispatch}",

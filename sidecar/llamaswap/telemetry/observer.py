@@ -41,7 +41,8 @@ from llamaswap import __version__
 from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Policy, PrioritySource
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.runtime.observer import LanePicture, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
@@ -124,6 +125,7 @@ class Telemetry:
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
+        self._first_upstream = SINGLE_UPSTREAM  # the name of a picture without lanes (one upstream)
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         # By request id, while it waits: (when, the event's attributes) of each request that
@@ -134,11 +136,15 @@ class Telemetry:
         # 50 ms reads a finished label set whatever the depth.
         self._waiting_model: dict[str, str] = {}  # token -> the model it is scheduled on
         self._waiting_models: dict[str, int] = {}  # model -> requests waiting for it
-        self._models_info: tuple[dict[str, str], float] = (self._models_labels(None), time.time())
+        self._models_info: tuple[dict[str, str], float] = (self._models_labels(_EMPTY_PICTURE), time.time())
         self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
                                        gpu_busy=self._observe_busy, gpu_slots=self._observe_slots,
                                        gpu_slots_busy=self._observe_slots_busy, waiting=self._observe_waiting,
-                                       saturation=self._observe_saturation, models_info=self._observe_models_info)
+                                       saturation=self._observe_saturation, models_info=self._observe_models_info,
+                                       upstream_slots=self._observe_upstream_slots,
+                                       upstream_slots_busy=self._observe_upstream_slots_busy,
+                                       upstream_busy=self._observe_upstream_busy,
+                                       upstream_model=self._observe_upstream_model)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -192,17 +198,28 @@ class Telemetry:
         count = self._waiting_models.get(model, 0)
         self._waiting_models[model] = count + 1
         if not count:
-            self._models_changed(self._picture.loaded_model)
+            self._models_changed(self._picture)
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
+        lanes = policy.lanes_in_effect
+        self._first_upstream = lanes[0].name
+        instruments = self.instruments
+        for lane in lanes:  # every upstream's counts exist from the start, at 0
+            labels = {"upstream": lane.name}
+            instruments.upstream_dispatched.declare(labels)
+            instruments.upstream_swaps.declare(labels)
+            instruments.upstream_loads.declare(labels)
         if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
             # publishes the loaded model's with every change)
-            self._picture = dataclasses.replace(self._picture, slots_total=policy.slots.default)
+            before = self._picture
+            shown = tuple(LanePicture(lane.name, None, 0, lane.slots.default) for lane in lanes) if len(lanes) > 1 else ()
+            self._picture = dataclasses.replace(before, slots_total=policy.slots.default, lanes=before.lanes or shown)
+            self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
-        if picture.loaded_model != self._picture.loaded_model:
-            self._models_changed(picture.loaded_model)
+        if _loaded_models(picture) != _loaded_models(self._picture):
+            self._models_changed(picture)
         self._picture = picture
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
@@ -217,10 +234,14 @@ class Telemetry:
             instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
         instruments.queue_wait.record(wait_s, {"band": band})
+        upstream = {"upstream": decision.upstream}
+        instruments.upstream_dispatched.add(1, upstream)
         if decision.swap:
             instruments.swaps.add(1)
+            instruments.upstream_swaps.add(1, upstream)
         if decision.load:
             instruments.loads.add(1)
+            instruments.upstream_loads.add(1, upstream)
         if ticket.estimated_wait_s is not None:
             ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
             instruments.estimate_ratio.record(ratio, {"band": band})
@@ -340,16 +361,19 @@ class Telemetry:
             self._waiting_models[model] = count
             return
         del self._waiting_models[model]
-        self._models_changed(self._picture.loaded_model)
+        self._models_changed(self._picture)
 
-    def _models_labels(self, loaded: str | None) -> dict[str, str]:
+    def _models_labels(self, picture: QueuePicture) -> dict[str, str]:
         # Bounded like the `model` label: clients name models (without modelCheck, any name). The
         # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
         waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
-        return {RUNNING_ADAPTERS: loaded or "", WAITING_ADAPTERS: ",".join(waiting), MAX_ADAPTERS: "1"}
+        # Each upstream's loaded model, once each (two GPUs may hold the same), in the configured order.
+        loaded = dict.fromkeys(model for model in _loaded_models(picture) if model)
+        return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
+                MAX_ADAPTERS: str(max(1, len(picture.lanes)))}
 
-    def _models_changed(self, loaded: str | None) -> None:
-        labels = self._models_labels(loaded)
+    def _models_changed(self, picture: QueuePicture) -> None:
+        labels = self._models_labels(picture)
         if labels != self._models_info[0]:
             # The value is when the labels changed, as in vLLM: a picker that sees several series
             # (a Prometheus between them, or an old scrape) takes the one with the latest value.
@@ -389,7 +413,9 @@ class Telemetry:
         return [Observation(1 if self._picture.busy else 0)]
 
     def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._picture.slots_total)]
+        picture = self._picture
+        # Several upstreams: the node's slots (the busy ones are counted over all of them too).
+        return [Observation(sum(lane.slots_total for lane in picture.lanes) if picture.lanes else picture.slots_total)]
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._picture.slots_busy)]
@@ -398,14 +424,43 @@ class Telemetry:
         return [Observation(sum(depth for _, depth in self._picture.depth))]
 
     def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
-        picture = self._picture
-        if picture.busy and not picture.slots_busy:  # a settle or an adopted exchange: no grant possible
-            return [Observation(1.0)]
-        return [Observation(picture.slots_busy / picture.slots_total if picture.slots_total else 0.0)]
+        # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
+        lanes = self._lanes()
+        total = sum(lane.slots_total for lane in lanes)
+        held = sum(lane.slots_total if lane.blocked else min(lane.slots_busy, lane.slots_total) for lane in lanes)
+        return [Observation(held / total if total else 0.0)]
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
         labels, changed = self._models_info
         return [Observation(changed, labels)]
+
+    def _lanes(self) -> tuple[LanePicture, ...]:
+        """Every upstream in the picture; one without lanes is the one upstream it describes."""
+        picture = self._picture
+        if picture.lanes:
+            return picture.lanes
+        blocked = picture.busy and not picture.slots_busy  # a settle or an adopted exchange
+        return (LanePicture(self._first_upstream, picture.loaded_model, picture.slots_busy, picture.slots_total,
+                            blocked),)
+
+    def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(lane.slots_total, {"upstream": lane.name}) for lane in self._lanes()]
+
+    def _observe_upstream_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(lane.slots_busy, {"upstream": lane.name}) for lane in self._lanes()]
+
+    def _observe_upstream_busy(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(1 if lane.slots_busy or lane.blocked else 0, {"upstream": lane.name})
+                for lane in self._lanes()]
+
+    def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
+        # One series per upstream at a time, whatever the model's name: bounded by the upstreams.
+        return [Observation(1, {"upstream": lane.name, "model": lane.loaded_model or ""}) for lane in self._lanes()]
+
+
+def _loaded_models(picture: QueuePicture) -> tuple[str | None, ...]:
+    """Each upstream's loaded model, in the configured order."""
+    return tuple(lane.loaded_model for lane in picture.lanes) if picture.lanes else (picture.loaded_model,)
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
@@ -419,6 +474,7 @@ def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
         "llamaswap.swap": decision.swap,
         "llamaswap.load": decision.load,
         "llamaswap.serial_slots_busy": decision.slots_busy,  # running grants, this one included
+        "llamaswap.upstream": decision.upstream,  # the upstream (GPU) it runs on
     }
     if decision.reordered_by:
         attributes["llamaswap.reordered_by"] = sorted(cause.value for cause in decision.reordered_by)

@@ -11,7 +11,7 @@
   const ZOOM_MIN_MS = 10000;
   const SVG = "http://www.w3.org/2000/svg";
   const BANDS = ["interactive", "normal", "batch"];
-  const LANES = { top: 24, height: 44, gap: 10, labelWidth: 58 };
+  const LANES = { top: 24, height: 44, gap: 10, labelWidth: 58, markHeight: 16 };
 
   const page = {
     doc: null, // the last /ui/state document
@@ -158,10 +158,26 @@
     gpu.className = `gpu gpu-${doc.gpu}`;
     byId("loaded-model").textContent = doc.loaded_model || "none known";
     byId("slots").textContent = `${doc.slots_busy} / ${doc.slots_total}`;
+    renderGpus(doc);
     byId("waiting-total").textContent = doc.waiting_total.toLocaleString();
     renderRunning(doc);
     renderQueue(doc, ageS);
     renderNowOnTimeline();
+  }
+
+  // The upstreams (GPUs) in the configured order; an older sidecar lists none: one, unnamed.
+  const gpusOf = (doc) => (doc && doc.gpus && doc.gpus.length ? doc.gpus : [{ name: null }]);
+
+  function renderGpus(doc) {
+    const gpus = gpusOf(doc);
+    if (gpus.length < 2) {
+      byId("gpus").innerHTML = ""; // one GPU: the facts above say it all
+      return;
+    }
+    byId("loaded-model").textContent = `${gpus.length} GPUs`;
+    byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}" data-state="${escapeHtml(gpu.state || "")}">` +
+      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> <span class="gpu-model">${model(gpu.loaded_model)}</span>` +
+      `<b class="gpu-slots">${gpu.slots_busy} / ${gpu.slots}</b></span>`).join("");
   }
 
   function renderRunning(doc) {
@@ -173,12 +189,13 @@
       return `<tr data-request-id="${escapeHtml(row.request_id)}">` +
         `<td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
         `<td class="num">${row.priority}</td><td class="num score">${score(row.score)}</td>` +
-        `<td>${model(row.model)}</td><td class="num">${seconds(row.queue_wait_s)}</td>` +
+        `<td>${model(row.model)}</td><td class="gpu-name">${escapeHtml(row.upstream || "–")}</td>` +
+        `<td class="num">${seconds(row.queue_wait_s)}</td>` +
         `<td class="num elapsed">${seconds(elapsedS)}</td>` +
         `<td class="num">${known ? `${clock(row.expected_end_ms)} ${late ? "(overdue)" : `(in ${seconds((row.expected_end_ms - now) / 1000)})`}` : "unknown"}</td></tr>`;
     });
     byId("running").tBodies[0].innerHTML = rows.length ? rows.join("") :
-      `<tr><td class="empty" colspan="8">nothing holds the GPU</td></tr>`;
+      `<tr><td class="empty" colspan="9">nothing holds the GPU</td></tr>`;
   }
 
   function renderQueue(doc, ageS) {
@@ -226,6 +243,10 @@
     const settles = Object.entries(counters.settles);
     const estimate = counters.estimate;
     const ratio = (value) => (value === null ? "–" : `${value.toFixed(2)}×`);
+    // Several GPUs: each one's grants, and its swaps and loads.
+    const gpus = Object.entries(counters.upstreams || {});
+    const perGpu = gpus.length > 1 ? [counterCard("Per GPU: grants / swaps / loads", gpus.map(([name, c]) =>
+      [escapeHtml(name), `${c.dispatched} / ${c.swaps} / ${c.loads}`]))] : [];
     byId("counters").innerHTML = [
       counterCard("Dispatched", dispatched, total),
       counterCard("Reorders", reorders.length ? reorders.map(([k, v]) => [escapeHtml(k), v]) : [["none yet", ""]]),
@@ -236,6 +257,7 @@
         ? Object.entries(counters.kept_places).map(([k, v]) => [escapeHtml(k.replace("_", " ")), v]) : [["none yet", ""]]),
       counterCard("Wait: actual / estimated", [["median", ratio(estimate.median_ratio)],
         ["all waits", ratio(estimate.total_ratio)], ["grants with an estimate", estimate.samples]]),
+      ...perGpu,
     ].join("");
   }
 
@@ -264,22 +286,40 @@
     return steps.find((step) => spanMs / step <= 8) || 21600e3;
   }
 
+  // One timeline row per GPU: the row of a GPU by its name (an entry that names none, or one no
+  // longer listed, goes on the first), and the marks' row under them.
+  function timelineRows() {
+    const gpus = gpusOf(page.doc);
+    const index = new Map(gpus.map((gpu, i) => [gpu.name, i]));
+    const top = (name) => LANES.top + (index.get(name) ?? 0) * (LANES.height + LANES.gap);
+    const markTop = LANES.top + gpus.length * (LANES.height + LANES.gap);
+    return { gpus, top, markTop, bottom: markTop + LANES.markHeight };
+  }
+
   function renderTimeline() {
     const { node, width, start, end, x } = timeScale();
-    const gpuTop = LANES.top;
-    const markTop = gpuTop + LANES.height + LANES.gap;
-    const markHeight = 16;
+    const { gpus, top, markTop, bottom } = timelineRows();
+    const markHeight = LANES.markHeight;
+    node.style.height = `${bottom + 4}px`;
     node.replaceChildren();
     const defs = svg("defs", {});
     const hatch = svg("pattern", { id: "hatch", width: 5, height: 5, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" });
     hatch.appendChild(svg("rect", { width: 2, height: 5, fill: "#ffffff", "fill-opacity": 0.55 }));
     defs.appendChild(hatch);
     node.appendChild(defs);
-    node.appendChild(svg("rect", { class: "lane", x: LANES.labelWidth, y: gpuTop, width: width - LANES.labelWidth, height: LANES.height }));
+    for (const gpu of gpus) {
+      const gpuTop = top(gpu.name);
+      node.appendChild(svg("rect", { class: "lane gpu-lane", x: LANES.labelWidth, y: gpuTop, width: width - LANES.labelWidth, height: LANES.height, "data-gpu": gpu.name ?? "" }));
+      const gpuLabel = svg("text", { class: "lane-label", x: 4, y: gpuTop + LANES.height / 2 + 4 });
+      // One GPU: "GPU" as before; several: each one's name (cut to fit, whole in its title).
+      const name = gpus.length > 1 ? gpu.name : "GPU";
+      gpuLabel.textContent = name.length > 8 ? `${name.slice(0, 7)}…` : name;
+      const title = svg("title", {});
+      title.textContent = name;
+      gpuLabel.appendChild(title);
+      node.appendChild(gpuLabel);
+    }
     node.appendChild(svg("rect", { class: "lane", x: LANES.labelWidth, y: markTop, width: width - LANES.labelWidth, height: markHeight }));
-    const gpuLabel = svg("text", { class: "lane-label", x: 4, y: gpuTop + LANES.height / 2 + 4 });
-    gpuLabel.textContent = "GPU";
-    node.appendChild(gpuLabel);
     const markLabel = svg("text", { class: "lane-label", x: 4, y: markTop + 12 });
     markLabel.textContent = "no GPU";
     node.appendChild(markLabel);
@@ -296,11 +336,13 @@
       if (entry.end_ms < start) {
         continue;
       }
+      const gpuTop = top(entry.upstream);
       if (entry.kind === "grant") {
         const x1 = Math.max(x(entryStart), LANES.labelWidth);
         const bar = svg("rect", {
           class: `grant band-${entry.serial_band}`, x: x1, y: gpuTop + 2, width: Math.max(2, x(entry.end_ms) - x1),
           height: LANES.height - 4, "data-seq": entry.seq, "data-request-id": entry.request_id, "data-band": entry.serial_band,
+          "data-gpu": entry.upstream ?? "",
         });
         node.appendChild(bar);
         if ((entry.swap || entry.load) && entry.first_byte_ms !== null) {
@@ -311,7 +353,7 @@
         const x1 = Math.max(x(entryStart), LANES.labelWidth);
         node.appendChild(svg("rect", {
           class: "settle", x: x1, y: gpuTop + LANES.height - 12, width: Math.max(2, x(entry.end_ms) - x1), height: 10,
-          "data-seq": entry.seq, "data-request-id": entry.request_id,
+          "data-seq": entry.seq, "data-request-id": entry.request_id, "data-gpu": entry.upstream ?? "",
         }));
       } else {
         const at = x(entry.end_ms);
@@ -331,15 +373,16 @@
       return;
     }
     const { x, end } = timeScale();
+    const { top, bottom } = timelineRows();
     group.replaceChildren();
     for (const row of page.doc.running) {
       const x1 = Math.max(x(row.granted_ms), LANES.labelWidth);
       group.appendChild(svg("rect", {
-        class: `running band-${row.band}`, x: x1, y: LANES.top + 2, width: Math.max(2, x(end) - x1), height: LANES.height - 4,
-        "data-request-id": row.request_id,
+        class: `running band-${row.band}`, x: x1, y: top(row.upstream) + 2, width: Math.max(2, x(end) - x1), height: LANES.height - 4,
+        "data-request-id": row.request_id, "data-gpu": row.upstream ?? "",
       }));
     }
-    group.appendChild(svg("line", { class: "now", x1: x(end), x2: x(end), y1: 14, y2: LANES.top + LANES.height + LANES.gap + 16 }));
+    group.appendChild(svg("line", { class: "now", x1: x(end), x2: x(end), y1: 14, y2: bottom }));
   }
 
   function tooltipHtml(entry) {
@@ -353,6 +396,7 @@
     return line("request", `<span class="id">${escapeHtml(entry.request_id)}</span>`) +
       line("band", `${band(entry.serial_band)} priority ${entry.serial_priority}`) +
       line("score", score(entry.serial_score)) + line("model", model(entry.model)) +
+      (entry.upstream ? line("GPU", escapeHtml(entry.upstream)) : "") +
       line("waited", ms(entry.serial_queue_wait_ms)) + line("ran", ms(entry.run_ms)) +
       line("outcome", escapeHtml(entry.outcome)) +
       (entry.swap || entry.load ? line("model load", entry.swap ? "swap" : "load") : "") +

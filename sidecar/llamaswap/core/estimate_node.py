@@ -1,0 +1,257 @@
+"""Estimated starts over a node's upstreams: which waiting request starts when, and where.
+
+`Estimator.starts_of` walks one upstream with `dispatch.turn`; this walks several with the rule
+`Scheduler.next` asks over a node (`dispatch.choose`, down the order as `node.NodeWalk` does),
+so a grant and an estimate say the same. The walk keeps, per upstream, what runs there (each
+running grant's expected end, its band, its model, whether it runs alone), its loaded model,
+when a load under way there ends and until when a settle blocks it. At each instant it asks the
+rule for one start at a time, like repeated calls of `next`: the first request in the order
+is the best; if it cannot start it may claim one upstream (which then takes nothing else), and
+the first request after it that the rule starts does; none: the walk moves to the next end of a
+grant or of a settle. A request that loads its model holds its slot for the swap and its run,
+and those started beside the load run once it ends (as in `starts_of`). The rule reads time
+from the walk's own state (`_WalkTimes`); the runtime hands `next` the same from a snapshot
+(`NodeTimes`), so both read one picture.
+
+With one upstream the walk asks `dispatch.turn`, as `Scheduler.next` does there, and gives
+what `starts_of` gives. Exact when every grant takes its expected time and the order does not
+change as models load (swap affinity 0: with a bonus, the order moves with the loaded models,
+which the snapshot's order cannot say in advance). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
+from llamaswap.core.policy import PolicyName
+from llamaswap.core.dispatch import Lane, Running, Step, Turn, choose, turn
+
+if TYPE_CHECKING:
+    from llamaswap.core.estimate import Estimator
+
+
+class _Item:
+    """A slot held on an upstream, until ``end`` seconds from the walk's start (inf: unknown)."""
+
+    __slots__ = ("end", "interactive", "model", "alone")
+
+    def __init__(self, end: float, interactive: bool, model: str | None, alone: bool) -> None:
+        self.end = end
+        self.interactive = interactive
+        self.model = model
+        self.alone = alone
+
+
+class _Waiting:
+    """A waiting request as the rule reads it (a `dispatch.Candidate`)."""
+
+    __slots__ = ("model", "interactive")
+    alone = False  # the snapshot's order carries no unload, as in `starts_of`
+
+    def __init__(self, model: str | None, interactive: bool) -> None:
+        self.model = model
+        self.interactive = interactive
+
+
+class _LaneWalk:
+    """One upstream during the walk."""
+
+    __slots__ = ("lane", "slot_most", "loaded", "items", "ready_at", "blocked_until")
+
+    def __init__(self, lane: Lane, blocked_until: float) -> None:
+        self.lane = lane
+        self.slot_most = max([lane.slots.default, *lane.slots.per_model.values()])
+        self.loaded = lane.loaded
+        self.items: list[_Item] = []
+        self.ready_at = 0.0  # when the load under way ends (its runs begin then)
+        self.blocked_until = blocked_until
+
+    def running(self) -> Running:
+        model = None
+        alone = False
+        non_interactive = 0
+        for item in self.items:
+            if item.model is not None:
+                model = item.model  # they name at most one
+            alone = alone or item.alone
+            non_interactive += not item.interactive
+        return Running(len(self.items), non_interactive, model, alone)
+
+    def view(self, now: float) -> Lane:
+        lane = self.lane
+        return Lane(lane.name, lane.slots, lane.models, self.loaded, self.running(), self.blocked_until > now)
+
+
+class _WalkTimes:
+    """`dispatch.LaneTimes` from the walk's own state at ``now``."""
+
+    def __init__(self, lanes: Mapping[str, _LaneWalk], now: float, estimator: Estimator) -> None:
+        self._lanes = lanes
+        self._now = now
+        self._estimator = estimator
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return min((item.end for item in self._lanes[lane].items), default=self._now) - self._now
+
+    def drained_in_s(self, lane: str) -> float:
+        return max((item.end for item in self._lanes[lane].items), default=self._now) - self._now
+
+    def swap_s(self, model: str | None) -> float:
+        return self._estimator.expected_swap_s(model)
+
+
+class NodeTimes:
+    """`dispatch.LaneTimes` from a scheduler's snapshot: what `Scheduler.next(times=...)` reads
+    in the runtime, the same picture the estimates walk from. Per upstream, the first slot frees
+    after the smallest expected remaining time of its grants (inf when none is known), it drains
+    after the largest (inf if any is unknown); 0 with nothing running."""
+
+    def __init__(self, snapshot: QueueSnapshot, estimator: Estimator,
+                 grant_max_tokens: Sequence[int | None] | None = None) -> None:
+        self._estimator = estimator
+        self._remaining: dict[str, list[float]] = {}
+        sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
+        for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
+            self._remaining[upstream] = estimator.remaining_of(grants, grant_sizes)[0]
+
+    @classmethod
+    def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator,
+                  grant_max_tokens: Sequence[int | None] | None = None) -> NodeTimes:
+        """The same from the running grants alone (`Scheduler.running_grants`), without the
+        snapshot's dispatch order: what a grant on the hot path can afford."""
+        views = tuple(RunningView(d.request_id, d.priority, d.band, d.score, d.model, d.model_load,
+                                  d.queue_wait_ns / NS_PER_S, (now_ns - d.granted_ns) / NS_PER_S, d.alone, d.upstream,
+                                  None if d.beside_load is None else (d.beside_load[0],
+                                                                      (now_ns - d.beside_load[1]) / NS_PER_S))
+                      for d in grants)
+        return cls(QueueSnapshot(PolicyName.SERIAL, None, (), {}, views, 0), estimator, grant_max_tokens)
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return min(self._remaining.get(lane, ()), default=0.0)
+
+    def drained_in_s(self, lane: str) -> float:
+        return max(self._remaining.get(lane, ()), default=0.0)
+
+    def swap_s(self, model: str | None) -> float:
+        return self._estimator.expected_swap_s(model)
+
+
+def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
+                 ) -> dict[str, tuple[list[RunningView], list[int | None]]]:
+    out: dict[str, tuple[list[RunningView], list[int | None]]] = {}
+    for grant, size in zip(grants, sizes, strict=True):
+        views, grant_sizes = out.setdefault(grant.upstream, ([], []))
+        views.append(grant)
+        grant_sizes.append(size)
+    return out
+
+
+def node_starts(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[Lane],
+                blocked_s: Mapping[str, float], max_tokens: Sequence[int | None] | None,
+                grant_max_tokens: Sequence[int | None] | None) -> list[tuple[float, str | None]]:
+    """`Estimator.starts_of_node`: ``lanes`` in the configured order (their slots, the models
+    they may serve and their loaded model; what runs there is read from the snapshot's grants),
+    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a lane marked
+    ``blocked`` and not in it: unknown)."""
+    # A lane marked blocked (`Scheduler.lane_views(blocked)`) with no time said: for how long, unknown.
+    walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
+    sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
+    for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
+        walk = walks.get(upstream)
+        if walk is None:  # an upstream no longer configured: nothing new starts there
+            continue
+        remaining, loading_s = estimator.remaining_of(grants, grant_sizes)
+        walk.ready_at = loading_s
+        walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
+                      for grant, left in zip(grants, remaining, strict=True)]
+    waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
+    request_sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(waiting)
+    return _Walk(estimator, list(walks.values()), waiting, request_sizes).run()
+
+
+class _Walk:
+    def __init__(self, estimator: Estimator, lanes: list[_LaneWalk], waiting: list[_Waiting],
+                 sizes: Sequence[int | None]) -> None:
+        self._estimator = estimator
+        self._lanes = lanes
+        self._by_name = {lane.lane.name: lane for lane in lanes}
+        self._waiting = waiting
+        self._sizes = sizes
+        self._pending = list(range(len(waiting)))  # not started yet, in the order
+        self._wanted: dict[str | None, int] = {}
+        for candidate in waiting:
+            self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
+        self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
+
+    def run(self) -> list[tuple[float, str | None]]:
+        now = 0.0
+        while self._pending:
+            for lane in self._lanes:
+                lane.items = [item for item in lane.items if item.end > now]
+            found = self._find_one(now) if len(self._lanes) == 1 else self._find(now)
+            if found is not None:
+                self._start(now, *found)
+                continue
+            now = min((t for lane in self._lanes
+                       for t in (*(item.end for item in lane.items), lane.blocked_until) if t > now),
+                      default=math.inf)
+            if math.isinf(now):
+                break  # the rest wait for slots held for an unknown time
+        return self._starts
+
+    def _find(self, now: float) -> tuple[int, int] | None:
+        """`node.NodeWalk.find`: (position in the pending order, upstream) of the next start."""
+        views = [lane.view(now) for lane in self._lanes]
+        full = {i for i, (lane, view) in enumerate(zip(self._lanes, views))
+                if view.blocked or view.running.busy >= lane.slot_most or view.running.alone}
+        closed: set[int] = set()
+        interactive_only: set[int] = set()
+        times = _WalkTimes(self._by_name, now, self._estimator)
+        for position, request in enumerate(self._pending):
+            if len(closed | full) >= len(views):
+                return None
+            choice = choose(views, self._waiting[request], closed, interactive_only, times, self._wants)
+            if choice.step is Step.START:
+                assert choice.lane is not None
+                return position, choice.lane
+            if position == 0 and choice.lane is not None:  # only the best claims
+                (closed if choice.step is Step.CLAIM else interactive_only).add(choice.lane)
+        return None
+
+    def _find_one(self, now: float) -> tuple[int, int] | None:
+        """`Scheduler.next` with one upstream: `dispatch.turn` for the best, or the best
+        interactive request in a reserved slot."""
+        lane = self._lanes[0]
+        if lane.blocked_until > now:
+            return None
+        pending, waiting = self._pending, self._waiting
+
+        def best_interactive() -> _Waiting | None:
+            return next((waiting[i] for i in pending if waiting[i].interactive), None)
+
+        verdict = turn(lane.lane.slots, lane.loaded, lane.running(), waiting[pending[0]], best_interactive)
+        if verdict is Turn.WAIT:
+            return None
+        if verdict is Turn.BEST:
+            return 0, 0
+        return next(p for p, i in enumerate(pending) if waiting[i].interactive), 0
+
+    def _wants(self, model: str | None) -> int:
+        return self._wanted.get(model, 0)
+
+    def _start(self, now: float, position: int, index: int) -> None:
+        request = self._pending.pop(position)
+        candidate = self._waiting[request]
+        model = candidate.model
+        self._wanted[model] -= 1
+        lane = self._lanes[index]
+        if model is not None and model != lane.loaded:  # a load: the rule allows it only with nothing running
+            lane.ready_at = now + self._estimator.expected_swap_s(model)
+            lane.loaded = model
+        end = max(now, lane.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request])
+        lane.items.append(_Item(end, candidate.interactive, model, False))
+        self._starts[request] = (now, lane.lane.name)

@@ -1,0 +1,219 @@
+"""Many nodes (issue 28): one workload over pods of several GPUs, routed three ways. No I/O.
+
+Each pod is a llamaswap node: the real `Scheduler` with one lane per GPU, its one queue over
+them. In front of the pods, the request is sent by one of:
+
+- ``picker``: what an endpoint picker does with llamaswap's gauges (llm-d's router with the
+  engine config the chart renders): among the pods whose queue is within ``AFFINITY_SLACK`` of
+  the shortest, one that has the request's model loaded on a GPU first (the model/adapter
+  affinity read from the loaded-model gauge), then the fewest requests waiting, then the fewest
+  running, then the first;
+- ``round-robin``: a Service spreading requests without knowing them;
+- ``one-queue``: no routing at all, one llamaswap queue over every GPU of every pod (what a
+  single node with that many GPUs would do; the bound the routed ones are measured against).
+
+Every request waits until it is granted (patience and max wait are the single-node simulator's
+business, `engine.py`); a grant holds its GPU for its run, plus its model's swap cost when the
+grant loads the model. Time is virtual (`ManualClock`), events in order: releases first, then
+arrivals at the same instant, then grants.
+
+Figures: interactive p95 wait (arrival to grant), swaps (grants that replaced a loaded model) and
+loads from nothing, and "GPU idle while work waited": the share of all GPU time during which a
+GPU ran nothing while a request it may serve waited somewhere in the cluster (in any pod's
+queue: the price of routing a request to a queue that a free GPU elsewhere does not read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+import itertools
+import json
+import math
+from collections.abc import Sequence
+
+from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
+from llamaswap.core.policy import LanePolicy
+from llamaswap.simulate.engine import Costs, quantile
+from llamaswap.simulate.records import RequestRecord
+
+_NS_PER_MS = 1_000_000
+# How many more waiting requests than the shortest queue a pod may have and still win by affinity.
+AFFINITY_SLACK = 2
+_NS_PER_S = 1_000_000_000
+
+
+class Routing(enum.StrEnum):
+    PICKER = "picker"
+    ROUND_ROBIN = "round-robin"
+    ONE_QUEUE = "one-queue"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PodsResult:
+    routing: Routing
+    pods: int
+    gpus: int  # per pod
+    granted: int
+    interactive_p95_wait_s: float | None  # None: no interactive request
+    wait_p95_s: float | None
+    swaps: int
+    loads: int
+    idle_while_waiting: float  # share of GPU time, 0..1
+
+
+class _Pod:
+    """One pod: its scheduler and what runs on each of its lanes (for the rule's times)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.ends: dict[str, list[int]] = {lane: [] for lane in scheduler.lanes}  # lane -> release times
+
+    def queued(self) -> int:
+        return self.scheduler.depth
+
+    def running(self) -> int:
+        return self.scheduler.slots_busy
+
+    def has_loaded(self, model: str | None) -> bool:
+        return model is not None and any(self.scheduler.loaded_on(lane) == model for lane in self.scheduler.lanes)
+
+
+class _Times:
+    """The rule's times from what the simulation knows: each lane's release times, the stated swap costs."""
+
+    def __init__(self, pod: _Pod, now_ns: int, costs: Costs) -> None:
+        self._pod = pod
+        self._now = now_ns
+        self._costs = costs
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return (min(self._pod.ends[lane], default=self._now) - self._now) / _NS_PER_S
+
+    def drained_in_s(self, lane: str) -> float:
+        return (max(self._pod.ends[lane], default=self._now) - self._now) / _NS_PER_S
+
+    def swap_s(self, model: str | None) -> float:
+        return self._costs.expected_swap_s(model)
+
+
+def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs, *, pods: int, gpus: int,
+                  routing: Routing) -> PodsResult:
+    """The records (in arrival order) over ``pods`` pods of ``gpus`` GPUs each, routed by ``routing``.
+    ``policy`` gives the order and each GPU's slots (its ``slots``)."""
+    if pods < 1 or gpus < 1:
+        raise ValueError("pods and gpus must be at least 1")
+    clock = ManualClock()
+    groups = 1 if routing is Routing.ONE_QUEUE else pods
+    per_group = gpus * pods // groups
+    nodes = [_Pod(Scheduler(policy.with_lanes(tuple(LanePolicy(f"gpu{index}", policy.slots)
+                                                    for index in range(per_group))), clock))
+             for _ in range(groups)]
+    ordered = sorted(records, key=lambda r: (r.arrival_ms, r.order))
+    start_ms = ordered[0].arrival_ms if ordered else 0.0
+    arrivals = [(round((r.arrival_ms - start_ms) * _NS_PER_MS), r) for r in ordered]
+    releases: list[tuple[int, int, int, str, str]] = []  # (at, seq, pod, lane, request)
+    seq = itertools.count()
+    arrived_ns: dict[str, int] = {}
+    run_ns_of: dict[str, int] = {}  # what each waiting request runs once granted
+    interactive: dict[str, bool] = {}
+    waits: list[int] = []
+    interactive_waits: list[int] = []
+    swaps = loads = 0
+    idle_ns = 0
+    total_lanes = groups * per_group
+    turn = 0
+    next_arrival = 0
+    now = 0
+    while next_arrival < len(arrivals) or releases:
+        upcoming = min(arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf,
+                       releases[0][0] if releases else math.inf)
+        at = int(upcoming)
+        idle_ns += (at - now) * _idle_lanes_while_waiting(nodes)
+        clock.advance((at - now) / _NS_PER_S)
+        now = at
+        while releases and releases[0][0] == now:
+            _, _, index, lane, request_id = heapq.heappop(releases)
+            nodes[index].ends[lane].remove(now)
+            nodes[index].scheduler.release(request_id, model_loaded=True)
+        while next_arrival < len(arrivals) and arrivals[next_arrival][0] == now:
+            record = arrivals[next_arrival][1]
+            next_arrival += 1
+            index = _route(nodes, record.model, routing, turn)
+            turn += 1
+            priority = Priority(record.priority, PrioritySource.NUMBER)
+            nodes[index].scheduler.enqueue(record.request_id, priority, record.model)
+            arrived_ns[record.request_id] = now
+            interactive[record.request_id] = priority.band is Band.INTERACTIVE
+            run_ns_of[record.request_id] = round(
+                (record.run_ms if record.run_ms is not None else costs.expected_run_s(record.model) * 1000)
+                * _NS_PER_MS)
+        for index, node in enumerate(nodes):
+            while (decision := node.scheduler.next(times=_Times(node, now, costs))) is not None:
+                hold = run_ns_of.pop(decision.request_id)
+                if decision.model_load:
+                    hold += round(costs.expected_swap_s(decision.model) * _NS_PER_S)
+                    swaps += decision.swap
+                    loads += decision.load
+                end = now + max(hold, 1)
+                node.ends[decision.upstream].append(end)
+                heapq.heappush(releases, (end, next(seq), index, decision.upstream, decision.request_id))
+                wait = now - arrived_ns.pop(decision.request_id)
+                waits.append(wait)
+                if interactive.pop(decision.request_id):
+                    interactive_waits.append(wait)
+    span = now * total_lanes
+    return PodsResult(routing, pods, gpus, len(waits), _p95_s(interactive_waits), _p95_s(waits), swaps, loads,
+                      idle_ns / span if span else 0.0)
+
+
+def _route(nodes: Sequence[_Pod], model: str | None, routing: Routing, turn: int) -> int:
+    if len(nodes) == 1:
+        return 0
+    if routing is Routing.ROUND_ROBIN:
+        return turn % len(nodes)
+    # Affinity among the pods whose queue is near the shortest (within AFFINITY_SLACK requests),
+    # as the inference extension's adapter-affinity filter does; else the shortest queue.
+    shortest = min(node.queued() for node in nodes)
+    near = [i for i in range(len(nodes)) if nodes[i].queued() <= shortest + AFFINITY_SLACK]
+    return min(near, key=lambda i: (not nodes[i].has_loaded(model), nodes[i].queued(), nodes[i].running(), i))
+
+
+def _idle_lanes_while_waiting(nodes: Sequence[_Pod]) -> int:
+    """GPUs that run nothing while some request they may serve waits (in any pod's queue)."""
+    if not any(node.scheduler.depth for node in nodes):
+        return 0
+    return sum(1 for node in nodes for lane in node.scheduler.lanes if not node.scheduler.slots_busy_on(lane))
+
+
+def _p95_s(waits: list[int]) -> float | None:
+    if not waits:
+        return None
+    return quantile(sorted(waits), 0.95) / _NS_PER_S
+
+
+def render_pods_table(source: str, results: Sequence[PodsResult]) -> str:
+    """One row per routing, the figures side by side."""
+    first = results[0]
+    lines = [f"{first.granted} requests from {source} over {first.pods} pods x {first.gpus} GPUs",
+             f"{'routing':<12} {'interactive p95 wait':>21} {'all p95 wait':>13} {'swaps':>6} {'loads':>6} "
+             f"{'GPU idle while work waited':>27}"]
+    for result in results:
+        lines.append(f"{result.routing.value:<12} {_seconds(result.interactive_p95_wait_s):>21} "
+                     f"{_seconds(result.wait_p95_s):>13} {result.swaps:>6} {result.loads:>6} "
+                     f"{result.idle_while_waiting * 100:>26.1f}%")
+    lines.append("picker: least queued with model affinity (within 2 requests of the shortest queue); "
+                 "one-queue: one llamaswap queue over every GPU (no routing)")
+    return "\n".join(lines) + "\n"
+
+
+def render_pods_json(source: str, results: Sequence[PodsResult]) -> str:
+    rows = [{"routing": r.routing.value, "pods": r.pods, "gpus": r.gpus, "granted": r.granted,
+             "interactive_p95_wait_s": r.interactive_p95_wait_s, "wait_p95_s": r.wait_p95_s, "swaps": r.swaps,
+             "loads": r.loads, "gpu_idle_while_work_waited": r.idle_while_waiting} for r in results]
+    return json.dumps({"source": source, "routings": rows}, indent=2) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"

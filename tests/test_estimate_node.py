@@ -1,0 +1,308 @@
+"""Estimated starts over a node (`Estimator.starts_of_node`, core/estimate_node.py).
+
+Three things: with one upstream the node walk says exactly what `starts_of` says (random
+snapshots, built directly: overdue grants, loads under way, runs alone, settles, sizes); a few
+exact cases over two upstreams; and the property that ties the walk to `Scheduler.next` over
+two or three upstreams, as tests/test_estimate_grants.py does for one: a random queue is played
+on a `ManualClock` against a real scheduler that reads its times from `NodeTimes` (as the
+runtime does), every grant released exactly at its expected end (all ends of one instant
+before the next grant, as the simulator does), and each request waiting at one instant must be
+granted exactly when and where the estimate said.
+
+What the property leaves out, and why: swap affinity (0: with a bonus the order over a node
+moves with the models loaded, which a snapshot's order cannot say in advance); unloads,
+failed releases and max_wait (as in test_estimate_grants.py). Settles are in: an upstream may
+be blocked from before the instant until a known time after it. Grants made beside a load run
+once it ends, which `NodeTimes` and the estimate read from the snapshot (`beside_load`) also
+after the grant that loaded has ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from policies import fifo, serial
+
+from llamaswap.core import (
+    Band,
+    Estimator,
+    ManualClock,
+    Policy,
+    PolicyName,
+    Priority,
+    PrioritySource,
+    QueueSnapshot,
+    RunningView,
+    Scheduler,
+    Slots,
+    WaitingView,
+)
+from llamaswap.core.dispatch import Lane
+from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.policy import LanePolicy
+
+MODELS = ("a", "b", "c")
+NS = 1_000_000_000
+BANDS = (Band.INTERACTIVE, Band.NORMAL, Band.BATCH)
+
+
+# -- one upstream: the node walk is `starts_of` --------------------------------------------
+
+
+@st.composite
+def single_cases(draw: st.DrawFn) -> tuple[Estimator, QueueSnapshot, Slots, float, list[int | None],
+                                          list[int | None]]:
+    estimator = Estimator(default_run_s=draw(st.integers(1, 5)), default_swap_s=draw(st.sampled_from([0, 2, 5])),
+                          samples=3)
+    for model in draw(st.lists(st.sampled_from([*MODELS, None]), max_size=3)):
+        estimator.record(model, run_s=draw(st.integers(1, 9)), first_byte_s=None, model_load=False,
+                         max_tokens=draw(st.sampled_from([None, 10, 100])))
+    default = draw(st.integers(1, 3))
+    per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 4), max_size=3))
+    slots = Slots(default, per_model, draw(st.integers(0, min([default, *per_model.values()]) - 1)))
+    running_model = draw(st.sampled_from([*MODELS, None]))
+    grants = tuple(
+        RunningView(f"g{i}", 0, draw(st.sampled_from(BANDS)), 0.0,
+                    running_model if draw(st.booleans()) else None, draw(st.booleans()), 0.0,
+                    float(draw(st.integers(0, 12))), alone=draw(st.integers(0, 9)) == 0,
+                    beside_load=(running_model, float(draw(st.integers(0, 12))))
+                    if running_model is not None and draw(st.booleans()) else None)
+        for i in range(draw(st.integers(0, 3))))
+    waiting = tuple(WaitingView(f"w{i}", i + 1, 0, draw(st.sampled_from(BANDS)), 0.0, False, 0.0,
+                                draw(st.sampled_from([*MODELS, None])))
+                    for i in range(draw(st.integers(0, 10))))
+    # Grants that name a model run on it: it is the loaded one, or none is known loaded.
+    named = any(grant.model is not None for grant in grants)
+    loaded = draw(st.sampled_from([running_model, None] if named else [*MODELS, None]))
+    snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
+    blocked = draw(st.sampled_from([0.0, 0.0, 3.0, math.inf]))
+    sizes = [draw(st.sampled_from([None, 5, 50])) for _ in waiting]
+    grant_sizes = [draw(st.sampled_from([None, 5, 50])) for _ in grants]
+    return estimator, snapshot, slots, blocked, sizes, grant_sizes
+
+
+@settings(max_examples=500, deadline=None)
+@given(single_cases())
+def test_with_one_upstream_the_node_walk_is_starts_of(case: tuple[Estimator, QueueSnapshot, Slots, float,
+                                                                   list[int | None], list[int | None]]) -> None:
+    estimator, snapshot, slots, blocked, sizes, grant_sizes = case
+    lane = Lane("gpu0", slots, None, snapshot.loaded_model)
+    single = estimator.starts_of(snapshot, slots, blocked_s=blocked, max_tokens=sizes, grant_max_tokens=grant_sizes)
+    node = estimator.starts_of_node(snapshot, [lane], {"gpu0": blocked}, sizes, grant_sizes)
+    assert [start for start, _ in node] == single
+    assert [upstream for _, upstream in node] == [None if math.isinf(s) else "gpu0" for s in single]
+
+
+# -- two upstreams, exact cases -------------------------------------------------------------
+
+
+def _lane(name: str, loaded: str | None = None, slots: int = 1, models: frozenset[str] | None = None) -> Lane:
+    return Lane(name, Slots(slots), models, loaded)
+
+
+def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None, float, bool]] = ()) -> QueueSnapshot:
+    return QueueSnapshot(
+        PolicyName.SERIAL, None,
+        tuple(WaitingView(f"w{i}", i + 1, 0, Band.NORMAL, 0.0, False, 0.0, m) for i, m in enumerate(waiting)),
+        {},
+        tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, upstream=upstream)
+              for i, (upstream, model, running_s, load) in enumerate(grants)),
+        1)
+
+
+def test_two_idle_upstreams_start_two_models_at_once() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=4, samples=3)
+    starts = estimator.starts_of_node(_snapshot(["x", "y", "x"]), [_lane("gpu0"), _lane("gpu1")])
+    # x loads on gpu0, y on gpu1; the second x waits for gpu0 (free in 14 s, sooner than nothing).
+    assert starts == [(0.0, "gpu0"), (0.0, "gpu1"), (14.0, "gpu0")]
+
+
+def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
+    lanes = [_lane("gpu0", "x"), _lane("gpu1", "x")]
+    starts = estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 25.0})
+    assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
+    assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
+    # Blocked for a time nobody said (a lane view marked blocked): gpu1 serves all three.
+    blocked = [dataclasses.replace(lanes[0], blocked=True), lanes[1]]
+    assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
+
+
+def test_waiting_for_the_warm_upstream_beats_a_slow_load() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=30, samples=3)
+    lanes = [_lane("gpu0", "x"), _lane("gpu1", "y")]
+    snapshot = _snapshot(["x"], [("gpu0", "x", 4.0, False)])
+    # gpu0 frees in 6 s, a load of x on the idle gpu1 takes 30: x waits for gpu0.
+    assert estimator.starts_of_node(snapshot, lanes) == [(6.0, "gpu0")]
+    quick = Estimator(default_run_s=10, default_swap_s=3, samples=3)
+    assert quick.starts_of_node(snapshot, lanes) == [(0.0, "gpu1")]
+
+
+def test_a_model_only_one_upstream_may_serve_waits_for_it() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
+    lanes = [_lane("small", "x", models=frozenset({"x"})), _lane("big", "x")]
+    snapshot = _snapshot(["big-model", "x"], [("big", "x", 2.0, False)])
+    assert estimator.starts_of_node(snapshot, lanes) == [(8.0, "big"), (0.0, "small")]
+
+
+def test_an_overdue_grant_leaves_its_upstream_unknown() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
+    lanes = [_lane("gpu0", "x", models=frozenset({"x"})), _lane("gpu1", "y", models=frozenset({"y"}))]
+    snapshot = _snapshot(["x", "y"], [("gpu0", "x", 30.0, False)])
+    assert estimator.starts_of_node(snapshot, lanes) == [(math.inf, None), (0.0, "gpu1")]
+
+
+def test_node_times_read_each_upstreams_grants() -> None:
+    estimator = Estimator(default_run_s=10, default_swap_s=5, samples=3)
+    snapshot = _snapshot([], [("gpu0", "x", 2.0, False), ("gpu0", "x", 7.0, False), ("gpu1", "y", 1.0, True),
+                              ("gpu1", "y", 30.0, False)])
+    times = NodeTimes(snapshot, estimator)
+    assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == (3.0, 8.0)
+    # gpu1: a load under way (14 s left) and a grant beside it that runs after it.
+    assert (times.slot_free_in_s("gpu1"), times.drained_in_s("gpu1")) == (14.0, 14.0)
+    assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x")) == (0.0, 0.0, 5.0)
+    # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
+    beside = QueueSnapshot(PolicyName.SERIAL, None, (), {}, (
+        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),), 1)
+    assert NodeTimes(beside, estimator).slot_free_in_s("gpu0") == 11.0
+    overdue = NodeTimes(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
+    assert (overdue.slot_free_in_s("gpu0"), overdue.drained_in_s("gpu0")) == (9.0, math.inf)
+
+
+# -- the property: estimates are the grants of a node ---------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeCase:
+    policy: Policy
+    default_run_s: int
+    swap_s: int
+    learnt_runs: dict[str, int]
+    arrivals: list[tuple[int, int, str | None]]  # (gap in seconds, priority, model)
+    look_after_s: int
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # upstream -> (s before the look, s after)
+
+
+@st.composite
+def node_cases(draw: st.DrawFn) -> NodeCase:
+    count = draw(st.integers(2, 3))
+    lanes = []
+    sizes = []
+    for i in range(count):
+        default = draw(st.integers(1, 2))
+        per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 3), max_size=2))
+        models = draw(st.one_of(st.none(), st.frozensets(st.sampled_from(MODELS), min_size=1)))
+        lanes.append((f"gpu{i}", default, per_model, models))
+        sizes.append(min([default, *per_model.values()]))
+    reserved = draw(st.integers(0, min(sizes) - 1))  # node-wide, as `upstream.reservedSlots`
+    if set().union(*(m for *_, m in lanes if m is not None)) != set(MODELS) and all(m is not None for *_, m in lanes):
+        lanes[0] = (*lanes[0][:3], None)  # every model has an upstream that may serve it
+    lane_policies = tuple(LanePolicy(name, Slots(default, per_model, reserved), models)
+                          for name, default, per_model, models in lanes)
+    if draw(st.booleans()):
+        policy = serial(draw(st.sampled_from([0, 1, 7, 60])), 0)
+    else:
+        policy = fifo(draw(st.dictionaries(st.sampled_from(MODELS), st.sampled_from([-60, -10, 0, 10, 60]))))
+    priority = st.one_of(st.sampled_from([-100, -60, -50, -49, -1, 0, 1, 10, 49, 50, 51, 60, 99, 100]),
+                         st.integers(-3, 3))
+    model = st.one_of(st.none(), st.sampled_from(MODELS), st.sampled_from(MODELS))
+    # Arrivals closer than the runs: a queue builds over the node.
+    arrivals = draw(st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2]), priority, model), min_size=6, max_size=24))
+    blocks = draw(st.dictionaries(st.sampled_from([name for name, *_ in lanes]),
+                                  st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=1))
+    return NodeCase(policy.with_lanes(lane_policies), draw(st.integers(2, 5)), draw(st.sampled_from([0, 0, 3, 5])),
+                    draw(st.dictionaries(st.sampled_from(MODELS), st.integers(2, 9))), arrivals,
+                    draw(st.sampled_from([0, 0, 1, 3])), blocks)
+
+
+class NodePlay:
+    """A node's scheduler and its grants, each released at its expected end; `next` reads
+    its times from `NodeTimes`, the blocked upstreams from the case's settles."""
+
+    def __init__(self, case: NodeCase, estimator: Estimator, look_ns: int) -> None:
+        self.clock = ManualClock()
+        self.scheduler = Scheduler(case.policy, self.clock)
+        self.estimator = estimator
+        self.blocks = {name: (max(0, look_ns - before * NS), look_ns + after * NS)
+                       for name, (before, after) in case.blocks.items()}
+        self.ends: list[tuple[int, str]] = []  # (end ns, request id): a heap
+        self.ready_ns: dict[str, int] = {}  # per upstream: when its last load ends
+        self.granted: dict[str, tuple[int, str]] = {}  # request -> (grant ns, upstream)
+
+    def blocked(self) -> frozenset[str]:
+        now = self.clock.now_ns()
+        return frozenset(name for name, (start, end) in self.blocks.items() if start <= now < end)
+
+    def _next_event(self) -> int:
+        now = self.clock.now_ns()
+        bounds = [t for start, end in self.blocks.values() for t in (start, end) if t > now]
+        return min([*bounds, *(self.ends[:1] and [self.ends[0][0]])], default=2**62)
+
+    def run_until(self, t_ns: int) -> None:
+        """Release and grant everything due up to and including ``t_ns``; the clock ends there."""
+        while True:
+            self.grant_all()
+            when = self._next_event()
+            if when > t_ns:
+                break
+            self.clock.set_ns(when)
+            while self.ends and self.ends[0][0] == when:  # every end of the instant, then grants
+                request_id = heapq.heappop(self.ends)[1]
+                self.scheduler.release(request_id)
+        self.clock.set_ns(t_ns)
+        self.grant_all()
+
+    def grant_all(self) -> None:
+        while True:
+            times = NodeTimes(self.scheduler.snapshot(), self.estimator)
+            cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
+            assert all((times.slot_free_in_s(u), times.drained_in_s(u)) == (cheap.slot_free_in_s(u), cheap.drained_in_s(u))
+                       for u in self.scheduler.lanes)
+            decision = self.scheduler.next(blocked=self.blocked(), times=times)
+            if decision is None:
+                return
+            now = self.clock.now_ns()
+            upstream = decision.upstream
+            if decision.model_load:
+                self.ready_ns[upstream] = now + round(self.estimator.expected_swap_s(decision.model) * NS)
+            ready = self.ready_ns.get(upstream, 0)
+            run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
+            heapq.heappush(self.ends, (max(now, ready) + run_ns, decision.request_id))
+            self.granted[decision.request_id] = (now, upstream)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(node_cases())
+def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
+    estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
+    for model, run_s in case.learnt_runs.items():
+        estimator.record(model, run_s=run_s, first_byte_s=None, model_load=False)
+    look_ns = sum(gap for gap, _, _ in case.arrivals) * NS + case.look_after_s * NS
+    play = NodePlay(case, estimator, look_ns)
+    t_ns = 0
+    for number, (gap_s, value, model) in enumerate(case.arrivals):
+        t_ns += gap_s * NS
+        play.run_until(t_ns)
+        play.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
+    play.run_until(look_ns)
+
+    snapshot = play.scheduler.snapshot()
+    blocked_s = {name: (end - look_ns) / NS for name, (start, end) in play.blocks.items() if start <= look_ns < end}
+    estimates = estimator.starts_of_node(snapshot, play.scheduler.lane_views(), blocked_s)
+    event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}{'+' if len(snapshot.waiting) >= 4 else ''}")
+    event(f"upstreams the estimates name: {len({u for _, u in estimates if u is not None})}")
+    if blocked_s:
+        event("a settle at the instant")
+    expected = {view.request_id: (look_ns + round(start * NS), upstream) if math.isfinite(start) else None
+                for view, (start, upstream) in zip(snapshot.waiting, estimates, strict=True)}
+    while play.ends or play._next_event() < 2**62:  # no new arrival: play every grant out
+        play.run_until(play._next_event())
+    assert not play.scheduler.snapshot().waiting
+    actual = {request_id: play.granted[request_id] for request_id in expected}
+    assert actual == expected
