@@ -241,7 +241,7 @@ async def test_an_abandoned_generation_holds_its_gpu_until_its_slots_say_idle_wh
                 a1.cancel()
                 await asyncio.gather(a1, return_exceptions=True)
             # Its grant ended; its record waits for the settle (it says how long that took).
-            await async_wait_for(lambda: node.queue()["gpu"] == "settling", what="gpu0 settling")
+            await async_wait_for(lambda: node.gpus() == {"gpu0": "settling", "gpu1": "idle"}, what="gpu0 settling")
             asked_before = len(gpu0.slots_asked)
             a2 = asyncio.create_task(chat(session, node.url, "a2", model="model-a"))
             await _waiting(node, "a2")
@@ -313,7 +313,8 @@ async def test_a_restarted_sidecar_adopts_each_running_exchange_on_its_own_gpu(t
             adopted = "Envoy reports an exchange this sidecar does not hold"
             await async_wait_for(lambda: sidecar.log().count(adopted) == 2, what="both running exchanges adopted")
             # Each start-up settle over (found idle beyond what is adopted, or given up): adopted alone.
-            await async_wait_for(lambda: node.queue()["gpu"] == "adopted", what="the GPUs held by adoptions alone")
+            await async_wait_for(lambda: node.gpus() == {"gpu0": "adopted", "gpu1": "adopted"},
+                                 what="each GPU held by its adopted exchange alone")
             await _each_gpu_waits_for_its_own_exchange(node, session, gpu0, gpu1)
             replies = await asyncio.gather(*first)
         assert [reply.status for reply in replies] == [200, 200]  # neither exchange was cut by the restart
@@ -331,8 +332,9 @@ async def test_after_envoy_is_killed_each_gpu_settles_its_own_abandoned_generati
             node.kill_envoy()
             await asyncio.gather(*first, return_exceptions=True)
             # Both grants ended (their records wait for the settles); the fakes still compute.
-            await async_wait_for(lambda: node.running() == [] and node.queue()["gpu"] == "settling",
-                                 what="both grants ended with Envoy")
+            await async_wait_for(lambda: node.gpus() == {"gpu0": "settling", "gpu1": "settling"},
+                                 what="both grants ended with Envoy, each GPU settling")
+            assert node.running() == []
             assert (gpu0.active, gpu1.active) == (1, 1)
             node.start_envoy()
             await _each_gpu_waits_for_its_own_exchange(node, session, gpu0, gpu1)

@@ -103,12 +103,14 @@ async def test_a_burst_over_two_real_llama_servers_never_exceeds_either_ones_slo
                      {"name": "gpu1", "url": second.url, "slots": 2 if slots == "given" else "auto"}]
         with running_node(tmp_path, upstreams, {"activity": {"recent": 100}}) as node:
             if slots == "auto":
-                await async_wait_for(lambda: node.queue()["slots_total"] == 1, what="gpu0's slot learnt")
+                await async_wait_for(lambda: node.gpus("slots") == {"gpu0": 1, "gpu1": 2},
+                                     what="each server's slots learnt from its /props")
             async with aiohttp.ClientSession() as session:
                 with SlotWatcher(first.url) as watch0, SlotWatcher(second.url) as watch1, \
                         DeferredWatcher(first.url) as deferred0, DeferredWatcher(second.url) as deferred1:
                     statuses = await asyncio.gather(*(_complete(session, node.url, request_id, tokens, stream)
                                                       for request_id, tokens, stream in plan))
+            assert node.gpus("slots") == {"gpu0": 1, "gpu1": 2}
             served = {name: node.envoy.stat(f"cluster.upstream-{name}.upstream_rq_completed")
                       for name in ("gpu0", "gpu1")}
     assert statuses == [200] * BURST

@@ -44,6 +44,10 @@ class Node:
     def running(self) -> list[str]:
         return [row["request_id"] for row in self.sidecar.queue()["running_all"]]
 
+    def gpus(self, key: str = "state") -> dict[str, Any]:
+        """Each upstream's `key` as GET /queue's `gpus` shows it (state, loaded_model, slots, ...)."""
+        return {row["name"]: row[key] for row in self.sidecar.queue()["gpus"]}
+
     def restart_sidecar(self) -> SidecarProcess:
         """SIGKILL the sidecar and start a new one on the same ports (Envoy reconnects to it)."""
         self.restarts += 1
