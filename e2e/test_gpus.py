@@ -263,6 +263,37 @@ async def test_an_abandoned_generation_holds_its_gpu_until_its_slots_say_idle_wh
             assert fake.max_active == 1
 
 
+async def test_stopping_an_abandoned_generation_unloads_its_own_gpu_only(tmp_path: pathlib.Path) -> None:
+    """upstream.abandonedGeneration: stop. A client leaves b1 on gpu1 (not the first upstream,
+    where a name lost on the way would land) while a1 runs on gpu0: the stop (router mode: unload
+    the model, which ends what that server computes) goes to gpu1's server alone; a1 runs on to
+    its end, and b2 then loads model-b on gpu1 again."""
+    config = merge(CHEAP_SWAPS, {"upstream": {"abandonedGeneration": "stop"}})
+    with two_fakes(("model-a", "model-b")) as (gpu0, gpu1), \
+            running_node(tmp_path, entries(gpu0, gpu1, models=(["model-a"], ["model-b"])), config) as node:
+        async with aiohttp.ClientSession() as session:
+            a1 = asyncio.create_task(chat(session, node.url, "a1", model="model-a", hold=True))
+            await _at(gpu0, "a1")
+            async with aiohttp.ClientSession() as doomed:
+                b1 = asyncio.create_task(chat(doomed, node.url, "b1", model="model-b", hold=True))
+                await _at(gpu1, "b1")
+                b1.cancel()
+                await asyncio.gather(b1, return_exceptions=True)
+            await async_wait_for(lambda: gpu1.states["model-b"] == "unloaded" and gpu1.active == 0,
+                                 what="model-b unloaded on gpu1, b1 stopped")
+            b2 = await chat(session, node.url, "b2", model="model-b")
+            assert b2.status == 200 and completions(gpu1)["b2"].loaded
+            assert gpu0.states["model-a"] == "loaded" and not gpu0.finished("a1") and gpu0.active == 1
+            gpu0.release("a1")
+            assert (await a1).status == 200  # not cut by the stop on gpu1
+            records = await async_wait_for(lambda: activity_records(node.sidecar.admin_url, {"a1", "b1", "b2"}),
+                                           what="the records")
+        assert records["b1"]["outcome"] == "cancelled_running" and records["a1"]["outcome"] == "served"
+        for fake in (gpu0, gpu1):
+            one_model_at_a_time(fake)
+            assert fake.max_active == 1
+
+
 async def _work_on_both_gpus(node: Node, session: aiohttp.ClientSession, gpu0: FakeLlamaServer,
                              gpu1: FakeLlamaServer) -> list[asyncio.Task[Reply]]:
     """a1 held on gpu0 and b1 on gpu1, with Envoy's access-log stream open (a periodic entry)."""
