@@ -284,3 +284,16 @@ def test_starts_of_requests_started_beside_a_load_under_way_run_after_it():
     e = make(run=2.0, swap=5.0)
     # a0 loads until 5 and runs until 7; n1 and n2 (in the free slot now) run 5..7: n3 at 7.
     assert e.starts_of(s.snapshot(), s.policy.slots) == [0.0, 6.0]
+
+
+def test_each_gpu_learns_its_own_run_and_swap_the_node_learns_from_all() -> None:
+    e = Estimator(default_run_s=9.0, default_swap_s=1.0, samples=5)
+    e.record("m", run_s=2.0, first_byte_s=0.5, model_load=False, upstream="fast")
+    e.record("m", run_s=8.0, first_byte_s=0.5, model_load=False, upstream="slow")
+    e.record("m", run_s=12.0, first_byte_s=4.5, model_load=True, upstream="slow")  # a 4 s load on slow
+    assert e.expected_run_s("m", "fast") == 2.0
+    assert e.expected_run_s("m", "slow") == 8.0  # its warm run, the load taken off the other
+    assert e.expected_swap_s("m", "slow") == 4.0
+    assert e.expected_swap_s("m", "fast") == 4.0  # no load seen there: the node's figure
+    assert e.expected_run_s("m", "new") == e.expected_run_s("m") == 8.0  # the median of 2, 8 and 8
+    assert e.expected_run_s("other", "fast") == 9.0  # nothing known: the default

@@ -166,7 +166,7 @@ def test_node_times_read_each_upstreams_grants() -> None:
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == (3.0, 8.0)
     # gpu1: a load under way (14 s left) and a grant beside it that runs after it.
     assert (times.slot_free_in_s("gpu1"), times.drained_in_s("gpu1")) == (14.0, 14.0)
-    assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x")) == (0.0, 0.0, 5.0)
+    assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x", "gpu2")) == (0.0, 0.0, 5.0)
     # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
     beside = QueueSnapshot(PolicyName.SERIAL, None, (), {}, (
         RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),), 1)

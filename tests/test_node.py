@@ -100,7 +100,7 @@ def test_the_upstream_expected_to_drain_first_is_the_one_that_drains() -> None:
         def drained_in_s(self, lane: str) -> float:
             return {"gpu0": 30.0, "gpu1": 2.0}[lane]
 
-        def swap_s(self, model: str | None) -> float:
+        def swap_s(self, model: str | None, lane: str) -> float:
             return 5.0
 
     for times, drains in ((Times(), "gpu1"), (None, "gpu0")):
@@ -130,7 +130,7 @@ def test_waiting_for_a_warm_upstream_when_it_frees_sooner_than_a_load() -> None:
         def drained_in_s(self, lane: str) -> float:
             return 1.0
 
-        def swap_s(self, model: str | None) -> float:
+        def swap_s(self, model: str | None, lane: str) -> float:
             return 20.0
 
     scheduler.enqueue("x2", prio(50), "x")

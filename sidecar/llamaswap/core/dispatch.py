@@ -150,7 +150,7 @@ class LaneTimes(Protocol):
 
     def drained_in_s(self, lane: str) -> float: ...  # until all it runs has ended
 
-    def swap_s(self, model: str | None) -> float: ...  # loading that model
+    def swap_s(self, model: str | None, lane: str) -> float: ...  # loading that model there
 
 
 class _NoTimes:
@@ -160,7 +160,7 @@ class _NoTimes:
     def drained_in_s(self, lane: str) -> float:
         return math.inf
 
-    def swap_s(self, model: str | None) -> float:
+    def swap_s(self, model: str | None, lane: str) -> float:
         return 0.0
 
 
@@ -214,10 +214,11 @@ def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], intera
         warm = [index for index in idle if model is not None and lanes[index].loaded == model]
         if warm:
             return Choice(Step.START, warm[0])
+        # Nothing loaded first, then the model the queue wants least.
+        target = min(idle, key=lambda i: (lanes[i].loaded is not None, wanted(lanes[i].loaded)))
         soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name), default=None)
-        if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model):
-            # Nothing loaded first, then the model the queue wants least.
-            return Choice(Step.START, min(idle, key=lambda i: (lanes[i].loaded is not None, wanted(lanes[i].loaded))))
+        if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model, lanes[target].name):
+            return Choice(Step.START, target)
         return _wait_for(soonest, turns)
     if holding:
         return _wait_for(min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name)), turns)

@@ -52,6 +52,7 @@ from llamaswap.core.estimate_node import node_starts
 from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
+_Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
 
 
 class _Recent:
@@ -75,71 +76,90 @@ class Estimator:
         self.default_run_s = default_run_s
         self.default_swap_s = default_swap_s
         self._samples = samples
-        self._run: dict[str, _Recent] = {}
-        self._warm_first_byte: dict[str, _Recent] = {}
-        self._load_first_byte: dict[str, _Recent] = {}
-        self._run_per_token: dict[str, _Recent] = {}
+        # Keyed by (upstream, model): each GPU's own figures, and the node's under upstream None.
+        self._run: dict[_Key, _Recent] = {}
+        self._warm_first_byte: dict[_Key, _Recent] = {}
+        self._load_first_byte: dict[_Key, _Recent] = {}
+        self._run_per_token: dict[_Key, _Recent] = {}
 
     # -- learning ------------------------------------------------------------------------
 
     def record(self, model: str | None, *, run_s: float, first_byte_s: float | None, model_load: bool,
-               max_tokens: int | None = None) -> None:
+               max_tokens: int | None = None, upstream: str | None = None) -> None:
         """One finished generation: its run time, its time to first byte (None when it does not
         time the start of the generation: no answer, or a response that was not streamed), whether
-        it began by loading its model, and the output tokens it asked for (None: not said)."""
-        key = model or NO_MODEL
-        if first_byte_s is not None:
-            table = self._load_first_byte if model_load else self._warm_first_byte
-            self._recent(table, key).add(max(0.0, first_byte_s))
-        run = max(0.0, run_s - self.expected_swap_s(model) if model_load else run_s)
-        self._recent(self._run, key).add(run)
-        if max_tokens is not None and max_tokens > 0:
-            self._recent(self._run_per_token, key).add(run / max_tokens)
+        it began by loading its model, the output tokens it asked for (None: not said), and the
+        upstream (GPU) it ran on: each GPU learns its own figures (a small GPU runs slower), and
+        the node's figures, for a GPU that has none yet, learn from all."""
+        for where in (None, upstream) if upstream is not None else (None,):
+            key = (where, model or NO_MODEL)
+            if first_byte_s is not None:
+                table = self._load_first_byte if model_load else self._warm_first_byte
+                self._recent(table, key).add(max(0.0, first_byte_s))
+            run = max(0.0, run_s - self.expected_swap_s(model, upstream=where) if model_load else run_s)
+            self._recent(self._run, key).add(run)
+            if max_tokens is not None and max_tokens > 0:
+                self._recent(self._run_per_token, key).add(run / max_tokens)
 
-    def _recent(self, table: dict[str, _Recent], key: str) -> _Recent:
+    def _recent(self, table: dict[_Key, _Recent], key: _Key) -> _Recent:
         recent = table.get(key)
         if recent is None:
             recent = table[key] = _Recent(self._samples)
         return recent
 
+    @staticmethod
+    def _median(table: dict[_Key, _Recent], model: str | None, upstream: str | None) -> float | None:
+        """The GPU's own median where it has one, else the node's (None: no measurement)."""
+        key = model or NO_MODEL
+        if upstream is not None:
+            own = table.get((upstream, key))
+            if own is not None and own.median is not None:
+                return own.median
+        node = table.get((None, key))
+        return node.median if node is not None else None
+
     # -- answers -------------------------------------------------------------------------
 
-    def expected_run_s(self, model: str | None) -> float:
-        recent = self._run.get(model or NO_MODEL)
-        return recent.median if recent is not None and recent.median is not None else self.default_run_s
+    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
+        """On ``upstream`` (None: the node's figure; a GPU with no measurement of its own has it)."""
+        median = self._median(self._run, model, upstream)
+        return median if median is not None else self.default_run_s
 
-    def expected_request_run_s(self, model: str | None, max_tokens: int | None) -> float:
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None, upstream: str | None = None) -> float:
         """The expected run of one request of `model` that asks for `max_tokens` output tokens
         (None: not said): per token asked where the model has that measurement, else the
         model's expected run."""
         if max_tokens is not None and max_tokens > 0:
-            per_token = self._run_per_token.get(model or NO_MODEL)
-            if per_token is not None and per_token.median is not None:
-                return per_token.median * max_tokens
-        return self.expected_run_s(model)
+            per_token = self._median(self._run_per_token, model, upstream)
+            if per_token is not None:
+                return per_token * max_tokens
+        return self.expected_run_s(model, upstream)
 
-    def expected_swap_s(self, model: str | None) -> float:
-        loads = self._load_first_byte.get(model or NO_MODEL)
-        if loads is None or loads.median is None:
+    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
+        loads = self._median(self._load_first_byte, model, upstream)
+        if loads is None:
             return self.default_swap_s
-        warm = self._warm_first_byte.get(model or NO_MODEL)
-        baseline = warm.median if warm is not None and warm.median is not None else 0.0
-        return max(0.0, loads.median - baseline)
+        warm = self._median(self._warm_first_byte, model, upstream)
+        return max(0.0, loads - (warm if warm is not None else 0.0))
 
-    def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None) -> float:
+    def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None,
+                         upstream: str | None = None) -> float:
         """How long a grant of `model` is expected to hold the GPU, its model's load included."""
-        return self.expected_request_run_s(model, max_tokens) + (self.expected_swap_s(model) if model_load else 0.0)
+        return (self.expected_request_run_s(model, max_tokens, upstream)
+                + (self.expected_swap_s(model, upstream) if model_load else 0.0))
 
     def remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                    max_tokens: int | None = None) -> float:
+                    max_tokens: int | None = None, upstream: str | None = None) -> float:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        return max(0.0, self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens) - running_s)
+        return max(0.0, self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens,
+                                              upstream=upstream) - running_s)
 
     def known_remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                          max_tokens: int | None = None) -> float | None:
+                          max_tokens: int | None = None, upstream: str | None = None) -> float | None:
         """`remaining_s`, or None once the grant has outrun its expected time: it still runs, so
         "0" would be wrong, and how much longer it takes cannot be told."""
-        remaining = self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens) - running_s
+        remaining = self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens,
+                                          upstream=upstream) - running_s
         return remaining if remaining > 0 else None
 
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
@@ -202,19 +222,20 @@ class Estimator:
         # A grant made beside a load (while its grant runs) begins its run when the load ends,
         # as the walk reads the ones it starts (``ready_at``): it ends a run after the later of
         # its grant and the load's end.
-        ready_in = max((self.expected_swap_s(grant.model) - grant.running_s for grant in grants
+        ready_in = max((self.expected_swap_s(grant.model, grant.upstream) - grant.running_s for grant in grants
                         if grant.model_load), default=None)
         remaining: list[float] = []
         for grant, size in zip(grants, grant_sizes, strict=True):
             ready = ready_in
             if grant.beside_load is not None and not grant.model_load:  # known after the loading grant ended
-                ready = self.expected_swap_s(grant.beside_load[0]) - grant.beside_load[1]
+                ready = self.expected_swap_s(grant.beside_load[0], grant.upstream) - grant.beside_load[1]
             if ready is not None and not grant.model_load:
-                left: float | None = max(-grant.running_s, ready) + self.expected_request_run_s(grant.model, size)
+                left: float | None = max(-grant.running_s, ready) + self.expected_request_run_s(grant.model, size,
+                                                                                                 grant.upstream)
                 left = left if left is not None and left > 0 else None
             else:
                 left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
-                                              max_tokens=size)
+                                              max_tokens=size, upstream=grant.upstream)
             remaining.append(math.inf if left is None else left)
         return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
 

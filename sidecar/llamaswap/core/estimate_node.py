@@ -100,8 +100,8 @@ class _WalkTimes:
     def drained_in_s(self, lane: str) -> float:
         return max((item.end for item in self._lanes[lane].items), default=self._now) - self._now
 
-    def swap_s(self, model: str | None) -> float:
-        return self._estimator.expected_swap_s(model)
+    def swap_s(self, model: str | None, lane: str) -> float:
+        return self._estimator.expected_swap_s(model, lane)
 
 
 class NodeTimes:
@@ -136,8 +136,8 @@ class NodeTimes:
     def drained_in_s(self, lane: str) -> float:
         return max(self._remaining.get(lane, ()), default=0.0)
 
-    def swap_s(self, model: str | None) -> float:
-        return self._estimator.expected_swap_s(model)
+    def swap_s(self, model: str | None, lane: str) -> float:
+        return self._estimator.expected_swap_s(model, lane)
 
 
 def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
@@ -250,8 +250,9 @@ class _Walk:
         self._wanted[model] -= 1
         lane = self._lanes[index]
         if model is not None and model != lane.loaded:  # a load: the rule allows it only with nothing running
-            lane.ready_at = now + self._estimator.expected_swap_s(model)
+            lane.ready_at = now + self._estimator.expected_swap_s(model, lane.lane.name)
             lane.loaded = model
-        end = max(now, lane.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request])
+        end = max(now, lane.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request],
+                                                                               lane.lane.name)
         lane.items.append(_Item(end, candidate.interactive, model, False))
         self._starts[request] = (now, lane.lane.name)

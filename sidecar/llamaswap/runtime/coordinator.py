@@ -459,7 +459,7 @@ class Coordinator:
             # and would teach generation length as swap cost.
             self.estimator.record(decision.model, run_s=released.run_ns / NS_PER_S,
                                   first_byte_s=ticket.first_byte_s if ticket.streamed else None,
-                                  model_load=decision.model_load, max_tokens=ticket.max_tokens)
+                                  model_load=decision.model_load, max_tokens=ticket.max_tokens, upstream=decision.upstream)
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)

@@ -70,11 +70,11 @@ class Forecast:
             running_s = (now - d.granted_ns) / NS_PER_S
             if known:
                 left = self._estimator.known_remaining_s(d.model, model_load=d.model_load, running_s=running_s,
-                                                         max_tokens=ticket.max_tokens)
+                                                         max_tokens=ticket.max_tokens, upstream=d.upstream)
                 end = math.inf if left is None else left
             else:
                 end = self._estimator.remaining_s(d.model, model_load=d.model_load, running_s=running_s,
-                                                  max_tokens=ticket.max_tokens)
+                                                  max_tokens=ticket.max_tokens, upstream=d.upstream)
             ends.setdefault(d.upstream, []).append(end)
         return ends
 
@@ -111,7 +111,7 @@ class Forecast:
             left = 0.0
             if settling is not None and settling.granted_ns is not None:
                 left = self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
-                                                   running_s=(now - settling.granted_ns) / NS_PER_S)
+                                                   running_s=(now - settling.granted_ns) / NS_PER_S, upstream=gpu.name)
             blocked[gpu.name] = left if left > 0 else math.inf
         return blocked
 
@@ -160,5 +160,5 @@ class _RunningTimes:
     def drained_in_s(self, lane: str) -> float:
         return self._of().drained_in_s(lane)
 
-    def swap_s(self, model: str | None) -> float:
-        return self._estimator.expected_swap_s(model)
+    def swap_s(self, model: str | None, lane: str) -> float:
+        return self._estimator.expected_swap_s(model, lane)

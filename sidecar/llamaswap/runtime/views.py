@@ -232,9 +232,11 @@ class QueueViews:
             ticket = self._tickets.get(decision.request_id)
             running_s = (now - decision.granted_ns) / NS_PER_S
             size = ticket.max_tokens if ticket is not None else None
-            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load, max_tokens=size)
+            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load, max_tokens=size,
+                                                        upstream=decision.upstream)
             remaining = self._estimator.known_remaining_s(decision.model, model_load=decision.model_load,
-                                                          running_s=running_s, max_tokens=size)
+                                                          running_s=running_s, max_tokens=size,
+                                                          upstream=decision.upstream)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
                                    decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,

@@ -379,7 +379,7 @@ class _ExpectedEnds:
     def drained_in_s(self, lane: str) -> float:
         return max(self._remaining_s(lane), default=0.0)
 
-    def swap_s(self, model: str | None) -> float:
+    def swap_s(self, model: str | None, lane: str) -> float:
         return self._costs.expected_swap_s(model)
 
 

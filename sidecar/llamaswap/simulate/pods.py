@@ -94,7 +94,7 @@ class _Times:
     def drained_in_s(self, lane: str) -> float:
         return (max(self._pod.ends[lane], default=self._now) - self._now) / _NS_PER_S
 
-    def swap_s(self, model: str | None) -> float:
+    def swap_s(self, model: str | None, lane: str) -> float:
         return self._costs.expected_swap_s(model)
 
 
