@@ -293,7 +293,7 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
     what is checked is the page, and the sidecar's coordinator does not run two upstreams yet.
     Once it does, the same checks belong on a `running_stack` with `upstreams:`."""
     from aiohttp import web
-    from gpu_stack import TwoGpus
+    from two_gpus import TwoGpus
 
     from llamaswap.adapters.ui import UiState, add_ui_routes
     from llamaswap.core import ManualClock
