@@ -40,7 +40,6 @@ from llamaswap.envoy.contract import (
     RETRY_AFTER_MS_HEADER,
     RETRY_COUNT_HEADER,
     SHOULD_RETRY_HEADER,
-    SINGLE_UPSTREAM_NAME,
     STREAM_KEY,
     TICKET_KEY,
     UNLOAD_PATH,
@@ -78,9 +77,7 @@ def decision_headers(decision: Decision) -> list[tuple[str, str]]:
 
 def upstream_of(decision: Decision) -> str:
     """The name of the upstream the grant runs on."""
-    # Until the core's Decision names one, every grant runs on the single upstream.
-    upstream = getattr(decision, "upstream", None)
-    return upstream if isinstance(upstream, str) and upstream else SINGLE_UPSTREAM_NAME
+    return decision.upstream
 
 
 def granted(ticket: Ticket) -> authz_pb2.CheckResponse:

@@ -12,7 +12,6 @@ import os
 import pathlib
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
@@ -20,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from llamaswap.config.model_key import single_model_slots
 from llamaswap.config.problems import ConfigError, Meaning, Problem, describe_value, invalid, invalid_all
 from llamaswap.config.types import (
+    UrlParts,
     AbandonedGeneration,
     HostPort,
     ManagementApi,
@@ -272,7 +272,7 @@ class ListenConfig(Section):
         return self
 
 
-class UpstreamConfig(Section):
+class UpstreamConfig(UrlParts, Section):
     """The OpenAI-compatible server behind the queue: llama-server, llama-swap, or any other."""
 
     url: Annotated[str, BeforeValidator(upstream_url)] = Field(
@@ -341,21 +341,6 @@ class UpstreamConfig(Section):
         if any(c in key for c in "\r\n"):
             raise ConfigError([Problem("upstream.apiKey", f"{self.api_key} holds more than one line: put one key in it")])
         return key
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or ""
-
-    @property
-    def port(self) -> int:
-        port = urlsplit(self.url).port
-        if port is not None:
-            return port
-        return 443 if self.tls else 80
-
-    @property
-    def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "https"
 
 
 class UpstreamItem(Section):

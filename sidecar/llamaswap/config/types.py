@@ -261,3 +261,24 @@ def api_key_reference(value: Any) -> str | None:
             return value
     raise invalid("must say where the key is, 'file:PATH' or 'env:NAME' (an environment variable), not the key "
                   "itself (the value is not repeated here)")
+
+
+class UrlParts:
+    """The host, port and TLS of an upstream's ``url`` (upstream: and each of upstreams:)."""
+
+    url: str
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        port = urlsplit(self.url).port
+        if port is not None:
+            return port
+        return 443 if self.tls else 80
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "https"

@@ -11,10 +11,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.config.types import UrlParts
 from llamaswap.config.problems import Problem, describe_value, invalid
 
 # The entry that upstream.url, slots and command make when the file has no `upstreams`.
-IMPLICIT_UPSTREAM = "gpu0"
+IMPLICIT_UPSTREAM = SINGLE_UPSTREAM
 # A name becomes part of an Envoy cluster name (upstream-<name>) and a metric label value.
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
@@ -22,7 +24,7 @@ _NAME = re.compile(NAME_PATTERN)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class UpstreamEntry:
+class UpstreamEntry(UrlParts):
     """One upstream of the node: a llama-server on one GPU (or on the GPUs it uses together).
     ``slots`` is resolved (an entry without its own takes upstream.slots); ``models`` None means
     it may serve any model."""
@@ -36,21 +38,6 @@ class UpstreamEntry:
     def may_serve(self, model: str) -> bool:
         """Whether the file lets this upstream serve ``model`` (its ``models`` list, if any)."""
         return self.models is None or model in self.models
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or ""
-
-    @property
-    def port(self) -> int:
-        port = urlsplit(self.url).port
-        if port is not None:
-            return port
-        return 443 if self.tls else 80
-
-    @property
-    def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "https"
 
 
 def upstream_name(value: Any) -> str:

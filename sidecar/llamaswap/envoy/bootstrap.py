@@ -26,7 +26,6 @@ no one-hour cap on a held call.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import re
 from typing import Any, Protocol
@@ -60,7 +59,6 @@ from llamaswap.envoy.contract import (
     PROPS_PATH,
     RENEWALS_PER_LEASE,
     REQUEST_ID_HEADER,
-    SINGLE_UPSTREAM_NAME,
     STATUS_PREFIX,
     STREAM_KEY,
     TICKET_KEY,
@@ -122,22 +120,9 @@ class Upstream(Protocol):
     def tls(self) -> bool: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _SingleUpstream:
-    name: str
-    host: str
-    port: int
-    tls: bool
-
-
 def _entries(config: Config) -> tuple[Upstream, ...]:
-    """The configuration's upstreams, first one first: `Config.upstream_entries` where the
-    configuration has it, else the one `upstream.url` describes (named gpu0)."""
-    entries = getattr(config, "upstream_entries", None)
-    if entries:
-        return tuple(entries)
-    upstream = config.upstream
-    return (_SingleUpstream(SINGLE_UPSTREAM_NAME, upstream.host, upstream.port, upstream.tls),)
+    """The configuration's upstreams, first one first (`Config.upstream_entries`)."""
+    return tuple(config.upstream_entries)
 
 
 def _duration(seconds: float) -> str:

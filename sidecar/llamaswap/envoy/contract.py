@@ -11,6 +11,7 @@ import json
 
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
+from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 
 __all__ = [
@@ -44,7 +45,7 @@ UPSTREAM_HEADER = "x-llamaswap-upstream"
 # Each upstream's Envoy cluster is this prefix and its name; the access log reads the name back.
 UPSTREAM_CLUSTER_PREFIX = "upstream-"
 # The name of the one upstream a configuration without `upstreams:` describes (upstream.url).
-SINGLE_UPSTREAM_NAME = "gpu0"
+SINGLE_UPSTREAM_NAME = SINGLE_UPSTREAM
 # routing.retryGraceSeconds: Envoy copies the client's own x-request-id here before it generates
 # one for a request that has none (an early header mutation, ahead of the request id), so the
 # sidecar can tell a client-chosen id (the two are equal) from Envoy's.
