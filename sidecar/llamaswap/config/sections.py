@@ -514,16 +514,18 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _upstreams_fit(self) -> Config:
-        # Every problem of the list at once; the moved keys last (`up` may add upstream.url itself).
+        # The list's problems together. The moved upstream keys only once the list is right: `up`
+        # adds upstream.url and command to a file that names neither, which must not bury the rest.
         if self.upstreams is None:
             return self
         entries = self.upstream_entries
         own_slots = [item.slots is not None for item in self.upstreams]
         reserved_key = f"routing.scheduler.settings.{self.routing.scheduler.use}.reservedSlots"
-        upstream_set = {self.upstream.model_fields[name].alias or name for name in self.upstream.model_fields_set}
         problems = [*duplicates(entries), *unserved_models(entries, self.models),
-                    *slots_left_unreserved(entries, own_slots, self.reserved_slots, reserved_key),
-                    *moved_keys(upstream_set, own_slots)]
+                    *slots_left_unreserved(entries, own_slots, self.reserved_slots, reserved_key)]
+        if not problems:
+            fields = type(self.upstream).model_fields
+            problems = moved_keys({fields[name].alias or name for name in self.upstream.model_fields_set}, own_slots)
         if problems:
             raise invalid_all(type(self).__name__, problems)
         return self
@@ -535,7 +537,7 @@ class Config(Section):
             if self.upstreams is None:
                 self.slots()
             else:  # the upstreams' own slots are checked above; models.<id>.slots here
-                per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots}
+                per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
                 Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
         except InvalidSlots as exc:
             use = self.routing.scheduler.use
