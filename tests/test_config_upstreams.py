@@ -40,7 +40,8 @@ def check_config(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
 
 def two(**second: Any) -> list[dict[str, Any]]:
     """Two entries on two ports; ``second`` changes the second one."""
-    return [{"name": "gpu0", "url": "http://127.0.0.1:8081"}, {"name": "gpu1", "url": "http://127.0.0.1:8082", **second}]
+    return [{"name": "gpu0", "url": "http://127.0.0.1:8081"},
+            {"name": "gpu1", "url": "http://127.0.0.1:8082", **second}]
 
 
 # -- the list of one, the defaults ---------------------------------------------------------------

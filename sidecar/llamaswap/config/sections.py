@@ -279,8 +279,9 @@ class UpstreamConfig(Section):
         default=f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
         description="The upstream's base URL, http:// or https://; a trailing '/' is dropped.",
         json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
-    command: Command = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
-                                      "(split like a shell does) or a list of arguments; empty for none.")
+    command: Command = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a "
+                                                     "command line (split like a shell does) or a list of "
+                                                     "arguments; empty for none.")
     health_path: Annotated[str, BeforeValidator(checked_health_path)] = Field(
         default="/health", description="The upstream's health check path, starting with '/'.",
         json_schema_extra={"pattern": "^/"})
@@ -370,8 +371,7 @@ class UpstreamItem(Section):
     url: Annotated[str, BeforeValidator(upstream_url)] = Field(
         description="Its base URL, http:// or https://; a trailing '/' is dropped. Each entry its own server.",
         json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
-    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value),
-                     Meaning("null = upstream.slots")] = Field(
+    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value)] = Field(
         default=None,
         description="Its generations at once (its --parallel): an integer >= 1, or 'auto' (ask it); null (the "
                     "default) takes upstream.slots.",
@@ -537,7 +537,8 @@ class Config(Section):
             if self.upstreams is None:
                 self.slots()
             else:  # the upstreams' own slots are checked above; models.<id>.slots here
-                per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
+                per_model = {model_id: model.slots for model_id, model in self.models.items()
+                             if model.slots is not None}
                 Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
         except InvalidSlots as exc:
             use = self.routing.scheduler.use
