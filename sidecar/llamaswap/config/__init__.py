@@ -40,8 +40,8 @@ from llamaswap.core.priority import PriorityMode
 from llamaswap.core.policy import PolicyName
 
 __all__ = [
-    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_UPSTREAM", "SLOTS_AUTO", "AbandonedGeneration", "ActivityConfig", "Config",
-    "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi",
+    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_UPSTREAM", "SLOTS_AUTO", "AbandonedGeneration",
+    "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi",
     "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
     "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "UpstreamEntry",

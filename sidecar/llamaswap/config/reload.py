@@ -100,7 +100,8 @@ class ReloadPlan:
 
 def plan_reload(running: Config, new: Config, *, parse: Callable[[Any], Config]) -> ReloadPlan:
     """Split the changed keys by the table; a RESTART key keeps its running value (so the running
-    configuration says what runs). `parse` validates a document (the caller's loader)."""
+    configuration says what runs), unless a REFUSED key changed too (then ``config`` is ``new``,
+    not to be run). `parse` validates a document (the caller's loader)."""
     old_leaves, new_leaves = _leaves(running.to_document()), _leaves(new.to_document())
     changed = sorted(path for path in old_leaves.keys() | new_leaves.keys()
                      if old_leaves.get(path) != new_leaves.get(path))
@@ -110,7 +111,9 @@ def plan_reload(running: Config, new: Config, *, parse: Callable[[Any], Config])
         if entry.path not in by_kind[entry.on_reload]:
             by_kind[entry.on_reload].append(entry.path)
     config = new
-    if by_kind[OnReload.RESTART]:
+    # A refused reload applies nothing, so nothing is kept either (and a change between upstream
+    # and upstreams has no running value to keep: the other document leaves upstream.url out).
+    if by_kind[OnReload.RESTART] and not by_kind[OnReload.REFUSED]:
         document = new.to_document()
         kept = running.to_document()
         for path in by_kind[OnReload.RESTART]:

@@ -279,8 +279,9 @@ class UpstreamConfig(UrlParts, Section):
         default=f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
         description="The upstream's base URL, http:// or https://; a trailing '/' is dropped.",
         json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
-    command: Command = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a command line "
-                                      "(split like a shell does) or a list of arguments; empty for none.")
+    command: Command = Field(default=(), description="`llamaswap up` starts this and waits for healthPath: a "
+                                                     "command line (split like a shell does) or a list of "
+                                                     "arguments; empty for none.")
     health_path: Annotated[str, BeforeValidator(checked_health_path)] = Field(
         default="/health", description="The upstream's health check path, starting with '/'.",
         json_schema_extra={"pattern": "^/"})
@@ -355,8 +356,7 @@ class UpstreamItem(Section):
     url: Annotated[str, BeforeValidator(upstream_url)] = Field(
         description="Its base URL, http:// or https://; a trailing '/' is dropped. Each entry its own server.",
         json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
-    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value),
-                     Meaning("null = upstream.slots")] = Field(
+    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value)] = Field(
         default=None,
         description="Its generations at once (its --parallel): an integer >= 1, or 'auto' (ask it); null (the "
                     "default) takes upstream.slots.",
@@ -499,16 +499,18 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _upstreams_fit(self) -> Config:
-        # Every problem of the list at once; the moved keys last (`up` may add upstream.url itself).
+        # The list's problems together. The moved upstream keys only once the list is right: `up`
+        # adds upstream.url and command to a file that names neither, which must not bury the rest.
         if self.upstreams is None:
             return self
         entries = self.upstream_entries
         own_slots = [item.slots is not None for item in self.upstreams]
         reserved_key = f"routing.scheduler.settings.{self.routing.scheduler.use}.reservedSlots"
-        upstream_set = {self.upstream.model_fields[name].alias or name for name in self.upstream.model_fields_set}
         problems = [*duplicates(entries), *unserved_models(entries, self.models),
-                    *slots_left_unreserved(entries, own_slots, self.reserved_slots, reserved_key),
-                    *moved_keys(upstream_set, own_slots)]
+                    *slots_left_unreserved(entries, own_slots, self.reserved_slots, reserved_key)]
+        if not problems:
+            fields = type(self.upstream).model_fields
+            problems = moved_keys({fields[name].alias or name for name in self.upstream.model_fields_set}, own_slots)
         if problems:
             raise invalid_all(type(self).__name__, problems)
         return self
@@ -520,7 +522,8 @@ class Config(Section):
             if self.upstreams is None:
                 self.slots()
             else:  # the upstreams' own slots are checked above; models.<id>.slots here
-                per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots}
+                per_model = {model_id: model.slots for model_id, model in self.models.items()
+                             if model.slots is not None}
                 Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
         except InvalidSlots as exc:
             use = self.routing.scheduler.use
