@@ -267,9 +267,6 @@ def test_a_yaml_file_with_upstreams_loads(tmp_path: pathlib.Path) -> None:
         ("gpu0", 8081, 2, None), ("gpu1", 8082, 1, frozenset({"qwen3-0.6b"}))]
 
 
-@pytest.mark.xfail(strict=True, reason="commands/up.py (not this change) adds the built-in upstream.url and command "
-                                       "to a file without them, upstreams or not: names_an_upstream must count "
-                                       "upstreams, or check-config and up refuse every file with upstreams")
 def test_up_takes_upstreams_as_naming_the_upstreams() -> None:
     from llamaswap.commands.up import names_an_upstream
 
