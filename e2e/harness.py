@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import yaml
@@ -159,14 +159,15 @@ class SidecarProcess(Process):
 
 class EnvoyProcess(Process):
     def __init__(self, bootstrap: dict[str, Any], workdir: pathlib.Path, *, name: str = "envoy",
-                 concurrency: int = 2) -> None:
+                 concurrency: int = 2, extra_args: Sequence[str] = ()) -> None:
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(render_bootstrap(bootstrap))
         self.admin_path = workdir / f"{name}-admin-address"
         self.admin_path.unlink(missing_ok=True)
         super().__init__(name, [envoy_binary(), "-c", str(self.config_path), "--admin-address-path",
                                 str(self.admin_path), "--disable-hot-restart", "--concurrency", str(concurrency),
-                                "--log-level", os.environ.get("LLAMASWAP_ENVOY_LOG_LEVEL", "warning")],
+                                "--log-level", os.environ.get("LLAMASWAP_ENVOY_LOG_LEVEL", "warning"),
+                                *extra_args],
                          workdir / f"{name}.log")
         try:
             self.admin_url = "http://" + wait_for(self._admin_address, what="Envoy admin address file")
