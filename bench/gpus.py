@@ -1,9 +1,9 @@
 """One queue over two GPUs (issue 27) against what a user runs instead, on two real llama-servers.
 
-Two llama-servers in router mode (the tests' tiny models, four of them, `--models-max 1`,
-`--slots` slots (default 2) and one thread each: two "GPUs" on this machine's two cores) serve
-the same mixed workload three ways, measured alike, in interleaved rounds (the order rotates
-every round):
+Two llama-servers in router mode (the tests' tiny models, four of them, written with a 4,096-token
+context; `--models-max 1`, `--slots` slots, default 1 as llamaswap's own default, and one thread
+each: two "GPUs" on this machine's two cores) serve the same mixed workload three ways, measured
+alike, in interleaved rounds (the order rotates every round):
 
 - **direct**: the two servers straight, each client pinned to one. The models are placed by
   hand (tiny-a and tiny-c on the first server, tiny-b and tiny-d on the second, as llama-swap
@@ -17,10 +17,11 @@ every round):
 - **llamaswap upstreams**: one stack with `upstreams:` of both servers: one queue.
 
 The workload: a batch backlog (`--batch` requests, the four models in equal shares, shuffled),
-all there at the start, and `--interactive` short requests (models drawn at random) arriving
-every `--spacing-ms` over it. A batch request's output length is drawn from a log-normal around
-`--batch-tokens` (`--batch-sigma` 0.8: LLM outputs are long-tailed; 0 makes them all the same
-length). Through llamaswap each request carries `x-llamaswap-priority: batch` or `interactive`.
+all there at the start, and `--interactive` requests of `--interactive-tokens` (models drawn at
+random) arriving every `--spacing-ms` over it. A batch request's output length is drawn from a
+log-normal around `--batch-tokens` (`--batch-sigma` 0.8, a coefficient of variation of about 0.9:
+LLM outputs are long-tailed; 0 makes them all the same length), at most 4,000 tokens. Through
+llamaswap each request carries `x-llamaswap-priority: batch` or `interactive`.
 
 Figures, per side:
 - throughput: requests / span (the first arrival to the last answer);
@@ -36,8 +37,8 @@ Figures, per side:
   a model load is inside the request it is for. A request waited from its send to its grant
   (the sidecar's queue wait), direct from its arrival to its client sending it. Of the time while
   any request waited, summed over both GPUs, the share in which a GPU had no request at it. The
-  handoff between two requests counts: with one slot, each costs the GPU about 3 ms here (the
-  access log's entry to the sidecar, the grant back to Envoy, the request to the server).
+  handoff between two requests counts: each costs a one-slot GPU about 3-5 ms here (the access
+  log's entry to the sidecar, the grant back to Envoy, the request to the server).
 
 Last line: `gpus: 2 upstreams N.NNx the throughput of direct, interactive p95 wait A ms
 (round-robin stacks: B ms), swaps C (round-robin: D), GPU idle while work waited E%`, with the
@@ -79,8 +80,8 @@ SPAWN_LINE = "spawning server instance with name="  # the router's log line for 
 # The sidecars learn what each server has loaded from its GET /models while idle (default 5 s):
 # shorter here so that they see the unloads between sides.
 MODELS_POLL_S = 0.5
-CONTEXT_PER_SLOT = 2048
-MIN_TOKENS, MAX_TOKENS = 16, 2040  # within a slot's context, beside the prompt's few tokens
+CONTEXT_PER_SLOT = 4096
+MIN_TOKENS, MAX_TOKENS = 16, 4000  # within a slot's context, beside the prompt's few tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,14 +461,14 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each side once per round)")
     parser.add_argument("--batch", type=int, default=48, help="batch requests in the backlog")
-    parser.add_argument("--batch-tokens", type=int, default=512,
-                        help="median output tokens of a batch request (<= 2040)")
+    parser.add_argument("--batch-tokens", type=int, default=1024,
+                        help="median output tokens of a batch request (<= 4000)")
     parser.add_argument("--batch-sigma", type=float, default=0.8,
                         help="spread of batch output lengths (log-normal sigma; 0: all --batch-tokens long)")
     parser.add_argument("--interactive", type=int, default=24, help="interactive requests arriving over the backlog")
-    parser.add_argument("--interactive-tokens", type=int, default=32)
-    parser.add_argument("--spacing-ms", type=float, default=150.0, help="between two interactive arrivals")
-    parser.add_argument("--slots", type=int, default=2, help="slots of each server (-np), used alike by every side")
+    parser.add_argument("--interactive-tokens", type=int, default=128)
+    parser.add_argument("--spacing-ms", type=float, default=500.0, help="between two interactive arrivals")
+    parser.add_argument("--slots", type=int, default=1, help="slots of each server (-np), used alike by every side")
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--quick", action="store_true", help="1 round of 12 batch and 6 interactive requests")
     parser.add_argument("--keep", metavar="DIR", help="keep the logs (llama-servers', sidecars', Envoys') in DIR")
@@ -477,7 +478,7 @@ async def main() -> None:
     with workdir(args.keep) as root:
         models = root / "models"
         for seed, name in enumerate(MODELS):
-            write_tiny_llama_gguf(models / f"{name}.gguf", seed=40 + seed, name=name)
+            write_tiny_llama_gguf(models / f"{name}.gguf", seed=40 + seed, name=name, context=CONTEXT_PER_SLOT)
         server_args = [*router_mode_args(models), "-np", str(args.slots), "-c", str(CONTEXT_PER_SLOT * args.slots),
                        "-t", "1"]
         with contextlib.ExitStack() as exits:

@@ -57,11 +57,13 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tiny") -> pathlib.Path:
+def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tiny",
+                          context: int = N_CTX) -> pathlib.Path:
     """Write a random-weight float32 llama GGUF to ``path`` and return the path.
 
     Different seeds give different weights (and so different outputs), which
-    lets tests tell two models apart.
+    lets tests tell two models apart. ``context``: the trained context, which
+    caps llama-server's ``-c``.
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +82,7 @@ def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tin
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(N_CTX)
+    writer.add_context_length(context)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_BLOCKS)
     writer.add_feed_forward_length(N_FF)
