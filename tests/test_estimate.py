@@ -45,6 +45,35 @@ def test_swap_cost_is_the_extra_time_to_first_byte_of_a_load():
     assert e2.expected_run_s("b") == pytest.approx(4.0)
 
 
+def test_unstreamed_loads_measure_the_swap_by_their_run_beyond_their_tokens():
+    # Batch clients seldom stream: no first byte times the load, so the default would stay forever.
+    e = make(swap=5.0)
+    e.record("a", run_s=1.0, first_byte_s=None, model_load=False, max_tokens=1000)  # 1 ms per token
+    e.record("a", run_s=0.25, first_byte_s=None, model_load=True, max_tokens=100)  # 0.1 s of tokens + the load
+    assert e.expected_swap_s("a") == pytest.approx(0.15)
+    # That load's run is learnt without the measured swap, not without the 5 s default.
+    assert e.expected_request_run_s("a", 100) == pytest.approx(0.1)
+    # Per GPU as the first bytes are: gpu1's own loads are slower.
+    e.record("a", run_s=1.0, first_byte_s=None, model_load=False, max_tokens=1000, upstream="gpu1")
+    e.record("a", run_s=1.1, first_byte_s=None, model_load=True, max_tokens=100, upstream="gpu1")
+    assert e.expected_swap_s("a", "gpu1") == pytest.approx(1.0)
+
+
+def test_unstreamed_loads_without_tokens_or_a_run_per_token_keep_the_default_swap():
+    e = make(swap=5.0)
+    e.record("a", run_s=3.0, first_byte_s=None, model_load=True, max_tokens=100)  # no run per token yet
+    e.record("a", run_s=3.0, first_byte_s=None, model_load=True)  # tokens not said
+    assert e.expected_swap_s("a") == 5.0
+
+
+def test_streamed_loads_measure_the_swap_by_their_first_byte_before_unstreamed_runs():
+    e = make(swap=5.0)
+    e.record("a", run_s=1.0, first_byte_s=0.1, model_load=False, max_tokens=1000)
+    e.record("a", run_s=3.0, first_byte_s=None, model_load=True, max_tokens=1000)  # by its run: 2 s
+    e.record("a", run_s=1.6, first_byte_s=0.6, model_load=True, max_tokens=1000)  # by its first byte: 0.5 s
+    assert e.expected_swap_s("a") == pytest.approx(0.5)
+
+
 def test_swap_cost_never_negative():
     e = make()
     e.record("a", run_s=1.0, first_byte_s=1.0, model_load=False)

@@ -7,7 +7,10 @@ runaway generation):
 
 - expected run of a model = median run time of its grants that needed no model load;
 - expected swap cost of a model = median time to first byte of its grants that loaded it,
-  minus the median time to first byte of those that did not (never below 0).
+  minus the median time to first byte of those that did not (never below 0). An answer that was
+  not streamed times no first byte (it comes with the last): then a grant that loaded its model
+  and said its `max_tokens` measures the load as its run beyond what its tokens take (the
+  model's run per token), so that batch traffic, which seldom streams, still learns its swaps.
 
 Where a request says how many output tokens it asks for (`max_tokens`), its expected run scales
 with them (`expected_request_run_s`): per model, the rolling median of run time per token asked
@@ -81,6 +84,7 @@ class Estimator:
         self._warm_first_byte: dict[_Key, _Recent] = {}
         self._load_first_byte: dict[_Key, _Recent] = {}
         self._run_per_token: dict[_Key, _Recent] = {}
+        self._load_beyond_run: dict[_Key, _Recent] = {}  # loads measured by unstreamed runs
 
     # -- learning ------------------------------------------------------------------------
 
@@ -96,6 +100,10 @@ class Estimator:
             if first_byte_s is not None:
                 table = self._load_first_byte if model_load else self._warm_first_byte
                 self._recent(table, key).add(max(0.0, first_byte_s))
+            elif model_load and max_tokens is not None and max_tokens > 0:
+                per_token = self._median(self._run_per_token, model, where)
+                if per_token is not None:
+                    self._recent(self._load_beyond_run, key).add(max(0.0, run_s - per_token * max_tokens))
             run = max(0.0, run_s - self.expected_swap_s(model, upstream=where) if model_load else run_s)
             self._recent(self._run, key).add(run)
             if max_tokens is not None and max_tokens > 0:
@@ -136,9 +144,11 @@ class Estimator:
         return self.expected_run_s(model, upstream)
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
+        """By the first bytes where loads were streamed, else by unstreamed runs, else the default."""
         loads = self._median(self._load_first_byte, model, upstream)
         if loads is None:
-            return self.default_swap_s
+            by_runs = self._median(self._load_beyond_run, model, upstream)
+            return by_runs if by_runs is not None else self.default_swap_s
         warm = self._median(self._warm_first_byte, model, upstream)
         return max(0.0, loads - (warm if warm is not None else 0.0))
 
