@@ -373,3 +373,38 @@ async def test_after_envoy_is_killed_each_gpu_settles_its_own_abandoned_generati
                                            what="the records of a1 and b1")
         for test_id in ("a1", "b1"):
             assert records[test_id]["outcome"] in ("proxy_gone", "lease_expired") and records[test_id]["settle_ms"] > 0
+
+
+async def test_llama_servers_metrics_are_read_from_every_gpu_labelled_with_it(tmp_path: pathlib.Path) -> None:
+    """GET /llamaswap/v1/upstream/metrics through Envoy reads each GPU's llama-server (its loaded
+    model's metrics, loading nothing), each sample labelled with its upstream; with gpu1's server
+    gone the page still has gpu0's, and a comment says gpu1 was not read."""
+    gpu0 = FakeLlamaServer(router=True, loaded="model-a").started()
+    gpu1 = FakeLlamaServer(router=True, loaded="model-b").started()
+    running = [gpu0, gpu1]
+    try:
+        with running_node(tmp_path, entries(gpu0, gpu1)) as node:
+            async with aiohttp.ClientSession() as session:
+                async def scrape() -> tuple[int, list[str]]:
+                    async with session.get(f"{node.url}/llamaswap/v1/upstream/metrics") as response:
+                        return response.status, (await response.text()).splitlines()
+
+                status, lines = await scrape()
+                assert status == 200, lines
+                assert [line for line in lines if not line.startswith("#")] == [
+                    'llamacpp:tokens_predicted_total{upstream="gpu0",model="model-a"} 42',
+                    'llamacpp:tokens_predicted_total{upstream="gpu1",model="model-b"} 42']
+                assert lines.count("# TYPE llamacpp:tokens_predicted_total counter") == 1
+                assert (gpu0.metrics_asked, gpu1.metrics_asked) == (["model-a"], ["model-b"])
+                running.remove(gpu1)
+                gpu1.close()
+                status, lines = await scrape()
+        assert status == 200, lines
+        assert lines[0].startswith("# llamaswap: upstream gpu1 not read: upstream not answering"), lines
+        assert 'llamacpp:tokens_predicted_total{upstream="gpu0",model="model-a"} 42' in lines
+        assert not any('upstream="gpu1"' in line for line in lines)
+        for fake in (gpu0, gpu1):
+            assert fake.autoloaded == [] and set(fake.states.values()) == {"loaded", "unloaded"}
+    finally:
+        for fake in running:
+            fake.close()

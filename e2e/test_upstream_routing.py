@@ -27,7 +27,6 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as aut
 from llamaswap.adapters.access_log import report_of, ticket_of
 from llamaswap.config import parse_config
 from llamaswap.envoy.bootstrap import build_bootstrap
-from several_upstreams import SeveralUpstreams
 
 UPSTREAM_HEADER = "x-llamaswap-upstream"
 
@@ -101,9 +100,9 @@ async def two_upstreams(workdir: pathlib.Path, *, fail_open: bool) -> AsyncItera
         with _fakes() as (gpu0, gpu1):
             config = parse_config({
                 "listen": {"http": "127.0.0.1:0", "grpc": f"127.0.0.1:{port}", "admin": "127.0.0.1:0"},
-                "upstream": {"url": gpu0.url}, "envoy": {"failOpen": fail_open}})
-            bootstrap = build_bootstrap(SeveralUpstreams(config, {"gpu0": gpu0.url, "gpu1": gpu1.url}),
-                                        admin_port=port, envoy_admin_port=0)
+                "upstreams": [{"name": "gpu0", "url": gpu0.url}, {"name": "gpu1", "url": gpu1.url}],
+                "envoy": {"failOpen": fail_open}})
+            bootstrap = build_bootstrap(config, admin_port=port, envoy_admin_port=0)
             envoy = EnvoyProcess(bootstrap, workdir)
             failed = True
             try:

@@ -1074,7 +1074,8 @@ def test_pod_simulation_with_real_llama_server(tmp_path: pathlib.Path) -> None:
         # llama-server's own metrics (--metrics) through Envoy's listener: the loaded model's
         # only, and reading them loads nothing (the router would load a model asked for).
         status, _, body = _http(f"{base}/llamaswap/v1/upstream/metrics")
-        assert status == 200 and 'llamacpp:tokens_predicted_total{model="tiny-b"}' in body.decode(), body[:500]
+        sample = 'llamacpp:tokens_predicted_total{upstream="gpu0",model="tiny-b"}'
+        assert status == 200 and sample in body.decode(), body[:500]
         listed = json.loads(_http(f"{base}/models")[2])["data"]
         assert [m["id"] for m in listed if (m.get("status") or {}).get("value") == "loaded"] == ["tiny-b"]
 

@@ -12,7 +12,6 @@ from llamaswap.config import parse_config
 from llamaswap.envoy.binary import validate_bootstrap
 from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, bootstrap_changes, build_bootstrap, render_bootstrap
 from llamaswap.envoy.contract import ACCESS_LOG_NAME, STATUS_PREFIX
-from several_upstreams import SeveralUpstreams
 
 
 def hcm(bootstrap: dict) -> dict:
@@ -197,6 +196,11 @@ def test_envoys_own_answers_say_whether_and_when_to_retry():
 TWO = {"gpu0": "http://127.0.0.1:8081", "gpu1": "https://gpu1.example.com:8443"}
 
 
+def several(urls: dict[str, str], document: dict | None = None):
+    """The parsed configuration ``document`` with an `upstreams:` entry per name -> url, in order."""
+    return parse_config({**(document or {}), "upstreams": [{"name": name, "url": url} for name, url in urls.items()]})
+
+
 def _clusters(config) -> dict:
     return {c["name"]: c for c in build_bootstrap(config)["static_resources"]["clusters"]}
 
@@ -211,7 +215,7 @@ def _socket(cluster: dict) -> dict:
 
 
 def test_each_upstream_has_its_own_cluster_like_the_single_one_had():
-    clusters = _clusters(SeveralUpstreams(parse_config({}), TWO))
+    clusters = _clusters(several(TWO))
     assert _socket(clusters["upstream-gpu0"]) == {"address": "127.0.0.1", "port_value": 8081}
     assert _socket(clusters["upstream-gpu1"]) == {"address": "gpu1.example.com", "port_value": 8443}
     assert "transport_socket" not in clusters["upstream-gpu0"]
@@ -223,7 +227,7 @@ def test_each_upstream_has_its_own_cluster_like_the_single_one_had():
 
 
 def test_a_scheduled_request_goes_to_the_upstream_the_check_named():
-    config = SeveralUpstreams(parse_config({}), TWO)
+    config = several(TWO)
     *named, fallback = _scheduled(config)
     assert [(r["match"]["headers"], r["route"]["cluster"]) for r in named] == [
         ([{"name": "x-llamaswap-upstream", "string_match": {"exact": "gpu0"}}], "upstream-gpu0"),
@@ -239,13 +243,13 @@ def test_a_scheduled_request_goes_to_the_upstream_the_check_named():
 
 
 def test_fail_open_sends_an_unscheduled_request_to_the_first_upstream():
-    config = SeveralUpstreams(parse_config({"envoy": {"failOpen": True}}), TWO)
+    config = several(TWO, {"envoy": {"failOpen": True}})
     assert _scheduled(config)[-1]["route"]["cluster"] == "upstream-gpu0"
     assert "llamaswap_unrouted" not in _clusters(config)
 
 
 def test_what_skips_the_queue_asks_the_first_upstream():
-    routes = hcm(build_bootstrap(SeveralUpstreams(parse_config({}), {"b": "http://127.0.0.1:1", "a": "http://127.0.0.1:2"})))[
+    routes = hcm(build_bootstrap(several({"b": "http://127.0.0.1:1", "a": "http://127.0.0.1:2"})))[
         "route_config"]["virtual_hosts"][0]["routes"]
     upstream = [r for r in routes if "typed_per_filter_config" in r and r.get("route", {}).get("cluster", "").startswith(
         "upstream-")]
@@ -274,7 +278,7 @@ def test_one_upstream_is_routed_as_before_under_its_new_name():
 @pytest.mark.parametrize("fail_open", [False, True])
 def test_envoy_accepts_several_upstreams(tmp_path: Path, fail_open: bool) -> None:
     path = tmp_path / "envoy.yaml"
-    config = SeveralUpstreams(parse_config({"envoy": {"failOpen": fail_open}}), TWO)
+    config = several(TWO, {"envoy": {"failOpen": fail_open}})
     path.write_text(render_bootstrap(build_bootstrap(config)))
     result = validate_bootstrap(str(path))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -282,7 +286,6 @@ def test_envoy_accepts_several_upstreams(tmp_path: Path, fail_open: bool) -> Non
 
 def test_changed_upstreams_need_a_new_bootstrap():
     base = parse_config({})
-    assert bootstrap_changes(SeveralUpstreams(base, TWO), SeveralUpstreams(base, TWO)) == []
-    assert bootstrap_changes(base, SeveralUpstreams(base, TWO)) == ["upstreams"]
-    assert bootstrap_changes(SeveralUpstreams(base, TWO), SeveralUpstreams(base, {**TWO, "gpu1": "http://h:1"})) == [
-        "upstreams"]
+    assert bootstrap_changes(several(TWO), several(TWO)) == []
+    assert bootstrap_changes(base, several(TWO)) == ["upstreams"]
+    assert bootstrap_changes(several(TWO), several({**TWO, "gpu1": "http://h:1"})) == ["upstreams"]

@@ -166,7 +166,7 @@ class Sidecar:
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text,
                               picker_metrics=self.telemetry.picker_text, history=self.history)
-        add_upstream_metrics(app, self.config.upstream.url, self._api_key)
+        add_upstream_metrics(app, {entry.name: entry.url for entry in self.config.upstream_entries}, self._api_key)
         add_ui_routes(app, self.ui)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
