@@ -146,6 +146,29 @@ async def test_busy_counts_the_slots_processing() -> None:
             upstream.close()
 
 
+async def test_router_busy_never_asks_a_model_it_unloaded_while_listed_loaded() -> None:
+    """llama-server still lists a model `loaded` while its instance exits after an unload, and a
+    /slots?model= that reaches it then holds the exit 10 s (bench/swap_probe.py): a settle that
+    stopped a generation must not ask it."""
+    upstream = FakeLlamaServer(router=True, models=("model-a", "model-b"), loaded="model-a").started()
+    client = HttpUpstream(upstream.url)
+    try:
+        assert await client.busy(None) == 0
+        assert await client.stop("model-a")
+        upstream.listed_loaded = {"model-a"}  # exiting, still listed loaded
+        upstream.slots_asked.clear()
+        assert await client.busy(None) == 0
+        assert upstream.slots_asked == []
+        upstream.listed_loaded = set()  # listed unloaded: forgotten, asked again once loaded
+        assert await client.busy(None) == 0
+        upstream.listed_loaded = {"model-a"}
+        assert await client.busy(None) == 0
+        assert upstream.slots_asked == ["model-a"]
+    finally:
+        await client.close()
+        upstream.close()
+
+
 async def test_router_busy_never_loads_a_model_unloaded_since_the_list_was_read() -> None:
     upstream = FakeLlamaServer(router=True, loaded="model-a").started()
     upstream.listed_loaded = {"model-b"}  # listed loaded, unloaded by the time /slots is asked

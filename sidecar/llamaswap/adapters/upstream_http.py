@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -46,6 +47,11 @@ _NO_SLOTS_STATUSES = frozenset({404, 405, 501})
 _NOT_LOADED_STATUS = 400
 # What a server behind an API key answers without the right one (llama-server: 401).
 KEY_REFUSED_STATUSES = frozenset({401, 403})
+# A model this client unloaded is still listed `loaded` while its instance exits, and a
+# `/slots?model=` that reaches the exiting instance holds its exit until the router force-kills it
+# 10 s later (bench/swap_probe.py). So for this long after a successful unload it is not asked
+# (counted idle: the unload ended its work) unless the list shows it gone and back in between.
+EXITING_S = 15.0
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
@@ -61,6 +67,7 @@ class HttpUpstream:
         self._session: aiohttp.ClientSession | None = None
         self._kind: UpstreamKind | None = None
         self._refused_said = False
+        self._exiting: dict[str, float] = {}  # model -> monotonic time of its unload
 
     @property
     def base_url(self) -> str:
@@ -153,7 +160,9 @@ class HttpUpstream:
             try:
                 async with self._client().post(f"{self._url}/models/unload", json={"model": name}) as response:
                     self._note_status(response.status, "POST /models/unload")
-                    stopped = stopped or response.status == 200
+                    if response.status == 200:
+                        stopped = True
+                        self._exiting[name] = time.monotonic()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 _log.warning("unloading %s failed: %s", name, exc)
         return stopped
@@ -194,7 +203,11 @@ class HttpUpstream:
             if value == _STATUS_LOADING:
                 processing += 1  # a load is GPU work too
             if value != _STATUS_LOADED:
+                self._exiting.pop(name, None)  # gone: a later `loaded` is a new instance
                 continue  # never ask /slots for it: that would load it
+            unloaded_at = self._exiting.get(name)
+            if unloaded_at is not None and time.monotonic() - unloaded_at < EXITING_S:
+                continue  # unloaded by us and still exiting: asking it would hold its exit
             # autoload=false: unloaded since the list was read, it must not be loaded again.
             busy = await self._slots_busy(f"/slots?model={quote(name, safe='')}&autoload=false",
                                           unloaded_is_idle=True)
