@@ -319,3 +319,75 @@ def test_a_configuration_with_upstreams_replays_them_with_their_slots_and_models
     (row,) = run_json(["-c", str(path)], NAMED, tmp_path)["rows"]
     assert set(row["gpus"]) == {"gpu0", "gpu1"}  # the configuration's, not the log's "big" and "small"
 
+
+
+# -- each GPU's own costs -----------------------------------------------------------------------
+
+def _warm(request_id: str, at_s: float, run_s: float, upstream: str | None, order: int) -> RequestRecord:
+    """A served warm generation of A, granted as it arrived (first byte at once)."""
+    return RequestRecord(request_id, "A", 0, Outcome.SERVED, True, at_s * 1000, 0.0, 0.0, run_s * 1000, 0.0,
+                         False, False, order=order, upstream=upstream)
+
+
+def _slow_gpu1() -> list[RequestRecord]:
+    # gpu0 runs A in 2 s (three samples), gpu1 in 20 s (one): the node's median is 2 s.
+    return [_warm("f1", 0, 2, "gpu0", 0), _warm("s1", 0, 20, "gpu1", 1), _warm("f2", 2, 2, "gpu0", 2),
+            _warm("f3", 4, 2, "gpu0", 3)]
+
+
+def test_each_gpu_replays_with_its_own_run_times():
+    from llamaswap.simulate.engine import measure_costs
+
+    records = _slow_gpu1()
+    costs = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=50)
+    assert (costs.expected_run_s("A", "gpu0"), costs.expected_run_s("A", "gpu1"), costs.expected_run_s("A")) == (
+        2.0, 20.0, 2.0)
+    # Two requests that never ran arrive together at 30, both GPUs idle: each takes its GPU's
+    # run of A (not the node's 2 s on gpu1).
+    late = [arrival("n1", 30, "A", order=4), arrival("n2", 30, "A", order=5)]
+    sim = simulate(prepare(records + late), two_gpus(), costs)
+    ran = {r.request.record.request_id: (r.upstream, (r.release_ns - r.start_ns) / S) for r in sim.results}
+    assert {ran["n1"], ran["n2"]} == {("gpu0", 2.0), ("gpu1", 20.0)}
+    # One GPU (gpu0): f1 loads A first (no grant time recorded: nothing loaded; the default
+    # swap, 5 s: 0..7); s1, recorded 20 s on gpu1, runs at gpu0's pace (2 s): f2 starts at 9, not 27.
+    single = simulate(prepare(records), Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0), costs)
+    started = {r.request.record.request_id: r.start_ns / S for r in single.results}
+    assert started == {"f1": 0.0, "s1": 7.0, "f2": 9.0, "f3": 11.0}
+
+
+def test_a_gpu_without_its_own_figures_takes_the_nodes():
+    from llamaswap.simulate.engine import measure_costs
+
+    records = _slow_gpu1()
+    costs = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=50)
+    # gpu2 recorded nothing: the node's run of A (2 s); no model anywhere recorded: the defaults.
+    assert costs.expected_run_s("A", "gpu2") == 2.0
+    assert (costs.expected_run_s("Z", "gpu1"), costs.expected_swap_s("Z", "gpu1")) == (10.0, 5.0)
+    three = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_lanes(
+        tuple(LanePolicy(f"gpu{i}", Slots(1)) for i in range(3)))
+    late = [arrival(f"n{i}", 30, "A", order=4 + i) for i in range(3)]
+    sim = simulate(prepare(records + late), three, costs)
+    ran = {r.upstream: (r.release_ns - r.start_ns) / S for r in sim.results if r.request.record.request_id[0] == "n"}
+    assert ran == {"gpu0": 2.0, "gpu1": 20.0, "gpu2": 2.0}
+
+
+def test_measuring_the_needed_suffix_per_upstream_matches_feeding_everything():
+    from llamaswap.core import Estimator
+    from llamaswap.simulate.engine import measure_costs
+
+    rng = random.Random(12)
+    for _ in range(300):
+        records = [RequestRecord("r", rng.choice(["a", "b"]), 0, Outcome.SERVED, True, 0.0, 0.0,
+                                 rng.choice([None, rng.uniform(0, 9000)]), rng.uniform(0, 20000), 0.0,
+                                 rng.random() < 0.3, False, upstream=rng.choice(["g0", "g1", None]))
+                   for _ in range(rng.randint(0, 60))]
+        samples = rng.randint(1, 8)
+        everything = Estimator(default_run_s=10.0, default_swap_s=5.0, samples=samples)
+        for r in records:
+            everything.record(r.model, run_s=r.run_ms / 1000, model_load=r.model_load, upstream=r.upstream,
+                              first_byte_s=r.first_byte_ms / 1000 if r.first_byte_ms is not None else None)
+        measured = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=samples)
+        for model in ("a", "b"):
+            for upstream in ("g0", "g1", None):
+                assert measured.expected_run_s(model, upstream) == everything.expected_run_s(model, upstream)
+                assert measured.expected_swap_s(model, upstream) == everything.expected_swap_s(model, upstream)

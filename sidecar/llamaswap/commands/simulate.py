@@ -6,7 +6,7 @@ cost when the simulated order changes whether it needs a model load. Requests th
 take their model's expected run time; clients that gave up keep their patience; expired and
 rejected requests wait as the simulated settings let them. Records of rejected_unknown_model,
 internal_error and shutdown are not replayed. Costs are measured from the log's served requests
-with the sidecar's own estimator. Time is virtual: a day of traffic replays in seconds. Try
+with the sidecar's own estimator, per GPU where the log names upstreams. Time is virtual: a day of traffic replays in seconds. Try
 other settings with the flags, or several at once with --sweep (every combination runs, one row
 each).
 
@@ -40,7 +40,8 @@ swap affinity (a later, lower request with the loaded model goes first).
 GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one queue, named
 gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
 scheduler's node rule places each request. A log whose grants record several upstreams replays
-with those (by name) unless --gpus says otherwise. The table then gives each GPU's swaps and
+with those (by name) unless --gpus says otherwise. Each GPU runs with its own measured run
+times and swap costs, the node's where it has none (a GPU of --gpus named as no recorded one). The table then gives each GPU's swaps and
 busy fraction below the rows (busy in the row: their mean).
 
 Many nodes: --pods N (with --gpus G per pod) replays the traffic over N pods three ways: routed

@@ -39,7 +39,10 @@ Upstreams (the policy's lanes: `simulate --gpus N`, or the log's recorded upstre
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
 runtime would read: each upstream's grants' expected ends, `_ExpectedEnds`). Each GPU has its
 own slots, loaded model, swaps and concurrency; the replay starts each with the model its first
-recorded grant found loaded. The metrics give each GPU's swaps and busy fraction.
+recorded grant found loaded. The metrics give each GPU's swaps and busy fraction. Costs are
+each GPU's own (`Costs` per (upstream, model), the node's where it has none): a request that
+never ran takes its GPU's expected run, and a recorded run replayed on another GPU than the one
+it ran on is scaled by the two GPUs' expected runs of its model (its load swapped for this GPU's).
 """
 
 from __future__ import annotations
@@ -85,33 +88,35 @@ _NS_PER_MS = 1_000_000
 
 
 class Costs(Protocol):
-    """Expected GPU times per model; :class:`Estimator` is one."""
+    """Expected GPU times per model on an upstream (None: the node's figure); :class:`Estimator`
+    is one: a GPU with no measurement of its own has the node's."""
 
-    def expected_run_s(self, model: str | None) -> float: ...
+    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float: ...
 
-    def expected_swap_s(self, model: str | None) -> float: ...
+    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FixedCosts:
-    """Stated costs (synthetic workloads), with defaults for models not listed."""
+    """Stated costs (synthetic workloads), the same on every GPU, with defaults for models not listed."""
 
     run_s: Mapping[str, float]
     swap_s: Mapping[str, float]
     default_run_s: float = 10.0
     default_swap_s: float = 0.0
 
-    def expected_run_s(self, model: str | None) -> float:
+    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
         return self.run_s.get(model or NO_MODEL, self.default_run_s)
 
-    def expected_swap_s(self, model: str | None) -> float:
+    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
         return self.swap_s.get(model or NO_MODEL, self.default_swap_s)
 
 
 def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, default_swap_s: float,
                   samples: int) -> Estimator:
     """The live estimator, taught every served grant in file order (the order they finished):
-    it then holds the estimates the sidecar would have had at the end of the log.
+    it then holds the estimates the sidecar would have had at the end of the log: the node's, and
+    each recorded upstream's own (run and swap per (upstream, model), as the sidecar keeps them).
 
     Only the records that can still show in its rolling windows are fed (per model, a suffix of
     its grants), which leaves the estimator in exactly the state that feeding all would.
@@ -127,25 +132,35 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
         for record in grants[_first_needed(grants, samples):]:
             first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
-                             first_byte_s=first_byte, model_load=record.model_load)
+                             first_byte_s=first_byte, model_load=record.model_load, upstream=record.upstream)
     return estimator
 
 
 def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
     """The earliest of one model's grants that still matters to the estimator after all of them.
 
-    Every grant adds a run, so the last ``samples`` make the run window. A run learnt from a load
-    subtracts the swap estimate of that moment, which comes from the last ``samples`` times to
-    first byte of each kind (load, warm) before it; those before the earliest such load, and the
-    last ``samples`` of each kind overall (which come later), are all that can matter.
+    The node's windows hold every grant, each upstream's its own. Every grant adds a run, so the
+    last ``samples`` of each make its run window. A run learnt from a load subtracts the swap
+    estimate of that moment (an upstream without its own: the node's), which comes from the last
+    ``samples`` times to first byte of each kind (load, warm) before it; those before the earliest
+    such load in any window, and the last ``samples`` of each kind overall (which come later), are
+    all that can matter.
     """
-    start = max(0, len(grants) - samples)
-    loads = [i for i in range(start, len(grants)) if grants[i].model_load]
-    until = loads[0] if loads else len(grants)
-    for kind in (True, False):
-        timed = [i for i in range(until) if grants[i].first_byte_ms is not None and grants[i].model_load is kind]
-        if timed:
-            start = min(start, timed[max(0, len(timed) - samples)])
+    keys: dict[str | None, list[int]] = {None: list(range(len(grants)))}
+    for i, grant in enumerate(grants):
+        if grant.upstream is not None:
+            keys.setdefault(grant.upstream, []).append(i)
+    start = until = len(grants)
+    for indices in keys.values():
+        window = indices[max(0, len(indices) - samples):]
+        start = min([start, *window[:1]])
+        until = min([until, *(i for i in window if grants[i].model_load)])
+    for indices in keys.values():
+        for kind in (True, False):
+            timed = [i for i in indices
+                     if i < until and grants[i].first_byte_ms is not None and grants[i].model_load is kind]
+            if timed:
+                start = min(start, timed[max(0, len(timed) - samples)])
     return start
 
 
@@ -219,9 +234,12 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
     arrivals = [r.arrival_ns for r in requests] + [_NEVER]
+    # Each GPU's own figures where the log has them (else the node's), keyed (upstream, model);
+    # also those of the upstreams the log recorded, which a recorded run is converted from.
     models = {r.record.model for r in requests}
-    run_ns = {m: round(costs.expected_run_s(m) * 1e9) for m in models}
-    swap_ns = {m: round(costs.expected_swap_s(m) * 1e9) for m in models}
+    uppers = {*names, *(r.record.upstream for r in requests if r.run_ns is not None)}
+    run_ns = {(u, m): round(costs.expected_run_s(m, u) * 1e9) for u in uppers for m in models}
+    swap_ns = {(u, m): round(costs.expected_swap_s(m, u) * 1e9) for u in uppers for m in models}
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
     swaps = peak = waiting = 0
@@ -312,13 +330,22 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             request = result.request
             model = request.record.model
             load = decision.model_load
+            lane = decision.upstream
+            swap = swap_ns[lane, model]
             if request.run_ns is not None:
                 hold = request.run_ns
-                if load is not request.recorded_load:
-                    hold = hold + swap_ns[model] if load else max(0, hold - swap_ns[model])
+                was = request.record.upstream
+                if run_ns[was, model] != run_ns[lane, model] or swap_ns[was, model] != swap:
+                    # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
+                    work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
+                    if run_ns[was, model] > 0:
+                        work = round(work * run_ns[lane, model] / run_ns[was, model])
+                    hold = work + swap if load else work
+                elif load is not request.recorded_load:
+                    hold = hold + swap if load else max(0, hold - swap)
                 hold += request.settle_ns
             else:
-                hold = run_ns[model] + swap_ns[model] if load else run_ns[model]
+                hold = run_ns[lane, model] + swap if load else run_ns[lane, model]
             result.outcome = request.granted_outcome
             result.start_ns = result.end_ns = now
             result.model_load = load
@@ -333,9 +360,9 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 gpu.busy_since = now
             gpu.running.start(now, request.index, hold)
             if load:
-                gpu.ready_ns = now + swap_ns[model]
+                gpu.ready_ns = now + swap
             # A grant beside a load runs once the load ends, as the estimates read it.
-            gpu.expected_end[request.index] = max(now, gpu.ready_ns) + run_ns[model]
+            gpu.expected_end[request.index] = max(now, gpu.ready_ns) + run_ns[lane, model]
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 
@@ -380,7 +407,7 @@ class _ExpectedEnds:
         return max(self._remaining_s(lane), default=0.0)
 
     def swap_s(self, model: str | None, lane: str) -> float:
-        return self._costs.expected_swap_s(model)
+        return self._costs.expected_swap_s(model, lane)
 
 
 class _Running(Protocol):
