@@ -6,6 +6,7 @@ Every expected number here is worked out by hand in the comments next to it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import pathlib
@@ -68,6 +69,25 @@ EXACT_POLICY = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_que
 
 def exact_records() -> list[RequestRecord]:
     return list(parse_activity(format_line(d) for d in EXACT).requests)
+
+
+def test_costs_learn_swaps_from_unstreamed_loads_that_said_their_tokens():
+    # Batch traffic: nothing streamed, every request says max_tokens. 1 ms per token warm; each load
+    # runs 0.3 s beyond its tokens. Before, no first byte timed a load and the swap stayed at 5 s.
+    documents = []
+    for i in range(6):
+        line = request(f"w{i}", i * 10.0, 0, "A", run_s=1.0)
+        line.update(streamed=False, max_tokens=1000, first_byte_ms=1000.0)
+        documents.append(line)
+        load = request(f"l{i}", i * 10.0 + 5, 0, "A", run_s=0.8, swap=True)
+        load.update(streamed=False, max_tokens=500, first_byte_ms=800.0)
+        documents.append(load)
+    records = list(parse_activity(format_line(d) for d in documents).requests)
+    costs = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=50)
+    assert costs.expected_swap_s("A") == pytest.approx(0.3)
+    assert costs.expected_request_run_s("A", 500) == pytest.approx(0.5)
+    untold = [dataclasses.replace(r, max_tokens=None) for r in records]  # no tokens said: the default stays
+    assert measure_costs(untold, default_run_s=10.0, default_swap_s=5.0, samples=50).expected_swap_s("A") == 5.0
 
 
 def test_exact_replay_of_a_hand_written_log():

@@ -124,7 +124,8 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
     estimator = Estimator(default_run_s=default_run_s, default_swap_s=default_swap_s, samples=samples)
     per_model: dict[str | None, list[RequestRecord]] = {}
     for record in records:
-        # As the runtime learns: only generations, and only streamed first bytes time a load.
+        # As the runtime learns: only generations; streamed first bytes time a load, else an
+        # unstreamed load's run beyond its max_tokens does.
         if (record.outcome is Outcome.SERVED and record.dispatched and record.run_ms is not None
                 and record.generation):
             per_model.setdefault(record.model or None, []).append(record)
@@ -132,7 +133,8 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
         for record in grants[_first_needed(grants, samples):]:
             first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
-                             first_byte_s=first_byte, model_load=record.model_load, upstream=record.upstream)
+                             first_byte_s=first_byte, model_load=record.model_load, max_tokens=record.max_tokens,
+                             upstream=record.upstream)
     return estimator
 
 
@@ -144,8 +146,11 @@ def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
     estimate of that moment (an upstream without its own: the node's), which comes from the last
     ``samples`` times to first byte of each kind (load, warm) before it; those before the earliest
     such load in any window, and the last ``samples`` of each kind overall (which come later), are
-    all that can matter.
+    all that can matter. Runs per token, and the swaps that unstreamed loads measure by them,
+    chain through every earlier grant that said its `max_tokens`: a model with any is fed whole.
     """
+    if any(grant.max_tokens for grant in grants):
+        return 0
     keys: dict[str | None, list[int]] = {None: list(range(len(grants)))}
     for i, grant in enumerate(grants):
         if grant.upstream is not None:
