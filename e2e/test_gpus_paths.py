@@ -24,9 +24,9 @@ import pytest
 
 from client import Reply, chat
 from fake_llama import FakeLlamaServer, UpstreamHit
-from gpu_stack import Node, running_node
+from gpu_stack import running_node
 from harness import activity_records, async_wait_for
-from test_gpus import CHEAP_SWAPS, completions, entries, one_model_at_a_time, two_fakes
+from test_gpus import CHEAP_SWAPS, _at, _waiting, completions, entries, one_model_at_a_time, two_fakes
 
 SCHEDULED_MANAGEMENT = {**CHEAP_SWAPS, "upstream": {**CHEAP_SWAPS["upstream"], "managementApi": "schedule"}}
 
@@ -41,14 +41,6 @@ async def _send(session: aiohttp.ClientSession, method: str, url: str, test_id: 
 def _hits(fake: FakeLlamaServer) -> dict[str, UpstreamHit]:
     with fake.lock:
         return {hit.test_id: hit for hit in fake.hits}
-
-
-async def _at(fake: FakeLlamaServer, test_id: str) -> None:
-    await async_wait_for(lambda: test_id in fake.order(), what=f"{test_id} at its fake")
-
-
-async def _waiting(node: Node, test_id: str) -> None:
-    await async_wait_for(lambda: test_id in node.waiting(), what=f"{test_id} waiting in the sidecar")
 
 
 QUERIES = {

@@ -113,7 +113,8 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
 
 
 async def _read_upstream(session: aiohttp.ClientSession, upstream_url: str) -> str:
-    """One upstream's metrics, each sample of a router's labelled with its model. Raises UpstreamMetricsError."""
+    """One upstream's metrics, each sample of a router's labelled with its model (its models' pages
+    one after another: `upstream_metrics_text` merges every page once). Raises UpstreamMetricsError."""
     base = upstream_url.rstrip("/")
     try:
         status, text = await _get(session, f"{base}/v1/models")
@@ -137,7 +138,7 @@ async def _read_upstream(session: aiohttp.ClientSession, upstream_url: str) -> s
                 raise UpstreamMetricsError(f"GET /metrics?model={model}: HTTP {status} "
                                            "(is llama-server run with --metrics?)")
             pages.append(with_model_label(text, model))
-        return merged(pages)
+        return "".join(pages)  # merged once, with the other upstreams' pages
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise UpstreamMetricsError(f"upstream not answering: {exc!r}") from exc
 
