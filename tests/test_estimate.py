@@ -59,6 +59,57 @@ def test_unstreamed_loads_measure_the_swap_by_their_run_beyond_their_tokens():
     assert e.expected_swap_s("a", "gpu1") == pytest.approx(1.0)
 
 
+def _grows(tokens: int) -> float:
+    """A run whose every token reads the context before it: 0.1 ms a token, plus 0.25 us per token
+    of context (this machine's tiny model on one thread: 0.38 s for 1,024 tokens, 4.1 s for 4,000)."""
+    return 1e-4 * tokens + 2.5e-7 * tokens * tokens
+
+
+def test_runs_that_grow_with_the_context_are_fitted_not_scaled_by_their_median_per_token():
+    e = make(samples=10)
+    for tokens in (300, 1000, 700, 2000, 500, 1200):
+        e.record("a", run_s=_grows(tokens), first_byte_s=None, model_load=False, max_tokens=tokens)
+    # The median per token (about 0.31 ms) says 1.2 s for 4,000 tokens; they take 4.4 s.
+    assert e.expected_request_run_s("a", 4000) == pytest.approx(_grows(4000), rel=1e-6)
+    assert e.expected_request_run_s("a", 128) == pytest.approx(_grows(128), rel=1e-6)
+
+
+def test_runs_in_proportion_to_their_tokens_keep_the_median_per_token():
+    e = make(samples=10)
+    for tokens in (300, 1000, 700, 2000, 500, 1200):
+        e.record("a", run_s=0.002 * tokens, first_byte_s=None, model_load=False, max_tokens=tokens)
+    assert e.expected_request_run_s("a", 4000) == 0.002 * 4000
+
+
+def test_runs_that_stopped_short_of_their_max_tokens_do_not_bend_the_runs():
+    # Two of six stopped early (an end of text well before max_tokens): the median holds, though
+    # a least-squares curve through them bends (it would say 1.6 s).
+    e = make(samples=10)
+    for tokens, run_s in ((1000, 1.0), (2000, 0.2), (4000, 4.0), (500, 0.5), (1500, 0.15), (3000, 3.0)):
+        e.record("a", run_s=run_s, first_byte_s=None, model_load=False, max_tokens=tokens)
+    assert e.expected_request_run_s("a", 2500) == pytest.approx(2.5)
+
+
+def test_an_unstreamed_long_load_measures_its_swap_beyond_the_fitted_run():
+    e = make(swap=5.0, samples=10)
+    for tokens in (300, 1000, 700, 2000, 500, 1200):
+        e.record("a", run_s=_grows(tokens), first_byte_s=None, model_load=False, max_tokens=tokens)
+    e.record("a", run_s=_grows(4000) + 0.15, first_byte_s=None, model_load=True, max_tokens=4000)
+    # By the median per token the load would have measured 3.3 s.
+    assert e.expected_swap_s("a") == pytest.approx(0.15, abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100_000), st.floats(0.0, 10_000.0)), min_size=1, max_size=12),
+       st.integers(1, 100_000))
+def test_a_run_by_tokens_is_never_negative_nor_unbounded(runs: list[tuple[int, float]], asked: int):
+    e = make(samples=8)
+    for tokens, run_s in runs:
+        e.record("a", run_s=run_s, first_byte_s=None, model_load=False, max_tokens=tokens)
+    expected = e.expected_request_run_s("a", asked)
+    assert 0.0 <= expected < math.inf
+
+
 def test_unstreamed_loads_without_tokens_or_a_run_per_token_keep_the_default_swap():
     e = make(swap=5.0)
     e.record("a", run_s=3.0, first_byte_s=None, model_load=True, max_tokens=100)  # no run per token yet

@@ -10,12 +10,15 @@ runaway generation):
   minus the median time to first byte of those that did not (never below 0). An answer that was
   not streamed times no first byte (it comes with the last): then a grant that loaded its model
   and said its `max_tokens` measures the load as its run beyond what its tokens take (the
-  model's run per token), so that batch traffic, which seldom streams, still learns its swaps.
+  model's run for that many tokens, below), so that batch traffic, which seldom streams, still learns its swaps.
 
 Where a request says how many output tokens it asks for (`max_tokens`), its expected run scales
-with them (`expected_request_run_s`): per model, the rolling median of run time per token asked
-of its measured grants that said so. A request that does not say, or a model with no such
-measurement yet, gets the model's expected run.
+with them (`expected_request_run_s`, `_TokenRuns`): per model, from its recent grants that said
+so, either the median run time per token asked times the tokens, or, where it predicts those
+grants better, a run that grows with the square of the tokens as well (each token reads the
+whole context before it, so the 4,000th token of a generation costs more than the 100th: on
+this project's CPU machine four times the per-token median at 4,000 tokens). A request that
+does not say, or a model with no such measurement yet, gets the model's expected run.
 
 Before a model has a measurement the stated defaults apply (`estimates.defaultRunSeconds`,
 `estimates.defaultSwapSeconds`). A grant that loaded a model also teaches the run time, minus
@@ -72,6 +75,65 @@ class _Recent:
         self.median = statistics.median(self.values)
 
 
+class _TokenRuns:
+    """A model's recent runs with the output tokens they asked for, and its run for N tokens.
+
+    Two fits of the same window; the one whose predictions of those runs were closer (mean
+    absolute error) answers. The median run per token is the robust default: a run that stopped
+    well before its `max_tokens` does not move it. The other, run = a*N + b*N^2 with a, b >= 0 by
+    least squares, follows a run per token that grows with the context; it must beat the median
+    by a margin, so that runs that grow in proportion (one run per token) keep the median's exact
+    answer."""
+
+    __slots__ = ("pairs", "per_token", "linear", "square")
+    MARGIN = 0.9  # the growing fit answers only when its error is below this share of the median's
+
+    def __init__(self, size: int) -> None:
+        self.pairs: deque[tuple[int, float]] = deque(maxlen=size)
+        self.per_token: float | None = None
+        self.linear = 0.0  # a, b of the growing fit; both 0: the median answers
+        self.square = 0.0
+
+    def add(self, tokens: int, run_s: float) -> None:
+        self.pairs.append((tokens, run_s))
+        self.per_token = statistics.median(run / n for n, run in self.pairs)
+        self.linear, self.square = self._growing_fit()
+
+    def run_s(self, tokens: int) -> float:
+        if self.linear or self.square:
+            return self.linear * tokens + self.square * tokens * tokens
+        assert self.per_token is not None, "a run is asked only of a window with a measurement"
+        return self.per_token * tokens
+
+    def _growing_fit(self) -> tuple[float, float]:
+        pairs = self.pairs
+        if len(pairs) < 3:
+            return 0.0, 0.0
+        # Least squares of run = a*N + b*N^2 (normal equations, N in thousands to keep them tame).
+        s2 = s3 = s4 = p1 = p2 = 0.0
+        for n, run in pairs:
+            k = n / 1000
+            s2 += k * k
+            s3 += k ** 3
+            s4 += k ** 4
+            p1 += k * run
+            p2 += k * k * run
+        det = s2 * s4 - s3 * s3
+        if det <= 1e-9 * s2 * s4:  # (nearly) one size asked: no curve to tell
+            return 0.0, 0.0
+        a = (p1 * s4 - p2 * s3) / det
+        b = (p2 * s2 - p1 * s3) / det
+        if b < 0:
+            a, b = p1 / s2, 0.0
+        elif a < 0:
+            a, b = 0.0, p2 / s4
+        a, b = a / 1000, b / 1_000_000  # back to seconds per token, per token squared
+        per_token = self.per_token or 0.0
+        by_fit = sum(abs(a * n + b * n * n - run) for n, run in pairs)
+        by_median = sum(abs(per_token * n - run) for n, run in pairs)
+        return (a, b) if b > 0 and by_fit < self.MARGIN * by_median else (0.0, 0.0)
+
+
 class Estimator:
     def __init__(self, *, default_run_s: float, default_swap_s: float, samples: int) -> None:
         if samples < 1:
@@ -83,7 +145,7 @@ class Estimator:
         self._run: dict[_Key, _Recent] = {}
         self._warm_first_byte: dict[_Key, _Recent] = {}
         self._load_first_byte: dict[_Key, _Recent] = {}
-        self._run_per_token: dict[_Key, _Recent] = {}
+        self._token_runs: dict[_Key, _TokenRuns] = {}  # runs with the tokens they asked for
         self._load_beyond_run: dict[_Key, _Recent] = {}  # loads measured by unstreamed runs
 
     # -- learning ------------------------------------------------------------------------
@@ -101,13 +163,16 @@ class Estimator:
                 table = self._load_first_byte if model_load else self._warm_first_byte
                 self._recent(table, key).add(max(0.0, first_byte_s))
             elif model_load and max_tokens is not None and max_tokens > 0:
-                per_token = self._median(self._run_per_token, model, where)
-                if per_token is not None:
-                    self._recent(self._load_beyond_run, key).add(max(0.0, run_s - per_token * max_tokens))
+                tokens_run = self._tokens_run_s(model, max_tokens, where)
+                if tokens_run is not None:
+                    self._recent(self._load_beyond_run, key).add(max(0.0, run_s - tokens_run))
             run = max(0.0, run_s - self.expected_swap_s(model, upstream=where) if model_load else run_s)
             self._recent(self._run, key).add(run)
             if max_tokens is not None and max_tokens > 0:
-                self._recent(self._run_per_token, key).add(run / max_tokens)
+                runs = self._token_runs.get(key)
+                if runs is None:
+                    runs = self._token_runs[key] = _TokenRuns(self._samples)
+                runs.add(max_tokens, run)
 
     def _recent(self, table: dict[_Key, _Recent], key: _Key) -> _Recent:
         recent = table.get(key)
@@ -126,6 +191,16 @@ class Estimator:
         node = table.get((None, key))
         return node.median if node is not None else None
 
+    def _tokens_run_s(self, model: str | None, tokens: int, upstream: str | None) -> float | None:
+        """The run of ``tokens`` output tokens by the GPU's own runs where it has them, else the
+        node's (None: no run that said its tokens)."""
+        key = model or NO_MODEL
+        for where in (upstream, None) if upstream is not None else (None,):
+            runs = self._token_runs.get((where, key))
+            if runs is not None and runs.per_token is not None:
+                return runs.run_s(tokens)
+        return None
+
     # -- answers -------------------------------------------------------------------------
 
     def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
@@ -135,12 +210,12 @@ class Estimator:
 
     def expected_request_run_s(self, model: str | None, max_tokens: int | None, upstream: str | None = None) -> float:
         """The expected run of one request of `model` that asks for `max_tokens` output tokens
-        (None: not said): per token asked where the model has that measurement, else the
-        model's expected run."""
+        (None: not said): by the runs that said their tokens where the model has some
+        (`_TokenRuns`), else the model's expected run."""
         if max_tokens is not None and max_tokens > 0:
-            per_token = self._median(self._run_per_token, model, upstream)
-            if per_token is not None:
-                return per_token * max_tokens
+            tokens_run = self._tokens_run_s(model, max_tokens, upstream)
+            if tokens_run is not None:
+                return tokens_run
         return self.expected_run_s(model, upstream)
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
