@@ -85,25 +85,29 @@ class _TokenRuns:
     by a margin, so that runs that grow in proportion (one run per token) keep the median's exact
     answer."""
 
-    __slots__ = ("pairs", "per_token", "linear", "square")
+    __slots__ = ("pairs", "_per_token", "_linear", "_square", "_fresh")
     MARGIN = 0.9  # the growing fit answers only when its error is below this share of the median's
 
     def __init__(self, size: int) -> None:
         self.pairs: deque[tuple[int, float]] = deque(maxlen=size)
-        self.per_token: float | None = None
-        self.linear = 0.0  # a, b of the growing fit; both 0: the median answers
-        self.square = 0.0
+        self._per_token = 0.0
+        self._linear = 0.0  # a, b of the growing fit; both 0: the median answers
+        self._square = 0.0
+        self._fresh = True  # the fits are of the window as it is (refitted when asked after an add)
 
     def add(self, tokens: int, run_s: float) -> None:
         self.pairs.append((tokens, run_s))
-        self.per_token = statistics.median(run / n for n, run in self.pairs)
-        self.linear, self.square = self._growing_fit()
+        self._fresh = False
 
     def run_s(self, tokens: int) -> float:
-        if self.linear or self.square:
-            return self.linear * tokens + self.square * tokens * tokens
-        assert self.per_token is not None, "a run is asked only of a window with a measurement"
-        return self.per_token * tokens
+        """The expected run for ``tokens`` (at least one pair added)."""
+        if not self._fresh:
+            self._per_token = statistics.median(run / n for n, run in self.pairs)
+            self._linear, self._square = self._growing_fit()
+            self._fresh = True
+        if self._square:
+            return self._linear * tokens + self._square * tokens * tokens
+        return self._per_token * tokens
 
     def _growing_fit(self) -> tuple[float, float]:
         pairs = self.pairs
@@ -113,11 +117,12 @@ class _TokenRuns:
         s2 = s3 = s4 = p1 = p2 = 0.0
         for n, run in pairs:
             k = n / 1000
-            s2 += k * k
-            s3 += k ** 3
-            s4 += k ** 4
+            k2 = k * k
+            s2 += k2
+            s3 += k2 * k
+            s4 += k2 * k2
             p1 += k * run
-            p2 += k * k * run
+            p2 += k2 * run
         det = s2 * s4 - s3 * s3
         if det <= 1e-9 * s2 * s4:  # (nearly) one size asked: no curve to tell
             return 0.0, 0.0
@@ -128,7 +133,7 @@ class _TokenRuns:
         elif a < 0:
             a, b = 0.0, p2 / s4
         a, b = a / 1000, b / 1_000_000  # back to seconds per token, per token squared
-        per_token = self.per_token or 0.0
+        per_token = self._per_token
         by_fit = sum(abs(a * n + b * n * n - run) for n, run in pairs)
         by_median = sum(abs(per_token * n - run) for n, run in pairs)
         return (a, b) if b > 0 and by_fit < self.MARGIN * by_median else (0.0, 0.0)
@@ -197,7 +202,7 @@ class Estimator:
         key = model or NO_MODEL
         for where in (upstream, None) if upstream is not None else (None,):
             runs = self._token_runs.get((where, key))
-            if runs is not None and runs.per_token is not None:
+            if runs is not None:
                 return runs.run_s(tokens)
         return None
 
