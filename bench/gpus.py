@@ -31,6 +31,11 @@ Figures, per side:
 - swaps: model loads, counted from the servers' own logs (the router's `spawning server
   instance` line), the first load on each server included: every side starts with no model
   loaded (each loaded one is unloaded through the server's own `POST /models/unload`);
+- interactive, the first of its GPUs to free: the time until the first of the servers a request
+  could run on (its stack's; through the one queue, either; direct, its pinned one) was done
+  with what ran there when it arrived, the least a scheduler that never aborts a generation
+  could give it; and its wait beyond that, what its scheduler added (the handoff, its model's
+  load, others ahead);
 - GPU idle while work waited, exactly: a request was at a server from the first byte sent to it
   to the last byte received from it (through llamaswap, Envoy's access log points US_TX_BEG and
   US_RX_END, written to a file beside the gRPC one; direct, the pinned client's send and answer);
@@ -98,6 +103,7 @@ class Done:
     job: Job
     waited_from: float  # wall clock: when it joined a queue (sent to a stack; direct: its arrival)
     wait_ms: float  # to the grant (direct: in its client's queue)
+    servers: tuple[int, ...]  # the servers it could have run on (its pinned one, its stack's, or both)
 
     def waited_at(self, at: float) -> bool:
         return self.waited_from <= at < self.waited_from + self.wait_ms / 1000
@@ -183,6 +189,21 @@ class Run:
     def waits(self, priority: str) -> list[float]:
         return [done.wait_ms for done in self.done if done.job.priority == priority]
 
+    def first_free(self, priority: str) -> list[tuple[float, float]]:
+        """Per request: the time until the first of the servers it could run on was done with
+        what ran there at its arrival (ms), the least any scheduler that does not abort a
+        generation could give it, and its wait beyond that (what its scheduler added: the
+        handoff, its model's load, requests ahead of it)."""
+        out = []
+        for done in self.done:
+            if done.job.priority != priority:
+                continue
+            at = done.waited_from
+            free_in = min(max((end - at for start, end in self.at_server[i] if start <= at < end), default=0.0)
+                          for i in done.servers)
+            out.append((1000 * free_in, done.wait_ms - 1000 * free_in))
+        return out
+
     def idle_while_waited(self) -> tuple[float, float]:
         """(GPU-seconds with no request at the GPU while some request waited, GPU-seconds while some
         request waited), both GPUs summed."""
@@ -256,7 +277,7 @@ class PinnedClients:
                 self.running[index].remove(job.model)
                 self._wake[index].set()  # a sender held back for another model may go now
             self.at_server[index].append((sent, time.time()))
-            self.done.append(Done(job, arrived, (sent - arrived) * 1000))
+            self.done.append(Done(job, arrived, (sent - arrived) * 1000, (index,)))
             if len(self.done) >= total:
                 for wake in self._wake:  # the other senders end now too: the span ends at this answer
                     wake.set()
@@ -387,9 +408,10 @@ async def run_side(side: str, jobs: list[Job], servers: Sequence[LlamaServer], s
 
             async def send(job: Job) -> None:
                 # Round-robin: the arrival order alternates between the stacks (one stack: always it).
-                stack = targets[job_order[job.index] % len(targets)]
+                at = job_order[job.index] % len(targets)
                 sent = time.time()
-                done.append(Done(job, sent, await _post(session, stack.url, job, priority=True)))
+                wait_ms = await _post(session, targets[at].url, job, priority=True)
+                done.append(Done(job, sent, wait_ms, (at,) if len(targets) > 1 else tuple(range(len(urls)))))
 
             started = time.perf_counter()
             await arrivals(jobs, send)
@@ -434,6 +456,11 @@ def report(runs: dict[str, list[Run]]) -> None:
               f"{p95[side]:.0f} ms, batch p50 {percentile(batch, 50):.0f} ms; model loads "
               f"{'/'.join(str(run.loads) for run in runs[side])}; GPU idle while work waited {idle[side]:.1f}% "
               f"of {sum(run.idle_while_waited()[1] for run in runs[side]):.1f} GPU-s", flush=True)
+        free = [pair for run in runs[side] for pair in run.first_free("interactive")]
+        print(f"  interactive: the first of its GPUs free of what ran at its arrival after p50 "
+              f"{percentile([f for f, _ in free], 50):.0f} ms, p95 {percentile([f for f, _ in free], 95):.0f} ms; "
+              f"its wait beyond that p50 {percentile([b for _, b in free], 50):.0f} ms, "
+              f"p95 {percentile([b for _, b in free], 95):.0f} ms", flush=True)
     ratio = statistics.median(ratios[ONE_QUEUE])
     print(f"goal: throughput >= 0.9x direct: {ratio:.2f}x, {_goal(ratio >= 0.9)}")
     print(f"goal: interactive p95 wait <= half of round-robin's: {p95[ONE_QUEUE]:.0f} ms against "
@@ -512,7 +539,7 @@ async def main() -> None:
                             json.dump({"at_server": run.at_server,
                                        "done": [{"model": d.job.model, "priority": d.job.priority,
                                                  "tokens": d.job.tokens, "waited_from": d.waited_from,
-                                                 "wait_ms": d.wait_ms} for d in run.done]}, dump)
+                                                 "wait_ms": d.wait_ms, "servers": d.servers} for d in run.done]}, dump)
                     interactive = run.waits("interactive")
                     print(f"  round {index + 1}, {side}: {run.rate:.2f} requests/s in {run.span_s:.2f} s, "
                           f"interactive wait p95 {percentile(interactive, 95):.0f} ms (max {max(interactive):.0f}), "
