@@ -74,6 +74,16 @@ def test_runs_that_grow_with_the_context_are_fitted_not_scaled_by_their_median_p
     assert e.expected_request_run_s("a", 128) == pytest.approx(_grows(128), rel=1e-6)
 
 
+def test_a_curve_waits_for_five_runs():
+    e = make(samples=10)
+    for tokens in (300, 1000, 2000, 500):
+        e.record("a", run_s=_grows(tokens), first_byte_s=None, model_load=False, max_tokens=tokens)
+    median_per_token = sorted(_grows(n) / n for n in (300, 1000, 2000, 500))[1:3]
+    assert e.expected_request_run_s("a", 4000) == pytest.approx(4000 * sum(median_per_token) / 2)
+    e.record("a", run_s=_grows(1200), first_byte_s=None, model_load=False, max_tokens=1200)
+    assert e.expected_request_run_s("a", 4000) == pytest.approx(_grows(4000), rel=1e-6)
+
+
 def test_runs_in_proportion_to_their_tokens_keep_the_median_per_token():
     e = make(samples=10)
     for tokens in (300, 1000, 700, 2000, 500, 1200):

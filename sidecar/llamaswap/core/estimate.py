@@ -10,7 +10,8 @@ runaway generation):
   minus the median time to first byte of those that did not (never below 0). An answer that was
   not streamed times no first byte (it comes with the last): then a grant that loaded its model
   and said its `max_tokens` measures the load as its run beyond what its tokens take (the
-  model's run for that many tokens, below), so that batch traffic, which seldom streams, still learns its swaps.
+  model's run for that many tokens, below), so that batch traffic, which seldom streams, still
+  learns its swaps.
 
 Where a request says how many output tokens it asks for (`max_tokens`), its expected run scales
 with them (`expected_request_run_s`, `_TokenRuns`): per model, from its recent grants that said
@@ -87,6 +88,7 @@ class _TokenRuns:
 
     __slots__ = ("pairs", "_per_token", "_linear", "_square", "_fresh")
     MARGIN = 0.9  # the growing fit answers only when its error is below this share of the median's
+    FIT_FROM = 5  # runs before a curve of two terms is fitted (fewer: it would fit any three)
 
     def __init__(self, size: int) -> None:
         self.pairs: deque[tuple[int, float]] = deque(maxlen=size)
@@ -111,7 +113,7 @@ class _TokenRuns:
 
     def _growing_fit(self) -> tuple[float, float]:
         pairs = self.pairs
-        if len(pairs) < 3:
+        if len(pairs) < self.FIT_FROM:
             return 0.0, 0.0
         # Least squares of run = a*N + b*N^2 (normal equations, N in thousands to keep them tame).
         s2 = s3 = s4 = p1 = p2 = 0.0
