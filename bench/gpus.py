@@ -193,7 +193,8 @@ class Run:
         """Per request: the time until the first of the servers it could run on was done with
         what ran there at its arrival (ms), the least any scheduler that does not abort a
         generation could give it, and its wait beyond that (what its scheduler added: the
-        handoff, its model's load, requests ahead of it)."""
+        handoff, its model's load, requests ahead of it). With several slots "done" is drained:
+        the bound for a request that needs its model loaded there, not for one that shares it."""
         out = []
         for done in self.done:
             if done.job.priority != priority:
