@@ -50,8 +50,8 @@ import heapq
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, TypeVar
 
 from llamaswap.core.decisions import QueueSnapshot, RunningView
 from llamaswap.core.dispatch import Lane, Running, Turn, turn
@@ -60,6 +60,7 @@ from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 _Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
+_W = TypeVar("_W")  # a window of recent measurements (`_Recent`, `_TokenRuns`)
 
 
 class _Recent:
@@ -176,37 +177,37 @@ class Estimator:
             run = max(0.0, run_s - self.expected_swap_s(model, upstream=where) if model_load else run_s)
             self._recent(self._run, key).add(run)
             if max_tokens is not None and max_tokens > 0:
-                runs = self._token_runs.get(key)
-                if runs is None:
-                    runs = self._token_runs[key] = _TokenRuns(self._samples)
-                runs.add(max_tokens, run)
+                self._window(self._token_runs, key, _TokenRuns).add(max_tokens, run)
 
     def _recent(self, table: dict[_Key, _Recent], key: _Key) -> _Recent:
-        recent = table.get(key)
-        if recent is None:
-            recent = table[key] = _Recent(self._samples)
-        return recent
+        return self._window(table, key, _Recent)
+
+    def _window(self, table: dict[_Key, _W], key: _Key, kind: Callable[[int], _W]) -> _W:
+        """The window of ``key`` in ``table``, a new one of ``samples`` made the first time."""
+        window = table.get(key)
+        if window is None:
+            window = table[key] = kind(self._samples)
+        return window
 
     @staticmethod
-    def _median(table: dict[_Key, _Recent], model: str | None, upstream: str | None) -> float | None:
-        """The GPU's own median where it has one, else the node's (None: no measurement)."""
+    def _own_or_node(table: Mapping[_Key, _W], model: str | None, upstream: str | None) -> _W | None:
+        """The GPU's own window of the model where it has one, else the node's (None: neither).
+        A window exists only once a value went in."""
         key = model or NO_MODEL
-        if upstream is not None:
-            own = table.get((upstream, key))
-            if own is not None and own.median is not None:
-                return own.median
-        node = table.get((None, key))
-        return node.median if node is not None else None
+        own = table.get((upstream, key)) if upstream is not None else None
+        return own if own is not None else table.get((None, key))
+
+    @classmethod
+    def _median(cls, table: dict[_Key, _Recent], model: str | None, upstream: str | None) -> float | None:
+        """The GPU's own median where it has one, else the node's (None: no measurement)."""
+        recent = cls._own_or_node(table, model, upstream)
+        return recent.median if recent is not None else None
 
     def _tokens_run_s(self, model: str | None, tokens: int, upstream: str | None) -> float | None:
         """The run of ``tokens`` output tokens by the GPU's own runs where it has them, else the
         node's (None: no run that said its tokens)."""
-        key = model or NO_MODEL
-        for where in (upstream, None) if upstream is not None else (None,):
-            runs = self._token_runs.get((where, key))
-            if runs is not None:
-                return runs.run_s(tokens)
-        return None
+        runs = self._own_or_node(self._token_runs, model, upstream)
+        return runs.run_s(tokens) if runs is not None else None
 
     # -- answers -------------------------------------------------------------------------
 
