@@ -1,7 +1,7 @@
 """Envoy ext_authz: the Check call that is answered only when the request gets the GPU.
 
 The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`,
-its `max_tokens` (or `max_completion_tokens`, `n_predict`) and `stream` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
+its `max_tokens` (or `max_completion_tokens`, `n_predict`), `stream` and `service_tier` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
 are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
 the body's model, else the model its query names (router-mode llama-server loads it), and an
 unload runs alone. A grant answers OK with the x-llamaswap-* response headers, the granted
@@ -39,6 +39,7 @@ from llamaswap.envoy.contract import (
     REQUEST_ID_HEADER,
     RETRY_AFTER_MS_HEADER,
     RETRY_COUNT_HEADER,
+    SERVICE_TIER_KEY,
     SHOULD_RETRY_HEADER,
     STREAM_KEY,
     TICKET_KEY,
@@ -55,6 +56,8 @@ _log = logging.getLogger(__name__)
 
 # A model name longer than this is not a model name (json_to_metadata stops at 8 KiB anyway).
 MAX_MODEL_NAME = 512
+# Longer than any tier's name: not kept on the request (it would be ignored anyway).
+MAX_SERVICE_TIER = 32
 # More output tokens than any context holds is not a request's size.
 MAX_TOKENS = 10_000_000
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -183,6 +186,16 @@ def streamed_of(request: authz_pb2.CheckRequest) -> bool:
     return value is not None and value.WhichOneof("kind") == "bool_value" and value.bool_value
 
 
+def service_tier_of(request: authz_pb2.CheckRequest) -> str | None:
+    """The body's OpenAI `service_tier`, if it is a short string (the core says which count:
+    core.priority.SERVICE_TIERS); None when absent or of another JSON type."""
+    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, SERVICE_TIER_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    tier = value.string_value
+    return tier if len(tier) <= MAX_SERVICE_TIER else None
+
+
 def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[bytes | None, int | None]:
     """routing.retryGraceSeconds: the request's keyed digest (runtime/kept.py) and which try it is.
 
@@ -257,6 +270,7 @@ class Authorization(authz_grpc.AuthorizationServicer):
             request_id_replaced=replaced,
             alone=scheduled.alone,
             objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
+            service_tier=service_tier_of(request),
             retry_key=retry_key,
             attempt=attempt,
         )

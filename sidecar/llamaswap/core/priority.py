@@ -1,4 +1,4 @@
-"""The X-LlamaSwap-Priority header: parsing, aliases and bands."""
+"""The X-LlamaSwap-Priority header: parsing, aliases and bands; what stands in for a missing header."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 OLD_OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 ALIASES: dict[str, int] = {"interactive": 100, "normal": 0, "batch": -100}
+
+# The OpenAI request body's `service_tier`, for a request without HEADER (or an objective): each
+# tier's priority. Exactly these strings (the API's own values); any other value is ignored.
+SERVICE_TIERS: dict[str, int] = {"flex": ALIASES["batch"], "default": ALIASES["normal"],
+                                 "auto": ALIASES["normal"], "priority": ALIASES["interactive"]}
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -68,6 +73,7 @@ class PrioritySource(str, enum.Enum):
     STRIPPED = "stripped"  # the operator's policy ignores callers' priorities
     TRUSTED = "trusted"  # from the operator's trusted header (set by an authenticating proxy)
     OBJECTIVE = "objective"  # no header: the priority of the InferenceObjective the request named
+    SERVICE_TIER = "service_tier"  # no header nor objective: the body's OpenAI `service_tier`
 
     def __str__(self) -> str:
         return self.value
@@ -128,14 +134,21 @@ class PriorityMode(str, enum.Enum):
         return self.value
 
 
+# What a caller claimed (the header, an objective, a service tier): what `strip` ignores.
+_CLAIMED = frozenset({PrioritySource.NUMBER, PrioritySource.ALIAS, PrioritySource.OBJECTIVE,
+                      PrioritySource.SERVICE_TIER})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PriorityPolicy:
     """What the operator lets callers claim (built from `security.priority`; defaults live there).
 
     A ``trusted_header`` (set by an authenticating proxy, which must drop client copies)
     overrides the mode: its value is taken as the priority, unclamped. A request without the
-    header that names an objective in ``objectives`` gets that priority; the caller chose it, so
-    the mode applies to it as to the header.
+    header that names an objective in ``objectives`` gets that priority; else one whose body
+    names an OpenAI ``service_tier`` (SERVICE_TIERS) gets that tier's. The caller chose either, so
+    the mode applies to them as to the header. A header that is sent wins, even an unparseable one
+    (its 0 is counted as the caller's mistake); an empty one is no header.
     """
 
     mode: PriorityMode
@@ -145,7 +158,7 @@ class PriorityPolicy:
     objectives: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def resolve(self, header: str | bytes | None, trusted: str | bytes | None = None,
-                objective: str | None = None) -> Priority:
+                objective: str | None = None, service_tier: str | None = None) -> Priority:
         if self.trusted_header is not None and trusted is not None:
             granted = parse_priority(trusted)
             if granted.source in (PrioritySource.NUMBER, PrioritySource.ALIAS):
@@ -155,8 +168,11 @@ class PriorityPolicy:
             named = self.objectives.get(objective.strip())
             if named is not None:
                 priority = Priority(named, PrioritySource.OBJECTIVE)
-        if self.mode is PriorityMode.STRIP and priority.source in (PrioritySource.NUMBER, PrioritySource.ALIAS,
-                                                                   PrioritySource.OBJECTIVE):
+        if priority.source is PrioritySource.ABSENT and service_tier is not None:
+            tier = SERVICE_TIERS.get(service_tier)
+            if tier is not None:
+                priority = Priority(tier, PrioritySource.SERVICE_TIER)
+        if self.mode is PriorityMode.STRIP and priority.source in _CLAIMED:
             return Priority(0, PrioritySource.STRIPPED)
         if self.mode is PriorityMode.CLAMP and not self.minimum <= priority.value <= self.maximum:
             return Priority(min(max(priority.value, self.minimum), self.maximum), PrioritySource.CLAMPED)

@@ -9,7 +9,7 @@ the sidecar:
 - buffer reads the whole body first: a clear 413 above the limit, and a slow sender never
   holds a place in the queue while it sends;
 - json_to_metadata puts the body's top-level `model` (and `max_tokens` / `max_completion_tokens` /
-  `n_predict`, `stream`) into dynamic metadata (namespace
+  `n_predict`, `stream`, `service_tier`) into dynamic metadata (namespace
   `llamaswap`), keeping its JSON type so that only a string counts as a model;
 - ext_authz's Check carries that metadata and a few headers (no body) and is held until the
   scheduler grants the GPU; its OK adds the x-llamaswap-* response headers, names the granted
@@ -59,6 +59,7 @@ from llamaswap.envoy.contract import (
     PROPS_PATH,
     RENEWALS_PER_LEASE,
     REQUEST_ID_HEADER,
+    SERVICE_TIER_KEY,
     STATUS_PREFIX,
     STREAM_KEY,
     TICKET_KEY,
@@ -213,11 +214,11 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
         request_rules={
             # PROTOBUF_VALUE keeps the JSON type: the sidecar takes only a string as a model, a
-            # number as a token count, a bool as `stream`.
+            # number as a token count, a bool as `stream`, a string as `service_tier`.
             "rules": [{
                 "selectors": [{"key": key}],
                 "on_present": {"metadata_namespace": MODEL_NAMESPACE, "key": key, "type": "PROTOBUF_VALUE"},
-            } for key in (MODEL_KEY, *MAX_TOKENS_KEYS, STREAM_KEY)],
+            } for key in (MODEL_KEY, *MAX_TOKENS_KEYS, STREAM_KEY, SERVICE_TIER_KEY)],
             # Any content type: a body that is not JSON simply has no model (never an error).
             "allow_content_types_regex": {"regex": ".*"},
             "allow_empty_content_type": True,

@@ -16,7 +16,8 @@ from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 
 __all__ = [
     "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
-    "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "STREAM_KEY", "UNLOAD_PATH",
+    "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "SERVICE_TIER_KEY", "STREAM_KEY",
+    "UNLOAD_PATH",
     "AUTHORIZATION_HEADER", "CLIENT_REQUEST_ID_HEADER", "CONTENT_LENGTH_HEADER", "RETRY_AFTER_MS_HEADER",
     "MAX_DIGESTED_BODY", "RETRY_COUNT_HEADER", "SHOULD_RETRY_HEADER",
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
@@ -30,9 +31,11 @@ MODEL_NAMESPACE = "llamaswap"
 MODEL_KEY = "model"
 # Also read from the body into the same namespace: the output tokens asked for (the estimates
 # scale with it; OpenAI's two names and llama.cpp's own, first present wins) and whether the
-# response is streamed (only a streamed first byte times a model load).
+# response is streamed (only a streamed first byte times a model load), and OpenAI's
+# `service_tier`, the priority of a request without X-LlamaSwap-Priority (core.priority.SERVICE_TIERS).
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 STREAM_KEY = "stream"
+SERVICE_TIER_KEY = "service_tier"
 GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
 TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"

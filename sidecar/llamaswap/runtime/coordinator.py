@@ -209,7 +209,8 @@ class Coordinator:
     async def admit(self, arrival: Arrival) -> Admission:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
         policy = self._config.priority_policy()
-        priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective)
+        priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective,
+                                  arrival.service_tier)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         self._held_checks += 1
         try:

@@ -72,6 +72,7 @@ class Arrival:
     # It unloads `model` (llama-server's POST /models/unload): it runs alone (`Scheduler.enqueue`).
     alone: bool = False
     objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
+    service_tier: str | None = None  # the body's OpenAI `service_tier`, if a string
     # routing.retryGraceSeconds: the keyed digest that says which request this is (runtime/kept.py),
     # and which try (the SDKs' x-stainless-retry-count), if the client said.
     retry_key: bytes | None = None
