@@ -136,6 +136,10 @@ class FakeLlamaServer:
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
         self._computing: dict[str, asyncio.Task[None]] = {}
+        # Completions whose body contains this text wait until `open_gate` (None: none wait).
+        self.gate_marker: bytes | None = None
+        self._gate: asyncio.Event | None = None
+        self.bodies: list[bytes] = []  # every completion's body, in arrival order
 
     @property
     def url(self) -> str:
@@ -335,6 +339,8 @@ class FakeLlamaServer:
         except ValueError:
             pass
         test_id = request.headers.get("x-test-id", "")
+        with self.lock:
+            self.bodies.append(body)
         if self.router and (not isinstance(model, str) or model not in self.states):
             return _error(400, f"model '{model}' not found")
         peer = request.transport.get_extra_info("peername") if request.transport is not None else None
@@ -358,7 +364,8 @@ class FakeLlamaServer:
             if self.router and isinstance(model, str):
                 hit.loaded = self.states[model] != LOADED
                 self._load(model)
-            work = asyncio.ensure_future(self._compute(request, test_id))
+            gated = self.gate_marker is not None and self.gate_marker in body
+            work = asyncio.ensure_future(self._compute(request, test_id, gated))
             key = f"{test_id}#{id(hit)}"
             self._computing[key] = work
             try:
@@ -388,7 +395,11 @@ class FakeLlamaServer:
                 self.active -= 1
                 self.computing[hit.model] -= 1
 
-    async def _compute(self, request: web.Request, test_id: str) -> None:
+    async def _compute(self, request: web.Request, test_id: str, gated: bool = False) -> None:
+        if gated:
+            if self._gate is None:
+                self._gate = asyncio.Event()
+            await self._gate.wait()
         if request.headers.get("x-test-hold") == "1":
             await self._holds.setdefault(test_id, asyncio.Event()).wait()
         sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
@@ -396,6 +407,18 @@ class FakeLlamaServer:
             await asyncio.sleep(sleep_ms / 1000)
 
     # -- the test's side -----------------------------------------------------------------
+
+    def open_gate(self) -> None:
+        """Let every completion held by `gate_marker` finish, and no later one wait."""
+        self.gate_marker = None
+        assert self._loop is not None
+
+        def _open() -> None:
+            if self._gate is None:
+                self._gate = asyncio.Event()
+            self._gate.set()
+
+        self._loop.call_soon_threadsafe(_open)
 
     def release(self, test_id: str) -> None:
         assert self._loop is not None

@@ -36,6 +36,11 @@ from llamaswap.adapters.ext_authz import Authorization
 from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
 from llamaswap.adapters.ui import UiState, add_ui_routes
+from llamaswap.batches.api import BatchService, add_batch_routes
+from llamaswap.batches.feeder import Feeder, FeedSettings
+from llamaswap.batches.store import Store
+from llamaswap.core.priority import HEADER as PRIORITY_HEADER
+from llamaswap.telemetry.batches import new_trace_ids
 
 _log = logging.getLogger(__name__)
 
@@ -125,6 +130,7 @@ class Sidecar:
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers),
                                        upstreams=self.upstreams)
         self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)
+        self.batches = self._batch_service(config)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -168,6 +174,7 @@ class Sidecar:
                               picker_metrics=self.telemetry.picker_text, history=self.history)
         add_upstream_metrics(app, {entry.name: entry.url for entry in self.config.upstream_entries}, self._api_key)
         add_ui_routes(app, self.ui)
+        add_batch_routes(app, self.batches)
         self._admin_runner = web.AppRunner(app, access_log=None)
         await self._admin_runner.setup()
         # SO_REUSEADDR: a restart may bind over TIME_WAIT; two listeners still cannot share a port.
@@ -186,10 +193,41 @@ class Sidecar:
         self._tasks.append(asyncio.create_task(self._reconcile_models()))
         if self.config_path:
             self._tasks.append(asyncio.create_task(self._watch_config_file()))
+        if self.batches is not None:
+            self._tasks.append(asyncio.create_task(self.batches.feeder.run()))
         tune_gc()
         _log.info("llamaswap sidecar: gRPC on %s:%d, admin on http://%s:%d, scheduler %s",
                   listen.grpc.host, self.grpc_port, listen.admin.host, self.admin_port,
                   self.config.routing.scheduler.use)
+
+    def _batch_service(self, config: Config) -> BatchService | None:
+        """The Batch API over batches.dir (None: off). Lines go to Envoy's public listener."""
+        if config.batches.dir is None:
+            return None
+        store = Store(config.batches.dir)
+        listener = config.listen.http
+        trusted = config.security.priority.trusted_header
+        settings = FeedSettings(target_url=f"http://{HostPort(listener.connect_host, listener.port)}",
+                                in_flight=lambda: self.config.batches.in_flight or self.node_slots(),
+                                max_requests=lambda: self.config.batches.max_requests,
+                                priority_header=trusted or PRIORITY_HEADER)
+        feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), served=self.served_models)
+        return BatchService(store, feeder, lambda: self.config, new_trace_ids)
+
+    def node_slots(self) -> int:
+        """The slots of the node now: every upstream's, for the model in effect there."""
+        scheduler = self.coordinator.scheduler
+        return sum(scheduler.slots_total_on(name) for name in scheduler.lanes)
+
+    async def served_models(self) -> frozenset[str] | None:
+        """The models the node's upstreams serve (None: one that takes any name, or did not answer)."""
+        names: set[str] = set()
+        for upstream in self.upstreams:
+            catalog = await upstream.catalog()
+            if catalog is None or catalog.models is None:
+                return None
+            names |= catalog.models
+        return frozenset(names)
 
     def reload(self) -> bool:
         """Re-read the config file; an invalid one is refused and the old one stays."""
@@ -231,6 +269,8 @@ class Sidecar:
     async def drain(self, grace_s: float) -> None:
         """No new requests, the waiting ones get 503, and the running one may finish within
         `grace_s` (its end still comes from Envoy, so Envoy must be up meanwhile)."""
+        if self.batches is not None:
+            self.batches.feeder.pause()  # lines in flight may finish; none starts
         self.coordinator.stop_admitting()
         finished = await self.coordinator.wait_idle(grace_s)
         if not finished:
@@ -244,6 +284,9 @@ class Sidecar:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.batches is not None:
+            await self.batches.feeder.stop()  # what is still in flight is sent again at the next start
+            self.batches.store.close()
         self.coordinator.close()
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace=1.0)

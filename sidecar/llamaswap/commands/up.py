@@ -38,6 +38,7 @@ import aiohttp
 # they skip. Set before gRPC is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from llamaswap.config.batches import UP_DIR_DEFAULT
 from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config  # noqa: E402
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
@@ -444,6 +445,18 @@ def names_an_upstream(document: Any) -> bool:
         isinstance(upstream, dict) and ("url" in upstream or "command" in upstream))
 
 
+def with_batches_dir(document: Any) -> Any:
+    """`up` keeps batches under the directory it runs in (./llamaswap-batches) unless batches.dir is set."""
+    if not isinstance(document, dict):
+        return document
+    batches = document.get("batches")
+    if batches is None:
+        batches = {}
+    if not isinstance(batches, dict) or "dir" in batches:
+        return document
+    return {**document, "batches": {**batches, "dir": str(pathlib.Path.cwd() / UP_DIR_DEFAULT)}}
+
+
 def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None,
                      gpus: int | None = None, say: Callable[[str], None] | None = None) -> tuple[Config, bool]:
     """The configuration `up` runs: the file's, with the built-in upstream when the file names
@@ -451,6 +464,7 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
     Also says whether the built-in upstream is used. --gpus 1 changes nothing."""
     if document is None:
         document = {}
+    document = with_batches_dir(document)
     if gpus is not None:
         refuse_beside_upstreams(document, gpus, source)
     config, built_in = _one_upstream(document, source=source, warn=warn)

@@ -37,6 +37,7 @@ from llamaswap.config import Config, ManagementApi
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S
 from llamaswap.envoy.contract import (
     ACCESS_LOG_NAME,
+    BATCH_API_PREFIXES,
     AUTHORIZATION_HEADER,
     CLIENT_REQUEST_ID_HEADER,
     CONTENT_LENGTH_HEADER,
@@ -196,6 +197,20 @@ def _unscheduled(route: dict[str, Any]) -> dict[str, Any]:
     disabled = _typed("envoy.config.route.v3.FilterConfig", disabled=True)
     route["typed_per_filter_config"] = {JSON_TO_METADATA: disabled, EXT_AUTHZ: disabled}
     return route
+
+
+def _batch_api_routes() -> list[dict[str, Any]]:
+    """The Batch API (`/v1/files`, `/v1/batches`) goes to the sidecar, unscheduled, without the
+    buffer filter: an upload of up to batches.maxFileBytes streams through (the sidecar enforces
+    the limit), and a line the sidecar feeds comes back through the scheduled routes."""
+    routes = []
+    for prefix in BATCH_API_PREFIXES:
+        route = _unscheduled({"match": {"path_separated_prefix": prefix},
+                              "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "600s", "idle_timeout": "60s"}})
+        route["typed_per_filter_config"][BUFFER] = _typed("envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+                                                          disabled=True)
+        routes.append(route)
+    return routes
 
 
 def _http_filters(config: Config) -> list[dict[str, Any]]:
@@ -367,6 +382,7 @@ def _routes(config: Config) -> list[dict[str, Any]]:
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
         _unscheduled({"match": {"prefix": STATUS_PREFIX},
                       "route": {"cluster": SIDECAR_ADMIN_CLUSTER, "timeout": "10s"}}),
+        *_batch_api_routes(),
         *_management_routes(config),
     ]
     routes += [_unscheduled({"match": {"path": path}, "route": {"cluster": first, "timeout": "30s"}})

@@ -15,7 +15,7 @@ from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 
 __all__ = [
-    "ACCESS_LOG_NAME", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
+    "ACCESS_LOG_NAME", "BATCH_API_PREFIXES", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS", "MANAGEMENT_PREFIXES",
     "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH", "SERVICE_TIER_KEY", "STREAM_KEY",
     "UNLOAD_PATH",
     "AUTHORIZATION_HEADER", "CLIENT_REQUEST_ID_HEADER", "CONTENT_LENGTH_HEADER", "RETRY_AFTER_MS_HEADER",
@@ -83,6 +83,8 @@ MANAGEMENT_PREFIXES = ("/slots/",)  # POST /slots/N?action=save|restore|erase
 # Answered by the sidecar through Envoy's listener: its metrics, and one client's own status.
 METRICS_PATH = "/metrics"
 STATUS_PREFIX = "/llamaswap/v1/requests/"
+# The OpenAI Batch API, served by the sidecar (llamaswap.batches.api).
+BATCH_API_PREFIXES = ("/v1/files", "/v1/batches")
 # The endpoint picker's gauges alone (telemetry: Telemetry.picker_text), cheap to read every 50 ms.
 PICKER_METRICS_PATH = "/llamaswap/v1/picker/metrics"
 # llama-server's own metrics, for the loaded model, read by the sidecar (adapters/upstream_metrics.py).

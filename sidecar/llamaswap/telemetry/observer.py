@@ -57,6 +57,7 @@ from llamaswap.telemetry.instruments import (
     WAITING_ADAPTERS,
     Instruments,
 )
+from llamaswap.telemetry.batches import BatchTelemetry, PresetIds
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, gauge_family
 
 _log = logging.getLogger(__name__)
@@ -117,13 +118,15 @@ class Telemetry:
         if not span_processors:
             sampler = ALWAYS_OFF
         self._tracing = bool(span_processors)
-        self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler)
+        # A batch's span takes the ids its lines were given as parent (telemetry/batches.py).
+        self.span_ids = PresetIds()
+        self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler, id_generator=self.span_ids)
         for processor in span_processors:
             self.tracer_provider.add_span_processor(processor)
         self._pull = PrometheusTextReader()
         self.meter_provider = MeterProvider(resource=self.resource, metric_readers=[self._pull, *metric_readers])
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
-        meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
+        meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
         self._first_upstream = SINGLE_UPSTREAM  # the name of a picture without lanes (one upstream)
         self._aging_divisor_ns = 0
@@ -153,6 +156,10 @@ class Telemetry:
 
         span_processors, metric_readers = exporters_from_environment()
         return cls(clock=clock, span_processors=span_processors, metric_readers=metric_readers)
+
+    def batch_telemetry(self) -> BatchTelemetry:
+        """The Batch API's spans and metrics, on these providers."""
+        return BatchTelemetry(self._tracer, self.meter, self.span_ids)
 
     # -- pull ----------------------------------------------------------------------------
 

@@ -1,0 +1,240 @@
+"""The OpenAI Batch API end to end: the real `openai` SDK through the real Envoy to the sidecar,
+whose lines go back through Envoy's listener to the fake upstream (router mode, so the models
+it serves are known). The sidecar killed mid-batch and started again; cancel; bad files; the
+line limit."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import signal
+from typing import Any
+
+import openai
+import pytest
+
+from fake_llama import FakeLlamaServer
+from harness import (
+    SidecarProcess,
+    Stack,
+    get_json,
+    http_get,
+    metric_samples,
+    running_stack,
+    free_port,
+    wait_for,
+)
+
+GATE = "wait-for-the-gate"
+
+
+def _config(workdir: pathlib.Path, **batches: Any) -> dict[str, Any]:
+    # Fixed ports: a sidecar started again must be where Envoy's bootstrap says, and the feeder
+    # must know Envoy's listener.
+    return {"listen": {"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                       "admin": f"127.0.0.1:{free_port()}"},
+            "upstream": {"slots": 4},  # the fake's: lines run side by side
+            "batches": {"dir": str(workdir / "batches"), **batches}}
+
+
+def _line(custom_id: str, content: str = "hi", *, model: str = "model-a", url: str = "/v1/chat/completions",
+          method: str = "POST") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": method, "url": url,
+            "body": {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}}
+
+
+def _jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _upload(client: openai.OpenAI, lines: list[Any]) -> str:
+    return client.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch").id
+
+
+def _finished(client: openai.OpenAI, batch_id: str, status: str = "completed") -> Any:
+    def ended() -> Any:
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in ("completed", "failed", "expired", "cancelled") else None
+    batch = wait_for(ended, what=f"batch {batch_id} to end")
+    assert batch.status == status, batch
+    return batch
+
+
+def _records(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_the_sdk_uploads_creates_polls_and_downloads(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    with running_stack(tmp_path, _config(tmp_path), fake=fake) as stack:
+        client = _client(stack)
+        lines = [_line(f"request-{n}", f"question {n}", model="model-a" if n % 2 else "model-b") for n in range(12)]
+        file_id = _upload(client, lines)
+        assert client.files.retrieve(file_id).bytes == len(_jsonl(lines))
+        created = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                        completion_window="24h", metadata={"team": "search"})
+        assert created.status in ("validating", "in_progress")
+        batch = _finished(client, created.id)
+        assert batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (12, 12, 0)
+        assert batch.metadata == {"team": "search"}
+        assert batch.in_progress_at is not None and batch.completed_at is not None
+        output = _records(client, batch.output_file_id)
+        assert [record["custom_id"] for record in output] == [f"request-{n}" for n in range(12)]
+        assert all(record["response"]["status_code"] == 200 and record["error"] is None for record in output)
+        assert batch.error_file_id is None
+        # Each line went through Envoy and the queue at the batch priority, as its own request.
+        activity = {record["request_id"]: record for record in get_json(f"{stack.sidecar.admin_url}/activity")
+                    ["activity"]}
+        for record in output:
+            scheduled = activity[record["response"]["request_id"]]
+            assert record["response"]["request_id"] == f"{batch.id}:{record['custom_id']}"
+            assert (scheduled["serial_priority"], scheduled["serial_band"]) == (-100, "batch")
+        prompts = [json.loads(body)["messages"][0]["content"] for body in fake.bodies]
+        assert sorted(prompts) == sorted(f"question {n}" for n in range(12))
+        listed = client.batches.list(limit=5)
+        assert [item.id for item in listed.data] == [batch.id]
+        samples = metric_samples(http_get(f"{stack.sidecar.admin_url}/metrics")[1].decode())
+        assert samples['llamaswap_batch_requests_total{outcome="completed"}'] == 12
+        assert samples['llamaswap_batches{status="completed"}'] == 1
+        client.close()
+
+
+def test_a_batch_in_flight_never_holds_more_than_in_flight_lines(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    fake.gate_marker = GATE.encode()
+    with running_stack(tmp_path, _config(tmp_path, inFlight=3), fake=fake) as stack:
+        client = _client(stack)
+        batch = client.batches.create(input_file_id=_upload(client, [_line(f"r{n}", GATE) for n in range(10)]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        wait_for(lambda: len(fake.bodies) == 3, what="three lines at the upstream")
+        # The queue holds the three (one running per slot of the fake's four, or waiting): never more.
+        queue = stack.sidecar.queue()
+        lines = [row for row in queue["running_all"] + queue["waiting"] if row["request_id"].startswith(batch.id)]
+        assert len(lines) == 3
+        assert client.batches.retrieve(batch.id).model_extra["llamaswap"]["in_flight"] == 3  # type: ignore[index]
+        fake.open_gate()
+        _finished(client, batch.id)
+        assert len(fake.bodies) == 10
+        client.close()
+
+
+def test_a_sidecar_killed_mid_batch_resumes_and_writes_each_line_once(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    fake.gate_marker = GATE.encode()
+    config = _config(tmp_path, inFlight=4)
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        client = _client(stack)
+        lines = [_line(f"line-{n}", f"{GATE} {n}" if n >= 8 else f"quick {n}") for n in range(16)]
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        # Eight lines answered, four held at the upstream: kill the sidecar there.
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed == 8  # type: ignore[union-attr]
+                 and sum(GATE.encode() in body for body in fake.bodies) == 4, what="eight done and four running")
+        stack.sidecar.signal(signal.SIGKILL)
+        stack.sidecar.popen.wait(timeout=30)
+        before = len(fake.bodies)
+        stack.sidecar = SidecarProcess(stack.config_path, tmp_path, name="sidecar-again")
+        fake.open_gate()
+        done = _finished(client, batch.id)
+        assert done.request_counts is not None and done.request_counts.completed == 16
+        output = _records(client, done.output_file_id)
+        assert sorted(record["custom_id"] for record in output) == sorted(f"line-{n}" for n in range(16))
+        assert _records(client, done.error_file_id) == []
+        # The lines running at the kill were sent again: the upstream saw them twice, the file once.
+        sent = collections.Counter(json.loads(body)["messages"][0]["content"] for body in fake.bodies)
+        assert before == 12
+        assert {content for content, count in sent.items() if count == 2} == {f"{GATE} {n}" for n in range(8, 12)}
+        assert max(sent.values()) == 2
+        client.close()
+
+
+def test_cancel_stops_sending_and_ends_every_line_once(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    fake.gate_marker = GATE.encode()
+    with running_stack(tmp_path, _config(tmp_path, inFlight=2), fake=fake) as stack:
+        client = _client(stack)
+        lines = [_line("first", "quick")] + [_line(f"held-{n}", GATE) for n in range(9)]
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        wait_for(lambda: sum(GATE.encode() in body for body in fake.bodies) == 2, what="two held lines")
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        done = _finished(client, batch.id, "cancelled")
+        assert done.cancelling_at is not None and done.cancelled_at is not None
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (1, 9)
+        assert [record["custom_id"] for record in _records(client, done.output_file_id)] == ["first"]
+        errors = _records(client, done.error_file_id)
+        assert [record["custom_id"] for record in errors] == [f"held-{n}" for n in range(9)]
+        assert {record["error"]["code"] for record in errors} == {"batch_cancelled"}
+        # Nothing was sent after the cancel, and the abandoned lines left the queue.
+        assert sum(GATE.encode() in body for body in fake.bodies) == 2
+        wait_for(lambda: not any(row["request_id"].startswith(batch.id) for row in
+                                 stack.sidecar.queue()["running_all"] + stack.sidecar.queue()["waiting"]),
+                 what="the cancelled lines gone from the queue")
+        fake.open_gate()
+        with pytest.raises(openai.ConflictError):
+            client.batches.cancel(_finished(client, client.batches.create(
+                input_file_id=_upload(client, [_line("again")]), endpoint="/v1/chat/completions",
+                completion_window="24h").id).id)
+        client.close()
+
+
+def test_a_bad_file_fails_its_batch_naming_each_line(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, _config(tmp_path), fake=FakeLlamaServer(router=True)) as stack:
+        client = _client(stack)
+        lines: list[Any] = [
+            _line("good"),
+            b"{not json",
+            {k: v for k, v in _line("x").items() if k != "custom_id"},
+            _line("good"),
+            _line("elsewhere", url="/v1/embeddings"),
+            _line("get", method="GET"),
+            _line("unknown", model="no-such-model"),
+        ]
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        failed = _finished(client, batch.id, "failed")
+        assert failed.errors is not None and failed.errors.data is not None
+        found = [(error.line, error.code) for error in failed.errors.data]
+        assert found == [(2, "invalid_json_line"), (3, "missing_required_parameter"), (4, "duplicate_custom_id"),
+                         (5, "invalid_url"), (6, "invalid_method"), (7, "model_not_found")]
+        assert failed.output_file_id is None and failed.failed_at is not None
+        # Requests that cannot make a batch are refused at once, in the OpenAI error shape.
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/responses",  # type: ignore[arg-type]
+                                  completion_window="24h")
+        assert refused.value.code == "invalid_endpoint"
+        with pytest.raises(openai.NotFoundError):
+            client.batches.create(input_file_id="file-none", endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"priority": "urgent"})
+        assert refused.value.code == "invalid_priority"
+        client.close()
+
+
+def test_a_file_over_the_line_limit_is_refused_and_nothing_kept(tmp_path: pathlib.Path) -> None:
+    with running_stack(tmp_path, _config(tmp_path), fake=FakeLlamaServer(router=True)) as stack:
+        client = _client(stack)
+        line = json.dumps(_line("{}")).replace('"{}"', '"r%d"')
+        data = "".join(line % n + "\n" for n in range(50_001)).encode()
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(file=("big.jsonl", data), purpose="batch")
+        assert refused.value.code == "too_many_requests"
+        assert "50001" in str(refused.value) and "batches.maxRequests" in str(refused.value)
+        assert client.files.list().data == []
+        assert [path.name for path in (tmp_path / "batches" / "files").iterdir()] == []
+        # One line fewer is taken.
+        kept = client.files.create(file=("fits.jsonl", data[:data.rindex(b"\n", 0, len(data) - 1) + 1]),
+                                   purpose="batch")
+        assert [item.id for item in client.files.list().data] == [kept.id]
+        client.close()

@@ -1,0 +1,12 @@
+"""The OpenAI Batch API on the node: files of requests fed through Envoy at the batch's priority.
+
+Ports and adapters, like the rest of the sidecar:
+- `lifecycle`: pure: a batch's statuses, how a line ends, its priority, ids, the documents' shapes;
+- `validate`: pure: an input file read line by line into requests or errors naming each line;
+- `store`: SQLite (WAL) and a directory of files: the one durable record of files, batches,
+  their lines and each line's one result;
+- `feeder`: asyncio: sends each batch's lines to Envoy's public listener, a few at a time, and
+  records what came back; resumes every batch after a restart;
+- `api`: the HTTP routes (`/v1/files`, `/v1/batches`) on the admin server, which Envoy's listener
+  routes there.
+"""

@@ -1,0 +1,327 @@
+"""Feeding batches: each line goes to Envoy's public listener like any client's request, at the
+batch's priority, at most `batches.inFlight` lines of one batch at a time, and what comes back
+is recorded once in the store.
+
+Why through Envoy and not to the coordinator directly: a line is then scheduled, traced, counted,
+shown and settled exactly like a client's request, by the one rule, with no second path to keep.
+
+What happens to a line:
+- the upstream's answer (any status but those below) is its result: 2xx to the output file,
+  anything else to the error file with its status and body;
+- no answer (Envoy down, a connection reset), 429 (the queue is full) and 502/503/504 (llamaswap
+  stopping, its wait limit, the upstream gone) are not an answer about the line: it is sent
+  again after a pause (its Retry-After where given), until the batch's window ends;
+- a line running when the sidecar is killed has no result: it is sent again after the restart.
+  The GPU may compute it twice; the store keeps its first result only.
+Cancel abandons the lines in flight like a client that leaves (waiting ones leave the queue at
+once, running ones are settled as any abandoned generation) and ends every line without a result
+as cancelled; the window's end does the same as expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Container, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
+from llamaswap.batches.store import BatchRecord, Store
+from llamaswap.batches.validate import InputLine, LineError, Validation, line_body, validate
+from llamaswap.core.priority import HEADER as PRIORITY_HEADER
+
+_log = logging.getLogger(__name__)
+
+# Statuses that are no answer about the line: it is sent again.
+RESEND_STATUSES = frozenset({429, 502, 503, 504})
+RESEND_FIRST_S = 0.5
+RESEND_MOST_S = 30.0
+# How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
+# line's end do): for the completion window's end.
+IDLE_LOOK_S = 5.0
+# Lines read from the store per look, beyond those in flight.
+READ_AHEAD = 64
+
+
+class BatchObserver(Protocol):
+    """What telemetry learns from the feeder (a no-op by default)."""
+
+    def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
+        """A line is about to be sent: the headers that join it to its batch's trace."""
+        ...
+
+    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None) -> None:
+        ...
+
+    def lines_ended(self, outcome: LineOutcome, count: int) -> None:
+        """Lines that ended unanswered (expired, cancelled)."""
+        ...
+
+    def batch_ended(self, batch: BatchRecord) -> None:
+        ...
+
+    def statuses(self, counts: Mapping[BatchStatus, int]) -> None:
+        """How many batches are in each status now."""
+        ...
+
+
+class NoBatchObserver:
+    def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
+        return {}
+
+    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None) -> None:
+        pass
+
+    def lines_ended(self, outcome: LineOutcome, count: int) -> None:
+        pass
+
+    def batch_ended(self, batch: BatchRecord) -> None:
+        pass
+
+    def statuses(self, counts: Mapping[BatchStatus, int]) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedSettings:
+    """Where lines go and how they are marked. ``in_flight`` is read at each look (a reload may
+    change batches.inFlight); ``priority_header`` is the header that carries the priority
+    (security.priority.trustedHeader where set, else X-LlamaSwap-Priority)."""
+
+    target_url: str
+    in_flight: Callable[[], int]
+    max_requests: Callable[[], int]
+    priority_header: str = PRIORITY_HEADER
+
+
+async def any_model() -> Container[str] | None:
+    """The models served, when nothing can tell: not checked."""
+    return None
+
+
+def result_id(batch_id: str, line: int) -> str:
+    """A line's `id` in the output: the same on every try, so a line sent again is the same record."""
+    return "batch_req_" + hashlib.sha256(f"{batch_id}/{line}".encode()).hexdigest()[:24]
+
+
+def answer_record(batch_id: str, line: InputLine, status: int, request_id: str, body: bytes) -> dict[str, Any]:
+    """The output or error file's line for an answer of the upstream."""
+    try:
+        document: Any = json.loads(body)
+    except ValueError:
+        document = body.decode("utf-8", "replace")
+    error = None
+    if not 200 <= status < 300:
+        detail = document.get("error") if isinstance(document, dict) else None
+        message = detail.get("message") if isinstance(detail, dict) else None
+        error = {"code": f"http_{status}", "message": message if isinstance(message, str) else
+                 f"the upstream answered {status}"}
+    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": document}, "error": error}
+
+
+def ended_record(batch_id: str, line: InputLine, outcome: LineOutcome) -> dict[str, Any]:
+    """The error file's line for a line never answered (expired, cancelled)."""
+    message = {LineOutcome.EXPIRED: "the batch's completion window ended before this request ran",
+               LineOutcome.CANCELLED: "the batch was cancelled before this request finished"}[outcome]
+    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
+            "error": {"code": outcome.error_code, "message": message}}
+
+
+class Feeder:
+    """Sends every feeding batch's lines and ends batches; `run` until cancelled."""
+
+    def __init__(self, store: Store, settings: FeedSettings, *, observer: BatchObserver | None = None,
+                 served: Callable[[], Awaitable[Container[str] | None]] = any_model) -> None:
+        self.store = store
+        self.settings = settings
+        self._served = served
+        self.observer: BatchObserver = observer or NoBatchObserver()
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._flying: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch id -> line -> its sending
+        self._session: aiohttp.ClientSession | None = None
+
+    def wake(self) -> None:
+        """Look at the batches now (a batch was created or cancelled)."""
+        self._wake.set()
+
+    def pause(self) -> None:
+        """Send no more lines (the sidecar is stopping); those in flight go on."""
+        self._paused = True
+
+    def in_flight(self, batch_id: str) -> int:
+        """Lines of a batch sent and not yet answered (waiting or running, or pausing to be sent again)."""
+        return len(self._flying.get(batch_id, {}))
+
+    async def run(self) -> None:
+        # No total timeout: a line may wait for the GPU for hours (the scheduler bounds it).
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                              connector=aiohttp.TCPConnector(limit=0))
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.look()
+                except Exception:  # noqa: BLE001 - the feeder must outlive any one batch's trouble
+                    _log.exception("batches: a look at the batches failed; trying again")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_LOOK_S)
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Stop sending; lines in flight are abandoned (sent again at the next start)."""
+        tasks = [task for lines in self._flying.values() for task in lines.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._flying.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def look(self) -> None:
+        """One pass over the batches that are not ended: fill, expire, cancel, finalize."""
+        active = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
+        for batch in reversed(await asyncio.to_thread(self.store.batches, statuses=active)):  # oldest first
+            if batch.status is BatchStatus.CANCELLING:
+                await self._end(batch, LineOutcome.CANCELLED)
+            elif self.store.now() >= batch.expires_at:
+                await self._end(batch, LineOutcome.EXPIRED)
+            elif batch.status is BatchStatus.VALIDATING:
+                await self._validate(batch)
+            elif batch.status is BatchStatus.FINALIZING:
+                await self._finalize(batch, BatchStatus.COMPLETED)
+            else:
+                await self._fill(batch)
+        counts: dict[BatchStatus, int] = {}
+        for batch in await asyncio.to_thread(self.store.batches):
+            counts[batch.status] = counts.get(batch.status, 0) + 1
+        self.observer.statuses(counts)
+
+    async def _validate(self, batch: BatchRecord) -> None:
+        served = await self._served()
+
+        def read() -> Validation:
+            with open(self.store.file_path(batch.input_file_id), "rb") as source:
+                return validate(source, endpoint=batch.endpoint, served=served,
+                                max_requests=self.settings.max_requests())
+
+        try:
+            validation = await asyncio.to_thread(read)
+        except OSError as exc:
+            _log.error("batch %s: its input file %s cannot be read (%s)", batch.id, batch.input_file_id, exc)
+            validation = Validation((), (LineError("input_file_unreadable", None,
+                                                   f"the input file cannot be read: {exc}"),))
+        if await asyncio.to_thread(self.store.validated, batch.id, validation.lines, validation.errors,
+                                   validation.more_errors):
+            if validation.errors:
+                _log.info("batch %s failed validation: %d problem(s)", batch.id,
+                          len(validation.errors) + validation.more_errors)
+                final = self.store.batch(batch.id)
+                if final is not None:
+                    self.observer.batch_ended(final)
+            else:
+                _log.info("batch %s: %d line(s) at priority %d", batch.id, len(validation.lines), batch.priority)
+                self._wake.set()
+
+    async def _fill(self, batch: BatchRecord) -> None:
+        flying = self._flying.setdefault(batch.id, {})
+        room = max(1, self.settings.in_flight()) - len(flying)
+        if room <= 0 or self._paused:
+            return
+        lines = await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=len(flying) + room + READ_AHEAD)
+        if not lines and not flying:
+            if self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
+                await self._finalize(batch, BatchStatus.COMPLETED)
+            return
+        for line in lines:
+            if room <= 0:
+                break
+            if line.line in flying:
+                continue
+            flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
+            room -= 1
+
+    async def _end(self, batch: BatchRecord, outcome: LineOutcome) -> None:
+        """Cancel or expire: abandon what is in flight, end every line without a result so, finalize."""
+        flying = self._flying.pop(batch.id, {})
+        for task in flying.values():
+            task.cancel()
+        await asyncio.gather(*flying.values(), return_exceptions=True)
+        ended = await asyncio.to_thread(self.store.end_unfinished, batch.id, outcome,
+                                        lambda line: ended_record(batch.id, line, outcome))
+        if ended:
+            _log.info("batch %s: %d line(s) %s", batch.id, ended, outcome.value)
+            self.observer.lines_ended(outcome, ended)
+        status = ended_status(expired=outcome is LineOutcome.EXPIRED, cancelled=outcome is LineOutcome.CANCELLED)
+        await self._finalize(batch, status)
+
+    async def _finalize(self, batch: BatchRecord, status: BatchStatus) -> None:
+        final = await asyncio.to_thread(self.store.finalize, batch, status)
+        self._flying.pop(batch.id, None)
+        counts = self.store.counts(batch.id, batch.total)
+        _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
+                  counts.failed, counts.total)
+        self.observer.batch_ended(final)
+
+    async def _send(self, batch: BatchRecord, line: InputLine) -> None:
+        request_id = line_request_id(batch.id, line.custom_id, line.line)
+        try:
+            body = await asyncio.to_thread(self._body, batch, line)
+            headers = {"content-type": "application/json", "x-request-id": request_id,
+                       self.settings.priority_header: str(batch.priority),
+                       **self.observer.line_started(batch, line, request_id)}
+            status, answer = await self._post_until_answered(batch, request_id, body, headers)
+            outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
+            record = answer_record(batch.id, line, status, request_id, answer)
+            if await asyncio.to_thread(self.store.record_result, batch.id, line, outcome, record):
+                self.observer.line_ended(batch, line, outcome, status)
+        finally:
+            flying = self._flying.get(batch.id)
+            if flying is not None and flying.get(line.line) is asyncio.current_task():
+                del flying[line.line]
+            self._wake.set()
+
+    def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
+        with open(self.store.file_path(batch.input_file_id), "rb") as source:
+            source.seek(line.offset)
+            return line_body(source.read(line.length))
+
+    async def _post_until_answered(self, batch: BatchRecord, request_id: str, body: bytes,
+                                   headers: dict[str, str]) -> tuple[int, bytes]:
+        url = self.settings.target_url.rstrip("/") + batch.endpoint
+        pause_s = RESEND_FIRST_S
+        tries = 0
+        while True:
+            assert self._session is not None
+            tries += 1
+            try:
+                async with self._session.post(url, data=body, headers=headers) as response:
+                    answer = await response.read()
+                    if response.status not in RESEND_STATUSES:
+                        return response.status, answer
+                    wait_s = _retry_after(response.headers) or pause_s
+                    why = f"HTTP {response.status} ({response.headers.get('x-llamaswap-outcome') or 'no outcome'})"
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                wait_s, why = pause_s, f"{type(exc).__name__}: {exc}"
+            if tries in (1, 10) or tries % 100 == 0:
+                _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
+            await asyncio.sleep(min(wait_s, RESEND_MOST_S))
+            pause_s = min(pause_s * 2, RESEND_MOST_S)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        try:
+            return max(0.0, float(headers[name]) * scale)
+        except (KeyError, ValueError):
+            continue
+    return None

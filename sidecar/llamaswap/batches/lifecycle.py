@@ -1,0 +1,148 @@
+"""A batch's life, as pure values: its statuses, how each line ends, the priority its lines run
+at, and the ids. No I/O: the store keeps these, the feeder and the API act on them."""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+import urllib.parse
+
+from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
+
+# The OpenAI Batch API's endpoints a batch may name (its `endpoint`, each line's `url`).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+# metadata: at most 16 pairs, keys up to 64 characters, values up to 512 (the OpenAI API's limits).
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+# metadata.priority: the priority a batch's lines run at (a number or an alias); `batch` by default.
+PRIORITY_KEY = "priority"
+DEFAULT_PRIORITY = ALIASES["batch"]
+# A line's x-request-id is BATCH_ID:CUSTOM_ID while it fits Envoy's request-id bound, else
+# BATCH_ID:line-N; characters outside the unreserved set are percent-encoded.
+MAX_REQUEST_ID = 128
+
+
+class BatchStatus(str, enum.Enum):
+    """Every status of the OpenAI Batch API. Ended: failed, completed, expired, cancelled."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        return self in ENDED
+
+    @property
+    def feeding(self) -> bool:
+        """Whether lines of a batch in this status may still be sent."""
+        return self is BatchStatus.IN_PROGRESS
+
+
+ENDED = frozenset({BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
+# The timestamp each status sets when a batch enters it (None: none).
+STATUS_TIMESTAMP = {
+    BatchStatus.VALIDATING: None,
+    BatchStatus.FAILED: "failed_at",
+    BatchStatus.IN_PROGRESS: "in_progress_at",
+    BatchStatus.FINALIZING: "finalizing_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.EXPIRED: "expired_at",
+    BatchStatus.CANCELLING: "cancelling_at",
+    BatchStatus.CANCELLED: "cancelled_at",
+}
+
+
+class LineOutcome(str, enum.Enum):
+    """Every way one line of a batch ends: the metric label (llamaswap_batch_requests_total),
+    the file it goes to and its error code. Each line ends exactly once (the store's key)."""
+
+    COMPLETED = "completed"  # the upstream answered 2xx: the output file
+    FAILED = "failed"  # the upstream (or llamaswap, for good) refused it: the error file, with its status
+    EXPIRED = "expired"  # not done within the completion window: the error file
+    CANCELLED = "cancelled"  # not done when the batch was cancelled: the error file
+
+    @property
+    def in_output(self) -> bool:
+        return self is LineOutcome.COMPLETED
+
+    @property
+    def error_code(self) -> str | None:
+        return {LineOutcome.EXPIRED: "batch_expired", LineOutcome.CANCELLED: "batch_cancelled"}.get(self)
+
+
+def ended_status(expired: bool, cancelled: bool) -> BatchStatus:
+    """What a batch becomes once none of its lines is left to send or running."""
+    if cancelled:
+        return BatchStatus.CANCELLED
+    if expired:
+        return BatchStatus.EXPIRED
+    return BatchStatus.COMPLETED
+
+
+class BadPriority(ValueError):
+    """metadata.priority is neither an integer nor an alias."""
+
+
+def batch_priority(metadata: dict[str, str] | None, policy: PriorityPolicy) -> int:
+    """The priority a batch's lines run at: metadata.priority (a number or an alias), else
+    `batch`. The operator's clamp (security.priority.mode: clamp) applies as to the header; with
+    `strip` a batch's lines are sent as they are and the sidecar strips them like any claim (see
+    docs/batches.md: with a trusted header the feeder sends it instead)."""
+    raw = (metadata or {}).get(PRIORITY_KEY)
+    if raw is None:
+        value = DEFAULT_PRIORITY
+    else:
+        text = raw.strip().lower()
+        if text in ALIASES:
+            value = ALIASES[text]
+        elif re.fullmatch(r"[+-]?\d{1,9}", text):
+            value = int(text)
+        else:
+            raise BadPriority(f"metadata.priority must be an integer or one of {', '.join(ALIASES)}, got {raw!r}")
+    if policy.mode is PriorityMode.CLAMP:
+        value = min(max(value, policy.minimum), policy.maximum)
+    return value
+
+
+def new_id(prefix: str) -> str:
+    """An id in the OpenAI style (``file-...``, ``batch_...``): unguessable, URL-safe."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def line_request_id(batch_id: str, custom_id: str, line: int) -> str:
+    """The x-request-id a line is sent with: how it shows in the queue, the page and the activity log."""
+    quoted = urllib.parse.quote(custom_id, safe="-_.~")
+    request_id = f"{batch_id}:{quoted}"
+    return request_id if len(request_id) <= MAX_REQUEST_ID else f"{batch_id}:line-{line}"
+
+
+def batch_of_request(request_id: str) -> str | None:
+    """The batch a request id belongs to (None: a client's own request)."""
+    head, sep, _ = request_id.partition(":")
+    return head if sep and head.startswith("batch_") else None
+
+
+# Line ends behind a batch's estimated finish: the recent rate, not the whole history's.
+RATE_WINDOW = 50
+
+
+def estimated_finish(now: float, recent_ends: list[float], remaining: int) -> float | None:
+    """When the rest of a batch should be done, at the rate its latest lines ended (``recent_ends``,
+    any order); None before two lines ended or with nothing left."""
+    if remaining <= 0 or len(recent_ends) < 2:
+        return None
+    newest, oldest = max(recent_ends), min(recent_ends)
+    if newest <= oldest:
+        return None
+    rate = (len(recent_ends) - 1) / (newest - oldest)
+    # The clock starts at the latest end, not now: a batch waiting behind interactive work stays late.
+    return max(now, newest) + remaining / rate

@@ -1,0 +1,353 @@
+"""The durable record of the Batch API: SQLite (WAL) beside a directory of files.
+
+One database, four tables: files, batches, the lines of each batch (where each request lies in
+its input file), and each line's one result. Invariants, enforced here:
+- a line has at most one result (its primary key; the first write wins), so a line sent twice
+  after a restart is written once, and the output and error files, made from these rows when the
+  batch ends, hold every custom_id exactly once;
+- a file's content is in place (written to a temporary name, then renamed) before its row is
+  committed; an output file's name is derived from its batch, so finalizing again after a crash
+  writes the same file;
+- nothing of a refused upload or batch is kept.
+
+Calls are synchronous and take a lock (one connection): the feeder and the API run the slow ones
+(creating a batch of 50,000 lines, finalizing) in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
+from llamaswap.batches.validate import InputLine, LineError
+
+DATABASE = "batches.sqlite3"
+FILES = "files"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+    status TEXT NOT NULL, metadata TEXT, priority INTEGER NOT NULL, errors TEXT,
+    output_file_id TEXT, error_file_id TEXT, total INTEGER NOT NULL,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
+    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    trace_id TEXT NOT NULL, span_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, outcome TEXT NOT NULL, record TEXT NOT NULL,
+    ended_at REAL NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+"""
+
+
+class StoreError(Exception):
+    """The batches' directory or database cannot be used (batches.dir)."""
+
+
+class FileInUse(Exception):
+    """A file that a batch not yet ended reads cannot be deleted."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileRecord:
+    id: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchRecord:
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    status: BatchStatus
+    metadata: dict[str, str] | None
+    priority: int
+    errors: list[dict[str, Any]] | None
+    output_file_id: str | None
+    error_file_id: str | None
+    total: int
+    timestamps: dict[str, int | None]
+    trace_id: str
+    span_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counts:
+    total: int
+    completed: int
+    failed: int  # failed, expired and cancelled lines: all that went to the error file
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+
+_TIMESTAMPS = tuple(name for name in STATUS_TIMESTAMP.values() if name is not None)
+
+
+class Store:
+    """Files and batches under ``directory`` (batches.dir); ``now`` gives wall-clock seconds."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, now: Callable[[], float] = time.time) -> None:
+        self.directory = pathlib.Path(directory)
+        self._now = now
+        self._lock = threading.RLock()
+        try:
+            (self.directory / FILES).mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.directory / DATABASE, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"batches.dir {self.directory}: cannot keep batches there ({exc}); set batches.dir to a "
+                             "writable directory") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def now(self) -> int:
+        return int(self._now())
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # -- files -------------------------------------------------------------------------------
+
+    def file_path(self, file_id: str) -> pathlib.Path:
+        return self.directory / FILES / file_id
+
+    def upload_path(self) -> pathlib.Path:
+        """A temporary name in the files' directory for an upload being received."""
+        return self.directory / FILES / f".upload-{new_id('')}"
+
+    def add_file(self, received: pathlib.Path, *, filename: str, purpose: str, file_id: str | None = None) -> FileRecord:
+        """Keep a received file (renamed into place, then recorded)."""
+        record = FileRecord(file_id or new_id("file-"), filename, purpose, received.stat().st_size, self.now())
+        os.replace(received, self.file_path(record.id))
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                       (record.id, record.filename, record.purpose, record.bytes, record.created_at))
+        return record
+
+    def file(self, file_id: str) -> FileRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        return FileRecord(*row) if row else None
+
+    def files(self, *, purpose: str | None = None) -> list[FileRecord]:
+        """Every file, newest first."""
+        query = "SELECT * FROM files" + (" WHERE purpose = ?" if purpose else "") + " ORDER BY created_at DESC, rowid DESC"
+        with self._lock:
+            rows = self._db.execute(query, (purpose,) if purpose else ()).fetchall()
+        return [FileRecord(*row) for row in rows]
+
+    def delete_file(self, file_id: str) -> bool:
+        """Forget a file (False: there is none); FileInUse while a batch that has not ended reads it."""
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is None:
+                return False
+            ended = tuple(status.value for status in BatchStatus if status.ended)
+            user = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status NOT IN "
+                              f"({', '.join('?' * len(ended))})", (file_id, *ended)).fetchone()
+            if user is not None:
+                raise FileInUse(f"the file {file_id} is the input of {user[0]}, which has not ended: cancel it first")
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self.file_path(file_id).unlink(missing_ok=True)
+        return True
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def create_batch(self, *, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
+                     metadata: dict[str, str] | None, priority: int, trace_id: str, span_id: str) -> BatchRecord:
+        """A batch, validating: the feeder reads its input file next (`validated`)."""
+        now = self.now()
+        batch_id = new_id("batch_")
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO batches (id, endpoint, input_file_id, completion_window, created_at, expires_at, status, "
+                "metadata, priority, total, trace_id, span_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (batch_id, endpoint, input_file_id, completion_window, now, now + window_s,
+                 BatchStatus.VALIDATING.value, json.dumps(metadata) if metadata is not None else None, priority,
+                 0, trace_id, span_id))
+        batch = self.batch(batch_id)
+        assert batch is not None
+        return batch
+
+    def validated(self, batch_id: str, lines: Sequence[InputLine], errors: Sequence[LineError],
+                  more_errors: int = 0) -> bool:
+        """A validating batch becomes in_progress with its lines, or failed with its input file's
+        errors (False: it was no longer validating, e.g. cancelled meanwhile)."""
+        status = BatchStatus.FAILED if errors else BatchStatus.IN_PROGRESS
+        documents = [error.document() for error in errors]
+        if more_errors:
+            documents.append({"code": "more_errors", "line": None, "param": None,
+                              "message": f"{more_errors} more problem(s) not listed"})
+        stamp = STATUS_TIMESTAMP[status]
+        with self._transaction() as db:
+            changed = db.execute(
+                f"UPDATE batches SET status = ?, errors = ?, total = ?, {stamp} = ? WHERE id = ? AND status = ?",
+                (status.value, json.dumps(documents) if errors else None, 0 if errors else len(lines), self.now(),
+                 batch_id, BatchStatus.VALIDATING.value)).rowcount == 1
+            if changed and not errors:
+                db.executemany("INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?, ?)",
+                               ((batch_id, line.line, line.custom_id, line.offset, line.length) for line in lines))
+        return changed
+
+    def batch(self, batch_id: str) -> BatchRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            names = [column[0] for column in self._db.execute("SELECT * FROM batches LIMIT 0").description]
+        return _batch_record(dict(zip(names, row))) if row else None
+
+    def batches(self, *, statuses: Sequence[BatchStatus] | None = None) -> list[BatchRecord]:
+        """Every batch (of those statuses), newest first."""
+        query = "SELECT * FROM batches"
+        args: tuple[str, ...] = ()
+        if statuses is not None:
+            args = tuple(status.value for status in statuses)
+            query += f" WHERE status IN ({', '.join('?' * len(args))})"
+        with self._lock:
+            cursor = self._db.execute(query + " ORDER BY created_at DESC, rowid DESC", args)
+            names = [column[0] for column in cursor.description]
+            rows = cursor.fetchall()
+        return [_batch_record(dict(zip(names, row))) for row in rows]
+
+    def set_status(self, batch_id: str, status: BatchStatus, *, only_from: Sequence[BatchStatus] = ()) -> bool:
+        """Move a batch to ``status`` (stamping its time); with ``only_from``, only from those
+        (False: it was elsewhere, nothing changed: the first call wins)."""
+        stamp = STATUS_TIMESTAMP[status]
+        sets = "status = ?" + (f", {stamp} = COALESCE({stamp}, ?)" if stamp else "")
+        args: list[Any] = [status.value] + ([self.now()] if stamp else [])
+        query = f"UPDATE batches SET {sets} WHERE id = ?"
+        args.append(batch_id)
+        if only_from:
+            query += f" AND status IN ({', '.join('?' * len(only_from))})"
+            args += [s.value for s in only_from]
+        with self._transaction() as db:
+            return db.execute(query, args).rowcount == 1
+
+    # -- lines and results -------------------------------------------------------------------
+
+    def unfinished_lines(self, batch_id: str, *, after: int = 0, limit: int = 100) -> list[InputLine]:
+        """Lines with no result yet, in file order, from line ``after`` on."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT l.line, l.custom_id, l.offset, l.length FROM lines l LEFT JOIN results r "
+                "ON r.batch_id = l.batch_id AND r.line = l.line WHERE l.batch_id = ? AND l.line > ? "
+                "AND r.line IS NULL ORDER BY l.line LIMIT ?", (batch_id, after, limit)).fetchall()
+        return [InputLine(*row) for row in rows]
+
+    def record_result(self, batch_id: str, line: InputLine, outcome: LineOutcome, record: dict[str, Any]) -> bool:
+        """A line's result, once: False when it already had one (the first write wins)."""
+        with self._transaction() as db:
+            cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
+                                (batch_id, line.line, outcome.value, json.dumps(record, separators=(",", ":")),
+                                 self._now()))
+            return cursor.rowcount == 1
+
+    def end_unfinished(self, batch_id: str, outcome: LineOutcome,
+                       record: Callable[[InputLine], dict[str, Any]]) -> int:
+        """Every line still without a result ends as ``outcome`` (expired, cancelled); how many."""
+        ended = 0
+        while True:
+            lines = self.unfinished_lines(batch_id, limit=1000)
+            if not lines:
+                return ended
+            for line in lines:
+                ended += self.record_result(batch_id, line, outcome, record(line))
+
+    def counts(self, batch_id: str, total: int) -> Counts:
+        with self._lock:
+            rows = self._db.execute("SELECT outcome, COUNT(*) FROM results WHERE batch_id = ? GROUP BY outcome",
+                                    (batch_id,)).fetchall()
+        by = dict(rows)
+        completed = by.get(LineOutcome.COMPLETED.value, 0)
+        return Counts(total, completed, sum(by.values()) - completed)
+
+    def recent_ends(self, batch_id: str, limit: int) -> list[float]:
+        """When the latest ``limit`` lines of a batch ended, newest first (for its estimated finish)."""
+        with self._lock:
+            rows = self._db.execute("SELECT ended_at FROM results WHERE batch_id = ? ORDER BY ended_at DESC LIMIT ?",
+                                    (batch_id, limit)).fetchall()
+        return [row[0] for row in rows]
+
+    def finalize(self, batch: BatchRecord, status: BatchStatus) -> BatchRecord:
+        """Write the output and error files from the results, in file order, and end the batch as
+        ``status``. Safe to repeat: the files' ids come from the batch's."""
+        outputs = {True: f"file-{batch.id.removeprefix('batch_')}-output",
+                   False: f"file-{batch.id.removeprefix('batch_')}-errors"}
+        written: dict[bool, FileRecord | None] = {}
+        for in_output, file_id in outputs.items():
+            temporary = self.upload_path()
+            count = 0
+            with open(temporary, "wb") as out:
+                for record in self._records(batch.id, in_output):
+                    out.write(record.encode() + b"\n")
+                    count += 1
+                out.flush()
+                os.fsync(out.fileno())
+            if count:
+                written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{'output' if in_output else 'error'}"
+                                                   ".jsonl", purpose="batch_output", file_id=file_id)
+            else:
+                temporary.unlink()
+                written[in_output] = None
+        output, errors = written[True], written[False]
+        stamp = STATUS_TIMESTAMP[status]
+        with self._transaction() as db:
+            db.execute(f"UPDATE batches SET status = ?, output_file_id = ?, error_file_id = ?, "
+                       f"{stamp} = COALESCE({stamp}, ?) WHERE id = ?",
+                       (status.value, output.id if output else None, errors.id if errors else None, self.now(),
+                        batch.id))
+        final = self.batch(batch.id)
+        assert final is not None
+        return final
+
+    def _records(self, batch_id: str, in_output: bool) -> Iterator[str]:
+        op = "=" if in_output else "!="
+        with self._lock:
+            rows = self._db.execute(f"SELECT record FROM results WHERE batch_id = ? AND outcome {op} ? ORDER BY line",
+                                    (batch_id, LineOutcome.COMPLETED.value)).fetchall()
+        for (record,) in rows:
+            yield record
+
+
+def _batch_record(row: dict[str, Any]) -> BatchRecord:
+    return BatchRecord(
+        id=row["id"], endpoint=row["endpoint"], input_file_id=row["input_file_id"],
+        completion_window=row["completion_window"], created_at=row["created_at"], expires_at=row["expires_at"],
+        status=BatchStatus(row["status"]), metadata=json.loads(row["metadata"]) if row["metadata"] else None,
+        priority=row["priority"], errors=json.loads(row["errors"]) if row["errors"] else None,
+        output_file_id=row["output_file_id"], error_file_id=row["error_file_id"], total=row["total"],
+        timestamps={name: row[name] for name in _TIMESTAMPS}, trace_id=row["trace_id"], span_id=row["span_id"])
