@@ -143,6 +143,7 @@ def estimated_finish(now: float, recent_ends: list[float], remaining: int) -> fl
     newest, oldest = max(recent_ends), min(recent_ends)
     if newest <= oldest:
         return None
+    # The recent rate, not the whole history's: a batch that waited behind interactive work
+    # speeds up again when the interactive traffic stops.
     rate = (len(recent_ends) - 1) / (newest - oldest)
-    # The clock starts at the latest end, not now: a batch waiting behind interactive work stays late.
-    return max(now, newest) + remaining / rate
+    return now + remaining / rate
