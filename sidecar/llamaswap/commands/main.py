@@ -31,6 +31,7 @@ examples:
   llamaswap up -c my.yaml                the same with your settings (or your own upstream.url)
   llamaswap up --gpus 2                  two llama-servers, one per GPU, behind the one queue
   llamaswap queue --watch                the live queue with estimated starts, like squeue --start
+  llamaswap batches                      the Batch API's batches: progress, estimated finish, priority
   llamaswap simulate --activity-log act.log  replay recorded traffic under other settings
   llamaswap check-config -c my.yaml      validate a configuration and explain its settings
 """
@@ -233,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-c", "--config", required=True, help="YAML configuration file")
     check.set_defaults(run=_check_config)
 
-    from llamaswap.commands import fetch_models, load_model, queue, simulate
+    from llamaswap.commands import batches, fetch_models, load_model, queue, simulate
 
     queue.add_parser(commands)
+    batches.add_parser(commands)
     simulate.add_parser(commands)
     fetch_models.add_parser(commands)
     load_model.add_parser(commands)

@@ -72,7 +72,8 @@ def admin_url(address: HostPort) -> str:
     return f"http://{HostPort(address.connect_host, address.port)}"
 
 
-def _admin_of(args: argparse.Namespace) -> str:
+def admin_of(args: argparse.Namespace) -> str:
+    """The admin server's base URL: --admin, else listen.admin of -c FILE, else the default."""
     if args.admin:
         return str(args.admin)
     if args.config:
@@ -212,7 +213,7 @@ def render(document: dict[str, Any]) -> str:
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    admin = _admin_of(args)
+    admin = admin_of(args)
     show = _as_json if getattr(args, "json", False) else render
     if not args.watch:
         try:
