@@ -332,6 +332,7 @@ class FakeLlamaServer:
         body = await request.read()
         model = None
         stream = False
+        document: Any = None
         try:
             document = json.loads(body)
             model = document.get("model") if isinstance(document, dict) else None
@@ -365,7 +366,9 @@ class FakeLlamaServer:
                 hit.loaded = self.states[model] != LOADED
                 self._load(model)
             gated = self.gate_marker is not None and self.gate_marker in body
-            work = asyncio.ensure_future(self._compute(request, test_id, gated))
+            sleep_ms = document.get("x_test_sleep_ms", 0) if isinstance(document, dict) else 0
+            work = asyncio.ensure_future(self._compute(request, test_id, gated,
+                                                       sleep_ms if isinstance(sleep_ms, (int, float)) else 0))
             key = f"{test_id}#{id(hit)}"
             self._computing[key] = work
             try:
@@ -395,14 +398,16 @@ class FakeLlamaServer:
                 self.active -= 1
                 self.computing[hit.model] -= 1
 
-    async def _compute(self, request: web.Request, test_id: str, gated: bool = False) -> None:
+    async def _compute(self, request: web.Request, test_id: str, gated: bool = False,
+                       body_sleep_ms: float = 0.0) -> None:
         if gated:
             if self._gate is None:
                 self._gate = asyncio.Event()
             await self._gate.wait()
         if request.headers.get("x-test-hold") == "1":
             await self._holds.setdefault(test_id, asyncio.Event()).wait()
-        sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or 0)
+        # A batch line cannot carry the test's headers: its body's x_test_sleep_ms does the same.
+        sleep_ms = float(request.headers.get("x-test-sleep-ms", "0") or body_sleep_ms or 0)
         if sleep_ms:
             await asyncio.sleep(sleep_ms / 1000)
 

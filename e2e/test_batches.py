@@ -6,6 +6,7 @@ line limit."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import pathlib
 import signal
@@ -13,9 +14,11 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 
 from fake_llama import FakeLlamaServer
 from harness import (
+    EnvoyProcess,
     SidecarProcess,
     Stack,
     get_json,
@@ -238,3 +241,82 @@ def test_a_file_over_the_line_limit_is_refused_and_nothing_kept(tmp_path: pathli
                                    purpose="batch")
         assert [item.id for item in client.files.list().data] == [kept.id]
         client.close()
+
+
+def test_interactive_requests_go_ahead_of_waiting_batch_lines(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    fake.gate_marker = GATE.encode()
+    config = _config(tmp_path, inFlight=2)
+    config["upstream"] = {"slots": 1}
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        client = _client(stack)
+        batch = client.batches.create(input_file_id=_upload(client, [_line(f"b{n}", f"{GATE} b{n}") for n in range(3)]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        # One line runs (held), one waits; an interactive request arrives behind both.
+        wait_for(lambda: len(fake.bodies) == 1 and len(stack.sidecar.queue()["waiting"]) == 1, what="b0 runs, b1 waits")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            chat = pool.submit(lambda: openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
+                                                     default_headers={"x-llamaswap-priority": "interactive"})
+                               .chat.completions.create(model="model-a", messages=[{"role": "user", "content": "now"}]))
+            wait_for(lambda: len(stack.sidecar.queue()["waiting"]) == 2, what="the interactive request waiting")
+            assert [row["band"] for row in stack.sidecar.queue()["waiting"]] == ["interactive", "batch"]
+            fake.open_gate()
+            chat.result(timeout=30)
+        _finished(client, batch.id)
+        # The line that ran first and the one that waited are whichever reached the queue first.
+        order = [json.loads(body)["messages"][0]["content"] for body in fake.bodies]
+        assert order[1] == "now" and sorted(order[:1] + order[2:]) == [f"{GATE} b{n}" for n in range(3)]
+        client.close()
+
+
+def test_envoy_killed_mid_batch_and_started_again_loses_and_doubles_nothing(tmp_path: pathlib.Path) -> None:
+    fake = FakeLlamaServer(router=True)
+    fake.gate_marker = GATE.encode()
+    with running_stack(tmp_path, _config(tmp_path, inFlight=3), fake=fake) as stack:
+        client = _client(stack)
+        lines = [_line(f"e{n}", f"{GATE} {n}" if n >= 4 else f"quick {n}") for n in range(10)]
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        wait_for(lambda: sum(GATE.encode() in body for body in fake.bodies) == 3, what="three lines held upstream")
+        client.close()
+        bootstrap = stack.envoy.config_path.read_text()
+        stack.envoy.signal(signal.SIGKILL)
+        stack.envoy.popen.wait(timeout=30)
+        fake.open_gate()
+        stack.envoy = EnvoyProcess(yaml.safe_load(bootstrap), tmp_path, name="envoy-again")
+        client = _client(stack)
+        done = _finished(client, batch.id)
+        assert sorted(r["custom_id"] for r in _records(client, done.output_file_id)) == sorted(f"e{n}" for n in range(10))
+        assert _records(client, done.error_file_id) == []
+        client.close()
+
+
+def test_llamaswap_up_killed_mid_batch_resumes_when_started_again(tmp_path: pathlib.Path) -> None:
+    from test_up import Up
+
+    ports = {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
+    extra = {"batches": {"dir": str(tmp_path / "batches"), "inFlight": 1}}
+    up = Up(tmp_path, ports=ports, extra=extra)
+    try:
+        up.wait_up()
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        lines = [{**_line(f"u{n}"), "body": {"model": "model-a", "messages": [], "x_test_sleep_ms": 100}}
+                 for n in range(30)]
+        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5,  # type: ignore[union-attr]
+                 what="five lines done")
+        up.process.kill()  # SIGKILL: Envoy, the sidecar in it and its upstream end with it
+        up.process.wait(30)
+        client.close()
+        up.stop()
+        up = Up(tmp_path, "up-again", ports=ports, extra=extra)
+        up.wait_up()
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        done = _finished(client, batch.id)
+        output = _records(client, done.output_file_id)
+        assert sorted(record["custom_id"] for record in output) == sorted(f"u{n}" for n in range(30))
+        assert done.request_counts is not None and done.request_counts.completed == 30
+        client.close()
+    finally:
+        up.stop()

@@ -30,7 +30,8 @@ class Up:
 
     def __init__(self, tmp_path: pathlib.Path, name: str = "up", *, ports: dict[str, int] | None = None,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, workdir: bool = True,
-                 envoy: dict[str, object] | None = None, upstream: dict[str, object] | None = None) -> None:
+                 envoy: dict[str, object] | None = None, upstream: dict[str, object] | None = None,
+                 extra: dict[str, object] | None = None) -> None:
         self.ports = ports or {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
         config = {
             "listen": {key: f"127.0.0.1:{self.ports[key]}" for key in ("http", "grpc", "admin")},
@@ -38,6 +39,7 @@ class Up:
                          "command": [sys.executable, str(HERE / "fake_llama.py"), str(self.ports["upstream"])],
                          "modelsPollSeconds": 0, "startupTimeoutSeconds": 60, **(upstream or {})},
             "envoy": {"leaseSeconds": 1.5, **(envoy or {})},
+            **(extra or {}),
         }
         self.config_path = tmp_path / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))

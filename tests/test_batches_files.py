@@ -45,8 +45,8 @@ def jsonl(*documents: object) -> io.BytesIO:
 
 def test_good_lines_are_found_where_they_lie_in_the_file() -> None:
     data = jsonl(line("a"), b"", line("b"))
-    result = validate(data, endpoint=ENDPOINT, served={"m"}, max_requests=10)
-    assert result.errors == ()
+    result = validate(data, endpoint=ENDPOINT, max_requests=10)
+    assert result.errors == () and result.models == {"m": (1, 3)}
     assert [(item.line, item.custom_id) for item in result.lines] == [(1, "a"), (3, "b")]
     raw = data.getvalue()
     for item in result.lines:
@@ -61,34 +61,38 @@ def test_good_lines_are_found_where_they_lie_in_the_file() -> None:
     (line("x", url="/v1/embeddings"), "invalid_url", "url"),
     (line("x", body="text"), "missing_required_parameter", "body"),
     (line("x", body={"messages": []}), "missing_required_parameter", "body.model"),
-    (line("x", body={"model": "other"}), "model_not_found", "body.model"),
     (line("x", body={"model": "m", "stream": True}), "invalid_request", "body.stream"),
 ])
 def test_each_bad_line_is_named_with_its_number(bad: object, code: str, param: str | None) -> None:
-    result = validate(jsonl(line("first"), bad), endpoint=ENDPOINT, served={"m"}, max_requests=10)
+    result = validate(jsonl(line("first"), bad), endpoint=ENDPOINT, max_requests=10)
     assert [(error.line, error.code, error.param) for error in result.errors] == [(2, code, param)]
 
 
 def test_a_repeated_custom_id_is_an_error_of_the_later_line() -> None:
-    result = validate(jsonl(line("a"), line("b"), line("a")), endpoint=ENDPOINT, served=None, max_requests=10)
+    result = validate(jsonl(line("a"), line("b"), line("a")), endpoint=ENDPOINT, max_requests=10)
     assert [(error.line, error.code) for error in result.errors] == [(3, "duplicate_custom_id")]
 
 
-def test_models_are_not_checked_when_nothing_says_what_is_served() -> None:
-    assert validate(jsonl(line("a", body={"model": "any"})), endpoint=ENDPOINT, served=None,
-                    max_requests=1).errors == ()
+def test_the_lines_of_a_model_not_served_are_errors_in_file_order() -> None:
+    found = validate(jsonl(line("a", body={"model": "x"}), b"[", line("b"), line("c", body={"model": "x"})),
+                     endpoint=ENDPOINT, max_requests=10)
+    assert found.models == {"x": (1, 4), "m": (3,)}
+    refused = found.without_models(["x"])
+    assert [(error.line, error.code) for error in refused.errors] == [
+        (1, "model_not_found"), (2, "invalid_json_line"), (4, "model_not_found")]
+    assert found.without_models([]) is found
 
 
 def test_too_many_lines_and_no_lines_are_one_error_each() -> None:
-    over = validate(jsonl(*(line(str(n)) for n in range(4))), endpoint=ENDPOINT, served=None, max_requests=3)
+    over = validate(jsonl(*(line(str(n)) for n in range(4))), endpoint=ENDPOINT, max_requests=3)
     assert [(error.code, error.line) for error in over.errors] == [("too_many_requests", None)]
     assert "4 requests" in over.errors[0].message and "batches.maxRequests" in over.errors[0].message
-    empty = validate(io.BytesIO(b"\n\n"), endpoint=ENDPOINT, served=None, max_requests=3)
+    empty = validate(io.BytesIO(b"\n\n"), endpoint=ENDPOINT, max_requests=3)
     assert [error.code for error in empty.errors] == ["empty_file"]
 
 
 def test_errors_past_the_listed_ones_are_counted() -> None:
-    result = validate(io.BytesIO(b"x\n" * 1005), endpoint=ENDPOINT, served=None, max_requests=2000)
+    result = validate(io.BytesIO(b"x\n" * 1005), endpoint=ENDPOINT, max_requests=2000)
     assert len(result.errors) == 1000 and result.more_errors == 5
 
 
@@ -147,7 +151,7 @@ def stored_batch(store: Store, tmp_path: pathlib.Path, lines: int) -> tuple[str,
                                metadata=None, priority=-100, trace_id="0" * 31 + "1", span_id="0" * 15 + "2")
     assert batch.status is BatchStatus.VALIDATING
     with open(store.file_path(record.id), "rb") as source:
-        found = validate(source, endpoint=ENDPOINT, served=None, max_requests=100)
+        found = validate(source, endpoint=ENDPOINT, max_requests=100)
     assert store.validated(batch.id, found.lines, found.errors)
     return batch.id, list(found.lines)
 

@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Container, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -100,9 +100,9 @@ class FeedSettings:
     priority_header: str = PRIORITY_HEADER
 
 
-async def any_model() -> Container[str] | None:
-    """The models served, when nothing can tell: not checked."""
-    return None
+async def any_model(model: str) -> bool:
+    """Whether a model is served, when nothing can tell: every one is."""
+    return True
 
 
 def result_id(batch_id: str, line: int) -> str:
@@ -138,10 +138,11 @@ class Feeder:
     """Sends every feeding batch's lines and ends batches; `run` until cancelled."""
 
     def __init__(self, store: Store, settings: FeedSettings, *, observer: BatchObserver | None = None,
-                 served: Callable[[], Awaitable[Container[str] | None]] = any_model) -> None:
+                 serves: Callable[[str], Awaitable[bool]] = any_model) -> None:
         self.store = store
         self.settings = settings
-        self._served = served
+        # Asked as admission asks (the coordinator's `serves`): a line it would refuse fails the batch.
+        self._serves = serves
         self.observer: BatchObserver = observer or NoBatchObserver()
         self._wake = asyncio.Event()
         self._paused = False
@@ -207,15 +208,14 @@ class Feeder:
         self.observer.statuses(counts)
 
     async def _validate(self, batch: BatchRecord) -> None:
-        served = await self._served()
-
         def read() -> Validation:
             with open(self.store.file_path(batch.input_file_id), "rb") as source:
-                return validate(source, endpoint=batch.endpoint, served=served,
-                                max_requests=self.settings.max_requests())
+                return validate(source, endpoint=batch.endpoint, max_requests=self.settings.max_requests())
 
         try:
             validation = await asyncio.to_thread(read)
+            validation = validation.without_models([model for model in validation.models
+                                                    if not await self._serves(model)])
         except OSError as exc:
             _log.error("batch %s: its input file %s cannot be read (%s)", batch.id, batch.input_file_id, exc)
             validation = Validation((), (LineError("input_file_unreadable", None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Container, Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Errors listed per batch: enough to fix a file, not a second copy of a bad one.
@@ -42,6 +42,19 @@ class Validation:
     lines: tuple[InputLine, ...]
     errors: tuple[LineError, ...]
     more_errors: int = 0  # errors beyond MAX_ERRORS, counted only
+    models: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # model -> its lines
+
+    def without_models(self, unserved: Iterable[str]) -> Validation:
+        """The same, with each line of a model the node does not serve (asked by the caller, the
+        way admission asks) as an error."""
+        refused = [LineError("model_not_found", number, f"line {number}: the model {model!r} is not served here "
+                             "(GET /v1/models lists what is)", "body.model")
+                   for model in unserved for number in self.models.get(model, ())]
+        if not refused:
+            return self
+        errors = sorted([*self.errors, *refused], key=lambda error: (error.line is None, error.line or 0))
+        return Validation(self.lines, tuple(errors[:MAX_ERRORS]), self.more_errors + max(0, len(errors) - MAX_ERRORS),
+                          self.models)
 
 
 def numbered_lines(data: Iterable[bytes]) -> Iterable[tuple[int, int, bytes]]:
@@ -53,13 +66,13 @@ def numbered_lines(data: Iterable[bytes]) -> Iterable[tuple[int, int, bytes]]:
         offset += len(raw)
 
 
-def validate(data: Iterable[bytes], *, endpoint: str, served: Container[str] | None,
-             max_requests: int) -> Validation:
+def validate(data: Iterable[bytes], *, endpoint: str, max_requests: int) -> Validation:
     """Every line of an input file checked for ``endpoint``: a JSON object with a string
     ``custom_id`` unique in the file, ``method`` POST, ``url`` the endpoint, a ``body`` object
-    naming a ``model`` the upstream serves (``served``; None: not known, not checked). Blank
-    lines are skipped. More than ``max_requests`` lines is one error."""
+    naming a ``model``, not streamed. Blank lines are skipped. More than ``max_requests`` lines
+    is one error. Whether the models are served is the caller's to ask (`without_models`)."""
     lines: list[InputLine] = []
+    models: dict[str, list[int]] = {}
     errors: list[LineError] = []
     more = 0
     seen: set[str] = set()
@@ -78,60 +91,58 @@ def validate(data: Iterable[bytes], *, endpoint: str, served: Container[str] | N
         count += 1
         if count > max_requests:
             continue
-        problem, custom_id = _check_line(text, number, endpoint, served, seen)
+        problem, custom_id, model = _check_line(text, number, endpoint, seen)
         if problem is not None:
             error(problem)
-        elif custom_id is not None:
+        elif custom_id is not None and model is not None:
             lines.append(InputLine(number, custom_id, offset, len(text)))
+            models.setdefault(model, []).append(number)
     if count > max_requests:
         error(LineError("too_many_requests", None,
                         f"the file has {count} requests; a batch may have at most {max_requests} "
                         "(batches.maxRequests): split it into several batches"))
     elif count == 0:
         error(LineError("empty_file", None, "the input file has no requests: one JSON object a line"))
-    return Validation(tuple(lines), tuple(errors), more)
+    return Validation(tuple(lines), tuple(errors), more, {model: tuple(numbers) for model, numbers in models.items()})
 
 
-def _check_line(text: bytes, number: int, endpoint: str, served: Container[str] | None,
-                seen: set[str]) -> tuple[LineError | None, str | None]:
+def _check_line(text: bytes, number: int, endpoint: str,
+                seen: set[str]) -> tuple[LineError | None, str | None, str | None]:
     try:
         document = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
-        return LineError("invalid_json_line", number, f"line {number} is not valid JSON: {exc}"), None
+        return LineError("invalid_json_line", number, f"line {number} is not valid JSON: {exc}"), None, None
     if not isinstance(document, dict):
-        return LineError("invalid_json_line", number, f"line {number} is not a JSON object"), None
+        return LineError("invalid_json_line", number, f"line {number} is not a JSON object"), None, None
     custom_id = document.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return LineError("missing_required_parameter", number,
-                         f"line {number} has no custom_id (a non-empty string)", "custom_id"), None
+                         f"line {number} has no custom_id (a non-empty string)", "custom_id"), None, None
     if custom_id in seen:
         return LineError("duplicate_custom_id", number,
                          f"line {number}: the custom_id {custom_id!r} is used by an earlier line; each must be "
-                         "unique in the file", "custom_id"), None
+                         "unique in the file", "custom_id"), None, None
     seen.add(custom_id)
     method = document.get("method")
     if method != "POST":
         return LineError("invalid_method", number, f"line {number}: method must be POST, got {method!r}",
-                         "method"), None
+                         "method"), None, None
     url = document.get("url")
     if url != endpoint:
         return LineError("invalid_url", number, f"line {number}: url must be the batch's endpoint {endpoint}, got "
-                         f"{url!r}", "url"), None
+                         f"{url!r}", "url"), None, None
     body = document.get("body")
     if not isinstance(body, dict):
         return LineError("missing_required_parameter", number, f"line {number} has no body (a JSON object)",
-                         "body"), None
+                         "body"), None, None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         return LineError("missing_required_parameter", number, f"line {number}: body.model is missing",
-                         "body.model"), None
+                         "body.model"), None, None
     if body.get("stream") is True:
         return LineError("invalid_request", number, f"line {number}: a batch's requests cannot be streamed (body.stream "
-                         "must be false or absent)", "body.stream"), None
-    if served is not None and model not in served:
-        return LineError("model_not_found", number, f"line {number}: the model {model!r} is not served here "
-                         "(GET /v1/models lists what is)", "body.model"), None
-    return None, custom_id
+                         "must be false or absent)", "body.stream"), None, None
+    return None, custom_id, model
 
 
 def line_body(text: bytes) -> bytes:

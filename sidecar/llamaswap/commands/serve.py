@@ -211,23 +211,13 @@ class Sidecar:
                                 in_flight=lambda: self.config.batches.in_flight or self.node_slots(),
                                 max_requests=lambda: self.config.batches.max_requests,
                                 priority_header=trusted or PRIORITY_HEADER)
-        feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), served=self.served_models)
+        feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
         return BatchService(store, feeder, lambda: self.config, new_trace_ids)
 
     def node_slots(self) -> int:
         """The slots of the node now: every upstream's, for the model in effect there."""
         scheduler = self.coordinator.scheduler
         return sum(scheduler.slots_total_on(name) for name in scheduler.lanes)
-
-    async def served_models(self) -> frozenset[str] | None:
-        """The models the node's upstreams serve (None: one that takes any name, or did not answer)."""
-        names: set[str] = set()
-        for upstream in self.upstreams:
-            catalog = await upstream.catalog()
-            if catalog is None or catalog.models is None:
-                return None
-            names |= catalog.models
-        return frozenset(names)
 
     def reload(self) -> bool:
         """Re-read the config file; an invalid one is refused and the old one stays."""

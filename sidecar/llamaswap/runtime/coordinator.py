@@ -237,7 +237,7 @@ class Coordinator:
                                                 queue_depth=self._held_checks - 1,
                                                 queue_limit=self._config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
-        if ticket.model is not None and not await self._serves(ticket.model):
+        if ticket.model is not None and not await self.serves(ticket.model):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         if not self._admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
@@ -379,7 +379,7 @@ class Coordinator:
         return any(t.decision is not None and t.decision.model == model and t.decision.upstream == upstream
                    for t in self._running)
 
-    async def _serves(self, model: str) -> bool:
+    async def serves(self, model: str) -> bool:
         """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled."""
         return await self.gpus.serves(model, self._config, lambda: any(
             lane.models is None or self._key(model).scheduled in lane.models
