@@ -320,3 +320,41 @@ def test_llamaswap_up_killed_mid_batch_resumes_when_started_again(tmp_path: path
         client.close()
     finally:
         up.stop()
+
+
+def test_one_trace_per_batch_holds_each_line_with_envoy_and_the_sidecar_under_it(tmp_path: pathlib.Path) -> None:
+    from otlp import otlp_receiver
+    from test_observability import CHECK_EGRESS, ENVOY_SERVICE, SIDECAR_SERVICE, sidecar_otlp_env
+
+    with otlp_receiver() as receiver, running_stack(tmp_path, _config(tmp_path), otlp_endpoint=receiver.endpoint,
+                                                    sidecar_env=sidecar_otlp_env(receiver.endpoint),
+                                                    fake=FakeLlamaServer(router=True)) as stack:
+        client = _client(stack)
+        batch = client.batches.create(input_file_id=_upload(client, [_line(f"t{n}") for n in range(3)]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        _finished(client, batch.id)
+        client.close()
+
+        def whole_trace() -> list[Any] | None:
+            roots = receiver.spans(name="llamaswap.batch")
+            if not roots:
+                return None
+            spans = receiver.spans(trace_id=roots[0].trace_id)
+            names = collections.Counter((span.service, span.name) for span in spans)
+            wanted = [(SIDECAR_SERVICE, "llamaswap.batch.line"), (ENVOY_SERVICE, CHECK_EGRESS),
+                      (SIDECAR_SERVICE, "llamaswap.queue"), (SIDECAR_SERVICE, "llamaswap.run")]
+            return spans if all(names[key] >= 3 for key in wanted) else None
+
+        spans = wait_for(whole_trace, what="the batch's trace with its lines, Envoy's and the sidecar's spans")
+        by_id = {span.span_id: span for span in spans}
+        [root] = [span for span in spans if span.name == "llamaswap.batch"]
+        assert root.attributes["llamaswap.batch.id"] == batch.id and root.parent_span_id == ""
+        lines = [span for span in spans if span.name == "llamaswap.batch.line"]
+        assert {span.parent_span_id for span in lines} == {root.span_id}
+        assert sorted(span.attributes["llamaswap.batch.custom_id"] for span in lines) == ["t0", "t1", "t2"]
+        for run in (span for span in spans if span.name == "llamaswap.run"):
+            # The sidecar's run span, under Envoy's Check, under Envoy's ingress, under one line.
+            ancestor = by_id[run.parent_span_id]
+            while ancestor.name != "llamaswap.batch.line":
+                ancestor = by_id[ancestor.parent_span_id]
+            assert run.attributes["llamaswap.request_id"] == f"{batch.id}:{ancestor.attributes['llamaswap.batch.custom_id']}"
