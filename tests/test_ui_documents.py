@@ -19,13 +19,23 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from flow import FakeUpstream, Flow, Request, clock, router, virtual_time
+from flow import FakeUpstream, Flow, Request, clock, current_loop, router, virtual_time
 from llamaswap.config import ConfigError, parse_config
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.history import History, _last_lines
 from llamaswap.runtime.ticket import ExchangeEnd
 from llamaswap.adapters.admin import queue_document
-from llamaswap.adapters.ui import UI_CPU_SHARE, UI_WAITING_ROWS, UiState, add_ui_routes
+from llamaswap.adapters.ui import (
+    UI_BATCHES,
+    UI_BATCHES_REFRESH_S,
+    UI_CPU_SHARE,
+    UI_WAITING_ROWS,
+    BatchesProvider,
+    UiState,
+    add_ui_routes,
+    batch_documents,
+    batch_rows,
+)
 
 UI_DIR = pathlib.Path(__file__).resolve().parents[1] / "sidecar" / "llamaswap" / "ui"
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -37,13 +47,13 @@ class Page:
 
     def __init__(self, config: dict[str, Any] | None = None, *, jaeger_url: str = "", capacity: int = 20_000,
                  window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS,
-                 activity_path: str | None = None) -> None:
+                 activity_path: str | None = None, batches: BatchesProvider | None = None) -> None:
         self.activity = ActivityLog(clock(), path=activity_path)
         self.history = History(clock(), self.activity, capacity=capacity, window_s=window_s)
         self.flow = Flow({"envoy": {"leaseSeconds": 1000}, **(config or {})}, observers=[self.activity, self.history],
                          upstream=FakeUpstream(router("a", "b")))
         self.ui = UiState(self.flow.coordinator, self.history, jaeger_url=lambda: jaeger_url,
-                          waiting_rows=waiting_rows)
+                          waiting_rows=waiting_rows, batches=batches)
         self.app = web.Application()
         add_ui_routes(self.app, self.ui)
 
@@ -467,3 +477,124 @@ async def test_every_admin_route_is_documented() -> None:
     assert "/ui/timeline" in paths and "/activity" in paths
     for path in paths - {"/ui/", "/ui/app.js", "/ui/style.css"}:
         assert f"`{path.split('{', 1)[0]}" in docs, path
+
+
+# -- the batches (the Batch API's, when batches.dir is set) ------------------------------------
+
+
+def batch_object(batch_id: str, status: str, *, created_at: int, completed: int = 0, failed: int = 0,
+                 total: int = 10, ended_at: int | None = None, finish: float | None = None) -> dict[str, Any]:
+    """A batch object as the Batch API makes it (its own batch_document)."""
+    from llamaswap.batches.documents import batch_document
+    from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus
+    from llamaswap.batches.store import BatchRecord, Counts
+
+    timestamps: dict[str, int | None] = {name: None for name in STATUS_TIMESTAMP.values() if name}
+    timestamps["in_progress_at"] = None if status == "validating" else created_at + 1
+    if ended_at is not None:
+        timestamps[f"{status}_at"] = ended_at
+    record = BatchRecord(id=batch_id, endpoint="/v1/chat/completions", input_file_id="file-1",
+                         completion_window="24h", created_at=created_at, expires_at=created_at + 86400,
+                         status=BatchStatus(status), metadata=None, priority=-100, errors=None, output_file_id=None,
+                         error_file_id=None, total=total, timestamps=timestamps, trace_id="0" * 32, span_id="0" * 16)
+    return batch_document(record, Counts(total, completed, failed), in_flight=3 if status == "in_progress" else 0,
+                          estimated_finish_at=finish)
+
+
+@virtual_time
+async def test_without_the_batch_api_the_state_says_it_is_off() -> None:
+    page = Page()
+    await page.ui.refresh_batches()  # nothing to ask
+    assert page.ui.state_document()["batches"] is None
+    response = await page.get("/ui/state")
+    assert json.loads(response.body)["batches"] is None  # type: ignore[arg-type]
+
+
+@virtual_time
+async def test_the_state_carries_the_batches_and_a_change_of_theirs_is_a_new_state() -> None:
+    asked = []
+    documents: list[dict[str, Any]] = []
+
+    def provider() -> list[dict[str, Any]]:
+        asked.append(1)
+        return [dict(document) for document in documents]
+
+    page = Page(batches=provider)
+    current_loop().allow_blocking()  # the provider runs in a worker thread (it reads SQLite)
+    now_s = int(page.history.now_ms() / 1000)
+    documents.append(batch_object("batch_a", "in_progress", created_at=now_s - 60, completed=4, failed=1,
+                                  finish=now_s + 30))
+    first = await page.get("/ui/state")
+    assert first.status == 200 and len(asked) == 1
+    [row] = json.loads(first.body)["batches"]  # type: ignore[arg-type]
+    assert row == {"id": "batch_a", "status": "in_progress", "endpoint": "/v1/chat/completions",
+                   "created_at": now_s - 60, "in_progress_at": now_s - 59, "ended_at": None, "total": 10,
+                   "completed": 4, "failed": 1, "in_flight": 3, "priority": -100, "estimated_finish_at": now_s + 30}
+    etag = first.headers["etag"]
+    # Polls within UI_BATCHES_REFRESH_S do not ask again (however many pages poll).
+    documents[0] = batch_object("batch_a", "in_progress", created_at=now_s - 60, completed=6, failed=1,
+                                finish=now_s + 30)
+    await page.flow.advance(UI_BATCHES_REFRESH_S / 2)
+    assert (await page.get("/ui/state", {"if-none-match": etag})).status == 304 and len(asked) == 1
+    # Then they do: the batch moved on, and so does the state, though the queue did not change.
+    await page.flow.advance(UI_BATCHES_REFRESH_S / 2)
+    moved = await page.get("/ui/state", {"if-none-match": etag})
+    assert moved.status == 200 and moved.headers["etag"] != etag and len(asked) == 2
+    assert json.loads(moved.body)["batches"][0]["completed"] == 6  # type: ignore[arg-type]
+    # Asked again and nothing changed: the same state.
+    await page.flow.advance(UI_BATCHES_REFRESH_S)
+    again = await page.get("/ui/state", {"if-none-match": moved.headers["etag"]})
+    assert again.status == 304 and len(asked) == 3
+
+
+@virtual_time
+async def test_a_failing_store_keeps_the_batches_the_page_has(caplog: pytest.LogCaptureFixture) -> None:
+    answers: list[Any] = [[batch_object("batch_a", "validating", created_at=0)], OSError("disk gone")]
+
+    def provider() -> list[dict[str, Any]]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return list(answer)
+
+    page = Page(batches=provider)
+    current_loop().allow_blocking()
+    await page.ui.refresh_batches()
+    await page.flow.advance(UI_BATCHES_REFRESH_S)
+    await page.ui.refresh_batches()
+    assert [row["id"] for row in page.ui.state_document()["batches"]] == ["batch_a"]
+    assert "the batches could not be read: disk gone" in caplog.text
+
+
+def test_the_page_gets_the_last_day_s_batches_at_most_twenty() -> None:
+    now = 10_000_000
+    ended_long_ago = batch_object("batch_old", "completed", created_at=now - 100_000, completed=10,
+                                  ended_at=now - 86_401)
+    ended_today = batch_object("batch_today", "cancelled", created_at=now - 100_000, completed=2, failed=8,
+                               ended_at=now - 86_000)
+    unfinished_old = batch_object("batch_slow", "in_progress", created_at=now - 200_000)
+    rows = batch_rows([ended_today, ended_long_ago, unfinished_old], now_s=now)
+    assert [(row["id"], row["ended_at"]) for row in rows] == [("batch_today", now - 86_000), ("batch_slow", None)]
+    many = [batch_object(f"batch_{n}", "in_progress", created_at=now - n) for n in range(30)]
+    assert [row["id"] for row in batch_rows(many, now_s=now)] == [f"batch_{n}" for n in range(UI_BATCHES)]
+
+
+def test_batch_documents_asks_the_service_for_its_newest_batches_only() -> None:
+    class Store:
+        def batches(self) -> list[str]:
+            return [f"batch_{n}" for n in range(30)]  # newest first, as the store lists them
+
+    class Service:
+        store = Store()
+        documented: list[str] = []
+
+        def document(self, batch: str) -> dict[str, Any]:
+            self.documented.append(batch)
+            return {"id": batch}
+
+    assert batch_documents(None) is None
+    service = Service()
+    provider = batch_documents(service)
+    assert provider is not None
+    assert provider() == [{"id": f"batch_{n}"} for n in range(UI_BATCHES)]
+    assert service.documented == [f"batch_{n}" for n in range(UI_BATCHES)]  # the older ones cost nothing

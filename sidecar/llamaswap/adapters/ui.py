@@ -2,8 +2,9 @@
 
 - GET /ui (and /ui/app.js, /ui/style.css): the page, shipped in the package (llamaswap/ui/);
 - GET /ui/state: the GPU now, the first UI_WAITING_ROWS waiting requests with their score's
-  terms, the depth per band, the counters; built at most once per change of the queue or the
-  history (its ETag is the change counters, so a poll that finds nothing new gets a 304);
+  terms, the depth per band, the counters, and the Batch API's recent batches (null: the API is
+  off); built at most once per change of the queue, the history or the batches (its ETag is the
+  change counters, so a poll that finds nothing new gets a 304);
 - GET /ui/timeline?since_ms=UNIX_MS&after=SEQ: the timeline entries that ended since then;
 - GET /ui/request/{request_id}: one request: live state, records, positions while watched,
   and a link to its trace when `ui.jaegerUrl` is set.
@@ -11,13 +12,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import importlib.resources
 import json
+import logging
 import math
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -39,6 +42,17 @@ UI_CPU_SHARE = 0.2
 WATCHED_REQUESTS = 32
 POSITIONS_KEPT = 600
 NOW_HEADER = "x-llamaswap-now-ms"
+# The batches on the page (the Batch API, when batches.dir is set): the UI_BATCHES newest, less
+# those that ended over UI_BATCHES_KEPT_S ago. Asked of their store (SQLite, in a worker thread)
+# at most every UI_BATCHES_REFRESH_S while a page polls, however many pages do.
+UI_BATCHES = 20
+UI_BATCHES_KEPT_S = 86400
+UI_BATCHES_REFRESH_S = 2.0
+_BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
+# The Batch API's batch objects (GET /v1/batches/{id}) of the newest batches, newest first.
+BatchesProvider = Callable[[], list[dict[str, Any]]]
+
+_log = logging.getLogger(__name__)
 ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 
 
@@ -51,14 +65,19 @@ class UiState:
     """The documents of the page, each computed once per change of what it shows."""
 
     def __init__(self, coordinator: Coordinator, history: History, *, jaeger_url: Callable[[], str],
-                 waiting_rows: int = UI_WAITING_ROWS) -> None:
+                 waiting_rows: int = UI_WAITING_ROWS, batches: BatchesProvider | None = None) -> None:
         self._coordinator = coordinator
         self._history = history
         self._jaeger_url = jaeger_url
         self._waiting_rows = waiting_rows
+        # None: the Batch API is off (the page says so).
+        self._batches = batches
+        self._batch_rows: list[dict[str, Any]] = []
+        self._batches_version = 0
+        self._batches_asked_ns: int | None = None
         # A new sidecar process starts a new timeline: the page resets when this changes.
         self.instance = os.urandom(6).hex()
-        self._cached: tuple[tuple[int, int, str], str, bytes] | None = None
+        self._cached: tuple[tuple[int, int, int, str], str, bytes] | None = None
         self._built_ns = 0
         self._rebuild_after_ns = 0  # how long a built state is kept while changes arrive
         self._positions: collections.OrderedDict[str, list[list[float]]] = collections.OrderedDict()
@@ -72,13 +91,13 @@ class UiState:
     def state(self) -> tuple[str, bytes]:
         """(ETag, body) of the state document; rebuilt only when a change counter moved, and
         not sooner than UI_CPU_SHARE allows after the last build."""
-        key = (self._coordinator.version, self._history.seq, self._jaeger_url())
+        key = (self._coordinator.version, self._history.seq, self._batches_version, self._jaeger_url())
         cached = self._cached
         clock = self._coordinator.clock
         started_ns = clock.now_ns()
         if cached is not None and (cached[0] == key or started_ns - self._built_ns < self._rebuild_after_ns):
             return cached[1], cached[2]
-        etag = f'"{self.instance}-{key[0]}-{key[1]}"'
+        etag = f'"{self.instance}-{key[0]}-{key[1]}-{key[2]}"'
         body = json.dumps(self.state_document(), separators=(",", ":")).encode()
         self._cached = (key, etag, body)
         self._built_ns = started_ns
@@ -112,7 +131,29 @@ class UiState:
             "counters": self._history.counters(),
             "timeline_seq": self._history.seq,
             "jaeger_url": self._jaeger_url(),
+            "batches": None if self._batches is None else self._batch_rows,
         }
+
+    # -- the batches -----------------------------------------------------------------------
+
+    async def refresh_batches(self) -> None:
+        """Ask for the batches again once UI_BATCHES_REFRESH_S has passed since the last time (in
+        a worker thread: the store reads SQLite); what the page shows changed: a new state."""
+        if self._batches is None:
+            return
+        now_ns = self._coordinator.clock.now_ns()
+        if self._batches_asked_ns is not None and now_ns - self._batches_asked_ns < UI_BATCHES_REFRESH_S * 1e9:
+            return
+        self._batches_asked_ns = now_ns  # before the wait: a concurrent poll does not ask again
+        try:
+            documents = await asyncio.to_thread(self._batches)
+        except Exception as exc:  # the store failing: the page keeps the batches it has
+            _log.warning("ui: the batches could not be read: %s", exc)
+            return
+        rows = batch_rows(documents, now_s=self._history.now_ms() / 1000)
+        if rows != self._batch_rows:
+            self._batch_rows = rows
+            self._batches_version += 1
 
     def _waiting_row(self, row: WaitingRow) -> dict[str, Any]:
         """GET /queue's row, with the score split into its terms."""
@@ -204,6 +245,49 @@ class UiState:
         del points[:-POSITIONS_KEPT]
 
 
+def batch_rows(documents: Sequence[dict[str, Any]], *, now_s: float, most: int = UI_BATCHES,
+               kept_s: float = UI_BATCHES_KEPT_S) -> list[dict[str, Any]]:
+    """The page's row of each batch (its batch object's fields that the page shows), newest first:
+    at most ``most``, none that ended more than ``kept_s`` ago."""
+    rows = []
+    for document in documents:
+        status = str(document.get("status"))
+        ended_at = document.get(f"{status}_at") if status in _BATCH_ENDED else None
+        if isinstance(ended_at, (int, float)) and ended_at < now_s - kept_s:
+            continue
+        counts = document.get("request_counts") or {}
+        own = document.get("llamaswap") or {}
+        rows.append({"id": document.get("id"), "status": status, "endpoint": document.get("endpoint"),
+                     "created_at": document.get("created_at"), "in_progress_at": document.get("in_progress_at"),
+                     "ended_at": ended_at, "total": counts.get("total", 0), "completed": counts.get("completed", 0),
+                     "failed": counts.get("failed", 0), "in_flight": own.get("in_flight", 0),
+                     "priority": own.get("priority"), "estimated_finish_at": own.get("estimated_finish_at")})
+        if len(rows) >= most:
+            break
+    return rows
+
+
+class _BatchRecords(Protocol):
+    def batches(self) -> Sequence[Any]: ...
+
+
+class BatchSource(Protocol):
+    """What the page reads of the Batch API (llamaswap.batches.api.BatchService)."""
+
+    @property
+    def store(self) -> _BatchRecords: ...
+
+    def document(self, batch: Any) -> dict[str, Any]: ...
+
+
+def batch_documents(service: BatchSource | None, most: int = UI_BATCHES) -> BatchesProvider | None:
+    """UiState's ``batches`` over the Batch API: the objects of its ``most`` newest batches
+    (None: the API is off)."""
+    if service is None:
+        return None
+    return lambda: [service.document(batch) for batch in service.store.batches()[:most]]
+
+
 def _assets() -> dict[str, bytes]:
     folder = importlib.resources.files("llamaswap") / "ui"
     return {name: (folder / name).read_bytes() for name in ASSETS}
@@ -220,6 +304,7 @@ def add_ui_routes(app: web.Application, ui: UiState) -> None:
         return handler
 
     async def state(request: web.Request) -> web.Response:
+        await ui.refresh_batches()
         etag, body = ui.state()
         # The document may be older than this answer (it is built once per change): the page
         # sets its clock from this header, and ages what the document says by its as_of_ms.
