@@ -6,7 +6,9 @@ and a refusal (an unknown model); then the page must show the running request, t
 ones in /queue's order with /queue's scores, one timeline bar per finished grant in its band's
 colour, the refusal and the cancellation as marks, and a request found by its id. Then the
 sidecar restarts on the same admin port and the open page carries on with the new one, whose
-timeline is read back from the activity log file.
+timeline is read back from the activity log file. A batch of the Batch API shows in the Batches
+panel with its progress, and its lines in the queue with a "batch" tag; without batches.dir the
+panel says the API is off.
 
 Every wait polls the DOM (one script call returns what a check needs) with a deadline.
 A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT when set
@@ -16,6 +18,7 @@ A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT w
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pathlib
 import shutil
@@ -29,7 +32,7 @@ import pytest
 
 from client import chat
 from fake_llama import FakeLlamaServer
-from harness import SidecarProcess, async_wait_for, free_port, get_json, running_stack
+from harness import SidecarProcess, async_wait_for, free_port, get_json, running_stack, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -265,6 +268,9 @@ async def test_the_page_says_unknown_past_the_expected_run_and_counts_the_runnin
                 lambda: (lambda page: page if page["runningEnd"] and page["queueStart"] else None)(
                     browser.execute_script(READ_ESTIMATES)), what="the page's running and waiting rows")
             assert seen == {"runningEnd": ["unknown"], "queueStart": ["unknown"], "dispatched": "1"}
+            # No batches.dir: the Batches panel says the API is off, and lists nothing.
+            panel = browser.execute_script(READ_BATCHES)
+            assert panel["shown"] and panel["off"] and panel["rows"] == [], panel
             stack.upstream.release("held")
             replies = [await held, await after]
         assert [reply.status for reply in replies] == [200, 200]
@@ -347,3 +353,109 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
         loop.call_soon_threadsafe(loop.stop)
         server.join(timeout=30)
         loop.close()
+
+
+READ_BATCHES = """
+const section = document.getElementById("batches-section");
+const rows = [...document.querySelectorAll("#batches tbody tr[data-batch-id]")];
+const tagged = (selector) => [...document.querySelectorAll(selector)].filter((tr) => tr.querySelector(".tag"))
+  .map((tr) => tr.dataset.requestId);
+return {
+  shown: !section.hidden,
+  off: !document.getElementById("batches-off").hidden,
+  rows: rows.map((tr) => ({
+    id: tr.dataset.batchId, status: tr.dataset.status,
+    done: tr.querySelector("td.done").textContent,
+    inFlight: tr.children[4].textContent, priority: tr.children[5].textContent,
+    started: tr.children[6].textContent, finish: tr.querySelector("td.finish").textContent,
+    bar: [tr.querySelector(".progress .completed").style.width, tr.querySelector(".progress .failed").style.width],
+  })),
+  taggedQueue: tagged("#queue tbody tr[data-request-id]"),
+  taggedRunning: tagged("#running tbody tr[data-request-id]"),
+};
+"""
+GATE = "wait-for-the-gate"
+
+
+async def test_the_page_shows_a_batch_with_its_progress(tmp_path: pathlib.Path, browser: Any) -> None:
+    """Two batches made through the Batch API (the openai SDK, through Envoy), one line of each in
+    flight (batches.inFlight: 1). The first: one line refused (its model gone from the upstream
+    since the sidecar read its list), four answered, then one held at the upstream by a gate: the
+    panel shows 4 / 10 and 1 failed, its bar 40 % and 10 %, its priority and an estimated finish.
+    The second's first line waits behind it. Both lines show in the GPU and queue tables with a
+    "batch" tag. The gate opens: both complete, and the panel says so."""
+    openai = pytest.importorskip("openai")
+
+    fake = FakeLlamaServer(router=True, models=("model-a", "model-gone"))
+    fake.gate_marker = GATE.encode()
+    # Fixed ports: the feeder sends the lines to Envoy's listener, which must be known at start.
+    config = {"listen": {"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                         "admin": f"127.0.0.1:{free_port()}"},
+              "batches": {"dir": str(tmp_path / "batches"), "inFlight": 1}}
+
+    def jsonl(lines: list[tuple[str, str]]) -> bytes:
+        """An input file of (model, content) lines, line-0 first."""
+        return "".join(json.dumps({"custom_id": f"line-{n}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": model, "max_tokens": 4,
+                                            "messages": [{"role": "user", "content": content}]}}) + "\n"
+                       for n, (model, content) in enumerate(lines)).encode()
+
+    with running_stack(tmp_path, config, fake=fake) as stack:
+        with fake.lock:  # the sidecar read it at its start (modelsPollSeconds: 0): the upstream answers 400
+            del fake.states["model-gone"]
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+        def create(lines: list[tuple[str, str]]) -> Any:
+            upload = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+            return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+
+        first = create([("model-gone", "refused")] + [("model-a", f"question {n}") for n in range(1, 5)]
+                       + [("model-a", GATE)] * 5)
+
+        def answered() -> bool:
+            counts = client.batches.retrieve(first.id).request_counts
+            return counts is not None and (counts.completed, counts.failed) == (4, 1)
+
+        wait_for(answered, what="four lines answered and one refused")
+        second = create([("model-a", GATE)] * 3)
+        queue = wait_for(lambda: (lambda q: q if len(q["waiting"]) == 1 else None)(stack.sidecar.queue()),
+                         what="the second batch's first line waiting")
+        assert [row["request_id"] for row in queue["running_all"]] == [f"{first.id}:line-5"]
+        assert [row["request_id"] for row in queue["waiting"]] == [f"{second.id}:line-0"]
+        assert get_json(f"{stack.sidecar.admin_url}/ui/state")["batches"] is not None, \
+            "the sidecar gives its page no batches: Sidecar passes UiState batches=batch_documents(self.batches)"
+        browser.get(f"{stack.sidecar.admin_url}/ui")
+
+        def progress() -> dict[str, Any] | None:
+            seen = browser.execute_script(READ_BATCHES)
+            rows = seen["rows"]
+            return seen if (len(rows) == 2 and rows[1]["done"] == "4 / 10 1 failed" and rows[1]["finish"] != "–"
+                            and seen["taggedQueue"] and seen["taggedRunning"]) else None
+
+        seen = await async_wait_for(progress, what="both batches' progress in the panel")
+        newest, oldest = seen["rows"]
+        assert seen["shown"] and not seen["off"]
+        assert (oldest["id"], oldest["status"], oldest["inFlight"], oldest["priority"]) == (
+            first.id, "in_progress", "1", "-100")
+        assert oldest["bar"] == ["40%", "10%"]
+        assert oldest["started"] != "–" and ("(in " in oldest["finish"] or "(overdue)" in oldest["finish"]), oldest
+        # The second: nothing ended yet, so no estimate.
+        assert (newest["id"], newest["status"], newest["done"], newest["bar"], newest["finish"]) == (
+            second.id, "in_progress", "0 / 3", ["0%", "0%"], "–")
+        assert seen["taggedRunning"] == [f"{first.id}:line-5"]
+        assert seen["taggedQueue"] == [f"{second.id}:line-0"]
+        browser.execute_script("document.getElementById('batches-section').scrollIntoView()")
+        shot = tmp_path / "ui-batches.png"
+        browser.get_screenshot_as_file(str(shot))
+        if os.environ.get("LLAMASWAP_UI_BATCHES_SCREENSHOT"):
+            shutil.copyfile(shot, os.environ["LLAMASWAP_UI_BATCHES_SCREENSHOT"])
+
+        fake.open_gate()
+        ended = await async_wait_for(
+            lambda: (lambda rows: rows if [row["status"] for row in rows] == ["completed"] * 2 else None)(
+                browser.execute_script(READ_BATCHES)["rows"]), what="both batches completed in the panel")
+        assert [row["done"] for row in ended] == ["3 / 3", "9 / 10 1 failed"]
+        assert [row["bar"] for row in ended] == [["100%", "0%"], ["90%", "10%"]]
+        assert all(row["finish"].startswith("ended ") and row["inFlight"] == "0" for row in ended)
+        client.close()

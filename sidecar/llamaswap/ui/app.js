@@ -1,5 +1,6 @@
 // The page at /ui: polls the admin server's /ui/state (a 304 when nothing changed) and
-// /ui/timeline, and draws the GPU now, the queue, the timeline, the counters and one request.
+// /ui/timeline, and draws the GPU now, the queue, the timeline, the counters, the Batch API's
+// batches and one request.
 // Plain JavaScript, no build step, nothing from the network but this origin.
 "use strict";
 
@@ -59,6 +60,24 @@
   const serverNow = () => Date.now() + page.offsetMs;
   const band = (name) => `<span class="band band-${escapeHtml(name)}">${escapeHtml(name)}</span>`;
   const model = (name) => escapeHtml(name === null || name === undefined ? "–" : name);
+
+  // A line of a batch runs with the x-request-id BATCH_ID:CUSTOM_ID: the batch it belongs to, or null.
+  function batchOf(requestId) {
+    const match = /^(batch_[A-Za-z0-9]+):(.*)$/.exec(requestId);
+    return match ? { batch: match[1], line: match[2] } : null;
+  }
+
+  // A request id cell's content: the id, and a "batch" tag on a batch's line (its batch id cut
+  // short, whole in the title and the Batches panel).
+  function requestIdHtml(requestId) {
+    const line = batchOf(requestId);
+    if (!line) {
+      return escapeHtml(requestId);
+    }
+    const short = line.batch.length > 14 ? `${line.batch.slice(0, 12)}…` : line.batch;
+    return `<span title="${escapeHtml(requestId)}">${escapeHtml(short)}:${escapeHtml(line.line)}</span>` +
+      `<span class="tag" title="line ${escapeHtml(line.line)} of ${escapeHtml(line.batch)}">batch</span>`;
+  }
 
   // -- fetching ---------------------------------------------------------------------------
 
@@ -162,6 +181,7 @@
     byId("waiting-total").textContent = doc.waiting_total.toLocaleString();
     renderRunning(doc);
     renderQueue(doc, ageS);
+    renderBatches(doc);
     renderNowOnTimeline();
   }
 
@@ -187,7 +207,7 @@
       const known = row.expected_end_ms !== null && row.expected_end_ms !== undefined;
       const late = now > row.expected_end_ms;
       return `<tr data-request-id="${escapeHtml(row.request_id)}">` +
-        `<td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
+        `<td class="id">${requestIdHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
         `<td class="num">${row.priority}</td><td class="num score">${score(row.score)}</td>` +
         `<td>${model(row.model)}</td><td class="gpu-name">${escapeHtml(row.upstream || "–")}</td>` +
         `<td class="num">${seconds(row.queue_wait_s)}</td>` +
@@ -203,7 +223,7 @@
     // Estimated starts come closer only while the running request is within its expected run.
     const sooner = Math.min(ageS, doc.running.length ? doc.running[0].expected_remaining_s ?? 0 : 0);
     const rows = doc.waiting.map((row) => `<tr data-request-id="${escapeHtml(row.request_id)}" data-position="${row.position}">` +
-      `<td class="num">${row.position}</td><td class="id">${escapeHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
+      `<td class="num">${row.position}</td><td class="id">${requestIdHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
       `<td class="num">${row.priority}</td><td class="num score">${score(row.score + aging)}</td>` +
       `<td class="term">${score(row.terms.priority)}</td><td class="term">${score(row.terms.affinity)}</td>` +
       `<td class="term">${score(row.terms.aging + aging)}</td><td class="num">${seconds(row.waited_s + ageS)}</td>` +
@@ -226,6 +246,57 @@
     }).join("");
     const hidden = doc.waiting_total - doc.waiting.length;
     byId("queue-more").textContent = hidden > 0 ? `showing the first ${doc.waiting.length.toLocaleString()}; ${hidden.toLocaleString()} more wait (counts per band above)` : "";
+  }
+
+  // -- batches ----------------------------------------------------------------------------
+
+  // Unix seconds as this browser's local time (with the date when it is not today).
+  function when(unixS) {
+    const date = new Date(unixS * 1000);
+    const time = clock(unixS * 1000);
+    return date.toDateString() === new Date(serverNow()).toDateString() ? time : `${date.toLocaleDateString()} ${time}`;
+  }
+
+  function finishCell(row) {
+    if (row.ended_at !== null && row.ended_at !== undefined) {
+      return `ended ${when(row.ended_at)}`;
+    }
+    if (row.estimated_finish_at === null || row.estimated_finish_at === undefined) {
+      return "–";
+    }
+    const inS = row.estimated_finish_at - serverNow() / 1000;
+    return `${when(row.estimated_finish_at)} ${inS > 0 ? `(in ${seconds(inS)})` : "(overdue)"}`;
+  }
+
+  function renderBatches(doc) {
+    // An older sidecar sends no batches: no panel. null: the Batch API is off.
+    const section = byId("batches-section");
+    section.hidden = doc.batches === undefined;
+    const off = doc.batches === null;
+    byId("batches-off").hidden = !off;
+    byId("batches-list").hidden = off;
+    if (off || doc.batches === undefined) {
+      byId("batches-summary").textContent = "";
+      return;
+    }
+    const share = (part, total) => (total > 0 ? (100 * part) / total : 0);
+    const rows = doc.batches.map((row) => {
+      const failed = row.failed ? ` <span class="failed-count">${row.failed.toLocaleString()} failed</span>` : "";
+      return `<tr data-batch-id="${escapeHtml(row.id)}" data-status="${escapeHtml(row.status)}">` +
+        `<td class="id">${escapeHtml(row.id)}</td>` +
+        `<td><span class="batch-status status-${escapeHtml(row.status)}">${escapeHtml(row.status.replace("_", " "))}</span></td>` +
+        `<td><div class="progress" title="${row.completed} completed, ${row.failed} failed of ${row.total}">` +
+        `<span class="completed" style="width: ${share(row.completed, row.total)}%"></span>` +
+        `<span class="failed" style="width: ${share(row.failed, row.total)}%"></span></div></td>` +
+        `<td class="num done">${row.completed.toLocaleString()} / ${row.total.toLocaleString()}${failed}</td>` +
+        `<td class="num">${row.in_flight}</td><td class="num">${row.priority ?? "–"}</td>` +
+        `<td>${row.in_progress_at === null || row.in_progress_at === undefined ? "–" : when(row.in_progress_at)}</td>` +
+        `<td class="finish">${finishCell(row)}</td></tr>`;
+    });
+    byId("batches").tBodies[0].innerHTML = rows.length ? rows.join("") :
+      `<tr><td class="empty" colspan="8">no batch in the last day</td></tr>`;
+    const running = doc.batches.filter((row) => row.status === "in_progress").length;
+    byId("batches-summary").textContent = `the last day's, newest first${running ? `; ${running} in progress` : ""}`;
   }
 
   // -- counters ---------------------------------------------------------------------------
