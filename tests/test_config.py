@@ -380,10 +380,15 @@ BAD_DOCUMENTS = {
     "fifo takes only reservedSlots": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
                                       "routing.scheduler.settings.fifo.agingDivisor: unknown key; "
                                       "allowed here: reservedSlots"),
-    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, envoy, estimates, listen, "
+    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, batches, envoy, estimates, listen, "
                                              "models, routing, security, ui, upstream, upstreams (and llama-swap's keys, which are "
                                              "ignored)"),
     "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
+    # batches
+    "batches.inFlight 0": ({"batches": {"inFlight": 0}}, "batches.inFlight: must be >= 1 (null = the node's slots), got 0"),
+    "batches.dir a number": ({"batches": {"dir": 5}}, "batches.dir: must be a file path, or empty for none, got a number 5"),
+    "batches.maxFileBytes a float": ({"batches": {"maxFileBytes": 1.5}},
+                                     "batches.maxFileBytes: must be an integer, got a number 1.5"),
     "top level is a list": ([1], "(top level): must be a mapping, got a list"),
     # upstream
     "url port 0": ({"upstream": {"url": "http://127.0.0.1:0"}},
@@ -658,6 +663,7 @@ EVERY_KEY = {
     "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
     "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
     "ui": {"jaegerUrl": "http://127.0.0.1:16686"},
+    "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3},
 }
 
 
@@ -698,6 +704,8 @@ def test_every_key_reaches_its_attribute():
     assert (cfg.activity.path, cfg.activity.recent) == ("/var/log/llamaswap/activity.jsonl", 0)
     es = cfg.estimates
     assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (2.5, 0, 1)
+    b = cfg.batches
+    assert (b.dir, b.max_requests, b.max_file_bytes, b.in_flight) == ("/var/lib/llamaswap/batches", 1000, 1048576, 3)
 
 
 def test_the_defaults():
@@ -789,7 +797,7 @@ def test_python_names_build_the_same_configuration():
 
 @pytest.mark.parametrize("text", [
     "models:\n", "models: {qwen: }\n", "security:\n", "security: {priority: }\n", "activity:\n", "estimates:\n",
-    "upstream:\n", "envoy:\n", "listen:\n", "routing: {scheduler: {settings: {serial: , fifo: }}}\n",
+    "upstream:\n", "envoy:\n", "listen:\n", "batches:\n", "routing: {scheduler: {settings: {serial: , fifo: }}}\n",
 ])
 def test_a_section_with_nothing_under_it_means_its_defaults(tmp_path, text):
     cfg = load_config(write(tmp_path, text))

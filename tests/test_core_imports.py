@@ -15,7 +15,7 @@ import llamaswap.core
 CORE = pathlib.Path(llamaswap.core.__file__).parent
 PACKAGE = CORE.parent
 FORBIDDEN = ("llamaswap.runtime", "llamaswap.adapters", "llamaswap.telemetry", "llamaswap.config",
-             "llamaswap.commands", "llamaswap.envoy", "llamaswap.simulate",
+             "llamaswap.commands", "llamaswap.envoy", "llamaswap.simulate", "llamaswap.batches",
              "grpc", "asyncio", "opentelemetry", "aiohttp", "socket", "subprocess", "threading", "yaml", "pydantic")
 
 
@@ -48,14 +48,17 @@ def test_the_rule_catches_a_forbidden_import(tmp_path):
 
 
 # What each layer may import of llamaswap (besides the package itself, for its version). The
-# commands may import anything; nothing imports them. The adapters import Envoy's contract,
-# never the bootstrap builder or the binary.
+# commands may import anything; nothing imports them. The adapters and the batches import Envoy's
+# contract, never the bootstrap builder or the binary. The batches (the Batch API) sit beside the
+# runtime, not on it: their lines reach the coordinator through Envoy's listener, like a client's
+# requests; telemetry observes both (the feeder's observer port, as the runtime's).
 ALLOWED = {
     "core": {"llamaswap.core"},
     "config": {"llamaswap.core", "llamaswap.config"},
     "envoy": {"llamaswap.core", "llamaswap.config", "llamaswap.envoy"},
     "runtime": {"llamaswap.core", "llamaswap.config", "llamaswap.runtime"},
-    "telemetry": {"llamaswap.core", "llamaswap.runtime", "llamaswap.telemetry"},
+    "batches": {"llamaswap.core", "llamaswap.config", "llamaswap.envoy.contract", "llamaswap.batches"},
+    "telemetry": {"llamaswap.core", "llamaswap.runtime", "llamaswap.batches", "llamaswap.telemetry"},
     "simulate": {"llamaswap.core", "llamaswap.config", "llamaswap.simulate"},
     "adapters": {"llamaswap.core", "llamaswap.config", "llamaswap.runtime", "llamaswap.envoy.contract",
                  "llamaswap.adapters", "llamaswap._proto"},
@@ -77,6 +80,23 @@ def test_no_layer_imports_one_above_it():
             bad = upward_imports(layer, imported_modules(path))
             if bad:
                 offending[str(path.relative_to(PACKAGE))] = bad
+    assert offending == {}
+
+
+# The Batch API's pure modules (their docstrings say so): values in, values out, no I/O.
+PURE_BATCH_MODULES = ("lifecycle.py", "validate.py")
+IO = ("asyncio", "aiohttp", "sqlite3", "socket", "subprocess", "threading", "grpc", "opentelemetry", "os",
+      "pathlib")
+
+
+def test_the_batches_pure_modules_do_no_io():
+    offending = {}
+    for name in PURE_BATCH_MODULES:
+        path = PACKAGE / "batches" / name
+        bad = [module for module in imported_modules(path)
+               if any(module == io or module.startswith(io + ".") for io in IO)]
+        if bad:
+            offending[name] = bad
     assert offending == {}
 
 
