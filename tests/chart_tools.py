@@ -217,7 +217,9 @@ def render(values: dict[str, Any] | None = None, *, name: str = "llm", namespace
 class PodVolumes:
     """The pod's volumes as directories on this machine, one per volume: a ConfigMap volume
     holds the rendered ConfigMap's files, any other starts empty. A container's paths are
-    mapped through its own volumeMounts, so two containers that mount one volume share files."""
+    mapped through its own volumeMounts, so two containers that mount one volume share files.
+    A path the sidecar reads from its configuration file (`batches.dir`) is mapped the same way
+    in that file, so the sidecar writes into the volume's directory, never this machine's path."""
 
     def __init__(self, rendered: Rendered, root: pathlib.Path) -> None:
         self.rendered = rendered
@@ -229,6 +231,22 @@ class PodVolumes:
                 for key, text in rendered.named("ConfigMap", volume["configMap"]["name"])["data"].items():
                     (path / key).write_text(text)
             self.dirs[volume["name"]] = path
+        self._map_config_paths()
+
+    def _map_config_paths(self) -> None:
+        sidecar = next((c for c in self.rendered.pod_spec["containers"] if c["name"] == "sidecar"), None)
+        config = self.dirs.get("config", pathlib.Path("/nonexistent")) / "config.yaml"
+        if sidecar is None or not config.exists():
+            return
+        document = yaml.safe_load(config.read_text()) or {}
+        directory = (document.get("batches") or {}).get("dir")
+        if not directory:
+            return
+        local = self.path(sidecar, directory)
+        # The pod's root filesystem is read-only: a directory on no volume could not be written there.
+        assert local != directory, f"batches.dir {directory} is on none of the sidecar's volumes"
+        document["batches"]["dir"] = local
+        config.write_text(yaml.safe_dump(document, sort_keys=False))
 
     def path(self, container: Mapping[str, Any], pod_path: str) -> str:
         """Where a path inside the container is on this machine (unchanged if no volume holds it)."""

@@ -73,6 +73,10 @@ def _config_of(values: dict[str, Any]) -> dict[str, Any]:
     if pool["enabled"] and pool["objectives"]["create"] and "objectives" not in config.get("routing", {}):
         objectives = {item["name"]: item["priority"] for item in pool["objectives"]["items"]}
         config["routing"] = {**config.get("routing", {}), "objectives": objectives}
+    # The Batch API's directory is its volume's mount in the sidecar (test_chart_batches.py).
+    batches = ct.merge_values(CHART_VALUES["batches"], values.get("batches") or {})
+    if batches["enabled"]:
+        config["batches"] = {**config.get("batches", {}), "dir": batches["mountPath"]}
     return config
 
 

@@ -165,10 +165,37 @@ refuses them beside upstreams. upstream's other keys apply to every upstream. */
 {{- if $upstream }}{{ $_ := set $config "upstream" $upstream }}{{ else }}{{ $_ := unset $config "upstream" }}{{ end }}
 {{- $_ := set $config "upstreams" $upstreams }}
 {{- end }}
+{{- /* The Batch API's directory is the mount of its volume (batches.*): the chart's to write. */ -}}
+{{- $batches := default (dict) $config.batches }}
+{{- if hasKey $batches "dir" }}
+{{- fail "config.batches.dir is written by the chart: the batches' volume, mounted in the sidecar at batches.mountPath. Remove config.batches.dir; set batches.enabled (and batches.persistence.*) instead" }}
+{{- end }}
+{{- if .Values.batches.enabled }}
+{{- $_ := set $batches "dir" .Values.batches.mountPath }}
+{{- $_ := set $config "batches" $batches }}
+{{- end }}
 {{- if and .Values.llamaServer.apiKey.existingSecret (not (dig "upstream" "apiKey" "" $config)) -}}
 {{- $_ := set $config "upstream" (merge (dict "apiKey" (printf "env:%s" (include "llamaswap.upstreamKeyEnv" .))) (default (dict) (get $config "upstream"))) -}}
 {{- end -}}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* The Batch API keeps a batch in one pod (its database, the lines it sends): refuse the
+layouts where two pods would share the batches' volume, or a client's next request could reach
+a pod that does not know its batch. */}}
+{{- define "llamaswap.checkBatches" -}}
+{{- $v := .Values }}
+{{- if $v.batches.enabled }}
+{{- if gt (int $v.replicas) 1 }}
+{{- fail (printf "batches.enabled with replicas: %d: a batch lives in one pod (its database on the batches volume, the lines that pod sends), so behind the Service a client's next request could reach a pod that does not know it, and pods sharing the volume would each send every line. Set batches.enabled=false, or replicas: 1 (several GPUs under one queue: llamaServer.gpus)" (int $v.replicas)) }}
+{{- end }}
+{{- if eq $v.strategy.type "RollingUpdate" }}
+{{- $surge := toString (dig "rollingUpdate" "maxSurge" "25%" (default (dict) $v.strategy)) }}
+{{- if not (has $surge (list "0" "0%")) }}
+{{- fail (printf "batches.enabled with a RollingUpdate that may surge (maxSurge %s): the new pod and the old would share the batches volume and both send every line. Use strategy Recreate (the default), rollingUpdate.maxSurge: 0, or batches.enabled=false" $surge) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The sidecar's variable holding llama-server's API key (llamaServer.apiKey). */}}
