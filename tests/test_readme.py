@@ -16,6 +16,7 @@ from llamaswap.adapters.outcomes import REFUSALS
 from llamaswap.config import Config, json_schema
 from llamaswap.core import Outcome
 from llamaswap.telemetry import instruments
+from llamaswap.telemetry import batches as batch_telemetry
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -66,8 +67,20 @@ def test_every_metric_is_documented():
     # Shared prefixes are written once: `llamaswap_scheduler_swaps_total` / `_loads_total`.
     for short in re.findall(r"/ `(_[a-z_]+)`|, `(_[a-z_]+)`", metrics):
         documented.update(short)
-    for name in instruments.ALL:
+    for name in (*instruments.ALL, batch_telemetry.BATCH_REQUESTS, batch_telemetry.BATCHES):
         assert name in documented or any(name.endswith(s) for s in documented if s.startswith("_")), name
+
+
+def test_every_batch_outcome_and_status_is_named():
+    """The Batch API's metric labels: every way a line ends and every status of a batch."""
+    from llamaswap.batches.lifecycle import BatchStatus, LineOutcome
+
+    metrics = section(DOCS / "observability.md", "Metrics")
+    page = (DOCS / "batches.md").read_text(encoding="utf-8")
+    for outcome in LineOutcome:
+        assert f"`{outcome.value}`" in metrics and f"`{outcome.value}`" in page, outcome
+    for status in BatchStatus:
+        assert f"`{status.value}`" in page, status
 
 
 def test_every_outcome_is_named_and_every_refusal_tabled():
@@ -86,7 +99,7 @@ def test_every_outcome_is_named_and_every_refusal_tabled():
 def test_every_glossary_term_is_defined():
     headings = set(re.findall(r"^### (.+)$", (DOCS / "glossary.md").read_text(encoding="utf-8"), re.M))
     for term in ("grant", "lease", "settle", "adopted", "ticket", "band", "score", "swap affinity", "aging",
-                 "outcome", "swap", "load"):
+                 "outcome", "swap", "load", "batch", "line", "in flight"):
         assert term in headings, term
 
 
@@ -195,11 +208,14 @@ def test_the_public_listener_routes_to_the_sidecar_are_the_documented_ones():
 
     to_sidecar = [route["match"] for route in _routes(build_bootstrap(Config()))
                   if route.get("route", {}).get("cluster") == SIDECAR_ADMIN_CLUSTER]
-    paths = {match.get("path") or match.get("prefix") or match.get("safe_regex", {}).get("regex", "")
-             for match in to_sidecar}
-    assert len(paths) == 4, paths
+    paths = {match.get("path") or match.get("prefix") or match.get("path_separated_prefix")
+             or match.get("safe_regex", {}).get("regex", "") for match in to_sidecar}
+    assert len(paths) == 6, paths
     security = " ".join(section(DOCS / "configuration.md", "security").split())
     assert "`/metrics`" in security and "`/llamaswap/v1/upstream/metrics`" in security
+    # The Batch API (llamaswap.batches.api), served by the sidecar's admin server.
+    assert {"/v1/files", "/v1/batches"} <= paths, paths
+    assert "`/v1/files`" in security and "`/v1/batches`" in security
     assert "`/llamaswap/v1/picker/metrics`" in security and "/llamaswap/v1/picker/metrics" in paths
     assert "request status" in security  # the status route: /llamaswap/v1/requests/{id}
     assert any(path.startswith("/llamaswap/v1/requests") or "requests" in path for path in paths), paths
@@ -278,10 +294,12 @@ def test_the_routes_that_skip_the_queue_are_named():
     from llamaswap.envoy.bootstrap import build_bootstrap
 
     unscheduled = {route["match"].get("path") or route["match"].get("prefix")
+                   or route["match"].get("path_separated_prefix")
                    for route in _routes(build_bootstrap(Config()))
                    if "route" in route and route.get("typed_per_filter_config", {})
                    .get("envoy.filters.http.ext_authz", {}).get("disabled")}
     assert "/llamaswap/v1/upstream/metrics" in unscheduled and "/health" in unscheduled
+    assert "/v1/batches" in unscheduled and "/v1/files" in unscheduled
     text = (DOCS / "architecture.md").read_text()
     skipping = " ".join(text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0].split())
     for path in unscheduled:
