@@ -135,3 +135,33 @@ async def test_without_a_directory_every_route_says_how_to_turn_it_on() -> None:
         for method, path in (("GET", "/v1/batches"), ("POST", "/v1/files"), ("GET", "/v1/files/x/content")):
             error = await error_of(await client.request(method, path), 404)
             assert error["code"] == "batches_off" and "batches.dir" in error["message"]
+
+
+async def test_with_an_upstream_key_the_api_wants_it(tmp_path: pathlib.Path) -> None:
+    config = parse_config({"batches": {"dir": str(tmp_path)}})
+    store = Store(tmp_path)
+    app = web.Application()
+    service = BatchService(store, Feeder(store, FeedSettings("http://127.0.0.1:9", lambda: 1, lambda: 5)),
+                           lambda: config, lambda: ("1" * 32, "2" * 16), api_key="sekrit")
+    add_batch_routes(app, service)
+    async with TestClient(TestServer(app)) as client:
+        error = await error_of(await client.get("/v1/batches"), 401)
+        assert error["code"] == "invalid_api_key" and "sekrit" not in error["message"]
+        assert (await client.get("/v1/batches", headers={"authorization": "Bearer wrong"})).status == 401
+        assert (await client.get("/v1/batches", headers={"authorization": "Bearer sekrit"})).status == 200
+    store.close()
+
+
+def test_an_unusable_batches_dir_stops_serve_with_exit_2(tmp_path: pathlib.Path) -> None:
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = tmp_path / "llamaswap.yaml"
+    config.write_text(f"batches: {{dir: {blocker / 'below'}}}\nupstream: {{url: http://127.0.0.1:9}}\n"
+                      "listen: {grpc: 127.0.0.1:0, admin: 127.0.0.1:0}\n")
+    result = subprocess.run([sys.executable, "-m", "llamaswap", "serve", "-c", str(config)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "batches.dir" in result.stderr and "Traceback" not in result.stderr

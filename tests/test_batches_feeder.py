@@ -103,7 +103,8 @@ class Rig:
         self.telemetry = BatchTelemetry(tracer_provider.get_tracer("test"), meter, self.ids)
         self.in_flight = in_flight
         self.feeder = Feeder(self.store, FeedSettings(listener.url, lambda: self.in_flight, lambda: 1000,
-                                                      priority_header="x-trusted-priority"),
+                                                      priority_header="x-trusted-priority",
+                                                      headers={"authorization": "Bearer upstream-key"}),
                              observer=self.telemetry)
         self.task: asyncio.Task[None] | None = None
         self.tmp_path = tmp_path
@@ -190,6 +191,7 @@ async def test_lines_run_a_few_at_a_time_at_the_batch_priority_and_end_once(
     assert [record["response"]["body"]["echo"] for record in output] == [f"q{n}" for n in range(8)]
     headers = [headers for headers, _ in listener.requests]
     assert {h["x-trusted-priority"] for h in headers} == {"-42"}
+    assert {h["authorization"] for h in headers} == {"Bearer upstream-key"}
     assert sorted(h["x-request-id"] for h in headers) == sorted(f"{batch_id}:id-q{n}" for n in range(8))
     # Each line's span is a child of the batch's span, whose ids were kept since its creation.
     spans = rig.spans.get_finished_spans()

@@ -106,6 +106,9 @@ def test_a_batch_runs_at_batch_unless_its_metadata_says() -> None:
     assert batch_priority({"priority": "normal"}, TRUST) == 0
     assert batch_priority({"priority": " -150 "}, TRUST) == -150
     assert batch_priority({"priority": "-150"}, PriorityPolicy(PriorityMode.CLAMP, -100, 100, None)) == -100
+    # strip drops the claim; the batch's own default stays (the feeder sends it in the trusted header).
+    strip = PriorityPolicy(PriorityMode.STRIP, -100, 100, "x-trusted")
+    assert batch_priority({"priority": "999999"}, strip) == batch_priority(None, strip) == -100
     with pytest.raises(BadPriority, match="interactive"):
         batch_priority({"priority": "soon"}, TRUST)
 
@@ -265,3 +268,16 @@ def test_any_order_of_writes_leaves_one_result_per_line(tmp_path_factory: pytest
     for index, outcome in first.items():
         assert by_id[lines[index].custom_id] == outcome.value
     store.close()
+
+
+def test_strip_without_a_trusted_header_is_said_to_run_lines_at_normal(tmp_path: pathlib.Path) -> None:
+    from llamaswap.config import parse_config
+    from llamaswap.config.advice import advice
+
+    def keys(document: dict[str, object]) -> list[str]:
+        return [problem.path for problem in advice(parse_config(document))]
+
+    stripped = {"batches": {"dir": str(tmp_path)}, "security": {"priority": {"mode": "strip"}}}
+    assert keys(stripped) == ["security.priority.mode"]
+    assert keys({**stripped, "security": {"priority": {"mode": "strip", "trustedHeader": "x-tier"}}}) == []
+    assert keys({"security": {"priority": {"mode": "strip"}}}) == []

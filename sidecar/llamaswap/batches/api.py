@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import pathlib
 from collections.abc import Callable
@@ -64,6 +65,8 @@ class BatchService:
     feeder: Feeder
     config: Callable[[], Config]
     trace_ids: TraceIds
+    # upstream.apiKey: where the upstream wants a key, so does the Batch API (its lines are sent with it).
+    api_key: str | None = None
 
     def document(self, batch: BatchRecord) -> dict[str, Any]:
         counts = self.store.counts(batch.id, batch.total)
@@ -94,6 +97,10 @@ def _handler(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 if self.service is None:
                     raise ApiError(404, "the Batch API is off on this llamaswap: set batches.dir to a directory "
                                         "(a persistent volume) to turn it on", "batches_off")
+                if self.service.api_key is not None and not hmac.compare_digest(
+                        request.headers.get("authorization", "").encode(), f"Bearer {self.service.api_key}".encode()):
+                    raise ApiError(401, "the Batch API wants the upstream's API key (upstream.apiKey) as "
+                                        "Authorization: Bearer KEY", "invalid_api_key", error_type="authentication_error")
                 if request.method not in method.split("|"):
                     raise ApiError(405, f"{request.path} answers {method.replace('|', ' and ')} only",
                                    "method_not_allowed")

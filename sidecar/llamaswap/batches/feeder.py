@@ -45,8 +45,6 @@ RESEND_MOST_S = 30.0
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
-# Lines read from the store per look, beyond those in flight.
-READ_AHEAD = 64
 
 
 class BatchObserver(Protocol):
@@ -98,6 +96,9 @@ class FeedSettings:
     in_flight: Callable[[], int]
     max_requests: Callable[[], int]
     priority_header: str = PRIORITY_HEADER
+    # Sent with every line: the upstream's key (upstream.apiKey), which the Batch API's callers
+    # had to show (batches/api.py), as llama-server wants it of every request.
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 async def any_model(model: str) -> bool:
@@ -147,6 +148,9 @@ class Feeder:
         self._wake = asyncio.Event()
         self._paused = False
         self._flying: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch id -> line -> its sending
+        # batch id -> the last line started: every line up to it has a result or is in flight, so
+        # the next ones are read from there (a read from the start would cost O(lines) each time).
+        self._cursor: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
 
     def wake(self) -> None:
@@ -194,12 +198,12 @@ class Feeder:
         for batch in reversed(await asyncio.to_thread(self.store.batches, statuses=active)):  # oldest first
             if batch.status is BatchStatus.CANCELLING:
                 await self._end(batch, LineOutcome.CANCELLED)
+            elif batch.status is BatchStatus.FINALIZING:  # every line has its result: not expired
+                await self._finalize(batch, BatchStatus.COMPLETED)
             elif self.store.now() >= batch.expires_at:
                 await self._end(batch, LineOutcome.EXPIRED)
             elif batch.status is BatchStatus.VALIDATING:
                 await self._validate(batch)
-            elif batch.status is BatchStatus.FINALIZING:
-                await self._finalize(batch, BatchStatus.COMPLETED)
             else:
                 await self._fill(batch)
         counts: dict[BatchStatus, int] = {}
@@ -237,18 +241,22 @@ class Feeder:
         room = max(1, self.settings.in_flight()) - len(flying)
         if room <= 0 or self._paused:
             return
-        lines = await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=len(flying) + room + READ_AHEAD)
-        if not lines and not flying:
-            if self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
-                await self._finalize(batch, BatchStatus.COMPLETED)
-            return
+        cursor = self._cursor.get(batch.id, 0)
+        lines = [line for line in await asyncio.to_thread(self.store.unfinished_lines, batch.id, after=cursor,
+                                                          limit=room + len(flying))
+                 if line.line not in flying][:room]
         for line in lines:
-            if room <= 0:
-                break
-            if line.line in flying:
-                continue
             flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
-            room -= 1
+            self._cursor[batch.id] = line.line
+        if lines or flying:
+            return
+        # Nothing after the cursor and nothing in flight: done, unless a line before the cursor
+        # lost its sending without a result (then read from the start again).
+        if await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=1):
+            self._cursor[batch.id] = 0
+            self._wake.set()
+        elif self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
+            await self._finalize(batch, BatchStatus.COMPLETED)
 
     async def _end(self, batch: BatchRecord, outcome: LineOutcome) -> None:
         """Cancel or expire: abandon what is in flight, end every line without a result so, finalize."""
@@ -267,6 +275,7 @@ class Feeder:
     async def _finalize(self, batch: BatchRecord, status: BatchStatus) -> None:
         final = await asyncio.to_thread(self.store.finalize, batch, status)
         self._flying.pop(batch.id, None)
+        self._cursor.pop(batch.id, None)
         counts = self.store.counts(batch.id, batch.total)
         _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
                   counts.failed, counts.total)
@@ -276,7 +285,7 @@ class Feeder:
         request_id = line_request_id(batch.id, line.custom_id, line.line)
         try:
             body = await asyncio.to_thread(self._body, batch, line)
-            headers = {"content-type": "application/json", "x-request-id": request_id,
+            headers = {**self.settings.headers, "content-type": "application/json", "x-request-id": request_id,
                        self.settings.priority_header: str(batch.priority),
                        **self.observer.line_started(batch, line, request_id)}
             status, answer = await self._post_until_answered(batch, request_id, body, headers)

@@ -93,21 +93,21 @@ class BadPriority(ValueError):
 
 
 def batch_priority(metadata: dict[str, str] | None, policy: PriorityPolicy) -> int:
-    """The priority a batch's lines run at: metadata.priority (a number or an alias), else
-    `batch`. The operator's clamp (security.priority.mode: clamp) applies as to the header; with
-    `strip` a batch's lines are sent as they are and the sidecar strips them like any claim (see
-    docs/batches.md: with a trusted header the feeder sends it instead)."""
+    """The priority a batch's lines run at, under the operator's policy as a header would be:
+    metadata.priority (a number or an alias) with `trust`, clamped into [min, max] with `clamp`;
+    `batch` when metadata names none, and always with `strip` (a caller's claim is dropped; the
+    batch's own default is not a claim). The feeder sends the result in the trusted header where
+    one is set (security.priority.trustedHeader), so it must be final here."""
     raw = (metadata or {}).get(PRIORITY_KEY)
-    if raw is None:
-        value = DEFAULT_PRIORITY
+    if raw is None or policy.mode is PriorityMode.STRIP:
+        return DEFAULT_PRIORITY
+    text = raw.strip().lower()
+    if text in ALIASES:
+        value = ALIASES[text]
+    elif re.fullmatch(r"[+-]?\d{1,18}", text):
+        value = int(text)
     else:
-        text = raw.strip().lower()
-        if text in ALIASES:
-            value = ALIASES[text]
-        elif re.fullmatch(r"[+-]?\d{1,9}", text):
-            value = int(text)
-        else:
-            raise BadPriority(f"metadata.priority must be an integer or one of {', '.join(ALIASES)}, got {raw!r}")
+        raise BadPriority(f"metadata.priority must be an integer or one of {', '.join(ALIASES)}, got {raw!r}")
     if policy.mode is PriorityMode.CLAMP:
         value = min(max(value, policy.minimum), policy.maximum)
     return value

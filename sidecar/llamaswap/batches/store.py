@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, outcome TEXT NOT NULL, record TEXT NOT NULL,
     ended_at REAL NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS results_by_end ON results (batch_id, ended_at);
 """
 
 

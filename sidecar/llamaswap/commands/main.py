@@ -12,6 +12,7 @@ import yaml
 
 from llamaswap import __version__
 from llamaswap.commands.arguments import add_stop_options
+from llamaswap.batches.store import StoreError
 from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn, warn_about
 from llamaswap.config import Config, ConfigError, load_document
 from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
@@ -105,6 +106,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file,
                                  activity_path=args.activity_log, grace_s=args.grace))
+    except StoreError as exc:  # batches.dir cannot be used: a configuration error
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except OSError as exc:
         print(f"error: {exc.strerror if exc.strerror else exc}", file=sys.stderr)
         return 1
@@ -151,9 +155,13 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     workdir = pathlib.Path(args.workdir) if args.workdir else None
-    return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
-                                 otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
-                                 activity_path=args.activity_log, gpus=args.gpus))
+    try:
+        return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
+                                     otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
+                                     activity_path=args.activity_log, gpus=args.gpus))
+    except StoreError as exc:  # batches.dir cannot be used: a configuration error
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def _otlp_endpoint_from_env() -> str | None:

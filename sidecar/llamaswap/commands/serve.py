@@ -33,9 +33,9 @@ from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
 from llamaswap.adapters.ext_authz import Authorization
-from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream
+from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream, bearer
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
-from llamaswap.adapters.ui import UiState, add_ui_routes
+from llamaswap.adapters.ui import UiState, add_ui_routes, batch_documents
 from llamaswap.batches.api import BatchService, add_batch_routes
 from llamaswap.batches.feeder import Feeder, FeedSettings
 from llamaswap.batches.store import Store
@@ -129,8 +129,9 @@ class Sidecar:
         observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers),
                                        upstreams=self.upstreams)
-        self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url)
         self.batches = self._batch_service(config)
+        self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url,
+                          batches=batch_documents(self.batches))
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -210,9 +211,9 @@ class Sidecar:
         settings = FeedSettings(target_url=f"http://{HostPort(listener.connect_host, listener.port)}",
                                 in_flight=lambda: self.config.batches.in_flight or self.node_slots(),
                                 max_requests=lambda: self.config.batches.max_requests,
-                                priority_header=trusted or PRIORITY_HEADER)
+                                priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key))
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
-        return BatchService(store, feeder, lambda: self.config, new_trace_ids)
+        return BatchService(store, feeder, lambda: self.config, new_trace_ids, api_key=self._api_key)
 
     def node_slots(self) -> int:
         """The slots of the node now: every upstream's, for the model in effect there."""

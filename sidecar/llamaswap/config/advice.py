@@ -14,7 +14,19 @@ from llamaswap.core.scheduler import PolicyName
 
 def advice(config: Config) -> list[Problem]:
     """What in ``config`` cannot apply or undoes its purpose, each with its fix."""
-    return [*_clamp_reaches_interactive(config), *_unused_settings(config)]
+    return [*_clamp_reaches_interactive(config), *_unused_settings(config), *_stripped_batches(config)]
+
+
+def _stripped_batches(config: Config) -> list[Problem]:
+    # The feeder sends a batch's lines through Envoy like any caller's: with strip and no
+    # trusted header to send them in, their priority is stripped to normal like any claim.
+    security = config.security.priority
+    if config.batches.dir is None or security.mode is not PriorityMode.STRIP or security.trusted_header:
+        return []
+    return [Problem("security.priority.mode",
+                    "strip drops every caller's priority, and the Batch API (batches.dir) sends its lines as a "
+                    "caller: they run at normal (0), not batch. Set security.priority.trustedHeader (the feeder "
+                    "then sends each line's priority in it), or use clamp")]
 
 
 def _clamp_reaches_interactive(config: Config) -> list[Problem]:

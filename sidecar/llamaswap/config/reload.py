@@ -64,7 +64,7 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("estimates.samples", OnReload.RESTART, "the measurements' windows are sized at start"),
     ReloadKey("ui", OnReload.LIVE, "from the page's next load"),
     ReloadKey("batches.dir", OnReload.RESTART, "the batches' database is opened at start"),
-    ReloadKey("batches.maxRequests", OnReload.LIVE, "from the next batch created"),
+    ReloadKey("batches.maxRequests", OnReload.LIVE, "from the next file uploaded or batch validated"),
     ReloadKey("batches.maxFileBytes", OnReload.LIVE, "from the next file uploaded"),
     ReloadKey("batches.inFlight", OnReload.LIVE, "from the next line sent"),
 )
