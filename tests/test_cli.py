@@ -217,8 +217,11 @@ def test_check_config_warns_on_settings_that_cannot_apply(tmp_path: Path):
     assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert [line.split(":")[1].strip() for line in warnings] == [
-        "routing.scheduler.settings.fifo.reservedSlots", "models.qwen3-8b.priority", "security.priority.max"]
+        "routing.scheduler.settings.fifo.reservedSlots", "models.qwen3-8b.priority", "security.priority.max",
+        "security.priority.mode"]
     assert "set routing.scheduler.use: fifo" in warnings[1]
+    # `up` runs the Batch API (./llamaswap-batches): with strip its lines would run at normal.
+    assert "trustedHeader" in warnings[3]
     path.write_text("upstream: {url: 'http://127.0.0.1:18081'}\nrouting: {scheduler: {use: fifo}}\n"
                     "models: {qwen3-8b: {priority: 10}}\nsecurity: {priority: {mode: clamp, max: 0}}\n")
     assert "warning" not in llamaswap("check-config", "-c", str(path)).stderr

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from llamaswap.config import DEFAULT_ADMIN
 from llamaswap.commands.queue import admin_of
+from llamaswap.commands.table import table_lines
 
 COLUMNS = ("ID", "STATUS", "DONE/FAILED/TOTAL", "STARTED", "FINISH", "PRIORITY")
 _RIGHT = {"DONE/FAILED/TOTAL", "PRIORITY"}
@@ -135,14 +136,7 @@ def render(document: dict[str, Any]) -> str:
     summary = f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}"
     if statuses:
         summary += ": " + ", ".join(f"{count} {status}" for status, count in statuses.items())
-    table = [COLUMNS, *rows(document)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
-    lines = [summary]
-    for row in table:
-        cells = [cell.rjust(width) if COLUMNS[i] in _RIGHT else cell.ljust(width)
-                 for i, (cell, width) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines) + "\n"
+    return "\n".join([summary, *table_lines(COLUMNS, rows(document), right=_RIGHT)]) + "\n"
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:

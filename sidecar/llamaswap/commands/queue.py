@@ -30,6 +30,7 @@ import urllib.request
 from typing import Any, TextIO
 
 from llamaswap.commands.arguments import positive_seconds
+from llamaswap.commands.table import table_lines
 from llamaswap.config import DEFAULT_ADMIN, HostPort
 from llamaswap.runtime.views import GpuState
 
@@ -200,14 +201,7 @@ def render(document: dict[str, Any]) -> str:
     if kept:
         summary += f", {len(kept)} kept for a retry"
     columns = (*COLUMNS, GPU_COLUMN) if gpus else COLUMNS
-    table = [columns, *rows(document)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    lines = [summary, *gpus]
-    for row in table:
-        cells = [cell.rjust(width) if columns[i] in _RIGHT else cell.ljust(width)
-                 for i, (cell, width) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines) + "\n"
+    return "\n".join([summary, *gpus, *table_lines(columns, rows(document), right=_RIGHT)]) + "\n"
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
