@@ -1,5 +1,6 @@
 """The core stays pure: no I/O, no asyncio, no gRPC or OpenTelemetry, nothing from the edges;
-and no layer imports one above it (the commands sit on top, the core at the bottom).
+no layer imports one above it (the commands sit on top, the core at the bottom); and no module
+imports itself back through others (no import circles).
 
 Checked on the source (every import statement of every module), so a lazy import inside a
 function is caught as well as a top-level one.
@@ -107,3 +108,95 @@ def test_the_layer_rule_catches_an_upward_import(tmp_path):
     assert upward_imports("adapters", imported_modules(sneaky)) == ["llamaswap.envoy.bootstrap",
                                                                     "llamaswap.commands.main"]
 
+
+# No import circles among llamaswap's modules: each depends on what is below it, so one can be read
+# (and changed) without the other. An import inside a function or under TYPE_CHECKING counts: it
+# only hides the circle. `from a import b` where b is a module is an edge to a.b; a package's
+# __init__ that a submodule's import runs on the way is not (it is no dependency of the importer).
+def module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Every module under the package directory ``root``, by its dotted name."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that the module ``name`` (at ``path``) imports, anywhere in it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*above, *([base] if base else [])])
+            targets.extend(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                           for alias in node.names)
+    edges = set()
+    for target in targets:
+        while target and target not in known:  # `import a.b.c` of a name inside a.b: a.b
+            target = target.rpartition(".")[0]
+        if target:
+            edges.add(target)
+    return edges
+
+
+def import_cycles(root: pathlib.Path) -> list[list[str]]:
+    """The circles among the modules under ``root``: each strongly connected set of two or more
+    modules (or one that imports itself), sorted (Tarjan's algorithm)."""
+    modules = module_names(root)
+    graph = {name: sorted(import_edges(name, path, set(modules))) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        on_stack.add(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in on_stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == name:
+                    break
+            if len(component) > 1 or name in graph[name]:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    assert len(module_names(PACKAGE)) >= 50  # the walk found the package
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_cycle_rule_catches_a_lazy_import(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub.low import VALUE\n")
+    (package / "sub" / "low.py").write_text("VALUE = 1\n")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from . import c\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    (package / "d.py").write_text("from .sub import low\nfrom .sub import VALUE\nimport pkg.sub.low.VALUE\n")
+    assert import_cycles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
+    assert import_edges("pkg.d", package / "d.py", set(module_names(package))) == {"pkg.sub", "pkg.sub.low"}

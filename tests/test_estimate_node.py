@@ -1,4 +1,4 @@
-"""Estimated starts over a node (`Estimator.starts_of_node`, core/estimate_node.py).
+"""Estimated starts over a node (`estimate_node.starts_of_node`).
 
 Three things: with one upstream the node walk says exactly what `starts_of` says (random
 snapshots, built directly: overdue grants, loads under way, runs alone, settles, sizes); a few
@@ -44,7 +44,7 @@ from llamaswap.core import (
     WaitingView,
 )
 from llamaswap.core.dispatch import Lane
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate_node import NodeTimes, starts_of_node
 from llamaswap.core.policy import LanePolicy
 
 MODELS = ("a", "b", "c")
@@ -94,7 +94,7 @@ def test_with_one_upstream_the_node_walk_is_starts_of(case: tuple[Estimator, Que
     estimator, snapshot, slots, blocked, sizes, grant_sizes = case
     lane = Lane("gpu0", slots, None, snapshot.loaded_model)
     single = estimator.starts_of(snapshot, slots, blocked_s=blocked, max_tokens=sizes, grant_max_tokens=grant_sizes)
-    node = estimator.starts_of_node(snapshot, [lane], {"gpu0": blocked}, sizes, grant_sizes)
+    node = starts_of_node(estimator, snapshot, [lane], {"gpu0": blocked}, sizes, grant_sizes)
     assert [start for start, _ in node] == single
     assert [upstream for _, upstream in node] == [None if math.isinf(s) else "gpu0" for s in single]
 
@@ -118,7 +118,7 @@ def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None,
 
 def test_two_idle_upstreams_start_two_models_at_once() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=4, samples=3)
-    starts = estimator.starts_of_node(_snapshot(["x", "y", "x"]), [_lane("gpu0"), _lane("gpu1")])
+    starts = starts_of_node(estimator, _snapshot(["x", "y", "x"]), [_lane("gpu0"), _lane("gpu1")])
     # x loads on gpu0, y on gpu1; the second x waits for gpu0 (free in 14 s, sooner than nothing).
     assert starts == [(0.0, "gpu0"), (0.0, "gpu1"), (14.0, "gpu0")]
 
@@ -126,12 +126,12 @@ def test_two_idle_upstreams_start_two_models_at_once() -> None:
 def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
     lanes = [_lane("gpu0", "x"), _lane("gpu1", "x")]
-    starts = estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 25.0})
+    starts = starts_of_node(estimator, _snapshot(["x", "x", "x"]), lanes, {"gpu0": 25.0})
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
-    assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
+    assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
     # Blocked for a time nobody said (a lane view marked blocked): gpu1 serves all three.
     blocked = [dataclasses.replace(lanes[0], blocked=True), lanes[1]]
-    assert estimator.starts_of_node(_snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
+    assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 
 def test_waiting_for_the_warm_upstream_beats_a_slow_load() -> None:
@@ -139,23 +139,23 @@ def test_waiting_for_the_warm_upstream_beats_a_slow_load() -> None:
     lanes = [_lane("gpu0", "x"), _lane("gpu1", "y")]
     snapshot = _snapshot(["x"], [("gpu0", "x", 4.0, False)])
     # gpu0 frees in 6 s, a load of x on the idle gpu1 takes 30: x waits for gpu0.
-    assert estimator.starts_of_node(snapshot, lanes) == [(6.0, "gpu0")]
+    assert starts_of_node(estimator, snapshot, lanes) == [(6.0, "gpu0")]
     quick = Estimator(default_run_s=10, default_swap_s=3, samples=3)
-    assert quick.starts_of_node(snapshot, lanes) == [(0.0, "gpu1")]
+    assert starts_of_node(quick, snapshot, lanes) == [(0.0, "gpu1")]
 
 
 def test_a_model_only_one_upstream_may_serve_waits_for_it() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
     lanes = [_lane("small", "x", models=frozenset({"x"})), _lane("big", "x")]
     snapshot = _snapshot(["big-model", "x"], [("big", "x", 2.0, False)])
-    assert estimator.starts_of_node(snapshot, lanes) == [(8.0, "big"), (0.0, "small")]
+    assert starts_of_node(estimator, snapshot, lanes) == [(8.0, "big"), (0.0, "small")]
 
 
 def test_an_overdue_grant_leaves_its_upstream_unknown() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
     lanes = [_lane("gpu0", "x", models=frozenset({"x"})), _lane("gpu1", "y", models=frozenset({"y"}))]
     snapshot = _snapshot(["x", "y"], [("gpu0", "x", 30.0, False)])
-    assert estimator.starts_of_node(snapshot, lanes) == [(math.inf, None), (0.0, "gpu1")]
+    assert starts_of_node(estimator, snapshot, lanes) == [(math.inf, None), (0.0, "gpu1")]
 
 
 def test_node_times_read_each_upstreams_grants() -> None:
@@ -294,7 +294,7 @@ def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
 
     snapshot = play.scheduler.snapshot()
     blocked_s = {name: (end - look_ns) / NS for name, (start, end) in play.blocks.items() if start <= look_ns < end}
-    estimates = estimator.starts_of_node(snapshot, play.scheduler.lane_views(), blocked_s)
+    estimates = starts_of_node(estimator, snapshot, play.scheduler.lane_views(), blocked_s)
     event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}{'+' if len(snapshot.waiting) >= 4 else ''}")
     event(f"upstreams the estimates name: {len({u for _, u in estimates if u is not None})}")
     if blocked_s:

@@ -36,7 +36,8 @@ part). With one slot
 this is the running request's remaining time, then each request's expected run plus the swap
 cost where the model changes. A running grant made beside a load runs after it, also once the
 grant that loaded has ended (`RunningView.beside_load`). Over a node of several upstreams,
-`starts_of_node` walks the node rule instead (`estimate_node`) and says where each one starts.
+`estimate_node.starts_of_node` walks the node rule instead, with this estimator's figures, and
+says where each one starts.
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
 remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
@@ -54,8 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TypeVar
 
 from llamaswap.core.decisions import QueueSnapshot, RunningView
-from llamaswap.core.dispatch import Lane, Running, Turn, turn
-from llamaswap.core.estimate_node import node_starts
+from llamaswap.core.dispatch import Running, Turn, turn
 from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
@@ -331,14 +331,6 @@ class Estimator:
                                               max_tokens=size, upstream=grant.upstream)
             remaining.append(math.inf if left is None else left)
         return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
-
-    def starts_of_node(self, snapshot: QueueSnapshot, lanes: Sequence[Lane],
-                       blocked_s_by_upstream: Mapping[str, float] | None = None,
-                       max_tokens: Sequence[int | None] | None = None,
-                       grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
-        """`starts_of` over a node's upstreams (`estimate_node`): each waiting request's
-        estimated start and the upstream it is expected to start on (None where not known)."""
-        return node_starts(self, snapshot, lanes, blocked_s_by_upstream or {}, max_tokens, grant_max_tokens)
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
               occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import Lane, Running, Step, Turn, choose, turn
-
-if TYPE_CHECKING:
-    from llamaswap.core.estimate import Estimator
+from llamaswap.core.estimate import Estimator
 
 
 class _Item:
@@ -150,13 +147,16 @@ def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
     return out
 
 
-def node_starts(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[Lane],
-                blocked_s: Mapping[str, float], max_tokens: Sequence[int | None] | None,
-                grant_max_tokens: Sequence[int | None] | None) -> list[tuple[float, str | None]]:
-    """`Estimator.starts_of_node`: ``lanes`` in the configured order (their slots, the models
-    they may serve and their loaded model; what runs there is read from the snapshot's grants),
-    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a lane marked
-    ``blocked`` and not in it: unknown)."""
+def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[Lane],
+                   blocked_s: Mapping[str, float] | None = None,
+                   max_tokens: Sequence[int | None] | None = None,
+                   grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
+    """`Estimator.starts_of` over a node's upstreams: each waiting request's estimated start and
+    the upstream it is expected to start on (None where not known). ``lanes`` in the configured
+    order (their slots, the models they may serve and their loaded model; what runs there is read
+    from the snapshot's grants), ``blocked_s`` how long a settle still holds an upstream (inf:
+    unknown; a lane marked ``blocked`` and not in it: unknown)."""
+    blocked_s = blocked_s or {}
     # A lane marked blocked (`Scheduler.lane_views(blocked)`) with no time said: for how long, unknown.
     walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
     sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)

@@ -672,7 +672,7 @@ class Coordinator:
 
     def view(self) -> QueueView:
         """The live queue (`views.py`), with the kept places."""
-        return self._kept.shown(self._views.view())
+        return self._views.view(kept=self._kept.rows())
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
         """One client's own request, by its x-request-id (the public status route)."""

@@ -18,14 +18,10 @@ import hmac
 import os
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from llamaswap.core import NS_PER_S, Band, Clock, Removed, Scheduler
 from llamaswap.core.kept import KeptPlace
 from llamaswap.runtime.ticket import Takeover, Ticket
-
-if TYPE_CHECKING:  # views.py shows KeptRow: a runtime import would be circular
-    from llamaswap.runtime.views import QueueView
 
 __all__ = ["KeptEvent", "KeptEventKind", "KeptLedger", "KeptRow", "PlaceKeeper", "RetryKeys", "Takeover",
            "parse_attempt"]
@@ -196,8 +192,8 @@ class PlaceKeeper:
             self._observe(self.ledger.ended(place, now))
         return bool(places)
 
-    def shown(self, view: QueueView) -> QueueView:
-        """The queue view with the kept places."""
+    def rows(self) -> tuple[KeptRow, ...]:
+        """The kept places as the queue view shows them (`QueueView.kept`), oldest first."""
         if not self._scheduler.kept_count:
-            return view
-        return dataclasses.replace(view, kept=self.ledger.rows(self._scheduler.kept, self._clock.now_ns()))
+            return ()
+        return self.ledger.rows(self._scheduler.kept, self._clock.now_ns())

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
@@ -188,16 +189,17 @@ class QueueViews:
         blocked = self._blocked()
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
-        # The grants' own rule over every GPU (`Estimator.starts_of_node`; with one, `starts_of`).
-        placed = self._estimator.starts_of_node(snapshot, self._scheduler.lane_views(frozenset(blocked)), blocked,
-                                                sizes, grant_sizes)
+        # The grants' own rule over every GPU (`starts_of_node`; with one, `Estimator.starts_of`).
+        placed = starts_of_node(self._estimator, snapshot, self._scheduler.lane_views(frozenset(blocked)), blocked,
+                                sizes, grant_sizes)
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
         walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
         return walk
 
-    def view(self) -> QueueView:
+    def view(self, kept: tuple[KeptRow, ...] = ()) -> QueueView:
+        """The live queue, with ``kept``: the places kept for a retry (`PlaceKeeper.rows`)."""
         snapshot, starts = self.walk()
         now = self._clock.now_ns()
 
@@ -221,7 +223,7 @@ class QueueViews:
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
         slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
-                         bands, scheduler.slots_busy, slots_total, gpus=tuple(gpus))
+                         bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""
