@@ -100,7 +100,8 @@ def _handler(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 if self.service.api_key is not None and not hmac.compare_digest(
                         request.headers.get("authorization", "").encode(), f"Bearer {self.service.api_key}".encode()):
                     raise ApiError(401, "the Batch API wants the upstream's API key (upstream.apiKey) as "
-                                        "Authorization: Bearer KEY", "invalid_api_key", error_type="authentication_error")
+                                        "Authorization: Bearer KEY", "invalid_api_key",
+                                   error_type="authentication_error")
                 if request.method not in method.split("|"):
                     raise ApiError(405, f"{request.path} answers {method.replace('|', ' and ')} only",
                                    "method_not_allowed")

@@ -152,7 +152,8 @@ class Store:
         """A temporary name in the files' directory for an upload being received."""
         return self.directory / FILES / f".upload-{new_id('')}"
 
-    def add_file(self, received: pathlib.Path, *, filename: str, purpose: str, file_id: str | None = None) -> FileRecord:
+    def add_file(self, received: pathlib.Path, *, filename: str, purpose: str,
+                 file_id: str | None = None) -> FileRecord:
         """Keep a received file (renamed into place, then recorded)."""
         record = FileRecord(file_id or new_id("file-"), filename, purpose, received.stat().st_size, self.now())
         os.replace(received, self.file_path(record.id))
@@ -168,7 +169,8 @@ class Store:
 
     def files(self, *, purpose: str | None = None) -> list[FileRecord]:
         """Every file, newest first."""
-        query = "SELECT * FROM files" + (" WHERE purpose = ?" if purpose else "") + " ORDER BY created_at DESC, rowid DESC"
+        where = " WHERE purpose = ?" if purpose else ""
+        query = "SELECT * FROM files" + where + " ORDER BY created_at DESC, rowid DESC"
         with self._lock:
             rows = self._db.execute(query, (purpose,) if purpose else ()).fetchall()
         return [FileRecord(*row) for row in rows]
@@ -319,8 +321,9 @@ class Store:
                 out.flush()
                 os.fsync(out.fileno())
             if count:
-                written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{'output' if in_output else 'error'}"
-                                                   ".jsonl", purpose="batch_output", file_id=file_id)
+                kind = "output" if in_output else "error"
+                written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{kind}.jsonl",
+                                                   purpose="batch_output", file_id=file_id)
             else:
                 temporary.unlink()
                 written[in_output] = None

@@ -140,8 +140,8 @@ def _check_line(text: bytes, number: int, endpoint: str,
         return LineError("missing_required_parameter", number, f"line {number}: body.model is missing",
                          "body.model"), None, None
     if body.get("stream") is True:
-        return LineError("invalid_request", number, f"line {number}: a batch's requests cannot be streamed (body.stream "
-                         "must be false or absent)", "body.stream"), None, None
+        return LineError("invalid_request", number, f"line {number}: a batch's requests cannot be streamed "
+                         "(body.stream must be false or absent)", "body.stream"), None, None
     return None, custom_id, model
 
 
