@@ -1,13 +1,15 @@
 """Envoy ext_authz: the Check call that is answered only when the request gets the GPU.
 
 The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`,
-its `max_tokens` (or `max_completion_tokens`, `n_predict`), `stream` and `service_tier` into dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads
-are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
+its `max_tokens` (or `max_completion_tokens`, `n_predict`), `stream` and `service_tier` into
+dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads are
+sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
 the body's model, else the model its query names (router-mode llama-server loads it), and an
 unload runs alone. A grant answers OK with the x-llamaswap-* response headers, the granted
 upstream's name in the request header x-llamaswap-upstream (Envoy's route sends the request to
-that upstream) and the grant's ticket in dynamic metadata (the access log reports it back); a refusal is a DeniedHttpResponse
-in the OpenAI error shape. A cancelled Check means the client left while waiting.
+that upstream) and the grant's ticket in dynamic metadata (the access log reports it back); a
+refusal is a DeniedHttpResponse in the OpenAI error shape. A cancelled Check means the client
+left while waiting.
 """
 
 from __future__ import annotations

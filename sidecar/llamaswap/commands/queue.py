@@ -9,9 +9,10 @@ estimate from measured run and swap times (`estimates.*` before anything is meas
 for the running request TIME is how long it has run and START how long it is expected to
 take still. With several upstreams (GPUs) GPU says which one a running request runs on, and one
 line per GPU above the table says what it has loaded and how many of its slots are busy (like
-`squeue`'s partitions). Places kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`):
-WAIT counts from the first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the
-admin server's document itself (one a line with --watch).
+`squeue`'s partitions). Places kept for a client's retry (routing.retryGraceSeconds) come last
+(ST `K`): WAIT counts from the first try, TIME is how long the client has been away. `--watch N`
+refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the admin server's document
+itself (one a line with --watch).
 
 The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
 default listen.admin.
@@ -155,7 +156,8 @@ def gpu_lines(document: dict[str, Any]) -> list[str]:
     for name, gpu in zip(names, gpus):
         busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
         state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
-        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  loaded model {gpu.get('loaded_model') or '-'}  {state}")
+        loaded = gpu.get("loaded_model") or "-"
+        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  loaded model {loaded}  {state}")
     return lines
 
 

@@ -6,9 +6,9 @@ cost when the simulated order changes whether it needs a model load. Requests th
 take their model's expected run time; clients that gave up keep their patience; expired and
 rejected requests wait as the simulated settings let them. Records of rejected_unknown_model,
 internal_error and shutdown are not replayed. Costs are measured from the log's served requests
-with the sidecar's own estimator, per GPU where the log names upstreams. Time is virtual: a day of traffic replays in seconds. Try
-other settings with the flags, or several at once with --sweep (every combination runs, one row
-each).
+with the sidecar's own estimator, per GPU where the log names upstreams. Time is virtual: a day
+of traffic replays in seconds. Try other settings with the flags, or several at once with
+--sweep (every combination runs, one row each).
 
 Settings, later ones win: the log's first settings record (the defaults without one), -c FILE,
 the single flags, --sweep.
@@ -41,8 +41,9 @@ GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one q
 gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
 scheduler's node rule places each request. A log whose grants record several upstreams replays
 with those (by name) unless --gpus says otherwise. Each GPU runs with its own measured run
-times and swap costs, the node's where it has none (a GPU of --gpus named as no recorded one). The table then gives each GPU's swaps and
-busy fraction below the rows (busy in the row: their mean).
+times and swap costs, the node's where it has none (a GPU of --gpus named as no recorded
+one). The table then gives each GPU's swaps and busy fraction below the rows (busy in the
+row: their mean).
 
 Many nodes: --pods N (with --gpus G per pod) replays the traffic over N pods three ways: routed
 by an endpoint picker's rule (least queued, with model affinity), by round-robin, and as one
@@ -146,8 +147,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
                         help="also one JSON line per simulated request (request_id, band, priority, model, "
-                             "start_ms from the first arrival, wait_ms, outcome, upstream), to FILE or, without one, to "
-                             "stdout before the summary (which is then one JSON line with --format json)")
+                             "start_ms from the first arrival, wait_ms, outcome, upstream), to FILE or, "
+                             "without one, to stdout before the summary (which is then one JSON line with "
+                             "--format json)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw wait p50/p95 per band against each swept setting, one panel per "
                              f"key (needs matplotlib: {report.PLOT_HINT})")

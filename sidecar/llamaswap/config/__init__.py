@@ -41,8 +41,8 @@ from llamaswap.core.policy import PolicyName
 
 __all__ = [
     "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_UPSTREAM", "SLOTS_AUTO", "AbandonedGeneration",
-    "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort", "ListenConfig", "ManagementApi",
-    "ModelCheck", "ModelConfig",
+    "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort",
+    "ListenConfig", "ManagementApi", "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
     "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "UpstreamEntry",
     "UpstreamItem", "describe_value", "json_schema",

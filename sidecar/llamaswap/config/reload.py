@@ -33,13 +33,17 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
                                         "re-arms the running grant's watchdog from its grant"),
     ReloadKey("routing.objectives", OnReload.LIVE, "from the next arrival (Envoy sends the sidecar the objective "
                                                    "header whatever the file says)"),
-    ReloadKey("routing.retryGraceSeconds", OnReload.LIVE, "from the next client that leaves; Envoy's bootstrap carries the body and headers that tell a retry only while it is positive, so turning it on from 0 takes effect at the next restart"),
+    ReloadKey("routing.retryGraceSeconds", OnReload.LIVE, "from the next client that leaves; Envoy's bootstrap "
+                                                          "carries the body and headers that tell a retry only "
+                                                          "while it is positive, so turning it on from 0 takes "
+                                                          "effect at the next restart"),
     ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too; a model's "
                                        "slots from the next grant"),
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
     ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
     ReloadKey("upstream.managementApi", OnReload.REFUSED, "Envoy's routes refuse or schedule the management API"),
-    ReloadKey("upstream.slots", OnReload.LIVE, "the scheduler's slots from the next grant (the upstream's own --parallel is set where it starts)"),
+    ReloadKey("upstream.slots", OnReload.LIVE, "the scheduler's slots from the next grant (the upstream's own "
+                                               "--parallel is set where it starts)"),
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
     ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
     ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),

@@ -304,7 +304,8 @@ class UpstreamConfig(UrlParts, Section):
         if not key:
             raise ConfigError([Problem("upstream.apiKey", empty)])
         if any(c in key for c in "\r\n"):
-            raise ConfigError([Problem("upstream.apiKey", f"{self.api_key} holds more than one line: put one key in it")])
+            raise ConfigError([Problem("upstream.apiKey",
+                                       f"{self.api_key} holds more than one line: put one key in it")])
         return key
 
 
@@ -352,7 +353,8 @@ class EnvoyConfig(Section):
     max_request_bytes: StrictInt = Field(
         default=64 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
     max_sidecar_streams: StrictInt = Field(
-        default=100_000, ge=1, description="Concurrent gRPC streams from Envoy to the sidecar; waiting requests hold them.")
+        default=100_000, ge=1,
+        description="Concurrent gRPC streams from Envoy to the sidecar; waiting requests hold them.")
     fail_open: StrictBool = Field(
         default=False,
         description="With the sidecar down: false = refuse clients (503/500), true = pass them unscheduled.")

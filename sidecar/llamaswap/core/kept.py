@@ -80,7 +80,8 @@ class KeptPlaces:
         while (top := self._top(self._by_until, until=True)) is not None and top.until_ns <= now_ns:
             ended.append(self._by_key.pop(top.key))
         if max_wait_ns:
-            while (top := self._top(self._by_arrival, until=False)) is not None and top.arrival_ns + max_wait_ns <= now_ns:
+            while ((top := self._top(self._by_arrival, until=False)) is not None
+                   and top.arrival_ns + max_wait_ns <= now_ns):
                 ended.append(self._by_key.pop(top.key))
         return ended
 

@@ -598,7 +598,8 @@ class Scheduler:
             if oldest is None:
                 stats[band] = BandStats(0, 0.0, None)
             else:
-                stats[band] = BandStats(self._arrivals.depth(band), (now - oldest.arrival_ns) / NS_PER_S, oldest.arrival_ns)
+                oldest_wait_s = (now - oldest.arrival_ns) / NS_PER_S
+                stats[band] = BandStats(self._arrivals.depth(band), oldest_wait_s, oldest.arrival_ns)
         return stats
 
     # -- internals -----------------------------------------------------------------------

@@ -349,9 +349,11 @@ def _management_routes(config: Config) -> list[dict[str, Any]]:
         "llama-server's management API is not served on this port (upstream.managementApi is refuse); "
         "send model requests instead, or call the upstream directly", "permission_error", "management_api_refused")
     refused = {"status": 403, "body": {"inline_string": body.decode()}}
-    headers = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+    headers = [{"header": {"key": "content-type", "value": "application/json"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
                # Refused whatever the moment: the OpenAI SDKs would not retry a 403 anyway, others might.
-               {"header": {"key": SHOULD_RETRY_HEADER, "value": "false"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+               {"header": {"key": SHOULD_RETRY_HEADER, "value": "false"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     matches = [{"path": path} for path in MANAGEMENT_PATHS] + [{"prefix": prefix} for prefix in MANAGEMENT_PREFIXES]
     return [_unscheduled({"match": match, "direct_response": refused, "response_headers_to_add": headers})
             for match in matches]
@@ -472,8 +474,8 @@ def build_bootstrap(
         # failOpen: ext_authz fails open on any error, the circuit breaker's overflow too, so a
         # flood would pass unscheduled; the breaker is lifted and the sidecar refuses past the
         # limit itself (429). Without failOpen an overflow is a 503, which is what it should be.
-        _cluster(SIDECAR_GRPC_CLUSTER, listen.grpc.connect_host, grpc_port if grpc_port is not None else listen.grpc.port,
-                 http2=True, buffer_bytes=1024 * 1024,
+        _cluster(SIDECAR_GRPC_CLUSTER, listen.grpc.connect_host,
+                 grpc_port if grpc_port is not None else listen.grpc.port, http2=True, buffer_bytes=1024 * 1024,
                  max_requests=UNLIMITED_STREAMS if e.fail_open else e.max_sidecar_streams),
         _cluster(SIDECAR_ADMIN_CLUSTER, listen.admin.connect_host,
                  admin_port if admin_port is not None else listen.admin.port),

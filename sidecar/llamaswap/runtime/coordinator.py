@@ -67,7 +67,8 @@ from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import (NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult,
                                         lane_pictures, overtaken_by)
 from llamaswap.runtime.settle import Settling
-from llamaswap.runtime.ticket import Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState, Tokens
+from llamaswap.runtime.ticket import (Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState,
+                                      Tokens)
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
 from llamaswap.runtime.watchdogs import Watchdogs
@@ -97,7 +98,6 @@ class Coordinator:
                                observed=lambda name, catalog, as_of: self.observe_catalog(catalog, as_of, name),
                                config_now=lambda: self._config, learnt=lambda: self._learnt(self._config),
                                runs=self._runs_model, default_slots=self._default_slots)
-        self._first = self.gpus.first
         self.scheduler = Scheduler(node_policy(config, self.gpus, None), self._clock)
         self._auto_slots = auto_slots(config)
         estimates = config.estimates
@@ -458,9 +458,9 @@ class Coordinator:
         if outcome is Outcome.SERVED and decision is not None and ticket.generation:
             # Only a streamed first byte is the generation's start: a non-streamed one is its end,
             # and would teach generation length as swap cost.
-            self.estimator.record(decision.model, run_s=released.run_ns / NS_PER_S,
+            self.estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
                                   first_byte_s=ticket.first_byte_s if ticket.streamed else None,
-                                  model_load=decision.model_load, max_tokens=ticket.max_tokens, upstream=decision.upstream)
+                                  max_tokens=ticket.max_tokens, upstream=decision.upstream)
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
@@ -514,7 +514,8 @@ class Coordinator:
     def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING, *,
                          pump: bool = True) -> None:
         if ticket.state is TicketState.WAITING:
-            removed = self._kept.keep(ticket, admitting=self._admitting) if outcome is Outcome.CANCELLED_WAITING else None
+            keeps_place = outcome is Outcome.CANCELLED_WAITING
+            removed = self._kept.keep(ticket, admitting=self._admitting) if keeps_place else None
             if removed is None:
                 removed = self.scheduler.cancel(ticket.token)
             self._finish(ticket, outcome, removed.removed_ns if removed is not None else self._clock.now_ns())

@@ -123,7 +123,8 @@ class Gpus:
         entries = {entry.name: entry for entry in config.upstream_entries}
         for gpu in self.all:
             entry = entries.get(gpu.name)
-            if (entry is None or entry.may_serve(model)) and await gpu.catalog.serves(model, config.upstream.model_check):
+            may_serve = entry is None or entry.may_serve(model)
+            if may_serve and await gpu.catalog.serves(model, config.upstream.model_check):
                 return may_run()
         return False
 

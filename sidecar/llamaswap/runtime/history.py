@@ -157,7 +157,8 @@ class History:
                 if settle_ms > 0:
                     self._add("settle", request_id, end_ms + settle_ms, {
                         "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
-                        "upstream": record.get("upstream"), "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3), "settle_ms": settle_ms})
+                        "upstream": record.get("upstream"), "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3),
+                        "settle_ms": settle_ms})
                     added += 1
             else:
                 self._add("mark", request_id, end_ms, {**record, "end_ms": end_ms})
@@ -222,7 +223,8 @@ class History:
         end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
         self._add("settle", settle.request_id, end_ms, {
             "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
-            "model": settle.model, "upstream": settle.upstream, "start_ms": start_ms, "end_ms": end_ms, "settle_ms": round(settle.seconds * 1000, 3),
+            "model": settle.model, "upstream": settle.upstream, "start_ms": start_ms, "end_ms": end_ms,
+            "settle_ms": round(settle.seconds * 1000, 3),
         })
 
     # -- internals -----------------------------------------------------------------------

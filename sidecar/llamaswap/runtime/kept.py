@@ -140,8 +140,8 @@ class KeptLedger:
             if place.until_ns <= now_ns:
                 continue  # due: its timer reports it in a moment
             left = self._left.get(place.request_id)
-            rows.append(KeptRow(left.request_id if left is not None else "-", left.attempt if left is not None else None,
-                                place.priority.value, place.priority.band,
+            rows.append(KeptRow(left.request_id if left is not None else "-",
+                                left.attempt if left is not None else None, place.priority.value, place.priority.band,
                                 left.model if left is not None else place.model,
                                 (now_ns - place.arrival_ns) / NS_PER_S, (now_ns - place.left_ns) / NS_PER_S,
                                 max(0.0, (place.until_ns - now_ns) / NS_PER_S)))

@@ -52,7 +52,8 @@ class ConcurrencySpeed:
     def __post_init__(self) -> None:
         for count, speed in self.points.items():
             if not isinstance(count, int) or count < 1 or not (isinstance(speed, (int, float)) and speed > 0):
-                raise ConcurrencySpeedError(f"each point must be N:SPEED with N >= 1 and SPEED > 0, got {count}:{speed}")
+                raise ConcurrencySpeedError(
+                    f"each point must be N:SPEED with N >= 1 and SPEED > 0, got {count}:{speed}")
             if count == 1 and speed != 1:
                 raise ConcurrencySpeedError(f"the speed of 1 is 1 (throughput relative to one), got 1:{speed:g}")
         object.__setattr__(self, "points", {n: float(s) for n, s in sorted({1: 1.0, **self.points}.items())})

@@ -167,8 +167,9 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
 
 
 _LEGEND = ("n: granted the GPU; p50/p95/max: seconds from arrival to grant; swaps: grants that loaded a model; "
-           "aging/affinity: grants that term reordered; busy: GPU held / (last release - first arrival), the mean of the GPUs'; left: "
-           "clients that gave up; expired: maxWaitSeconds; rejected: maxQueued; inversion: the worst priority "
+           "aging/affinity: grants that term reordered; busy: GPU held / (last release - first arrival), "
+           "the mean of the GPUs'; left: clients that gave up; expired: maxWaitSeconds; rejected: maxQueued; "
+           "inversion: the worst priority "
            "inversion in seconds, and its request (see --help)")
 
 

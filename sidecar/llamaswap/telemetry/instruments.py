@@ -75,8 +75,8 @@ PER_UPSTREAM = (UPSTREAM_SLOTS, UPSTREAM_SLOTS_BUSY, UPSTREAM_BUSY, UPSTREAM_MOD
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
-       ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE, REQUEST_ID_REPLACED,
-       MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES, *PER_UPSTREAM)
+       ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE,
+       REQUEST_ID_REPLACED, MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES, *PER_UPSTREAM)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -256,5 +256,6 @@ class Instruments:
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "
-                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unanswered, unsupported, ended, lapsed).",
+                        "(abandoned, startup, adopted) and result (idle, stopped, timeout, unanswered, unsupported, "
+                        "ended, lapsed).",
             explicit_bucket_boundaries_advisory=RUN_BUCKETS)

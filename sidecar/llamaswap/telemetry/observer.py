@@ -220,7 +220,8 @@ class Telemetry:
         if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
             # publishes the loaded model's with every change)
             before = self._picture
-            shown = tuple(LanePicture(lane.name, None, 0, lane.slots.default) for lane in lanes) if len(lanes) > 1 else ()
+            shown = (tuple(LanePicture(lane.name, None, 0, lane.slots.default) for lane in lanes)
+                     if len(lanes) > 1 else ())
             self._picture = dataclasses.replace(before, slots_total=policy.slots.default, lanes=before.lanes or shown)
             self._models_changed(self._picture)
 
