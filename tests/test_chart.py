@@ -295,7 +295,8 @@ def test_full_values_reach_the_sidecar() -> None:
 BAD_CONFIGS = [
     ({"routing": {"scheduler": {"settings": {"serial": {"swapAffinityBonus": 150}}}}},
      "at '/config/routing/scheduler/settings/serial/swapAffinityBonus': maximum: got 150, want 99"),
-    ({"routing": {"schedular": {"use": "fifo"}}}, "at '/config/routing': additional properties 'schedular' not allowed"),
+    ({"routing": {"schedular": {"use": "fifo"}}},
+     "at '/config/routing': additional properties 'schedular' not allowed"),
     ({"routing": {"scheduler": {"use": "lifo"}}}, "at '/config/routing/scheduler/use'"),
     ({"listen": {"grpc": "9000"}}, "at '/config/listen/grpc'"),
     ({"envoy": {"leaseSeconds": 0.1}}, "at '/config/envoy/leaseSeconds': minimum"),
@@ -364,7 +365,8 @@ def test_other_values_are_still_checked() -> None:
 
 def test_the_init_container_writes_envoys_bootstrap() -> None:
     rendered = ct.render()
-    init, envoy, sidecar = rendered.init_container("envoy-config"), rendered.container("envoy"), rendered.container("sidecar")
+    init = rendered.init_container("envoy-config")
+    envoy, sidecar = rendered.container("envoy"), rendered.container("sidecar")
     # First: a bad configuration stops the pod before the GPU check and any model download.
     assert [c["name"] for c in rendered.pod_spec["initContainers"]] == ["envoy-config", "gpu-check"]
     assert init["image"] == sidecar["image"] and init["command"] == ["llamaswap"]
@@ -508,7 +510,8 @@ def test_probes_and_graceful_termination() -> None:
     # The admin address is config.listen.admin: a wildcard host is reached on the loopback.
     moved = ct.render({"config": {"listen": {"admin": "0.0.0.0:19090"}}})
     assert "http://127.0.0.1:19090/readyz" in moved.container("sidecar")["readinessProbe"]["exec"]["command"][-1]
-    assert "http://127.0.0.1:19090/healthz" in moved.container("llama-server")["lifecycle"]["preStop"]["exec"]["command"][-1]
+    moved_stop = moved.container("llama-server")["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert "http://127.0.0.1:19090/healthz" in moved_stop
 
 
 def test_pods_are_hardened(case: tuple[str, dict[str, Any], ct.Rendered]) -> None:

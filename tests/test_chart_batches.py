@@ -98,7 +98,8 @@ def test_disabled_renders_no_claim_no_mount_and_no_dir() -> None:
 
 @pytest.mark.parametrize("values, words", [
     ({"config": {"batches": {"dir": "/tmp/b"}}}, "config.batches.dir is written by the chart"),
-    ({"batches": {"enabled": False}, "config": {"batches": {"dir": "/tmp/b"}}}, "config.batches.dir is written by the chart"),
+    ({"batches": {"enabled": False}, "config": {"batches": {"dir": "/tmp/b"}}},
+     "config.batches.dir is written by the chart"),
     ({"replicas": 2}, "batches.enabled with replicas: 2"),
     ({"strategy": {"type": "RollingUpdate"}}, "a RollingUpdate that may surge (maxSurge 25%)"),
     ({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},

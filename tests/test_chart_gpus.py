@@ -61,7 +61,8 @@ def test_each_gpu_gets_a_llama_server_with_one_gpu_its_own_port_and_the_shared_m
     servers = _llama_servers(rendered)
     # One GPU each (llamaServer.resources per container): N in all for the pod.
     assert [s["resources"]["limits"][GPU] for s in servers] == [1] * gpus
-    assert sum(int(c.get("resources", {}).get("limits", {}).get(GPU, 0)) for c in rendered.pod_spec["containers"]) == gpus
+    containers = rendered.pod_spec["containers"]
+    assert sum(int(c.get("resources", {}).get("limits", {}).get(GPU, 0)) for c in containers) == gpus
     ports = [int(_arg(s["args"], "--port")) for s in servers]
     assert ports == [8081 + i for i in range(gpus)]
     for server, port in zip(servers, ports):
@@ -273,8 +274,12 @@ def test_two_gpu_pod_serves_on_the_free_gpu_while_the_other_runs(tmp_path: pathl
         body = json.dumps({"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}).encode()
         with futures.ThreadPoolExecutor(max_workers=1) as pool:
             held = pool.submit(_http, url, body=body, headers={"Content-Type": "application/json", "x-test-hold": "a"})
-            busy = wait_for(lambda: [i for i, s in enumerate(stand_ins) if any(h.get("x-test-hold") == "a" for h in s.hits)],
-                            what="the held generation running on one GPU")
+
+            def holding() -> list[int]:
+                """The stand-ins that hold the generation marked "a"."""
+                return [i for i, s in enumerate(stand_ins) if any(h.get("x-test-hold") == "a" for h in s.hits)]
+
+            busy = wait_for(holding, what="the held generation running on one GPU")
             assert len(busy) == 1
             other = stand_ins[1 - busy[0]]
             status, _, _ = _http(url, body=body, headers={"Content-Type": "application/json"})

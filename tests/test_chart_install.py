@@ -96,7 +96,8 @@ def test_llama_server_is_pinned_to_the_tested_build() -> None:
 
 def test_a_digest_pins_every_image() -> None:
     digest = "sha256:" + "ab" * 32
-    values = {part: {"image": {"digest": digest}} for part in ("envoy", "sidecar", "llamaServer", "collector", "jaeger")}
+    parts = ("envoy", "sidecar", "llamaServer", "collector", "jaeger")
+    values = {part: {"image": {"digest": digest}} for part in parts}
     rendered = ct.render(values)
     images = [c["image"] for _, pod in _pods(rendered) for c in pod.get("initContainers", []) + pod["containers"]]
     assert images and all(image.endswith(f"@{digest}") and image.count(":") == 2 for image in images), images
@@ -192,7 +193,8 @@ def test_the_gpu_check_runs_llama_servers_list_devices_with_the_gpu() -> None:
     assert "'/app/llama-server' --list-devices" in check["command"][-1]
     assert check["resources"]["limits"]["nvidia.com/gpu"] == 1  # the device plugin gives it the pod's GPU
     assert check["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
-    amd = ct.render({"llamaServer": {"resources": {"limits": {"nvidia.com/gpu": None, "amd.com/gpu": 1}}}}).init_container("gpu-check")
+    amd_limits = {"nvidia.com/gpu": None, "amd.com/gpu": 1}
+    amd = ct.render({"llamaServer": {"resources": {"limits": amd_limits}}}).init_container("gpu-check")
     assert amd["resources"]["limits"] == {"amd.com/gpu": 1, "memory": "512Mi"}
     cpu = ct.render({"llamaServer": {"gpuCheck": {"enabled": False}}})
     assert "gpu-check" not in [c["name"] for c in cpu.pod_spec["initContainers"]]
@@ -311,7 +313,8 @@ def test_a_pod_disruption_budget() -> None:
 
 
 def test_the_dashboard_has_namespace_and_job_variables() -> None:
-    board = json.loads(ct.render({"grafanaDashboard": {"enabled": True}}).configmap_file("-dashboard", "llamaswap.json"))
+    rendered = ct.render({"grafanaDashboard": {"enabled": True}})
+    board = json.loads(rendered.configmap_file("-dashboard", "llamaswap.json"))
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert {"datasource", "namespace", "job", "instance"} <= set(variables)
     assert "namespace=~\"$namespace\"" in variables["job"]["query"]["query"]
@@ -406,7 +409,8 @@ def test_load_model_sends_the_key_and_names_a_refusal(tmp_path: pathlib.Path) ->
 
 
 def test_notes_warn_of_a_model_setting_for_no_downloaded_model() -> None:
-    download = {"download": {"files": [{"url": "https://models.example.com/qwen3-8b-q4_k_m.gguf", "sha256": "ab" * 32}]}}
+    model_file = {"url": "https://models.example.com/qwen3-8b-q4_k_m.gguf", "sha256": "ab" * 32}
+    download = {"download": {"files": [model_file]}}
     fifo = {"routing": {"scheduler": {"use": "fifo"}}}
 
     def notes(model_id: str) -> str:
@@ -445,10 +449,12 @@ def test_network_policies() -> None:
     for deployment in rendered.all("Deployment"):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         policy = next(p for p in policies.values() if p["podSelector"]["matchLabels"].items() <= labels.items())
-        names = {port["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for port in c.get("ports", [])}
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        names = {port["name"] for c in containers for port in c.get("ports", [])}
         assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} <= names
     # The release's pods match the selector the policies admit.
-    assert release_pods["podSelector"]["matchLabels"].items() <= rendered.find("Pod", "-test")["metadata"]["labels"].items()
+    test_pod_labels = rendered.find("Pod", "-test")["metadata"]["labels"]
+    assert release_pods["podSelector"]["matchLabels"].items() <= test_pod_labels.items()
     # Defaults: Envoy from everyone, the Jaeger UI from nobody.
     defaults = ct.render({"networkPolicy": {"enabled": True}})
     server_rule = defaults.named("NetworkPolicy", "llm-llamaswap")["spec"]["ingress"][0]

@@ -157,14 +157,16 @@ def test_serial_settings_values(tmp_path):
 
 @pytest.mark.parametrize("divisor", [0, 1, 60, 3600, 0.25])
 def test_aging_divisor_accepts_zero_and_positive_numbers(tmp_path, divisor):
-    cfg = load_config(write(tmp_path, f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: {divisor}}}}}}}}}\n"))
+    cfg = load_config(write(tmp_path,
+                            f"routing: {{scheduler: {{settings: {{serial: {{agingDivisor: {divisor}}}}}}}}}\n"))
     assert cfg.routing.scheduler.settings.serial.aging_divisor == divisor
 
 
 @pytest.mark.parametrize("bonus", [0, 1, 10, 98, 99])
 def test_bonus_in_range_loads_without_warning(tmp_path, bonus):
     warnings: list[str] = []
-    cfg = load_config(write(tmp_path, f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: {bonus}}}}}}}}}\n"),
+    cfg = load_config(write(tmp_path,
+                            f"routing: {{scheduler: {{settings: {{serial: {{swapAffinityBonus: {bonus}}}}}}}}}\n"),
                       warn=warnings.append)
     assert cfg.routing.scheduler.settings.serial.swap_affinity_bonus == bonus
     assert cfg.policy().swap_affinity_bonus == bonus
@@ -380,13 +382,15 @@ BAD_DOCUMENTS = {
     "fifo takes only reservedSlots": ({"routing": {"scheduler": {"settings": {"fifo": {"agingDivisor": 1}}}}},
                                       "routing.scheduler.settings.fifo.agingDivisor: unknown key; "
                                       "allowed here: reservedSlots"),
-    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, batches, envoy, estimates, listen, "
-                                             "models, routing, security, ui, upstream, upstreams (and llama-swap's keys, which are "
-                                             "ignored)"),
+    "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, batches, envoy, estimates, "
+                                             "listen, models, routing, security, ui, upstream, upstreams (and "
+                                             "llama-swap's keys, which are ignored)"),
     "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
     # batches
-    "batches.inFlight 0": ({"batches": {"inFlight": 0}}, "batches.inFlight: must be >= 1 (null = the node's slots), got 0"),
-    "batches.dir a number": ({"batches": {"dir": 5}}, "batches.dir: must be a file path, or empty for none, got a number 5"),
+    "batches.inFlight 0": ({"batches": {"inFlight": 0}},
+                           "batches.inFlight: must be >= 1 (null = the node's slots), got 0"),
+    "batches.dir a number": ({"batches": {"dir": 5}},
+                             "batches.dir: must be a file path, or empty for none, got a number 5"),
     "batches.maxFileBytes a float": ({"batches": {"maxFileBytes": 1.5}},
                                      "batches.maxFileBytes: must be an integer, got a number 1.5"),
     "top level is a list": ([1], "(top level): must be a mapping, got a list"),
@@ -460,7 +464,8 @@ BAD_DOCUMENTS = {
                         "upstream.slots: must be an integer >= 1 or 'auto' (ask the upstream), got a boolean true"),
     "slots a float": ({"upstream": {"slots": 2.0}},
                       "upstream.slots: must be an integer >= 1 or 'auto' (ask the upstream), got a number 2.0"),
-    "model slots zero": ({"models": {"a": {"slots": 0}}}, "models.a.slots: must be >= 1 (null = upstream.slots), got 0"),
+    "model slots zero": ({"models": {"a": {"slots": 0}}},
+                         "models.a.slots: must be >= 1 (null = upstream.slots), got 0"),
     "reservedSlots negative": ({"routing": {"scheduler": {"settings": {"fifo": {"reservedSlots": -1}}}}},
                                "routing.scheduler.settings.fifo.reservedSlots: must be >= 0 (0 reserves none), got -1"),
     "reservedSlots leave a model none": (
@@ -474,7 +479,8 @@ BAD_DOCUMENTS = {
         f"{SERIAL}.reservedSlots: 1 reserved slots leave models.small.slots (1) no slot for non-interactive "
         "requests: set it below 1, or raise models.small.slots"),
     "fifo reservedSlots checked under fifo": (
-        {"upstream": {"slots": 2}, "routing": {"scheduler": {"use": "fifo", "settings": {"fifo": {"reservedSlots": 2}}}}},
+        {"upstream": {"slots": 2},
+         "routing": {"scheduler": {"use": "fifo", "settings": {"fifo": {"reservedSlots": 2}}}}},
         "routing.scheduler.settings.fifo.reservedSlots: 2 reserved slots leave upstream.slots (2) no slot for "
         "non-interactive requests: set it below 2, or raise upstream.slots"),
 }

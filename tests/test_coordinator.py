@@ -31,8 +31,8 @@ OTHER_PEER = "ipv4:127.0.0.1:40002"  # another Envoy connection (another worker,
 LEASE_S = 3.0
 RUN_S = 10.0
 SWAP_S = 5.0
-LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}
-FINISHED_MEMORY_ON_MAIN = 4096  # how many finished grants the sidecar used to remember, and no more  # for scenarios longer than a lease without renewals
+LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}  # for scenarios longer than a lease without renewals
+FINISHED_MEMORY_ON_MAIN = 4096  # how many finished grants the sidecar used to remember, and no more
 
 
 def test_the_defaults_used_here() -> None:

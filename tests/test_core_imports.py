@@ -103,7 +103,8 @@ def test_the_batches_pure_modules_do_no_io():
 
 def test_the_layer_rule_catches_an_upward_import(tmp_path):
     sneaky = tmp_path / "sneaky.py"
-    sneaky.write_text("from llamaswap.envoy.bootstrap import build_bootstrap\nfrom llamaswap.envoy.contract import TICKET_KEY\n"
+    sneaky.write_text("from llamaswap.envoy.bootstrap import build_bootstrap\n"
+                      "from llamaswap.envoy.contract import TICKET_KEY\n"
                       "def f():\n    from llamaswap.commands.main import main\n")
     assert upward_imports("adapters", imported_modules(sneaky)) == ["llamaswap.envoy.bootstrap",
                                                                     "llamaswap.commands.main"]

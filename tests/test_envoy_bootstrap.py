@@ -80,7 +80,8 @@ def test_a_retry_grace_period_sends_the_check_what_tells_a_retry():
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8080", "https://llm.example.com"])
 def test_the_upstream_gets_one_request_per_connection(url: str) -> None:
-    clusters = {c["name"]: c for c in build_bootstrap(parse_config({"upstream": {"url": url}}))["static_resources"]["clusters"]}
+    bootstrap = build_bootstrap(parse_config({"upstream": {"url": url}}))
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     options = clusters["upstream-gpu0"]["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert options["common_http_protocol_options"]["max_requests_per_connection"] == 1
@@ -118,7 +119,8 @@ def _routes(document: dict) -> list[dict]:
 
 def test_the_management_api_is_refused_by_default_and_scheduled_on_request():
     refused = [r for r in _routes({}) if "direct_response" in r]
-    assert [r["match"] for r in refused] == [{"path": "/models/load"}, {"path": "/models/unload"}, {"prefix": "/slots/"}]
+    assert [r["match"] for r in refused] == [{"path": "/models/load"}, {"path": "/models/unload"},
+                                             {"prefix": "/slots/"}]
     for route in refused:
         assert route["direct_response"]["status"] == 403
         body = json.loads(route["direct_response"]["body"]["inline_string"])
@@ -251,8 +253,8 @@ def test_fail_open_sends_an_unscheduled_request_to_the_first_upstream():
 def test_what_skips_the_queue_asks_the_first_upstream():
     routes = hcm(build_bootstrap(several({"b": "http://127.0.0.1:1", "a": "http://127.0.0.1:2"})))[
         "route_config"]["virtual_hosts"][0]["routes"]
-    upstream = [r for r in routes if "typed_per_filter_config" in r and r.get("route", {}).get("cluster", "").startswith(
-        "upstream-")]
+    upstream = [r for r in routes
+                if "typed_per_filter_config" in r and r.get("route", {}).get("cluster", "").startswith("upstream-")]
     assert {r["match"].get("path") or r["match"].get("prefix") for r in upstream} == {"/health", "/v1/models", "/props",
                                                                                     "/models"}
     assert {r["route"]["cluster"] for r in upstream} == {"upstream-b"}

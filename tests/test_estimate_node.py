@@ -262,8 +262,8 @@ class NodePlay:
         while True:
             times = NodeTimes(self.scheduler.snapshot(), self.estimator)
             cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
-            assert all((times.slot_free_in_s(u), times.drained_in_s(u)) == (cheap.slot_free_in_s(u), cheap.drained_in_s(u))
-                       for u in self.scheduler.lanes)
+            assert all((times.slot_free_in_s(u), times.drained_in_s(u))
+                       == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.lanes)
             decision = self.scheduler.next(blocked=self.blocked(), times=times)
             if decision is None:
                 return

@@ -142,7 +142,8 @@ def test_metric_specs_parse_as_the_picker_parses_them(text: str, spec: MetricSpe
     assert parse_spec(text) == spec
 
 
-@pytest.mark.parametrize("text", ["", "{a=b}", "m{a=b", "m}a=b{", "m{a=b}x", "m{a}", "m{=b}", "m{a=}", "9m", "m{a=b c=d}"])
+@pytest.mark.parametrize("text", ["", "{a=b}", "m{a=b", "m}a=b{", "m{a=b}x", "m{a}", "m{=b}", "m{a=}", "9m",
+                                  "m{a=b c=d}"])
 def test_metric_specs_the_picker_refuses(text: str) -> None:
     with pytest.raises(SpecError):
         parse_spec(text)

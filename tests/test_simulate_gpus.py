@@ -95,8 +95,10 @@ def _request(request_id: str, at_s: float, model: str, *, granted_s: float, run_
              upstream: str | None, priority: int = 0, swap_s: float = 0.0) -> dict:
     """A served generation as the sidecar records it (first byte: the load's time, else 0)."""
     return {"event": "request", "time": 0, "request_id": request_id, "model": model, "outcome": "served",
-            "dispatched": True, "serial_priority": priority, "serial_queue_wait_ms": round((granted_s - at_s) * 1000, 3),
-            "arrival_unix_ms": round(ORIGIN_MS + at_s * 1000, 3), "granted_unix_ms": round(ORIGIN_MS + granted_s * 1000, 3),
+            "dispatched": True, "serial_priority": priority,
+            "serial_queue_wait_ms": round((granted_s - at_s) * 1000, 3),
+            "arrival_unix_ms": round(ORIGIN_MS + at_s * 1000, 3),
+            "granted_unix_ms": round(ORIGIN_MS + granted_s * 1000, 3),
             "first_byte_ms": round(swap_s * 1000, 3) if load else 0.0, "run_ms": round(run_s * 1000, 3),
             "settle_ms": 0.0, "swap": False, "load": load, "status": 200, "generation": True, "streamed": True,
             "upstream": upstream}

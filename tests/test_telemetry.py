@@ -23,7 +23,8 @@ from llamaswap.core import Outcome, ReorderCause
 from llamaswap.commands.queue import format_duration, render
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, Ticket
-from llamaswap.telemetry import OVERTAKEN_BY_EVENT, OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry, exporters_from_environment, parent_of
+from llamaswap.telemetry import (OVERTAKEN_BY_EVENT, OVERTOOK_EVENT, QUEUE_SPAN, RUN_SPAN, Telemetry,
+                                 exporters_from_environment, parent_of)
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, metric_names
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
@@ -424,7 +425,8 @@ async def test_metric_values_after_scripted_traffic() -> None:
     ratios = {r.id: r.ticket.estimated_wait_s / max(r.ticket.decision.queue_wait_ns / S, 0.1) for r in (i, i2, n)}
     assert any(ratio > 1 for ratio in ratios.values())
     assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="interactive") == 2
-    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="interactive") == pytest.approx(ratios["i"] + ratios["i2"])
+    assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="interactive") == pytest.approx(
+        ratios["i"] + ratios["i2"])
     assert value(samples, f"{names.ESTIMATE_RATIO}_count", band="normal") == 1  # a was never estimated
     assert value(samples, f"{names.ESTIMATE_RATIO}_sum", band="normal") == pytest.approx(ratios["n"])
 
@@ -657,8 +659,8 @@ def test_console_and_unknown_exporters_from_the_environment(monkeypatch: pytest.
 @virtual_time
 async def test_shutdown_flushes_the_spans() -> None:
     exporter = InMemorySpanExporter()
-    telemetry = Telemetry(clock=clock(), span_processors=[BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000)],
-                          sampler=ALWAYS_ON)
+    processor = BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000)
+    telemetry = Telemetry(clock=clock(), span_processors=[processor], sampler=ALWAYS_ON)
     flow = Flow(observers=[telemetry])
     ticket = await flow.arrive("flushed", model="a")
     await flow.complete(ticket)

@@ -165,7 +165,8 @@ def test_the_exchange_age_counts_from_its_first_upstream_byte() -> None:
     entry.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
     later = (1_700_000_000 + 42) * 1_000_000_000 + 500_000_000
     assert report_of(entry, now_unix_ns=later).elapsed_s == pytest.approx(12.5)
-    assert report_of(entry, now_unix_ns=later - 20 * 1_000_000_000).elapsed_s == 0.0  # clocks a hair apart: never negative
+    # Clocks a hair apart: never negative.
+    assert report_of(entry, now_unix_ns=later - 20 * 1_000_000_000).elapsed_s == 0.0
     end = log_entry(accesslog_pb2.DownstreamEnd, tx_s=30.0)
     end.common_properties.start_time.FromNanoseconds(1_700_000_000 * 1_000_000_000)
     assert report_of(end, now_unix_ns=later).elapsed_s == pytest.approx(12.5)
@@ -300,8 +301,8 @@ def _decision() -> Decision:
 
 
 def test_granted_carries_the_decision_headers_and_the_ticket() -> None:
-    ticket = Ticket("secret-token", Arrival("r", None, None, "m", PEER, None, None), Priority(-7, PrioritySource.NUMBER),
-                    1_000_000_000)
+    ticket = Ticket("secret-token", Arrival("r", None, None, "m", PEER, None, None),
+                    Priority(-7, PrioritySource.NUMBER), 1_000_000_000)
     ticket.decision = _decision()
     response = granted(ticket)
     assert response.status.code == code_pb2.OK

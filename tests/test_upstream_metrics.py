@@ -158,8 +158,10 @@ async def test_the_upstreams_are_read_at_once() -> None:
 def test_labels_and_states() -> None:
     text = '# HELP a x\na 1\nb{le="0.5"} 2\nc_total{x="y",z="w"} 3 1700000000\n'
     assert with_model_label(text, 'q"1') == (
-        '# HELP a x\na{model="q\\"1"} 1\nb{model="q\\"1",le="0.5"} 2\nc_total{model="q\\"1",x="y",z="w"} 3 1700000000\n')
-    assert loaded_models({"data": [{"id": "a", "status": {"value": "loaded"}}, {"id": "b", "status": {"value": "x"}}]}) == ["a"]
+        '# HELP a x\na{model="q\\"1"} 1\nb{model="q\\"1",le="0.5"} 2\n'
+        'c_total{model="q\\"1",x="y",z="w"} 3 1700000000\n')
+    listed = {"data": [{"id": "a", "status": {"value": "loaded"}}, {"id": "b", "status": {"value": "x"}}]}
+    assert loaded_models(listed) == ["a"]
     assert loaded_models({"data": [{"id": "a"}]}) is None
 
 
