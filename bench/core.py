@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
           "(old requests far apart in arrival order; see the module doc)", flush=True)
 
     real_us, scan_us = results[100_000]
-    print(f"core: depth 100000: {real_us:.1f} us/dispatch, scan {scan_us:.1f} us/dispatch, ratio {scan_us / real_us:.1f}")
+    print(f"core: depth 100000: {real_us:.1f} us/dispatch, scan {scan_us:.1f} us/dispatch, "
+          f"ratio {scan_us / real_us:.1f}")
     return 0
 
 

@@ -164,7 +164,8 @@ def main() -> None:
               f"| {med([r['efficiency'] for r in rounds]):.3f} "
               f"| {1e3 * med([r['cpu_per_request'] for r in rounds]):.2f} ms |")
     if base_gaps:
-        print(f"| one client back to back, bare Envoy (reference, no scheduler) | {percentile(base_gaps, 50) / 1e6:.2f} ms"
+        print("| one client back to back, bare Envoy (reference, no scheduler) "
+              f"| {percentile(base_gaps, 50) / 1e6:.2f} ms"
               f" | {percentile(base_gaps, 90) / 1e6:.2f} ms | {percentile(base_gaps, 99) / 1e6:.2f} ms "
               f"| {max(base_gaps) / 1e6:.1f} ms | | |")
     print()

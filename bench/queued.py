@@ -232,12 +232,14 @@ def main() -> None:
     results = {size: measure_size(size, counts, args, sidecar_env) for size, counts in plan}
 
     print()
-    print("| prompt | waiting | llamaswap sidecar RSS | toy FIFO RSS | Envoy RSS (llamaswap's) | sidecar CPU while waiting |")
+    print("| prompt | waiting | llamaswap sidecar RSS | toy FIFO RSS | Envoy RSS (llamaswap's) "
+          "| sidecar CPU while waiting |")
     print("|---|---|---|---|---|---|")
     for size, result in results.items():
         for ours, toy in zip(result["raw"]["llamaswap"], result["raw"]["toy FIFO"]):
-            print(f"| {size:,} B | {ours['waiting']:,.0f} | {ours['rss'] / 2**20:.1f} MiB | {toy['rss'] / 2**20:.1f} MiB "
-                  f"| {ours['envoy_rss'] / 2**20:.1f} MiB | {100 * ours['cpu']:.1f} % of a core |")
+            print(f"| {size:,} B | {ours['waiting']:,.0f} | {ours['rss'] / 2**20:.1f} MiB "
+                  f"| {toy['rss'] / 2**20:.1f} MiB | {ours['envoy_rss'] / 2**20:.1f} MiB "
+                  f"| {100 * ours['cpu']:.1f} % of a core |")
     print()
     print("| prompt | per waiting request, from 0 to N: llamaswap | floor (toy FIFO) | llamaswap's own | "
           "marginal llamaswap / floor | Envoy (llamaswap's / floor's) |")

@@ -285,7 +285,8 @@ async def main() -> None:
                       flush=True)
     runs = [run for figure in figures.values() for side in SIDES for run in figure.runs(side)]
     stalled = sum(run.stalled for run in runs)
-    print(f"llama-server stalled (a generation over {STALL_FACTOR:.0f}x its run's median) in {stalled} of {len(runs)} runs")
+    print(f"llama-server stalled (a generation over {STALL_FACTOR:.0f}x its run's median) "
+          f"in {stalled} of {len(runs)} runs")
     for tokens in lengths:
         print(f"slots vs direct, {tokens}-token requests, all at once (median [range] of {args.rounds} rounds): " +
               ", ".join(f"{slots} slot{'s' if slots > 1 else ''} {_spread(figures[slots, tokens].ratios(ALL_AT_ONCE))}"
