@@ -36,11 +36,11 @@ model computes, and `/metrics` serves one fixed counter.
 Test controls, by request header: `x-test-id` names the request; `x-test-hold: 1` keeps it
 running until `release(test_id)`; `x-test-sleep-ms` computes that long; `x-test-fail: 1` answers
 500; `x-test-status: N` answers N at once with llama-server's error shape, without computing
-(a request it refuses: 400 for a prompt too long, 404, ...); a body with `"stream": true` gets a server-sent-event stream of `x-test-chunks` events
-`x-test-chunk-ms` apart. By attribute: `slots_failures` makes that many next `GET /slots` answer
-500, `slots_stall_s` makes them answer that late (llama-server's main loop busy with a long
-prompt batch), `listed_loaded` (router mode) lists those models loaded though they are not (a
-list read just before an unload).
+(a request it refuses: 400 for a prompt too long, 404, ...); a body with `"stream": true` gets a
+server-sent-event stream of `x-test-chunks` events `x-test-chunk-ms` apart. By attribute:
+`slots_failures` makes that many next `GET /slots` answer 500, `slots_stall_s` makes them answer
+that late (llama-server's main loop busy with a long prompt batch), `listed_loaded` (router
+mode) lists those models loaded though they are not (a list read just before an unload).
 
 `api_key` set (llama-server's --api-key): every request but `GET /health` needs
 `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) and gets llama-server's 401 `Invalid API Key`

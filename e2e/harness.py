@@ -45,7 +45,8 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, inter
         except Exception as exc:  # noqa: BLE001 - retried until the deadline
             last_error = exc
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+    cause = f": {last_error!r}" if last_error else ""
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{cause}")
 
 
 async def async_wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, interval: float = 0.02,
@@ -62,7 +63,8 @@ async def async_wait_for(predicate: Callable[[], Any], *, timeout: float = DEADL
         except Exception as exc:  # noqa: BLE001
             last_error = exc
         await asyncio.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+    cause = f": {last_error!r}" if last_error else ""
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{cause}")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -257,7 +259,8 @@ def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *
             yield stack
             if upstream is not None and upstream.autoloaded:
                 raise AssertionError(f"asking the upstream (GET /slots, /props or /metrics ?model=) loaded "
-                                     f"{upstream.autoloaded}: llama-server would have swapped models behind the scheduler")
+                                     f"{upstream.autoloaded}: llama-server would have swapped models behind the "
+                                     "scheduler")
             failed = False
         finally:
             if failed:

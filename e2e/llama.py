@@ -95,7 +95,8 @@ def _healthy(server: "LlamaServer") -> bool:
 def wait_healthy(server: LlamaServer, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
     """Poll ``GET /health`` until 200, with a deadline; raise (with the log) if it exits."""
     try:
-        wait_for(lambda: _healthy(server), timeout=timeout_s, interval=0.02, what=f"llama-server healthy at {server.url}")
+        wait_for(lambda: _healthy(server), timeout=timeout_s, interval=0.02,
+                 what=f"llama-server healthy at {server.url}")
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}\n--- log {server.log_path} ---\n{server.log_text()}") from None
 

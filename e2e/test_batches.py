@@ -286,7 +286,8 @@ def test_envoy_killed_mid_batch_and_started_again_loses_and_doubles_nothing(tmp_
         stack.envoy = EnvoyProcess(yaml.safe_load(bootstrap), tmp_path, name="envoy-again")
         client = _client(stack)
         done = _finished(client, batch.id)
-        assert sorted(r["custom_id"] for r in _records(client, done.output_file_id)) == sorted(f"e{n}" for n in range(10))
+        custom_ids = sorted(r["custom_id"] for r in _records(client, done.output_file_id))
+        assert custom_ids == sorted(f"e{n}" for n in range(10))
         assert _records(client, done.error_file_id) == []
         client.close()
 
@@ -357,4 +358,5 @@ def test_one_trace_per_batch_holds_each_line_with_envoy_and_the_sidecar_under_it
             ancestor = by_id[run.parent_span_id]
             while ancestor.name != "llamaswap.batch.line":
                 ancestor = by_id[ancestor.parent_span_id]
-            assert run.attributes["llamaswap.request_id"] == f"{batch.id}:{ancestor.attributes['llamaswap.batch.custom_id']}"
+            custom_id = ancestor.attributes["llamaswap.batch.custom_id"]
+            assert run.attributes["llamaswap.request_id"] == f"{batch.id}:{custom_id}"

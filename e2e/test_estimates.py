@@ -121,8 +121,10 @@ async def test_recorded_traffic_replays_as_it_happened(tmp_path: pathlib.Path) -
     config = {"activity": {"path": str(activity)}}
     # (request id, priority, model, run ms): behind a blocker, then more while they run.
     first_wave = [("i1", "interactive", "model-b", 120), ("n1", "normal", "model-a", 80),
-                  ("b1", "batch", "model-a", 60), ("n2", "normal", "model-b", 100), ("i2", "interactive", "model-a", 90)]
-    second_wave = [("n3", "normal", "model-a", 70), ("b2", "batch", "model-b", 50), ("i3", "interactive", "model-b", 60)]
+                  ("b1", "batch", "model-a", 60), ("n2", "normal", "model-b", 100),
+                  ("i2", "interactive", "model-a", 90)]
+    second_wave = [("n3", "normal", "model-a", 70), ("b2", "batch", "model-b", 50),
+                   ("i3", "interactive", "model-b", 60)]
     with running_stack(tmp_path, config, fake=FakeLlamaServer(router=True)) as stack:  # models swap by name
         async with aiohttp.ClientSession() as session:
             blocker = await start_blocker(stack, session, model="model-a")
@@ -176,7 +178,8 @@ async def test_the_size_a_request_asks_for_reaches_the_estimates(tmp_path: pathl
     with running_stack(tmp_path, config) as stack:
         async with aiohttp.ClientSession() as session:
             for index in range(3):  # teach the run time per token asked
-                reply = await chat(session, stack.url, f"warm{index}", sleep_ms=100, body=_sized("model-a", max_tokens=64))
+                reply = await chat(session, stack.url, f"warm{index}", sleep_ms=100,
+                                   body=_sized("model-a", max_tokens=64))
                 assert reply.status == 200
             blocker = await start_blocker(stack, session, body=_sized("model-a", max_tokens=200))
             small = asyncio.create_task(chat(session, stack.url, "small", body=_sized("model-a", max_tokens=64)))
@@ -215,8 +218,8 @@ async def test_recorded_traffic_with_two_slots_replays_as_it_happened(tmp_path: 
             blocker = await start_blocker(stack, session, model="model-a")
             tasks = []
             for request_id, priority, run_ms in wave:
-                tasks.append(asyncio.create_task(chat(session, stack.url, request_id, priority=priority, sleep_ms=run_ms,
-                                                      body=_sized("model-a", max_tokens=run_ms))))
+                tasks.append(asyncio.create_task(chat(session, stack.url, request_id, priority=priority,
+                                                      sleep_ms=run_ms, body=_sized("model-a", max_tokens=run_ms))))
                 await async_wait_for(lambda rid=request_id: any(w["request_id"] == rid
                                                                 for w in stack.sidecar.queue()["waiting"])
                                      or rid in stack.upstream.order(), what=f"{request_id} arrived")

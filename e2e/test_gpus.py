@@ -34,7 +34,8 @@ CHEAP_SWAPS = {"estimates": {"defaultRunSeconds": 3600, "defaultSwapSeconds": 0}
 
 
 @contextlib.contextmanager
-def two_fakes(loaded: tuple[str | None, str | None] = (None, None)) -> Iterator[tuple[FakeLlamaServer, FakeLlamaServer]]:
+def two_fakes(loaded: tuple[str | None, str | None] = (None, None)
+              ) -> Iterator[tuple[FakeLlamaServer, FakeLlamaServer]]:
     """Two router-mode fakes (models a, b, c; one in memory at a time), gpu0's and gpu1's. A test
     in which the sidecar's own questions loaded a model on either fails."""
     fakes: list[FakeLlamaServer] = []
@@ -245,7 +246,8 @@ async def test_an_abandoned_generation_holds_its_gpu_until_its_slots_say_idle_wh
             asked_before = len(gpu0.slots_asked)
             a2 = asyncio.create_task(chat(session, node.url, "a2", model="model-a"))
             await _waiting(node, "a2")
-            others = await asyncio.gather(*(chat(session, node.url, test_id, model="model-b") for test_id in ("b1", "b2")))
+            others = await asyncio.gather(*(chat(session, node.url, test_id, model="model-b")
+                                            for test_id in ("b1", "b2")))
             assert [reply.status for reply in others] == [200, 200]
             await async_wait_for(lambda: len(gpu0.slots_asked) > asked_before, what="gpu0's /slots asked again")
             assert node.waiting() == ["a2"] and gpu0.order() == ["a1"] and gpu0.active == 1

@@ -162,7 +162,8 @@ async def test_one_trace_holds_client_envoy_and_sidecar_spans(tmp_path: pathlib.
         # The winner overtook `early`, named by its request id (from its own trace).
         early_queue = await async_wait_for(
             lambda: [s for s in receiver.spans(name="llamaswap.queue")
-                     if s.attributes.get("llamaswap.priority") == 0 and s.attributes.get("llamaswap.model") == "model-b"],
+                     if s.attributes.get("llamaswap.priority") == 0
+                     and s.attributes.get("llamaswap.model") == "model-b"],
             what="early's queue span")
         early_id = early_queue[0].attributes["llamaswap.request_id"]
         overtook = [e for e in queue.events if e.name == "llamaswap.overtook"]

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from client import chat, start_blocker
-from harness import (EnvoyProcess, activity_records, SidecarProcess, async_wait_for, free_port, get_json, http_get, metric_samples,
-                     running_stack, wait_for, write_config)
+from harness import (EnvoyProcess, activity_records, SidecarProcess, async_wait_for, free_port, get_json, http_get,
+                     metric_samples, running_stack, wait_for, write_config)
 from llamaswap.config import parse_config
 from llamaswap.envoy.bootstrap import build_bootstrap
 

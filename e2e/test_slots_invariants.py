@@ -140,7 +140,8 @@ async def test_a_refused_request_leaves_its_model_loaded(tmp_path: pathlib.Path,
             fake.release("a1")
             fake.release("a2")
             replies = [await a1, await a2]
-            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"a2"}), what="a2's record")
+            records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"a2"}),
+                                           what="a2's record")
         assert [reply.status for reply in replies] == [200, 200]
         assert (records["a2"]["load"], records["a2"]["swap"]) == (False, False)
 

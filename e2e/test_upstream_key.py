@@ -59,7 +59,8 @@ def test_no_key_for_a_keyed_upstream_stops_the_sidecar_with_the_key_to_set(tmp_p
 
 
 def test_an_unreadable_key_is_a_configuration_error(tmp_path: pathlib.Path) -> None:
-    status, log = _serve_exit(tmp_path, "http://127.0.0.1:9", {"upstream": {"apiKey": "env:LLAMASWAP_TEST_NO_SUCH_KEY"}})
+    status, log = _serve_exit(tmp_path, "http://127.0.0.1:9",
+                              {"upstream": {"apiKey": "env:LLAMASWAP_TEST_NO_SUCH_KEY"}})
     assert status == 2
     assert "upstream.apiKey: the environment variable LLAMASWAP_TEST_NO_SUCH_KEY is unset or empty" in log
 
