@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
+from llamaswap.core.index import Entry
 from llamaswap.core.priority import Priority
 
 
@@ -40,6 +41,12 @@ class KeptPlace:
     def waited_ns(self) -> int:
         """How long it had waited when its client left."""
         return self.left_ns - self.arrival_ns
+
+    @classmethod
+    def of(cls, entry: Entry, key: bytes, now_ns: int, grace_ns: int) -> KeptPlace:
+        """The place of the waiting `entry`, whose client left at `now_ns`, kept for `grace_ns`."""
+        return cls(key, entry.request_id, entry.priority, entry.model, entry.priority_model, entry.arrival_ns,
+                   entry.seq, now_ns, now_ns + grace_ns)
 
 
 class KeptPlaces:
@@ -72,6 +79,21 @@ class KeptPlaces:
     def take(self, key: bytes) -> KeptPlace | None:
         """Remove and return the place kept under `key`, if any."""
         return self._by_key.pop(key, None)
+
+    def take_over(self, key: bytes, priority: Priority, model: str | None, now_ns: int,
+                  max_wait_ns: int) -> KeptPlace | None:
+        """The place a retry under `key` with `priority` and `model` takes over at `now_ns`, removed;
+        None if none is kept under `key`, or if the one kept is not the same request after all (another
+        priority or model) or is already due (its end is `due`'s to report, however late its timer
+        runs): then it stays kept."""
+        place = self.take(key)
+        if place is None:
+            return None
+        if (place.priority.value != priority.value or place.model != model or now_ns >= place.until_ns
+                or (max_wait_ns and now_ns - place.arrival_ns >= max_wait_ns)):
+            self.add(place)
+            return None
+        return place
 
     def due(self, now_ns: int, max_wait_ns: int) -> list[KeptPlace]:
         """Remove and return every place whose grace period ended, or that has waited

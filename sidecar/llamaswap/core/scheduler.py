@@ -271,13 +271,9 @@ class Scheduler:
         named = priority_model if priority_model is not None else model
         depth = len(self._waiting)
         now = self._clock.now_ns()
-        place = self._kept.take(retry_key) if retry_key is not None else None
-        if place is not None and (place.priority.value != priority.value or place.model != model
-                                  or now >= place.until_ns or self._past_max_wait(place.arrival_ns, now)):
-            # Not the same request after all, or a place already due (its end is `expire_kept`'s
-            # to report, however late its timer runs): it stays kept.
-            self._kept.add(place)
-            place = None
+        place = None
+        if retry_key is not None:
+            place = self._kept.take_over(retry_key, priority, model, now, self._policy.max_wait_ns)
         if place is None:
             limit = self._policy.max_queued
             if limit and depth + len(self._kept) >= limit:
@@ -316,13 +312,8 @@ class Scheduler:
             return None
         self._remove(entry)
         now = self._clock.now_ns()
-        place = KeptPlace(key, request_id, entry.priority, entry.model, entry.priority_model, entry.arrival_ns,
-                          entry.seq, now, now + grace_ns)
+        place = KeptPlace.of(entry, key, now, grace_ns)
         return self._removed(entry, now), place if self._kept.add(place) else None
-
-    def _past_max_wait(self, arrival_ns: int, now_ns: int) -> bool:
-        limit_ns = self._policy.max_wait_ns
-        return bool(limit_ns) and now_ns - arrival_ns >= limit_ns
 
     def expire_kept(self) -> list[KeptPlace]:
         """End every kept place whose grace period is over or that waited ``max_wait_s`` since
