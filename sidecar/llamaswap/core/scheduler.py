@@ -11,7 +11,7 @@ and the `t` term is common to all. Ordering by the time-free key
 ``(priority + bonus) * D - arrival`` therefore orders by current score. The only bonus is
 swap affinity, which applies to exactly the requests whose model is loaded; those live in a
 per-model heap, so the winner is the better of the top of the global heap and the top of the
-loaded model's heap plus the bonus (`_pick`). Everything is integer nanoseconds, so the
+loaded model's heap plus the bonus (`order.pick`). Everything is integer nanoseconds, so the
 comparison is exact and equal scores fall back to arrival order.
 
 Slots (`slots.py`): the upstream serves several generations of its loaded model at once. The
@@ -28,7 +28,7 @@ Invariants, enforced here (by applying `dispatch.turn` to the one record of the 
   and nothing is granted beside it;
 - a request is either waiting, running, or gone; never two at once;
 - the dispatch order shown by ``snapshot`` is the order ``next`` grants in when the grants are
-  taken one at a time, because both use the same ``_pick`` (with several slots, a reserved
+  taken one at a time, because both use the same ``order.pick`` (with several slots, a reserved
   slot can let an interactive request start before a non-interactive one listed ahead of it);
 - a loaded-model report older than the latest grant, or made while anything runs, is ignored
   (``set_loaded_model``);
@@ -40,13 +40,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
+from llamaswap.core import order
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
     OVERTAKEN_LIMIT,
     BandStats,
     Decision,
-    LaneView,
     Queued,
     QueueSnapshot,
     Released,
@@ -100,8 +100,8 @@ class Scheduler:
                 known[lane_policy.name].apply(lane_policy)
         if not self._lanes:
             self._lanes = [LaneState(lane_policy) for lane_policy in lanes]
-        order = [lane.name for lane in lanes]
-        self._lanes.sort(key=lambda lane: order.index(lane.name))
+        names = [lane.name for lane in lanes]
+        self._lanes.sort(key=lambda lane: names.index(lane.name))
         self._first = self._lanes[0]
         self._node = len(self._lanes) > 1
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
@@ -236,8 +236,7 @@ class Scheduler:
     def slots_total_on(self, upstream: str | None = None) -> int:
         """The slots ``next`` fills up to now on an upstream: those of the model its grants name,
         else of its loaded model (the default when none is known)."""
-        lane = self._lane(upstream)
-        return slots_in_effect(lane.policy.slots, lane.running, lane.loaded)
+        return order.slots_total(self._lane(upstream))
 
     @property
     def what_runs(self) -> Running:
@@ -364,7 +363,7 @@ class Scheduler:
             return None  # every slot is taken (with one slot: anything runs)
         loaded = lane.loaded
         aged, plain = self._aged, self._plain
-        winner = self._pick(aged, loaded)
+        winner = order.pick(aged, loaded, self._bonus)
         verdict = turn(lane.policy.slots, loaded, running, winner, self._best_interactive)
         if verdict is Turn.WAIT:
             return None
@@ -372,12 +371,13 @@ class Scheduler:
         if reserved_slot:
             assert self._reserved is not None  # only reserved slots are free: reserved > 0
             aged, plain = self._reserved
-            winner = self._pick(aged, loaded)
-        return self._grant(lane, winner, aged, plain, reserved_slot, lambda index: self._pick(index, loaded))
+            winner = order.pick(aged, loaded, self._bonus)
+        return self._grant(lane, winner, aged, plain, reserved_slot,
+                           lambda index: order.pick(index, loaded, self._bonus))
 
     def _next_on_node(self, blocked: frozenset[str], times: LaneTimes) -> Decision | None:
         """The node rule down the order (`node.walk`), then the grant it found."""
-        loaded = self._warm_models(blocked)
+        loaded = order.warm_models(self._lanes, blocked)
 
         def pick(index: Index) -> Entry:
             return pick_among(index, loaded, self._bonus)
@@ -427,7 +427,7 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model != loaded
-        # `_affinity` and `_aging`, inline: this runs once per grant.
+        # The affinity bonus and the aging term, inline: this runs once per grant.
         affinity = self._bonus if model is not None and model == loaded else 0
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
@@ -544,54 +544,13 @@ class Scheduler:
     # -- inspection ----------------------------------------------------------------------
 
     def snapshot(self) -> QueueSnapshot:
-        """A read-only picture; the simulated order makes it O(n log n), so keep it off hot paths."""
-        now = self._clock.now_ns()
-        waiting = tuple(
-            WaitingView(
-                request_id=entry.request_id,
-                position=index + 1,
-                priority=entry.priority.value,
-                band=entry.priority.band,
-                score=entry.base + bonus + self._aging(now - entry.arrival_ns),
-                swap_affinity=bonus > 0,
-                waited_s=(now - entry.arrival_ns) / NS_PER_S,
-                model=entry.model,
-            )
-            for index, (entry, bonus) in enumerate(self._dispatch_order())
-        )
-        grants = tuple(
-            RunningView(
-                request_id=decision.request_id,
-                priority=decision.priority,
-                band=decision.band,
-                score=decision.score,
-                model=decision.model,
-                model_load=decision.model_load,
-                queue_wait_s=decision.queue_wait_ns / NS_PER_S,
-                running_s=(now - decision.granted_ns) / NS_PER_S,
-                alone=decision.alone,
-                upstream=decision.upstream,
-                beside_load=None if (load := decision.beside_load) is None else (load[0], (now - load[1]) / NS_PER_S),
-            )
-            for decision in self.running_grants
-        )
-        lanes = tuple(LaneView(lane.name, lane.loaded, len(lane.grants), self.slots_total_on(lane.name))
-                      for lane in self._lanes)
-        return QueueSnapshot(self._policy.name, self._first.loaded, waiting, self.band_stats(), grants,
-                             self.slots_total, lanes)
+        """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
+        return order.snapshot(self._policy, self._lanes, self._aged, len(self._waiting), self.running_grants,
+                              self._arrivals, self._clock.now_ns())
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
-        now = self._clock.now_ns()
-        stats = {}
-        for band in Band:
-            oldest = self._arrivals.oldest_of(band)
-            if oldest is None:
-                stats[band] = BandStats(0, 0.0, None)
-            else:
-                oldest_wait_s = (now - oldest.arrival_ns) / NS_PER_S
-                stats[band] = BandStats(self._arrivals.depth(band), oldest_wait_s, oldest.arrival_ns)
-        return stats
+        return order.band_stats(self._arrivals, self._clock.now_ns())
 
     # -- internals -----------------------------------------------------------------------
 
@@ -599,64 +558,7 @@ class Scheduler:
         """The reserved slots' candidate: the best interactive request (None: none waits)."""
         assert self._reserved is not None
         aged = self._reserved[0]
-        return self._pick(aged, self._first.loaded) if aged.top() is not None else None
-
-    def _dispatch_order(self) -> list[tuple[Entry, int]]:
-        """The order `next` would grant in if nothing changed, with each one's affinity bonus
-        at its turn: the same `_pick` on a copy of the index, each simulated grant making its
-        model the loaded one. (Over several upstreams: best score first, with the bonus where a
-        request's model is loaded now; which upstream each one takes is the estimates' walk.)"""
-        index = self._aged.copy()
-        taken: set[int] = set()
-        order: list[tuple[Entry, int]] = []
-        if self._node:
-            loaded_now = self._warm_models(frozenset())
-            for _ in range(len(self._waiting)):
-                pick = pick_among(index, loaded_now, self._bonus, taken)
-                taken.add(pick.seq)
-                order.append((pick, self._bonus if pick.model is not None and pick.model in loaded_now else 0))
-            return order
-        loaded = self._first.loaded
-        for _ in range(len(self._waiting)):
-            pick = self._pick(index, loaded, taken)
-            taken.add(pick.seq)
-            order.append((pick, self._affinity(pick, loaded)))
-            if pick.model is not None and not pick.alone:
-                loaded = pick.model
-        return order
-
-    def _warm_models(self, blocked: frozenset[str]) -> frozenset[str]:
-        """The models whose requests get the swap-affinity bonus over a node: those loaded on a
-        GPU that has a slot for one now. A model loaded only on full or held GPUs earns none:
-        the bonus is for starting without a swap, as with one GPU, so an idle GPU's own model
-        wins by it over a slightly better request whose model runs elsewhere (which would swap
-        the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
-        return frozenset(lane.loaded for lane in self._lanes
-                         if lane.loaded is not None and lane.name not in blocked and not lane.running.alone
-                         and lane.running.busy < slots_in_effect(lane.policy.slots, lane.running, lane.loaded))
-
-    def _pick(self, index: Index, loaded: str | None, taken: set[int] | None = None) -> Entry:
-        """The winner among the waiting in `index` while `loaded` is loaded: the better of the
-        global top and the loaded model's top plus the bonus (key, then earlier arrival)."""
-        top = index.top(taken)
-        assert top is not None, "called with an empty queue"
-        if loaded is None or not self._bonus:
-            return top[2]
-        favourite = index.top_of(loaded, taken)
-        if favourite is None or favourite[2] is top[2]:
-            return top[2]
-        top_key = -top[0]  # the global top has no bonus, or it would be the favourite
-        favourite_key = -favourite[0] + self._bonus * index.scale
-        if favourite_key > top_key or (favourite_key == top_key and favourite[1] < top[1]):
-            return favourite[2]
-        return top[2]
-
-    def _affinity(self, entry: Entry, loaded: str | None) -> int:
-        """The swap-affinity bonus, in points, that `entry` gets while `loaded` is loaded."""
-        return self._bonus if entry.model is not None and entry.model == loaded else 0
-
-    def _aging(self, waited_ns: int) -> float:
-        return waited_ns / self._divisor_ns if self._divisor_ns else 0.0
+        return order.pick(aged, self._first.loaded, self._bonus) if aged.top() is not None else None
 
     def _remove(self, entry: Entry) -> None:
         entry.alive = False

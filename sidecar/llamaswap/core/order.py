@@ -1,0 +1,138 @@
+"""The dispatch order: who wins the next grant (`pick`), and the order the queue's snapshot shows.
+
+The snapshot's order is the order `Scheduler.next` grants in when the grants are taken one at a
+time, because both use the same `pick` (with several slots, a reserved slot can let an
+interactive request start before a non-interactive one listed ahead of it). Over several GPUs
+the order is best score first, with the swap-affinity bonus where a request's model is loaded
+on a GPU that has a slot for one now (`warm_models`); which GPU each one takes is the
+estimates' walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llamaswap.core.arrivals import Arrivals
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapshot, RunningView, WaitingView
+from llamaswap.core.dispatch import slots_in_effect
+from llamaswap.core.index import Entry, Index
+from llamaswap.core.lanes import LaneState
+from llamaswap.core.node import pick_among
+from llamaswap.core.policy import Policy
+from llamaswap.core.priority import Band
+
+
+def pick(index: Index, loaded: str | None, bonus: int, taken: set[int] | None = None) -> Entry:
+    """The winner among the waiting in `index` while `loaded` is loaded: the better of the
+    global top and the loaded model's top plus the bonus (key, then earlier arrival)."""
+    top = index.top(taken)
+    assert top is not None, "called with an empty queue"
+    if loaded is None or not bonus:
+        return top[2]
+    favourite = index.top_of(loaded, taken)
+    if favourite is None or favourite[2] is top[2]:
+        return top[2]
+    top_key = -top[0]  # the global top has no bonus, or it would be the favourite
+    favourite_key = -favourite[0] + bonus * index.scale
+    if favourite_key > top_key or (favourite_key == top_key and favourite[1] < top[1]):
+        return favourite[2]
+    return top[2]
+
+
+def warm_models(lanes: Sequence[LaneState], blocked: frozenset[str]) -> frozenset[str]:
+    """The models whose requests get the swap-affinity bonus over a node: those loaded on a
+    GPU that has a slot for one now. A model loaded only on full or held GPUs earns none:
+    the bonus is for starting without a swap, as with one GPU, so an idle GPU's own model
+    wins by it over a slightly better request whose model runs elsewhere (which would swap
+    the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
+    return frozenset(lane.loaded for lane in lanes
+                     if lane.loaded is not None and lane.name not in blocked and not lane.running.alone
+                     and lane.running.busy < slots_in_effect(lane.policy.slots, lane.running, lane.loaded))
+
+
+def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: int) -> list[tuple[Entry, int]]:
+    """The order `Scheduler.next` would grant the `count` waiting requests of `index` in if
+    nothing changed, with each one's affinity bonus at its turn: the same `pick` on a copy of
+    the index, each simulated grant making its model the loaded one. (Over several GPUs: best
+    score first, with the bonus where a request's model is loaded now.)"""
+    index = index.copy()
+    taken: set[int] = set()
+    order: list[tuple[Entry, int]] = []
+    if len(lanes) > 1:
+        loaded_now = warm_models(lanes, frozenset())
+        for _ in range(count):
+            winner = pick_among(index, loaded_now, bonus, taken)
+            taken.add(winner.seq)
+            order.append((winner, bonus if winner.model is not None and winner.model in loaded_now else 0))
+        return order
+    loaded = lanes[0].loaded
+    for _ in range(count):
+        winner = pick(index, loaded, bonus, taken)
+        taken.add(winner.seq)
+        order.append((winner, bonus if winner.model is not None and winner.model == loaded else 0))
+        if winner.model is not None and not winner.alone:
+            loaded = winner.model
+    return order
+
+
+def slots_total(lane: LaneState) -> int:
+    """The slots `Scheduler.next` fills up to now on a GPU: those of the model its grants name,
+    else of its loaded model (the default when none is known)."""
+    return slots_in_effect(lane.policy.slots, lane.running, lane.loaded)
+
+
+def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
+    """Depth and oldest wait per band in O(1) amortised (for metrics)."""
+    stats = {}
+    for band in Band:
+        oldest = arrivals.oldest_of(band)
+        if oldest is None:
+            stats[band] = BandStats(0, 0.0, None)
+        else:
+            oldest_wait_s = (now_ns - oldest.arrival_ns) / NS_PER_S
+            stats[band] = BandStats(arrivals.depth(band), oldest_wait_s, oldest.arrival_ns)
+    return stats
+
+
+def snapshot(policy: Policy, lanes: Sequence[LaneState], index: Index, count: int, grants: Sequence[Decision],
+             arrivals: Arrivals, now_ns: int) -> QueueSnapshot:
+    """A read-only picture of the queue: the `count` waiting requests of `index` in dispatch
+    order, the running `grants` and each GPU. The simulated order makes it O(n log n)."""
+    divisor = policy.aging_divisor_ns
+    waiting = tuple(
+        WaitingView(
+            request_id=entry.request_id,
+            position=position + 1,
+            priority=entry.priority.value,
+            band=entry.priority.band,
+            score=entry.base + bonus + ((now_ns - entry.arrival_ns) / divisor if divisor else 0.0),
+            swap_affinity=bonus > 0,
+            waited_s=(now_ns - entry.arrival_ns) / NS_PER_S,
+            model=entry.model,
+        )
+        for position, (entry, bonus) in enumerate(dispatch_order(index, count, lanes, policy.swap_affinity_bonus))
+    )
+    running = tuple(running_view(decision, now_ns) for decision in grants)
+    views = tuple(LaneView(lane.name, lane.loaded, len(lane.grants), slots_total(lane)) for lane in lanes)
+    first = lanes[0]
+    return QueueSnapshot(policy.name, first.loaded, waiting, band_stats(arrivals, now_ns), running,
+                         slots_total(first), views)
+
+
+def running_view(decision: Decision, now_ns: int) -> RunningView:
+    """A running grant as the snapshot shows it at `now_ns`."""
+    load = decision.beside_load
+    return RunningView(
+        request_id=decision.request_id,
+        priority=decision.priority,
+        band=decision.band,
+        score=decision.score,
+        model=decision.model,
+        model_load=decision.model_load,
+        queue_wait_s=decision.queue_wait_ns / NS_PER_S,
+        running_s=(now_ns - decision.granted_ns) / NS_PER_S,
+        alone=decision.alone,
+        upstream=decision.upstream,
+        beside_load=None if load is None else (load[0], (now_ns - load[1]) / NS_PER_S),
+    )
