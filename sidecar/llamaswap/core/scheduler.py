@@ -238,12 +238,8 @@ class Scheduler:
         else of its loaded model (the default when none is known)."""
         return order.slots_total(self._lane(upstream))
 
-    @property
-    def what_runs(self) -> Running:
-        """What the first upstream's grants hold, as the dispatch rule reads it."""
-        return self._first.running
-
     def what_runs_on(self, upstream: str | None = None) -> Running:
+        """What an upstream's grants hold (None: the first's), as the dispatch rule reads it."""
         return self._lane(upstream).running
 
     def lane_views(self, blocked: frozenset[str] = frozenset()) -> tuple[Lane, ...]:
