@@ -8,7 +8,14 @@ traffic through this very code). `tests/test_core_imports.py` enforces the rule.
 
 from llamaswap.core.clock import Clock, ManualClock, MonotonicClock
 from llamaswap.core.estimate import NO_MODEL, Estimator
-from llamaswap.core.outcome import SHUTDOWN_RETRY_AFTER_S, Outcome, model_stays_loaded
+from llamaswap.core.outcome import (
+    SHUTDOWN_RETRY_AFTER_S,
+    ExchangeEnd,
+    Outcome,
+    abandons,
+    exchange_outcome,
+    model_stays_loaded,
+)
 from llamaswap.core.priority import (
     BAND_NAMES,
     Band,
@@ -44,6 +51,7 @@ __all__ = [
     "Clock",
     "Decision",
     "Estimator",
+    "ExchangeEnd",
     "InvalidSlots",
     "ManualClock",
     "MonotonicClock",
@@ -66,7 +74,9 @@ __all__ = [
     "Slots",
     "UnknownRequest",
     "WaitingView",
+    "abandons",
     "band_of",
+    "exchange_outcome",
     "model_stays_loaded",
     "parse_priority",
 ]

@@ -10,6 +10,18 @@ from __future__ import annotations
 import enum
 
 
+class ExchangeEnd(str, enum.Enum):
+    """How a granted exchange ended, as Envoy reported it (the adapters read Envoy's flags)."""
+
+    COMPLETE = "complete"  # the upstream's whole response went to the client
+    CLIENT_LEFT = "client_left"  # the client went away mid-exchange: the upstream may still compute
+    UPSTREAM_FAILED = "upstream_failed"  # the upstream reset, timed out or broke off its response
+    NOT_SENT = "not_sent"  # the request never reached the upstream (no connection, no route)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Outcome(str, enum.Enum):
     # Granted the GPU, and the upstream answered in full (any status below 500).
     SERVED = "served"
@@ -62,14 +74,37 @@ _MODEL_STAYS_LOADED = frozenset({
 })
 
 
-def model_stays_loaded(outcome: Outcome, status: int | None) -> bool | None:
+def exchange_outcome(end: ExchangeEnd, status: int) -> Outcome:
+    """The outcome of a granted exchange that ended with `end`, the client having been sent the
+    HTTP `status`: served if the upstream answered in full below 500; the client leaving is a
+    cancellation; anything else the upstream's error."""
+    if end is ExchangeEnd.COMPLETE:
+        return Outcome.SERVED if status < 500 else Outcome.UPSTREAM_ERROR
+    if end is ExchangeEnd.CLIENT_LEFT:
+        return Outcome.CANCELLED_RUNNING
+    return Outcome.UPSTREAM_ERROR
+
+
+def abandons(end: ExchangeEnd) -> bool:
+    """Whether an exchange that ended with `end` may leave the upstream computing (a settle follows)."""
+    return end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
+
+
+def model_stays_loaded(outcome: Outcome, status: int | None, *, one_model: bool = False,
+                       alone: bool = False) -> bool | None:
     """Whether a grant that ended with `outcome` (and the upstream's HTTP `status`, None if not
     known) leaves its model loaded: True if the upstream answered it successfully (200..399) or
     was still generating for it; False after a failure (nothing is known to be loaded); None
     when the answer says nothing about the model (a 4xx: the request was refused, a prompt too
     long, an unknown path), so what the scheduler believed stays, except that a model this grant
-    was to load is not known to have loaded (`Scheduler.release`). The runtime's releases and
-    the simulator's replay both follow this."""
+    was to load is not known to have loaded (`Scheduler.release`). On an upstream that serves
+    `one_model` (which nothing unloads) it always stays: a failure changes nothing there; after a
+    request that runs `alone` (an unload) its model is not loaded (nor was it if refused). The
+    runtime's releases and the simulator's replay both follow this."""
+    if one_model:
+        return True
+    if alone:
+        return False
     if outcome is Outcome.SERVED:
         if status is not None and 400 <= status < 500:
             return None

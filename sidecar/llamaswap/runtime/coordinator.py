@@ -52,8 +52,11 @@ from llamaswap.core import (
     Estimator,
     MonotonicClock,
     Outcome,
+    ExchangeEnd,
     QueueFull,
     Scheduler,
+    abandons,
+    exchange_outcome,
     model_stays_loaded,
 )
 from llamaswap.core.dispatch import NO_TIMES
@@ -67,8 +70,7 @@ from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import (NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult,
                                         lane_pictures, overtaken_by)
 from llamaswap.runtime.settle import Settling
-from llamaswap.runtime.ticket import (Admission, Arrival, ExchangeEnd, ExchangeReport, Refusal, Ticket, TicketState,
-                                      Tokens)
+from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
 from llamaswap.runtime.watchdogs import Watchdogs
@@ -286,14 +288,7 @@ class Coordinator:
         end = report.end or ExchangeEnd.UPSTREAM_FAILED
         ticket.end = end
         ticket.response_status = report.status
-        if end is ExchangeEnd.COMPLETE:
-            outcome = Outcome.SERVED if report.status < 500 else Outcome.UPSTREAM_ERROR
-        elif end is ExchangeEnd.CLIENT_LEFT:
-            outcome = Outcome.CANCELLED_RUNNING
-        else:
-            outcome = Outcome.UPSTREAM_ERROR
-        abandoned = end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
-        self._release(ticket, outcome, abandoned=abandoned)
+        self._release(ticket, exchange_outcome(end, report.status), abandoned=abandons(end))
 
     def peer_gone(self, peer: str) -> None:
         """An Envoy access-log stream ended: that Envoy connection's grant and waiting Checks
@@ -444,13 +439,10 @@ class Coordinator:
         self._observe(self._observer.dispatched, ticket, overtaken)
 
     def _release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
-        model_loaded = model_stays_loaded(outcome, ticket.response_status)
         decision = ticket.decision
         gpu = self.gpus.named(decision.upstream if decision is not None else None)
-        if gpu.catalog.single_model() is not None:
-            model_loaded = True  # one model that nothing unloads: a failure changes nothing there
-        elif ticket.alone:
-            model_loaded = False  # an unload: its model is not loaded now (nor was it if refused)
+        model_loaded = model_stays_loaded(outcome, ticket.response_status,
+                                          one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         released = self.scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self._watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
@@ -535,9 +527,7 @@ class Coordinator:
             if not report.final:
                 self._leases.renew_adopted(token, self._lease_ns())
                 return
-            end = report.end or ExchangeEnd.UPSTREAM_FAILED
-            self._end_adoption(token, SettleResult.ENDED,
-                               abandoned=end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED))
+            self._end_adoption(token, SettleResult.ENDED, abandoned=abandons(report.end or ExchangeEnd.UPSTREAM_FAILED))
             self._update_idle()
             self._pump()
             return

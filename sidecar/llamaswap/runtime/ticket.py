@@ -15,24 +15,14 @@ import enum
 import os
 
 from llamaswap.core import Decision, Outcome, Priority
+# How a granted exchange ended is the core's (`core/outcome.py`: it decides the outcome); named here too.
+from llamaswap.core.outcome import ExchangeEnd as ExchangeEnd
 
 
 class TicketState(str, enum.Enum):
     WAITING = "waiting"  # in the scheduler's queue, its Check held
     RUNNING = "running"  # granted: its exchange holds the GPU
     DONE = "done"  # finished; the outcome is final
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ExchangeEnd(str, enum.Enum):
-    """How a granted exchange ended, as Envoy reported it (the adapters read Envoy's flags)."""
-
-    COMPLETE = "complete"  # the upstream's whole response went to the client
-    CLIENT_LEFT = "client_left"  # the client went away mid-exchange: the upstream may still compute
-    UPSTREAM_FAILED = "upstream_failed"  # the upstream reset, timed out or broke off its response
-    NOT_SENT = "not_sent"  # the request never reached the upstream (no connection, no route)
 
     def __str__(self) -> str:
         return self.value
