@@ -34,7 +34,7 @@ Elsewhere (docs/architecture.md, "The rooms"): the model catalog checks and the 
 (`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
 queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
-request-id index (`request_ids.py`).
+request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`).
 """
 
 from __future__ import annotations
@@ -62,14 +62,13 @@ from llamaswap.core import (
 from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.config.model_key import ModelKey, model_key
 from llamaswap.runtime.gpus import Gpu, auto_slots, make_gpus, node_policy
+from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.deferred import Deferred
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
-from llamaswap.runtime.observer import (NoopObserver, Observer, QueuePicture, Settle, SettleReason, SettleResult,
-                                        lane_pictures, overtaken_by)
-from llamaswap.runtime.settle import Settling
+from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, SettleReason, lane_pictures, overtaken_by
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
@@ -125,6 +124,12 @@ class Coordinator:
         self._idle = asyncio.Event()
         self._idle.set()
         self._version = 0
+        # Settles and adopted exchanges (`adoptions.py`): what holds a GPU besides our grants.
+        self._adoptions = Adoptions(clock=self._clock, config=lambda: self._config, scheduler=self.scheduler,
+                                    gpus=self.gpus, leases=self._leases, tokens=self._tokens, observer=self._observer,
+                                    observe=self._observe, busy=self._idle.clear, changed=self._changed,
+                                    freed=self._freed, held=lambda gpu: self._holders(gpu).held,
+                                    lease_ns=self._lease_ns)
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
                                   settling=lambda: self.gpus.settling,
                                   schedule_model=lambda model: self._key(model).scheduled)
@@ -277,7 +282,7 @@ class Coordinator:
         """An access-log entry about a granted exchange: a lease renewal, or its end."""
         ticket = self._tickets.get(token)
         if ticket is None or ticket.state is not TicketState.RUNNING:
-            self._report_unknown(token, report)
+            self._adoptions.report(token, report)  # an exchange this process does not hold
             return
         if report.first_byte_s is not None:
             ticket.first_byte_s = report.first_byte_s
@@ -353,9 +358,7 @@ class Coordinator:
 
     def begin_startup_settle(self) -> None:
         """A new sidecar cannot know what the upstreams are doing: ask each before its first grant."""
-        for gpu in self.gpus:
-            if not isinstance(gpu.upstream, NoUpstream) and gpu.settling is None:
-                self._begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
+        self._adoptions.begin_startup_settle()
 
     async def learn_slots(self) -> None:
         """upstream.slots: auto: ask the upstream how many generations it runs at once, and
@@ -460,7 +463,8 @@ class Coordinator:
         # computes no more than what this process holds, and this grant is no longer held.
         if ticket.abandoned and gpu.settling is None:
             granted = decision.granted_ns if decision is not None else None
-            self._begin_settle(gpu, SettleReason.ABANDONED, ticket.model, ticket.request_id, granted, stop=stop)
+            self._adoptions.begin_settle(gpu, SettleReason.ABANDONED, ticket.model, ticket.request_id, granted,
+                                         stop=stop)
         self._update_idle()
         self._pump()
 
@@ -519,78 +523,8 @@ class Coordinator:
             # reached Envoy, so nothing reached the upstream either.
             self._release(ticket, outcome, abandoned=False, sent=False)
 
-    def _report_unknown(self, token: str, report: ExchangeReport) -> None:
-        """An entry for an exchange this process does not hold. Periodic entries prove it still
-        runs: unless it is ours and finished, or was let go on purpose (the watchdog), the GPU
-        is busy with it, so adopt it as a lease until its end."""
-        if token in self._leases.adopted:
-            if not report.final:
-                self._leases.renew_adopted(token, self._lease_ns())
-                return
-            self._end_adoption(token, SettleResult.ENDED, abandoned=abandons(report.end or ExchangeEnd.UPSTREAM_FAILED))
-            self._update_idle()
-            self._pump()
-            return
-        now = self._clock.now_ns()
-        ours = self._tokens.issued(token)
-        started_ns = self._leases.to_adopt(token, ours=ours, final=report.final, elapsed_s=report.elapsed_s, now_ns=now)
-        if started_ns is None:
-            return
-        _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
-                     "no grant until it ends", "a grant of ours whose lease lapsed or whose Envoy connection went"
-                     if ours else "granted by an earlier sidecar process", (now - started_ns) / NS_PER_S)
-        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours)
-        # It holds the upstream Envoy's entry names (the first one, where it names none).
-        self.gpus.named(report.upstream).adopted.add(token)
-        self._idle.clear()
-        self._changed()
-        self._leases.arm()
-
-    def _end_adoption(self, token: str, result: SettleResult, *, abandoned: bool) -> None:
-        """An adopted exchange no longer holds the GPU. As after a grant of ours, an end that may
-        leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
-        is followed by a settle."""
-        adoption = self._leases.end_adopted(token)
-        gpu = self.gpus.adopting(token)
-        gpu.adopted.discard(token)
-        if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
-            self._leases.forget_lapsed(token)
-        elif result is SettleResult.WATCHDOG:
-            self._leases.let_go(token)
-        settle = Settle(SettleReason.ADOPTED, result, None, "-", adoption.adopted_ns, self._clock.now_ns(), gpu.name)
-        _log.info("the adopted exchange %s after %.3f s; the GPU is free again", {
-            SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
-            SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}.get(result, str(result)), settle.seconds)
-        self._observe(self._observer.settled, settle)
-        stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
-        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and gpu.settling is None:
-            # Its model is not known: the upstream is asked about (or stops) every loaded one.
-            self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
-
-    # -- internals: settling -------------------------------------------------------------
-
-    def _begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
-                      granted_ns: int | None, *, stop: bool) -> None:
-        settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
-        gpu.settling = settling
-        self._idle.clear()
-        self._changed()
-        settling.task = asyncio.ensure_future(self._settle(gpu, settling, stop))
-
-    async def _settle(self, gpu: Gpu, settling: Settling, stop: bool) -> None:
-        """The settle loop (`settle.py`) of one GPU; then it is free again: grant."""
-        config = self._config
-
-        def unloaded() -> None:
-            if self.scheduler.set_loaded_model(None, as_of=self.scheduler.dispatches_on(gpu.name), upstream=gpu.name):
-                self._changed()
-
-        settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
-                                  settle_timeout_s=config.upstream.settle_timeout_seconds,
-                                  max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
-                                  held=lambda: self._holders(gpu).held)
-        self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
-        self._changed()
+    def _freed(self) -> None:
+        """A settle, an adoption or a lease ended: grant again."""
         self._update_idle()
         self._pump()
 
@@ -610,11 +544,7 @@ class Coordinator:
     def _leases_due(self) -> None:
         """The earliest lease deadline passed: lapsed adoptions end (as a lapsed grant of ours, with
         a settle), so do adoptions past maxRunSeconds (the watchdog's), lapsed grants are released."""
-        for token in self._leases.lapsed_adopted():
-            self._end_adoption(token, SettleResult.LAPSED, abandoned=True)
-        for token in self._leases.overrun_adopted():
-            _log.warning("watchdog: an adopted exchange held the GPU past maxRunSeconds; letting it go")
-            self._end_adoption(token, SettleResult.WATCHDOG, abandoned=False)
+        self._adoptions.due()
         lapsed = self._leases.lapsed_running()
         for running in lapsed:
             if not self.scheduler.is_running(running.token):
@@ -623,8 +553,7 @@ class Coordinator:
                          running.request_id, self._config.envoy.lease_seconds)
             self._release(running, Outcome.LEASE_EXPIRED, abandoned=True)
         if not lapsed:
-            self._update_idle()
-            self._pump()
+            self._freed()
         self._leases.arm()
 
     def _watchdog_fire(self, token: str) -> None:

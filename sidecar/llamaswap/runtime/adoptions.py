@@ -1,0 +1,150 @@
+"""Settles and adoptions: what holds a GPU besides this process's grants.
+
+A settle (`settle.py`) waits until an upstream computes no more than this process holds there:
+begun at startup, and after a grant or an adopted exchange ends in a way that may leave the
+upstream computing. An adoption is an exchange Envoy reports that this process does not hold
+(granted by an earlier sidecar process, or a grant of ours whose lease lapsed): it is held like a
+grant until its end, its lease lapses or `maxRunSeconds` passes. While either runs on a GPU,
+nothing is granted there (`Gpus.blocked`); when it ends, the coordinator is told (`freed`) so
+that it grants again. The coordinator owns the tickets; this room changes no ticket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from llamaswap.config import AbandonedGeneration, Config
+from llamaswap.core import NS_PER_S, Clock, Scheduler, abandons
+from llamaswap.runtime.gpus import Gpu, Gpus
+from llamaswap.runtime.leases import Leases
+from llamaswap.runtime.observer import Observer, Settle, SettleReason, SettleResult
+from llamaswap.runtime.settle import Settling
+from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport, Tokens
+from llamaswap.runtime.upstream import NoUpstream
+
+_log = logging.getLogger(__name__)
+
+_ENDED = {SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
+          SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}
+
+
+class Adoptions:
+    """The settles and the adopted exchanges of the node's GPUs; all methods run on one event loop.
+
+    ``busy``: a GPU is held by something new (the coordinator is not idle); ``changed``: the
+    state the views show changed; ``freed``: a settle or an adoption ended (grant again);
+    ``held``: the generations this process holds on a GPU (its grants and adopted exchanges)."""
+
+    def __init__(self, *, clock: Clock, config: Callable[[], Config], scheduler: Scheduler, gpus: Gpus,
+                 leases: Leases, tokens: Tokens, observer: Observer, observe: Callable[..., None],
+                 busy: Callable[[], None], changed: Callable[[], None], freed: Callable[[], None],
+                 held: Callable[[Gpu], int], lease_ns: Callable[[], int]) -> None:
+        self._clock = clock
+        self._config = config
+        self._scheduler = scheduler
+        self._gpus = gpus
+        self._leases = leases
+        self._tokens = tokens
+        self._observer = observer
+        self._observe = observe
+        self._busy = busy
+        self._changed = changed
+        self._freed = freed
+        self._held = held
+        self._lease_ns = lease_ns
+
+    def _stops(self) -> bool:
+        return self._config().upstream.abandoned_generation is AbandonedGeneration.STOP
+
+    # -- settles ---------------------------------------------------------------------------
+
+    def begin_startup_settle(self) -> None:
+        """A new sidecar cannot know what the upstreams are doing: ask each before its first grant."""
+        for gpu in self._gpus:
+            if not isinstance(gpu.upstream, NoUpstream) and gpu.settling is None:
+                self.begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
+
+    def begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
+                     granted_ns: int | None, *, stop: bool) -> None:
+        settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
+        gpu.settling = settling
+        self._busy()
+        self._changed()
+        settling.task = asyncio.ensure_future(self._settle(gpu, settling, stop))
+
+    async def _settle(self, gpu: Gpu, settling: Settling, stop: bool) -> None:
+        """The settle loop (`settle.py`) of one GPU; then it is free again: grant."""
+        config = self._config()
+        scheduler = self._scheduler
+
+        def unloaded() -> None:
+            if scheduler.set_loaded_model(None, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
+                self._changed()
+
+        settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
+                                  settle_timeout_s=config.upstream.settle_timeout_seconds,
+                                  max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
+                                  held=lambda: self._held(gpu))
+        self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
+        self._changed()
+        self._freed()
+
+    # -- adoptions -------------------------------------------------------------------------
+
+    def report(self, token: str, report: ExchangeReport) -> None:
+        """An entry for an exchange this process does not hold. Periodic entries prove it still
+        runs: unless it is ours and finished, or was let go on purpose (the watchdog), the GPU
+        is busy with it, so adopt it as a lease until its end."""
+        if token in self._leases.adopted:
+            if not report.final:
+                self._leases.renew_adopted(token, self._lease_ns())
+                return
+            self._end(token, SettleResult.ENDED, abandoned=abandons(report.end or ExchangeEnd.UPSTREAM_FAILED))
+            self._freed()
+            return
+        now = self._clock.now_ns()
+        ours = self._tokens.issued(token)
+        started_ns = self._leases.to_adopt(token, ours=ours, final=report.final, elapsed_s=report.elapsed_s, now_ns=now)
+        if started_ns is None:
+            return
+        whose = ("a grant of ours whose lease lapsed or whose Envoy connection went" if ours
+                 else "granted by an earlier sidecar process")
+        _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
+                     "no grant until it ends", whose, (now - started_ns) / NS_PER_S)
+        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours)
+        # It holds the upstream Envoy's entry names (the first one, where it names none).
+        self._gpus.named(report.upstream).adopted.add(token)
+        self._busy()
+        self._changed()
+        self._leases.arm()
+
+    def due(self) -> None:
+        """The leases' deadline passed: lapsed adoptions end (as a lapsed grant of ours, with a
+        settle), so do adoptions past maxRunSeconds (the watchdog's)."""
+        for token in self._leases.lapsed_adopted():
+            self._end(token, SettleResult.LAPSED, abandoned=True)
+        for token in self._leases.overrun_adopted():
+            _log.warning("watchdog: an adopted exchange held the GPU past maxRunSeconds; letting it go")
+            self._end(token, SettleResult.WATCHDOG, abandoned=False)
+
+    def _end(self, token: str, result: SettleResult, *, abandoned: bool) -> None:
+        """An adopted exchange no longer holds the GPU. As after a grant of ours, an end that may
+        leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
+        is followed by a settle."""
+        adoption = self._leases.end_adopted(token)
+        gpu = self._gpus.adopting(token)
+        gpu.adopted.discard(token)
+        if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
+            self._leases.forget_lapsed(token)
+        elif result is SettleResult.WATCHDOG:
+            self._leases.let_go(token)
+        settle = Settle(SettleReason.ADOPTED, result, None, "-", adoption.adopted_ns, self._clock.now_ns(), gpu.name)
+        how = _ENDED.get(result, str(result))
+        _log.info("the adopted exchange %s after %.3f s; the GPU is free again", how, settle.seconds)
+        self._observe(self._observer.settled, settle)
+        stop = self._stops()
+        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and gpu.settling is None:
+            # Its model is not known: the upstream is asked about (or stops) every loaded one.
+            self.begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
