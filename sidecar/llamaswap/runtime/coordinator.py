@@ -192,9 +192,8 @@ class Coordinator:
 
     def reconfigure(self, config: Config) -> None:
         """Apply new settings; the queue, the running request and the measurements are kept."""
-        if config is not self._config:  # a reload: models.<id> that match nothing are said again
-            for gpu in self.gpus:
-                gpu.catalog.warn_unmatched(config.models, anew=True)
+        if config is not self._config:
+            self.gpus.reloaded(config)
         self._config = config
         self._auto_slots = auto_slots(config)
         # Which models.<id> is each waiting request's under the new file (one may have been added).
@@ -385,21 +384,9 @@ class Coordinator:
 
     def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
         """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`
-        was `as_of` (the reconcile loop)."""
-        gpu = self.gpus.named(upstream)
-        before = gpu.catalog.single_model(), self._single_model()
-        gpu.catalog.latest = catalog
-        # A single-model upstream has its one model loaded whenever it answers.
-        own = gpu.catalog.single_model()
-        if catalog.loaded_known or own is not None:
-            loaded = catalog.loaded if catalog.loaded_known else (self._single_model() or own)
-            if self.scheduler.set_loaded_model(loaded, as_of=as_of, upstream=gpu.name):
-                self._changed()
-        gpu.catalog.warn_unmatched(self._config.models)
-        if ((own, self._single_model()) != before
-                and node_policy(self._config, self.gpus, self._single_model()) != self.scheduler.policy):
-            self.reconfigure(self._config)  # the one model's models.<id>.slots, whatever the id
-        gpu.slots.observe(catalog)
+        was `as_of` (the reconcile loop): `Gpus.reconcile`."""
+        self.gpus.reconcile(catalog, as_of, upstream, scheduler=self.scheduler, config=self._config,
+                            changed=self._changed, reconfigure=lambda: self.reconfigure(self._config))
 
     # -- internals: granting and releasing -----------------------------------------------
 

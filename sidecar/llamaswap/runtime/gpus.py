@@ -1,7 +1,8 @@
 """The node's GPUs as the runtime keeps them: one `Gpu` per upstream (`upstreams:`), each with
-its own catalog, slot learning, settle and adopted exchanges. The scheduler holds the one queue
-over them (its lanes); everything here is what holds one upstream apart from the others: a settle
-or an adopted exchange on one GPU stops grants on that GPU only.
+its own catalog (reconciled with the scheduler's loaded model: `Gpus.reconcile`), slot learning,
+settle and adopted exchanges. The scheduler holds the one queue over them (its lanes); everything
+here is what holds one upstream apart from the others: a settle or an adopted exchange on one GPU
+stops grants on that GPU only.
 
 `gpu_config` is the configuration as one upstream sees it (its url and slots in `upstream:`),
 so the rooms written for one upstream (slot learning, `Config.slots`) serve each GPU unchanged.
@@ -127,6 +128,33 @@ class Gpus:
             if may_serve and await gpu.catalog.serves(model, config.upstream.model_check):
                 return may_run()
         return False
+
+    def reconcile(self, catalog: Catalog, as_of: int, upstream: str | None, *, scheduler: Scheduler,
+                  config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:
+        """Catalog reconciliation: a catalog of an upstream (None: the first), asked when its
+        `Scheduler.dispatches_on` was `as_of`. What it says is loaded goes to the scheduler (unless
+        a grant overtook it: `changed` when applied); the `models.<id>` that match nothing are
+        said; a change of the one model of single-model upstreams that changes the node's policy
+        re-applies the settings (`reconfigure`: the one model's models.<id>.slots, whatever the id);
+        the GPU's slot learning sees the catalog."""
+        gpu = self.named(upstream)
+        before = gpu.catalog.single_model(), self.single_model()
+        gpu.catalog.latest = catalog
+        # A single-model upstream has its one model loaded whenever it answers.
+        own = gpu.catalog.single_model()
+        if catalog.loaded_known or own is not None:
+            loaded = catalog.loaded if catalog.loaded_known else (self.single_model() or own)
+            if scheduler.set_loaded_model(loaded, as_of=as_of, upstream=gpu.name):
+                changed()
+        gpu.catalog.warn_unmatched(config.models)
+        if (own, self.single_model()) != before and node_policy(config, self, self.single_model()) != scheduler.policy:
+            reconfigure()
+        gpu.slots.observe(catalog)
+
+    def reloaded(self, config: Config) -> None:
+        """A reload: the models.<id> that match nothing are said again."""
+        for gpu in self.all:
+            gpu.catalog.warn_unmatched(config.models, anew=True)
 
     def close(self) -> None:
         for gpu in self.all:
