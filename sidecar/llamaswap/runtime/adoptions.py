@@ -64,9 +64,16 @@ class Adoptions:
         """A new sidecar cannot know what the upstreams are doing: ask each before its first grant."""
         for gpu in self._gpus:
             if not isinstance(gpu.upstream, NoUpstream) and gpu.settling is None:
-                self.begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
+                self._begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
 
-    def begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
+    def abandoned(self, gpu: Gpu, model: str | None, request_id: str, granted_ns: int | None) -> None:
+        """A grant of ours ended while its generation may go on: settle its GPU (with
+        abandonedGeneration: stop, stopping it). A settle under way covers it too: it waits until
+        the upstream computes no more than what this process holds, and this grant is no longer held."""
+        if gpu.settling is None:
+            self._begin_settle(gpu, SettleReason.ABANDONED, model, request_id, granted_ns, stop=self._stops())
+
+    def _begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
                      granted_ns: int | None, *, stop: bool) -> None:
         settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
         gpu.settling = settling
@@ -147,4 +154,4 @@ class Adoptions:
         stop = self._stops()
         if (abandoned or (result is SettleResult.WATCHDOG and stop)) and gpu.settling is None:
             # Its model is not known: the upstream is asked about (or stops) every loaded one.
-            self.begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
+            self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)

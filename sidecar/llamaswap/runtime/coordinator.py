@@ -68,7 +68,7 @@ from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
-from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, SettleReason, lane_pictures, overtaken_by
+from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, lane_pictures, overtaken_by
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
@@ -446,12 +446,9 @@ class Coordinator:
         stop = self._config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self._finish(ticket, outcome, released.released_ns)
-        # A settle under way covers this abandoned generation too: it waits until the upstream
-        # computes no more than what this process holds, and this grant is no longer held.
-        if ticket.abandoned and gpu.settling is None:
-            granted = decision.granted_ns if decision is not None else None
-            self._adoptions.begin_settle(gpu, SettleReason.ABANDONED, ticket.model, ticket.request_id, granted,
-                                         stop=stop)
+        if ticket.abandoned:
+            self._adoptions.abandoned(gpu, ticket.model, ticket.request_id,
+                                      decision.granted_ns if decision is not None else None)
         self._update_idle()
         self._pump()
 
