@@ -68,7 +68,7 @@ from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.request_ids import RequestIds
-from llamaswap.runtime.observer import NoopObserver, Observer, QueuePicture, lane_pictures, overtaken_by
+from llamaswap.runtime.observer import NoopObserver, Observer, overtaken_by, queue_picture
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
@@ -590,13 +590,8 @@ class Coordinator:
         self._deferred.publish()
 
     def _publish_now(self) -> None:
-        """The gauges' picture (`deferred.py` sends it once per loop turn)."""
-        stats = self.scheduler.band_stats()
-        depth = tuple((band, s.depth) for band, s in stats.items())
-        oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-        self._observer.queue_changed(QueuePicture(depth, oldest, not self._holders().free, self.scheduler.slots_busy,
-                                                  self.scheduler.slots_total, self.scheduler.loaded_model,
-                                                  lane_pictures(self.scheduler, self.gpus.blocked())))
+        """The gauges' picture (`observer.queue_picture`; `deferred.py` sends it once per loop turn)."""
+        self._observer.queue_changed(queue_picture(self.scheduler, not self._holders().free, self.gpus.blocked()))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""

@@ -71,6 +71,16 @@ class QueuePicture:
     lanes: tuple[LanePicture, ...] = ()
 
 
+def queue_picture(scheduler: Scheduler, busy: bool, blocked: Collection[str]) -> QueuePicture:
+    """The gauges' picture of the scheduler's queue now; `busy`: anything holds a GPU (a grant, a
+    settle, an adopted exchange); `blocked` as for `lane_pictures`."""
+    stats = scheduler.band_stats()
+    depth = tuple((band, s.depth) for band, s in stats.items())
+    oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
+    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total, scheduler.loaded_model,
+                        lane_pictures(scheduler, blocked))
+
+
 class SettleReason(str, enum.Enum):
     """Why the GPU waited for the upstream to be idle before the next grant."""
 
