@@ -1,4 +1,4 @@
-"""No module of the sidecar over 700 lines (issue 26): a module that grows past it does more
+"""No module of the sidecar over 600 lines (issues 26 and 36): a module that grows past it does more
 than one job, and its jobs want rooms of their own. The generated protobuf code is not ours."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pathlib
 import llamaswap
 
 PACKAGE = pathlib.Path(llamaswap.__file__).parent
-MAX_LINES = 700
+MAX_LINES = 600
 GENERATED = PACKAGE / "_proto"
 
 
@@ -24,7 +24,7 @@ def long_modules(root: pathlib.Path, limit: int) -> dict[str, int]:
     return found
 
 
-def test_no_module_over_700_lines():
+def test_no_module_over_600_lines():
     assert len(list(PACKAGE.rglob("*.py"))) > 20  # the glob found the package
     assert long_modules(PACKAGE, MAX_LINES) == {}
 
