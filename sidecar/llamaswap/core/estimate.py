@@ -39,6 +39,11 @@ grant that loaded has ended (`RunningView.beside_load`). Over a node of several 
 `estimate_node.starts_of_node` walks the node rule instead, with this estimator's figures, and
 says where each one starts.
 
+A running request's expected end is one function, `expected_end_s`: its run (sized by its
+`max_tokens` where given) after its own load, or after the load it was granted beside, counted
+from its grant. The grants (`NodeTimes`), the estimates, the views, the page and `llamaswap
+simulate` all read it.
+
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
 remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
 waits for that slot (`math.inf` from `starts`), never a time already known to be wrong. Pure:
@@ -52,9 +57,10 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
-from llamaswap.core.decisions import QueueSnapshot, RunningView
+from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.dispatch import Running, Turn, turn
 from llamaswap.core.slots import Slots
 
@@ -140,6 +146,46 @@ class _TokenRuns:
         by_fit = sum(abs(a * n + b * n * n - run) for n, run in pairs)
         by_median = sum(abs(per_token * n - run) for n, run in pairs)
         return (a, b) if b > 0 and by_fit < self.MARGIN * by_median else (0.0, 0.0)
+
+
+class Figures(Protocol):
+    """What a running request's expected end is figured from: an `Estimator`, or the stated costs
+    of `llamaswap simulate` (None: the node's figure)."""
+
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None,
+                               upstream: str | None = None) -> float: ...
+
+    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
+
+
+def expected_end_s(figures: Figures, model: str | None, *, model_load: bool, max_tokens: int | None = None,
+                   upstream: str | None = None, beside_load: tuple[str | None, float] | None = None) -> float:
+    """When a running request is expected to end, in seconds after its grant: its run (sized by
+    ``max_tokens`` where given, `expected_request_run_s`) once its model is ready. That is at once,
+    or after its own load (``model_load``), or when the load it was granted beside ends
+    (``beside_load``: that model, and how long before this grant that load began; not read for a
+    grant that loads itself). The one figure of a running request's end: every reader asks it."""
+    ready_s = 0.0
+    if model_load:
+        ready_s = figures.expected_swap_s(model, upstream)
+    elif beside_load is not None:
+        ready_s = max(0.0, figures.expected_swap_s(beside_load[0], upstream) - beside_load[1])
+    return ready_s + figures.expected_request_run_s(model, max_tokens, upstream)
+
+
+def grant_end_s(figures: Figures, decision: Decision, max_tokens: int | None = None) -> float:
+    """`expected_end_s` of a grant as the scheduler made it, ``max_tokens`` its size (None: not said)."""
+    load = decision.beside_load
+    beside = None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
+    return expected_end_s(figures, decision.model, model_load=decision.model_load, max_tokens=max_tokens,
+                          upstream=decision.upstream, beside_load=beside)
+
+
+def left_s(end_s: float, running_s: float) -> float | None:
+    """How much longer a request expected to end ``end_s`` after its grant runs, ``running_s``
+    after it: None once it has outrun that (it still runs, for a time nobody can tell)."""
+    left = end_s - running_s
+    return left if left > 0 else None
 
 
 class Estimator:
@@ -237,23 +283,23 @@ class Estimator:
 
     def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None,
                          upstream: str | None = None) -> float:
-        """How long a grant of `model` is expected to hold the GPU, its model's load included."""
-        return (self.expected_request_run_s(model, max_tokens, upstream)
-                + (self.expected_swap_s(model, upstream) if model_load else 0.0))
+        """How long a grant of `model` is expected to hold the GPU, its model's load included
+        (`expected_end_s` of a grant made beside no load)."""
+        return expected_end_s(self, model, model_load=model_load, max_tokens=max_tokens, upstream=upstream)
 
     def remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
                     max_tokens: int | None = None, upstream: str | None = None) -> float:
         """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        return max(0.0, self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens,
-                                              upstream=upstream) - running_s)
+        left = self.known_remaining_s(model, model_load=model_load, running_s=running_s, max_tokens=max_tokens,
+                                      upstream=upstream)
+        return 0.0 if left is None else left
 
     def known_remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
                           max_tokens: int | None = None, upstream: str | None = None) -> float | None:
         """`remaining_s`, or None once the grant has outrun its expected time: it still runs, so
         "0" would be wrong, and how much longer it takes cannot be told."""
-        remaining = self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens,
-                                          upstream=upstream) - running_s
-        return remaining if remaining > 0 else None
+        return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
+                      running_s)
 
     def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
                remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
@@ -312,24 +358,23 @@ class Estimator:
         (`math.inf`: it outran its expected time) and how long the load under way there still
         takes (0: none). ``sizes``: the output tokens each asked for (None: not said)."""
         grant_sizes = sizes if sizes is not None else [None] * len(grants)
-        # A grant made beside a load (while its grant runs) begins its run when the load ends,
-        # as the walk reads the ones it starts (``ready_at``): it ends a run after the later of
-        # its grant and the load's end.
-        ready_in = max((self.expected_swap_s(grant.model, grant.upstream) - grant.running_s for grant in grants
-                        if grant.model_load), default=None)
+        # The load under way there: its model and how long ago it began (None: none). A grant
+        # made beside it (while its grant runs) begins its run when the load ends, as the walk
+        # reads the ones it starts (``ready_at``); one that says its load (`beside_load`) also
+        # once the grant that loaded has ended.
+        loading = max(((grant.model, grant.running_s) for grant in grants if grant.model_load),
+                      key=lambda load: self.expected_swap_s(load[0], grants[0].upstream) - load[1], default=None)
         remaining: list[float] = []
         for grant, size in zip(grants, grant_sizes, strict=True):
-            ready = ready_in
-            if grant.beside_load is not None and not grant.model_load:  # known after the loading grant ended
-                ready = self.expected_swap_s(grant.beside_load[0], grant.upstream) - grant.beside_load[1]
-            if ready is not None and not grant.model_load:
-                left: float | None = max(-grant.running_s, ready) + self.expected_request_run_s(grant.model, size,
-                                                                                                 grant.upstream)
-                left = left if left is not None and left > 0 else None
-            else:
-                left = self.known_remaining_s(grant.model, model_load=grant.model_load, running_s=grant.running_s,
-                                              max_tokens=size, upstream=grant.upstream)
+            load = grant.beside_load if grant.beside_load is not None else loading
+            # (that model, how long before this grant its load began)
+            beside = None if load is None else (load[0], load[1] - grant.running_s)
+            end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=size,
+                                 upstream=grant.upstream, beside_load=beside)
+            left = left_s(end, grant.running_s)
             remaining.append(math.inf if left is None else left)
+        ready_in = (None if loading is None
+                    else self.expected_swap_s(loading[0], grants[0].upstream) - loading[1])
         return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
 
     def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,

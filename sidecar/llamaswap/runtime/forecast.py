@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import LaneTimes
+from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.settle import Settling
@@ -59,22 +60,16 @@ class Forecast:
         return settle
 
     def _ends(self, *, known: bool) -> dict[str, list[float]]:
-        """Each GPU's running grants' expected remaining times (``known``: `math.inf` for one that
-        outran its expected time, else 0 for it)."""
+        """Each GPU's running grants' expected remaining times (`estimate.grant_end_s`; ``known``:
+        `math.inf` for one that outran its expected time, else 0 for it)."""
         now = self._clock.now_ns()
         ends: dict[str, list[float]] = {}
         for ticket in self._running():
             d = ticket.decision
             if d is None:
                 continue
-            running_s = (now - d.granted_ns) / NS_PER_S
-            if known:
-                left = self._estimator.known_remaining_s(d.model, model_load=d.model_load, running_s=running_s,
-                                                         max_tokens=ticket.max_tokens, upstream=d.upstream)
-                end = math.inf if left is None else left
-            else:
-                end = self._estimator.remaining_s(d.model, model_load=d.model_load, running_s=running_s,
-                                                  max_tokens=ticket.max_tokens, upstream=d.upstream)
+            left = left_s(grant_end_s(self._estimator, d, ticket.max_tokens), (now - d.granted_ns) / NS_PER_S)
+            end = left if left is not None else math.inf if known else 0.0
             ends.setdefault(d.upstream, []).append(end)
         return ends
 

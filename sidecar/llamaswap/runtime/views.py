@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
+from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
@@ -92,6 +93,8 @@ class RunningRow:
     model: str | None
     queue_wait_s: float
     running_s: float
+    # When it is expected to end, from its grant (`estimate.grant_end_s`): its run after its own
+    # load or the load it was granted beside.
     expected_run_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
     upstream: str = SINGLE_UPSTREAM  # the upstream (GPU) it runs on
@@ -234,11 +237,8 @@ class QueueViews:
             ticket = self._tickets.get(decision.request_id)
             running_s = (now - decision.granted_ns) / NS_PER_S
             size = ticket.max_tokens if ticket is not None else None
-            expected = self._estimator.expected_grant_s(decision.model, model_load=decision.model_load, max_tokens=size,
-                                                        upstream=decision.upstream)
-            remaining = self._estimator.known_remaining_s(decision.model, model_load=decision.model_load,
-                                                          running_s=running_s, max_tokens=size,
-                                                          upstream=decision.upstream)
+            expected = grant_end_s(self._estimator, decision, size)
+            remaining = left_s(expected, running_s)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
                                    decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,

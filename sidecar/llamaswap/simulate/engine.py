@@ -70,6 +70,7 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
+from llamaswap.core.estimate import grant_end_s
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
@@ -89,9 +90,13 @@ _NS_PER_MS = 1_000_000
 
 class Costs(Protocol):
     """Expected GPU times per model on an upstream (None: the node's figure); :class:`Estimator`
-    is one: a GPU with no measurement of its own has the node's."""
+    is one: a GPU with no measurement of its own has the node's. The run of a request that says
+    its `max_tokens` is sized by them (`expected_request_run_s`), as the runtime sizes it."""
 
     def expected_run_s(self, model: str | None, upstream: str | None = None) -> float: ...
+
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None,
+                               upstream: str | None = None) -> float: ...
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
 
@@ -107,6 +112,11 @@ class FixedCosts:
 
     def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
         return self.run_s.get(model or NO_MODEL, self.default_run_s)
+
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None,
+                               upstream: str | None = None) -> float:
+        """A stated run is a request's whatever its size."""
+        return self.expected_run_s(model, upstream)
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
         return self.swap_s.get(model or NO_MODEL, self.default_swap_s)
@@ -364,10 +374,10 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if not gpu.running:
                 gpu.busy_since = now
             gpu.running.start(now, request.index, hold)
-            if load:
-                gpu.ready_ns = now + swap
-            # A grant beside a load runs once the load ends, as the estimates read it.
-            gpu.expected_end[request.index] = max(now, gpu.ready_ns) + run_ns[lane, model]
+            # When the runtime expects it to end: the one figure of a running request's end
+            # (sized by its max_tokens, after its load or the load it was granted beside).
+            gpu.expected_end[request.index] = now + round(grant_end_s(costs, decision, request.record.max_tokens)
+                                                          * 1e9)
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 
@@ -379,13 +389,12 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
 class _Gpu:
     """One upstream of the replay: its running grants and its figures."""
 
-    __slots__ = ("name", "running", "expected_end", "ready_ns", "swaps", "busy_ns", "busy_since")
+    __slots__ = ("name", "running", "expected_end", "swaps", "busy_ns", "busy_since")
 
     def __init__(self, name: str, running: _Running) -> None:
         self.name = name
         self.running = running
         self.expected_end: dict[int, int] = {}  # running request -> when the runtime expects its end
-        self.ready_ns = 0  # when the last load on it is expected to end
         self.swaps = 0
         self.busy_ns = 0
         self.busy_since = 0
@@ -393,8 +402,9 @@ class _Gpu:
 
 class _ExpectedEnds:
     """`dispatch.LaneTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
-    remaining time of each upstream's grants (their model's run, after the load under way there),
-    a grant that outran it held for an unknown time."""
+    remaining time of each upstream's grants (`estimate.grant_end_s`: their run sized by their
+    max_tokens, after the load they began or were granted beside), a grant that outran it held
+    for an unknown time."""
 
     def __init__(self, gpus: Sequence[_Gpu], clock: ManualClock, costs: Costs) -> None:
         self._gpus = {gpu.name: gpu for gpu in gpus}
