@@ -255,6 +255,9 @@ async def test_the_state_has_the_queue_in_its_order_with_the_score_split_into_it
         assert terms["priority"] + terms["affinity"] + terms["aging"] == pytest.approx(mine["score"])
         assert terms["aging"] == pytest.approx(mine["waited_s"] / 10)
         assert terms["affinity"] == (20 if mine["swap_affinity"] else 0)
+        # What the page shows of the start: the server's instant (the page derives nothing).
+        assert mine["estimated_start_ms"] == pytest.approx(state["as_of_ms"] + mine["estimated_start_s"] * 1000)
+    assert state["aging_per_s"] == pytest.approx(0.1)  # the rate the page grows the aging term at
     assert state["gpu"] == "running" and state["loaded_model"] == "a" and state["waiting_total"] == 3
     [running] = state["running"]
     assert running["request_id"] == "run" and running["running_s"] == 5.0
@@ -440,6 +443,18 @@ def test_the_page_loads_nothing_from_elsewhere() -> None:
         urls = set(re.findall(r"https?://[^\s\"'`)]+", text)) - {"http://www.w3.org/2000/svg"}
         assert not urls, (path.name, urls)
     assert {p.name for p in UI_DIR.iterdir()} == {"index.html", "app.js", "style.css"}
+
+
+def test_the_page_derives_no_scheduling_term() -> None:
+    """The page shows the server's numbers (issue 36): the aging term grows at the rate the
+    state sends (aging_per_s), a waiting request's start is the server's instant
+    (estimated_start_ms) and a running one's end too (expected_end_ms); it does not divide by
+    the aging divisor, nor age starts by a running request's remaining time."""
+    script = (UI_DIR / "app.js").read_text()
+    assert "aging_per_s" in script and "estimated_start_ms" in script and "expected_end_ms" in script
+    assert not re.search(r"/\s*doc\.aging_divisor_s", script)
+    assert "expected_remaining_s" not in script and "expected_run_s" not in script
+    assert not re.search(r"estimated_start_s\s*-", script)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")

@@ -116,6 +116,9 @@ class UiState:
             "as_of_ms": round(now_ms, 3),
             "policy": view.policy,
             "aging_divisor_s": policy.aging_divisor_s if policy.name is PolicyName.SERIAL else 0.0,
+            # How fast each waiting request's aging term (and so its score) grows after as_of_ms:
+            # the page adds this times the time since, and derives no term itself.
+            "aging_per_s": policy.aging_per_s,
             "swap_affinity_bonus": policy.swap_affinity_bonus,
             "gpu": view.gpu,
             "loaded_model": view.loaded_model,
@@ -124,7 +127,7 @@ class UiState:
             "slots_total": view.slots_total,
             # Every upstream in the configured order: a timeline row each, its model and slots in the header.
             "gpus": [gpu_document(row) for row in view.gpus],
-            "waiting": [self._waiting_row(row) for row in view.waiting[:self._waiting_rows]],
+            "waiting": [self._waiting_row(row, now_ms) for row in view.waiting[:self._waiting_rows]],
             "waiting_total": len(view.waiting),
             "kept": [kept_document(row) for row in view.kept],
             "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
@@ -155,18 +158,21 @@ class UiState:
             self._batch_rows = rows
             self._batches_version += 1
 
-    def _waiting_row(self, row: WaitingRow) -> dict[str, Any]:
-        """GET /queue's row, with the score split into its terms."""
-        policy = self._coordinator.scheduler.policy
-        affinity = policy.swap_affinity_bonus if row.swap_affinity else 0
-        divisor = policy.aging_divisor_s if policy.name is PolicyName.SERIAL else 0.0
-        aging = row.waited_s / divisor if divisor > 0 else 0.0
+    def _waiting_row(self, row: WaitingRow, now_ms: float) -> dict[str, Any]:
+        """GET /queue's row, with the score split into its terms (the aging term the scheduler's),
+        and when it is expected to start (null: unknown; past that with no new state, unknown too:
+        it waits for work that outran its estimate)."""
+        affinity = self._coordinator.scheduler.policy.swap_affinity_bonus if row.swap_affinity else 0
         # The rest of the score: the priority (fifo adds the model's configured priority).
-        terms = {"priority": round(row.score - affinity - aging, 6), "affinity": affinity, "aging": round(aging, 6)}
-        return {**waiting_document(row), "terms": terms}
+        terms = {"priority": round(row.score - affinity - row.aging, 6), "affinity": affinity,
+                 "aging": round(row.aging, 6)}
+        start = row.estimated_start_s
+        start_ms = None if start is None else round(now_ms + start * 1000, 3)
+        return {**waiting_document(row), "terms": terms, "estimated_start_ms": start_ms}
 
     @staticmethod
     def _running_row(row: RunningRow, now_ms: float) -> dict[str, Any]:
+        """GET /queue's row, with its grant's time and its expected end (`estimate.grant_end_s`)."""
         granted_ms = now_ms - row.running_s * 1000
         # Past its expected run its end is unknown (null): a time already gone would be wrong.
         end_ms = None if row.expected_remaining_s is None else round(granted_ms + row.expected_run_s * 1000, 3)

@@ -122,6 +122,7 @@ class WaitingView:
     swap_affinity: bool
     waited_s: float
     model: str | None
+    aging: float = 0.0  # the score's aging term (waited / agingDivisor; 0: none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -106,10 +106,11 @@ def snapshot(policy: Policy, lanes: Sequence[LaneState], index: Index, count: in
             position=position + 1,
             priority=entry.priority.value,
             band=entry.priority.band,
-            score=entry.base + bonus + ((now_ns - entry.arrival_ns) / divisor if divisor else 0.0),
+            score=entry.base + bonus + (aging := (now_ns - entry.arrival_ns) / divisor if divisor else 0.0),
             swap_affinity=bonus > 0,
             waited_s=(now_ns - entry.arrival_ns) / NS_PER_S,
             model=entry.model,
+            aging=aging,
         )
         for position, (entry, bonus) in enumerate(dispatch_order(index, count, lanes, policy.swap_affinity_bonus))
     )

@@ -74,6 +74,12 @@ class Policy:
         return round(self.aging_divisor_s * NS_PER_S)
 
     @property
+    def aging_per_s(self) -> float:
+        """How fast a waiting request's aging term grows: points per second waited (0: no aging)."""
+        divisor = self.aging_divisor_ns
+        return NS_PER_S / divisor if divisor else 0.0
+
+    @property
     def max_wait_ns(self) -> int:
         return round(self.max_wait_s * NS_PER_S)
 

@@ -82,6 +82,7 @@ class WaitingRow:
     waited_s: float
     model: str | None
     estimated_start_s: float | None  # from now; None: unknown (it waits behind work of unknown length)
+    aging: float = 0.0  # the score's aging term (`WaitingView.aging`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,9 +210,9 @@ class QueueViews:
         tickets = self._tickets
         waiting = tuple(
             WaitingRow(ticket.request_id, w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s,
-                       ticket.model, _known(start)) if (ticket := tickets.get(w.request_id)) is not None else
-            WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model,
-                       _known(start))
+                       ticket.model, _known(start), w.aging) if (ticket := tickets.get(w.request_id)) is not None
+            else WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model,
+                            _known(start), w.aging)
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
@@ -264,7 +265,7 @@ class QueueViews:
         w = walk.snapshot.waiting[index]
         age_s = (now - walk.at_ns) / NS_PER_S
         return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
-                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)))
+                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)), w.aging)
 
 
 def _aged(start_s: float, age_s: float) -> float:

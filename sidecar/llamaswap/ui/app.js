@@ -218,16 +218,27 @@
       `<tr><td class="empty" colspan="9">nothing holds the GPU</td></tr>`;
   }
 
+  // When a waiting request is expected to start, from the server's instant: past it with no
+  // newer state, it waits for work that outran its estimate (unknown), unless it was due at once.
+  function startCell(row, now) {
+    if (row.estimated_start_ms === null || row.estimated_start_ms === undefined) {
+      return startIn(null);
+    }
+    const left = (row.estimated_start_ms - now) / 1000;
+    return left > 0 || row.estimated_start_s === 0 ? seconds(left) : startIn(null);
+  }
+
   function renderQueue(doc, ageS) {
-    const aging = doc.aging_divisor_s > 0 ? ageS / doc.aging_divisor_s : 0;
-    // Estimated starts come closer only while the running request is within its expected run.
-    const sooner = Math.min(ageS, doc.running.length ? doc.running[0].expected_remaining_s ?? 0 : 0);
+    // The score and its aging term as the server sent them, grown at the rate it sent
+    // (aging_per_s) for the time since: the page derives no scheduling term.
+    const aging = (doc.aging_per_s || 0) * ageS;
+    const now = serverNow();
     const rows = doc.waiting.map((row) => `<tr data-request-id="${escapeHtml(row.request_id)}" data-position="${row.position}">` +
       `<td class="num">${row.position}</td><td class="id">${requestIdHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
       `<td class="num">${row.priority}</td><td class="num score">${score(row.score + aging)}</td>` +
       `<td class="term">${score(row.terms.priority)}</td><td class="term">${score(row.terms.affinity)}</td>` +
       `<td class="term">${score(row.terms.aging + aging)}</td><td class="num">${seconds(row.waited_s + ageS)}</td>` +
-      `<td class="num">${row.estimated_start_s === null ? startIn(null) : seconds(row.estimated_start_s - sooner)}</td><td>${model(row.model)}</td></tr>`);
+      `<td class="num">${startCell(row, now)}</td><td>${model(row.model)}</td></tr>`);
     byId("queue").tBodies[0].innerHTML = rows.length ? rows.join("") :
       `<tr><td class="empty" colspan="11">nobody waits</td></tr>`;
     // Places kept for a client's retry (routing.retryGraceSeconds): not in the dispatch order.
