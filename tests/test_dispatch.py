@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from llamaswap.core import ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
-from llamaswap.core.dispatch import IDLE, Running, Turn, turn
+from llamaswap.core.dispatch import IDLE, Running, Turn, one, turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,34 +25,42 @@ def nobody() -> Waiting | None:
 SLOTS = Slots(3, {}, reserved=1)
 
 
+STARTS = {Turn.IDLE, Turn.FREE}  # the answers under which the best request starts
+
+
 @pytest.mark.parametrize(("running", "best", "expected"), [
-    (IDLE, Waiting("b"), Turn.BEST),  # nothing runs: a load or a swap goes
-    (IDLE, Waiting("a", alone=True), Turn.BEST),
-    (Running(1, 1, "a"), Waiting("a"), Turn.BEST),  # a free slot of the loaded model
-    (Running(1, 1, "a"), Waiting(None), Turn.BEST),  # no model: beside anything
-    (Running(1, 1, "a"), Waiting("b"), Turn.WAIT),  # a swap waits for the drain
-    (Running(1, 1, "a"), Waiting("a", alone=True), Turn.WAIT),  # runs alone: waits for the drain
-    (Running(1, 0, "a", alone=True), Waiting("a"), Turn.WAIT),  # nothing beside one that runs alone
-    (Running(3, 1, "a"), Waiting("a", interactive=True), Turn.WAIT),  # every slot taken
-    (Running(2, 2, "a"), Waiting("a", interactive=True), Turn.BEST),  # an interactive one takes the reserved
+    (IDLE, Waiting("b"), Turn.IDLE),  # nothing runs: a load or a swap goes
+    (IDLE, Waiting("a", alone=True), Turn.IDLE),
+    (Running(1, 1, "a"), Waiting("a"), Turn.FREE),  # a free slot of the loaded model
+    (Running(1, 1, "a"), Waiting(None), Turn.FREE),  # no model: beside anything
+    (Running(1, 1, "a"), Waiting("b"), Turn.OTHER_MODEL),  # a swap waits for the drain
+    (Running(1, 1, "a"), Waiting("a", alone=True), Turn.OTHER_MODEL),  # runs alone: waits for the drain
+    (Running(1, 0, "a", alone=True), Waiting("a"), Turn.CLOSED),  # nothing beside one that runs alone
+    (Running(3, 1, "a"), Waiting("a", interactive=True), Turn.CLOSED),  # every slot taken
+    (Running(2, 2, "a"), Waiting("a", interactive=True), Turn.FREE),  # an interactive one takes the reserved
 ])
 def test_the_rule(running: Running, best: Waiting, expected: Turn) -> None:
-    assert turn(SLOTS, "a", running, best, nobody) is expected
+    assert turn(SLOTS, "a", running, best) is expected
+    # Down one upstream's order: the best starts exactly where the rule lets it, in no reserved slot.
+    assert one(SLOTS, "a", running, best, nobody) == ((best, False) if expected in STARTS else (None, False))
 
 
 def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interactive_one() -> None:
     share_used = Running(2, 2, "a")
-    assert turn(SLOTS, "a", share_used, Waiting("a"), nobody) is Turn.WAIT
-    assert turn(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting("a", interactive=True)) is Turn.RESERVED
-    assert turn(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting(None, interactive=True)) is Turn.RESERVED
+    assert turn(SLOTS, "a", share_used, Waiting("a")) is Turn.SHARE_USED
+    assert one(SLOTS, "a", share_used, Waiting("a"), nobody) == (None, False)
+    interactive = Waiting("a", interactive=True)
+    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: interactive) == (interactive, True)
+    of_none = Waiting(None, interactive=True)
+    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: of_none) == (of_none, True)
     # An interactive swap waits for the drain like any swap.
-    assert turn(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting("b", interactive=True)) is Turn.WAIT
+    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting("b", interactive=True)) == (None, False)
 
 
 def test_the_slots_in_effect_are_the_running_models_else_the_loaded_ones() -> None:
     slots = Slots(1, {"a": 2})
-    assert turn(slots, None, Running(1, 0, "a"), Waiting(None), nobody) is Turn.BEST  # a's 2 slots
-    assert turn(slots, None, Running(1, 0, None), Waiting(None), nobody) is Turn.WAIT  # the default's 1
+    assert turn(slots, None, Running(1, 0, "a"), Waiting(None)) is Turn.FREE  # a's 2 slots
+    assert turn(slots, None, Running(1, 0, None), Waiting(None)) is Turn.CLOSED  # the default's 1
 
 
 def test_the_scheduler_keeps_one_picture_of_what_runs() -> None:

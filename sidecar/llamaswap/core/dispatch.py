@@ -1,9 +1,10 @@
 """The dispatch rule: whether the best waiting request starts now beside what runs on the upstream.
 
-One rule, written once, for everything that decides or predicts a start: the grant
-(`Scheduler.next`) and the estimated starts (`Estimator`'s walk, and so `llamaswap simulate`).
-Pure: it reads a picture of what runs (`Running`) and the waiting candidates it is handed,
-and changes nothing. It speaks of one upstream; a node of several asks it once per upstream.
+One rule function, written once (`turn`, one answer per upstream and request), for everything
+that decides or predicts a start: the grant (`Scheduler.next`) and the estimated starts (the
+estimates' walks, and so `llamaswap simulate`). Pure: it reads a picture of what runs
+(`Running`) and the waiting candidates it is handed, and changes nothing. It speaks of one
+upstream; `one` asks it down one upstream's order, `choose` once per upstream of a node.
 
 - Nothing runs: the best request starts, whatever model it needs (a load or a swap).
 - Something runs: the best request starts in a free slot if it needs the loaded model or none,
@@ -55,11 +56,13 @@ IDLE = Running()
 
 
 class Turn(enum.Enum):
-    """The rule's answer."""
+    """The rule's answer: what one upstream can do for one request now."""
 
-    WAIT = "wait"  # nothing starts now
-    BEST = "best"  # the best waiting request starts
-    RESERVED = "reserved"  # the best interactive request starts in a slot kept for its band
+    CLOSED = "closed"  # it takes nothing: full, or a request runs alone
+    IDLE = "idle"  # nothing runs: it starts there, loading its model if another is loaded
+    FREE = "free"  # a free slot of the loaded model is its to take
+    SHARE_USED = "share_used"  # its model is loaded, but only reserved slots are free and it is not interactive
+    OTHER_MODEL = "other_model"  # a slot is free but another model runs (or it runs alone): a drain first
 
 
 def fits(candidate: Candidate, loaded: str | None) -> bool:
@@ -72,26 +75,43 @@ def slots_in_effect(slots: Slots, running: Running, loaded: str | None) -> int:
     return slots.of(running.model if running.model is not None else loaded)
 
 
-def turn(slots: Slots, loaded: str | None, running: Running, best: Candidate,
-         best_interactive: Callable[[], Candidate | None]) -> Turn:
-    """Whether ``best`` (the first in the order) starts now, or the best interactive request
-    (asked for only when a reserved slot is the one left), or nothing."""
+def turn(slots: Slots, loaded: str | None, running: Running, candidate: Candidate) -> Turn:
+    """The dispatch rule: what an upstream (its ``slots``, ``loaded`` model and what runs there)
+    can do for ``candidate`` now. The one rule function: the grant, the estimates and the
+    simulator ask it, for one upstream and for each upstream of a node."""
     if not running.busy:
-        return Turn.BEST
+        return Turn.IDLE
     total = slots_in_effect(slots, running, loaded)
-    if running.busy >= total or running.alone or not fits(best, loaded):
-        return Turn.WAIT
-    if best.interactive or running.non_interactive < total - slots.reserved:
-        return Turn.BEST
+    if running.busy >= total or running.alone:
+        return Turn.CLOSED
+    if not fits(candidate, loaded):
+        return Turn.OTHER_MODEL
+    if candidate.interactive or running.non_interactive < total - slots.reserved:
+        return Turn.FREE
+    return Turn.SHARE_USED
+
+
+def one(slots: Slots, loaded: str | None, running: Running, best: Candidate,
+        best_interactive: Callable[[], Candidate | None]) -> tuple[Candidate | None, bool]:
+    """`turn` down the order of one upstream: who starts now (``best``, the first in the order;
+    or the best interactive request, asked for only when a reserved slot is the one left; or
+    None) and whether it takes a reserved slot."""
+    verdict = turn(slots, loaded, running, best)
+    if verdict is Turn.IDLE or verdict is Turn.FREE:
+        return best, False
+    if verdict is not Turn.SHARE_USED:
+        return None, False
     candidate = best_interactive()  # only reserved slots are free: reserved > 0
-    return Turn.RESERVED if candidate is not None and fits(candidate, loaded) else Turn.WAIT
+    if candidate is not None and turn(slots, loaded, running, candidate) is Turn.FREE:
+        return candidate, True
+    return None, False
 
 
 # -- a node of several upstreams -----------------------------------------------------------
 #
 # One queue over several upstreams (GPUs), each with its own slots, its loaded model and what
 # runs on it. The best waiting request takes, in this order: a free slot on an upstream that
-# has its model loaded (`LaneTurn.FREE`); else an idle upstream, loading its model there, unless
+# has its model loaded (`Turn.FREE`); else an idle upstream, loading its model there, unless
 # an upstream that has it is expected to free a slot sooner than the load would take; else it
 # waits, and one upstream (the one that has its model and frees a slot first, else the one
 # expected to drain first) takes no new work until it can start there: drain then swap, per
@@ -113,33 +133,6 @@ class Lane:
 
     def may_serve(self, candidate: Candidate) -> bool:
         return self.models is None or candidate.model is None or candidate.model in self.models
-
-
-class LaneTurn(enum.Enum):
-    """What one upstream can do for one request now."""
-
-    CLOSED = "closed"  # it takes nothing: blocked, full, a request runs alone, or it may not serve it
-    IDLE = "idle"  # nothing runs: it starts there, loading its model if another is loaded
-    FREE = "free"  # a free slot of the loaded model is its to take
-    SHARE_USED = "share_used"  # its model is loaded, but only reserved slots are free and it is not interactive
-    OTHER_MODEL = "other_model"  # a slot is free but another model runs: a drain first
-
-
-def lane_turn(lane: Lane, candidate: Candidate) -> LaneTurn:
-    """`turn` for one upstream of a node, with the reserved-slot case told apart."""
-    running = lane.running
-    if lane.blocked or not lane.may_serve(candidate):
-        return LaneTurn.CLOSED
-    if not running.busy:
-        return LaneTurn.IDLE
-    total = slots_in_effect(lane.slots, running, lane.loaded)
-    if running.busy >= total or running.alone:
-        return LaneTurn.CLOSED
-    if not fits(candidate, lane.loaded):
-        return LaneTurn.OTHER_MODEL
-    if candidate.interactive or running.non_interactive < total - lane.slots.reserved:
-        return LaneTurn.FREE
-    return LaneTurn.SHARE_USED
 
 
 class LaneTimes(Protocol):
@@ -186,17 +179,17 @@ def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], intera
     asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
     non-interactive share they wait for). ``wanted(model)``: how many waiting requests name it."""
     model = candidate.model
-    turns: list[tuple[int, LaneTurn]] = []
+    turns: list[tuple[int, Turn]] = []
     holding: list[int] = []  # upstreams that have its model loaded but no slot for it now
     for index, lane in enumerate(lanes):
         if index in closed or lane.blocked or not lane.may_serve(candidate):
             continue
-        verdict = lane_turn(lane, candidate)
+        verdict = turn(lane.slots, lane.loaded, lane.running, candidate)
         if index in interactive_only and not candidate.interactive:
-            verdict = LaneTurn.SHARE_USED if verdict is LaneTurn.FREE else verdict
-        if verdict is not LaneTurn.CLOSED:
+            verdict = Turn.SHARE_USED if verdict is Turn.FREE else verdict
+        if verdict is not Turn.CLOSED:
             turns.append((index, verdict))
-        if (verdict is not LaneTurn.IDLE and verdict is not LaneTurn.FREE and model is not None
+        if (verdict is not Turn.IDLE and verdict is not Turn.FREE and model is not None
                 and lane.loaded == model and lane.running.busy):
             holding.append(index)
     if not turns and not holding:
@@ -206,10 +199,10 @@ def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], intera
         having = [(index, verdict) for index, verdict in turns if lanes[index].loaded == model]
         if having or holding:
             turns = having
-    free = [index for index, verdict in turns if verdict is LaneTurn.FREE]
+    free = [index for index, verdict in turns if verdict is Turn.FREE]
     if free:  # the one with the most free slots: the least crowded
         return Choice(Step.START, max(free, key=lambda i: _free_slots(lanes[i])))
-    idle = [index for index, verdict in turns if verdict is LaneTurn.IDLE]
+    idle = [index for index, verdict in turns if verdict is Turn.IDLE]
     if idle:
         warm = [index for index in idle if model is not None and lanes[index].loaded == model]
         if warm:
@@ -230,11 +223,11 @@ def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], intera
     return Choice(Step.CLAIM, draining)
 
 
-def _wait_for(index: int, turns: Sequence[tuple[int, LaneTurn]]) -> Choice:
+def _wait_for(index: int, turns: Sequence[tuple[int, Turn]]) -> Choice:
     """It waits for a slot on an upstream that has its model: only its share used there leaves
     the reserved slots open to interactive requests; else the upstream takes nothing else."""
     verdict = dict(turns).get(index)
-    return Choice(Step.INTERACTIVE_ONLY if verdict is LaneTurn.SHARE_USED else Step.CLAIM, index)
+    return Choice(Step.INTERACTIVE_ONLY if verdict is Turn.SHARE_USED else Step.CLAIM, index)
 
 
 def _free_slots(lane: Lane) -> int:

@@ -61,7 +61,7 @@ from typing import Final, Protocol, TypeVar
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
-from llamaswap.core.dispatch import Running, Turn, turn
+from llamaswap.core.dispatch import Running, one
 from llamaswap.core.slots import Slots
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
@@ -418,11 +418,11 @@ class Estimator:
                     heapq.heappop(heap)
             running = Running(len(ends[0]) + len(ends[1]), len(ends[0]), named if named_until > now else None,
                               alone=blocked_until > now)
-            verdict = turn(slots, loaded, running, waiting[first], best_interactive)
-            if verdict is Turn.WAIT:  # until the next slot frees
+            starts_now, reserved_slot = one(slots, loaded, running, waiting[first], best_interactive)
+            if starts_now is None:  # until the next slot frees
                 now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
                 continue
-            taken = first if verdict is Turn.BEST else candidates.popleft()
+            taken = candidates.popleft() if reserved_slot else first
             model = models[taken]
             if model is not None and model != loaded:  # the rule allows it only with nothing running
                 ready_at = now + self.expected_swap_s(model)

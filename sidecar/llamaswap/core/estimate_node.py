@@ -1,6 +1,6 @@
 """Estimated starts over a node's upstreams: which waiting request starts when, and where.
 
-`Estimator.starts_of` walks one upstream with `dispatch.turn`; this walks several with the rule
+`Estimator.starts_of` walks one upstream with `dispatch.one`; this walks several with the rule
 `Scheduler.next` asks over a node (`dispatch.choose`, down the order as `node.NodeWalk` does),
 so a grant and an estimate say the same. The walk keeps, per upstream, what runs there (each
 running grant's expected end, its band, its model, whether it runs alone), its loaded model,
@@ -13,7 +13,7 @@ and those started beside the load run once it ends (as in `starts_of`). The rule
 from the walk's own state (`_WalkTimes`); the runtime hands `next` the same from a snapshot
 (`NodeTimes`), so both read one picture.
 
-With one upstream the walk asks `dispatch.turn`, as `Scheduler.next` does there, and gives
+With one upstream the walk asks `dispatch.one`, as `Scheduler.next` does there, and gives
 what `starts_of` gives. Exact when every grant takes its expected time and the order does not
 change as models load (swap affinity 0: with a bonus, the order moves with the loaded models,
 which the snapshot's order cannot say in advance). Pure: no clock, no I/O.
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
-from llamaswap.core.dispatch import Lane, Running, Step, Turn, choose, turn
+from llamaswap.core.dispatch import Lane, Running, Step, choose, one
 from llamaswap.core.estimate import Estimator
 
 
@@ -223,7 +223,7 @@ class _Walk:
         return None
 
     def _find_one(self, now: float) -> tuple[int, int] | None:
-        """`Scheduler.next` with one upstream: `dispatch.turn` for the best, or the best
+        """`Scheduler.next` with one upstream: `dispatch.one` for the best, or the best
         interactive request in a reserved slot."""
         lane = self._lanes[0]
         if lane.blocked_until > now:
@@ -233,10 +233,11 @@ class _Walk:
         def best_interactive() -> _Waiting | None:
             return next((waiting[i] for i in pending if waiting[i].interactive), None)
 
-        verdict = turn(lane.lane.slots, lane.loaded, lane.running(), waiting[pending[0]], best_interactive)
-        if verdict is Turn.WAIT:
+        starts, reserved_slot = one(lane.lane.slots, lane.loaded, lane.running(), waiting[pending[0]],
+                                    best_interactive)
+        if starts is None:
             return None
-        if verdict is Turn.BEST:
+        if not reserved_slot:
             return 0, 0
         return next(p for p, i in enumerate(pending) if waiting[i].interactive), 0
 

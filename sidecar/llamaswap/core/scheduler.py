@@ -55,7 +55,7 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, Turn, slots_in_effect, turn
+from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, one, slots_in_effect
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -359,11 +359,11 @@ class Scheduler:
             return None  # every slot is taken (with one slot: anything runs)
         loaded = lane.loaded
         aged, plain = self._aged, self._plain
-        winner = order.pick(aged, loaded, self._bonus)
-        verdict = turn(lane.policy.slots, loaded, running, winner, self._best_interactive)
-        if verdict is Turn.WAIT:
+        best = order.pick(aged, loaded, self._bonus)
+        starts, reserved_slot = one(lane.policy.slots, loaded, running, best, self._best_interactive)
+        if starts is None:
             return None
-        reserved_slot = verdict is Turn.RESERVED
+        winner = best
         if reserved_slot:
             assert self._reserved is not None  # only reserved slots are free: reserved > 0
             aged, plain = self._reserved
