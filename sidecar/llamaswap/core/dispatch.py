@@ -75,15 +75,22 @@ def slots_in_effect(slots: Slots, running: Running, loaded: str | None) -> int:
     return slots.of(running.model if running.model is not None else loaded)
 
 
+def takes_nothing(slots: Slots, loaded: str | None, running: Running, blocked: bool = False) -> bool:
+    """An upstream is closed or full, whoever asks: ``blocked`` (work the scheduler did not grant
+    holds it), a request runs alone there, or every slot in effect is held. The one measure of
+    it, for the grant, the node walk, the estimates and the swap-affinity bonus."""
+    return blocked or running.alone or running.busy >= slots_in_effect(slots, running, loaded)
+
+
 def turn(slots: Slots, loaded: str | None, running: Running, candidate: Candidate) -> Turn:
     """The dispatch rule: what an upstream (its ``slots``, ``loaded`` model and what runs there)
     can do for ``candidate`` now. The one rule function: the grant, the estimates and the
     simulator ask it, for one upstream and for each upstream of a node."""
     if not running.busy:
         return Turn.IDLE
-    total = slots_in_effect(slots, running, loaded)
-    if running.busy >= total or running.alone:
+    if takes_nothing(slots, loaded, running):
         return Turn.CLOSED
+    total = slots_in_effect(slots, running, loaded)
     if not fits(candidate, loaded):
         return Turn.OTHER_MODEL
     if candidate.interactive or running.non_interactive < total - slots.reserved:

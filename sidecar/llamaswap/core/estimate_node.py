@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
-from llamaswap.core.dispatch import Lane, Running, Step, choose, one
+from llamaswap.core.dispatch import Lane, Running, Step, choose, one, takes_nothing
 from llamaswap.core.estimate import Estimator
 
 
@@ -57,11 +57,10 @@ class _Waiting:
 class _LaneWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("lane", "slot_most", "loaded", "items", "ready_at", "blocked_until")
+    __slots__ = ("lane", "loaded", "items", "ready_at", "blocked_until")
 
     def __init__(self, lane: Lane, blocked_until: float) -> None:
         self.lane = lane
-        self.slot_most = max([lane.slots.default, *lane.slots.per_model.values()])
         self.loaded = lane.loaded
         self.items: list[_Item] = []
         self.ready_at = 0.0  # when the load under way ends (its runs begin then)
@@ -206,8 +205,8 @@ class _Walk:
     def _find(self, now: float) -> tuple[int, int] | None:
         """`node.NodeWalk.find`: (position in the pending order, upstream) of the next start."""
         views = [lane.view(now) for lane in self._lanes]
-        full = {i for i, (lane, view) in enumerate(zip(self._lanes, views))
-                if view.blocked or view.running.busy >= lane.slot_most or view.running.alone}
+        full = {i for i, view in enumerate(views)
+                if takes_nothing(view.slots, view.loaded, view.running, view.blocked)}
         closed: set[int] = set()
         interactive_only: set[int] = set()
         times = _WalkTimes(self._by_name, now, self._estimator)

@@ -41,7 +41,7 @@ class LaneState:
     """One upstream's record: its grants (earliest first), what they hold as the dispatch rule
     reads it, its loaded model and pending load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "running", "loaded", "load", "dispatches", "slot_most")
+    __slots__ = ("policy", "grants", "running", "loaded", "load", "dispatches")
 
     def __init__(self, policy: LanePolicy) -> None:
         self.grants: dict[str, Grant] = {}
@@ -55,8 +55,6 @@ class LaneState:
 
     def apply(self, policy: LanePolicy) -> None:
         self.policy = policy
-        # The most slots of any model: one compare tells a full upstream (with one slot, any grant).
-        self.slot_most = max([policy.slots.default, *policy.slots.per_model.values()])
 
     @property
     def name(self) -> str:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose
+from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose, takes_nothing
 from llamaswap.core.index import Entry, Index
 
 
 class NodeWalk:
-    def __init__(self, lanes: Sequence[Lane], slot_most: Sequence[int], aged: Index, reserved: Index | None,
-                 bonus: int, pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
+    def __init__(self, lanes: Sequence[Lane], aged: Index, reserved: Index | None, bonus: int,
+                 pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
                  times: LaneTimes) -> None:
         self._lanes = lanes
         self._aged = aged
@@ -31,7 +31,7 @@ class NodeWalk:
         self._times = times
         # Upstreams that take nothing now: held by a settle, full, or running a request alone.
         self._full = {i for i, lane in enumerate(lanes)
-                      if lane.blocked or lane.running.busy >= slot_most[i] or lane.running.alone}
+                      if takes_nothing(lane.slots, lane.loaded, lane.running, lane.blocked)}
         self._closed: set[int] = set()  # claimed by the best request
         self._interactive_only: set[int] = set()  # the best waits for its share: reserved slots stay open
         self.suspended: list[Entry] = []

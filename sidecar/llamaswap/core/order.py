@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapshot, RunningView, WaitingView
-from llamaswap.core.dispatch import slots_in_effect
+from llamaswap.core.dispatch import slots_in_effect, takes_nothing
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.lanes import LaneState
 from llamaswap.core.node import pick_among
@@ -47,8 +47,8 @@ def warm_models(lanes: Sequence[LaneState], blocked: frozenset[str]) -> frozense
     wins by it over a slightly better request whose model runs elsewhere (which would swap
     the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
     return frozenset(lane.loaded for lane in lanes
-                     if lane.loaded is not None and lane.name not in blocked and not lane.running.alone
-                     and lane.running.busy < slots_in_effect(lane.policy.slots, lane.running, lane.loaded))
+                     if lane.loaded is not None
+                     and not takes_nothing(lane.policy.slots, lane.loaded, lane.running, lane.name in blocked))
 
 
 def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: int) -> list[tuple[Entry, int]]:

@@ -55,7 +55,7 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, one, slots_in_effect
+from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, one, slots_in_effect, takes_nothing
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -355,9 +355,9 @@ class Scheduler:
             return self._next_on_node(blocked, times)
         lane = self._first
         running = lane.running
-        if running.busy >= lane.slot_most or lane.name in blocked:
-            return None  # every slot is taken (with one slot: anything runs)
         loaded = lane.loaded
+        if takes_nothing(lane.policy.slots, loaded, running, lane.name in blocked):
+            return None  # every slot is taken (with one slot: anything runs)
         aged, plain = self._aged, self._plain
         best = order.pick(aged, loaded, self._bonus)
         starts, reserved_slot = one(lane.policy.slots, loaded, running, best, self._best_interactive)
@@ -378,7 +378,7 @@ class Scheduler:
         def pick(index: Index) -> Entry:
             return pick_among(index, loaded, self._bonus)
 
-        walk = NodeWalk(self.lane_views(blocked), [lane.slot_most for lane in self._lanes], self._aged,
+        walk = NodeWalk(self.lane_views(blocked), self._aged,
                         self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
                         self._wanted, times)
         try:
