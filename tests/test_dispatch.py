@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from llamaswap.core import ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
-from llamaswap.core.dispatch import IDLE, Running, Turn, one, turn
+from llamaswap.core.dispatch import IDLE, Running, Turn, in_reserved_slot, one, turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,11 @@ def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interact
     assert one(SLOTS, "a", share_used, Waiting("a"), lambda: of_none) == (of_none, True)
     # An interactive swap waits for the drain like any swap.
     assert one(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting("b", interactive=True)) == (None, False)
+    # The grant's ``reserved_slot``: an interactive start while the share is used, nothing else.
+    assert in_reserved_slot(SLOTS, "a", share_used, interactive)
+    assert not in_reserved_slot(SLOTS, "a", share_used, Waiting("a"))
+    assert not in_reserved_slot(SLOTS, "a", Running(1, 1, "a"), interactive)
+    assert not in_reserved_slot(SLOTS, "a", IDLE, interactive)
 
 
 def test_the_slots_in_effect_are_the_running_models_else_the_loaded_ones() -> None:

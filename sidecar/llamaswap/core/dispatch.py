@@ -82,6 +82,18 @@ def takes_nothing(slots: Slots, loaded: str | None, running: Running, blocked: b
     return blocked or running.alone or running.busy >= slots_in_effect(slots, running, loaded)
 
 
+def share_used(slots: Slots, loaded: str | None, running: Running) -> bool:
+    """The reserved-slot test: work below the interactive band holds its whole share
+    (``slots - reserved``), so only slots kept for the interactive band are free."""
+    return running.non_interactive >= slots_in_effect(slots, running, loaded) - slots.reserved
+
+
+def in_reserved_slot(slots: Slots, loaded: str | None, running: Running, candidate: Candidate) -> bool:
+    """A grant of ``candidate`` now, beside what runs, takes a slot kept for its band (the
+    grant's ``reserved_slot``)."""
+    return candidate.interactive and running.busy > 0 and share_used(slots, loaded, running)
+
+
 def turn(slots: Slots, loaded: str | None, running: Running, candidate: Candidate) -> Turn:
     """The dispatch rule: what an upstream (its ``slots``, ``loaded`` model and what runs there)
     can do for ``candidate`` now. The one rule function: the grant, the estimates and the
@@ -90,12 +102,11 @@ def turn(slots: Slots, loaded: str | None, running: Running, candidate: Candidat
         return Turn.IDLE
     if takes_nothing(slots, loaded, running):
         return Turn.CLOSED
-    total = slots_in_effect(slots, running, loaded)
     if not fits(candidate, loaded):
         return Turn.OTHER_MODEL
-    if candidate.interactive or running.non_interactive < total - slots.reserved:
-        return Turn.FREE
-    return Turn.SHARE_USED
+    if not candidate.interactive and share_used(slots, loaded, running):
+        return Turn.SHARE_USED
+    return Turn.FREE
 
 
 def one(slots: Slots, loaded: str | None, running: Running, best: Candidate,

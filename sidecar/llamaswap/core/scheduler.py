@@ -55,7 +55,7 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, one, slots_in_effect, takes_nothing
+from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, in_reserved_slot, one, takes_nothing
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -391,10 +391,7 @@ class Scheduler:
         return self._grant_on_node(self._lanes[index], winner, pick)
 
     def _grant_on_node(self, lane: LaneState, winner: Entry, pick: Callable[[Index], Entry]) -> Decision:
-        slots = lane.policy.slots
-        running = lane.running
-        reserved_slot = bool(winner.interactive and slots.reserved and running.busy and running.non_interactive
-                             >= slots_in_effect(slots, running, lane.loaded) - slots.reserved)
+        reserved_slot = in_reserved_slot(lane.policy.slots, lane.loaded, lane.running, winner)
         return self._grant(lane, winner, self._aged, self._plain, reserved_slot, pick)
 
     def _resume(self, suspended: list[Entry]) -> None:
