@@ -5,7 +5,8 @@ request starts on an upstream or claims one, which then takes nothing else until
 there; each request after it starts where the rule lets it, or waits (only the best claims: one
 upstream drains for the one best request, and lower ones never hold an upstream back). Once no
 open upstream is idle, only a request of a model loaded on one (or of none) can start, and the
-first such in the order is the best of those models' tops (`_warm_pick`): the walk never reads
+first such in the order is the best of those models' tops (`_warm_pick`, ranked as `order.pick`
+ranks): the walk never reads
 the whole queue for it. Requests it asks are suspended (marked not alive, so the indexes skip
 them) and the caller puts them back (`suspended`) whatever happens.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose, takes_nothing
 from llamaswap.core.index import Entry, Index
+from llamaswap.core.order import rank
 
 
 class NodeWalk:
@@ -69,7 +71,7 @@ class NodeWalk:
         """With every open upstream busy: the first request in the order that the rule starts,
         among the tops of the models loaded on them and of no model (by the reserved slots'
         index too, where only interactive requests can take a slot)."""
-        items: list[tuple[int, int, Entry]] = []
+        items: list[tuple[tuple[int, int], Entry]] = []
         scale = self._aged.scale
         indexes = [self._aged] if self._reserved is None else [self._aged, self._reserved]
         for i, lane in enumerate(self._lanes):
@@ -79,29 +81,8 @@ class NodeWalk:
                 for model in {lane.loaded, None}:
                     item = index.top_of(model)
                     if item is not None:
-                        bonus = self._bonus * scale if model is not None else 0
-                        items.append((-item[0] + bonus, -item[1], item[2]))
-        for _, _, entry in sorted(items, key=lambda item: (item[0], item[1]), reverse=True):
+                        items.append((rank(item, self._bonus if model is not None else 0, scale), item[2]))
+        for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
             if self._choose(entry)[0] is Step.START:
                 return entry
         return None
-
-
-def pick_among(index: Index, loaded: frozenset[str], bonus: int, taken: set[int] | None = None) -> Entry:
-    """`Scheduler._pick` over several upstreams: the best of the global top and each of the
-    ``loaded`` models' tops plus the bonus (key, then earlier arrival)."""
-    top = index.top(taken)
-    assert top is not None, "called with an empty queue"
-    if not loaded or not bonus:
-        return top[2]
-    # The global top gets the bonus too where its own model is loaded.
-    best_key = -top[0] + (bonus * index.scale if top[2].model in loaded else 0)
-    best_seq, best = top[1], top[2]
-    for model in sorted(loaded):  # sorted: a tie between two models' tops goes the same way every run
-        favourite = index.top_of(model, taken)
-        if favourite is None or favourite[2] is top[2]:
-            continue
-        key = -favourite[0] + bonus * index.scale
-        if key > best_key or (key == best_key and favourite[1] < best_seq):
-            best_key, best_seq, best = key, favourite[1], favourite[2]
-    return best

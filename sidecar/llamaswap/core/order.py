@@ -10,7 +10,7 @@ estimates' walk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
@@ -18,26 +18,41 @@ from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapsho
 from llamaswap.core.dispatch import slots_in_effect, takes_nothing
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.lanes import LaneState
-from llamaswap.core.node import pick_among
 from llamaswap.core.policy import Policy
 from llamaswap.core.priority import Band
 
 
-def pick(index: Index, loaded: str | None, bonus: int, taken: set[int] | None = None) -> Entry:
-    """The winner among the waiting in `index` while `loaded` is loaded: the better of the
-    global top and the loaded model's top plus the bonus (key, then earlier arrival)."""
+def rank(item: tuple[int, int, Entry], bonus: int, scale: int) -> tuple[int, int]:
+    """An index item's place in the dispatch order with ``bonus`` points of swap affinity: its
+    key plus the bonus, then earlier arrival (the larger, the better)."""
+    return -item[0] + bonus * scale, -item[1]
+
+
+def pick(index: Index, loaded: Collection[str], bonus: int, taken: set[int] | None = None) -> Entry:
+    """The winner among the waiting in `index` while the ``loaded`` models are loaded (on GPUs
+    with a slot for them): the best of the global top and each loaded model's top, plus the
+    bonus where its model is loaded (`rank`). One GPU is a node of one: ``loaded`` holds its
+    model, or nothing."""
     top = index.top(taken)
     assert top is not None, "called with an empty queue"
-    if loaded is None or not bonus:
+    if not loaded or not bonus:
         return top[2]
-    favourite = index.top_of(loaded, taken)
-    if favourite is None or favourite[2] is top[2]:
-        return top[2]
-    top_key = -top[0]  # the global top has no bonus, or it would be the favourite
-    favourite_key = -favourite[0] + bonus * index.scale
-    if favourite_key > top_key or (favourite_key == top_key and favourite[1] < top[1]):
-        return favourite[2]
-    return top[2]
+    scale = index.scale
+    # The global top gets the bonus too where its own model is loaded.
+    best_rank, best = rank(top, bonus if top[2].model in loaded else 0, scale), top[2]
+    for model in sorted(loaded):  # sorted: a tie between two models' tops goes the same way every run
+        favourite = index.top_of(model, taken)
+        if favourite is None or favourite[2] is top[2]:
+            continue
+        favourite_rank = rank(favourite, bonus, scale)
+        if favourite_rank > best_rank:
+            best_rank, best = favourite_rank, favourite[2]
+    return best
+
+
+def loaded_of(model: str | None) -> tuple[str, ...]:
+    """One GPU's loaded models as `pick` reads them."""
+    return () if model is None else (model,)
 
 
 def warm_models(lanes: Sequence[LaneState], blocked: frozenset[str]) -> frozenset[str]:
@@ -62,13 +77,13 @@ def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: 
     if len(lanes) > 1:
         loaded_now = warm_models(lanes, frozenset())
         for _ in range(count):
-            winner = pick_among(index, loaded_now, bonus, taken)
+            winner = pick(index, loaded_now, bonus, taken)
             taken.add(winner.seq)
             order.append((winner, bonus if winner.model is not None and winner.model in loaded_now else 0))
         return order
     loaded = lanes[0].loaded
     for _ in range(count):
-        winner = pick(index, loaded, bonus, taken)
+        winner = pick(index, loaded_of(loaded), bonus, taken)
         taken.add(winner.seq)
         order.append((winner, bonus if winner.model is not None and winner.model == loaded else 0))
         if winner.model is not None and not winner.alone:

@@ -60,7 +60,7 @@ from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, Unkno
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.lanes import Grant, LaneState, PendingLoad
-from llamaswap.core.node import NodeWalk, pick_among
+from llamaswap.core.node import NodeWalk
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -359,7 +359,8 @@ class Scheduler:
         if takes_nothing(lane.policy.slots, loaded, running, lane.name in blocked):
             return None  # every slot is taken (with one slot: anything runs)
         aged, plain = self._aged, self._plain
-        best = order.pick(aged, loaded, self._bonus)
+        warm = order.loaded_of(loaded)
+        best = order.pick(aged, warm, self._bonus)
         starts, reserved_slot = one(lane.policy.slots, loaded, running, best, self._best_interactive)
         if starts is None:
             return None
@@ -367,16 +368,16 @@ class Scheduler:
         if reserved_slot:
             assert self._reserved is not None  # only reserved slots are free: reserved > 0
             aged, plain = self._reserved
-            winner = order.pick(aged, loaded, self._bonus)
+            winner = order.pick(aged, warm, self._bonus)
         return self._grant(lane, winner, aged, plain, reserved_slot,
-                           lambda index: order.pick(index, loaded, self._bonus))
+                           lambda index: order.pick(index, warm, self._bonus))
 
     def _next_on_node(self, blocked: frozenset[str], times: LaneTimes) -> Decision | None:
         """The node rule down the order (`node.walk`), then the grant it found."""
         loaded = order.warm_models(self._lanes, blocked)
 
         def pick(index: Index) -> Entry:
-            return pick_among(index, loaded, self._bonus)
+            return order.pick(index, loaded, self._bonus)
 
         walk = NodeWalk(self.lane_views(blocked), self._aged,
                         self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
@@ -551,7 +552,9 @@ class Scheduler:
         """The reserved slots' candidate: the best interactive request (None: none waits)."""
         assert self._reserved is not None
         aged = self._reserved[0]
-        return order.pick(aged, self._first.loaded, self._bonus) if aged.top() is not None else None
+        if aged.top() is None:
+            return None
+        return order.pick(aged, order.loaded_of(self._first.loaded), self._bonus)
 
     def _remove(self, entry: Entry) -> None:
         entry.alive = False
