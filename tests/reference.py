@@ -31,13 +31,17 @@ under a key (the first one kept under that key; a request that ran never keeps o
 request with that key, the same priority and the same model, before the place's grace period
 ends and before maxWaitSeconds since the first arrival, takes it: the first arrival's time and
 arrival order, as if it had never left.
+
+Several GPUs (`ReferenceNode`, at the end): one queue over GPUs that each keep the above for
+themselves, and the node rule of docs/scheduling.md that says which request starts on which.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
+from typing import Protocol
 
 NS_PER_S = 1_000_000_000
 OVERTAKEN_LIMIT = 16  # the decision record names at most this many overtaken requests
@@ -337,26 +341,40 @@ class ReferenceScheduler:
         )
 
     def release(self, request_id: str, *, model_loaded: bool | None = True, reached_upstream: bool = True) -> None:
-        grant = next(g for g in self.grants if g.request.request_id == request_id)
-        self.grants.remove(grant)
-        grant.released = True
-        grant.reached = reached_upstream
-        model = grant.request.model
-        origin = grant.origin
-        pending = origin is not None and origin is self.loaded_by and not origin.confirmed
-        if reached_upstream and model_loaded is True:
-            if pending:
-                origin.confirmed = True  # the load happened
-        elif reached_upstream and model_loaded is False:
-            if model is not None and self.loaded_model == model:
-                self.loaded_model = None  # the upstream failed it: its model is not known to be loaded
-                self.loaded_by = None
-        elif pending and not any(g.origin is origin for g in self.grants):
-            # The last user of a load none confirmed: if none reached the upstream the load never
-            # happened; if some did and were told nothing, nothing is known.
-            users = [g for g in self.log if g.origin is origin]
-            self.loaded_model = None if any(g.reached for g in users) else origin.previous
-            self.loaded_by = None
+        release_on(self, request_id, model_loaded=model_loaded, reached_upstream=reached_upstream)
+
+
+class GrantRecord(Protocol):
+    """What one GPU's record of its grants holds (`ReferenceScheduler`, `RefGpu`)."""
+
+    grants: list[RefGrant]
+    log: list[RefGrant]
+    loaded_model: str | None
+    loaded_by: RefGrant | None
+
+
+def release_on(record: GrantRecord, request_id: str, *, model_loaded: bool | None, reached_upstream: bool) -> None:
+    """End a running grant on one GPU, and what its answer says about that GPU's loaded model."""
+    grant = next(g for g in record.grants if g.request.request_id == request_id)
+    record.grants.remove(grant)
+    grant.released = True
+    grant.reached = reached_upstream
+    model = grant.request.model
+    origin = grant.origin
+    pending = origin is not None and origin is record.loaded_by and not origin.confirmed
+    if reached_upstream and model_loaded is True:
+        if pending:
+            origin.confirmed = True  # the load happened
+    elif reached_upstream and model_loaded is False:
+        if model is not None and record.loaded_model == model:
+            record.loaded_model = None  # the upstream failed it: its model is not known to be loaded
+            record.loaded_by = None
+    elif pending and not any(g.origin is origin for g in record.grants):
+        # The last user of a load none confirmed: if none reached the upstream the load never
+        # happened; if some did and were told nothing, nothing is known.
+        users = [g for g in record.log if g.origin is origin]
+        record.loaded_model = None if any(g.reached for g in users) else origin.previous
+        record.loaded_by = None
 
 
 def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | float = 0) -> bool:
@@ -370,3 +388,368 @@ def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | flo
         return True
     scale = max(abs(Fraction(real)), abs(exact), abs(Fraction(magnitude)), Fraction(1))
     return abs(Fraction(real) - exact) <= scale * Fraction(8, 2**53)
+
+
+# -- several GPUs: one queue for the node ----------------------------------------------------
+#
+# The node rule, from docs/scheduling.md ("Several GPUs: one queue for the node") and the
+# docstrings of core/dispatch.py, core/node.py and core/scheduler.py, written out per GPU and
+# per request with nothing shared with `llamaswap.core`: no index, no walk, no `choose`.
+#
+# Each GPU keeps what holds for one: its grants (at most the slots of the model they name, else
+# of its loaded model, else its default), one model at a time, a load only when nothing runs
+# there, a request that runs alone only when nothing runs there and nothing beside it, its own
+# reserved slots, and its own record of the loaded model (what a release says: `release_on`).
+# A GPU's `models` limit what it may serve (a request of no model: any GPU). A blocked GPU (a
+# settle or an adopted exchange holds it) takes nothing.
+#
+# One `next`: every waiting request, sorted once by score (swap affinity for a model loaded on an
+# open GPU with a free slot now, whatever that GPU runs: the bonus is for starting without a
+# swap), then arrival. Down that order, each request is asked where it can start, over the GPUs
+# that no request ahead of it has claimed; the first that can start, starts. For one request:
+#
+#   (an unload runs on a GPU that has its model loaded, if one of those it may use has)
+#   1. a free slot on a GPU that has its model loaded (or, for a request of no model, any GPU
+#      that runs something), the least busy first: the fewest running grants;
+#   2. else an idle GPU: one that has its model loaded first; else one with nothing loaded, then
+#      the one whose loaded model the fewest waiting requests name; unless a GPU that has its
+#      model (busy, no slot for it now) frees a slot sooner than the load takes (`times`);
+#   3. else it waits: for the GPU that has its model and frees a slot first; else for the busy
+#      GPU expected to drain first (by `times`, then the fewest running grants).
+#   Ties go to the configured order of the GPUs.
+#
+# Only the best request (the first in the order) holds a GPU back: the GPU it waits for takes
+# nothing else in this `next`, unless all it waits for there is its share (a non-interactive
+# request that fits beside what runs, but only slots kept for the interactive band are free):
+# then that GPU's reserved slots stay open to interactive requests, as with one GPU. Lower
+# requests start where the rule lets them, or wait without holding anything.
+
+
+@dataclasses.dataclass(frozen=True)
+class Readings:
+    """Where `llamaswap.core` reads the node rule otherwise than the docs. The defaults are the
+    docs' (`DOCS`); `CODE` is what the scheduler does, so that the property test can compare
+    everything else. Each difference is pinned by an xfail(strict=True) case in test_node.py."""
+
+    # Step 1 among GPUs with a free slot: "least busy" (the docs: "the least busy first") or
+    # "most free" (`dispatch.choose`: "the most free slots: the least crowded"). They differ
+    # between GPUs of different slots.
+    free_slot: str = "least busy"
+    # Step 3, no GPU has its model: "any busy" (the docs: "the one expected to drain first") or
+    # "not full" (`dispatch.choose` asks only GPUs with a free slot now, so a GPU is held back
+    # while a full one, or one that runs an unload, drains sooner).
+    drain: str = "any busy"
+    # Waiting only for its share leaves a GPU's reserved slots open: True for every request
+    # (the docs: "reserved slots (per GPU) mean what they mean with one GPU"), False for a
+    # request of no model (`dispatch.choose` claims the GPU outright in step 3).
+    share_of_no_model: bool = True
+    # False (the docs: "a lower request starts where the rule lets it") or True (`NodeWalk`'s
+    # `_warm_pick`: once the best is asked and every GPU it left open runs something, only the
+    # first remaining request of each model, and the first interactive one where slots are
+    # reserved, is asked, so an unload at the head of its model hides that model's requests
+    # from a free slot).
+    heads_only: bool = False
+
+
+DOCS = Readings()
+CODE = Readings(free_slot="most free", drain="not full", share_of_no_model=False, heads_only=True)
+
+
+class RefTimes(Protocol):
+    """What the node rule may know of time: the same object the real scheduler is given."""
+
+    def slot_free_in_s(self, lane: str) -> float: ...
+
+    def drained_in_s(self, lane: str) -> float: ...
+
+    def swap_s(self, model: str | None, lane: str) -> float: ...
+
+
+class RefNoTimes:
+    """Nothing known: no slot is expected to free (so a load never waits for one), no GPU is
+    expected to drain before another, a load costs nothing."""
+
+    def slot_free_in_s(self, lane: str) -> float:
+        return float("inf")
+
+    def drained_in_s(self, lane: str) -> float:
+        return float("inf")
+
+    def swap_s(self, model: str | None, lane: str) -> float:
+        return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RefGpuPolicy:
+    """One GPU as the configuration describes it."""
+
+    name: str
+    slots: int = 1
+    model_slots: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    reserved: int = 0
+    models: frozenset[str] | None = None  # None: any
+
+    @classmethod
+    def of(cls, lane) -> "RefGpuPolicy":
+        """Read the public settings of a real ``LanePolicy`` (nothing else)."""
+        return cls(lane.name, lane.slots.default, dict(lane.slots.per_model), lane.slots.reserved,
+                   None if lane.models is None else frozenset(lane.models))
+
+    def slots_of(self, model: str | None) -> int:
+        return self.slots if model is None else self.model_slots.get(model, self.slots)
+
+    def may_serve(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
+
+
+class RefGpu:
+    """One GPU's record: its running grants (grant order), every grant made on it, its loaded
+    model and the grant that loaded it (`release_on` reads these)."""
+
+    def __init__(self, policy: RefGpuPolicy) -> None:
+        self.policy = policy
+        self.grants: list[RefGrant] = []
+        self.log: list[RefGrant] = []
+        self.loaded_model: str | None = None
+        self.loaded_by: RefGrant | None = None
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def busy(self) -> int:
+        return len(self.grants)
+
+    def runs_alone(self) -> bool:
+        return any(g.request.alone for g in self.grants)
+
+    def running_model(self) -> str | None:
+        named = {g.request.model for g in self.grants if g.request.model is not None}
+        assert len(named) <= 1, f"two models run at once on {self.name}: {named}"
+        return named.pop() if named else None
+
+    def total_slots(self) -> int:
+        model = self.running_model()
+        return self.policy.slots_of(model if model is not None else self.loaded_model)
+
+    def has_a_free_slot(self) -> bool:
+        """A slot is free for a request of its loaded model now (nothing alone, not full)."""
+        return not self.runs_alone() and self.busy < self.total_slots()
+
+    def share_used(self) -> bool:
+        """Non-interactive requests hold all the slots they may (``slots - reserved``)."""
+        non_interactive = sum(1 for g in self.grants if not ReferenceScheduler.interactive(g.request))
+        return non_interactive >= self.total_slots() - self.policy.reserved
+
+    def slot_for(self, request: RefRequest, share_kept: bool) -> str:
+        """What this GPU can do for the request now: "idle" (nothing runs), "free" (a slot is
+        its to take beside what runs), "share" (it fits beside what runs, but only slots kept
+        for the interactive band are free, or ``share_kept``: the best waits for this GPU's
+        share), "other" (a slot is free, but what runs must drain first) or "full"."""
+        if not self.grants:
+            return "idle"
+        if not self.has_a_free_slot():
+            return "full"
+        if request.alone or request.model not in (None, self.loaded_model):
+            return "other"
+        if ReferenceScheduler.interactive(request):
+            return "free"
+        return "share" if share_kept or self.share_used() else "free"
+
+
+@dataclasses.dataclass(frozen=True)
+class RefNodeDecision:
+    request_id: str
+    upstream: str
+    model: str | None
+    score: Fraction
+    swap_affinity: bool
+    load: bool
+    swap: bool
+    previous_model: str | None
+    reserved_slot: bool
+    alone: bool
+    slots_busy: int  # on its GPU, itself included
+    queue_depth_after: int
+
+
+class ReferenceNode:
+    """The node rule by brute force: one queue over several GPUs (see the comment above)."""
+
+    def __init__(self, policy: RefPolicy, gpus: Sequence[RefGpuPolicy], now_ns: Callable[[], int],
+                 readings: Readings = DOCS) -> None:
+        assert len({gpu.name for gpu in gpus}) == len(gpus) >= 1
+        self.policy = policy
+        self.gpus = [RefGpu(gpu) for gpu in gpus]  # the configured order
+        self._now_ns = now_ns
+        self.readings = readings
+        self.waiting: list[RefRequest] = []  # arrival order
+        self.running: dict[str, RefGpu] = {}  # request -> the GPU it runs on
+        self._order = 0
+
+    def gpu(self, name: str) -> RefGpu:
+        return next(gpu for gpu in self.gpus if gpu.name == name)
+
+    # -- commands --------------------------------------------------------------------------
+
+    def enqueue(self, request_id: str, priority: int, model: str | None = None, alone: bool = False) -> None:
+        assert all(r.request_id != request_id for r in self.waiting) and request_id not in self.running
+        self._order += 1
+        self.waiting.append(RefRequest(request_id, self._order, priority, model, self._now_ns(), alone))
+
+    def cancel(self, request_id: str) -> bool:
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return True
+        return False
+
+    def set_loaded_model(self, model: str | None, gpu: str) -> None:
+        """The GPU's report, taken only while nothing runs there."""
+        record = self.gpu(gpu)
+        if not record.grants:
+            record.loaded_model = model
+            record.loaded_by = None
+
+    def release(self, request_id: str, *, model_loaded: bool | None = True, reached_upstream: bool = True) -> None:
+        gpu = self.running.pop(request_id)
+        release_on(gpu, request_id, model_loaded=model_loaded, reached_upstream=reached_upstream)
+
+    # -- the rule --------------------------------------------------------------------------
+
+    def score(self, request: RefRequest, now_ns: int, warm: set[str]) -> Fraction:
+        total = Fraction(request.priority)
+        if self.policy.name == "fifo" and request.model is not None:
+            total += self.policy.model_priorities.get(request.model, 0)
+        if self.policy.bonus and request.model in warm:
+            total += self.policy.bonus
+        if self.policy.divisor_ns:
+            total += Fraction(now_ns - request.arrival_ns, self.policy.divisor_ns)
+        return total
+
+    def warm(self, blocked: frozenset[str]) -> set[str]:
+        """The models whose requests get the swap-affinity bonus: loaded on an open GPU with a
+        free slot now."""
+        return {gpu.loaded_model for gpu in self.gpus
+                if gpu.name not in blocked and gpu.loaded_model is not None and gpu.has_a_free_slot()}
+
+    def order(self, blocked: frozenset[str] = frozenset()) -> list[RefRequest]:
+        now, warm = self._now_ns(), self.warm(blocked)
+        return sorted(self.waiting, key=lambda r: (-self.score(r, now, warm), r.order))
+
+    def wanted(self, model: str | None) -> int:
+        return sum(1 for r in self.waiting if r.model == model)
+
+    def where(self, request: RefRequest, gpus: list[RefGpu], share_kept: set[str],
+              times: RefTimes) -> tuple[str, RefGpu] | None:
+        """Where one request goes among ``gpus`` (open, not claimed): ("start", gpu), ("wait",
+        gpu) or ("wait for share", gpu); None: no GPU it may use can do anything for it."""
+        readings = self.readings
+        model = request.model
+        mine = [gpu for gpu in gpus if gpu.policy.may_serve(model)]
+        if request.alone and model is not None and any(gpu.loaded_model == model for gpu in mine):
+            mine = [gpu for gpu in mine if gpu.loaded_model == model]  # an unload: where its model is
+        can = {gpu.name: gpu.slot_for(request, gpu.name in share_kept) for gpu in mine}
+        rank = {gpu.name: index for index, gpu in enumerate(self.gpus)}
+
+        def wait(gpu: RefGpu, share_counts: bool = True) -> tuple[str, RefGpu]:
+            return ("wait for share" if share_counts and can[gpu.name] == "share" else "wait"), gpu
+
+        free = [gpu for gpu in mine if can[gpu.name] == "free"]
+        if free:  # 1
+            if readings.free_slot == "least busy":
+                return "start", min(free, key=lambda g: (g.busy, rank[g.name]))
+            return "start", min(free, key=lambda g: (g.busy - g.total_slots(), rank[g.name]))
+        # GPUs that have its model loaded and run something, but have no slot for it now.
+        having = [gpu for gpu in mine if model is not None and gpu.loaded_model == model and gpu.busy]
+        soonest = min(having, key=lambda g: (times.slot_free_in_s(g.name), rank[g.name]), default=None)
+        idle = [gpu for gpu in mine if can[gpu.name] == "idle"]
+        if idle:  # 2
+            warm = [gpu for gpu in idle if model is not None and gpu.loaded_model == model]
+            if warm:
+                return "start", warm[0]
+            target = min(idle, key=lambda g: (g.loaded_model is not None, self.wanted(g.loaded_model),
+                                              rank[g.name]))
+            if soonest is not None and times.slot_free_in_s(soonest.name) < times.swap_s(model, target.name):
+                return wait(soonest)
+            return "start", target
+        if soonest is not None:  # 3
+            return wait(soonest)
+        busy = [gpu for gpu in mine if gpu.busy and (readings.drain == "any busy" or can[gpu.name] != "full")]
+        if not busy:
+            return None
+        drains = min(busy, key=lambda g: (times.drained_in_s(g.name), g.busy, rank[g.name]))
+        return wait(drains, share_counts=readings.share_of_no_model)
+
+    def choose(self, blocked: frozenset[str] = frozenset(),
+               times: RefTimes | None = None) -> tuple[RefRequest, RefGpu] | None:
+        """What ``next`` would grant now, and where; None if nothing can start."""
+        times = times if times is not None else RefNoTimes()
+        order = self.order(blocked)
+        held: set[str] = set()  # the GPU the best waits for
+        share_kept: set[str] = set()  # or the GPU whose share it waits for
+        for rank, request in enumerate(order):
+            if rank and self.readings.heads_only and self._heads_only(held):
+                return self._among_heads(order[rank:], held, share_kept, blocked, times)
+            open_gpus = [gpu for gpu in self.gpus if gpu.name not in blocked and gpu.name not in held]
+            found = self.where(request, open_gpus, share_kept, times)
+            if found is None:
+                continue
+            step, gpu = found
+            if step == "start":
+                return request, gpu
+            if rank == 0:  # only the best holds a GPU back
+                (share_kept if step == "wait for share" else held).add(gpu.name)
+        return None
+
+    def _heads_only(self, held: set[str]) -> bool:
+        """`Readings.heads_only`: every GPU the best left open (blocked ones too) runs something."""
+        return all(gpu.busy for gpu in self.gpus if gpu.name not in held)
+
+    def _among_heads(self, rest: list[RefRequest], held: set[str], share_kept: set[str], blocked: frozenset[str],
+                     times: RefTimes) -> tuple[RefRequest, RefGpu] | None:
+        """`Readings.heads_only`: the first of ``rest`` (in the order) that starts, asking only the
+        first request of each model, and the first interactive one where slots are reserved."""
+        heads: list[RefRequest] = []
+        for model in {r.model for r in rest}:
+            same = [r for r in rest if r.model == model]
+            heads.append(same[0])
+            interactive = [r for r in same if ReferenceScheduler.interactive(r)]
+            if self.gpus[0].policy.reserved and interactive:
+                heads.append(interactive[0])
+        open_gpus = [gpu for gpu in self.gpus if gpu.name not in blocked and gpu.name not in held]
+        for request in rest:
+            if request in heads:
+                found = self.where(request, open_gpus, share_kept, times)
+                if found is not None and found[0] == "start":
+                    return request, found[1]
+        return None
+
+    def next(self, blocked: frozenset[str] = frozenset(), times: RefTimes | None = None) -> RefNodeDecision | None:
+        chosen = self.choose(blocked, times)
+        if chosen is None:
+            return None
+        winner, gpu = chosen
+        now = self._now_ns()
+        previous = gpu.loaded_model
+        model = winner.model
+        affinity = bool(self.policy.bonus) and model is not None and model == previous
+        reserved_slot = (ReferenceScheduler.interactive(winner) and gpu.policy.reserved > 0 and gpu.busy > 0
+                         and gpu.share_used())
+        score = self.score(winner, now, {previous} if affinity else set())
+        self.waiting.remove(winner)
+        loads = model is not None and not winner.alone and model != previous
+        if gpu.grants:
+            assert not loads and not winner.alone and not gpu.runs_alone(), "the rule granted beside a drain"
+        grant = RefGrant(winner, previous, gpu.loaded_by if model is not None and not winner.alone else None)
+        if loads:
+            grant.origin = gpu.loaded_by = grant  # a load of its own
+        gpu.grants.append(grant)
+        gpu.log.append(grant)
+        if model is not None and not winner.alone:
+            gpu.loaded_model = model
+        self.running[winner.request_id] = gpu
+        return RefNodeDecision(winner.request_id, gpu.name, model, score, affinity, loads and previous is None,
+                               loads and previous is not None, previous, reserved_slot, winner.alone, gpu.busy,
+                               len(self.waiting))
