@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flow import Flow, virtual_time
+from flow import NS_PER_S, Flow, current_loop, virtual_time
 from llamaswap.commands.serve import Sidecar
 from llamaswap.config import Config, parse_config
 from llamaswap.config.reload import RELOAD_KEYS, OnReload, reload_key
@@ -132,31 +132,50 @@ class _CountingUpstream:
         pass
 
 
-async def _until(predicate: Any, what: str, deadline_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.01)
+async def _advance(seconds: float) -> None:
+    """Move the virtual clock (`flow.VirtualTimeLoop`) ``seconds`` ahead, running every timer at
+    its due time and everything it makes ready; nothing waits for real time."""
+    loop = current_loop()
+
+    async def idle() -> None:
+        for _ in range(10_000):
+            if not loop.runnable():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("something runs on every turn of the loop: a poll that spins")
+
+    target = loop.clock.now_ns() + round(seconds * NS_PER_S)
+    await idle()
+    for _ in range(10_000):
+        due = loop.next_timer_ns()
+        if due is None or due > target:
+            break
+        loop.clock.set_ns(max(due, loop.clock.now_ns()))
+        await idle()
+    else:
+        raise AssertionError(f"timers kept firing within {seconds} s: a poll that goes on")
+    loop.clock.set_ns(target)
+    await idle()
 
 
+@virtual_time
 async def test_models_poll_off_does_not_spin_and_a_reload_turns_it_on_and_off(tmp_path: pathlib.Path) -> None:
     sidecar, path = _sidecar(tmp_path, {"upstream": {"modelsPollSeconds": 0}})
     upstream = _CountingUpstream()
     sidecar.coordinator.gpus.first.upstream = upstream  # type: ignore[assignment]  # the loop asks each GPU
     task = asyncio.create_task(sidecar._reconcile_models())
     try:
-        for _ in range(200):  # a spinning loop would ask on every turn
-            await asyncio.sleep(0)
+        await _advance(3600)  # off: an hour without an ask (a loop that spins fails `_advance`)
         assert upstream.catalogs == 0
         assert _reload(sidecar, path, {"upstream": {"modelsPollSeconds": 0.01}})
-        await _until(lambda: upstream.catalogs >= 3, "0 -> 0.01 s: polling starts")
+        await _advance(0.035)  # the new interval counts from the reload: at once, then at 0.01, 0.02, 0.03 s
+        assert upstream.catalogs == 4
         assert _reload(sidecar, path, {"upstream": {"modelsPollSeconds": 0}})
-        await asyncio.sleep(0.05)  # let an ask that was under way finish
-        stopped_at = upstream.catalogs
-        for _ in range(200):
-            await asyncio.sleep(0)
-        assert upstream.catalogs == stopped_at
+        await _advance(3600)  # off again: polling on at 0.01 s would fire 360,000 times (and fail `_advance`)
+        assert upstream.catalogs == 4
+        assert _reload(sidecar, path, {"upstream": {"modelsPollSeconds": 60}})
+        await _advance(30)  # on again: at once, then not before 60 s
+        assert upstream.catalogs == 5
     finally:
         task.cancel()
         await sidecar.close()
