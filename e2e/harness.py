@@ -263,6 +263,8 @@ def running_stack(workdir: pathlib.Path, config: dict[str, Any] | None = None, *
                                      "scheduler")
             failed = False
         finally:
+            # A test may have started a part again (a killed sidecar or Envoy): those are the stack's now.
+            envoy, sidecar = stack.envoy, stack.sidecar
             if failed:
                 envoy.dump()
                 sidecar.dump()
