@@ -79,7 +79,10 @@ def takes_nothing(slots: Slots, loaded: str | None, running: Running, blocked: b
     """An upstream is closed or full, whoever asks: ``blocked`` (work the scheduler did not grant
     holds it), a request runs alone there, or every slot in effect is held. The one measure of
     it, for the grant, the node walk, the estimates and the swap-affinity bonus."""
-    return blocked or running.alone or running.busy >= slots_in_effect(slots, running, loaded)
+    if blocked:
+        return True
+    busy = running.busy
+    return busy > 0 and (running.alone or busy >= slots_in_effect(slots, running, loaded))
 
 
 def share_used(slots: Slots, loaded: str | None, running: Running) -> bool:

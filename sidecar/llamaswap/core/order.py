@@ -37,16 +37,19 @@ def pick(index: Index, loaded: Collection[str], bonus: int, taken: set[int] | No
     assert top is not None, "called with an empty queue"
     if not loaded or not bonus:
         return top[2]
-    scale = index.scale
-    # The global top gets the bonus too where its own model is loaded.
-    best_rank, best = rank(top, bonus if top[2].model in loaded else 0, scale), top[2]
-    for model in sorted(loaded):  # sorted: a tie between two models' tops goes the same way every run
+    # `rank`, inline: this runs several times per grant. The global top gets the bonus too
+    # where its own model is loaded.
+    points = bonus * index.scale
+    best = top[2]
+    best_key, best_seq = -top[0] + (points if best.model in loaded else 0), top[1]
+    # sorted: a tie between two models' tops goes the same way every run
+    for model in loaded if len(loaded) == 1 else sorted(loaded):
         favourite = index.top_of(model, taken)
         if favourite is None or favourite[2] is top[2]:
             continue
-        favourite_rank = rank(favourite, bonus, scale)
-        if favourite_rank > best_rank:
-            best_rank, best = favourite_rank, favourite[2]
+        key = -favourite[0] + points
+        if key > best_key or (key == best_key and favourite[1] < best_seq):
+            best_key, best_seq, best = key, favourite[1], favourite[2]
     return best
 
 
