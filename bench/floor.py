@@ -1,5 +1,5 @@
 """The floor of the data-path figures: the same bootstrap in front of a do-nothing grpc.aio server
-with llamaswap's protocol (`python bench/floor.py PORTS_FILE [--serial]`), or a toy FIFO one."""
+with llamaswap's protocol (`python bench/floor.py PORTS_FILE UPSTREAM [--serial]`), or a toy FIFO one."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ from llamaswap.config import parse_config
 from llamaswap.envoy.bootstrap import build_bootstrap
 
 
-def _null_sidecar_main(ports_file: str, serial: bool) -> None:
+def _null_sidecar_main(ports_file: str, upstream: str, serial: bool) -> None:
     """The least a Python sidecar on this chain can do, as a floor for the figures.
 
     The same protocol as llamaswap, and nothing else: a grpc.aio server with the two services
     Envoy calls (ext_authz Check, the access-log stream). Plain: every Check is answered OK at
     once with a ticket in dynamic metadata (so Envoy's access log reports the exchange, as it
-    does for llamaswap's grants). Serial (`--serial`): a toy FIFO that holds each Check until
-    the GPU is free and frees it on the access log's final entry for the running ticket; no
-    priorities, telemetry, logging or bookkeeping.
+    does for llamaswap's grants) and the request header x-llamaswap-upstream naming `upstream`
+    (the route to its cluster, as llamaswap's OK names the granted upstream; without it Envoy
+    sends the request to the endpoint-less cluster: a 503). Serial (`--serial`): a toy FIFO that
+    holds each Check until the GPU is free and frees it on the access log's final entry for the
+    running ticket; no priorities, telemetry, logging or bookkeeping.
     """
     import collections
     import secrets
@@ -37,16 +39,20 @@ def _null_sidecar_main(ports_file: str, serial: bool) -> None:
     from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
     from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb2
     from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
-    from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY
+    from llamaswap._proto.envoy.config.core.v3 import base_pb2
+    from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY, UPSTREAM_HEADER
 
     ok = status_pb2.Status(code=code_pb2.OK)
+    routed = authz_pb2.OkHttpResponse(headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=UPSTREAM_HEADER, value=upstream),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
     waiting: collections.deque[tuple[str, asyncio.Future[None]]] = collections.deque()
     running: list[str | None] = [None]
 
     def grant(token: str) -> authz_pb2.CheckResponse:
         metadata = struct_pb2.Struct()
         metadata.fields[TICKET_KEY].string_value = token
-        return authz_pb2.CheckResponse(status=ok, ok_response=authz_pb2.OkHttpResponse(), dynamic_metadata=metadata)
+        return authz_pb2.CheckResponse(status=ok, ok_response=routed, dynamic_metadata=metadata)
 
     def pump() -> None:
         while running[0] is None and waiting:
@@ -112,7 +118,8 @@ class NullSidecar:
         name = "toy-fifo" if serial else "floor"
         ports_file = workdir / f"{name}-ports.json"
         ports_file.unlink(missing_ok=True)
-        self.process = Process(name, [sys.executable, __file__, str(ports_file),
+        upstream = parse_config(document).upstream_entries[0].name  # the one its OK names
+        self.process = Process(name, [sys.executable, __file__, str(ports_file), upstream,
                                       *(["--serial"] if serial else [])],
                                workdir / f"{name}.log", env)
         self.envoy: EnvoyProcess | None = None
@@ -144,6 +151,6 @@ class NullSidecar:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: floor.py PORTS_FILE [--serial]")
-    _null_sidecar_main(sys.argv[1], "--serial" in sys.argv[2:])
+    if len(sys.argv) < 3:
+        sys.exit("usage: floor.py PORTS_FILE UPSTREAM [--serial]")
+    _null_sidecar_main(sys.argv[1], sys.argv[2], "--serial" in sys.argv[3:])

@@ -80,16 +80,23 @@ def one_round(bench: Bench, url: str, body: bytes, args: argparse.Namespace) -> 
     return asyncio.run(_aiohttp_round(url, body, args.seconds, args.clients))
 
 
-def check_scheduled(bench: Bench, body: bytes) -> None:
-    """The llamaswap path must really be scheduled (x-llamaswap-* headers on the answer)."""
-    async def ask() -> dict[str, str]:
+def check_paths(paths: dict[str, str], body: bytes) -> None:
+    """Every path must answer 200 (the figures of error answers are not the path's), and the
+    llamaswap ones must really be scheduled (x-llamaswap-* headers on the answer). A failure names
+    the path, the status, x-llamaswap-outcome and the body's beginning."""
+    async def ask(url: str) -> tuple[int, dict[str, str], bytes]:
         async with session() as client:
-            _, headers = await post(client, bench.sidecar_url, body, {"content-type": "application/json"})
-            return headers
+            async with client.post(f"{url}/v1/chat/completions", data=body,
+                                   headers={"content-type": "application/json"}) as response:
+                return response.status, {k.lower(): v for k, v in response.headers.items()}, await response.read()
 
-    headers = asyncio.run(ask())
-    if "x-llamaswap-band" not in {key.lower() for key in headers}:
-        raise RuntimeError("the llamaswap path answered without x-llamaswap-* headers: not scheduled?")
+    for path, url in paths.items():
+        status, headers, answer = asyncio.run(ask(url))
+        if status != 200:
+            raise RuntimeError(f"{path} ({url}): HTTP {status}, x-llamaswap-outcome "
+                               f"{headers.get('x-llamaswap-outcome', '-')}: {answer[:300]!r}")
+        if path in ("llamaswap", "candidate") and "x-llamaswap-band" not in headers:
+            raise RuntimeError(f"the {path} path answered without x-llamaswap-* headers: not scheduled?")
 
 
 def med(values: list[float]) -> float:
@@ -124,7 +131,7 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
         pids["candidate sidecar"] = candidate.sidecar.popen.pid
         envoys["candidate"] = candidate.envoy.popen.pid
         sidecars["candidate"] = candidate.sidecar.popen.pid
-    check_scheduled(bench, body)
+    check_paths(paths, body)
     for path, url in paths.items():  # warm-up: connections, code paths, Envoy's pools
         run_wrk(url, body, seconds=args.warmup, connections=args.clients, workdir=bench.workdir) \
             if args.client == "wrk" else asyncio.run(_aiohttp_round(url, body, args.warmup, args.clients))
@@ -148,8 +155,10 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
                                             for group, seconds in thread_cpu(sidecar_pid).items()}
                 result["cpu_us"] = {name: 1e6 * (cpu_seconds(pid) - before[name]) / max(1, result["requests"])
                                     for name, pid in watched.items()}
-                if result["errors"] or result["non2xx"]:
-                    print(f"warning: {path}: {result['errors']} socket errors, {result['non2xx']} non-2xx answers")
+                if result["non2xx"]:
+                    raise RuntimeError(f"{path} ({paths[path]}): {result['non2xx']} non-2xx answers in a round")
+                if result["errors"]:
+                    print(f"warning: {path}: {result['errors']} socket errors")
                 rounds[path].append(result)
             print(f"{index + 1:>5} " + " ".join(f"{rounds[path][-1]['p50']:>14.3f}" for path in paths) + " "
                   + " ".join(f"{rounds[path][-1]['rps']:>14.0f}" for path in paths) + f"  {machine_load()}")
@@ -174,7 +183,7 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
               f"| {med([r['p90'] for r in rounds[path]]):.2f} ms | {med([r['p99'] for r in rounds[path]]):.2f} ms "
               f"| {med([r['rps'] for r in rounds[path]]):.0f} "
               + ("| - | - | - " if path == "bare" else
-                 f"| +{added(path, 'p50'):.2f} ms | +{added(path, 'p99'):.2f} ms | {ratio(path):.2f} ")
+                 f"| {added(path, 'p50'):+.2f} ms | {added(path, 'p99'):+.2f} ms | {ratio(path):.2f} ")
               + f"| {'-' if sidecar is None else f'{cpu(path, sidecar):.0f} us'} | {cpu(path, 'Envoy'):.0f} us |")
     print()
     deltas = [r["p50"] - b["p50"] for r, b in zip(rounds["llamaswap"], rounds["bare"])]
@@ -192,9 +201,9 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
           f"{cpu('llamaswap', 'upstream'):.0f} us (llamaswap path)")
     floor_added, ours_added = added("floor", "p50"), added("llamaswap", "p50")
     floor_cpu, ours_cpu = cpu("floor", "floor sidecar"), cpu("llamaswap", "llamaswap sidecar")
-    print(f"goal: added p50 < 1.00 ms: llamaswap +{ours_added:.2f} ms "
+    print(f"goal: added p50 < 1.00 ms: llamaswap {ours_added:+.2f} ms "
           f"({'met' if ours_added < 1.0 else f'missed by {ours_added - 1.0:.2f} ms'}), "
-          f"floor +{floor_added:.2f} ms")
+          f"floor {floor_added:+.2f} ms")
     added_ratio = ours_added / floor_added if floor_added > 0 else float("nan")
     print(f"goal: within 1.3x of the floor: added p50 {added_ratio:.2f}x, sidecar CPU per request "
           f"{ours_cpu / floor_cpu if floor_cpu else float('nan'):.2f}x ({ours_cpu:.0f} vs {floor_cpu:.0f} us), "
@@ -206,13 +215,13 @@ def measure(bench: Bench, args: argparse.Namespace, candidate: Any = None) -> No
               f"{ours_cpu:.0f} us, main thread "
               f"{med([c['threads_us']['main'] for c in rounds['candidate']]):.0f} vs "
               f"{med([r['threads_us']['main'] for r in rounds['llamaswap']]):.0f} us; candidate: p50 "
-              f"+{added('candidate', 'p50'):.2f} ms, p99 +{added('candidate', 'p99'):.2f} ms, throughput ratio "
+              f"{added('candidate', 'p50'):+.2f} ms, p99 {added('candidate', 'p99'):+.2f} ms, throughput ratio "
               f"{ratio('candidate'):.2f}")
     print(f"client {args.client}, body {len(body)} bytes, load average {machine_load()} "
           f"(at the start: {args.load_at_start})")
-    print(f"floor: p50 +{floor_added:.2f} ms, p99 +{added('floor', 'p99'):.2f} ms, "
+    print(f"floor: p50 {floor_added:+.2f} ms, p99 {added('floor', 'p99'):+.2f} ms, "
           f"throughput ratio {ratio('floor'):.2f}")
-    print(f"overhead: p50 +{ours_added:.2f} ms, p99 +{added('llamaswap', 'p99'):.2f} ms, "
+    print(f"overhead: p50 {ours_added:+.2f} ms, p99 {added('llamaswap', 'p99'):+.2f} ms, "
           f"throughput ratio {ratio('llamaswap'):.2f}")
 
 

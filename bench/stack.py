@@ -29,12 +29,15 @@ from fake_upstream import UpstreamProcess
 from floor import NullSidecar
 from harness import EnvoyProcess, Stack, running_stack
 from llamaswap.config import parse_config
-from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, build_bootstrap
+from llamaswap.envoy.bootstrap import EXT_AUTHZ, JSON_TO_METADATA, UNROUTED_CLUSTER, build_bootstrap
+from llamaswap.envoy.contract import upstream_cluster
 
 
-def bare_bootstrap(bootstrap: dict[str, Any]) -> dict[str, Any]:
+def bare_bootstrap(bootstrap: dict[str, Any], upstream: str) -> dict[str, Any]:
     """The same bootstrap without json_to_metadata, ext_authz (and their per-route config) and the
-    gRPC access log: buffer -> router, everything else as it was."""
+    gRPC access log: buffer -> router, everything else as it was, except that the route a request
+    takes when no Check's OK named an upstream (x-llamaswap-upstream) goes to `upstream`'s cluster,
+    as with envoy.failOpen, instead of the endpoint-less one (a 503: no Check names one here)."""
     bare = copy.deepcopy(bootstrap)
     for listener in bare["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
@@ -46,6 +49,8 @@ def bare_bootstrap(bootstrap: dict[str, Any]) -> dict[str, Any]:
                 for host in hcm["route_config"]["virtual_hosts"]:
                     for route in host["routes"]:
                         route.pop("typed_per_filter_config", None)
+                        if route.get("route", {}).get("cluster") == UNROUTED_CLUSTER:
+                            route["route"]["cluster"] = upstream_cluster(upstream)
     return bare
 
 
@@ -126,7 +131,8 @@ def bench_stack(config: dict[str, Any] | None = None, *, bare: bool = True, null
             if bare:
                 bootstrap = build_bootstrap(parse_config(document), grpc_port=stack.sidecar.grpc_port,
                                             admin_port=stack.sidecar.admin_port, envoy_admin_port=0)
-                bare_envoy = EnvoyProcess(bare_bootstrap(bootstrap), workdir, name="envoy-bare")
+                upstream_name = parse_config(document).upstream_entries[0].name
+                bare_envoy = EnvoyProcess(bare_bootstrap(bootstrap, upstream_name), workdir, name="envoy-bare")
             try:
                 yield Bench(stack, upstream, bare_envoy, workdir, null_sidecar)
             finally:

@@ -1,5 +1,6 @@
-"""The benchmarks still run against today's code: the pure ones, and bench/gpus.py small (their
-figures are not checked: no timing thresholds in tests; `bench/README.md` has the measured ones)."""
+"""The benchmarks still run against today's code: the pure ones, and bench/overhead.py and
+bench/gpus.py small (their figures are not checked: no timing thresholds in tests;
+`bench/README.md` has the measured ones)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def test_retry_benchmark_reads_a_check_with_a_body_as_the_adapter_does():
     """Its in-process part (it asserts that the grace-on Check gives a digest)."""
     last = run("bench/retry.py", "--quick", "--no-stack", "--body-bytes", "1024")
     assert re.fullmatch(r"\| 1,\d{3} B \| \d+ \| [\d,]+ \| [\d.]+ us \| [\d.]+ us \| [+-][\d.]+ us \|", last), last
+
+
+def test_overhead_benchmark_runs_small():
+    """Bare Envoy, the floor and llamaswap (the real Envoy, the sidecar's process, the fake
+    upstream) for one short round: every path answers 200 (the bench stops at the first answer
+    that is not, naming the path) and the last line is in its shape; the figures are not checked."""
+    last = run("bench/overhead.py", "--rounds", "1", "--seconds", "1", "--warmup", "1")
+    assert re.fullmatch(r"overhead: p50 [+-][\d.]+ ms, p99 [+-][\d.]+ ms, throughput ratio [\d.]+", last), last
 
 
 @pytest.mark.llama
