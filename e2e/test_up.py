@@ -556,7 +556,9 @@ def test_when_one_of_two_gpus_fails_to_start_up_stops_the_other(ups, tmp_path: p
     marker = f"gpus-failing-start-{tmp_path.name}"
     script = (f"import os, sys, time; {marker!r}; "
               "sys.exit(3) if os.environ['CUDA_VISIBLE_DEVICES'] == '1' else time.sleep(600)")
-    up = ups(extra_args=("--gpus", "2"), upstream={"command": [sys.executable, "-c", script]})
+    # Two free ports in a row: --gpus 2 puts gpu1 on the port after gpu0's.
+    ports = {**{key: free_port() for key in ("http", "grpc", "admin")}, "upstream": _free_port_run(2)}
+    up = ups(ports=ports, extra_args=("--gpus", "2"), upstream={"command": [sys.executable, "-c", script]})
     assert up.process.wait(60) == 1
     log = up.log()
     assert "error: upstream gpu1 exited with status 3" in log
