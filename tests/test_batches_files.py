@@ -281,3 +281,21 @@ def test_strip_without_a_trusted_header_is_said_to_run_lines_at_normal(tmp_path:
     assert keys(stripped) == ["security.priority.mode"]
     assert keys({**stripped, "security": {"priority": {"mode": "strip", "trustedHeader": "x-tier"}}}) == []
     assert keys({"security": {"priority": {"mode": "strip"}}}) == []
+
+
+def test_a_database_of_the_first_schema_gets_its_counts_from_its_results(tmp_path: pathlib.Path) -> None:
+    store = Store(tmp_path / "b")
+    batch_id, lines = stored_batch(store, tmp_path, 3)
+    store.record_result(batch_id, lines[0], LineOutcome.COMPLETED, {"custom_id": "c0"})
+    store.record_result(batch_id, lines[2], LineOutcome.FAILED, {"custom_id": "c2"})
+    with store._lock:  # back to schema 1: no counts in the batch's row
+        store._db.execute("DROP INDEX batches_by_status")
+        store._db.execute("ALTER TABLE batches DROP COLUMN completed")
+        store._db.execute("ALTER TABLE batches DROP COLUMN failed")
+        store._db.execute("PRAGMA user_version=1")
+    store.close()
+    again = Store(tmp_path / "b")
+    counts = again.counts(batch_id, 3)
+    assert (counts.completed, counts.failed) == (1, 1)
+    again.record_result(batch_id, lines[1], LineOutcome.COMPLETED, {"custom_id": "c1"})
+    assert again.counts(batch_id, 3).completed == 2

@@ -206,10 +206,7 @@ class Feeder:
                 await self._validate(batch)
             else:
                 await self._fill(batch)
-        counts: dict[BatchStatus, int] = {}
-        for batch in await asyncio.to_thread(self.store.batches):
-            counts[batch.status] = counts.get(batch.status, 0) + 1
-        self.observer.statuses(counts)
+        self.observer.statuses(self.store.status_counts())
 
     async def _validate(self, batch: BatchRecord) -> None:
         def read() -> Validation:
@@ -237,26 +234,38 @@ class Feeder:
                 self._wake.set()
 
     async def _fill(self, batch: BatchRecord) -> None:
-        flying = self._flying.setdefault(batch.id, {})
-        room = max(1, self.settings.in_flight()) - len(flying)
-        if room <= 0 or self._paused:
-            return
-        cursor = self._cursor.get(batch.id, 0)
-        lines = [line for line in await asyncio.to_thread(self.store.unfinished_lines, batch.id, after=cursor,
-                                                          limit=room + len(flying))
-                 if line.line not in flying][:room]
-        for line in lines:
-            flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
-            self._cursor[batch.id] = line.line
-        if lines or flying:
+        if self._start_lines(batch) or self._flying.get(batch.id):
             return
         # Nothing after the cursor and nothing in flight: done, unless a line before the cursor
         # lost its sending without a result (then read from the start again).
-        if await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=1):
+        if self.store.unfinished_lines(batch.id, limit=1):
             self._cursor[batch.id] = 0
             self._wake.set()
         elif self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
             await self._finalize(batch, BatchStatus.COMPLETED)
+
+    def _start_lines(self, batch: BatchRecord) -> int:
+        """Send the batch's next lines up to batches.inFlight; how many started. Called by a look
+        and, without one, by each line that ends (the next line goes out at once: a look per line
+        would cost a read of every batch)."""
+        flying = self._flying.setdefault(batch.id, {})
+        room = max(1, self.settings.in_flight()) - len(flying)
+        if room <= 0 or self._paused:
+            return 0
+        cursor = self._cursor.get(batch.id, 0)
+        lines = [line for line in self.store.unfinished_lines(batch.id, after=cursor, limit=room + len(flying))
+                 if line.line not in flying][:room]
+        for line in lines:
+            flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
+            self._cursor[batch.id] = line.line
+        return len(lines)
+
+    def _line_ended(self, batch: BatchRecord) -> None:
+        """A line's end frees its place: the next one goes out now while the batch still feeds;
+        anything else (its last line, a cancel, the window's end) is a look's to handle."""
+        feeding = self.store.now() < batch.expires_at and self.store.status(batch.id) is BatchStatus.IN_PROGRESS
+        if not feeding or (not self._start_lines(batch) and not self._flying.get(batch.id)):
+            self._wake.set()
 
     async def _end(self, batch: BatchRecord, outcome: LineOutcome) -> None:
         """Cancel or expire: abandon what is in flight, end every line without a result so, finalize."""
@@ -284,20 +293,30 @@ class Feeder:
     async def _send(self, batch: BatchRecord, line: InputLine) -> None:
         request_id = line_request_id(batch.id, line.custom_id, line.line)
         try:
-            body = await asyncio.to_thread(self._body, batch, line)
             headers = {**self.settings.headers, "content-type": "application/json", "x-request-id": request_id,
                        self.settings.priority_header: str(batch.priority),
                        **self.observer.line_started(batch, line, request_id)}
-            status, answer = await self._post_until_answered(batch, request_id, body, headers)
+            status, answer = await self._post_until_answered(batch, request_id, self._body(batch, line), headers)
             outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
             record = answer_record(batch.id, line, status, request_id, answer)
-            if await asyncio.to_thread(self.store.record_result, batch.id, line, outcome, record):
+            if self.store.record_result(batch.id, line, outcome, record):
                 self.observer.line_ended(batch, line, outcome, status)
-        finally:
-            flying = self._flying.get(batch.id)
-            if flying is not None and flying.get(line.line) is asyncio.current_task():
-                del flying[line.line]
+        except asyncio.CancelledError:
+            self._forget(batch, line)  # abandoned (cancel, expiry, stop): a look decides what comes next
+            raise
+        except Exception:  # noqa: BLE001 - the line stays without a result; a look sends it again
+            _log.exception("batch line %s: could not be sent or recorded", request_id)
+            self._forget(batch, line)
+            self._cursor[batch.id] = 0
             self._wake.set()
+            return
+        self._forget(batch, line)
+        self._line_ended(batch)
+
+    def _forget(self, batch: BatchRecord, line: InputLine) -> None:
+        flying = self._flying.get(batch.id)
+        if flying is not None and flying.get(line.line) is asyncio.current_task():
+            del flying[line.line]
 
     def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
         with open(self.store.file_path(batch.input_file_id), "rb") as source:

@@ -32,7 +32,8 @@ from llamaswap.batches.validate import InputLine, LineError
 
 DATABASE = "batches.sqlite3"
 FILES = "files"
-SCHEMA_VERSION = 1
+# 2: a batch's counts of completed and failed lines kept in its row (read at every poll).
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -43,6 +44,7 @@ CREATE TABLE IF NOT EXISTS batches (
     completion_window TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
     status TEXT NOT NULL, metadata TEXT, priority INTEGER NOT NULL, errors TEXT,
     output_file_id TEXT, error_file_id TEXT, total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
     expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
     trace_id TEXT NOT NULL, span_id TEXT NOT NULL);
@@ -53,6 +55,7 @@ CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, outcome TEXT NOT NULL, record TEXT NOT NULL,
     ended_at REAL NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS results_by_end ON results (batch_id, ended_at);
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
 """
 
 
@@ -120,10 +123,27 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            self._upgrade()
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"batches.dir {self.directory}: cannot keep batches there ({exc}); set batches.dir to a "
                              "writable directory") from exc
+
+    def _upgrade(self) -> None:
+        """A database of schema 1 gets the counts' columns, filled from its results."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}
+        if "completed" in columns:
+            return
+        self._db.executescript(f"""
+            BEGIN;
+            ALTER TABLE batches ADD COLUMN completed INTEGER NOT NULL DEFAULT 0;
+            ALTER TABLE batches ADD COLUMN failed INTEGER NOT NULL DEFAULT 0;
+            UPDATE batches SET
+                completed = (SELECT COUNT(*) FROM results r WHERE r.batch_id = batches.id
+                             AND r.outcome = '{LineOutcome.COMPLETED.value}'),
+                failed = (SELECT COUNT(*) FROM results r WHERE r.batch_id = batches.id
+                          AND r.outcome != '{LineOutcome.COMPLETED.value}');
+            COMMIT;""")
 
     def close(self) -> None:
         with self._lock:
@@ -273,11 +293,15 @@ class Store:
 
     def record_result(self, batch_id: str, line: InputLine, outcome: LineOutcome, record: dict[str, Any]) -> bool:
         """A line's result, once: False when it already had one (the first write wins)."""
+        column = "completed" if outcome is LineOutcome.COMPLETED else "failed"
         with self._transaction() as db:
             cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
                                 (batch_id, line.line, outcome.value, json.dumps(record, separators=(",", ":")),
                                  self._now()))
-            return cursor.rowcount == 1
+            if cursor.rowcount != 1:
+                return False
+            db.execute(f"UPDATE batches SET {column} = {column} + 1 WHERE id = ?", (batch_id,))
+            return True
 
     def end_unfinished(self, batch_id: str, outcome: LineOutcome,
                        record: Callable[[InputLine], dict[str, Any]]) -> int:
@@ -291,12 +315,22 @@ class Store:
                 ended += self.record_result(batch_id, line, outcome, record(line))
 
     def counts(self, batch_id: str, total: int) -> Counts:
+        """Kept in the batch's row with each result (O(1): every poll of a batch reads it)."""
         with self._lock:
-            rows = self._db.execute("SELECT outcome, COUNT(*) FROM results WHERE batch_id = ? GROUP BY outcome",
-                                    (batch_id,)).fetchall()
-        by = dict(rows)
-        completed = by.get(LineOutcome.COMPLETED.value, 0)
-        return Counts(total, completed, sum(by.values()) - completed)
+            row = self._db.execute("SELECT completed, failed FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        completed, failed = row if row else (0, 0)
+        return Counts(total, completed, failed)
+
+    def status(self, batch_id: str) -> BatchStatus | None:
+        with self._lock:
+            row = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return BatchStatus(row[0]) if row else None
+
+    def status_counts(self) -> dict[BatchStatus, int]:
+        """How many batches are in each status."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
+        return {BatchStatus(status): count for status, count in rows}
 
     def recent_ends(self, batch_id: str, limit: int) -> list[float]:
         """When the latest ``limit`` lines of a batch ended, newest first (for its estimated finish)."""
