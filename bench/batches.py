@@ -57,14 +57,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import dataclasses
 import json
 import pathlib
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -74,7 +72,7 @@ from harness import free_port, running_stack
 from llama import run_llama_server
 from procfs import cpu_ns, machine_load
 from profile_serve import argv_for
-from stack import sidecar_command
+from stack import sidecar_command, workdir
 from stats import percentile
 from tinymodels import write_tiny_llama_gguf
 
@@ -491,16 +489,6 @@ def report(rounds: list[dict[str, Side]], args: argparse.Namespace, in_flight: i
           f"{_ms(client_waits, 95)} ms), most lines in the queue {most} (inFlight {in_flight})")
 
 
-@contextlib.contextmanager
-def workdir(keep: str | None) -> Iterator[pathlib.Path]:
-    if keep:
-        path = pathlib.Path(keep)
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="llamaswap-bench-batches-") as tmp:
-        yield pathlib.Path(tmp)
-
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -529,7 +517,7 @@ async def main() -> None:
     in_flight = args.in_flight or args.slots
     load_start = machine_load()
     started = time.perf_counter()
-    with workdir(args.keep) as root:
+    with workdir(args.keep, "batches") as root:
         model = write_tiny_llama_gguf(root / "tiny.gguf", seed=5, name=MODEL)
         server_args = ["-m", str(model), "--alias", MODEL, "--no-repack", "-c", str(2048 * args.slots),
                        "--parallel", str(args.slots)]

@@ -61,7 +61,6 @@ import math
 import pathlib
 import random
 import statistics
-import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -75,6 +74,7 @@ from harness import EnvoyProcess, SidecarProcess, wait_for, write_config
 from llama import LlamaServer, model_states, router_mode_args, run_llama_server
 from llamaswap.config import parse_config
 from llamaswap.envoy.bootstrap import build_bootstrap
+from stack import workdir
 from stats import percentile
 from tinymodels import write_tiny_llama_gguf
 
@@ -474,16 +474,6 @@ def report(runs: dict[str, list[Run]]) -> None:
           f"(round-robin: {swaps[ROUND_ROBIN]:.0f}), GPU idle while work waited {idle[ONE_QUEUE]:.1f}%")
 
 
-@contextlib.contextmanager
-def workdir(keep: str | None) -> Iterator[pathlib.Path]:
-    if keep:
-        path = pathlib.Path(keep)
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="llamaswap-bench-gpus-") as tmp:
-        yield pathlib.Path(tmp)
-
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -503,7 +493,7 @@ async def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.batch, args.interactive, args.batch_tokens = 1, 12, 6, 256
-    with workdir(args.keep) as root:
+    with workdir(args.keep, "gpus") as root:
         models = root / "models"
         for seed, name in enumerate(MODELS):
             write_tiny_llama_gguf(models / f"{name}.gguf", seed=40 + seed, name=name, context=CONTEXT_PER_SLOT)

@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import pathlib
 import statistics
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -44,6 +41,7 @@ import bench_paths  # noqa: F401 - puts e2e/ on the path
 from harness import async_wait_for, get_json, running_stack
 from llama import run_llama_server
 from procfs import cpu_ns
+from stack import workdir
 from tinymodels import write_tiny_llama_gguf
 
 PARALLEL = 4
@@ -226,16 +224,6 @@ async def measure_round(figures: Figures, urls: dict[str, str], path_pids: tuple
     figures.rounds.append(round_)
 
 
-@contextlib.contextmanager
-def workdir(keep: str | None) -> Iterator[pathlib.Path]:
-    if keep:
-        path = pathlib.Path(keep)
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="llamaswap-bench-slots-") as tmp:
-        yield pathlib.Path(tmp)
-
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -251,7 +239,7 @@ async def main() -> None:
     if args.quick:
         args.rounds, args.requests, args.interactive_rounds = 1, 8, 3
     lengths = (args.tokens, args.short_tokens)
-    with workdir(args.keep) as root:
+    with workdir(args.keep, "slots") as root:
         model = write_tiny_llama_gguf(root / "tiny.gguf", seed=5, name="tiny")
         server_args = ["-m", str(model), "--no-repack", "-c", str(2048 * PARALLEL), "--parallel", str(PARALLEL)]
         with run_llama_server(server_args, log_path=root / "llama-server.log") as server:

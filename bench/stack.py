@@ -168,3 +168,16 @@ def sidecar_env_of(args: argparse.Namespace) -> dict[str, str]:
     """--sidecar-env KEY=VALUE ... as a mapping."""
     return dict(item.split("=", 1) for item in args.sidecar_env)
 
+
+
+@contextlib.contextmanager
+def workdir(keep: str | None, name: str) -> Iterator[pathlib.Path]:
+    """Where a benchmark's stacks keep their files: ``keep`` (--keep DIR, left for reading), else
+    a temporary directory named after the benchmark, removed at the end."""
+    if keep:
+        path = pathlib.Path(keep)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=f"llamaswap-bench-{name}-") as tmp:
+        yield pathlib.Path(tmp)

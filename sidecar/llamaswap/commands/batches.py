@@ -22,8 +22,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, TextIO
 
-from llamaswap.config import DEFAULT_ADMIN
-from llamaswap.commands.queue import admin_of
+from llamaswap.commands.queue import add_admin_arguments, admin_of
 from llamaswap.commands.table import table_lines
 
 COLUMNS = ("ID", "STATUS", "DONE/FAILED/TOTAL", "STARTED", "FINISH", "PRIORITY")
@@ -45,9 +44,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Register `batches` on the `llamaswap` subcommands."""
     parser = commands.add_parser("batches", help="list the batches of the OpenAI Batch API and their progress",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--admin", help=f"the sidecar's admin address (default: listen.admin, {DEFAULT_ADMIN})")
-    where.add_argument("-c", "--config", help="the stack's YAML configuration: its listen.admin is asked")
+    add_admin_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the list of batches as JSON instead of a table")
     parser.set_defaults(run=run)
     return parser

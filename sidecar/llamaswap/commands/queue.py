@@ -59,9 +59,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     """Register `queue` on the `llamaswap` subcommands."""
     parser = commands.add_parser("queue", help="show the waiting requests and the running one (like squeue)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--admin", help=f"the sidecar's admin address (default: listen.admin, {DEFAULT_ADMIN})")
-    where.add_argument("-c", "--config", help="the stack's YAML configuration: its listen.admin is asked")
+    add_admin_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the queue document as JSON instead of a table")
     parser.add_argument("--watch", type=positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
@@ -72,6 +70,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def admin_url(address: HostPort) -> str:
     """The admin server's base URL for a listen address (a wildcard host means this machine)."""
     return f"http://{HostPort(address.connect_host, address.port)}"
+
+
+def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
+    """--admin or -c: where a command finds the sidecar's admin server (read by `admin_of`)."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--admin", help=f"the sidecar's admin address (default: listen.admin, {DEFAULT_ADMIN})")
+    where.add_argument("-c", "--config", help="the stack's YAML configuration: its listen.admin is asked")
 
 
 def admin_of(args: argparse.Namespace) -> str:
