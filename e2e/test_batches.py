@@ -342,8 +342,10 @@ def test_one_trace_per_batch_holds_each_line_with_envoy_and_the_sidecar_under_it
                 return None
             spans = receiver.spans(trace_id=roots[0].trace_id)
             names = collections.Counter((span.service, span.name) for span in spans)
-            wanted = [(SIDECAR_SERVICE, "llamaswap.batch.line"), (ENVOY_SERVICE, CHECK_EGRESS),
-                      (SIDECAR_SERVICE, "llamaswap.queue"), (SIDECAR_SERVICE, "llamaswap.run")]
+            # Envoy's ingress span ends (and is exported) after the response: wait for it too.
+            wanted = [(SIDECAR_SERVICE, "llamaswap.batch.line"), (ENVOY_SERVICE, "ingress"),
+                      (ENVOY_SERVICE, CHECK_EGRESS), (SIDECAR_SERVICE, "llamaswap.queue"),
+                      (SIDECAR_SERVICE, "llamaswap.run")]
             return spans if all(names[key] >= 3 for key in wanted) else None
 
         spans = wait_for(whole_trace, what="the batch's trace with its lines, Envoy's and the sidecar's spans")

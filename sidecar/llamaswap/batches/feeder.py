@@ -21,6 +21,7 @@ as cancelled; the window's end does the same as expired.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -42,6 +43,8 @@ _log = logging.getLogger(__name__)
 RESEND_STATUSES = frozenset({429, 502, 503, 504})
 RESEND_FIRST_S = 0.5
 RESEND_MOST_S = 30.0
+# Lines read from the store at once, ahead of those in flight.
+READ_AHEAD = 64
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
@@ -151,6 +154,9 @@ class Feeder:
         # batch id -> the last line started: every line up to it has a result or is in flight, so
         # the next ones are read from there (a read from the start would cost O(lines) each time).
         self._cursor: dict[str, int] = {}
+        # batch id -> the next lines after the cursor, read ahead in one query (a line's end then
+        # starts the next without asking the store)
+        self._ahead: dict[str, collections.deque[InputLine]] = {}
         self._session: aiohttp.ClientSession | None = None
 
     def wake(self) -> None:
@@ -239,7 +245,7 @@ class Feeder:
         # Nothing after the cursor and nothing in flight: done, unless a line before the cursor
         # lost its sending without a result (then read from the start again).
         if self.store.unfinished_lines(batch.id, limit=1):
-            self._cursor[batch.id] = 0
+            self._rewind(batch.id)
             self._wake.set()
         elif self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
             await self._finalize(batch, BatchStatus.COMPLETED)
@@ -252,13 +258,24 @@ class Feeder:
         room = max(1, self.settings.in_flight()) - len(flying)
         if room <= 0 or self._paused:
             return 0
-        cursor = self._cursor.get(batch.id, 0)
-        lines = [line for line in self.store.unfinished_lines(batch.id, after=cursor, limit=room + len(flying))
-                 if line.line not in flying][:room]
-        for line in lines:
+        ahead = self._ahead.setdefault(batch.id, collections.deque())
+        if len(ahead) < room:
+            after = ahead[-1].line if ahead else self._cursor.get(batch.id, 0)
+            ahead.extend(self.store.unfinished_lines(batch.id, after=after, limit=max(READ_AHEAD, room)))
+        started = 0
+        while ahead and started < room:
+            line = ahead.popleft()
+            if line.line in flying:
+                continue
             flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
             self._cursor[batch.id] = line.line
-        return len(lines)
+            started += 1
+        return started
+
+    def _rewind(self, batch_id: str) -> None:
+        """Read the batch's lines from its start again (a line lost its sending without a result)."""
+        self._cursor[batch_id] = 0
+        self._ahead.pop(batch_id, None)
 
     def _line_ended(self, batch: BatchRecord) -> None:
         """A line's end frees its place: the next one goes out now while the batch still feeds;
@@ -285,6 +302,7 @@ class Feeder:
         final = await asyncio.to_thread(self.store.finalize, batch, status)
         self._flying.pop(batch.id, None)
         self._cursor.pop(batch.id, None)
+        self._ahead.pop(batch.id, None)
         counts = self.store.counts(batch.id, batch.total)
         _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
                   counts.failed, counts.total)
@@ -297,21 +315,22 @@ class Feeder:
                        self.settings.priority_header: str(batch.priority),
                        **self.observer.line_started(batch, line, request_id)}
             status, answer = await self._post_until_answered(batch, request_id, self._body(batch, line), headers)
-            outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
-            record = answer_record(batch.id, line, status, request_id, answer)
-            if self.store.record_result(batch.id, line, outcome, record):
-                self.observer.line_ended(batch, line, outcome, status)
         except asyncio.CancelledError:
             self._forget(batch, line)  # abandoned (cancel, expiry, stop): a look decides what comes next
             raise
-        except Exception:  # noqa: BLE001 - the line stays without a result; a look sends it again
-            _log.exception("batch line %s: could not be sent or recorded", request_id)
-            self._forget(batch, line)
-            self._cursor[batch.id] = 0
-            self._wake.set()
-            return
+        # The next line first, then the result: the slot's handoff does not wait for the write. A
+        # kill in between sends this line again, and its first result is the one kept.
         self._forget(batch, line)
         self._line_ended(batch)
+        try:
+            outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
+            if self.store.record_result(batch.id, line, outcome, answer_record(batch.id, line, status, request_id,
+                                                                               answer)):
+                self.observer.line_ended(batch, line, outcome, status)
+        except Exception:  # noqa: BLE001 - the line stays without a result; a look sends it again
+            _log.exception("batch line %s: its result could not be recorded", request_id)
+            self._rewind(batch.id)
+            self._wake.set()
 
     def _forget(self, batch: BatchRecord, line: InputLine) -> None:
         flying = self._flying.get(batch.id)
