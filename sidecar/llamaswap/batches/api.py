@@ -185,7 +185,7 @@ class _Routes:
             raise ApiError(409, f"the batch {batch.id} is {now.status.value}: only a validating or in_progress batch "
                                 "can be cancelled", "batch_not_cancellable")
         _log.info("batch %s: cancelling", batch.id)
-        service.feeder.wake()
+        service.feeder.stop_feeding(batch.id)
         return web.json_response(service.document(_batch_or_404(service, batch.id)))
 
 

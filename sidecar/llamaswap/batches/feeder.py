@@ -150,6 +150,7 @@ class Feeder:
         self.observer: BatchObserver = observer or NoBatchObserver()
         self._wake = asyncio.Event()
         self._paused = False
+        self._stopping: set[str] = set()  # batches cancelled since the last look ended them
         self._flying: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch id -> line -> its sending
         # batch id -> the last line started: every line up to it has a result or is in flight, so
         # the next ones are read from there (a read from the start would cost O(lines) each time).
@@ -161,6 +162,11 @@ class Feeder:
 
     def wake(self) -> None:
         """Look at the batches now (a batch was created or cancelled)."""
+        self._wake.set()
+
+    def stop_feeding(self, batch_id: str) -> None:
+        """The batch is cancelling: no line of it starts from now (a look then ends it)."""
+        self._stopping.add(batch_id)
         self._wake.set()
 
     def pause(self) -> None:
@@ -256,7 +262,7 @@ class Feeder:
         would cost a read of every batch)."""
         flying = self._flying.setdefault(batch.id, {})
         room = max(1, self.settings.in_flight()) - len(flying)
-        if room <= 0 or self._paused:
+        if room <= 0 or self._paused or batch.id in self._stopping:
             return 0
         ahead = self._ahead.setdefault(batch.id, collections.deque())
         if len(ahead) < room:
@@ -280,7 +286,7 @@ class Feeder:
     def _line_ended(self, batch: BatchRecord) -> None:
         """A line's end frees its place: the next one goes out now while the batch still feeds;
         anything else (its last line, a cancel, the window's end) is a look's to handle."""
-        feeding = self.store.now() < batch.expires_at and self.store.status(batch.id) is BatchStatus.IN_PROGRESS
+        feeding = self.store.now() < batch.expires_at and batch.id not in self._stopping
         if not feeding or (not self._start_lines(batch) and not self._flying.get(batch.id)):
             self._wake.set()
 
@@ -303,6 +309,7 @@ class Feeder:
         self._flying.pop(batch.id, None)
         self._cursor.pop(batch.id, None)
         self._ahead.pop(batch.id, None)
+        self._stopping.discard(batch.id)
         counts = self.store.counts(batch.id, batch.total)
         _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
                   counts.failed, counts.total)

@@ -74,9 +74,12 @@ class BatchTelemetry:
     """The feeder's observer (`batches.feeder.BatchObserver`): spans through ``tracer`` (made with
     ``ids`` as its provider's id generator), metrics on ``meter``."""
 
-    def __init__(self, tracer: trace.Tracer, meter: Meter, ids: PresetIds | None = None) -> None:
+    def __init__(self, tracer: trace.Tracer, meter: Meter, ids: PresetIds | None = None, *,
+                 tracing: bool = True) -> None:
         self._tracer = tracer
         self._ids = ids
+        # Without an exporter no span is made (each line's would cost the sidecar's loop for nothing).
+        self._tracing = tracing
         self._lines: dict[tuple[str, int], Span] = {}
         self._statuses: dict[BatchStatus, int] = {status: 0 for status in BatchStatus}
         self.requests = Tally(meter, BATCH_REQUESTS, unit="{request}",
@@ -86,6 +89,8 @@ class BatchTelemetry:
                                       description="Batches in each status now.")
 
     def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
+        if not self._tracing:
+            return {}
         span = self._tracer.start_span(LINE_SPAN, context=_batch_context(batch), kind=SpanKind.CLIENT, attributes={
             "llamaswap.batch.id": batch.id, "llamaswap.batch.custom_id": line.custom_id,
             "llamaswap.batch.line": line.line, "llamaswap.request_id": request_id,
@@ -116,6 +121,8 @@ class BatchTelemetry:
             self.requests.add(count, {"outcome": outcome.value})
 
     def batch_ended(self, batch: BatchRecord) -> None:
+        if not self._tracing:
+            return
         for key in [key for key in self._lines if key[0] == batch.id]:
             span = self._lines.pop(key)
             span.set_status(Status(StatusCode.ERROR, "abandoned"))

@@ -159,7 +159,7 @@ class Telemetry:
 
     def batch_telemetry(self) -> BatchTelemetry:
         """The Batch API's spans and metrics, on these providers."""
-        return BatchTelemetry(self._tracer, self.meter, self.span_ids)
+        return BatchTelemetry(self._tracer, self.meter, self.span_ids, tracing=self._tracing)
 
     # -- pull ----------------------------------------------------------------------------
 
