@@ -135,7 +135,10 @@ async def test_the_grace_period_off_is_todays_behaviour(tmp_path: pathlib.Path) 
             raw, _ = await _sdk_behind_running(stack, session, request_id="sdk-call-1", grace=False)
         assert raw.http_response.status_code == 200
         assert stack.upstream.order() == ["running", "later-1", "later-2", "sdk"]
-        served = next(r for r in _activity(stack) if r["request_id"] == "sdk-call-1" and r["outcome"] == "served")
+        # The record is written when the exchange's end reaches the sidecar, which may follow the response.
+        served = await async_wait_for(
+            lambda: next((r for r in _activity(stack) if r["request_id"] == "sdk-call-1" and r["outcome"] == "served"),
+                         None), what="the SDK's served record")
         first_try = min(r["arrival_unix_ms"] for r in _activity(stack) if r["outcome"] == "cancelled_waiting")
         assert served["arrival_unix_ms"] > first_try and served["kept_from_attempt"] is None
         assert _kept_metric(stack) == {"kept": 0, "taken_over": 0, "expired": 0}
