@@ -9,6 +9,7 @@ import secrets
 import urllib.parse
 
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
+from llamaswap.envoy.contract import MAX_REQUEST_ID
 
 # The OpenAI Batch API's endpoints a batch may name (its `endpoint`, each line's `url`).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -20,9 +21,9 @@ MAX_METADATA_VALUE = 512
 # metadata.priority: the priority a batch's lines run at (a number or an alias); `batch` by default.
 PRIORITY_KEY = "priority"
 DEFAULT_PRIORITY = ALIASES["batch"]
-# A line's x-request-id is BATCH_ID:CUSTOM_ID while it fits Envoy's request-id bound, else
-# BATCH_ID:line-N; characters outside the unreserved set are percent-encoded.
-MAX_REQUEST_ID = 128
+# A line's x-request-id is BATCH_ID:CUSTOM_ID while it fits the request-id bound the sidecar
+# keeps (MAX_REQUEST_ID), else BATCH_ID:line-N; characters outside the unreserved set are
+# percent-encoded.
 
 
 class BatchStatus(str, enum.Enum):
