@@ -80,10 +80,14 @@ make_models() {
 }
 
 measure() {
+    # The measurements get what is left of the call (CALL_LIMIT_S, default 570 s, from this script's
+    # start), less half a minute for writing out; DEADLINE_S sets it outright.
+    local deadline=${DEADLINE_S:-$(( ${CALL_LIMIT_S:-570} - SECONDS - 30 ))}
+    say "measuring for at most $deadline s"
     "$binary" --version 2>&1 | tail -3
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
     "$python" "$code/bench/gpu/measure.py" --llama-server "$binary" --models "$models" --out "$out" \
-        --deadline-s "${DEADLINE_S:-420}" "${trial[@]}" "$@"
+        --deadline-s "$deadline" "${trial[@]}" "$@"
     local status=$?
     # The servers' and stacks' logs, their ends only (a router's log can be long).
     (cd /tmp/llamaswap-gpu-bench 2>/dev/null && for f in $(find . -name '*.log'); do echo "== $f"; tail -60 "$f"; \
