@@ -16,9 +16,11 @@ model the running grants name, else of the loaded model, else the default). With
 running the best request goes. While some run, the best request goes if it needs the loaded
 model or none; if it needs another model nothing goes. A non-interactive request (priority
 below 50) goes only while fewer than ``slots - reserved`` non-interactive ones run; when the
-best one is held back that way, the best interactive request goes instead, if it needs the
-loaded model or none. A request that runs alone (a model unload) goes only when nothing runs,
-nothing goes beside it, and it loads nothing.
+best one is held back that way, the best interactive request that needs the loaded model or
+none goes instead (one that needs another model holds nothing: only the best holds the GPU).
+An interactive grant while non-interactive work holds its whole share says ``reserved_slot``
+(it took a slot the share could not). A request that runs alone (a model unload) goes only when
+nothing runs, nothing goes beside it, and it loads nothing.
 
 What a release says about the loaded model: a failure (False) makes it unknown if it was the
 released request's model; an answer that says nothing (None, a 4xx) keeps it, unless the load
@@ -290,13 +292,13 @@ class ReferenceScheduler:
         non_interactive = sum(1 for g in self.grants if not self.interactive(g.request))
         if self.interactive(best) or non_interactive < total - self.policy.reserved:
             return best, None
+        # Its share used: the reserved slots go to the interactive requests behind it, the first
+        # in the order that fits beside what runs (one that needs another model holds nothing:
+        # only the best holds the GPU back).
         interactive = [r for r in self.waiting if self.interactive(r)]
-        if not interactive:
-            return None
-        best = self.pick(now, among=interactive)
-        if not self.fits_loaded(best):
-            return None
-        return best, interactive
+        ranked = sorted(interactive, key=lambda r: (-self.score(r, now), r.order))
+        fitting = next((r for r in ranked if self.fits_loaded(r)), None)
+        return None if fitting is None else (fitting, interactive)
 
     def next(self) -> RefDecision | None:
         now = self._now_ns()
@@ -311,6 +313,9 @@ class ReferenceScheduler:
             reasons.add("swap_affinity")
         overtook = tuple(r.request_id for r in self.waiting if r.order < winner.order)[:OVERTAKEN_LIMIT]
         previous = self.loaded_model
+        non_interactive = sum(1 for g in self.grants if not self.interactive(g.request))
+        reserved_slot = (self.interactive(winner) and bool(self.grants)
+                         and non_interactive >= self.total_slots() - self.policy.reserved)
         score, affinity = self.score(winner, now), self.has_affinity(winner)
         self.waiting.remove(winner)
         loads = winner.model is not None and not winner.alone and winner.model != previous
@@ -336,7 +341,7 @@ class ReferenceScheduler:
             overtook=overtook,
             queue_depth_after=len(self.waiting),
             slots_busy=len(self.grants),
-            reserved_slot=among is not None,
+            reserved_slot=reserved_slot,
             alone=winner.alone,
         )
 
@@ -423,36 +428,6 @@ def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | flo
 # request that fits beside what runs, but only slots kept for the interactive band are free):
 # then that GPU's reserved slots stay open to interactive requests, as with one GPU. Lower
 # requests start where the rule lets them, or wait without holding anything.
-
-
-@dataclasses.dataclass(frozen=True)
-class Readings:
-    """Where `llamaswap.core` reads the node rule otherwise than the docs. The defaults are the
-    docs' (`DOCS`); `CODE` is what the scheduler does, so that the property test can compare
-    everything else. Each difference is pinned by an xfail(strict=True) case in test_node.py."""
-
-    # Step 1 among GPUs with a free slot: "least busy" (the docs: "the least busy first") or
-    # "most free" (`dispatch.choose`: "the most free slots: the least crowded"). They differ
-    # between GPUs of different slots.
-    free_slot: str = "least busy"
-    # Step 3, no GPU has its model: "any busy" (the docs: "the one expected to drain first") or
-    # "not full" (`dispatch.choose` asks only GPUs with a free slot now, so a GPU is held back
-    # while a full one, or one that runs an unload, drains sooner).
-    drain: str = "any busy"
-    # Waiting only for its share leaves a GPU's reserved slots open: True for every request
-    # (the docs: "reserved slots (per GPU) mean what they mean with one GPU"), False for a
-    # request of no model (`dispatch.choose` claims the GPU outright in step 3).
-    share_of_no_model: bool = True
-    # False (the docs: "a lower request starts where the rule lets it") or True (`NodeWalk`'s
-    # `_warm_pick`: once the best is asked and every GPU it left open runs something, only the
-    # first remaining request of each model, and the first interactive one where slots are
-    # reserved, is asked, so an unload at the head of its model hides that model's requests
-    # from a free slot).
-    heads_only: bool = False
-
-
-DOCS = Readings()
-CODE = Readings(free_slot="most free", drain="not full", share_of_no_model=False, heads_only=True)
 
 
 class RefTimes(Protocol):
@@ -577,13 +552,11 @@ class RefNodeDecision:
 class ReferenceNode:
     """The node rule by brute force: one queue over several GPUs (see the comment above)."""
 
-    def __init__(self, policy: RefPolicy, gpus: Sequence[RefGpuPolicy], now_ns: Callable[[], int],
-                 readings: Readings = DOCS) -> None:
+    def __init__(self, policy: RefPolicy, gpus: Sequence[RefGpuPolicy], now_ns: Callable[[], int]) -> None:
         assert len({gpu.name for gpu in gpus}) == len(gpus) >= 1
         self.policy = policy
         self.gpus = [RefGpu(gpu) for gpu in gpus]  # the configured order
         self._now_ns = now_ns
-        self.readings = readings
         self.waiting: list[RefRequest] = []  # arrival order
         self.running: dict[str, RefGpu] = {}  # request -> the GPU it runs on
         self._order = 0
@@ -645,7 +618,6 @@ class ReferenceNode:
               times: RefTimes) -> tuple[str, RefGpu] | None:
         """Where one request goes among ``gpus`` (open, not claimed): ("start", gpu), ("wait",
         gpu) or ("wait for share", gpu); None: no GPU it may use can do anything for it."""
-        readings = self.readings
         model = request.model
         mine = [gpu for gpu in gpus if gpu.policy.may_serve(model)]
         if request.alone and model is not None and any(gpu.loaded_model == model for gpu in mine):
@@ -653,14 +625,12 @@ class ReferenceNode:
         can = {gpu.name: gpu.slot_for(request, gpu.name in share_kept) for gpu in mine}
         rank = {gpu.name: index for index, gpu in enumerate(self.gpus)}
 
-        def wait(gpu: RefGpu, share_counts: bool = True) -> tuple[str, RefGpu]:
-            return ("wait for share" if share_counts and can[gpu.name] == "share" else "wait"), gpu
+        def wait(gpu: RefGpu) -> tuple[str, RefGpu]:
+            return ("wait for share" if can[gpu.name] == "share" else "wait"), gpu
 
         free = [gpu for gpu in mine if can[gpu.name] == "free"]
-        if free:  # 1
-            if readings.free_slot == "least busy":
-                return "start", min(free, key=lambda g: (g.busy, rank[g.name]))
-            return "start", min(free, key=lambda g: (g.busy - g.total_slots(), rank[g.name]))
+        if free:  # 1: the least busy first
+            return "start", min(free, key=lambda g: (g.busy, rank[g.name]))
         # GPUs that have its model loaded and run something, but have no slot for it now.
         having = [gpu for gpu in mine if model is not None and gpu.loaded_model == model and gpu.busy]
         soonest = min(having, key=lambda g: (times.slot_free_in_s(g.name), rank[g.name]), default=None)
@@ -676,11 +646,11 @@ class ReferenceNode:
             return "start", target
         if soonest is not None:  # 3
             return wait(soonest)
-        busy = [gpu for gpu in mine if gpu.busy and (readings.drain == "any busy" or can[gpu.name] != "full")]
+        busy = [gpu for gpu in mine if gpu.busy]  # a full one too
         if not busy:
             return None
         drains = min(busy, key=lambda g: (times.drained_in_s(g.name), g.busy, rank[g.name]))
-        return wait(drains, share_counts=readings.share_of_no_model)
+        return wait(drains)
 
     def choose(self, blocked: frozenset[str] = frozenset(),
                times: RefTimes | None = None) -> tuple[RefRequest, RefGpu] | None:
@@ -690,8 +660,6 @@ class ReferenceNode:
         held: set[str] = set()  # the GPU the best waits for
         share_kept: set[str] = set()  # or the GPU whose share it waits for
         for rank, request in enumerate(order):
-            if rank and self.readings.heads_only and self._heads_only(held):
-                return self._among_heads(order[rank:], held, share_kept, blocked, times)
             open_gpus = [gpu for gpu in self.gpus if gpu.name not in blocked and gpu.name not in held]
             found = self.where(request, open_gpus, share_kept, times)
             if found is None:
@@ -701,29 +669,6 @@ class ReferenceNode:
                 return request, gpu
             if rank == 0:  # only the best holds a GPU back
                 (share_kept if step == "wait for share" else held).add(gpu.name)
-        return None
-
-    def _heads_only(self, held: set[str]) -> bool:
-        """`Readings.heads_only`: every GPU the best left open (blocked ones too) runs something."""
-        return all(gpu.busy for gpu in self.gpus if gpu.name not in held)
-
-    def _among_heads(self, rest: list[RefRequest], held: set[str], share_kept: set[str], blocked: frozenset[str],
-                     times: RefTimes) -> tuple[RefRequest, RefGpu] | None:
-        """`Readings.heads_only`: the first of ``rest`` (in the order) that starts, asking only the
-        first request of each model, and the first interactive one where slots are reserved."""
-        heads: list[RefRequest] = []
-        for model in {r.model for r in rest}:
-            same = [r for r in rest if r.model == model]
-            heads.append(same[0])
-            interactive = [r for r in same if ReferenceScheduler.interactive(r)]
-            if self.gpus[0].policy.reserved and interactive:
-                heads.append(interactive[0])
-        open_gpus = [gpu for gpu in self.gpus if gpu.name not in blocked and gpu.name not in held]
-        for request in rest:
-            if request in heads:
-                found = self.where(request, open_gpus, share_kept, times)
-                if found is not None and found[0] == "start":
-                    return request, found[1]
         return None
 
     def next(self, blocked: frozenset[str] = frozenset(), times: RefTimes | None = None) -> RefNodeDecision | None:

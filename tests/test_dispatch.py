@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from llamaswap.core import ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
-from llamaswap.core.dispatch import IDLE, Running, Turn, in_reserved_slot, one, turn
+from llamaswap.core.dispatch import IDLE, NO_TIMES, Choice, Lane, Running, Step, Turn, choose, in_reserved_slot, turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +18,10 @@ class Waiting:
     alone: bool = False
 
 
-def nobody() -> Waiting | None:
-    return None
+def on_one_gpu(running: Running, candidate: Waiting, interactive_only: frozenset[int] = frozenset()) -> Choice:
+    """The node rule over a node of one upstream, ``a`` loaded: one GPU's answer."""
+    return choose([Lane("gpu0", SLOTS, None, "a", running)], candidate, set(), interactive_only, NO_TIMES,
+                  lambda model: 0)
 
 
 SLOTS = Slots(3, {}, reserved=1)
@@ -41,20 +43,22 @@ STARTS = {Turn.IDLE, Turn.FREE}  # the answers under which the best request star
 ])
 def test_the_rule(running: Running, best: Waiting, expected: Turn) -> None:
     assert turn(SLOTS, "a", running, best) is expected
-    # Down one upstream's order: the best starts exactly where the rule lets it, in no reserved slot.
-    assert one(SLOTS, "a", running, best, nobody) == ((best, False) if expected in STARTS else (None, False))
+    # On a node of one: the best starts exactly where the rule lets it.
+    assert (on_one_gpu(running, best).step is Step.START) == (expected in STARTS)
 
 
 def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interactive_one() -> None:
     share_used = Running(2, 2, "a")
     assert turn(SLOTS, "a", share_used, Waiting("a")) is Turn.SHARE_USED
-    assert one(SLOTS, "a", share_used, Waiting("a"), nobody) == (None, False)
+    # The best waits for its share: the upstream's reserved slots stay open to interactive requests.
+    assert on_one_gpu(share_used, Waiting("a")) == Choice(Step.INTERACTIVE_ONLY, 0)
+    assert on_one_gpu(share_used, Waiting("a"), frozenset({0})).step is not Step.START
     interactive = Waiting("a", interactive=True)
-    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: interactive) == (interactive, True)
+    assert on_one_gpu(share_used, interactive, frozenset({0})) == Choice(Step.START, 0)
     of_none = Waiting(None, interactive=True)
-    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: of_none) == (of_none, True)
+    assert on_one_gpu(share_used, of_none, frozenset({0})) == Choice(Step.START, 0)
     # An interactive swap waits for the drain like any swap.
-    assert one(SLOTS, "a", share_used, Waiting("a"), lambda: Waiting("b", interactive=True)) == (None, False)
+    assert on_one_gpu(share_used, Waiting("b", interactive=True), frozenset({0})).step is not Step.START
     # The grant's ``reserved_slot``: an interactive start while the share is used, nothing else.
     assert in_reserved_slot(SLOTS, "a", share_used, interactive)
     assert not in_reserved_slot(SLOTS, "a", share_used, Waiting("a"))

@@ -1,4 +1,5 @@
-"""Expected run and swap times per model, and estimated starts along the dispatch order."""
+"""Expected run and swap times per model, and estimated starts along the dispatch order on one GPU
+(`estimate_node.starts_of_node` over a node of one; several GPUs: test_estimate_node)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,46 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
+from llamaswap.core.decisions import QueueSnapshot, RunningView, WaitingView
+from llamaswap.core.dispatch import Lane
+from llamaswap.core.estimate_node import starts_of_node
+from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
+from llamaswap.core.priority import Band
 
 
 def make(**kwargs: float) -> Estimator:
     return Estimator(default_run_s=kwargs.get("run", 10.0), default_swap_s=kwargs.get("swap", 5.0),
                      samples=int(kwargs.get("samples", 5)))
+
+
+def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | None, busy_s: float = 0.0,
+           remaining_s: tuple[float, ...] | list[float] = (), remaining_interactive: tuple[bool, ...] | list[bool] = (),
+           slots: Slots | None = None, interactive: list[bool] | None = None) -> list[float]:
+    """The estimated starts of a waiting order (``interactive``: which are in that band) on one
+    GPU that has ``loaded`` loaded, beside running grants of no model: one per value of
+    ``busy_s`` and ``remaining_s`` above 0, each with that time left (`math.inf`: unknown),
+    ``remaining_interactive`` saying which serve the interactive band (missing: not)."""
+    lefts = [*([busy_s] if busy_s > 0 else []), *remaining_s]
+    flags = [*([False] if busy_s > 0 else []), *remaining_interactive,
+             *[False] * (len(remaining_s) - len(remaining_interactive))]
+    end = e.expected_request_run_s(None, None, SINGLE_UPSTREAM)
+    grants = tuple(RunningView(f"g{i}", 50 if flag else 0, Band.INTERACTIVE if flag else Band.NORMAL, 0.0, None,
+                               False, 0.0, end + 1.0 if math.isinf(left) else end - left)
+                   for i, (left, flag) in enumerate(zip(lefts, flags, strict=True)))
+    bands = interactive if interactive is not None else [False] * len(models)
+    waiting = tuple(WaitingView(f"w{i}", i + 1, 0, Band.INTERACTIVE if flag else Band.NORMAL, 0.0, False, 0.0, model)
+                    for i, (model, flag) in enumerate(zip(models, bands, strict=True)))
+    slots = slots if slots is not None else Slots()
+    snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
+    return [start for start, _ in starts_of_node(e, snapshot, [Lane(SINGLE_UPSTREAM, slots, None, loaded)])]
+
+
+def starts_of(e: Estimator, s: Scheduler, snapshot: QueueSnapshot | None = None, blocked_s: float = 0.0) -> list[float]:
+    """The estimated starts of a scheduler's waiting order (its snapshot), its GPU held by work
+    it did not grant for ``blocked_s``."""
+    lanes = s.lane_views()
+    return [start for start, _ in starts_of_node(e, snapshot if snapshot is not None else s.snapshot(), lanes,
+                                                 {lane.name: blocked_s for lane in lanes})]
 
 
 def test_defaults_before_any_measurement():
@@ -146,7 +182,7 @@ def test_starts_walk_the_order_adding_runs_and_swaps():
     e = make(run=10.0, swap=5.0)
     e.record("a", run_s=2.0, first_byte_s=None, model_load=False)
     e.record("b", run_s=3.0, first_byte_s=None, model_load=False)
-    starts = e.starts(["a", "a", "b", None, "a"], loaded="a", busy_s=1.5)
+    starts = starts_on_one_gpu(e, ["a", "a", "b", None, "a"], loaded="a", busy_s=1.5)
     # a (loaded): 1.5; a: +2; b: +2 -> 5.5, then swap 5 + run 3; None: +10 (default, no swap); a: swap again
     assert starts == [1.5, 3.5, 5.5, 13.5, 23.5]
 
@@ -156,16 +192,17 @@ def test_a_grant_past_its_expected_run_makes_the_starts_behind_it_unknown():
     e = make(run=10.0, swap=5.0)
     assert e.known_remaining_s("a", model_load=False, running_s=4.0) == 6.0
     assert e.known_remaining_s("a", model_load=False, running_s=10.0) is None
-    assert e.starts(["a", "a"], loaded="a", busy_s=math.inf) == [math.inf, math.inf]
+    assert starts_on_one_gpu(e, ["a", "a"], loaded="a", busy_s=math.inf) == [math.inf, math.inf]
     # Two slots, one held for an unknown time: the other still serves the queue, in turn.
-    assert e.starts(["a", "a", "b"], loaded="a", remaining_s=[math.inf], slots=Slots(2)) == [0.0, 10.0, math.inf]
+    assert starts_on_one_gpu(e, ["a", "a", "b"], loaded="a", remaining_s=[math.inf],
+                             slots=Slots(2)) == [0.0, 10.0, math.inf]
     clock = ManualClock()
     s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10), clock)
     for name in ("run", "next"):
         s.enqueue(name, Priority(0, PrioritySource.NUMBER), "a")
     s.next()
     clock.advance(30)  # the load and run expected: 15 s
-    assert e.starts_of(s.snapshot(), s.policy.slots) == [math.inf]
+    assert starts_of(e, s) == [math.inf]
 
 
 def test_remaining_of_a_running_grant():
@@ -185,23 +222,23 @@ def test_samples_must_be_positive():
 
 def test_with_slots_the_slot_that_frees_first_takes_the_next_request():
     e = make(run=10.0, swap=5.0)
-    starts = e.starts(["a", "a", "a", "a"], loaded="a", remaining_s=[3.0], slots=Slots(2))
+    starts = starts_on_one_gpu(e, ["a", "a", "a", "a"], loaded="a", remaining_s=[3.0], slots=Slots(2))
     # a slot is free now; the next frees at 3 (the running grant), then 10, 13
     assert starts == [0.0, 3.0, 10.0, 13.0]
 
 
 def test_with_slots_a_swap_waits_until_every_slot_is_free_and_its_model_loads_once():
     e = make(run=10.0, swap=5.0)
-    starts = e.starts(["a", "b", "b"], loaded="a", remaining_s=[3.0, 8.0], slots=Slots(2))
+    starts = starts_on_one_gpu(e, ["a", "b", "b"], loaded="a", remaining_s=[3.0, 8.0], slots=Slots(2))
     # a takes the slot free at 3 and ends at 13; b waits for both slots (13), loads until 18
     # and runs to 28; the second b starts beside it at 13 (its run begins when the load ends).
     assert starts == [3.0, 13.0, 13.0]
-    assert e.starts(["b", "b", "b"], loaded="a", slots=Slots(2)) == [0.0, 0.0, 15.0]
+    assert starts_on_one_gpu(e, ["b", "b", "b"], loaded="a", slots=Slots(2)) == [0.0, 0.0, 15.0]
 
 
 def test_with_slots_the_slots_of_the_model_in_effect_count():
     e = make(run=10.0, swap=5.0)
-    starts = e.starts(["a", "a", "b", "b", "b"], loaded="a", slots=Slots(1, {"b": 2}))
+    starts = starts_on_one_gpu(e, ["a", "a", "b", "b", "b"], loaded="a", slots=Slots(1, {"b": 2}))
     assert starts == [0.0, 10.0, 20.0, 20.0, 35.0]
 
 
@@ -209,15 +246,16 @@ def test_a_reserved_slot_lets_an_interactive_request_start_before_a_held_back_on
     e = make(run=10.0, swap=5.0)
     slots = Slots(2, reserved=1)
     # A batch job holds the only slot non-interactive work may use for 100 s.
-    assert e.starts(["a", "a"], loaded="a", remaining_s=[100.0], slots=slots,
+    assert starts_on_one_gpu(e, ["a", "a"], loaded="a", remaining_s=[100.0], slots=slots,
                     interactive=[False, True]) == [100.0, 0.0]
     # Without knowing who is interactive, nobody takes the reserved slot: one at a time.
-    assert e.starts(["a", "a"], loaded="a", remaining_s=[100.0], slots=slots) == [100.0, 110.0]
+    assert starts_on_one_gpu(e, ["a", "a"], loaded="a", remaining_s=[100.0], slots=slots) == [100.0, 110.0]
     # An interactive request that needs another model takes no reserved slot: it is a swap.
-    assert e.starts(["a", "b"], loaded="a", remaining_s=[100.0], slots=slots,
+    assert starts_on_one_gpu(e, ["a", "b"], loaded="a", remaining_s=[100.0], slots=slots,
                     interactive=[False, True]) == [100.0, 110.0]
     # A running interactive grant does not count against the non-interactive share.
-    assert e.starts(["a"], loaded="a", remaining_s=[50.0], remaining_interactive=[True], slots=slots) == [0.0]
+    assert starts_on_one_gpu(e, ["a"], loaded="a", remaining_s=[50.0], remaining_interactive=[True],
+                             slots=slots) == [0.0]
 
 
 def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
@@ -233,12 +271,12 @@ def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
     assert [w.request_id for w in snapshot.waiting] == ["a2", "a3", "b1"]
     # a2 now beside a1 (11 s left), its run once a's load ends (in 1 s) until 11; a3 at 11;
     # b1 once both drain, at 21.
-    assert e.starts_of(snapshot, s.policy.slots) == [0.0, 11.0, 21.0]
+    assert starts_of(e, s, snapshot) == [0.0, 11.0, 21.0]
     # Work the scheduler did not grant (a settle) holds the GPU for 30 s: nothing is granted
     # until it ends (the coordinator's `Holders.others`), then a2 and a3 (a1 ended at 11), b1
     # once they drain at 40.
-    assert e.starts_of(snapshot, s.policy.slots, blocked_s=30.0) == [30.0, 30.0, 40.0]
-    assert e.starts_of(snapshot, s.policy.slots, blocked_s=math.inf) == [math.inf] * 3  # held for a time unknown
+    assert starts_of(e, s, snapshot, 30.0) == [30.0, 30.0, 40.0]
+    assert starts_of(e, s, snapshot, math.inf) == [math.inf] * 3  # held for a time unknown
 
 
 def test_starts_of_wait_for_a_grant_that_runs_alone():
@@ -253,7 +291,7 @@ def test_starts_of_wait_for_a_grant_that_runs_alone():
     s.enqueue("a1", Priority(0, PrioritySource.NUMBER), "a")
     assert s.next() is None  # the rule: nothing beside it
     e = make(run=10.0, swap=5.0)
-    assert e.starts_of(s.snapshot(), s.policy.slots) == [6.0]  # when the unload is expected to end
+    assert starts_of(e, s) == [6.0]  # when the unload is expected to end
 
 
 # -- the walk is what the scheduler does when every grant takes its expected time ------------
@@ -304,7 +342,7 @@ def test_estimated_starts_are_the_starts_of_grants_that_take_their_expected_time
                 ready_at = e.expected_swap_s(decision.model)
             ends[decision.request_id] = ready_at + e.expected_run_s(decision.model)
     snapshot = s.snapshot()
-    expected = dict(zip([w.request_id for w in snapshot.waiting], e.starts_of(snapshot, policy.slots)))
+    expected = dict(zip([w.request_id for w in snapshot.waiting], starts_of(e, s, snapshot)))
 
     # Run it: release each grant at its end; grant whatever can start; a grant made while its
     # model loads (after the grant that loads it) begins its run when the load ends.
@@ -343,7 +381,7 @@ def test_starts_of_fill_the_slots_of_the_running_model_while_none_is_known_loade
     for _ in range(3):
         e.record("a", run_s=20.0, first_byte_s=None, model_load=False)
     # a2 has 18 s left, n1..n3 9 s: when they end, a2 still runs, so n4 and n5 both go (4 slots).
-    assert e.starts_of(s.snapshot(), s.policy.slots) == [9.0, 9.0]
+    assert starts_of(e, s) == [9.0, 9.0]
 
 
 def test_starts_of_a_grant_made_beside_a_load_runs_after_the_load():
@@ -357,7 +395,7 @@ def test_starts_of_a_grant_made_beside_a_load_runs_after_the_load():
     clock.advance(1)
     e = make(run=2.0, swap=5.0)
     # a0 loads until 5 and runs until 7; n1 waits for the load and also runs until 7.
-    assert e.starts_of(s.snapshot(), s.policy.slots) == [6.0]
+    assert starts_of(e, s) == [6.0]
 
 
 def test_starts_of_requests_started_beside_a_load_under_way_run_after_it():
@@ -373,7 +411,7 @@ def test_starts_of_requests_started_beside_a_load_under_way_run_after_it():
         s.enqueue(rid, Priority(0, PrioritySource.NUMBER), None)
     e = make(run=2.0, swap=5.0)
     # a0 loads until 5 and runs until 7; n1 and n2 (in the free slot now) run 5..7: n3 at 7.
-    assert e.starts_of(s.snapshot(), s.policy.slots) == [0.0, 6.0]
+    assert starts_of(e, s) == [0.0, 6.0]
 
 
 def test_each_gpu_learns_its_own_run_and_swap_the_node_learns_from_all() -> None:

@@ -1,7 +1,8 @@
 """Property: the estimated starts are the grants' times when every grant takes its expected time.
 
-The estimator's walk (`Estimator.starts_of`) and `Scheduler.next` run one dispatch rule
-(`dispatch.turn`); this ties the two together end to end. A random queue is played on a
+The estimates' walk (`estimate_node.starts_of_node`, over one GPU here; several:
+test_estimate_node.py) and `Scheduler.next` run one dispatch rule (`dispatch.choose`); this
+ties the two together end to end. A random queue is played on a
 `ManualClock` against a real scheduler (serial with aging and swap affinity, or fifo with
 per-model priorities; several models and none; priorities in every band; slots per model and
 reserved ones): requests arrive, are granted whenever `next` allows, and each grant is released
@@ -38,6 +39,7 @@ from hypothesis import strategies as st
 from policies import fifo, serial
 
 from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
+from llamaswap.core.estimate_node import starts_of_node
 
 MODELS = ("a", "b", "c")
 NS = 1_000_000_000
@@ -122,7 +124,7 @@ def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     play.run_until(look_ns)
 
     snapshot = play.scheduler.snapshot()
-    estimates = estimator.starts_of(snapshot, case.policy.slots)
+    estimates = [start for start, _ in starts_of_node(estimator, snapshot, play.scheduler.lane_views())]
     expected = {view.request_id: look_ns + round(start * NS) if math.isfinite(start) else None
                 for view, start in zip(snapshot.waiting, estimates, strict=True)}
     while play.ends:  # no new arrival: play every grant out
@@ -150,4 +152,4 @@ def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
     play.run_until(6 * NS)
     snapshot = play.scheduler.snapshot()
     assert [w.request_id for w in snapshot.waiting] == ["r3"]
-    assert estimator.starts_of(snapshot, case.policy.slots) == [1.0]
+    assert starts_of_node(estimator, snapshot, play.scheduler.lane_views()) == [(1.0, "gpu0")]

@@ -1,8 +1,7 @@
 """Estimated starts over a node (`estimate_node.starts_of_node`).
 
-Three things: with one upstream the node walk says exactly what `starts_of` says (random
-snapshots, built directly: overdue grants, loads under way, runs alone, settles, sizes); a few
-exact cases over two upstreams; and the property that ties the walk to `Scheduler.next` over
+Two things (one upstream: test_estimate.py and test_estimate_grants.py): a few exact cases over
+two upstreams; and the property that ties the walk to `Scheduler.next` over
 two or three upstreams, as tests/test_estimate_grants.py does for one: a random queue is played
 on a `ManualClock` against a real scheduler that reads its times from `NodeTimes` (as the
 runtime does), every grant released exactly at its expected end (all ends of one instant
@@ -50,53 +49,6 @@ from llamaswap.core.policy import LanePolicy
 MODELS = ("a", "b", "c")
 NS = 1_000_000_000
 BANDS = (Band.INTERACTIVE, Band.NORMAL, Band.BATCH)
-
-
-# -- one upstream: the node walk is `starts_of` --------------------------------------------
-
-
-@st.composite
-def single_cases(draw: st.DrawFn) -> tuple[Estimator, QueueSnapshot, Slots, float, list[int | None],
-                                          list[int | None]]:
-    estimator = Estimator(default_run_s=draw(st.integers(1, 5)), default_swap_s=draw(st.sampled_from([0, 2, 5])),
-                          samples=3)
-    for model in draw(st.lists(st.sampled_from([*MODELS, None]), max_size=3)):
-        estimator.record(model, run_s=draw(st.integers(1, 9)), first_byte_s=None, model_load=False,
-                         max_tokens=draw(st.sampled_from([None, 10, 100])))
-    default = draw(st.integers(1, 3))
-    per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 4), max_size=3))
-    slots = Slots(default, per_model, draw(st.integers(0, min([default, *per_model.values()]) - 1)))
-    running_model = draw(st.sampled_from([*MODELS, None]))
-    grants = tuple(
-        RunningView(f"g{i}", 0, draw(st.sampled_from(BANDS)), 0.0,
-                    running_model if draw(st.booleans()) else None, draw(st.booleans()), 0.0,
-                    float(draw(st.integers(0, 12))), alone=draw(st.integers(0, 9)) == 0,
-                    beside_load=(running_model, float(draw(st.integers(0, 12))))
-                    if running_model is not None and draw(st.booleans()) else None)
-        for i in range(draw(st.integers(0, 3))))
-    waiting = tuple(WaitingView(f"w{i}", i + 1, 0, draw(st.sampled_from(BANDS)), 0.0, False, 0.0,
-                                draw(st.sampled_from([*MODELS, None])))
-                    for i in range(draw(st.integers(0, 10))))
-    # Grants that name a model run on it: it is the loaded one, or none is known loaded.
-    named = any(grant.model is not None for grant in grants)
-    loaded = draw(st.sampled_from([running_model, None] if named else [*MODELS, None]))
-    snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
-    blocked = draw(st.sampled_from([0.0, 0.0, 3.0, math.inf]))
-    sizes = [draw(st.sampled_from([None, 5, 50])) for _ in waiting]
-    grant_sizes = [draw(st.sampled_from([None, 5, 50])) for _ in grants]
-    return estimator, snapshot, slots, blocked, sizes, grant_sizes
-
-
-@settings(max_examples=500, deadline=None)
-@given(single_cases())
-def test_with_one_upstream_the_node_walk_is_starts_of(case: tuple[Estimator, QueueSnapshot, Slots, float,
-                                                                   list[int | None], list[int | None]]) -> None:
-    estimator, snapshot, slots, blocked, sizes, grant_sizes = case
-    lane = Lane("gpu0", slots, None, snapshot.loaded_model)
-    single = estimator.starts_of(snapshot, slots, blocked_s=blocked, max_tokens=sizes, grant_max_tokens=grant_sizes)
-    node = starts_of_node(estimator, snapshot, [lane], {"gpu0": blocked}, sizes, grant_sizes)
-    assert [start for start, _ in node] == single
-    assert [upstream for _, upstream in node] == [None if math.isinf(s) else "gpu0" for s in single]
 
 
 # -- two upstreams, exact cases -------------------------------------------------------------

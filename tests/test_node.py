@@ -1,8 +1,8 @@
 """One queue over several upstreams (issue 27): the node rule (`dispatch.choose`, walked by
 `Scheduler.next`). Exact cases first; then the scheduler against the brute-force node of
 tests/reference.py (`ReferenceNode`, the rule as docs/scheduling.md states it) over random
-traffic on two or three upstreams; then scenarios run on both, and the cases where the code
-reads the rule otherwise than the docs, each pinned as xfail(strict=True)."""
+traffic on two or three upstreams; then scenarios run on both, among them the four places where
+the code once read the rule otherwise than the docs (issue 36)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Sche
 from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.core.policy import LanePolicy
 from policies import fifo, serial
-from reference import CODE, DOCS, ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, Readings, float_close
+from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close
 
 
 def node(*lanes: LanePolicy, bonus: int = 0, reserved: int = 0) -> tuple[Scheduler, ManualClock]:
@@ -257,10 +257,7 @@ class NodeMachine(RuleBasedStateMachine):
     must be the brute-force reference's (`ReferenceNode`): the same request on the same upstream,
     loading or swapping the same, with the same score; when the scheduler grants nothing,
     neither does the reference; each upstream's loaded model is the reference's after every
-    step. What runs where is also checked on its own, as the upstreams would see it.
-
-    The reference reads the rule as the code does (`CODE`) where the two are known to differ;
-    the docs' reading of each of those is pinned below by an xfail(strict=True) case."""
+    step. What runs where is also checked on its own, as the upstreams would see it."""
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -282,7 +279,7 @@ class NodeMachine(RuleBasedStateMachine):
         policy = policy.with_lanes(tuple(self.policies))
         self.scheduler = Scheduler(policy, self.clock)
         self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in self.policies],
-                                       self.clock.now_ns, CODE)
+                                       self.clock.now_ns)
         self.running: dict[str, tuple[str, str | None, bool]] = {}  # request -> (upstream, model, alone)
         self.waiting: set[str] = set()
         self.times: Times | None = data.draw(times_for(self.names))
@@ -428,15 +425,15 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
 
 
 class Drive:
-    """One scenario over the scheduler (``readings`` None) or the reference."""
+    """One scenario over the scheduler or the reference (``reference``)."""
 
-    def __init__(self, readings: Readings | None, *lanes: LanePolicy, aging_divisor_s: float = 0.0,
+    def __init__(self, reference: bool, *lanes: LanePolicy, aging_divisor_s: float = 0.0,
                  bonus: int = 0) -> None:
         self.clock = ManualClock()
         policy = serial(aging_divisor_s=aging_divisor_s, swap_affinity_bonus=bonus).with_lanes(lanes)
-        self.scheduler = Scheduler(policy, self.clock) if readings is None else None
-        self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in lanes], self.clock.now_ns,
-                                       readings) if readings is not None else None
+        self.scheduler = None if reference else Scheduler(policy, self.clock)
+        self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in lanes],
+                                       self.clock.now_ns) if reference else None
 
     def loaded(self, model: str, upstream: str) -> None:
         if self.scheduler is not None:
@@ -462,11 +459,11 @@ class Drive:
             made.append((decision.request_id, decision.upstream))
 
 
-def only_the_best_holds_a_gpu_back(readings: Readings | None) -> list[tuple[str, str]]:
+def only_the_best_holds_a_gpu_back(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs x (one of 3 slots), gpu1 runs w and is expected to drain first, gpu2 serves
     only z. v (the best) waits for gpu1 to drain; u waits too, but holds nothing, so x3 takes
     gpu0's free slot."""
-    drive = Drive(readings, lane("gpu0", slots=3), lane("gpu1", slots=3), lane("gpu2", models=("z",)))
+    drive = Drive(reference, lane("gpu0", slots=3), lane("gpu1", slots=3), lane("gpu2", models=("z",)))
     drive.enqueue("x1", 0, "x")
     drive.enqueue("w1", 0, "w")
     assert drive.grants() == [("x1", "gpu0"), ("w1", "gpu1")]
@@ -480,14 +477,14 @@ def only_the_best_holds_a_gpu_back(readings: Readings | None) -> list[tuple[str,
 
 
 def test_only_the_best_holds_an_upstream_back() -> None:
-    for readings in (None, DOCS, CODE):
-        assert only_the_best_holds_a_gpu_back(readings) == [("x3", "gpu0")], readings
+    for reference in (False, True):
+        assert only_the_best_holds_a_gpu_back(reference) == [("x3", "gpu0")], reference
 
 
-def no_bonus_from_a_blocked_gpu(readings: Readings | None) -> list[tuple[str, str]]:
+def no_bonus_from_a_blocked_gpu(reference: bool) -> list[tuple[str, str]]:
     """x is loaded on gpu0, which a settle holds: x1 cannot start there without a swap, so it
     gets no swap-affinity bonus and y1 (5 points against 0 + 10) goes first."""
-    drive = Drive(readings, lane("gpu0"), lane("gpu1"), bonus=10)
+    drive = Drive(reference, lane("gpu0"), lane("gpu1"), bonus=10)
     drive.loaded("x", "gpu0")
     drive.enqueue("x1", 0, "x")
     drive.enqueue("y1", 5, "y")
@@ -495,22 +492,19 @@ def no_bonus_from_a_blocked_gpu(readings: Readings | None) -> list[tuple[str, st
 
 
 def test_a_model_loaded_on_a_blocked_upstream_earns_no_bonus() -> None:
-    for readings in (None, DOCS, CODE):
-        assert no_bonus_from_a_blocked_gpu(readings) == [("y1", "gpu1")], readings
+    for reference in (False, True):
+        assert no_bonus_from_a_blocked_gpu(reference) == [("y1", "gpu1")], reference
 
 
-# -- where the code reads the rule otherwise than the docs ----------------------------------
+# -- where the code once read the rule otherwise than the docs (issue 36) -------------------
 #
-# Each case is run on the scheduler and on the reference under both readings (tests/reference.py,
-# `Readings`): the docs' outcome is what the reference says by default, the code's is what the
-# property test above compares against. The scheduler's xfail(strict=True) cases turn into
-# failures once the code reads the docs: then drop them and the field of `CODE`.
+# Each case runs on the scheduler and on the reference; both say what docs/scheduling.md says.
 
 
-def free_slots_of_different_sizes(readings: Readings | None) -> list[tuple[str, str]]:
+def free_slots_of_different_sizes(reference: bool) -> list[tuple[str, str]]:
     """gpu0 (4 slots) runs two x, gpu1 (2 slots) one: both have x loaded and a free slot; gpu1
     is the least busy, gpu0 has more free slots."""
-    drive = Drive(readings, lane("gpu0", slots=4), lane("gpu1", slots=2))
+    drive = Drive(reference, lane("gpu0", slots=4), lane("gpu1", slots=2))
     drive.loaded("x", "gpu0")
     drive.loaded("x", "gpu1")
     drive.enqueue("x1", 0, "x")
@@ -522,10 +516,10 @@ def free_slots_of_different_sizes(readings: Readings | None) -> list[tuple[str, 
     return drive.grants()
 
 
-def a_full_gpu_drains_first(readings: Readings | None) -> list[tuple[str, str]]:
+def a_full_gpu_drains_first(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs b with a slot free, gpu1 runs an unload (full) and is expected to drain first;
     the best request needs a, loaded nowhere, and b2 waits behind it."""
-    drive = Drive(readings, lane("gpu0", slots=2), lane("gpu1", slots=2))
+    drive = Drive(reference, lane("gpu0", slots=2), lane("gpu1", slots=2))
     drive.enqueue("b1", 0, "b")
     drive.enqueue("unload-a", 0, "a", alone=True)
     assert drive.grants() == [("b1", "gpu0"), ("unload-a", "gpu1")]
@@ -536,12 +530,12 @@ def a_full_gpu_drains_first(readings: Readings | None) -> list[tuple[str, str]]:
     return drive.grants(times=times)
 
 
-def no_model_waits_for_its_share(readings: Readings | None) -> list[tuple[str, str]]:
+def no_model_waits_for_its_share(reference: bool) -> list[tuple[str, str]]:
     """Two GPUs of 2 slots, 1 reserved, each running one batch request (x, y): the best waiting
     request names no model and has used its share everywhere; behind it, an interactive request
     of each model."""
     reserved = Slots(2, {}, 1)
-    drive = Drive(readings, LanePolicy("gpu0", reserved), LanePolicy("gpu1", reserved), aging_divisor_s=1.0)
+    drive = Drive(reference, LanePolicy("gpu0", reserved), LanePolicy("gpu1", reserved), aging_divisor_s=1.0)
     drive.enqueue("x1", 0, "x")
     drive.enqueue("y1", 0, "y")
     assert drive.grants() == [("x1", "gpu0"), ("y1", "gpu1")]
@@ -552,10 +546,10 @@ def no_model_waits_for_its_share(readings: Readings | None) -> list[tuple[str, s
     return drive.grants()
 
 
-def an_unload_heads_its_model(readings: Readings | None) -> list[tuple[str, str]]:
+def an_unload_heads_its_model(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs two x (3 slots), gpu1 one y (3 slots); the best needs z, then an unload of x,
     then x2, which fits gpu0's free slot."""
-    drive = Drive(readings, lane("gpu0", slots=3), lane("gpu1", slots=3))
+    drive = Drive(reference, lane("gpu0", slots=3), lane("gpu1", slots=3))
     drive.loaded("x", "gpu0")
     drive.enqueue("x0", 0, "x")
     drive.enqueue("x1", 0, "x")
@@ -568,60 +562,25 @@ def an_unload_heads_its_model(readings: Readings | None) -> list[tuple[str, str]
     return drive.grants()
 
 
-# (scenario, what the docs say, what the code does)
-READ_OTHERWISE = {
-    # docs/scheduling.md: "a free slot on a GPU that has its model loaded (the least busy first)".
-    "least busy": (free_slots_of_different_sizes, [("x4", "gpu1")], [("x4", "gpu0")]),
-    # "else the one expected to drain first ... The other GPUs keep serving": gpu1 drains for a1
-    # and b2 takes gpu0's slot; the code drains gpu0 (it asks only GPUs with a free slot), so
-    # gpu0's free slot idles while gpu1 drains anyway.
-    "drain first": (a_full_gpu_drains_first, [("b2", "gpu0")], []),
-    # "reserved slots (per GPU) mean what they mean with one GPU": with one GPU the best
-    # interactive request takes a reserved slot while the best has used its share; the code
-    # claims gpu0 outright for a request of no model, so x-chat waits for x1 to end.
-    "share of no model": (no_model_waits_for_its_share, [("x-chat", "gpu0"), ("y-chat", "gpu1")],
-                          [("y-chat", "gpu1")]),
-    # "only the best holds a GPU back: a lower request starts where the rule lets it (a free
-    # slot of its loaded model ...)": the code asks only the head of each model's requests once
-    # every open GPU is busy (`NodeWalk._warm_pick`), and the unload hides x2.
-    "unload heads its model": (an_unload_heads_its_model, [("x2", "gpu0")], []),
+# (scenario, what the docs say)
+AS_DOCUMENTED = {
+    # "a free slot on a GPU that has its model loaded (the least busy first)": the fewest running
+    # grants, not the most free slots (a GPU of more slots is not the emptier one).
+    "least busy": (free_slots_of_different_sizes, [("x4", "gpu1")]),
+    # "else the one expected to drain first ... The other GPUs keep serving": gpu1, full, drains
+    # for a1 and b2 takes gpu0's free slot meanwhile.
+    "drain first": (a_full_gpu_drains_first, [("b2", "gpu0")]),
+    # "reserved slots (per GPU) mean what they mean with one GPU": while the best (of no model)
+    # waits for its share, the interactive requests take the reserved slots.
+    "share of no model": (no_model_waits_for_its_share, [("x-chat", "gpu0"), ("y-chat", "gpu1")]),
+    # "only the best holds a GPU back: a lower request starts where the rule lets it": an unload
+    # at the head of its model's requests does not hide x2 from gpu0's free slot.
+    "unload heads its model": (an_unload_heads_its_model, [("x2", "gpu0")]),
 }
 
 
-@pytest.mark.parametrize("case", READ_OTHERWISE)
-def test_the_two_readings_differ_here_and_code_is_the_scheduler(case: str) -> None:
-    scenario, docs, code = READ_OTHERWISE[case]
-    assert docs != code
-    assert scenario(DOCS) == docs
-    assert scenario(CODE) == code
-    assert scenario(None) == scenario(CODE)
-
-
-@pytest.mark.xfail(strict=True, reason="least busy: the code picks the GPU with the most free slots, the docs the one "
-                                       "with the fewest busy (dispatch.choose); reported, issue 36 item 6")
-def test_a_free_slot_goes_to_the_least_busy_upstream() -> None:
-    scenario, docs, _ = READ_OTHERWISE["least busy"]
-    assert scenario(None) == docs
-
-
-@pytest.mark.xfail(strict=True, reason="drain first: dispatch.choose drains only a GPU with a free slot now, holding "
-                                       "it back while a full GPU drains sooner; reported, issue 36 item 6")
-def test_the_upstream_expected_to_drain_first_drains_even_when_full() -> None:
-    scenario, docs, _ = READ_OTHERWISE["drain first"]
-    assert scenario(None) == docs
-
-
-@pytest.mark.xfail(strict=True, reason="share of no model: dispatch.choose claims the GPU for a request of no "
-                                       "model that waits for its share, closing its reserved slots; reported, "
-                                       "issue 36 item 6")
-def test_reserved_slots_stay_open_while_a_request_of_no_model_waits_for_its_share() -> None:
-    scenario, docs, _ = READ_OTHERWISE["share of no model"]
-    assert scenario(None) == docs
-
-
-@pytest.mark.xfail(strict=True, reason="unload heads its model: NodeWalk._warm_pick asks only each model's first "
-                                       "request, so an unload hides a lower request of its model that fits a free "
-                                       "slot; reported, issue 36 item 6")
-def test_a_lower_request_takes_a_free_slot_behind_an_unload_of_its_model() -> None:
-    scenario, docs, _ = READ_OTHERWISE["unload heads its model"]
-    assert scenario(None) == docs
+@pytest.mark.parametrize("case", AS_DOCUMENTED)
+def test_the_scheduler_and_the_reference_read_the_docs(case: str) -> None:
+    scenario, docs = AS_DOCUMENTED[case]
+    assert scenario(True) == docs
+    assert scenario(False) == docs

@@ -427,12 +427,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if decision.reserved_slot:
             assert decision.band is Band.INTERACTIVE and decision.slots_busy > 1
         # Whatever still waits with a better score was held back by the reserved slots: the best
-        # needs the loaded model (a swap would have stopped every grant), and none is interactive.
+        # needs the loaded model (a swap would have stopped every grant), and none of them is an
+        # interactive request that could start beside what runs (only the best holds the GPU).
         ahead = ranked[:[r.request_id for r in ranked].index(decision.request_id)]
         if ahead:
             assert decision.reserved_slot, (decision, ahead[0])
             assert ahead[0].model is None or ahead[0].model == loaded_before
-            assert all(request.priority < 50 for request in ahead)
+            assert all(request.priority < 50 or request.alone or request.model not in (None, loaded_before)
+                       for request in ahead)
 
     # -- invariants ----------------------------------------------------------------------
 

@@ -175,7 +175,7 @@ def test_a_reserved_slot_goes_to_an_interactive_request_behind_a_held_back_batch
     clock.advance(1)
     d = s.next()
     assert (d.request_id, d.band, d.slots_busy, s.slots_total) == ("chat", Band.INTERACTIVE, 2, 2)
-    assert d.reserved_slot is False  # it was the best request anyway
+    assert d.reserved_slot is True  # the best request anyway, in the slot the batch job's share could not take
     s.release("chat")
     assert s.next() is None  # normal still waits for the batch job's slot
     s.release("batch")
@@ -198,7 +198,7 @@ def test_an_interactive_request_overtakes_a_better_scored_one_only_through_a_res
     assert s.next().request_id == "n3"
 
 
-def test_an_interactive_request_that_needs_a_swap_takes_no_reserved_slot_and_blocks_those_behind_it():
+def test_an_interactive_request_that_needs_a_swap_blocks_those_behind_it():
     s, _ = make(Slots(3, reserved=1), serial(0, 0))
     s.enqueue("n1", P(0), "a")
     s.enqueue("n2", P(0), "a")
@@ -210,7 +210,7 @@ def test_an_interactive_request_that_needs_a_swap_takes_no_reserved_slot_and_blo
     assert s.next() is None
     s.cancel("i-b")
     d = s.next()
-    assert (d.request_id, d.reserved_slot) == ("i-a", False)  # now the best, and a slot is free
+    assert (d.request_id, d.reserved_slot) == ("i-a", True)  # now the best, in the slot kept for its band
 
 
 def test_the_reserved_slot_rule_reads_the_order_without_the_non_interactive_requests():

@@ -50,8 +50,8 @@ class Decision:
     # Grants running once this one began, itself included (1 with one slot): the activity
     # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
     slots_busy: int = 1
-    # It took a slot kept for the interactive band, ahead of a better-scored non-interactive
-    # request that had used up its share of the slots.
+    # It took a slot kept for the interactive band: non-interactive work held its whole share of
+    # the slots (``slots - reserved``) as it was granted (`dispatch.in_reserved_slot`).
     reserved_slot: bool = False
     # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
     # beside it. It loads nothing (neither `load` nor `swap`).

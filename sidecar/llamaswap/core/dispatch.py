@@ -2,9 +2,9 @@
 
 One rule function, written once (`turn`, one answer per upstream and request), for everything
 that decides or predicts a start: the grant (`Scheduler.next`) and the estimated starts (the
-estimates' walks, and so `llamaswap simulate`). Pure: it reads a picture of what runs
+estimates' walk, and so `llamaswap simulate`). Pure: it reads a picture of what runs
 (`Running`) and the waiting candidates it is handed, and changes nothing. It speaks of one
-upstream; `one` asks it down one upstream's order, `choose` once per upstream of a node.
+upstream; `choose` asks it once per upstream of a node (one GPU is a node of one).
 
 - Nothing runs: the best request starts, whatever model it needs (a load or a swap).
 - Something runs: the best request starts in a free slot if it needs the loaded model or none,
@@ -13,7 +13,7 @@ upstream; `one` asks it down one upstream's order, `choose` once per upstream of
 - Nothing starts beside a request that runs alone, nor past the slots of the running model.
 - Reserved slots: a non-interactive request starts only while fewer than ``slots - reserved``
   non-interactive ones run. When the best is non-interactive and its share is used up, the
-  best interactive request takes a free slot if it fits (`fits`), else nothing starts.
+  first interactive request behind it that fits (`fits`) takes a free slot.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Protocol
 
 from llamaswap.core.slots import Slots
@@ -112,25 +112,9 @@ def turn(slots: Slots, loaded: str | None, running: Running, candidate: Candidat
     return Turn.FREE
 
 
-def one(slots: Slots, loaded: str | None, running: Running, best: Candidate,
-        best_interactive: Callable[[], Candidate | None]) -> tuple[Candidate | None, bool]:
-    """`turn` down the order of one upstream: who starts now (``best``, the first in the order;
-    or the best interactive request, asked for only when a reserved slot is the one left; or
-    None) and whether it takes a reserved slot."""
-    verdict = turn(slots, loaded, running, best)
-    if verdict is Turn.IDLE or verdict is Turn.FREE:
-        return best, False
-    if verdict is not Turn.SHARE_USED:
-        return None, False
-    candidate = best_interactive()  # only reserved slots are free: reserved > 0
-    if candidate is not None and turn(slots, loaded, running, candidate) is Turn.FREE:
-        return candidate, True
-    return None, False
-
-
-# -- a node of several upstreams -----------------------------------------------------------
+# -- a node: one upstream or several -------------------------------------------------------
 #
-# One queue over several upstreams (GPUs), each with its own slots, its loaded model and what
+# One queue over the upstreams (GPUs; one GPU is a node of one), each with its own slots, its loaded model and what
 # runs on it. The best waiting request takes, in this order: a free slot on an upstream that
 # has its model loaded (`Turn.FREE`); else an idle upstream, loading its model there, unless
 # an upstream that has it is expected to free a slot sooner than the load would take; else it
@@ -200,56 +184,47 @@ def choose(lanes: Sequence[Lane], candidate: Candidate, closed: Set[int], intera
     asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
     non-interactive share they wait for). ``wanted(model)``: how many waiting requests name it."""
     model = candidate.model
-    turns: list[tuple[int, Turn]] = []
-    holding: list[int] = []  # upstreams that have its model loaded but no slot for it now
-    for index, lane in enumerate(lanes):
-        if index in closed or lane.blocked or not lane.may_serve(candidate):
-            continue
+    mine = [index for index, lane in enumerate(lanes)
+            if index not in closed and not lane.blocked and lane.may_serve(candidate)]
+    if candidate.alone and model is not None and any(lanes[index].loaded == model for index in mine):
+        mine = [index for index in mine if lanes[index].loaded == model]  # an unload: where its model is
+    verdicts: dict[int, Turn] = {}
+    for index in mine:
+        lane = lanes[index]
         verdict = turn(lane.slots, lane.loaded, lane.running, candidate)
-        if index in interactive_only and not candidate.interactive:
-            verdict = Turn.SHARE_USED if verdict is Turn.FREE else verdict
-        if verdict is not Turn.CLOSED:
-            turns.append((index, verdict))
-        if (verdict is not Turn.IDLE and verdict is not Turn.FREE and model is not None
-                and lane.loaded == model and lane.running.busy):
-            holding.append(index)
-    if not turns and not holding:
-        return Choice(Step.SKIP)
-    if candidate.alone and model is not None:
-        # An unload is for the upstream that has the model loaded, if one has.
-        having = [(index, verdict) for index, verdict in turns if lanes[index].loaded == model]
-        if having or holding:
-            turns = having
-    free = [index for index, verdict in turns if verdict is Turn.FREE]
-    if free:  # the one with the most free slots: the least crowded
-        return Choice(Step.START, max(free, key=lambda i: _free_slots(lanes[i])))
-    idle = [index for index, verdict in turns if verdict is Turn.IDLE]
+        if verdict is Turn.FREE and index in interactive_only and not candidate.interactive:
+            verdict = Turn.SHARE_USED
+        verdicts[index] = verdict
+    free = [index for index in mine if verdicts[index] is Turn.FREE]
+    if free:  # the least busy first (the fewest running: each runs faster), then the configured order
+        return Choice(Step.START, min(free, key=lambda i: lanes[i].running.busy))
+    # Upstreams that have its model loaded and run something, but have no slot for it now.
+    holding = [index for index in mine if model is not None and lanes[index].loaded == model
+               and lanes[index].running.busy]
+    soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name), default=None)
+    idle = [index for index in mine if verdicts[index] is Turn.IDLE]
     if idle:
         warm = [index for index in idle if model is not None and lanes[index].loaded == model]
         if warm:
             return Choice(Step.START, warm[0])
         # Nothing loaded first, then the model the queue wants least.
         target = min(idle, key=lambda i: (lanes[i].loaded is not None, wanted(lanes[i].loaded)))
-        soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name), default=None)
         if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model, lanes[target].name):
             return Choice(Step.START, target)
-        return _wait_for(soonest, turns)
-    if holding:
-        return _wait_for(min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name)), turns)
-    if not turns:
+        return _wait_for(soonest, verdicts)
+    if soonest is not None:
+        return _wait_for(soonest, verdicts)
+    # Another model everywhere it may run: the one expected to drain first drains for it, a full
+    # one too (a GPU with a free slot keeps serving meanwhile).
+    busy = [index for index in mine if lanes[index].running.busy]
+    if not busy:
         return Choice(Step.SKIP)
-    # Another model everywhere it may run: the one expected to drain first drains for it.
-    draining = min((index for index, _ in turns),
-                   key=lambda i: (times.drained_in_s(lanes[i].name), lanes[i].running.busy))
-    return Choice(Step.CLAIM, draining)
+    draining = min(busy, key=lambda i: (times.drained_in_s(lanes[i].name), lanes[i].running.busy))
+    return _wait_for(draining, verdicts)
 
 
-def _wait_for(index: int, turns: Sequence[tuple[int, Turn]]) -> Choice:
-    """It waits for a slot on an upstream that has its model: only its share used there leaves
-    the reserved slots open to interactive requests; else the upstream takes nothing else."""
-    verdict = dict(turns).get(index)
-    return Choice(Step.INTERACTIVE_ONLY if verdict is Turn.SHARE_USED else Step.CLAIM, index)
-
-
-def _free_slots(lane: Lane) -> int:
-    return slots_in_effect(lane.slots, lane.running, lane.loaded) - lane.running.busy
+def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:
+    """It waits for an upstream: only its share used there leaves the reserved slots open to
+    interactive requests (as with one GPU, whatever model it names); else the upstream takes
+    nothing else."""
+    return Choice(Step.INTERACTIVE_ONLY if verdicts[index] is Turn.SHARE_USED else Step.CLAIM, index)

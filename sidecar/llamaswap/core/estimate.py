@@ -25,19 +25,8 @@ Before a model has a measurement the stated defaults apply (`estimates.defaultRu
 `estimates.defaultSwapSeconds`). A grant that loaded a model also teaches the run time, minus
 the measured swap cost, so that a model that is always swapped in still gets a run estimate.
 
-Estimated starts walk the dispatch order the scheduler's snapshot already simulates, with one
-server per slot, asking the grant's own dispatch rule (`dispatch.turn`) at every step: the slot
-that frees first takes the next request; a request that needs another model waits until every
-slot is free, then holds one for its swap and its run, and the requests granted beside it while
-that model loads begin their runs when the load ends; a non-interactive request waits while
-non-interactive work holds its share (slots - reserved), and an interactive one behind it takes
-a free slot meanwhile (exact when every grant takes its expected time and swap affinity plays no
-part). With one slot
-this is the running request's remaining time, then each request's expected run plus the swap
-cost where the model changes. A running grant made beside a load runs after it, also once the
-grant that loaded has ended (`RunningView.beside_load`). Over a node of several upstreams,
-`estimate_node.starts_of_node` walks the node rule instead, with this estimator's figures, and
-says where each one starts.
+Estimated starts are `estimate_node.starts_of_node`: the grants' own rule walked over the
+order with this estimator's figures, for one GPU as for several (one GPU is a node of one).
 
 A running request's expected end is one function, `expected_end_s`: its run (sized by its
 `max_tokens` where given) after its own load, or after the load it was granted beside, counted
@@ -46,13 +35,12 @@ simulate` all read it.
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
 remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
-waits for that slot (`math.inf` from `starts`), never a time already known to be wrong. Pure:
+waits for that slot (`math.inf` from `starts_of_node`), never a time already known to be wrong. Pure:
 no clock, no I/O; times are passed in.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import statistics
 from collections import deque
@@ -60,9 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Protocol, TypeVar
 
 from llamaswap.core.clock import NS_PER_S
-from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
-from llamaswap.core.dispatch import Running, one
-from llamaswap.core.slots import Slots
+from llamaswap.core.decisions import Decision, RunningView
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 _Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
@@ -301,57 +287,6 @@ class Estimator:
         return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
                       running_s)
 
-    def starts(self, models: Sequence[str | None], *, loaded: str | None, busy_s: float = 0.0,
-               remaining_s: Sequence[float] = (), remaining_interactive: Sequence[bool] = (),
-               slots: Slots | None = None, interactive: Sequence[bool] | None = None,
-               max_tokens: Sequence[int | None] | None = None, blocked_s: float = 0.0,
-               running_model: tuple[str | None, float] = (None, 0.0), loading_s: float = 0.0) -> list[float]:
-        """Estimated start, in seconds from now, of each request in dispatch order; `math.inf`
-        where it cannot be told (it waits for a slot held for an unknown time).
-
-        ``loaded`` is the model loaded now. ``busy_s`` is how long the GPU stays busy before the
-        first of them with one slot (one running grant, or a settling generation). With several
-        slots, ``remaining_s`` holds the expected remaining time of each occupied slot and
-        ``remaining_interactive`` which of those serve interactive work (missing: not); every
-        value of ``busy_s`` and ``remaining_s`` above 0 is one occupied slot (`math.inf`: held
-        for an unknown time). ``slots`` gives each
-        model's slots and the reserved ones (None: one slot); ``interactive`` says which waiting
-        requests are in the interactive band (None: none, so no reserved slot is ever taken).
-        ``max_tokens`` (one per waiting request, in the same order; None: none said) sizes each
-        one's run (`expected_request_run_s`). ``blocked_s`` is how long work the scheduler did not
-        grant holds the GPU (a settle, an adopted exchange; `math.inf`: unknown): nothing starts
-        until it ends, as the coordinator grants nothing meanwhile. ``running_model`` is the model
-        the running grants name and until when one of them runs (None: none names one): the
-        slots in effect are its, as in `Scheduler.next`, even while no model is known loaded.
-        ``loading_s`` is how long the load of the loaded model under way still takes: the runs of
-        the requests started beside it begin when it ends.
-        """
-        sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(models)
-        flags = [*remaining_interactive, *[False] * (len(remaining_s) - len(remaining_interactive))]
-        occupied = [(busy_s, False), *zip(remaining_s, flags), (blocked_s, False)]
-        return self._walk(models, sizes, loaded, occupied, slots if slots is not None else Slots(), interactive,
-                          blocked_s, running_model, loading_s)
-
-    def starts_of(self, snapshot: QueueSnapshot, slots: Slots, *, blocked_s: float = 0.0,
-                  max_tokens: Sequence[int | None] | None = None,
-                  grant_max_tokens: Sequence[int | None] | None = None) -> list[float]:
-        """`starts` for a scheduler's snapshot: its running grants' remaining times (unknown,
-        `math.inf`, for one that outran its expected time; one that runs alone holds back every
-        start until it ends; ``blocked_s`` as for `starts`), its waiting order and
-        bands, and the size each waiting request and each running grant asked for (same orders
-        as the snapshot's; None: not said)."""
-        remaining, loading_s = self.remaining_of(snapshot.grants, grant_max_tokens)
-        # A grant that runs alone (an unload) holds back every start until it ends, as in `next`.
-        alone_s = max((left for grant, left in zip(snapshot.grants, remaining) if grant.alone), default=0.0)
-        named = [(grant.model, left) for grant, left in zip(snapshot.grants, remaining) if grant.model is not None]
-        running_model = (named[0][0], max(left for _, left in named)) if named else (None, 0.0)
-        return self.starts([w.model for w in snapshot.waiting], loaded=snapshot.loaded_model,
-                           remaining_s=remaining, blocked_s=max(blocked_s, alone_s),
-                           remaining_interactive=[grant.band.interactive for grant in snapshot.grants],
-                           slots=slots, interactive=[w.band.interactive for w in snapshot.waiting],
-                           max_tokens=max_tokens, running_model=running_model,
-                           loading_s=loading_s)
-
     def remaining_of(self, grants: Sequence[RunningView],
                      sizes: Sequence[int | None] | None = None) -> tuple[list[float], float]:
         """The expected remaining time of each of these running grants of one upstream
@@ -376,74 +311,3 @@ class Estimator:
         ready_in = (None if loading is None
                     else self.expected_swap_s(loading[0], grants[0].upstream) - loading[1])
         return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
-
-    def _walk(self, models: Sequence[str | None], sizes: Sequence[int | None], loaded: str | None,
-              occupied: Sequence[tuple[float, bool]], slots: Slots, interactive: Sequence[bool] | None,
-              blocked_until: float = 0.0, running_model: tuple[str | None, float] = (None, 0.0),
-              ready_at: float = 0.0) -> list[float]:
-        """An event walk of the dispatch rule (`dispatch.turn`, the grant's own) over the given
-        order: at each moment the rule says whether the first request not started yet starts,
-        or the first interactive one in a reserved slot, or nothing until the next slot frees.
-        Until ``blocked_until`` (work the scheduler did not grant, one of ``occupied``) the rule
-        reads it as a request that runs alone: nothing starts beside it. The model the running
-        work names is ``running_model``'s until its end, then that of the requests the walk starts."""
-        count = len(models)
-        starts: list[float | None] = [None] * count
-        flags = interactive if interactive is not None else [False] * count
-        waiting = [_Waiting(model, flag) for model, flag in zip(models, flags, strict=True)]
-        # The interactive requests in order: the candidates for a reserved slot.
-        candidates = deque(i for i in range(count) if flags[i]) if slots.reserved else deque[int]()
-
-        def best_interactive() -> _Waiting | None:
-            while candidates and starts[candidates[0]] is not None:
-                candidates.popleft()
-            return waiting[candidates[0]] if candidates else None
-
-        # When each occupied slot frees: interactive work and the rest apart, since only the
-        # rest counts against the non-interactive share.
-        ends: tuple[list[float], list[float]] = ([], [])  # (non-interactive, interactive)
-        for end, serves_interactive in occupied:
-            if end > 0.0:
-                ends[serves_interactive].append(end)
-        for heap in ends:
-            heapq.heapify(heap)
-        now = 0.0
-        # ``ready_at``: when the loaded model's load ends (its runs begin then)
-        first = 0  # the first request not started yet
-        named, named_until = running_model  # the model running work names, and until when
-        run_s = self.expected_request_run_s
-        while first < count:
-            for heap in ends:
-                while heap and heap[0] <= now:
-                    heapq.heappop(heap)
-            running = Running(len(ends[0]) + len(ends[1]), len(ends[0]), named if named_until > now else None,
-                              alone=blocked_until > now)
-            starts_now, reserved_slot = one(slots, loaded, running, waiting[first], best_interactive)
-            if starts_now is None:  # until the next slot frees
-                now = min(ends[0][0] if ends[0] else math.inf, ends[1][0] if ends[1] else math.inf)
-                continue
-            taken = candidates.popleft() if reserved_slot else first
-            model = models[taken]
-            if model is not None and model != loaded:  # the rule allows it only with nothing running
-                ready_at = now + self.expected_swap_s(model)
-                loaded = model
-            starts[taken] = now
-            end = max(now, ready_at) + run_s(model, sizes[taken])
-            heapq.heappush(ends[flags[taken]], end)
-            if model is not None:  # another model than `named` only once nothing runs
-                named_until = max(named_until, end) if model == named else end
-                named = model
-            while first < count and starts[first] is not None:
-                first += 1
-        return [start if start is not None else 0.0 for start in starts]
-
-
-class _Waiting:
-    """A waiting request as the walk hands it to the dispatch rule (a `dispatch.Candidate`)."""
-
-    __slots__ = ("model", "interactive")
-    alone = False  # the estimate's order carries no unload
-
-    def __init__(self, model: str | None, interactive: bool) -> None:
-        self.model = model
-        self.interactive = interactive

@@ -1,22 +1,22 @@
-"""Estimated starts over a node's upstreams: which waiting request starts when, and where.
+"""Estimated starts: which waiting request starts when, and on which upstream.
 
-`Estimator.starts_of` walks one upstream with `dispatch.one`; this walks several with the rule
-`Scheduler.next` asks over a node (`dispatch.choose`, down the order as `node.NodeWalk` does),
-so a grant and an estimate say the same. The walk keeps, per upstream, what runs there (each
-running grant's expected end, its band, its model, whether it runs alone), its loaded model,
-when a load under way there ends and until when a settle blocks it. At each instant it asks the
-rule for one start at a time, like repeated calls of `next`: the first request in the order
-is the best; if it cannot start it may claim one upstream (which then takes nothing else), and
-the first request after it that the rule starts does; none: the walk moves to the next end of a
-grant or of a settle. A request that loads its model holds its slot for the swap and its run,
-and those started beside the load run once it ends (as in `starts_of`). The rule reads time
-from the walk's own state (`_WalkTimes`); the runtime hands `next` the same from a snapshot
-(`NodeTimes`), so both read one picture.
+This walks the rule `Scheduler.next` asks (`dispatch.choose`, down the order as `node.NodeWalk`
+does) for one upstream as for several, so a grant and an estimate say the same. The walk keeps,
+per upstream, what runs there (each running grant's expected end, its band, its model, whether
+it runs alone), its loaded model, when a load under way there ends and until when a settle
+blocks it. At each instant it asks the rule for one start at a time, like repeated calls of
+`next`: the first request in the order is the best; if it cannot start it may claim one
+upstream (which then takes nothing else, or only interactive requests where it waits for its
+share), and the first request after it that the rule starts does; none: the walk moves to the
+next end of a grant or of a settle. A request that loads its model holds its slot for the swap
+and its run, and those started beside the load run once it ends. A slot that frees first takes
+the next request; a request that needs another model waits until every slot of its upstream is
+free. The rule reads time from the walk's own state (`_WalkTimes`); the runtime hands `next`
+the same from a snapshot (`NodeTimes`), so both read one picture.
 
-With one upstream the walk asks `dispatch.one`, as `Scheduler.next` does there, and gives
-what `starts_of` gives. Exact when every grant takes its expected time and the order does not
-change as models load (swap affinity 0: with a bonus, the order moves with the loaded models,
-which the snapshot's order cannot say in advance). Pure: no clock, no I/O.
+Exact when every grant takes its expected time and the order does not change as models load
+(swap affinity 0: with a bonus, the order moves with the loaded models, which the snapshot's
+order cannot say in advance). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
-from llamaswap.core.dispatch import Lane, Running, Step, choose, one, takes_nothing
+from llamaswap.core.dispatch import Lane, Running, Step, choose, takes_nothing
 from llamaswap.core.estimate import Estimator
 
 
@@ -47,7 +47,7 @@ class _Waiting:
     """A waiting request as the rule reads it (a `dispatch.Candidate`)."""
 
     __slots__ = ("model", "interactive")
-    alone = False  # the snapshot's order carries no unload, as in `starts_of`
+    alone = False  # the snapshot's order carries no unload
 
     def __init__(self, model: str | None, interactive: bool) -> None:
         self.model = model
@@ -150,11 +150,14 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequenc
                    blocked_s: Mapping[str, float] | None = None,
                    max_tokens: Sequence[int | None] | None = None,
                    grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
-    """`Estimator.starts_of` over a node's upstreams: each waiting request's estimated start and
-    the upstream it is expected to start on (None where not known). ``lanes`` in the configured
-    order (their slots, the models they may serve and their loaded model; what runs there is read
-    from the snapshot's grants), ``blocked_s`` how long a settle still holds an upstream (inf:
-    unknown; a lane marked ``blocked`` and not in it: unknown)."""
+    """Each waiting request's estimated start, in seconds from now (`math.inf` where it cannot be
+    told: it waits for a slot held for a time unknown), and the upstream it is expected to start
+    on (None where not known). ``lanes`` in the configured order (their slots, the models they
+    may serve and their loaded model; what runs there is read from the snapshot's grants),
+    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a lane marked
+    ``blocked`` and not in it: unknown), ``max_tokens`` and ``grant_max_tokens`` the output
+    tokens each waiting request and each running grant asked for (the snapshot's orders; None:
+    not said)."""
     blocked_s = blocked_s or {}
     # A lane marked blocked (`Scheduler.lane_views(blocked)`) with no time said: for how long, unknown.
     walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
@@ -191,7 +194,7 @@ class _Walk:
         while self._pending:
             for lane in self._lanes:
                 lane.items = [item for item in lane.items if item.end > now]
-            found = self._find_one(now) if len(self._lanes) == 1 else self._find(now)
+            found = self._find(now)
             if found is not None:
                 self._start(now, *found)
                 continue
@@ -220,25 +223,6 @@ class _Walk:
             if position == 0 and choice.lane is not None:  # only the best claims
                 (closed if choice.step is Step.CLAIM else interactive_only).add(choice.lane)
         return None
-
-    def _find_one(self, now: float) -> tuple[int, int] | None:
-        """`Scheduler.next` with one upstream: `dispatch.one` for the best, or the best
-        interactive request in a reserved slot."""
-        lane = self._lanes[0]
-        if lane.blocked_until > now:
-            return None
-        pending, waiting = self._pending, self._waiting
-
-        def best_interactive() -> _Waiting | None:
-            return next((waiting[i] for i in pending if waiting[i].interactive), None)
-
-        starts, reserved_slot = one(lane.lane.slots, lane.loaded, lane.running(), waiting[pending[0]],
-                                    best_interactive)
-        if starts is None:
-            return None
-        if not reserved_slot:
-            return 0, 0
-        return next(p for p, i in enumerate(pending) if waiting[i].interactive), 0
 
     def _wants(self, model: str | None) -> int:
         return self._wanted.get(model, 0)

@@ -6,9 +6,10 @@ there; each request after it starts where the rule lets it, or waits (only the b
 upstream drains for the one best request, and lower ones never hold an upstream back). Once no
 open upstream is idle, only a request of a model loaded on one (or of none) can start, and the
 first such in the order is the best of those models' tops (`_warm_pick`, ranked as `order.pick`
-ranks): the walk never reads
-the whole queue for it. Requests it asks are suspended (marked not alive, so the indexes skip
-them) and the caller puts them back (`suspended`) whatever happens.
+ranks; a request that runs alone at a model's top is passed over, as it cannot start beside
+running work): the walk never reads the whole queue for it. Requests it asks are suspended
+(marked not alive, so the indexes skip them) and the caller puts them back (`suspended`)
+whatever happens.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose, takes_nothing
-from llamaswap.core.index import Entry, Index
+from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank
 
 
@@ -45,10 +46,12 @@ class NodeWalk:
         choice = choose(self._lanes, candidate, self._closed, self._interactive_only, self._times, self._wants)
         return choice.step, choice.lane
 
-    def find(self) -> tuple[int, Entry] | None:
-        """The upstream and the request that starts next; None if nothing starts now."""
+    def find(self) -> tuple[int, Entry, Entry] | None:
+        """The upstream and the request that starts next, and the best request (the first asked:
+        the same one, unless the best waits); None if nothing starts now."""
         lanes = self._lanes
         best = True
+        first: Entry | None = None
         while len(self._closed | self._full) < len(lanes) and self._aged.top() is not None:
             if not best and all(lanes[i].running.busy for i in range(len(lanes)) if i not in self._closed):
                 candidate = self._warm_pick()
@@ -56,10 +59,12 @@ class NodeWalk:
                     return None
             else:
                 candidate = self._pick(self._aged)
+            if first is None:
+                first = candidate
             step, lane = self._choose(candidate)
             if step is Step.START:
                 assert lane is not None
-                return lane, candidate
+                return lane, candidate, first
             if best and lane is not None:
                 (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
             best = False
@@ -79,10 +84,21 @@ class NodeWalk:
                 continue
             for index in indexes:
                 for model in {lane.loaded, None}:
-                    item = index.top_of(model)
+                    item = self._top_beside(index, model)
                     if item is not None:
                         items.append((rank(item, self._bonus if model is not None else 0, scale), item[2]))
         for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
             if self._choose(entry)[0] is Step.START:
                 return entry
         return None
+
+    def _top_beside(self, index: Index, model: str | None) -> Item | None:
+        """The first request of ``model`` in ``index`` that may start beside running work: one
+        that runs alone (an unload) never does, so it is passed over (suspended), and the
+        requests of its model behind it are asked."""
+        item = index.top_of(model)
+        while item is not None and item[2].alone:
+            item[2].alive = False
+            self.suspended.append(item[2])
+            item = index.top_of(model)
+        return item

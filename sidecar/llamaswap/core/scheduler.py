@@ -15,11 +15,13 @@ loaded model's heap plus the bonus (`order.pick`). Everything is integer nanosec
 comparison is exact and equal scores fall back to arrival order.
 
 Slots (`slots.py`): the upstream serves several generations of its loaded model at once. The
-dispatch rule is `dispatch.turn`, which the estimates' walk runs too; with one slot (the
-default) it is exactly the one-grant-at-a-time scheduler this module always was. The policy is
-in `policy.py`, the heap indexes in `index.py`, the decision and view types in `decisions.py`.
+dispatch rule is `dispatch.choose` (each GPU read by `dispatch.turn`), walked down the order by
+`node.NodeWalk` for one GPU as for several (one GPU is a node of one); the estimates' walk runs
+the same rule. With one slot (the default) it is exactly the one-grant-at-a-time scheduler this
+module always was. The policy is in `policy.py`, the heap indexes in `index.py`, the decision
+and view types in `decisions.py`.
 
-Invariants, enforced here (by applying `dispatch.turn` to the one record of the grants):
+Invariants, enforced here (by applying the rule to the one record of the grants):
 - at most ``slots`` requests hold a grant, and the models they name are one model: a grant
   that needs another model (a swap, or a load from nothing known loaded) is made only when
   nothing runs;
@@ -55,7 +57,7 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, in_reserved_slot, one, takes_nothing
+from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, in_reserved_slot, takes_nothing
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -103,7 +105,6 @@ class Scheduler:
         names = [lane.name for lane in lanes]
         self._lanes.sort(key=lambda lane: names.index(lane.name))
         self._first = self._lanes[0]
-        self._node = len(self._lanes) > 1
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -340,44 +341,26 @@ class Scheduler:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
         ``blocked``: upstreams that take nothing now (a settle, an adopted exchange holds them).
 
-        The dispatch rule is `dispatch.turn` (the estimates run it too): with nothing running the
-        best request goes whatever model it needs; beside running grants only a request of the
-        loaded model (or none) goes, a swap or a request that runs alone waits for the drain,
-        and a non-interactive request past its share (``slots - reserved``) leaves the free
-        slot to the best interactive request, read as if the non-interactive ones were not in
-        the order. Such a grant says ``reserved_slot``. Over several upstreams the rule is
-        `dispatch.choose`, asked down the order (`_next_on_node`); ``times`` is what it may know
-        of run times and swap costs.
+        One path for one upstream and for several (one GPU is a node of one): the node rule
+        (`dispatch.choose`, one answer per request, each upstream read by `dispatch.turn`) asked
+        down the order (`node.NodeWalk`). With nothing running the best request goes whatever
+        model it needs; beside running grants only a request of the loaded model (or none) goes,
+        a swap or a request that runs alone waits for the drain, and a non-interactive request
+        past its share (``slots - reserved``) leaves the reserved slots to the interactive
+        requests behind it. An interactive grant in a slot that only the interactive band could
+        take now says ``reserved_slot`` (`dispatch.in_reserved_slot`). ``times`` is what the rule
+        may know of run times and swap costs (it chooses among upstreams by them; with one
+        upstream it reads none).
         """
         if not self._waiting:
             return None
-        if self._node:
-            return self._next_on_node(blocked, times)
-        lane = self._first
-        running = lane.running
-        loaded = lane.loaded
-        if takes_nothing(lane.policy.slots, loaded, running, lane.name in blocked):
+        lanes = self._lanes
+        if all(takes_nothing(lane.policy.slots, lane.loaded, lane.running, lane.name in blocked) for lane in lanes):
             return None  # every slot is taken (with one slot: anything runs)
-        aged, plain = self._aged, self._plain
-        warm = order.loaded_of(loaded)
-        best = order.pick(aged, warm, self._bonus)
-        starts, reserved_slot = one(lane.policy.slots, loaded, running, best, self._best_interactive)
-        if starts is None:
-            return None
-        winner = best
-        if reserved_slot:
-            assert self._reserved is not None  # only reserved slots are free: reserved > 0
-            aged, plain = self._reserved
-            winner = order.pick(aged, warm, self._bonus)
-        return self._grant(lane, winner, aged, plain, reserved_slot,
-                           lambda index: order.pick(index, warm, self._bonus))
-
-    def _next_on_node(self, blocked: frozenset[str], times: LaneTimes) -> Decision | None:
-        """The node rule down the order (`node.walk`), then the grant it found."""
-        loaded = order.warm_models(self._lanes, blocked)
+        warm = order.warm_models(lanes, blocked)
 
         def pick(index: Index) -> Entry:
-            return order.pick(index, loaded, self._bonus)
+            return order.pick(index, warm, self._bonus)
 
         walk = NodeWalk(self.lane_views(blocked), self._aged,
                         self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
@@ -388,12 +371,17 @@ class Scheduler:
             self._resume(walk.suspended)  # before the grant: its reasons read the whole order
         if found is None:
             return None
-        index, winner = found
-        return self._grant_on_node(self._lanes[index], winner, pick)
-
-    def _grant_on_node(self, lane: LaneState, winner: Entry, pick: Callable[[Index], Entry]) -> Decision:
+        index, winner, first = found
+        lane = lanes[index]
         reserved_slot = in_reserved_slot(lane.policy.slots, lane.loaded, lane.running, winner)
-        return self._grant(lane, winner, self._aged, self._plain, reserved_slot, pick)
+        if winner is not first and reserved_slot:
+            # Ahead of a better-scored request that used up its share: it won among the
+            # interactive requests, so why it won is said among them.
+            assert self._reserved is not None
+            aged, plain = self._reserved
+        else:
+            aged, plain = self._aged, self._plain
+        return self._grant(lane, winner, aged, plain, reserved_slot, pick)
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -547,14 +535,6 @@ class Scheduler:
         return order.band_stats(self._arrivals, self._clock.now_ns())
 
     # -- internals -----------------------------------------------------------------------
-
-    def _best_interactive(self) -> Entry | None:
-        """The reserved slots' candidate: the best interactive request (None: none waits)."""
-        assert self._reserved is not None
-        aged = self._reserved[0]
-        if aged.top() is None:
-            return None
-        return order.pick(aged, order.loaded_of(self._first.loaded), self._bonus)
 
     def _remove(self, entry: Entry) -> None:
         entry.alive = False
