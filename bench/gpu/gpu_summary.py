@@ -48,6 +48,23 @@ def _resident(lines: list[str], figures: dict[str, Any]) -> None:
                  f"{figures.get('both_loaded')}")
 
 
+def _short(lines: list[str], figures: dict[str, Any]) -> None:
+    per_s = figures["requests_per_s"]
+    lines.append(f"short requests ({figures['tokens']} tokens) from {figures['slots']} clients at {figures['slots']} "
+                 f"slots: {_f(per_s['direct'], 0)} requests/s direct, {_f(per_s['llamaswap'], 0)} through llamaswap "
+                 f"({_f(figures['ratio'], 3)}x); CPU per request: sidecar "
+                 f"{_f(figures['cpu_ms_per_request']['sidecar'])} ms, Envoy "
+                 f"{_f(figures['cpu_ms_per_request']['envoy'])} ms; cores busy: sidecar "
+                 f"{_f(figures['cores_busy']['sidecar'])}, Envoy {_f(figures['cores_busy']['envoy'])}")
+
+
+def _beside(lines: list[str], figures: dict[str, Any]) -> None:
+    lines.append("a load beside generation (router, --models-max 2):")
+    for key, value in figures.items():
+        if key != "seconds":
+            lines.append(f"  {key}: {_f(value)}")
+
+
 def render(results: dict[str, Any]) -> str:
     env = results.get("environment", {})
     where = "CPU trial" if results.get("cpu_trial") else "GPU"
@@ -63,6 +80,10 @@ def render(results: dict[str, Any]) -> str:
             _slots(lines, name, figures)
         elif name == "resident":
             _resident(lines, figures)
+        elif name == "short":
+            _short(lines, figures)
+        elif name == "beside":
+            _beside(lines, figures)
         if "seconds" in figures:
             lines.append(f"  ({figures['seconds']} s)")
     return "\n".join(lines) + "\n"

@@ -14,6 +14,10 @@ Run by `bench/gpu/run.sh` on the GPU machine (and with `--cpu` on any machine, t
   alternating blocks: p50/p99 of each, what llamaswap adds, its share of a request's time.
 - resident: the router with `--models-max 2`, both models loaded: each model's tokens per second
   alone and while the other generates too (one GPU time-sliced between two processes).
+- short: short requests (16 tokens) from 16 clients at 16 slots, direct and through llamaswap:
+  requests per second each way and the sidecar's CPU, where a fixed cost per request weighs most.
+- beside: the router with `--models-max 2`: the 1b model's tokens per second in a window alone and
+  in one in which the 8b model loads, and that load's first token against the 8b's once loaded.
 
 Each section has a time limit; results.json and summary.txt in --out are rewritten after each,
 so a run stopped early keeps what it measured.
@@ -51,6 +55,7 @@ from stats import percentile  # noqa: E402
 from gpu_summary import render  # noqa: E402
 
 SMALL, LARGE = "1b", "8b"
+SECTIONS = ("load", "slots", "resident", "short", "beside")
 
 
 class Run:
@@ -243,6 +248,64 @@ async def resident_section(run: Run) -> dict[str, Any]:
     return figures
 
 
+async def short_section(run: Run, slots: int = 16) -> dict[str, Any]:
+    """Short requests at `slots` from as many clients: what a fixed cost per request does to throughput."""
+    model_path = run.models_dir / f"{run.small}.gguf"
+    figures: dict[str, Any] = {"slots": slots, "tokens": run.args.short_tokens}
+    with server(run, f"short-np{slots}", ["-m", str(model_path), "-np", str(slots), "-c", str(1024 * slots)]) as direct:
+        config = {"upstream": {"slots": slots}, "envoy": {"leaseSeconds": 3.0}}
+        with running_stack(stack_dir(run, f"stack-short{slots}"), config, upstream_url=direct.url) as stack:
+            urls = {"direct": direct.url, "llamaswap": stack.url}
+            for url in urls.values():
+                await clients(url, None, clients=slots, requests_each=1, max_tokens=8)
+            pids = {"sidecar": stack.sidecar.popen.pid, "envoy": stack.envoy.popen.pid}
+            totals = {side: [0.0, 0] for side in urls}
+            cpu_ns_used = {name: 0 for name in pids}
+            sides = list(urls)
+            for round_index in range(run.args.rounds):
+                for side in sides[round_index % 2:] + sides[:round_index % 2]:
+                    before = {name: cpu_ns(pid) for name, pid in pids.items()}
+                    wall, answers = await clients(urls[side], None, clients=slots,
+                                                  requests_each=run.args.short_requests,
+                                                  max_tokens=run.args.short_tokens)
+                    totals[side][0] += wall
+                    totals[side][1] += len(answers)
+                    if side == "llamaswap":
+                        for name, pid in pids.items():
+                            cpu_ns_used[name] += cpu_ns(pid) - before[name]
+    figures["requests_per_s"] = {side: count / wall for side, (wall, count) in totals.items()}
+    figures["ratio"] = figures["requests_per_s"]["llamaswap"] / figures["requests_per_s"]["direct"]
+    wall, count = totals["llamaswap"]
+    figures["cpu_ms_per_request"] = {name: used / 1e6 / count for name, used in cpu_ns_used.items()}
+    figures["cores_busy"] = {name: used / 1e9 / wall for name, used in cpu_ns_used.items()}
+    return figures
+
+
+async def beside_section(run: Run) -> dict[str, Any]:
+    """A load beside another model's generation (router, --models-max 2)."""
+    seconds, tokens = run.args.resident_seconds, run.args.tokens
+    router_args = ["--models-dir", str(run.models_dir), "--models-max", "2", "-c", "8192", "-np", "4"]
+    figures: dict[str, Any] = {}
+    with server(run, "router-beside", router_args) as router:
+        await first_bytes(router.url, run.small, 1)
+        wall, answers = await for_a_while(router.url, run.small, clients=4, seconds=seconds, max_tokens=tokens)
+        figures[f"{run.small} alone"] = sum(a.tokens for a in answers) / wall
+
+        async def load_after_a_moment() -> float:
+            await asyncio.sleep(0.5)  # the small model's clients are under way (a fixed offset, not readiness)
+            return (await first_bytes(router.url, run.large, 1))[0]
+
+        (wall, answers), cold = await asyncio.gather(
+            for_a_while(router.url, run.small, clients=4, seconds=seconds, max_tokens=tokens), load_after_a_moment())
+        figures[f"{run.small} while {run.large} loads"] = sum(a.tokens for a in answers) / wall
+        figures[f"{run.small} kept"] = figures[f"{run.small} while {run.large} loads"] / figures[f"{run.small} alone"]
+        warm = median(await first_bytes(router.url, run.large, 3))
+        figures[f"{run.large} cold first token beside s"] = cold
+        figures[f"{run.large} load beside s"] = cold - warm
+        figures["window_s"] = seconds
+    return figures
+
+
 async def section(run: Run, name: str, limit_s: float, body: Callable[[], Awaitable[Any]]) -> None:
     """Run one section within its limit (and the run's deadline); record its figures or its error."""
     limit = min(limit_s, run.left_s())
@@ -265,10 +328,18 @@ async def section(run: Run, name: str, limit_s: float, body: Callable[[], Awaita
 async def main_async(run: Run) -> None:
     run.results["environment"] = environment(run)
     run.save()
-    await section(run, "load", run.args.limit_s, lambda: load_section(run))
-    for slots in run.args.slots:
-        await section(run, f"slots {slots}", run.args.limit_s, lambda s=slots: slots_and_overhead(run, s))
-    await section(run, "resident", run.args.limit_s, lambda: resident_section(run))
+    chosen = run.args.sections
+    if "load" in chosen:
+        await section(run, "load", run.args.limit_s, lambda: load_section(run))
+    if "slots" in chosen:
+        for slots in run.args.slots:
+            await section(run, f"slots {slots}", run.args.limit_s, lambda s=slots: slots_and_overhead(run, s))
+    if "resident" in chosen:
+        await section(run, "resident", run.args.limit_s, lambda: resident_section(run))
+    if "short" in chosen:
+        await section(run, "short", run.args.limit_s, lambda: short_section(run, max(run.args.slots)))
+    if "beside" in chosen:
+        await section(run, "beside", run.args.limit_s, lambda: beside_section(run))
     run.results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     run.save()
 
@@ -282,11 +353,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="a trial on a CPU: models cpu and cpu2, one thread")
     parser.add_argument("--deadline-s", type=float, default=420, help="the whole run's time limit")
     parser.add_argument("--limit-s", type=float, default=150, help="one section's time limit")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                        help="which measurements, in this order: " + ", ".join(SECTIONS))
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side (slots)")
     parser.add_argument("--requests", type=int, default=4, help="requests per client per round (slots)")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens of a request (slots, resident)")
     parser.add_argument("--short-tokens", type=int, default=16)
+    parser.add_argument("--short-requests", type=int, default=8, help="requests per client per round (short)")
     parser.add_argument("--short-blocks", type=int, default=8)
     parser.add_argument("--short-block-size", type=int, default=25)
     parser.add_argument("--load-rounds", type=int, default=3)
