@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from llamaswap.batches import feeder as feeder_module
 from llamaswap.batches.feeder import Feeder, FeedSettings
 from llamaswap.batches.lifecycle import BatchStatus
 from llamaswap.batches.store import BatchRecord, Store
@@ -322,4 +323,37 @@ async def test_a_paused_feeder_starts_no_line(
     await wait_until(lambda: rig.record(batch_id).status is BatchStatus.IN_PROGRESS, "validated")
     await rig.feeder.look()
     assert listener.requests == [] and rig.feeder.in_flight(batch_id) == 0
+    await rig.close()
+
+
+async def test_results_are_written_together_and_a_stop_writes_those_answered(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(feeder_module, "RESULTS_S", 3600.0)  # written by a stop or a look only
+
+    async def held(request: web.Request, body: dict[str, Any]) -> web.Response:
+        if body["messages"][0]["content"] == "held":
+            await listener.gate.wait()
+        return await ok(request, body)
+
+    listener = await listener_with(held)
+    rig = Rig(tmp_path, listener, in_flight=3)
+    batch_id = rig.batch(["a", "b", "held"])
+    rig.start()
+    await wait_until(lambda: len(listener.requests) == 3 and listener.active == 1, "a and b answered, held running")
+    assert rig.store.counts(batch_id, 3).done == 0  # answered, kept to be written with others
+    assert rig.task is not None
+    rig.task.cancel()  # the sidecar stops: the answered lines' results are written, held's line abandoned
+    await asyncio.gather(rig.task, return_exceptions=True)
+    assert [line.custom_id for line in rig.store.unfinished_lines(batch_id)] == ["id-held"]
+    assert rig.store.counts(batch_id, 3).completed == 2
+    await wait_until(lambda: listener.active == 0, "held's connection closed")
+    # Started again: only the line without a result is sent again, and the batch ends with each line once.
+    listener.gate.set()
+    rig.feeder = Feeder(rig.store, rig.feeder.settings, observer=rig.telemetry)
+    rig.start()
+    batch = await rig.ended(batch_id)
+    assert [r["custom_id"] for r in rig.lines_of(batch.output_file_id)] == ["id-a", "id-b", "id-held"]
+    assert [listener.tries_of(content) for content in ("a", "b", "held")] == [1, 1, 2]
+    assert rig.counted()[("llamaswap_batch_requests_total", (("outcome", "completed"),))] == 3
     await rig.close()

@@ -27,13 +27,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-import aiohttp
-
+from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
-from llamaswap.batches.store import BatchRecord, Store
+from llamaswap.batches.store import BatchRecord, Result, Store
 from llamaswap.batches.validate import InputLine, LineError, Validation, line_body, validate
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
@@ -45,6 +46,11 @@ RESEND_FIRST_S = 0.5
 RESEND_MOST_S = 30.0
 # Lines read from the store at once, ahead of those in flight.
 READ_AHEAD = 64
+# Lines' results are written together, one transaction for those that ended within RESULTS_S
+# (or RESULTS_LINES of them): a transaction per line was the feeder's largest cost after the
+# HTTP client's. A kill loses at most those: their lines are sent again, as the running ones are.
+RESULTS_S = 0.05
+RESULTS_LINES = 64
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
@@ -158,7 +164,14 @@ class Feeder:
         # batch id -> the next lines after the cursor, read ahead in one query (a line's end then
         # starts the next without asking the store)
         self._ahead: dict[str, collections.deque[InputLine]] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._client: Http1Client | None = None
+        # batch id -> its input file, open while the batch feeds (a line's body is read at its offset)
+        self._inputs: dict[str, int] = {}
+        # batch id -> the headers every line of it carries, as bytes
+        self._headers: dict[str, bytes] = {}
+        # answered lines whose results are not written yet (`_write_results`), and the timer that writes them
+        self._results: list[tuple[BatchRecord, Result, int]] = []
+        self._results_timer: asyncio.TimerHandle | None = None
 
     def wake(self) -> None:
         """Look at the batches now (a batch was created or cancelled)."""
@@ -179,8 +192,8 @@ class Feeder:
 
     async def run(self) -> None:
         # No total timeout: a line may wait for the GPU for hours (the scheduler bounds it).
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                              connector=aiohttp.TCPConnector(limit=0))
+        target = urllib.parse.urlsplit(self.settings.target_url)
+        self._client = Http1Client(target.hostname or "127.0.0.1", target.port or 80)
         try:
             while True:
                 self._wake.clear()
@@ -194,15 +207,19 @@ class Feeder:
             await self.stop()
 
     async def stop(self) -> None:
-        """Stop sending; lines in flight are abandoned (sent again at the next start)."""
+        """Stop sending; lines in flight are abandoned (sent again at the next start), the results
+        of those answered are written."""
         tasks = [task for lines in self._flying.values() for task in lines.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._flying.clear()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._write_results()
+        for batch_id in list(self._inputs):
+            self._close_input(batch_id)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     async def look(self) -> None:
         """One pass over the batches that are not ended: fill, expire, cancel, finalize."""
@@ -248,6 +265,7 @@ class Feeder:
     async def _fill(self, batch: BatchRecord) -> None:
         if self._start_lines(batch) or self._flying.get(batch.id):
             return
+        self._write_results()
         # Nothing after the cursor and nothing in flight: done, unless a line before the cursor
         # lost its sending without a result (then read from the start again).
         if self.store.unfinished_lines(batch.id, limit=1):
@@ -296,6 +314,7 @@ class Feeder:
         for task in flying.values():
             task.cancel()
         await asyncio.gather(*flying.values(), return_exceptions=True)
+        self._write_results()  # answered lines keep their answers
         ended = await asyncio.to_thread(self.store.end_unfinished, batch.id, outcome,
                                         lambda line: ended_record(batch.id, line, outcome))
         if ended:
@@ -305,11 +324,13 @@ class Feeder:
         await self._finalize(batch, status)
 
     async def _finalize(self, batch: BatchRecord, status: BatchStatus) -> None:
+        self._write_results()
         final = await asyncio.to_thread(self.store.finalize, batch, status)
         self._flying.pop(batch.id, None)
         self._cursor.pop(batch.id, None)
         self._ahead.pop(batch.id, None)
         self._stopping.discard(batch.id)
+        self._close_input(batch.id)
         counts = self.store.counts(batch.id, batch.total)
         _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
                   counts.failed, counts.total)
@@ -318,53 +339,85 @@ class Feeder:
     async def _send(self, batch: BatchRecord, line: InputLine) -> None:
         request_id = line_request_id(batch.id, line.custom_id, line.line)
         try:
-            headers = {**self.settings.headers, "content-type": "application/json", "x-request-id": request_id,
-                       self.settings.priority_header: str(batch.priority),
-                       **self.observer.line_started(batch, line, request_id)}
+            headers = self._batch_headers(batch) + header_block(
+                {"x-request-id": request_id, **self.observer.line_started(batch, line, request_id)})
             status, answer = await self._post_until_answered(batch, request_id, self._body(batch, line), headers)
         except asyncio.CancelledError:
             self._forget(batch, line)  # abandoned (cancel, expiry, stop): a look decides what comes next
             raise
-        # The next line first, then the result: the slot's handoff does not wait for the write. A
-        # kill in between sends this line again, and its first result is the one kept.
+        # The result is kept to be written with others (`_write_results`), before the next line
+        # starts: a look that finds nothing left to send writes it before it asks the store. A
+        # kill before the write sends this line again, and its first result is the one kept.
+        outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
+        self._results.append((batch, Result(batch.id, line, outcome, answer_record(
+            batch.id, line, status, request_id, answer), self.store.now_exact()), status))
+        if len(self._results) >= RESULTS_LINES:
+            self._write_results()
+        elif self._results_timer is None:
+            self._results_timer = asyncio.get_running_loop().call_later(RESULTS_S, self._write_results)
         self._forget(batch, line)
         self._line_ended(batch)
+
+    def _write_results(self) -> None:
+        """Write the answered lines' results, one transaction (the store's first write wins)."""
+        if self._results_timer is not None:
+            self._results_timer.cancel()
+            self._results_timer = None
+        pending, self._results = self._results, []
+        if not pending:
+            return
         try:
-            outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
-            if self.store.record_result(batch.id, line, outcome, answer_record(batch.id, line, status, request_id,
-                                                                               answer)):
-                self.observer.line_ended(batch, line, outcome, status)
-        except Exception:  # noqa: BLE001 - the line stays without a result; a look sends it again
-            _log.exception("batch line %s: its result could not be recorded", request_id)
-            self._rewind(batch.id)
+            added = self.store.record_results([result for _, result, _ in pending])
+        except Exception:  # noqa: BLE001 - the lines stay without results; a look sends them again
+            _log.exception("batches: the results of %d line(s) could not be recorded; they are sent again",
+                           len(pending))
+            for batch_id in {result.batch_id for _, result, _ in pending}:
+                self._rewind(batch_id)
             self._wake.set()
+            return
+        for (batch, result, status), new in zip(pending, added):
+            if new:
+                self.observer.line_ended(batch, result.line, result.outcome, status)
 
     def _forget(self, batch: BatchRecord, line: InputLine) -> None:
         flying = self._flying.get(batch.id)
         if flying is not None and flying.get(line.line) is asyncio.current_task():
             del flying[line.line]
 
+    def _batch_headers(self, batch: BatchRecord) -> bytes:
+        block = self._headers.get(batch.id)
+        if block is None:
+            block = self._headers[batch.id] = header_block({
+                **self.settings.headers, "content-type": "application/json",
+                self.settings.priority_header: str(batch.priority)})
+        return block
+
     def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
-        with open(self.store.file_path(batch.input_file_id), "rb") as source:
-            source.seek(line.offset)
-            return line_body(source.read(line.length))
+        fd = self._inputs.get(batch.id)
+        if fd is None:  # kept open while the batch feeds (its file cannot be deleted meanwhile)
+            fd = self._inputs[batch.id] = os.open(self.store.file_path(batch.input_file_id), os.O_RDONLY)
+        return line_body(os.pread(fd, line.length, line.offset))
+
+    def _close_input(self, batch_id: str) -> None:
+        self._headers.pop(batch_id, None)
+        fd = self._inputs.pop(batch_id, None)
+        if fd is not None:
+            os.close(fd)
 
     async def _post_until_answered(self, batch: BatchRecord, request_id: str, body: bytes,
-                                   headers: dict[str, str]) -> tuple[int, bytes]:
-        url = self.settings.target_url.rstrip("/") + batch.endpoint
+                                   headers: bytes) -> tuple[int, bytes]:
         pause_s = RESEND_FIRST_S
         tries = 0
         while True:
-            assert self._session is not None
+            assert self._client is not None
             tries += 1
             try:
-                async with self._session.post(url, data=body, headers=headers) as response:
-                    answer = await response.read()
-                    if response.status not in RESEND_STATUSES:
-                        return response.status, answer
-                    wait_s = _retry_after(response.headers) or pause_s
-                    why = f"HTTP {response.status} ({response.headers.get('x-llamaswap-outcome') or 'no outcome'})"
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                response = await self._client.post(batch.endpoint, headers, body)
+                if response.status not in RESEND_STATUSES:
+                    return response.status, response.body
+                wait_s = _retry_after(response.headers) or pause_s
+                why = f"HTTP {response.status} ({response.headers.get('x-llamaswap-outcome') or 'no outcome'})"
+            except (OSError, asyncio.TimeoutError) as exc:
                 wait_s, why = pause_s, f"{type(exc).__name__}: {exc}"
             if tries in (1, 10) or tries % 100 == 0:
                 _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)

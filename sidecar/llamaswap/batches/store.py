@@ -107,6 +107,17 @@ class Counts:
         return self.completed + self.failed
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """One line's result to record: its outcome, its output or error file's record, when it ended."""
+
+    batch_id: str
+    line: InputLine
+    outcome: LineOutcome
+    record: dict[str, Any]
+    ended_at: float
+
+
 _TIMESTAMPS = tuple(name for name in STATUS_TIMESTAMP.values() if name is not None)
 
 
@@ -151,6 +162,9 @@ class Store:
 
     def now(self) -> int:
         return int(self._now())
+
+    def now_exact(self) -> float:
+        return self._now()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -293,15 +307,25 @@ class Store:
 
     def record_result(self, batch_id: str, line: InputLine, outcome: LineOutcome, record: dict[str, Any]) -> bool:
         """A line's result, once: False when it already had one (the first write wins)."""
-        column = "completed" if outcome is LineOutcome.COMPLETED else "failed"
+        return self.record_results([Result(batch_id, line, outcome, record, self._now())])[0]
+
+    def record_results(self, results: Sequence[Result]) -> list[bool]:
+        """Lines' results in one transaction, each once: for each, False when its line already had
+        one (the first write wins). The batches' counts go up with them."""
+        added: list[bool] = []
+        counts: dict[tuple[str, str], int] = {}
         with self._transaction() as db:
-            cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
-                                (batch_id, line.line, outcome.value, json.dumps(record, separators=(",", ":")),
-                                 self._now()))
-            if cursor.rowcount != 1:
-                return False
-            db.execute(f"UPDATE batches SET {column} = {column} + 1 WHERE id = ?", (batch_id,))
-            return True
+            for result in results:
+                cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
+                                    (result.batch_id, result.line.line, result.outcome.value,
+                                     json.dumps(result.record, separators=(",", ":")), result.ended_at))
+                added.append(cursor.rowcount == 1)
+                if cursor.rowcount == 1:
+                    column = "completed" if result.outcome is LineOutcome.COMPLETED else "failed"
+                    counts[(result.batch_id, column)] = counts.get((result.batch_id, column), 0) + 1
+            for (batch_id, column), count in counts.items():
+                db.execute(f"UPDATE batches SET {column} = {column} + ? WHERE id = ?", (count, batch_id))
+        return added
 
     def end_unfinished(self, batch_id: str, outcome: LineOutcome,
                        record: Callable[[InputLine], dict[str, Any]]) -> int:
@@ -311,8 +335,8 @@ class Store:
             lines = self.unfinished_lines(batch_id, limit=1000)
             if not lines:
                 return ended
-            for line in lines:
-                ended += self.record_result(batch_id, line, outcome, record(line))
+            now = self._now()
+            ended += sum(self.record_results([Result(batch_id, line, outcome, record(line), now) for line in lines]))
 
     def counts(self, batch_id: str, total: int) -> Counts:
         """Kept in the batch's row with each result (O(1): every poll of a batch reads it)."""
