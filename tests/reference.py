@@ -306,10 +306,14 @@ class ReferenceScheduler:
         if chosen is None:
             return None
         winner, among = chosen
+        # A term changed the pick when, without it, another request tops the candidates. (In a
+        # reserved slot the winner is the first interactive request that fits: one ahead of it
+        # that does not fit says nothing of a term that is not there at all.)
         reasons = set()
-        if self.pick(now, aging=False, among=among) is not winner:
+        if self.policy.divisor_ns and self.pick(now, aging=False, among=among) is not winner:
             reasons.add("aging")
-        if self.pick(now, affinity=False, among=among) is not winner:
+        if (self.policy.bonus and self.loaded_model is not None
+                and self.pick(now, affinity=False, among=among) is not winner):
             reasons.add("swap_affinity")
         overtook = tuple(r.request_id for r in self.waiting if r.order < winner.order)[:OVERTAKEN_LIMIT]
         previous = self.loaded_model
