@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from llamaswap.core import ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
-from llamaswap.core.dispatch import IDLE, NO_TIMES, Choice, Lane, Running, Step, Turn, choose, in_reserved_slot, turn
+from llamaswap.core.dispatch import NO_TIMES, Choice, Step, Turn, choose, in_reserved_slot, turn
+from llamaswap.core.holding import IDLE, GpuHolding, Running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,9 +19,15 @@ class Waiting:
     alone: bool = False
 
 
+def holding(running: Running, slots: Slots | None = None, resident: str | None = "a") -> GpuHolding:
+    """One GPU running ``running``, ``resident`` resident (None: nothing)."""
+    return GpuHolding("gpu0", slots if slots is not None else SLOTS, None,
+                      frozenset() if resident is None else frozenset((resident,)), running)
+
+
 def on_one_gpu(running: Running, candidate: Waiting, interactive_only: frozenset[int] = frozenset()) -> Choice:
     """The node rule over a node of one upstream, ``a`` loaded: one GPU's answer."""
-    return choose([Lane("gpu0", SLOTS, None, "a", running)], candidate, set(), interactive_only, NO_TIMES,
+    return choose([holding(running)], candidate, set(), interactive_only, NO_TIMES,
                   lambda model: 0)
 
 
@@ -42,14 +49,14 @@ STARTS = {Turn.IDLE, Turn.FREE}  # the answers under which the best request star
     (Running(2, 2, "a"), Waiting("a", interactive=True), Turn.FREE),  # an interactive one takes the reserved
 ])
 def test_the_rule(running: Running, best: Waiting, expected: Turn) -> None:
-    assert turn(SLOTS, "a", running, best) is expected
+    assert turn(holding(running), best) is expected
     # On a node of one: the best starts exactly where the rule lets it.
     assert (on_one_gpu(running, best).step is Step.START) == (expected in STARTS)
 
 
 def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interactive_one() -> None:
     share_used = Running(2, 2, "a")
-    assert turn(SLOTS, "a", share_used, Waiting("a")) is Turn.SHARE_USED
+    assert turn(holding(share_used), Waiting("a")) is Turn.SHARE_USED
     # The best waits for its share: the upstream's reserved slots stay open to interactive requests.
     assert on_one_gpu(share_used, Waiting("a")) == Choice(Step.INTERACTIVE_ONLY, 0)
     assert on_one_gpu(share_used, Waiting("a"), frozenset({0})).step is not Step.START
@@ -60,16 +67,16 @@ def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interact
     # An interactive swap waits for the drain like any swap.
     assert on_one_gpu(share_used, Waiting("b", interactive=True), frozenset({0})).step is not Step.START
     # The grant's ``reserved_slot``: an interactive start while the share is used, nothing else.
-    assert in_reserved_slot(SLOTS, "a", share_used, interactive)
-    assert not in_reserved_slot(SLOTS, "a", share_used, Waiting("a"))
-    assert not in_reserved_slot(SLOTS, "a", Running(1, 1, "a"), interactive)
-    assert not in_reserved_slot(SLOTS, "a", IDLE, interactive)
+    assert in_reserved_slot(holding(share_used), interactive)
+    assert not in_reserved_slot(holding(share_used), Waiting("a"))
+    assert not in_reserved_slot(holding(Running(1, 1, "a")), interactive)
+    assert not in_reserved_slot(holding(IDLE), interactive)
 
 
 def test_the_slots_in_effect_are_the_running_models_else_the_loaded_ones() -> None:
     slots = Slots(1, {"a": 2})
-    assert turn(slots, None, Running(1, 0, "a"), Waiting(None)) is Turn.FREE  # a's 2 slots
-    assert turn(slots, None, Running(1, 0, None), Waiting(None)) is Turn.CLOSED  # the default's 1
+    assert turn(holding(Running(1, 0, "a"), slots, None), Waiting(None)) is Turn.FREE  # a's 2 slots
+    assert turn(holding(Running(1, 0, None), slots, None), Waiting(None)) is Turn.CLOSED  # the default's 1
 
 
 def test_the_scheduler_keeps_one_picture_of_what_runs() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.decisions import QueueSnapshot, RunningView, WaitingView
-from llamaswap.core.dispatch import Lane
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
 from llamaswap.core.priority import Band
@@ -20,6 +20,10 @@ from llamaswap.core.priority import Band
 def make(**kwargs: float) -> Estimator:
     return Estimator(default_run_s=kwargs.get("run", 10.0), default_swap_s=kwargs.get("swap", 5.0),
                      samples=int(kwargs.get("samples", 5)))
+
+
+def residents(model: str | None) -> frozenset[str]:
+    return frozenset() if model is None else frozenset((model,))
 
 
 def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | None, busy_s: float = 0.0,
@@ -41,13 +45,14 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
                     for i, (model, flag) in enumerate(zip(models, bands, strict=True)))
     slots = slots if slots is not None else Slots()
     snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
-    return [start for start, _ in starts_of_node(e, snapshot, [Lane(SINGLE_UPSTREAM, slots, None, loaded)])]
+    gpu = GpuHolding(SINGLE_UPSTREAM, slots, None, residents(loaded))
+    return [start for start, _ in starts_of_node(e, snapshot, [gpu])]
 
 
 def starts_of(e: Estimator, s: Scheduler, snapshot: QueueSnapshot | None = None, blocked_s: float = 0.0) -> list[float]:
     """The estimated starts of a scheduler's waiting order (its snapshot), its GPU held by work
     it did not grant for ``blocked_s``."""
-    lanes = s.lane_views()
+    lanes = s.holdings()
     return [start for start, _ in starts_of_node(e, snapshot if snapshot is not None else s.snapshot(), lanes,
                                                  {lane.name: blocked_s for lane in lanes})]
 

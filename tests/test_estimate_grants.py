@@ -124,7 +124,7 @@ def test_estimated_starts_are_the_grant_times(case: Case) -> None:
     play.run_until(look_ns)
 
     snapshot = play.scheduler.snapshot()
-    estimates = [start for start, _ in starts_of_node(estimator, snapshot, play.scheduler.lane_views())]
+    estimates = [start for start, _ in starts_of_node(estimator, snapshot, play.scheduler.holdings())]
     expected = {view.request_id: look_ns + round(start * NS) if math.isfinite(start) else None
                 for view, start in zip(snapshot.waiting, estimates, strict=True)}
     while play.ends:  # no new arrival: play every grant out
@@ -152,4 +152,4 @@ def test_a_grant_beside_a_finished_load_is_not_read_as_overdue() -> None:
     play.run_until(6 * NS)
     snapshot = play.scheduler.snapshot()
     assert [w.request_id for w in snapshot.waiting] == ["r3"]
-    assert starts_of_node(estimator, snapshot, play.scheduler.lane_views()) == [(1.0, "gpu0")]
+    assert starts_of_node(estimator, snapshot, play.scheduler.holdings()) == [(1.0, "gpu0")]

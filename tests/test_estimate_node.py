@@ -18,7 +18,6 @@ after the grant that loaded has ended.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ from llamaswap.core import (
     Slots,
     WaitingView,
 )
-from llamaswap.core.dispatch import Lane
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.estimate_node import NodeTimes, starts_of_node
 from llamaswap.core.policy import LanePolicy
 
@@ -54,8 +53,8 @@ BANDS = (Band.INTERACTIVE, Band.NORMAL, Band.BATCH)
 # -- two upstreams, exact cases -------------------------------------------------------------
 
 
-def _lane(name: str, loaded: str | None = None, slots: int = 1, models: frozenset[str] | None = None) -> Lane:
-    return Lane(name, Slots(slots), models, loaded)
+def _lane(name: str, loaded: str | None = None, slots: int = 1, models: frozenset[str] | None = None) -> GpuHolding:
+    return GpuHolding(name, Slots(slots), models, frozenset() if loaded is None else frozenset((loaded,)))
 
 
 def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None, float, bool]] = ()) -> QueueSnapshot:
@@ -82,7 +81,7 @@ def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
     # Blocked for a time nobody said (a lane view marked blocked): gpu1 serves all three.
-    blocked = [dataclasses.replace(lanes[0], blocked=True), lanes[1]]
+    blocked = [lanes[0].blocked_now(True), lanes[1]]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 
@@ -246,7 +245,7 @@ def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
 
     snapshot = play.scheduler.snapshot()
     blocked_s = {name: (end - look_ns) / NS for name, (start, end) in play.blocks.items() if start <= look_ns < end}
-    estimates = starts_of_node(estimator, snapshot, play.scheduler.lane_views(), blocked_s)
+    estimates = starts_of_node(estimator, snapshot, play.scheduler.holdings(), blocked_s)
     event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}{'+' if len(snapshot.waiting) >= 4 else ''}")
     event(f"upstreams the estimates name: {len({u for _, u in estimates if u is not None})}")
     if blocked_s:

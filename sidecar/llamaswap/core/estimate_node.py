@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
-from llamaswap.core.dispatch import Lane, Running, Step, choose, takes_nothing
+from llamaswap.core.dispatch import Step, choose, takes_nothing
+from llamaswap.core.holding import GpuHolding, Running
 from llamaswap.core.estimate import Estimator
 
 
@@ -57,11 +58,11 @@ class _Waiting:
 class _LaneWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("lane", "loaded", "items", "ready_at", "blocked_until")
+    __slots__ = ("lane", "residents", "items", "ready_at", "blocked_until")
 
-    def __init__(self, lane: Lane, blocked_until: float) -> None:
+    def __init__(self, lane: GpuHolding, blocked_until: float) -> None:
         self.lane = lane
-        self.loaded = lane.loaded
+        self.residents = lane.residents
         self.items: list[_Item] = []
         self.ready_at = 0.0  # when the load under way ends (its runs begin then)
         self.blocked_until = blocked_until
@@ -77,9 +78,10 @@ class _LaneWalk:
             non_interactive += not item.interactive
         return Running(len(self.items), non_interactive, model, alone)
 
-    def view(self, now: float) -> Lane:
+    def view(self, now: float) -> GpuHolding:
+        """What it holds at ``now``, as the rule reads it."""
         lane = self.lane
-        return Lane(lane.name, lane.slots, lane.models, self.loaded, self.running(), self.blocked_until > now)
+        return GpuHolding(lane.name, lane.slots, lane.models, self.residents, self.running(), self.blocked_until > now)
 
 
 class _WalkTimes:
@@ -146,7 +148,7 @@ def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
     return out
 
 
-def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[Lane],
+def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[GpuHolding],
                    blocked_s: Mapping[str, float] | None = None,
                    max_tokens: Sequence[int | None] | None = None,
                    grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
@@ -159,7 +161,7 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequenc
     tokens each waiting request and each running grant asked for (the snapshot's orders; None:
     not said)."""
     blocked_s = blocked_s or {}
-    # A lane marked blocked (`Scheduler.lane_views(blocked)`) with no time said: for how long, unknown.
+    # A lane marked blocked (`Scheduler.holdings(blocked)`) with no time said: for how long, unknown.
     walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
     sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
     for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
@@ -208,8 +210,7 @@ class _Walk:
     def _find(self, now: float) -> tuple[int, int] | None:
         """`node.NodeWalk.find`: (position in the pending order, upstream) of the next start."""
         views = [lane.view(now) for lane in self._lanes]
-        full = {i for i, view in enumerate(views)
-                if takes_nothing(view.slots, view.loaded, view.running, view.blocked)}
+        full = {i for i, view in enumerate(views) if takes_nothing(view)}
         closed: set[int] = set()
         interactive_only: set[int] = set()
         times = _WalkTimes(self._by_name, now, self._estimator)
@@ -233,9 +234,9 @@ class _Walk:
         model = candidate.model
         self._wanted[model] -= 1
         lane = self._lanes[index]
-        if model is not None and model != lane.loaded:  # a load: the rule allows it only with nothing running
+        if model is not None and model not in lane.residents:  # a load: only with nothing running there
             lane.ready_at = now + self._estimator.expected_swap_s(model, lane.lane.name)
-            lane.loaded = model
+            lane.residents = frozenset((model,))  # it replaces what was resident
         end = max(now, lane.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request],
                                                                                lane.lane.name)
         lane.items.append(_Item(end, candidate.interactive, model, False))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from llamaswap.core.dispatch import Lane, LaneTimes, Step, choose, takes_nothing
+from llamaswap.core.dispatch import LaneTimes, Step, choose, takes_nothing
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank
 
 
 class NodeWalk:
-    def __init__(self, lanes: Sequence[Lane], aged: Index, reserved: Index | None, bonus: int,
+    def __init__(self, lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
                  pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
                  times: LaneTimes) -> None:
         self._lanes = lanes
@@ -32,9 +33,6 @@ class NodeWalk:
         self._pick = pick
         self._wanted = wanted
         self._times = times
-        # Upstreams that take nothing now: held by a settle, full, or running a request alone.
-        self._full = {i for i, lane in enumerate(lanes)
-                      if takes_nothing(lane.slots, lane.loaded, lane.running, lane.blocked)}
         self._closed: set[int] = set()  # claimed by the best request
         self._interactive_only: set[int] = set()  # the best waits for its share: reserved slots stay open
         self.suspended: list[Entry] = []
@@ -48,29 +46,38 @@ class NodeWalk:
 
     def find(self) -> tuple[int, Entry, Entry] | None:
         """The upstream and the request that starts next, and the best request (the first asked:
-        the same one, unless the best waits); None if nothing starts now."""
+        the same one, unless the best waits); None if nothing starts now. (Asked with a request
+        waiting.)"""
+        # The best first: it starts, or it may hold one upstream back (only the best does).
+        first = self._pick(self._aged)
+        step, lane = self._choose(first)
+        if step is Step.START:
+            assert lane is not None
+            return lane, first, first
+        if lane is not None:
+            (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
+        self._suspend(first)
         lanes = self._lanes
-        best = True
-        first: Entry | None = None
-        while len(self._closed | self._full) < len(lanes) and self._aged.top() is not None:
-            if not best and all(lanes[i].running.busy for i in range(len(lanes)) if i not in self._closed):
+        # Upstreams that take nothing now: held by a settle, full, or running a request alone.
+        full = {i for i, gpu in enumerate(lanes) if takes_nothing(gpu)}
+        while len(self._closed | full) < len(lanes) and self._aged.top() is not None:
+            if all(lanes[i].running.busy for i in range(len(lanes)) if i not in self._closed):
                 candidate = self._warm_pick()
                 if candidate is None:
                     return None
             else:
                 candidate = self._pick(self._aged)
-            if first is None:
-                first = candidate
             step, lane = self._choose(candidate)
             if step is Step.START:
                 assert lane is not None
                 return lane, candidate, first
-            if best and lane is not None:
-                (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
-            best = False
-            candidate.alive = False
-            self.suspended.append(candidate)
+            self._suspend(candidate)
         return None
+
+    def _suspend(self, entry: Entry) -> None:
+        """Asked, and it does not start: out of the indexes until the caller puts it back."""
+        entry.alive = False
+        self.suspended.append(entry)
 
     def _warm_pick(self) -> Entry | None:
         """With every open upstream busy: the first request in the order that the rule starts,
@@ -83,7 +90,7 @@ class NodeWalk:
             if i in self._closed or lane.blocked:
                 continue
             for index in indexes:
-                for model in {lane.loaded, None}:
+                for model in (*lane.residents, None):
                     item = self._top_beside(index, model)
                     if item is not None:
                         items.append((rank(item, self._bonus if model is not None else 0, scale), item[2]))
@@ -98,7 +105,6 @@ class NodeWalk:
         requests of its model behind it are asked."""
         item = index.top_of(model)
         while item is not None and item[2].alone:
-            item[2].alive = False
-            self.suspended.append(item[2])
+            self._suspend(item[2])
             item = index.top_of(model)
         return item

@@ -15,7 +15,8 @@ from collections.abc import Collection, Sequence
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapshot, RunningView, WaitingView
-from llamaswap.core.dispatch import slots_in_effect, takes_nothing
+from llamaswap.core.dispatch import takes_nothing
+from llamaswap.core.holding import GpuHolding, resident
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.lanes import LaneState
 from llamaswap.core.policy import Policy
@@ -28,22 +29,21 @@ def rank(item: tuple[int, int, Entry], bonus: int, scale: int) -> tuple[int, int
     return -item[0] + bonus * scale, -item[1]
 
 
-def pick(index: Index, loaded: Collection[str], bonus: int, taken: set[int] | None = None) -> Entry:
-    """The winner among the waiting in `index` while the ``loaded`` models are loaded (on GPUs
-    with a slot for them): the best of the global top and each loaded model's top, plus the
-    bonus where its model is loaded (`rank`). One GPU is a node of one: ``loaded`` holds its
-    model, or nothing."""
+def pick(index: Index, warm: Collection[str], bonus: int, taken: set[int] | None = None) -> Entry:
+    """The winner among the waiting in `index` while the ``warm`` models are resident (on GPUs
+    with a slot for them, `warm_models`): the best of the global top and each such model's top,
+    plus the bonus where its model is resident (`rank`). One GPU is a node of one."""
     top = index.top(taken)
     assert top is not None, "called with an empty queue"
-    if not loaded or not bonus:
+    if not warm or not bonus:
         return top[2]
     # `rank`, inline: this runs several times per grant. The global top gets the bonus too
     # where its own model is loaded.
     points = bonus * index.scale
     best = top[2]
-    best_key, best_seq = -top[0] + (points if best.model in loaded else 0), top[1]
+    best_key, best_seq = -top[0] + (points if best.model in warm else 0), top[1]
     # sorted: a tie between two models' tops goes the same way every run
-    for model in loaded if len(loaded) == 1 else sorted(loaded):
+    for model in warm if len(warm) == 1 else sorted(warm):
         favourite = index.top_of(model, taken)
         if favourite is None or favourite[2] is top[2]:
             continue
@@ -53,20 +53,20 @@ def pick(index: Index, loaded: Collection[str], bonus: int, taken: set[int] | No
     return best
 
 
-def loaded_of(model: str | None) -> tuple[str, ...]:
-    """One GPU's loaded models as `pick` reads them."""
-    return () if model is None else (model,)
-
-
-def warm_models(lanes: Sequence[LaneState], blocked: frozenset[str]) -> frozenset[str]:
-    """The models whose requests get the swap-affinity bonus over a node: those loaded on a
+def warm_models(holdings: Sequence[GpuHolding]) -> frozenset[str]:
+    """The models whose requests get the swap-affinity bonus over a node: those resident on a
     GPU that has a slot for one now. A model loaded only on full or held GPUs earns none:
     the bonus is for starting without a swap, as with one GPU, so an idle GPU's own model
     wins by it over a slightly better request whose model runs elsewhere (which would swap
     the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
-    return frozenset(lane.loaded for lane in lanes
-                     if lane.loaded is not None
-                     and not takes_nothing(lane.policy.slots, lane.loaded, lane.running, lane.name in blocked))
+    return resident_on([gpu for gpu in holdings if not takes_nothing(gpu)])
+
+
+def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:
+    """The models resident on any of these GPUs."""
+    if len(holdings) == 1:  # the common case, without a set built per grant
+        return holdings[0].residents
+    return frozenset(model for gpu in holdings for model in gpu.residents)
 
 
 def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: int) -> list[tuple[Entry, int]]:
@@ -78,26 +78,26 @@ def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: 
     taken: set[int] = set()
     order: list[tuple[Entry, int]] = []
     if len(lanes) > 1:
-        loaded_now = warm_models(lanes, frozenset())
+        loaded_now = warm_models([lane.holding for lane in lanes])
         for _ in range(count):
             winner = pick(index, loaded_now, bonus, taken)
             taken.add(winner.seq)
             order.append((winner, bonus if winner.model is not None and winner.model in loaded_now else 0))
         return order
-    loaded = lanes[0].loaded
+    residents = lanes[0].residents
     for _ in range(count):
-        winner = pick(index, loaded_of(loaded), bonus, taken)
+        winner = pick(index, residents, bonus, taken)
         taken.add(winner.seq)
-        order.append((winner, bonus if winner.model is not None and winner.model == loaded else 0))
+        order.append((winner, bonus if winner.model is not None and winner.model in residents else 0))
         if winner.model is not None and not winner.alone:
-            loaded = winner.model
+            residents = frozenset((winner.model,))
     return order
 
 
 def slots_total(lane: LaneState) -> int:
     """The slots `Scheduler.next` fills up to now on a GPU: those of the model its grants name,
     else of its loaded model (the default when none is known)."""
-    return slots_in_effect(lane.policy.slots, lane.running, lane.loaded)
+    return lane.holding.slots_in_effect
 
 
 def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
@@ -133,9 +133,9 @@ def snapshot(policy: Policy, lanes: Sequence[LaneState], index: Index, count: in
         for position, (entry, bonus) in enumerate(dispatch_order(index, count, lanes, policy.swap_affinity_bonus))
     )
     running = tuple(running_view(decision, now_ns) for decision in grants)
-    views = tuple(LaneView(lane.name, lane.loaded, len(lane.grants), slots_total(lane)) for lane in lanes)
+    views = tuple(LaneView(lane.name, resident(lane.residents), len(lane.grants), slots_total(lane)) for lane in lanes)
     first = lanes[0]
-    return QueueSnapshot(policy.name, first.loaded, waiting, band_stats(arrivals, now_ns), running,
+    return QueueSnapshot(policy.name, resident(first.residents), waiting, band_stats(arrivals, now_ns), running,
                          slots_total(first), views)
 
 

@@ -57,7 +57,8 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, Lane, LaneTimes, Running, in_reserved_slot, takes_nothing
+from llamaswap.core.dispatch import NO_TIMES, LaneTimes, in_reserved_slot, takes_nothing
+from llamaswap.core.holding import NO_RESIDENTS, GpuHolding, Running, resident
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -159,11 +160,16 @@ class Scheduler:
 
     @property
     def loaded_model(self) -> str | None:
-        """The first upstream's loaded model (with one upstream, the loaded model)."""
-        return self._first.loaded
+        """The first upstream's resident model (with one upstream, the loaded model)."""
+        return resident(self._first.residents)
 
     def loaded_on(self, upstream: str | None = None) -> str | None:
-        return self._lane(upstream).loaded
+        """An upstream's resident model, where a reader shows one (`holding_of` says all)."""
+        return resident(self._lane(upstream).residents)
+
+    def holding_of(self, upstream: str | None = None) -> GpuHolding:
+        """What an upstream holds (None: the first)."""
+        return self._lane(upstream).holding
 
     @property
     def dispatches(self) -> int:
@@ -182,7 +188,7 @@ class Scheduler:
         lane = self._lane(upstream)
         if as_of != lane.dispatches or lane.grants:
             return False
-        lane.loaded = model
+        lane.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
         lane.load = None
         return True
 
@@ -243,9 +249,12 @@ class Scheduler:
         """What an upstream's grants hold (None: the first's), as the dispatch rule reads it."""
         return self._lane(upstream).running
 
-    def lane_views(self, blocked: frozenset[str] = frozenset()) -> tuple[Lane, ...]:
-        """Every upstream as the node rule reads it."""
-        return tuple(lane.lane(lane.name in blocked) for lane in self._lanes)
+    def holdings(self, blocked: frozenset[str] = frozenset()) -> tuple[GpuHolding, ...]:
+        """What every upstream holds, in the configured order, ``blocked`` ones held by work the
+        scheduler did not grant (a settle, an adopted exchange)."""
+        if not blocked:
+            return tuple(lane.holding for lane in self._lanes)
+        return tuple(lane.holding.blocked_now(lane.name in blocked) for lane in self._lanes)
 
     # -- commands ------------------------------------------------------------------------
 
@@ -354,26 +363,28 @@ class Scheduler:
         """
         if not self._waiting:
             return None
-        lanes = self._lanes
-        if all(takes_nothing(lane.policy.slots, lane.loaded, lane.running, lane.name in blocked) for lane in lanes):
+        holdings = self.holdings(blocked)
+        open_gpus = [gpu for gpu in holdings if not takes_nothing(gpu)]
+        if not open_gpus:
             return None  # every slot is taken (with one slot: anything runs)
-        warm = order.warm_models(lanes, blocked)
+        warm = order.resident_on(open_gpus)
 
         def pick(index: Index) -> Entry:
             return order.pick(index, warm, self._bonus)
 
-        walk = NodeWalk(self.lane_views(blocked), self._aged,
+        walk = NodeWalk(holdings, self._aged,
                         self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
                         self._wanted, times)
         try:
             found = walk.find()
         finally:
-            self._resume(walk.suspended)  # before the grant: its reasons read the whole order
+            if walk.suspended:
+                self._resume(walk.suspended)  # before the grant: its reasons read the whole order
         if found is None:
             return None
         index, winner, first = found
-        lane = lanes[index]
-        reserved_slot = in_reserved_slot(lane.policy.slots, lane.loaded, lane.running, winner)
+        lane = self._lanes[index]
+        reserved_slot = in_reserved_slot(lane.holding, winner)
         if winner is not first and reserved_slot:
             # Ahead of a better-scored request that used up its share: it won among the
             # interactive requests, so why it won is said among them.
@@ -397,20 +408,20 @@ class Scheduler:
     def _grant(self, lane: LaneState, winner: Entry, aged: Index, plain: Index | None, reserved_slot: bool,
                pick: Callable[[Index], Entry]) -> Decision:
         now = self._clock.now_ns()
-        loaded = lane.loaded
+        residents = lane.residents
         running = lane.running
         reasons: set[ReorderCause] = set()
         if plain is not None and pick(plain) is not winner:
             reasons.add(ReorderCause.AGING)
-        if self._bonus and loaded is not None and entry_of(aged.top()) is not winner:
+        if self._bonus and residents and entry_of(aged.top()) is not winner:
             reasons.add(ReorderCause.SWAP_AFFINITY)
         overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
         model = winner.model
         alone = winner.alone
-        loads = model is not None and not alone and model != loaded
+        loads = model is not None and not alone and model not in residents
         # The affinity bonus and the aging term, inline: this runs once per grant.
-        affinity = self._bonus if model is not None and model == loaded else 0
+        affinity = self._bonus if model is not None and model in residents else 0
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         lane.dispatches += 1
@@ -425,9 +436,9 @@ class Scheduler:
             model=model,
             swap_affinity=affinity > 0,
             aging=aging,
-            load=loads and loaded is None,
-            swap=loads and loaded is not None,
-            previous_model=loaded,
+            load=loads and not residents,
+            swap=loads and bool(residents),
+            previous_model=resident(residents),
             reordered_by=frozenset(reasons),
             overtook=overtook,
             queue_depth_after=len(self._waiting),
@@ -439,10 +450,10 @@ class Scheduler:
         )
         load = None
         if model is not None and not alone:
-            if loads:  # only with nothing running there: a load of its own
+            if loads:  # only with nothing running there: a load of its own, which replaces what was resident
                 self._loads += 1
-                lane.load = PendingLoad(self._loads, loaded)
-                lane.loaded = model
+                lane.load = PendingLoad(self._loads, residents)
+                lane.set_residents(frozenset((model,)))
             load = lane.load.number if lane.load is not None else None
         lane.grants[winner.request_id] = Grant(winner, decision, load)
         self._lane_of[winner.request_id] = lane

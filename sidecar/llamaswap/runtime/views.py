@@ -194,7 +194,7 @@ class QueueViews:
         grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
                        for g in snapshot.grants]
         # The grants' own rule over every GPU (`starts_of_node`; one GPU is a node of one).
-        placed = starts_of_node(self._estimator, snapshot, self._scheduler.lane_views(frozenset(blocked)), blocked,
+        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(frozenset(blocked)), blocked,
                                 sizes, grant_sizes)
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}

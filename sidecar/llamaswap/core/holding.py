@@ -1,0 +1,88 @@
+"""What one GPU holds, as one value: `GpuHolding`.
+
+Its resident models, the slots of each, what runs in them (`Running`, as the dispatch rule
+needs it), the models it may serve and whether work the scheduler did not grant holds it (a
+settle, an adopted exchange). The scheduler keeps one per GPU, built again on every change of
+what runs or is resident there (`LaneState.holding`); the dispatch rule (`dispatch.turn`,
+`dispatch.choose`), the node walk, the dispatch order's swap-affinity bonus and the estimates'
+walk read it, and nothing else says what a GPU holds.
+
+Today a GPU has at most one resident model (a load replaces it). ``residents`` is a set so that
+several resident models with slots of their own (issue 37) change this value and the rule that
+reads it, not every reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
+
+from llamaswap.core.slots import Slots
+
+
+class Candidate(Protocol):
+    """A waiting request as the rule sees it."""
+
+    @property
+    def model(self) -> str | None: ...  # what it is scheduled on; None: no model
+
+    @property
+    def alone(self) -> bool: ...  # runs with nothing beside it (an unload)
+
+    @property
+    def interactive(self) -> bool: ...  # `Band.interactive`: it may take a reserved slot
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Running:
+    """What runs on a GPU, as the rule needs it: the scheduler's grants (in an estimate, the
+    grants it expects to run then)."""
+
+    busy: int = 0  # slots held
+    non_interactive: int = 0  # of those, held by work below the interactive band
+    model: str | None = None  # the model the running work names (at most one); None: none named
+    alone: bool = False  # a request that runs alone holds the GPU
+
+
+IDLE = Running()
+NO_RESIDENTS: frozenset[str] = frozenset()
+
+
+class GpuHolding(NamedTuple):
+    """What one GPU holds now. (A named tuple: immutable, and built on every grant and release
+    at the cost of a tuple.)"""
+
+    name: str
+    slots: Slots  # each model's slots, and the reserved ones
+    models: frozenset[str] | None  # the models it may serve; None: any
+    residents: frozenset[str] = NO_RESIDENTS  # the models resident (known loaded) there
+    running: Running = IDLE
+    blocked: bool = False  # work the scheduler did not grant holds it (a settle, an adopted exchange)
+
+    def has(self, model: str | None) -> bool:
+        """``model`` is resident here (a request of no model needs none)."""
+        return model is not None and model in self.residents
+
+    def may_serve(self, candidate: Candidate) -> bool:
+        return self.models is None or candidate.model is None or candidate.model in self.models
+
+    @property
+    def slots_in_effect(self) -> int:
+        """The slots the rule fills up to: those of the model the running work names, else of
+        the resident one (the default with none)."""
+        model = self.running.model
+        if model is None:
+            for model in self.residents:  # (at most one today)
+                break
+        return self.slots.of(model)
+
+    def blocked_now(self, blocked: bool) -> GpuHolding:
+        """The same, held (or not) by work the scheduler did not grant."""
+        return self if blocked == self.blocked else self._replace(blocked=blocked)
+
+
+def resident(residents: frozenset[str]) -> str | None:
+    """The one resident model where a reader shows one (today a GPU has at most one); None: none."""
+    for model in residents:
+        return model
+    return None
