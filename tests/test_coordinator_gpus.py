@@ -169,8 +169,8 @@ async def test_the_estimated_start_reads_every_gpu() -> None:
     assert found is not None
     _, row = found
     assert row.estimated_start_s == 20.0  # type: ignore[union-attr]
-    # A settle on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
-    flow.coordinator.gpus.named(on(flow, "a")).adopted.add("someone")
+    # An adopted exchange on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
+    flow.coordinator._leases.adopt("someone", 10**12, started_ns=0, ours=False, upstream=on(flow, "a"))
     flow.coordinator.reconfigure(flow.config)  # any change: a new walk
     _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
     assert row.estimated_start_s == 30.0  # type: ignore[union-attr]

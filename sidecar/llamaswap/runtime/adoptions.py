@@ -120,9 +120,9 @@ class Adoptions:
                  else "granted by an earlier sidecar process")
         _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
                      "no grant until it ends", whose, (now - started_ns) / NS_PER_S)
-        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours)
         # It holds the upstream Envoy's entry names (the first one, where it names none).
-        self._gpus.named(report.upstream).adopted.add(token)
+        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours,
+                           upstream=self._gpus.named(report.upstream).name)
         self._busy()
         self._changed()
         self._leases.arm()
@@ -141,8 +141,7 @@ class Adoptions:
         leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
         is followed by a settle."""
         adoption = self._leases.end_adopted(token)
-        gpu = self._gpus.adopting(token)
-        gpu.adopted.discard(token)
+        gpu = self._gpus.named(adoption.upstream)
         if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
             self._leases.forget_lapsed(token)
         elif result is SettleResult.WATCHDOG:

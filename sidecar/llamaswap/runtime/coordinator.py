@@ -95,10 +95,14 @@ class Coordinator:
         if upstreams is None:
             upstreams = [upstream or NoUpstream()] if upstream is not None else [
                 NoUpstream() for _ in config.upstream_entries]
+        # The running grant, the adopted exchanges and what is remembered of finished grants,
+        # with their timer (which is also the adopted exchanges' watchdog).
+        self._leases = Leases(self._clock, self._leases_due, lambda: self._running, max_run_ns=self._max_run_ns)
         self.gpus = make_gpus(config, upstreams, dispatches=lambda name: self.scheduler.dispatches_on(name),
                                observed=lambda name, catalog, as_of: self.observe_catalog(catalog, as_of, name),
                                config_now=lambda: self._config, learnt=lambda: self._learnt(self._config),
-                               runs=self._runs_model, default_slots=self._default_slots)
+                               runs=self._runs_model, default_slots=self._default_slots,
+                               adopted=self._leases.adopted)
         self.scheduler = Scheduler(node_policy(config, self.gpus, None), self._clock)
         self._auto_slots = auto_slots(config)
         estimates = config.estimates
@@ -113,9 +117,6 @@ class Coordinator:
                                  grace_ns=lambda: round(self._config.routing.retry_grace_seconds * NS_PER_S),
                                  observe=lambda event: self._observe(self._observer.kept_place, event))
         self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
-        # The running grant, the adopted exchanges and what is remembered of finished grants,
-        # with their timer (which is also the adopted exchanges' watchdog).
-        self._leases = Leases(self._clock, self._leases_due, lambda: self._running, max_run_ns=self._max_run_ns)
         # Each GPU's catalog, slot learning (upstream.slots: auto), settle and adopted exchanges: `gpus.py`.
         self._expiry: asyncio.TimerHandle | None = None
         self._watchdogs = Watchdogs(self._clock, lambda: self._config.routing.scheduler.max_run_seconds,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from llamaswap.config import SLOTS_AUTO, Config, UpstreamEntry
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import Clock, Policy, Scheduler
 from llamaswap.core.policy import LanePolicy
 from llamaswap.runtime.catalog import ModelCatalog
+from llamaswap.runtime.leases import Adoption
 from llamaswap.runtime.observer import Settle, SettleReason
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
@@ -43,7 +44,14 @@ class Gpu:
     catalog: ModelCatalog
     slots: SlotLearner
     settling: Settling | None = None
-    adopted: set[str] = dataclasses.field(default_factory=set)  # tokens of the adopted exchanges on it
+    # The node's adopted exchanges (`Leases.adopted`, their one record): this GPU's are those
+    # that name it.
+    adoptions: Mapping[str, Adoption] = dataclasses.field(default_factory=dict)
+
+    @property
+    def adopted(self) -> list[str]:
+        """The tokens of the adopted exchanges that hold it."""
+        return [token for token, adoption in self.adoptions.items() if adoption.upstream == self.name]
 
     def holders(self, grants: int) -> Holders:
         return Holders(grants, self.settling is not None, len(self.adopted))
@@ -108,10 +116,6 @@ class Gpus:
         """What holds each GPU, by name."""
         return {gpu.name: gpu.holders(scheduler.slots_busy_on(gpu.name)).state for gpu in self.all}
 
-    def adopting(self, token: str) -> Gpu:
-        """The GPU an adopted exchange holds."""
-        return next((gpu for gpu in self.all if token in gpu.adopted), self.first)
-
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
         the name, and the same one (`ModelCatalog.single_model`); None otherwise."""
@@ -167,8 +171,9 @@ class Gpus:
 def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Callable[[str], int],
               observed: Callable[[str, Catalog, int], None], config_now: Callable[[], Config],
               learnt: Callable[[], None], runs: Callable[[str, str], bool],
-              default_slots: Callable[[str], int]) -> Gpus:
-    """One `Gpu` per configured upstream, in order (``upstreams`` in the same order)."""
+              default_slots: Callable[[str], int], adopted: Mapping[str, Adoption]) -> Gpus:
+    """One `Gpu` per configured upstream, in order (``upstreams`` in the same order); ``adopted``:
+    the node's adopted exchanges (`Leases.adopted`), which each reads its own from."""
     gpus = []
     for entry, upstream in zip(config.upstream_entries, upstreams, strict=True):
         name = entry.name
@@ -177,7 +182,7 @@ def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Call
         learner = SlotLearner(config=functools.partial(_config_of, config_now, name), catalog=catalog,
                               upstream=upstream, apply=lambda _config: learnt(), runs=functools.partial(runs, name),
                               default_slots=functools.partial(default_slots, name))
-        gpus.append(Gpu(name, upstream, catalog, learner))
+        gpus.append(Gpu(name, upstream, catalog, learner, adoptions=adopted))
     return Gpus(gpus)
 
 

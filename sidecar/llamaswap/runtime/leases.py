@@ -38,6 +38,7 @@ class Adoption:
     started_ns: int  # the exchange's start: our grant, Envoy's start_time, or else the adoption
     lease_deadline_ns: int
     ours: bool  # a grant of this process whose lease lapsed (or whose Envoy connection went)
+    upstream: str  # the GPU it holds (the one Envoy's entry names)
 
 
 class Leases:
@@ -52,6 +53,7 @@ class Leases:
         self._due = due
         self._running = running
         self._max_run_ns = max_run_ns
+        # The adopted exchanges by token: the one record of them (each GPU reads its own from it).
         self.adopted: dict[str, Adoption] = {}
         self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -92,9 +94,9 @@ class Leases:
 
     # -- adopted exchanges -----------------------------------------------------------------
 
-    def adopt(self, token: str, lease_ns: int, *, started_ns: int, ours: bool) -> Adoption:
+    def adopt(self, token: str, lease_ns: int, *, started_ns: int, ours: bool, upstream: str) -> Adoption:
         now = self._clock.now_ns()
-        adoption = self.adopted[token] = Adoption(now, started_ns, now + lease_ns, ours)
+        adoption = self.adopted[token] = Adoption(now, started_ns, now + lease_ns, ours, upstream)
         return adoption
 
     def renew_adopted(self, token: str, lease_ns: int) -> None:
