@@ -201,6 +201,9 @@ async def test_lines_run_a_few_at_a_time_at_the_batch_priority_and_end_once(
     assert f"{batch_span.context.trace_id:032x}" == batch.trace_id
     assert f"{batch_span.context.span_id:016x}" == batch.span_id
     assert len(lines) == 8 and {span.parent.span_id for span in lines if span.parent} == {batch_span.context.span_id}
+    # A line's span ends when its answer came, not when its result was written with others.
+    assert all(span.start_time is not None and span.end_time is not None and span.start_time <= span.end_time
+               for span in lines)
     # The traceparent each line was sent with names the line's span: Envoy's span joins it.
     sent = {h["traceparent"].split("-")[2] for h in headers}
     assert sent == {f"{span.context.span_id:016x}" for span in lines}

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -63,7 +64,10 @@ class BatchObserver(Protocol):
         """A line is about to be sent: the headers that join it to its batch's trace."""
         ...
 
-    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None) -> None:
+    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None,
+                   answered_ns: int | None = None) -> None:
+        """A line's result was recorded; ``answered_ns``: when its answer came (time.time_ns()),
+        where that was before now (results are written together)."""
         ...
 
     def lines_ended(self, outcome: LineOutcome, count: int) -> None:
@@ -82,7 +86,8 @@ class NoBatchObserver:
     def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
         return {}
 
-    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None) -> None:
+    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None,
+                   answered_ns: int | None = None) -> None:
         pass
 
     def lines_ended(self, outcome: LineOutcome, count: int) -> None:
@@ -170,7 +175,7 @@ class Feeder:
         # batch id -> the headers every line of it carries, as bytes
         self._headers: dict[str, bytes] = {}
         # answered lines whose results are not written yet (`_write_results`), and the timer that writes them
-        self._results: list[tuple[BatchRecord, Result, int]] = []
+        self._results: list[tuple[BatchRecord, Result, int, int]] = []  # ..., its status, when (time_ns)
         self._results_timer: asyncio.TimerHandle | None = None
 
     def wake(self) -> None:
@@ -350,7 +355,7 @@ class Feeder:
         # kill before the write sends this line again, and its first result is the one kept.
         outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
         self._results.append((batch, Result(batch.id, line, outcome, answer_record(
-            batch.id, line, status, request_id, answer), self.store.now_exact()), status))
+            batch.id, line, status, request_id, answer), self.store.now_exact()), status, time.time_ns()))
         if len(self._results) >= RESULTS_LINES:
             self._write_results()
         elif self._results_timer is None:
@@ -367,17 +372,17 @@ class Feeder:
         if not pending:
             return
         try:
-            added = self.store.record_results([result for _, result, _ in pending])
+            added = self.store.record_results([result for _, result, _, _ in pending])
         except Exception:  # noqa: BLE001 - the lines stay without results; a look sends them again
             _log.exception("batches: the results of %d line(s) could not be recorded; they are sent again",
                            len(pending))
-            for batch_id in {result.batch_id for _, result, _ in pending}:
+            for batch_id in {result.batch_id for _, result, _, _ in pending}:
                 self._rewind(batch_id)
             self._wake.set()
             return
-        for (batch, result, status), new in zip(pending, added):
+        for (batch, result, status, answered_ns), new in zip(pending, added):
             if new:
-                self.observer.line_ended(batch, result.line, result.outcome, status)
+                self.observer.line_ended(batch, result.line, result.outcome, status, answered_ns)
 
     def _forget(self, batch: BatchRecord, line: InputLine) -> None:
         flying = self._flying.get(batch.id)

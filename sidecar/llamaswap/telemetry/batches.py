@@ -103,7 +103,8 @@ class BatchTelemetry:
         _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span, Context()))
         return headers
 
-    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None) -> None:
+    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None,
+                   answered_ns: int | None = None) -> None:
         self.requests.add(1, {"outcome": outcome.value})
         span = self._lines.pop((batch.id, line.line), None)
         if span is None:
@@ -113,7 +114,7 @@ class BatchTelemetry:
             span.set_attribute("http.response.status_code", status_code)
         if outcome is not LineOutcome.COMPLETED:
             span.set_status(Status(StatusCode.ERROR, outcome.value))
-        span.end()
+        span.end(end_time=answered_ns)  # when the answer came: its result may be written later
 
     def lines_ended(self, outcome: LineOutcome, count: int) -> None:
         """Lines that ended without being answered (expired, cancelled)."""
