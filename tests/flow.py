@@ -391,6 +391,17 @@ class Request:
 # -- the flow --------------------------------------------------------------------------------
 
 
+# The swap cost before measurements that the scenarios' arithmetic states, apart from the product's
+# default (estimates.defaultSwapSeconds), which follows what is measured on GPUs.
+STATED_SWAP_S = 5.0
+
+
+def with_stated_swap(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` with estimates.defaultSwapSeconds at STATED_SWAP_S unless it sets one."""
+    estimates = {"defaultSwapSeconds": STATED_SWAP_S, **(document.get("estimates") or {})}
+    return {**document, "estimates": estimates}
+
+
 class Flow:
     """A real Coordinator driven the way Envoy's ext_authz and access log drive it."""
 
@@ -399,7 +410,7 @@ class Flow:
         """``upstreams``: one per upstream of the configuration's ``upstreams:`` list."""
         self.loop = current_loop()
         self.clock = self.loop.clock
-        self.config = config if isinstance(config, Config) else parse_config(config or {})
+        self.config = config if isinstance(config, Config) else parse_config(with_stated_swap(config or {}))
         self.upstreams = list(upstreams) if upstreams is not None else [
             upstream if upstream is not None else FakeUpstream()]
         self.upstream = self.upstreams[0]

@@ -737,7 +737,7 @@ def test_the_defaults():
                                                    objectives={"interactive": 100, "normal": 0, "batch": -100})
     assert (cfg.activity.path, cfg.activity.recent) == (None, 1000)
     es = cfg.estimates
-    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (10, 5, 50)
+    assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (10, 2.5, 50)
 
 
 def test_every_key_example_differs_from_the_defaults():

@@ -13,7 +13,7 @@ import random
 from collections.abc import Awaitable, Callable
 
 import pytest
-from flow import PEER, FakeUpstream, Flow, Request, router, single, virtual_time
+from flow import STATED_SWAP_S, PEER, FakeUpstream, Flow, Request, router, single, virtual_time, with_stated_swap
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
 from llamaswap.config import parse_config
@@ -30,7 +30,7 @@ OTHER_PEER = "ipv4:127.0.0.1:40002"  # another Envoy connection (another worker,
 # Defaults of the configuration the numbers below rely on (asserted in test_the_defaults_used_here).
 LEASE_S = 3.0
 RUN_S = 10.0
-SWAP_S = 5.0
+SWAP_S = STATED_SWAP_S  # the Flow's, not the product's default
 LONG_LEASE = {"envoy": {"leaseSeconds": 1000}}  # for scenarios longer than a lease without renewals
 FINISHED_MEMORY_ON_MAIN = 4096  # how many finished grants the sidecar used to remember, and no more
 
@@ -39,7 +39,7 @@ def test_the_defaults_used_here() -> None:
     config = parse_config({})
     assert config.envoy.lease_seconds == LEASE_S
     assert config.estimates.default_run_seconds == RUN_S
-    assert config.estimates.default_swap_seconds == SWAP_S
+    assert parse_config(with_stated_swap({})).estimates.default_swap_seconds == SWAP_S
     assert config.upstream.model_check.value == "auto"
     assert config.upstream.abandoned_generation.value == "wait"
 

@@ -406,8 +406,11 @@ class EstimatesConfig(Section):
 
     default_run_seconds: StrictNumber = Field(
         default=10.0, gt=0, description="Expected run time of a request for a model before anything is measured.")
+    # 2.5 s: an 8B model at f16 (15 GB) loaded in 2.2-2.6 s on an H200 from the page cache, a 1B
+    # in 0.8 s (bench/gpu, docs/gpu.md); 5 s, the figure before, held requests back for loads
+    # that take half as long on the models most nodes serve.
     default_swap_seconds: StrictNumber = Field(
-        default=5.0, ge=0, description="Expected extra cost of a model swap before anything is measured.")
+        default=2.5, ge=0, description="Expected extra cost of a model swap before anything is measured.")
     samples: StrictInt = Field(default=50, ge=1, description="Recent measurements per model behind the rolling median.")
 
 
