@@ -57,6 +57,35 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def add_llama_metadata(writer: gguf.GGUFWriter, *, name: str, file_type: gguf.LlamaFileType, context: int,
+                       embedding: int, blocks: int, feed_forward: int, heads: int, kv_heads: int, rope_base: float,
+                       vocabulary: tuple[list[bytes], list[float], list[int]]) -> None:
+    """The keys llama.cpp needs of a llama GGUF, with an SPM vocabulary (tokens, scores, types) whose
+    first three are unk, bos and eos. Shared with bench/gpu/models.py (real shapes, on a GPU)."""
+    tokens, scores, types = vocabulary
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_context_length(context)
+    writer.add_embedding_length(embedding)
+    writer.add_block_count(blocks)
+    writer.add_feed_forward_length(feed_forward)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(embedding // heads)
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")  # "llama" = SentencePiece (SPM) in llama.cpp
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+
 def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tiny",
                           context: int = N_CTX) -> pathlib.Path:
     """Write a random-weight float32 llama GGUF to ``path`` and return the path.
@@ -80,28 +109,9 @@ def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tin
         return np.ones(n, dtype=np.float32)
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(context)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_BLOCKS)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEADS)
-    writer.add_head_count_kv(N_HEADS)
-    writer.add_rope_dimension_count(N_EMBD // N_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
-
-    writer.add_tokenizer_model("llama")  # "llama" = SentencePiece (SPM) in llama.cpp
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(UNK_ID)
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
+    add_llama_metadata(writer, name=name, file_type=gguf.LlamaFileType.ALL_F32, context=context, embedding=N_EMBD,
+                       blocks=N_BLOCKS, feed_forward=N_FF, heads=N_HEADS, kv_heads=N_HEADS, rope_base=10000.0,
+                       vocabulary=(tokens, scores, types))
 
     # numpy shapes are the reverse of GGUF's ne[]: (rows=out, cols=in).
     writer.add_tensor("token_embd.weight", rand(n_vocab, N_EMBD))

@@ -23,6 +23,9 @@ import sys
 import gguf
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent.parent / "e2e"))
+from tinymodels import add_llama_metadata  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -53,7 +56,6 @@ SHAPES: dict[str, Shape] = {
 }
 SHAPES["cpu2"] = SHAPES["cpu"]
 
-UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _WORDS = ("the a an and of to in is it that for on with as was be at by this are or from not but have hello "
           "world model token test swap load fast slow yes no").split()
 
@@ -86,29 +88,11 @@ def write_model(path: pathlib.Path, shape: Shape, *, name: str, seed: int = 0) -
         return weights[: rows * cols].reshape(rows, cols)
 
     ones = np.ones(shape.embedding, dtype=np.float32)
-    tokens, scores, types = vocabulary(shape.vocab)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.embedding)
-    writer.add_block_count(shape.blocks)
-    writer.add_feed_forward_length(shape.feed_forward)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(shape.vocab)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(UNK_ID)
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
+    add_llama_metadata(writer, name=name, file_type=gguf.LlamaFileType.MOSTLY_F16, context=shape.context,
+                       embedding=shape.embedding, blocks=shape.blocks, feed_forward=shape.feed_forward,
+                       heads=shape.heads, kv_heads=shape.kv_heads, rope_base=500000.0,
+                       vocabulary=vocabulary(shape.vocab))
     writer.add_tensor("token_embd.weight", matrix(shape.vocab, shape.embedding))
     writer.add_tensor("output_norm.weight", ones)
     writer.add_tensor("output.weight", matrix(shape.vocab, shape.embedding))
