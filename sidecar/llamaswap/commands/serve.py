@@ -218,7 +218,7 @@ class Sidecar:
     def node_slots(self) -> int:
         """The slots of the node now: every upstream's, for the model in effect there."""
         scheduler = self.coordinator.scheduler
-        return sum(scheduler.slots_total_on(name) for name in scheduler.lanes)
+        return sum(gpu.slots_in_effect for gpu in scheduler.holdings())
 
     def reload(self) -> bool:
         """Re-read the config file; an invalid one is refused and the old one stays."""

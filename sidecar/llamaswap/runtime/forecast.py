@@ -54,7 +54,7 @@ class Forecast:
         settle = self.settle_busy_s()
         ends = self._ends(known=False)
         scheduler = self._scheduler
-        if all(len(ends.get(lane, ())) >= scheduler.slots_total_on(lane) for lane in scheduler.lanes):
+        if all(len(ends.get(gpu.name, ())) >= gpu.slots_in_effect for gpu in scheduler.holdings()):
             # Every GPU full: a place frees when the first of them frees a slot.
             return max(settle, min(min(ends[lane]) for lane in scheduler.lanes))
         return settle

@@ -13,6 +13,7 @@ from typing import Protocol
 from collections.abc import Collection
 
 from llamaswap.core import Band, Policy, Scheduler
+from llamaswap.core.holding import resident
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
@@ -52,8 +53,8 @@ class LanePicture:
 def lane_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[LanePicture, ...]:
     """Every upstream of the scheduler, in the configured order, for `QueuePicture.lanes`;
     `blocked` names the ones a settle or an adopted exchange holds."""
-    return tuple(LanePicture(name, scheduler.loaded_on(name), scheduler.slots_busy_on(name),
-                             scheduler.slots_total_on(name), name in blocked) for name in scheduler.lanes)
+    return tuple(LanePicture(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect,
+                             gpu.name in blocked) for gpu in scheduler.holdings())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

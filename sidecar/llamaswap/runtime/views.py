@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
+from llamaswap.core.holding import GpuHolding, resident
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
@@ -111,6 +112,11 @@ class GpuRow:
     slots_busy: int
     slots: int  # the slots of the model in effect there
     state: GpuState = GpuState.IDLE  # what holds it
+
+    @classmethod
+    def of(cls, gpu: GpuHolding, state: GpuState) -> GpuRow:
+        """The row of what a GPU holds (`Scheduler.holdings`)."""
+        return cls(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect, state)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,11 +225,8 @@ class QueueViews:
         # The lanes as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
         scheduler = self._scheduler
         states = self._lane_states() if self._lane_states is not None else {}
-        gpus = []
-        for name in scheduler.lanes:
-            busy = scheduler.slots_busy_on(name)
-            state = states.get(name, GpuState.RUNNING if busy else GpuState.IDLE)
-            gpus.append(GpuRow(name, scheduler.loaded_on(name), busy, scheduler.slots_total_on(name), state))
+        gpus = [GpuRow.of(gpu, states.get(gpu.name, GpuState.RUNNING if gpu.running.busy else GpuState.IDLE))
+                for gpu in scheduler.holdings()]
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
         slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,

@@ -77,7 +77,7 @@ class _Pod:
         return self.scheduler.slots_busy
 
     def has_loaded(self, model: str | None) -> bool:
-        return model is not None and any(self.scheduler.loaded_on(lane) == model for lane in self.scheduler.lanes)
+        return any(gpu.has(model) for gpu in self.scheduler.holdings())
 
 
 class _Times:
@@ -184,7 +184,7 @@ def _idle_lanes_while_waiting(nodes: Sequence[_Pod]) -> int:
     """GPUs that run nothing while some request they may serve waits (in any pod's queue)."""
     if not any(node.scheduler.depth for node in nodes):
         return 0
-    return sum(1 for node in nodes for lane in node.scheduler.lanes if not node.scheduler.slots_busy_on(lane))
+    return sum(1 for node in nodes for gpu in node.scheduler.holdings() if not gpu.running.busy)
 
 
 def _p95_s(waits: list[int]) -> float | None:
