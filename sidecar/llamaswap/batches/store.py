@@ -376,8 +376,9 @@ class Store:
                 for record in self._records(batch.id, in_output):
                     out.write(record.encode() + b"\n")
                     count += 1
-                out.flush()
-                os.fsync(out.fileno())
+                if count:  # an empty one is not kept: no sync
+                    out.flush()
+                    os.fsync(out.fileno())
             if count:
                 kind = "output" if in_output else "error"
                 written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{kind}.jsonl",
