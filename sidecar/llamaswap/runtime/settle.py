@@ -58,14 +58,16 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     then (at startup: until Envoy's periodic entry would have revealed a running exchange).
     `held` counts the generations this process knows to run beside the abandoned one (its
     running grants and adopted exchanges, with several slots): the settle is over once the
-    processing slots are no more than those, so the abandoned generation no longer takes one of
-    the slots (/slots does not say which slot computes what, so a count is what can be told).
+    processing slots are no more than those in two answers one poll apart (or none compute), so the
+    abandoned generation no longer takes one of the slots (/slots does not say which slot computes
+    what, so a count is what can be told, and a held generation that ended at the upstream is
+    counted until its end reaches this process).
     Stopping waits until `held` is 0, because unloading the model, or cancelling every slot,
     would cut them as well (an adopted exchange is known to be alive); until then the settle only
     waits."""
     model = settling.model
     result = SettleResult.UNANSWERED
-    stopped = tried_stop = told_waiting = False
+    stopped = tried_stop = told_waiting = seen_within_held = False
     delay = SETTLE_POLL_FIRST_S
     while True:
         try:
@@ -82,9 +84,19 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 result = SettleResult.UNSUPPORTED
                 break
             beside = held() if held is not None else 0
-            if processing <= beside:
+            if processing <= beside and (processing == 0 or seen_within_held):
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
+            # A count within what we hold may still be the abandoned one: a held generation that
+            # just ended at the upstream is counted until its exchange's end reaches us, a little
+            # later. Only a second answer, one poll later, tells.
+            seen_within_held = processing <= beside
+            if seen_within_held:
+                if clock.now_ns() >= deadline_ns:
+                    result = SettleResult.STOPPED if stopped else SettleResult.IDLE
+                    break
+                await asyncio.sleep(delay)
+                continue
             result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
             if stop and not tried_stop and beside == 0:
                 tried_stop = True
