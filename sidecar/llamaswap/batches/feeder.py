@@ -206,8 +206,11 @@ class Feeder:
                     await self.look()
                 except Exception:  # noqa: BLE001 - the feeder must outlive any one batch's trouble
                     _log.exception("batches: a look at the batches failed; trying again")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_LOOK_S)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that
+                # comes as the wait ends, and a feeder woken often then outlived its stop.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(IDLE_LOOK_S):
+                        await self._wake.wait()
         finally:
             await self.stop()
 
@@ -268,6 +271,8 @@ class Feeder:
                 self._wake.set()
 
     async def _fill(self, batch: BatchRecord) -> None:
+        if self._paused:  # nothing starts (the sidecar is stopping): no end to look for either
+            return
         if self._start_lines(batch) or self._flying.get(batch.id):
             return
         self._write_results()
