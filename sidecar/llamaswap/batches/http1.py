@@ -185,8 +185,8 @@ class Http1Client:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, connection = await asyncio.wait_for(loop.create_connection(_Connection, self.host, self.port),
-                                               CONNECT_TIMEOUT_S)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):  # not wait_for: 3.11's can swallow a cancel
+            _, connection = await loop.create_connection(_Connection, self.host, self.port)
         self._open.add(connection)
         return connection
 
