@@ -92,16 +92,19 @@ async def test_the_reserved_slot_goes_only_to_interactive_work() -> None:
     assert normal.granted and batch2.waiting
 
 
+async def three_slots_one_abandoned() -> tuple[Flow, tuple[Request, ...]]:
+    """Three slots computing a1, a2, a3 (the upstream says 3), a4 waiting; a1's client left."""
+    flow = slots_flow(3, upstream=FakeUpstream(busy=3))
+    requests = tuple([await flow.arrive(f"a{i}", model="a") for i in range(1, 5)])
+    await flow.end(requests[0], ExchangeEnd.CLIENT_LEFT)
+    return flow, requests
+
+
 @virtual_time
 async def test_an_abandoned_generation_holds_its_slot_until_it_ended() -> None:
     """While it computes, nothing is granted; once the upstream computes no more than the grants
     still running, the next one goes beside them (issue 25: it waited for the whole upstream)."""
-    flow = slots_flow(3, upstream=FakeUpstream(busy=3))
-    a1 = await flow.arrive("a1", model="a")
-    a2 = await flow.arrive("a2", model="a")
-    a3 = await flow.arrive("a3", model="a")
-    a4 = await flow.arrive("a4", model="a")
-    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    flow, (a1, a2, a3, a4) = await three_slots_one_abandoned()
     assert a1.outcome is Outcome.CANCELLED_RUNNING and a1.ticket.abandoned
     await flow.advance(5)
     assert a4.waiting and flow.coordinator.gpu_state == "running"  # a slot is free, but a1 still computes
@@ -120,12 +123,7 @@ async def test_a_held_generation_that_ended_upstream_is_not_taken_for_the_abando
     the sidecar, so the upstream computes two (a3 and the abandoned a1) while two are held: the
     count fits, but the abandoned generation still takes a slot. The next answer, after a2's end
     came, shows it (CI saw a grant in that gap, 1 ms before a2's end)."""
-    flow = slots_flow(3, upstream=FakeUpstream(busy=3))
-    a1 = await flow.arrive("a1", model="a")
-    a2 = await flow.arrive("a2", model="a")
-    a3 = await flow.arrive("a3", model="a")
-    a4 = await flow.arrive("a4", model="a")
-    await flow.end(a1, ExchangeEnd.CLIENT_LEFT)
+    flow, (a1, a2, a3, a4) = await three_slots_one_abandoned()
     await flow.advance(5)
     flow.upstream.busy_answer = 2  # a2 done upstream, its end not here yet; a1 and a3 compute
     await flow.advance(SETTLE_POLL_MAX_S)

@@ -9,6 +9,10 @@ def _f(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else str(value)
 
 
+def _cpu(per_request: dict[str, float]) -> str:
+    return f"CPU per request: sidecar {_f(per_request['sidecar'])} ms, Envoy {_f(per_request['envoy'])} ms"
+
+
 def _load(lines: list[str], figures: dict[str, Any]) -> None:
     lines.append("model load (router, --models-max 1): first token of the loading request minus a loaded one's")
     for model, entry in figures.items():
@@ -33,8 +37,7 @@ def _slots(lines: list[str], name: str, figures: dict[str, Any]) -> None:
                      f"{_f(o['direct']['p50_ms'])} p99 {_f(o['direct']['p99_ms'])} ms; llamaswap p50 "
                      f"{_f(o['llamaswap']['p50_ms'])} p99 {_f(o['llamaswap']['p99_ms'])} ms; added p50 "
                      f"{_f(o['added_p50_ms'])} ms ({_f(100 * o['added_share_p50'], 1)} % of a request), p99 "
-                     f"{_f(o['added_p99_ms'])} ms; CPU per request: sidecar "
-                     f"{_f(o['cpu_ms_per_request']['sidecar'])} ms, Envoy {_f(o['cpu_ms_per_request']['envoy'])} ms")
+                     f"{_f(o['added_p99_ms'])} ms; {_cpu(o['cpu_ms_per_request'])}")
 
 
 def _resident(lines: list[str], figures: dict[str, Any]) -> None:
@@ -52,9 +55,7 @@ def _short(lines: list[str], figures: dict[str, Any]) -> None:
     per_s = figures["requests_per_s"]
     lines.append(f"short requests ({figures['tokens']} tokens) from {figures['slots']} clients at {figures['slots']} "
                  f"slots: {_f(per_s['direct'], 0)} requests/s direct, {_f(per_s['llamaswap'], 0)} through llamaswap "
-                 f"({_f(figures['ratio'], 3)}x); CPU per request: sidecar "
-                 f"{_f(figures['cpu_ms_per_request']['sidecar'])} ms, Envoy "
-                 f"{_f(figures['cpu_ms_per_request']['envoy'])} ms; cores busy: sidecar "
+                 f"({_f(figures['ratio'], 3)}x); {_cpu(figures['cpu_ms_per_request'])}; cores busy: sidecar "
                  f"{_f(figures['cores_busy']['sidecar'])}, Envoy {_f(figures['cores_busy']['envoy'])}")
 
 
