@@ -27,8 +27,7 @@ def holding(running: Running, slots: Slots | None = None, resident: str | None =
 
 def on_one_gpu(running: Running, candidate: Waiting, interactive_only: frozenset[int] = frozenset()) -> Choice:
     """The node rule over a node of one upstream, ``a`` loaded: one GPU's answer."""
-    return choose([holding(running)], candidate, set(), interactive_only, NO_TIMES,
-                  lambda model: 0)
+    return choose([holding(running)], candidate, set(), interactive_only, NO_TIMES, {})
 
 
 SLOTS = Slots(3, {}, reserved=1)
@@ -51,21 +50,21 @@ STARTS = {Turn.IDLE, Turn.FREE}  # the answers under which the best request star
 def test_the_rule(running: Running, best: Waiting, expected: Turn) -> None:
     assert turn(holding(running), best) is expected
     # On a node of one: the best starts exactly where the rule lets it.
-    assert (on_one_gpu(running, best).step is Step.START) == (expected in STARTS)
+    assert (on_one_gpu(running, best)[0] is Step.START) == (expected in STARTS)
 
 
 def test_a_non_interactive_request_past_its_share_leaves_the_slot_to_an_interactive_one() -> None:
     share_used = Running(2, 2, "a")
     assert turn(holding(share_used), Waiting("a")) is Turn.SHARE_USED
     # The best waits for its share: the upstream's reserved slots stay open to interactive requests.
-    assert on_one_gpu(share_used, Waiting("a")) == Choice(Step.INTERACTIVE_ONLY, 0)
-    assert on_one_gpu(share_used, Waiting("a"), frozenset({0})).step is not Step.START
+    assert on_one_gpu(share_used, Waiting("a")) == (Step.INTERACTIVE_ONLY, 0)
+    assert on_one_gpu(share_used, Waiting("a"), frozenset({0}))[0] is not Step.START
     interactive = Waiting("a", interactive=True)
-    assert on_one_gpu(share_used, interactive, frozenset({0})) == Choice(Step.START, 0)
+    assert on_one_gpu(share_used, interactive, frozenset({0})) == (Step.START, 0)
     of_none = Waiting(None, interactive=True)
-    assert on_one_gpu(share_used, of_none, frozenset({0})) == Choice(Step.START, 0)
+    assert on_one_gpu(share_used, of_none, frozenset({0})) == (Step.START, 0)
     # An interactive swap waits for the drain like any swap.
-    assert on_one_gpu(share_used, Waiting("b", interactive=True), frozenset({0})).step is not Step.START
+    assert on_one_gpu(share_used, Waiting("b", interactive=True), frozenset({0}))[0] is not Step.START
     # The grant's ``reserved_slot``: an interactive start while the share is used, nothing else.
     assert in_reserved_slot(holding(share_used), interactive)
     assert not in_reserved_slot(holding(share_used), Waiting("a"))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence, Set
-from typing import NamedTuple, Protocol
+from collections.abc import Collection, Mapping, Sequence, Set
+from typing import Protocol
 
 from llamaswap.core.holding import Candidate, GpuHolding, Running
 
@@ -45,7 +45,8 @@ def takes_nothing(gpu: GpuHolding) -> bool:
     """A GPU is closed or full, whoever asks: work the scheduler did not grant holds it, a
     request runs alone there, or every slot in effect is held. The one measure of it, for the
     grant, the node walk, the estimates and the swap-affinity bonus."""
-    return gpu.blocked or _full(gpu.running, gpu.slots_in_effect)
+    running = gpu.running
+    return gpu.blocked or (running.busy > 0 and _full(running, gpu.slots_in_effect))  # (idle: nothing to read)
 
 
 def _full(running: Running, slots: int) -> bool:
@@ -66,7 +67,7 @@ def _share_used(gpu: GpuHolding, slots: int) -> bool:
 def in_reserved_slot(gpu: GpuHolding, candidate: Candidate) -> bool:
     """A grant of ``candidate`` now, beside what runs, takes a slot kept for its band (the
     grant's ``reserved_slot``)."""
-    return candidate.interactive and gpu.running.busy > 0 and share_used(gpu)
+    return gpu.running.busy > 0 and candidate.interactive and share_used(gpu)
 
 
 def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
@@ -131,70 +132,73 @@ class Step(enum.Enum):
     SKIP = "skip"  # every upstream that may serve it is closed already
 
 
-class Choice(NamedTuple):
-    """The rule's answer for one request over the node (a named tuple: one per request asked)."""
-
-    step: Step
-    lane: int | None = None
+# The rule's answer for one request over the node: the step, and the upstream it names (None
+# with `Step.SKIP`). A plain tuple: one is built per request asked.
+Choice = tuple[Step, int | None]
 
 
 def choose(lanes: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], interactive_only: Set[int],
-           times: LaneTimes, wanted: Callable[[str | None], int]) -> Choice:
+           times: LaneTimes, wanted: Mapping[str | None, int]) -> Choice:
     """The node rule for one waiting request, every request ahead of it in the order having been
     asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
-    non-interactive share they wait for). ``wanted(model)``: how many waiting requests name it."""
+    non-interactive share they wait for). ``wanted[model]``: how many waiting requests name it (none
+    where absent)."""
     model = candidate.model
-    mine: list[int] = []  # the GPUs it may use now
-    verdicts: dict[int, Turn] = {}
     free = -1  # the least busy with a free slot for it (the fewest running: each runs faster), first in order
     idle: list[int] = []
-    holding: list[int] = []  # GPUs that have its model resident and run something, but have no slot for it now
+    # The GPUs it may use that run something and have no slot for it now, each with the rule's
+    # answer there; of those, the ones that have its model resident (`holding`).
+    waits: dict[int, Turn] = {}
+    holding: list[int] = []
     for index, lane in enumerate(lanes):
-        if index in closed or lane.blocked or not lane.may_serve(candidate):
+        if lane.blocked or index in closed or not lane.may_serve(candidate):
             continue
-        mine.append(index)
         verdict = turn(lane, candidate)
-        if verdict is Turn.FREE:
-            if index in interactive_only and not candidate.interactive:
-                verdict = Turn.SHARE_USED
-            elif free < 0 or lane.running.busy < lanes[free].running.busy:
-                free = index
         if verdict is Turn.IDLE:
             idle.append(index)
-        elif model is not None and verdict is not Turn.FREE and model in lane.residents:
+            continue
+        if verdict is Turn.FREE:
+            if candidate.interactive or index not in interactive_only:
+                if free < 0 or lane.running.busy < lanes[free].running.busy:
+                    free = index
+                continue
+            verdict = Turn.SHARE_USED  # the best waits for this GPU's share: its reserved slots only
+        if model is not None and model in lane.residents:
             holding.append(index)
-        verdicts[index] = verdict
-    if candidate.alone and any(lanes[index].has(model) for index in mine):
-        # An unload is for a GPU that has its model, where one of those it may use has (it
-        # never fits beside running work: no free slot is its).
-        mine = [index for index in mine if lanes[index].has(model)]
-        idle = [index for index in idle if lanes[index].has(model)]
-    if free >= 0:
-        return Choice(Step.START, free)
-    if idle:
+        waits[index] = verdict
+    if free >= 0:  # (never for a request that runs alone: it fits nowhere)
+        return Step.START, free
+    if idle and model is not None:
         for index in idle:
-            if lanes[index].has(model):
-                return Choice(Step.START, index)
+            if model in lanes[index].residents:  # (`GpuHolding.has`, inline: this runs for most grants)
+                return Step.START, index
+    busy: Collection[int] = waits.keys()
+    if candidate.alone and any(lanes[index].has(model) for index in busy):
+        # An unload is for a GPU that has its model, where one of those it may use has (it
+        # never fits beside running work: no free slot is its; an idle one that has it took it
+        # above).
+        busy = [index for index in busy if lanes[index].has(model)]
+        idle = []
     soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name)) if holding else None
     if idle:
-        # Nothing resident first, then the residents the queue wants least.
-        target = min(idle, key=lambda i: (bool(lanes[i].residents), sum(map(wanted, lanes[i].residents))))
+        # Nothing resident first, then the residents the queue wants least (one idle GPU: that one).
+        target = idle[0] if len(idle) == 1 else min(
+            idle, key=lambda i: (bool(lanes[i].residents), sum(wanted.get(name, 0) for name in lanes[i].residents)))
         if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model, lanes[target].name):
-            return Choice(Step.START, target)
-        return _wait_for(soonest, verdicts)
+            return Step.START, target
+        return _wait_for(soonest, waits)
     if soonest is not None:
-        return _wait_for(soonest, verdicts)
+        return _wait_for(soonest, waits)
     # Another model everywhere it may run: the one expected to drain first drains for it, a full
     # one too (a GPU with a free slot keeps serving meanwhile).
-    busy = [index for index in mine if lanes[index].running.busy]
     if not busy:
-        return Choice(Step.SKIP)
+        return Step.SKIP, None
     draining = min(busy, key=lambda i: (times.drained_in_s(lanes[i].name), lanes[i].running.busy))
-    return _wait_for(draining, verdicts)
+    return _wait_for(draining, waits)
 
 
 def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:
     """It waits for an upstream: only its share used there leaves the reserved slots open to
     interactive requests (as with one GPU, whatever model it names); else the upstream takes
     nothing else."""
-    return Choice(Step.INTERACTIVE_ONLY if verdicts[index] is Turn.SHARE_USED else Step.CLAIM, index)
+    return Step.INTERACTIVE_ONLY if verdicts[index] is Turn.SHARE_USED else Step.CLAIM, index

@@ -1,6 +1,6 @@
 """Estimated starts: which waiting request starts when, and on which upstream.
 
-This walks the rule `Scheduler.next` asks (`dispatch.choose`, down the order as `node.NodeWalk`
+This walks the rule `Scheduler.next` asks (`dispatch.choose`, down the order as `node.find`
 does) for one upstream as for several, so a grant and an estimate say the same. The walk keeps,
 per upstream, what runs there (each running grant's expected end, its band, its model, whether
 it runs alone), its loaded model, when a load under way there ends and until when a settle
@@ -208,7 +208,7 @@ class _Walk:
         return self._starts
 
     def _find(self, now: float) -> tuple[int, int] | None:
-        """`node.NodeWalk.find`: (position in the pending order, upstream) of the next start."""
+        """`node.find`: (position in the pending order, upstream) of the next start."""
         views = [lane.view(now) for lane in self._lanes]
         full = {i for i, view in enumerate(views) if takes_nothing(view)}
         closed: set[int] = set()
@@ -217,16 +217,13 @@ class _Walk:
         for position, request in enumerate(self._pending):
             if len(closed | full) >= len(views):
                 return None
-            choice = choose(views, self._waiting[request], closed, interactive_only, times, self._wants)
-            if choice.step is Step.START:
-                assert choice.lane is not None
-                return position, choice.lane
-            if position == 0 and choice.lane is not None:  # only the best claims
-                (closed if choice.step is Step.CLAIM else interactive_only).add(choice.lane)
+            step, lane = choose(views, self._waiting[request], closed, interactive_only, times, self._wanted)
+            if step is Step.START:
+                assert lane is not None
+                return position, lane
+            if position == 0 and lane is not None:  # only the best claims
+                (closed if step is Step.CLAIM else interactive_only).add(lane)
         return None
-
-    def _wants(self, model: str | None) -> int:
-        return self._wanted.get(model, 0)
 
     def _start(self, now: float, position: int, index: int) -> None:
         request = self._pending.pop(position)

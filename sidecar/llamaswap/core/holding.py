@@ -2,10 +2,11 @@
 
 Its resident models, the slots of each, what runs in them (`Running`, as the dispatch rule
 needs it), the models it may serve and whether work the scheduler did not grant holds it (a
-settle, an adopted exchange). The scheduler keeps one per GPU, built again on every change of
-what runs or is resident there (`LaneState.holding`); the dispatch rule (`dispatch.turn`,
-`dispatch.choose`), the node walk, the dispatch order's swap-affinity bonus and the estimates'
-walk read it, and nothing else says what a GPU holds.
+settle, an adopted exchange). The scheduler keeps one per GPU, built again when read after a
+change of what runs or is resident there (`LaneState.holding`; the GPU's idle one is kept while
+its residents stay, and `Scheduler` keeps the tuple of them and of the GPUs that take work);
+the dispatch rule (`dispatch.turn`, `dispatch.choose`), the node walk, the dispatch order's
+swap-affinity bonus and the estimates' walk read it, and nothing else says what a GPU holds.
 
 Today a GPU has at most one resident model (a load replaces it). ``residents`` is a set so that
 several resident models with slots of their own (issue 37) change this value and the rule that
@@ -14,7 +15,6 @@ reads it, not every reader.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple, Protocol
 
 from llamaswap.core.slots import Slots
@@ -33,10 +33,9 @@ class Candidate(Protocol):
     def interactive(self) -> bool: ...  # `Band.interactive`: it may take a reserved slot
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Running:
+class Running(NamedTuple):
     """What runs on a GPU, as the rule needs it: the scheduler's grants (in an estimate, the
-    grants it expects to run then)."""
+    grants it expects to run then). (A named tuple: built on every change of what runs.)"""
 
     busy: int = 0  # slots held
     non_interactive: int = 0  # of those, held by work below the interactive band

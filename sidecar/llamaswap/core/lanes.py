@@ -8,6 +8,7 @@ release has confirmed yet. With one upstream this is the record the scheduler al
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running
@@ -27,10 +28,10 @@ class PendingLoad:
     unsure: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(NamedTuple):
     """A running grant: the request, why it won, and the number of the pending load it ran on
-    (None: none was pending; the grants that carry a load's number are its users)."""
+    (None: none was pending; the grants that carry a load's number are its users). (A named
+    tuple: one is built per grant.)"""
 
     entry: Entry
     decision: Decision
@@ -38,15 +39,17 @@ class Grant:
 
 
 class LaneState:
-    """One upstream's record: its grants (earliest first), what it holds (`holding`: its resident
-    models and what runs, as the dispatch rule reads it), its pending load, and its grants so
-    far."""
+    """One upstream's record: its grants (earliest first), its resident models, what it holds
+    (`holding`: its resident models and what runs, as the dispatch rule reads it), its pending
+    load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "holding", "load", "dispatches")
+    __slots__ = ("policy", "grants", "residents", "_holding", "_idle", "load", "dispatches")
 
     def __init__(self, policy: LanePolicy) -> None:
         self.grants: dict[str, Grant] = {}
-        self.holding = GpuHolding(policy.name, policy.slots, policy.models)
+        self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
+        self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
+        self._idle: GpuHolding | None = None  # the same with nothing running, while residents and policy stay
         # The load the resident model came from while none of its grants has reached the upstream
         # (None once one has, or when the model was reported rather than loaded by a grant).
         self.load: PendingLoad | None = None
@@ -55,31 +58,25 @@ class LaneState:
 
     def apply(self, policy: LanePolicy) -> None:
         self.policy = policy
-        held = self.holding
-        self.holding = GpuHolding(policy.name, policy.slots, policy.models, held.residents, held.running)
+        self._holding = self._idle = None
 
     @property
     def name(self) -> str:
         return self.policy.name
 
     @property
-    def running(self) -> Running:
-        return self.holding.running
-
-    @property
-    def residents(self) -> frozenset[str]:
-        return self.holding.residents
-
-    def set_residents(self, residents: frozenset[str]) -> None:
-        held = self.holding
-        if residents != held.residents:
-            self.holding = GpuHolding(held.name, held.slots, held.models, residents, held.running)
-
-    def renew(self) -> None:
-        """Renew what runs from the grants: on every grant and release."""
-        held = self.holding
+    def holding(self) -> GpuHolding:
+        """What it holds, built once after each change of its grants, residents or policy (a
+        grant and its release change it twice, and the next grant reads it once; with nothing
+        running, the one built last time nothing ran, if residents and policy stayed)."""
+        held = self._holding
+        if held is not None:
+            return held
+        policy = self.policy
         if not self.grants:
-            running = IDLE
+            held = self._idle
+            if held is None:
+                held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE)
         else:
             model = None
             alone = False
@@ -90,8 +87,23 @@ class LaneState:
                     model = entry.model  # they name at most one
                 alone = alone or entry.alone
                 non_interactive += not entry.interactive
-            running = Running(len(self.grants), non_interactive, model, alone)
-        self.holding = GpuHolding(held.name, held.slots, held.models, held.residents, running)
+            held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
+                              Running(len(self.grants), non_interactive, model, alone))
+        self._holding = held
+        return held
+
+    @property
+    def running(self) -> Running:
+        return self.holding.running
+
+    def set_residents(self, residents: frozenset[str]) -> None:
+        if residents != self.residents:
+            self.residents = residents
+            self._holding = self._idle = None
+
+    def renew(self) -> None:
+        """What runs changed (a grant, a release): the holding is built again when next read."""
+        self._holding = None
 
     def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
         """What a released grant says about the loaded model (`Scheduler.release`)."""

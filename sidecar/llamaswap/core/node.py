@@ -8,21 +8,50 @@ open upstream is idle, only a request of a model loaded on one (or of none) can 
 first such in the order is the best of those models' tops (`_warm_pick`, ranked as `order.pick`
 ranks; a request that runs alone at a model's top is passed over, as it cannot start beside
 running work): the walk never reads the whole queue for it. Requests it asks are suspended
-(marked not alive, so the indexes skip them) and the caller puts them back (`suspended`)
-whatever happens.
+(marked not alive, so the indexes skip them) and put back (`find`'s ``resume``) whatever
+happens. `find` asks the best first and builds the walk (`NodeWalk`) only when the best waits:
+this runs on every grant.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from llamaswap.core.dispatch import LaneTimes, Step, choose, takes_nothing
+from llamaswap.core.dispatch import Choice, LaneTimes, Step, choose, takes_nothing
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank
 
 
+_NONE: frozenset[int] = frozenset()  # no upstream claimed yet
+
+
+def find(lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
+         pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: LaneTimes,
+         resume: Callable[[list[Entry]], None]) -> tuple[int, Entry, Entry] | None:
+    """The upstream and the request that starts next, and the best request (the first asked: the
+    same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
+    The best first: it starts (then nothing more is built), or it may hold one upstream back
+    (only the best does) and the walk goes on behind it; ``resume`` gets the requests the walk
+    suspended, whatever happens."""
+    first = pick(aged)
+    step, lane = choose(lanes, first, _NONE, _NONE, times, wanted)
+    if step is Step.START:
+        assert lane is not None
+        return lane, first, first
+    walk = NodeWalk(lanes, aged, reserved, bonus, pick, wanted, times)
+    try:
+        return walk.behind(first, step, lane)
+    finally:
+        resume(walk.suspended)
+
+
 class NodeWalk:
+    """The walk behind a best request that waits (`find`)."""
+
+    __slots__ = ("_lanes", "_aged", "_reserved", "_bonus", "_pick", "_wanted", "_times", "_closed",
+                 "_interactive_only", "suspended")
+
     def __init__(self, lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
                  pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
                  times: LaneTimes) -> None:
@@ -37,23 +66,11 @@ class NodeWalk:
         self._interactive_only: set[int] = set()  # the best waits for its share: reserved slots stay open
         self.suspended: list[Entry] = []
 
-    def _wants(self, model: str | None) -> int:
-        return self._wanted.get(model, 0)
+    def _choose(self, candidate: Entry) -> Choice:
+        return choose(self._lanes, candidate, self._closed, self._interactive_only, self._times, self._wanted)
 
-    def _choose(self, candidate: Entry) -> tuple[Step, int | None]:
-        choice = choose(self._lanes, candidate, self._closed, self._interactive_only, self._times, self._wants)
-        return choice.step, choice.lane
-
-    def find(self) -> tuple[int, Entry, Entry] | None:
-        """The upstream and the request that starts next, and the best request (the first asked:
-        the same one, unless the best waits); None if nothing starts now. (Asked with a request
-        waiting.)"""
-        # The best first: it starts, or it may hold one upstream back (only the best does).
-        first = self._pick(self._aged)
-        step, lane = self._choose(first)
-        if step is Step.START:
-            assert lane is not None
-            return lane, first, first
+    def behind(self, first: Entry, step: Step, lane: int | None) -> tuple[int, Entry, Entry] | None:
+        """`find` after the best, ``first``, did not start (the rule said ``step`` on ``lane``)."""
         if lane is not None:
             (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
         self._suspend(first)

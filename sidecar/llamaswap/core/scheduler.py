@@ -16,7 +16,7 @@ comparison is exact and equal scores fall back to arrival order.
 
 Slots (`slots.py`): the upstream serves several generations of its loaded model at once. The
 dispatch rule is `dispatch.choose` (each GPU read by `dispatch.turn`), walked down the order by
-`node.NodeWalk` for one GPU as for several (one GPU is a node of one); the estimates' walk runs
+`node.find` for one GPU as for several (one GPU is a node of one); the estimates' walk runs
 the same rule. With one slot (the default) it is exactly the one-grant-at-a-time scheduler this
 module always was. The policy is in `policy.py`, the heap indexes in `index.py`, the decision
 and view types in `decisions.py`.
@@ -39,10 +39,11 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
-from llamaswap.core import order
+from llamaswap.core import node, order
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
@@ -63,7 +64,6 @@ from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, Unkno
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.lanes import Grant, LaneState, PendingLoad
-from llamaswap.core.node import NodeWalk
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -75,6 +75,11 @@ __all__ = ["NS_PER_S", "OVERTAKEN_LIMIT", "BandStats", "Decision", "InvalidSlots
 
 # Rebuild heaps once dead entries outnumber living ones by this much.
 _COMPACT_SLACK: Final = 1024
+
+# A grant's reasons by (aging changed the pick, swap affinity did): built once, not per grant.
+_REASONS: Final = {
+    (aging, affinity): frozenset((ReorderCause.AGING,) * aging + (ReorderCause.SWAP_AFFINITY,) * affinity)
+    for aging in (False, True) for affinity in (False, True)}
 
 
 class Scheduler:
@@ -89,11 +94,16 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
+        # What the upstreams hold and those of them that take work now, built once after each
+        # change of what they hold (`_held_now`; every change goes through a grant, a release, a
+        # loaded-model report or the policy, each of which clears it).
+        self._held: tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]] | None = None
         self._apply_policy(policy)
         self._reset_queue()
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
+        self._held = None
         lanes = policy.lanes_in_effect
         known = {lane.name: lane for lane in self._lanes}
         if self._lanes and set(known) != {lane.name for lane in lanes}:
@@ -190,6 +200,7 @@ class Scheduler:
             return False
         lane.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
         lane.load = None
+        self._held = None
         return True
 
     @property
@@ -252,9 +263,26 @@ class Scheduler:
     def holdings(self, blocked: frozenset[str] = frozenset()) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order, ``blocked`` ones held by work the
         scheduler did not grant (a settle, an adopted exchange)."""
+        held = self._held_now()[0]
         if not blocked:
-            return tuple(lane.holding for lane in self._lanes)
-        return tuple(lane.holding.blocked_now(lane.name in blocked) for lane in self._lanes)
+            return held
+        return tuple(gpu.blocked_now(gpu.name in blocked) for gpu in held)
+
+    def _held_now(self) -> tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]:
+        """What every upstream holds, those that take work now (``blocked`` aside) and the
+        models resident on those (`order.resident_on`): built once after each change, so a
+        ``next`` that finds every slot taken reads one value."""
+        held = self._held
+        if held is None:
+            holdings: list[GpuHolding] = []
+            open_gpus: list[GpuHolding] = []
+            for lane in self._lanes:
+                gpu = lane.holding
+                holdings.append(gpu)
+                if not takes_nothing(gpu):
+                    open_gpus.append(gpu)
+            held = self._held = tuple(holdings), open_gpus, order.resident_on(open_gpus)
+        return held
 
     # -- commands ------------------------------------------------------------------------
 
@@ -352,7 +380,7 @@ class Scheduler:
 
         One path for one upstream and for several (one GPU is a node of one): the node rule
         (`dispatch.choose`, one answer per request, each upstream read by `dispatch.turn`) asked
-        down the order (`node.NodeWalk`). With nothing running the best request goes whatever
+        down the order (`node.find`). With nothing running the best request goes whatever
         model it needs; beside running grants only a request of the loaded model (or none) goes,
         a swap or a request that runs alone waits for the drain, and a non-interactive request
         past its share (``slots - reserved``) leaves the reserved slots to the interactive
@@ -363,28 +391,26 @@ class Scheduler:
         """
         if not self._waiting:
             return None
-        holdings = self.holdings(blocked)
-        open_gpus = [gpu for gpu in holdings if not takes_nothing(gpu)]
+        if blocked:
+            holdings = self.holdings(blocked)
+            open_gpus = [gpu for gpu in holdings if not takes_nothing(gpu)]
+            warm = order.resident_on(open_gpus)
+        else:
+            holdings, open_gpus, warm = self._held or self._held_now()
         if not open_gpus:
             return None  # every slot is taken (with one slot: anything runs)
-        warm = order.resident_on(open_gpus)
+        pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
-        def pick(index: Index) -> Entry:
-            return order.pick(index, warm, self._bonus)
-
-        walk = NodeWalk(holdings, self._aged,
-                        self._reserved[0] if self._reserved is not None else None, self._bonus, pick,
-                        self._wanted, times)
-        try:
-            found = walk.find()
-        finally:
-            if walk.suspended:
-                self._resume(walk.suspended)  # before the grant: its reasons read the whole order
+        # (The requests the walk passed over are put back before the grant: its reasons read the
+        # whole order.)
+        found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
+                          self._bonus, pick, self._wanted, times, self._resume)
         if found is None:
             return None
         index, winner, first = found
         lane = self._lanes[index]
-        reserved_slot = in_reserved_slot(lane.holding, winner)
+        held = holdings[index]  # what it holds now (``blocked`` aside, as `lane.holding`)
+        reserved_slot = in_reserved_slot(held, winner)
         if winner is not first and reserved_slot:
             # Ahead of a better-scored request that used up its share: it won among the
             # interactive requests, so why it won is said among them.
@@ -392,7 +418,7 @@ class Scheduler:
             aged, plain = self._reserved
         else:
             aged, plain = self._aged, self._plain
-        return self._grant(lane, winner, aged, plain, reserved_slot, pick)
+        return self._grant(lane, held.running, winner, aged, plain, reserved_slot, pick)
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -405,16 +431,12 @@ class Scheduler:
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
-    def _grant(self, lane: LaneState, winner: Entry, aged: Index, plain: Index | None, reserved_slot: bool,
-               pick: Callable[[Index], Entry]) -> Decision:
+    def _grant(self, lane: LaneState, running: Running, winner: Entry, aged: Index, plain: Index | None,
+               reserved_slot: bool, pick: Callable[[Index], Entry]) -> Decision:
         now = self._clock.now_ns()
         residents = lane.residents
-        running = lane.running
-        reasons: set[ReorderCause] = set()
-        if plain is not None and pick(plain) is not winner:
-            reasons.add(ReorderCause.AGING)
-        if self._bonus and residents and entry_of(aged.top()) is not winner:
-            reasons.add(ReorderCause.SWAP_AFFINITY)
+        reasons = _REASONS[plain is not None and pick(plain) is not winner,
+                           bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
         overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
         model = winner.model
@@ -425,28 +447,31 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         lane.dispatches += 1
-        loading = next((g.decision for g in lane.grants.values() if g.decision.model_load), None)
+        loading = None  # a load under way there, which this grant starts beside
+        if running.busy:
+            loading = next((g.decision for g in lane.grants.values() if g.decision.model_load), None)
+        # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
-            request_id=winner.request_id,
-            priority=winner.priority.value,
-            band=winner.priority.band,
-            score=winner.base + affinity + aging,
-            arrival_ns=winner.arrival_ns,
-            granted_ns=now,
-            model=model,
-            swap_affinity=affinity > 0,
-            aging=aging,
-            load=loads and not residents,
-            swap=loads and bool(residents),
-            previous_model=resident(residents),
-            reordered_by=frozenset(reasons),
-            overtook=overtook,
-            queue_depth_after=len(self._waiting),
-            slots_busy=running.busy + 1,
-            reserved_slot=reserved_slot,
-            alone=alone,
-            upstream=lane.name,
-            beside_load=(loading.model, loading.granted_ns) if loading is not None and loading.model else None,
+            winner.request_id,  # request_id
+            winner.priority.value,  # priority
+            winner.priority.band,  # band
+            winner.base + affinity + aging,  # score
+            winner.arrival_ns,  # arrival_ns
+            now,  # granted_ns
+            model,  # model
+            affinity > 0,  # swap_affinity
+            aging,  # aging
+            loads and not residents,  # load
+            loads and bool(residents),  # swap
+            resident(residents),  # previous_model
+            reasons,  # reordered_by
+            overtook,  # overtook
+            len(self._waiting),  # queue_depth_after
+            running.busy + 1,  # slots_busy
+            reserved_slot,  # reserved_slot
+            alone,  # alone
+            lane.name,  # upstream
+            (loading.model, loading.granted_ns) if loading is not None and loading.model else None,  # beside_load
         )
         load = None
         if model is not None and not alone:
@@ -458,6 +483,7 @@ class Scheduler:
         lane.grants[winner.request_id] = Grant(winner, decision, load)
         self._lane_of[winner.request_id] = lane
         lane.renew()
+        self._held = None
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
@@ -483,6 +509,7 @@ class Scheduler:
         grant = lane.grants.pop(request_id)
         lane.renew()
         lane.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        self._held = None
         return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
