@@ -90,3 +90,32 @@ def test_the_scheduler_keeps_one_picture_of_what_runs() -> None:
     assert scheduler.what_runs_on() == Running(1, 0, "a")
     scheduler.release("i")
     assert scheduler.what_runs_on() == IDLE
+
+
+def test_what_the_node_holds_follows_each_change_though_kept_between_them() -> None:
+    """`Scheduler.holdings` is kept between changes (and the idle picture while residents stay):
+    a release that leaves nothing running but changes what is resident, a loaded-model report and
+    a swap each show at once."""
+    clock = ManualClock()
+    scheduler = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10), clock)
+    assert scheduler.set_loaded_model("a", as_of=0)
+    assert scheduler.holdings()[0].residents == {"a"}
+    scheduler.enqueue("r1", Priority(0, PrioritySource.NUMBER), "a")
+    assert scheduler.next() is not None
+    assert scheduler.next() is None  # full: one slot
+    assert scheduler.holdings()[0].running == Running(1, 1, "a")
+    scheduler.release("r1")
+    assert scheduler.holdings()[0] == GpuHolding("gpu0", Slots(), None, frozenset({"a"}), IDLE)._replace(
+        name=scheduler.lanes[0])
+    scheduler.enqueue("r2", Priority(0, PrioritySource.NUMBER), "a")
+    assert scheduler.next() is not None
+    scheduler.release("r2", model_loaded=False)  # idle again, and "a" no longer known loaded
+    assert scheduler.holdings()[0].residents == frozenset()
+    assert scheduler.set_loaded_model("b", as_of=scheduler.dispatches)
+    assert scheduler.holdings()[0].residents == {"b"}
+    scheduler.enqueue("r3", Priority(0, PrioritySource.NUMBER), "c")
+    decision = scheduler.next()
+    assert decision is not None and decision.swap
+    assert scheduler.holdings()[0].residents == {"c"} and scheduler.holdings()[0].running.busy == 1
+    scheduler.release("r3")
+    assert scheduler.holdings()[0].residents == {"c"} and scheduler.holdings()[0].running == IDLE

@@ -15,6 +15,7 @@ reads it, not every reader.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from llamaswap.core.slots import Slots
@@ -78,6 +79,13 @@ class GpuHolding(NamedTuple):
     def blocked_now(self, blocked: bool) -> GpuHolding:
         """The same, held (or not) by work the scheduler did not grant."""
         return self if blocked == self.blocked else self._replace(blocked=blocked)
+
+
+def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:
+    """The models resident on any of these GPUs."""
+    if len(holdings) == 1:  # the common case, without a set built per grant
+        return holdings[0].residents
+    return frozenset(model for gpu in holdings for model in gpu.residents)
 
 
 def resident(residents: frozenset[str]) -> str | None:

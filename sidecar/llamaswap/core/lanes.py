@@ -8,10 +8,12 @@ release has confirmed yet. With one upstream this is the record the scheduler al
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
-from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running
+from llamaswap.core.dispatch import takes_nothing
+from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import LanePolicy
 
@@ -124,3 +126,50 @@ class LaneState:
             self.load = None
         elif on_pending:
             self.load = None  # it reached the upstream: the load happened
+
+
+# What a node holds now: every upstream's holding (in the configured order), those that take
+# work now (``blocked`` aside), and the models resident on those (`holding.resident_on`).
+Held = tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]
+
+
+class NodeHolding:
+    """`Held` for the scheduler's upstreams, built once after each change (a `next` that finds
+    every slot taken reads one value), and kept for when nothing runs while no upstream's
+    residents change (a release that leaves the node idle builds nothing)."""
+
+    __slots__ = ("_lanes", "_now", "_idle")
+
+    def __init__(self, lanes: Sequence[LaneState]) -> None:
+        self._lanes = lanes
+        self._now: Held | None = None
+        self._idle: Held | None = None  # what it holds with nothing running
+
+    def now(self) -> Held:
+        held = self._now
+        if held is None:
+            holdings: list[GpuHolding] = []
+            open_gpus: list[GpuHolding] = []
+            idle = True
+            for lane in self._lanes:
+                gpu = lane.holding
+                holdings.append(gpu)
+                idle = idle and not lane.grants
+                if not takes_nothing(gpu):
+                    open_gpus.append(gpu)
+            held = self._now = tuple(holdings), open_gpus, resident_on(open_gpus)
+            if idle:
+                self._idle = held
+        return held
+
+    def changed(self, residents: bool) -> None:
+        """What runs changed (a grant), and with ``residents`` what is resident somewhere too."""
+        self._now = None
+        if residents:
+            self._idle = None
+
+    def released(self, idle: bool, residents: bool) -> None:
+        """A release: the node is ``idle`` now; ``residents``: what is resident changed too."""
+        if residents:
+            self._idle = None
+        self._now = self._idle if idle else None

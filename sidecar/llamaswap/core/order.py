@@ -16,7 +16,7 @@ from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.holding import GpuHolding, resident
+from llamaswap.core.holding import GpuHolding, resident, resident_on
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.lanes import LaneState
 from llamaswap.core.policy import Policy
@@ -60,13 +60,6 @@ def warm_models(holdings: Sequence[GpuHolding]) -> frozenset[str]:
     wins by it over a slightly better request whose model runs elsewhere (which would swap
     the idle GPU, then swap back: the ping-pong the bonus exists to damp)."""
     return resident_on([gpu for gpu in holdings if not takes_nothing(gpu)])
-
-
-def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:
-    """The models resident on any of these GPUs."""
-    if len(holdings) == 1:  # the common case, without a set built per grant
-        return holdings[0].residents
-    return frozenset(model for gpu in holdings for model in gpu.residents)
 
 
 def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: int) -> list[tuple[Entry, int]]:

@@ -59,11 +59,11 @@ from llamaswap.core.decisions import (
     WaitingView,
 )
 from llamaswap.core.dispatch import NO_TIMES, LaneTimes, in_reserved_slot, takes_nothing
-from llamaswap.core.holding import NO_RESIDENTS, GpuHolding, Running, resident
+from llamaswap.core.holding import NO_RESIDENTS, GpuHolding, Running, resident, resident_on
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
-from llamaswap.core.lanes import Grant, LaneState, PendingLoad
+from llamaswap.core.lanes import Grant, LaneState, NodeHolding, PendingLoad
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -94,16 +94,11 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
-        # What the upstreams hold and those of them that take work now, built once after each
-        # change of what they hold (`_held_now`; every change goes through a grant, a release, a
-        # loaded-model report or the policy, each of which clears it).
-        self._held: tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]] | None = None
         self._apply_policy(policy)
         self._reset_queue()
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
-        self._held = None
         lanes = policy.lanes_in_effect
         known = {lane.name: lane for lane in self._lanes}
         if self._lanes and set(known) != {lane.name for lane in lanes}:
@@ -116,6 +111,9 @@ class Scheduler:
         names = [lane.name for lane in lanes]
         self._lanes.sort(key=lambda lane: names.index(lane.name))
         self._first = self._lanes[0]
+        # What the upstreams hold (every change goes through a grant, a release, a loaded-model
+        # report or the policy, each of which tells it).
+        self._held = NodeHolding(self._lanes)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -200,7 +198,7 @@ class Scheduler:
             return False
         lane.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
         lane.load = None
-        self._held = None
+        self._held.changed(residents=True)
         return True
 
     @property
@@ -263,26 +261,10 @@ class Scheduler:
     def holdings(self, blocked: frozenset[str] = frozenset()) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order, ``blocked`` ones held by work the
         scheduler did not grant (a settle, an adopted exchange)."""
-        held = self._held_now()[0]
+        held = self._held.now()[0]
         if not blocked:
             return held
         return tuple(gpu.blocked_now(gpu.name in blocked) for gpu in held)
-
-    def _held_now(self) -> tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]:
-        """What every upstream holds, those that take work now (``blocked`` aside) and the
-        models resident on those (`order.resident_on`): built once after each change, so a
-        ``next`` that finds every slot taken reads one value."""
-        held = self._held
-        if held is None:
-            holdings: list[GpuHolding] = []
-            open_gpus: list[GpuHolding] = []
-            for lane in self._lanes:
-                gpu = lane.holding
-                holdings.append(gpu)
-                if not takes_nothing(gpu):
-                    open_gpus.append(gpu)
-            held = self._held = tuple(holdings), open_gpus, order.resident_on(open_gpus)
-        return held
 
     # -- commands ------------------------------------------------------------------------
 
@@ -394,9 +376,9 @@ class Scheduler:
         if blocked:
             holdings = self.holdings(blocked)
             open_gpus = [gpu for gpu in holdings if not takes_nothing(gpu)]
-            warm = order.resident_on(open_gpus)
+            warm = resident_on(open_gpus)
         else:
-            holdings, open_gpus, warm = self._held or self._held_now()
+            holdings, open_gpus, warm = self._held.now()
         if not open_gpus:
             return None  # every slot is taken (with one slot: anything runs)
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
@@ -483,7 +465,7 @@ class Scheduler:
         lane.grants[winner.request_id] = Grant(winner, decision, load)
         self._lane_of[winner.request_id] = lane
         lane.renew()
-        self._held = None
+        self._held.changed(residents=loads)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
@@ -508,8 +490,9 @@ class Scheduler:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = lane.grants.pop(request_id)
         lane.renew()
+        residents = lane.residents
         lane.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
-        self._held = None
+        self._held.released(not self._lane_of, lane.residents is not residents)
         return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
