@@ -100,9 +100,9 @@ class Forecast:
         now = self._clock.now_ns()
         blocked: dict[str, float] = {}
         for gpu in gpus:
-            settling = gpu.settling
-            if settling is None and not gpu.adopted:
+            if not gpu.blocked:
                 continue
+            settling = gpu.settling
             left = 0.0
             if settling is not None and settling.granted_ns is not None:
                 left = self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,

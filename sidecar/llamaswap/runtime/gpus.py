@@ -56,6 +56,12 @@ class Gpu:
     def holders(self, grants: int) -> Holders:
         return Holders(grants, self.settling is not None, len(self.adopted))
 
+    @property
+    def blocked(self) -> bool:
+        """Work the scheduler did not grant holds it (`Holders.others`: a settle, an adopted
+        exchange): nothing new is granted there until it ends."""
+        return self.holders(0).others
+
     async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
                      settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
         """Its settle loop (`settle.py`) until it ends; then the settle is no longer under way."""
@@ -109,8 +115,9 @@ class Gpus:
         return next((gpu.settling for gpu in self.all if gpu.settling is not None), None)
 
     def blocked(self) -> frozenset[str]:
-        """The GPUs a settle or an adopted exchange holds: nothing is granted there until it ends."""
-        return frozenset(gpu.name for gpu in self.all if gpu.settling is not None or gpu.adopted)
+        """The GPUs a settle or an adopted exchange holds (`Gpu.blocked`): nothing is granted
+        there until it ends."""
+        return frozenset(gpu.name for gpu in self.all if gpu.blocked)
 
     def states(self, scheduler: Scheduler) -> dict[str, GpuState]:
         """What holds each GPU, by name."""
