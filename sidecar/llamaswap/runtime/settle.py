@@ -84,31 +84,29 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 result = SettleResult.UNSUPPORTED
                 break
             beside = held() if held is not None else 0
-            if processing <= beside and (processing == 0 or seen_within_held):
+            within_held = processing <= beside
+            if within_held and (processing == 0 or seen_within_held):
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
             # A count within what we hold may still be the abandoned one: a held generation that
             # just ended at the upstream is counted until its exchange's end reaches us, a little
-            # later. Only a second answer, one poll later, tells.
-            seen_within_held = processing <= beside
-            if seen_within_held:
-                if clock.now_ns() >= deadline_ns:
-                    result = SettleResult.STOPPED if stopped else SettleResult.IDLE
-                    break
-                await asyncio.sleep(delay)
-                continue
-            result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
-            if stop and not tried_stop and beside == 0:
-                tried_stop = True
-                stopped = await _stop(upstream, model)
-                if stopped and unloaded is not None:
-                    unloaded()
-                continue  # ask at once whether stopping it made it idle
-            if stop and beside and not told_waiting:
-                told_waiting = True
-                _log.info("not stopping the abandoned generation of %s (request %s) yet: %d generation(s) "
-                          "this sidecar holds run beside it; stopping once they end", model or "-",
-                          settling.request_id, beside)
+            # later. Only a second answer, one poll later, tells (the deadline takes this one's word).
+            seen_within_held = within_held
+            if within_held:
+                result = SettleResult.STOPPED if stopped else SettleResult.IDLE
+            else:
+                result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
+                if stop and not tried_stop and beside == 0:
+                    tried_stop = True
+                    stopped = await _stop(upstream, model)
+                    if stopped and unloaded is not None:
+                        unloaded()
+                    continue  # ask at once whether stopping it made it idle
+                if stop and beside and not told_waiting:
+                    told_waiting = True
+                    _log.info("not stopping the abandoned generation of %s (request %s) yet: %d generation(s) "
+                              "this sidecar holds run beside it; stopping once they end", model or "-",
+                              settling.request_id, beside)
         if clock.now_ns() >= deadline_ns:
             break
         await asyncio.sleep(delay)
