@@ -173,28 +173,49 @@ async def load_section(run: Run) -> dict[str, Any]:
     return figures
 
 
+@contextlib.contextmanager
+def both_ways(run: Run, name: str, slots: int) -> Iterator[tuple[dict[str, str], Any]]:
+    """The small model in one llama-server with `slots` slots and a llamaswap stack in front of it
+    (`upstream.slots` the same): the URL of each way, and the stack."""
+    model_path = run.models_dir / f"{run.small}.gguf"
+    with server(run, name, ["-m", str(model_path), "-np", str(slots), "-c", str(1024 * slots)]) as direct:
+        config = {"upstream": {"slots": slots}, "envoy": {"leaseSeconds": 3.0}}
+        with running_stack(stack_dir(run, f"stack-{name}"), config, upstream_url=direct.url) as stack:
+            yield {"direct": direct.url, "llamaswap": stack.url}, stack
+
+
+async def warm(urls: dict[str, str], slots: int) -> None:
+    """CUDA graphs, connections, the sidecar's first grant: before anything is timed."""
+    for url in urls.values():
+        await clients(url, None, clients=slots, requests_each=1, max_tokens=8)
+
+
+def alternating(sides: list[str], rounds: int) -> Iterator[str]:
+    """Each side once a round, the order turned every round, so a drift of the machine falls on both."""
+    for round_index in range(rounds):
+        yield from sides[round_index % 2:] + sides[:round_index % 2]
+
+
+def processes(stack: Any) -> dict[str, int]:
+    """The pids whose CPU llamaswap's way costs."""
+    return {"sidecar": stack.sidecar.popen.pid, "envoy": stack.envoy.popen.pid}
+
+
 async def slots_and_overhead(run: Run, slots: int) -> dict[str, Any]:
     """Throughput at `slots` (and, at 1, the per-request overhead), direct and through llamaswap."""
-    model_path = run.models_dir / f"{run.small}.gguf"
     result: dict[str, Any] = {}
-    with server(run, f"np{slots}", ["-m", str(model_path), "-np", str(slots), "-c", str(1024 * slots)]) as direct:
-        config = {"upstream": {"slots": slots}, "envoy": {"leaseSeconds": 3.0}}
-        with running_stack(stack_dir(run, f"stack-np{slots}"), config, upstream_url=direct.url) as stack:
-            urls = {"direct": direct.url, "llamaswap": stack.url}
-            for url in urls.values():  # warm: CUDA graphs, connections, the sidecar's first grant
-                await clients(url, None, clients=slots, requests_each=1, max_tokens=8)
-            totals = {side: [0.0, 0] for side in urls}
-            sides = list(urls)
-            for round_index in range(run.args.rounds):
-                for side in sides[round_index % 2:] + sides[:round_index % 2]:
-                    wall, answers = await clients(urls[side], None, clients=slots, requests_each=run.args.requests,
-                                                  max_tokens=run.args.tokens)
-                    totals[side][0] += wall
-                    totals[side][1] += sum(a.tokens for a in answers)
-            result["tokens_per_s"] = {side: tokens / wall for side, (wall, tokens) in totals.items()}
-            result["ratio"] = result["tokens_per_s"]["llamaswap"] / result["tokens_per_s"]["direct"]
-            if slots == 1:
-                result["overhead"] = await overhead(run, urls, stack)
+    with both_ways(run, f"np{slots}", slots) as (urls, stack):
+        await warm(urls, slots)
+        totals = {side: [0.0, 0] for side in urls}
+        for side in alternating(list(urls), run.args.rounds):
+            wall, answers = await clients(urls[side], None, clients=slots, requests_each=run.args.requests,
+                                          max_tokens=run.args.tokens)
+            totals[side][0] += wall
+            totals[side][1] += sum(a.tokens for a in answers)
+        result["tokens_per_s"] = {side: tokens / wall for side, (wall, tokens) in totals.items()}
+        result["ratio"] = result["tokens_per_s"]["llamaswap"] / result["tokens_per_s"]["direct"]
+        if slots == 1:
+            result["overhead"] = await overhead(run, urls, stack)
     return result
 
 
@@ -202,15 +223,14 @@ async def overhead(run: Run, urls: dict[str, str], stack: Any) -> dict[str, Any]
     """Short requests one at a time: latency each way, and the sidecar's and Envoy's CPU."""
     latencies: dict[str, list[float]] = {side: [] for side in urls}
     server_ms: dict[str, list[float]] = {side: [] for side in urls}
-    pids = {"sidecar": stack.sidecar.popen.pid, "envoy": stack.envoy.popen.pid}
+    pids = processes(stack)
     cpu_before = {name: cpu_ns(pid) for name, pid in pids.items()}
     async with aiohttp.ClientSession() as session:
-        for block in range(run.args.short_blocks):
-            for side in (list(urls) if block % 2 == 0 else list(urls)[::-1]):
-                for _ in range(run.args.short_block_size):
-                    answer: Answer = await complete(session, urls[side], None, run.args.short_tokens)
-                    latencies[side].append(answer.total_s * 1000)
-                    server_ms[side].append(answer.server_ms)
+        for side in alternating(list(urls), run.args.short_blocks):
+            for _ in range(run.args.short_block_size):
+                answer: Answer = await complete(session, urls[side], None, run.args.short_tokens)
+                latencies[side].append(answer.total_s * 1000)
+                server_ms[side].append(answer.server_ms)
     requests = run.args.short_blocks * run.args.short_block_size
     figures: dict[str, Any] = {"tokens": run.args.short_tokens, "requests_each": requests}
     for side, values in latencies.items():
@@ -250,29 +270,21 @@ async def resident_section(run: Run) -> dict[str, Any]:
 
 async def short_section(run: Run, slots: int = 16) -> dict[str, Any]:
     """Short requests at `slots` from as many clients: what a fixed cost per request does to throughput."""
-    model_path = run.models_dir / f"{run.small}.gguf"
     figures: dict[str, Any] = {"slots": slots, "tokens": run.args.short_tokens}
-    with server(run, f"short-np{slots}", ["-m", str(model_path), "-np", str(slots), "-c", str(1024 * slots)]) as direct:
-        config = {"upstream": {"slots": slots}, "envoy": {"leaseSeconds": 3.0}}
-        with running_stack(stack_dir(run, f"stack-short{slots}"), config, upstream_url=direct.url) as stack:
-            urls = {"direct": direct.url, "llamaswap": stack.url}
-            for url in urls.values():
-                await clients(url, None, clients=slots, requests_each=1, max_tokens=8)
-            pids = {"sidecar": stack.sidecar.popen.pid, "envoy": stack.envoy.popen.pid}
-            totals = {side: [0.0, 0] for side in urls}
-            cpu_ns_used = {name: 0 for name in pids}
-            sides = list(urls)
-            for round_index in range(run.args.rounds):
-                for side in sides[round_index % 2:] + sides[:round_index % 2]:
-                    before = {name: cpu_ns(pid) for name, pid in pids.items()}
-                    wall, answers = await clients(urls[side], None, clients=slots,
-                                                  requests_each=run.args.short_requests,
-                                                  max_tokens=run.args.short_tokens)
-                    totals[side][0] += wall
-                    totals[side][1] += len(answers)
-                    if side == "llamaswap":
-                        for name, pid in pids.items():
-                            cpu_ns_used[name] += cpu_ns(pid) - before[name]
+    with both_ways(run, f"short-np{slots}", slots) as (urls, stack):
+        await warm(urls, slots)
+        pids = processes(stack)
+        totals = {side: [0.0, 0] for side in urls}
+        cpu_ns_used = {name: 0 for name in pids}
+        for side in alternating(list(urls), run.args.rounds):
+            before = {name: cpu_ns(pid) for name, pid in pids.items()}
+            wall, answers = await clients(urls[side], None, clients=slots, requests_each=run.args.short_requests,
+                                          max_tokens=run.args.short_tokens)
+            totals[side][0] += wall
+            totals[side][1] += len(answers)
+            if side == "llamaswap":
+                for name, pid in pids.items():
+                    cpu_ns_used[name] += cpu_ns(pid) - before[name]
     figures["requests_per_s"] = {side: count / wall for side, (wall, count) in totals.items()}
     figures["ratio"] = figures["requests_per_s"]["llamaswap"] / figures["requests_per_s"]["direct"]
     wall, count = totals["llamaswap"]
