@@ -38,8 +38,10 @@ _PIECES: list[str] = ["\u2581"] + [f"\u2581{w}" for w in _WORDS] + list("abcdefg
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
-def _vocab() -> tuple[list[bytes], list[float], list[int]]:
-    """Token texts, scores and types in the layout llama.cpp's SPM tokenizer expects."""
+def vocabulary(size: int | None = None) -> tuple[list[bytes], list[float], list[int]]:
+    """Token texts, scores and types in the layout llama.cpp's SPM tokenizer expects: the special
+    tokens, the 256 byte tokens, the pieces above, then numbered pieces up to `size` tokens (a real
+    vocabulary's size, for bench/gpu/models.py) where given."""
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
     types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     scores: list[float] = [0.0, 0.0, 0.0]
@@ -48,9 +50,12 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
         tokens.append(f"<0x{b:02X}>".encode())
         types.append(gguf.TokenType.BYTE)
         scores.append(0.0)
+    pieces = _PIECES
+    if size is not None:
+        pieces = pieces + [f"\u2581p{i}" for i in range(size - len(tokens) - len(pieces))]
     # SPM merges greedily by score: longer pieces get higher scores so that
     # whole words win over single letters.
-    for piece in _PIECES:
+    for piece in pieces:
         tokens.append(piece.encode("utf-8"))
         types.append(gguf.TokenType.NORMAL)
         scores.append(float(len(piece)) - 10.0)
@@ -97,7 +102,7 @@ def write_tiny_llama_gguf(path: pathlib.Path, *, seed: int = 0, name: str = "tin
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab()
+    tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
 
     def rand(*shape: int) -> np.ndarray:

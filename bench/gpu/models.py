@@ -4,7 +4,7 @@ No model can be downloaded on the GPU machine, and the costs measured there (a l
 token's step, several models on one device) depend on a model's shapes and bytes, not on what
 its weights say. So the files are written there: llama architecture, float16 weights drawn once
 and shared by every tensor (each tensor a view of one buffer: writing 16 GB costs a copy to
-disk, not 8 billion random draws), a SentencePiece-style vocabulary padded to `vocab` pieces.
+disk, not 8 billion random draws), a SentencePiece-style vocabulary padded to `vocab` pieces (e2e/tinymodels.py's).
 
 Shapes (`SHAPES`): `1b` is Llama 3.2 1B's, `8b` Llama 3 8B's, both with a 32,000-piece
 vocabulary instead of 128,256 (the output layer is then smaller than the real one's: 0.13 of
@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent.parent / "e2e"))
-from tinymodels import add_llama_metadata  # noqa: E402
+from tinymodels import add_llama_metadata, vocabulary  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,25 +55,6 @@ SHAPES: dict[str, Shape] = {
     "cpu": Shape(embedding=256, blocks=2, heads=4, kv_heads=2, feed_forward=512, vocab=1000, context=8192),
 }
 SHAPES["cpu2"] = SHAPES["cpu"]
-
-_WORDS = ("the a an and of to in is it that for on with as was be at by this are or from not but have hello "
-          "world model token test swap load fast slow yes no").split()
-
-
-def vocabulary(size: int) -> tuple[list[bytes], list[float], list[int]]:
-    """Special tokens, the 256 byte tokens, some words and letters, then numbered pieces up to `size`."""
-    tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
-    types = [int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL), int(gguf.TokenType.CONTROL)]
-    tokens += [f"<0x{b:02X}>".encode() for b in range(256)]
-    types += [int(gguf.TokenType.BYTE)] * 256
-    pieces = ["\u2581"] + [f"\u2581{w}" for w in _WORDS] + list("abcdefghijklmnopqrstuvwxyz")
-    pieces += [f"\u2581p{i}" for i in range(size - len(tokens) - len(pieces))]
-    tokens += [p.encode("utf-8") for p in pieces]
-    types += [int(gguf.TokenType.NORMAL)] * len(pieces)
-    # SPM merges by score: longer pieces score higher, so whole words win over letters.
-    scores = [0.0] * (3 + 256) + [float(len(p)) - 10.0 for p in pieces]
-    return tokens, scores, types
-
 
 def write_model(path: pathlib.Path, shape: Shape, *, name: str, seed: int = 0) -> pathlib.Path:
     """Write a float16 llama GGUF of `shape` to `path` and return the path."""
