@@ -279,7 +279,7 @@ async def test_the_page_says_unknown_past_the_expected_run_and_counts_the_runnin
 READ_GPUS = """
 const rows = (selector) => [...document.querySelectorAll(selector)];
 return {
-  lanes: rows("#timeline rect.gpu-lane").map((r) => [r.dataset.gpu, Number(r.getAttribute("y"))]),
+  gpus: rows("#timeline rect.gpu-lane").map((r) => [r.dataset.gpu, Number(r.getAttribute("y"))]),
   grants: rows("#timeline rect.grant").map((r) => [r.dataset.requestId, r.dataset.gpu, Number(r.getAttribute("y"))]),
   runningBars: rows("#timeline rect.running").map((r) => [r.dataset.requestId, r.dataset.gpu,
       Number(r.getAttribute("y"))]),
@@ -295,7 +295,7 @@ return {
 async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
     """Two upstreams (issue 27): a timeline row per GPU with each bar on the GPU it ran on, and
     each GPU's loaded model and busy slots in the header. The page's own documents are served
-    in-process over a scheduler of two lanes (tests/two_gpus.py), without Envoy or an upstream:
+    in-process over a scheduler of two GPUs (tests/two_gpus.py), without Envoy or an upstream:
     what is checked is the page, and the sidecar's coordinator does not run two upstreams yet.
     Once it does, the same checks belong on a `running_stack` with `upstreams:`."""
     from aiohttp import web
@@ -336,13 +336,13 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
         seen = await async_wait_for(
             lambda: (lambda page: page if len(page["grants"]) == 2 and len(page["runningBars"]) == 2 else None)(
                 browser.execute_script(READ_GPUS)), what="the page's two GPU rows")
-        lanes = dict(seen["lanes"])
-        assert list(lanes) == ["big", "small"] and lanes["big"] < lanes["small"]
+        gpus = dict(seen["gpus"])
+        assert list(gpus) == ["big", "small"] and gpus["big"] < gpus["small"]
         bars = {rid: (gpu, y) for rid, gpu, y in seen["grants"] + seen["runningBars"]}
         assert {rid: gpu for rid, (gpu, _) in bars.items()} == {"x1": "big", "y1": "small", "x2": "big",
                                                                  "z1": "small"}
         for gpu, y in bars.values():  # each bar inside its GPU's row
-            assert lanes[gpu] < y < lanes[gpu] + 44
+            assert gpus[gpu] < y < gpus[gpu] + 44
         assert seen["header"] == [["big", "x", "1 / 2"], ["small", "z", "1 / 1"]]
         assert dict(seen["runningGpu"]) == {"x2": "big", "z1": "small"}
         if os.environ.get("LLAMASWAP_UI_GPUS_SCREENSHOT"):  # to look at it

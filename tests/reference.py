@@ -437,24 +437,24 @@ def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | flo
 class RefTimes(Protocol):
     """What the node rule may know of time: the same object the real scheduler is given."""
 
-    def slot_free_in_s(self, lane: str) -> float: ...
+    def slot_free_in_s(self, gpu: str) -> float: ...
 
-    def drained_in_s(self, lane: str) -> float: ...
+    def drained_in_s(self, gpu: str) -> float: ...
 
-    def swap_s(self, model: str | None, lane: str) -> float: ...
+    def swap_s(self, model: str | None, gpu: str) -> float: ...
 
 
 class RefNoTimes:
     """Nothing known: no slot is expected to free (so a load never waits for one), no GPU is
     expected to drain before another, a load costs nothing."""
 
-    def slot_free_in_s(self, lane: str) -> float:
+    def slot_free_in_s(self, gpu: str) -> float:
         return float("inf")
 
-    def drained_in_s(self, lane: str) -> float:
+    def drained_in_s(self, gpu: str) -> float:
         return float("inf")
 
-    def swap_s(self, model: str | None, lane: str) -> float:
+    def swap_s(self, model: str | None, gpu: str) -> float:
         return 0.0
 
 
@@ -469,10 +469,10 @@ class RefGpuPolicy:
     models: frozenset[str] | None = None  # None: any
 
     @classmethod
-    def of(cls, lane) -> "RefGpuPolicy":
-        """Read the public settings of a real ``LanePolicy`` (nothing else)."""
-        return cls(lane.name, lane.slots.default, dict(lane.slots.per_model), lane.slots.reserved,
-                   None if lane.models is None else frozenset(lane.models))
+    def of(cls, gpu) -> "RefGpuPolicy":
+        """Read the public settings of a real ``GpuPolicy`` (nothing else)."""
+        return cls(gpu.name, gpu.slots.default, dict(gpu.slots.per_model), gpu.slots.reserved,
+                   None if gpu.models is None else frozenset(gpu.models))
 
     def slots_of(self, model: str | None) -> int:
         return self.slots if model is None else self.model_slots.get(model, self.slots)

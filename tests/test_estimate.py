@@ -52,9 +52,9 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
 def starts_of(e: Estimator, s: Scheduler, snapshot: QueueSnapshot | None = None, blocked_s: float = 0.0) -> list[float]:
     """The estimated starts of a scheduler's waiting order (its snapshot), its GPU held by work
     it did not grant for ``blocked_s``."""
-    lanes = s.holdings()
-    return [start for start, _ in starts_of_node(e, snapshot if snapshot is not None else s.snapshot(), lanes,
-                                                 {lane.name: blocked_s for lane in lanes})]
+    gpus = s.holdings()
+    return [start for start, _ in starts_of_node(e, snapshot if snapshot is not None else s.snapshot(), gpus,
+                                                 {gpu.name: blocked_s for gpu in gpus})]
 
 
 def test_defaults_before_any_measurement():

@@ -43,7 +43,7 @@ from llamaswap.core import (
 )
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.estimate_node import NodeTimes, starts_of_node
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 
 MODELS = ("a", "b", "c")
 NS = 1_000_000_000
@@ -53,7 +53,7 @@ BANDS = (Band.INTERACTIVE, Band.NORMAL, Band.BATCH)
 # -- two upstreams, exact cases -------------------------------------------------------------
 
 
-def _lane(name: str, loaded: str | None = None, slots: int = 1, models: frozenset[str] | None = None) -> GpuHolding:
+def _gpu(name: str, loaded: str | None = None, slots: int = 1, models: frozenset[str] | None = None) -> GpuHolding:
     return GpuHolding(name, Slots(slots), models, frozenset() if loaded is None else frozenset((loaded,)))
 
 
@@ -69,44 +69,44 @@ def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None,
 
 def test_two_idle_upstreams_start_two_models_at_once() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=4, samples=3)
-    starts = starts_of_node(estimator, _snapshot(["x", "y", "x"]), [_lane("gpu0"), _lane("gpu1")])
+    starts = starts_of_node(estimator, _snapshot(["x", "y", "x"]), [_gpu("gpu0"), _gpu("gpu1")])
     # x loads on gpu0, y on gpu1; the second x waits for gpu0 (free in 14 s, sooner than nothing).
     assert starts == [(0.0, "gpu0"), (0.0, "gpu1"), (14.0, "gpu0")]
 
 
 def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
-    lanes = [_lane("gpu0", "x"), _lane("gpu1", "x")]
-    starts = starts_of_node(estimator, _snapshot(["x", "x", "x"]), lanes, {"gpu0": 25.0})
+    gpus = [_gpu("gpu0", "x"), _gpu("gpu1", "x")]
+    starts = starts_of_node(estimator, _snapshot(["x", "x", "x"]), gpus, {"gpu0": 25.0})
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
-    assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), lanes, {"gpu0": 15.0})[2] == (15.0, "gpu0")
-    # Blocked for a time nobody said (a lane view marked blocked): gpu1 serves all three.
-    blocked = [lanes[0].blocked_now(True), lanes[1]]
+    assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), gpus, {"gpu0": 15.0})[2] == (15.0, "gpu0")
+    # Blocked for a time nobody said (a GPU view marked blocked): gpu1 serves all three.
+    blocked = [gpus[0].blocked_now(True), gpus[1]]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 
 def test_waiting_for_the_warm_upstream_beats_a_slow_load() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=30, samples=3)
-    lanes = [_lane("gpu0", "x"), _lane("gpu1", "y")]
+    gpus = [_gpu("gpu0", "x"), _gpu("gpu1", "y")]
     snapshot = _snapshot(["x"], [("gpu0", "x", 4.0, False)])
     # gpu0 frees in 6 s, a load of x on the idle gpu1 takes 30: x waits for gpu0.
-    assert starts_of_node(estimator, snapshot, lanes) == [(6.0, "gpu0")]
+    assert starts_of_node(estimator, snapshot, gpus) == [(6.0, "gpu0")]
     quick = Estimator(default_run_s=10, default_swap_s=3, samples=3)
-    assert starts_of_node(quick, snapshot, lanes) == [(0.0, "gpu1")]
+    assert starts_of_node(quick, snapshot, gpus) == [(0.0, "gpu1")]
 
 
 def test_a_model_only_one_upstream_may_serve_waits_for_it() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
-    lanes = [_lane("small", "x", models=frozenset({"x"})), _lane("big", "x")]
+    gpus = [_gpu("small", "x", models=frozenset({"x"})), _gpu("big", "x")]
     snapshot = _snapshot(["big-model", "x"], [("big", "x", 2.0, False)])
-    assert starts_of_node(estimator, snapshot, lanes) == [(8.0, "big"), (0.0, "small")]
+    assert starts_of_node(estimator, snapshot, gpus) == [(8.0, "big"), (0.0, "small")]
 
 
 def test_an_overdue_grant_leaves_its_upstream_unknown() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=0, samples=3)
-    lanes = [_lane("gpu0", "x", models=frozenset({"x"})), _lane("gpu1", "y", models=frozenset({"y"}))]
+    gpus = [_gpu("gpu0", "x", models=frozenset({"x"})), _gpu("gpu1", "y", models=frozenset({"y"}))]
     snapshot = _snapshot(["x", "y"], [("gpu0", "x", 30.0, False)])
-    assert starts_of_node(estimator, snapshot, lanes) == [(math.inf, None), (0.0, "gpu1")]
+    assert starts_of_node(estimator, snapshot, gpus) == [(math.inf, None), (0.0, "gpu1")]
 
 
 def test_node_times_read_each_upstreams_grants() -> None:
@@ -143,19 +143,19 @@ class NodeCase:
 @st.composite
 def node_cases(draw: st.DrawFn) -> NodeCase:
     count = draw(st.integers(2, 3))
-    lanes = []
+    gpus = []
     sizes = []
     for i in range(count):
         default = draw(st.integers(1, 2))
         per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 3), max_size=2))
         models = draw(st.one_of(st.none(), st.frozensets(st.sampled_from(MODELS), min_size=1)))
-        lanes.append((f"gpu{i}", default, per_model, models))
+        gpus.append((f"gpu{i}", default, per_model, models))
         sizes.append(min([default, *per_model.values()]))
     reserved = draw(st.integers(0, min(sizes) - 1))  # node-wide, as `upstream.reservedSlots`
-    if set().union(*(m for *_, m in lanes if m is not None)) != set(MODELS) and all(m is not None for *_, m in lanes):
-        lanes[0] = (*lanes[0][:3], None)  # every model has an upstream that may serve it
-    lane_policies = tuple(LanePolicy(name, Slots(default, per_model, reserved), models)
-                          for name, default, per_model, models in lanes)
+    if set().union(*(m for *_, m in gpus if m is not None)) != set(MODELS) and all(m is not None for *_, m in gpus):
+        gpus[0] = (*gpus[0][:3], None)  # every model has an upstream that may serve it
+    gpu_policies = tuple(GpuPolicy(name, Slots(default, per_model, reserved), models)
+                          for name, default, per_model, models in gpus)
     if draw(st.booleans()):
         policy = serial(draw(st.sampled_from([0, 1, 7, 60])), 0)
     else:
@@ -165,9 +165,9 @@ def node_cases(draw: st.DrawFn) -> NodeCase:
     model = st.one_of(st.none(), st.sampled_from(MODELS), st.sampled_from(MODELS))
     # Arrivals closer than the runs: a queue builds over the node.
     arrivals = draw(st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2]), priority, model), min_size=6, max_size=24))
-    blocks = draw(st.dictionaries(st.sampled_from([name for name, *_ in lanes]),
+    blocks = draw(st.dictionaries(st.sampled_from([name for name, *_ in gpus]),
                                   st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=1))
-    return NodeCase(policy.with_lanes(lane_policies), draw(st.integers(2, 5)), draw(st.sampled_from([0, 0, 3, 5])),
+    return NodeCase(policy.with_gpus(gpu_policies), draw(st.integers(2, 5)), draw(st.sampled_from([0, 0, 3, 5])),
                     draw(st.dictionaries(st.sampled_from(MODELS), st.integers(2, 9))), arrivals,
                     draw(st.sampled_from([0, 0, 1, 3])), blocks)
 
@@ -214,7 +214,7 @@ class NodePlay:
             times = NodeTimes(self.scheduler.snapshot(), self.estimator)
             cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             assert all((times.slot_free_in_s(u), times.drained_in_s(u))
-                       == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.lanes)
+                       == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.gpus)
             decision = self.scheduler.next(blocked=self.blocked(), times=times)
             if decision is None:
                 return

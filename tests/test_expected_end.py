@@ -22,7 +22,7 @@ from llamaswap.core import Estimator, ManualClock, Outcome, Policy, Priority, Pr
 from llamaswap.core.decisions import Decision
 from llamaswap.core.estimate import expected_end_s, grant_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
 from llamaswap.runtime.views import GpuState, QueueViews
@@ -153,8 +153,8 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
     A on gpu1 at 14 s. Unsized, gpu0 would free in 8 s, sooner than the load: a2 would wait for
     gpu0 until a1 really ends (12 + 30 s recorded: 42 s)."""
     figures = estimator()
-    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_lanes(
-        (LanePolicy("gpu0", Slots(1)), LanePolicy("gpu1", Slots(1))))
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
+        (GpuPolicy("gpu0", Slots(1)), GpuPolicy("gpu1", Slots(1))))
     records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=30, order=0), _arrival("b1", 0, "B", order=1),
                _arrival("a2", 1, "A", max_tokens=100, order=2)]
     sim = simulate(prepare(records), policy, figures)

@@ -15,19 +15,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Scheduler, SchedulerError, Slots
 from llamaswap.core.dispatch import NO_TIMES
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from policies import fifo, serial
 from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close
 
 
-def node(*lanes: LanePolicy, bonus: int = 0, reserved: int = 0) -> tuple[Scheduler, ManualClock]:
+def node(*gpus: GpuPolicy, bonus: int = 0, reserved: int = 0) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock()
-    policy = serial(aging_divisor_s=0.0, swap_affinity_bonus=bonus).with_lanes(tuple(lanes))
+    policy = serial(aging_divisor_s=0.0, swap_affinity_bonus=bonus).with_gpus(tuple(gpus))
     return Scheduler(policy, clock), clock
 
 
-def lane(name: str, slots: int = 1, models: tuple[str, ...] | None = None, reserved: int = 0) -> LanePolicy:
-    return LanePolicy(name, Slots(slots, {}, reserved), frozenset(models) if models is not None else None)
+def gpu(name: str, slots: int = 1, models: tuple[str, ...] | None = None, reserved: int = 0) -> GpuPolicy:
+    return GpuPolicy(name, Slots(slots, {}, reserved), frozenset(models) if models is not None else None)
 
 
 def prio(value: int) -> Priority:
@@ -43,7 +43,7 @@ def grants(scheduler: Scheduler) -> list[tuple[str, str]]:
 
 
 def test_two_models_start_at_once_on_two_idle_upstreams() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.enqueue("a", prio(10), "x")
     scheduler.enqueue("b", prio(0), "y")
     assert grants(scheduler) == [("a", "gpu0"), ("b", "gpu1")]
@@ -51,7 +51,7 @@ def test_two_models_start_at_once_on_two_idle_upstreams() -> None:
 
 
 def test_a_request_goes_where_its_model_is_loaded() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
     scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
     scheduler.enqueue("wants-y", prio(0), "y")
@@ -64,7 +64,7 @@ def test_a_request_goes_where_its_model_is_loaded() -> None:
 
 
 def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted_model() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"), lane("gpu2"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"), gpu("gpu2"))
     scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
     scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
     scheduler.enqueue("z1", prio(50), "z")
@@ -77,7 +77,7 @@ def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted
 
 
 def test_drain_then_swap_per_upstream_while_the_other_serves() -> None:
-    scheduler, _ = node(lane("gpu0", slots=2), lane("gpu1", slots=2))
+    scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=2))
     scheduler.enqueue("x1", prio(0), "x")
     scheduler.enqueue("y1", prio(0), "y")
     assert grants(scheduler) == [("x1", "gpu0"), ("y1", "gpu1")]
@@ -97,17 +97,17 @@ def test_drain_then_swap_per_upstream_while_the_other_serves() -> None:
 def test_the_upstream_expected_to_drain_first_is_the_one_that_drains() -> None:
     @dataclasses.dataclass
     class Times:
-        def slot_free_in_s(self, lane: str) -> float:
-            return self.drained_in_s(lane)
+        def slot_free_in_s(self, gpu: str) -> float:
+            return self.drained_in_s(gpu)
 
-        def drained_in_s(self, lane: str) -> float:
-            return {"gpu0": 30.0, "gpu1": 2.0}[lane]
+        def drained_in_s(self, gpu: str) -> float:
+            return {"gpu0": 30.0, "gpu1": 2.0}[gpu]
 
-        def swap_s(self, model: str | None, lane: str) -> float:
+        def swap_s(self, model: str | None, gpu: str) -> float:
             return 5.0
 
     for times, drains in ((Times(), "gpu1"), (None, "gpu0")):
-        scheduler, _ = node(lane("gpu0", slots=2), lane("gpu1", slots=2))
+        scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=2))
         scheduler.enqueue("x1", prio(0), "x")
         scheduler.enqueue("y1", prio(0), "y")
         grants(scheduler)
@@ -122,18 +122,18 @@ def test_the_upstream_expected_to_drain_first_is_the_one_that_drains() -> None:
 
 
 def test_waiting_for_a_warm_upstream_when_it_frees_sooner_than_a_load() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.enqueue("x1", prio(0), "x")
     grants(scheduler)  # gpu0 runs x; gpu1 idle
 
     class Times:
-        def slot_free_in_s(self, lane: str) -> float:
+        def slot_free_in_s(self, gpu: str) -> float:
             return 1.0
 
-        def drained_in_s(self, lane: str) -> float:
+        def drained_in_s(self, gpu: str) -> float:
             return 1.0
 
-        def swap_s(self, model: str | None, lane: str) -> float:
+        def swap_s(self, model: str | None, gpu: str) -> float:
             return 20.0
 
     scheduler.enqueue("x2", prio(50), "x")
@@ -149,7 +149,7 @@ def test_waiting_for_a_warm_upstream_when_it_frees_sooner_than_a_load() -> None:
 
 
 def test_a_model_goes_only_to_the_upstreams_that_may_serve_it() -> None:
-    scheduler, _ = node(lane("small", models=("tiny",)), lane("big"))
+    scheduler, _ = node(gpu("small", models=("tiny",)), gpu("big"))
     scheduler.enqueue("huge1", prio(10), "huge")
     scheduler.enqueue("huge2", prio(10), "huge")
     scheduler.enqueue("tiny1", prio(0), "tiny")
@@ -158,7 +158,7 @@ def test_a_model_goes_only_to_the_upstreams_that_may_serve_it() -> None:
 
 
 def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.enqueue("a", prio(0), "x")
     scheduler.enqueue("b", prio(0), "x")
     decision = scheduler.next(blocked=frozenset({"gpu0"}))
@@ -169,7 +169,7 @@ def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
 
 
 def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
-    scheduler, _ = node(lane("gpu0", slots=2), lane("gpu1", slots=2))
+    scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=2))
     scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
     scheduler.enqueue("y1", prio(0), "y")
     grants(scheduler)
@@ -185,7 +185,7 @@ def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
 
 
 def test_reserved_slots_hold_per_upstream() -> None:
-    scheduler, _ = node(lane("gpu0", slots=2, reserved=1), lane("gpu1", slots=2, reserved=1))
+    scheduler, _ = node(gpu("gpu0", slots=2, reserved=1), gpu("gpu1", slots=2, reserved=1))
     for n in range(4):
         scheduler.enqueue(f"batch{n}", prio(-60), "x")
     made = grants(scheduler)
@@ -197,7 +197,7 @@ def test_reserved_slots_hold_per_upstream() -> None:
 
 
 def test_release_and_loaded_model_reports_are_per_upstream() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.enqueue("a", prio(0), "x")
     scheduler.enqueue("b", prio(0), "y")
     grants(scheduler)
@@ -207,15 +207,15 @@ def test_release_and_loaded_model_reports_are_per_upstream() -> None:
     assert scheduler.loaded_on("gpu1") is None and scheduler.loaded_on("gpu0") == "x"
     assert scheduler.set_loaded_model("q", as_of=as_of, upstream="gpu1")
     snapshot = scheduler.snapshot()
-    assert [(view.name, view.loaded_model, view.slots_busy) for view in snapshot.lanes] == [
+    assert [(view.name, view.loaded_model, view.slots_busy) for view in snapshot.gpus] == [
         ("gpu0", "x", 1), ("gpu1", "q", 0)]
     assert [grant.upstream for grant in snapshot.grants] == ["gpu0"]
 
 
 def test_the_upstreams_cannot_change_under_a_running_scheduler() -> None:
-    scheduler, _ = node(lane("gpu0"), lane("gpu1"))
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     with pytest.raises(SchedulerError, match="upstreams"):
-        scheduler.reconfigure(serial().with_lanes((lane("gpu0"), lane("gpu7"))))
+        scheduler.reconfigure(serial().with_gpus((gpu("gpu0"), gpu("gpu7"))))
 
 
 # -- properties: the scheduler against the brute-force node (tests/reference.py) --------------
@@ -232,21 +232,21 @@ class Times:
     drained: dict[str, float]
     swap: dict[tuple[str | None, str], float]
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return self.slot_free[lane]
+    def slot_free_in_s(self, gpu: str) -> float:
+        return self.slot_free[gpu]
 
-    def drained_in_s(self, lane: str) -> float:
-        return self.drained[lane]
+    def drained_in_s(self, gpu: str) -> float:
+        return self.drained[gpu]
 
-    def swap_s(self, model: str | None, lane: str) -> float:
-        return self.swap[model, lane]
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self.swap[model, gpu]
 
 
 def times_for(names: list[str]) -> st.SearchStrategy[Times | None]:
     seconds = st.sampled_from(SECONDS)
-    per_lane = st.fixed_dictionaries({name: seconds for name in names})
+    per_gpu = st.fixed_dictionaries({name: seconds for name in names})
     per_load = st.fixed_dictionaries({(model, name): seconds for model in MODELS for name in names})
-    known = st.builds(Times, per_lane, per_lane, per_load)
+    known = st.builds(Times, per_gpu, per_gpu, per_load)
     return st.one_of(st.none(), known, known)
 
 
@@ -269,14 +269,14 @@ class NodeMachine(RuleBasedStateMachine):
             slots = Slots(data.draw(counts), data.draw(st.dictionaries(st.sampled_from(("a", "b", "c")), counts,
                                                                         max_size=2)), reserved)
             models = data.draw(st.one_of(st.none(), st.sets(st.sampled_from(("a", "b", "c")), min_size=1)))
-            self.policies.append(LanePolicy(f"gpu{index}", slots, frozenset(models) if models is not None else None))
+            self.policies.append(GpuPolicy(f"gpu{index}", slots, frozenset(models) if models is not None else None))
         self.names = [p.name for p in self.policies]
         self.clock = ManualClock()
         serials = st.builds(lambda divisor, bonus: serial(aging_divisor_s=divisor, swap_affinity_bonus=bonus),
                             st.sampled_from((0.0, 1.0, 60.0)), st.sampled_from((0, 5, 30, 1000)))
         fifos = st.builds(fifo, st.dictionaries(st.sampled_from(("a", "b", "c")), st.integers(-60, 60)))
         policy = data.draw(st.one_of(serials, serials, fifos))
-        policy = policy.with_lanes(tuple(self.policies))
+        policy = policy.with_gpus(tuple(self.policies))
         self.scheduler = Scheduler(policy, self.clock)
         self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in self.policies],
                                        self.clock.now_ns)
@@ -408,7 +408,7 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
     # gpu1 runs y (one slot, full); gpu0 is idle with x loaded. y1 is older than x1, both at 0:
     # y1's model is loaded only where it cannot start now, so x1 (the idle GPU's model) wins by
     # the bonus and starts on gpu0 without a swap, as it would with one GPU.
-    scheduler, clock = node(lane("gpu0"), lane("gpu1"), bonus=10)
+    scheduler, clock = node(gpu("gpu0"), gpu("gpu1"), bonus=10)
     scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
     scheduler.enqueue("y0", prio(0), "y")
     first = scheduler.next()
@@ -427,12 +427,12 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
 class Drive:
     """One scenario over the scheduler or the reference (``reference``)."""
 
-    def __init__(self, reference: bool, *lanes: LanePolicy, aging_divisor_s: float = 0.0,
+    def __init__(self, reference: bool, *gpus: GpuPolicy, aging_divisor_s: float = 0.0,
                  bonus: int = 0) -> None:
         self.clock = ManualClock()
-        policy = serial(aging_divisor_s=aging_divisor_s, swap_affinity_bonus=bonus).with_lanes(lanes)
+        policy = serial(aging_divisor_s=aging_divisor_s, swap_affinity_bonus=bonus).with_gpus(gpus)
         self.scheduler = None if reference else Scheduler(policy, self.clock)
-        self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in lanes],
+        self.reference = ReferenceNode(RefPolicy.of(policy), [RefGpuPolicy.of(p) for p in gpus],
                                        self.clock.now_ns) if reference else None
 
     def loaded(self, model: str, upstream: str) -> None:
@@ -463,7 +463,7 @@ def only_the_best_holds_a_gpu_back(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs x (one of 3 slots), gpu1 runs w and is expected to drain first, gpu2 serves
     only z. v (the best) waits for gpu1 to drain; u waits too, but holds nothing, so x3 takes
     gpu0's free slot."""
-    drive = Drive(reference, lane("gpu0", slots=3), lane("gpu1", slots=3), lane("gpu2", models=("z",)))
+    drive = Drive(reference, gpu("gpu0", slots=3), gpu("gpu1", slots=3), gpu("gpu2", models=("z",)))
     drive.enqueue("x1", 0, "x")
     drive.enqueue("w1", 0, "w")
     assert drive.grants() == [("x1", "gpu0"), ("w1", "gpu1")]
@@ -484,7 +484,7 @@ def test_only_the_best_holds_an_upstream_back() -> None:
 def no_bonus_from_a_blocked_gpu(reference: bool) -> list[tuple[str, str]]:
     """x is loaded on gpu0, which a settle holds: x1 cannot start there without a swap, so it
     gets no swap-affinity bonus and y1 (5 points against 0 + 10) goes first."""
-    drive = Drive(reference, lane("gpu0"), lane("gpu1"), bonus=10)
+    drive = Drive(reference, gpu("gpu0"), gpu("gpu1"), bonus=10)
     drive.loaded("x", "gpu0")
     drive.enqueue("x1", 0, "x")
     drive.enqueue("y1", 5, "y")
@@ -504,7 +504,7 @@ def test_a_model_loaded_on_a_blocked_upstream_earns_no_bonus() -> None:
 def free_slots_of_different_sizes(reference: bool) -> list[tuple[str, str]]:
     """gpu0 (4 slots) runs two x, gpu1 (2 slots) one: both have x loaded and a free slot; gpu1
     is the least busy, gpu0 has more free slots."""
-    drive = Drive(reference, lane("gpu0", slots=4), lane("gpu1", slots=2))
+    drive = Drive(reference, gpu("gpu0", slots=4), gpu("gpu1", slots=2))
     drive.loaded("x", "gpu0")
     drive.loaded("x", "gpu1")
     drive.enqueue("x1", 0, "x")
@@ -519,7 +519,7 @@ def free_slots_of_different_sizes(reference: bool) -> list[tuple[str, str]]:
 def a_full_gpu_drains_first(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs b with a slot free, gpu1 runs an unload (full) and is expected to drain first;
     the best request needs a, loaded nowhere, and b2 waits behind it."""
-    drive = Drive(reference, lane("gpu0", slots=2), lane("gpu1", slots=2))
+    drive = Drive(reference, gpu("gpu0", slots=2), gpu("gpu1", slots=2))
     drive.enqueue("b1", 0, "b")
     drive.enqueue("unload-a", 0, "a", alone=True)
     assert drive.grants() == [("b1", "gpu0"), ("unload-a", "gpu1")]
@@ -535,7 +535,7 @@ def no_model_waits_for_its_share(reference: bool) -> list[tuple[str, str]]:
     request names no model and has used its share everywhere; behind it, an interactive request
     of each model."""
     reserved = Slots(2, {}, 1)
-    drive = Drive(reference, LanePolicy("gpu0", reserved), LanePolicy("gpu1", reserved), aging_divisor_s=1.0)
+    drive = Drive(reference, GpuPolicy("gpu0", reserved), GpuPolicy("gpu1", reserved), aging_divisor_s=1.0)
     drive.enqueue("x1", 0, "x")
     drive.enqueue("y1", 0, "y")
     assert drive.grants() == [("x1", "gpu0"), ("y1", "gpu1")]
@@ -549,7 +549,7 @@ def no_model_waits_for_its_share(reference: bool) -> list[tuple[str, str]]:
 def an_unload_heads_its_model(reference: bool) -> list[tuple[str, str]]:
     """gpu0 runs two x (3 slots), gpu1 one y (3 slots); the best needs z, then an unload of x,
     then x2, which fits gpu0's free slot."""
-    drive = Drive(reference, lane("gpu0", slots=3), lane("gpu1", slots=3))
+    drive = Drive(reference, gpu("gpu0", slots=3), gpu("gpu1", slots=3))
     drive.loaded("x", "gpu0")
     drive.enqueue("x0", 0, "x")
     drive.enqueue("x1", 0, "x")

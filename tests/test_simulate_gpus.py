@@ -17,7 +17,7 @@ import pytest
 
 from llamaswap.commands import simulate as cli
 from llamaswap.core import Outcome, Policy, Slots
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.records import RequestRecord, format_line, parse_activity
 from llamaswap.simulate.settings import SettingsError
@@ -34,7 +34,7 @@ def arrival(request_id: str, at_s: float, model: str, priority: int = 0, order: 
 
 def two_gpus(slots: int = 1) -> Policy:
     policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0, slots=Slots(slots))
-    return policy.with_lanes((LanePolicy("gpu0", Slots(slots)), LanePolicy("gpu1", Slots(slots))))
+    return policy.with_gpus((GpuPolicy("gpu0", Slots(slots)), GpuPolicy("gpu1", Slots(slots))))
 
 
 def starts(records: list[RequestRecord], policy: Policy, costs: FixedCosts) -> dict[str, tuple[int | None, str | None]]:
@@ -192,7 +192,7 @@ def _recording(slots: int, seed: int) -> list[dict]:
         records.append(arrival(f"q{number}", round(at, 3), rng.choice("AABBC"), rng.choice([-60, 0, 0, 60]),
                                order=number))
     policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(slots))
-    policy = policy.with_lanes((LanePolicy("gpu0", Slots(slots)), LanePolicy("gpu1", Slots(slots))))
+    policy = policy.with_gpus((GpuPolicy("gpu0", Slots(slots)), GpuPolicy("gpu1", Slots(slots))))
     sim = simulate(prepare(records), policy, FixedCosts(RUN_S, SWAP_S))
     assert {r.upstream for r in sim.results} == {"gpu0", "gpu1"}
     assert sim.metrics.gpus["gpu0"].swaps and sim.metrics.gpus["gpu1"].swaps
@@ -231,17 +231,17 @@ def test_records_carry_their_upstream():
 def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_replaces_them():
     from llamaswap.simulate.settings import KEYS, Settings, override
 
-    lanes = (LanePolicy("big", Slots(2, {"A": 3})), LanePolicy("small", Slots(1), frozenset({"B"})))
-    base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_lanes(lanes))
+    policies = (GpuPolicy("big", Slots(2, {"A": 3})), GpuPolicy("small", Slots(1), frozenset({"B"})))
+    base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(policies))
     assert (base.gpus, base.upstreams, base.most_slots, base.fewest_slots) == (2, ("big", "small"), 3, 1)
-    assert base.policy().lanes == lanes
+    assert base.policy().gpus == policies
     with_reserved = dataclasses.replace(base, reserved_slots=1)
     with pytest.raises(SettingsError, match="reservedSlots 1"):  # small has one slot
         with_reserved.policy()
     # --slots gives every upstream those slots, and any model; --gpus names them gpu0..
-    flat = override(base, {"slots": "2"}).policy().lanes
-    assert flat == (LanePolicy("big", Slots(2)), LanePolicy("small", Slots(2)))
-    assert [lane.name for lane in override(base, {"gpus": "3"}).policy().lanes] == ["gpu0", "gpu1", "gpu2"]
+    flat = override(base, {"slots": "2"}).policy().gpus
+    assert flat == (GpuPolicy("big", Slots(2)), GpuPolicy("small", Slots(2)))
+    assert [gpu.name for gpu in override(base, {"gpus": "3"}).policy().gpus] == ["gpu0", "gpu1", "gpu2"]
     assert "gpus" in KEYS
 
 
@@ -316,8 +316,8 @@ def test_a_configuration_with_upstreams_replays_them_with_their_slots_and_models
     path = tmp_path / "llamaswap.yaml"
     path.write_text(yaml.safe_dump(document))
     # auto: the slots the log recorded (2 here).
-    assert cli._node_policy(load_config(str(path)), None, 2).lanes == (
-        LanePolicy("gpu0", Slots(2), frozenset({"qwen", "gemma"})), LanePolicy("gpu1", Slots(3), frozenset({"llama"})))
+    assert cli._node_policy(load_config(str(path)), None, 2).gpus == (
+        GpuPolicy("gpu0", Slots(2), frozenset({"qwen", "gemma"})), GpuPolicy("gpu1", Slots(3), frozenset({"llama"})))
     (row,) = run_json(["-c", str(path)], NAMED, tmp_path)["rows"]
     assert set(row["gpus"]) == {"gpu0", "gpu1"}  # the configuration's, not the log's "big" and "small"
 
@@ -365,8 +365,8 @@ def test_a_gpu_without_its_own_figures_takes_the_nodes():
     # gpu2 recorded nothing: the node's run of A (2 s); no model anywhere recorded: the defaults.
     assert costs.expected_run_s("A", "gpu2") == 2.0
     assert (costs.expected_run_s("Z", "gpu1"), costs.expected_swap_s("Z", "gpu1")) == (10.0, 5.0)
-    three = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_lanes(
-        tuple(LanePolicy(f"gpu{i}", Slots(1)) for i in range(3)))
+    three = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
+        tuple(GpuPolicy(f"gpu{i}", Slots(1)) for i in range(3)))
     late = [arrival(f"n{i}", 30, "A", order=4 + i) for i in range(3)]
     sim = simulate(prepare(records + late), three, costs)
     ran = {r.upstream: (r.release_ns - r.start_ns) / S for r in sim.results if r.request.record.request_id[0] == "n"}

@@ -1,7 +1,7 @@
 """What people see of a node with several upstreams (issue 27): `/queue`, `llamaswap queue`, the
 metrics (the picker's page among them), the spans and the page's documents say which GPU each
 request runs on, what each GPU has loaded and how many of its slots are busy. Built on a
-Scheduler over two lanes (`two_gpus.py`), no coordinator; one upstream keeps today's shape
+Scheduler over two GPUs (`two_gpus.py`), no coordinator; one upstream keeps today's shape
 (tests/test_telemetry.py, tests/test_ui_documents.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from two_gpus import TwoGpus
 from llamaswap.adapters.admin import queue_document, status_document
 from llamaswap.commands.queue import render
 from llamaswap.core import ManualClock
-from llamaswap.runtime.observer import LanePicture, QueuePicture
+from llamaswap.runtime.observer import GpuPicture, QueuePicture
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.observer import QUEUE_SPAN, RUN_SPAN, Telemetry
 
@@ -74,7 +74,7 @@ def test_what_holds_each_gpu_comes_from_the_coordinator_where_it_says() -> None:
     the other what its grants say."""
     from llamaswap.runtime.views import GpuState
 
-    node = TwoGpus(lane_states=lambda: {"small": GpuState.SETTLING})
+    node = TwoGpus(gpu_states=lambda: {"small": GpuState.SETTLING})
     document = queue_document(node.view())
     assert [(gpu["name"], gpu["state"]) for gpu in document["gpus"]] == [("big", "idle"), ("small", "settling")]
     lines = render(document).splitlines()
@@ -173,8 +173,8 @@ def test_the_pickers_gauges_cover_every_gpu() -> None:
 
 def test_a_model_on_two_gpus_is_listed_once() -> None:
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 2, 2, "x", (LanePicture("a", "x", 1, 1),
-                                                                   LanePicture("b", "x", 1, 1))))
+    telemetry.queue_changed(QueuePicture((), (), True, 2, 2, "x", (GpuPicture("a", "x", 1, 1),
+                                                                   GpuPicture("b", "x", 1, 1))))
     adapters = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
     assert adapters is not None and adapters.running == ("x",) and adapters.max_adapters == 2
 
@@ -183,8 +183,8 @@ def test_a_settle_on_one_gpu_fills_only_that_gpu() -> None:
     """An upstream that finishes an abandoned generation takes no grant: full for the picker,
     busy in its own series; the other GPU's free slots still count as free."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 0, 2, None, (LanePicture("a", "x", 0, 2, blocked=True),
-                                                                    LanePicture("b", None, 0, 2))))
+    telemetry.queue_changed(QueuePicture((), (), True, 0, 2, None, (GpuPicture("a", "x", 0, 2, blocked=True),
+                                                                    GpuPicture("b", None, 0, 2))))
     samples = metrics(telemetry)
     assert value(samples, names.SATURATION) == 0.5
     assert by_label(samples, names.UPSTREAM_BUSY, "upstream") == {"a": 1, "b": 0}

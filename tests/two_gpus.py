@@ -1,4 +1,4 @@
-"""A node of two upstreams without a coordinator: a Scheduler built with `Policy.with_lanes`, its
+"""A node of two upstreams without a coordinator: a Scheduler built with `Policy.with_gpus`, its
 grants made by the node rule, and the views and observers fed the way the coordinator feeds
 them (tickets, the published picture with every upstream). For the tests of what people see
 (`/queue`, `llamaswap queue`, the metrics, spans, the activity record and the page's documents)
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core import Estimator, ManualClock, Outcome, Priority, PrioritySource, Scheduler, Slots
-from llamaswap.core.policy import LanePolicy
-from llamaswap.runtime.observer import Observer, QueuePicture, lane_pictures
+from llamaswap.core.policy import GpuPolicy
+from llamaswap.runtime.observer import Observer, QueuePicture, gpu_pictures
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
 from llamaswap.runtime.views import GpuState, QueueView, QueueViews
 from policies import serial
@@ -22,10 +22,10 @@ class TwoGpus:
 
     def __init__(self, observers: Sequence[Observer] = (), *, clock: ManualClock | None = None,
                  trace_parent: str | None = None,
-                 lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
+                 gpu_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self.clock = clock or ManualClock()
-        self.policy = serial(aging_divisor_s=0.0).with_lanes(
-            (LanePolicy("big", Slots(2)), LanePolicy("small", Slots(1))))
+        self.policy = serial(aging_divisor_s=0.0).with_gpus(
+            (GpuPolicy("big", Slots(2)), GpuPolicy("small", Slots(1))))
         self.scheduler = Scheduler(self.policy, self.clock)
         self.estimator = Estimator(default_run_s=10.0, default_swap_s=5.0, samples=5)
         self.tickets: dict[str, Ticket] = {}
@@ -35,7 +35,7 @@ class TwoGpus:
         self.trace_parent = trace_parent
         self.views = QueueViews(self.scheduler, self.estimator, self.clock, self.tickets, self.by_request_id,
                                 version=lambda: self.version, blocked=dict, gpu_state=self._gpu_state,
-                                lane_states=lane_states)
+                                gpu_states=gpu_states)
         for observer in self.observers:
             observer.settings_changed(self.policy)
         self.publish()
@@ -93,7 +93,7 @@ class TwoGpus:
         return QueuePicture(tuple((band, s.depth) for band, s in stats.items()),
                             tuple((band, s.oldest_arrival_ns) for band, s in stats.items()),
                             self.scheduler.slots_busy > 0, self.scheduler.slots_busy, self.scheduler.slots_total,
-                            self.scheduler.loaded_model, lane_pictures(self.scheduler))
+                            self.scheduler.loaded_model, gpu_pictures(self.scheduler))
 
     def publish(self) -> None:
         picture = self.picture()

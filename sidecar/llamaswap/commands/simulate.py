@@ -73,7 +73,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from llamaswap.core import Policy
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate import report
 from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
@@ -293,13 +293,13 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
     entries = getattr(config, "upstream_entries", ())
     if len(entries) < 2:
         return policy
-    lanes = []
+    gpus = []
     for entry in entries:
         slots = recorded_slots if entry.slots == "auto" else entry.slots
         upstream = config.upstream.model_copy(update={"url": entry.url, "slots": slots})
         own: Config = config.model_copy(update={"upstream": upstream})
-        lanes.append(LanePolicy(entry.name, own.slots(None, single), entry.models))
-    return policy.with_lanes(tuple(lanes))
+        gpus.append(GpuPolicy(entry.name, own.slots(None, single), entry.models))
+    return policy.with_gpus(tuple(gpus))
 
 
 def _pods_flag(text: str) -> int:

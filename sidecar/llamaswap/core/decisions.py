@@ -149,7 +149,7 @@ class BandStats:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LaneView:
+class GpuView:
     """One upstream of the node: its loaded model and its slots, busy and in effect."""
 
     name: str
@@ -166,7 +166,7 @@ class QueueSnapshot:
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
     slots: int  # the slots of the model in effect (what `next` fills up to)
-    lanes: tuple[LaneView, ...] = ()  # every upstream, in the configured order
+    gpus: tuple[GpuView, ...] = ()  # every upstream, in the configured order
 
 
     @property

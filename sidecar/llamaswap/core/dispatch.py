@@ -100,35 +100,35 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
 # estimates' walk run it over the order, so both say the same.
 
 
-class LaneTimes(Protocol):
+class GpuTimes(Protocol):
     """What the node rule may know of time (learnt run times and swap costs); `NO_TIMES` knows
     nothing, and then an idle upstream always takes the best request it may serve."""
 
-    def slot_free_in_s(self, lane: str) -> float: ...  # until its first running slot frees
+    def slot_free_in_s(self, gpu: str) -> float: ...  # until its first running slot frees
 
-    def drained_in_s(self, lane: str) -> float: ...  # until all it runs has ended
+    def drained_in_s(self, gpu: str) -> float: ...  # until all it runs has ended
 
-    def swap_s(self, model: str | None, lane: str) -> float: ...  # loading that model there
+    def swap_s(self, model: str | None, gpu: str) -> float: ...  # loading that model there
 
 
 class _NoTimes:
-    def slot_free_in_s(self, lane: str) -> float:
+    def slot_free_in_s(self, gpu: str) -> float:
         return math.inf
 
-    def drained_in_s(self, lane: str) -> float:
+    def drained_in_s(self, gpu: str) -> float:
         return math.inf
 
-    def swap_s(self, model: str | None, lane: str) -> float:
+    def swap_s(self, model: str | None, gpu: str) -> float:
         return 0.0
 
 
-NO_TIMES: LaneTimes = _NoTimes()
+NO_TIMES: GpuTimes = _NoTimes()
 
 
 class Step(enum.Enum):
-    START = "start"  # it starts on `lane`
-    CLAIM = "claim"  # it waits for `lane`, which takes no new work meanwhile
-    INTERACTIVE_ONLY = "interactive_only"  # it waits for `lane`'s share; its reserved slots stay open
+    START = "start"  # it starts on `gpu`
+    CLAIM = "claim"  # it waits for `gpu`, which takes no new work meanwhile
+    INTERACTIVE_ONLY = "interactive_only"  # it waits for `gpu`'s share; its reserved slots stay open
     SKIP = "skip"  # every upstream that may serve it is closed already
 
 
@@ -137,8 +137,8 @@ class Step(enum.Enum):
 Choice = tuple[Step, int | None]
 
 
-def choose(lanes: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], interactive_only: Set[int],
-           times: LaneTimes, wanted: Mapping[str | None, int]) -> Choice:
+def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], interactive_only: Set[int],
+           times: GpuTimes, wanted: Mapping[str | None, int]) -> Choice:
     """The node rule for one waiting request, every request ahead of it in the order having been
     asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
     non-interactive share they wait for). ``wanted[model]``: how many waiting requests name it (none
@@ -150,41 +150,41 @@ def choose(lanes: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], 
     # answer there; of those, the ones that have its model resident (`holding`).
     waits: dict[int, Turn] = {}
     holding: list[int] = []
-    for index, lane in enumerate(lanes):
-        if lane.blocked or index in closed or not lane.may_serve(candidate):
+    for index, gpu in enumerate(gpus):
+        if gpu.blocked or index in closed or not gpu.may_serve(candidate):
             continue
-        verdict = turn(lane, candidate)
+        verdict = turn(gpu, candidate)
         if verdict is Turn.IDLE:
             idle.append(index)
             continue
         if verdict is Turn.FREE:
             if candidate.interactive or index not in interactive_only:
-                if free < 0 or lane.running.busy < lanes[free].running.busy:
+                if free < 0 or gpu.running.busy < gpus[free].running.busy:
                     free = index
                 continue
             verdict = Turn.SHARE_USED  # the best waits for this GPU's share: its reserved slots only
-        if model is not None and model in lane.residents:
+        if model is not None and model in gpu.residents:
             holding.append(index)
         waits[index] = verdict
     if free >= 0:  # (never for a request that runs alone: it fits nowhere)
         return Step.START, free
     if idle and model is not None:
         for index in idle:
-            if model in lanes[index].residents:  # (`GpuHolding.has`, inline: this runs for most grants)
+            if model in gpus[index].residents:  # (`GpuHolding.has`, inline: this runs for most grants)
                 return Step.START, index
     busy: Collection[int] = waits.keys()
-    if candidate.alone and any(lanes[index].has(model) for index in busy):
+    if candidate.alone and any(gpus[index].has(model) for index in busy):
         # An unload is for a GPU that has its model, where one of those it may use has (it
         # never fits beside running work: no free slot is its; an idle one that has it took it
         # above).
-        busy = [index for index in busy if lanes[index].has(model)]
+        busy = [index for index in busy if gpus[index].has(model)]
         idle = []
-    soonest = min(holding, key=lambda i: times.slot_free_in_s(lanes[i].name)) if holding else None
+    soonest = min(holding, key=lambda i: times.slot_free_in_s(gpus[i].name)) if holding else None
     if idle:
         # Nothing resident first, then the residents the queue wants least (one idle GPU: that one).
         target = idle[0] if len(idle) == 1 else min(
-            idle, key=lambda i: (bool(lanes[i].residents), sum(wanted.get(name, 0) for name in lanes[i].residents)))
-        if soonest is None or times.slot_free_in_s(lanes[soonest].name) >= times.swap_s(model, lanes[target].name):
+            idle, key=lambda i: (bool(gpus[i].residents), sum(wanted.get(name, 0) for name in gpus[i].residents)))
+        if soonest is None or times.slot_free_in_s(gpus[soonest].name) >= times.swap_s(model, gpus[target].name):
             return Step.START, target
         return _wait_for(soonest, waits)
     if soonest is not None:
@@ -193,7 +193,7 @@ def choose(lanes: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], 
     # one too (a GPU with a free slot keeps serving meanwhile).
     if not busy:
         return Step.SKIP, None
-    draining = min(busy, key=lambda i: (times.drained_in_s(lanes[i].name), lanes[i].running.busy))
+    draining = min(busy, key=lambda i: (times.drained_in_s(gpus[i].name), gpus[i].running.busy))
     return _wait_for(draining, waits)
 
 

@@ -55,14 +55,14 @@ class _Waiting:
         self.interactive = interactive
 
 
-class _LaneWalk:
+class _GpuWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("lane", "residents", "items", "ready_at", "blocked_until")
+    __slots__ = ("holding", "residents", "items", "ready_at", "blocked_until")
 
-    def __init__(self, lane: GpuHolding, blocked_until: float) -> None:
-        self.lane = lane
-        self.residents = lane.residents
+    def __init__(self, gpu: GpuHolding, blocked_until: float) -> None:
+        self.holding = gpu
+        self.residents = gpu.residents
         self.items: list[_Item] = []
         self.ready_at = 0.0  # when the load under way ends (its runs begin then)
         self.blocked_until = blocked_until
@@ -80,30 +80,30 @@ class _LaneWalk:
 
     def view(self, now: float) -> GpuHolding:
         """What it holds at ``now``, as the rule reads it."""
-        lane = self.lane
-        return GpuHolding(lane.name, lane.slots, lane.models, self.residents, self.running(), self.blocked_until > now)
+        gpu = self.holding
+        return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, self.running(), self.blocked_until > now)
 
 
 class _WalkTimes:
-    """`dispatch.LaneTimes` from the walk's own state at ``now``."""
+    """`dispatch.GpuTimes` from the walk's own state at ``now``."""
 
-    def __init__(self, lanes: Mapping[str, _LaneWalk], now: float, estimator: Estimator) -> None:
-        self._lanes = lanes
+    def __init__(self, gpus: Mapping[str, _GpuWalk], now: float, estimator: Estimator) -> None:
+        self._gpus = gpus
         self._now = now
         self._estimator = estimator
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return min((item.end for item in self._lanes[lane].items), default=self._now) - self._now
+    def slot_free_in_s(self, gpu: str) -> float:
+        return min((item.end for item in self._gpus[gpu].items), default=self._now) - self._now
 
-    def drained_in_s(self, lane: str) -> float:
-        return max((item.end for item in self._lanes[lane].items), default=self._now) - self._now
+    def drained_in_s(self, gpu: str) -> float:
+        return max((item.end for item in self._gpus[gpu].items), default=self._now) - self._now
 
-    def swap_s(self, model: str | None, lane: str) -> float:
-        return self._estimator.expected_swap_s(model, lane)
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self._estimator.expected_swap_s(model, gpu)
 
 
 class NodeTimes:
-    """`dispatch.LaneTimes` from a scheduler's snapshot: what `Scheduler.next(times=...)` reads
+    """`dispatch.GpuTimes` from a scheduler's snapshot: what `Scheduler.next(times=...)` reads
     in the runtime, the same picture the estimates walk from. Per upstream, the first slot frees
     after the smallest expected remaining time of its grants (inf when none is known), it drains
     after the largest (inf if any is unknown); 0 with nothing running."""
@@ -128,14 +128,14 @@ class NodeTimes:
                       for d in grants)
         return cls(QueueSnapshot(PolicyName.SERIAL, None, (), {}, views, 0), estimator, grant_max_tokens)
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return min(self._remaining.get(lane, ()), default=0.0)
+    def slot_free_in_s(self, gpu: str) -> float:
+        return min(self._remaining.get(gpu, ()), default=0.0)
 
-    def drained_in_s(self, lane: str) -> float:
-        return max(self._remaining.get(lane, ()), default=0.0)
+    def drained_in_s(self, gpu: str) -> float:
+        return max(self._remaining.get(gpu, ()), default=0.0)
 
-    def swap_s(self, model: str | None, lane: str) -> float:
-        return self._estimator.expected_swap_s(model, lane)
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self._estimator.expected_swap_s(model, gpu)
 
 
 def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
@@ -148,21 +148,21 @@ def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
     return out
 
 
-def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequence[GpuHolding],
+def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence[GpuHolding],
                    blocked_s: Mapping[str, float] | None = None,
                    max_tokens: Sequence[int | None] | None = None,
                    grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
     """Each waiting request's estimated start, in seconds from now (`math.inf` where it cannot be
     told: it waits for a slot held for a time unknown), and the upstream it is expected to start
-    on (None where not known). ``lanes`` in the configured order (their slots, the models they
+    on (None where not known). ``gpus`` in the configured order (their slots, the models they
     may serve and their loaded model; what runs there is read from the snapshot's grants),
-    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a lane marked
+    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a GPU marked
     ``blocked`` and not in it: unknown), ``max_tokens`` and ``grant_max_tokens`` the output
     tokens each waiting request and each running grant asked for (the snapshot's orders; None:
     not said)."""
     blocked_s = blocked_s or {}
-    # A lane marked blocked (`Scheduler.holdings(blocked)`) with no time said: for how long, unknown.
-    walks = {lane.name: _LaneWalk(lane, blocked_s.get(lane.name, math.inf if lane.blocked else 0.0)) for lane in lanes}
+    # A GPU marked blocked (`Scheduler.holdings(blocked)`) with no time said: for how long, unknown.
+    walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked else 0.0)) for gpu in gpus}
     sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
     for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
         walk = walks.get(upstream)
@@ -178,11 +178,11 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, lanes: Sequenc
 
 
 class _Walk:
-    def __init__(self, estimator: Estimator, lanes: list[_LaneWalk], waiting: list[_Waiting],
+    def __init__(self, estimator: Estimator, gpus: list[_GpuWalk], waiting: list[_Waiting],
                  sizes: Sequence[int | None]) -> None:
         self._estimator = estimator
-        self._lanes = lanes
-        self._by_name = {lane.lane.name: lane for lane in lanes}
+        self._gpus = gpus
+        self._by_name = {gpu.holding.name: gpu for gpu in gpus}
         self._waiting = waiting
         self._sizes = sizes
         self._pending = list(range(len(waiting)))  # not started yet, in the order
@@ -194,14 +194,14 @@ class _Walk:
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
         while self._pending:
-            for lane in self._lanes:
-                lane.items = [item for item in lane.items if item.end > now]
+            for gpu in self._gpus:
+                gpu.items = [item for item in gpu.items if item.end > now]
             found = self._find(now)
             if found is not None:
                 self._start(now, *found)
                 continue
-            now = min((t for lane in self._lanes
-                       for t in (*(item.end for item in lane.items), lane.blocked_until) if t > now),
+            now = min((t for gpu in self._gpus
+                       for t in (*(item.end for item in gpu.items), gpu.blocked_until) if t > now),
                       default=math.inf)
             if math.isinf(now):
                 break  # the rest wait for slots held for an unknown time
@@ -209,7 +209,7 @@ class _Walk:
 
     def _find(self, now: float) -> tuple[int, int] | None:
         """`node.find`: (position in the pending order, upstream) of the next start."""
-        views = [lane.view(now) for lane in self._lanes]
+        views = [gpu.view(now) for gpu in self._gpus]
         full = {i for i, view in enumerate(views) if takes_nothing(view)}
         closed: set[int] = set()
         interactive_only: set[int] = set()
@@ -217,12 +217,12 @@ class _Walk:
         for position, request in enumerate(self._pending):
             if len(closed | full) >= len(views):
                 return None
-            step, lane = choose(views, self._waiting[request], closed, interactive_only, times, self._wanted)
+            step, gpu = choose(views, self._waiting[request], closed, interactive_only, times, self._wanted)
             if step is Step.START:
-                assert lane is not None
-                return position, lane
-            if position == 0 and lane is not None:  # only the best claims
-                (closed if step is Step.CLAIM else interactive_only).add(lane)
+                assert gpu is not None
+                return position, gpu
+            if position == 0 and gpu is not None:  # only the best claims
+                (closed if step is Step.CLAIM else interactive_only).add(gpu)
         return None
 
     def _start(self, now: float, position: int, index: int) -> None:
@@ -230,11 +230,11 @@ class _Walk:
         candidate = self._waiting[request]
         model = candidate.model
         self._wanted[model] -= 1
-        lane = self._lanes[index]
-        if model is not None and model not in lane.residents:  # a load: only with nothing running there
-            lane.ready_at = now + self._estimator.expected_swap_s(model, lane.lane.name)
-            lane.residents = frozenset((model,))  # it replaces what was resident
-        end = max(now, lane.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request],
-                                                                               lane.lane.name)
-        lane.items.append(_Item(end, candidate.interactive, model, False))
-        self._starts[request] = (now, lane.lane.name)
+        gpu = self._gpus[index]
+        if model is not None and model not in gpu.residents:  # a load: only with nothing running there
+            gpu.ready_at = now + self._estimator.expected_swap_s(model, gpu.holding.name)
+            gpu.residents = frozenset((model,))  # it replaces what was resident
+        end = max(now, gpu.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request],
+                                                                               gpu.holding.name)
+        gpu.items.append(_Item(end, candidate.interactive, model, False))
+        self._starts[request] = (now, gpu.holding.name)

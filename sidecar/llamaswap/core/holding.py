@@ -3,7 +3,7 @@
 Its resident models, the slots of each, what runs in them (`Running`, as the dispatch rule
 needs it), the models it may serve and whether work the scheduler did not grant holds it (a
 settle, an adopted exchange). The scheduler keeps one per GPU, built again when read after a
-change of what runs or is resident there (`LaneState.holding`; the GPU's idle one is kept while
+change of what runs or is resident there (`GpuRecord.holding`; the GPU's idle one is kept while
 its residents stay, and `Scheduler` keeps the tuple of them and of the GPUs that take work);
 the dispatch rule (`dispatch.turn`, `dispatch.choose`), the node walk, the dispatch order's
 swap-affinity bonus and the estimates' walk read it, and nothing else says what a GPU holds.

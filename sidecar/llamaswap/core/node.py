@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from llamaswap.core.dispatch import Choice, LaneTimes, Step, choose, takes_nothing
+from llamaswap.core.dispatch import Choice, GpuTimes, Step, choose, takes_nothing
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank
@@ -26,8 +26,8 @@ from llamaswap.core.order import rank
 _NONE: frozenset[int] = frozenset()  # no upstream claimed yet
 
 
-def find(lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
-         pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: LaneTimes,
+def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
+         pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None]) -> tuple[int, Entry, Entry] | None:
     """The upstream and the request that starts next, and the best request (the first asked: the
     same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
@@ -35,13 +35,13 @@ def find(lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus
     (only the best does) and the walk goes on behind it; ``resume`` gets the requests the walk
     suspended, whatever happens."""
     first = pick(aged)
-    step, lane = choose(lanes, first, _NONE, _NONE, times, wanted)
+    step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START:
-        assert lane is not None
-        return lane, first, first
-    walk = NodeWalk(lanes, aged, reserved, bonus, pick, wanted, times)
+        assert gpu is not None
+        return gpu, first, first
+    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     try:
-        return walk.behind(first, step, lane)
+        return walk.behind(first, step, gpu)
     finally:
         resume(walk.suspended)
 
@@ -49,13 +49,13 @@ def find(lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus
 class NodeWalk:
     """The walk behind a best request that waits (`find`)."""
 
-    __slots__ = ("_lanes", "_aged", "_reserved", "_bonus", "_pick", "_wanted", "_times", "_closed",
+    __slots__ = ("_gpus", "_aged", "_reserved", "_bonus", "_pick", "_wanted", "_times", "_closed",
                  "_interactive_only", "suspended")
 
-    def __init__(self, lanes: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
+    def __init__(self, gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
                  pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
-                 times: LaneTimes) -> None:
-        self._lanes = lanes
+                 times: GpuTimes) -> None:
+        self._gpus = gpus
         self._aged = aged
         self._reserved = reserved  # the interactive requests alone (reserved slots), or None
         self._bonus = bonus
@@ -67,27 +67,27 @@ class NodeWalk:
         self.suspended: list[Entry] = []
 
     def _choose(self, candidate: Entry) -> Choice:
-        return choose(self._lanes, candidate, self._closed, self._interactive_only, self._times, self._wanted)
+        return choose(self._gpus, candidate, self._closed, self._interactive_only, self._times, self._wanted)
 
-    def behind(self, first: Entry, step: Step, lane: int | None) -> tuple[int, Entry, Entry] | None:
-        """`find` after the best, ``first``, did not start (the rule said ``step`` on ``lane``)."""
-        if lane is not None:
-            (self._closed if step is Step.CLAIM else self._interactive_only).add(lane)
+    def behind(self, first: Entry, step: Step, gpu: int | None) -> tuple[int, Entry, Entry] | None:
+        """`find` after the best, ``first``, did not start (the rule said ``step`` on ``gpu``)."""
+        if gpu is not None:
+            (self._closed if step is Step.CLAIM else self._interactive_only).add(gpu)
         self._suspend(first)
-        lanes = self._lanes
+        gpus = self._gpus
         # Upstreams that take nothing now: held by a settle, full, or running a request alone.
-        full = {i for i, gpu in enumerate(lanes) if takes_nothing(gpu)}
-        while len(self._closed | full) < len(lanes) and self._aged.top() is not None:
-            if all(lanes[i].running.busy for i in range(len(lanes)) if i not in self._closed):
+        full = {i for i, holding in enumerate(gpus) if takes_nothing(holding)}
+        while len(self._closed | full) < len(gpus) and self._aged.top() is not None:
+            if all(gpus[i].running.busy for i in range(len(gpus)) if i not in self._closed):
                 candidate = self._warm_pick()
                 if candidate is None:
                     return None
             else:
                 candidate = self._pick(self._aged)
-            step, lane = self._choose(candidate)
+            step, gpu = self._choose(candidate)
             if step is Step.START:
-                assert lane is not None
-                return lane, candidate, first
+                assert gpu is not None
+                return gpu, candidate, first
             self._suspend(candidate)
         return None
 
@@ -103,11 +103,11 @@ class NodeWalk:
         items: list[tuple[tuple[int, int], Entry]] = []
         scale = self._aged.scale
         indexes = [self._aged] if self._reserved is None else [self._aged, self._reserved]
-        for i, lane in enumerate(self._lanes):
-            if i in self._closed or lane.blocked:
+        for i, gpu in enumerate(self._gpus):
+            if i in self._closed or gpu.blocked:
                 continue
             for index in indexes:
-                for model in (*lane.residents, None):
+                for model in (*gpu.residents, None):
                     item = self._top_beside(index, model)
                     if item is not None:
                         items.append((rank(item, self._bonus if model is not None else 0, scale), item[2]))

@@ -14,11 +14,11 @@ from collections.abc import Collection, Sequence
 
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
-from llamaswap.core.decisions import BandStats, Decision, LaneView, QueueSnapshot, RunningView, WaitingView
+from llamaswap.core.decisions import BandStats, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.holding import GpuHolding, resident, resident_on
 from llamaswap.core.index import Entry, Index
-from llamaswap.core.lanes import LaneState
+from llamaswap.core.gpu_record import GpuRecord
 from llamaswap.core.policy import Policy
 from llamaswap.core.priority import Band
 
@@ -62,7 +62,7 @@ def warm_models(holdings: Sequence[GpuHolding]) -> frozenset[str]:
     return resident_on([gpu for gpu in holdings if not takes_nothing(gpu)])
 
 
-def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: int) -> list[tuple[Entry, int]]:
+def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: int) -> list[tuple[Entry, int]]:
     """The order `Scheduler.next` would grant the `count` waiting requests of `index` in if
     nothing changed, with each one's affinity bonus at its turn: the same `pick` on a copy of
     the index, each simulated grant making its model the loaded one. (Over several GPUs: best
@@ -70,14 +70,14 @@ def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: 
     index = index.copy()
     taken: set[int] = set()
     order: list[tuple[Entry, int]] = []
-    if len(lanes) > 1:
-        loaded_now = warm_models([lane.holding for lane in lanes])
+    if len(gpus) > 1:
+        loaded_now = warm_models([gpu.holding for gpu in gpus])
         for _ in range(count):
             winner = pick(index, loaded_now, bonus, taken)
             taken.add(winner.seq)
             order.append((winner, bonus if winner.model is not None and winner.model in loaded_now else 0))
         return order
-    residents = lanes[0].residents
+    residents = gpus[0].residents
     for _ in range(count):
         winner = pick(index, residents, bonus, taken)
         taken.add(winner.seq)
@@ -87,10 +87,10 @@ def dispatch_order(index: Index, count: int, lanes: Sequence[LaneState], bonus: 
     return order
 
 
-def slots_total(lane: LaneState) -> int:
+def slots_total(gpu: GpuRecord) -> int:
     """The slots `Scheduler.next` fills up to now on a GPU: those of the model its grants name,
     else of its loaded model (the default when none is known)."""
-    return lane.holding.slots_in_effect
+    return gpu.holding.slots_in_effect
 
 
 def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
@@ -106,7 +106,7 @@ def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
     return stats
 
 
-def snapshot(policy: Policy, lanes: Sequence[LaneState], index: Index, count: int, grants: Sequence[Decision],
+def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int, grants: Sequence[Decision],
              arrivals: Arrivals, now_ns: int) -> QueueSnapshot:
     """A read-only picture of the queue: the `count` waiting requests of `index` in dispatch
     order, the running `grants` and each GPU. The simulated order makes it O(n log n)."""
@@ -123,11 +123,11 @@ def snapshot(policy: Policy, lanes: Sequence[LaneState], index: Index, count: in
             model=entry.model,
             aging=aging,
         )
-        for position, (entry, bonus) in enumerate(dispatch_order(index, count, lanes, policy.swap_affinity_bonus))
+        for position, (entry, bonus) in enumerate(dispatch_order(index, count, gpus, policy.swap_affinity_bonus))
     )
     running = tuple(running_view(decision, now_ns) for decision in grants)
-    views = tuple(LaneView(lane.name, resident(lane.residents), len(lane.grants), slots_total(lane)) for lane in lanes)
-    first = lanes[0]
+    views = tuple(GpuView(gpu.name, resident(gpu.residents), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
+    first = gpus[0]
     return QueueSnapshot(policy.name, resident(first.residents), waiting, band_stats(arrivals, now_ns), running,
                          slots_total(first), views)
 

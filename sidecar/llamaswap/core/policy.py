@@ -20,7 +20,7 @@ class PolicyName(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LanePolicy:
+class GpuPolicy:
     """One upstream of the node as the policy describes it: its name, its slots (with the
     node's reserved slots) and the models it may serve (None: any)."""
 
@@ -47,7 +47,7 @@ class Policy:
     max_wait_s: float  # 0: wait forever
     slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
     # The node's upstreams (`upstreams:`), one queue over them; empty: one, SINGLE_UPSTREAM, with `slots`.
-    lanes: tuple[LanePolicy, ...] = ()
+    gpus: tuple[GpuPolicy, ...] = ()
 
     @classmethod
     def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
@@ -61,13 +61,13 @@ class Policy:
         return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
                    slots if slots is not None else Slots())
 
-    def with_lanes(self, lanes: tuple[LanePolicy, ...]) -> Policy:
+    def with_gpus(self, gpus: tuple[GpuPolicy, ...]) -> Policy:
         """This policy over these upstreams; `slots` becomes the first one's."""
-        return dataclasses.replace(self, lanes=lanes, slots=lanes[0].slots if lanes else self.slots)
+        return dataclasses.replace(self, gpus=gpus, slots=gpus[0].slots if gpus else self.slots)
 
     @property
-    def lanes_in_effect(self) -> tuple[LanePolicy, ...]:
-        return self.lanes or (LanePolicy(SINGLE_UPSTREAM, self.slots),)
+    def gpus_in_effect(self) -> tuple[GpuPolicy, ...]:
+        return self.gpus or (GpuPolicy(SINGLE_UPSTREAM, self.slots),)
 
     @property
     def aging_divisor_ns(self) -> int:

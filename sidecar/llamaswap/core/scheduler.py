@@ -58,12 +58,12 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, LaneTimes, in_reserved_slot, takes_nothing
+from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot, takes_nothing
 from llamaswap.core.holding import NO_RESIDENTS, GpuHolding, Running, resident, resident_on
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
-from llamaswap.core.lanes import Grant, LaneState, NodeHolding, PendingLoad
+from llamaswap.core.gpu_record import Grant, GpuRecord, NodeHolding, PendingLoad
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -89,8 +89,8 @@ class Scheduler:
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
         self._seq = 0
-        self._lanes: list[LaneState] = []  # the upstreams, in the configured order
-        self._lane_of: dict[str, LaneState] = {}  # running request -> the upstream it runs on
+        self._gpus: list[GpuRecord] = []  # the upstreams, in the configured order
+        self._gpu_of: dict[str, GpuRecord] = {}  # running request -> the upstream it runs on
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
@@ -99,21 +99,21 @@ class Scheduler:
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
-        lanes = policy.lanes_in_effect
-        known = {lane.name: lane for lane in self._lanes}
-        if self._lanes and set(known) != {lane.name for lane in lanes}:
+        gpus = policy.gpus_in_effect
+        known = {gpu.name: gpu for gpu in self._gpus}
+        if self._gpus and set(known) != {gpu.name for gpu in gpus}:
             raise SchedulerError("the upstreams cannot change while the scheduler runs")
-        for lane_policy in lanes:
-            if lane_policy.name in known:
-                known[lane_policy.name].apply(lane_policy)
-        if not self._lanes:
-            self._lanes = [LaneState(lane_policy) for lane_policy in lanes]
-        names = [lane.name for lane in lanes]
-        self._lanes.sort(key=lambda lane: names.index(lane.name))
-        self._first = self._lanes[0]
+        for gpu_policy in gpus:
+            if gpu_policy.name in known:
+                known[gpu_policy.name].apply(gpu_policy)
+        if not self._gpus:
+            self._gpus = [GpuRecord(gpu_policy) for gpu_policy in gpus]
+        names = [gpu.name for gpu in gpus]
+        self._gpus.sort(key=lambda gpu: names.index(gpu.name))
+        self._first = self._gpus[0]
         # What the upstreams hold (every change goes through a grant, a release, a loaded-model
         # report or the policy, each of which tells it).
-        self._held = NodeHolding(self._lanes)
+        self._held = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -154,16 +154,16 @@ class Scheduler:
         return self._policy
 
     @property
-    def lanes(self) -> tuple[str, ...]:
+    def gpus(self) -> tuple[str, ...]:
         """The upstreams' names, in the configured order."""
-        return tuple(lane.name for lane in self._lanes)
+        return tuple(gpu.name for gpu in self._gpus)
 
-    def _lane(self, upstream: str | None) -> LaneState:
+    def _gpu(self, upstream: str | None) -> GpuRecord:
         if upstream is None:
             return self._first
-        for lane in self._lanes:
-            if lane.name == upstream:
-                return lane
+        for gpu in self._gpus:
+            if gpu.name == upstream:
+                return gpu
         raise UnknownRequest(f"no upstream is named {upstream!r}")
 
     @property
@@ -173,11 +173,11 @@ class Scheduler:
 
     def loaded_on(self, upstream: str | None = None) -> str | None:
         """An upstream's resident model, where a reader shows one (`holding_of` says all)."""
-        return resident(self._lane(upstream).residents)
+        return resident(self._gpu(upstream).residents)
 
     def holding_of(self, upstream: str | None = None) -> GpuHolding:
         """What an upstream holds (None: the first)."""
-        return self._lane(upstream).holding
+        return self._gpu(upstream).holding
 
     @property
     def dispatches(self) -> int:
@@ -185,7 +185,7 @@ class Scheduler:
         return self._first.dispatches
 
     def dispatches_on(self, upstream: str | None = None) -> int:
-        return self._lane(upstream).dispatches
+        return self._gpu(upstream).dispatches
 
     def set_loaded_model(self, model: str | None, *, as_of: int, upstream: str | None = None) -> bool:
         """What an upstream reports as loaded, asked when its ``dispatches_on`` was ``as_of``.
@@ -193,11 +193,11 @@ class Scheduler:
         A report that a grant has overtaken (or that arrives while any request runs there)
         describes a past the scheduler has already moved on from: it is dropped. True if applied.
         """
-        lane = self._lane(upstream)
-        if as_of != lane.dispatches or lane.grants:
+        gpu = self._gpu(upstream)
+        if as_of != gpu.dispatches or gpu.grants:
             return False
-        lane.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
-        lane.load = None
+        gpu.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
+        gpu.load = None
         self._held.changed(residents=True)
         return True
 
@@ -208,41 +208,41 @@ class Scheduler:
     @property
     def running(self) -> Decision | None:
         """The earliest running grant (with one slot, the grant)."""
-        for request_id in self._lane_of:
-            return self._lane_of[request_id].grants[request_id].decision
+        for request_id in self._gpu_of:
+            return self._gpu_of[request_id].grants[request_id].decision
         return None
 
     @property
     def running_id(self) -> str | None:
         """The request of the earliest running grant."""
-        for request_id in self._lane_of:
+        for request_id in self._gpu_of:
             return request_id
         return None
 
     @property
     def running_grants(self) -> tuple[Decision, ...]:
         """Every running grant, earliest first."""
-        return tuple(lane.grants[request_id].decision for request_id, lane in self._lane_of.items())
+        return tuple(gpu.grants[request_id].decision for request_id, gpu in self._gpu_of.items())
 
     def running_ids(self) -> Iterator[str]:
         """The requests of the running grants, earliest first."""
-        return iter(self._lane_of)
+        return iter(self._gpu_of)
 
     def is_running(self, request_id: str) -> bool:
-        return request_id in self._lane_of
+        return request_id in self._gpu_of
 
     def upstream_of(self, request_id: str) -> str | None:
         """The upstream a running request runs on (None: it does not run)."""
-        lane = self._lane_of.get(request_id)
-        return lane.name if lane is not None else None
+        gpu = self._gpu_of.get(request_id)
+        return gpu.name if gpu is not None else None
 
     @property
     def slots_busy(self) -> int:
         """Grants running, over every upstream."""
-        return len(self._lane_of)
+        return len(self._gpu_of)
 
     def slots_busy_on(self, upstream: str | None = None) -> int:
-        return len(self._lane(upstream).grants)
+        return len(self._gpu(upstream).grants)
 
     @property
     def slots_total(self) -> int:
@@ -252,11 +252,11 @@ class Scheduler:
     def slots_total_on(self, upstream: str | None = None) -> int:
         """The slots ``next`` fills up to now on an upstream: those of the model its grants name,
         else of its loaded model (the default when none is known)."""
-        return order.slots_total(self._lane(upstream))
+        return order.slots_total(self._gpu(upstream))
 
     def what_runs_on(self, upstream: str | None = None) -> Running:
         """What an upstream's grants hold (None: the first's), as the dispatch rule reads it."""
-        return self._lane(upstream).running
+        return self._gpu(upstream).running
 
     def holdings(self, blocked: frozenset[str] = frozenset()) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order, ``blocked`` ones held by work the
@@ -281,7 +281,7 @@ class Scheduler:
         whether ``model`` is still loaded). A ``retry_key`` under which a place is kept (`keep`)
         with the same priority and model takes that place over: the place's arrival time and
         arrival order, so its aging, position and max wait."""
-        if request_id in self._waiting or request_id in self._lane_of:
+        if request_id in self._waiting or request_id in self._gpu_of:
             raise SchedulerError(f"request {request_id!r} is already known")
         named = priority_model if priority_model is not None else model
         depth = len(self._waiting)
@@ -356,7 +356,7 @@ class Scheduler:
         self._remove(entry)
         return self._removed(entry, self._clock.now_ns())
 
-    def next(self, blocked: frozenset[str] = frozenset(), times: LaneTimes = NO_TIMES) -> Decision | None:
+    def next(self, blocked: frozenset[str] = frozenset(), times: GpuTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
         ``blocked``: upstreams that take nothing now (a settle, an adopted exchange holds them).
 
@@ -375,7 +375,7 @@ class Scheduler:
             return None
         if blocked:
             holdings = self.holdings(blocked)
-            open_gpus = [gpu for gpu in holdings if not takes_nothing(gpu)]
+            open_gpus = [holding for holding in holdings if not takes_nothing(holding)]
             warm = resident_on(open_gpus)
         else:
             holdings, open_gpus, warm = self._held.now()
@@ -390,8 +390,8 @@ class Scheduler:
         if found is None:
             return None
         index, winner, first = found
-        lane = self._lanes[index]
-        held = holdings[index]  # what it holds now (``blocked`` aside, as `lane.holding`)
+        gpu = self._gpus[index]
+        held = holdings[index]  # what it holds now (``blocked`` aside, as `gpu.holding`)
         reserved_slot = in_reserved_slot(held, winner)
         if winner is not first and reserved_slot:
             # Ahead of a better-scored request that used up its share: it won among the
@@ -400,7 +400,7 @@ class Scheduler:
             aged, plain = self._reserved
         else:
             aged, plain = self._aged, self._plain
-        return self._grant(lane, held.running, winner, aged, plain, reserved_slot, pick)
+        return self._grant(gpu, held.running, winner, aged, plain, reserved_slot, pick)
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -413,10 +413,10 @@ class Scheduler:
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
-    def _grant(self, lane: LaneState, running: Running, winner: Entry, aged: Index, plain: Index | None,
+    def _grant(self, gpu: GpuRecord, running: Running, winner: Entry, aged: Index, plain: Index | None,
                reserved_slot: bool, pick: Callable[[Index], Entry]) -> Decision:
         now = self._clock.now_ns()
-        residents = lane.residents
+        residents = gpu.residents
         reasons = _REASONS[plain is not None and pick(plain) is not winner,
                            bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
         overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
@@ -428,10 +428,10 @@ class Scheduler:
         affinity = self._bonus if model is not None and model in residents else 0
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
-        lane.dispatches += 1
+        gpu.dispatches += 1
         loading = None  # a load under way there, which this grant starts beside
         if running.busy:
-            loading = next((g.decision for g in lane.grants.values() if g.decision.model_load), None)
+            loading = next((g.decision for g in gpu.grants.values() if g.decision.model_load), None)
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
@@ -452,19 +452,19 @@ class Scheduler:
             running.busy + 1,  # slots_busy
             reserved_slot,  # reserved_slot
             alone,  # alone
-            lane.name,  # upstream
+            gpu.name,  # upstream
             (loading.model, loading.granted_ns) if loading is not None and loading.model else None,  # beside_load
         )
         load = None
         if model is not None and not alone:
             if loads:  # only with nothing running there: a load of its own, which replaces what was resident
                 self._loads += 1
-                lane.load = PendingLoad(self._loads, residents)
-                lane.set_residents(frozenset((model,)))
-            load = lane.load.number if lane.load is not None else None
-        lane.grants[winner.request_id] = Grant(winner, decision, load)
-        self._lane_of[winner.request_id] = lane
-        lane.renew()
+                gpu.load = PendingLoad(self._loads, residents)
+                gpu.set_residents(frozenset((model,)))
+            load = gpu.load.number if gpu.load is not None else None
+        gpu.grants[winner.request_id] = Grant(winner, decision, load)
+        self._gpu_of[winner.request_id] = gpu
+        gpu.renew()
         self._held.changed(residents=loads)
         return decision
 
@@ -485,14 +485,14 @@ class Scheduler:
         is known to be loaded if some did with an answer that said nothing. (With one slot: a
         grant that never reached the upstream leaves the model loaded before it.)
         """
-        lane = self._lane_of.pop(request_id, None)
-        if lane is None:
+        gpu = self._gpu_of.pop(request_id, None)
+        if gpu is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
-        grant = lane.grants.pop(request_id)
-        lane.renew()
-        residents = lane.residents
-        lane.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
-        self._held.released(not self._lane_of, lane.residents is not residents)
+        grant = gpu.grants.pop(request_id)
+        gpu.renew()
+        residents = gpu.residents
+        gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        self._held.released(not self._gpu_of, gpu.residents is not residents)
         return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
@@ -548,7 +548,7 @@ class Scheduler:
 
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
-        return order.snapshot(self._policy, self._lanes, self._aged, len(self._waiting), self.running_grants,
+        return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
                               self._arrivals, self._clock.now_ns())
 
     def band_stats(self) -> dict[Band, BandStats]:

@@ -94,9 +94,9 @@ class ActivityLog:
             "model_slots": dict(policy.slots.per_model),
             "reserved_slots": policy.slots.reserved,
             # The node's upstreams (issue 27), in the configured order: a replay runs with the same.
-            "upstreams": [{"name": lane.name, "slots": lane.slots.default, "model_slots": dict(lane.slots.per_model),
-                           "models": sorted(lane.models) if lane.models is not None else None}
-                          for lane in policy.lanes_in_effect],
+            "upstreams": [{"name": gpu.name, "slots": gpu.slots.default, "model_slots": dict(gpu.slots.per_model),
+                           "models": sorted(gpu.models) if gpu.models is not None else None}
+                          for gpu in policy.gpus_in_effect],
         })
 
     def finished(self, ticket: Ticket) -> None:

@@ -137,7 +137,7 @@ class Coordinator:
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, blocked=lambda: self._forecast.blocked_by_upstream(self.gpus),
-            gpu_state=lambda: self.gpu_state, lane_states=lambda: self.gpus.states(self.scheduler))
+            gpu_state=lambda: self.gpu_state, gpu_states=lambda: self.gpus.states(self.scheduler))
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
 
@@ -177,7 +177,7 @@ class Coordinator:
         return self.gpus.single_model()
 
     def _default_slots(self, name: str) -> int:
-        return self.scheduler.policy.lanes_in_effect[self.scheduler.lanes.index(name)].slots.default
+        return self.scheduler.policy.gpus_in_effect[self.scheduler.gpus.index(name)].slots.default
 
     @property
     def gpu_state(self) -> GpuState:
@@ -380,8 +380,8 @@ class Coordinator:
     async def serves(self, model: str) -> bool:
         """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled."""
         return await self.gpus.serves(model, self._config, lambda: any(
-            lane.models is None or self._key(model).scheduled in lane.models
-            for lane in self.scheduler.policy.lanes_in_effect))
+            gpu.models is None or self._key(model).scheduled in gpu.models
+            for gpu in self.scheduler.policy.gpus_in_effect))
 
     def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
         """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`
@@ -397,7 +397,7 @@ class Coordinator:
         blocked = self.gpus.blocked()
         if len(blocked) == len(self.gpus):
             return
-        times = self._forecast.lane_times() if len(self.gpus) > 1 else NO_TIMES
+        times = self._forecast.gpu_times() if len(self.gpus) > 1 else NO_TIMES
         while True:
             decision = self.scheduler.next(blocked, times)
             if decision is None:

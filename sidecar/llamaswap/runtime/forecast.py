@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
-from llamaswap.core.dispatch import LaneTimes
+from llamaswap.core.dispatch import GpuTimes
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
@@ -56,7 +56,7 @@ class Forecast:
         scheduler = self._scheduler
         if all(len(ends.get(gpu.name, ())) >= gpu.slots_in_effect for gpu in scheduler.holdings()):
             # Every GPU full: a place frees when the first of them frees a slot.
-            return max(settle, min(min(ends[lane]) for lane in scheduler.lanes))
+            return max(settle, min(min(ends[name]) for name in scheduler.gpus))
         return settle
 
     def _ends(self, *, known: bool) -> dict[str, list[float]]:
@@ -73,8 +73,8 @@ class Forecast:
             ends.setdefault(d.upstream, []).append(end)
         return ends
 
-    def lane_times(self) -> LaneTimes:
-        """What the node rule may know of time now (`dispatch.LaneTimes`): the times the
+    def gpu_times(self) -> GpuTimes:
+        """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
         estimates walk from (`NodeTimes`, a grant beside a load run after it), over what runs
         on each GPU; read once, when the rule first asks."""
         return _RunningTimes(self._node_times, self._estimator)
@@ -137,7 +137,7 @@ class Forecast:
 
 
 class _RunningTimes:
-    """`dispatch.LaneTimes` read from `NodeTimes` the first time the rule asks."""
+    """`dispatch.GpuTimes` read from `NodeTimes` the first time the rule asks."""
 
     def __init__(self, read: Callable[[], NodeTimes], estimator: Estimator) -> None:
         self._read = read
@@ -149,11 +149,11 @@ class _RunningTimes:
             self._times = self._read()
         return self._times
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return self._of().slot_free_in_s(lane)
+    def slot_free_in_s(self, gpu: str) -> float:
+        return self._of().slot_free_in_s(gpu)
 
-    def drained_in_s(self, lane: str) -> float:
-        return self._of().drained_in_s(lane)
+    def drained_in_s(self, gpu: str) -> float:
+        return self._of().drained_in_s(gpu)
 
-    def swap_s(self, model: str | None, lane: str) -> float:
-        return self._estimator.expected_swap_s(model, lane)
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self._estimator.expected_swap_s(model, gpu)

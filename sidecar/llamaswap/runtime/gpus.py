@@ -1,6 +1,6 @@
 """The node's GPUs as the runtime keeps them: one `Gpu` per upstream (`upstreams:`), each with
 its own catalog (reconciled with the scheduler's loaded model: `Gpus.reconcile`), slot learning,
-settle and adopted exchanges. The scheduler holds the one queue over them (its lanes); everything
+settle and adopted exchanges. The scheduler holds the one queue over them (its GPUs); everything
 here is what holds one upstream apart from the others: a settle or an adopted exchange on one GPU
 stops grants on that GPU only.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from llamaswap.config import SLOTS_AUTO, Config, UpstreamEntry
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import Clock, Policy, Scheduler
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.leases import Adoption
 from llamaswap.runtime.observer import Settle, SettleReason
@@ -220,12 +220,12 @@ def served_by(catalog: Catalog | None) -> frozenset[str] | None:
 
 def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
     """The scheduler's policy over the node: with one upstream exactly `Config.policy`; with
-    several, one lane per upstream with its own slots (learnt ones too) and the models it may
+    several, one GPU per upstream with its own slots (learnt ones too) and the models it may
     serve (its ``models`` list, narrowed to the one model a single-model server serves)."""
     first = gpus.first
     if len(gpus) == 1:
         return config.policy(first.slots.learnt, single)
-    lanes = []
+    policies = []
     for gpu in gpus:
         entry = entry_of(config, gpu.name)
         own = gpu.catalog.single_model() if single is not None else None
@@ -234,7 +234,7 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
         served = served_by(gpu.catalog.latest)
         if served is not None:
             models = served if models is None else models & served
-        lanes.append(LanePolicy(gpu.name, slots, models))
-    # The node-wide settings (order, aging, limits) with the first upstream's slots: the lanes say each one's.
+        policies.append(GpuPolicy(gpu.name, slots, models))
+    # The node-wide settings (order, aging, limits) with the first upstream's slots: the GPUs say each one's.
     first_config = gpu_config(config, entry_of(config, first.name))
-    return first_config.policy(first.slots.learnt, single).with_lanes(tuple(lanes))
+    return first_config.policy(first.slots.learnt, single).with_gpus(tuple(policies))

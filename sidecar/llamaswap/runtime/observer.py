@@ -39,7 +39,7 @@ def overtaken_by(ticket: Ticket | None) -> Overtaken:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LanePicture:
+class GpuPicture:
     """One upstream (GPU) in the gauges' picture."""
 
     name: str
@@ -50,10 +50,10 @@ class LanePicture:
     blocked: bool = False
 
 
-def lane_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[LanePicture, ...]:
-    """Every upstream of the scheduler, in the configured order, for `QueuePicture.lanes`;
+def gpu_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[GpuPicture, ...]:
+    """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`;
     `blocked` names the ones a settle or an adopted exchange holds."""
-    return tuple(LanePicture(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect,
+    return tuple(GpuPicture(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect,
                              gpu.name in blocked) for gpu in scheduler.holdings())
 
 
@@ -68,18 +68,18 @@ class QueuePicture:
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect
     loaded_model: str | None = None  # the scheduler's loaded model (None: none known)
-    # Every upstream (`lane_pictures`); empty: one, described by the fields above.
-    lanes: tuple[LanePicture, ...] = ()
+    # Every upstream (`gpu_pictures`); empty: one, described by the fields above.
+    gpus: tuple[GpuPicture, ...] = ()
 
 
 def queue_picture(scheduler: Scheduler, busy: bool, blocked: Collection[str]) -> QueuePicture:
     """The gauges' picture of the scheduler's queue now; `busy`: anything holds a GPU (a grant, a
-    settle, an adopted exchange); `blocked` as for `lane_pictures`."""
+    settle, an adopted exchange); `blocked` as for `gpu_pictures`."""
     stats = scheduler.band_stats()
     depth = tuple((band, s.depth) for band, s in stats.items())
     oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
     return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total, scheduler.loaded_model,
-                        lane_pictures(scheduler, blocked))
+                        gpu_pictures(scheduler, blocked))
 
 
 class SettleReason(str, enum.Enum):

@@ -152,14 +152,14 @@ class QueueViews:
     the queue (the coordinator counts them); `blocked` says, for each GPU that work the scheduler
     did not grant holds (a settling generation, an adopted exchange), how much longer it does
     (`math.inf`: unknown), nothing granted there meanwhile; `gpu_state` is what holds the GPU;
-    `lane_states`, what holds each upstream, by name (without it, or for one it does not name:
+    `gpu_states`, what holds each upstream, by name (without it, or for one it does not name:
     running while grants run there, else idle)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],
                  blocked: Callable[[], Mapping[str, float]],
                  gpu_state: Callable[[], GpuState],
-                 lane_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
+                 gpu_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
@@ -168,7 +168,7 @@ class QueueViews:
         self._version = version
         self._blocked = blocked
         self._gpu_state = gpu_state
-        self._lane_states = lane_states
+        self._gpu_states = gpu_states
         self._walk: _Walk | None = None
 
     @property
@@ -222,9 +222,9 @@ class QueueViews:
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
-        # The lanes as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
+        # The GPUs as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
         scheduler = self._scheduler
-        states = self._lane_states() if self._lane_states is not None else {}
+        states = self._gpu_states() if self._gpu_states is not None else {}
         gpus = [GpuRow.of(gpu, states.get(gpu.name, GpuState.RUNNING if gpu.running.busy else GpuState.IDLE))
                 for gpu in scheduler.holdings()]
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).

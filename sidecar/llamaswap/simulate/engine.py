@@ -35,7 +35,7 @@ throughput of n concurrent generations relative to one (`ConcurrencySpeed`), so 
 grant's release moves whenever one starts or ends. Without a table, n generations run as fast
 as one each. With one slot nothing changes.
 
-Upstreams (the policy's lanes: `simulate --gpus N`, or the log's recorded upstreams): one queue
+Upstreams (the policy's GPUs: `simulate --gpus N`, or the log's recorded upstreams): one queue
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
 runtime would read: each upstream's grants' expected ends, `_ExpectedEnds`). Each GPU has its
 own slots, loaded model, swaps and concurrency; the replay starts each with the model its first
@@ -230,7 +230,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
-    names = scheduler.lanes
+    names = scheduler.gpus
     node = len(names) > 1
     # The replay starts with what the recording started with: a first recorded grant that did
     # not load its model found it loaded (a single-model upstream's one model always is), per
@@ -261,7 +261,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     last_release = 0
     # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
-    shared = concurrency_speed is not None and not all(lane.slots.single for lane in policy.lanes_in_effect)
+    shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus_in_effect)
     gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
@@ -345,22 +345,22 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             request = result.request
             model = request.record.model
             load = decision.model_load
-            lane = decision.upstream
-            swap = swap_ns[lane, model]
+            upstream = decision.upstream
+            swap = swap_ns[upstream, model]
             if request.run_ns is not None:
                 hold = request.run_ns
                 was = request.record.upstream
-                if run_ns[was, model] != run_ns[lane, model] or swap_ns[was, model] != swap:
+                if run_ns[was, model] != run_ns[upstream, model] or swap_ns[was, model] != swap:
                     # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
                     work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
                     if run_ns[was, model] > 0:
-                        work = round(work * run_ns[lane, model] / run_ns[was, model])
+                        work = round(work * run_ns[upstream, model] / run_ns[was, model])
                     hold = work + swap if load else work
                 elif load is not request.recorded_load:
                     hold = hold + swap if load else max(0, hold - swap)
                 hold += request.settle_ns
             else:
-                hold = run_ns[lane, model] + swap if load else run_ns[lane, model]
+                hold = run_ns[upstream, model] + swap if load else run_ns[upstream, model]
             result.outcome = request.granted_outcome
             result.start_ns = result.end_ns = now
             result.model_load = load
@@ -401,7 +401,7 @@ class _Gpu:
 
 
 class _ExpectedEnds:
-    """`dispatch.LaneTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
+    """`dispatch.GpuTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
     remaining time of each upstream's grants (`estimate.grant_end_s`: their run sized by their
     max_tokens, after the load they began or were granted beside), a grant that outran it held
     for an unknown time."""
@@ -411,18 +411,18 @@ class _ExpectedEnds:
         self._clock = clock
         self._costs = costs
 
-    def _remaining_s(self, lane: str) -> list[float]:
+    def _remaining_s(self, gpu: str) -> list[float]:
         now = self._clock.now_ns()
-        return [(end - now) / 1e9 if end > now else math.inf for end in self._gpus[lane].expected_end.values()]
+        return [(end - now) / 1e9 if end > now else math.inf for end in self._gpus[gpu].expected_end.values()]
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return min(self._remaining_s(lane), default=0.0)
+    def slot_free_in_s(self, gpu: str) -> float:
+        return min(self._remaining_s(gpu), default=0.0)
 
-    def drained_in_s(self, lane: str) -> float:
-        return max(self._remaining_s(lane), default=0.0)
+    def drained_in_s(self, gpu: str) -> float:
+        return max(self._remaining_s(gpu), default=0.0)
 
-    def swap_s(self, model: str | None, lane: str) -> float:
-        return self._costs.expected_swap_s(model, lane)
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self._costs.expected_swap_s(model, gpu)
 
 
 class _Running(Protocol):

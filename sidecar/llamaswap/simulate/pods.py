@@ -1,7 +1,7 @@
 """Many nodes (issue 28): one workload over pods of several GPUs, routed three ways. No I/O.
 
-Each pod is a llamaswap node: the real `Scheduler` with one lane per GPU, its one queue over
-them. In front of the pods, the request is sent by one of:
+Each pod is a llamaswap node: the real `Scheduler` over its GPUs (one upstream each), its one
+queue over them. In front of the pods, the request is sent by one of:
 
 - ``picker``: what an endpoint picker does with llamaswap's gauges (llm-d's router with the
   engine config the chart renders): among the pods whose queue is within ``AFFINITY_SLACK`` of
@@ -34,7 +34,7 @@ import math
 from collections.abc import Sequence
 
 from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate.engine import Costs, quantile
 from llamaswap.simulate.records import RequestRecord
 
@@ -64,11 +64,11 @@ class PodsResult:
 
 
 class _Pod:
-    """One pod: its scheduler and what runs on each of its lanes (for the rule's times)."""
+    """One pod: its scheduler and what runs on each of its GPUs (for the rule's times)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.ends: dict[str, list[int]] = {lane: [] for lane in scheduler.lanes}  # lane -> release times
+        self.ends: dict[str, list[int]] = {gpu: [] for gpu in scheduler.gpus}  # GPU -> release times
 
     def queued(self) -> int:
         return self.scheduler.depth
@@ -81,20 +81,20 @@ class _Pod:
 
 
 class _Times:
-    """The rule's times from what the simulation knows: each lane's release times, the stated swap costs."""
+    """The rule's times from what the simulation knows: each GPU's release times, the stated swap costs."""
 
     def __init__(self, pod: _Pod, now_ns: int, costs: Costs) -> None:
         self._pod = pod
         self._now = now_ns
         self._costs = costs
 
-    def slot_free_in_s(self, lane: str) -> float:
-        return (min(self._pod.ends[lane], default=self._now) - self._now) / _NS_PER_S
+    def slot_free_in_s(self, gpu: str) -> float:
+        return (min(self._pod.ends[gpu], default=self._now) - self._now) / _NS_PER_S
 
-    def drained_in_s(self, lane: str) -> float:
-        return (max(self._pod.ends[lane], default=self._now) - self._now) / _NS_PER_S
+    def drained_in_s(self, gpu: str) -> float:
+        return (max(self._pod.ends[gpu], default=self._now) - self._now) / _NS_PER_S
 
-    def swap_s(self, model: str | None, lane: str) -> float:
+    def swap_s(self, model: str | None, gpu: str) -> float:
         return self._costs.expected_swap_s(model)
 
 
@@ -107,13 +107,13 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
     clock = ManualClock()
     groups = 1 if routing is Routing.ONE_QUEUE else pods
     per_group = gpus * pods // groups
-    nodes = [_Pod(Scheduler(policy.with_lanes(tuple(LanePolicy(f"gpu{index}", policy.slots)
+    nodes = [_Pod(Scheduler(policy.with_gpus(tuple(GpuPolicy(f"gpu{index}", policy.slots)
                                                     for index in range(per_group))), clock))
              for _ in range(groups)]
     ordered = sorted(records, key=lambda r: (r.arrival_ms, r.order))
     start_ms = ordered[0].arrival_ms if ordered else 0.0
     arrivals = [(round((r.arrival_ms - start_ms) * _NS_PER_MS), r) for r in ordered]
-    releases: list[tuple[int, int, int, str, str]] = []  # (at, seq, pod, lane, request)
+    releases: list[tuple[int, int, int, str, str]] = []  # (at, seq, pod, GPU, request)
     seq = itertools.count()
     arrived_ns: dict[str, int] = {}
     run_ns_of: dict[str, int] = {}  # what each waiting request runs once granted
@@ -122,7 +122,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
     interactive_waits: list[int] = []
     swaps = loads = 0
     idle_ns = 0
-    total_lanes = groups * per_group
+    total_gpus = groups * per_group
     turn = 0
     next_arrival = 0
     now = 0
@@ -130,12 +130,12 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
         upcoming = min(arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf,
                        releases[0][0] if releases else math.inf)
         at = int(upcoming)
-        idle_ns += (at - now) * _idle_lanes_while_waiting(nodes)
+        idle_ns += (at - now) * _idle_gpus_while_waiting(nodes)
         clock.advance((at - now) / _NS_PER_S)
         now = at
         while releases and releases[0][0] == now:
-            _, _, index, lane, request_id = heapq.heappop(releases)
-            nodes[index].ends[lane].remove(now)
+            _, _, index, gpu, request_id = heapq.heappop(releases)
+            nodes[index].ends[gpu].remove(now)
             nodes[index].scheduler.release(request_id, model_loaded=True)
         while next_arrival < len(arrivals) and arrivals[next_arrival][0] == now:
             record = arrivals[next_arrival][1]
@@ -163,7 +163,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
                 waits.append(wait)
                 if interactive.pop(decision.request_id):
                     interactive_waits.append(wait)
-    span = now * total_lanes
+    span = now * total_gpus
     return PodsResult(routing, pods, gpus, len(waits), _p95_s(interactive_waits), _p95_s(waits), swaps, loads,
                       idle_ns / span if span else 0.0)
 
@@ -180,7 +180,7 @@ def _route(nodes: Sequence[_Pod], model: str | None, routing: Routing, turn: int
     return min(near, key=lambda i: (not nodes[i].has_loaded(model), nodes[i].queued(), nodes[i].running(), i))
 
 
-def _idle_lanes_while_waiting(nodes: Sequence[_Pod]) -> int:
+def _idle_gpus_while_waiting(nodes: Sequence[_Pod]) -> int:
     """GPUs that run nothing while some request they may serve waits (in any pod's queue)."""
     if not any(node.scheduler.depth for node in nodes):
         return 0

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
-from llamaswap.core.policy import SINGLE_UPSTREAM, LanePolicy
+from llamaswap.core.policy import SINGLE_UPSTREAM, GpuPolicy
 from llamaswap.simulate.records import SettingsRecord
 
 MAX_BONUS = 99
@@ -48,20 +48,20 @@ class Settings:
     upstreams: tuple[str, ...] = ()
     # The upstreams as -c FILE describes them (their own slots and models), while no flag or
     # sweep of slots or gpus replaces them.
-    configured: tuple[LanePolicy, ...] = ()
+    configured: tuple[GpuPolicy, ...] = ()
 
     @classmethod
     def from_policy(cls, policy: Policy) -> Settings:
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
                    policy.max_wait_s, dict(policy.model_priorities), policy.slots.default, policy.slots.reserved,
-                   dict(policy.slots.per_model), len(policy.lanes_in_effect),
-                   tuple(lane.name for lane in policy.lanes), policy.lanes)
+                   dict(policy.slots.per_model), len(policy.gpus_in_effect),
+                   tuple(gpu.name for gpu in policy.gpus), policy.gpus)
 
     @property
     def fewest_slots(self) -> int:
         """The fewest slots of any model on any upstream (reservedSlots must stay below)."""
-        per_lane = [min([lane.slots.default, *lane.slots.per_model.values()]) for lane in self.configured]
-        return min([self.slots, *self.model_slots.values(), *per_lane])
+        per_gpu = [min([gpu.slots.default, *gpu.slots.per_model.values()]) for gpu in self.configured]
+        return min([self.slots, *self.model_slots.values(), *per_gpu])
 
     @property
     def upstream_names(self) -> tuple[str, ...]:
@@ -84,15 +84,15 @@ class Settings:
         names = self.upstream_names
         if len(self.configured) == self.gpus and self.gpus > 1:
             try:
-                return policy.with_lanes(tuple(
-                    dataclasses.replace(lane, slots=Slots(lane.slots.default, lane.slots.per_model,
+                return policy.with_gpus(tuple(
+                    dataclasses.replace(gpu, slots=Slots(gpu.slots.default, gpu.slots.per_model,
                                                           self.reserved_slots))
-                    for lane in self.configured))
+                    for gpu in self.configured))
             except InvalidSlots as exc:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
         if len(names) == 1 and names[0] == SINGLE_UPSTREAM:
             return policy  # one upstream, as a configuration without `upstreams` has it
-        return policy.with_lanes(tuple(LanePolicy(name, slots) for name in names))
+        return policy.with_gpus(tuple(GpuPolicy(name, slots) for name in names))
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
@@ -107,8 +107,8 @@ class Settings:
     @property
     def most_slots(self) -> int:
         """The most slots of any model on any upstream."""
-        per_lane = [max([lane.slots.default, *lane.slots.per_model.values()]) for lane in self.configured]
-        return max([self.slots, *self.model_slots.values(), *per_lane])
+        per_gpu = [max([gpu.slots.default, *gpu.slots.per_model.values()]) for gpu in self.configured]
+        return max([self.slots, *self.model_slots.values(), *per_gpu])
 
     def values(self) -> dict[str, Any]:
         """Keyed by the configuration's names (the sweep keys), plus the model priorities and

@@ -42,7 +42,7 @@ from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Polic
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import SINGLE_UPSTREAM
-from llamaswap.runtime.observer import LanePicture, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import GpuPicture, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
@@ -128,7 +128,7 @@ class Telemetry:
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
-        self._first_upstream = SINGLE_UPSTREAM  # the name of a picture without lanes (one upstream)
+        self._first_upstream = SINGLE_UPSTREAM  # the name of a picture without GPUs (one upstream)
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         # By request id, while it waits: (when, the event's attributes) of each request that
@@ -209,20 +209,20 @@ class Telemetry:
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
-        lanes = policy.lanes_in_effect
-        self._first_upstream = lanes[0].name
+        gpus = policy.gpus_in_effect
+        self._first_upstream = gpus[0].name
         instruments = self.instruments
-        for lane in lanes:  # every upstream's counts exist from the start, at 0
-            labels = {"upstream": lane.name}
+        for gpu in gpus:  # every upstream's counts exist from the start, at 0
+            labels = {"upstream": gpu.name}
             instruments.upstream_dispatched.declare(labels)
             instruments.upstream_swaps.declare(labels)
             instruments.upstream_loads.declare(labels)
         if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
             # publishes the loaded model's with every change)
             before = self._picture
-            shown = (tuple(LanePicture(lane.name, None, 0, lane.slots.default) for lane in lanes)
-                     if len(lanes) > 1 else ())
-            self._picture = dataclasses.replace(before, slots_total=policy.slots.default, lanes=before.lanes or shown)
+            shown = (tuple(GpuPicture(gpu.name, None, 0, gpu.slots.default) for gpu in gpus)
+                     if len(gpus) > 1 else ())
+            self._picture = dataclasses.replace(before, slots_total=policy.slots.default, gpus=before.gpus or shown)
             self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
@@ -378,7 +378,7 @@ class Telemetry:
         # Each upstream's loaded model, once each (two GPUs may hold the same), in the configured order.
         loaded = dict.fromkeys(model for model in _loaded_models(picture) if model)
         return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
-                MAX_ADAPTERS: str(max(1, len(picture.lanes)))}
+                MAX_ADAPTERS: str(max(1, len(picture.gpus)))}
 
     def _models_changed(self, picture: QueuePicture) -> None:
         labels = self._models_labels(picture)
@@ -423,7 +423,7 @@ class Telemetry:
     def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
         picture = self._picture
         # Several upstreams: the node's slots (the busy ones are counted over all of them too).
-        return [Observation(sum(lane.slots_total for lane in picture.lanes) if picture.lanes else picture.slots_total)]
+        return [Observation(sum(gpu.slots_total for gpu in picture.gpus) if picture.gpus else picture.slots_total)]
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._picture.slots_busy)]
@@ -433,42 +433,42 @@ class Telemetry:
 
     def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
         # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
-        lanes = self._lanes()
-        total = sum(lane.slots_total for lane in lanes)
-        held = sum(lane.slots_total if lane.blocked else min(lane.slots_busy, lane.slots_total) for lane in lanes)
+        gpus = self._gpus()
+        total = sum(gpu.slots_total for gpu in gpus)
+        held = sum(gpu.slots_total if gpu.blocked else min(gpu.slots_busy, gpu.slots_total) for gpu in gpus)
         return [Observation(held / total if total else 0.0)]
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
         labels, changed = self._models_info
         return [Observation(changed, labels)]
 
-    def _lanes(self) -> tuple[LanePicture, ...]:
-        """Every upstream in the picture; one without lanes is the one upstream it describes."""
+    def _gpus(self) -> tuple[GpuPicture, ...]:
+        """Every upstream in the picture; one without GPUs is the one upstream it describes."""
         picture = self._picture
-        if picture.lanes:
-            return picture.lanes
+        if picture.gpus:
+            return picture.gpus
         blocked = picture.busy and not picture.slots_busy  # a settle or an adopted exchange
-        return (LanePicture(self._first_upstream, picture.loaded_model, picture.slots_busy, picture.slots_total,
+        return (GpuPicture(self._first_upstream, picture.loaded_model, picture.slots_busy, picture.slots_total,
                             blocked),)
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(lane.slots_total, {"upstream": lane.name}) for lane in self._lanes()]
+        return [Observation(gpu.slots_total, {"upstream": gpu.name}) for gpu in self._gpus()]
 
     def _observe_upstream_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(lane.slots_busy, {"upstream": lane.name}) for lane in self._lanes()]
+        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._gpus()]
 
     def _observe_upstream_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(1 if lane.slots_busy or lane.blocked else 0, {"upstream": lane.name})
-                for lane in self._lanes()]
+        return [Observation(1 if gpu.slots_busy or gpu.blocked else 0, {"upstream": gpu.name})
+                for gpu in self._gpus()]
 
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
         # One series per upstream at a time, whatever the model's name: bounded by the upstreams.
-        return [Observation(1, {"upstream": lane.name, "model": lane.loaded_model or ""}) for lane in self._lanes()]
+        return [Observation(1, {"upstream": gpu.name, "model": gpu.loaded_model or ""}) for gpu in self._gpus()]
 
 
 def _loaded_models(picture: QueuePicture) -> tuple[str | None, ...]:
     """Each upstream's loaded model, in the configured order."""
-    return tuple(lane.loaded_model for lane in picture.lanes) if picture.lanes else (picture.loaded_model,)
+    return tuple(gpu.loaded_model for gpu in picture.gpus) if picture.gpus else (picture.loaded_model,)
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Per upstream: what runs on it and what is resident there, as the scheduler records it.
+"""Per GPU (`GpuRecord`): what runs on it and what is resident there, as the scheduler records it.
 
 A node's upstreams share one queue (`scheduler.py`) but each keeps its own record: its grants
 (at most its slots, one model), its loaded model and the load a grant began there that no
@@ -15,7 +15,7 @@ from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on
 from llamaswap.core.index import Entry
-from llamaswap.core.policy import LanePolicy
+from llamaswap.core.policy import GpuPolicy
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,14 +40,14 @@ class Grant(NamedTuple):
     load: int | None
 
 
-class LaneState:
+class GpuRecord:
     """One upstream's record: its grants (earliest first), its resident models, what it holds
     (`holding`: its resident models and what runs, as the dispatch rule reads it), its pending
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "_holding", "_idle", "load", "dispatches")
 
-    def __init__(self, policy: LanePolicy) -> None:
+    def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
         self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
@@ -58,7 +58,7 @@ class LaneState:
         self.dispatches = 0  # grants on it so far: the generation a loaded-model report was asked at
         self.apply(policy)
 
-    def apply(self, policy: LanePolicy) -> None:
+    def apply(self, policy: GpuPolicy) -> None:
         self.policy = policy
         self._holding = self._idle = None
 
@@ -138,10 +138,10 @@ class NodeHolding:
     every slot taken reads one value), and kept for when nothing runs while no upstream's
     residents change (a release that leaves the node idle builds nothing)."""
 
-    __slots__ = ("_lanes", "_now", "_idle")
+    __slots__ = ("_gpus", "_now", "_idle")
 
-    def __init__(self, lanes: Sequence[LaneState]) -> None:
-        self._lanes = lanes
+    def __init__(self, gpus: Sequence[GpuRecord]) -> None:
+        self._gpus = gpus
         self._now: Held | None = None
         self._idle: Held | None = None  # what it holds with nothing running
 
@@ -151,12 +151,12 @@ class NodeHolding:
             holdings: list[GpuHolding] = []
             open_gpus: list[GpuHolding] = []
             idle = True
-            for lane in self._lanes:
-                gpu = lane.holding
-                holdings.append(gpu)
-                idle = idle and not lane.grants
-                if not takes_nothing(gpu):
-                    open_gpus.append(gpu)
+            for gpu in self._gpus:
+                holding = gpu.holding
+                holdings.append(holding)
+                idle = idle and not gpu.grants
+                if not takes_nothing(holding):
+                    open_gpus.append(holding)
             held = self._now = tuple(holdings), open_gpus, resident_on(open_gpus)
             if idle:
                 self._idle = held
