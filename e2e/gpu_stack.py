@@ -45,7 +45,7 @@ class Node:
         return [row["request_id"] for row in self.sidecar.queue()["running_all"]]
 
     def gpus(self, key: str = "state") -> dict[str, Any]:
-        """Each upstream's `key` as GET /queue's `gpus` shows it (state, loaded_model, slots, ...)."""
+        """Each upstream's `key` as GET /queue's `gpus` shows it (state, resident_models, slots, ...)."""
         return {row["name"]: row[key] for row in self.sidecar.queue()["gpus"]}
 
     def restart_sidecar(self) -> SidecarProcess:

@@ -171,7 +171,7 @@ async def test_model_from_large_and_odd_bodies(tmp_path: pathlib.Path) -> None:
         assert records["odd-model"]["model"] is None  # not a string: no model
         # A single-model upstream serves every request with its one model, whatever the name.
         assert records["big"]["scheduled_model"] == "fake.gguf"
-        assert stack.sidecar.queue()["loaded_model"] == "fake.gguf"
+        assert stack.sidecar.queue()["resident_models"] == ["fake.gguf"]
 
 
 async def test_streaming_passes_through_unbuffered(tmp_path: pathlib.Path) -> None:

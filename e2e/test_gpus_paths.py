@@ -74,7 +74,7 @@ async def test_a_query_that_loads_a_model_goes_to_the_gpu_that_drained_for_it(tm
             reply = await query
             assert reply.status == 200, reply.body
             assert not gpu1.finished("b1") and gpu1.active == 1  # gpu1 served on meanwhile
-            assert node.gpus("loaded_model") == {"gpu0": "model-c", "gpu1": "model-b"}
+            assert node.gpus("resident_models") == {"gpu0": ["model-c"], "gpu1": ["model-b"]}
 
             c2 = await chat(session, node.url, "c2", model="model-c")
             gpu1.release("b1")
@@ -152,13 +152,13 @@ async def test_an_unload_goes_to_the_gpu_with_the_model_and_runs_alone_while_the
             assert (await b1).status == 200
             records = await async_wait_for(
                 lambda: activity_records(node.sidecar.admin_url, {"unload", "a2"}), what="the records")
-            loaded_after = node.gpus("loaded_model")
+            loaded_after = node.gpus("resident_models")
         hits = _hits(gpu0)
         assert "unload" not in gpu1.order() and "a2" not in gpu1.order()
         assert hits["a1"].end_ns <= hits["unload"].start_ns and hits["unload"].end_ns <= hits["a2"].start_ns
         assert hits["a2"].loaded and records["a2"]["load"]  # model-a was gone from gpu0: a2 loaded it
         assert (records["unload"]["upstream"], records["a2"]["upstream"]) == ("gpu0", "gpu0")
-        assert loaded_after == {"gpu0": "model-a", "gpu1": "model-b"}
+        assert loaded_after == {"gpu0": ["model-a"], "gpu1": ["model-b"]}
         assert _hits(gpu1)["b1"].start_ns < hits["unload"].start_ns  # b1 did not wait for the unload
         assert list(completions(gpu1)) == ["b1"]
         for fake in (gpu0, gpu1):

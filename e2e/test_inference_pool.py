@@ -57,7 +57,7 @@ def scrape_beside_queue(stack: Any, engine: EngineConfig) -> tuple[tuple[float, 
 
 
 def _counts(queue: dict[str, Any]) -> tuple[Any, ...]:
-    return (len(queue["waiting"]), len(queue["running_all"]), queue["slots_total"], queue["loaded_model"],
+    return (len(queue["waiting"]), len(queue["running_all"]), queue["slots_total"], queue["resident_models"],
             sorted({row["model"] for row in queue["waiting"]}))
 
 
@@ -68,7 +68,7 @@ def assert_matches(figures: tuple[float, float, float, Adapters | None], queue: 
     assert saturation == queue["slots_busy"] / queue["slots_total"]
     models = sorted({row["model"] for row in queue["waiting"] if row["model"]})
     assert adapters is not None
-    assert adapters.running == ((queue["loaded_model"],) if queue["loaded_model"] else ())
+    assert adapters.running == tuple(queue["resident_models"])
     assert sorted(adapters.waiting) == models
     assert adapters.max_adapters == 1
 
@@ -126,7 +126,8 @@ async def test_the_picker_reads_what_the_queue_says(tmp_path: pathlib.Path) -> N
             await async_wait_for(lambda: not stack.sidecar.queue()["running_all"], what="every grant released")
             figures, queue = scrape_beside_queue(stack, engine)
             assert figures[:3] == (0, 0, 0)
-            assert figures[3] is not None and figures[3].running == (queue["loaded_model"],) and not figures[3].waiting
+            assert figures[3] is not None and len(queue["resident_models"]) == 1
+            assert figures[3].running == tuple(queue["resident_models"]) and not figures[3].waiting
             assert_matches(figures, queue)
 
 

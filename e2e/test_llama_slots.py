@@ -134,7 +134,7 @@ async def test_router_two_at_once_never_two_models_and_the_swap_drains_first(tmp
         with running_stack(tmp_path, config, upstream_url=llama.url) as stack:
             async with aiohttp.ClientSession() as session:
                 assert await _complete(session, stack.url, "warm", model="tiny-a", tokens=8) == 200  # loads tiny-a
-                await async_wait_for(lambda: stack.sidecar.queue()["loaded_model"] == "tiny-a",
+                await async_wait_for(lambda: stack.sidecar.queue()["resident_models"] == ["tiny-a"],
                                      what="the sidecar's loaded model")
                 with SlotWatcher(llama.url, ["tiny-b", "tiny-a"]) as watcher:
                     with frozen(llama):

@@ -44,7 +44,7 @@ async def test_swap_and_affinity_on_real_llama_server(tmp_path: pathlib.Path) ->
                 assert first["body"]["usage"]["completion_tokens"] == 8
                 await async_wait_for(lambda: model_states(llama.url).get("tiny-a") == "loaded",
                                      what="tiny-a loaded")
-                await async_wait_for(lambda: stack.sidecar.queue()["loaded_model"] == "tiny-a",
+                await async_wait_for(lambda: stack.sidecar.queue()["resident_models"] == ["tiny-a"],
                                      what="the sidecar's loaded model")
 
                 # Freeze llama-server so a queue forms deterministically behind a running request.

@@ -71,11 +71,11 @@ async def test_a_failed_dispatch_does_not_leave_its_model_loaded(tmp_path: pathl
             bogus = await chat(session, stack.url, "bogus", model="nope")
             records = await async_wait_for(lambda: activity_records(stack.sidecar.admin_url, {"good", "bogus"}),
                                            what="two records")
-            loaded = stack.sidecar.queue()["loaded_model"]
+            loaded = stack.sidecar.queue()["resident_models"]
         assert (good.status, bogus.status) == (200, 400)
         assert records["bogus"]["outcome"] == "served"  # the upstream answered (a 4xx is the client's)
         assert records["bogus"]["status"] == 400
-        assert loaded is None  # not "nope", and not known until the upstream says
+        assert loaded == []  # not "nope", and not known until the upstream says
 
 
 def test_a_model_setting_for_a_model_the_upstream_does_not_serve_is_logged(tmp_path: pathlib.Path) -> None:

@@ -122,7 +122,7 @@ async def test_auto_learns_the_slots_of_a_model_swapped_in_while_it_runs(tmp_pat
             # Four of model-b at once, while they run: its own slots, learnt from /props.
             await async_wait_for(lambda: fake.active == 4, what="four of model-b at the upstream")
             queue = stack.sidecar.queue()
-            assert (queue["slots_busy"], queue["slots_total"], queue["loaded_model"]) == (4, 4, "model-b")
+            assert (queue["slots_busy"], queue["slots_total"], queue["resident_models"]) == (4, 4, ["model-b"])
             for i in range(4):
                 fake.release(f"b{i}")
             replies = await asyncio.gather(*b)

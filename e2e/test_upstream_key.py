@@ -142,7 +142,7 @@ def test_the_real_llama_server_with_api_key(tmp_path: pathlib.Path) -> None:
             status, headers, answer = _post(f"{stack.url}/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
             assert status == 200, answer[:300]
             # The sidecar learnt the loaded model (GET /v1/models with the key) and its slots (/props).
-            wait_for(lambda: stack.sidecar.queue()["loaded_model"] == "tiny-a" or None, what="the loaded model")
+            wait_for(lambda: stack.sidecar.queue()["resident_models"] == ["tiny-a"] or None, what="the loaded model")
             metrics = http_get(f"{stack.url}/llamaswap/v1/upstream/metrics")
             assert metrics[0] == 200 and b'model="tiny-a"' in metrics[1], metrics[1][:300]
             status, _, answer = _post(f"{stack.url}/v1/completions", body, {})

@@ -190,8 +190,8 @@ def check_request(headers: dict[str, str] | None = None, *, model: str | struct_
 
 
 def router(*models: str, loaded: str | None = None) -> Catalog:
-    """llama-server in router mode: lists its models and says which one is loaded."""
-    return Catalog(UpstreamKind.ROUTER, frozenset(models), loaded, True)
+    """llama-server in router mode: lists its models and says which one is loaded (None: none)."""
+    return Catalog(UpstreamKind.ROUTER, frozenset(models), frozenset(() if loaded is None else (loaded,)), True)
 
 
 def single(*models: str) -> Catalog:

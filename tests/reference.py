@@ -386,6 +386,11 @@ def release_on(record: GrantRecord, request_id: str, *, model_loaded: bool | Non
         record.loaded_by = None
 
 
+def residents(model: str | None) -> frozenset[str]:
+    """The reference's one loaded model (None: none known) as the scheduler's resident models."""
+    return frozenset() if model is None else frozenset((model,))
+
+
 def float_close(real: float, exact: Fraction, *, magnitude: Fraction | int | float = 0) -> bool:
     """Is a float computed from the exact terms within a few ulps of the exact value?
 

@@ -389,7 +389,7 @@ async def test_outcome_from_the_final_report(end: ExchangeEnd | None, status: in
     assert it.outcome is outcome
     assert it.ticket.response_status == status
     assert it.ticket.abandoned is (end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED, None))
-    assert flow.coordinator.view().loaded_model == ("a" if stays_loaded else None)
+    assert flow.coordinator.view().resident_models == (("a",) if stays_loaded else ())
     after = await flow.arrive("after", model="a")
     assert after.granted
     assert after.ticket.decision.load is (not stays_loaded)
@@ -1224,20 +1224,20 @@ async def test_the_reconcile_applies_the_loaded_model_only_if_no_grant_happened_
     coordinator = flow.coordinator
     as_of = coordinator.scheduler.dispatches
     coordinator.observe_catalog(router("a", "b", loaded="b"), as_of)
-    assert coordinator.view().loaded_model == "b"
+    assert coordinator.view().resident_models == ("b",)
     a = await flow.arrive("a", model="a")  # a grant: the model becomes a
     assert a.ticket.decision.swap and a.ticket.decision.previous_model == "b"
     stale = coordinator.scheduler.dispatches
     coordinator.observe_catalog(router("a", "b", loaded="b"), stale)  # while a runs
-    assert coordinator.view().loaded_model == "a"
+    assert coordinator.view().resident_models == ("a",)
     await flow.complete(a)
     coordinator.observe_catalog(router("a", "b", loaded="b"), stale - 1)  # asked before a's grant
-    assert coordinator.view().loaded_model == "a"
+    assert coordinator.view().resident_models == ("a",)
     coordinator.observe_catalog(router("a", "b", loaded=None), coordinator.scheduler.dispatches)
-    assert coordinator.view().loaded_model is None
-    coordinator.observe_catalog(Catalog(UpstreamKind.ROUTER, frozenset({"a"}), "a", loaded_known=False),
+    assert coordinator.view().resident_models == ()
+    coordinator.observe_catalog(Catalog(UpstreamKind.ROUTER, frozenset({"a"}), frozenset({"a"}), residents_known=False),
                                 coordinator.scheduler.dispatches)
-    assert coordinator.view().loaded_model is None  # says nothing about what is loaded
+    assert coordinator.view().resident_models == ()  # says nothing about what is loaded
     b = await flow.arrive("b", model="b")
     assert b.ticket.decision.load
 
@@ -1376,7 +1376,7 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     await estimate_scene(flow)
     await flow.advance(2)
     view = flow.coordinator.view()
-    assert view.policy == "serial" and view.loaded_model == "a" and view.gpu == "running"
+    assert view.policy == "serial" and view.resident_models == ("a",) and view.gpu == "running"
     assert [row.request_id for row in view.waiting] == ["e", "c", "b", "d"]
     assert [row.position for row in view.waiting] == [1, 2, 3, 4]
     assert [row.model for row in view.waiting] == ["b", "b", "a", None]

@@ -326,7 +326,7 @@ def test_the_queue_command_reads_a_document_from_before_slots() -> None:
                 "running": {"request_id": "only", "priority": 0, "band": "normal", "score": 0.0, "model": "a",
                             "queue_wait_s": 0.0, "running_s": 1.0, "expected_remaining_s": 2.0}}
     table = render(document)
-    assert "1 running" in table and "slots" not in table
+    assert "1 running" in table and "slots" not in table and "loaded model a," in table
     assert [line.split()[2] for line in table.splitlines() if " R " in line] == ["only"]
 
 

@@ -44,7 +44,7 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
     waiting = tuple(WaitingView(f"w{i}", i + 1, 0, Band.INTERACTIVE if flag else Band.NORMAL, 0.0, False, 0.0, model)
                     for i, (model, flag) in enumerate(zip(models, bands, strict=True)))
     slots = slots if slots is not None else Slots()
-    snapshot = QueueSnapshot(PolicyName.SERIAL, loaded, waiting, {}, grants, slots.default)
+    snapshot = QueueSnapshot(PolicyName.SERIAL, tuple(residents(loaded)), waiting, {}, grants, slots.default)
     gpu = GpuHolding(SINGLE_UPSTREAM, slots, None, residents(loaded))
     return [start for start, _ in starts_of_node(e, snapshot, [gpu])]
 
@@ -289,7 +289,7 @@ def test_starts_of_wait_for_a_grant_that_runs_alone():
     waits for it too, though a slot is free and the waiting request needs the loaded model."""
     clock = ManualClock()
     s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)), clock)
-    s.set_loaded_model("a", as_of=s.dispatches)
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches)
     s.enqueue("unload", Priority(0, PrioritySource.NUMBER), "a", alone=True)
     assert s.next() is not None
     clock.advance(4)
@@ -377,7 +377,7 @@ def test_starts_of_fill_the_slots_of_the_running_model_while_none_is_known_loade
         assert s.next() is not None
     clock.advance(1)
     s.release("a1", model_loaded=False)  # the upstream failed it: a is not known loaded
-    assert s.loaded_model is None
+    assert s.residents_on() == frozenset()
     for rid in ("n1", "n2", "n3", "n4", "n5"):
         s.enqueue(rid, Priority(0, PrioritySource.NUMBER), None)
     assert [s.next() is not None for _ in range(4)] == [True, True, True, False]  # a's 4 slots

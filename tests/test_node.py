@@ -17,7 +17,7 @@ from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Sche
 from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.core.policy import GpuPolicy
 from policies import fifo, serial
-from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close
+from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close, residents
 
 
 def node(*gpus: GpuPolicy, bonus: int = 0, reserved: int = 0) -> tuple[Scheduler, ManualClock]:
@@ -47,13 +47,13 @@ def test_two_models_start_at_once_on_two_idle_upstreams() -> None:
     scheduler.enqueue("a", prio(10), "x")
     scheduler.enqueue("b", prio(0), "y")
     assert grants(scheduler) == [("a", "gpu0"), ("b", "gpu1")]
-    assert scheduler.loaded_on("gpu0") == "x" and scheduler.loaded_on("gpu1") == "y"
+    assert scheduler.residents_on("gpu0") == frozenset({"x"}) and scheduler.residents_on("gpu1") == frozenset({"y"})
 
 
 def test_a_request_goes_where_its_model_is_loaded() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
-    scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
-    scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
     scheduler.enqueue("wants-y", prio(0), "y")
     scheduler.enqueue("wants-x", prio(0), "x")
     decisions = {}
@@ -65,8 +65,8 @@ def test_a_request_goes_where_its_model_is_loaded() -> None:
 
 def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted_model() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"), gpu("gpu2"))
-    scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
-    scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
     scheduler.enqueue("z1", prio(50), "z")
     first = scheduler.next()
     assert first is not None and first.upstream == "gpu2" and first.load
@@ -91,7 +91,7 @@ def test_drain_then_swap_per_upstream_while_the_other_serves() -> None:
     scheduler.release("x1")
     made = dict(grants(scheduler))
     assert made == {"z-best": "gpu0"}
-    assert scheduler.loaded_on("gpu0") == "z"
+    assert scheduler.residents_on("gpu0") == frozenset({"z"})
 
 
 def test_the_upstream_expected_to_drain_first_is_the_one_that_drains() -> None:
@@ -170,7 +170,7 @@ def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
 
 def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
     scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=2))
-    scheduler.set_loaded_model("y", as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
     scheduler.enqueue("y1", prio(0), "y")
     grants(scheduler)
     scheduler.enqueue("unload-y", prio(5), "y", alone=True)
@@ -202,13 +202,13 @@ def test_release_and_loaded_model_reports_are_per_upstream() -> None:
     scheduler.enqueue("b", prio(0), "y")
     grants(scheduler)
     as_of = scheduler.dispatches_on("gpu1")
-    assert not scheduler.set_loaded_model("q", as_of=as_of, upstream="gpu1")  # b runs there
+    assert not scheduler.set_residents(frozenset({"q"}), as_of=as_of, upstream="gpu1")  # b runs there
     scheduler.release("b", model_loaded=False)
-    assert scheduler.loaded_on("gpu1") is None and scheduler.loaded_on("gpu0") == "x"
-    assert scheduler.set_loaded_model("q", as_of=as_of, upstream="gpu1")
+    assert scheduler.residents_on("gpu1") == frozenset() and scheduler.residents_on("gpu0") == frozenset({"x"})
+    assert scheduler.set_residents(frozenset({"q"}), as_of=as_of, upstream="gpu1")
     snapshot = scheduler.snapshot()
-    assert [(view.name, view.loaded_model, view.slots_busy) for view in snapshot.gpus] == [
-        ("gpu0", "x", 1), ("gpu1", "q", 0)]
+    assert [(view.name, view.resident_models, view.slots_busy) for view in snapshot.gpus] == [
+        ("gpu0", ("x",), 1), ("gpu1", ("q",), 0)]
     assert [grant.upstream for grant in snapshot.grants] == ["gpu0"]
 
 
@@ -323,8 +323,8 @@ class NodeMachine(RuleBasedStateMachine):
     def report_loaded(self, data: st.DataObject, model: str | None) -> None:
         upstream = data.draw(st.sampled_from(self.names))
         idle = self.scheduler.slots_busy_on(upstream) == 0
-        applied = self.scheduler.set_loaded_model(model, as_of=self.scheduler.dispatches_on(upstream),
-                                                  upstream=upstream)
+        applied = self.scheduler.set_residents(residents(model), as_of=self.scheduler.dispatches_on(upstream),
+                                               upstream=upstream)
         assert applied == idle  # a fresh report is taken exactly while nothing runs there
         self.reference.set_loaded_model(model, upstream)
 
@@ -392,7 +392,7 @@ class NodeMachine(RuleBasedStateMachine):
             mine = [m for (u, m, _) in self.running.values() if u == policy.name]
             assert self.scheduler.slots_busy_on(policy.name) == len(mine)
             assert len({m for m in mine if m is not None}) <= 1
-            assert self.scheduler.loaded_on(policy.name) == self.reference.gpu(policy.name).loaded_model
+            assert self.scheduler.residents_on(policy.name) == residents(self.reference.gpu(policy.name).loaded_model)
         assert self.scheduler.slots_busy == len(self.running)
         # The queue holds exactly the requests that arrived and were neither granted nor cancelled.
         assert self.scheduler.depth == len(self.waiting)
@@ -409,7 +409,7 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
     # y1's model is loaded only where it cannot start now, so x1 (the idle GPU's model) wins by
     # the bonus and starts on gpu0 without a swap, as it would with one GPU.
     scheduler, clock = node(gpu("gpu0"), gpu("gpu1"), bonus=10)
-    scheduler.set_loaded_model("x", as_of=0, upstream="gpu0")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
     scheduler.enqueue("y0", prio(0), "y")
     first = scheduler.next()
     assert first is not None and first.upstream == "gpu1"  # gpu1: nothing loaded there yet
@@ -437,7 +437,7 @@ class Drive:
 
     def loaded(self, model: str, upstream: str) -> None:
         if self.scheduler is not None:
-            assert self.scheduler.set_loaded_model(model, as_of=0, upstream=upstream)
+            assert self.scheduler.set_residents(frozenset({model}), as_of=0, upstream=upstream)
         else:
             self.reference.set_loaded_model(model, upstream)
 

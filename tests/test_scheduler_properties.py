@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import llamaswap.core.scheduler as scheduler_module
 from llamaswap.adapters.ext_authz import scheduled_as
 from policies import fifo, serial
-from reference import ReferenceScheduler, RefPolicy, float_close
+from reference import ReferenceScheduler, RefPolicy, float_close, residents
 
 from llamaswap.core import (
     Band,
@@ -296,7 +296,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(model=models)
     def set_loaded_model(self, model):
-        applied = self.real.set_loaded_model(model, as_of=self.real.dispatches)
+        applied = self.real.set_residents(residents(model), as_of=self.real.dispatches)
         assert applied == (not self.ref.grants)
         self.ref.set_loaded_model(model)
 
@@ -304,9 +304,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def stale_loaded_model_report_is_dropped(self, model):
         # Asked before the latest grant: whatever it says, the scheduler has moved on.
         if self.real.dispatches:
-            before = self.real.loaded_model
-            assert not self.real.set_loaded_model(model, as_of=self.real.dispatches - 1)
-            assert self.real.loaded_model == before
+            before = self.real.residents_on()
+            assert not self.real.set_residents(residents(model), as_of=self.real.dispatches - 1)
+            assert self.real.residents_on() == before
 
     @rule(data=st.data())
     def reconfigure(self, data):
@@ -339,9 +339,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from([g.request.request_id for g in self.ref.grants]), label="release")
         if len(self.ref.grants) > 1:
             event(f"release: one of {len(self.ref.grants)} running, reached_upstream={reached_upstream}")
-        loaded = self.real.loaded_model
+        loaded = self.real.residents_on()
         released = self.real.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
-        if not reached_upstream and self.real.loaded_model != loaded:
+        if not reached_upstream and self.real.residents_on() != loaded:
             event(f"release: a load undone, {len(self.ref.grants) - 1} still running")
         self.ref.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
         assert released.request_id == rid
@@ -446,7 +446,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.real.running_id == (self.ref.running.request_id if self.ref.running else None)
         assert [d.request_id for d in self.real.running_grants] == [g.request.request_id for g in self.ref.grants]
         assert self.real.slots_busy == len(self.ref.grants)
-        assert self.real.loaded_model == self.ref.loaded_model
+        assert self.real.residents_on() == residents(self.ref.loaded_model)
         if self.ref.choose(self.clock.now_ns()) is None:
             assert self.real.next() is None  # non-preemptive: no slot for the best request
 

@@ -79,7 +79,7 @@ def test_requests_naming_no_model_run_beside_the_loaded_model():
     s.enqueue("a2", P(0), "a")
     assert granted(s) == ["a1", "a2", "none"]  # a2 with the loaded model's bonus, then the one without a model
     assert [d.slots_busy for d in s.running_grants] == [1, 2, 3]
-    assert s.loaded_model == "a"
+    assert s.residents_on() == frozenset({"a"})
 
 
 # -- swaps ---------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_the_slots_of_a_failed_model_still_bound_what_runs_beside_it():
         s.enqueue(rid, P(0), model)
     assert granted(s) == ["a1", "a2"]
     s.release("a1", model_loaded=False)  # a is not known to be loaded any more
-    assert s.loaded_model is None
+    assert s.residents_on() == frozenset()
     # a2 still runs on a: requests naming no model may use a's slots, not the default's 4.
     assert granted(s) == ["x"]
     assert s.slots_total == 2
@@ -248,20 +248,20 @@ def test_non_interactive_work_never_takes_the_reserved_slots():
 
 def _two_on_a_after_b(slots: int = 2) -> Scheduler:
     s, _ = make(Slots(slots))
-    s.set_loaded_model("b", as_of=s.dispatches)
+    s.set_residents(frozenset({"b"}), as_of=s.dispatches)
     s.enqueue("g1", P(0), "a")
     s.enqueue("g2", P(0), "a")
     assert granted(s) == ["g1", "g2"]
-    assert s.loaded_model == "a"
+    assert s.residents_on() == frozenset({"a"})
     return s
 
 
 def test_a_load_no_grant_used_is_undone_when_the_last_of_its_grants_ends():
     s = _two_on_a_after_b()
     s.release("g1", reached_upstream=False)
-    assert s.loaded_model == "a"  # g2 may still load it
+    assert s.residents_on() == frozenset({"a"})  # g2 may still load it
     s.release("g2", reached_upstream=False)
-    assert s.loaded_model == "b"  # neither reached the upstream: b is still loaded
+    assert s.residents_on() == frozenset({"b"})  # neither reached the upstream: b is still loaded
 
 
 @pytest.mark.parametrize("order", [("g1", "g2"), ("g2", "g1")])
@@ -270,7 +270,7 @@ def test_a_load_one_grant_used_stays(order):
     first, second = order
     s.release(first)
     s.release(second, reached_upstream=False)
-    assert s.loaded_model == "a"
+    assert s.residents_on() == frozenset({"a"})
 
 
 def test_a_failed_grant_makes_the_loaded_model_unknown_and_the_others_drain_before_a_load():
@@ -279,10 +279,10 @@ def test_a_failed_grant_makes_the_loaded_model_unknown_and_the_others_drain_befo
     s.enqueue("a2", P(0), "a")
     assert granted(s) == ["a1", "a2"]
     s.release("a1", model_loaded=False)
-    assert s.loaded_model is None
+    assert s.residents_on() == frozenset()
     s.enqueue("a3", P(0), "a")
     assert s.next() is None  # from unknown, a is a load: it waits for a2
-    assert not s.set_loaded_model("a", as_of=s.dispatches)  # a report while a2 runs is dropped
+    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches)  # a report while a2 runs is dropped
     s.release("a2")
     d = s.next()
     assert (d.request_id, d.load, d.slots_busy) == ("a3", True, 1)
@@ -294,10 +294,10 @@ def test_a_loaded_model_report_applies_only_when_nothing_runs():
     s.enqueue("a2", P(0), "a")
     granted(s)
     s.release("a1")
-    assert not s.set_loaded_model("b", as_of=s.dispatches)
+    assert not s.set_residents(frozenset({"b"}), as_of=s.dispatches)
     s.release("a2")
-    assert s.set_loaded_model("b", as_of=s.dispatches)
-    assert s.loaded_model == "b"
+    assert s.set_residents(frozenset({"b"}), as_of=s.dispatches)
+    assert s.residents_on() == frozenset({"b"})
 
 
 # -- release, snapshot, reconfigure --------------------------------------------------------

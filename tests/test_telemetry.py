@@ -680,7 +680,7 @@ async def test_shutdown_flushes_the_spans() -> None:
 
 def test_the_queue_table() -> None:
     document = {
-        "policy": "serial", "loaded_model": "model-a", "gpu": "running",
+        "policy": "serial", "resident_models": ["model-a"], "gpu": "running",
         "running": {"request_id": "run-1", "priority": 0, "band": "normal", "score": 0.0, "model": "model-a",
                     "queue_wait_s": 0.25, "running_s": 3725.0, "expected_run_s": 4000.0,
                     "expected_remaining_s": 275.0},
@@ -712,9 +712,14 @@ def test_the_queue_table() -> None:
     ("adopted", "GPU busy with an exchange granted before this sidecar started"),
 ])
 def test_the_queue_tables_gpu_line(gpu: str, line: str) -> None:
-    text = render({"policy": "fifo", "loaded_model": None, "gpu": gpu, "running": None, "waiting": []})
+    text = render({"policy": "fifo", "resident_models": [], "gpu": gpu, "running": None, "waiting": []})
     assert text.splitlines()[0] == f"policy fifo, loaded model -, {line}, 0 waiting"
     assert len(text.splitlines()) == 2
+
+
+def test_the_queue_table_lists_several_resident_models() -> None:
+    text = render({"policy": "fifo", "resident_models": ["a", "b"], "gpu": "idle", "running": None, "waiting": []})
+    assert text.splitlines()[0] == "policy fifo, loaded models a,b, GPU idle, 0 waiting"
 
 
 @virtual_time

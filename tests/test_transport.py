@@ -530,7 +530,7 @@ async def test_the_queue_and_status_documents() -> None:
     await flow.arrive("wait", "batch", model="b")
     await flow.advance(1)
     document = queue_document(flow.coordinator.view())
-    assert document["gpu"] == "running" and document["loaded_model"] == "a" and document["policy"] == "serial"
+    assert document["gpu"] == "running" and document["resident_models"] == ["a"] and document["policy"] == "serial"
     assert document["running"]["request_id"] == "run" and document["running"]["expected_remaining_s"] == 14.0
     assert [row["request_id"] for row in document["waiting"]] == ["wait"]
     assert document["waiting"][0]["estimated_start_s"] == 14.0

@@ -258,7 +258,7 @@ async def test_the_state_has_the_queue_in_its_order_with_the_score_split_into_it
         # What the page shows of the start: the server's instant (the page derives nothing).
         assert mine["estimated_start_ms"] == pytest.approx(state["as_of_ms"] + mine["estimated_start_s"] * 1000)
     assert state["aging_per_s"] == pytest.approx(0.1)  # the rate the page grows the aging term at
-    assert state["gpu"] == "running" and state["loaded_model"] == "a" and state["waiting_total"] == 3
+    assert state["gpu"] == "running" and state["resident_models"] == ["a"] and state["waiting_total"] == 3
     [running] = state["running"]
     assert running["request_id"] == "run" and running["running_s"] == 5.0
     assert running["granted_ms"] == pytest.approx(state["as_of_ms"] - 5000)

@@ -24,22 +24,22 @@ def test_router_mode_lists_models_aliases_and_the_loaded_one():
     assert catalog is not None
     assert catalog.kind is UpstreamKind.ROUTER
     assert catalog.models == {"tiny-a", "tiny-a-alias", "tiny-b", "tiny-b-alias"}
-    assert (catalog.loaded, catalog.loaded_known) == ("tiny-b", True)
+    assert (catalog.residents, catalog.residents_known) == (frozenset({"tiny-b"}), True)
 
 
 def test_router_mode_with_nothing_loaded_says_so():
     catalog = catalog_from(router(("tiny-a", "unloaded"), ("tiny-b", "unloaded")))
-    assert catalog is not None and (catalog.loaded, catalog.loaded_known) == (None, True)
+    assert catalog is not None and (catalog.residents, catalog.residents_known) == (frozenset(), True)
 
 
 def test_router_mode_loading_counts_as_loaded():
     catalog = catalog_from(router(("tiny-a", "loading"), ("tiny-b", "unloaded")))
-    assert catalog is not None and (catalog.loaded, catalog.loaded_known) == ("tiny-a", True)
+    assert catalog is not None and (catalog.residents, catalog.residents_known) == (frozenset({"tiny-a"}), True)
 
 
 def test_router_mode_with_several_loaded_does_not_guess():
     catalog = catalog_from(router(("tiny-a", "loaded"), ("tiny-b", "loaded")))
-    assert catalog is not None and catalog.loaded_known is False
+    assert catalog is not None and catalog.residents_known is False
 
 
 def test_single_model_llama_server_serves_any_name():
@@ -49,7 +49,7 @@ def test_single_model_llama_server_serves_any_name():
     assert catalog is not None
     assert catalog.kind is UpstreamKind.SINGLE
     assert catalog.models == {"/m/tiny-a.gguf"}
-    assert catalog.loaded_known is False
+    assert catalog.residents_known is False
 
 
 def test_llama_swap_is_recognised_by_its_owner():

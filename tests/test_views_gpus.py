@@ -15,8 +15,11 @@ from two_gpus import TwoGpus
 
 from llamaswap.adapters.admin import queue_document, status_document
 from llamaswap.commands.queue import render
-from llamaswap.core import ManualClock
+from llamaswap.core import ManualClock, QueueSnapshot
+from llamaswap.core.decisions import GpuView
+from llamaswap.core.policy import PolicyName
 from llamaswap.runtime.observer import GpuPicture, QueuePicture
+from llamaswap.runtime.views import node_residents
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.observer import QUEUE_SPAN, RUN_SPAN, Telemetry
 
@@ -36,16 +39,23 @@ def busy_node(observers: tuple = (), clock: ManualClock | None = None) -> tuple[
 def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None:
     node, _ = busy_node()
     document = queue_document(node.view())
-    assert document["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2, "state": "running"},
-                                {"name": "small", "loaded_model": "y", "slots_busy": 1, "slots": 1, "state": "running"}]
+    assert document["gpus"] == [
+        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running"},
+        {"name": "small", "resident_models": ["y"], "slots_busy": 1, "slots": 1, "state": "running"}]
     assert [(row["request_id"], row["upstream"]) for row in document["running_all"]] == [
         ("x1", "big"), ("x2", "big"), ("y1", "small")]
-    # The fields a client of one GPU reads stay: the first running request, the first GPU's
-    # model, the slots over the whole node.
+    # The fields a client of one GPU reads stay: the first running request, the slots over the
+    # whole node; the node's resident models are every GPU's, in the configured order.
     assert document["running"]["request_id"] == "x1" and document["running"]["upstream"] == "big"
-    assert document["loaded_model"] == "x"
+    assert document["resident_models"] == ["x", "y"]
     assert (document["slots_busy"], document["slots_total"]) == (3, 3)
     assert [row["request_id"] for row in document["waiting"]] == ["z1"]
+
+
+def test_the_nodes_resident_models_are_every_gpus_once_in_the_configured_order() -> None:
+    gpus = (GpuView("b", ("y",), 0, 1), GpuView("a", ("x", "y"), 0, 1), GpuView("c", (), 0, 1))
+    assert node_residents(QueueSnapshot(PolicyName.SERIAL, ("y",), (), {}, (), 1, gpus)) == ("y", "x")
+    assert node_residents(QueueSnapshot(PolicyName.SERIAL, ("y",), (), {}, (), 1)) == ("y",)  # no GPUs listed
 
 
 def test_a_running_requests_own_status_names_its_gpu() -> None:
@@ -63,7 +73,7 @@ def test_a_gpu_frees_and_the_document_follows() -> None:
     node.finish(tickets["y1"])
     assert node.grant() == {"z1": "small"}  # small swaps y for z; big stays busy with x
     document = queue_document(node.view())
-    assert document["gpus"][1] == {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1,
+    assert document["gpus"][1] == {"name": "small", "resident_models": ["z"], "slots_busy": 1, "slots": 1,
                                    "state": "running"}
     assert {row["request_id"]: row["upstream"] for row in document["running_all"]} == {
         "x1": "big", "x2": "big", "z1": "small"}
@@ -101,8 +111,8 @@ def test_the_queue_table_has_a_line_per_gpu_and_a_gpu_column() -> None:
 
 
 def test_one_gpu_keeps_the_table_it_had() -> None:
-    document = {"policy": "serial", "loaded_model": "a", "gpu": "idle", "running_all": [], "waiting": [],
-                "gpus": [{"name": "gpu0", "loaded_model": "a", "slots_busy": 0, "slots": 1}]}
+    document = {"policy": "serial", "resident_models": ["a"], "gpu": "idle", "running_all": [], "waiting": [],
+                "gpus": [{"name": "gpu0", "resident_models": ["a"], "slots_busy": 0, "slots": 1}]}
     lines = render(document).splitlines()
     assert lines == ["policy serial, loaded model a, GPU idle, 0 waiting",
                      "POS  ST  REQUEST_ID  PRIORITY  BAND  SCORE  WAIT  TIME  START  MODEL"]
@@ -173,18 +183,31 @@ def test_the_pickers_gauges_cover_every_gpu() -> None:
 
 def test_a_model_on_two_gpus_is_listed_once() -> None:
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 2, 2, "x", (GpuPicture("a", "x", 1, 1),
-                                                                   GpuPicture("b", "x", 1, 1))))
+    telemetry.queue_changed(QueuePicture((), (), True, 2, 2, ("x",), (GpuPicture("a", ("x",), 1, 1),
+                                                                      GpuPicture("b", ("x",), 1, 1))))
     adapters = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
     assert adapters is not None and adapters.running == ("x",) and adapters.max_adapters == 2
+
+
+def test_each_resident_model_of_a_gpu_is_a_series_and_listed_once() -> None:
+    """Several models resident on one GPU (issue 37 will allow it): a series each, and the node's
+    models each once, in the configured order of the GPUs."""
+    telemetry = Telemetry(clock=ManualClock())
+    telemetry.queue_changed(QueuePicture((), (), False, 0, 2, ("x", "y"), (GpuPicture("a", ("x", "y"), 0, 1),
+                                                                           GpuPicture("b", ("w", "x"), 0, 1))))
+    samples = metrics(telemetry)
+    assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="a") == {"x": 1, "y": 1}
+    assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="b") == {"w": 1, "x": 1}
+    adapters = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
+    assert adapters is not None and adapters.running == ("x", "y", "w")
 
 
 def test_a_settle_on_one_gpu_fills_only_that_gpu() -> None:
     """An upstream that finishes an abandoned generation takes no grant: full for the picker,
     busy in its own series; the other GPU's free slots still count as free."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 0, 2, None, (GpuPicture("a", "x", 0, 2, blocked=True),
-                                                                    GpuPicture("b", None, 0, 2))))
+    telemetry.queue_changed(QueuePicture((), (), True, 0, 2, (), (GpuPicture("a", ("x",), 0, 2, blocked=True),
+                                                                  GpuPicture("b", (), 0, 2))))
     samples = metrics(telemetry)
     assert value(samples, names.SATURATION) == 0.5
     assert by_label(samples, names.UPSTREAM_BUSY, "upstream") == {"a": 1, "b": 0}
@@ -225,8 +248,9 @@ def test_the_pages_state_and_timeline_name_each_gpu() -> None:
     node.grant()
     ui = UiState(node.coordinator, history, jaeger_url=lambda: "")  # type: ignore[arg-type]
     state = ui.state_document()
-    assert state["gpus"] == [{"name": "big", "loaded_model": "x", "slots_busy": 2, "slots": 2, "state": "running"},
-                             {"name": "small", "loaded_model": "z", "slots_busy": 1, "slots": 1, "state": "running"}]
+    assert state["gpus"] == [
+        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running"},
+        {"name": "small", "resident_models": ["z"], "slots_busy": 1, "slots": 1, "state": "running"}]
     assert {row["request_id"]: row["upstream"] for row in state["running"]} == {"x1": "big", "x2": "big",
                                                                                 "z1": "small"}
     assert state["counters"]["upstreams"] == {"big": {"dispatched": 2, "swaps": 0, "loads": 1},

@@ -93,7 +93,7 @@ class TwoGpus:
         return QueuePicture(tuple((band, s.depth) for band, s in stats.items()),
                             tuple((band, s.oldest_arrival_ns) for band, s in stats.items()),
                             self.scheduler.slots_busy > 0, self.scheduler.slots_busy, self.scheduler.slots_total,
-                            self.scheduler.loaded_model, gpu_pictures(self.scheduler))
+                            tuple(sorted(self.scheduler.residents_on())), gpu_pictures(self.scheduler))
 
     def publish(self) -> None:
         picture = self.picture()

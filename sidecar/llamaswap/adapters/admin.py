@@ -45,8 +45,8 @@ def running_document(row: RunningRow) -> dict[str, Any]:
 
 def gpu_document(row: GpuRow) -> dict[str, Any]:
     """One upstream (GPU) as GET /queue (and the page at /ui) shows it."""
-    return {"name": row.name, "loaded_model": row.loaded_model, "slots_busy": row.slots_busy, "slots": row.slots,
-            "state": row.state}
+    return {"name": row.name, "resident_models": list(row.resident_models), "slots_busy": row.slots_busy,
+            "slots": row.slots, "state": row.state}
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
@@ -55,10 +55,11 @@ def queue_document(view: QueueView) -> dict[str, Any]:
     the earliest running request (null for none: the shape before slots); ``running_all`` is
     every one, earliest first, each with the ``upstream`` it runs on, and ``slots_busy`` of
     ``slots_total`` (over every upstream). ``gpus`` lists the upstreams in the configured order:
-    each one's loaded model, slots and state (``gpu``'s words); ``loaded_model`` is the first one's."""
+    each one's resident models (sorted), slots and state (``gpu``'s words); ``resident_models`` is every
+    one's, each once, in that order."""
     return {
         "policy": view.policy,
-        "loaded_model": view.loaded_model,
+        "resident_models": list(view.resident_models),
         "gpu": view.gpu,
         "running": running_document(view.running[0]) if view.running else None,
         "running_all": [running_document(row) for row in view.running],

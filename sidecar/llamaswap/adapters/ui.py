@@ -121,7 +121,7 @@ class UiState:
             "aging_per_s": policy.aging_per_s,
             "swap_affinity_bonus": policy.swap_affinity_bonus,
             "gpu": view.gpu,
-            "loaded_model": view.loaded_model,
+            "resident_models": list(view.resident_models),
             "running": [self._running_row(row, now_ms) for row in view.running],
             "slots_busy": view.slots_busy,
             "slots_total": view.slots_total,

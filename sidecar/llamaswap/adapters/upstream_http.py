@@ -237,8 +237,10 @@ def catalog_from(document: Any) -> Catalog | None:
     if states:
         # A model being loaded is the one the upstream will have: affinity applies to it already.
         loaded = [name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING)]
-        # Several loaded (models-max > 1): no single answer, keep what the scheduler believes.
-        return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded[0] if loaded else None, len(loaded) <= 1)
+        # Several loaded (models-max > 1): the scheduler holds one model per GPU (until issue 37),
+        # so that is no answer: keep what it believes.
+        known = len(loaded) <= 1
+        return Catalog(UpstreamKind.ROUTER, frozenset(names), frozenset(loaded) if known else frozenset(), known)
     if "llama-swap" in owners:
         return Catalog(UpstreamKind.LLAMA_SWAP, frozenset(names))
     return Catalog(UpstreamKind.SINGLE, frozenset(names))

@@ -151,7 +151,7 @@ def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def gpu_lines(document: dict[str, Any]) -> list[str]:
-    """One line per upstream when there are several: its name, loaded model and busy slots."""
+    """One line per upstream when there are several: its name, resident models and busy slots."""
     gpus = _gpus(document)
     if len(gpus) <= 1:
         return []
@@ -161,9 +161,19 @@ def gpu_lines(document: dict[str, Any]) -> list[str]:
     for name, gpu in zip(names, gpus):
         busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
         state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
-        loaded = gpu.get("loaded_model") or "-"
-        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  loaded model {loaded}  {state}")
+        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  {_loaded(gpu)}  {state}")
     return lines
+
+
+def _loaded(document: dict[str, Any]) -> str:
+    """"loaded model NAME" ("-": none known), "loaded models A,B" where there are several; an older
+    sidecar's document says ``loaded_model``, one name or null."""
+    names = document.get("resident_models")
+    if not isinstance(names, list):
+        older = document.get("loaded_model")
+        names = [older] if isinstance(older, str) else []
+    names = [str(name) for name in names]
+    return f"loaded model{'s' if len(names) > 1 else ''} {','.join(names) or '-'}"
 
 
 def _running(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -198,8 +208,8 @@ def render(document: dict[str, Any]) -> str:
     if isinstance(slots_total, int) and slots_total > 1:
         gpu += f", slots {document.get('slots_busy', running)}/{slots_total}"
     gpus = gpu_lines(document)
-    # Several GPUs: each one's loaded model is on its own line.
-    loaded = f"{len(gpus)} GPUs" if gpus else f"loaded model {document.get('loaded_model') or '-'}"
+    # Several GPUs: each one's resident models are on its own line.
+    loaded = f"{len(gpus)} GPUs" if gpus else _loaded(document)
     summary = f"policy {document.get('policy', '?')}, {loaded}, {gpu}, {len(waiting)} waiting"
     bands = document.get("bands") or {}
     if bands:

@@ -150,10 +150,10 @@ class BandStats:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuView:
-    """One upstream of the node: its loaded model and its slots, busy and in effect."""
+    """One upstream of the node: its resident models (sorted; empty: none known) and its slots, busy and in effect."""
 
     name: str
-    loaded_model: str | None
+    resident_models: tuple[str, ...]
     slots_busy: int
     slots: int
 
@@ -161,7 +161,7 @@ class GpuView:
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     policy: PolicyName
-    loaded_model: str | None
+    resident_models: tuple[str, ...]  # the first upstream's, sorted (empty: none known)
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first

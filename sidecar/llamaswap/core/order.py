@@ -16,7 +16,7 @@ from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.holding import GpuHolding, resident, resident_on
+from llamaswap.core.holding import GpuHolding, resident_on
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.gpu_record import GpuRecord
 from llamaswap.core.policy import Policy
@@ -126,9 +126,9 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
         for position, (entry, bonus) in enumerate(dispatch_order(index, count, gpus, policy.swap_affinity_bonus))
     )
     running = tuple(running_view(decision, now_ns) for decision in grants)
-    views = tuple(GpuView(gpu.name, resident(gpu.residents), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
+    views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
     first = gpus[0]
-    return QueueSnapshot(policy.name, resident(first.residents), waiting, band_stats(arrivals, now_ns), running,
+    return QueueSnapshot(policy.name, views[0].resident_models, waiting, band_stats(arrivals, now_ns), running,
                          slots_total(first), views)
 
 

@@ -32,8 +32,8 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 - the dispatch order shown by ``snapshot`` is the order ``next`` grants in when the grants are
   taken one at a time, because both use the same ``order.pick`` (with several slots, a reserved
   slot can let an interactive request start before a non-interactive one listed ahead of it);
-- a loaded-model report older than the latest grant, or made while anything runs, is ignored
-  (``set_loaded_model``);
+- a report of the resident models older than the latest grant, or made while anything runs, is
+  ignored (``set_residents``);
 - removed entries are deleted lazily from heaps and compacted when they outnumber the living.
 """
 
@@ -59,7 +59,7 @@ from llamaswap.core.decisions import (
     WaitingView,
 )
 from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot, takes_nothing
-from llamaswap.core.holding import NO_RESIDENTS, GpuHolding, Running, resident, resident_on
+from llamaswap.core.holding import GpuHolding, Running, resident_on
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -166,14 +166,9 @@ class Scheduler:
                 return gpu
         raise UnknownRequest(f"no upstream is named {upstream!r}")
 
-    @property
-    def loaded_model(self) -> str | None:
-        """The first upstream's resident model (with one upstream, the loaded model)."""
-        return resident(self._first.residents)
-
-    def loaded_on(self, upstream: str | None = None) -> str | None:
-        """An upstream's resident model, where a reader shows one (`holding_of` says all)."""
-        return resident(self._gpu(upstream).residents)
+    def residents_on(self, upstream: str | None = None) -> frozenset[str]:
+        """The models resident on an upstream (None: the first; with one upstream, the loaded ones)."""
+        return self._gpu(upstream).residents
 
     def holding_of(self, upstream: str | None = None) -> GpuHolding:
         """What an upstream holds (None: the first)."""
@@ -187,8 +182,8 @@ class Scheduler:
     def dispatches_on(self, upstream: str | None = None) -> int:
         return self._gpu(upstream).dispatches
 
-    def set_loaded_model(self, model: str | None, *, as_of: int, upstream: str | None = None) -> bool:
-        """What an upstream reports as loaded, asked when its ``dispatches_on`` was ``as_of``.
+    def set_residents(self, models: frozenset[str], *, as_of: int, upstream: str | None = None) -> bool:
+        """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken (or that arrives while any request runs there)
         describes a past the scheduler has already moved on from: it is dropped. True if applied.
@@ -196,7 +191,7 @@ class Scheduler:
         gpu = self._gpu(upstream)
         if as_of != gpu.dispatches or gpu.grants:
             return False
-        gpu.set_residents(NO_RESIDENTS if model is None else frozenset((model,)))
+        gpu.set_residents(models)
         gpu.load = None
         self._held.changed(residents=True)
         return True
@@ -445,7 +440,7 @@ class Scheduler:
             aging,  # aging
             loads and not residents,  # load
             loads and bool(residents),  # swap
-            resident(residents),  # previous_model
+            min(residents, default=None),  # previous_model (today at most one)
             reasons,  # reordered_by
             overtook,  # overtook
             len(self._waiting),  # queue_depth_after

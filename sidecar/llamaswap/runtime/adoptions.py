@@ -87,7 +87,7 @@ class Adoptions:
         scheduler = self._scheduler
 
         def unloaded() -> None:
-            if scheduler.set_loaded_model(None, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
+            if scheduler.set_residents(frozenset(), as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()
 
         settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,

@@ -1,5 +1,5 @@
 """The node's GPUs as the runtime keeps them: one `Gpu` per upstream (`upstreams:`), each with
-its own catalog (reconciled with the scheduler's loaded model: `Gpus.reconcile`), slot learning,
+its own catalog (reconciled with the scheduler's resident models: `Gpus.reconcile`), slot learning,
 settle and adopted exchanges. The scheduler holds the one queue over them (its GPUs); everything
 here is what holds one upstream apart from the others: a settle or an adopted exchange on one GPU
 stops grants on that GPU only.
@@ -67,12 +67,12 @@ class Gpu:
         """Its settle loop (`settle.py`) until it ends; then the settle is no longer under way."""
         deadline_ns = settling.deadline_ns(settle_timeout_s, max_run_s)
 
-        async def loaded_model() -> str | None:
-            # At startup, the model to ask about is the one the upstream says it has loaded.
+        async def residents() -> frozenset[str]:
+            # At startup, the models to ask about are the ones the upstream says it has loaded.
             catalog = await self.catalog.refresh()
             if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
-                return catalog.loaded
-            return settling.model
+                return catalog.residents
+            return frozenset() if settling.model is None else frozenset((settling.model,))
 
         startup = settling.reason is SettleReason.STARTUP
         # After a restart, an upstream that cannot tell leaves one witness of a running exchange:
@@ -81,7 +81,7 @@ class Gpu:
         try:
             settle = await settle_upstream(
                 self.upstream, settling, stop=stop, clock=clock, deadline_ns=deadline_ns,
-                loaded_model=loaded_model if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
+                residents=residents if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
                 held=held)
             return dataclasses.replace(settle, upstream=self.name)
         finally:
@@ -153,9 +153,10 @@ class Gpus:
         gpu.catalog.latest = catalog
         # A single-model upstream has its one model loaded whenever it answers.
         own = gpu.catalog.single_model()
-        if catalog.loaded_known or own is not None:
-            loaded = catalog.loaded if catalog.loaded_known else (self.single_model() or own)
-            if scheduler.set_loaded_model(loaded, as_of=as_of, upstream=gpu.name):
+        if catalog.residents_known or own is not None:
+            single = self.single_model() or own
+            loaded = catalog.residents if catalog.residents_known or single is None else frozenset((single,))
+            if scheduler.set_residents(loaded, as_of=as_of, upstream=gpu.name):
                 changed()
         gpu.catalog.warn_unmatched(config.models)
         if (own, self.single_model()) != before and node_policy(config, self, self.single_model()) != scheduler.policy:

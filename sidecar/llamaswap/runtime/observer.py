@@ -13,7 +13,6 @@ from typing import Protocol
 from collections.abc import Collection
 
 from llamaswap.core import Band, Policy, Scheduler
-from llamaswap.core.holding import resident
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
@@ -43,7 +42,7 @@ class GpuPicture:
     """One upstream (GPU) in the gauges' picture."""
 
     name: str
-    loaded_model: str | None
+    resident_models: tuple[str, ...]  # sorted (empty: none known)
     slots_busy: int  # its running grants
     slots_total: int  # the slots of the model in effect there
     # Something besides our grants holds it (a settle, an adopted exchange): nothing starts there.
@@ -53,7 +52,7 @@ class GpuPicture:
 def gpu_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[GpuPicture, ...]:
     """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`;
     `blocked` names the ones a settle or an adopted exchange holds."""
-    return tuple(GpuPicture(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect,
+    return tuple(GpuPicture(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect,
                              gpu.name in blocked) for gpu in scheduler.holdings())
 
 
@@ -67,7 +66,7 @@ class QueuePicture:
     busy: bool  # a grant holds the GPU, or the upstream is still finishing an abandoned one
     slots_busy: int = 0  # running grants
     slots_total: int = 1  # the slots of the model in effect
-    loaded_model: str | None = None  # the scheduler's loaded model (None: none known)
+    resident_models: tuple[str, ...] = ()  # the first upstream's resident models, sorted (empty: none known)
     # Every upstream (`gpu_pictures`); empty: one, described by the fields above.
     gpus: tuple[GpuPicture, ...] = ()
 
@@ -78,8 +77,8 @@ def queue_picture(scheduler: Scheduler, busy: bool, blocked: Collection[str]) ->
     stats = scheduler.band_stats()
     depth = tuple((band, s.depth) for band, s in stats.items())
     oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total, scheduler.loaded_model,
-                        gpu_pictures(scheduler, blocked))
+    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total,
+                        tuple(sorted(scheduler.residents_on())), gpu_pictures(scheduler, blocked))
 
 
 class SettleReason(str, enum.Enum):

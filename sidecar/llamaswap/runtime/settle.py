@@ -43,7 +43,7 @@ class Settling:
 
 
 async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
-                          loaded_model: Callable[[], Awaitable[str | None]] | None = None,
+                          residents: Callable[[], Awaitable[frozenset[str]]] | None = None,
                           unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None,
                           held: Callable[[], int] | None = None) -> Settle:
     """Wait until the upstream computes no more generations than `held()` counts, with a
@@ -52,10 +52,11 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
     until the deadline: only "idle", "cannot tell, ever" or the deadline end the wait. With `stop`
     the generation is stopped only once the upstream says it is still busy (a streamed client
-    that left has already stopped its own; unloading costs a reload). `loaded_model` (at startup)
-    finds which model to ask about; `unloaded` hears that the generation was stopped (nothing is
-    loaded any more); with `blind_until_ns`, an upstream that cannot tell holds the GPU until
-    then (at startup: until Envoy's periodic entry would have revealed a running exchange).
+    that left has already stopped its own; unloading costs a reload). `residents` (at startup)
+    finds which model to ask about (one the upstream has loaded; today it has at most one);
+    `unloaded` hears that the generation was stopped (nothing is loaded any more); with
+    `blind_until_ns`, an upstream that cannot tell holds the GPU until then (at startup: until
+    Envoy's periodic entry would have revealed a running exchange).
     `held` counts the generations this process knows to run beside the abandoned one (its
     running grants and adopted exchanges, with several slots): the settle is over once the
     processing slots are no more than those in two answers one poll apart (or none compute), so the
@@ -71,9 +72,9 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     delay = SETTLE_POLL_FIRST_S
     while True:
         try:
-            if loaded_model is not None:
-                model = await loaded_model()
-                loaded_model = None
+            if residents is not None:
+                model = min(await residents(), default=None)
+                residents = None
             processing = await upstream.busy(model)
         except asyncio.CancelledError:
             raise

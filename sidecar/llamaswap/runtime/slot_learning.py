@@ -69,7 +69,7 @@ class SlotLearner:
     async def _refresh_and_learn(self) -> None:
         catalog = await self._catalog.refresh()
         router = catalog is not None and catalog.kind is UpstreamKind.ROUTER
-        await self._learn(catalog.loaded if router and catalog is not None else None, router=router)
+        await self._learn(_resident(catalog) if router and catalog is not None else None, router=router)
 
     async def _learn(self, model: str | None, *, router: bool) -> None:
         learnt = await self._upstream.total_slots(model) if model is not None or not router else None
@@ -102,7 +102,7 @@ class SlotLearner:
         """The reconcile loop read the catalog: ask about a model seen loaded for the first time
         (a single-model upstream: once)."""
         router = catalog.kind is UpstreamKind.ROUTER
-        model = catalog.loaded if router else None
+        model = _resident(catalog) if router else None
         if (model is not None or not router) and self._wants(model) and not self.asking:
             self._ask(self._learn(model, router=router))
 
@@ -125,7 +125,7 @@ class SlotLearner:
                 await asyncio.shield(asking)
             if not self._wants(model) or catalog is None or catalog.kind is not UpstreamKind.ROUTER:
                 return
-            if catalog.loaded == model:
+            if model in catalog.residents:
                 if not asked and not self.asking:
                     await self._ask(self._learn(model, router=True))  # None while it still loads: asked again
                     if not self._wants(model):
@@ -139,3 +139,8 @@ class SlotLearner:
         for task in (self._asking, self._learning):
             if task is not None:
                 task.cancel()
+
+
+def _resident(catalog: Catalog) -> str | None:
+    """The model a router has loaded, whose slots are asked about (today it reports at most one)."""
+    return min(catalog.residents, default=None)

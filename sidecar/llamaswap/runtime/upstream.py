@@ -21,14 +21,14 @@ class UpstreamKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Catalog:
-    """One answer about the models: which it serves (None: any name) and which is loaded."""
+    """One answer about the models: which it serves (None: any name) and which are loaded."""
 
     kind: UpstreamKind
     models: frozenset[str] | None
-    # The loaded model if the upstream says (router mode): a name, None for "nothing loaded";
-    # `loaded_known` False when the answer says nothing about it.
-    loaded: str | None = None
-    loaded_known: bool = False
+    # The loaded (resident) models if the upstream says (router mode; empty: nothing loaded);
+    # `residents_known` False when the answer says nothing about them.
+    residents: frozenset[str] = frozenset()
+    residents_known: bool = False
 
 
 class UpstreamUnanswered(Exception):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
-from llamaswap.core.holding import GpuHolding, resident
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
@@ -108,7 +108,7 @@ class GpuRow:
     loaded and how many of its slots the running grants hold."""
 
     name: str
-    loaded_model: str | None
+    resident_models: tuple[str, ...]  # sorted (empty: none known)
     slots_busy: int
     slots: int  # the slots of the model in effect there
     state: GpuState = GpuState.IDLE  # what holds it
@@ -116,7 +116,7 @@ class GpuRow:
     @classmethod
     def of(cls, gpu: GpuHolding, state: GpuState) -> GpuRow:
         """The row of what a GPU holds (`Scheduler.holdings`)."""
-        return cls(gpu.name, resident(gpu.residents), gpu.running.busy, gpu.slots_in_effect, state)
+        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, state)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,7 +124,9 @@ class QueueView:
     """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
 
     policy: str
-    loaded_model: str | None
+    # Every upstream's resident models, each once, in the configured order of the upstreams (each
+    # one's sorted); empty: none known.
+    resident_models: tuple[str, ...]
     gpu: GpuState
     running: tuple[RunningRow, ...]  # every running grant, earliest first (one per busy slot)
     waiting: tuple[WaitingRow, ...]
@@ -133,8 +135,15 @@ class QueueView:
     slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
     kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
     # Every upstream, in the configured order (one with `upstream:` alone). With several, the
-    # fields above describe the node: `loaded_model` the first one's, the slots summed over all.
+    # fields above describe the node: `resident_models` all of theirs, the slots summed over all.
     gpus: tuple[GpuRow, ...] = ()
+
+
+def node_residents(snapshot: QueueSnapshot) -> tuple[str, ...]:
+    """Every upstream's resident models in a snapshot, each once, in the configured order."""
+    if not snapshot.gpus:
+        return snapshot.resident_models
+    return tuple(dict.fromkeys(model for gpu in snapshot.gpus for model in gpu.resident_models))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -229,7 +238,7 @@ class QueueViews:
                 for gpu in scheduler.holdings()]
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
         slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
-        return QueueView(str(snapshot.policy), snapshot.loaded_model, self._gpu_state(), tuple(running), waiting,
+        return QueueView(str(snapshot.policy), node_residents(snapshot), self._gpu_state(), tuple(running), waiting,
                          bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:

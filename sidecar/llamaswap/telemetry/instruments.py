@@ -186,8 +186,8 @@ class Instruments:
                         "generation), else 0, by upstream.")
         meter.create_observable_gauge(
             UPSTREAM_MODEL, [upstream_model],
-            description="1, with the model the scheduler knows loaded on the upstream (model=\"\": none known), "
-                        "by upstream.")
+            description="1 for each model the scheduler knows resident on the upstream (model=\"\": none known), "
+                        "by upstream and model.")
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)

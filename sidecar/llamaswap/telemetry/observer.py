@@ -218,15 +218,15 @@ class Telemetry:
             instruments.upstream_swaps.declare(labels)
             instruments.upstream_loads.declare(labels)
         if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
-            # publishes the loaded model's with every change)
+            # publishes the resident models' with every change)
             before = self._picture
-            shown = (tuple(GpuPicture(gpu.name, None, 0, gpu.slots.default) for gpu in gpus)
+            shown = (tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default) for gpu in gpus)
                      if len(gpus) > 1 else ())
             self._picture = dataclasses.replace(before, slots_total=policy.slots.default, gpus=before.gpus or shown)
             self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
-        if _loaded_models(picture) != _loaded_models(self._picture):
+        if _resident_models(picture) != _resident_models(self._picture):
             self._models_changed(picture)
         self._picture = picture
 
@@ -375,8 +375,8 @@ class Telemetry:
         # Bounded like the `model` label: clients name models (without modelCheck, any name). The
         # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
         waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
-        # Each upstream's loaded model, once each (two GPUs may hold the same), in the configured order.
-        loaded = dict.fromkeys(model for model in _loaded_models(picture) if model)
+        # Each upstream's resident models, each once (two GPUs may hold the same), in the configured order.
+        loaded = dict.fromkeys(model for models in _resident_models(picture) for model in models)
         return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
                 MAX_ADAPTERS: str(max(1, len(picture.gpus)))}
 
@@ -448,7 +448,7 @@ class Telemetry:
         if picture.gpus:
             return picture.gpus
         blocked = picture.busy and not picture.slots_busy  # a settle or an adopted exchange
-        return (GpuPicture(self._first_upstream, picture.loaded_model, picture.slots_busy, picture.slots_total,
+        return (GpuPicture(self._first_upstream, picture.resident_models, picture.slots_busy, picture.slots_total,
                             blocked),)
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
@@ -462,13 +462,15 @@ class Telemetry:
                 for gpu in self._gpus()]
 
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
-        # One series per upstream at a time, whatever the model's name: bounded by the upstreams.
-        return [Observation(1, {"upstream": gpu.name, "model": gpu.loaded_model or ""}) for gpu in self._gpus()]
+        # One series per upstream and resident model (model="": none known), whatever the models' names:
+        # bounded by the models an upstream holds at once (today one) times the upstreams.
+        return [Observation(1, {"upstream": gpu.name, "model": model})
+                for gpu in self._gpus() for model in gpu.resident_models or ("",)]
 
 
-def _loaded_models(picture: QueuePicture) -> tuple[str | None, ...]:
-    """Each upstream's loaded model, in the configured order."""
-    return tuple(gpu.loaded_model for gpu in picture.gpus) if picture.gpus else (picture.loaded_model,)
+def _resident_models(picture: QueuePicture) -> tuple[tuple[str, ...], ...]:
+    """Each upstream's resident models, in the configured order."""
+    return tuple(gpu.resident_models for gpu in picture.gpus) if picture.gpus else (picture.resident_models,)
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:

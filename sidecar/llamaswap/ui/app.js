@@ -60,6 +60,8 @@
   const serverNow = () => Date.now() + page.offsetMs;
   const band = (name) => `<span class="band band-${escapeHtml(name)}">${escapeHtml(name)}</span>`;
   const model = (name) => escapeHtml(name === null || name === undefined ? "–" : name);
+  // A GPU's resident models, comma-separated ("–": none known).
+  const models = (names) => (names && names.length ? names.map(escapeHtml).join(", ") : "–");
 
   // A line of a batch runs with the x-request-id BATCH_ID:CUSTOM_ID: the batch it belongs to, or null.
   function batchOf(requestId) {
@@ -175,7 +177,7 @@
     const gpu = byId("gpu-state");
     gpu.textContent = doc.gpu;
     gpu.className = `gpu gpu-${doc.gpu}`;
-    byId("loaded-model").textContent = doc.loaded_model || "none known";
+    byId("loaded-model").textContent = (doc.resident_models || []).join(", ") || "none known";
     byId("slots").textContent = `${doc.slots_busy} / ${doc.slots_total}`;
     renderGpus(doc);
     byId("waiting-total").textContent = doc.waiting_total.toLocaleString();
@@ -196,7 +198,7 @@
     }
     byId("loaded-model").textContent = `${gpus.length} GPUs`;
     byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}" data-state="${escapeHtml(gpu.state || "")}">` +
-      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> <span class="gpu-model">${model(gpu.loaded_model)}</span>` +
+      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> <span class="gpu-model">${models(gpu.resident_models)}</span>` +
       `<b class="gpu-slots">${gpu.slots_busy} / ${gpu.slots}</b></span>`).join("");
   }
 
