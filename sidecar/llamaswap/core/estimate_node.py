@@ -28,7 +28,7 @@ from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import Step, choose, takes_nothing
-from llamaswap.core.holding import GpuHolding, Running
+from llamaswap.core.holding import GpuHolding, running_of
 from llamaswap.core.estimate import Estimator
 
 
@@ -67,21 +67,11 @@ class _GpuWalk:
         self.ready_at = 0.0  # when the load under way ends (its runs begin then)
         self.blocked_until = blocked_until
 
-    def running(self) -> Running:
-        model = None
-        alone = False
-        non_interactive = 0
-        for item in self.items:
-            if item.model is not None:
-                model = item.model  # they name at most one
-            alone = alone or item.alone
-            non_interactive += not item.interactive
-        return Running(len(self.items), non_interactive, model, alone)
-
     def view(self, now: float) -> GpuHolding:
         """What it holds at ``now``, as the rule reads it."""
         gpu = self.holding
-        return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, self.running(), self.blocked_until > now)
+        return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items),
+                          self.blocked_until > now)
 
 
 class _WalkTimes:
@@ -126,13 +116,19 @@ class NodeTimes:
                                   None if d.beside_load is None else (d.beside_load[0],
                                                                       (now_ns - d.beside_load[1]) / NS_PER_S))
                       for d in grants)
-        return cls(QueueSnapshot(PolicyName.SERIAL, None, (), {}, views, 0), estimator, grant_max_tokens)
+        return cls(QueueSnapshot(PolicyName.SERIAL, (), (), {}, views, 0), estimator, grant_max_tokens)
 
     def slot_free_in_s(self, gpu: str) -> float:
         return min(self._remaining.get(gpu, ()), default=0.0)
 
     def drained_in_s(self, gpu: str) -> float:
         return max(self._remaining.get(gpu, ()), default=0.0)
+
+    def soonest_end_s(self, gpu: str) -> float:
+        """When the first running grant there is expected to end, as a client is told to come
+        back (Retry-After): one that outran its expected time may end at any moment (0), where
+        the rule reads it as unknown (`slot_free_in_s`: inf)."""
+        return min((0.0 if math.isinf(left) else left for left in self._remaining.get(gpu, ())), default=0.0)
 
     def swap_s(self, model: str | None, gpu: str) -> float:
         return self._estimator.expected_swap_s(model, gpu)

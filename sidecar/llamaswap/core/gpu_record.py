@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on
+from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on, running_of
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import GpuPolicy
 
@@ -80,17 +80,8 @@ class GpuRecord:
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE)
         else:
-            model = None
-            alone = False
-            non_interactive = 0
-            for grant in self.grants.values():
-                entry = grant.entry
-                if entry.model is not None:
-                    model = entry.model  # they name at most one
-                alone = alone or entry.alone
-                non_interactive += not entry.interactive
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
-                              Running(len(self.grants), non_interactive, model, alone))
+                              running_of([grant.entry for grant in self.grants.values()]))
         self._holding = held
         return held
 

@@ -15,7 +15,7 @@ reads it, not every reader.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple, Protocol
 
 from llamaswap.core.slots import Slots
@@ -45,6 +45,22 @@ class Running(NamedTuple):
 
 
 IDLE = Running()
+
+
+def running_of(work: Collection[Candidate]) -> Running:
+    """What runs on a GPU, from each running request as the rule sees it (the scheduler's grants,
+    or in an estimate the grants it expects to run then): the one builder of `Running`."""
+    if not work:
+        return IDLE
+    model = None
+    alone = False
+    non_interactive = 0
+    for item in work:
+        if item.model is not None:
+            model = item.model  # they name at most one
+        alone = alone or item.alone
+        non_interactive += not item.interactive
+    return Running(len(work), non_interactive, model, alone)
 NO_RESIDENTS: frozenset[str] = frozenset()
 
 

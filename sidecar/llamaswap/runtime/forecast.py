@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import GpuTimes
-from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.settle import Settling
@@ -52,26 +51,12 @@ class Forecast:
         end among the running grants when every slot is taken (with one slot, the grant's), and
         not before a settle ends (nothing is granted meanwhile, free slot or not)."""
         settle = self.settle_busy_s()
-        ends = self._ends(known=False)
-        scheduler = self._scheduler
-        if all(len(ends.get(gpu.name, ())) >= gpu.slots_in_effect for gpu in scheduler.holdings()):
+        holdings = self._scheduler.holdings()
+        if all(gpu.running.busy >= gpu.slots_in_effect for gpu in holdings):
             # Every GPU full: a place frees when the first of them frees a slot.
-            return max(settle, min(min(ends[name]) for name in scheduler.gpus))
+            times = self._node_times()
+            return max(settle, min(times.soonest_end_s(gpu.name) for gpu in holdings))
         return settle
-
-    def _ends(self, *, known: bool) -> dict[str, list[float]]:
-        """Each GPU's running grants' expected remaining times (`estimate.grant_end_s`; ``known``:
-        `math.inf` for one that outran its expected time, else 0 for it)."""
-        now = self._clock.now_ns()
-        ends: dict[str, list[float]] = {}
-        for ticket in self._running():
-            d = ticket.decision
-            if d is None:
-                continue
-            left = left_s(grant_end_s(self._estimator, d, ticket.max_tokens), (now - d.granted_ns) / NS_PER_S)
-            end = left if left is not None else math.inf if known else 0.0
-            ends.setdefault(d.upstream, []).append(end)
-        return ends
 
     def gpu_times(self) -> GpuTimes:
         """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
