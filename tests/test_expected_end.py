@@ -63,7 +63,7 @@ def _runtime(now_s: float) -> tuple[Scheduler, ManualClock, dict[str, Ticket]]:
         ticket = Ticket(name, Arrival(name, None, None, "A", "peer", None, None, max_tokens=SIZES[name]), priority,
                         clock.now_ns())
         tickets[name] = ticket
-        scheduler.enqueue(name, priority, "A")
+        scheduler.enqueue(name, priority, "A", max_tokens=SIZES[name])
         decision = scheduler.next()
         assert decision is not None and decision.request_id == name
         ticket.decision = decision
@@ -106,21 +106,20 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
     scheduler, clock, tickets = _runtime(now_s=3.0)
     decisions: dict[str, Decision] = {name: t.decision for name, t in tickets.items() if t.decision is not None}
     assert decisions["a2"].beside_load is not None  # granted beside a1's load
-    ends = {name: grant_end_s(figures, d, SIZES[name]) for name, d in decisions.items()}
+    ends = {name: grant_end_s(figures, d) for name, d in decisions.items()}
     assert ends == pytest.approx({"a1": 42.0, "a2": 16.0})
     left = {"a1": 39.0, "a2": 14.0}
 
     # The estimates (and the times the grants read: `NodeTimes`).
     snapshot = scheduler.snapshot()
-    remaining, loading_s = figures.remaining_of(snapshot.grants, [SIZES[g.request_id] for g in snapshot.grants])
+    remaining, loading_s = figures.remaining_of(snapshot.grants)
     assert dict(zip([g.request_id for g in snapshot.grants], remaining)) == pytest.approx(left)
     assert loading_s == pytest.approx(9.0)
-    times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures,
-                                [SIZES[d.request_id] for d in scheduler.running_grants])
+    times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == pytest.approx((14.0, 39.0))
 
     # Retry-After: both slots taken, a place frees when a2 ends.
-    forecast = Forecast(clock, scheduler, figures, running=lambda: list(tickets.values()), settling=lambda: None,
+    forecast = Forecast(clock, scheduler, figures, settling=lambda: None,
                         schedule_model=lambda model: model)
     assert forecast.busy_s() == pytest.approx(14.0)
 
@@ -167,14 +166,13 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
     priority = Priority(0, PrioritySource.NUMBER)
     sizes: dict[str, int | None] = {"a1": 3000, "b1": None}
     for name, model in (("a1", "A"), ("b1", "B")):
-        scheduler.enqueue(name, priority, model)
+        scheduler.enqueue(name, priority, model, max_tokens=sizes[name])
         assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 0, figures)) is not None
     clock.set_ns(S)
     scheduler.enqueue("a2", priority, "A")
     clock.set_ns(14 * S)
     scheduler.release("b1", model_loaded=True)
-    running = scheduler.running_grants
-    times = NodeTimes.of_grants(running, clock.now_ns(), figures, [sizes[d.request_id] for d in running])
+    times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures)
     decision = scheduler.next(times=times)
     assert decision is not None and (decision.request_id, decision.upstream) == ("a2", "gpu1")
 

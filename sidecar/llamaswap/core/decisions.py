@@ -8,6 +8,7 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
+from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.kept import KeptPlace
 from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
 from llamaswap.core.priority import Band
@@ -60,6 +61,7 @@ class Decision:
     # Granted beside a grant that loads its model there: that model and when that grant was made
     # (its run begins once the load ends, which the estimates need after that grant has ended).
     beside_load: tuple[str, int] | None = None
+    max_tokens: int | None = None  # output tokens it asked for (None: not said): sizes its expected run
 
     @property
     def queue_wait_ns(self) -> int:
@@ -123,6 +125,7 @@ class WaitingView:
     waited_s: float
     model: str | None
     aging: float = 0.0  # the score's aging term (waited / agingDivisor; 0: none)
+    max_tokens: int | None = None  # output tokens it asks for (None: not said)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,6 +142,16 @@ class RunningView:
     upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
     # Granted beside a load (`Decision.beside_load`): that model, and how long ago its load began.
     beside_load: tuple[str, float] | None = None
+    max_tokens: int | None = None  # output tokens it asked for (None: not said)
+
+    @classmethod
+    def of(cls, decision: Decision, now_ns: int) -> RunningView:
+        """A running grant as it stands at `now_ns`."""
+        load = decision.beside_load
+        return cls(decision.request_id, decision.priority, decision.band, decision.score, decision.model,
+                   decision.model_load, decision.queue_wait_ns / NS_PER_S, (now_ns - decision.granted_ns) / NS_PER_S,
+                   decision.alone, decision.upstream,
+                   None if load is None else (load[0], (now_ns - load[1]) / NS_PER_S), decision.max_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -159,11 +159,11 @@ def expected_end_s(figures: Figures, model: str | None, *, model_load: bool, max
     return ready_s + figures.expected_request_run_s(model, max_tokens, upstream)
 
 
-def grant_end_s(figures: Figures, decision: Decision, max_tokens: int | None = None) -> float:
-    """`expected_end_s` of a grant as the scheduler made it, ``max_tokens`` its size (None: not said)."""
+def grant_end_s(figures: Figures, decision: Decision) -> float:
+    """`expected_end_s` of a grant as the scheduler made it (sized by its `max_tokens` where said)."""
     load = decision.beside_load
     beside = None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
-    return expected_end_s(figures, decision.model, model_load=decision.model_load, max_tokens=max_tokens,
+    return expected_end_s(figures, decision.model, model_load=decision.model_load, max_tokens=decision.max_tokens,
                           upstream=decision.upstream, beside_load=beside)
 
 
@@ -287,12 +287,10 @@ class Estimator:
         return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
                       running_s)
 
-    def remaining_of(self, grants: Sequence[RunningView],
-                     sizes: Sequence[int | None] | None = None) -> tuple[list[float], float]:
+    def remaining_of(self, grants: Sequence[RunningView]) -> tuple[list[float], float]:
         """The expected remaining time of each of these running grants of one upstream
         (`math.inf`: it outran its expected time) and how long the load under way there still
-        takes (0: none). ``sizes``: the output tokens each asked for (None: not said)."""
-        grant_sizes = sizes if sizes is not None else [None] * len(grants)
+        takes (0: none). Each is sized by the output tokens it asked for, where it said."""
         # The load under way there: its model and how long ago it began (None: none). A grant
         # made beside it (while its grant runs) begins its run when the load ends, as the walk
         # reads the ones it starts (``ready_at``); one that says its load (`beside_load`) also
@@ -300,11 +298,11 @@ class Estimator:
         loading = max(((grant.model, grant.running_s) for grant in grants if grant.model_load),
                       key=lambda load: self.expected_swap_s(load[0], grants[0].upstream) - load[1], default=None)
         remaining: list[float] = []
-        for grant, size in zip(grants, grant_sizes, strict=True):
+        for grant in grants:
             load = grant.beside_load if grant.beside_load is not None else loading
             # (that model, how long before this grant its load began)
             beside = None if load is None else (load[0], load[1] - grant.running_s)
-            end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=size,
+            end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=grant.max_tokens,
                                  upstream=grant.upstream, beside_load=beside)
             left = left_s(end, grant.running_s)
             remaining.append(math.inf if left is None else left)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import Step, choose, takes_nothing
@@ -98,25 +97,17 @@ class NodeTimes:
     after the smallest expected remaining time of its grants (inf when none is known), it drains
     after the largest (inf if any is unknown); 0 with nothing running."""
 
-    def __init__(self, snapshot: QueueSnapshot, estimator: Estimator,
-                 grant_max_tokens: Sequence[int | None] | None = None) -> None:
+    def __init__(self, snapshot: QueueSnapshot, estimator: Estimator) -> None:
         self._estimator = estimator
-        self._remaining: dict[str, list[float]] = {}
-        sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
-        for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
-            self._remaining[upstream] = estimator.remaining_of(grants, grant_sizes)[0]
+        self._remaining: dict[str, list[float]] = {
+            upstream: estimator.remaining_of(grants)[0] for upstream, grants in _by_upstream(snapshot.grants).items()}
 
     @classmethod
-    def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator,
-                  grant_max_tokens: Sequence[int | None] | None = None) -> NodeTimes:
+    def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
         """The same from the running grants alone (`Scheduler.running_grants`), without the
         snapshot's dispatch order: what a grant on the hot path can afford."""
-        views = tuple(RunningView(d.request_id, d.priority, d.band, d.score, d.model, d.model_load,
-                                  d.queue_wait_ns / NS_PER_S, (now_ns - d.granted_ns) / NS_PER_S, d.alone, d.upstream,
-                                  None if d.beside_load is None else (d.beside_load[0],
-                                                                      (now_ns - d.beside_load[1]) / NS_PER_S))
-                      for d in grants)
-        return cls(QueueSnapshot(PolicyName.SERIAL, (), (), {}, views, 0), estimator, grant_max_tokens)
+        views = tuple(RunningView.of(decision, now_ns) for decision in grants)
+        return cls(QueueSnapshot(PolicyName.SERIAL, (), (), {}, views, 0), estimator)
 
     def slot_free_in_s(self, gpu: str) -> float:
         return min(self._remaining.get(gpu, ()), default=0.0)
@@ -134,43 +125,35 @@ class NodeTimes:
         return self._estimator.expected_swap_s(model, gpu)
 
 
-def _by_upstream(grants: Sequence[RunningView], sizes: Sequence[int | None]
-                 ) -> dict[str, tuple[list[RunningView], list[int | None]]]:
-    out: dict[str, tuple[list[RunningView], list[int | None]]] = {}
-    for grant, size in zip(grants, sizes, strict=True):
-        views, grant_sizes = out.setdefault(grant.upstream, ([], []))
-        views.append(grant)
-        grant_sizes.append(size)
+def _by_upstream(grants: Sequence[RunningView]) -> dict[str, list[RunningView]]:
+    out: dict[str, list[RunningView]] = {}
+    for grant in grants:
+        out.setdefault(grant.upstream, []).append(grant)
     return out
 
 
 def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence[GpuHolding],
-                   blocked_s: Mapping[str, float] | None = None,
-                   max_tokens: Sequence[int | None] | None = None,
-                   grant_max_tokens: Sequence[int | None] | None = None) -> list[tuple[float, str | None]]:
+                   blocked_s: Mapping[str, float] | None = None) -> list[tuple[float, str | None]]:
     """Each waiting request's estimated start, in seconds from now (`math.inf` where it cannot be
     told: it waits for a slot held for a time unknown), and the upstream it is expected to start
     on (None where not known). ``gpus`` in the configured order (their slots, the models they
     may serve and their loaded model; what runs there is read from the snapshot's grants),
     ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a GPU marked
-    ``blocked`` and not in it: unknown), ``max_tokens`` and ``grant_max_tokens`` the output
-    tokens each waiting request and each running grant asked for (the snapshot's orders; None:
-    not said)."""
+    ``blocked`` and not in it: unknown). Each request, waiting or running, is sized by the output
+    tokens it asked for, where it said (`max_tokens` of the snapshot's views)."""
     blocked_s = blocked_s or {}
     # A GPU marked blocked (`Scheduler.holdings(blocked)`) with no time said: for how long, unknown.
     walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked else 0.0)) for gpu in gpus}
-    sizes = grant_max_tokens if grant_max_tokens is not None else [None] * len(snapshot.grants)
-    for upstream, (grants, grant_sizes) in _by_upstream(snapshot.grants, sizes).items():
+    for upstream, grants in _by_upstream(snapshot.grants).items():
         walk = walks.get(upstream)
         if walk is None:  # an upstream no longer configured: nothing new starts there
             continue
-        remaining, loading_s = estimator.remaining_of(grants, grant_sizes)
+        remaining, loading_s = estimator.remaining_of(grants)
         walk.ready_at = loading_s
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
-    request_sizes: Sequence[int | None] = max_tokens if max_tokens is not None else [None] * len(waiting)
-    return _Walk(estimator, list(walks.values()), waiting, request_sizes).run()
+    return _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting]).run()
 
 
 class _Walk:

@@ -122,29 +122,13 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
             waited_s=(now_ns - entry.arrival_ns) / NS_PER_S,
             model=entry.model,
             aging=aging,
+            max_tokens=entry.max_tokens,
         )
         for position, (entry, bonus) in enumerate(dispatch_order(index, count, gpus, policy.swap_affinity_bonus))
     )
-    running = tuple(running_view(decision, now_ns) for decision in grants)
+    running = tuple(RunningView.of(decision, now_ns) for decision in grants)
     views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
     first = gpus[0]
     return QueueSnapshot(policy.name, views[0].resident_models, waiting, band_stats(arrivals, now_ns), running,
                          slots_total(first), views)
 
-
-def running_view(decision: Decision, now_ns: int) -> RunningView:
-    """A running grant as the snapshot shows it at `now_ns`."""
-    load = decision.beside_load
-    return RunningView(
-        request_id=decision.request_id,
-        priority=decision.priority,
-        band=decision.band,
-        score=decision.score,
-        model=decision.model,
-        model_load=decision.model_load,
-        queue_wait_s=decision.queue_wait_ns / NS_PER_S,
-        running_s=(now_ns - decision.granted_ns) / NS_PER_S,
-        alone=decision.alone,
-        upstream=decision.upstream,
-        beside_load=None if load is None else (load[0], (now_ns - load[1]) / NS_PER_S),
-    )

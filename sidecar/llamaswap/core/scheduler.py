@@ -265,7 +265,7 @@ class Scheduler:
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
                 priority_model: str | None = None, alone: bool = False,
-                retry_key: bytes | None = None) -> Queued:
+                retry_key: bytes | None = None, max_tokens: int | None = None) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time.
 
         ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
@@ -293,7 +293,7 @@ class Scheduler:
         else:
             seq, arrival_ns = place.seq, place.arrival_ns
         entry = Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
-                      arrival_ns, named, alone)
+                      arrival_ns, named, alone, max_tokens)
         self._waiting[request_id] = entry
         self._wanted[model] = self._wanted.get(model, 0) + 1
         self._push(entry)
@@ -449,6 +449,7 @@ class Scheduler:
             alone,  # alone
             gpu.name,  # upstream
             (loading.model, loading.granted_ns) if loading is not None and loading.model else None,  # beside_load
+            winner.max_tokens,  # max_tokens
         )
         load = None
         if model is not None and not alone:

@@ -131,8 +131,7 @@ class Coordinator:
                                     observe=self._observe, busy=self._idle.clear, changed=self._changed,
                                     freed=self._freed, held=lambda gpu: self._holders(gpu).held,
                                     lease_ns=self._lease_ns)
-        self._forecast = Forecast(self._clock, self.scheduler, self.estimator, running=lambda: self._running,
-                                  settling=lambda: self.gpus.settling,
+        self._forecast = Forecast(self._clock, self.scheduler, self.estimator, settling=lambda: self.gpus.settling,
                                   schedule_model=lambda model: self._key(model).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
@@ -254,7 +253,8 @@ class Coordinator:
         ticket.schedule_model = key.scheduled
         try:
             queued = self.scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
-                                            alone=ticket.alone, retry_key=self._kept.retry_key(ticket))
+                                            alone=ticket.alone, retry_key=self._kept.retry_key(ticket),
+                                            max_tokens=ticket.max_tokens)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import GpuTimes
@@ -25,16 +25,15 @@ _ESTIMATE_CPU_SHARE = 0.1
 
 
 class Forecast:
-    """``running`` lists the running grants' tickets; ``settling`` is the settle under way, if any;
+    """``settling`` is the settle under way, if any;
     ``schedule_model`` says what a settling generation was scheduled as (the estimator's key)."""
 
     def __init__(self, clock: Clock, scheduler: Scheduler, estimator: Estimator, *,
-                 running: Callable[[], Sequence[Ticket]], settling: Callable[[], Settling | None],
+                 settling: Callable[[], Settling | None],
                  schedule_model: Callable[[str | None], str | None]) -> None:
         self._clock = clock
         self._scheduler = scheduler
         self._estimator = estimator
-        self._running = running
         self._settling = settling
         self._schedule_model = schedule_model
         self.views: QueueViews | None = None  # set once the views exist (they read `settle_busy_s`)
@@ -65,9 +64,7 @@ class Forecast:
         return _RunningTimes(self._node_times, self._estimator)
 
     def _node_times(self) -> NodeTimes:
-        running = [ticket for ticket in self._running() if ticket.decision is not None]
-        return NodeTimes.of_grants([ticket.decision for ticket in running if ticket.decision is not None],
-                                   self._clock.now_ns(), self._estimator, [ticket.max_tokens for ticket in running])
+        return NodeTimes.of_grants(self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
 
     def settle_busy_s(self) -> float:
         """How much longer a settling generation is expected to run (0 without one)."""

@@ -201,16 +201,10 @@ class QueueViews:
                 and now - cached.at_ns < VIEW_MAX_AGE_S * NS_PER_S):
             return cached
         snapshot = self._scheduler.snapshot()
-        tickets = self._tickets
-        sizes = [ticket.max_tokens if (ticket := tickets.get(w.request_id)) is not None else None
-                 for w in snapshot.waiting]
         # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`Gpus.blocked`).
         blocked = self._blocked()
-        grant_sizes = [ticket.max_tokens if (ticket := tickets.get(g.request_id)) is not None else None
-                       for g in snapshot.grants]
         # The grants' own rule over every GPU (`starts_of_node`; one GPU is a node of one).
-        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(frozenset(blocked)), blocked,
-                                sizes, grant_sizes)
+        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(frozenset(blocked)), blocked)
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
@@ -249,8 +243,7 @@ class QueueViews:
                 continue
             ticket = self._tickets.get(decision.request_id)
             running_s = (now - decision.granted_ns) / NS_PER_S
-            size = ticket.max_tokens if ticket is not None else None
-            expected = grant_end_s(self._estimator, decision, size)
+            expected = grant_end_s(self._estimator, decision)
             remaining = left_s(expected, running_s)
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,

@@ -324,7 +324,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 request = requests[arrival]
                 try:
                     enqueue(ids[arrival], request.priority, request.record.model,
-                            priority_model=entries[arrival])
+                            priority_model=entries[arrival], max_tokens=request.record.max_tokens)
                 except QueueFull:
                     result = results[arrival]
                     result.outcome = Outcome.REJECTED_FULL
@@ -377,8 +377,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             gpu.running.start(now, request.index, hold)
             # When the runtime expects it to end: the one figure of a running request's end
             # (sized by its max_tokens, after its load or the load it was granted beside).
-            gpu.expected_end[request.index] = now + round(grant_end_s(costs, decision, request.record.max_tokens)
-                                                          * 1e9)
+            gpu.expected_end[request.index] = now + round(grant_end_s(costs, decision) * 1e9)
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 

@@ -143,7 +143,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
             index = _route(nodes, record.model, routing, turn)
             turn += 1
             priority = Priority(record.priority, PrioritySource.NUMBER)
-            nodes[index].scheduler.enqueue(record.request_id, priority, record.model)
+            nodes[index].scheduler.enqueue(record.request_id, priority, record.model, max_tokens=record.max_tokens)
             arrived_ns[record.request_id] = now
             interactive[record.request_id] = priority.band is Band.INTERACTIVE
             run_ns_of[record.request_id] = round(
