@@ -80,8 +80,8 @@ def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     starts = starts_of_node(estimator, _snapshot(["x", "x", "x"]), gpus, {"gpu0": 25.0})
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), gpus, {"gpu0": 15.0})[2] == (15.0, "gpu0")
-    # Blocked for a time nobody said (a GPU view marked blocked): gpu1 serves all three.
-    blocked = [gpus[0].blocked_now(True), gpus[1]]
+    # Blocked for a time nobody said (an adopted exchange holds gpu0): gpu1 serves all three.
+    blocked = [gpus[0]._replace(adopted=1), gpus[1]]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 
@@ -215,7 +215,10 @@ class NodePlay:
             cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             assert all((times.slot_free_in_s(u), times.drained_in_s(u))
                        == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.gpus)
-            decision = self.scheduler.next(blocked=self.blocked(), times=times)
+            blocked = self.blocked()
+            for name in self.scheduler.gpus:
+                self.scheduler.held_by(name, settling=name in blocked, adopted=0)
+            decision = self.scheduler.next(times)
             if decision is None:
                 return
             now = self.clock.now_ns()

@@ -69,7 +69,9 @@ class _GpuWalk:
     def view(self, now: float) -> GpuHolding:
         """What it holds at ``now``, as the rule reads it."""
         gpu = self.holding
-        return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items),
+        # (The rule reads whether work it did not grant holds the GPU, not which: until
+        # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``ready_at``.)
+        return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items), None,
                           self.blocked_until > now)
 
 
@@ -138,11 +140,11 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
     told: it waits for a slot held for a time unknown), and the upstream it is expected to start
     on (None where not known). ``gpus`` in the configured order (their slots, the models they
     may serve and their loaded model; what runs there is read from the snapshot's grants),
-    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a GPU marked
-    ``blocked`` and not in it: unknown). Each request, waiting or running, is sized by the output
+    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a GPU whose holding
+    is ``blocked`` and not in it: unknown). Each request, waiting or running, is sized by the output
     tokens it asked for, where it said (`max_tokens` of the snapshot's views)."""
     blocked_s = blocked_s or {}
-    # A GPU marked blocked (`Scheduler.holdings(blocked)`) with no time said: for how long, unknown.
+    # A GPU held by work the scheduler did not grant (`GpuHolding.blocked`) with no time said: for how long, unknown.
     walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked else 0.0)) for gpu in gpus}
     for upstream, grants in _by_upstream(snapshot.grants).items():
         walk = walks.get(upstream)

@@ -41,15 +41,18 @@ class Grant(NamedTuple):
 
 
 class GpuRecord:
-    """One upstream's record: its grants (earliest first), its resident models, what it holds
-    (`holding`: its resident models and what runs, as the dispatch rule reads it), its pending
+    """One upstream's record: its grants (earliest first), its resident models, the work the
+    scheduler did not grant that holds it (a settle, adopted exchanges: the runtime says), what
+    it holds (`holding`: all of that as one value, as the dispatch rule reads it), its pending
     load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "residents", "_holding", "_idle", "load", "dispatches")
+    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "dispatches")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
         self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
+        self.settling = False  # (`held_by` changes these two)
+        self.adopted = 0
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
         self._idle: GpuHolding | None = None  # the same with nothing running, while residents and policy stay
         # The load the resident model came from while none of its grants has reached the upstream
@@ -78,10 +81,14 @@ class GpuRecord:
         if not self.grants:
             held = self._idle
             if held is None:
-                held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE)
+                held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
+                                               self.settling, self.adopted)
         else:
+            grants = self.grants.values()
+            loading = next(((d.model, d.granted_ns) for grant in grants
+                            if (d := grant.decision).model_load and d.model is not None), None)
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
-                              running_of([grant.entry for grant in self.grants.values()]))
+                              running_of([grant.entry for grant in grants]), loading, self.settling, self.adopted)
         self._holding = held
         return held
 
@@ -93,6 +100,14 @@ class GpuRecord:
         if residents != self.residents:
             self.residents = residents
             self._holding = self._idle = None
+
+    def held_by(self, *, settling: bool, adopted: int) -> bool:
+        """The work the scheduler did not grant that holds it now; True if that changed."""
+        if settling == self.settling and adopted == self.adopted:
+            return False
+        self.settling, self.adopted = settling, adopted
+        self._holding = self._idle = None
+        return True
 
     def renew(self) -> None:
         """What runs changed (a grant, a release): the holding is built again when next read."""

@@ -73,7 +73,18 @@ class GpuHolding(NamedTuple):
     models: frozenset[str] | None  # the models it may serve; None: any
     residents: frozenset[str] = NO_RESIDENTS  # the models resident (known loaded) there
     running: Running = IDLE
-    blocked: bool = False  # work the scheduler did not grant holds it (a settle, an adopted exchange)
+    # The load under way there: the model a running grant began loading, and when it was granted
+    # (those granted beside it run once it ends); None: none.
+    loading: tuple[str, int] | None = None
+    # Work the scheduler did not grant that holds it: a settle (an abandoned generation the
+    # upstream finishes) and the exchanges adopted from an earlier process still running there.
+    settling: bool = False
+    adopted: int = 0
+
+    @property
+    def blocked(self) -> bool:
+        """Work the scheduler did not grant holds it: nothing new is granted there until it ends."""
+        return self.settling or self.adopted > 0
 
     def has(self, model: str | None) -> bool:
         """``model`` is resident here (a request of no model needs none)."""
@@ -92,9 +103,6 @@ class GpuHolding(NamedTuple):
                 break
         return self.slots.of(model)
 
-    def blocked_now(self, blocked: bool) -> GpuHolding:
-        """The same, held (or not) by work the scheduler did not grant."""
-        return self if blocked == self.blocked else self._replace(blocked=blocked)
 
 
 def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:

@@ -58,8 +58,8 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
-from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot, takes_nothing
-from llamaswap.core.holding import GpuHolding, Running, resident_on
+from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
+from llamaswap.core.holding import GpuHolding, Running
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -253,13 +253,18 @@ class Scheduler:
         """What an upstream's grants hold (None: the first's), as the dispatch rule reads it."""
         return self._gpu(upstream).running
 
-    def holdings(self, blocked: frozenset[str] = frozenset()) -> tuple[GpuHolding, ...]:
-        """What every upstream holds, in the configured order, ``blocked`` ones held by work the
-        scheduler did not grant (a settle, an adopted exchange)."""
-        held = self._held.now()[0]
-        if not blocked:
-            return held
-        return tuple(gpu.blocked_now(gpu.name in blocked) for gpu in held)
+    def holdings(self) -> tuple[GpuHolding, ...]:
+        """What every upstream holds, in the configured order."""
+        return self._held.now()[0]
+
+    def held_by(self, upstream: str | None, *, settling: bool, adopted: int) -> bool:
+        """The work the scheduler did not grant that holds an upstream now (None: the first), as
+        the runtime knows it: a settle under way there, and how many adopted exchanges run there.
+        Nothing is granted there while either does. True if that changed."""
+        if not self._gpu(upstream).held_by(settling=settling, adopted=adopted):
+            return False
+        self._held.changed(residents=True)  # (what it holds idle changed too)
+        return True
 
     # -- commands ------------------------------------------------------------------------
 
@@ -351,9 +356,9 @@ class Scheduler:
         self._remove(entry)
         return self._removed(entry, self._clock.now_ns())
 
-    def next(self, blocked: frozenset[str] = frozenset(), times: GpuTimes = NO_TIMES) -> Decision | None:
+    def next(self, times: GpuTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
-        ``blocked``: upstreams that take nothing now (a settle, an adopted exchange holds them).
+        An upstream that work the scheduler did not grant holds (`held_by`) takes nothing.
 
         One path for one upstream and for several (one GPU is a node of one): the node rule
         (`dispatch.choose`, one answer per request, each upstream read by `dispatch.turn`) asked
@@ -368,12 +373,7 @@ class Scheduler:
         """
         if not self._waiting:
             return None
-        if blocked:
-            holdings = self.holdings(blocked)
-            open_gpus = [holding for holding in holdings if not takes_nothing(holding)]
-            warm = resident_on(open_gpus)
-        else:
-            holdings, open_gpus, warm = self._held.now()
+        holdings, open_gpus, warm = self._held.now()
         if not open_gpus:
             return None  # every slot is taken (with one slot: anything runs)
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
@@ -386,7 +386,7 @@ class Scheduler:
             return None
         index, winner, first = found
         gpu = self._gpus[index]
-        held = holdings[index]  # what it holds now (``blocked`` aside, as `gpu.holding`)
+        held = holdings[index]  # what it holds now (`gpu.holding`)
         reserved_slot = in_reserved_slot(held, winner)
         if winner is not first and reserved_slot:
             # Ahead of a better-scored request that used up its share: it won among the
@@ -395,7 +395,7 @@ class Scheduler:
             aged, plain = self._reserved
         else:
             aged, plain = self._aged, self._plain
-        return self._grant(gpu, held.running, winner, aged, plain, reserved_slot, pick)
+        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick)
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -408,7 +408,7 @@ class Scheduler:
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
-    def _grant(self, gpu: GpuRecord, running: Running, winner: Entry, aged: Index, plain: Index | None,
+    def _grant(self, gpu: GpuRecord, held: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
                reserved_slot: bool, pick: Callable[[Index], Entry]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
@@ -424,9 +424,7 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
-        loading = None  # a load under way there, which this grant starts beside
-        if running.busy:
-            loading = next((g.decision for g in gpu.grants.values() if g.decision.model_load), None)
+        loading = held.loading  # a load under way there, which this grant starts beside
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
@@ -444,11 +442,11 @@ class Scheduler:
             reasons,  # reordered_by
             overtook,  # overtook
             len(self._waiting),  # queue_depth_after
-            running.busy + 1,  # slots_busy
+            held.running.busy + 1,  # slots_busy
             reserved_slot,  # reserved_slot
             alone,  # alone
             gpu.name,  # upstream
-            (loading.model, loading.granted_ns) if loading is not None and loading.model else None,  # beside_load
+            loading,  # beside_load
             winner.max_tokens,  # max_tokens
         )
         load = None

@@ -394,12 +394,10 @@ class Coordinator:
     def _pump(self) -> None:
         """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
         # A settle or an adopted exchange on a GPU: nothing is granted there until it ends.
-        blocked = self.gpus.blocked()
-        if len(blocked) == len(self.gpus):
-            return
+        self.gpus.tell(self.scheduler)
         times = self._forecast.gpu_times() if len(self.gpus) > 1 else NO_TIMES
         while True:
-            decision = self.scheduler.next(blocked, times)
+            decision = self.scheduler.next(times)
             if decision is None:
                 return
             ticket = self._tickets.get(decision.request_id)
@@ -588,11 +586,12 @@ class Coordinator:
         self._publish()
 
     def _publish(self) -> None:
+        self.gpus.tell(self.scheduler)  # (every change of a settle or an adoption publishes)
         self._deferred.publish()
 
     def _publish_now(self) -> None:
         """The gauges' picture (`observer.queue_picture`; `deferred.py` sends it once per loop turn)."""
-        self._observer.queue_changed(queue_picture(self.scheduler, not self._holders().free, self.gpus.blocked()))
+        self._observer.queue_changed(queue_picture(self.scheduler, not self._holders().free))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""

@@ -114,10 +114,15 @@ class Gpus:
         """A settle under way on any GPU (the first found)."""
         return next((gpu.settling for gpu in self.all if gpu.settling is not None), None)
 
-    def blocked(self) -> frozenset[str]:
-        """The GPUs a settle or an adopted exchange holds (`Gpu.blocked`): nothing is granted
-        there until it ends."""
-        return frozenset(gpu.name for gpu in self.all if gpu.blocked)
+    def tell(self, scheduler: Scheduler) -> bool:
+        """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
+        `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
+        True if that changed anywhere."""
+        changed = False
+        for gpu in self.all:
+            settling, adopted = gpu.settling is not None, len(gpu.adopted)
+            changed = scheduler.held_by(gpu.name, settling=settling, adopted=adopted) or changed
+        return changed
 
     def states(self, scheduler: Scheduler) -> dict[str, GpuState]:
         """What holds each GPU, by name."""

@@ -10,7 +10,6 @@ import enum
 import logging
 from typing import Protocol
 
-from collections.abc import Collection
 
 from llamaswap.core import Band, Policy, Scheduler
 from llamaswap.core.policy import SINGLE_UPSTREAM
@@ -49,11 +48,10 @@ class GpuPicture:
     blocked: bool = False
 
 
-def gpu_pictures(scheduler: Scheduler, blocked: Collection[str] = ()) -> tuple[GpuPicture, ...]:
-    """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`;
-    `blocked` names the ones a settle or an adopted exchange holds."""
+def gpu_pictures(scheduler: Scheduler) -> tuple[GpuPicture, ...]:
+    """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`."""
     return tuple(GpuPicture(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect,
-                             gpu.name in blocked) for gpu in scheduler.holdings())
+                             gpu.blocked) for gpu in scheduler.holdings())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,14 +69,14 @@ class QueuePicture:
     gpus: tuple[GpuPicture, ...] = ()
 
 
-def queue_picture(scheduler: Scheduler, busy: bool, blocked: Collection[str]) -> QueuePicture:
+def queue_picture(scheduler: Scheduler, busy: bool) -> QueuePicture:
     """The gauges' picture of the scheduler's queue now; `busy`: anything holds a GPU (a grant, a
-    settle, an adopted exchange); `blocked` as for `gpu_pictures`."""
+    settle, an adopted exchange)."""
     stats = scheduler.band_stats()
     depth = tuple((band, s.depth) for band, s in stats.items())
     oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
     return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total,
-                        tuple(sorted(scheduler.residents_on())), gpu_pictures(scheduler, blocked))
+                        tuple(sorted(scheduler.residents_on())), gpu_pictures(scheduler))
 
 
 class SettleReason(str, enum.Enum):

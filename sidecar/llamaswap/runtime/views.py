@@ -204,7 +204,7 @@ class QueueViews:
         # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`Gpus.blocked`).
         blocked = self._blocked()
         # The grants' own rule over every GPU (`starts_of_node`; one GPU is a node of one).
-        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(frozenset(blocked)), blocked)
+        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(), blocked)
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
