@@ -1,12 +1,16 @@
 """What one GPU holds, as one value: `GpuHolding`.
 
 Its resident models, the slots of each, what runs in them (`Running`, as the dispatch rule
-needs it), the models it may serve and whether work the scheduler did not grant holds it (a
-settle, an adopted exchange). The scheduler keeps one per GPU, built again when read after a
-change of what runs or is resident there (`GpuRecord.holding`; the GPU's idle one is kept while
-its residents stay, and `Scheduler` keeps the tuple of them and of the GPUs that take work);
-the dispatch rule (`dispatch.turn`, `dispatch.choose`), the node walk, the dispatch order's
-swap-affinity bonus and the estimates' walk read it, and nothing else says what a GPU holds.
+needs it), the load under way there, the models it may serve, and the work the scheduler did
+not grant that holds it (a settle, adopted exchanges: the runtime tells the scheduler,
+`Scheduler.held_by`). The scheduler keeps one per GPU, built again when read after a change of
+what runs, is resident or holds it (`GpuRecord.holding`; the GPU's idle one is kept while
+nothing of that changes, and `Scheduler` keeps the tuple of them and of the GPUs that take
+work); the dispatch rule (`dispatch.turn`, `dispatch.choose`), a grant's `beside_load`, the node
+walk, the dispatch order's swap-affinity bonus, the estimates' walk, the views and the gauges
+read it, and nothing else says what a GPU holds. Each running request's expected end is a
+function of its own record (`estimate.grant_end_s`: sized by the `max_tokens` it carries, after
+the load it began or was granted beside), not a second copy kept here.
 
 Today a GPU has at most one resident model (a load replaces it). ``residents`` is a set so that
 several resident models with slots of their own (issue 37) change this value and the rule that

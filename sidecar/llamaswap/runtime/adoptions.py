@@ -5,7 +5,7 @@ begun at startup, and after a grant or an adopted exchange ends in a way that ma
 upstream computing. An adoption is an exchange Envoy reports that this process does not hold
 (granted by an earlier sidecar process, or a grant of ours whose lease lapsed): it is held like a
 grant until its end, its lease lapses or `maxRunSeconds` passes. While either runs on a GPU,
-nothing is granted there (`Gpus.blocked`); when it ends, the coordinator is told (`freed`) so
+nothing is granted there (`GpuHolding.blocked`, told by `Gpus.tell`); when it ends, the coordinator is told (`freed`) so
 that it grants again. The coordinator owns the tickets; this room changes no ticket.
 """
 

@@ -8,7 +8,7 @@ needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
 - a grant is made on a GPU (one upstream of `upstreams:`, `gpus.py`) only when it has room for
-  it in fact (`Gpus.blocked`, read by `_pump`): no abandoned generation is still computing
+  it in fact (`GpuHolding.blocked`, told by `Gpus.tell`): no abandoned generation is still computing
   there (a settle, `settle.py`), no exchange this process does not hold is still reported on it
   by Envoy (an adopted lease, `leases.py`: granted by an earlier sidecar process, or a grant of
   ours whose lease lapsed), and the scheduler has a free slot there for the request

@@ -81,9 +81,10 @@ class Forecast:
         an adopted exchange: held for a time nobody can tell)."""
         now = self._clock.now_ns()
         blocked: dict[str, float] = {}
-        for gpu in gpus:
-            if not gpu.blocked:
+        for held in self._scheduler.holdings():
+            if not held.blocked:
                 continue
+            gpu = gpus.named(held.name)
             settling = gpu.settling
             left = 0.0
             if settling is not None and settling.granted_ns is not None:

@@ -56,12 +56,6 @@ class Gpu:
     def holders(self, grants: int) -> Holders:
         return Holders(grants, self.settling is not None, len(self.adopted))
 
-    @property
-    def blocked(self) -> bool:
-        """Work the scheduler did not grant holds it (`Holders.others`: a settle, an adopted
-        exchange): nothing new is granted there until it ends."""
-        return self.holders(0).others
-
     async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
                      settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
         """Its settle loop (`settle.py`) until it ends; then the settle is no longer under way."""

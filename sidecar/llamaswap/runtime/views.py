@@ -201,7 +201,7 @@ class QueueViews:
                 and now - cached.at_ns < VIEW_MAX_AGE_S * NS_PER_S):
             return cached
         snapshot = self._scheduler.snapshot()
-        # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`Gpus.blocked`).
+        # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`GpuHolding.blocked`).
         blocked = self._blocked()
         # The grants' own rule over every GPU (`starts_of_node`; one GPU is a node of one).
         placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(), blocked)
