@@ -139,7 +139,9 @@ class Side:
 
 
 def _ms(values: list[float], q: float) -> str:
-    return f"{percentile(values, q):.0f}" if values else "-"
+    # One decimal: the sidecar's x-llamaswap-queue-wait-ms has 0.1 ms, and the two sides' p95
+    # differ by about that much.
+    return f"{percentile(values, q):.1f}" if values else "-"
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -467,7 +469,7 @@ def report(rounds: list[dict[str, Side]], args: argparse.Namespace, in_flight: i
         print(f"  {label}: interactive p95 wait <= the client's: {_ms(batch_waits, 95)} ms against "
               f"{_ms(client_waits, 95)} ms (p50 {_ms(batch_waits, 50)} against {_ms(client_waits, 50)} ms; "
               f"{len(batch_waits)} and {len(client_waits)} requests); round by round "
-              f"{', '.join(f'{b:.0f}/{c:.0f}' for b, c in p95s)} ms, no higher in {sum(b <= c for b, c in p95s)} "
+              f"{', '.join(f'{b:.1f}/{c:.1f}' for b, c in p95s)} ms, no higher in {sum(b <= c for b, c in p95s)} "
               f"of {len(p95s)}")
     most = max(round_[BATCH_API].most_in_queue or 0 for round_ in rounds)
     exact = max(round_[BATCH_API].most_at_once or 0 for round_ in rounds)
