@@ -114,10 +114,3 @@ def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:
     if len(holdings) == 1:  # the common case, without a set built per grant
         return holdings[0].residents
     return frozenset(model for gpu in holdings for model in gpu.residents)
-
-
-def resident(residents: frozenset[str]) -> str | None:
-    """The one resident model where a reader shows one (today a GPU has at most one); None: none."""
-    for model in residents:
-        return model
-    return None
