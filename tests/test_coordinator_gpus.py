@@ -174,3 +174,24 @@ async def test_the_estimated_start_reads_every_gpu() -> None:
     flow.coordinator.reconfigure(flow.config)  # any change: a new walk
     _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
     assert row.estimated_start_s == 30.0  # type: ignore[union-attr]
+
+
+@virtual_time
+async def test_one_named_upstream_is_a_node_of_one_with_its_own_name_and_slots() -> None:
+    upstream = FakeUpstream(busy=2)  # a's generation goes on beside b's
+    flow = Flow({"upstreams": [{"name": "big", "url": "http://127.0.0.1:8081", "slots": 2}], "envoy": LONG_LEASE},
+                upstreams=[upstream])
+    a = await flow.arrive("a", model="m")
+    b = await flow.arrive("b", model="m")
+    assert a.granted and b.granted  # the entry's 2 slots, not upstream.slots' 1
+    assert on(flow, "a") == on(flow, "b") == "big"
+    # A generation left behind settles that GPU: the runtime tells the scheduler by its name.
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(0.1)
+    assert flow.coordinator.gpus.named("big").settling is not None
+    assert [(gpu.name, gpu.settling) for gpu in flow.coordinator.scheduler.holdings()] == [("big", True)]
+    c = await flow.arrive("c", model="m")
+    assert c.waiting  # nothing is granted beside the settle
+    upstream.busy_answer = 1  # only b's now
+    await flow.advance(1.0)
+    assert c.granted and on(flow, "c") == "big"

@@ -29,8 +29,6 @@ from llamaswap.runtime.views import GpuState, Holders
 
 def gpu_config(config: Config, entry: UpstreamEntry) -> Config:
     """The configuration as one upstream of the node sees it: its url and slots in `upstream:`."""
-    if len(config.upstream_entries) == 1:
-        return config
     upstream = config.upstream.model_copy(update={"url": entry.url, "slots": entry.slots})
     return config.model_copy(update={"upstream": upstream})
 
@@ -219,19 +217,19 @@ def served_by(catalog: Catalog | None) -> frozenset[str] | None:
 
 
 def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
-    """The scheduler's policy over the node: with one upstream exactly `Config.policy`; with
-    several, one GPU per upstream with its own slots (learnt ones too) and the models it may
-    serve (its ``models`` list, narrowed to the one model a single-model server serves)."""
+    """The scheduler's policy over the node (one GPU is a node of one): one GPU per upstream, named
+    as configured, with its own slots (learnt ones too) and the models it may serve (its
+    ``models`` list; with several, narrowed to the one model a single-model server serves, so
+    that the node sends it only that model's requests: with one there is nowhere else to send
+    the others, and the server answers them)."""
     first = gpus.first
-    if len(gpus) == 1:
-        return config.policy(first.slots.learnt, single)
     policies = []
     for gpu in gpus:
         entry = entry_of(config, gpu.name)
         own = gpu.catalog.single_model() if single is not None else None
         slots = gpu_config(config, entry).slots(gpu.slots.learnt, own)
         models = entry.models
-        served = served_by(gpu.catalog.latest)
+        served = served_by(gpu.catalog.latest) if len(gpus) > 1 else None
         if served is not None:
             models = served if models is None else models & served
         policies.append(GpuPolicy(gpu.name, slots, models))
