@@ -25,7 +25,7 @@ from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
-from llamaswap.runtime.views import GpuState, QueueViews
+from llamaswap.runtime.views import QueueViews
 from llamaswap.simulate import engine
 from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.records import RequestRecord
@@ -125,7 +125,7 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
 
     # The views (GET /queue): the end from the grant and what remains of it.
     views = QueueViews(scheduler, figures, clock, tickets, {t.request_id: t for t in tickets.values()},
-                       version=lambda: 1, blocked=dict, gpu_state=lambda: GpuState.RUNNING)
+                       version=lambda: 1, blocked=dict)
     rows = {row.request_id: row for row in views.view().running}
     assert {name: row.expected_run_s for name, row in rows.items()} == pytest.approx(ends)
     assert {name: row.expected_remaining_s for name, row in rows.items()} == pytest.approx(left)

@@ -79,12 +79,11 @@ def test_a_gpu_frees_and_the_document_follows() -> None:
         "x1": "big", "x2": "big", "z1": "small"}
 
 
-def test_what_holds_each_gpu_comes_from_the_coordinator_where_it_says() -> None:
-    """A settle on one upstream (the coordinator's per-upstream holders): that GPU says settling,
-    the other what its grants say."""
-    from llamaswap.runtime.views import GpuState
-
-    node = TwoGpus(gpu_states=lambda: {"small": GpuState.SETTLING})
+def test_what_holds_each_gpu_comes_from_its_holding() -> None:
+    """A settle on one upstream (told to the scheduler, `Scheduler.held_by`): that GPU says
+    settling, the other what its grants say."""
+    node = TwoGpus()
+    node.scheduler.held_by("small", settling=True, adopted=0)
     document = queue_document(node.view())
     assert [(gpu["name"], gpu["state"]) for gpu in document["gpus"]] == [("big", "idle"), ("small", "settling")]
     lines = render(document).splitlines()

@@ -7,13 +7,13 @@ while the coordinator is being made per-upstream.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 from llamaswap.core import Estimator, ManualClock, Outcome, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.observer import Observer, QueuePicture, gpu_pictures
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
-from llamaswap.runtime.views import GpuState, QueueView, QueueViews
+from llamaswap.runtime.views import QueueView, QueueViews
 from policies import serial
 
 
@@ -21,8 +21,7 @@ class TwoGpus:
     """`big` (two slots) and `small` (one), in that order; one queue over both."""
 
     def __init__(self, observers: Sequence[Observer] = (), *, clock: ManualClock | None = None,
-                 trace_parent: str | None = None,
-                 gpu_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
+                 trace_parent: str | None = None) -> None:
         self.clock = clock or ManualClock()
         self.policy = serial(aging_divisor_s=0.0).with_gpus(
             (GpuPolicy("big", Slots(2)), GpuPolicy("small", Slots(1))))
@@ -34,14 +33,10 @@ class TwoGpus:
         self.observers = list(observers)
         self.trace_parent = trace_parent
         self.views = QueueViews(self.scheduler, self.estimator, self.clock, self.tickets, self.by_request_id,
-                                version=lambda: self.version, blocked=dict, gpu_state=self._gpu_state,
-                                gpu_states=gpu_states)
+                                version=lambda: self.version, blocked=dict)
         for observer in self.observers:
             observer.settings_changed(self.policy)
         self.publish()
-
-    def _gpu_state(self) -> GpuState:
-        return GpuState.RUNNING if self.scheduler.slots_busy else GpuState.IDLE
 
     def view(self) -> QueueView:
         return self.views.view()

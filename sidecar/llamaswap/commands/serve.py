@@ -29,6 +29,7 @@ from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT, Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.observer import FanOut, Observer
+from llamaswap.runtime.views import free
 from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
@@ -330,7 +331,7 @@ class Sidecar:
                 continue
             scheduler = self.coordinator.scheduler
             for gpu in self.coordinator.gpus:  # each while it is idle: its loaded model can change only then
-                if gpu.holders(scheduler.slots_busy_on(gpu.name)).free:
+                if free((self.coordinator.holding_of(gpu.name),)):
                     as_of = scheduler.dispatches_on(gpu.name)
                     catalog = await gpu.upstream.catalog()
                     if catalog is not None:  # warns of models.<id> it never serves

@@ -60,8 +60,9 @@ from llamaswap.core import (
     model_stays_loaded,
 )
 from llamaswap.core.dispatch import NO_TIMES
+from llamaswap.core.holding import GpuHolding
 from llamaswap.config.model_key import ModelKey, model_key
-from llamaswap.runtime.gpus import Gpu, auto_slots, make_gpus, node_policy
+from llamaswap.runtime.gpus import auto_slots, make_gpus, node_policy
 from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.deferred import Deferred
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
@@ -71,7 +72,7 @@ from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import NoopObserver, Observer, overtaken_by, queue_picture
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
-from llamaswap.runtime.views import GpuState, Holders, QueueView, QueueViews, RunningRow, WaitingRow
+from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow, free, held
 from llamaswap.runtime.watchdogs import Watchdogs
 
 _log = logging.getLogger(__name__)
@@ -129,14 +130,14 @@ class Coordinator:
         self._adoptions = Adoptions(clock=self._clock, config=lambda: self._config, scheduler=self.scheduler,
                                     gpus=self.gpus, leases=self._leases, tokens=self._tokens, observer=self._observer,
                                     observe=self._observe, busy=self._idle.clear, changed=self._changed,
-                                    freed=self._freed, held=lambda gpu: self._holders(gpu).held,
+                                    freed=self._freed, held=lambda gpu: held(self.holding_of(gpu.name)),
                                     lease_ns=self._lease_ns)
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, settling=lambda: self.gpus.settling,
                                   schedule_model=lambda model: self._key(model).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, blocked=lambda: self._forecast.blocked_by_upstream(self.gpus),
-            gpu_state=lambda: self.gpu_state, gpu_states=lambda: self.gpus.states(self.scheduler))
+            holdings=self._holdings)
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
 
@@ -161,12 +162,13 @@ class Coordinator:
         tickets = self._tickets
         return [ticket for token in self.scheduler.running_ids() if (ticket := tickets.get(token)) is not None]
 
-    def _holders(self, gpu: Gpu | None = None) -> Holders:
-        """What holds a GPU (None: any of them): the one question, which `gpu_state`, the grant
-        decision and the idle wait each read."""
-        if gpu is not None:
-            return gpu.holders(self.scheduler.slots_busy_on(gpu.name))
-        return Holders(self.scheduler.slots_busy, self.gpus.settling is not None, len(self._leases.adopted))
+    def _holdings(self) -> tuple[GpuHolding, ...]:
+        """What holds each GPU, the scheduler told first (`Gpus.tell`: a settle or adoption may have just changed)."""
+        self.gpus.tell(self.scheduler)
+        return self.scheduler.holdings()
+
+    def holding_of(self, gpu: str) -> GpuHolding:
+        return next(holding for holding in self._holdings() if holding.name == gpu)
 
     def _key(self, model: str | None) -> ModelKey:
         """What a request naming ``model`` is scheduled as, and whose models.<id> it gets."""
@@ -180,7 +182,7 @@ class Coordinator:
 
     @property
     def gpu_state(self) -> GpuState:
-        return self._holders().state
+        return GpuState.of_node(self._holdings())
 
     @property
     def version(self) -> int:
@@ -512,7 +514,7 @@ class Coordinator:
         self._pump()
 
     def _update_idle(self) -> None:
-        if self._holders().free:
+        if free(self._holdings()):
             self._idle.set()
         self._publish()
 
@@ -591,7 +593,7 @@ class Coordinator:
 
     def _publish_now(self) -> None:
         """The gauges' picture (`observer.queue_picture`; `deferred.py` sends it once per loop turn)."""
-        self._observer.queue_changed(queue_picture(self.scheduler, not self._holders().free))
+        self._observer.queue_changed(queue_picture(self.scheduler, not free(self._holdings())))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""

@@ -24,7 +24,6 @@ from llamaswap.runtime.observer import Settle, SettleReason
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
-from llamaswap.runtime.views import GpuState, Holders
 
 
 def gpu_config(config: Config, entry: UpstreamEntry) -> Config:
@@ -50,9 +49,6 @@ class Gpu:
     def adopted(self) -> list[str]:
         """The tokens of the adopted exchanges that hold it."""
         return [token for token, adoption in self.adoptions.items() if adoption.upstream == self.name]
-
-    def holders(self, grants: int) -> Holders:
-        return Holders(grants, self.settling is not None, len(self.adopted))
 
     async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
                      settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
@@ -115,10 +111,6 @@ class Gpus:
             settling, adopted = gpu.settling is not None, len(gpu.adopted)
             changed = scheduler.held_by(gpu.name, settling=settling, adopted=adopted) or changed
         return changed
-
-    def states(self, scheduler: Scheduler) -> dict[str, GpuState]:
-        """What holds each GPU, by name."""
-        return {gpu.name: gpu.holders(scheduler.slots_busy_on(gpu.name)).state for gpu in self.all}
 
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
@@ -35,39 +35,34 @@ class GpuState(enum.StrEnum):
     SETTLING = "settling"
     ADOPTED = "adopted"
 
+    @classmethod
+    def of(cls, gpu: GpuHolding) -> GpuState:
+        """The one word for what holds a GPU (grants first, then a settle, then an adopted exchange)."""
+        if gpu.running.busy:
+            return cls.RUNNING
+        if gpu.settling:
+            return cls.SETTLING
+        return cls.ADOPTED if gpu.adopted else cls.IDLE
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Holders:
-    """What holds the GPU now, asked one way (`Coordinator._holders`): our running grants, a
-    settle (an abandoned generation the upstream finishes) and the adopted exchanges."""
+    @classmethod
+    def of_node(cls, holdings: Sequence[GpuHolding]) -> GpuState:
+        """The one word for the node: grants on any GPU first, then a settle on any, then an
+        adopted exchange on any."""
+        if any(gpu.running.busy for gpu in holdings):
+            return cls.RUNNING
+        if any(gpu.settling for gpu in holdings):
+            return cls.SETTLING
+        return cls.ADOPTED if any(gpu.adopted for gpu in holdings) else cls.IDLE
 
-    grants: int
-    settling: bool
-    adopted: int
 
-    @property
-    def state(self) -> GpuState:
-        """The one word for it (grants first, then a settle, then an adopted exchange)."""
-        if self.grants:
-            return GpuState.RUNNING
-        if self.settling:
-            return GpuState.SETTLING
-        return GpuState.ADOPTED if self.adopted else GpuState.IDLE
+def free(holdings: Sequence[GpuHolding]) -> bool:
+    """Nothing holds any of these GPUs: no grant, no settle, no adopted exchange."""
+    return not any(gpu.running.busy or gpu.blocked for gpu in holdings)
 
-    @property
-    def others(self) -> bool:
-        """Something besides our grants holds it: nothing new is granted."""
-        return self.settling or self.adopted > 0
 
-    @property
-    def free(self) -> bool:
-        """Nothing holds it."""
-        return not self.grants and not self.others
-
-    @property
-    def held(self) -> int:
-        """Exchanges this process holds: its grants and the adopted ones."""
-        return self.grants + self.adopted
+def held(gpu: GpuHolding) -> int:
+    """The exchanges this process holds on a GPU: its grants and the adopted ones."""
+    return gpu.running.busy + gpu.adopted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,9 +109,9 @@ class GpuRow:
     state: GpuState = GpuState.IDLE  # what holds it
 
     @classmethod
-    def of(cls, gpu: GpuHolding, state: GpuState) -> GpuRow:
+    def of(cls, gpu: GpuHolding) -> GpuRow:
         """The row of what a GPU holds (`Scheduler.holdings`)."""
-        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, state)
+        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, GpuState.of(gpu))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,15 +155,14 @@ class QueueViews:
     """Reads the coordinator's state, never changes it. `version` changes with every change of
     the queue (the coordinator counts them); `blocked` says, for each GPU that work the scheduler
     did not grant holds (a settling generation, an adopted exchange), how much longer it does
-    (`math.inf`: unknown), nothing granted there meanwhile; `gpu_state` is what holds the GPU;
-    `gpu_states`, what holds each upstream, by name (without it, or for one it does not name:
-    running while grants run there, else idle)."""
+    (`math.inf`: unknown), nothing granted there meanwhile; `holdings`, what holds each GPU
+    (`Scheduler.holdings`, by default; the coordinator's tells the scheduler first what the
+    runtime knows: `Gpus.tell`), which says what holds the node and each GPU (`GpuState`)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],
                  blocked: Callable[[], Mapping[str, float]],
-                 gpu_state: Callable[[], GpuState],
-                 gpu_states: Callable[[], Mapping[str, GpuState]] | None = None) -> None:
+                 holdings: Callable[[], Sequence[GpuHolding]] | None = None) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
@@ -176,8 +170,7 @@ class QueueViews:
         self._by_request_id = by_request_id
         self._version = version
         self._blocked = blocked
-        self._gpu_state = gpu_state
-        self._gpu_states = gpu_states
+        self._holdings = holdings or scheduler.holdings
         self._walk: _Walk | None = None
 
     @property
@@ -204,7 +197,7 @@ class QueueViews:
         # A settle or an adopted exchange: nothing is granted on its GPU until it ends (`GpuHolding.blocked`).
         blocked = self._blocked()
         # The grants' own rule over every GPU (`starts_of_node`; one GPU is a node of one).
-        placed = starts_of_node(self._estimator, snapshot, self._scheduler.holdings(), blocked)
+        placed = starts_of_node(self._estimator, snapshot, self._holdings(), blocked)
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
@@ -227,13 +220,12 @@ class QueueViews:
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
         # The GPUs as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
         scheduler = self._scheduler
-        states = self._gpu_states() if self._gpu_states is not None else {}
-        gpus = [GpuRow.of(gpu, states.get(gpu.name, GpuState.RUNNING if gpu.running.busy else GpuState.IDLE))
-                for gpu in scheduler.holdings()]
+        holdings = self._holdings()
+        gpus = [GpuRow.of(gpu) for gpu in holdings]
         # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
         slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
-        return QueueView(str(snapshot.policy), node_residents(snapshot), self._gpu_state(), tuple(running), waiting,
-                         bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
+        return QueueView(str(snapshot.policy), node_residents(snapshot), GpuState.of_node(holdings), tuple(running),
+                         waiting, bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""
