@@ -59,7 +59,6 @@ from llamaswap.core import (
     exchange_outcome,
     model_stays_loaded,
 )
-from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.core.holding import GpuHolding
 from llamaswap.config.model_key import ModelKey, model_key
 from llamaswap.runtime.gpus import auto_slots, make_gpus, node_policy
@@ -397,7 +396,7 @@ class Coordinator:
         """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
         # A settle or an adopted exchange on a GPU: nothing is granted there until it ends.
         self.gpus.tell(self.scheduler)
-        times = self._forecast.gpu_times() if len(self.gpus) > 1 else NO_TIMES
+        times = self._forecast.gpu_times()  # (lazy: read only if the rule asks)
         while True:
             decision = self.scheduler.next(times)
             if decision is None:
