@@ -170,10 +170,6 @@ class Scheduler:
         """The models resident on an upstream (None: the first; with one upstream, the loaded ones)."""
         return self._gpu(upstream).residents
 
-    def holding_of(self, upstream: str | None = None) -> GpuHolding:
-        """What an upstream holds (None: the first)."""
-        return self._gpu(upstream).holding
-
     @property
     def dispatches(self) -> int:
         """Grants so far on the first upstream: the generation a loaded-model report was asked at."""
