@@ -195,3 +195,22 @@ async def test_one_named_upstream_is_a_node_of_one_with_its_own_name_and_slots()
     upstream.busy_answer = 1  # only b's now
     await flow.advance(1.0)
     assert c.granted and on(flow, "c") == "big"
+
+
+@virtual_time
+async def test_retry_after_follows_the_gpu_that_can_take_a_request_soonest() -> None:
+    """One GPU settles an abandoned generation expected to run 99 s more, the other is full with
+    a grant expected to end in 19 s: a refused client comes back when the sooner one frees."""
+    flow = two_gpus(FakeUpstream(busy=1), FakeUpstream(busy=0),
+                    routing={"scheduler": {"maxQueued": 1}},
+                    estimates={"defaultRunSeconds": 100, "defaultSwapSeconds": 0})
+    for _ in range(3):
+        flow.coordinator.estimator.record("short", run_s=20.0, first_byte_s=None, model_load=False, upstream="gpu1")
+    long = await flow.arrive("long", model="long")
+    short = await flow.arrive("short", model="short")
+    assert on(flow, "long") == "gpu0" and on(flow, "short") == "gpu1"
+    await flow.advance(1)
+    await flow.end(long, ExchangeEnd.CLIENT_LEFT)  # gpu0 goes on computing it: a settle
+    assert (await flow.arrive("waits", model="short")).waiting
+    assert flow.coordinator.gpus.named("gpu0").settling is not None and short.granted
+    assert (await flow.arrive("refused", model="short")).refusal.retry_after_s == 19

@@ -119,8 +119,7 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == pytest.approx((14.0, 39.0))
 
     # Retry-After: both slots taken, a place frees when a2 ends.
-    forecast = Forecast(clock, scheduler, figures, settling=lambda: None,
-                        schedule_model=lambda model: model)
+    forecast = Forecast(clock, scheduler, figures, schedule_model=lambda model: model)
     assert forecast.busy_s() == pytest.approx(14.0)
 
     # The views (GET /queue): the end from the grant and what remains of it.

@@ -131,11 +131,11 @@ class Coordinator:
                                     observe=self._observe, busy=self._idle.clear, changed=self._changed,
                                     freed=self._freed, held=lambda gpu: held(self.holding_of(gpu.name)),
                                     lease_ns=self._lease_ns)
-        self._forecast = Forecast(self._clock, self.scheduler, self.estimator, settling=lambda: self.gpus.settling,
+        self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=lambda model: self._key(model).scheduled)
         self._views = self._forecast.views = QueueViews(
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
-            version=lambda: self._version, blocked=lambda: self._forecast.blocked_by_upstream(self.gpus),
+            version=lambda: self._version, blocked=self._forecast.blocked_by_upstream,
             holdings=self._holdings)
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)

@@ -11,7 +11,6 @@ from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import GpuTimes
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
-from llamaswap.runtime.settle import Settling
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
 
@@ -25,18 +24,17 @@ _ESTIMATE_CPU_SHARE = 0.1
 
 
 class Forecast:
-    """``settling`` is the settle under way, if any;
+    """``gpus``: the node's GPUs as the runtime keeps them (each one's settle under way, if any);
     ``schedule_model`` says what a settling generation was scheduled as (the estimator's key)."""
 
-    def __init__(self, clock: Clock, scheduler: Scheduler, estimator: Estimator, *,
-                 settling: Callable[[], Settling | None],
+    def __init__(self, clock: Clock, scheduler: Scheduler, estimator: Estimator, *, gpus: Gpus | None = None,
                  schedule_model: Callable[[str | None], str | None]) -> None:
         self._clock = clock
         self._scheduler = scheduler
         self._estimator = estimator
-        self._settling = settling
+        self._gpus = gpus
         self._schedule_model = schedule_model
-        self.views: QueueViews | None = None  # set once the views exist (they read `settle_busy_s`)
+        self.views: QueueViews | None = None  # set once the views exist (the arrival estimates walk them)
         self._pending: list[Ticket] = []
         self._handle: asyncio.TimerHandle | None = None
         self._batch_s = ESTIMATE_BATCH_S
@@ -46,16 +44,20 @@ class Forecast:
         return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(self.busy_s()))))
 
     def busy_s(self) -> float:
-        """How much longer the GPU is expected to be busy before the next grant: the earliest
-        end among the running grants when every slot is taken (with one slot, the grant's), and
-        not before a settle ends (nothing is granted meanwhile, free slot or not)."""
-        settle = self.settle_busy_s()
-        holdings = self._scheduler.holdings()
-        if all(gpu.running.busy >= gpu.slots_in_effect for gpu in holdings):
-            # Every GPU full: a place frees when the first of them frees a slot.
-            times = self._node_times()
-            return max(settle, min(times.soonest_end_s(gpu.name) for gpu in holdings))
-        return settle
+        """How long until some GPU is expected to take the next grant: the soonest over the GPUs
+        of when each can. A GPU can once its settle ends (nothing is granted there meanwhile,
+        free slot or not) and, when every slot there is taken, once the first of its running
+        grants ends (with one slot, the grant's)."""
+        now = self._clock.now_ns()
+        times: NodeTimes | None = None
+        soonest = math.inf
+        for gpu in self._scheduler.holdings():
+            busy = self.settle_left_s(gpu.name, now)
+            if gpu.running.busy >= gpu.slots_in_effect:
+                times = times or self._node_times()
+                busy = max(busy, times.soonest_end_s(gpu.name))
+            soonest = min(soonest, busy)
+        return soonest if math.isfinite(soonest) else 0.0
 
     def gpu_times(self) -> GpuTimes:
         """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
@@ -66,31 +68,25 @@ class Forecast:
     def _node_times(self) -> NodeTimes:
         return NodeTimes.of_grants(self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
 
-    def settle_busy_s(self) -> float:
-        """How much longer a settling generation is expected to run (0 without one)."""
-        now = self._clock.now_ns()
-        settling = self._settling()
-        if settling is not None and settling.granted_ns is not None:
-            return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
-                                               running_s=(now - settling.granted_ns) / NS_PER_S)
-        return 0.0
+    def settle_left_s(self, gpu: str, now_ns: int) -> float:
+        """How much longer the generation a GPU's settle waits for is expected to run, by that
+        GPU's figures (0 without a settle, or one of no known grant: a startup's)."""
+        settling = self._gpus.named(gpu).settling if self._gpus is not None else None
+        if settling is None or settling.granted_ns is None:
+            return 0.0
+        return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
+                                           running_s=(now_ns - settling.granted_ns) / NS_PER_S, upstream=gpu)
 
-    def blocked_by_upstream(self, gpus: Gpus) -> dict[str, float]:
+    def blocked_by_upstream(self) -> dict[str, float]:
         """How much longer work the scheduler did not grant holds each GPU that has some (a
-        settling generation's expected rest; `math.inf` once it is past its expected end, or for
-        an adopted exchange: held for a time nobody can tell)."""
+        settling generation's expected rest, `settle_left_s`; `math.inf` once it is past its
+        expected end, or for an adopted exchange: held for a time nobody can tell)."""
         now = self._clock.now_ns()
         blocked: dict[str, float] = {}
         for held in self._scheduler.holdings():
-            if not held.blocked:
-                continue
-            gpu = gpus.named(held.name)
-            settling = gpu.settling
-            left = 0.0
-            if settling is not None and settling.granted_ns is not None:
-                left = self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
-                                                   running_s=(now - settling.granted_ns) / NS_PER_S, upstream=gpu.name)
-            blocked[gpu.name] = left if left > 0 else math.inf
+            if held.blocked:
+                left = self.settle_left_s(held.name, now)
+                blocked[held.name] = left if left > 0 else math.inf
         return blocked
 
     def estimate_later(self, ticket: Ticket) -> None:

@@ -97,11 +97,6 @@ class Gpus:
         place) is the first one's."""
         return self._by_name.get(name or "", self.first)
 
-    @property
-    def settling(self) -> Settling | None:
-        """A settle under way on any GPU (the first found)."""
-        return next((gpu.settling for gpu in self.all if gpu.settling is not None), None)
-
     def tell(self, scheduler: Scheduler) -> bool:
         """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
         `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
