@@ -75,7 +75,7 @@ async def test_the_queue_shows_estimated_starts(tmp_path: pathlib.Path) -> None:
             stack.upstream.release("blocker")
             await asyncio.gather(blocker, *tasks)
         running = document["running"]
-        assert running["expected_run_s"] == 34  # nothing measured yet: the default run + a load
+        assert running["expected_end_s"] == 34  # nothing measured yet: the default run + a load
         a1, b1, b2 = document["waiting"]
         # a1 after the blocker's expected remainder, b1 after a1's run; b1 swaps to model-b, so
         # b2 waits for that swap and b1's run. (Computed microseconds apart, hence approx.)
@@ -193,7 +193,7 @@ async def test_the_size_a_request_asks_for_reaches_the_estimates(tmp_path: pathl
         running = document["running"]
         first, second = document["waiting"]
         assert (running["request_id"], first["request_id"], second["request_id"]) == ("blocker", "small", "after")
-        per_token = running["expected_run_s"] / 200
+        per_token = running["expected_end_s"] / 200
         assert 0 < per_token < 30 / 200  # learnt from the warm runs, not the default
         # The 64-token request between them is expected to take 64/200 of the 200-token one.
         assert second["estimated_start_s"] - first["estimated_start_s"] == pytest.approx(per_token * 64, rel=1e-6)

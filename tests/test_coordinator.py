@@ -1389,7 +1389,7 @@ async def test_the_view_rows_agree_with_the_estimator_over_the_snapshot_order() 
     [running] = view.running
     assert running is not None and running.request_id == "a" and running.model == "a"
     assert (running.running_s, running.queue_wait_s) == (2.0, 0.0)
-    assert (running.expected_run_s, running.expected_remaining_s) == (RUN_S + SWAP_S, RUN_S + SWAP_S - 2)
+    assert (running.expected_end_s, running.expected_remaining_s) == (RUN_S + SWAP_S, RUN_S + SWAP_S - 2)
     assert {band: depth for band, depth, _ in view.bands} == {Band.INTERACTIVE: 1, Band.NORMAL: 3, Band.BATCH: 0}
     assert {band: oldest for band, _, oldest in view.bands} == {Band.INTERACTIVE: 2.0, Band.NORMAL: 2.0,
                                                                 Band.BATCH: 0.0}

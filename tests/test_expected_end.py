@@ -126,7 +126,7 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
     views = QueueViews(scheduler, figures, clock, tickets, {t.request_id: t for t in tickets.values()},
                        version=lambda: 1, blocked=dict)
     rows = {row.request_id: row for row in views.view().running}
-    assert {name: row.expected_run_s for name, row in rows.items()} == pytest.approx(ends)
+    assert {name: row.expected_end_s for name, row in rows.items()} == pytest.approx(ends)
     assert {name: row.expected_remaining_s for name, row in rows.items()} == pytest.approx(left)
 
     # The page's state document: the end it draws is the grant's time plus that.

@@ -241,7 +241,7 @@ async def test_a_200_token_request_is_estimated_200_64ths_of_a_64_token_one() ->
     await flow.advance(1)
     view = flow.coordinator.view()
     assert len(view.running) == 1
-    assert view.running[0].expected_run_s == pytest.approx(4.0 * 200 / 64)
+    assert view.running[0].expected_end_s == pytest.approx(4.0 * 200 / 64)
     starts = {row.request_id: row.estimated_start_s for row in view.waiting}
     assert starts["small"] == pytest.approx(4.0 * 200 / 64 - 1)
     assert starts["after"] == pytest.approx(4.0 * 200 / 64 - 1 + 4.0)

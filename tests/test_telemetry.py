@@ -682,7 +682,7 @@ def test_the_queue_table() -> None:
     document = {
         "policy": "serial", "resident_models": ["model-a"], "gpu": "running",
         "running": {"request_id": "run-1", "priority": 0, "band": "normal", "score": 0.0, "model": "model-a",
-                    "queue_wait_s": 0.25, "running_s": 3725.0, "expected_run_s": 4000.0,
+                    "queue_wait_s": 0.25, "running_s": 3725.0, "expected_end_s": 4000.0,
                     "expected_remaining_s": 275.0},
         "waiting": [
             {"request_id": "req-i", "position": 1, "priority": 100, "band": "interactive", "score": 110.01,

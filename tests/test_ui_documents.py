@@ -262,7 +262,7 @@ async def test_the_state_has_the_queue_in_its_order_with_the_score_split_into_it
     [running] = state["running"]
     assert running["request_id"] == "run" and running["running_s"] == 5.0
     assert running["granted_ms"] == pytest.approx(state["as_of_ms"] - 5000)
-    assert running["expected_end_ms"] == pytest.approx(running["granted_ms"] + running["expected_run_s"] * 1000)
+    assert running["expected_end_ms"] == pytest.approx(running["granted_ms"] + running["expected_end_s"] * 1000)
     assert state["aging_divisor_s"] == 10 and state["swap_affinity_bonus"] == 20
     assert state["bands"]["interactive"]["depth"] == 1 and state["timeline_seq"] == 0
     await flow.complete(run)
@@ -453,7 +453,7 @@ def test_the_page_derives_no_scheduling_term() -> None:
     script = (UI_DIR / "app.js").read_text()
     assert "aging_per_s" in script and "estimated_start_ms" in script and "expected_end_ms" in script
     assert not re.search(r"/\s*doc\.aging_divisor_s", script)
-    assert "expected_remaining_s" not in script and "expected_run_s" not in script
+    assert "expected_remaining_s" not in script and "expected_end_s" not in script and "expected_run_s" not in script
     assert not re.search(r"estimated_start_s\s*-", script)
 
 

@@ -39,7 +39,7 @@ def running_document(row: RunningRow) -> dict[str, Any]:
     """The running request as GET /queue (and the page at /ui) shows it."""
     return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
             "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
-            "expected_run_s": row.expected_run_s, "expected_remaining_s": row.expected_remaining_s,
+            "expected_end_s": row.expected_end_s, "expected_remaining_s": row.expected_remaining_s,
             "upstream": row.upstream}
 
 

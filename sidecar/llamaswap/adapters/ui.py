@@ -175,7 +175,7 @@ class UiState:
         """GET /queue's row, with its grant's time and its expected end (`estimate.grant_end_s`)."""
         granted_ms = now_ms - row.running_s * 1000
         # Past its expected run its end is unknown (null): a time already gone would be wrong.
-        end_ms = None if row.expected_remaining_s is None else round(granted_ms + row.expected_run_s * 1000, 3)
+        end_ms = None if row.expected_remaining_s is None else round(granted_ms + row.expected_end_s * 1000, 3)
         return {**running_document(row), "granted_ms": round(granted_ms, 3), "expected_end_ms": end_ms}
 
     # -- /ui/timeline ----------------------------------------------------------------------

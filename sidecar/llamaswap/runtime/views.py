@@ -92,7 +92,7 @@ class RunningRow:
     running_s: float
     # When it is expected to end, from its grant (`estimate.grant_end_s`): its run after its own
     # load or the load it was granted beside.
-    expected_run_s: float
+    expected_end_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
     upstream: str = SINGLE_UPSTREAM  # the upstream (GPU) it runs on
 
