@@ -182,8 +182,8 @@ def test_the_pickers_gauges_cover_every_gpu() -> None:
 
 def test_a_model_on_two_gpus_is_listed_once() -> None:
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 2, 2, ("x",), (GpuPicture("a", ("x",), 1, 1),
-                                                                      GpuPicture("b", ("x",), 1, 1))))
+    telemetry.queue_changed(QueuePicture((), (), True, 2, (GpuPicture("a", ("x",), 1, 1),
+                                                             GpuPicture("b", ("x",), 1, 1))))
     adapters = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
     assert adapters is not None and adapters.running == ("x",) and adapters.max_adapters == 2
 
@@ -192,8 +192,8 @@ def test_each_resident_model_of_a_gpu_is_a_series_and_listed_once() -> None:
     """Several models resident on one GPU (issue 37 will allow it): a series each, and the node's
     models each once, in the configured order of the GPUs."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), False, 0, 2, ("x", "y"), (GpuPicture("a", ("x", "y"), 0, 1),
-                                                                           GpuPicture("b", ("w", "x"), 0, 1))))
+    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("a", ("x", "y"), 0, 1),
+                                                              GpuPicture("b", ("w", "x"), 0, 1))))
     samples = metrics(telemetry)
     assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="a") == {"x": 1, "y": 1}
     assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="b") == {"w": 1, "x": 1}
@@ -205,8 +205,8 @@ def test_a_settle_on_one_gpu_fills_only_that_gpu() -> None:
     """An upstream that finishes an abandoned generation takes no grant: full for the picker,
     busy in its own series; the other GPU's free slots still count as free."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 0, 2, (), (GpuPicture("a", ("x",), 0, 2, blocked=True),
-                                                                  GpuPicture("b", (), 0, 2))))
+    telemetry.queue_changed(QueuePicture((), (), True, 0, (GpuPicture("a", ("x",), 0, 2, blocked=True),
+                                                             GpuPicture("b", (), 0, 2))))
     samples = metrics(telemetry)
     assert value(samples, names.SATURATION) == 0.5
     assert by_label(samples, names.UPSTREAM_BUSY, "upstream") == {"a": 1, "b": 0}

@@ -87,8 +87,7 @@ class TwoGpus:
         stats = self.scheduler.band_stats()
         return QueuePicture(tuple((band, s.depth) for band, s in stats.items()),
                             tuple((band, s.oldest_arrival_ns) for band, s in stats.items()),
-                            self.scheduler.slots_busy > 0, self.scheduler.slots_busy, self.scheduler.slots_total,
-                            tuple(sorted(self.scheduler.residents_on())), gpu_pictures(self.scheduler))
+                            self.scheduler.slots_busy > 0, self.scheduler.slots_busy, gpu_pictures(self.scheduler))
 
     def publish(self) -> None:
         picture = self.picture()

@@ -61,12 +61,9 @@ class QueuePicture:
 
     depth: tuple[tuple[Band, int], ...]
     oldest_arrival_ns: tuple[tuple[Band, int | None], ...]  # the coordinator's clock
-    busy: bool  # a grant holds the GPU, or the upstream is still finishing an abandoned one
-    slots_busy: int = 0  # running grants
-    slots_total: int = 1  # the slots of the model in effect
-    resident_models: tuple[str, ...] = ()  # the first upstream's resident models, sorted (empty: none known)
-    # Every upstream (`gpu_pictures`); empty: one, described by the fields above.
-    gpus: tuple[GpuPicture, ...] = ()
+    busy: bool  # a grant, a settle or an adopted exchange holds a GPU
+    slots_busy: int  # running grants, over every upstream
+    gpus: tuple[GpuPicture, ...]  # every upstream (`gpu_pictures`), in the configured order
 
 
 def queue_picture(scheduler: Scheduler, busy: bool) -> QueuePicture:
@@ -75,8 +72,7 @@ def queue_picture(scheduler: Scheduler, busy: bool) -> QueuePicture:
     stats = scheduler.band_stats()
     depth = tuple((band, s.depth) for band, s in stats.items())
     oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, scheduler.slots_total,
-                        tuple(sorted(scheduler.residents_on())), gpu_pictures(scheduler))
+    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, gpu_pictures(scheduler))
 
 
 class SettleReason(str, enum.Enum):

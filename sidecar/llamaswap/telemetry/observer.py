@@ -75,7 +75,9 @@ INSTRUMENTATION_NAME = "llamaswap"
 _PROPAGATOR = TraceContextTextMapPropagator()
 # A wait shorter than this counts as this long when the estimate is compared with it.
 ESTIMATE_FLOOR_S = 0.1
-_EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band), False)
+# Before the first settings: one upstream of one slot, as a configuration of one `upstream:`.
+_EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band), False, 0,
+                              (GpuPicture(SINGLE_UPSTREAM, (), 0, 1),))
 
 
 def parent_of(ticket: Ticket) -> Context | None:
@@ -128,7 +130,7 @@ class Telemetry:
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
-        self._first_upstream = SINGLE_UPSTREAM  # the name of a picture without GPUs (one upstream)
+        self._published = False  # a picture came from the coordinator
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         # By request id, while it waits: (when, the event's attributes) of each request that
@@ -210,25 +212,23 @@ class Telemetry:
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
         gpus = policy.gpus_in_effect
-        self._first_upstream = gpus[0].name
         instruments = self.instruments
         for gpu in gpus:  # every upstream's counts exist from the start, at 0
             labels = {"upstream": gpu.name}
             instruments.upstream_dispatched.declare(labels)
             instruments.upstream_swaps.declare(labels)
             instruments.upstream_loads.declare(labels)
-        if self._picture.slots_busy == 0:  # before the first grant: the default's slots (the coordinator
-            # publishes the resident models' with every change)
-            before = self._picture
-            shown = (tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default) for gpu in gpus)
-                     if len(gpus) > 1 else ())
-            self._picture = dataclasses.replace(before, slots_total=policy.slots.default, gpus=before.gpus or shown)
+        if not self._published:  # before the first picture: each upstream's default slots (the
+            # coordinator publishes the resident models' with every change)
+            shown = tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default) for gpu in gpus)
+            self._picture = dataclasses.replace(self._picture, gpus=shown)
             self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
         if _resident_models(picture) != _resident_models(self._picture):
             self._models_changed(picture)
         self._picture = picture
+        self._published = True
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
         self._left_queue(ticket.token)
@@ -423,7 +423,7 @@ class Telemetry:
     def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
         picture = self._picture
         # Several upstreams: the node's slots (the busy ones are counted over all of them too).
-        return [Observation(sum(gpu.slots_total for gpu in picture.gpus) if picture.gpus else picture.slots_total)]
+        return [Observation(sum(gpu.slots_total for gpu in picture.gpus))]
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._picture.slots_busy)]
@@ -433,7 +433,7 @@ class Telemetry:
 
     def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
         # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
-        gpus = self._gpus()
+        gpus = self._picture.gpus
         total = sum(gpu.slots_total for gpu in gpus)
         held = sum(gpu.slots_total if gpu.blocked else min(gpu.slots_busy, gpu.slots_total) for gpu in gpus)
         return [Observation(held / total if total else 0.0)]
@@ -442,35 +442,26 @@ class Telemetry:
         labels, changed = self._models_info
         return [Observation(changed, labels)]
 
-    def _gpus(self) -> tuple[GpuPicture, ...]:
-        """Every upstream in the picture; one without GPUs is the one upstream it describes."""
-        picture = self._picture
-        if picture.gpus:
-            return picture.gpus
-        blocked = picture.busy and not picture.slots_busy  # a settle or an adopted exchange
-        return (GpuPicture(self._first_upstream, picture.resident_models, picture.slots_busy, picture.slots_total,
-                            blocked),)
-
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots_total, {"upstream": gpu.name}) for gpu in self._gpus()]
+        return [Observation(gpu.slots_total, {"upstream": gpu.name}) for gpu in self._picture.gpus]
 
     def _observe_upstream_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._gpus()]
+        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._picture.gpus]
 
     def _observe_upstream_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(1 if gpu.slots_busy or gpu.blocked else 0, {"upstream": gpu.name})
-                for gpu in self._gpus()]
+                for gpu in self._picture.gpus]
 
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
         # One series per upstream and resident model (model="": none known), whatever the models' names:
         # bounded by the models an upstream holds at once (today one) times the upstreams.
         return [Observation(1, {"upstream": gpu.name, "model": model})
-                for gpu in self._gpus() for model in gpu.resident_models or ("",)]
+                for gpu in self._picture.gpus for model in gpu.resident_models or ("",)]
 
 
 def _resident_models(picture: QueuePicture) -> tuple[tuple[str, ...], ...]:
     """Each upstream's resident models, in the configured order."""
-    return tuple(gpu.resident_models for gpu in picture.gpus) if picture.gpus else (picture.resident_models,)
+    return tuple(gpu.resident_models for gpu in picture.gpus)
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
