@@ -139,7 +139,7 @@ async def test_a_held_generation_that_ended_upstream_is_not_taken_for_the_abando
 
 @virtual_time
 async def test_a_request_waiting_for_a_settle_is_estimated_to_start_when_it_ends() -> None:
-    """A free slot does not start anything while a settle runs (`Holders.others`), so the
+    """A free slot does not start anything while a settle runs (`GpuHolding.blocked`), so the
     estimate waits for the settle too: the estimated start is the abandoned generation's
     expected end, not now (the walk used to count the settle as one more busy slot)."""
     flow = Flow({"upstream": {"slots": 3}, "envoy": LONG_LEASE,
