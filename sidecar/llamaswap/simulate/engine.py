@@ -14,8 +14,9 @@ How each request behaves:
 - granted, it holds the GPU for its recorded run time plus its settle time. When the simulated
   order changes whether its grant needs a model load (recorded ``swap or load`` against the
   simulated decision's), its model's measured swap cost is added or taken away;
-- a request that never ran (a client that left, an expiry, a rejection) runs, if granted, for its
-  model's expected run time, plus the swap cost when its grant needs a load;
+- a request that never ran (a client that left, an expiry, a rejection) runs, if granted, until
+  the runtime expects its grant to end (`estimate.grant_end_s`: its model's expected run, sized by
+  its ``max_tokens`` where given, after its own load or the load it was granted beside);
 - ``cancelled_waiting`` clients leave after their recorded wait unless granted by then; every
   other client waits as long as the simulated ``maxWaitSeconds`` lets it;
 - a granted request ends as it did in reality if it ran then (served, upstream_error, ...), else
@@ -37,11 +38,12 @@ as one each. With one slot nothing changes.
 
 Upstreams (the policy's GPUs: `simulate --gpus N`, or the log's recorded upstreams): one queue
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
-runtime would read: each upstream's grants' expected ends, `_ExpectedEnds`). Each GPU has its
+runtime reads, `NodeTimes.of_grants` of the running grants: each one's `grant_end_s`). With one
+GPU the rule does not read them; one GPU is a node of one. Each GPU has its
 own slots, loaded model, swaps and concurrency; the replay starts each with the model its first
 recorded grant found loaded. The metrics give each GPU's swaps and busy fraction. Costs are
 each GPU's own (`Costs` per (upstream, model), the node's where it has none): a request that
-never ran takes its GPU's expected run, and a recorded run replayed on another GPU than the one
+never ran takes its GPU's expected end, and a recorded run replayed on another GPU than the one
 it ran on is scaled by the two GPUs' expected runs of its model (its load swapped for this GPU's).
 """
 
@@ -71,6 +73,7 @@ from llamaswap.core import (
     model_stays_loaded,
 )
 from llamaswap.core.estimate import grant_end_s
+from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
@@ -99,6 +102,29 @@ class Costs(Protocol):
                                upstream: str | None = None) -> float: ...
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
+
+
+class _StatedFigures(Estimator):
+    """Stated costs as the `Estimator` that `NodeTimes` reads (its `remaining_of`): every answer is
+    the costs' own; nothing is learnt."""
+
+    def __init__(self, costs: Costs) -> None:
+        super().__init__(default_run_s=0.0, default_swap_s=0.0, samples=1)
+        self._costs = costs
+
+    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
+        return self._costs.expected_run_s(model, upstream)
+
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None, upstream: str | None = None) -> float:
+        return self._costs.expected_request_run_s(model, max_tokens, upstream)
+
+    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
+        return self._costs.expected_swap_s(model, upstream)
+
+
+def figures_of(costs: Costs) -> Estimator:
+    """The costs as `NodeTimes` reads them: an `Estimator` as it is, stated costs adapted."""
+    return costs if isinstance(costs, Estimator) else _StatedFigures(costs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -231,14 +257,13 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
     names = scheduler.gpus
-    node = len(names) > 1
     # The replay starts with what the recording started with: a first recorded grant that did
     # not load its model found it loaded (a single-model upstream's one model always is), per
-    # upstream where the log names them. Records without a grant time (older logs, synthetic
-    # workloads) start from nothing loaded.
+    # upstream where the log names them (replayed on one GPU, every recorded grant ran on it).
+    # Records without a grant time (older logs, synthetic workloads) start from nothing loaded.
     for name in names:
         first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None
-                     and (not node or r.record.upstream == name)),
+                     and (len(names) == 1 or r.record.upstream == name)),
                     key=lambda r: (r.record.granted_ms, r.index), default=None)
         if first is not None and not first.recorded_load and first.record.model is not None:
             scheduler.set_residents(frozenset((first.record.model,)), as_of=scheduler.dispatches_on(name),
@@ -266,8 +291,8 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
-    # What the runtime would know of each upstream's time (`NodeTimes`): the expected ends.
-    times = _ExpectedEnds(gpus, clock, costs)
+    # What the runtime knows of each upstream's time (`NodeTimes`): its running grants' expected ends.
+    figures = figures_of(costs)
     release_at = _NEVER
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
@@ -299,7 +324,6 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                     released = results[index]
                     scheduler.release(ids[index], model_loaded=released.request.model_loaded)
                     released.release_ns = last_release = now
-                    del gpu.expected_end[index]
                 if not running:
                     gpu.busy_ns += now - gpu.busy_since
             release_at = min(gpu.running.release_at for gpu in gpus)
@@ -338,7 +362,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 arrival += 1
 
         while waiting:
-            decision = grant(times=times) if node else grant()
+            decision = grant(times=NodeTimes.of_grants(scheduler.running_grants, now, figures))
             if decision is None:
                 break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1
@@ -360,8 +384,8 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 elif load is not request.recorded_load:
                     hold = hold + swap if load else max(0, hold - swap)
                 hold += request.settle_ns
-            else:
-                hold = run_ns[upstream, model] + swap if load else run_ns[upstream, model]
+            else:  # never recorded: as long as the runtime expects the grant to take
+                hold = round(grant_end_s(costs, decision) * 1e9)
             result.outcome = request.granted_outcome
             result.start_ns = result.end_ns = now
             result.model_load = load
@@ -375,9 +399,6 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if not gpu.running:
                 gpu.busy_since = now
             gpu.running.start(now, request.index, hold)
-            # When the runtime expects it to end: the one figure of a running request's end
-            # (sized by its max_tokens, after its load or the load it was granted beside).
-            gpu.expected_end[request.index] = now + round(grant_end_s(costs, decision) * 1e9)
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 
@@ -389,40 +410,14 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
 class _Gpu:
     """One upstream of the replay: its running grants and its figures."""
 
-    __slots__ = ("name", "running", "expected_end", "swaps", "busy_ns", "busy_since")
+    __slots__ = ("name", "running", "swaps", "busy_ns", "busy_since")
 
     def __init__(self, name: str, running: _Running) -> None:
         self.name = name
         self.running = running
-        self.expected_end: dict[int, int] = {}  # running request -> when the runtime expects its end
         self.swaps = 0
         self.busy_ns = 0
         self.busy_since = 0
-
-
-class _ExpectedEnds:
-    """`dispatch.GpuTimes` as the runtime reads it (`estimate_node.NodeTimes`): the expected
-    remaining time of each upstream's grants (`estimate.grant_end_s`: their run sized by their
-    max_tokens, after the load they began or were granted beside), a grant that outran it held
-    for an unknown time."""
-
-    def __init__(self, gpus: Sequence[_Gpu], clock: ManualClock, costs: Costs) -> None:
-        self._gpus = {gpu.name: gpu for gpu in gpus}
-        self._clock = clock
-        self._costs = costs
-
-    def _remaining_s(self, gpu: str) -> list[float]:
-        now = self._clock.now_ns()
-        return [(end - now) / 1e9 if end > now else math.inf for end in self._gpus[gpu].expected_end.values()]
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return min(self._remaining_s(gpu), default=0.0)
-
-    def drained_in_s(self, gpu: str) -> float:
-        return max(self._remaining_s(gpu), default=0.0)
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._costs.expected_swap_s(model, gpu)
 
 
 class _Running(Protocol):

@@ -13,9 +13,12 @@ queue over them. In front of the pods, the request is sent by one of:
   single node with that many GPUs would do; the bound the routed ones are measured against).
 
 Every request waits until it is granted (patience and max wait are the single-node simulator's
-business, `engine.py`); a grant holds its GPU for its run, plus its model's swap cost when the
-grant loads the model. Time is virtual (`ManualClock`), events in order: releases first, then
-arrivals at the same instant, then grants.
+business, `engine.py`); a grant holds its GPU for its recorded run, plus its model's swap cost when
+the grant loads the model; a request with no recorded run holds it as long as the runtime expects
+its grant to take (`estimate.grant_end_s`). Each pod's rule reads the times the runtime reads
+(`NodeTimes.of_grants`: its running grants' expected ends), never the replay's own release
+times. Time is virtual (`ManualClock`), events in order: releases first, then arrivals at the
+same instant, then grants.
 
 Figures: interactive p95 wait (arrival to grant), swaps (grants that replaced a loaded model) and
 loads from nothing, and "GPU idle while work waited": the share of all GPU time during which a
@@ -34,8 +37,10 @@ import math
 from collections.abc import Sequence
 
 from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
+from llamaswap.core.estimate import grant_end_s
+from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.simulate.engine import Costs, quantile
+from llamaswap.simulate.engine import Costs, figures_of, quantile
 from llamaswap.simulate.records import RequestRecord
 
 _NS_PER_MS = 1_000_000
@@ -64,11 +69,10 @@ class PodsResult:
 
 
 class _Pod:
-    """One pod: its scheduler and what runs on each of its GPUs (for the rule's times)."""
+    """One pod: its scheduler."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.ends: dict[str, list[int]] = {gpu: [] for gpu in scheduler.gpus}  # GPU -> release times
 
     def queued(self) -> int:
         return self.scheduler.depth
@@ -80,24 +84,6 @@ class _Pod:
         return any(gpu.has(model) for gpu in self.scheduler.holdings())
 
 
-class _Times:
-    """The rule's times from what the simulation knows: each GPU's release times, the stated swap costs."""
-
-    def __init__(self, pod: _Pod, now_ns: int, costs: Costs) -> None:
-        self._pod = pod
-        self._now = now_ns
-        self._costs = costs
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return (min(self._pod.ends[gpu], default=self._now) - self._now) / _NS_PER_S
-
-    def drained_in_s(self, gpu: str) -> float:
-        return (max(self._pod.ends[gpu], default=self._now) - self._now) / _NS_PER_S
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._costs.expected_swap_s(model)
-
-
 def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs, *, pods: int, gpus: int,
                   routing: Routing) -> PodsResult:
     """The records (in arrival order) over ``pods`` pods of ``gpus`` GPUs each, routed by ``routing``.
@@ -105,6 +91,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
     if pods < 1 or gpus < 1:
         raise ValueError("pods and gpus must be at least 1")
     clock = ManualClock()
+    figures = figures_of(costs)
     groups = 1 if routing is Routing.ONE_QUEUE else pods
     per_group = gpus * pods // groups
     nodes = [_Pod(Scheduler(policy.with_gpus(tuple(GpuPolicy(f"gpu{index}", policy.slots)
@@ -116,7 +103,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
     releases: list[tuple[int, int, int, str, str]] = []  # (at, seq, pod, GPU, request)
     seq = itertools.count()
     arrived_ns: dict[str, int] = {}
-    run_ns_of: dict[str, int] = {}  # what each waiting request runs once granted
+    run_ns_of: dict[str, int | None] = {}  # each waiting request's recorded run (None: not recorded)
     interactive: dict[str, bool] = {}
     waits: list[int] = []
     interactive_waits: list[int] = []
@@ -135,7 +122,6 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
         now = at
         while releases and releases[0][0] == now:
             _, _, index, gpu, request_id = heapq.heappop(releases)
-            nodes[index].ends[gpu].remove(now)
             nodes[index].scheduler.release(request_id, model_loaded=True)
         while next_arrival < len(arrivals) and arrivals[next_arrival][0] == now:
             record = arrivals[next_arrival][1]
@@ -146,18 +132,20 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
             nodes[index].scheduler.enqueue(record.request_id, priority, record.model, max_tokens=record.max_tokens)
             arrived_ns[record.request_id] = now
             interactive[record.request_id] = priority.band is Band.INTERACTIVE
-            run_ns_of[record.request_id] = round(
-                (record.run_ms if record.run_ms is not None else costs.expected_run_s(record.model) * 1000)
-                * _NS_PER_MS)
+            run_ns_of[record.request_id] = None if record.run_ms is None else round(record.run_ms * _NS_PER_MS)
         for index, node in enumerate(nodes):
-            while (decision := node.scheduler.next(times=_Times(node, now, costs))) is not None:
+            scheduler = node.scheduler
+            while (decision := scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, now,
+                                                                        figures))) is not None:
                 hold = run_ns_of.pop(decision.request_id)
+                if hold is None:  # never recorded: as long as the runtime expects the grant to take
+                    hold = round(grant_end_s(costs, decision) * _NS_PER_S)
+                elif decision.model_load:
+                    hold += round(costs.expected_swap_s(decision.model, decision.upstream) * _NS_PER_S)
                 if decision.model_load:
-                    hold += round(costs.expected_swap_s(decision.model) * _NS_PER_S)
                     swaps += decision.swap
                     loads += decision.load
                 end = now + max(hold, 1)
-                node.ends[decision.upstream].append(end)
                 heapq.heappush(releases, (end, next(seq), index, decision.upstream, decision.request_id))
                 wait = now - arrived_ns.pop(decision.request_id)
                 waits.append(wait)

@@ -1,0 +1,163 @@
+"""`llamaswap simulate` reads a running request's end as the runtime does (issue 36 items 1, 3): the
+node rule is handed `NodeTimes.of_grants` of the scheduler's running grants (never the replay's
+own release times, which the runtime cannot know), and a grant whose run was never recorded holds
+its GPU for `estimate.grant_end_s` (its run sized by its `max_tokens`, after its own load or the
+load it was granted beside). Each case checks the runtime's own rule or figure beside the replay.
+
+Every expected number is worked out by hand in the comments next to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from llamaswap.core import Estimator, ManualClock, Outcome, Policy, Priority, PrioritySource, Scheduler, Slots
+from llamaswap.core.decisions import Decision
+from llamaswap.core.estimate import grant_end_s
+from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.policy import GpuPolicy
+from llamaswap.simulate import engine
+from llamaswap.simulate.engine import Costs, FixedCosts, figures_of, prepare, simulate
+from llamaswap.simulate.pods import Routing, simulate_pods
+from llamaswap.simulate.records import RequestRecord
+
+S = 1_000_000_000
+PRIORITY = Priority(0, PrioritySource.NUMBER)
+
+
+def sized() -> Estimator:
+    """A's load takes 12 s (the default), its run 0.01 s per token asked (median run 10 s)."""
+    figures = Estimator(default_run_s=2.0, default_swap_s=12.0, samples=5)
+    for _ in range(3):
+        figures.record("A", run_s=10.0, first_byte_s=None, model_load=False, max_tokens=1000)
+    return figures
+
+
+def arrival(request_id: str, at_s: float, model: str, *, max_tokens: int | None = None, order: int = 0,
+            run_s: float | None = None) -> RequestRecord:
+    """A request of a recording; ``run_s``: what it took (None: it never ran)."""
+    return RequestRecord(request_id, model, 0, Outcome.SERVED, run_s is not None, at_s * 1000, None, None,
+                         None if run_s is None else run_s * 1000, 0.0, False, False, order=order,
+                         max_tokens=max_tokens)
+
+
+def two_gpus(slots: int = 1) -> Policy:
+    return Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
+        (GpuPolicy("gpu0", Slots(slots)), GpuPolicy("gpu1", Slots(slots))))
+
+
+def replayed(records: list[RequestRecord], policy: Policy, costs: Costs) -> dict[str, tuple[int | None, int | None,
+                                                                                           str | None]]:
+    """(start, release, upstream) of each request."""
+    sim = simulate(prepare(records), policy, costs)
+    return {r.request.record.request_id: (r.start_ns, r.release_ns, r.upstream) for r in sim.results}
+
+
+def expected_ends(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], policy: Policy,
+                  costs: Costs) -> dict[str, int]:
+    """The expected end (ns from the first arrival) of each running grant, as the rule was handed
+    it (`NodeTimes.of_grants`, the replay's only reading of time)."""
+    seen: dict[str, int] = {}
+
+    class Seen(NodeTimes):
+        @classmethod
+        def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
+            for decision in grants:
+                seen[decision.request_id] = decision.granted_ns + round(grant_end_s(estimator, decision) * S)
+            return super().of_grants(grants, now_ns, estimator)
+
+    monkeypatch.setattr(engine, "NodeTimes", Seen)
+    replay = prepare(records)
+    simulate(replay, policy, costs)
+    return {replay.requests[int(index)].record.request_id: end for index, end in seen.items()}
+
+
+def test_a_grant_never_recorded_holds_its_gpu_as_long_as_the_runtime_expects_by_its_max_tokens() -> None:
+    """a1 never ran and asks for 3,000 tokens: it loads A (12 s) and runs 30 s, released at 42 s
+    (the model's unsized run, as the replay gave it before, would release it at 22 s). b1 takes
+    gpu1 (B: 12 s + 2 s). a2 (A) at 1 s: at 14 s gpu0 frees in 28 s, a load of A on gpu1 takes
+    12: it loads A on gpu1."""
+    figures = sized()
+    records = [arrival("a1", 0, "A", max_tokens=3000, order=0), arrival("b1", 0, "B", order=1),
+               arrival("a2", 1, "A", max_tokens=100, order=2)]
+    got = replayed(records, two_gpus(), figures)
+    assert got["a1"] == (0, 42 * S, "gpu0")
+    assert got["b1"] == (0, 14 * S, "gpu1")
+    assert got["a2"][::2] == (14 * S, "gpu1")
+
+    # The runtime expects the same grant to end then.
+    scheduler = Scheduler(two_gpus(), ManualClock(0))
+    scheduler.enqueue("a1", PRIORITY, "A", max_tokens=3000)
+    decision = scheduler.next(times=NodeTimes.of_grants((), 0, figures))
+    assert decision is not None and grant_end_s(figures, decision) == pytest.approx(42.0)
+
+
+def test_a_grant_beside_a_load_holds_its_slot_until_the_load_ends_and_its_run_after() -> None:
+    """Two slots; A runs 10 s, loads in 5. a1 loads A at 0 (ends at 15 s). a2, granted at 1 s
+    beside that load, runs once the load ends: 5 + 10 = 15 s (before: its bare run, 11 s). a3 at
+    2 s finds both slots taken and starts when the first frees: at 15 s (before: 11 s)."""
+    costs = FixedCosts({"A": 10.0}, {"A": 5.0})
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0, slots=Slots(2))
+    records = [arrival("a1", 0, "A", order=0), arrival("a2", 1, "A", order=1), arrival("a3", 2, "A", order=2)]
+    got = replayed(records, policy, costs)
+    assert got["a1"][:2] == (0, 15 * S)
+    assert got["a2"][:2] == (1 * S, 15 * S)
+    assert got["a3"][:2] == (15 * S, 25 * S)
+
+    # The runtime's figure of a2's grant: 14 s after it.
+    clock = ManualClock(0)
+    scheduler = Scheduler(policy, clock)
+    scheduler.enqueue("a1", PRIORITY, "A")
+    assert scheduler.next() is not None
+    clock.set_ns(S)
+    scheduler.enqueue("a2", PRIORITY, "A")
+    decision = scheduler.next()
+    assert decision is not None and decision.beside_load is not None
+    assert grant_end_s(costs, decision) == pytest.approx(14.0)
+
+
+def test_the_rule_reads_each_grants_expected_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The times handed to the rule are the grants' `grant_end_s`: a1 at 42 s (sized by its
+    3,000 tokens, after its load; it really ran 50 s, which the runtime cannot know), b1 at 14 s."""
+    records = [arrival("a1", 0, "A", max_tokens=3000, run_s=50, order=0), arrival("b1", 0, "B", order=1),
+               arrival("a2", 1, "A", max_tokens=100, order=2)]
+    ends = expected_ends(monkeypatch, records, two_gpus(), sized())
+    assert ends["a1"] == 42 * S and ends["b1"] == 14 * S
+
+
+def test_pods_read_the_expected_ends_not_the_recorded_release() -> None:
+    """One pod of two GPUs; A runs 10 s, loads in 5; B runs 1 s, loads at once. a1 loads A on
+    gpu0 and really ran 30 s (released at 35 s); b1 takes gpu1 until 1 s. a2 (A) at 12 s: the
+    runtime expects a1 to end at 15 s, in 3 s, sooner than a load of A on gpu1 (5 s): a2 waits
+    for gpu0 and starts there at 35 s, warm. (Before, the pods read the recorded release, 23 s
+    away, which the runtime cannot know, and loaded A on gpu1 at 12 s: a swap, no wait.)"""
+    costs = FixedCosts({"A": 10.0, "B": 1.0}, {"A": 5.0, "B": 0.0})
+    policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0)
+    records = [arrival("a1", 0, "A", run_s=30, order=0), arrival("b1", 0, "B", run_s=1, order=1),
+               arrival("a2", 12, "A", run_s=1, order=2)]
+    result = simulate_pods(records, policy, costs, pods=1, gpus=2, routing=Routing.ONE_QUEUE)
+    assert (result.granted, result.loads, result.swaps) == (3, 2, 0)
+    assert result.wait_p95_s == pytest.approx(23.0)  # a2: 12 s to 35 s
+
+    # The runtime's rule at 12 s, on what the runtime knows: a2 does not start.
+    clock = ManualClock(0)
+    scheduler = Scheduler(two_gpus(), clock)
+    for name, model in (("a1", "A"), ("b1", "B")):
+        scheduler.enqueue(name, PRIORITY, model)
+        assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 0, figures_of(costs))) is not None
+    clock.set_ns(S)
+    scheduler.release("b1", model_loaded=True)
+    clock.set_ns(12 * S)
+    scheduler.enqueue("a2", PRIORITY, "A")
+    assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 12 * S, figures_of(costs))) is None
+
+
+def test_stated_costs_answer_as_the_figures_nodetimes_reads() -> None:
+    costs = FixedCosts({"A": 10.0}, {"A": 5.0})
+    figures = figures_of(costs)
+    assert (figures.expected_request_run_s("A", 4000, "gpu1"), figures.expected_swap_s("A", "gpu1")) == (10.0, 5.0)
+    assert figures.expected_run_s("B") == costs.default_run_s
+    estimator = sized()
+    assert figures_of(estimator) is estimator
