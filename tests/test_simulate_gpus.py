@@ -20,7 +20,7 @@ from llamaswap.core import Outcome, Policy, Slots
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.records import RequestRecord, format_line, parse_activity
-from llamaswap.simulate.settings import SettingsError
+from llamaswap.simulate.settings import Settings, SettingsError
 
 S = 1_000_000_000
 ORIGIN_MS = 1_764_580_000_000.0
@@ -320,6 +320,28 @@ def test_a_configuration_with_upstreams_replays_them_with_their_slots_and_models
         GpuPolicy("gpu0", Slots(2), frozenset({"qwen", "gemma"})), GpuPolicy("gpu1", Slots(3), frozenset({"llama"})))
     (row,) = run_json(["-c", str(path)], NAMED, tmp_path)["rows"]
     assert set(row["gpus"]) == {"gpu0", "gpu1"}  # the configuration's, not the log's "big" and "small"
+
+
+def test_a_configuration_of_one_upstream_is_a_node_of_one_as_the_runtime_builds_it(tmp_path):
+    """One `upstreams:` entry is one GPU named as configured, with the entry's slots and models
+    (`runtime.gpus.node_policy`), not the `upstream:` of a file without `upstreams` (gpu0, its slots)."""
+    import yaml
+
+    from llamaswap.config import load_config
+
+    path = tmp_path / "llamaswap.yaml"
+    path.write_text(yaml.safe_dump(dict(NODE_CONFIG, upstreams=[
+        {"name": "big", "url": "http://127.0.0.1:8081", "slots": 2, "models": ["A"]}])))
+    policy = cli._node_policy(load_config(str(path)), None, 1)
+    assert policy.gpus == (GpuPolicy("big", Slots(2), frozenset({"A"})),)
+    assert Settings.from_policy(policy).policy().gpus == policy.gpus
+    documents = [_request("a1", 0, "A", granted_s=0, run_s=8, load=True, upstream="big", swap_s=3),
+                 _request("a2", 1, "A", granted_s=1, run_s=5, load=False, upstream="big")]
+    (row,) = run_json(["-c", str(path)], documents, tmp_path)["rows"]
+    assert set(row["gpus"]) == {"big"} and row["settings"]["slots"] == 2
+    # Without upstreams: the one upstream, gpu0, with upstream.slots.
+    path.write_text(yaml.safe_dump({"upstream": {"slots": 3}}))
+    assert cli._node_policy(load_config(str(path)), None, 1).gpus == (GpuPolicy("gpu0", Slots(3)),)
 
 
 

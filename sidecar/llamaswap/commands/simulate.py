@@ -285,21 +285,20 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy:
-    """`Config.policy`, over the configuration's upstreams where it lists several: each with its
-    own slots (``auto``: the slots the log recorded) and the models it may serve."""
-    from llamaswap.config import Config
+    """The scheduler's policy over the configured node, as the runtime builds it
+    (`runtime.gpus.node_policy`; one GPU is a node of one): a GPU per upstream entry (without
+    ``upstreams:``, the one of ``upstream:``), named as configured, with the entry's slots (``auto``:
+    the slots the log recorded) and the models it may serve; the node-wide settings with the first
+    one's slots."""
+    from llamaswap.config import SLOTS_AUTO
+    from llamaswap.runtime.gpus import gpu_config
 
-    policy = config.policy(single=single)
-    entries = getattr(config, "upstream_entries", ())
-    if len(entries) < 2:
-        return policy
-    gpus = []
-    for entry in entries:
-        slots = recorded_slots if entry.slots == "auto" else entry.slots
-        upstream = config.upstream.model_copy(update={"url": entry.url, "slots": slots})
-        own: Config = config.model_copy(update={"upstream": upstream})
-        gpus.append(GpuPolicy(entry.name, own.slots(None, single), entry.models))
-    return policy.with_gpus(tuple(gpus))
+    entries = [dataclasses.replace(entry, slots=recorded_slots) if entry.slots == SLOTS_AUTO else entry
+               for entry in config.upstream_entries]
+    configs = [gpu_config(config, entry) for entry in entries]
+    gpus = tuple(GpuPolicy(entry.name, own.slots(None, single), entry.models)
+                 for entry, own in zip(entries, configs, strict=True))
+    return configs[0].policy(None, single).with_gpus(gpus)
 
 
 def _pods_flag(text: str) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
-from llamaswap.core.policy import SINGLE_UPSTREAM, GpuPolicy
+from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate.records import SettingsRecord
 
 MAX_BONUS = 99
@@ -81,8 +81,7 @@ class Settings:
         else:
             policy = Policy.serial(aging_divisor_s=self.aging_divisor_s, swap_affinity_bonus=self.swap_affinity_bonus,
                                    max_queued=self.max_queued, max_wait_s=self.max_wait_s, slots=slots)
-        names = self.upstream_names
-        if len(self.configured) == self.gpus and self.gpus > 1:
+        if len(self.configured) == self.gpus:  # as -c FILE describes them (one is a node of one)
             try:
                 return policy.with_gpus(tuple(
                     dataclasses.replace(gpu, slots=Slots(gpu.slots.default, gpu.slots.per_model,
@@ -90,9 +89,7 @@ class Settings:
                     for gpu in self.configured))
             except InvalidSlots as exc:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
-        if len(names) == 1 and names[0] == SINGLE_UPSTREAM:
-            return policy  # one upstream, as a configuration without `upstreams` has it
-        return policy.with_gpus(tuple(GpuPolicy(name, slots) for name in names))
+        return policy.with_gpus(tuple(GpuPolicy(name, slots) for name in self.upstream_names))
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
