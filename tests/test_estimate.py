@@ -278,7 +278,7 @@ def test_starts_of_a_snapshot_walk_its_running_grants_and_order():
     # b1 once both drain, at 21.
     assert starts_of(e, s, snapshot) == [0.0, 11.0, 21.0]
     # Work the scheduler did not grant (a settle) holds the GPU for 30 s: nothing is granted
-    # until it ends (the coordinator's `Holders.others`), then a2 and a3 (a1 ended at 11), b1
+    # until it ends (`GpuHolding.blocked`), then a2 and a3 (a1 ended at 11), b1
     # once they drain at 40.
     assert starts_of(e, s, snapshot, 30.0) == [30.0, 30.0, 40.0]
     assert starts_of(e, s, snapshot, math.inf) == [math.inf] * 3  # held for a time unknown

@@ -14,6 +14,7 @@ expected to end at 12 + 5 = 17 s, 16 s after its grant. At 3 s: 39 s and 14 s re
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 
@@ -74,23 +75,21 @@ def _runtime(now_s: float) -> tuple[Scheduler, ManualClock, dict[str, Ticket]]:
 
 def _simulated_ends(monkeypatch: pytest.MonkeyPatch, costs: engine.Costs, policy: Policy,
                     records: list[RequestRecord]) -> dict[str, int]:
-    """The expected end (ns from the first arrival) the replay gave each grant, as `NodeTimes` reads it."""
-    seen: dict[int, int] = {}
+    """The expected end (ns from the first arrival) of each running grant, as the replay hands it
+    to the rule (`NodeTimes.of_grants`, the replay's only reading of time)."""
+    seen: dict[str, int] = {}
 
-    class Seen(dict[int, int]):
-        def __setitem__(self, index: int, end_ns: int) -> None:
-            seen[index] = end_ns
-            super().__setitem__(index, end_ns)
+    class Seen(NodeTimes):
+        @classmethod
+        def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
+            for decision in grants:
+                seen[decision.request_id] = decision.granted_ns + round(grant_end_s(estimator, decision) * S)
+            return super().of_grants(grants, now_ns, estimator)
 
-    class Gpu(engine._Gpu):
-        def __init__(self, name: str, running: engine._Running) -> None:
-            super().__init__(name, running)
-            self.expected_end = Seen()
-
-    monkeypatch.setattr(engine, "_Gpu", Gpu)
+    monkeypatch.setattr(engine, "NodeTimes", Seen)
     replay = prepare(records)
     simulate(replay, policy, costs)
-    return {replay.requests[index].record.request_id: end for index, end in seen.items()}
+    return {replay.requests[int(index)].record.request_id: end for index, end in seen.items()}
 
 
 def _arrival(request_id: str, at_s: float, model: str, *, max_tokens: int | None = None, order: int = 0,
@@ -137,7 +136,8 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
         assert document["expected_remaining_s"] == pytest.approx(left[name])
 
     # `llamaswap simulate` over the same requests and figures.
-    records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=60), _arrival("a2", 1, "A", max_tokens=500, run_s=60)]
+    records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=60), _arrival("a2", 1, "A", max_tokens=500, run_s=60),
+               _arrival("a3", 2, "A", order=2)]  # waits for a slot: the rule reads both running grants
     simulated = _simulated_ends(monkeypatch, figures, Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0,
                                                                     slots=Slots(2)), records)
     assert simulated == {"a1": 42 * S, "a2": 17 * S}
