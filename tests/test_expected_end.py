@@ -14,7 +14,6 @@ expected to end at 12 + 5 = 17 s, 16 s after its grant. At 3 s: 39 s and 14 s re
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
@@ -27,9 +26,9 @@ from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
-from llamaswap.simulate import engine
 from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.records import RequestRecord
+from test_simulate_expected_end import expected_ends
 
 S = 1_000_000_000
 SIZES = {"a1": 3000, "a2": 500}
@@ -71,25 +70,6 @@ def _runtime(now_s: float) -> tuple[Scheduler, ManualClock, dict[str, Ticket]]:
         ticket.state = TicketState.RUNNING
     clock.set_ns(round(now_s * S))
     return scheduler, clock, tickets
-
-
-def _simulated_ends(monkeypatch: pytest.MonkeyPatch, costs: engine.Costs, policy: Policy,
-                    records: list[RequestRecord]) -> dict[str, int]:
-    """The expected end (ns from the first arrival) of each running grant, as the replay hands it
-    to the rule (`NodeTimes.of_grants`, the replay's only reading of time)."""
-    seen: dict[str, int] = {}
-
-    class Seen(NodeTimes):
-        @classmethod
-        def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
-            for decision in grants:
-                seen[decision.request_id] = decision.granted_ns + round(grant_end_s(estimator, decision) * S)
-            return super().of_grants(grants, now_ns, estimator)
-
-    monkeypatch.setattr(engine, "NodeTimes", Seen)
-    replay = prepare(records)
-    simulate(replay, policy, costs)
-    return {replay.requests[int(index)].record.request_id: end for index, end in seen.items()}
 
 
 def _arrival(request_id: str, at_s: float, model: str, *, max_tokens: int | None = None, order: int = 0,
@@ -138,8 +118,8 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
     # `llamaswap simulate` over the same requests and figures.
     records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=60), _arrival("a2", 1, "A", max_tokens=500, run_s=60),
                _arrival("a3", 2, "A", order=2)]  # waits for a slot: the rule reads both running grants
-    simulated = _simulated_ends(monkeypatch, figures, Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0,
-                                                                    slots=Slots(2)), records)
+    simulated = expected_ends(monkeypatch, records, Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0,
+                                                                  slots=Slots(2)), figures)
     assert simulated == {"a1": 42 * S, "a2": 17 * S}
 
 
