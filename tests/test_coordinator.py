@@ -105,7 +105,7 @@ async def test_grant_order_matches_the_core(seed: int) -> None:
     def fields(decision):  # everything but the id (a ticket token in the coordinator)
         return (decision.priority, decision.band, decision.score, decision.arrival_ns, decision.granted_ns,
                 decision.model, decision.swap_affinity, decision.aging, decision.load, decision.swap,
-                decision.previous_model, decision.reordered_by, decision.queue_depth_after)
+                decision.residents_before, decision.reordered_by, decision.queue_depth_after)
 
     assert [fields(t.decision) for t, _ in flow.recorder.grants] == [fields(d) for d in expected]
     assert set(flow.recorder.outcomes().values()) == {Outcome.SERVED}
@@ -575,7 +575,7 @@ async def test_abandoned_generation_stop_stops_first_and_forgets_the_model() -> 
     assert b.granted
     [settle] = flow.recorder.settles
     assert settle.result is SettleResult.STOPPED
-    assert b.ticket.decision.load and b.ticket.decision.previous_model is None
+    assert b.ticket.decision.load and b.ticket.decision.residents_before == frozenset()
 
 
 @virtual_time
@@ -1109,7 +1109,7 @@ async def test_a_waiter_cancelled_before_its_handler_ran_is_skipped() -> None:
     assert flow.recorder.times_finished(b.ticket) == 1
     # b's grant never reached the upstream: model a is still loaded for c.
     assert not c.ticket.decision.load and not c.ticket.decision.swap
-    assert c.ticket.decision.swap_affinity and c.ticket.decision.previous_model == "a"
+    assert c.ticket.decision.swap_affinity and c.ticket.decision.residents_before == {"a"}
 
 
 @virtual_time
@@ -1129,7 +1129,7 @@ async def test_a_client_leaving_just_as_it_is_granted() -> None:
     assert c.granted
     assert flow.recorder.settles == []  # nothing reached the upstream: nothing to settle
     assert not c.ticket.decision.load and not c.ticket.decision.swap  # model a still loaded
-    assert c.ticket.decision.previous_model == "a"
+    assert c.ticket.decision.residents_before == {"a"}
 
 
 @virtual_time
@@ -1226,7 +1226,7 @@ async def test_the_reconcile_applies_the_loaded_model_only_if_no_grant_happened_
     coordinator.observe_catalog(router("a", "b", loaded="b"), as_of)
     assert coordinator.view().resident_models == ("b",)
     a = await flow.arrive("a", model="a")  # a grant: the model becomes a
-    assert a.ticket.decision.swap and a.ticket.decision.previous_model == "b"
+    assert a.ticket.decision.swap and a.ticket.decision.residents_before == {"b"}
     stale = coordinator.scheduler.dispatches
     coordinator.observe_catalog(router("a", "b", loaded="b"), stale)  # while a runs
     assert coordinator.view().resident_models == ("a",)

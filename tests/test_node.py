@@ -361,11 +361,11 @@ class NodeMachine(RuleBasedStateMachine):
 
     def _same_grant(self, decision: Decision, expected: RefNodeDecision) -> None:
         got = (decision.request_id, decision.upstream, decision.model, decision.load, decision.swap,
-               decision.previous_model, decision.alone, decision.swap_affinity, decision.reserved_slot,
+               decision.residents_before, decision.alone, decision.swap_affinity, decision.reserved_slot,
                decision.slots_busy, decision.queue_depth_after)
         assert got == (expected.request_id, expected.upstream, expected.model, expected.load, expected.swap,
-                       expected.previous_model, expected.alone, expected.swap_affinity, expected.reserved_slot,
-                       expected.slots_busy, expected.queue_depth_after)
+                       residents(expected.previous_model), expected.alone, expected.swap_affinity,
+                       expected.reserved_slot, expected.slots_busy, expected.queue_depth_after)
         assert float_close(decision.score, expected.score), (decision.score, expected.score)
 
     def _what_the_upstream_sees(self, decision: Decision) -> None:

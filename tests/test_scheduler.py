@@ -370,14 +370,14 @@ def test_decision_record_fields():
     assert d.aging == pytest.approx(2.5 / 60)
     assert d.score == pytest.approx(100 + 10 + 2.5 / 60)
     assert d.swap is False
-    assert d.previous_model == "qwen"
+    assert d.residents_before == {"qwen"}
     assert d.reordered_by == frozenset()
     assert d.overtook == ("early",)
     assert d.queue_depth_after == 1
     s.release("chat")
     d2 = s.next()
     assert d2.request_id == "early"
-    assert d2.swap is True and d2.previous_model == "qwen" and d2.model == "llama"
+    assert d2.swap is True and d2.residents_before == {"qwen"} and d2.model == "llama"
     assert d2.swap_affinity is False
     assert d2.aging == pytest.approx(92.5 / 60)
     assert d2.score == pytest.approx(92.5 / 60)
@@ -391,7 +391,7 @@ def test_loaded_model_follows_dispatch_and_set_loaded_model_overrides():
     assert s.residents_on() == frozenset()
     s.enqueue("a1", P(0), "a")
     d = s.next()
-    assert d.load is True and d.swap is False and d.previous_model is None and d.swap_affinity is False
+    assert d.load is True and d.swap is False and d.residents_before == frozenset() and d.swap_affinity is False
     assert s.residents_on() == frozenset({"a"})
     s.release("a1")
     s.enqueue("nomodel", P(0), None)
@@ -404,11 +404,11 @@ def test_loaded_model_follows_dispatch_and_set_loaded_model_overrides():
     s.enqueue("a2", P(5), "a")
     s.enqueue("b1", P(0), "b")
     d = s.next()
-    assert d.request_id == "b1" and d.swap_affinity is True and d.previous_model == "b"
+    assert d.request_id == "b1" and d.swap_affinity is True and d.residents_before == {"b"}
     s.release("b1")
     s.set_residents(frozenset(), as_of=s.dispatches)
     d = s.next()
-    assert d.request_id == "a2" and d.load is True and d.swap is False and d.previous_model is None
+    assert d.request_id == "a2" and d.load is True and d.swap is False and d.residents_before == frozenset()
 
 
 def test_reordered_by_nothing():

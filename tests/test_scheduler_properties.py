@@ -401,7 +401,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.swap_affinity == ref.swap_affinity
         assert real.swap == ref.swap
         assert real.load == ref.load
-        assert real.previous_model == ref.previous_model
+        assert real.residents_before == residents(ref.previous_model)
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
         assert (real.slots_busy, real.reserved_slot, real.alone) == (ref.slots_busy, ref.reserved_slot, ref.alone)

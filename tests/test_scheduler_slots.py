@@ -97,7 +97,7 @@ def test_a_swap_waits_until_every_slot_has_drained_and_nothing_overtakes_it():
     clock.advance(5)
     s.release("a2")
     d = s.next()
-    assert (d.request_id, d.swap, d.previous_model, d.slots_busy) == ("b1", True, "a", 1)
+    assert (d.request_id, d.swap, d.residents_before, d.slots_busy) == ("b1", True, {"a"}, 1)
     assert s.next() is None  # a3 needs a, b is loaded now: it waits for b1 to end
 
 

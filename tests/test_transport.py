@@ -297,7 +297,7 @@ def test_model_of_without_the_namespace_or_the_key() -> None:
 def _decision() -> Decision:
     return Decision(request_id="tok", priority=-7, band=Band.NORMAL, score=12.34567, arrival_ns=1_000_000_000,
                     granted_ns=3_523_460_000, model="m", swap_affinity=True, aging=0.1, load=False, swap=False,
-                    previous_model="m", reordered_by=frozenset(), overtook=(), queue_depth_after=0)
+                    residents_before=frozenset({"m"}), reordered_by=frozenset(), overtook=(), queue_depth_after=0)
 
 
 def test_granted_carries_the_decision_headers_and_the_ticket() -> None:

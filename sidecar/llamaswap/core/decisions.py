@@ -44,7 +44,7 @@ class Decision:
     # a different model.
     load: bool
     swap: bool
-    previous_model: str | None
+    residents_before: frozenset[str]  # the models resident there as it was granted (a load replaces them)
     reordered_by: frozenset[ReorderCause]
     overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
     queue_depth_after: int

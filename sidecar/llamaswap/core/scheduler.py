@@ -434,7 +434,7 @@ class Scheduler:
             aging,  # aging
             loads and not residents,  # load
             loads and bool(residents),  # swap
-            min(residents, default=None),  # previous_model (today at most one)
+            residents,  # residents_before
             reasons,  # reordered_by
             overtook,  # overtook
             len(self._waiting),  # queue_depth_after
