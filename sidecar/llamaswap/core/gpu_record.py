@@ -1,8 +1,10 @@
 """Per GPU (`GpuRecord`): what runs on it and what is resident there, as the scheduler records it.
 
 A node's upstreams share one queue (`scheduler.py`) but each keeps its own record: its grants
-(at most its slots, one model), its loaded model and the load a grant began there that no
-release has confirmed yet. With one upstream this is the record the scheduler always kept.
+(at most its slots, one model), its resident models, what holds it besides its grants (a
+settle, adopted exchanges: `held_by`), the load a grant began there that no release has
+confirmed yet, and the `GpuHolding` built from all of that. With one upstream this is the
+record the scheduler always kept.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The snapshot's order is the order `Scheduler.next` grants in when the grants are taken one at a
 time, because both use the same `pick` (with several slots, a reserved slot can let an
 interactive request start before a non-interactive one listed ahead of it). Over several GPUs
-the order is best score first, with the swap-affinity bonus where a request's model is loaded
-on a GPU that has a slot for one now (`warm_models`); which GPU each one takes is the
+the order is best score first, with the swap-affinity bonus where a request's model is
+resident on a GPU that has a slot for one now (`warm_models`); which GPU each one takes is the
 estimates' walk.
 """
 
@@ -65,17 +65,19 @@ def warm_models(holdings: Sequence[GpuHolding]) -> frozenset[str]:
 def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: int) -> list[tuple[Entry, int]]:
     """The order `Scheduler.next` would grant the `count` waiting requests of `index` in if
     nothing changed, with each one's affinity bonus at its turn: the same `pick` on a copy of
-    the index, each simulated grant making its model the loaded one. (Over several GPUs: best
-    score first, with the bonus where a request's model is loaded now.)"""
+    the index, each simulated grant making its model the resident one. (Over several GPUs: best
+    score first, with the bonus where a request's model is resident now: which GPU a grant
+    would take, and so where its model becomes resident, is the estimates' walk to say, so the
+    order does not guess it.)"""
     index = index.copy()
     taken: set[int] = set()
     order: list[tuple[Entry, int]] = []
     if len(gpus) > 1:
-        loaded_now = warm_models([gpu.holding for gpu in gpus])
+        resident_now = warm_models([gpu.holding for gpu in gpus])
         for _ in range(count):
-            winner = pick(index, loaded_now, bonus, taken)
+            winner = pick(index, resident_now, bonus, taken)
             taken.add(winner.seq)
-            order.append((winner, bonus if winner.model is not None and winner.model in loaded_now else 0))
+            order.append((winner, bonus if winner.model is not None and winner.model in resident_now else 0))
         return order
     residents = gpus[0].residents
     for _ in range(count):
@@ -89,7 +91,7 @@ def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: i
 
 def slots_total(gpu: GpuRecord) -> int:
     """The slots `Scheduler.next` fills up to now on a GPU: those of the model its grants name,
-    else of its loaded model (the default when none is known)."""
+    else of its resident model (the default when none is known)."""
     return gpu.holding.slots_in_effect
 
 

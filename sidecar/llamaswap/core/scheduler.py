@@ -1,4 +1,5 @@
-"""The serial and fifo schedulers: up to ``slots`` grants of the loaded model, best score first.
+"""The serial and fifo schedulers over a node's GPUs: on each, up to its slots of grants of the
+model in effect there, best score first.
 
 score = priority + swap affinity + aging, where aging = waited_seconds / agingDivisor.
 
@@ -9,12 +10,13 @@ waiting request gains aging at the same rate, so
 
 and the `t` term is common to all. Ordering by the time-free key
 ``(priority + bonus) * D - arrival`` therefore orders by current score. The only bonus is
-swap affinity, which applies to exactly the requests whose model is loaded; those live in a
-per-model heap, so the winner is the better of the top of the global heap and the top of the
-loaded model's heap plus the bonus (`order.pick`). Everything is integer nanoseconds, so the
+swap affinity, which applies to exactly the requests whose model is resident on a GPU that
+takes work now (`order.warm_models`); those live in per-model heaps, so the winner is the
+better of the top of the global heap and the top of each such model's heap plus the bonus
+(`order.pick`). Everything is integer nanoseconds, so the
 comparison is exact and equal scores fall back to arrival order.
 
-Slots (`slots.py`): the upstream serves several generations of its loaded model at once. The
+Slots (`slots.py`): a GPU serves several generations of its resident model at once. The
 dispatch rule is `dispatch.choose` (each GPU read by `dispatch.turn`), walked down the order by
 `node.find` for one GPU as for several (one GPU is a node of one); the estimates' walk runs
 the same rule. With one slot (the default) it is exactly the one-grant-at-a-time scheduler this
@@ -83,8 +85,9 @@ _REASONS: Final = {
 
 
 class Scheduler:
-    """Non-preemptive priority queue for one GPU that serves up to ``slots`` generations of its
-    loaded model at once (one, by default: the size-1 resource of the specification)."""
+    """Non-preemptive priority queue over a node's GPUs (one GPU is a node of one), each serving
+    up to its slots of generations of its resident model at once (one, by default: the size-1
+    resource of the specification)."""
 
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
@@ -242,7 +245,7 @@ class Scheduler:
 
     def slots_total_on(self, upstream: str | None = None) -> int:
         """The slots ``next`` fills up to now on an upstream: those of the model its grants name,
-        else of its loaded model (the default when none is known)."""
+        else of its resident model (the default when none is known)."""
         return order.slots_total(self._gpu(upstream))
 
     def what_runs_on(self, upstream: str | None = None) -> Running:
