@@ -22,7 +22,7 @@ order cannot say in advance). Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
@@ -122,6 +122,34 @@ class NodeTimes:
         back (Retry-After): one that outran its expected time may end at any moment (0), where
         the rule reads it as unknown (`slot_free_in_s`: inf)."""
         return min((0.0 if math.isinf(left) else left for left in self._remaining.get(gpu, ())), default=0.0)
+
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self._estimator.expected_swap_s(model, gpu)
+
+
+class LazyNodeTimes:
+    """`dispatch.GpuTimes` read from `NodeTimes` the first time the rule asks: ``read`` builds
+    them (once); until then nothing is built, as when a free slot decides or there is one GPU
+    (`dispatch.choose` reads time only to choose among GPUs). ``swap_s`` needs no snapshot: it
+    asks ``estimator`` directly, as `NodeTimes` does."""
+
+    __slots__ = ("_read", "_times", "_estimator")
+
+    def __init__(self, read: Callable[[], NodeTimes], estimator: Estimator) -> None:
+        self._read = read
+        self._times: NodeTimes | None = None
+        self._estimator = estimator
+
+    def _of(self) -> NodeTimes:
+        if self._times is None:
+            self._times = self._read()
+        return self._times
+
+    def slot_free_in_s(self, gpu: str) -> float:
+        return self._of().slot_free_in_s(gpu)
+
+    def drained_in_s(self, gpu: str) -> float:
+        return self._of().drained_in_s(gpu)
 
     def swap_s(self, model: str | None, gpu: str) -> float:
         return self._estimator.expected_swap_s(model, gpu)

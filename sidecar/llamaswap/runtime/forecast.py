@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
 from llamaswap.core.dispatch import GpuTimes
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -63,7 +63,7 @@ class Forecast:
         """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
         estimates walk from (`NodeTimes`, a grant beside a load run after it), over what runs
         on each GPU; read once, when the rule first asks."""
-        return _RunningTimes(self._node_times, self._estimator)
+        return LazyNodeTimes(self._node_times, self._estimator)
 
     def _node_times(self) -> NodeTimes:
         return NodeTimes.of_grants(self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
@@ -114,25 +114,3 @@ class Forecast:
         if self._handle is not None:
             self._handle.cancel()
 
-
-class _RunningTimes:
-    """`dispatch.GpuTimes` read from `NodeTimes` the first time the rule asks."""
-
-    def __init__(self, read: Callable[[], NodeTimes], estimator: Estimator) -> None:
-        self._read = read
-        self._times: NodeTimes | None = None
-        self._estimator = estimator
-
-    def _of(self) -> NodeTimes:
-        if self._times is None:
-            self._times = self._read()
-        return self._times
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return self._of().slot_free_in_s(gpu)
-
-    def drained_in_s(self, gpu: str) -> float:
-        return self._of().drained_in_s(gpu)
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._estimator.expected_swap_s(model, gpu)

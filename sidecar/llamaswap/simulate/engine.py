@@ -38,13 +38,14 @@ as one each. With one slot nothing changes.
 
 Upstreams (the policy's GPUs: `simulate --gpus N`, or the log's recorded upstreams): one queue
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
-runtime reads, `NodeTimes.of_grants` of the running grants: each one's `grant_end_s`). With one
-GPU the rule does not read them; one GPU is a node of one. Each GPU has its
-own slots, loaded model, swaps and concurrency; the replay starts each with the model its first
-recorded grant found loaded. The metrics give each GPU's swaps and busy fraction. Costs are
-each GPU's own (`Costs` per (upstream, model), the node's where it has none): a request that
-never ran takes its GPU's expected end, and a recorded run replayed on another GPU than the one
-it ran on is scaled by the two GPUs' expected runs of its model (its load swapped for this GPU's).
+runtime reads, `NodeTimes.of_grants` of the running grants: each one's `grant_end_s`, built as in
+the runtime only when the rule asks, `LazyNodeTimes`). With one GPU the rule does not read them;
+one GPU is a node of one. Each GPU has its own slots, loaded model, swaps and concurrency; the
+replay starts each with the model its first recorded grant found loaded. The metrics give each
+GPU's swaps and busy fraction. Costs are each GPU's own (`Costs` per (upstream, model), the
+node's where it has none): a request that never ran takes its GPU's expected end, and a recorded
+run replayed on another GPU than the one it ran on is scaled by the two GPUs' expected runs of its
+model (its load swapped for this GPU's).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Protocol
 
 from llamaswap.core import (
@@ -73,7 +75,7 @@ from llamaswap.core import (
     model_stays_loaded,
 )
 from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
@@ -120,6 +122,12 @@ class _StatedFigures(Estimator):
 
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
         return self._costs.expected_swap_s(model, upstream)
+
+
+def running_times(scheduler: Scheduler, now_ns: int, figures: Estimator) -> NodeTimes:
+    """What the runtime knows of each upstream's time at ``now_ns``: `NodeTimes.of_grants` of the
+    scheduler's running grants (this module's `NodeTimes`, looked up when asked)."""
+    return NodeTimes.of_grants(scheduler.running_grants, now_ns, figures)
 
 
 def figures_of(costs: Costs) -> Estimator:
@@ -362,7 +370,8 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
                 arrival += 1
 
         while waiting:
-            decision = grant(times=NodeTimes.of_grants(scheduler.running_grants, now, figures))
+            # (Built only if the rule asks: it reads time only to choose among GPUs.)
+            decision = grant(times=LazyNodeTimes(partial(running_times, scheduler, now, figures), figures))
             if decision is None:
                 break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1

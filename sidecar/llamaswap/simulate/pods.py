@@ -16,9 +16,9 @@ Every request waits until it is granted (patience and max wait are the single-no
 business, `engine.py`); a grant holds its GPU for its recorded run, plus its model's swap cost when
 the grant loads the model; a request with no recorded run holds it as long as the runtime expects
 its grant to take (`estimate.grant_end_s`). Each pod's rule reads the times the runtime reads
-(`NodeTimes.of_grants`: its running grants' expected ends), never the replay's own release
-times. Time is virtual (`ManualClock`), events in order: releases first, then arrivals at the
-same instant, then grants.
+(`NodeTimes.of_grants`: its running grants' expected ends, built when the rule asks), never the
+replay's own release times. Time is virtual (`ManualClock`), events in order: releases first, then
+arrivals at the same instant, then grants.
 
 Figures: interactive p95 wait (arrival to grant), swaps (grants that replaced a loaded model) and
 loads from nothing, and "GPU idle while work waited": the share of all GPU time during which a
@@ -35,12 +35,13 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
 from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate_node import LazyNodeTimes
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.simulate.engine import Costs, figures_of, quantile
+from llamaswap.simulate.engine import Costs, figures_of, quantile, running_times
 from llamaswap.simulate.records import RequestRecord
 
 _NS_PER_MS = 1_000_000
@@ -135,8 +136,9 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
             run_ns_of[record.request_id] = None if record.run_ms is None else round(record.run_ms * _NS_PER_MS)
         for index, node in enumerate(nodes):
             scheduler = node.scheduler
-            while (decision := scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, now,
-                                                                        figures))) is not None:
+            # (Built only if the rule asks: it reads time only to choose among GPUs.)
+            while (decision := scheduler.next(times=LazyNodeTimes(partial(running_times, scheduler, now, figures),
+                                                                  figures))) is not None:
                 hold = run_ns_of.pop(decision.request_id)
                 if hold is None:  # never recorded: as long as the runtime expects the grant to take
                     hold = round(grant_end_s(costs, decision) * _NS_PER_S)
