@@ -116,10 +116,13 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
         assert document["expected_remaining_s"] == pytest.approx(left[name])
 
     # `llamaswap simulate` over the same requests and figures.
+    # A second GPU, so that the rule reads the times: a3 finds gpu0's two slots taken and may
+    # load A on gpu1 or wait for gpu0 (with one GPU, or while a free slot decides, it reads none).
     records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=60), _arrival("a2", 1, "A", max_tokens=500, run_s=60),
-               _arrival("a3", 2, "A", order=2)]  # waits for a slot: the rule reads both running grants
-    simulated = expected_ends(monkeypatch, records, Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0,
-                                                                  slots=Slots(2)), figures)
+               _arrival("a3", 2, "A", order=2)]
+    node = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
+        (GpuPolicy("gpu0", Slots(2)), GpuPolicy("gpu1", Slots(1))))
+    simulated = expected_ends(monkeypatch, records, node, figures)
     assert simulated == {"a1": 42 * S, "a2": 17 * S}
 
 

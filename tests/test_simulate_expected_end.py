@@ -120,10 +120,14 @@ def test_a_grant_beside_a_load_holds_its_slot_until_the_load_ends_and_its_run_af
 
 def test_the_rule_reads_each_grants_expected_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """The times handed to the rule are the grants' `grant_end_s`: a1 at 42 s (sized by its
-    3,000 tokens, after its load; it really ran 50 s, which the runtime cannot know), b1 at 14 s."""
+    3,000 tokens, after its load; it really ran 50 s, which the runtime cannot know), b1 at 14 s.
+    Three GPUs: at 1 s a2 (A) may load A on the idle gpu2 or wait for gpu0, so the rule reads
+    the times (it reads none while a free slot decides, or while every GPU is full)."""
     records = [arrival("a1", 0, "A", max_tokens=3000, run_s=50, order=0), arrival("b1", 0, "B", order=1),
                arrival("a2", 1, "A", max_tokens=100, order=2)]
-    ends = expected_ends(monkeypatch, records, two_gpus(), sized())
+    three = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
+        tuple(GpuPolicy(f"gpu{index}", Slots(1)) for index in range(3)))
+    ends = expected_ends(monkeypatch, records, three, sized())
     assert ends["a1"] == 42 * S and ends["b1"] == 14 * S
 
 
