@@ -49,6 +49,7 @@ from typing import Final, Protocol, TypeVar
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, RunningView
+from llamaswap.core.holding import load_under_way
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 _Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
@@ -295,8 +296,8 @@ class Estimator:
         # made beside it (while its grant runs) begins its run when the load ends, as the walk
         # reads the ones it starts (``ready_at``); one that says its load (`beside_load`) also
         # once the grant that loaded has ended.
-        loading = max(((grant.model, grant.running_s) for grant in grants if grant.model_load),
-                      key=lambda load: self.expected_swap_s(load[0], grants[0].upstream) - load[1], default=None)
+        loader = load_under_way(grants)
+        loading = None if loader is None else (loader.model, loader.running_s)
         remaining: list[float] = []
         for grant in grants:
             load = grant.beside_load if grant.beside_load is not None else loading

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on, running_of
+from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, load_under_way, resident_on, running_of
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import GpuPolicy
 
@@ -87,8 +87,8 @@ class GpuRecord:
                                                self.settling, self.adopted)
         else:
             grants = self.grants.values()
-            loading = next(((d.model, d.granted_ns) for grant in grants
-                            if (d := grant.decision).model_load and d.model is not None), None)
+            loader = load_under_way(grant.decision for grant in grants)
+            loading = None if loader is None or loader.model is None else (loader.model, loader.granted_ns)
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in grants]), loading, self.settling, self.adopted)
         self._holding = held

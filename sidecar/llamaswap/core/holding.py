@@ -19,8 +19,8 @@ reads it, not every reader.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Collection, Iterable, Sequence
+from typing import NamedTuple, Protocol, TypeVar
 
 from llamaswap.core.slots import Slots
 
@@ -49,6 +49,29 @@ class Running(NamedTuple):
 
 
 IDLE = Running()
+
+
+class Loads(Protocol):
+    """A running grant as far as its load goes (a `Decision`, or a `RunningView` of one)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def model_load(self) -> bool: ...  # it began by loading its model
+
+
+G = TypeVar("G", bound=Loads)
+
+
+def load_under_way(running: Iterable[G]) -> G | None:
+    """The running grant whose load is under way on a GPU (its `GpuHolding.loading`; those
+    granted beside it run once it ends): the one that began by loading its model, at most one,
+    since a load starts only with nothing running there. None: none."""
+    for grant in running:
+        if grant.model_load and grant.model is not None:
+            return grant
+    return None
 
 
 def running_of(work: Collection[Candidate]) -> Running:
