@@ -81,7 +81,7 @@ def test_a_settle_on_one_upstream_sends_the_work_to_the_other() -> None:
     assert starts == [(0.0, "gpu1"), (10.0, "gpu1"), (20.0, "gpu1")]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), gpus, {"gpu0": 15.0})[2] == (15.0, "gpu0")
     # Blocked for a time nobody said (an adopted exchange holds gpu0): gpu1 serves all three.
-    blocked = [gpus[0]._replace(adopted=1), gpus[1]]
+    blocked = [gpus[0]._replace(adopted=1, blocked=True), gpus[1]]
     assert starts_of_node(estimator, _snapshot(["x", "x", "x"]), blocked)[2] == (20.0, "gpu1")
 
 

@@ -71,8 +71,9 @@ class _GpuWalk:
         gpu = self.holding
         # (The rule reads whether work it did not grant holds the GPU, not which: until
         # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``ready_at``.)
+        blocked = self.blocked_until > now
         return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items), None,
-                          self.blocked_until > now)
+                          blocked, 0, blocked)
 
 
 class _WalkTimes:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, load_under_way, resident_on, running_of
+from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on, running_of
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import GpuPolicy
 
@@ -48,7 +48,8 @@ class GpuRecord:
     it holds (`holding`: all of that as one value, as the dispatch rule reads it), its pending
     load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "dispatches")
+    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "loader",
+                 "dispatches")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
@@ -60,6 +61,9 @@ class GpuRecord:
         # The load the resident model came from while none of its grants has reached the upstream
         # (None once one has, or when the model was reported rather than loaded by a grant).
         self.load: PendingLoad | None = None
+        # The running grant whose load is under way (`holding.load_under_way` of its grants, kept
+        # as it is granted and released rather than searched for at every build); None: none.
+        self.loader: Decision | None = None
         self.dispatches = 0  # grants on it so far: the generation a loaded-model report was asked at
         self.apply(policy)
 
@@ -84,13 +88,13 @@ class GpuRecord:
             held = self._idle
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
-                                               self.settling, self.adopted)
+                                               self.settling, self.adopted, self.settling or self.adopted > 0)
         else:
-            grants = self.grants.values()
-            loader = load_under_way(grant.decision for grant in grants)
+            loader = self.loader
             loading = None if loader is None or loader.model is None else (loader.model, loader.granted_ns)
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
-                              running_of([grant.entry for grant in grants]), loading, self.settling, self.adopted)
+                              running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
+                              self.adopted, self.settling or self.adopted > 0)
         self._holding = held
         return held
 
@@ -117,6 +121,8 @@ class GpuRecord:
 
     def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
         """What a released grant says about the loaded model (`Scheduler.release`)."""
+        if grant.decision is self.loader:
+            self.loader = None  # its load is over, whatever it says
         model = grant.entry.model
         pending = self.load
         on_pending = pending is not None and grant.load == pending.number  # a user of the pending load

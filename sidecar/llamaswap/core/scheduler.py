@@ -455,6 +455,8 @@ class Scheduler:
                 gpu.load = PendingLoad(self._loads, residents)
                 gpu.set_residents(frozenset((model,)))
             load = gpu.load.number if gpu.load is not None else None
+        if loads:
+            gpu.loader = decision  # its load is under way there until it is released
         gpu.grants[winner.request_id] = Grant(winner, decision, load)
         self._gpu_of[winner.request_id] = gpu
         gpu.renew()
