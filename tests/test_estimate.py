@@ -44,7 +44,7 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
     waiting = tuple(WaitingView(f"w{i}", i + 1, 0, Band.INTERACTIVE if flag else Band.NORMAL, 0.0, False, 0.0, model)
                     for i, (model, flag) in enumerate(zip(models, bands, strict=True)))
     slots = slots if slots is not None else Slots()
-    snapshot = QueueSnapshot(PolicyName.SERIAL, tuple(residents(loaded)), waiting, {}, grants, slots.default)
+    snapshot = QueueSnapshot(PolicyName.SERIAL, waiting, {}, grants)
     gpu = GpuHolding(SINGLE_UPSTREAM, slots, None, residents(loaded))
     return [start for start, _ in starts_of_node(e, snapshot, [gpu])]
 

@@ -59,12 +59,11 @@ def _gpu(name: str, loaded: str | None = None, slots: int = 1, models: frozenset
 
 def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None, float, bool]] = ()) -> QueueSnapshot:
     return QueueSnapshot(
-        PolicyName.SERIAL, (),
+        PolicyName.SERIAL,
         tuple(WaitingView(f"w{i}", i + 1, 0, Band.NORMAL, 0.0, False, 0.0, m) for i, m in enumerate(waiting)),
         {},
         tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, upstream=upstream)
-              for i, (upstream, model, running_s, load) in enumerate(grants)),
-        1)
+              for i, (upstream, model, running_s, load) in enumerate(grants)))
 
 
 def test_two_idle_upstreams_start_two_models_at_once() -> None:
@@ -119,8 +118,8 @@ def test_node_times_read_each_upstreams_grants() -> None:
     assert (times.slot_free_in_s("gpu1"), times.drained_in_s("gpu1")) == (14.0, 14.0)
     assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x", "gpu2")) == (0.0, 0.0, 5.0)
     # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
-    beside = QueueSnapshot(PolicyName.SERIAL, (), (), {}, (
-        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),), 1)
+    beside = QueueSnapshot(PolicyName.SERIAL, (), {}, (
+        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),))
     assert NodeTimes(beside, estimator).slot_free_in_s("gpu0") == 11.0
     overdue = NodeTimes(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
     assert (overdue.slot_free_in_s("gpu0"), overdue.drained_in_s("gpu0")) == (9.0, math.inf)

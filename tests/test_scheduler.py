@@ -698,7 +698,7 @@ def test_snapshot_views():
     s.enqueue("w2", P(-100), "b")
     clock.advance(30)
     snap = s.snapshot()
-    assert snap.resident_models == ("a",)
+    assert snap.gpus[0].resident_models == ("a",)
     assert snap.running is not None
     r = snap.running
     assert (r.request_id, r.priority, r.band, r.model) == ("run", 100, Band.INTERACTIVE, "a")

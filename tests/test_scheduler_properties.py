@@ -507,7 +507,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [g.request_id for g in snap.grants] == [g.request.request_id for g in self.ref.grants]
         assert snap.slots_busy == len(snap.grants)
         assert snap.running == (snap.grants[0] if snap.grants else None)
-        assert snap.slots == self.ref.total_slots()
+        assert snap.gpus[0].slots == self.ref.total_slots()
 
 
 class SerialMachine(SchedulerMachine):

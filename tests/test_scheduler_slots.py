@@ -335,7 +335,7 @@ def test_the_snapshot_lists_every_running_grant():
     assert [(g.request_id, g.running_s, g.queue_wait_s, g.model_load) for g in snap.grants] == [
         ("first", 7.0, 2.0, True), ("second", 4.0, 0.0, False)]
     assert snap.running == snap.grants[0]
-    assert (snap.slots, snap.slots_busy) == (3, 2)
+    assert (snap.gpus[0].slots, snap.slots_busy) == (3, 2)
     assert [w.request_id for w in snap.waiting] == ["waiting"]
     s.release("first")
     s.release("second")

@@ -54,8 +54,7 @@ def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None
 
 def test_the_nodes_resident_models_are_every_gpus_once_in_the_configured_order() -> None:
     gpus = (GpuView("b", ("y",), 0, 1), GpuView("a", ("x", "y"), 0, 1), GpuView("c", (), 0, 1))
-    assert node_residents(QueueSnapshot(PolicyName.SERIAL, ("y",), (), {}, (), 1, gpus)) == ("y", "x")
-    assert node_residents(QueueSnapshot(PolicyName.SERIAL, ("y",), (), {}, (), 1)) == ("y",)  # no GPUs listed
+    assert node_residents(QueueSnapshot(PolicyName.SERIAL, (), {}, (), gpus)) == ("y", "x")
 
 
 def test_a_running_requests_own_status_names_its_gpu() -> None:

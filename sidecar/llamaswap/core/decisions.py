@@ -174,12 +174,10 @@ class GpuView:
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     policy: PolicyName
-    resident_models: tuple[str, ...]  # the first upstream's, sorted (empty: none known)
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
-    slots: int  # the slots of the model in effect (what `next` fills up to)
-    gpus: tuple[GpuView, ...] = ()  # every upstream, in the configured order
+    gpus: tuple[GpuView, ...] = ()  # every upstream, in the configured order (its residents and slots)
 
 
     @property

@@ -110,7 +110,7 @@ class NodeTimes:
         """The same from the running grants alone (`Scheduler.running_grants`), without the
         snapshot's dispatch order: what a grant on the hot path can afford."""
         views = tuple(RunningView.of(decision, now_ns) for decision in grants)
-        return cls(QueueSnapshot(PolicyName.SERIAL, (), (), {}, views, 0), estimator)
+        return cls(QueueSnapshot(PolicyName.SERIAL, (), {}, views), estimator)
 
     def slot_free_in_s(self, gpu: str) -> float:
         return min(self._remaining.get(gpu, ()), default=0.0)

@@ -130,7 +130,5 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
     )
     running = tuple(RunningView.of(decision, now_ns) for decision in grants)
     views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
-    first = gpus[0]
-    return QueueSnapshot(policy.name, views[0].resident_models, waiting, band_stats(arrivals, now_ns), running,
-                         slots_total(first), views)
+    return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views)
 

@@ -136,8 +136,6 @@ class QueueView:
 
 def node_residents(snapshot: QueueSnapshot) -> tuple[str, ...]:
     """Every upstream's resident models in a snapshot, each once, in the configured order."""
-    if not snapshot.gpus:
-        return snapshot.resident_models
     return tuple(dict.fromkeys(model for gpu in snapshot.gpus for model in gpu.resident_models))
 
 
@@ -222,8 +220,8 @@ class QueueViews:
         scheduler = self._scheduler
         holdings = self._holdings()
         gpus = [GpuRow.of(gpu) for gpu in holdings]
-        # One upstream: its slots in effect, as before; several: the node's (busy is over all of them).
-        slots_total = scheduler.slots_total if len(gpus) <= 1 else sum(gpu.slots for gpu in gpus)
+        # The node's slots in effect (with one GPU, its own; busy is over all of them).
+        slots_total = sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), node_residents(snapshot), GpuState.of_node(holdings), tuple(running),
                          waiting, bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
 
