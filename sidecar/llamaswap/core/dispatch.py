@@ -51,7 +51,7 @@ def takes_nothing(gpu: GpuHolding) -> bool:
 
 def _full(running: Running, slots: int) -> bool:
     """A request runs alone there, or every one of its ``slots`` in effect is held."""
-    return running.busy > 0 and (running.alone or running.busy >= slots)
+    return running.alone or running.busy >= slots  # (both callers asked it only with something running)
 
 
 def share_used(gpu: GpuHolding) -> bool:
@@ -179,7 +179,10 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], i
         # above).
         busy = [index for index in busy if gpus[index].has(model)]
         idle = []
-    soonest = min(holding, key=lambda i: times.slot_free_in_s(gpus[i].name)) if holding else None
+    # (One candidate needs no time: the key of a min over one is read all the same, and reading
+    # times builds them.)
+    soonest = (None if not holding else holding[0] if len(holding) == 1
+               else min(holding, key=lambda i: times.slot_free_in_s(gpus[i].name)))
     if idle:
         # Nothing resident first, then the residents the queue wants least (one idle GPU: that one).
         target = idle[0] if len(idle) == 1 else min(
@@ -193,7 +196,8 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], i
     # one too (a GPU with a free slot keeps serving meanwhile).
     if not busy:
         return Step.SKIP, None
-    draining = min(busy, key=lambda i: (times.drained_in_s(gpus[i].name), gpus[i].running.busy))
+    draining = next(iter(busy)) if len(busy) == 1 else min(
+        busy, key=lambda i: (times.drained_in_s(gpus[i].name), gpus[i].running.busy))
     return _wait_for(draining, waits)
 
 

@@ -115,7 +115,7 @@ class Scheduler:
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
         self._first = self._gpus[0]
         # What the upstreams hold (every change goes through a grant, a release, a loaded-model
-        # report or the policy, each of which tells it).
+        # report, `held_by` or the policy, each of which tells it).
         self._held = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus

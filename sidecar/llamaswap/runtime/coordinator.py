@@ -587,7 +587,7 @@ class Coordinator:
         self._publish()
 
     def _publish(self) -> None:
-        self.gpus.tell(self.scheduler)  # (every change of a settle or an adoption publishes)
+        self.gpus.tell(self.scheduler)  # (a settle's or an adoption's change publishes, or frees: `_holdings`)
         self._deferred.publish()
 
     def _publish_now(self) -> None:

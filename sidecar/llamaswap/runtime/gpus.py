@@ -10,6 +10,7 @@ so the rooms written for one upstream (slot learning, `Config.slots`) serve each
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -101,9 +102,12 @@ class Gpus:
         """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
         `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
         True if that changed anywhere."""
+        # Every GPU reads the node's one record of adoptions: counted once here, not per GPU.
+        adoptions = self.first.adoptions
+        counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
         changed = False
         for gpu in self.all:
-            settling, adopted = gpu.settling is not None, len(gpu.adopted)
+            settling, adopted = gpu.settling is not None, counts.get(gpu.name, 0)
             changed = scheduler.held_by(gpu.name, settling=settling, adopted=adopted) or changed
         return changed
 
