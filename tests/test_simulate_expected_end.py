@@ -55,23 +55,24 @@ def replayed(records: list[RequestRecord], policy: Policy, costs: Costs) -> dict
     return {r.request.record.request_id: (r.start_ns, r.release_ns, r.upstream) for r in sim.results}
 
 
-def expected_ends(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], policy: Policy,
-                  costs: Costs) -> dict[str, int]:
-    """The expected end (ns from the first arrival) of each running grant, as the rule was handed
-    it (`NodeTimes.of_grants`, the replay's only reading of time)."""
-    seen: dict[str, int] = {}
+def rule_times(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], policy: Policy,
+               costs: Costs) -> dict[str, tuple[float, float]]:
+    """What the rule was handed of each GPU's running grants, the first time it read them with
+    something running there (`NodeTimes`, the replay's only reading of time): when its first
+    slot frees and when it drains, in seconds from the first arrival."""
+    seen: dict[str, tuple[float, float]] = {}
 
     class Seen(NodeTimes):
         @classmethod
         def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
-            for decision in grants:
-                seen[decision.request_id] = decision.granted_ns + round(grant_end_s(estimator, decision) * S)
-            return super().of_grants(grants, now_ns, estimator)
+            times = super().of_grants(grants, now_ns, estimator)
+            for gpu in {decision.upstream for decision in grants}:
+                seen.setdefault(gpu, (now_ns / S + times.slot_free_in_s(gpu), now_ns / S + times.drained_in_s(gpu)))
+            return times
 
     monkeypatch.setattr(engine, "NodeTimes", Seen)
-    replay = prepare(records)
-    simulate(replay, policy, costs)
-    return {replay.requests[int(index)].record.request_id: end for index, end in seen.items()}
+    simulate(prepare(records), policy, costs)
+    return seen
 
 
 def test_a_grant_never_recorded_holds_its_gpu_as_long_as_the_runtime_expects_by_its_max_tokens() -> None:
@@ -127,8 +128,10 @@ def test_the_rule_reads_each_grants_expected_end(monkeypatch: pytest.MonkeyPatch
                arrival("a2", 1, "A", max_tokens=100, order=2)]
     three = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(
         tuple(GpuPolicy(f"gpu{index}", Slots(1)) for index in range(3)))
-    ends = expected_ends(monkeypatch, records, three, sized())
-    assert ends["a1"] == 42 * S and ends["b1"] == 14 * S
+    ends = rule_times(monkeypatch, records, three, sized())
+    # a1 alone on gpu0 ends at 42 s, b1 alone on gpu1 at 14 s (each GPU's first slot frees and it
+    # drains then).
+    assert ends["gpu0"] == pytest.approx((42.0, 42.0)) and ends["gpu1"] == pytest.approx((14.0, 14.0))
 
 
 def test_pods_read_the_expected_ends_not_the_recorded_release() -> None:
