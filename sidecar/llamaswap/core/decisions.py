@@ -62,6 +62,11 @@ class Decision:
     # (its run begins once the load ends, which the estimates need after that grant has ended).
     beside_load: tuple[str, int] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said): sizes its expected run
+    # The resident models llamaswap unloads there before this grant's load (several resident,
+    # `residency.victims`: idle ones, the queue's least needed first); the runtime unloads them
+    # and waits before the request goes. Empty with one model resident at a time: a swap
+    # replaces it by itself.
+    evicts: tuple[str, ...] = ()
 
     @property
     def queue_wait_ns(self) -> int:
@@ -163,12 +168,15 @@ class BandStats:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuView:
-    """One upstream of the node: its resident models (sorted; empty: none known) and its slots, busy and in effect."""
+    """One upstream of the node: its resident models (sorted; empty: none known), its slots, busy
+    and in effect, and the resident model the best waiting request holds back there (no new
+    grants for it until it drains and goes; None: none)."""
 
     name: str
     resident_models: tuple[str, ...]
     slots_busy: int
     slots: int
+    held_back: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

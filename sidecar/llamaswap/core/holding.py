@@ -12,16 +12,18 @@ read it, and nothing else says what a GPU holds. Each running request's expected
 function of its own record (`estimate.grant_end_s`: sized by the `max_tokens` it carries, after
 the load it began or was granted beside), not a second copy kept here.
 
-Today a GPU has at most one resident model (a load replaces it). ``residents`` is a set so that
-several resident models with slots of their own (issue 37) change this value and the rule that
-reads it, not every reader.
+With ``residency.max_loaded`` 1 (the default) a GPU has at most one resident model (a load
+replaces it); with more, several models are resident at once, each with slots of its own, and
+what runs is counted per model (`Running.models`, `residency.busy_of`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple, Protocol, TypeVar
 
+from llamaswap.core.residency import ONE_MODEL, Residency
 from llamaswap.core.slots import Slots
 
 
@@ -44,8 +46,11 @@ class Running(NamedTuple):
 
     busy: int = 0  # slots held
     non_interactive: int = 0  # of those, held by work below the interactive band
-    model: str | None = None  # the model the running work names (at most one); None: none named
+    model: str | None = None  # a model the running work names (the one, where it names one); None: none named
     alone: bool = False  # a request that runs alone holds the GPU
+    # Where the running work names several models (several resident): each one's (busy,
+    # non_interactive); None where it names at most one (then ``busy`` is that model's).
+    models: Mapping[str, tuple[int, int]] | None = None
 
 
 IDLE = Running()
@@ -82,13 +87,25 @@ def running_of(work: Collection[Candidate]) -> Running:
     model = None
     alone = False
     non_interactive = 0
+    several = False
     for item in work:
         if item.model is not None:
-            model = item.model  # they name at most one
+            several = several or (model is not None and item.model != model)
+            model = item.model
         alone = alone or item.alone
         non_interactive += not item.interactive
-    return Running(len(work), non_interactive, model, alone)
+    if not several:
+        return Running(len(work), non_interactive, model, alone)
+    per_model: dict[str, tuple[int, int]] = {}
+    for item in work:
+        if item.model is not None:
+            busy, below = per_model.get(item.model, (0, 0))
+            per_model[item.model] = (busy + 1, below + (not item.interactive))
+    return Running(len(work), non_interactive, model, alone, per_model)
+
+
 NO_RESIDENTS: frozenset[str] = frozenset()
+NEVER_USED: Mapping[str, int] = MappingProxyType({})
 
 
 class GpuHolding(NamedTuple):
@@ -112,18 +129,29 @@ class GpuHolding(NamedTuple):
     # estimates' walk); a field, not a property, because the rule reads it for every GPU and
     # request it asks about (a property costs 50 ns a read).
     blocked: bool = False
+    residency: Residency = ONE_MODEL  # how many models may be resident at once, and what they weigh
+    # When each resident model was last granted (the scheduler's clock; the record's own map,
+    # read, never changed, here): the least recently used goes first among equally needed ones.
+    last_used: Mapping[str, int] = NEVER_USED
 
     def has(self, model: str | None) -> bool:
         """``model`` is resident here (a request of no model needs none)."""
         return model is not None and model in self.residents
 
     def may_serve(self, candidate: Candidate) -> bool:
-        return self.models is None or candidate.model is None or candidate.model in self.models
+        model = candidate.model
+        if model is None:
+            return True
+        if self.models is not None and model not in self.models:
+            return False
+        return not self.residency.several or not self.residency.never_fits(model)
 
     @property
     def slots_in_effect(self) -> int:
         """The slots the rule fills up to: those of the model the running work names, else of
-        the resident one (the default with none)."""
+        the resident one (the default with none); with several resident, the sum of theirs."""
+        if self.residency.several and len(self.residents) > 1:
+            return sum(self.slots.of(model) for model in self.residents)
         model = self.running.model
         if model is None:
             for model in self.residents:  # (at most one today)

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Mapping
 
 from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.residency import ONE_MODEL, Residency
 from llamaswap.core.slots import Slots
 
 
@@ -22,11 +23,13 @@ class PolicyName(str, enum.Enum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuPolicy:
     """One upstream of the node as the policy describes it: its name, its slots (with the
-    node's reserved slots) and the models it may serve (None: any)."""
+    node's reserved slots), the models it may serve (None: any), and how many models may be
+    resident there at once (`residency.Residency`: ``maxLoaded``, ``memory``, pinned models)."""
 
     name: str
     slots: Slots = dataclasses.field(default_factory=Slots)
     models: frozenset[str] | None = None
+    residency: Residency = ONE_MODEL
 
 
 # The name of the one upstream of a configuration that lists none (`upstream:` alone).

@@ -1,0 +1,106 @@
+"""Several models resident on one GPU: whether a model has room there, which resident models go
+when it has none, and which one the best waiting request holds back while every model that
+could go is busy.
+
+Pure: it reads what a GPU holds (`holding.GpuHolding`, its `residency.Residency`) and how much
+the queue needs each model (``need``: higher is needed more: the best waiting score for it), and
+changes nothing. With ``max_loaded`` 1 (the default) the rule asks none of this: a load replaces
+the resident model, as it always did.
+
+Invariants, enforced by the rule that asks these (`dispatch.turn`, `dispatch.choose`, the grant):
+- a model is evicted only if nothing runs on it, it does not load, and it is not pinned;
+- after a grant the resident models fit: at most ``max_loaded``, and (with ``memory_bytes``)
+  their sizes sum to at most the budget;
+- a model that can never fit beside the pinned ones is never served there
+  (`Residency.never_fits`, read by `GpuHolding.may_serve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from llamaswap.core.holding import GpuHolding
+
+# How much the queue needs a model: higher is needed more (the scheduler: the best waiting key for
+# it; the estimates' walk: how early its first request stands in the order).
+Need = Callable[[str], float]
+
+
+def no_need(model: str) -> float:
+    """A need that knows nothing: every model alike (then the least recently used goes)."""
+    return 0.0
+
+
+def busy_of(gpu: GpuHolding, model: str | None) -> tuple[int, int]:
+    """The slots ``model``'s running work holds on a GPU, and how many of those hold work below
+    the interactive band. (Work of no model shares the slots of whatever runs.)"""
+    running = gpu.running
+    per_model = running.models
+    if per_model is None:
+        if model is None or running.model is None or running.model == model:
+            return running.busy, running.non_interactive
+        return 0, 0
+    if model is None:
+        return running.busy, running.non_interactive
+    return per_model.get(model, (0, 0))
+
+
+def evictable(gpu: GpuHolding) -> list[str]:
+    """The resident models that may go now: nothing runs on them, none loads, none is pinned."""
+    pinned = gpu.residency.pinned
+    return [model for model in gpu.residents if model not in pinned and busy_of(gpu, model)[0] == 0]
+
+
+def has_room(gpu: GpuHolding, model: str) -> bool:
+    """``model`` can load beside the resident models without evicting any."""
+    return gpu.residency.fits(gpu.residents | {model})
+
+
+def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) -> list[str]:
+    """Least needed by the queue first, then least recently used."""
+    last_used = gpu.last_used
+    return sorted(models, key=lambda name: (need(name), last_used.get(name, 0), name))
+
+
+def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[str, ...] | None:
+    """The resident models to evict so that ``model`` loads now: none with room; else the fewest
+    idle ones, the queue's least needed first; None if evicting every idle one is not enough."""
+    residency = gpu.residency
+    if residency.fits(gpu.residents | {model}):
+        return ()
+    left = set(gpu.residents)
+    chosen: list[str] = []
+    for victim in _least_needed_first(gpu, evictable(gpu), need):
+        left.discard(victim)
+        chosen.append(victim)
+        if residency.fits(left | {model}):
+            return tuple(chosen)
+    return None
+
+
+def can_evict_for(gpu: GpuHolding, model: str) -> bool:
+    """Evicting idle residents would make room for ``model`` now (`victims` is not None),
+    without ranking them."""
+    return gpu.residency.fits((gpu.residents - set(evictable(gpu))) | {model})
+
+
+def to_hold_back(gpu: GpuHolding, model: str, need: Need) -> str | None:
+    """Every model that could go is busy: the one the best waiting request for ``model`` holds
+    back until it drains (no new grants for it; then it goes, with the idle ones). The queue's
+    least needed first, of the busy unpinned residents whose leaving (with every idle one)
+    makes room; None if none would (then ``model`` never fits there beside what is pinned)."""
+    residency = gpu.residency
+    idle = set(evictable(gpu))
+    busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]
+    for candidate in _least_needed_first(gpu, busy, need):
+        if residency.fits((gpu.residents - idle - {candidate}) | {model}):
+            return candidate
+    return None
+
+
+def after_load(gpu: GpuHolding, model: str, evicted: Collection[str]) -> frozenset[str]:
+    """The resident models once ``model`` has loaded there, ``evicted`` gone: with one model
+    resident at a time, the load replaces it."""
+    if not gpu.residency.several:
+        return frozenset((model,))
+    return (gpu.residents - frozenset(evicted)) | {model}

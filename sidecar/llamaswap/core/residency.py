@@ -1,0 +1,52 @@
+"""How many models a GPU keeps resident at once (`maxLoaded`, `memory`, pinned models): the
+setting, and which sets of models fit it. What to evict under it is `eviction.py`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Residency:
+    """How many models a GPU keeps resident at once, and what they may weigh.
+
+    ``max_loaded``: models resident at once (1: a load replaces the resident model). ``pinned``:
+    models that are never evicted (only with ``max_loaded`` > 1). ``memory_bytes``: a budget the
+    resident models' sizes (``model_bytes``; a model not listed counts 0: the configuration
+    makes sure every model has one where a budget is set) must fit in; None: count only.
+    """
+
+    max_loaded: int = 1
+    pinned: frozenset[str] = frozenset()
+    memory_bytes: int | None = None
+    model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
+            raise ValueError(f"max_loaded must be an integer >= 1, not {self.max_loaded!r}")
+        object.__setattr__(self, "model_bytes", dict(self.model_bytes))  # a picture, not the caller's dict
+
+    @property
+    def several(self) -> bool:
+        """More than one model may be resident: loads go beside others, evictions are explicit."""
+        return self.max_loaded > 1
+
+    def bytes_of(self, model: str) -> int:
+        return self.model_bytes.get(model, 0)
+
+    def fits(self, models: Collection[str]) -> bool:
+        """These models may be resident together."""
+        if len(models) > self.max_loaded:
+            return False
+        budget = self.memory_bytes
+        return budget is None or sum(self.bytes_of(model) for model in models) <= budget
+
+    def never_fits(self, model: str) -> bool:
+        """``model`` can never be resident here beside the pinned models (too large for the
+        budget, or the pinned ones fill every place)."""
+        if not self.several or model in self.pinned:
+            return False
+        return not self.fits(self.pinned | {model})
+
+
+ONE_MODEL = Residency()
