@@ -37,12 +37,18 @@ from llamaswap.core.decisions import (
     RunningView,
     WaitingView,
 )
+from llamaswap.core.eviction import EvictReason, Eviction
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
-from llamaswap.core.policy import Policy, PolicyName
+from llamaswap.core.policy import GpuPolicy, Policy, PolicyName
+from llamaswap.core.residency import Residency
 from llamaswap.core.scheduler import Scheduler
 from llamaswap.core.slots import Slots
 
 __all__ = [
+    "EvictReason",
+    "Eviction",
+    "GpuPolicy",
+    "Residency",
     "BAND_NAMES",
     "NO_MODEL",
     "NS_PER_S",

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.eviction import Eviction
 from llamaswap.core.kept import KeptPlace
 from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
 from llamaswap.core.priority import Band
@@ -62,11 +63,11 @@ class Decision:
     # (its run begins once the load ends, which the estimates need after that grant has ended).
     beside_load: tuple[str, int] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said): sizes its expected run
-    # The resident models llamaswap unloads there before this grant's load (several resident,
-    # `residency.victims`: idle ones, the queue's least needed first); the runtime unloads them
-    # and waits before the request goes. Empty with one model resident at a time: a swap
-    # replaces it by itself.
-    evicts: tuple[str, ...] = ()
+    # The resident models llamaswap unloads there before this grant's load, each with why it was
+    # chosen (several resident, `eviction.victims`: idle ones, the queue's least needed first);
+    # the runtime unloads them and waits before the request goes. Empty with one model resident
+    # at a time: a swap replaces it by itself.
+    evicts: tuple[Eviction, ...] = ()
 
     @property
     def queue_wait_ns(self) -> int:

@@ -17,18 +17,42 @@ Invariants, enforced by the rule that asks these (`dispatch.turn`, `dispatch.cho
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 from llamaswap.core.holding import GpuHolding
 
 # How much the queue needs a model: higher is needed more (the scheduler: the best waiting key for
-# it; the estimates' walk: how early its first request stands in the order).
+# it; the estimates' walk: how early its first request stands in the order); -inf: nothing waits
+# for it.
 Need = Callable[[str], float]
+NOT_WAITED_FOR = -math.inf
+
+
+class EvictReason(str, enum.Enum):
+    """Why a resident model was the one to go (a metric label, and the activity log's reason)."""
+
+    NOT_WAITED_FOR = "not_waited_for"  # nothing waiting needs it
+    LEAST_NEEDED = "least_needed"  # requests wait for it, at a lower best score than for the others
+    LEAST_RECENTLY_USED = "least_recently_used"  # as needed as another: the one used longer ago goes
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Eviction(NamedTuple):
+    """A resident model a grant unloads before its load, and why it was chosen."""
+
+    model: str
+    reason: EvictReason
 
 
 def no_need(model: str) -> float:
-    """A need that knows nothing: every model alike (then the least recently used goes)."""
-    return 0.0
+    """A need that knows nothing: every model alike, none waited for (then the least recently
+    used goes)."""
+    return NOT_WAITED_FOR
 
 
 def busy_of(gpu: GpuHolding, model: str | None) -> tuple[int, int]:
@@ -62,20 +86,31 @@ def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) ->
     return sorted(models, key=lambda name: (need(name), last_used.get(name, 0), name))
 
 
-def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[str, ...] | None:
+def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | None:
     """The resident models to evict so that ``model`` loads now: none with room; else the fewest
-    idle ones, the queue's least needed first; None if evicting every idle one is not enough."""
+    idle ones, the queue's least needed first (each with why); None if evicting every idle one
+    is not enough."""
     residency = gpu.residency
     if residency.fits(gpu.residents | {model}):
         return ()
     left = set(gpu.residents)
-    chosen: list[str] = []
-    for victim in _least_needed_first(gpu, evictable(gpu), need):
+    ranked = _least_needed_first(gpu, evictable(gpu), need)
+    chosen: list[Eviction] = []
+    for position, victim in enumerate(ranked):
         left.discard(victim)
-        chosen.append(victim)
+        chosen.append(Eviction(victim, _reason(need, victim, ranked[position + 1:])))
         if residency.fits(left | {model}):
             return tuple(chosen)
     return None
+
+
+def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
+    wanted = need(victim)
+    if wanted == NOT_WAITED_FOR:
+        return EvictReason.NOT_WAITED_FOR
+    if any(need(other) == wanted for other in kept):
+        return EvictReason.LEAST_RECENTLY_USED
+    return EvictReason.LEAST_NEEDED
 
 
 def can_evict_for(gpu: GpuHolding, model: str) -> bool:
