@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from llamaswap.envoy.contract import PICKER_METRICS_PATH, STATUS_PREFIX
-from llamaswap.runtime.activity import ActivityLog
+from llamaswap.runtime.activity import KEPT_EVENTS, REQUEST, ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.kept import KeptRow
@@ -140,7 +140,12 @@ def build_admin_app(
             limit = int(request.query.get("limit", str(ACTIVITY_DEFAULT_LIMIT)))
         except ValueError:
             limit = ACTIVITY_DEFAULT_LIMIT
-        return web.json_response({"activity": activity.recent(max(1, limit))})
+        # ?event=eviction: the models unloaded to make room (several resident); requests by default.
+        event = request.query.get("event", REQUEST)
+        if event not in KEPT_EVENTS:
+            return _error(400, "invalid_request_error", "unknown_event",
+                          f"event must be one of {', '.join(KEPT_EVENTS)}, not {event!r}")
+        return web.json_response({"activity": activity.recent(max(1, limit), event)})
 
     async def metrics_handler(_: web.Request) -> web.Response:
         if metrics is None:

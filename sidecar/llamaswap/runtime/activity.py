@@ -1,5 +1,7 @@
-"""The activity log: one JSON line per finished request (dispatched or not), and the scheduler's
-settings at start and after every reload; the most recent records are kept for GET /activity.
+"""The activity log: one JSON line per finished request (dispatched or not), one per resident
+model a grant unloaded to make room for its own (an `eviction`, at the grant), and the
+scheduler's settings at start and after every reload; the most recent request records are kept
+for GET /activity, and the most recent evictions for GET /activity?event=eviction.
 
 Lines go to the logger `llamaswap.activity` and, with `activity.path` (or `--activity-log`),
 to a file of pure JSON lines, which is what `llamaswap simulate` replays. Every timestamp of a
@@ -17,7 +19,7 @@ import logging.handlers
 import time
 from typing import Any
 
-from llamaswap.core import NS_PER_S, Clock, Policy
+from llamaswap.core import NS_PER_S, Clock, Eviction, Policy
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
@@ -26,6 +28,10 @@ LOGGER_NAME = "llamaswap.activity"
 _log = logging.getLogger(LOGGER_NAME)
 # One encoder for every line: json.dumps with separators makes a new one per call.
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+# The record kinds kept for GET /activity (its `event` query): each its own recent list.
+REQUEST = "request"
+EVICTION = "eviction"
+KEPT_EVENTS = (REQUEST, EVICTION)
 
 
 class ActivityLog:
@@ -34,7 +40,8 @@ class ActivityLog:
     def __init__(self, clock: Clock, *, capacity: int = 1000, path: str | None = None) -> None:
         self._clock = clock
         self._wall_offset_ns = time.time_ns() - clock.now_ns()
-        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._recent: dict[str, collections.deque[dict[str, Any]]] = {
+            event: collections.deque(maxlen=capacity) for event in KEPT_EVENTS}
         # Records of abandoned requests wait for their settle, whose time they include.
         self._awaiting_settle: dict[str, dict[str, Any]] = {}
         self._file: logging.Logger | None = None
@@ -49,8 +56,10 @@ class ActivityLog:
             self._file.setLevel(logging.INFO)
             self._file.addHandler(self._handler)
 
-    def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
-        items = list(self._recent)
+    def recent(self, limit: int | None = None, event: str = REQUEST) -> list[dict[str, Any]]:
+        """The most recent records of one kind (``request`` or ``eviction``), oldest first."""
+        kept = self._recent.get(event)
+        items = list(kept) if kept is not None else []
         return items[-limit:] if limit else items
 
     def close(self) -> None:
@@ -68,7 +77,11 @@ class ActivityLog:
         pass
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
-        pass
+        decision = ticket.decision
+        if decision is None:
+            return
+        for eviction in decision.evicts:
+            self._write(self.eviction_record(ticket, eviction))
 
     def queue_changed(self, picture: QueuePicture) -> None:
         pass
@@ -121,7 +134,7 @@ class ActivityLog:
         granted_ns = decision.granted_ns if decision is not None else None
         takeover = ticket.takeover
         return {
-            "event": "request",
+            "event": REQUEST,
             "time": round(self._unix_ms(finished_ns) / 1000, 3),
             "request_id": ticket.request_id,
             "trace_id": ticket.trace_id,
@@ -160,6 +173,25 @@ class ActivityLog:
             "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
 
+    def eviction_record(self, ticket: Ticket, eviction: Eviction) -> dict[str, Any]:
+        """A resident model that a grant unloads before its load (several resident, `maxLoaded`):
+        which, where, why it was the one to go, and the request whose model it made room for."""
+        decision = ticket.decision
+        assert decision is not None
+        return {
+            "event": EVICTION,
+            "time": round(self._unix_ms(decision.granted_ns) / 1000, 3),
+            "upstream": decision.upstream,
+            "model": eviction.model,  # the model unloaded
+            "reason": eviction.reason.value,
+            "for_model": decision.model,  # the model it made room for (what the request is scheduled on)
+            "request_id": ticket.request_id,  # the granted request whose load it made room for
+            "trace_id": ticket.trace_id,
+            "serial_priority": decision.priority,
+            "serial_band": decision.band.value,
+            "granted_unix_ms": round(self._unix_ms(decision.granted_ns), 3),
+        }
+
     def unix_ms(self, clock_ns: int) -> float:
         """A time of the runtime's clock in Unix milliseconds: the time base of every record."""
         return self._unix_ms(clock_ns)
@@ -168,8 +200,9 @@ class ActivityLog:
         return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
 
     def _write(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "request":
-            self._recent.append(record)
+        kept = self._recent.get(record["event"])
+        if kept is not None:
+            kept.append(record)
         line = _ENCODE(record)
         _log.info(line)
         if self._file is not None:

@@ -8,6 +8,7 @@ metric names and `environment.py` for the settings.
 
 from llamaswap.telemetry.environment import default_resource, exporters_from_environment
 from llamaswap.telemetry.observer import (
+    EVICTED_EVENT,
     OVERTAKEN_BY_EVENT,
     OVERTOOK_EVENT,
     QUEUE_SPAN,
@@ -19,6 +20,7 @@ from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, r
 
 __all__ = [
     "CONTENT_TYPE",
+    "EVICTED_EVENT",
     "OVERTAKEN_BY_EVENT",
     "OVERTOOK_EVENT",
     "PrometheusTextReader",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from llamaswap.core import Band, Outcome, ReorderCause
+from llamaswap.core import Band, EvictReason, Outcome, ReorderCause
 from llamaswap.runtime.kept import KeptEventKind
 
 QUEUE_DEPTH = "llamaswap_scheduler_queue_depth"
@@ -69,8 +69,12 @@ UPSTREAM_MODEL = "llamaswap_upstream_loaded_model_info"
 UPSTREAM_DISPATCHED = "llamaswap_upstream_dispatched_total"
 UPSTREAM_SWAPS = "llamaswap_upstream_swaps_total"
 UPSTREAM_LOADS = "llamaswap_upstream_loads_total"
+# Several models resident on one GPU (issue 37, `maxLoaded`): how many are, and the models a
+# grant unloaded to make room for its own (`Decision.evicts`), by why each was the one to go.
+MODELS_RESIDENT = "llamaswap_models_resident"
+MODEL_EVICTIONS = "llamaswap_model_evictions_total"
 PER_UPSTREAM = (UPSTREAM_SLOTS, UPSTREAM_SLOTS_BUSY, UPSTREAM_BUSY, UPSTREAM_MODEL, UPSTREAM_DISPATCHED, UPSTREAM_SWAPS,
-                UPSTREAM_LOADS)
+                UPSTREAM_LOADS, MODELS_RESIDENT, MODEL_EVICTIONS)
 
 # The four series the specification names (docs: request-priority.md, Observability).
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
@@ -156,7 +160,7 @@ class Instruments:
     def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
                  gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback, saturation: Callback,
                  models_info: Callback, upstream_slots: Callback, upstream_slots_busy: Callback,
-                 upstream_busy: Callback, upstream_model: Callback) -> None:
+                 upstream_busy: Callback, upstream_model: Callback, models_resident: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
         meter.create_observable_gauge(
@@ -188,6 +192,9 @@ class Instruments:
             UPSTREAM_MODEL, [upstream_model],
             description="1 for each model the scheduler knows resident on the upstream (model=\"\": none known), "
                         "by upstream and model.")
+        meter.create_observable_gauge(
+            MODELS_RESIDENT, [models_resident], unit="{model}",
+            description="Models the scheduler knows resident (loaded) on the upstream, by upstream.")
         bands = [{"band": band.value} for band in Band]
         self.dispatched = Tally(meter, DISPATCHED, unit="{request}", description="Requests granted the GPU, by band.",
                                 series=bands)
@@ -210,6 +217,10 @@ class Instruments:
         self.upstream_loads = Tally(meter, UPSTREAM_LOADS, unit="{dispatch}",
                                     description="Dispatches that loaded a model on an upstream where none was known to "
                                                 "be loaded, by upstream.", series=())
+        reasons = ", ".join(reason.value for reason in EvictReason)
+        self.evictions = Tally(meter, MODEL_EVICTIONS, unit="{model}",
+                               description="Resident models unloaded to make room for a granted request's model, by "
+                                           f"upstream and reason ({reasons}).", series=())
         self.swaps = Tally(meter, SWAPS, unit="{dispatch}",
                            description="Dispatches that replaced the loaded model with another one (a swap).")
         self.loads = Tally(meter, LOADS, unit="{dispatch}",

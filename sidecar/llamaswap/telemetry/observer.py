@@ -38,7 +38,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llamaswap import __version__
-from llamaswap.core import NS_PER_S, Band, Clock, MonotonicClock, Outcome, Policy, PrioritySource
+from llamaswap.core import NS_PER_S, Band, Clock, EvictReason, MonotonicClock, Outcome, Policy, PrioritySource
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import SINGLE_UPSTREAM
@@ -70,6 +70,9 @@ OVERTOOK_EVENT = "llamaswap.overtook"
 OVERTAKEN_BY_EVENT = "llamaswap.overtaken_by"
 OVERTAKEN_EVENTS_KEPT = 100
 WATCHDOG_EVENT = "llamaswap.watchdog"
+# On the queue span of a request whose grant unloads resident models to make room for its own
+# (several resident, `Decision.evicts`): one per model that goes, with why it was the one.
+EVICTED_EVENT = "llamaswap.evicted"
 
 INSTRUMENTATION_NAME = "llamaswap"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -149,7 +152,8 @@ class Telemetry:
                                        upstream_slots=self._observe_upstream_slots,
                                        upstream_slots_busy=self._observe_upstream_slots_busy,
                                        upstream_busy=self._observe_upstream_busy,
-                                       upstream_model=self._observe_upstream_model)
+                                       upstream_model=self._observe_upstream_model,
+                                       models_resident=self._observe_models_resident)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -218,6 +222,8 @@ class Telemetry:
             instruments.upstream_dispatched.declare(labels)
             instruments.upstream_swaps.declare(labels)
             instruments.upstream_loads.declare(labels)
+            for reason in EvictReason:
+                instruments.evictions.declare(_eviction_labels(gpu.name, reason))
         if not self._published:  # before the first picture: each upstream's default slots (the
             # coordinator publishes the resident models' with every change)
             shown = tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default) for gpu in gpus)
@@ -250,6 +256,8 @@ class Telemetry:
         if decision.load:
             instruments.loads.add(1)
             instruments.upstream_loads.add(1, upstream)
+        for eviction in decision.evicts:
+            instruments.evictions.add(1, _eviction_labels(decision.upstream, eviction.reason))
         if ticket.estimated_wait_s is not None:
             ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
             instruments.estimate_ratio.record(ratio, {"band": band})
@@ -278,6 +286,10 @@ class Telemetry:
             count[0] += 1
             if len(kept) < OVERTAKEN_EVENTS_KEPT:
                 kept.append((at, winner))
+        for eviction in decision.evicts:
+            span.add_event(EVICTED_EVENT, {"llamaswap.evicted_model": eviction.model,
+                                           "llamaswap.evict_reason": eviction.reason.value,
+                                           "llamaswap.upstream": decision.upstream}, timestamp=at)
         self._add_overtaken_by(span, ticket.request_id)
         span.end(end_time=at)
 
@@ -452,11 +464,19 @@ class Telemetry:
         return [Observation(1 if gpu.slots_busy or gpu.blocked else 0, {"upstream": gpu.name})
                 for gpu in self._picture.gpus]
 
+    def _observe_models_resident(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(len(gpu.resident_models), {"upstream": gpu.name}) for gpu in self._picture.gpus]
+
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
         # One series per upstream and resident model (model="": none known), whatever the models' names:
         # bounded by the models an upstream holds at once (today one) times the upstreams.
         return [Observation(1, {"upstream": gpu.name, "model": model})
                 for gpu in self._picture.gpus for model in gpu.resident_models or ("",)]
+
+
+def _eviction_labels(upstream: str, reason: EvictReason) -> dict[str, str]:
+    """An eviction series' labels, in the one order its counts are kept under."""
+    return {"upstream": upstream, "reason": reason.value}
 
 
 def _resident_models(picture: QueuePicture) -> tuple[tuple[str, ...], ...]:
