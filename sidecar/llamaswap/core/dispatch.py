@@ -14,6 +14,12 @@ of one GPU; `choose` asks it once per GPU of a node (one GPU is a node of one).
 - Reserved slots: a non-interactive request starts only while fewer than ``slots - reserved``
   non-interactive ones run. When the best is non-interactive and its share is used up, the
   first interactive request behind it that fits (`fits`) takes a free slot.
+- Several models resident (``residency.max_loaded`` > 1): each resident model has slots of its
+  own, and a request of another model starts beside what runs if it has room there (`Turn.ROOM`:
+  its load starts at once) or if idle resident models can go to make room (`Turn.EVICT`: they
+  are unloaded first, `eviction.victims`); else it waits while one busy model drains (the best
+  waiting request holds only that one back: `node.NodeWalk`). A request that runs alone still
+  runs alone on the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence, Set
 from typing import Protocol
 
+from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room
 from llamaswap.core.holding import Candidate, GpuHolding, Running
 
 
@@ -34,6 +41,9 @@ class Turn(enum.Enum):
     FREE = "free"  # a free slot of a resident model is its to take
     SHARE_USED = "share_used"  # its model is resident, but only reserved slots are free and it is not interactive
     OTHER_MODEL = "other_model"  # a slot is free but another model runs (or it runs alone): a drain first
+    # Several resident: its model is not resident, and
+    ROOM = "room"  # it has room beside them: its load starts now, beside what runs
+    EVICT = "evict"  # idle resident models go to make room: unloaded, then its load, beside what runs
 
 
 def fits(candidate: Candidate, gpu: GpuHolding) -> bool:
@@ -46,7 +56,24 @@ def takes_nothing(gpu: GpuHolding) -> bool:
     request runs alone there, or every slot in effect is held. The one measure of it, for the
     grant, the node walk, the estimates and the swap-affinity bonus."""
     running = gpu.running
-    return gpu.blocked or (running.busy > 0 and _full(running, gpu.slots_in_effect))  # (idle: nothing to read)
+    if gpu.blocked or not running.busy:
+        return gpu.blocked
+    if gpu.residency.several:
+        # Full for every resident model, and no place for another one.
+        return running.alone or (len(gpu.residents) >= gpu.residency.max_loaded and all(
+            busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in gpu.residents))
+    return _full(running, gpu.slots_in_effect)
+
+
+def open_to_loads(gpu: GpuHolding) -> bool:
+    """A request of any model may start there now, loading it: nothing runs, or (several
+    resident) a place is free or an idle model may go. (Beside a request that runs alone: none.)"""
+    running = gpu.running
+    if not running.busy:
+        return True
+    if running.alone or not gpu.residency.several:
+        return False
+    return len(gpu.residents) < gpu.residency.max_loaded or bool(evictable(gpu))
 
 
 def _full(running: Running, slots: int) -> bool:
@@ -67,7 +94,13 @@ def _share_used(gpu: GpuHolding, slots: int) -> bool:
 def in_reserved_slot(gpu: GpuHolding, candidate: Candidate) -> bool:
     """A grant of ``candidate`` now, beside what runs, takes a slot kept for its band (the
     grant's ``reserved_slot``)."""
-    return gpu.running.busy > 0 and candidate.interactive and share_used(gpu)
+    if not (gpu.running.busy > 0 and candidate.interactive):
+        return False
+    if gpu.residency.several:
+        model = candidate.model
+        busy, non_interactive = busy_of(gpu, model)
+        return busy > 0 and non_interactive >= gpu.slots.of(model) - gpu.slots.reserved
+    return share_used(gpu)
 
 
 def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
@@ -77,6 +110,8 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
     running = gpu.running
     if not running.busy:
         return Turn.IDLE
+    if gpu.residency.several:
+        return _turn_beside(gpu, candidate)
     slots = gpu.slots_in_effect  # once: this runs for every GPU and request asked
     if _full(running, slots):
         return Turn.CLOSED
@@ -85,6 +120,28 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
     if not candidate.interactive and _share_used(gpu, slots):
         return Turn.SHARE_USED
     return Turn.FREE
+
+
+def _turn_beside(gpu: GpuHolding, candidate: Candidate) -> Turn:
+    """`turn` where several models may be resident and something runs: each model's own slots."""
+    if gpu.running.alone:
+        return Turn.CLOSED
+    if candidate.alone:
+        return Turn.OTHER_MODEL  # it waits for the GPU to drain
+    model = candidate.model
+    if model is None or model in gpu.residents:
+        busy, non_interactive = busy_of(gpu, model)
+        slots = gpu.slots.of(model)
+        if busy >= slots:
+            return Turn.CLOSED  # full for its model
+        if not candidate.interactive and non_interactive >= slots - gpu.slots.reserved:
+            return Turn.SHARE_USED
+        return Turn.FREE
+    if has_room(gpu, model):
+        return Turn.ROOM
+    if can_evict_for(gpu, model):
+        return Turn.EVICT
+    return Turn.OTHER_MODEL
 
 
 # -- a node: one GPU or several ------------------------------------------------------------
@@ -137,12 +194,20 @@ class Step(enum.Enum):
 Choice = tuple[Step, int | None]
 
 
-def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], interactive_only: Set[int],
-           times: GpuTimes, wanted: Mapping[str | None, int]) -> Choice:
+# A claim on a GPU where several models are resident: the GPU's index and the one model the best
+# waiting request holds back there (no new grants for it), rather than the whole GPU.
+HeldBack = tuple[int, str | None]
+_NOTHING_HELD: frozenset[HeldBack] = frozenset()
+
+
+def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
+           interactive_only: Set[int] | Set[int | HeldBack], times: GpuTimes, wanted: Mapping[str | None, int],
+           held_back: Set[HeldBack] = _NOTHING_HELD) -> Choice:
     """The node rule for one waiting request, every request ahead of it in the order having been
     asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
-    non-interactive share they wait for). ``wanted[model]``: how many waiting requests name it (none
-    where absent)."""
+    non-interactive share they wait for; where several models are resident, ``held_back`` for
+    one model of an upstream, which then takes no new request of it). ``wanted[model]``: how many
+    waiting requests name it (none where absent)."""
     model = candidate.model
     free = -1  # the least busy with a free slot for it (the fewest running: each runs faster), first in order
     idle: list[int] = []
@@ -153,12 +218,15 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], i
     for index, gpu in enumerate(gpus):
         if gpu.blocked or index in closed or not gpu.may_serve(candidate):
             continue
+        if held_back and (index, model) in held_back:
+            continue
         verdict = turn(gpu, candidate)
-        if verdict is Turn.IDLE:
-            idle.append(index)
+        if verdict is Turn.IDLE or verdict is Turn.ROOM or verdict is Turn.EVICT:
+            idle.append(index)  # it may start there now, loading its model
             continue
         if verdict is Turn.FREE:
-            if candidate.interactive or index not in interactive_only:
+            if candidate.interactive or (index not in interactive_only
+                                         and (not interactive_only or (index, model) not in interactive_only)):
                 if free < 0 or gpu.running.busy < gpus[free].running.busy:
                     free = index
                 continue
@@ -184,9 +252,8 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], i
     soonest = (None if not holding else holding[0] if len(holding) == 1
                else min(holding, key=lambda i: times.slot_free_in_s(gpus[i].name)))
     if idle:
-        # Nothing resident first, then the residents the queue wants least (one idle GPU: that one).
-        target = idle[0] if len(idle) == 1 else min(
-            idle, key=lambda i: (bool(gpus[i].residents), sum(wanted.get(name, 0) for name in gpus[i].residents)))
+        # Nothing to evict first, then the evictions the queue wants least (one idle GPU: that one).
+        target = idle[0] if len(idle) == 1 else min(idle, key=lambda i: _load_cost(gpus[i], model, wanted))
         if soonest is None or times.slot_free_in_s(gpus[soonest].name) >= times.swap_s(model, gpus[target].name):
             return Step.START, target
         return _wait_for(soonest, waits)
@@ -199,6 +266,16 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int], i
     draining = next(iter(busy)) if len(busy) == 1 else min(
         busy, key=lambda i: (times.drained_in_s(gpus[i].name), gpus[i].running.busy))
     return _wait_for(draining, waits)
+
+
+def _load_cost(gpu: GpuHolding, model: str | None, wanted: Mapping[str | None, int]) -> tuple[bool, int, int]:
+    """What loading ``model`` on a GPU where it may start costs, least first: whether a resident
+    model must go for it, how many waiting requests want those that may go, and how busy it is."""
+    if not gpu.residency.several:
+        return bool(gpu.residents), sum(wanted.get(name, 0) for name in gpu.residents), 0
+    if model is None or has_room(gpu, model):
+        return False, 0, gpu.running.busy
+    return True, sum(wanted.get(name, 0) for name in evictable(gpu)), gpu.running.busy
 
 
 def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:

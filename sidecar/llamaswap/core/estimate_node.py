@@ -11,8 +11,11 @@ share), and the first request after it that the rule starts does; none: the walk
 next end of a grant or of a settle. A request that loads its model holds its slot for the swap
 and its run, and those started beside the load run once it ends. A slot that frees first takes
 the next request; a request that needs another model waits until every slot of its upstream is
-free. The rule reads time from the walk's own state (`_WalkTimes`); the runtime hands `next`
-the same from a snapshot (`NodeTimes`), so both read one picture.
+free, or (several models resident) loads beside the others where it has room or idle models may
+go (a load counts only where it happens: each model's runs wait for its own load), and the
+best's claim there holds back one model, as `node.claim_on` says. The rule reads time from the
+walk's own state (`_WalkTimes`); the runtime hands `next` the same from a snapshot
+(`NodeTimes`), so both read one picture.
 
 Exact when every grant takes its expected time and the order does not change as models load
 (swap affinity 0: with a bonus, the order moves with the loaded models, which the snapshot's
@@ -26,8 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
-from llamaswap.core.dispatch import Step, choose, takes_nothing
-from llamaswap.core.holding import GpuHolding, running_of
+from llamaswap.core.dispatch import HeldBack, Step, choose, takes_nothing
+from llamaswap.core.eviction import NOT_WAITED_FOR, after_load, victims
+from llamaswap.core.holding import GpuHolding, load_under_way, running_of
+from llamaswap.core.node import claim_on
 from llamaswap.core.estimate import Estimator
 
 
@@ -57,14 +62,22 @@ class _Waiting:
 class _GpuWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("holding", "residents", "items", "ready_at", "blocked_until")
+    __slots__ = ("holding", "residents", "items", "ready_at", "loaded_at", "blocked_until")
 
     def __init__(self, gpu: GpuHolding, blocked_until: float) -> None:
         self.holding = gpu
         self.residents = gpu.residents
         self.items: list[_Item] = []
         self.ready_at = 0.0  # when the load under way ends (its runs begin then)
+        self.loaded_at: dict[str, float] = {}  # several resident: when each model's load ends
         self.blocked_until = blocked_until
+
+    def ready_of(self, model: str | None) -> float:
+        """When a run of ``model`` may begin: once the load under way there ends (several
+        resident: its own model's load)."""
+        if not self.holding.residency.several:
+            return self.ready_at
+        return self.loaded_at.get(model, 0.0) if model is not None else 0.0
 
     def view(self, now: float) -> GpuHolding:
         """What it holds at ``now``, as the rule reads it."""
@@ -73,7 +86,7 @@ class _GpuWalk:
         # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``ready_at``.)
         blocked = self.blocked_until > now
         return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items), None,
-                          blocked, 0, blocked)
+                          blocked, 0, blocked, gpu.residency, gpu.last_used)
 
 
 class _WalkTimes:
@@ -181,6 +194,9 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
             continue
         remaining, loading_s = estimator.remaining_of(grants)
         walk.ready_at = loading_s
+        loader = load_under_way(grants)
+        if loader is not None and loader.model is not None:
+            walk.loaded_at[loader.model] = loading_s
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
@@ -200,6 +216,7 @@ class _Walk:
         for candidate in waiting:
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
+        self._held: tuple[int, int, str | None] | None = None  # the best's held-back model: (request, upstream, model)
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
@@ -222,18 +239,37 @@ class _Walk:
         views = [gpu.view(now) for gpu in self._gpus]
         full = {i for i, view in enumerate(views) if takes_nothing(view)}
         closed: set[int] = set()
-        interactive_only: set[int] = set()
+        interactive_only: set[int | HeldBack] = set()
+        held_back: set[HeldBack] = set()
         times = _WalkTimes(self._by_name, now, self._estimator)
         for position, request in enumerate(self._pending):
             if len(closed | full) >= len(views):
                 return None
-            step, gpu = choose(views, self._waiting[request], closed, interactive_only, times, self._wanted)
+            candidate = self._waiting[request]
+            step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
             if step is Step.START:
                 assert gpu is not None
                 return position, gpu
             if position == 0 and gpu is not None:  # only the best claims
-                (closed if step is Step.CLAIM else interactive_only).add(gpu)
+                held = self._held
+                keep = held[2] if held is not None and held[:2] == (request, gpu) else None
+                claim = claim_on(views, gpu, candidate, self._need, keep)
+                if isinstance(claim, tuple):
+                    self._held = (request, *claim)  # it keeps holding that one back, as `node.find` does
+                if step is not Step.CLAIM:
+                    interactive_only.add(claim)
+                elif isinstance(claim, tuple):
+                    held_back.add(claim)
+                else:
+                    closed.add(claim)
         return None
+
+    def _need(self, model: str) -> float:
+        """`eviction.Need` from the pending order: the earlier its first request, the more."""
+        for position, request in enumerate(self._pending):
+            if self._waiting[request].model == model:
+                return -float(position)
+        return NOT_WAITED_FOR
 
     def _start(self, now: float, position: int, index: int) -> None:
         request = self._pending.pop(position)
@@ -241,10 +277,17 @@ class _Walk:
         model = candidate.model
         self._wanted[model] -= 1
         gpu = self._gpus[index]
-        if model is not None and model not in gpu.residents:  # a load: only with nothing running there
-            gpu.ready_at = now + self._estimator.expected_swap_s(model, gpu.holding.name)
-            gpu.residents = frozenset((model,))  # it replaces what was resident
-        end = max(now, gpu.ready_at) + self._estimator.expected_request_run_s(model, self._sizes[request],
-                                                                               gpu.holding.name)
+        name = gpu.holding.name
+        if model is not None and model not in gpu.residents:  # a load
+            loaded_at = now + self._estimator.expected_swap_s(model, name)
+            if gpu.holding.residency.several:  # beside what runs, once the idle models chosen have gone
+                view = gpu.view(now)
+                gone = victims(view, model, self._need) or ()
+                gpu.residents = after_load(view, model, [eviction.model for eviction in gone])
+                gpu.loaded_at[model] = loaded_at
+            else:  # only with nothing running there: it replaces what was resident
+                gpu.ready_at = loaded_at
+                gpu.residents = frozenset((model,))
+        end = max(now, gpu.ready_of(model)) + self._estimator.expected_request_run_s(model, self._sizes[request], name)
         gpu.items.append(_Item(end, candidate.interactive, model, False))
-        self._starts[request] = (now, gpu.holding.name)
+        self._starts[request] = (now, name)

@@ -119,15 +119,20 @@ def can_evict_for(gpu: GpuHolding, model: str) -> bool:
     return gpu.residency.fits((gpu.residents - set(evictable(gpu))) | {model})
 
 
-def to_hold_back(gpu: GpuHolding, model: str, need: Need) -> str | None:
+def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: str | None = None) -> str | None:
     """Every model that could go is busy: the one the best waiting request for ``model`` holds
-    back until it drains (no new grants for it; then it goes, with the idle ones). The queue's
-    least needed first, of the busy unpinned residents whose leaving (with every idle one)
-    makes room; None if none would (then ``model`` never fits there beside what is pinned)."""
+    back until it drains (no new grants for it; then it goes, with the idle ones). ``keep``, the
+    one it held back last time, where it still may (a hold that moved whenever the queue's needs
+    changed would let every model take new work in turn, and the best wait for ever); else the
+    queue's least needed first, of the busy unpinned residents whose leaving (with every idle
+    one) makes room; None if none would (then ``model`` never fits there beside what is pinned)."""
     residency = gpu.residency
     idle = set(evictable(gpu))
     busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]
-    for candidate in _least_needed_first(gpu, busy, need):
+    ranked = _least_needed_first(gpu, busy, need)
+    if keep in busy:
+        ranked.insert(0, keep)
+    for candidate in ranked:
         if residency.fits((gpu.residents - idle - {candidate}) | {model}):
             return candidate
     return None

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
+from llamaswap.core.eviction import after_load
 from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on, running_of
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import GpuPolicy
@@ -49,7 +50,7 @@ class GpuRecord:
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "loader",
-                 "dispatches")
+                 "dispatches", "last_used")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
@@ -65,6 +66,9 @@ class GpuRecord:
         # as it is granted and released rather than searched for at every build); None: none.
         self.loader: Decision | None = None
         self.dispatches = 0  # grants on it so far: the generation a loaded-model report was asked at
+        # When each model was last granted there (several resident: the least recently used goes
+        # first among equally needed ones); the holdings read this map, never a copy.
+        self.last_used: dict[str, int] = {}
         self.apply(policy)
 
     def apply(self, policy: GpuPolicy) -> None:
@@ -88,13 +92,14 @@ class GpuRecord:
             held = self._idle
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
-                                               self.settling, self.adopted, self.settling or self.adopted > 0)
+                                               self.settling, self.adopted, self.settling or self.adopted > 0,
+                                               policy.residency, self.last_used)
         else:
             loader = self.loader
             loading = None if loader is None or loader.model is None else (loader.model, loader.granted_ns)
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
-                              self.adopted, self.settling or self.adopted > 0)
+                              self.adopted, self.settling or self.adopted > 0, policy.residency, self.last_used)
         self._holding = held
         return held
 
@@ -119,6 +124,25 @@ class GpuRecord:
         """What runs changed (a grant, a release): the holding is built again when next read."""
         self._holding = None
 
+    def granted(self, entry: Entry, decision: Decision, held: GpuHolding, load_number: int | None) -> None:
+        """A grant on it (``held``: what it held as it was made): the load it begins (numbered
+        ``load_number``; None: none), with the models it evicts gone and its own resident, when
+        its model was last used, and what runs."""
+        model = decision.model
+        load = None
+        if model is not None and not decision.alone:
+            if load_number is not None:
+                # One model resident: only with nothing running there, and it replaces what was.
+                gone = frozenset(eviction.model for eviction in decision.evicts)
+                self.load = PendingLoad(load_number, held.residents - gone)
+                self.set_residents(after_load(held, model, gone))
+                self.loader = decision  # its load is under way there until it is released
+            load = self.load.number if self.load is not None else None
+            if held.residency.several:
+                self.last_used[model] = decision.granted_ns
+        self.grants[entry.request_id] = Grant(entry, decision, load)
+        self.renew()
+
     def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
         """What a released grant says about the loaded model (`Scheduler.release`)."""
         if grant.decision is self.loader:
@@ -133,13 +157,26 @@ class GpuRecord:
                 if all(other.load != pending.number for other in self.grants.values()):
                     # Its last user, and none confirmed the load: none reached the upstream (what
                     # was resident before still is), or those that did were not told (not known).
-                    self.set_residents(NO_RESIDENTS if pending.unsure else pending.previous)
+                    self.set_residents(self._unconfirmed(pending, model))
                     self.load = None
         elif not model_loaded and model is not None and model in self.residents:
             self.set_residents(self.residents - {model})
             self.load = None
         elif on_pending:
             self.load = None  # it reached the upstream: the load happened
+
+
+    def _unconfirmed(self, pending: PendingLoad, model: str | None) -> frozenset[str]:
+        """The residents once a load no release confirmed has lost its last user. One model
+        resident: what was before it if no user reached the upstream, else not known. Several:
+        the others stay; the model stays counted where a user reached the upstream unanswered
+        (it may have loaded: counting it keeps the upstream from evicting by itself), and is
+        gone where none did."""
+        if not self.policy.residency.several:
+            return NO_RESIDENTS if pending.unsure else pending.previous
+        if pending.unsure or model is None:
+            return self.residents
+        return self.residents - {model}
 
 
 # What a node holds now: every upstream's holding (in the configured order), those that take

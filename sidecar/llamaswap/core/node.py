@@ -11,14 +11,20 @@ running work): the walk never reads the whole queue for it. Requests it asks are
 (marked not alive, so the indexes skip them) and put back (`find`'s ``resume``) whatever
 happens. `find` asks the best first and builds the walk (`NodeWalk`) only when the best waits:
 this runs on every grant.
+
+Where several models are resident on the GPU the best waits for, its claim holds back one model
+there, not the GPU (`claim_on`): its own model, when it waits for a slot of it; else the busy
+model chosen to go for its load (`eviction.to_hold_back`: the queue's least needed). The other
+models keep serving, and the walk goes on over every GPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from llamaswap.core.dispatch import Choice, GpuTimes, Step, choose, takes_nothing
-from llamaswap.core.holding import GpuHolding
+from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing
+from llamaswap.core.eviction import Need, to_hold_back
+from llamaswap.core.holding import Candidate, GpuHolding
 from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank
 
@@ -26,22 +32,67 @@ from llamaswap.core.order import rank
 _NONE: frozenset[int] = frozenset()  # no upstream claimed yet
 
 
+class HeldBackModels:
+    """The model the best waiting request holds back, by upstream name (several resident), and
+    which request that is: kept from one `find` to the next, so that the hold stays on one model
+    while the same request stays best (`eviction.to_hold_back`'s ``keep``)."""
+
+    __slots__ = ("by_gpu", "holder")
+
+    def __init__(self) -> None:
+        self.by_gpu: dict[str, str | None] = {}
+        self.holder: str | None = None
+
+    def clear(self) -> None:
+        if self.holder is not None:
+            self.by_gpu.clear()
+            self.holder = None
+
+
+def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need: Need,
+             keep: str | None = None) -> int | HeldBack:
+    """What the best request's claim on upstream ``index`` holds back: the whole upstream, or
+    where several models are resident there, one model of it (its own, whose slot it waits for;
+    else the busy one chosen to go for its load, ``keep`` where it still may; the whole upstream
+    if none may)."""
+    gpu = gpus[index]
+    model = candidate.model
+    if not gpu.residency.several or candidate.alone or gpu.running.alone:
+        return index
+    if model is None or model in gpu.residents:
+        return index, model
+    going = to_hold_back(gpu, model, need, keep)
+    return index if going is None else (index, going)
+
+
 def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
          pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
-         resume: Callable[[list[Entry]], None]) -> tuple[int, Entry, Entry] | None:
+         resume: Callable[[list[Entry]], None], need: Need,
+         held_back: HeldBackModels) -> tuple[int, Entry, Entry] | None:
     """The upstream and the request that starts next, and the best request (the first asked: the
     same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
-    The best first: it starts (then nothing more is built), or it may hold one upstream back
-    (only the best does) and the walk goes on behind it; ``resume`` gets the requests the walk
-    suspended, whatever happens."""
+    The best first: it starts (then nothing more is built), or it may hold one upstream back, or
+    one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
+    requests the walk suspended, whatever happens. ``held_back`` is set to the model the best
+    holds back, by upstream name (`claim_on`), or emptied."""
     first = pick(aged)
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START:
         assert gpu is not None
+        held_back.clear()
         return gpu, first, first
     walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
+    claim = None
+    if gpu is not None:
+        name = gpus[gpu].name
+        keep = held_back.by_gpu.get(name) if held_back.holder == first.request_id else None
+        claim = claim_on(gpus, gpu, first, need, keep)
+    held_back.by_gpu.clear()
+    held_back.holder = first.request_id
+    if isinstance(claim, tuple):
+        held_back.by_gpu[gpus[claim[0]].name] = claim[1]
     try:
-        return walk.behind(first, step, gpu)
+        return walk.behind(first, step, claim)
     finally:
         resume(walk.suspended)
 
@@ -50,7 +101,7 @@ class NodeWalk:
     """The walk behind a best request that waits (`find`)."""
 
     __slots__ = ("_gpus", "_aged", "_reserved", "_bonus", "_pick", "_wanted", "_times", "_closed",
-                 "_interactive_only", "suspended")
+                 "_interactive_only", "_held_back", "suspended")
 
     def __init__(self, gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
                  pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
@@ -63,22 +114,31 @@ class NodeWalk:
         self._wanted = wanted
         self._times = times
         self._closed: set[int] = set()  # claimed by the best request
-        self._interactive_only: set[int] = set()  # the best waits for its share: reserved slots stay open
+        # The best waits for its share: reserved slots stay open (an upstream, or one model of it).
+        self._interactive_only: set[int | HeldBack] = set()
+        self._held_back: set[HeldBack] = set()  # one model of an upstream held back by the best
         self.suspended: list[Entry] = []
 
     def _choose(self, candidate: Entry) -> Choice:
-        return choose(self._gpus, candidate, self._closed, self._interactive_only, self._times, self._wanted)
+        return choose(self._gpus, candidate, self._closed, self._interactive_only, self._times, self._wanted,
+                      self._held_back)
 
-    def behind(self, first: Entry, step: Step, gpu: int | None) -> tuple[int, Entry, Entry] | None:
-        """`find` after the best, ``first``, did not start (the rule said ``step`` on ``gpu``)."""
-        if gpu is not None:
-            (self._closed if step is Step.CLAIM else self._interactive_only).add(gpu)
+    def behind(self, first: Entry, step: Step, claim: int | HeldBack | None) -> tuple[int, Entry, Entry] | None:
+        """`find` after the best, ``first``, did not start (the rule said ``step``, on the upstream
+        or the model of one that ``claim`` names)."""
+        if claim is not None:
+            if step is not Step.CLAIM:
+                self._interactive_only.add(claim)
+            elif isinstance(claim, tuple):
+                self._held_back.add(claim)
+            else:
+                self._closed.add(claim)
         self._suspend(first)
         gpus = self._gpus
         # Upstreams that take nothing now: held by a settle, full, or running a request alone.
         full = {i for i, holding in enumerate(gpus) if takes_nothing(holding)}
         while len(self._closed | full) < len(gpus) and self._aged.top() is not None:
-            if all(gpus[i].running.busy for i in range(len(gpus)) if i not in self._closed):
+            if not any(open_to_loads(gpus[i]) for i in range(len(gpus)) if i not in self._closed):
                 candidate = self._warm_pick()
                 if candidate is None:
                     return None

@@ -10,7 +10,7 @@ estimates' walk.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
@@ -84,9 +84,24 @@ def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: i
         winner = pick(index, residents, bonus, taken)
         taken.add(winner.seq)
         order.append((winner, bonus if winner.model is not None and winner.model in residents else 0))
-        if winner.model is not None and not winner.alone:
-            residents = frozenset((winner.model,))
+        if winner.model is not None and not winner.alone and winner.model not in residents:
+            # A load replaces the resident model; several resident: it joins them, the least
+            # recently used making room (what the grant would evict is the rule's to say).
+            residents = _after(residents, winner.model, gpus[0])
     return order
+
+
+def _after(residents: frozenset[str], model: str, gpu: GpuRecord) -> frozenset[str]:
+    residency = gpu.policy.residency
+    if not residency.several:
+        return frozenset((model,))
+    kept = sorted(residents, key=lambda name: gpu.last_used.get(name, 0))
+    while kept and not residency.fits({*kept, model}):
+        unpinned = [name for name in kept if name not in residency.pinned]
+        if not unpinned:
+            break
+        kept.remove(unpinned[0])
+    return frozenset((*kept, model))
 
 
 def slots_total(gpu: GpuRecord) -> int:
@@ -109,9 +124,10 @@ def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
 
 
 def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int, grants: Sequence[Decision],
-             arrivals: Arrivals, now_ns: int) -> QueueSnapshot:
+             arrivals: Arrivals, now_ns: int, held_back: Mapping[str, str | None]) -> QueueSnapshot:
     """A read-only picture of the queue: the `count` waiting requests of `index` in dispatch
-    order, the running `grants` and each GPU. The simulated order makes it O(n log n)."""
+    order, the running `grants` and each GPU (with the model the best holds back there, by
+    name in ``held_back``). The simulated order makes it O(n log n)."""
     divisor = policy.aging_divisor_ns
     waiting = tuple(
         WaitingView(
@@ -129,6 +145,7 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
         for position, (entry, bonus) in enumerate(dispatch_order(index, count, gpus, policy.swap_affinity_bonus))
     )
     running = tuple(RunningView.of(decision, now_ns) for decision in grants)
-    views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu)) for gpu in gpus)
+    views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu),
+                          held_back.get(gpu.name)) for gpu in gpus)
     return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views)
 

@@ -61,11 +61,12 @@ from llamaswap.core.decisions import (
     WaitingView,
 )
 from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
+from llamaswap.core.eviction import NOT_WAITED_FOR, Eviction, victims
 from llamaswap.core.holding import GpuHolding, Running
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
-from llamaswap.core.gpu_record import Grant, GpuRecord, NodeHolding, PendingLoad
+from llamaswap.core.gpu_record import GpuRecord, NodeHolding
 from llamaswap.core.policy import Policy, PolicyName
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
@@ -97,6 +98,9 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
+        # The resident model the best waiting request holds back, by upstream (several resident:
+        # no new grants for it until it drains and goes), as the last `next` found it.
+        self._held_back = node.HeldBackModels()
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -371,6 +375,7 @@ class Scheduler:
         upstream it reads none).
         """
         if not self._waiting:
+            self._held_back.clear()  # (nobody waits to hold anything back)
             return None
         holdings, open_gpus, warm = self._held.now()
         if not open_gpus:
@@ -380,7 +385,7 @@ class Scheduler:
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
-                          self._bonus, pick, self._wanted, times, self._resume)
+                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
             return None
         index, winner, first = found
@@ -395,6 +400,17 @@ class Scheduler:
         else:
             aged, plain = self._aged, self._plain
         return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick)
+
+    def _need(self, model: str) -> float:
+        """How much the queue needs ``model``: the best waiting key for it (`eviction.Need`)."""
+        top = self._aged.top_of(model)
+        return NOT_WAITED_FOR if top is None else -top[0]
+
+    @property
+    def held_back(self) -> Mapping[str, str | None]:
+        """The resident model the best waiting request holds back on an upstream (by name), as
+        the last `next` found it: no new grants for it until it drains and goes."""
+        return self._held_back.by_gpu
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -418,12 +434,21 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model not in residents
+        several = held.residency.several
+        evicts: tuple[Eviction, ...] = ()
+        if loads and several:
+            assert model is not None
+            found = victims(held, model, self._need)
+            assert found is not None, "the rule starts a load only where it has room or idle models may go"
+            evicts = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
         affinity = self._bonus if model is not None and model in residents else 0
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
-        loading = held.loading  # a load under way there, which this grant starts beside
+        loading = held.loading  # a load under way there, which this grant starts beside (of its model)
+        if several and loading is not None and loading[0] != model:
+            loading = None
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
@@ -435,8 +460,8 @@ class Scheduler:
             model,  # model
             affinity > 0,  # swap_affinity
             aging,  # aging
-            loads and not residents,  # load
-            loads and bool(residents),  # swap
+            loads and not (evicts if several else residents),  # load
+            loads and bool(evicts if several else residents),  # swap
             residents,  # residents_before
             reasons,  # reordered_by
             overtook,  # overtook
@@ -447,19 +472,12 @@ class Scheduler:
             gpu.name,  # upstream
             loading,  # beside_load
             winner.max_tokens,  # max_tokens
+            evicts,  # evicts
         )
-        load = None
-        if model is not None and not alone:
-            if loads:  # only with nothing running there: a load of its own, which replaces what was resident
-                self._loads += 1
-                gpu.load = PendingLoad(self._loads, residents)
-                gpu.set_residents(frozenset((model,)))
-            load = gpu.load.number if gpu.load is not None else None
         if loads:
-            gpu.loader = decision  # its load is under way there until it is released
-        gpu.grants[winner.request_id] = Grant(winner, decision, load)
+            self._loads += 1
+        gpu.granted(winner, decision, held, self._loads if loads else None)
         self._gpu_of[winner.request_id] = gpu
-        gpu.renew()
         self._held.changed(residents=loads)
         return decision
 
@@ -544,7 +562,7 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
         return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
-                              self._arrivals, self._clock.now_ns())
+                              self._arrivals, self._clock.now_ns(), self._held_back.by_gpu)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""

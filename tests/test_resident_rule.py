@@ -1,0 +1,299 @@
+"""Several models resident on one GPU (issue 37): the rule, exactly (`dispatch.turn`'s ROOM and
+EVICT, `node.claim_on`'s held-back model, the grant's evictions), and the estimates' walk that
+must say the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamaswap.core import (
+    Estimator,
+    EvictReason,
+    ManualClock,
+    Priority,
+    PrioritySource,
+    Residency,
+    Scheduler,
+    Slots,
+)
+from llamaswap.core.estimate_node import starts_of_node
+from llamaswap.core.policy import GpuPolicy
+from policies import serial
+
+
+def prio(value: int) -> Priority:
+    return Priority(value, PrioritySource.NUMBER)
+
+
+def gpu(name: str = "gpu0", *, max_loaded: int = 3, slots: int = 1, per_model: dict[str, int] | None = None,
+        pinned: tuple[str, ...] = (), memory: int | None = None, sizes: dict[str, int] | None = None,
+        reserved: int = 0) -> GpuPolicy:
+    return GpuPolicy(name, Slots(slots, per_model or {}, reserved), None,
+                     Residency(max_loaded, frozenset(pinned), memory, sizes or {}))
+
+
+def node(*gpus: GpuPolicy, bonus: int = 0) -> tuple[Scheduler, ManualClock]:
+    clock = ManualClock()
+    return Scheduler(serial(aging_divisor_s=0.0, swap_affinity_bonus=bonus).with_gpus(tuple(gpus)), clock), clock
+
+
+def grant_all(scheduler: Scheduler) -> list[str]:
+    made = []
+    while (decision := scheduler.next()) is not None:
+        made.append(decision.request_id)
+    return made
+
+
+def test_a_second_model_loads_beside_the_first_while_it_runs() -> None:
+    scheduler, _ = node(gpu(max_loaded=3))
+    scheduler.enqueue("chat", prio(10), "A")
+    scheduler.enqueue("embed", prio(5), "B")
+    first, second = scheduler.next(), scheduler.next()
+    assert first is not None and second is not None
+    assert (first.request_id, first.load, first.swap) == ("chat", True, False)
+    # B loads at once beside A's work: no drain, nothing evicted.
+    assert (second.request_id, second.load, second.swap, second.evicts) == ("embed", True, False, ())
+    assert scheduler.residents_on() == frozenset({"A", "B"})
+    assert scheduler.slots_busy == 2
+
+
+def test_with_one_model_resident_at_a_time_the_second_waits_for_the_drain() -> None:
+    scheduler, _ = node(gpu(max_loaded=1))
+    scheduler.enqueue("chat", prio(10), "A")
+    scheduler.enqueue("embed", prio(5), "B")
+    assert grant_all(scheduler) == ["chat"]
+    scheduler.release("chat")
+    decision = scheduler.next()
+    assert decision is not None and decision.swap and decision.evicts == ()
+    assert scheduler.residents_on() == frozenset({"B"})
+
+
+def test_a_resident_model_starts_in_its_own_free_slot_beside_another_models_work() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, per_model={"A": 2, "B": 1}))
+    for request_id, model in (("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B"), ("a3", "A")):
+        scheduler.enqueue(request_id, prio(0), model)
+    # A has two slots, B one: a1, b1 and a2 run together; b2 and a3 wait for their own model's slot.
+    assert grant_all(scheduler) == ["a1", "b1", "a2"]
+    scheduler.release("b1")
+    assert grant_all(scheduler) == ["b2"]  # B's slot, not A's
+    scheduler.release("a1")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "a3" and not decision.model_load
+
+
+def test_no_room_evicts_the_idle_model_the_queue_needs_least() -> None:
+    scheduler, clock = node(gpu(max_loaded=3))
+    for request_id, model in (("a", "A"), ("b", "B"), ("c", "C")):
+        scheduler.enqueue(request_id, prio(0), model)
+    assert grant_all(scheduler) == ["a", "b", "c"]
+    scheduler.release("b")
+    scheduler.release("c")
+    clock.advance(1.0)
+    scheduler.enqueue("b-later", prio(1), "B")  # something waits for B: C is needed least
+    scheduler.enqueue("a-more", prio(0), "A")
+    scheduler.enqueue("d", prio(50), "D")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "d"
+    assert decision.evicts == ((("C", EvictReason.NOT_WAITED_FOR)),)
+    assert decision.swap and not decision.load
+    assert scheduler.residents_on() == frozenset({"A", "B", "D"})
+
+
+def test_equally_needed_idle_models_go_least_recently_used_first() -> None:
+    scheduler, clock = node(gpu(max_loaded=3))
+    for request_id, model in (("b", "B"), ("c", "C"), ("a", "A")):
+        scheduler.enqueue(request_id, prio(0), model)
+        clock.advance(1.0)
+    assert grant_all(scheduler) == ["b", "c", "a"]
+    for request_id in ("b", "c"):
+        scheduler.release(request_id)
+    scheduler.enqueue("d", prio(9), "D")
+    decision = scheduler.next()
+    assert decision is not None
+    # Neither B nor C is waited for; B was granted first (used longer ago): B goes.
+    assert [eviction.model for eviction in decision.evicts] == ["B"]
+
+
+def test_a_model_waited_for_at_a_lower_score_goes_before_one_waited_for_higher() -> None:
+    scheduler, _ = node(gpu(max_loaded=3))
+    for request_id, model in (("b", "B"), ("c", "C"), ("a", "A")):
+        scheduler.enqueue(request_id, prio(0), model)
+    grant_all(scheduler)
+    scheduler.release("b")
+    scheduler.release("c")
+    scheduler.enqueue("d", prio(90), "D")
+    scheduler.enqueue("for-b", prio(5), "B")
+    scheduler.enqueue("for-c", prio(7), "C")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "d"
+    assert decision.evicts == (("B", EvictReason.LEAST_NEEDED),)
+
+
+def test_a_pinned_model_is_never_evicted() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, pinned=("E",)))
+    scheduler.enqueue("e", prio(0), "E")
+    scheduler.enqueue("b", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.release("e")
+    scheduler.release("b")
+    scheduler.enqueue("for-b", prio(80), "B")  # B is needed more than E, yet E stays
+    scheduler.enqueue("c", prio(90), "C")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "c"
+    assert [eviction.model for eviction in decision.evicts] == ["B"]
+    assert scheduler.residents_on() == frozenset({"E", "C"})
+
+
+def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_not_served_there() -> None:
+    scheduler, _ = node(gpu("gpu0", max_loaded=2, pinned=("E", "F")), gpu("gpu1", max_loaded=2))
+    scheduler.enqueue("c", prio(0), "C")
+    decision = scheduler.next()
+    assert decision is not None and decision.upstream == "gpu1"
+
+
+def test_every_candidate_busy_the_best_holds_back_only_the_model_chosen_to_go() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    scheduler.enqueue("b1", prio(0), "B")
+    scheduler.enqueue("a-more", prio(0), "A")
+    assert grant_all(scheduler) == ["a1", "b1", "a-more"]  # A full (two slots), B has one free
+    scheduler.enqueue("c", prio(90), "C")  # no room, A and B both busy
+    scheduler.enqueue("b2", prio(5), "B")
+    scheduler.enqueue("a2", prio(10), "A")
+    # The queue needs B least (its best waits at 5, A's at 10): B is held back for C, and its
+    # free slot is not given to b2.
+    assert grant_all(scheduler) == []
+    assert scheduler.held_back == {"gpu0": "B"}
+    assert scheduler.snapshot().gpus[0].held_back == "B"
+    scheduler.release("a1")
+    assert grant_all(scheduler) == ["a2"]  # A serves on
+    scheduler.release("b1")  # B drained: it goes, C loads
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "c"
+    assert decision.evicts == (("B", EvictReason.LEAST_NEEDED),)
+    assert scheduler.residents_on() == frozenset({"A", "C"})
+    assert scheduler.held_back == {}
+
+
+def test_only_the_best_holds_a_model_back() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    scheduler.enqueue("b1", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.enqueue("c", prio(90), "C")  # holds back one of A, B (equally needed: A, by name)
+    scheduler.enqueue("d", prio(80), "D")  # needs room too, holds nothing back
+    scheduler.enqueue("a2", prio(1), "A")
+    scheduler.enqueue("b2", prio(1), "B")
+    # B serves on, A does not; once B has nothing waiting, the hold stays on A all the same
+    # (a hold that moved would let both take new work in turn, and C wait for ever).
+    assert grant_all(scheduler) == ["b2"]
+    assert scheduler.held_back == {"gpu0": "A"}
+
+
+def test_a_request_waiting_for_its_own_models_slot_holds_back_only_that_model() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=1))
+    scheduler.enqueue("a1", prio(0), "A")
+    scheduler.enqueue("b1", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.release("b1")
+    scheduler.enqueue("a-best", prio(50), "A")  # A is full: it waits for A's slot
+    scheduler.enqueue("b2", prio(1), "B")
+    assert grant_all(scheduler) == ["b2"]  # B serves on
+    assert scheduler.held_back == {"gpu0": "A"}
+
+
+def test_a_memory_budget_evicts_as_many_idle_models_as_the_load_needs() -> None:
+    sizes = {"A": 4, "B": 3, "C": 3, "D": 6}
+    scheduler, _ = node(gpu(max_loaded=4, memory=10, sizes=sizes))
+    for request_id, model in (("a", "A"), ("b", "B"), ("c", "C")):
+        scheduler.enqueue(request_id, prio(0), model)
+    assert grant_all(scheduler) == ["a", "b", "c"]  # 10 of 10
+    scheduler.release("b")
+    scheduler.release("c")
+    scheduler.enqueue("d", prio(9), "D")  # 6: B and C must both go
+    decision = scheduler.next()
+    assert decision is not None
+    assert sorted(eviction.model for eviction in decision.evicts) == ["B", "C"]
+    assert scheduler.residents_on() == frozenset({"A", "D"})
+
+
+def test_a_request_that_runs_alone_waits_for_every_model_to_drain() -> None:
+    scheduler, _ = node(gpu(max_loaded=2))
+    scheduler.enqueue("a", prio(0), "A")
+    grant_all(scheduler)
+    scheduler.enqueue("unload-b", prio(50), "B", alone=True)
+    scheduler.enqueue("b", prio(0), "B")
+    assert grant_all(scheduler) == []  # the unload is best: the GPU drains for it
+    scheduler.release("a")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "unload-b" and decision.alone
+    assert scheduler.next() is None  # nothing beside it
+
+
+def test_a_failed_load_forgets_only_its_own_model() -> None:
+    scheduler, _ = node(gpu(max_loaded=3))
+    scheduler.enqueue("a", prio(0), "A")
+    scheduler.enqueue("b", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.release("b", model_loaded=False)
+    assert scheduler.residents_on() == frozenset({"A"})
+    scheduler.release("a")
+    assert scheduler.residents_on() == frozenset({"A"})
+
+
+@pytest.mark.parametrize(("reached", "expected"), [(False, {"A"}), (True, {"A", "B"})])
+def test_an_unconfirmed_load_stays_counted_where_it_reached_the_upstream(reached: bool, expected: set[str]) -> None:
+    scheduler, _ = node(gpu(max_loaded=3))
+    scheduler.enqueue("a", prio(0), "A")
+    scheduler.enqueue("b", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.release("a")
+    scheduler.release("b", model_loaded=None, reached_upstream=reached)
+    assert scheduler.residents_on() == frozenset(expected)
+
+
+def test_several_gpus_prefer_the_resident_model_then_room_then_an_eviction() -> None:
+    scheduler, _ = node(gpu("gpu0", max_loaded=2, slots=2), gpu("gpu1", max_loaded=2, slots=2))
+    for request_id, model in (("a", "A"), ("b", "B"), ("c", "C")):
+        scheduler.enqueue(request_id, prio(10 - len(request_id)), model)
+    made = []
+    while (decision := scheduler.next()) is not None:
+        made.append((decision.request_id, decision.upstream, decision.evicts))
+    # a on gpu0 (both idle: the first); b loads where it has room beside nothing (gpu1 is idle);
+    # c has room beside a on gpu0 (the less busy of the two with room).
+    assert [upstream for _, upstream, _ in made] == ["gpu0", "gpu1", "gpu0"]
+    assert all(evicts == () for *_, evicts in made)
+    scheduler.enqueue("a2", prio(0), "A")
+    decision = scheduler.next()
+    assert decision is not None and decision.upstream == "gpu0" and not decision.model_load
+
+
+def test_the_estimates_start_a_load_beside_running_work_now() -> None:
+    scheduler, _ = node(gpu(max_loaded=2))
+    scheduler.enqueue("a", prio(10), "A")
+    grant_all(scheduler)
+    scheduler.enqueue("b", prio(5), "B")
+    scheduler.enqueue("a2", prio(1), "A")
+    estimator = Estimator(default_run_s=10.0, default_swap_s=2.0, samples=3)
+    holdings = scheduler.holdings()
+    starts = starts_of_node(estimator, scheduler.snapshot(), holdings)
+    # b loads beside a at once; a2 waits for a's one slot (a's load, 2 s, and its run, 10 s).
+    assert starts[0] == (0.0, "gpu0")
+    assert starts[1][0] == pytest.approx(12.0)
+
+
+def test_the_estimates_and_the_grants_agree_on_an_eviction() -> None:
+    scheduler, clock = node(gpu(max_loaded=2))
+    scheduler.enqueue("a", prio(10), "A")
+    scheduler.enqueue("b", prio(5), "B")
+    grant_all(scheduler)
+    scheduler.enqueue("c", prio(50), "C")
+    estimator = Estimator(default_run_s=10.0, default_swap_s=2.0, samples=3)
+    starts = starts_of_node(estimator, scheduler.snapshot(), scheduler.holdings())
+    # Both busy: C waits for one to drain (each its load, 2 s, and its run, 10 s), then loads.
+    assert starts[0][0] == pytest.approx(12.0)
+    clock.advance(12.0)
+    scheduler.release("a")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "c"
+    assert decision.evicts[0].model == scheduler.held_back.get("gpu0", "A")
