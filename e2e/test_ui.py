@@ -18,6 +18,7 @@ A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -298,10 +299,9 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
     in-process over a scheduler of two GPUs (tests/two_gpus.py), without Envoy or an upstream:
     what is checked is the page, and the sidecar's coordinator does not run two upstreams yet.
     Once it does, the same checks belong on a `running_stack` with `upstreams:`."""
-    from aiohttp import web
     from two_gpus import TwoGpus
 
-    from llamaswap.adapters.ui import UiState, add_ui_routes
+    from llamaswap.adapters.ui import UiState
     from llamaswap.core import ManualClock
     from llamaswap.runtime.activity import ActivityLog
     from llamaswap.runtime.history import History
@@ -317,21 +317,7 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
     node.finish(tickets["x1"])
     assert node.grant() == {"z1": "small"}
     clock.advance(1)
-    app = web.Application()
-    add_ui_routes(app, UiState(node.coordinator, history, jaeger_url=lambda: ""))  # type: ignore[arg-type]
-    # Its own thread and loop: the browser's driver calls block this one.
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    port = free_port()
-
-    async def serve() -> None:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    server = threading.Thread(target=loop.run_forever, daemon=True)
-    server.start()
-    asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
-    try:
+    with page_served(UiState(node.coordinator, history, jaeger_url=lambda: "")) as port:  # type: ignore[arg-type]
         browser.get(f"http://127.0.0.1:{port}/ui")
         seen = await async_wait_for(
             lambda: (lambda page: page if len(page["grants"]) == 2 and len(page["runningBars"]) == 2 else None)(
@@ -348,11 +334,69 @@ async def test_the_page_has_a_timeline_row_per_gpu(browser: Any) -> None:
         if os.environ.get("LLAMASWAP_UI_GPUS_SCREENSHOT"):  # to look at it
             browser.save_screenshot(os.environ["LLAMASWAP_UI_GPUS_SCREENSHOT"])
         assert "Per GPU" in seen["counters"] and "big2 / 0 / 1small2 / 1 / 1" in seen["counters"]
+
+
+@contextlib.contextmanager
+def page_served(ui: Any) -> Iterator[int]:
+    """The page's routes over ``ui`` (an `adapters.ui.UiState`) on a free port, in their own
+    thread and loop (the browser's driver calls block this one): the port."""
+    from aiohttp import web
+
+    from llamaswap.adapters.ui import add_ui_routes
+
+    app = web.Application()
+    add_ui_routes(app, ui)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    port = free_port()
+
+    async def serve() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    server = threading.Thread(target=loop.run_forever, daemon=True)
+    server.start()
+    asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
+    try:
+        yield port
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         server.join(timeout=30)
         loop.close()
+
+
+READ_RESIDENTS = """
+const chips = [...document.querySelectorAll("#gpus .chip")];
+return chips.map((c) => ({
+  gpu: c.dataset.gpu,
+  models: [...c.querySelectorAll(".gpu-resident")].map((m) => [m.dataset.model, m.textContent]),
+  max: (c.querySelector(".gpu-max") || {}).textContent,
+  held: (c.querySelector(".gpu-held") || {}).textContent,
+  slots: c.querySelector(".gpu-slots").textContent,
+}));
+"""
+
+
+async def test_the_page_shows_each_resident_model_and_what_is_held_back(browser: Any) -> None:
+    """One GPU keeping several models resident (issue 37): its chip lists each model with its own
+    busy / total slots, how many are resident of maxLoaded, and the model the best waiting request
+    holds back. Served in-process over hand-built GPU holdings (tests/test_views_residents.py)."""
+    from test_views_residents import BUSY, Resident
+
+    from llamaswap.adapters.ui import UiState
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+
+    node = Resident(BUSY, held_back="chat")
+    history = History(node.clock, ActivityLog(node.clock))
+    with page_served(UiState(node, history, jaeger_url=lambda: "")) as port:  # type: ignore[arg-type]
+        browser.get(f"http://127.0.0.1:{port}/ui")
+        (chip,) = await async_wait_for(lambda: browser.execute_script(READ_RESIDENTS) or None,
+                                       what="the GPU's chip")
+        assert chip["gpu"] == "gpu0" and chip["slots"] == "3 / 8"
+        assert chip["models"] == [["chat", "chat 2 / 2"], ["code", "code 0 / 2"], ["embed", "embed (pinned) 1 / 4"]]
+        assert chip["max"] == "(3 of 3)" and chip["held"] == "holding back chat"
 
 
 READ_BATCHES = """

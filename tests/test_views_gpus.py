@@ -33,6 +33,13 @@ def busy_node(observers: tuple = (), clock: ManualClock | None = None) -> tuple[
     return node, tickets
 
 
+def one_model(model: str, busy: int, slots: int, *, loading: bool = False) -> dict:
+    """The fields of a GPU's document that describe its models, one resident at a time (issue 37's
+    fields, beside the ones before it)."""
+    return {"max_loaded": 1, "held_back": None,
+            "models": [{"model": model, "slots_busy": busy, "slots": slots, "pinned": False, "loading": loading}]}
+
+
 # -- /queue -------------------------------------------------------------------------------------
 
 
@@ -40,8 +47,10 @@ def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None
     node, _ = busy_node()
     document = queue_document(node.view())
     assert document["gpus"] == [
-        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running"},
-        {"name": "small", "resident_models": ["y"], "slots_busy": 1, "slots": 1, "state": "running"}]
+        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running",
+         **one_model("x", 2, 2, loading=True)},
+        {"name": "small", "resident_models": ["y"], "slots_busy": 1, "slots": 1, "state": "running",
+         **one_model("y", 1, 1, loading=True)}]
     assert [(row["request_id"], row["upstream"]) for row in document["running_all"]] == [
         ("x1", "big"), ("x2", "big"), ("y1", "small")]
     # The fields a client of one GPU reads stay: the first running request, the slots over the
@@ -73,7 +82,7 @@ def test_a_gpu_frees_and_the_document_follows() -> None:
     assert node.grant() == {"z1": "small"}  # small swaps y for z; big stays busy with x
     document = queue_document(node.view())
     assert document["gpus"][1] == {"name": "small", "resident_models": ["z"], "slots_busy": 1, "slots": 1,
-                                   "state": "running"}
+                                   "state": "running", **one_model("z", 1, 1, loading=True)}
     assert {row["request_id"]: row["upstream"] for row in document["running_all"]} == {
         "x1": "big", "x2": "big", "z1": "small"}
 
@@ -247,8 +256,10 @@ def test_the_pages_state_and_timeline_name_each_gpu() -> None:
     ui = UiState(node.coordinator, history, jaeger_url=lambda: "")  # type: ignore[arg-type]
     state = ui.state_document()
     assert state["gpus"] == [
-        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running"},
-        {"name": "small", "resident_models": ["z"], "slots_busy": 1, "slots": 1, "state": "running"}]
+        {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running",
+         **one_model("x", 2, 2, loading=True)},
+        {"name": "small", "resident_models": ["z"], "slots_busy": 1, "slots": 1, "state": "running",
+         **one_model("z", 1, 1, loading=True)}]
     assert {row["request_id"]: row["upstream"] for row in state["running"]} == {"x1": "big", "x2": "big",
                                                                                 "z1": "small"}
     assert state["counters"]["upstreams"] == {"big": {"dispatched": 2, "swaps": 0, "loads": 1},

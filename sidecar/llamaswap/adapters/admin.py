@@ -44,9 +44,14 @@ def running_document(row: RunningRow) -> dict[str, Any]:
 
 
 def gpu_document(row: GpuRow) -> dict[str, Any]:
-    """One upstream (GPU) as GET /queue (and the page at /ui) shows it."""
+    """One upstream (GPU) as GET /queue (and the page at /ui) shows it: its resident models, slots
+    and state, then (several resident, issue 37) ``max_loaded``, each model's own slots and busy
+    ones (``models``) and the model the best waiting request holds back there (``held_back``)."""
     return {"name": row.name, "resident_models": list(row.resident_models), "slots_busy": row.slots_busy,
-            "slots": row.slots, "state": row.state}
+            "slots": row.slots, "state": row.state, "max_loaded": row.max_loaded,
+            "models": [{"model": model.model, "slots_busy": model.slots_busy, "slots": model.slots,
+                        "pinned": model.pinned, "loading": model.loading} for model in row.models],
+            "held_back": row.held_back}
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:

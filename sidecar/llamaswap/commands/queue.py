@@ -9,10 +9,11 @@ estimate from measured run and swap times (`estimates.*` before anything is meas
 for the running request TIME is how long it has run and START how long it is expected to
 take still. With several upstreams (GPUs) GPU says which one a running request runs on, and one
 line per GPU above the table says what it has loaded and how many of its slots are busy (like
-`squeue`'s partitions). Places kept for a client's retry (routing.retryGraceSeconds) come last
-(ST `K`): WAIT counts from the first try, TIME is how long the client has been away. `--watch N`
-refreshes every N seconds until Ctrl-C or SIGTERM; `--json` prints the admin server's document
-itself (one a line with --watch).
+`squeue`'s partitions); where a GPU keeps several models resident (`maxLoaded`), its line gives
+each model's busy/total slots and the model the best waiting request holds back there. Places
+kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT counts from the
+first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until
+Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
 
 The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
 default listen.admin.
@@ -150,10 +151,20 @@ def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
     return [gpu for gpu in gpus if isinstance(gpu, dict)] if isinstance(gpus, list) else []
 
 
+def _several_resident(gpu: dict[str, Any]) -> bool:
+    """The GPU may keep several models resident (``max_loaded`` above 1), has several, or holds one back."""
+    max_loaded = gpu.get("max_loaded")
+    residents = gpu.get("resident_models")
+    return ((isinstance(max_loaded, int) and max_loaded > 1) or (isinstance(residents, list) and len(residents) > 1)
+            or bool(gpu.get("held_back")))
+
+
 def gpu_lines(document: dict[str, Any]) -> list[str]:
-    """One line per upstream when there are several: its name, resident models and busy slots."""
+    """One line per upstream when there are several, or when one keeps several models resident:
+    its name, busy slots, resident models (with several, each one's busy/total slots) and what
+    holds it, then the model held back there, if any."""
     gpus = _gpus(document)
-    if len(gpus) <= 1:
+    if len(gpus) <= 1 and not any(_several_resident(gpu) for gpu in gpus):
         return []
     names = [str(gpu.get("name", "?")) for gpu in gpus]
     width = max(len(name) for name in names)
@@ -161,8 +172,32 @@ def gpu_lines(document: dict[str, Any]) -> list[str]:
     for name, gpu in zip(names, gpus):
         busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
         state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
-        lines.append(f"  {name.ljust(width)}  slots {busy}/{slots}  {_loaded(gpu)}  {state}")
+        loaded = _models(gpu) if _several_resident(gpu) else _loaded(gpu)
+        line = f"  {name.ljust(width)}  slots {busy}/{slots}  {loaded}  {state}"
+        held_back = gpu.get("held_back")
+        if held_back:
+            line += f", holding back {held_back} (no new grants until it drains and is unloaded)"
+        lines.append(line)
     return lines
+
+
+def _models(gpu: dict[str, Any]) -> str:
+    """"models (2 of 3) a 1/2, b 0/4 pinned": how many are resident of ``max_loaded``, and each
+    model's busy/total slots (from ``models``; a document without them: the names alone)."""
+    rows = [row for row in gpu.get("models") or [] if isinstance(row, dict)]
+    if not rows:
+        return _loaded(gpu)
+    resident = gpu.get("resident_models") or []
+    count = f"({len(resident)} of {gpu['max_loaded']})" if isinstance(gpu.get("max_loaded"), int) else ""
+    shown = []
+    for row in rows:
+        text = f"{row.get('model')} {row.get('slots_busy', 0)}/{row.get('slots', 1)}"
+        if row.get("pinned"):
+            text += " pinned"
+        if row.get("model") not in resident:
+            text += " (not known resident)"
+        shown.append(text)
+    return " ".join(part for part in ("models", count, ", ".join(shown)) if part)
 
 
 def _loaded(document: dict[str, Any]) -> str:
@@ -208,8 +243,9 @@ def render(document: dict[str, Any]) -> str:
     if isinstance(slots_total, int) and slots_total > 1:
         gpu += f", slots {document.get('slots_busy', running)}/{slots_total}"
     gpus = gpu_lines(document)
+    several = len(_gpus(document)) > 1
     # Several GPUs: each one's resident models are on its own line.
-    loaded = f"{len(gpus)} GPUs" if gpus else _loaded(document)
+    loaded = f"{len(gpus)} GPUs" if several else _loaded(document)
     summary = f"policy {document.get('policy', '?')}, {loaded}, {gpu}, {len(waiting)} waiting"
     bands = document.get("bands") or {}
     if bands:
@@ -217,7 +253,7 @@ def render(document: dict[str, Any]) -> str:
     kept = document.get("kept") or []
     if kept:
         summary += f", {len(kept)} kept for a retry"
-    columns = (*COLUMNS, GPU_COLUMN) if gpus else COLUMNS
+    columns = (*COLUMNS, GPU_COLUMN) if several else COLUMNS
     return "\n".join([summary, *gpus, *table_lines(columns, rows(document), right=_RIGHT)]) + "\n"
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
+from llamaswap.core.eviction import busy_of
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.runtime.kept import KeptRow
@@ -98,6 +99,34 @@ class RunningRow:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ModelRow:
+    """One model on a GPU: resident there (or running there while none is known resident), its
+    slots and how many of them running grants hold."""
+
+    model: str
+    slots_busy: int
+    slots: int  # the model's own slots there (`models.<id>.slots`, else the upstream's)
+    pinned: bool = False  # `models.<id>.pinned`: never evicted
+    # A running grant began by loading it (`GpuHolding.loading`): its load may still be under way.
+    loading: bool = False
+
+    @classmethod
+    def rows_of(cls, gpu: GpuHolding) -> tuple[ModelRow, ...]:
+        """Each resident model of a GPU, and any model running there while not known resident,
+        sorted by name."""
+        running = gpu.running
+        named = set(gpu.residents)
+        if running.models is not None:
+            named.update(running.models)
+        elif running.model is not None:
+            named.add(running.model)
+        loading = gpu.loading[0] if gpu.loading is not None else None
+        pinned = gpu.residency.pinned
+        return tuple(cls(model, busy_of(gpu, model)[0], gpu.slots.of(model), model in pinned, model == loading)
+                     for model in sorted(named))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GpuRow:
     """One upstream of the node (a GPU, or the GPUs one llama-server uses together): what it has
     loaded and how many of its slots the running grants hold."""
@@ -107,11 +136,19 @@ class GpuRow:
     slots_busy: int
     slots: int  # the slots of the model in effect there
     state: GpuState = GpuState.IDLE  # what holds it
+    # Several resident (issue 37): each model's slots and busy ones (`ModelRow.rows_of`), how many
+    # may be resident at once (`maxLoaded`), and the resident model the best waiting request
+    # holds back there (no new grants for it until it drains and goes; None: none).
+    models: tuple[ModelRow, ...] = ()
+    max_loaded: int = 1
+    held_back: str | None = None
 
     @classmethod
-    def of(cls, gpu: GpuHolding) -> GpuRow:
-        """The row of what a GPU holds (`Scheduler.holdings`)."""
-        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, GpuState.of(gpu))
+    def of(cls, gpu: GpuHolding, held_back: str | None = None) -> GpuRow:
+        """The row of what a GPU holds (`Scheduler.holdings`), with the model held back there
+        (the snapshot's `GpuView.held_back`)."""
+        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, GpuState.of(gpu),
+                   ModelRow.rows_of(gpu), gpu.residency.max_loaded, held_back)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,7 +256,8 @@ class QueueViews:
         # The GPUs as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
         scheduler = self._scheduler
         holdings = self._holdings()
-        gpus = [GpuRow.of(gpu) for gpu in holdings]
+        held_back = {gpu.name: gpu.held_back for gpu in snapshot.gpus}
+        gpus = [GpuRow.of(gpu, held_back.get(gpu.name)) for gpu in holdings]
         # The node's slots in effect (with one GPU, its own; busy is over all of them).
         slots_total = sum(gpu.slots for gpu in gpus)
         return QueueView(str(snapshot.policy), node_residents(snapshot), GpuState.of_node(holdings), tuple(running),

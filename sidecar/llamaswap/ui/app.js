@@ -190,15 +190,30 @@
   // The upstreams (GPUs) in the configured order; an older sidecar lists none: one, unnamed.
   const gpusOf = (doc) => (doc && doc.gpus && doc.gpus.length ? doc.gpus : [{ name: null }]);
 
+  // A GPU that keeps several models resident (maxLoaded above 1, issue 37), has several, or holds one back.
+  const severalResident = (gpu) => (gpu.max_loaded || 1) > 1 || (gpu.resident_models || []).length > 1 || !!gpu.held_back;
+
+  // Its models, each with its own busy / total slots (a pin for a pinned one), and the model held back.
+  function residentModels(gpu) {
+    const rows = (gpu.models || []).map((row) => `<span class="gpu-resident" data-model="${escapeHtml(row.model)}">` +
+      `${escapeHtml(row.model)}${row.pinned ? " (pinned)" : ""} <b>${row.slots_busy} / ${row.slots}</b></span>`);
+    const held = gpu.held_back ? ` <span class="gpu-held" title="the best waiting request holds it back: no new grants until it drains and is unloaded">holding back ${escapeHtml(gpu.held_back)}</span>` : "";
+    return `<span class="gpu-model">${rows.length ? rows.join(", ") : models(gpu.resident_models)}</span>` +
+      ` <span class="gpu-max">(${(gpu.resident_models || []).length} of ${gpu.max_loaded || 1})</span>${held}`;
+  }
+
   function renderGpus(doc) {
     const gpus = gpusOf(doc);
-    if (gpus.length < 2) {
-      byId("gpus").innerHTML = ""; // one GPU: the facts above say it all
+    if (gpus.length < 2 && !gpus.some((gpu) => gpu.name !== null && severalResident(gpu))) {
+      byId("gpus").innerHTML = ""; // one GPU of one model: the facts above say it all
       return;
     }
-    byId("loaded-model").textContent = `${gpus.length} GPUs`;
+    if (gpus.length > 1) {
+      byId("loaded-model").textContent = `${gpus.length} GPUs`;
+    }
     byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}" data-state="${escapeHtml(gpu.state || "")}">` +
-      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> <span class="gpu-model">${models(gpu.resident_models)}</span>` +
+      `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> ` +
+      (severalResident(gpu) ? residentModels(gpu) : `<span class="gpu-model">${models(gpu.resident_models)}</span>`) +
       `<b class="gpu-slots">${gpu.slots_busy} / ${gpu.slots}</b></span>`).join("");
   }
 
