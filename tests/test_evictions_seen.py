@@ -171,3 +171,51 @@ def test_get_activity_answers_the_evictions_when_asked() -> None:
     assert asyncio.run(get("")) == (200, {"activity": []})
     status, body = asyncio.run(get("?event=nonsense"))
     assert status == 400 and body["error"]["code"] == "unknown_event"
+
+
+# -- with the scheduler's own decisions ---------------------------------------------------------
+
+
+def test_the_schedulers_evictions_reach_the_metrics_and_the_log() -> None:
+    """Two models resident at most: a third model's grant evicts the idle one, and the observers
+    see it as the scheduler decided it."""
+    from llamaswap.core import Scheduler
+
+    clock = ManualClock()
+    policy = serial(aging_divisor_s=0.0).with_gpus((GpuPolicy("gpu0", Slots(1), residency=Residency(max_loaded=2)),))
+    scheduler = Scheduler(policy, clock)
+    telemetry = Telemetry(clock=clock)
+    activity = ActivityLog(clock)
+    for observer in (telemetry, activity):
+        observer.settings_changed(policy)
+    tickets: dict[str, Ticket] = {}
+
+    def arrive(request_id: str, model: str) -> None:
+        arrival = Arrival(request_id, None, None, model, "peer", None, None)
+        ticket = tickets[request_id] = Ticket(request_id, arrival, Priority(0, PrioritySource.NUMBER),
+                                              clock.now_ns())
+        scheduler.enqueue(ticket.token, ticket.priority, model)
+
+    def grant() -> list[str]:
+        granted = []
+        while (decision := scheduler.next()) is not None:
+            ticket = tickets[decision.request_id]
+            ticket.decision = decision
+            for observer in (telemetry, activity):
+                observer.dispatched(ticket, ())
+            granted.append(decision.request_id)
+        return granted
+
+    arrive("a1", "a")
+    arrive("b1", "b")
+    assert grant() == ["a1", "b1"]  # b loads beside a: room for two
+    scheduler.release("a1")
+    clock.advance(1)
+    arrive("c1", "c")
+    assert grant() == ["c1"]
+    assert tickets["c1"].decision.evicts == (Eviction("a", EvictReason.NOT_WAITED_FOR),)
+    samples = metrics(telemetry)
+    assert by_label(samples, names.MODEL_EVICTIONS, "reason", upstream="gpu0") == {
+        "not_waited_for": 1, "least_needed": 0, "least_recently_used": 0}
+    assert [(r["model"], r["reason"], r["for_model"], r["request_id"]) for r in activity.recent(event="eviction")] == [
+        ("a", "not_waited_for", "c", "c1")]

@@ -132,3 +132,24 @@ def test_the_pages_state_carries_the_same_gpu_documents() -> None:
     row = GpuRow.of(BUSY, "chat")
     shown = gpu_document(row)
     assert shown["held_back"] == "chat" and [m["model"] for m in shown["models"]] == ["chat", "code", "embed"]
+
+
+def test_the_schedulers_own_gpus_and_held_back_model_reach_the_document() -> None:
+    """Two models resident (two slots each), both busy: a request for a third holds back one of
+    them (the core's rule), and /queue shows it beside each model's slots."""
+    from llamaswap.core import Priority, PrioritySource
+
+    clock = ManualClock()
+    policy = serial(aging_divisor_s=0.0).with_gpus((GpuPolicy("gpu0", Slots(2), residency=Residency(max_loaded=2)),))
+    scheduler = Scheduler(policy, clock)
+    for token, model, priority in (("a1", "a", 0), ("b1", "b", 0)):
+        scheduler.enqueue(token, Priority(priority, PrioritySource.NUMBER), model)
+    assert [decision.model for decision in iter(scheduler.next, None)] == ["a", "b"]
+    scheduler.enqueue("c1", Priority(100, PrioritySource.NUMBER), "c")
+    assert scheduler.next() is None
+    views = QueueViews(scheduler, Estimator(default_run_s=10.0, default_swap_s=5.0, samples=5), clock, {}, {},
+                       version=lambda: 1, blocked=dict)
+    (gpu,) = queue_document(views.view())["gpus"]
+    assert gpu["held_back"] in ("a", "b") and gpu["max_loaded"] == 2
+    assert [(m["model"], m["slots_busy"], m["slots"]) for m in gpu["models"]] == [("a", 1, 2), ("b", 1, 2)]
+    assert "holding back" in render(queue_document(views.view())).splitlines()[1]
