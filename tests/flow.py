@@ -202,7 +202,7 @@ def single(*models: str) -> Catalog:
 class FakeUpstream:
     """The Upstream port, scripted: what `catalog()` returns, what `busy()` says (how many slots
     compute: True is one, False none; None: cannot tell), whether
-    `stop()` works; every call is logged in `calls` (in order) and counted. `busy_failures`:
+    `stop()` and `unload()` work; every call is logged in `calls` (in order) and counted. `busy_failures`:
     that many next `busy()` calls get no answer (`UpstreamUnanswered`, a timeout or a 5xx)."""
 
     def __init__(self, catalog: Catalog | None = None, *, busy: int | None = None, stops: bool = True,
@@ -217,6 +217,8 @@ class FakeUpstream:
         self.slots_answer: int | dict[str | None, int] | None = None  # what total_slots() says (by model)
         self.fail_catalog = False
         self.busy_failures = 0
+        self.unloads = True  # whether `unload()` works
+        self.unload_gate: asyncio.Event | None = None  # set: unload() waits for it
 
     @property
     def catalog_calls(self) -> int:
@@ -252,6 +254,20 @@ class FakeUpstream:
         if isinstance(self.slots_answer, dict):
             return self.slots_answer.get(model)
         return self.slots_answer
+
+    async def unload(self, model: str, *, timeout_s: float) -> bool:
+        """`unloads`: whether an unload works; `unload_gate` set: it waits for it first."""
+        self.calls.append(("unload", model))
+        if self.unload_gate is not None:
+            await self.unload_gate.wait()
+        if self.unloads and self.catalog_answer is not None and model in self.catalog_answer.residents:
+            self.catalog_answer = dataclasses.replace(self.catalog_answer,
+                                                      residents=self.catalog_answer.residents - {model})
+        return self.unloads
+
+    @property
+    def unload_calls(self) -> list[str | None]:
+        return [model for name, model in self.calls if name == "unload"]
 
     async def stop(self, model: str | None) -> bool:
         self.calls.append(("stop", model))

@@ -477,6 +477,7 @@ def test_the_outcome_table() -> None:
         Outcome.REJECTED_UNKNOWN_MODEL: (404, "invalid_request_error", "model_not_found", "model"),
         Outcome.EXPIRED: (503, "server_error", "queue_wait_expired", None),
         Outcome.SHUTDOWN: (503, "server_error", "shutting_down", None),
+        Outcome.UPSTREAM_ERROR: (503, "server_error", "model_unload_failed", None),
         Outcome.INTERNAL_ERROR: (500, "server_error", "internal_error", None),
         Outcome.CANCELLED_WAITING: (499, "invalid_request_error", "cancelled", None),
     }
@@ -494,6 +495,9 @@ def test_the_messages_name_the_numbers() -> None:
         "message": "the model 'nope' does not exist here: the upstream does not serve it "
                    "(GET /v1/models lists what it serves)",
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    _, body = http_error(Refusal(Outcome.UPSTREAM_ERROR, 4, model="c", evicting="a"))
+    assert json.loads(body)["error"]["message"] == (
+        "the upstream did not unload the model 'a' to make room for 'c' on its GPU; retry after 4 s")
 
 
 @pytest.mark.parametrize("outcome", [o for o in Outcome if o not in REFUSALS])

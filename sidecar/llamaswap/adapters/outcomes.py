@@ -43,6 +43,12 @@ REFUSALS: Mapping[Outcome, HttpError] = {
     Outcome.SHUTDOWN: HttpError(
         503, "server_error", "shutting_down",
         lambda r: "llamaswap is shutting down; retry on another instance or later"),
+    # Granted, but a resident model the grant evicts would not unload (several resident models):
+    # its load is not let through, or the upstream would evict a model of its own choosing.
+    Outcome.UPSTREAM_ERROR: HttpError(
+        503, "server_error", "model_unload_failed",
+        lambda r: f"the upstream did not unload the model '{r.evicting}' to make room for '{r.model}' on its GPU; "
+                  f"retry after {r.retry_after_s} s"),
     Outcome.INTERNAL_ERROR: HttpError(
         500, "server_error", "internal_error",
         lambda r: "llamaswap could not schedule the request (an internal error; see the sidecar's log)"),

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 from llamaswap.config import AbandonedGeneration, Config
 from llamaswap.core import NS_PER_S, Clock, Scheduler, abandons
+from llamaswap.core.eviction import busy_of
+from llamaswap.core.holding import GpuHolding
 from llamaswap.runtime.gpus import Gpu, Gpus
 from llamaswap.runtime.leases import Leases
 from llamaswap.runtime.observer import Observer, Settle, SettleReason, SettleResult
@@ -25,6 +27,17 @@ from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport, Tokens
 from llamaswap.runtime.upstream import NoUpstream
 
 _log = logging.getLogger(__name__)
+
+
+def held(gpu: GpuHolding, model: str | None) -> int:
+    """The generations this process holds on a GPU that a settle of ``model`` counts beside the
+    abandoned one: its grants there, and the adopted exchanges (whose model is not known). With
+    several resident models only the grants of ``model`` (none named: all): each resident model
+    runs in a process of its own, whose slots the upstream counts apart (`Upstream.busy`)."""
+    if model is None or not gpu.residency.several:
+        return gpu.running.busy + gpu.adopted
+    return busy_of(gpu, model)[0] + gpu.adopted
+
 
 _ENDED = {SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
           SettleResult.WATCHDOG: "outlived maxRunSeconds and is let go"}
@@ -35,12 +48,12 @@ class Adoptions:
 
     ``busy``: a GPU is held by something new (the coordinator is not idle); ``changed``: the
     state the views show changed; ``freed``: a settle or an adoption ended (grant again);
-    ``held``: the generations this process holds on a GPU (its grants and adopted exchanges)."""
+    ``holding``: what holds a GPU now, by name (the generations this process holds there: `held`)."""
 
     def __init__(self, *, clock: Clock, config: Callable[[], Config], scheduler: Scheduler, gpus: Gpus,
                  leases: Leases, tokens: Tokens, observer: Observer, observe: Callable[..., None],
                  busy: Callable[[], None], changed: Callable[[], None], freed: Callable[[], None],
-                 held: Callable[[Gpu], int], lease_ns: Callable[[], int]) -> None:
+                 holding: Callable[[str], GpuHolding], lease_ns: Callable[[], int]) -> None:
         self._clock = clock
         self._config = config
         self._scheduler = scheduler
@@ -52,7 +65,7 @@ class Adoptions:
         self._busy = busy
         self._changed = changed
         self._freed = freed
-        self._held = held
+        self._holding = holding
         self._lease_ns = lease_ns
 
     def _stops(self) -> bool:
@@ -87,13 +100,17 @@ class Adoptions:
         scheduler = self._scheduler
 
         def unloaded() -> None:
-            if scheduler.set_residents(frozenset(), as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
+            # Stopping unloads the settle's model (none named: every loaded one); with several
+            # resident, the others stay.
+            model, several = settling.model, self._holding(gpu.name).residency.several
+            left = scheduler.residents_on(gpu.name) - {model} if model is not None and several else frozenset()
+            if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()
 
         settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
                                   settle_timeout_s=config.upstream.settle_timeout_seconds,
                                   max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
-                                  held=lambda: self._held(gpu))
+                                  held=lambda: held(self._holding(gpu.name), settling.model))
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
         self._changed()
         self._freed()

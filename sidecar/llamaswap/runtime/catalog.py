@@ -90,6 +90,11 @@ class ModelCatalog:
             task = self._refresh = asyncio.ensure_future(self._ask())
         return await asyncio.shield(task)
 
+    def refresh_later(self) -> None:
+        """Ask the upstream soon, without waiting for the answer (unless an ask is under way)."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._ask())
+
     async def _ask(self) -> Catalog | None:
         as_of = self._dispatches()
         try:

@@ -34,7 +34,8 @@ Elsewhere (docs/architecture.md, "The rooms"): the model catalog checks and the 
 (`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
 queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
-request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`).
+request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`), the unloads
+a grant waits for (`evictions.py`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from llamaswap.config.model_key import ModelKey, model_key
 from llamaswap.runtime.gpus import auto_slots, make_gpus, node_policy
 from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.deferred import Deferred
+from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.kept import PlaceKeeper
 from llamaswap.runtime.leases import Leases
@@ -71,7 +73,7 @@ from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.observer import NoopObserver, Observer, overtaken_by, queue_picture
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
-from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow, free, held
+from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow, free
 from llamaswap.runtime.watchdogs import Watchdogs
 
 _log = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ class Coordinator:
         self._adoptions = Adoptions(clock=self._clock, config=lambda: self._config, scheduler=self.scheduler,
                                     gpus=self.gpus, leases=self._leases, tokens=self._tokens, observer=self._observer,
                                     observe=self._observe, busy=self._idle.clear, changed=self._changed,
-                                    freed=self._freed, held=lambda gpu: held(self.holding_of(gpu.name)),
+                                    freed=self._freed, holding=self.holding_of,
                                     lease_ns=self._lease_ns)
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=lambda model: self._key(model).scheduled)
@@ -137,6 +139,9 @@ class Coordinator:
             self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
             version=lambda: self._version, blocked=self._forecast.blocked_by_upstream,
             holdings=self._holdings)
+        self._evictions = Evictions(self.gpus, self._clock, self._leases, self._lease_ns, self._forecast,
+                                    running=self.scheduler.is_running, release=lambda ticket: self._release(
+                                        ticket, Outcome.UPSTREAM_ERROR, abandoned=False, sent=False))
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
 
@@ -276,8 +281,8 @@ class Coordinator:
         decision = await waiter
         if decision is None:
             assert ticket.outcome is not None
-            return self._refusal_of(ticket)
-        return ticket
+            return self._forecast.refusal_of(ticket)
+        return ticket if ticket.unloads is None else await self._evictions.wait(ticket)  # (several resident)
 
     def report(self, token: str, report: ExchangeReport) -> None:
         """An access-log entry about a granted exchange: a lease renewal, or its end."""
@@ -351,6 +356,7 @@ class Coordinator:
         if self._expiry is not None:
             self._expiry.cancel()
         self._forecast.close()
+        self._evictions.close()
         self._watchdogs.close()
         self._leases.cancel()
         self.gpus.close()
@@ -402,8 +408,11 @@ class Coordinator:
             if decision is None:
                 return
             ticket = self._tickets.get(decision.request_id)
+            # Its unloads begin whatever becomes of it: the scheduler counts the evicted models gone.
+            unloads = self._evictions.granted(decision)
             waiter = ticket.waiter if ticket is not None else None
             if ticket is not None and waiter is not None and not waiter.done():
+                ticket.unloads = unloads
                 self._grant(ticket, waiter, decision)
                 continue
             # Envoy cancelled this Check a moment ago (its waiter is cancelled) and the handler
@@ -481,15 +490,6 @@ class Coordinator:
     def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
         self._finish(ticket, refusal.outcome, self._clock.now_ns())
         return refusal
-
-    def _refusal_of(self, ticket: Ticket) -> Refusal:
-        """The answer for a ticket that left the queue without a grant (expired, shut down)."""
-        outcome = ticket.outcome
-        if outcome is Outcome.EXPIRED:
-            return Refusal(outcome, self._forecast.retry_after_s(), max_wait_s=self.scheduler.policy.max_wait_s)
-        if outcome is Outcome.SHUTDOWN:
-            return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
-        return Refusal(outcome or Outcome.INTERNAL_ERROR)
 
     def _check_cancelled(self, ticket: Ticket, outcome: Outcome = Outcome.CANCELLED_WAITING, *,
                          pump: bool = True) -> None:

@@ -1,5 +1,6 @@
-"""What the runtime tells clients about time: when to come back (Retry-After) and the estimated
-wait recorded at arrival, both from the estimator (`core.estimate`) over what runs now."""
+"""What the runtime tells clients about time: when to come back (Retry-After, and the refusal
+that carries it) and the estimated wait recorded at arrival, both from the estimator
+(`core.estimate`) over what runs now."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import asyncio
 import math
 from collections.abc import Callable
 
-from llamaswap.core import NS_PER_S, Clock, Estimator, Scheduler
+from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
 from llamaswap.core.dispatch import GpuTimes
 from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
 from llamaswap.runtime.gpus import Gpus
-from llamaswap.runtime.ticket import Ticket, TicketState
+from llamaswap.runtime.ticket import Refusal, Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
 
 # A refused client is told to come back when a place is expected to free, within these bounds.
@@ -42,6 +43,16 @@ class Forecast:
     def retry_after_s(self) -> int:
         """When a place is expected to free: when the GPU's current work is expected to end."""
         return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(self.busy_s()))))
+
+    def refusal_of(self, ticket: Ticket) -> Refusal:
+        """The answer for a ticket that left without a grant it could use (expired, shut down,
+        released while its evictions ran), with when to come back."""
+        outcome = ticket.outcome
+        if outcome is Outcome.EXPIRED:
+            return Refusal(outcome, self.retry_after_s(), max_wait_s=self._scheduler.policy.max_wait_s)
+        if outcome is Outcome.SHUTDOWN:
+            return Refusal(outcome, SHUTDOWN_RETRY_AFTER_S)
+        return Refusal(outcome or Outcome.INTERNAL_ERROR)
 
     def busy_s(self) -> float:
         """How long until some GPU is expected to take the next grant: the soonest over the GPUs

@@ -53,7 +53,9 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     until the deadline: only "idle", "cannot tell, ever" or the deadline end the wait. With `stop`
     the generation is stopped only once the upstream says it is still busy (a streamed client
     that left has already stopped its own; unloading costs a reload). `residents` (at startup)
-    finds which model to ask about (one the upstream has loaded; today it has at most one);
+    finds which model to ask about (the one the upstream has loaded; with several loaded, every
+    one: no model named); an abandoned generation's settle asks about its own model only (with
+    several resident, each runs in a process of its own);
     `unloaded` hears that the generation was stopped (nothing is loaded any more); with
     `blind_until_ns`, an upstream that cannot tell holds the GPU until then (at startup: until
     Envoy's periodic entry would have revealed a running exchange).
@@ -73,7 +75,7 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     while True:
         try:
             if residents is not None:
-                model = min(await residents(), default=None)
+                model = _one_of(await residents())
                 residents = None
             processing = await upstream.busy(model)
         except asyncio.CancelledError:
@@ -119,6 +121,11 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     _log.log(level, "upstream settle after %s (request %s, model %s): %s in %.3f s", settle.reason,
              settle.request_id, model or "-", result, settle.seconds)
     return settle
+
+
+def _one_of(models: frozenset[str]) -> str | None:
+    """The model a startup settle asks about: the one loaded; None (all of them) with several or none."""
+    return next(iter(models)) if len(models) == 1 else None
 
 
 async def _stop(upstream: Upstream, model: str | None) -> bool:

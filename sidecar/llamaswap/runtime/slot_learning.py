@@ -1,9 +1,10 @@
 """upstream.slots: auto: asking the upstream how many generations it runs at once.
 
 A single-model upstream is asked once (its number is kept under None); a router is asked about
-each model once it is loaded (asking never loads one): when the reconcile loop sees it loaded
-(`observe`), or after its first grant while it runs (`after_grant`: the loop reads the catalog
-only when idle, which a steady stream of requests never is). What is learnt goes to the
+each model once it is loaded (asking never loads one; several resident: each of them, in turn):
+when the reconcile loop sees it loaded (`observe`), or after its first grant while it runs
+(`after_grant`: the loop reads the catalog only when idle, which a steady stream of requests
+never is). What is learnt goes to the
 scheduler through the coordinator (`apply`); the configuration turns it into slots
 (`Config.slots`). At most one ask is under way (`asking`): the one place that starts one is `_ask`.
 """
@@ -68,8 +69,18 @@ class SlotLearner:
 
     async def _refresh_and_learn(self) -> None:
         catalog = await self._catalog.refresh()
-        router = catalog is not None and catalog.kind is UpstreamKind.ROUTER
-        await self._learn(_resident(catalog) if router and catalog is not None else None, router=router)
+        if catalog is None or catalog.kind is not UpstreamKind.ROUTER:
+            await self._learn(None, router=False)
+        elif not catalog.residents:
+            await self._learn(None, router=True)  # (says that it cannot tell yet)
+        else:
+            await self._learn_each(sorted(catalog.residents))
+
+    async def _learn_each(self, models: list[str]) -> None:
+        """Ask about each of a router's resident models in turn (one ask at a time)."""
+        for model in models:
+            if self._wants(model):
+                await self._learn(model, router=True)
 
     async def _learn(self, model: str | None, *, router: bool) -> None:
         learnt = await self._upstream.total_slots(model) if model is not None or not router else None
@@ -99,12 +110,17 @@ class SlotLearner:
         return config.upstream.slots == SLOTS_AUTO and model not in self.learnt and not configured
 
     def observe(self, catalog: Catalog) -> None:
-        """The reconcile loop read the catalog: ask about a model seen loaded for the first time
-        (a single-model upstream: once)."""
-        router = catalog.kind is UpstreamKind.ROUTER
-        model = _resident(catalog) if router else None
-        if (model is not None or not router) and self._wants(model) and not self.asking:
-            self._ask(self._learn(model, router=router))
+        """The reconcile loop read the catalog: ask about each model seen loaded for the first time
+        (several resident: each in turn; a single-model upstream: once)."""
+        if self.asking:
+            return
+        if catalog.kind is not UpstreamKind.ROUTER:
+            if self._wants(None):
+                self._ask(self._learn(None, router=False))
+            return
+        wanted = sorted(model for model in catalog.residents if self._wants(model))
+        if wanted:
+            self._ask(self._learn_each(wanted))
 
     def after_grant(self, model: str | None) -> None:
         """A grant of a router-mode model whose slots are not known yet: learn them once the upstream
@@ -139,8 +155,3 @@ class SlotLearner:
         for task in (self._asking, self._learning):
             if task is not None:
                 task.cancel()
-
-
-def _resident(catalog: Catalog) -> str | None:
-    """The model a router has loaded, whose slots are asked about (today it reports at most one)."""
-    return min(catalog.residents, default=None)

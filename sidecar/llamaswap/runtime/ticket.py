@@ -128,7 +128,7 @@ class Ticket:
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
         "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
-        "retry_key", "attempt", "takeover",
+        "retry_key", "attempt", "takeover", "unloads",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -165,6 +165,9 @@ class Ticket:
         self.retry_key = arrival.retry_key
         self.attempt = arrival.attempt
         self.takeover: Takeover | None = None  # the kept place it took over, if it did
+        # Granted: the unloads it waits for before it goes (several resident models, `evictions.py`;
+        # their result: None once done, else the model that would not go); None: nothing to wait for.
+        self.unloads: asyncio.Future[str | None] | None = None
 
     @property
     def generation(self) -> bool:
@@ -207,6 +210,7 @@ class Refusal:
     max_wait_s: float = 0.0
     model: str | None = None
     limit_key: str = "routing.scheduler.maxQueued"  # the setting `queue_limit` is
+    evicting: str | None = None  # the resident model the upstream would not unload to make room for `model`
 
 
 # What `admit` answers: the granted ticket, or a refusal.
