@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from llamaswap.config.problems import Problem
+from llamaswap.config.residency import residency_advice
 from llamaswap.config.sections import Config
 from llamaswap.core.priority import INTERACTIVE_FLOOR, PriorityMode, band_of
 from llamaswap.core.scheduler import PolicyName
@@ -14,7 +15,8 @@ from llamaswap.core.scheduler import PolicyName
 
 def advice(config: Config) -> list[Problem]:
     """What in ``config`` cannot apply or undoes its purpose, each with its fix."""
-    return [*_clamp_reaches_interactive(config), *_unused_settings(config), *_stripped_batches(config)]
+    return [*_clamp_reaches_interactive(config), *_unused_settings(config), *_stripped_batches(config),
+            *residency_advice(config)]
 
 
 def _stripped_batches(config: Config) -> list[Problem]:

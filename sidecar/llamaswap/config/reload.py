@@ -38,12 +38,17 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
                                                           "while it is positive, so turning it on from 0 takes "
                                                           "effect at the next restart"),
     ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too; a model's "
-                                       "slots from the next grant"),
+                                       "slots from the next grant, its memory and pinned from the next decision"),
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),
     ReloadKey("upstream.url", OnReload.REFUSED, "Envoy's upstream cluster"),
     ReloadKey("upstream.managementApi", OnReload.REFUSED, "Envoy's routes refuse or schedule the management API"),
     ReloadKey("upstream.slots", OnReload.LIVE, "the scheduler's slots from the next grant (the upstream's own "
                                                "--parallel is set where it starts)"),
+    ReloadKey("upstream.maxLoaded", OnReload.RESTART, "`up` and the chart start llama-server's router with "
+                                                      "--models-max from it, and the resident models are adopted "
+                                                      "at start"),
+    ReloadKey("upstream.memory", OnReload.LIVE, "the scheduler's budget from the next decision (the models' sizes "
+                                                "are read again with the file)"),
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
     ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
     ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),

@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
 
 from llamaswap.config.batches import BatchesConfig
 from llamaswap.config.model_key import single_model_slots
@@ -27,10 +27,9 @@ from llamaswap.config.types import (
     ModelCheck,
     StrictBool,
     StrictInt,
+    MemorySize,
     StrictNumber,
     ZeroOrSeconds,
-    command_document,
-    command_line,
     checked_health_path,
     model_id,
     none_is_empty,
@@ -42,21 +41,23 @@ from llamaswap.config.types import (
     checked_trusted_header,
     upstream_url,
 )
+from llamaswap.config.residency import ModelSize, model_sizes, residency_of, residency_problems
 from llamaswap.config.upstreams import (
     IMPLICIT_UPSTREAM,
-    MAX_NAME_LENGTH,
-    NAME_PATTERN,
+    SLOTS_AUTO,
+    UPSTREAM_URL_PATTERN,
+    Command,
     UpstreamEntry,
+    UpstreamItem,
     duplicates,
-    model_list,
     moved_keys,
     slots_left_unreserved,
     unserved_models,
     upstream_list,
-    upstream_name,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
+from llamaswap.core.residency import Residency
 
 # The anchors (batch -100, normal 0, interactive 100) sit this far apart. The swap affinity
 # bonus stays below it, so it never lifts a request at one anchor over a request at the next
@@ -80,8 +81,6 @@ MAX_RETRY_GRACE_SECONDS = 3600.0
 RESERVED_SLOTS_MEANING = (
     "Of a model's slots, this many are kept for the interactive band (priority >= 50); it must be below "
     "every model's slots. 0 reserves none.")
-# The value of upstream.slots that asks the upstream (llama-server's /props total_slots).
-SLOTS_AUTO = "auto"
 
 
 def _slots_value(value: Any) -> Any:
@@ -90,34 +89,11 @@ def _slots_value(value: Any) -> Any:
     raise invalid(f"must be an integer >= 1 or 'auto' (ask the upstream), got {describe_value(value)}")
 
 
-def _entry_slots_value(value: Any) -> Any:
-    if value is None:
-        return None
-    if value == SLOTS_AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise invalid(f"must be an integer >= 1, 'auto' (ask the upstream), or null for upstream.slots, got "
-                  f"{describe_value(value)}")
-
-
 def _at_least_one_item(schema: dict[str, Any]) -> None:
     """An empty list is refused (upstreams: [] names no upstream); null is the default."""
     for branch in schema.get("anyOf", []):
         if branch.get("type") == "array":
             branch["minItems"] = 1
-
-
-# A command line (upstream.command, upstreams[i].command): a string split like a shell does, or a list.
-Command = Annotated[
-    tuple[str, ...],
-    BeforeValidator(command_line),
-    PlainSerializer(command_document),
-    WithJsonSchema({"anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": ["string", "number"]}, "minItems": 1},
-        {"type": "null"},
-    ]}),
-]
-UPSTREAM_URL_PATTERN = r"^https?://[^\s/?#]+(/\S*)?$"
 
 
 class SerialSettings(Section):
@@ -206,6 +182,13 @@ class ModelConfig(Section):
     slots: Annotated[StrictInt | None, Meaning("null = upstream.slots")] = Field(
         default=None, ge=1, description="Generations of this model at once; overrides upstream.slots. "
                                         "Null (the default) takes upstream.slots.")
+    memory: MemorySize = Field(
+        default=None,
+        description="What this model takes on a GPU once loaded (weights, KV cache, buffers), e.g. 40GiB, counted "
+                    "against upstream.memory; null: llamaswap's estimate from its GGUF file.")
+    pinned: StrictBool = Field(
+        default=False,
+        description="Loaded and never evicted, on each upstream that may serve it (needs maxLoaded >= 2 there).")
 
 
 class ListenConfig(Section):
@@ -277,6 +260,16 @@ class UpstreamConfig(UrlParts, Section):
                     "'auto': ask the upstream (/props total_slots; 1 with a log line if it cannot tell). 1 (the "
                     "default) grants one request at a time.",
         json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}]})
+    max_loaded: StrictInt = Field(
+        default=1, ge=1,
+        description="Models resident on the upstream at once (llama-server's router: --models-max); llamaswap "
+                    "evicts, by what the queue needs least, to make room. 1 (the default): a load replaces the "
+                    "resident model.")
+    memory: MemorySize = Field(
+        default=None,
+        description="A memory budget the resident models must fit in together (80GiB, 512MiB, 1.5GB or bytes): "
+                    "each model then needs models.<id>.memory, or a GGUF file llamaswap can read to estimate it "
+                    "(its size plus its KV cache). Null (the default): count models only (maxLoaded).")
     api_key: Annotated[str | None, BeforeValidator(api_key_reference)] = Field(
         default=None,
         description="Where the upstream's API key is (llama-server's --api-key): 'file:PATH' or 'env:NAME', never "
@@ -307,33 +300,6 @@ class UpstreamConfig(UrlParts, Section):
             raise ConfigError([Problem("upstream.apiKey",
                                        f"{self.api_key} holds more than one line: put one key in it")])
         return key
-
-
-class UpstreamItem(Section):
-    """One entry of upstreams: one llama-server (one GPU, or the GPUs it uses together)."""
-
-    # The rest of `upstream` (apiKey, modelCheck, healthPath, ...) applies to every entry.
-
-    name: Annotated[str, BeforeValidator(upstream_name)] = Field(
-        description=f"The upstream's name, 1..{MAX_NAME_LENGTH} lowercase letters, digits and '-': its Envoy "
-                    "cluster is upstream-<name>, and metrics, /queue and the activity log name it.",
-        json_schema_extra={"pattern": f"^{NAME_PATTERN}$", "maxLength": MAX_NAME_LENGTH})
-    url: Annotated[str, BeforeValidator(upstream_url)] = Field(
-        description="Its base URL, http:// or https://; a trailing '/' is dropped. Each entry its own server.",
-        json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
-    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value)] = Field(
-        default=None,
-        description="Its generations at once (its --parallel): an integer >= 1, or 'auto' (ask it); null (the "
-                    "default) takes upstream.slots.",
-        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}, {"type": "null"}]})
-    models: Annotated[tuple[str, ...] | None, BeforeValidator(model_list),
-                      WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": ["string", "number"]}},
-                                                {"type": "null"}]})] = Field(
-        default=None,
-        description="The model ids it may serve (a small GPU cannot hold the big model); null or empty: any.")
-    command: Command = Field(default=(), description="`llamaswap up` starts this for the entry, like "
-                                                     "upstream.command; empty for none.",
-                             json_schema_extra={"default": ""})  # as to_document writes ()
 
 
 # Envoy reports a running exchange this many times per envoy.leaseSeconds (its access-log
@@ -453,6 +419,8 @@ class Config(Section):
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
 
     _source: str = PrivateAttr("<defaults>")
+    # Each upstream's model sizes (`residency.model_sizes`), read once when the file is validated.
+    _model_sizes: Mapping[str, Mapping[str, ModelSize]] = PrivateAttr(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -504,15 +472,39 @@ class Config(Section):
                           key=reserved_key) from None
         return self
 
+    @model_validator(mode="after")
+    def _residency_fits(self) -> Config:
+        # Where an upstream has a memory budget, every model it serves needs a size (read from
+        # GGUF files here, once); pinned models must be able to stay.
+        sizes, problems = model_sizes(self)
+        problems += residency_problems(self, sizes)
+        if problems:
+            raise invalid_all(type(self).__name__, problems)
+        self._model_sizes = sizes
+        return self
+
+    def residency_of(self, upstream: str) -> Residency:
+        """How many models the upstream named ``upstream`` keeps resident at once, which are
+        pinned, and its memory budget with each model's size (``models.<id>.memory`` or the GGUF
+        estimate): what its `GpuPolicy` carries. KeyError for a name it does not have."""
+        return residency_of(self, upstream, self._model_sizes)
+
+    def model_sizes(self, upstream: str) -> Mapping[str, ModelSize]:
+        """The sizes of the models of ``upstream`` and where each comes from (a key or its GGUF file)."""
+        return self._model_sizes.get(upstream, {})
+
     @property
     def upstream_entries(self) -> tuple[UpstreamEntry, ...]:
         """The node's upstreams, in the file's order: ``upstreams``, or without it one entry
         (``gpu0``) of upstream.url, slots and command. An entry's slots default to upstream.slots."""
+        upstream = self.upstream
         if self.upstreams is None:
-            return (UpstreamEntry(IMPLICIT_UPSTREAM, self.upstream.url, self.upstream.slots, None,
-                                  self.upstream.command),)
-        return tuple(UpstreamEntry(item.name, item.url, self.upstream.slots if item.slots is None else item.slots,
-                                   None if item.models is None else frozenset(item.models), item.command)
+            return (UpstreamEntry(IMPLICIT_UPSTREAM, upstream.url, upstream.slots, None, upstream.command,
+                                  upstream.max_loaded, upstream.memory),)
+        return tuple(UpstreamEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
+                                   None if item.models is None else frozenset(item.models), item.command,
+                                   upstream.max_loaded if item.max_loaded is None else item.max_loaded,
+                                   upstream.memory if item.memory is None else item.memory)
                      for item in self.upstreams)
 
     @property

@@ -11,9 +11,19 @@ import shlex
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, Strict
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    PlainSerializer,
+    Strict,
+    WithJsonSchema,
+)
 from pydantic_core import PydanticCustomError, core_schema
 
+from llamaswap.config.gguf_memory import SIZE_FORMS, parse_size
 from llamaswap.config.problems import describe_value, invalid
 from llamaswap.core.priority import ALIASES, INT64_MAX, INT64_MIN
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
@@ -282,3 +292,51 @@ class UrlParts:
     @property
     def tls(self) -> bool:
         return urlsplit(self.url).scheme == "https"
+
+
+def memory_size(value: Any) -> int | None:
+    """A memory size (upstream.memory, models.<id>.memory): ``80GiB``, ``512MiB``, ``1.5GB`` or a
+    whole number of bytes, more than 0; null for none."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        try:
+            size = parse_size(value)
+        except ValueError:
+            raise invalid(f"must be a size, {SIZE_FORMS}; got {describe_value(value)}") from None
+    else:
+        raise invalid(f"must be a size such as 80GiB or 512MiB (or a whole number of bytes), got "
+                      f"{describe_value(value)}")
+    if size <= 0:
+        raise invalid(f"must be more than 0 bytes, got {describe_value(value)} (leave it out for none)")
+    return size
+
+
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def size_document(size: int | None) -> str | int | None:
+    """A size as the file writes it: in the largest binary unit that holds it whole (80GiB), else bytes."""
+    if size is None:
+        return None
+    for unit, factor in _BINARY_UNITS:
+        if size % factor == 0:
+            return f"{size // factor}{unit}"
+    return size
+
+
+def size_text(size: int) -> str:
+    """A size for people: ``40.0 GiB``, ``512.0 MiB``."""
+    for unit, factor in _BINARY_UNITS:
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size} B"
+
+
+MEMORY_SIZE_SCHEMA = {"anyOf": [{"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*[A-Za-z]*\s*$"},
+                                {"type": "integer", "minimum": 1}, {"type": "null"}]}
+# A memory size in the file (``80GiB``), bytes in Python, written back in the largest whole unit.
+MemorySize = Annotated[int | None, BeforeValidator(memory_size), PlainSerializer(size_document),
+                       WithJsonSchema(MEMORY_SIZE_SCHEMA)]

@@ -8,12 +8,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+from pydantic import BeforeValidator, Field, PlainSerializer, WithJsonSchema
+
 from llamaswap.core.policy import SINGLE_UPSTREAM
-from llamaswap.config.types import UrlParts
-from llamaswap.config.problems import Problem, describe_value, invalid
+from llamaswap.config.section import Section
+from llamaswap.config.types import (
+    MemorySize,
+    StrictInt,
+    UrlParts,
+    command_document,
+    command_line,
+    upstream_url,
+)
+from llamaswap.config.problems import Meaning, Problem, describe_value, invalid
 
 # The entry that upstream.url, slots and command make when the file has no `upstreams`.
 IMPLICIT_UPSTREAM = SINGLE_UPSTREAM
@@ -21,6 +31,8 @@ IMPLICIT_UPSTREAM = SINGLE_UPSTREAM
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
 _NAME = re.compile(NAME_PATTERN)
+# The value of upstream.slots that asks the upstream (llama-server's /props total_slots).
+SLOTS_AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +46,9 @@ class UpstreamEntry(UrlParts):
     slots: int | Literal["auto"]
     models: frozenset[str] | None
     command: tuple[str, ...]
+    # Models resident at once, and their memory budget in bytes (None: none); resolved like slots.
+    max_loaded: int = 1
+    memory: int | None = None
 
     def may_serve(self, model: str) -> bool:
         """Whether the file lets this upstream serve ``model`` (its ``models`` list, if any)."""
@@ -142,3 +157,60 @@ def moved_keys(upstream_set: Iterable[str], own_slots: Sequence[bool]) -> list[P
                                 "remove slots from the entries that should take it"))
     return problems
 
+
+def _entry_slots_value(value: Any) -> Any:
+    if value is None:
+        return None
+    if value == SLOTS_AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise invalid(f"must be an integer >= 1, 'auto' (ask the upstream), or null for upstream.slots, got "
+                  f"{describe_value(value)}")
+
+
+# A command line (upstream.command, upstreams[i].command): a string split like a shell does, or a list.
+Command = Annotated[
+    tuple[str, ...],
+    BeforeValidator(command_line),
+    PlainSerializer(command_document),
+    WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": ["string", "number"]}, "minItems": 1},
+        {"type": "null"},
+    ]}),
+]
+UPSTREAM_URL_PATTERN = r"^https?://[^\s/?#]+(/\S*)?$"
+
+
+class UpstreamItem(Section):
+    """One entry of upstreams: one llama-server (one GPU, or the GPUs it uses together)."""
+
+    # The rest of `upstream` (apiKey, modelCheck, healthPath, ...) applies to every entry.
+
+    name: Annotated[str, BeforeValidator(upstream_name)] = Field(
+        description=f"The upstream's name, 1..{MAX_NAME_LENGTH} lowercase letters, digits and '-': its Envoy "
+                    "cluster is upstream-<name>, and metrics, /queue and the activity log name it.",
+        json_schema_extra={"pattern": f"^{NAME_PATTERN}$", "maxLength": MAX_NAME_LENGTH})
+    url: Annotated[str, BeforeValidator(upstream_url)] = Field(
+        description="Its base URL, http:// or https://; a trailing '/' is dropped. Each entry its own server.",
+        json_schema_extra={"pattern": UPSTREAM_URL_PATTERN})
+    slots: Annotated[int | Literal["auto"] | None, BeforeValidator(_entry_slots_value)] = Field(
+        default=None,
+        description="Its generations at once (its --parallel): an integer >= 1, or 'auto' (ask it); null (the "
+                    "default) takes upstream.slots.",
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}, {"type": "null"}]})
+    models: Annotated[tuple[str, ...] | None, BeforeValidator(model_list),
+                      WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": ["string", "number"]}},
+                                                {"type": "null"}]})] = Field(
+        default=None,
+        description="The model ids it may serve (a small GPU cannot hold the big model); null or empty: any.")
+    command: Command = Field(default=(), description="`llamaswap up` starts this for the entry, like "
+                                                     "upstream.command; empty for none.",
+                             json_schema_extra={"default": ""})  # as to_document writes ()
+    max_loaded: Annotated[StrictInt | None, Meaning("null = upstream.maxLoaded")] = Field(
+        default=None, ge=1,
+        description="Models resident on it at once, as upstream.maxLoaded; null (the default) takes "
+                    "upstream.maxLoaded.")
+    memory: MemorySize = Field(
+        default=None,
+        description="Its memory budget for resident models, as upstream.memory; null (the default) takes "
+                    "upstream.memory.")

@@ -1,0 +1,325 @@
+"""Several models resident on one upstream (issue 37): what ``maxLoaded``, ``memory``,
+``models.<id>.memory`` and ``models.<id>.pinned`` make of each upstream of a configuration.
+
+- `model_sizes`: where an upstream has a memory budget, the size of each model it may serve:
+  ``models.<id>.memory``, else an estimate from the model's GGUF file (`gguf_memory`: the file's
+  size plus its KV cache at the context the upstream runs it with), found in the models directory
+  of the upstream's command (llama-server's ``--models-dir``; the file ``<id>.gguf``). A model
+  with neither is a problem that names ``models.<id>.memory``.
+- `residency_problems`: pinned models that cannot stay (``maxLoaded: 1``, more pinned than
+  ``maxLoaded``, more than ``memory``).
+- `residency_of`: the core's `Residency` of one upstream, which the scheduler's policy carries.
+
+`Config` runs the first two when it is validated and keeps the sizes, so that building a
+policy reads no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
+from llamaswap.config.problems import Problem
+from llamaswap.config.types import size_document, size_text
+from llamaswap.config.upstreams import UpstreamEntry
+from llamaswap.core.residency import Residency
+
+if TYPE_CHECKING:
+    from llamaswap.config.sections import Config
+
+# llama-server's flags that say where its models are and the context and KV cache they run with.
+MODELS_DIR_FLAGS = ("--models-dir",)
+CONTEXT_FLAGS = ("-c", "--ctx-size")
+CACHE_TYPE_FLAGS = {"k": ("-ctk", "--cache-type-k"), "v": ("-ctv", "--cache-type-v")}
+# Bytes per KV cache element of llama-server's --cache-type-k/-v (a block's bytes over its 32 values).
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+                    "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+DEFAULT_CACHE_TYPE = "f16"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSize:
+    """A model's size on an upstream, and where it comes from (a key, or the file estimated)."""
+
+    bytes: int
+    source: str
+
+    def __str__(self) -> str:
+        return size_text(self.bytes)
+
+
+def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the last of ``flags`` on a command line (``--flag VALUE`` or ``--flag=VALUE``)."""
+    found = None
+    for index, argument in enumerate(command):
+        for flag in flags:
+            if argument == flag and index + 1 < len(command):
+                found = command[index + 1]
+            elif argument.startswith(f"{flag}="):
+                found = argument.split("=", 1)[1]
+    return found
+
+
+def models_dir(command: Sequence[str]) -> pathlib.Path | None:
+    """The models directory of a llama-server command (router mode's ``--models-dir``), if any."""
+    value = flag_value(command, MODELS_DIR_FLAGS)
+    return pathlib.Path(value) if value else None
+
+
+def context_of(command: Sequence[str]) -> int:
+    """The context a command runs its models with (``-c``/``--ctx-size``); 0, the model's own
+    trained context, without one or where it is not a number (the larger estimate: the safe side)."""
+    value = flag_value(command, CONTEXT_FLAGS)
+    try:
+        return max(0, int(value)) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+def cache_type_bytes(command: Sequence[str]) -> float:
+    """Bytes per KV cache element: the mean of K's and V's (``--cache-type-k/-v``, f16 by default)."""
+    widths = [CACHE_TYPE_BYTES.get((flag_value(command, flags) or DEFAULT_CACHE_TYPE).lower(), 2.0)
+              for flags in CACHE_TYPE_FLAGS.values()]
+    return sum(widths) / len(widths)
+
+
+def gguf_models(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The models llama-server's router serves from a directory: each ``<id>.gguf`` in it (not a
+    multimodal projector, ``mmproj*``), by id; empty where it cannot be read."""
+    try:
+        files = sorted(directory.iterdir())
+    except OSError:
+        return {}
+    return {path.name[:-len(".gguf")]: path for path in files
+            if path.name.endswith(".gguf") and not path.name.startswith("mmproj") and path.is_file()}
+
+
+def memory_key(config: Config, index: int) -> str:
+    """The key that gives upstream ``index`` its memory budget."""
+    if config.upstreams is not None and config.upstreams[index].memory is not None:
+        return f"upstreams[{index}].memory"
+    return "upstream.memory"
+
+
+def max_loaded_key(config: Config, index: int) -> str:
+    """The key that gives upstream ``index`` its maxLoaded."""
+    if config.upstreams is not None and config.upstreams[index].max_loaded is not None:
+        return f"upstreams[{index}].maxLoaded"
+    return "upstream.maxLoaded"
+
+
+def served_models(config: Config, entry: UpstreamEntry, found: Mapping[str, pathlib.Path]) -> list[str]:
+    """The models an upstream may serve, as far as the file and its models directory tell: its
+    ``models`` list, else every ``models.<id>`` and every GGUF file of its directory."""
+    if entry.models is not None:
+        return sorted(entry.models)
+    return sorted(set(config.models) | set(found))
+
+
+def model_sizes(config: Config) -> tuple[dict[str, dict[str, ModelSize]], list[Problem]]:
+    """Each upstream's model sizes (by upstream name, then model id), and the models that need
+    one and have none. Without a budget an upstream has only the sizes ``models.<id>.memory`` gives."""
+    configured = {model_id: ModelSize(model.memory, f"models.{model_id}.memory")
+                  for model_id, model in config.models.items() if model.memory is not None}
+    sizes: dict[str, dict[str, ModelSize]] = {}
+    problems: list[Problem] = []
+    for index, entry in enumerate(config.upstream_entries):
+        if entry.memory is None:
+            sizes[entry.name] = {m: size for m, size in configured.items() if entry.may_serve(m)}
+            continue
+        directory = models_dir(entry.command)
+        found = gguf_models(directory) if directory is not None else {}
+        own: dict[str, ModelSize] = {}
+        missing = 0
+        for model_id in served_models(config, entry, found):
+            if model_id in configured:
+                own[model_id] = configured[model_id]
+                continue
+            estimate, why_not = _estimate(found.get(model_id), entry.command, directory, model_id)
+            if estimate is not None:
+                own[model_id] = estimate
+                continue
+            missing += 1
+            if not any(p.path == f"models.{model_id}.memory" for p in problems):
+                problems.append(Problem(
+                    f"models.{model_id}.memory",
+                    f"is needed: {entry.name} has a memory budget ({memory_key(config, index)}: "
+                    f"{size_document(entry.memory)}) and llamaswap cannot estimate {model_id}'s size ({why_not}). "
+                    f"Set models.{model_id}.memory to what it takes loaded (its file plus its KV cache, e.g. "
+                    f"8GiB), or remove the budget"))
+        if not own and not missing:
+            problems.append(Problem(
+                memory_key(config, index),
+                f"{entry.name} has a memory budget and llamaswap knows no model it serves: set models.<id>.memory "
+                f"for each (or give its command --models-dir with the GGUF files), or remove the budget"))
+        sizes[entry.name] = own
+    return sizes, problems
+
+
+def _estimate(path: pathlib.Path | None, command: Sequence[str], directory: pathlib.Path | None,
+              model_id: str) -> tuple[ModelSize | None, str]:
+    """(the GGUF estimate, or None and why there is none)."""
+    if directory is None:
+        return None, "its command gives no --models-dir to read its GGUF file from"
+    if path is None:
+        return None, f"no {model_id}.gguf in {directory}"
+    context = context_of(command)
+    try:
+        size = estimate_model_bytes(path, context, cache_type_bytes(command))
+    except (GgufError, OSError) as error:
+        return None, f"its GGUF file cannot be read: {error}"
+    at = f"context {context}" if context else "its trained context"
+    return ModelSize(size, f"estimated from {os.fspath(path)}: file + KV cache at {at}"), ""
+
+
+def residency_problems(config: Config, sizes: Mapping[str, Mapping[str, ModelSize]]) -> list[Problem]:
+    """Pinned models that cannot stay resident where they are pinned."""
+    problems: list[Problem] = []
+    pinned_models = [model_id for model_id, model in config.models.items() if model.pinned]
+    for index, entry in enumerate(config.upstream_entries):
+        pinned = [model_id for model_id in pinned_models if entry.may_serve(model_id)]
+        if not pinned:
+            continue
+        key = max_loaded_key(config, index)
+        if entry.max_loaded == 1:
+            problems.extend(Problem(f"models.{model_id}.pinned",
+                                    f"{entry.name} keeps one model at a time ({key}: 1), so a pinned model would "
+                                    f"leave no room for any other: set {key} >= 2, or remove pinned")
+                            for model_id in pinned)
+            continue
+        if len(pinned) > entry.max_loaded:
+            problems.append(Problem(key, f"{entry.name} pins {len(pinned)} models ({', '.join(pinned)}) and keeps "
+                                         f"{entry.max_loaded} at once: set {key} to {len(pinned) + 1} or more (room "
+                                         f"for the others too), or unpin one"))
+        if entry.memory is None:
+            continue
+        own = sizes.get(entry.name, {})
+        budget = f"{entry.name}'s memory ({memory_key(config, index)}: {size_document(entry.memory)})"
+        over = [model_id for model_id in pinned if model_id in own and own[model_id].bytes > entry.memory]
+        problems.extend(Problem(f"models.{model_id}.pinned",
+                                f"{model_id} takes {own[model_id]} ({own[model_id].source}), more than {budget}: "
+                                f"it can never be resident there. Raise the memory, or remove pinned")
+                        for model_id in over)
+        total = sum(own[model_id].bytes for model_id in pinned if model_id in own)
+        if not over and len(pinned) > 1 and total > entry.memory:
+            problems.append(Problem(memory_key(config, index),
+                                    f"the pinned models ({', '.join(pinned)}) take {size_text(total)} together, more "
+                                    f"than {budget}: raise it, or unpin one"))
+    return problems
+
+
+def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, ModelSize]]) -> Residency:
+    """The `Residency` of the upstream named ``name``: its maxLoaded, the pinned models it may
+    serve, its memory budget and the models' sizes. KeyError for a name the file does not have."""
+    for entry in config.upstream_entries:
+        if entry.name == name:
+            pinned = frozenset(model_id for model_id, model in config.models.items()
+                               if model.pinned and entry.may_serve(model_id))
+            return Residency(entry.max_loaded, pinned, entry.memory,
+                             {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()})
+    names = ", ".join(entry.name for entry in config.upstream_entries)
+    raise KeyError(f"no upstream named {name!r} (the configuration has {names})")
+
+
+# llama-server's router keeps this many models loaded without --models-max.
+ROUTER_MODELS_MAX_DEFAULT = 4
+_MODELS_MAX_FLAGS = ("--models-max",)
+# Pairs of models that can never be resident together, named at most this many times per upstream.
+_PAIRS_SHOWN = 6
+
+
+def router_models_max(command: Sequence[str]) -> int | None:
+    """The models a llama-server router started by ``command`` keeps loaded (``--models-max``,
+    else its default where the command is a router, ``--models-dir``); None: not a router command."""
+    value = flag_value(command, _MODELS_MAX_FLAGS)
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return ROUTER_MODELS_MAX_DEFAULT if models_dir(command) is not None else None
+
+
+def residency_advice(config: Config) -> list[Problem]:
+    """Residency settings that are valid but do less than they seem to (warnings)."""
+    problems = []
+    for index, entry in enumerate(config.upstream_entries):
+        key = max_loaded_key(config, index)
+        if entry.memory is not None and entry.max_loaded == 1:
+            problems.append(Problem(memory_key(config, index),
+                                    f"{entry.name} keeps one model at a time ({key}: 1), so the budget never decides "
+                                    f"what stays: set {key} >= 2 to keep several models that fit in it, or remove it"))
+        router = router_models_max(entry.command)
+        if router is not None and router < entry.max_loaded:
+            problems.append(Problem(key, f"{entry.max_loaded}, and {entry.name}'s command starts llama-server's router "
+                                         f"keeping {router} models (--models-max): it would evict on its own models "
+                                         f"llamaswap keeps resident. Pass --models-max {entry.max_loaded} (or more) in "
+                                         f"the command, or set {key}: {router}"))
+    return problems
+
+
+def describe_residency(config: Config) -> list[str]:
+    """What maxLoaded, memory and pinned models imply, per upstream (`llamaswap check-config`);
+    nothing for an upstream that keeps one model without a budget or pins."""
+    lines: list[str] = []
+    for index, entry in enumerate(config.upstream_entries):
+        residency = config.residency_of(entry.name)
+        if not residency.several and residency.memory_bytes is None:
+            continue
+        name = entry.name
+        key = max_loaded_key(config, index)
+        if not residency.several:
+            lines.append(f"{name}: one model resident at a time ({key}: 1): the memory budget does not apply")
+            continue
+        budget = residency.memory_bytes
+        within = f", within {size_text(budget)} ({memory_key(config, index)})" if budget is not None else ""
+        lines.append(f"{name}: up to {residency.max_loaded} models resident at once ({key}){within}")
+        if residency.pinned:
+            lines.append(f"{name}: pinned, never evicted: {', '.join(sorted(residency.pinned))}")
+        if budget is not None:
+            lines.extend(_fitting(name, config.model_sizes(name), residency))
+    return lines
+
+
+def _fitting(name: str, sizes: Mapping[str, ModelSize], residency: Residency) -> list[str]:
+    """What fits in an upstream's budget: the sizes, the models that never fit, the pairs that
+    never fit together, or that all fit at once."""
+    assert residency.memory_bytes is not None
+    budget = size_text(residency.memory_bytes)
+    lines = [f"{name}: sizes: " + ", ".join(f"{model_id} {size} ({size.source})" for model_id, size in
+                                          sorted(sizes.items()))]
+    never = [model_id for model_id in sorted(sizes) if residency.never_fits(model_id)]
+    for model_id in never:
+        why = ("it is larger than the budget" if sizes[model_id].bytes > residency.memory_bytes
+               else "not beside the pinned models")
+        lines.append(f"{name}: {model_id} ({sizes[model_id]}) can never be resident in {budget}: {why}")
+    can = [model_id for model_id in sorted(sizes) if model_id not in never]
+    others = [model_id for model_id in can if model_id not in residency.pinned]
+    if len(can) < 2 or not others:
+        return lines
+    if residency.fits(can):
+        lines.append(f"{name}: {_listed(can)} fit together")
+        return lines
+    if residency.max_loaded - len(residency.pinned) < 2:
+        lines.append(f"{name}: one model at a time beside the pinned ones ({_listed(sorted(residency.pinned))})")
+        return lines
+    pairs = [(a, b) for i, a in enumerate(others) for b in others[i + 1:]
+             if not residency.fits(residency.pinned | {a, b})]
+    pinned_bytes = sum(sizes[model_id].bytes for model_id in residency.pinned if model_id in sizes)
+    beside = " with the pinned models" if residency.pinned else ""
+    for a, b in pairs[:_PAIRS_SHOWN]:
+        together = size_text(sizes[a].bytes + sizes[b].bytes + pinned_bytes)
+        lines.append(f"{name}: {a} and {b} are never resident together ({together}{beside}, over {budget})")
+    if len(pairs) > _PAIRS_SHOWN:
+        lines.append(f"{name}: and {len(pairs) - _PAIRS_SHOWN} more pairs that are never resident together")
+    if not pairs:
+        lines.append(f"{name}: any two of {_listed(others)} fit together{beside}, not all at once")
+    return lines
+
+
+def _listed(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
