@@ -219,3 +219,24 @@ def test_the_schedulers_evictions_reach_the_metrics_and_the_log() -> None:
         "not_waited_for": 1, "least_needed": 0, "least_recently_used": 0}
     assert [(r["model"], r["reason"], r["for_model"], r["request_id"]) for r in activity.recent(event="eviction")] == [
         ("a", "not_waited_for", "c", "c1")]
+
+
+def test_the_pickers_max_lora_is_every_gpus_max_loaded() -> None:
+    """The pod holds each GPU's `maxLoaded` models at once: an endpoint picker's `max_lora`."""
+    from picker import parse_exposition, parse_spec, read_adapters
+
+    telemetry = Telemetry(clock=ManualClock())
+    telemetry.settings_changed(POLICY)  # big keeps 3, small 1
+
+    def adapters() -> Any:
+        found = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
+        assert found is not None
+        return found
+
+    assert adapters().max_adapters == 4
+    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("big", ("a", "b"), 0, 4, max_loaded=3),
+                                                              GpuPicture("small", ("x",), 0, 1))))
+    assert adapters().max_adapters == 4 and adapters().running == ("a", "b", "x")
+    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("big", ("a", "b"), 0, 4, max_loaded=2),
+                                                              GpuPicture("small", ("x",), 0, 1))))
+    assert adapters().max_adapters == 3  # a reload changed maxLoaded

@@ -46,12 +46,13 @@ class GpuPicture:
     slots_total: int  # the slots of the model in effect there
     # Something besides our grants holds it (a settle, an adopted exchange): nothing starts there.
     blocked: bool = False
+    max_loaded: int = 1  # models it may keep resident at once (`maxLoaded`)
 
 
 def gpu_pictures(scheduler: Scheduler) -> tuple[GpuPicture, ...]:
     """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`."""
     return tuple(GpuPicture(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect,
-                             gpu.blocked) for gpu in scheduler.holdings())
+                             gpu.blocked, gpu.residency.max_loaded) for gpu in scheduler.holdings())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -106,8 +106,8 @@ DESCRIPTIONS = {
     MODELS_INFO: f"One series in the shape of vLLM's LoRA info gauge, for endpoint pickers: {RUNNING_ADAPTERS} the "
                  f"loaded models (each upstream's, comma-separated, in the configured order), {WAITING_ADAPTERS} the "
                  f"models of the waiting requests (comma-separated, in the order they started waiting, at most "
-                 f"{MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the pod holds at once (one per upstream); the value "
-                 "is when the labels last changed (Unix seconds).",
+                 f"{MAX_MODEL_LABELS}), {MAX_ADAPTERS} the models the pod holds at once (each upstream's maxLoaded, "
+                 "summed); the value is when the labels last changed (Unix seconds).",
 }
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]

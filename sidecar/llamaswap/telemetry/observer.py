@@ -226,12 +226,14 @@ class Telemetry:
                 instruments.evictions.declare(_eviction_labels(gpu.name, reason))
         if not self._published:  # before the first picture: each upstream's default slots (the
             # coordinator publishes the resident models' with every change)
-            shown = tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default) for gpu in gpus)
+            shown = tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default, max_loaded=gpu.residency.max_loaded)
+                          for gpu in gpus)
             self._picture = dataclasses.replace(self._picture, gpus=shown)
             self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
-        if _resident_models(picture) != _resident_models(self._picture):
+        if (_resident_models(picture) != _resident_models(self._picture)
+                or _max_loaded(picture) != _max_loaded(self._picture)):
             self._models_changed(picture)
         self._picture = picture
         self._published = True
@@ -390,7 +392,7 @@ class Telemetry:
         # Each upstream's resident models, each once (two GPUs may hold the same), in the configured order.
         loaded = dict.fromkeys(model for models in _resident_models(picture) for model in models)
         return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
-                MAX_ADAPTERS: str(max(1, len(picture.gpus)))}
+                MAX_ADAPTERS: str(max(1, sum(gpu.max_loaded for gpu in picture.gpus)))}
 
     def _models_changed(self, picture: QueuePicture) -> None:
         labels = self._models_labels(picture)
@@ -477,6 +479,11 @@ class Telemetry:
 def _eviction_labels(upstream: str, reason: EvictReason) -> dict[str, str]:
     """An eviction series' labels, in the one order its counts are kept under."""
     return {"upstream": upstream, "reason": reason.value}
+
+
+def _max_loaded(picture: QueuePicture) -> tuple[int, ...]:
+    """Each upstream's `maxLoaded`, in the configured order (a reload may change it)."""
+    return tuple(gpu.max_loaded for gpu in picture.gpus)
 
 
 def _resident_models(picture: QueuePicture) -> tuple[tuple[str, ...], ...]:
