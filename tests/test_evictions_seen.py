@@ -219,6 +219,11 @@ def test_the_schedulers_evictions_reach_the_metrics_and_the_log() -> None:
         "not_waited_for": 1, "least_needed": 0, "least_recently_used": 0}
     assert [(r["model"], r["reason"], r["for_model"], r["request_id"]) for r in activity.recent(event="eviction")] == [
         ("a", "not_waited_for", "c", "c1")]
+    # The request's own record, at its end, names what its grant evicted (the page's timeline shows it).
+    ticket = tickets["c1"]
+    ticket.finished_ns = clock.now_ns()
+    assert activity.record(ticket)["evicted"] == [{"model": "a", "reason": "not_waited_for"}]
+    assert activity.record(tickets["b1"])["evicted"] == []
 
 
 def test_the_pickers_max_lora_is_every_gpus_max_loaded() -> None:

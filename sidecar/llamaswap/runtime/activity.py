@@ -164,6 +164,10 @@ class ActivityLog:
             "swap_affinity": decision.swap_affinity if decision is not None else False,
             "aging": round(decision.aging, 6) if decision is not None else None,
             "reordered_by": sorted(str(cause) for cause in decision.reordered_by) if decision is not None else [],
+            # The resident models its grant unloaded to make room for its own, each with why (each
+            # also an `eviction` record, written at the grant).
+            "evicted": [{"model": eviction.model, "reason": eviction.reason.value} for eviction in decision.evicts]
+            if decision is not None else [],
             "estimated_wait_ms": round(ticket.estimated_wait_s * 1000, 3) if ticket.estimated_wait_s is not None
             else None,
             "status": ticket.response_status,

@@ -500,6 +500,7 @@
       line("outcome", escapeHtml(entry.outcome)) +
       (entry.swap || entry.load ? line("model load", entry.swap ? "swap" : "load") : "") +
       (entry.reordered_by && entry.reordered_by.length ? line("reordered by", escapeHtml(entry.reordered_by.join(", "))) : "") +
+      (entry.evicted && entry.evicted.length ? line("evicted", entry.evicted.map((e) => `${model(e.model)} (${escapeHtml(e.reason)})`).join(", ")) : "") +
       (overtook.length ? line("overtook", overtook.join(", ")) : "");
   }
 
