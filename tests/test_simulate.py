@@ -287,7 +287,7 @@ def test_json_output_shape():
     assert set(row) == {"settings", "requests", "bands", "swaps", "reorders", "busy_fraction", "left", "expired",
                         "rejected", "peak_waiting", "worst_inversion", "gpus"}
     assert row["settings"] == {"scheduler": "serial", "agingDivisor": 60, "swapAffinityBonus": 10, "maxQueued": 0,
-                               "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "gpus": 1,
+                               "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "gpus": 1, "maxLoaded": 1,
                                "modelPriorities": {}, "modelSlots": {}}
     assert row["gpus"] == {"gpu0": {"swaps": row["swaps"], "busy_fraction": row["busy_fraction"]}}
     assert set(document["concurrency_speed"]) == {"points", "source", "detail"}

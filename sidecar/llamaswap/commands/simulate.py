@@ -37,6 +37,10 @@ the largest inversion time (shown with its seconds). A lower-priority request th
 running, or arrived before R, is not an inversion; under serial settings inversions come from
 swap affinity (a later, lower request with the loaded model goes first).
 
+Resident models: --max-loaded N (sweepable: --sweep maxLoaded=1,3) lets each GPU keep N models
+loaded at once, as `upstream.maxLoaded` does (-c FILE's maxLoaded, pinned models and memory
+budgets apply without the flag; with it, its N on every GPU, the pins and budgets kept).
+
 GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one queue, named
 gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
 scheduler's node rule places each request. A log whose grants record several upstreams replays
@@ -134,6 +138,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--gpus", metavar="N",
                         help="upstreams (GPUs) behind the one queue, gpu0..gpuN-1, each with the slots (default: "
                              "the log's recorded upstreams, else -c FILE's, else 1)")
+    parser.add_argument("--max-loaded", metavar="N",
+                        help="models each GPU keeps resident at once, evicting by what the queue needs least (1: "
+                             "one model at a time; default: -c FILE's maxLoaded, else 1; sweepable)")
     parser.add_argument("--pods", metavar="N", type=_pods_flag,
                         help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
                              "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
@@ -230,7 +237,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
-                               "reservedSlots": args.reserved_slots, "gpus": args.gpus})
+                               "reservedSlots": args.reserved_slots, "gpus": args.gpus,
+                               "maxLoaded": args.max_loaded})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)
@@ -289,14 +297,15 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
     (`runtime.gpus.node_policy`; one GPU is a node of one): a GPU per upstream entry (without
     ``upstreams:``, the one of ``upstream:``), named as configured, with the entry's slots (``auto``:
     the slots the log recorded) and the models it may serve; the node-wide settings with the first
-    one's slots."""
+    one's slots. Each GPU keeps the models resident that the configuration lets it
+    (`Config.residency_of`: maxLoaded, pinned models, memory)."""
     from llamaswap.config import SLOTS_AUTO
     from llamaswap.runtime.gpus import gpu_config
 
     entries = [dataclasses.replace(entry, slots=recorded_slots) if entry.slots == SLOTS_AUTO else entry
                for entry in config.upstream_entries]
     configs = [gpu_config(config, entry) for entry in entries]
-    gpus = tuple(GpuPolicy(entry.name, own.slots(None, single), entry.models)
+    gpus = tuple(GpuPolicy(entry.name, own.slots(None, single), entry.models, config.residency_of(entry.name))
                  for entry, own in zip(entries, configs, strict=True))
     return configs[0].policy(None, single).with_gpus(gpus)
 

@@ -5,7 +5,11 @@ configuration defaults without one), then a whole configuration file (``-c``), t
 flags (``--scheduler``, ``--aging-divisor``, ...), then ``--sweep``, whose every combination runs.
 
 ``slots`` set by a flag or a sweep applies to every model (the per-model slots of ``-c`` or the
-record give way). A ``reservedSlots`` that a flag or a sweep gives must be below the slots of
+record give way). ``maxLoaded`` set by a flag or a sweep applies to every GPU (the models each
+keeps resident at once; ``-c``'s pinned models and memory budgets stay, and 1 is one model at a
+time, as before); without one each GPU keeps what ``-c`` gives it, else 1.
+
+A ``reservedSlots`` that a flag or a sweep gives must be below the slots of
 its combination (``SettingsError`` otherwise); one from the record or ``-c`` is lowered to fit,
 as the sidecar does where ``auto`` learns fewer slots (``fit_reserved``).
 """
@@ -21,6 +25,7 @@ from typing import Any
 
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
 from llamaswap.core.policy import GpuPolicy
+from llamaswap.core.residency import Residency
 from llamaswap.simulate.records import SettingsRecord
 
 MAX_BONUS = 99
@@ -46,16 +51,20 @@ class Settings:
     # names them (as many as ``gpus``), else gpu0..gpuN-1.
     gpus: int = 1
     upstreams: tuple[str, ...] = ()
-    # The upstreams as -c FILE describes them (their own slots and models), while no flag or
-    # sweep of slots or gpus replaces them.
+    # The upstreams as -c FILE describes them (their own slots, models and residency), while no
+    # flag or sweep of slots or gpus replaces them.
     configured: tuple[GpuPolicy, ...] = ()
+    # Models resident at once on each GPU: the first configured GPU's, or a flag's or a sweep's
+    # (then every GPU's: ``max_loaded_everywhere``).
+    max_loaded: int = 1
+    max_loaded_everywhere: bool = False
 
     @classmethod
     def from_policy(cls, policy: Policy) -> Settings:
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
                    policy.max_wait_s, dict(policy.model_priorities), policy.slots.default, policy.slots.reserved,
                    dict(policy.slots.per_model), len(policy.gpus_in_effect),
-                   tuple(gpu.name for gpu in policy.gpus), policy.gpus)
+                   tuple(gpu.name for gpu in policy.gpus), policy.gpus, policy.gpus_in_effect[0].residency.max_loaded)
 
     @property
     def fewest_slots(self) -> int:
@@ -85,11 +94,24 @@ class Settings:
             try:
                 return policy.with_gpus(tuple(
                     dataclasses.replace(gpu, slots=Slots(gpu.slots.default, gpu.slots.per_model,
-                                                          self.reserved_slots))
+                                                          self.reserved_slots), residency=self._residency(gpu))
                     for gpu in self.configured))
             except InvalidSlots as exc:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
-        return policy.with_gpus(tuple(GpuPolicy(name, slots) for name in self.upstream_names))
+        return policy.with_gpus(tuple(GpuPolicy(name, slots, residency=Residency(self.max_loaded))
+                                      for name in self.upstream_names))
+
+    def _residency(self, gpu: GpuPolicy) -> Residency:
+        """A configured GPU's residency, with a flag's or a sweep's maxLoaded where one is given."""
+        residency = gpu.residency
+        if not self.max_loaded_everywhere or residency.max_loaded == self.max_loaded:
+            return residency
+        if self.max_loaded == 1:
+            return Residency()  # one model at a time: nothing stays beside it, no budget to fit
+        if len(residency.pinned) > self.max_loaded:
+            raise SettingsError(f"maxLoaded {self.max_loaded}: {gpu.name} pins {len(residency.pinned)} models "
+                                f"({', '.join(sorted(residency.pinned))}) in -c FILE: keep at least as many")
+        return dataclasses.replace(residency, max_loaded=self.max_loaded)
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
@@ -200,6 +222,13 @@ def parse_gpus(text: str) -> int:
     return value
 
 
+def parse_max_loaded(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise SettingsError(f"must be an integer >= 1 (1: one model at a time), got {value}")
+    return value
+
+
 def parse_reserved_slots(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -227,6 +256,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
     # A flag's or a sweep's GPUs are gpu0..gpuN-1, whatever the log or -c named them.
     Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": ()}),
+    # A flag's or a sweep's maxLoaded is every GPU's.
+    Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),
 )}
 
 
