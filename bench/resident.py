@@ -46,7 +46,9 @@ Figures, per side:
 Last line: `resident: maxLoaded 3 N loads (maxLoaded 1: M), interactive p95 A ms (maxLoaded 1: B
 ms, router alone: C ms), throughput R.RRx the router alone's, busy evictions by the router alone
 E`, with the issue's goals printed above it, met or not: this measures, it asserts nothing. A side
-that cannot run (`--sides`, or a configuration that does not know `maxLoaded` yet) prints `-`.
+that cannot run (`--sides`, or a configuration that does not know `maxLoaded` yet) prints `-`, and
+so does a side whose sidecar applies another `maxLoaded` than its name says (each stack's GET
+/queue is read at its start): its figures are printed, its goals not judged.
 """
 
 from __future__ import annotations
@@ -283,8 +285,8 @@ def stack_document(url: str, max_loaded: int, args: argparse.Namespace) -> dict[
 
 
 @contextlib.contextmanager
-def llamaswap_stack(root: pathlib.Path, document: dict[str, Any]) -> Iterator[str]:
-    """The sidecar and Envoy in front of one router; yields Envoy's URL."""
+def llamaswap_stack(root: pathlib.Path, document: dict[str, Any]) -> Iterator[tuple[str, SidecarProcess]]:
+    """The sidecar and Envoy in front of one router; yields Envoy's URL and the sidecar."""
     root.mkdir(parents=True, exist_ok=True)
     sidecar = SidecarProcess(write_config(root, document), root)
     try:
@@ -292,11 +294,17 @@ def llamaswap_stack(root: pathlib.Path, document: dict[str, Any]) -> Iterator[st
                                     admin_port=sidecar.admin_port, envoy_admin_port=0)
         envoy = EnvoyProcess(bootstrap, root)
         try:
-            yield envoy.url
+            yield envoy.url, sidecar
         finally:
             envoy.stop()
     finally:
         sidecar.stop()
+
+
+def applied_max_loaded(sidecar: SidecarProcess) -> int:
+    """The maxLoaded the sidecar applies to its GPU, as GET /queue says (1 where it does not say)."""
+    gpus = sidecar.queue().get("gpus") or [{}]
+    return int(gpus[0].get("max_loaded", 1))
 
 
 def _ms(values: Sequence[float], q: float) -> str:
@@ -307,7 +315,10 @@ def _goal(met: bool | None) -> str:
     return "not measured" if met is None else ("met" if met else "NOT met")
 
 
-def report(runs: dict[str, list[Run]], skipped: dict[str, str]) -> None:
+def report(runs: dict[str, list[Run]], skipped: dict[str, str], mismatched: dict[str, str] | None = None) -> None:
+    """Each side's figures, then the issue's goals; a side in ``mismatched`` ran, but under another
+    maxLoaded than its name says: its figures are printed and its goals are not judged."""
+    mismatched = mismatched or {}
     p95: dict[str, float | None] = {}
     loads: dict[str, float | None] = {}
     rate: dict[str, float | None] = {}
@@ -331,6 +342,8 @@ def report(runs: dict[str, list[Run]], skipped: dict[str, str]) -> None:
               f"most resident at once {max(run.watch.most_resident for run in done)}, unloads "
               f"{'/'.join(str(run.watch.unloads) for run in done)}; failed "
               f"{sum(len(run.failed) for run in done)}", flush=True)
+        if side in mismatched:
+            print(f"  not judged below: {mismatched[side]}")
         if side == ROUTER:
             print(f"  busy models evicted by the router: {len(busy)}" + (f" ({'; '.join(busy[:5])})" if busy else ""))
         for run in done:
@@ -346,6 +359,8 @@ def report(runs: dict[str, list[Run]], skipped: dict[str, str]) -> None:
     def shown(value: float | None, fmt: str = ".2f") -> str:
         return "-" if value is None else format(value, fmt)
 
+    for side in mismatched:  # figures of another rule than the side's name: no goal judged on them
+        p95[side] = loads[side] = rate[side] = None
     loads_ratio, p95_ratio = ratio(loads[ML3], loads[ML1]), ratio(p95[ML3], p95[ML1])
     rate_ratio, router_ratio = ratio(rate[ML3], rate[ROUTER]), ratio(p95[ML3], p95[ROUTER])
     print(f"goal: maxLoaded 3 loads <= 1/5 of maxLoaded 1's: {shown(loads[ML3], '.0f')} against "
@@ -409,6 +424,7 @@ async def main() -> None:
         with contextlib.ExitStack() as exits:
             servers: dict[str, LlamaServer] = {}
             urls: dict[str, str] = {}
+            mismatched: dict[str, str] = {}  # sides whose sidecar does not apply their maxLoaded
             for side in SIDES:
                 if side in skipped:
                     continue
@@ -424,8 +440,18 @@ async def main() -> None:
                 name = SHORT_NAMES[side]
                 server = exits.enter_context(run_llama_server(server_args, log_path=root / f"llama-{name}.log"))
                 servers[side] = server
-                urls[side] = server.url if side == ROUTER else exits.enter_context(
+                if side == ROUTER:
+                    urls[side] = server.url
+                    continue
+                urls[side], sidecar = exits.enter_context(
                     llamaswap_stack(root / f"stack-{name}", stack_document(server.url, MODELS_MAX[side], args)))
+                applied = applied_max_loaded(sidecar)
+                if applied != MODELS_MAX[side]:
+                    # The key is read, but the scheduler does not apply it: the side would measure
+                    # one model at a time in front of a router that keeps several.
+                    print(f"{side}: the sidecar applies maxLoaded {applied} (GET /queue), not "
+                          f"{MODELS_MAX[side]}: its figures are not the rule's", flush=True)
+                    mismatched[side] = f"the sidecar applied maxLoaded {applied} (GET /queue)"
             # Every server warmed alike: each model loaded and run once; then each side starts cold.
             async with aiohttp.ClientSession() as session:
                 for side, server in servers.items():
@@ -451,7 +477,7 @@ async def main() -> None:
                           f"{run.watch.most_resident}, failed {len(run.failed)}"
                           + (f", busy evictions {len(run.watch.busy_evictions)}" if side == ROUTER else ""),
                           flush=True)
-    report(runs, skipped)
+    report(runs, skipped, mismatched)
 
 
 if __name__ == "__main__":
