@@ -111,7 +111,7 @@ def test_equally_needed_idle_models_go_least_recently_used_first() -> None:
     decision = scheduler.next()
     assert decision is not None
     # Neither B nor C is waited for; B was granted first (used longer ago): B goes.
-    assert [eviction.model for eviction in decision.evicts] == ["B"]
+    assert decision.evicts == (("B", EvictReason.LEAST_RECENTLY_USED),)
 
 
 def test_a_model_waited_for_at_a_lower_score_goes_before_one_waited_for_higher() -> None:
@@ -180,14 +180,14 @@ def test_only_the_best_holds_a_model_back() -> None:
     scheduler.enqueue("a1", prio(0), "A")
     scheduler.enqueue("b1", prio(0), "B")
     grant_all(scheduler)
-    scheduler.enqueue("c", prio(90), "C")  # holds back one of A, B (equally needed: A, by name)
+    scheduler.enqueue("c", prio(90), "C")  # holds back B: a2 stands before b2 in the order
     scheduler.enqueue("d", prio(80), "D")  # needs room too, holds nothing back
     scheduler.enqueue("a2", prio(1), "A")
     scheduler.enqueue("b2", prio(1), "B")
-    # B serves on, A does not; once B has nothing waiting, the hold stays on A all the same
+    # A serves on, B does not; once A has nothing waiting, the hold stays on B all the same
     # (a hold that moved would let both take new work in turn, and C wait for ever).
-    assert grant_all(scheduler) == ["b2"]
-    assert scheduler.held_back == {"gpu0": "A"}
+    assert grant_all(scheduler) == ["a2"]
+    assert scheduler.held_back == {"gpu0": "B"}
 
 
 def test_a_request_waiting_for_its_own_models_slot_holds_back_only_that_model() -> None:

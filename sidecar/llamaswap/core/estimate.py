@@ -298,9 +298,14 @@ class Estimator:
         # once the grant that loaded has ended.
         loader = load_under_way(grants)
         loading = None if loader is None else (loader.model, loader.running_s)
+        # Several models resident: each load holds back its own model's grants only.
+        loads = {grant.model: (grant.model, grant.running_s) for grant in grants
+                 if grant.model_load and grant.model is not None}
         remaining: list[float] = []
         for grant in grants:
-            load = grant.beside_load if grant.beside_load is not None else loading
+            load = grant.beside_load
+            if load is None:
+                load = loading if grant.model is None else loads.get(grant.model)
             # (that model, how long before this grant its load began)
             beside = None if load is None else (load[0], load[1] - grant.running_s)
             end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=grant.max_tokens,

@@ -31,7 +31,7 @@ from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
 from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import HeldBack, Step, choose, takes_nothing
 from llamaswap.core.eviction import NOT_WAITED_FOR, after_load, victims
-from llamaswap.core.holding import GpuHolding, load_under_way, running_of
+from llamaswap.core.holding import GpuHolding, running_of
 from llamaswap.core.node import claim_on
 from llamaswap.core.estimate import Estimator
 
@@ -194,13 +194,20 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
             continue
         remaining, loading_s = estimator.remaining_of(grants)
         walk.ready_at = loading_s
-        loader = load_under_way(grants)
-        if loader is not None and loader.model is not None:
-            walk.loaded_at[loader.model] = loading_s
+        for grant in grants:  # several resident: each load under way holds back its own model's runs
+            if grant.model_load and grant.model is not None:
+                walk.loaded_at[grant.model] = max(0.0, estimator.expected_swap_s(grant.model, upstream)
+                                                  - grant.running_s)
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
-    return _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting]).run()
+    walk = _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
+    # The model the best holds back now (several resident): it keeps holding that one, as `node.find` does.
+    names = [gpu.name for gpu in gpus]
+    for view in snapshot.gpus:
+        if view.held_back is not None and view.name in names and waiting:
+            walk.hold(names.index(view.name), view.held_back)
+    return walk.run()
 
 
 class _Walk:
@@ -217,6 +224,10 @@ class _Walk:
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
         self._held: tuple[int, int, str | None] | None = None  # the best's held-back model: (request, upstream, model)
+
+    def hold(self, gpu: int, model: str | None) -> None:
+        """The best request (the first in the order) holds back ``model`` on upstream ``gpu``."""
+        self._held = (0, gpu, model)
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
@@ -264,11 +275,11 @@ class _Walk:
                     closed.add(claim)
         return None
 
-    def _need(self, model: str) -> float:
+    def _need(self, model: str) -> tuple[float, float]:
         """`eviction.Need` from the pending order: the earlier its first request, the more."""
         for position, request in enumerate(self._pending):
             if self._waiting[request].model == model:
-                return -float(position)
+                return -float(position), 0.0
         return NOT_WAITED_FOR
 
     def _start(self, now: float, position: int, index: int) -> None:

@@ -24,19 +24,19 @@ from typing import NamedTuple
 
 from llamaswap.core.holding import GpuHolding
 
-# How much the queue needs a model: higher is needed more (the scheduler: the best waiting key for
-# it; the estimates' walk: how early its first request stands in the order); -inf: nothing waits
-# for it.
-Need = Callable[[str], float]
-NOT_WAITED_FOR = -math.inf
+# How much the queue needs a model: higher is needed more. The scheduler: the best waiting request
+# for it, by its index key then arrival; the estimates' walk: how early its first request stands
+# in the dispatch order (the same order). NOT_WAITED_FOR: nothing waits for it.
+Need = Callable[[str], tuple[float, float]]
+NOT_WAITED_FOR = (-math.inf, -math.inf)
 
 
 class EvictReason(str, enum.Enum):
     """Why a resident model was the one to go (a metric label, and the activity log's reason)."""
 
-    NOT_WAITED_FOR = "not_waited_for"  # nothing waiting needs it
-    LEAST_NEEDED = "least_needed"  # requests wait for it, at a lower best score than for the others
-    LEAST_RECENTLY_USED = "least_recently_used"  # as needed as another: the one used longer ago goes
+    NOT_WAITED_FOR = "not_waited_for"  # nothing waiting needs it (and every other one is waited for)
+    LEAST_NEEDED = "least_needed"  # requests wait for it, behind those for the others in the order
+    LEAST_RECENTLY_USED = "least_recently_used"  # nothing waits for it nor for another: used longer ago
 
     def __str__(self) -> str:
         return self.value
@@ -49,7 +49,7 @@ class Eviction(NamedTuple):
     reason: EvictReason
 
 
-def no_need(model: str) -> float:
+def no_need(model: str) -> tuple[float, float]:
     """A need that knows nothing: every model alike, none waited for (then the least recently
     used goes)."""
     return NOT_WAITED_FOR
@@ -105,12 +105,11 @@ def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | N
 
 
 def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
-    wanted = need(victim)
-    if wanted == NOT_WAITED_FOR:
-        return EvictReason.NOT_WAITED_FOR
-    if any(need(other) == wanted for other in kept):
-        return EvictReason.LEAST_RECENTLY_USED
-    return EvictReason.LEAST_NEEDED
+    if need(victim) != NOT_WAITED_FOR:
+        return EvictReason.LEAST_NEEDED
+    if any(need(other) == NOT_WAITED_FOR for other in kept):
+        return EvictReason.LEAST_RECENTLY_USED  # the recency broke the tie
+    return EvictReason.NOT_WAITED_FOR
 
 
 def can_evict_for(gpu: GpuHolding, model: str) -> bool:

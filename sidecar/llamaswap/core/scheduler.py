@@ -401,10 +401,11 @@ class Scheduler:
             aged, plain = self._aged, self._plain
         return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick)
 
-    def _need(self, model: str) -> float:
-        """How much the queue needs ``model``: the best waiting key for it (`eviction.Need`)."""
+    def _need(self, model: str) -> tuple[float, float]:
+        """How much the queue needs ``model``: its best waiting request's key, then arrival
+        (`eviction.Need`)."""
         top = self._aged.top_of(model)
-        return NOT_WAITED_FOR if top is None else -top[0]
+        return NOT_WAITED_FOR if top is None else (-top[0], -top[1])
 
     @property
     def held_back(self) -> Mapping[str, str | None]:

@@ -1,0 +1,103 @@
+"""Several resident models (issue 37): the estimates' walk says what the grants do. The property
+of tests/test_estimate_node.py (a random queue played against a real scheduler that reads its
+times from `NodeTimes`, every grant released at its expected end) over GPUs that keep two or
+three models resident, with pinned models and memory budgets: each request waiting at one instant is granted
+exactly when and where the estimate said. The invariants of the grants are checked on the way:
+never more resident models than ``max_loaded`` or the budget holds, never an evicted model that runs or is pinned,
+never more of a model's work than its slots."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
+from policies import serial
+from test_estimate_node import NS, NodeCase, NodePlay
+
+from llamaswap.core import Estimator, Priority, PrioritySource, Residency, Slots
+from llamaswap.core.estimate_node import NodeTimes, starts_of_node
+from llamaswap.core.policy import GpuPolicy
+
+MODELS = ("a", "b", "c", "d")
+
+
+@st.composite
+def resident_cases(draw: st.DrawFn) -> NodeCase:
+    count = draw(st.integers(1, 2))
+    gpus = []
+    for i in range(count):
+        max_loaded = draw(st.integers(2, 3))
+        pinned = draw(st.frozensets(st.sampled_from(MODELS), max_size=max_loaded - 1))
+        per_model = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 2), max_size=2))
+        memory = sizes = None
+        if draw(st.booleans()):  # a budget every model fits in beside the pinned ones
+            sizes = {model: draw(st.integers(1, 3)) for model in MODELS}
+            memory = 3 + sum(sizes[model] for model in pinned) + draw(st.integers(0, 3))
+        gpus.append(GpuPolicy(f"gpu{i}", Slots(draw(st.integers(1, 2)), per_model, 0), None,
+                              Residency(max_loaded, pinned, memory, sizes or {})))
+    priority = st.sampled_from([-50, -1, 0, 1, 10, 50, 60])
+    model = st.sampled_from(MODELS)
+    arrivals = draw(st.lists(st.tuples(st.sampled_from([0, 0, 1, 2]), priority, model), min_size=6, max_size=20))
+    return NodeCase(serial(draw(st.sampled_from([0, 7])), 0).with_gpus(tuple(gpus)), draw(st.integers(2, 5)),
+                    draw(st.sampled_from([0, 3, 5])), {}, arrivals, draw(st.sampled_from([0, 1, 3])))
+
+
+class ResidentPlay(NodePlay):
+    """`NodePlay` where a load holds back only its own model's runs, and each grant is checked."""
+
+    def grant_all(self) -> None:
+        while True:
+            times = NodeTimes(self.scheduler.snapshot(), self.estimator)
+            decision = self.scheduler.next(times)
+            if decision is None:
+                return
+            now = self.clock.now_ns()
+            upstream, model = decision.upstream, decision.model
+            self._check(upstream, decision.evicts)
+            key = f"{upstream}/{model}"
+            if decision.model_load:
+                self.ready_ns[key] = now + round(self.estimator.expected_swap_s(model) * NS)
+            run_ns = round(self.estimator.expected_request_run_s(model, None) * NS)
+            heapq.heappush(self.ends, (max(now, self.ready_ns.get(key, 0)) + run_ns, decision.request_id))
+            self.granted[decision.request_id] = (now, upstream)
+            note(f"{now / NS:g} s: {decision.request_id} ({model}) on {upstream}"
+                 f"{' loading' if decision.model_load else ''}, evicting {[e.model for e in decision.evicts]}")
+
+    def _check(self, upstream: str, evicts: tuple) -> None:
+        holding = next(h for h in self.scheduler.holdings() if h.name == upstream)
+        residency = holding.residency
+        assert residency.fits(holding.residents)
+        running = [d for d in self.scheduler.running_grants if d.upstream == upstream]
+        for eviction in evicts:
+            assert eviction.model not in residency.pinned
+            assert all(d.model != eviction.model for d in running)
+        for name in {d.model for d in running}:
+            assert sum(d.model == name for d in running) <= holding.slots.of(name)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(resident_cases())
+def test_estimated_starts_with_several_resident_models_are_the_grants(case: NodeCase) -> None:
+    estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
+    look_ns = sum(gap for gap, _, _ in case.arrivals) * NS + case.look_after_s * NS
+    play = ResidentPlay(case, estimator, look_ns)
+    t_ns = 0
+    for number, (gap_s, value, model) in enumerate(case.arrivals):
+        t_ns += gap_s * NS
+        play.run_until(t_ns)
+        play.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
+    play.run_until(look_ns)
+    snapshot = play.scheduler.snapshot()
+    estimates = starts_of_node(estimator, snapshot, play.scheduler.holdings())
+    note(f"at {look_ns / NS:g} s: residents {[sorted(h.residents) for h in play.scheduler.holdings()]}, "
+         f"held back {dict(play.scheduler.held_back)}, waiting {[v.request_id for v in snapshot.waiting]}")
+    event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}")
+    event(f"held back at the instant: {bool(play.scheduler.held_back)}")
+    expected = {view.request_id: (look_ns + round(start * NS), upstream) if math.isfinite(start) else None
+                for view, (start, upstream) in zip(snapshot.waiting, estimates, strict=True)}
+    while play.ends or play._next_event() < 2**62:
+        play.run_until(play._next_event())
+    assert not play.scheduler.snapshot().waiting
+    assert {request_id: play.granted[request_id] for request_id in expected} == expected
