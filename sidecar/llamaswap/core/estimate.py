@@ -299,11 +299,12 @@ class Estimator:
         loader = load_under_way(grants)
         loading = None if loader is None else (loader.model, loader.running_s)
         # Several models resident: each load holds back its own model's grants only.
-        loads = {grant.model: (grant.model, grant.running_s) for grant in grants
-                 if grant.model_load and grant.model is not None}
+        loads: dict[str, tuple[str | None, float]] = {
+            grant.model: (grant.model, grant.running_s)
+            for grant in grants if grant.model_load and grant.model is not None}
         remaining: list[float] = []
         for grant in grants:
-            load = grant.beside_load
+            load: tuple[str | None, float] | None = grant.beside_load
             if load is None:
                 load = loading if grant.model is None else loads.get(grant.model)
             # (that model, how long before this grant its load began)

@@ -201,13 +201,13 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
-    walk = _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
+    node_walk = _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
     # The model the best holds back now (several resident): it keeps holding that one, as `node.find` does.
     names = [gpu.name for gpu in gpus]
     for view in snapshot.gpus:
         if view.held_back is not None and view.name in names and waiting:
-            walk.hold(names.index(view.name), view.held_back)
-    return walk.run()
+            node_walk.hold(names.index(view.name), view.held_back)
+    return node_walk.run()
 
 
 class _Walk:

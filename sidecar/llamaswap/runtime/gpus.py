@@ -212,7 +212,8 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
     as configured, with its own slots (learnt ones too) and the models it may serve (its
     ``models`` list; with several, narrowed to the one model a single-model server serves, so
     that the node sends it only that model's requests: with one there is nowhere else to send
-    the others, and the server answers them)."""
+    the others, and the server answers them), and how many models it keeps resident at once
+    (``maxLoaded``, pinned models, ``memory``: `Config.residency_of`)."""
     first = gpus.first
     policies = []
     for gpu in gpus:
@@ -223,7 +224,7 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
         served = served_by(gpu.catalog.latest) if len(gpus) > 1 else None
         if served is not None:
             models = served if models is None else models & served
-        policies.append(GpuPolicy(gpu.name, slots, models))
+        policies.append(GpuPolicy(gpu.name, slots, models, config.residency_of(gpu.name)))
     # The node-wide settings (order, aging, limits) with the first upstream's slots: the GPUs say each one's.
     first_config = gpu_config(config, entry_of(config, first.name))
     return first_config.policy(first.slots.learnt, single).with_gpus(tuple(policies))
