@@ -31,6 +31,7 @@ examples:
   llamaswap up                           Envoy, the sidecar and a small llama-server on this machine
   llamaswap up -c my.yaml                the same with your settings (or your own upstream.url)
   llamaswap up --gpus 2                  two llama-servers, one per GPU, behind the one queue
+  llamaswap up --max-loaded 3            keep up to 3 models loaded at once (llama-server --models-max 3)
   llamaswap queue --watch                the live queue with estimated starts, like squeue --start
   llamaswap batches                      the Batch API's batches: progress, estimated finish, priority
   llamaswap simulate --activity-log act.log  replay recorded traffic under other settings
@@ -142,7 +143,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         document = load_document(args.config) if args.config else {}
         config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=warn,
-                                            gpus=args.gpus, say=lambda text: print(text, file=sys.stderr))
+                                            gpus=args.gpus, say=lambda text: print(text, file=sys.stderr),
+                                            max_loaded=args.max_loaded)
         if args.print_config:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
@@ -159,7 +161,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
                                      otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
-                                     activity_path=args.activity_log, gpus=args.gpus))
+                                     activity_path=args.activity_log, gpus=args.gpus,
+                                     max_loaded=args.max_loaded))
     except StoreError as exc:  # batches.dir cannot be used: a configuration error
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -186,6 +189,15 @@ def _gpu_count(text: str) -> int:
     return count
 
 
+def _max_loaded(text: str) -> int:
+    from llamaswap.commands.resident import max_loaded_flag
+
+    try:
+        return max_loaded_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_log_level(parser: argparse.ArgumentParser, *, default: object) -> None:
     parser.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
                         help=f"{', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]} (default INFO)")
@@ -207,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "server i on the port of upstream.url + i, with CUDA_VISIBLE_DEVICES=i and --threads "
                     "max(1, cores / N) unless the command sets threads; upstreams gpu0..gpuN-1. Not with a file "
                     "that lists upstreams (`up` starts their commands). 1: the one upstream, as without --gpus")
+    up.add_argument("--max-loaded", type=_max_loaded, metavar="N",
+                    help="keep up to N models resident on each upstream at once (upstream.maxLoaded: N, over the "
+                    "file's), and start llama-server's router keeping N (--models-max N: the built-in one, and a "
+                    "command that passes --models-max or --models-dir), so that it never evicts on its own a "
+                    "model llamaswap keeps. Default: the file's maxLoaded, else 1")
     up.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     up.add_argument("--workdir", help="keep logs and the generated Envoy bootstrap here (default: a temporary "
                     "directory, removed on a clean stop)")

