@@ -147,6 +147,22 @@ them (routing.objectives), unless the config says otherwise: one list, the value
 {{- $_ := set $routing "objectives" $objectives }}
 {{- $_ := set $config "routing" $routing }}
 {{- end }}
+{{- /* llamaServer.maxLoaded: llama-server's --models-max and the sidecar's upstream.maxLoaded, one
+number, so that the router never evicts on its own a model the scheduler keeps resident. */ -}}
+{{- $ls := .Values.llamaServer }}
+{{- $maxLoaded := int (default 1 $ls.maxLoaded) }}
+{{- if and (hasKey $ls "modelsMax") (ne (int $ls.modelsMax) $maxLoaded) }}
+{{- fail (printf "llamaServer.modelsMax (%v) is renamed llamaServer.maxLoaded, which also sets the sidecar's config.upstream.maxLoaded: set llamaServer.maxLoaded: %v and remove modelsMax" $ls.modelsMax $ls.modelsMax) }}
+{{- end }}
+{{- $upstreamConfig := default (dict) $config.upstream }}
+{{- if and (hasKey $upstreamConfig "maxLoaded") (not $ls.args) }}
+{{- if ne (int $upstreamConfig.maxLoaded) $maxLoaded }}
+{{- fail (printf "config.upstream.maxLoaded is %v and llamaServer.maxLoaded is %d: the chart starts llama-server with --models-max llamaServer.maxLoaded and writes it into config.upstream.maxLoaded, so they must agree: remove config.upstream.maxLoaded and set llamaServer.maxLoaded" $upstreamConfig.maxLoaded $maxLoaded) }}
+{{- end }}
+{{- else if and (gt $maxLoaded 1) (not (hasKey $upstreamConfig "maxLoaded")) }}
+{{- $_ := set $upstreamConfig "maxLoaded" $maxLoaded }}
+{{- $_ := set $config "upstream" $upstreamConfig }}
+{{- end }}
 {{- $gpus := int .Values.llamaServer.gpus }}
 {{- if hasKey $config "upstreams" }}
 {{- fail "config.upstreams is written by the chart, one entry per llama-server container of the pod: remove config.upstreams and set llamaServer.gpus (the number of GPUs, one llama-server each)" }}
