@@ -293,3 +293,12 @@ def test_check_config_prints_the_residency(tmp_path: pathlib.Path) -> None:
     lines = [line.strip() for line in result.stdout.splitlines()]
     assert "gpu0: up to 3 models resident at once (upstream.maxLoaded), within 80.0 GiB (upstream.memory)" in lines
     assert "gpu0: big (90.0 GiB) can never be resident in 80.0 GiB: it is larger than the budget" in lines
+
+
+def test_advice_warns_when_the_pinned_models_fill_every_place() -> None:
+    cfg = parse_config({"upstream": {"maxLoaded": 2}, "models": {"a": {"pinned": True}, "b": {"pinned": True}}})
+    [warning] = advice(cfg)
+    assert warning.path == "upstream.maxLoaded"
+    assert warning.message == ("gpu0 pins 2 models (a, b) and keeps 2 at once: no other model can ever load there. "
+                               "Set upstream.maxLoaded to 3 or more, or unpin one")
+    assert advice(parse_config({"upstream": {"maxLoaded": 3}, "models": {"a": {"pinned": True}}})) == []

@@ -253,6 +253,11 @@ def residency_advice(config: Config) -> list[Problem]:
             problems.append(Problem(memory_key(config, index),
                                     f"{entry.name} keeps one model at a time ({key}: 1), so the budget never decides "
                                     f"what stays: set {key} >= 2 to keep several models that fit in it, or remove it"))
+        pinned = [model_id for model_id, model in config.models.items() if model.pinned and entry.may_serve(model_id)]
+        if entry.max_loaded > 1 and len(pinned) == entry.max_loaded:
+            problems.append(Problem(key, f"{entry.name} pins {len(pinned)} models ({', '.join(pinned)}) and keeps "
+                                         f"{entry.max_loaded} at once: no other model can ever load there. Set {key} "
+                                         f"to {entry.max_loaded + 1} or more, or unpin one"))
         router = router_models_max(entry.command)
         if router is not None and router < entry.max_loaded:
             problems.append(Problem(key, f"{entry.max_loaded}, and {entry.name}'s command starts llama-server's router "
