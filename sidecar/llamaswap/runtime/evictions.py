@@ -89,6 +89,8 @@ class Evictions:
         """A grant was made: begin its unloads (after those under way on its GPU); what it waits
         for before it goes, None if nothing."""
         gpu = decision.upstream
+        if not decision.evicts and gpu not in self._under_way:
+            return None  # (every grant passes here: nothing is built for the common one)
         under_way = self._live(gpu)
         earlier = [unloading.done for unloading in under_way]
         if decision.evicts:
