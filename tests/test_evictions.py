@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from flow import FakeUpstream, Flow, virtual_time
 from llamaswap.core import Outcome
 from llamaswap.core.residency import Residency
@@ -254,3 +256,18 @@ async def test_slot_learning_asks_each_resident_model() -> None:
     learnt = flow.coordinator.gpus.named("gpu0").slots.learnt
     assert learnt == {"a": 2, "b": 3}
     assert sorted(model for name, model in upstream.calls if name == "total_slots") == ["a", "b"]
+
+
+@pytest.mark.xfail(strict=True, reason="Scheduler.set_residents drops a report while any grant runs on the GPU "
+                   "(core): with several resident, what is read again after a failed unload is lost until it idles")
+@virtual_time
+async def test_after_a_failed_unload_beside_running_work_the_models_read_again_are_adopted() -> None:
+    upstream = FakeUpstream(loaded("a", "b"))
+    upstream.unloads = False
+    flow = resident_flow(upstream)
+    a = await flow.arrive("a1", model="a")
+    c = await flow.arrive("c1", model="c")
+    assert a.granted and c.refusal.evicting == "b"
+    await flow.idle()
+    # "b" is still loaded (its unload failed): a load of "c" now would make the router evict by itself.
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}
