@@ -20,16 +20,13 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
 from llamaswap.config.problems import Problem
 from llamaswap.config.types import size_document, size_text
-from llamaswap.config.upstreams import UpstreamEntry
+from llamaswap.config.upstreams import UpstreamEntry, UpstreamItem
 from llamaswap.core.residency import Residency
-
-if TYPE_CHECKING:
-    from llamaswap.config.sections import Config
 
 # llama-server's flags that say where its models are and the context and KV cache they run with.
 MODELS_DIR_FLAGS = ("--models-dir",)
@@ -39,6 +36,34 @@ CACHE_TYPE_FLAGS = {"k": ("-ctk", "--cache-type-k"), "v": ("-ctv", "--cache-type
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                     "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
 DEFAULT_CACHE_TYPE = "f16"
+
+
+class _Model(Protocol):
+    """What is read of a `sections.ModelConfig`."""
+
+    @property
+    def memory(self) -> int | None: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+
+class Config(Protocol):
+    """What is read of a `sections.Config` (which calls these functions as it is validated, so it
+    is named here by its shape, not imported)."""
+
+    @property
+    def models(self) -> Mapping[str, _Model]: ...
+
+    @property
+    def upstreams(self) -> Sequence[UpstreamItem] | None: ...
+
+    @property
+    def upstream_entries(self) -> tuple[UpstreamEntry, ...]: ...
+
+    def residency_of(self, upstream: str) -> Residency: ...
+
+    def model_sizes(self, upstream: str) -> Mapping[str, ModelSize]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
