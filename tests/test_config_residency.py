@@ -143,7 +143,10 @@ def test_the_schema_describes_the_keys_and_takes_the_example() -> None:
     # a budget needs every model's size
     ({"upstream": {"maxLoaded": 2, "memory": "10GiB"}, "models": {"a": {"memory": "1GiB"}, "b": {}}},
      "models.b.memory", "its command gives no --models-dir"),
-    ({"upstream": {"maxLoaded": 2, "memory": "10GiB"}}, "upstream.memory", "knows no model it serves"),
+    ({"upstream": {"maxLoaded": 2, "memory": "10GiB"}}, "upstream.memory",
+     "knows no model it serves (no models.<id>, and its command gives no --models-dir): set models.<id>.memory"),
+    ({"upstream": {"maxLoaded": 2, "memory": "10GiB", "url": URL, "command": "llama-server --models-dir /nowhere"}},
+     "upstream.memory", "knows no model it serves (no GGUF file in /nowhere, its command's --models-dir)"),
     ({"upstreams": [{"name": "gpu0", "url": URL, "maxLoaded": 2, "memory": "10GiB", "models": ["x"]}]},
      "models.x.memory", "(upstreams[0].memory: 10GiB)"),
 ])

@@ -177,10 +177,12 @@ def model_sizes(config: Config) -> tuple[dict[str, dict[str, ModelSize]], list[P
                     f"Set models.{model_id}.memory to what it takes loaded (its file plus its KV cache, e.g. "
                     f"8GiB), or remove the budget"))
         if not own and not missing:
+            where = (f"no GGUF file in {directory}, its command's --models-dir" if directory is not None
+                     else "no models.<id>, and its command gives no --models-dir")
             problems.append(Problem(
                 memory_key(config, index),
-                f"{entry.name} has a memory budget and llamaswap knows no model it serves: set models.<id>.memory "
-                f"for each (or give its command --models-dir with the GGUF files), or remove the budget"))
+                f"{entry.name} has a memory budget and llamaswap knows no model it serves ({where}): set "
+                f"models.<id>.memory for each model it serves, or remove the budget"))
         sizes[entry.name] = own
     return sizes, problems
 
