@@ -13,7 +13,10 @@ run. The sides, measured alike in interleaved rounds whose order rotates:
   each model's server takes its requests first come, first served, whatever their priority.
 
 Both stacks: `upstream.slots` = `--slots`, `reservedSlots` = `--reserved` (0), the production
-lease, the model poll every 0.5 s (so that they see the unloads between sides).
+lease, the model poll every 0.5 s (so that they see the unloads between sides). Every router
+gets `--threads-http` for every request that can be at it at once: its default on 2 cores
+(the slots + 2) would hold the router alone's clients in the kernel's accept queue, not at
+each model's server as on a machine of many cores.
 
 The workload, the same for every side of a round (a new seed per round): a batch backlog of
 `--batch` requests on model-a and model-c (half each, shuffled, all there at the start, output
@@ -29,7 +32,9 @@ Before each side every model of its server is unloaded (`POST /models/unload`), 
 starts cold: its first load of each model counts.
 
 Figures, per side:
-- model loads: the router's own log (its `spawning server instance with name=` line per load);
+- model loads: the router's own log (its `spawning server instance with name=` line per load),
+  and of those the loads of a model loaded before in the run (each side starts cold, so its
+  first load of each model is alike on every side: the goal is judged on all loads);
 - most models resident at once, and unloads: from `GET /models`, polled every 50 ms during the run;
 - interactive latency: each interactive request's whole latency, from its send to the last byte
   of its (non-streamed) answer, p50 and p95 over every round's interactive requests (both of each
@@ -37,7 +42,10 @@ Figures, per side:
   time to first byte: the router alone has no queue wait to report, and a non-streamed answer's
   first byte is its last;
 - throughput: the batch backlog's output tokens per second, from the start to its last answer
-  (the interactive pairs run inside it); and every request per second over the whole run;
+  (the interactive pairs run inside it); and every request per second over the whole run; and
+  llama-server's own generation speed for each batch request (its `timings`), p50: how fast the
+  model's server computed, which on a machine of 2 cores falls as more processes compute at once
+  (the other models' servers, and Envoy's and the sidecar's work);
 - failed requests (an error status or a cut connection), and busy evictions: a model that left
   `loaded` in `GET /models` while a request to it was at the server (sent and not yet answered;
   counted for the router alone, where a request sent is a request at the server: through
@@ -130,6 +138,7 @@ class Answer:
     answered: float
     ok: bool
     error: str = ""
+    speed: float | None = None  # llama-server's own generation speed for it (timings.predicted_per_second)
 
     @property
     def latency_ms(self) -> float:
@@ -166,9 +175,10 @@ async def send(session: aiohttp.ClientSession, url: str, job: Job, in_flight: In
                 tokens = int(document.get("usage", {}).get("completion_tokens", -1)) if response.status == 200 else -1
                 if response.status != 200 or tokens != job.tokens:
                     return Answer(job, sent, time.perf_counter(), False, f"{response.status}: {str(document)[:200]}")
+                speed = document.get("timings", {}).get("predicted_per_second")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return Answer(job, sent, time.perf_counter(), False, f"{type(exc).__name__}: {exc}")
-    return Answer(job, sent, time.perf_counter(), True)
+    return Answer(job, sent, time.perf_counter(), True, speed=float(speed) if speed else None)
 
 
 @dataclasses.dataclass
@@ -211,6 +221,7 @@ class Run:
     batch_span_s: float  # the start to the last batch answer
     answers: list[Answer]
     loads: int
+    reloads: int  # loads of a model loaded before in the run (every side starts cold: its first loads are alike)
     watch: Watch
 
     @property
@@ -222,17 +233,24 @@ class Run:
         """The batch backlog's output tokens per second."""
         return sum(a.job.tokens for a in self.answers if a.job.priority == "batch") / self.batch_span_s
 
+    def speeds(self) -> list[float]:
+        """llama-server's own generation speed (tokens/s) of each answered batch request: how
+        fast its model's server computed, whatever waited before it (on this machine's shared
+        cores it falls as more processes compute at once)."""
+        return [a.speed for a in self.answers if a.job.priority == "batch" and a.speed]
+
     @property
     def request_rate(self) -> float:
         return len(self.answers) / self.span_s
 
     def interactive(self) -> list[float]:
-        return [a.latency_ms for a in self.answers if a.job.priority == "interactive"]
+        """The answered interactive requests' latencies (the failed ones are counted apart)."""
+        return [a.latency_ms for a in self.answers if a.job.priority == "interactive" and a.ok]
 
     def pairs(self) -> list[float]:
         by_pair: dict[int, list[Answer]] = {}
         for a in self.answers:
-            if a.job.pair is not None:
+            if a.job.pair is not None and a.ok:
                 by_pair.setdefault(a.job.pair, []).append(a)
         return [1000 * (max(a.answered for a in two) - min(a.sent for a in two))
                 for two in by_pair.values() if len(two) == 2]
@@ -242,11 +260,13 @@ async def run_side(side: str, work: Workload, server: LlamaServer, url: str, arg
     await asyncio.to_thread(unload_all, [server])
     if side != ROUTER:
         await asyncio.sleep(3 * MODELS_POLL_S)  # the sidecar's model poll sees the unloads
-    loads_before = server.log_text().count(SPAWN_LINE)
+    log_before = len(server.log_text())
     in_flight, watch, stop = InFlight(), Watch(), asyncio.Event()
     answers: list[Answer] = []
     batch_gate = asyncio.Semaphore(args.batch_inflight) if args.batch_inflight > 0 else None
-    connector = aiohttp.TCPConnector(limit=0)
+    # A connection per request: a pooled connection the server has closed meanwhile would fail a
+    # request for the client's sake, not the server's.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         started = time.perf_counter()
         watcher = asyncio.create_task(watch_models(session, server.url, in_flight, started, stop, watch))
@@ -266,8 +286,10 @@ async def run_side(side: str, work: Workload, server: LlamaServer, url: str, arg
         stop.set()
         await watcher
     batch_end = max((a.answered for a in answers if a.job.priority == "batch"), default=ended)
-    return Run(side, ended - started, batch_end - started, answers,
-               server.log_text().count(SPAWN_LINE) - loads_before, watch)
+    loaded = [line.split(SPAWN_LINE, 1)[1].split()[0] for line in server.log_text()[log_before:].splitlines()
+              if SPAWN_LINE in line]
+    return Run(side, ended - started, batch_end - started, answers, len(loaded), len(loaded) - len(set(loaded)),
+               watch)
 
 
 def stack_document(url: str, max_loaded: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -321,24 +343,29 @@ def report(runs: dict[str, list[Run]], skipped: dict[str, str], mismatched: dict
     mismatched = mismatched or {}
     p95: dict[str, float | None] = {}
     loads: dict[str, float | None] = {}
+    reloads: dict[str, float | None] = {}
     rate: dict[str, float | None] = {}
     for side in SIDES:
         if side in skipped or not runs[side]:
             print(f"{side}: not run ({skipped.get(side, 'no round')})")
-            p95[side] = loads[side] = rate[side] = None
+            p95[side] = loads[side] = reloads[side] = rate[side] = None
             continue
         done = runs[side]
         interactive = [ms for run in done for ms in run.interactive()]
         pairs = [ms for run in done for ms in run.pairs()]
         p95[side] = percentile(interactive, 95)
         loads[side] = statistics.median(run.loads for run in done)
+        reloads[side] = statistics.median(run.reloads for run in done)
         rate[side] = statistics.median(run.batch_rate for run in done)
         busy = [event for run in done for event in run.watch.busy_evictions]
-        print(f"{side}: model loads {'/'.join(str(run.loads) for run in done)} (median {loads[side]:.0f}); "
+        print(f"{side}: model loads {'/'.join(str(run.loads) for run in done)} (median {loads[side]:.0f}; "
+              f"of a model loaded before in the run {'/'.join(str(run.reloads) for run in done)}); "
               f"interactive latency p50 {_ms(interactive, 50)} ms, p95 {_ms(interactive, 95)} ms "
               f"(pairs p50 {_ms(pairs, 50)} ms, p95 {_ms(pairs, 95)} ms); batch throughput {rate[side]:.0f} tokens/s "
               f"({'/'.join(f'{run.batch_rate:.0f}' for run in done)}), "
               f"{statistics.median(run.request_rate for run in done):.2f} requests/s over the run; "
+              f"llama-server's own generation p50 {_ms([v for run in done for v in run.speeds()], 50)} tokens/s "
+              f"a batch request; "
               f"most resident at once {max(run.watch.most_resident for run in done)}, unloads "
               f"{'/'.join(str(run.watch.unloads) for run in done)}; failed "
               f"{sum(len(run.failed) for run in done)}", flush=True)
@@ -360,11 +387,12 @@ def report(runs: dict[str, list[Run]], skipped: dict[str, str], mismatched: dict
         return "-" if value is None else format(value, fmt)
 
     for side in mismatched:  # figures of another rule than the side's name: no goal judged on them
-        p95[side] = loads[side] = rate[side] = None
+        p95[side] = loads[side] = reloads[side] = rate[side] = None
     loads_ratio, p95_ratio = ratio(loads[ML3], loads[ML1]), ratio(p95[ML3], p95[ML1])
     rate_ratio, router_ratio = ratio(rate[ML3], rate[ROUTER]), ratio(p95[ML3], p95[ROUTER])
     print(f"goal: maxLoaded 3 loads <= 1/5 of maxLoaded 1's: {shown(loads[ML3], '.0f')} against "
-          f"{shown(loads[ML1], '.0f')} ({shown(loads_ratio)}), {_goal(check(loads_ratio, 0.2))}")
+          f"{shown(loads[ML1], '.0f')} ({shown(loads_ratio)}; loads of a model loaded before in the run "
+          f"{shown(reloads[ML3], '.0f')} against {shown(reloads[ML1], '.0f')}), {_goal(check(loads_ratio, 0.2))}")
     print(f"goal: maxLoaded 3 interactive p95 <= 1/3 of maxLoaded 1's: {shown(p95[ML3], '.0f')} ms against "
           f"{shown(p95[ML1], '.0f')} ms ({shown(p95_ratio)}), {_goal(check(p95_ratio, 1 / 3))}")
     print(f"goal: maxLoaded 3 throughput >= 0.9x the router alone's: {shown(rate[ML3], '.0f')} against "
@@ -435,8 +463,13 @@ async def main() -> None:
                     except ConfigError as exc:
                         skipped[side] = f"the configuration refuses it: {str(exc).splitlines()[0]}"
                         continue
+                # --threads-http: a thread for every request that can be at the router at once. Its
+                # default here (the slots + 2, on 2 cores) would queue the router alone's clients
+                # in the kernel's accept queue rather than at each model's server, as on a machine
+                # with many cores.
                 server_args = [*router_mode_args(models, models_max=MODELS_MAX[side]), "-np", str(args.slots),
-                               "-c", str(CONTEXT_PER_SLOT * args.slots), "-t", "1"]
+                               "-c", str(CONTEXT_PER_SLOT * args.slots), "-t", "1",
+                               "--threads-http", str(args.batch + 2 * args.pairs + 8)]
                 name = SHORT_NAMES[side]
                 server = exits.enter_context(run_llama_server(server_args, log_path=root / f"llama-{name}.log"))
                 servers[side] = server
@@ -471,10 +504,10 @@ async def main() -> None:
                     assert len(run.answers) == work.size, "a request lost"
                     runs[side].append(run)
                     interactive = run.interactive()
-                    print(f"  round {index + 1}, {side}: {run.loads} model loads, interactive p95 "
-                          f"{_ms(interactive, 95)} ms (max {_ms(interactive, 100)}), batch {run.batch_rate:.0f} "
-                          f"tokens/s in {run.batch_span_s:.1f} s, run {run.span_s:.1f} s, most resident "
-                          f"{run.watch.most_resident}, failed {len(run.failed)}"
+                    print(f"  round {index + 1}, {side}: {run.loads} model loads ({run.reloads} again), "
+                          f"interactive p95 {_ms(interactive, 95)} ms (max {_ms(interactive, 100)}), "
+                          f"batch {run.batch_rate:.0f} tokens/s in {run.batch_span_s:.1f} s, "
+                          f"run {run.span_s:.1f} s, most resident {run.watch.most_resident}, failed {len(run.failed)}"
                           + (f", busy evictions {len(run.watch.busy_evictions)}" if side == ROUTER else ""),
                           flush=True)
     report(runs, skipped, mismatched)
