@@ -27,6 +27,8 @@ def models_max(command: tuple[str, ...]) -> str:
     (["llama-server", "--models-max=2"], ["llama-server", "--models-max=3"]),
     (["llama-server", "--models-dir=/m"], ["llama-server", "--models-dir=/m", "--models-max", "3"]),
     (["llama-server", "--models-max"], ["llama-server", "--models-max", "3"]),
+    (["env", "LLAMA_ARG_MODELS_DIR=/m", "llama-server"],
+     ["env", "LLAMA_ARG_MODELS_DIR=/m", "llama-server", "--models-max", "3"]),
     # not a router: left as written
     ("llama-server -m /m/a.gguf --port 8081", "llama-server -m /m/a.gguf --port 8081"),
     (["vllm", "serve", "x"], ["vllm", "serve", "x"]),

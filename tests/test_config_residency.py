@@ -305,3 +305,16 @@ def test_advice_warns_when_the_pinned_models_fill_every_place() -> None:
     assert warning.message == ("gpu0 pins 2 models (a, b) and keeps 2 at once: no other model can ever load there. "
                                "Set upstream.maxLoaded to 3 or more, or unpin one")
     assert advice(parse_config({"upstream": {"maxLoaded": 3}, "models": {"a": {"pinned": True}}})) == []
+
+
+def test_the_commands_variables_count_where_it_gives_no_flag(models) -> None:
+    command = ["env", "CUDA_VISIBLE_DEVICES=0", f"LLAMA_ARG_MODELS_DIR={models}", "LLAMA_ARG_CTX_SIZE=1024",
+               "LLAMA_ARG_CACHE_TYPE_K=q8_0", "llama-server", "--port", "8081"]
+    cfg = parse_config({"upstream": {"url": URL, "command": command, "maxLoaded": 2, "memory": "1GiB"}})
+    assert cfg.residency_of("gpu0").bytes_of("chat") == estimate_model_bytes(models / "chat.gguf", 1024,
+                                                                            (34 / 32 + 2) / 2)
+    # a flag wins over the variable, as in llama-server
+    assert router_models_max(["env", "LLAMA_ARG_MODELS_MAX=2", "llama-server", "--models-max", "5"]) == 5
+    assert router_models_max(["env", "LLAMA_ARG_MODELS_MAX=2", "llama-server"]) == 2
+    # 0 is no limit: nothing to warn of
+    assert router_models_max(["llama-server", "--models-dir", "/m", "--models-max", "0"]) is None

@@ -3,9 +3,10 @@
 The flag writes ``maxLoaded: N`` into the configuration `up` runs (upstream.maxLoaded, and each
 entry of ``upstreams`` that gives its own), and makes each llama-server router that `up` starts
 keep N models loaded (``--models-max N``): in a command that passes ``--models-max`` its value
-is replaced, and a router command (``--models-dir``) without one gets it, so that the router
-never evicts on its own a model llamaswap keeps resident. The built-in llama-server takes its
-``--models-max`` from the configuration's maxLoaded (`up.default_upstream`), with or without the flag.
+is replaced, and a router command (``--models-dir``, or ``env LLAMA_ARG_MODELS_DIR=...``) without
+one gets it, so that the router never evicts on its own a model llamaswap keeps resident. The
+built-in llama-server takes its ``--models-max`` from the configuration's maxLoaded
+(`up.default_upstream`), with or without the flag.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _with_models_max(argv: Sequence[str], models_max: int) -> list[str] | None:
         result.append(str(models_max))
     if found:
         return result
-    if any(a == _MODELS_DIR_FLAG or a.startswith(f"{_MODELS_DIR_FLAG}=") for a in argv):
+    if any(a == _MODELS_DIR_FLAG or a.startswith((f"{_MODELS_DIR_FLAG}=", "LLAMA_ARG_MODELS_DIR=")) for a in argv):
         return [*result, MODELS_MAX_FLAG, str(models_max)]
     return None
 

@@ -28,10 +28,14 @@ from llamaswap.config.types import size_document, size_text
 from llamaswap.config.upstreams import UpstreamEntry, UpstreamItem
 from llamaswap.core.residency import Residency
 
-# llama-server's flags that say where its models are and the context and KV cache they run with.
+# llama-server's flags (and the variables it reads where a flag is not given, which a command sets
+# as `env NAME=VALUE llama-server ...`) that say where its models are and the context and KV
+# cache they run with.
 MODELS_DIR_FLAGS = ("--models-dir",)
+MODELS_DIR_ENV = "LLAMA_ARG_MODELS_DIR"
 CONTEXT_FLAGS = ("-c", "--ctx-size")
-CACHE_TYPE_FLAGS = {"k": ("-ctk", "--cache-type-k"), "v": ("-ctv", "--cache-type-v")}
+CONTEXT_ENV = "LLAMA_ARG_CTX_SIZE"
+CACHE_TYPE_FLAGS = {"K": ("-ctk", "--cache-type-k"), "V": ("-ctv", "--cache-type-v")}
 # Bytes per KV cache element of llama-server's --cache-type-k/-v (a block's bytes over its 32 values).
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                     "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
@@ -77,8 +81,9 @@ class ModelSize:
         return size_text(self.bytes)
 
 
-def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
-    """The value of the last of ``flags`` on a command line (``--flag VALUE`` or ``--flag=VALUE``)."""
+def flag_value(command: Sequence[str], flags: Sequence[str], env: str | None = None) -> str | None:
+    """The value of the last of ``flags`` on a command line (``--flag VALUE`` or ``--flag=VALUE``),
+    else of the variable ``env`` that the command sets (``env NAME=VALUE llama-server ...``)."""
     found = None
     for index, argument in enumerate(command):
         for flag in flags:
@@ -86,19 +91,23 @@ def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
                 found = command[index + 1]
             elif argument.startswith(f"{flag}="):
                 found = argument.split("=", 1)[1]
+    if found is None and env is not None:
+        for argument in command:
+            if argument.startswith(f"{env}="):
+                found = argument.split("=", 1)[1]
     return found
 
 
 def models_dir(command: Sequence[str]) -> pathlib.Path | None:
     """The models directory of a llama-server command (router mode's ``--models-dir``), if any."""
-    value = flag_value(command, MODELS_DIR_FLAGS)
+    value = flag_value(command, MODELS_DIR_FLAGS, MODELS_DIR_ENV)
     return pathlib.Path(value) if value else None
 
 
 def context_of(command: Sequence[str]) -> int:
     """The context a command runs its models with (``-c``/``--ctx-size``); 0, the model's own
     trained context, without one or where it is not a number (the larger estimate: the safe side)."""
-    value = flag_value(command, CONTEXT_FLAGS)
+    value = flag_value(command, CONTEXT_FLAGS, CONTEXT_ENV)
     try:
         return max(0, int(value)) if value is not None else 0
     except ValueError:
@@ -107,8 +116,9 @@ def context_of(command: Sequence[str]) -> int:
 
 def cache_type_bytes(command: Sequence[str]) -> float:
     """Bytes per KV cache element: the mean of K's and V's (``--cache-type-k/-v``, f16 by default)."""
-    widths = [CACHE_TYPE_BYTES.get((flag_value(command, flags) or DEFAULT_CACHE_TYPE).lower(), 2.0)
-              for flags in CACHE_TYPE_FLAGS.values()]
+    widths = [CACHE_TYPE_BYTES.get((flag_value(command, flags, f"LLAMA_ARG_CACHE_TYPE_{which}")
+                                    or DEFAULT_CACHE_TYPE).lower(), 2.0)
+              for which, flags in CACHE_TYPE_FLAGS.items()]
     return sum(widths) / len(widths)
 
 
@@ -252,20 +262,22 @@ def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, Mod
     raise KeyError(f"no upstream named {name!r} (the configuration has {names})")
 
 
-# llama-server's router keeps this many models loaded without --models-max.
+# llama-server's router keeps this many models loaded without --models-max (0: no limit).
 ROUTER_MODELS_MAX_DEFAULT = 4
 _MODELS_MAX_FLAGS = ("--models-max",)
+_MODELS_MAX_ENV = "LLAMA_ARG_MODELS_MAX"
 # Pairs of models that can never be resident together, named at most this many times per upstream.
 _PAIRS_SHOWN = 6
 
 
 def router_models_max(command: Sequence[str]) -> int | None:
     """The models a llama-server router started by ``command`` keeps loaded (``--models-max``,
-    else its default where the command is a router, ``--models-dir``); None: not a router command."""
-    value = flag_value(command, _MODELS_MAX_FLAGS)
+    else its default where the command is a router, ``--models-dir``); None: not a router command,
+    or no limit (``--models-max 0``)."""
+    value = flag_value(command, _MODELS_MAX_FLAGS, _MODELS_MAX_ENV)
     if value is not None:
         try:
-            return int(value)
+            return int(value) or None
         except ValueError:
             return None
     return ROUTER_MODELS_MAX_DEFAULT if models_dir(command) is not None else None
