@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import pytest
 
 from flow import FakeUpstream, Flow, virtual_time
 from llamaswap.core import Outcome
@@ -258,8 +257,6 @@ async def test_slot_learning_asks_each_resident_model() -> None:
     assert sorted(model for name, model in upstream.calls if name == "total_slots") == ["a", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason="Scheduler.set_residents drops a report while any grant runs on the GPU "
-                   "(core): with several resident, what is read again after a failed unload is lost until it idles")
 @virtual_time
 async def test_after_a_failed_unload_beside_running_work_the_models_read_again_are_adopted() -> None:
     upstream = FakeUpstream(loaded("a", "b"))

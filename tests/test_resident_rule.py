@@ -297,3 +297,31 @@ def test_the_estimates_and_the_grants_agree_on_an_eviction() -> None:
     decision = scheduler.next()
     assert decision is not None and decision.request_id == "c"
     assert decision.evicts[0].model == scheduler.held_back.get("gpu0", "A")
+
+
+def test_a_report_beside_running_work_is_adopted_if_it_names_what_runs() -> None:
+    scheduler, _ = node(gpu(max_loaded=3))
+    scheduler.enqueue("a", prio(0), "A")
+    scheduler.enqueue("b", prio(0), "B")
+    grant_all(scheduler)
+    as_of = scheduler.dispatches_on("gpu0")
+    # Loads under way (a and b loaded their models, unconfirmed): no report applies yet.
+    assert not scheduler.set_residents(frozenset({"A", "B", "X"}), as_of=as_of, upstream="gpu0")
+    scheduler.release("b")
+    scheduler.release("a")
+    scheduler.enqueue("a2", prio(0), "A")
+    grant_all(scheduler)  # runs on A, loads nothing
+    as_of = scheduler.dispatches_on("gpu0")
+    assert not scheduler.set_residents(frozenset({"B"}), as_of=as_of, upstream="gpu0")  # A runs: not gone
+    assert scheduler.set_residents(frozenset({"A", "C"}), as_of=as_of, upstream="gpu0")
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "C"})
+
+
+def test_one_model_at_a_time_drops_every_report_made_while_a_request_runs() -> None:
+    scheduler, _ = node(gpu(max_loaded=1))
+    scheduler.enqueue("a", prio(0), "A")
+    grant_all(scheduler)
+    scheduler.release("a")
+    scheduler.enqueue("a2", prio(0), "A")
+    grant_all(scheduler)
+    assert not scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")

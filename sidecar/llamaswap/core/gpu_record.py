@@ -112,6 +112,15 @@ class GpuRecord:
             self.residents = residents
             self._holding = self._idle = None
 
+    def may_adopt(self, residents: frozenset[str]) -> bool:
+        """A report of the resident models made now may be applied: nothing runs; or, several
+        resident, no load is under way and it names every model that runs (then only the others
+        can differ from what the scheduler believes: an unload that failed, a stop)."""
+        if not self.grants:
+            return True
+        return self.policy.residency.several and self.loader is None and all(
+            grant.entry.model is None or grant.entry.model in residents for grant in self.grants.values())
+
     def held_by(self, *, settling: bool, adopted: int) -> bool:
         """The work the scheduler did not grant that holds it now; True if that changed."""
         if settling == self.settling and adopted == self.adopted:

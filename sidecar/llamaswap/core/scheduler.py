@@ -188,11 +188,12 @@ class Scheduler:
     def set_residents(self, models: frozenset[str], *, as_of: int, upstream: str | None = None) -> bool:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
-        A report that a grant has overtaken (or that arrives while any request runs there)
-        describes a past the scheduler has already moved on from: it is dropped. True if applied.
+        A report that a grant has overtaken, or that arrives while requests run there
+        (`GpuRecord.may_adopt` says when several resident may), describes a past the scheduler
+        has already moved on from: it is dropped. True if applied.
         """
         gpu = self._gpu(upstream)
-        if as_of != gpu.dispatches or gpu.grants:
+        if as_of != gpu.dispatches or not gpu.may_adopt(models):
             return False
         gpu.set_residents(models)
         gpu.load = None
