@@ -8,8 +8,8 @@ tests' tiny model under three names (model-a, model-b, model-c, one thread per c
   records the eviction, and the router never evicts by itself nor holds three.
 - A busy model is never unloaded: with model-a streaming, model-c evicts the idle model-b; with
   both streaming, model-c waits (GET /queue shows the model it holds back) until that one drains,
-  and no stream is cut. (With one slot a model, GET /queue names nothing held back: a known bug,
-  marked xfail.)
+  and no stream is cut (with one slot a model as with two: the GPU is full, and the best still
+  says which model it holds back).
 
 A tiny model streams thousands of tokens a second, so a "long" stream is made long by freezing
 its model's own process (SIGSTOP of the router's child) after its first chunk: the router goes on
@@ -335,10 +335,7 @@ class NothingHeldBack(AssertionError):
 
 
 @pytest.mark.parametrize("slots", [
-    pytest.param(1, marks=pytest.mark.xfail(
-        strict=True, raises=NothingHeldBack,
-        reason="bug: with every slot of the resident models taken, Scheduler.next returns before node.find, "
-               "so GET /queue shows held_back null while model-c waits for a busy model to go")),
+    1,
     2,
 ])
 async def test_with_both_models_streaming_a_third_waits_for_one_to_drain(tmp_path: pathlib.Path, slots: int) -> None:
@@ -393,7 +390,7 @@ async def test_with_both_models_streaming_a_third_waits_for_one_to_drain(tmp_pat
     assert all(records[request_id]["outcome"] == "served" for request_id in ids)
     assert _router_lines(llama, UNLOADED) == [held] and _router_lines(llama, ROUTER_EVICTED) == []
     assert _unloads_seen(watcher) == [held] and _most_resident(watcher) <= MAX_LOADED
-    # Last, as the one known to fail with one slot a model: /queue said what model-c held back.
+    # Last: /queue said what model-c held back (with one slot a model too, where the GPU is full).
     if gpu["held_back"] not in (MODEL_A, MODEL_B):
         raise NothingHeldBack(f"GET /queue while c1 waited for a busy model to go: held_back "
                               f"{gpu['held_back']!r}, models {gpu['models']}")

@@ -325,3 +325,15 @@ def test_one_model_at_a_time_drops_every_report_made_while_a_request_runs() -> N
     scheduler.enqueue("a2", prio(0), "A")
     grant_all(scheduler)
     assert not scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
+
+
+def test_a_full_gpu_still_says_which_model_the_best_holds_back() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=1))
+    scheduler.enqueue("a", prio(0), "A")
+    scheduler.enqueue("b", prio(0), "B")
+    grant_all(scheduler)  # both models' one slot taken: the GPU takes nothing
+    scheduler.enqueue("for-a", prio(1), "A")
+    scheduler.enqueue("c", prio(50), "C")
+    assert scheduler.next() is None
+    assert scheduler.held_back == {"gpu0": "B"}  # nothing waits for B
+    assert scheduler.snapshot().gpus[0].held_back == "B"

@@ -122,6 +122,7 @@ class Scheduler:
         # report, `held_by` or the policy, each of which tells it).
         self._held = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
+        self._several = any(gpu.residency.several for gpu in gpus)  # some GPU keeps several models resident
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
         # only needed to tell whether aging changed a pick.
@@ -379,8 +380,9 @@ class Scheduler:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
         holdings, open_gpus, warm = self._held.now()
-        if not open_gpus:
+        if not open_gpus and not self._several:
             return None  # every slot is taken (with one slot: anything runs)
+        # (Several resident: the walk runs all the same, for the model the best holds back.)
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
