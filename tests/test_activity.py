@@ -25,6 +25,8 @@ SPECIFIED = ("serial_priority", "serial_band", "serial_score", "serial_queue_wai
 REPLAY = ("arrival_unix_ms", "granted_unix_ms", "first_byte_ms", "run_ms", "settle_ms", "swap", "load", "model",
           "outcome", "dispatched")
 CONFIG = {"routing": {"scheduler": {"maxQueued": 2, "maxWaitSeconds": 30}}, "envoy": {"leaseSeconds": 1000}}
+# An upstream's residency in the settings record with one model at a time (the default).
+ONE_MODEL = {"max_loaded": 1, "pinned": [], "memory_bytes": None, "model_bytes": {}}
 
 
 def lines_of(path: pathlib.Path) -> list[dict]:
@@ -159,14 +161,36 @@ async def test_the_settings_at_start_and_after_each_reload(tmp_path: pathlib.Pat
     assert {k: v for k, v in first.items() if k != "time"} == {
         "event": "settings", "scheduler": "serial", "aging_divisor_s": 30.0, "swap_affinity_bonus": 10,
         "max_queued": 7, "max_wait_s": 0.0, "model_priorities": {}, "slots": 1, "model_slots": {},
-        "reserved_slots": 0, "upstreams": [{"name": "gpu0", "slots": 1, "model_slots": {}, "models": None}]}
+        "reserved_slots": 0, "upstreams": [
+            {"name": "gpu0", "slots": 1, "model_slots": {}, "models": None, **ONE_MODEL}]}
     assert {k: v for k, v in second.items() if k != "time"} == {
         "event": "settings", "scheduler": "fifo", "aging_divisor_s": 0.0, "swap_affinity_bonus": 0,
         "max_queued": 0, "max_wait_s": 9.0, "model_priorities": {"m": 10}, "slots": 3, "model_slots": {"m": 2},
-        "reserved_slots": 1, "upstreams": [{"name": "gpu0", "slots": 3, "model_slots": {"m": 2}, "models": None}]}
+        "reserved_slots": 1, "upstreams": [
+            {"name": "gpu0", "slots": 3, "model_slots": {"m": 2}, "models": None, **ONE_MODEL}]}
     assert second["time"] - first["time"] == pytest.approx(5, abs=1e-3)
     assert activity.recent() == []  # GET /activity lists requests
     activity.close()
+
+
+@virtual_time
+async def test_the_settings_say_each_upstreams_residency_for_a_replay(tmp_path: pathlib.Path) -> None:
+    """Several resident (issue 37): maxLoaded, the pinned models, the budget and, with one, the
+    models' sizes; the simulator reads them back as each upstream's Residency."""
+    from llamaswap.core.residency import Residency
+
+    path = tmp_path / "activity.jsonl"
+    activity = ActivityLog(clock(), path=str(path))
+    gib = 1 << 30
+    Flow({"upstream": {"maxLoaded": 3, "memory": "80GiB"},
+          "models": {"A": {"memory": "40GiB"}, "B": {"memory": "1GiB", "pinned": True}}}, observers=[activity])
+    activity.close()
+    (settings,) = lines_of(path)
+    (upstream,) = settings["upstreams"]
+    assert {k: upstream[k] for k in ONE_MODEL} == {
+        "max_loaded": 3, "pinned": ["B"], "memory_bytes": 80 * gib, "model_bytes": {"A": 40 * gib, "B": gib}}
+    (record,) = read_activity(path).settings
+    assert record.residency == {"gpu0": Residency(3, frozenset({"B"}), 80 * gib, {"A": 40 * gib, "B": gib})}
 
 
 @virtual_time
@@ -272,7 +296,7 @@ def test_each_dispatch_record_names_the_upstream_it_ran_on(tmp_path: pathlib.Pat
     activity.close()
     lines = lines_of(path)
     assert lines[0]["event"] == "settings" and lines[0]["upstreams"] == [
-        {"name": "big", "slots": 2, "model_slots": {}, "models": None},
-        {"name": "small", "slots": 1, "model_slots": {}, "models": None}]
+        {"name": "big", "slots": 2, "model_slots": {}, "models": None, **ONE_MODEL},
+        {"name": "small", "slots": 1, "model_slots": {}, "models": None, **ONE_MODEL}]
     assert {r["request_id"]: r["upstream"] for r in lines if r["event"] == "request"} == {
         "x1": "big", "y1": "small", "x2": "big", "z1": "big"}

@@ -279,13 +279,13 @@ def test_requests_to_a_file_and_per_setting_when_sweeping(tmp_path):
 def test_json_output_shape():
     document = run_json([])
     assert set(document) == {"source", "requests", "not_replayed", "skipped_lines", "malformed_records", "swept",
-                             "concurrency_speed", "rows"}
+                             "concurrency_speed", "recorded_evictions", "rows"}
     assert document["requests"] == 8
     assert document["not_replayed"] == {"rejected_unknown_model": 1, "shutdown": 1}
     assert document["swept"] == []
     (row,) = document["rows"]
     assert set(row) == {"settings", "requests", "bands", "swaps", "reorders", "busy_fraction", "left", "expired",
-                        "rejected", "peak_waiting", "worst_inversion", "gpus"}
+                        "rejected", "peak_waiting", "worst_inversion", "gpus", "evictions"}
     assert row["settings"] == {"scheduler": "serial", "agingDivisor": 60, "swapAffinityBonus": 10, "maxQueued": 0,
                                "maxWaitSeconds": 0, "slots": 1, "reservedSlots": 0, "gpus": 1, "maxLoaded": 1,
                                "modelPriorities": {}, "modelSlots": {}}

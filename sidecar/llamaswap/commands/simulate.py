@@ -39,7 +39,9 @@ swap affinity (a later, lower request with the loaded model goes first).
 
 Resident models: --max-loaded N (sweepable: --sweep maxLoaded=1,3) lets each GPU keep N models
 loaded at once, as `upstream.maxLoaded` does (-c FILE's maxLoaded, pinned models and memory
-budgets apply without the flag; with it, its N on every GPU, the pins and budgets kept).
+budgets apply without the flag, else those the log's settings record says each upstream ran
+with; with it, its N on every GPU, the pins and budgets kept). The log's eviction records are
+not replayed: the replay makes its own, counted by reason beside the recorded ones.
 
 GPUs: --gpus N (sweepable: --sweep gpus=1,2,4) puts N upstreams behind the one queue, named
 gpu0..gpuN-1, each with the slots above, its own loaded model, swaps and concurrency; the
@@ -140,7 +142,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "the log's recorded upstreams, else -c FILE's, else 1)")
     parser.add_argument("--max-loaded", metavar="N",
                         help="models each GPU keeps resident at once, evicting by what the queue needs least (1: "
-                             "one model at a time; default: -c FILE's maxLoaded, else 1; sweepable)")
+                             "one model at a time; default: -c FILE's maxLoaded, else the log's, else 1; sweepable)")
     parser.add_argument("--pods", metavar="N", type=_pods_flag,
                         help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
                              "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
@@ -273,7 +275,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                time.perf_counter() - started)
 
     summary = report.Summary(source, len(replay.requests), replay.not_replayed, activity.skipped,
-                             activity.malformed, activity.first_problem, "; ".join(notes) or None, concurrency)
+                             activity.malformed, activity.first_problem, "; ".join(notes) or None, concurrency,
+                             activity.evictions)
     swept = [sweep.key.name for sweep in sweeps]
     requests_to_stdout = args.requests == "-"
     if args.requests:

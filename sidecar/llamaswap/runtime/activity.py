@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from llamaswap.core import NS_PER_S, Clock, Eviction, Policy
+from llamaswap.core.residency import Residency
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
@@ -32,6 +33,14 @@ _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 REQUEST = "request"
 EVICTION = "eviction"
 KEPT_EVENTS = (REQUEST, EVICTION)
+
+
+def _residency_fields(residency: Residency) -> dict[str, Any]:
+    """An upstream's residency in its settings entry (issue 37), for a replay: maxLoaded, the
+    pinned models, the memory budget (null: none) and, with a budget, each model's size."""
+    budget = residency.memory_bytes
+    return {"max_loaded": residency.max_loaded, "pinned": sorted(residency.pinned), "memory_bytes": budget,
+            "model_bytes": dict(residency.model_bytes) if budget is not None else {}}
 
 
 class ActivityLog:
@@ -108,7 +117,8 @@ class ActivityLog:
             "reserved_slots": policy.slots.reserved,
             # The node's upstreams (issue 27), in the configured order: a replay runs with the same.
             "upstreams": [{"name": gpu.name, "slots": gpu.slots.default, "model_slots": dict(gpu.slots.per_model),
-                           "models": sorted(gpu.models) if gpu.models is not None else None}
+                           "models": sorted(gpu.models) if gpu.models is not None else None,
+                           **_residency_fields(gpu.residency)}
                           for gpu in policy.gpus_in_effect],
         })
 

@@ -64,6 +64,7 @@ from llamaswap.core import (
     NO_MODEL,
     Band,
     Estimator,
+    EvictReason,
     ManualClock,
     Outcome,
     Policy,
@@ -291,6 +292,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     swap_ns = {(u, m): round(costs.expected_swap_s(m, u) * 1e9) for u in uppers for m in models}
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
+    evictions = Counter[EvictReason]()
     swaps = peak = waiting = 0
     last_release = 0
     # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
@@ -403,6 +405,8 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if decision.reordered_by:
                 for cause in decision.reordered_by:
                     reorders[cause] += 1
+            for eviction in decision.evicts:  # several resident: the models its grant unloaded
+                evictions[eviction.reason] += 1
             gpu = gpu_of[decision.upstream]
             gpu.swaps += load
             if not gpu.running:
@@ -411,7 +415,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             if gpu.running.release_at < release_at:
                 release_at = gpu.running.release_at
 
-    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak)
+    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
 
@@ -523,7 +527,7 @@ def quantile(ordered: Sequence[int], fraction: float) -> int:
 
 
 def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[_Gpu],
-             last_release: int, peak: int) -> Metrics:
+             last_release: int, peak: int, evictions: Counter[EvictReason]) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
     for result in results:
@@ -554,4 +558,5 @@ def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause],
         peak_waiting=peak,
         inversion=worst_inversion(results),
         gpus=per_gpu,
+        evictions={reason.value: evictions[reason] for reason in EvictReason},
     )

@@ -1,7 +1,9 @@
 """The activity log, parsed into typed records.
 
 The sidecar writes one JSON object per line: a ``settings`` record at start and after every
-reload, and a ``request`` record when each request ends (so the file is in finish order). The
+reload, a ``request`` record when each request ends (so the file is in finish order), and an
+``eviction`` record per resident model a grant unloaded (several resident, issue 37: counted by
+reason, never replayed; the replay decides its own). The
 log may be mixed with other lines or carry a logging prefix: a line counts if a JSON object
 starts at its first ``{`` and has a known ``event``. Anything else is skipped and counted; a
 known record with unusable fields is skipped too, with the first reason kept for the summary.
@@ -17,6 +19,7 @@ from typing import Any
 
 from llamaswap.config.model_key import model_key
 from llamaswap.core import Outcome, PolicyName
+from llamaswap.core.residency import Residency
 
 _DECODER = json.JSONDecoder()
 _OUTCOMES = {outcome.value: outcome for outcome in Outcome}
@@ -37,6 +40,9 @@ class SettingsRecord:
     slots: int | None = None
     model_slots: Mapping[str, int] | None = None
     reserved_slots: int | None = None
+    # Each upstream's residency (maxLoaded, pinned models, memory budget and sizes), by name, in
+    # the configured order; an entry without the fields (older logs) keeps one model at a time.
+    residency: Mapping[str, Residency] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +124,7 @@ class Activity:
     skipped: int  # not a JSON object with a known event
     malformed: int  # a known event with unusable fields
     first_problem: str | None  # "line N: why", for the first malformed one
+    evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)  # recorded, by reason
 
 
 class _Bad(Exception):
@@ -127,6 +134,7 @@ class _Bad(Exception):
 def parse_activity(lines: Iterable[str]) -> Activity:
     settings: list[SettingsRecord] = []
     requests: list[RequestRecord] = []
+    evictions: dict[str, int] = {}
     skipped = malformed = count = 0
     first_problem: str | None = None
     for number, line in enumerate(lines, 1):
@@ -138,13 +146,16 @@ def parse_activity(lines: Iterable[str]) -> Activity:
                 requests.append(_request(document, len(requests)))  # type: ignore[arg-type]
             elif event == "settings":
                 settings.append(_settings(document))  # type: ignore[arg-type]
+            elif event == "eviction":
+                reason = _reason(document)  # type: ignore[arg-type]
+                evictions[reason] = evictions.get(reason, 0) + 1
             else:
                 skipped += 1
         except _Bad as exc:
             malformed += 1
             if first_problem is None:
                 first_problem = f"line {number}: {exc}"
-    return Activity(tuple(settings), tuple(requests), count, skipped, malformed, first_problem)
+    return Activity(tuple(settings), tuple(requests), count, skipped, malformed, first_problem, evictions)
 
 
 def read_activity(path: str | pathlib.Path) -> Activity:
@@ -282,7 +293,42 @@ def _settings(document: Mapping[str, Any]) -> SettingsRecord:
         slots=_count(document, "slots"),
         model_slots=dict(model_slots) if model_slots is not None else None,
         reserved_slots=reserved,
+        residency=_residencies(document.get("upstreams")),
     )
+
+
+def _reason(document: Mapping[str, Any]) -> str:
+    reason = document.get("reason")
+    if type(reason) is not str or not reason:
+        raise _Bad(f"eviction reason is not a name: {reason!r}")
+    return reason
+
+
+def _residencies(upstreams: Any) -> dict[str, Residency] | None:
+    """The settings record's ``upstreams``: each one's residency by name (None: no list)."""
+    if upstreams is None:
+        return None
+    if not isinstance(upstreams, list) or not all(isinstance(entry, dict) for entry in upstreams):
+        raise _Bad("upstreams is not a list of objects")
+    found: dict[str, Residency] = {}
+    for entry in upstreams:
+        name = entry.get("name")
+        if type(name) is not str or not name:
+            raise _Bad(f"an upstream's name is not a string: {name!r}")
+        max_loaded = _integer(entry, "max_loaded", required=False)
+        if max_loaded is not None and max_loaded < 1:
+            raise _Bad(f"upstream {name}: max_loaded is below 1: {max_loaded}")
+        pinned = entry.get("pinned") or []
+        if not isinstance(pinned, list) or not all(type(model) is str for model in pinned):
+            raise _Bad(f"upstream {name}: pinned is not a list of models")
+        budget = _integer(entry, "memory_bytes", required=False)
+        if budget is not None and budget < 0:
+            raise _Bad(f"upstream {name}: memory_bytes is negative: {budget}")
+        sizes = entry.get("model_bytes") or {}
+        if not isinstance(sizes, dict) or not all(type(v) is int and v >= 0 for v in sizes.values()):
+            raise _Bad(f"upstream {name}: model_bytes is not a mapping of model to bytes")
+        found[name] = Residency(max_loaded or 1, frozenset(pinned), budget, sizes)
+    return found
 
 
 # -- writing (synthetic logs, tests, benchmarks) -------------------------------------------

@@ -40,6 +40,8 @@ class Summary:
     first_problem: str | None
     settings_note: str | None  # e.g. the log changed settings after its first record
     concurrency: SpeedChoice | None = None  # the concurrency speed table the rows ran with
+    # The log's `eviction` records, by reason (empty: none; a workload has none).
+    recorded_evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def row_document(row: Row) -> dict[str, Any]:
@@ -58,6 +60,7 @@ def row_document(row: Row) -> dict[str, Any]:
         "worst_inversion": dataclasses.asdict(m.inversion) if m.inversion is not None else None,
         "gpus": {name: {"swaps": gpu.swaps, "busy_fraction": round(gpu.busy_fraction, 6)}
                  for name, gpu in m.gpus.items()},
+        "evictions": dict(m.evictions),
     }
 
 
@@ -70,6 +73,7 @@ def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dic
         "malformed_records": summary.malformed,
         "swept": list(swept),
         "concurrency_speed": summary.concurrency.document() if summary.concurrency is not None else None,
+        "recorded_evictions": dict(summary.recorded_evictions),
         "rows": [row_document(row) for row in rows],
     }
 
@@ -127,7 +131,9 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     groups: list[tuple[str, list[str]]] = [("", list(swept))] if swept else []
     for band in BAND_NAMES:
         groups.append((band, ["n", "p50", "p95", "max"]))
-    groups.append(("", ["swaps", "aging", "affinity", "busy", "left", "expired", "rejected", "inversion"]))
+    evicting = _evicting(summary, rows)
+    groups.append(("", ["swaps", *(["evictions"] if evicting else []), "aging", "affinity", "busy", "left",
+                        "expired", "rejected", "inversion"]))
     body = []
     for row in rows:
         m = row.metrics
@@ -137,7 +143,8 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
             cells += [str(stats.served), _seconds(stats.wait_p50_s), _seconds(stats.wait_p95_s),
                       _seconds(stats.wait_max_s)]
         inversion = "-" if m.inversion is None else f"{_seconds(m.inversion.seconds)} ({m.inversion.request_id})"
-        cells += [str(m.swaps), str(m.reorders.get("aging", 0)), str(m.reorders.get("swap_affinity", 0)),
+        evictions = [str(sum(m.evictions.values()))] if evicting else []
+        cells += [str(m.swaps), *evictions, str(m.reorders.get("aging", 0)), str(m.reorders.get("swap_affinity", 0)),
                   f"{m.busy_fraction:.3f}", str(m.left), str(m.expired), str(m.rejected), inversion]
         body.append(cells)
     names = [name for _, group in groups for name in group]
@@ -161,8 +168,11 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
             gpus = row.metrics.gpus
             lines.append((f"row {number}: " if len(rows) > 1 else "per GPU: ") + "; ".join(
                 f"{name} swaps {gpu.swaps} busy {gpu.busy_fraction:.3f}" for name, gpu in gpus.items()))
+    if evicting:
+        lines.append("")
+        lines += _eviction_lines(summary, rows)
     lines.append("")
-    lines += textwrap.wrap(_LEGEND, width=100)
+    lines += textwrap.wrap(_LEGEND + (_EVICTION_LEGEND if evicting else ""), width=100)
     return "\n".join(lines) + "\n"
 
 
@@ -171,6 +181,32 @@ _LEGEND = ("n: granted the GPU; p50/p95/max: seconds from arrival to grant; swap
            "the mean of the GPUs'; left: clients that gave up; expired: maxWaitSeconds; rejected: maxQueued; "
            "inversion: the worst priority "
            "inversion in seconds, and its request (see --help)")
+
+
+_EVICTION_LEGEND = ("; evictions: resident models the replay's grants unloaded to make room for their own "
+                    "(maxLoaded above 1), by reason below, beside the log's own")
+
+
+def _evicting(summary: Summary, rows: Sequence[Row]) -> bool:
+    """Evictions are worth a column: the log recorded some, a row made some, or a row may keep
+    several models resident."""
+    return bool(summary.recorded_evictions) or any(
+        row.settings.max_loaded > 1 or any(row.metrics.evictions.values()) for row in rows)
+
+
+def _reasons(counts: Mapping[str, int]) -> str:
+    total = sum(counts.values())
+    detail = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()) if n)
+    return f"{total}" + (f" ({detail})" if detail else "")
+
+
+def _eviction_lines(summary: Summary, rows: Sequence[Row]) -> list[str]:
+    """The evictions by reason: the log's (its `eviction` records), then each row's."""
+    recorded = f"recorded {_reasons(summary.recorded_evictions)}" if summary.recorded_evictions else "none recorded"
+    if len(rows) == 1:
+        return [f"evictions: {recorded}; replayed {_reasons(rows[0].metrics.evictions)}"]
+    return [f"evictions: {recorded}"] + [f"row {number}: evictions {_reasons(row.metrics.evictions)}"
+                                         for number, row in enumerate(rows, 1)]
 
 
 def _model_priorities(settings: Settings) -> str:

@@ -82,6 +82,8 @@ class Metrics:
     peak_waiting: int
     inversion: Inversion | None
     gpus: Mapping[str, GpuMetrics] = dataclasses.field(default_factory=dict)  # per upstream, by name
+    # Resident models its grants unloaded to make room (several resident), by reason (EvictReason).
+    evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

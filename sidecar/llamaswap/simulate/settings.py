@@ -7,7 +7,8 @@ flags (``--scheduler``, ``--aging-divisor``, ...), then ``--sweep``, whose every
 ``slots`` set by a flag or a sweep applies to every model (the per-model slots of ``-c`` or the
 record give way). ``maxLoaded`` set by a flag or a sweep applies to every GPU (the models each
 keeps resident at once; ``-c``'s pinned models and memory budgets stay, and 1 is one model at a
-time, as before); without one each GPU keeps what ``-c`` gives it, else 1.
+time, as before); without one each GPU keeps what ``-c`` gives it, else what the log's settings
+record says it ran with (its maxLoaded, pinned models and memory budget, by upstream name), else 1.
 
 A ``reservedSlots`` that a flag or a sweep gives must be below the slots of
 its combination (``SettingsError`` otherwise); one from the record or ``-c`` is lowered to fit,
@@ -58,6 +59,9 @@ class Settings:
     # (then every GPU's: ``max_loaded_everywhere``).
     max_loaded: int = 1
     max_loaded_everywhere: bool = False
+    # Each upstream's residency as the log's settings record gives it, by name (without -c): an
+    # upstream it does not name keeps ``max_loaded`` models, no pins, no budget.
+    recorded_residency: Mapping[str, Residency] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_policy(cls, policy: Policy) -> Settings:
@@ -94,23 +98,27 @@ class Settings:
             try:
                 return policy.with_gpus(tuple(
                     dataclasses.replace(gpu, slots=Slots(gpu.slots.default, gpu.slots.per_model,
-                                                          self.reserved_slots), residency=self._residency(gpu))
+                                                          self.reserved_slots),
+                                        residency=self._residency(gpu.name, gpu.residency, "-c FILE"))
                     for gpu in self.configured))
             except InvalidSlots as exc:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
-        return policy.with_gpus(tuple(GpuPolicy(name, slots, residency=Residency(self.max_loaded))
-                                      for name in self.upstream_names))
+        recorded = self.recorded_residency
+        return policy.with_gpus(tuple(
+            GpuPolicy(name, slots, residency=self._residency(name, recorded.get(name) or Residency(self.max_loaded),
+                                                             "the log's settings record"))
+            for name in self.upstream_names))
 
-    def _residency(self, gpu: GpuPolicy) -> Residency:
-        """A configured GPU's residency, with a flag's or a sweep's maxLoaded where one is given."""
-        residency = gpu.residency
+    def _residency(self, name: str, residency: Residency, source: str) -> Residency:
+        """A GPU's residency (configured or recorded), with a flag's or a sweep's maxLoaded where
+        one is given."""
         if not self.max_loaded_everywhere or residency.max_loaded == self.max_loaded:
             return residency
         if self.max_loaded == 1:
             return Residency()  # one model at a time: nothing stays beside it, no budget to fit
         if len(residency.pinned) > self.max_loaded:
-            raise SettingsError(f"maxLoaded {self.max_loaded}: {gpu.name} pins {len(residency.pinned)} models "
-                                f"({', '.join(sorted(residency.pinned))}) in -c FILE: keep at least as many")
+            raise SettingsError(f"maxLoaded {self.max_loaded}: {name} pins {len(residency.pinned)} models "
+                                f"({', '.join(sorted(residency.pinned))}) in {source}: keep at least as many")
         return dataclasses.replace(residency, max_loaded=self.max_loaded)
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
@@ -121,6 +129,9 @@ class Settings:
             value = getattr(record, field)
             if value is not None:
                 changes[field] = value
+        if record.residency:  # the first upstream's maxLoaded is the node's (as from_policy reads it)
+            changes["recorded_residency"] = dict(record.residency)
+            changes["max_loaded"] = next(iter(record.residency.values())).max_loaded
         return dataclasses.replace(self, **changes)
 
     @property
@@ -255,7 +266,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}, "configured": ()}),
     Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
     # A flag's or a sweep's GPUs are gpu0..gpuN-1, whatever the log or -c named them.
-    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": ()}),
+    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": (), "recorded_residency": {}}),
     # A flag's or a sweep's maxLoaded is every GPU's.
     Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),
 )}
