@@ -230,15 +230,49 @@ def test_a_request_that_runs_alone_waits_for_every_model_to_drain() -> None:
     assert scheduler.next() is None  # nothing beside it
 
 
-def test_a_failed_load_forgets_only_its_own_model() -> None:
+def test_a_failed_answer_keeps_its_model_counted_until_the_upstream_says() -> None:
     scheduler, _ = node(gpu(max_loaded=3))
     scheduler.enqueue("a", prio(0), "A")
     scheduler.enqueue("b", prio(0), "B")
     grant_all(scheduler)
+    # A 5xx of B says nothing sure of what the router holds: counting B keeps a later load from
+    # making the router evict by itself (one model too many would).
     scheduler.release("b", model_loaded=False)
-    assert scheduler.residents_on() == frozenset({"A"})
+    assert scheduler.residents_on() == frozenset({"A", "B"})
     scheduler.release("a")
+    assert scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
     assert scheduler.residents_on() == frozenset({"A"})
+
+
+def test_a_load_keeps_its_own_models_users_only() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    grant_all(scheduler)
+    scheduler.release("a1")  # A confirmed
+    scheduler.enqueue("a2", prio(0), "A")
+    scheduler.enqueue("c1", prio(0), "C")
+    scheduler.enqueue("a3", prio(0), "A")
+    assert grant_all(scheduler) == ["a2", "c1", "a3"]
+    # c1 loaded C; a3, granted beside that load, is no user of it: neither c1 nor a3 reaching
+    # the upstream must not drop A.
+    scheduler.release("c1", reached_upstream=False)
+    scheduler.release("a3", reached_upstream=False)
+    assert scheduler.residents_on() == frozenset({"A"})
+
+
+def test_a_grant_of_a_model_whose_load_is_under_way_is_granted_beside_that_load() -> None:
+    scheduler, _ = node(gpu(max_loaded=3, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    scheduler.enqueue("b1", prio(0), "B")
+    scheduler.enqueue("c1", prio(0), "C")
+    scheduler.enqueue("b2", prio(0), "B")
+    made = []
+    while (decision := scheduler.next()) is not None:
+        made.append(decision)
+    b1, b2 = made[1], made[3]
+    assert b2.request_id == "b2" and not b2.model_load
+    # Its run begins once B's load ends, whatever loads began on the GPU after B's.
+    assert b2.beside_load == ("B", b1.granted_ns)
 
 
 @pytest.mark.parametrize(("reached", "expected"), [(False, {"A"}), (True, {"A", "B"})])
@@ -337,3 +371,38 @@ def test_a_full_gpu_still_says_which_model_the_best_holds_back() -> None:
     assert scheduler.next() is None
     assert scheduler.held_back == {"gpu0": "B"}  # nothing waits for B
     assert scheduler.snapshot().gpus[0].held_back == "B"
+
+
+def test_a_load_that_needs_two_models_gone_holds_both_back() -> None:
+    sizes = {"A": 40, "B": 40, "M": 70}
+    scheduler, _ = node(gpu(max_loaded=3, memory=100, sizes=sizes))
+    scheduler.enqueue("a0", prio(0), "A")
+    scheduler.enqueue("b0", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.enqueue("m", prio(50), "M")  # 70: both A and B must go
+    for number in (1, 2):
+        scheduler.enqueue(f"a{number}", prio(0), "A")
+        scheduler.enqueue(f"b{number}", prio(0), "B")
+    scheduler.release("a0")
+    # A is idle but counted on to go: lower work must not take it back (it would, turn by turn
+    # with B, for ever).
+    assert grant_all(scheduler) == []
+    scheduler.release("b0")
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "m"
+    assert sorted(eviction.model for eviction in decision.evicts) == ["A", "B"]
+
+
+def test_an_eviction_keeps_the_models_the_load_turns_out_not_to_need_gone() -> None:
+    sizes = {"S": 10, "L": 60, "M": 50}
+    scheduler, clock = node(gpu(max_loaded=3, memory=100, sizes=sizes))
+    for request_id, model in (("s", "S"), ("l", "L")):
+        scheduler.enqueue(request_id, prio(0), model)
+        clock.advance(1.0)
+    grant_all(scheduler)
+    scheduler.release("s")
+    scheduler.release("l")
+    scheduler.enqueue("m", prio(0), "M")  # S goes first (used longer ago), but L alone is enough
+    decision = scheduler.next()
+    assert decision is not None and [eviction.model for eviction in decision.evicts] == ["L"]
+    assert scheduler.residents_on() == frozenset({"S", "M"})

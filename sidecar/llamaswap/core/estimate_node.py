@@ -223,11 +223,12 @@ class _Walk:
         for candidate in waiting:
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
-        self._held: tuple[int, int, str | None] | None = None  # the best's held-back model: (request, upstream, model)
+        # The best's held-back models: (request, upstream, models).
+        self._held: tuple[int, int, tuple[str | None, ...]] | None = None
 
     def hold(self, gpu: int, model: str | None) -> None:
         """The best request (the first in the order) holds back ``model`` on upstream ``gpu``."""
-        self._held = (0, gpu, model)
+        self._held = (0, gpu, (model,))
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
@@ -263,16 +264,13 @@ class _Walk:
                 return position, gpu
             if position == 0 and gpu is not None:  # only the best claims
                 held = self._held
-                keep = held[2] if held is not None and held[:2] == (request, gpu) else None
+                keep = held[2] if held is not None and held[:2] == (request, gpu) else ()
                 claim = claim_on(views, gpu, candidate, self._need, keep)
-                if isinstance(claim, tuple):
-                    self._held = (request, *claim)  # it keeps holding that one back, as `node.find` does
-                if step is not Step.CLAIM:
-                    interactive_only.add(claim)
-                elif isinstance(claim, tuple):
-                    held_back.add(claim)
+                if isinstance(claim, tuple):  # it keeps holding those back, as `node.find` does
+                    self._held = (request, gpu, tuple(model for _, model in claim))
+                    (held_back if step is Step.CLAIM else interactive_only).update(claim)
                 else:
-                    closed.add(claim)
+                    (closed if step is Step.CLAIM else interactive_only).add(claim)
         return None
 
     def _need(self, model: str) -> tuple[float, float]:

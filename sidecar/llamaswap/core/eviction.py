@@ -100,8 +100,16 @@ def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | N
         left.discard(victim)
         chosen.append(Eviction(victim, _reason(need, victim, ranked[position + 1:])))
         if residency.fits(left | {model}):
-            return tuple(chosen)
-    return None
+            break
+    else:
+        return None
+    # A large one chosen last may have made some chosen before it needless: keep those back,
+    # the most needed first.
+    for eviction in reversed(chosen[:-1]):
+        if residency.fits(left | {eviction.model, model}):
+            left.add(eviction.model)
+            chosen.remove(eviction)
+    return tuple(chosen)
 
 
 def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
@@ -118,22 +126,30 @@ def can_evict_for(gpu: GpuHolding, model: str) -> bool:
     return gpu.residency.fits((gpu.residents - set(evictable(gpu))) | {model})
 
 
-def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: str | None = None) -> str | None:
-    """Every model that could go is busy: the one the best waiting request for ``model`` holds
-    back until it drains (no new grants for it; then it goes, with the idle ones). ``keep``, the
-    one it held back last time, where it still may (a hold that moved whenever the queue's needs
-    changed would let every model take new work in turn, and the best wait for ever); else the
-    queue's least needed first, of the busy unpinned residents whose leaving (with every idle
-    one) makes room; None if none would (then ``model`` never fits there beside what is pinned)."""
+def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str | None] = ()) -> tuple[str, ...] | None:
+    """No room for ``model`` and the idle models are not enough: the models the best waiting
+    request for it holds back until they drain and go (no new grants for them), busy ones
+    first. ``keep``, those it held back last time, where they still may (a hold that moved
+    whenever the queue's needs changed would let every model take new work in turn, and the
+    best wait for ever); then the idle ones (they cost no wait), then the busy ones, the
+    queue's least needed first: the fewest whose leaving makes room (with a memory budget, a
+    load may need several to go, idle ones too: each is held, or lower work would take it
+    back). None if none would do (then ``model`` never fits there beside what is pinned)."""
     residency = gpu.residency
-    idle = set(evictable(gpu))
+    idle = evictable(gpu)
     busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]
-    ranked = _least_needed_first(gpu, busy, need)
-    if keep in busy:
-        ranked.insert(0, keep)
+    ranked = [name for name in keep if name in idle or name in busy]
+    ranked += [name for name in (*_least_needed_first(gpu, idle, need), *_least_needed_first(gpu, busy, need))
+               if name not in ranked]
+    left = set(gpu.residents)
+    chosen: list[str] = []
     for candidate in ranked:
-        if residency.fits((gpu.residents - idle - {candidate}) | {model}):
-            return candidate
+        if candidate is None:
+            continue
+        left.discard(candidate)
+        chosen.append(candidate)
+        if residency.fits(left | {model}):
+            return tuple(sorted(chosen, key=lambda name: name in idle))  # (busy first: the one it waits for)
     return None
 
 

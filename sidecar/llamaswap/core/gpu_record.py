@@ -49,8 +49,8 @@ class GpuRecord:
     it holds (`holding`: all of that as one value, as the dispatch rule reads it), its pending
     load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "loader",
-                 "dispatches", "last_used")
+    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "pending",
+                 "loaders", "dispatches", "last_used")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
@@ -60,11 +60,14 @@ class GpuRecord:
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
         self._idle: GpuHolding | None = None  # the same with nothing running, while residents and policy stay
         # The load the resident model came from while none of its grants has reached the upstream
-        # (None once one has, or when the model was reported rather than loaded by a grant).
+        # (None once one has, or when the model was reported rather than loaded by a grant). Several
+        # resident: each model's, in ``pending`` (a grant is a user of its own model's load only).
         self.load: PendingLoad | None = None
-        # The running grant whose load is under way (`holding.load_under_way` of its grants, kept
-        # as it is granted and released rather than searched for at every build); None: none.
-        self.loader: Decision | None = None
+        self.pending: dict[str, PendingLoad] = {}
+        # The running grant whose load is under way, by model (`holding.load_under_way` of its
+        # grants, kept as they are granted and released rather than searched for at every build;
+        # one model resident: at most one).
+        self.loaders: dict[str, Decision] = {}
         self.dispatches = 0  # grants on it so far: the generation a loaded-model report was asked at
         # When each model was last granted there (several resident: the least recently used goes
         # first among equally needed ones); the holdings read this map, never a copy.
@@ -95,8 +98,10 @@ class GpuRecord:
                                                self.settling, self.adopted, self.settling or self.adopted > 0,
                                                policy.residency, self.last_used)
         else:
-            loader = self.loader
-            loading = None if loader is None or loader.model is None else (loader.model, loader.granted_ns)
+            loading = None
+            for model, loader in self.loaders.items():  # (the earliest: one model resident, the one)
+                loading = (model, loader.granted_ns)
+                break
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
                               self.adopted, self.settling or self.adopted > 0, policy.residency, self.last_used)
@@ -113,13 +118,23 @@ class GpuRecord:
             self._holding = self._idle = None
 
     def may_adopt(self, residents: frozenset[str]) -> bool:
-        """A report of the resident models made now may be applied: nothing runs; or, several
-        resident, no load is under way and it names every model that runs (then only the others
+        """A report of the resident models made now may be applied. One model resident: nothing
+        runs, and it names at most one (an upstream that keeps several loaded says nothing of
+        which one serves: not known, as before several could be resident). Several: nothing
+        runs; or no load is under way and it names every model that runs (then only the others
         can differ from what the scheduler believes: an unload that failed, a stop)."""
+        if not self.policy.residency.several:
+            return not self.grants and len(residents) <= 1
         if not self.grants:
             return True
-        return self.policy.residency.several and self.loader is None and all(
+        return not self.loaders and all(
             grant.entry.model is None or grant.entry.model in residents for grant in self.grants.values())
+
+    def adopt(self, residents: frozenset[str]) -> None:
+        """What the upstream reports resident, as it is (`may_adopt`): no load is pending any more."""
+        self.set_residents(residents)
+        self.load = None
+        self.pending.clear()
 
     def held_by(self, *, settling: bool, adopted: int) -> bool:
         """The work the scheduler did not grant that holds it now; True if that changed."""
@@ -140,23 +155,34 @@ class GpuRecord:
         model = decision.model
         load = None
         if model is not None and not decision.alone:
+            several = held.residency.several
             if load_number is not None:
                 # One model resident: only with nothing running there, and it replaces what was.
                 gone = frozenset(eviction.model for eviction in decision.evicts)
-                self.load = PendingLoad(load_number, held.residents - gone)
+                pending = PendingLoad(load_number, held.residents - gone)
+                if several:
+                    self.pending[model] = pending
+                else:
+                    self.load = pending
                 self.set_residents(after_load(held, model, gone))
-                self.loader = decision  # its load is under way there until it is released
-            load = self.load.number if self.load is not None else None
-            if held.residency.several:
+                self.loaders[model] = decision  # its load is under way there until it is released
+            if several:
+                own = self.pending.get(model)
+                load = own.number if own is not None else None
                 self.last_used[model] = decision.granted_ns
+            else:
+                load = self.load.number if self.load is not None else None
         self.grants[entry.request_id] = Grant(entry, decision, load)
         self.renew()
 
     def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
         """What a released grant says about the loaded model (`Scheduler.release`)."""
-        if grant.decision is self.loader:
-            self.loader = None  # its load is over, whatever it says
         model = grant.entry.model
+        if model is not None and self.loaders.get(model) is grant.decision:
+            del self.loaders[model]  # its load is over, whatever it says
+        if self.policy.residency.several:
+            self._released_beside(grant, model, model_loaded=model_loaded, reached_upstream=reached_upstream)
+            return
         pending = self.load
         on_pending = pending is not None and grant.load == pending.number  # a user of the pending load
         if not reached_upstream or model_loaded is None:
@@ -166,7 +192,7 @@ class GpuRecord:
                 if all(other.load != pending.number for other in self.grants.values()):
                     # Its last user, and none confirmed the load: none reached the upstream (what
                     # was resident before still is), or those that did were not told (not known).
-                    self.set_residents(self._unconfirmed(pending, model))
+                    self.set_residents(NO_RESIDENTS if pending.unsure else pending.previous)
                     self.load = None
         elif not model_loaded and model is not None and model in self.residents:
             self.set_residents(self.residents - {model})
@@ -174,18 +200,28 @@ class GpuRecord:
         elif on_pending:
             self.load = None  # it reached the upstream: the load happened
 
-
-    def _unconfirmed(self, pending: PendingLoad, model: str | None) -> frozenset[str]:
-        """The residents once a load no release confirmed has lost its last user. One model
-        resident: what was before it if no user reached the upstream, else not known. Several:
-        the others stay; the model stays counted where a user reached the upstream unanswered
-        (it may have loaded: counting it keeps the upstream from evicting by itself), and is
-        gone where none did."""
-        if not self.policy.residency.several:
-            return NO_RESIDENTS if pending.unsure else pending.previous
-        if pending.unsure or model is None:
-            return self.residents
-        return self.residents - {model}
+    def _released_beside(self, grant: Grant, model: str | None, *, model_loaded: bool | None,
+                         reached_upstream: bool) -> None:
+        """`released` where several models are resident: only the grant's own model's load is
+        concerned, and the resident set never counts fewer models than the upstream may hold
+        (fewer would let a load make llama-server's router evict by itself). A model stays
+        counted after a failed answer (a 5xx of a loaded model) or a load no user confirmed that
+        one reached the upstream unanswered; it goes only where its load reached the upstream
+        with none of its users. What the upstream says it holds corrects the count
+        (`may_adopt`)."""
+        if model is None:
+            return
+        pending = self.pending.get(model)
+        if pending is None or grant.load != pending.number:
+            return
+        if reached_upstream and model_loaded is not None:
+            del self.pending[model]  # it reached the upstream and was answered: the load happened (or failed)
+            return
+        pending.unsure = pending.unsure or reached_upstream
+        if all(other.load != pending.number or other.entry.model != model for other in self.grants.values()):
+            del self.pending[model]  # its last user, and none confirmed the load
+            if not pending.unsure:
+                self.set_residents(self.residents - {model})  # none reached the upstream: never loaded
 
 
 # What a node holds now: every upstream's holding (in the configured order), those that take

@@ -12,15 +12,16 @@ running work): the walk never reads the whole queue for it. Requests it asks are
 happens. `find` asks the best first and builds the walk (`NodeWalk`) only when the best waits:
 this runs on every grant.
 
-Where several models are resident on the GPU the best waits for, its claim holds back one model
-there, not the GPU (`claim_on`): its own model, when it waits for a slot of it; else the busy
-model chosen to go for its load (`eviction.to_hold_back`: the queue's least needed). The other
-models keep serving, and the walk goes on over every GPU.
+Where several models are resident on the GPU the best waits for, its claim holds back models
+there, not the GPU (`claim_on`): its own model, when it waits for a slot of it; else those
+chosen to go for its load (`eviction.to_hold_back`: one busy model, the queue's least needed,
+and with a memory budget any more that must go with it). The other models keep serving, and
+the walk goes on over every GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing
 from llamaswap.core.eviction import Need, to_hold_back
@@ -33,36 +34,39 @@ _NONE: frozenset[int] = frozenset()  # no upstream claimed yet
 
 
 class HeldBackModels:
-    """The model the best waiting request holds back, by upstream name (several resident), and
-    which request that is: kept from one `find` to the next, so that the hold stays on one model
-    while the same request stays best (`eviction.to_hold_back`'s ``keep``)."""
+    """The models the best waiting request holds back, by upstream name (several resident), and
+    which request that is: kept from one `find` to the next, so that the hold stays on the same
+    models while the same request stays best (`eviction.to_hold_back`'s ``keep``). ``by_gpu``
+    names the one shown (the busy one it waits for)."""
 
-    __slots__ = ("by_gpu", "holder")
+    __slots__ = ("by_gpu", "holder", "models")
 
     def __init__(self) -> None:
         self.by_gpu: dict[str, str | None] = {}
+        self.models: dict[str, tuple[str | None, ...]] = {}
         self.holder: str | None = None
 
     def clear(self) -> None:
         if self.holder is not None:
             self.by_gpu.clear()
+            self.models.clear()
             self.holder = None
 
 
 def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need: Need,
-             keep: str | None = None) -> int | HeldBack:
+             keep: Collection[str | None] = ()) -> int | tuple[HeldBack, ...]:
     """What the best request's claim on upstream ``index`` holds back: the whole upstream, or
-    where several models are resident there, one model of it (its own, whose slot it waits for;
-    else the busy one chosen to go for its load, ``keep`` where it still may; the whole upstream
-    if none may)."""
+    where several models are resident there, models of it (its own, whose slot it waits for;
+    else those chosen to go for its load, `eviction.to_hold_back`, ``keep`` where they still
+    may; the whole upstream if none may)."""
     gpu = gpus[index]
     model = candidate.model
     if not gpu.residency.several or candidate.alone or gpu.running.alone:
         return index
     if model is None or model in gpu.residents:
-        return index, model
+        return ((index, model),)
     going = to_hold_back(gpu, model, need, keep)
-    return index if going is None else (index, going)
+    return index if going is None else tuple((index, name) for name in going)
 
 
 def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
@@ -85,12 +89,15 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
     claim = None
     if gpu is not None:
         name = gpus[gpu].name
-        keep = held_back.by_gpu.get(name) if held_back.holder == first.request_id else None
+        keep = held_back.models.get(name, ()) if held_back.holder == first.request_id else ()
         claim = claim_on(gpus, gpu, first, need, keep)
     held_back.by_gpu.clear()
+    held_back.models.clear()
     held_back.holder = first.request_id
     if isinstance(claim, tuple):
-        held_back.by_gpu[gpus[claim[0]].name] = claim[1]
+        name = gpus[claim[0][0]].name
+        held_back.by_gpu[name] = claim[0][1]
+        held_back.models[name] = tuple(model for _, model in claim)
     try:
         return walk.behind(first, step, claim)
     finally:
@@ -116,21 +123,25 @@ class NodeWalk:
         self._closed: set[int] = set()  # claimed by the best request
         # The best waits for its share: reserved slots stay open (an upstream, or one model of it).
         self._interactive_only: set[int | HeldBack] = set()
-        self._held_back: set[HeldBack] = set()  # one model of an upstream held back by the best
+        self._held_back: set[HeldBack] = set()  # models of an upstream held back by the best
         self.suspended: list[Entry] = []
 
     def _choose(self, candidate: Entry) -> Choice:
         return choose(self._gpus, candidate, self._closed, self._interactive_only, self._times, self._wanted,
                       self._held_back)
 
-    def behind(self, first: Entry, step: Step, claim: int | HeldBack | None) -> tuple[int, Entry, Entry] | None:
+    def behind(self, first: Entry, step: Step,
+               claim: int | tuple[HeldBack, ...] | None) -> tuple[int, Entry, Entry] | None:
         """`find` after the best, ``first``, did not start (the rule said ``step``, on the upstream
-        or the model of one that ``claim`` names)."""
+        or the models of one that ``claim`` names)."""
         if claim is not None:
             if step is not Step.CLAIM:
-                self._interactive_only.add(claim)
+                if isinstance(claim, tuple):
+                    self._interactive_only.update(claim)
+                else:
+                    self._interactive_only.add(claim)
             elif isinstance(claim, tuple):
-                self._held_back.add(claim)
+                self._held_back.update(claim)
             else:
                 self._closed.add(claim)
         self._suspend(first)
@@ -138,12 +149,16 @@ class NodeWalk:
         # Upstreams that take nothing now: held by a settle, full, or running a request alone.
         full = {i for i, holding in enumerate(gpus) if takes_nothing(holding)}
         while len(self._closed | full) < len(gpus) and self._aged.top() is not None:
-            if not any(open_to_loads(gpus[i]) for i in range(len(gpus)) if i not in self._closed):
-                candidate = self._warm_pick()
+            open_gpus = [gpu for i, gpu in enumerate(gpus) if i not in self._closed]
+            candidate: Entry | None
+            if any(not gpu.running.busy for gpu in open_gpus):
+                candidate = self._pick(self._aged)  # an idle GPU: the next in the order most likely starts
+            else:
+                # Every open GPU is busy: only the tops of the models it may start stand a
+                # chance (any model's, where several resident leave room or an idle model to go).
+                candidate = self._warm_pick(any(open_to_loads(gpu) for gpu in open_gpus))
                 if candidate is None:
                     return None
-            else:
-                candidate = self._pick(self._aged)
             step, gpu = self._choose(candidate)
             if step is Step.START:
                 assert gpu is not None
@@ -156,21 +171,29 @@ class NodeWalk:
         entry.alive = False
         self.suspended.append(entry)
 
-    def _warm_pick(self) -> Entry | None:
+    def _warm_pick(self, any_model: bool) -> Entry | None:
         """With every open upstream busy: the first request in the order that the rule starts,
-        among the tops of the models loaded on them and of no model (by the reserved slots'
-        index too, where only interactive requests can take a slot)."""
-        items: list[tuple[tuple[int, int], Entry]] = []
+        among the tops of the models loaded on them and of no model, or with ``any_model`` (some
+        GPU may load one beside its work) of every model waiting (by the reserved slots' index
+        too, where only interactive requests can take a slot). Within a model, every request
+        gets the top's answer (one that runs alone, never started beside running work, is
+        passed over): the walk reads the tops, never the whole queue."""
         scale = self._aged.scale
         indexes = [self._aged] if self._reserved is None else [self._aged, self._reserved]
+        warm: set[str | None] = {None}
         for i, gpu in enumerate(self._gpus):
-            if i in self._closed or gpu.blocked:
-                continue
-            for index in indexes:
-                for model in (*gpu.residents, None):
-                    item = self._top_beside(index, model)
-                    if item is not None:
-                        items.append((rank(item, self._bonus if model is not None else 0, scale), item[2]))
+            if i not in self._closed and not gpu.blocked:
+                warm.update(gpu.residents)
+        models: Collection[str | None] = warm
+        if any_model:
+            models = {model for index in indexes for model in index.by_model}
+        items: list[tuple[tuple[int, int], Entry]] = []
+        for index in indexes:
+            for model in models:
+                item = self._top_beside(index, model)
+                if item is not None:
+                    bonus = self._bonus if model is not None and model in warm else 0
+                    items.append((rank(item, bonus, scale), item[2]))
         for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
             if self._choose(entry)[0] is Step.START:
                 return entry

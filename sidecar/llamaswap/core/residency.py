@@ -20,19 +20,21 @@ class Residency:
     pinned: frozenset[str] = frozenset()
     memory_bytes: int | None = None
     model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # More than one model may be resident: loads go beside others, evictions are explicit. (A
+    # field set from ``max_loaded``, not a property: the rule reads it for every GPU and request.)
+    several: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
             raise ValueError(f"max_loaded must be an integer >= 1, not {self.max_loaded!r}")
         object.__setattr__(self, "model_bytes", dict(self.model_bytes))  # a picture, not the caller's dict
-
-    @property
-    def several(self) -> bool:
-        """More than one model may be resident: loads go beside others, evictions are explicit."""
-        return self.max_loaded > 1
+        object.__setattr__(self, "several", self.max_loaded > 1)
 
     def bytes_of(self, model: str) -> int:
-        return self.model_bytes.get(model, 0)
+        """A model's size; one of unknown size counts as the whole budget (it is never loaded
+        beside others on a guess: the configuration gives every model it knows a size)."""
+        size = self.model_bytes.get(model)
+        return size if size is not None else self.memory_bytes or 0
 
     def fits(self, models: Collection[str]) -> bool:
         """These models may be resident together."""

@@ -196,8 +196,7 @@ class Scheduler:
         gpu = self._gpu(upstream)
         if as_of != gpu.dispatches or not gpu.may_adopt(models):
             return False
-        gpu.set_residents(models)
-        gpu.load = None
+        gpu.adopt(models)
         self._held.changed(residents=True)
         return True
 
@@ -451,8 +450,9 @@ class Scheduler:
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
         loading = held.loading  # a load under way there, which this grant starts beside (of its model)
-        if several and loading is not None and loading[0] != model:
-            loading = None
+        if several:
+            loader = gpu.loaders.get(model) if model is not None else None
+            loading = None if loader is None or model is None else (model, loader.granted_ns)
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
