@@ -81,15 +81,15 @@ def test_the_slots_in_effect_are_the_running_models_else_the_loaded_ones() -> No
 def test_the_scheduler_keeps_one_picture_of_what_runs() -> None:
     clock = ManualClock()
     scheduler = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=SLOTS), clock)
-    assert scheduler.what_runs_on() == IDLE
+    assert scheduler.holdings()[0].running == IDLE
     scheduler.enqueue("n", Priority(0, PrioritySource.ABSENT), "a")
     scheduler.enqueue("i", Priority(100, PrioritySource.NUMBER), "a")
     assert scheduler.next() is not None and scheduler.next() is not None
-    assert scheduler.what_runs_on() == Running(2, 1, "a")
+    assert scheduler.holdings()[0].running == Running(2, 1, "a")
     scheduler.release("n")
-    assert scheduler.what_runs_on() == Running(1, 0, "a")
+    assert scheduler.holdings()[0].running == Running(1, 0, "a")
     scheduler.release("i")
-    assert scheduler.what_runs_on() == IDLE
+    assert scheduler.holdings()[0].running == IDLE
 
 
 def test_what_the_node_holds_follows_each_change_though_kept_between_them() -> None:

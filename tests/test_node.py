@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Scheduler, SchedulerError, Slots
 from llamaswap.core.dispatch import NO_TIMES
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import GpuPolicy
 from policies import fifo, serial
 from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close, residents
@@ -382,7 +383,7 @@ class NodeMachine(RuleBasedStateMachine):
             assert not decision.model_load, "a load only when nothing runs there"
         self.running[decision.request_id] = (upstream, decision.model, decision.alone)
         self.waiting.remove(decision.request_id)
-        assert self.scheduler.slots_busy_on(upstream) <= self.scheduler.slots_total_on(upstream)
+        assert self.scheduler.slots_busy_on(upstream) <= _holding(self.scheduler, upstream).slots_in_effect
 
     @precondition(lambda self: bool(self.running))
     @rule(data=st.data(), loaded=st.sampled_from((True, False, None)), reached=st.booleans(), grant=st.booleans())
@@ -597,3 +598,7 @@ def test_the_scheduler_and_the_reference_read_the_docs(case: str) -> None:
     scenario, docs = AS_DOCUMENTED[case]
     assert scenario(True) == docs
     assert scenario(False) == docs
+
+
+def _holding(scheduler: Scheduler, upstream: str) -> GpuHolding:
+    return next(holding for holding in scheduler.holdings() if holding.name == upstream)

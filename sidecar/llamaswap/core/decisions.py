@@ -10,6 +10,7 @@ from typing import Final
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.eviction import Eviction
+from llamaswap.core.index import Entry
 from llamaswap.core.kept import KeptPlace
 from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
 from llamaswap.core.priority import Band
@@ -98,6 +99,11 @@ class Removed:
     model: str | None
     arrival_ns: int
     removed_ns: int
+
+    @classmethod
+    def of(cls, entry: Entry, now_ns: int) -> Removed:
+        """A waiting request as it leaves at ``now_ns``."""
+        return cls(entry.request_id, entry.priority.value, entry.priority.band, entry.model, entry.arrival_ns, now_ns)
 
     @property
     def queue_wait_ns(self) -> int:

@@ -72,6 +72,14 @@ class Policy:
     def gpus_in_effect(self) -> tuple[GpuPolicy, ...]:
         return self.gpus or (GpuPolicy(SINGLE_UPSTREAM, self.slots),)
 
+    def may_run(self, model: str | None) -> bool:
+        """Some GPU may serve ``model`` (its ``models``) and can ever keep it resident (several
+        resident: beside its pinned models, within its budget). None: a request of no model."""
+        if model is None:
+            return True
+        return any((gpu.models is None or model in gpu.models) and not gpu.residency.never_fits(model)
+                   for gpu in self.gpus_in_effect)
+
     @property
     def aging_divisor_ns(self) -> int:
         return round(self.aging_divisor_s * NS_PER_S)

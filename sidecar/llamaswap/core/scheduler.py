@@ -62,7 +62,7 @@ from llamaswap.core.decisions import (
 )
 from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
 from llamaswap.core.eviction import NOT_WAITED_FOR, Eviction, victims
-from llamaswap.core.holding import GpuHolding, Running
+from llamaswap.core.holding import GpuHolding
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
 from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
@@ -245,21 +245,20 @@ class Scheduler:
 
     @property
     def slots_total(self) -> int:
-        """The slots ``next`` fills up to now on the first upstream (`slots_total_on`)."""
-        return self.slots_total_on(None)
-
-    def slots_total_on(self, upstream: str | None = None) -> int:
-        """The slots ``next`` fills up to now on an upstream: those of the model its grants name,
-        else of its resident model (the default when none is known)."""
-        return order.slots_total(self._gpu(upstream))
-
-    def what_runs_on(self, upstream: str | None = None) -> Running:
-        """What an upstream's grants hold (None: the first's), as the dispatch rule reads it."""
-        return self._gpu(upstream).running
+        """The slots ``next`` fills up to now on the first upstream (`GpuHolding.slots_in_effect`;
+        each upstream's: `holdings`)."""
+        return order.slots_total(self._first)
 
     def holdings(self) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order."""
         return self._held.now()[0]
+
+    def not_unloaded(self, upstream: str, models: frozenset[str]) -> None:
+        """Models a grant evicted that the upstream did not unload (several resident): counted
+        resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
+        gpu = self._gpu(upstream)
+        gpu.set_residents(gpu.residents | models)
+        self._held.changed(residents=True)
 
     def held_by(self, upstream: str | None, *, settling: bool, adopted: int) -> bool:
         """The work the scheduler did not grant that holds an upstream now (None: the first), as
@@ -332,7 +331,7 @@ class Scheduler:
         self._remove(entry)
         now = self._clock.now_ns()
         place = KeptPlace.of(entry, key, now, grace_ns)
-        return self._removed(entry, now), place if self._kept.add(place) else None
+        return Removed.of(entry, now), place if self._kept.add(place) else None
 
     def expire_kept(self) -> list[KeptPlace]:
         """End every kept place whose grace period is over or that waited ``max_wait_s`` since
@@ -358,7 +357,7 @@ class Scheduler:
         if entry is None:
             return None
         self._remove(entry)
-        return self._removed(entry, self._clock.now_ns())
+        return Removed.of(entry, self._clock.now_ns())
 
     def next(self, times: GpuTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
@@ -524,7 +523,7 @@ class Scheduler:
             if entry is None or now - entry.arrival_ns < limit_ns:
                 return expired
             self._remove(entry)
-            expired.append(self._removed(entry, now))
+            expired.append(Removed.of(entry, now))
 
     def next_deadline_ns(self) -> int | None:
         """When the oldest waiting request will be overdue, or a kept place falls due
@@ -555,7 +554,7 @@ class Scheduler:
     def drain(self) -> list[Removed]:
         """Remove every waiting request (shutdown), oldest first."""
         now = self._clock.now_ns()
-        removed = [self._removed(entry, now) for entry in self._arrivals.order()]
+        removed = [Removed.of(entry, now) for entry in self._arrivals.order()]
         for entry in self._waiting.values():
             entry.alive = False
         self._reset_queue()
@@ -592,8 +591,3 @@ class Scheduler:
         self._rebuild(alive)
         self._arrivals.compact(alive)
         self._dead_in_heaps = 0
-
-    @staticmethod
-    def _removed(entry: Entry, now_ns: int) -> Removed:
-        return Removed(entry.request_id, entry.priority.value, entry.priority.band, entry.model, entry.arrival_ns,
-                       now_ns)
