@@ -170,6 +170,26 @@ async def test_a_client_that_leaves_during_the_unload_leaves_it_running() -> Non
 
 
 @virtual_time
+async def test_an_unload_that_fails_after_its_client_left_counts_the_model_again() -> None:
+    """Nobody waits for the unload when it fails: the scheduler still counts the model again (it
+    counted it gone at the grant), or a later load would make the router evict by itself."""
+    upstream = gated("a", "b")
+    flow = resident_flow(upstream)
+    c = await flow.arrive("c1", model="c")
+    await flow.cancel(c)
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"b"}
+    upstream.unloads = False
+    assert upstream.unload_gate is not None
+    upstream.unload_gate.set()
+    await flow.idle()
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}
+    await flow.arrive("d1", model="d")  # no room now: it must evict explicitly again (and fails again)
+    await flow.idle()
+    assert len(upstream.unload_calls) == 2 and flow.recorder.outcomes()["d1"] is Outcome.UPSTREAM_ERROR
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}
+
+
+@virtual_time
 async def test_a_grant_whose_client_left_a_moment_before_still_unloads() -> None:
     """Granted as Envoy cancels its Check (before the handler's clean-up): the scheduler counts the
     evicted model gone, so the unload happens all the same."""
@@ -268,3 +288,17 @@ async def test_after_a_failed_unload_beside_running_work_the_models_read_again_a
     await flow.idle()
     # "b" is still loaded (its unload failed): a load of "c" now would make the router evict by itself.
     assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}
+
+
+@virtual_time
+async def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_refused_at_once() -> None:
+    upstream = FakeUpstream(loaded("a", "b"))
+    flow = Flow({"upstream": {"slots": 1}}, upstream=upstream)
+    scheduler = flow.coordinator.scheduler
+    policy = scheduler.policy
+    scheduler.reconfigure(policy.with_gpus(tuple(
+        dataclasses.replace(gpu, residency=Residency(2, frozenset({"a", "b"}))) for gpu in policy.gpus_in_effect)))
+    c = await flow.arrive("c1", model="c")  # both places pinned: "c" would wait for ever
+    assert c.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
+    a = await flow.arrive("a1", model="a")
+    assert a.granted

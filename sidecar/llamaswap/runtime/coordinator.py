@@ -140,7 +140,7 @@ class Coordinator:
             version=lambda: self._version, blocked=self._forecast.blocked_by_upstream,
             holdings=self._holdings)
         self._evictions = Evictions(self.gpus, self._clock, self._leases, self._lease_ns, self._forecast,
-                                    running=self.scheduler.is_running, release=lambda ticket: self._release(
+                                    scheduler=self.scheduler, release=lambda ticket: self._release(
                                         ticket, Outcome.UPSTREAM_ERROR, abandoned=False, sent=False))
         self._deferred = Deferred(self._publish_now, immediate=not observe_after_grant)
         self._observer.settings_changed(self.scheduler.policy)
@@ -385,10 +385,10 @@ class Coordinator:
                    for t in self._running)
 
     async def serves(self, model: str) -> bool:
-        """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled."""
-        return await self.gpus.serves(model, self._config, lambda: any(
-            gpu.models is None or self._key(model).scheduled in gpu.models
-            for gpu in self.scheduler.policy.gpus_in_effect))
+        """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled
+        (`Policy.may_run`: several resident, one where it can ever fit beside the pinned models)."""
+        return await self.gpus.serves(model, self._config,
+                                      lambda: self.scheduler.policy.may_run(self._key(model).scheduled))
 
     def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
         """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from llamaswap.core import NS_PER_S, Clock, Decision, Outcome
+from llamaswap.core import NS_PER_S, Clock, Decision, Outcome, Scheduler
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.leases import Leases
@@ -57,18 +57,19 @@ class _Unloading:
 class Evictions:
     """The unloads under way on each GPU and the grants that wait for them.
 
-    ``running(token)``: the grant is still held; ``release(ticket)``: end a grant whose unloads
-    failed (the coordinator's release, as never sent)."""
+    ``scheduler``: whether a grant is still held, and where to count again the models an unload
+    left resident; ``release(ticket)``: end a grant whose unloads failed (the coordinator's
+    release, as never sent)."""
 
     def __init__(self, gpus: Gpus, clock: Clock, leases: Leases, lease_ns: Callable[[], int], forecast: Forecast, *,
-                 running: Callable[[str], bool], release: Callable[[Ticket], None],
+                 scheduler: Scheduler, release: Callable[[Ticket], None],
                  timeout_s: float = UNLOAD_TIMEOUT_S) -> None:
         self._gpus = gpus
         self._clock = clock
         self._leases = leases
         self._lease_ns = lease_ns
         self._forecast = forecast
-        self._running = running
+        self._scheduler = scheduler
         self._release = release
         self.timeout_s = timeout_s
         self._under_way: dict[str, list[_Unloading]] = {}  # by GPU, in the order they began
@@ -98,19 +99,33 @@ class Evictions:
             for eviction in decision.evicts:
                 _log.info("unloading %s on %s to make room for %s (%s; request %s)", eviction.model, gpu,
                           decision.model, eviction.reason, decision.request_id)
-            done = asyncio.ensure_future(self._unload(self._gpus.named(gpu).upstream, models, earlier))
+            done = asyncio.ensure_future(self._unload(gpu, models, earlier))
             self._under_way[gpu] = [*under_way, _Unloading(frozenset(models), done)]
             return done
         if not under_way or _goes_now(decision, self.evicting(gpu)):
             return None
         return asyncio.ensure_future(_first_failure(earlier))
 
-    async def _unload(self, upstream: Upstream, models: Sequence[str], earlier: Sequence[Unloads]) -> str | None:
+    async def _unload(self, gpu: str, models: Sequence[str], earlier: Sequence[Unloads]) -> str | None:
         failed = await _first_failure(earlier)
         if failed is not None:
-            return failed  # what runs there is not what llamaswap believes: no load goes on it
+            # What runs there is not what llamaswap believes: no load goes on it, and none of its
+            # models was unloaded.
+            self._not_unloaded(gpu, models)
+            return failed
+        upstream = self._gpus.named(gpu).upstream
         gone = await asyncio.gather(*(self._unload_one(upstream, model) for model in models))
-        return next((model for model, ok in zip(models, gone, strict=True) if not ok), None)
+        left = [model for model, ok in zip(models, gone, strict=True) if not ok]
+        if left:
+            self._not_unloaded(gpu, left)
+        return left[0] if left else None
+
+    def _not_unloaded(self, gpu: str, models: Sequence[str]) -> None:
+        """Models still loaded that the scheduler counted gone: counted again, whether or not a
+        request waits for them (one that left or was cancelled no longer reads the models again),
+        and the GPU's models read again."""
+        self._scheduler.not_unloaded(gpu, frozenset(models))
+        self._gpus.named(gpu).catalog.refresh_later()
 
     async def _unload_one(self, upstream: Upstream, model: str) -> bool:
         try:
@@ -134,7 +149,7 @@ class Evictions:
         self._hold_lease(ticket, waits_s)
         failed = await asyncio.shield(unloads)
         ticket.unloads = None
-        if ticket.state is not TicketState.RUNNING or not self._running(ticket.token):
+        if ticket.state is not TicketState.RUNNING or not self._scheduler.is_running(ticket.token):
             return self._forecast.refusal_of(ticket)  # released meanwhile (the watchdog, a shutdown, Envoy gone)
         if failed is None:
             self._hold_lease(ticket, 0.0)
@@ -142,7 +157,6 @@ class Evictions:
         _log.warning("request %s for %s on %s is refused: the upstream did not unload %s to make room for it",
                      ticket.request_id, decision.model, decision.upstream, failed)
         self._release(ticket)
-        self._gpus.named(decision.upstream).catalog.refresh_later()  # what it has loaded, in fact
         return Refusal(Outcome.UPSTREAM_ERROR, self._forecast.retry_after_s(), model=decision.model,
                        evicting=failed)
 
