@@ -184,6 +184,7 @@ class GpuView:
     slots_busy: int
     slots: int
     held_back: str | None = None
+    holding_back: tuple[str, ...] = ()  # every model held back there (``held_back`` is the busy one it waits for)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

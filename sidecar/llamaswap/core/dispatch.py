@@ -97,10 +97,16 @@ def in_reserved_slot(gpu: GpuHolding, candidate: Candidate) -> bool:
     if not (gpu.running.busy > 0 and candidate.interactive):
         return False
     if gpu.residency.several:
-        model = candidate.model
-        busy, non_interactive = busy_of(gpu, model)
-        return busy > 0 and non_interactive >= gpu.slots.of(model) - gpu.slots.reserved
+        busy, share = _model_share(gpu, candidate.model)
+        return busy > 0 and share
     return share_used(gpu)
+
+
+def _model_share(gpu: GpuHolding, model: str | None) -> tuple[int, bool]:
+    """Several resident: the slots ``model``'s work holds, and whether work below the interactive
+    band holds its whole share of them (``slots - reserved``)."""
+    busy, non_interactive = busy_of(gpu, model)
+    return busy, non_interactive >= gpu.slots.of(model) - gpu.slots.reserved
 
 
 def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
@@ -130,13 +136,10 @@ def _turn_beside(gpu: GpuHolding, candidate: Candidate) -> Turn:
         return Turn.OTHER_MODEL  # it waits for the GPU to drain
     model = candidate.model
     if model is None or model in gpu.residents:
-        busy, non_interactive = busy_of(gpu, model)
-        slots = gpu.slots.of(model)
-        if busy >= slots:
+        busy, share = _model_share(gpu, model)
+        if busy >= gpu.slots.of(model):
             return Turn.CLOSED  # full for its model
-        if not candidate.interactive and non_interactive >= slots - gpu.slots.reserved:
-            return Turn.SHARE_USED
-        return Turn.FREE
+        return Turn.SHARE_USED if share and not candidate.interactive else Turn.FREE
     if has_room(gpu, model):
         return Turn.ROOM
     if can_evict_for(gpu, model):

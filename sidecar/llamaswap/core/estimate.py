@@ -298,10 +298,11 @@ class Estimator:
         # once the grant that loaded has ended.
         loader = load_under_way(grants)
         loading = None if loader is None else (loader.model, loader.running_s)
-        # Several models resident: each load holds back its own model's grants only.
-        loads: dict[str, tuple[str | None, float]] = {
-            grant.model: (grant.model, grant.running_s)
-            for grant in grants if grant.model_load and grant.model is not None}
+        # Several models loading (several resident): each load holds back its own model's grants only.
+        loads: dict[str, tuple[str | None, float]] = {}
+        for grant in grants:
+            if grant.model_load and grant.model is not None:
+                loads.setdefault(grant.model, (grant.model, grant.running_s))  # (the earliest, as `loading`)
         remaining: list[float] = []
         for grant in grants:
             load: tuple[str | None, float] | None = grant.beside_load
@@ -313,6 +314,8 @@ class Estimator:
                                  upstream=grant.upstream, beside_load=beside)
             left = left_s(end, grant.running_s)
             remaining.append(math.inf if left is None else left)
-        ready_in = (None if loading is None
-                    else self.expected_swap_s(loading[0], grants[0].upstream) - loading[1])
-        return remaining, max(0.0, ready_in) if ready_in is not None else 0.0
+        return remaining, 0.0 if loader is None else self.load_left_s(loader)
+
+    def load_left_s(self, loader: RunningView) -> float:
+        """How long the load a running grant began still takes (0 once it is expected over)."""
+        return max(0.0, self.expected_swap_s(loader.model, loader.upstream) - loader.running_s)

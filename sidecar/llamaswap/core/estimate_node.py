@@ -196,8 +196,7 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
         walk.ready_at = loading_s
         for grant in grants:  # several resident: each load under way holds back its own model's runs
             if grant.model_load and grant.model is not None:
-                walk.loaded_at[grant.model] = max(0.0, estimator.expected_swap_s(grant.model, upstream)
-                                                  - grant.running_s)
+                walk.loaded_at[grant.model] = estimator.load_left_s(grant)
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
@@ -205,8 +204,8 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
     # The model the best holds back now (several resident): it keeps holding that one, as `node.find` does.
     names = [gpu.name for gpu in gpus]
     for view in snapshot.gpus:
-        if view.held_back is not None and view.name in names and waiting:
-            node_walk.hold(names.index(view.name), view.held_back)
+        if view.holding_back and view.name in names and waiting:
+            node_walk.hold(names.index(view.name), view.holding_back)
     return node_walk.run()
 
 
@@ -223,12 +222,13 @@ class _Walk:
         for candidate in waiting:
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
+        self._first_at: dict[str | None, int] | None = None  # each model's first place in the pending order
         # The best's held-back models: (request, upstream, models).
         self._held: tuple[int, int, tuple[str | None, ...]] | None = None
 
-    def hold(self, gpu: int, model: str | None) -> None:
-        """The best request (the first in the order) holds back ``model`` on upstream ``gpu``."""
-        self._held = (0, gpu, (model,))
+    def hold(self, gpu: int, models: tuple[str | None, ...]) -> None:
+        """The best request (the first in the order) holds back ``models`` on upstream ``gpu``."""
+        self._held = (0, gpu, models)
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
@@ -274,14 +274,19 @@ class _Walk:
         return None
 
     def _need(self, model: str) -> tuple[float, float]:
-        """`eviction.Need` from the pending order: the earlier its first request, the more."""
-        for position, request in enumerate(self._pending):
-            if self._waiting[request].model == model:
-                return -float(position), 0.0
-        return NOT_WAITED_FOR
+        """`eviction.Need` from the pending order: the earlier its first request, the more. (The
+        first place of each model is read once per start, not once per model asked.)"""
+        first = self._first_at
+        if first is None:
+            first = self._first_at = {}
+            for position, request in enumerate(self._pending):
+                first.setdefault(self._waiting[request].model, position)
+        place = first.get(model)
+        return NOT_WAITED_FOR if place is None else (-float(place), 0.0)
 
     def _start(self, now: float, position: int, index: int) -> None:
         request = self._pending.pop(position)
+        self._first_at = None
         candidate = self._waiting[request]
         model = candidate.model
         self._wanted[model] -= 1

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from llamaswap.core.holding import GpuHolding
+from llamaswap.core.residency import Residency
 
 # How much the queue needs a model: higher is needed more. The scheduler: the best waiting request
 # for it, by its index key then arrival; the estimates' walk: how early its first request stands
@@ -103,13 +104,9 @@ def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | N
             break
     else:
         return None
-    # A large one chosen last may have made some chosen before it needless: keep those back,
-    # the most needed first.
-    for eviction in reversed(chosen[:-1]):
-        if residency.fits(left | {eviction.model, model}):
-            left.add(eviction.model)
-            chosen.remove(eviction)
-    return tuple(chosen)
+    going = [eviction.model for eviction in chosen]
+    _keep_needless(residency, left, going, model)
+    return tuple(eviction for eviction in chosen if eviction.model in going)
 
 
 def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
@@ -129,28 +126,39 @@ def can_evict_for(gpu: GpuHolding, model: str) -> bool:
 def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str | None] = ()) -> tuple[str, ...] | None:
     """No room for ``model`` and the idle models are not enough: the models the best waiting
     request for it holds back until they drain and go (no new grants for them), busy ones
-    first. ``keep``, those it held back last time, where they still may (a hold that moved
-    whenever the queue's needs changed would let every model take new work in turn, and the
-    best wait for ever); then the idle ones (they cost no wait), then the busy ones, the
-    queue's least needed first: the fewest whose leaving makes room (with a memory budget, a
-    load may need several to go, idle ones too: each is held, or lower work would take it
-    back). None if none would do (then ``model`` never fits there beside what is pinned)."""
+    first. ``keep``, those it held back last time, as they were, while their leaving still
+    makes room (a hold that moved whenever the queue's needs changed would let every model
+    take new work in turn, and the best wait for ever); else the idle ones (they cost no wait),
+    then the busy ones, the queue's least needed first: the fewest whose leaving makes room
+    (with a memory budget a load may need several to go, idle ones too: each is held, or lower
+    work would take it back). None if none would do (then ``model`` never fits there beside
+    what is pinned)."""
     residency = gpu.residency
     idle = evictable(gpu)
     busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]
-    ranked = [name for name in keep if name in idle or name in busy]
-    ranked += [name for name in (*_least_needed_first(gpu, idle, need), *_least_needed_first(gpu, busy, need))
-               if name not in ranked]
+    kept = [name for name in keep if name in idle or name in busy]
+    if kept and len(kept) == len(keep) and residency.fits((gpu.residents - set(kept)) | {model}):
+        return tuple(name for name in kept if name is not None)  # the same hold, while it still makes room
+    ranked = [*_least_needed_first(gpu, idle, need), *_least_needed_first(gpu, busy, need)]
     left = set(gpu.residents)
     chosen: list[str] = []
     for candidate in ranked:
-        if candidate is None:
-            continue
         left.discard(candidate)
         chosen.append(candidate)
         if residency.fits(left | {model}):
+            _keep_needless(residency, left, chosen, model)
             return tuple(sorted(chosen, key=lambda name: name in idle))  # (busy first: the one it waits for)
     return None
+
+
+def _keep_needless(residency: Residency, left: set[str], chosen: list[str], model: str) -> None:
+    """Those of ``chosen`` (to go, in the order chosen) that ``model`` turns out not to need gone
+    once the last was chosen (a large one after small ones) stay: put back into ``left``, the
+    last chosen before it first."""
+    for name in reversed(chosen[:-1]):
+        if residency.fits(left | {name, model}):
+            left.add(name)
+            chosen.remove(name)
 
 
 def after_load(gpu: GpuHolding, model: str, evicted: Collection[str]) -> frozenset[str]:

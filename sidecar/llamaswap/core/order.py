@@ -16,6 +16,7 @@ from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
+from llamaswap.core.eviction import after_load, no_need, victims
 from llamaswap.core.holding import GpuHolding, resident_on
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.gpu_record import GpuRecord
@@ -92,16 +93,12 @@ def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: i
 
 
 def _after(residents: frozenset[str], model: str, gpu: GpuRecord) -> frozenset[str]:
-    residency = gpu.policy.residency
-    if not residency.several:
-        return frozenset((model,))
-    kept = sorted(residents, key=lambda name: gpu.last_used.get(name, 0))
-    while kept and not residency.fits({*kept, model}):
-        unpinned = [name for name in kept if name not in residency.pinned]
-        if not unpinned:
-            break
-        kept.remove(unpinned[0])
-    return frozenset((*kept, model))
+    """The residents once ``model`` has loaded on ``gpu`` in the simulated order: a load replaces
+    the resident model; several resident, the rule's evictions (`eviction.victims`, by recency
+    here: the order does not say what will wait then)."""
+    held = gpu.holding._replace(residents=residents)
+    gone = victims(held, model, no_need) if held.residency.several else ()
+    return after_load(held, model, [eviction.model for eviction in gone or ()])
 
 
 def slots_total(gpu: GpuRecord) -> int:
@@ -124,10 +121,11 @@ def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
 
 
 def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int, grants: Sequence[Decision],
-             arrivals: Arrivals, now_ns: int, held_back: Mapping[str, str | None]) -> QueueSnapshot:
+             arrivals: Arrivals, now_ns: int, held_back: Mapping[str, tuple[str | None, ...]]) -> QueueSnapshot:
     """A read-only picture of the queue: the `count` waiting requests of `index` in dispatch
-    order, the running `grants` and each GPU (with the model the best holds back there, by
-    name in ``held_back``). The simulated order makes it O(n log n)."""
+    order, the running `grants` and each GPU (with the models the best holds back there, by
+    name in ``held_back``, the busy one it waits for first). The simulated order makes it
+    O(n log n)."""
     divisor = policy.aging_divisor_ns
     waiting = tuple(
         WaitingView(
@@ -146,6 +144,7 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
     )
     running = tuple(RunningView.of(decision, now_ns) for decision in grants)
     views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu),
-                          held_back.get(gpu.name)) for gpu in gpus)
+                          next(iter(held), None), tuple(model for model in held if model is not None))
+                  for gpu in gpus for held in (held_back.get(gpu.name, ()),))
     return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views)
 

@@ -565,7 +565,7 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
         return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
-                              self._arrivals, self._clock.now_ns(), self._held_back.by_gpu)
+                              self._arrivals, self._clock.now_ns(), self._held_back.models)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
