@@ -257,13 +257,6 @@ async def test_a_client_that_leaves_while_running_leaves_its_model_free_to_go(tm
 # -- 5. the settle after an abandoned generation ---------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (issue 37, 'settles after an abandoned generation (only that model's slot)'): a settle "
-    "blocks the whole GPU. Gpus.tell passes a per-GPU `settling` to Scheduler.held_by, the holding's "
-    "`blocked` is `settling or adopted > 0`, and dispatch.py's full()/choose() grant nothing on a "
-    "blocked GPU, so b1 (model-b, resident, its slot free) waits for model-a's abandoned generation; "
-    "only the settle's own count (adoptions.held) is per model"))
-
 async def test_a_settle_after_an_abandoned_generation_holds_only_its_models_slot(tmp_path: pathlib.Path) -> None:
     """a1's client leaves mid-stream (held before its first event); the router keeps computing it,
     as llama-server does. The settle holds model-a only: a2 (model-a) waits, but b1 (model-b,

@@ -406,3 +406,33 @@ def test_an_eviction_keeps_the_models_the_load_turns_out_not_to_need_gone() -> N
     decision = scheduler.next()
     assert decision is not None and [eviction.model for eviction in decision.evicts] == ["L"]
     assert scheduler.residents_on() == frozenset({"S", "M"})
+
+
+def test_a_settle_of_one_model_holds_that_model_only() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    scheduler.enqueue("b1", prio(0), "B")
+    grant_all(scheduler)
+    scheduler.release("a1")
+    scheduler.release("b1")
+    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")  # A's abandoned generation
+    scheduler.enqueue("a2", prio(9), "A")
+    scheduler.enqueue("b2", prio(0), "B")
+    scheduler.enqueue("c1", prio(0), "C")
+    # A waits for its settle; B serves on; C may not evict A (its generation still computes) and
+    # B runs: C waits.
+    assert grant_all(scheduler) == ["b2"]
+    scheduler.held_by("gpu0", settling=False, adopted=0)
+    assert grant_all(scheduler) == ["a2"]
+
+
+def test_a_settle_of_an_unknown_model_or_one_model_resident_holds_the_whole_gpu() -> None:
+    for max_loaded, model in ((2, None), (1, "A")):
+        scheduler, _ = node(gpu(max_loaded=max_loaded, slots=2))
+        scheduler.enqueue("a1", prio(0), "A")
+        grant_all(scheduler)
+        scheduler.release("a1")
+        scheduler.held_by("gpu0", settling=True, adopted=0, settling_model=model)
+        scheduler.enqueue("b1", prio(0), "B")
+        scheduler.enqueue("a2", prio(0), "A")
+        assert grant_all(scheduler) == []

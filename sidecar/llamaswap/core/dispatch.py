@@ -113,11 +113,11 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
     """The dispatch rule: what a GPU (what it holds) can do for ``candidate`` now, whatever holds
     it apart from its grants aside (``blocked`` is `choose`'s to read). The one rule function:
     the grant, the estimates and the simulator ask it, for each GPU of the node."""
+    if gpu.residency.several:
+        return _turn_beside(gpu, candidate)
     running = gpu.running
     if not running.busy:
         return Turn.IDLE
-    if gpu.residency.several:
-        return _turn_beside(gpu, candidate)
     slots = gpu.slots_in_effect  # once: this runs for every GPU and request asked
     if _full(running, slots):
         return Turn.CLOSED
@@ -129,7 +129,11 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
 
 
 def _turn_beside(gpu: GpuHolding, candidate: Candidate) -> Turn:
-    """`turn` where several models may be resident and something runs: each model's own slots."""
+    """`turn` where several models may be resident: each model's own slots."""
+    if gpu.settling_model is not None and (candidate.alone or candidate.model == gpu.settling_model):
+        return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
+    if not gpu.running.busy:
+        return Turn.IDLE
     if gpu.running.alone:
         return Turn.CLOSED
     if candidate.alone:

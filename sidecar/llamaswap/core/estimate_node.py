@@ -85,8 +85,10 @@ class _GpuWalk:
         # (The rule reads whether work it did not grant holds the GPU, not which: until
         # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``ready_at``.)
         blocked = self.blocked_until > now
+        # Several resident, a settle of a known model holds that model only.
+        settling_model = gpu.settling_model if blocked else None
         return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items), None,
-                          blocked, 0, blocked, gpu.residency, gpu.last_used)
+                          blocked, 0, blocked and settling_model is None, gpu.residency, gpu.last_used, settling_model)
 
 
 class _WalkTimes:
@@ -187,7 +189,8 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
     tokens it asked for, where it said (`max_tokens` of the snapshot's views)."""
     blocked_s = blocked_s or {}
     # A GPU held by work the scheduler did not grant (`GpuHolding.blocked`) with no time said: for how long, unknown.
-    walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked else 0.0)) for gpu in gpus}
+    walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked or gpu.settling_model else 0.0))
+             for gpu in gpus}
     for upstream, grants in _by_upstream(snapshot.grants).items():
         walk = walks.get(upstream)
         if walk is None:  # an upstream no longer configured: nothing new starts there

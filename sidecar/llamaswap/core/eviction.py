@@ -71,9 +71,11 @@ def busy_of(gpu: GpuHolding, model: str | None) -> tuple[int, int]:
 
 
 def evictable(gpu: GpuHolding) -> list[str]:
-    """The resident models that may go now: nothing runs on them, none loads, none is pinned."""
+    """The resident models that may go now: nothing runs on them, none loads, none is pinned,
+    and no settle waits for one of their generations."""
     pinned = gpu.residency.pinned
-    return [model for model in gpu.residents if model not in pinned and busy_of(gpu, model)[0] == 0]
+    return [model for model in gpu.residents
+            if model not in pinned and model != gpu.settling_model and busy_of(gpu, model)[0] == 0]
 
 
 def has_room(gpu: GpuHolding, model: str) -> bool:
@@ -135,7 +137,7 @@ def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str |
     what is pinned)."""
     residency = gpu.residency
     idle = evictable(gpu)
-    busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]
+    busy = [name for name in gpu.residents if name not in idle and name not in residency.pinned]  # (a settling one too)
     kept = [name for name in keep if name in idle or name in busy]
     if kept and len(kept) == len(keep) and residency.fits((gpu.residents - set(kept)) | {model}):
         return tuple(name for name in kept if name is not None)  # the same hold, while it still makes room

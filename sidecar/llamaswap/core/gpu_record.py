@@ -49,13 +49,15 @@ class GpuRecord:
     it holds (`holding`: all of that as one value, as the dispatch rule reads it), its pending
     load, and its grants so far."""
 
-    __slots__ = ("policy", "grants", "residents", "settling", "adopted", "_holding", "_idle", "load", "pending",
+    __slots__ = ("policy", "grants", "residents", "settling", "settling_model", "adopted", "_holding", "_idle",
+                 "load", "pending",
                  "loaders", "dispatches", "last_used")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
         self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
-        self.settling = False  # (`held_by` changes these two)
+        self.settling = False  # (`held_by` changes these three)
+        self.settling_model: str | None = None
         self.adopted = 0
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
         self._idle: GpuHolding | None = None  # the same with nothing running, while residents and policy stay
@@ -95,8 +97,8 @@ class GpuRecord:
             held = self._idle
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
-                                               self.settling, self.adopted, self.settling or self.adopted > 0,
-                                               policy.residency, self.last_used)
+                                               self.settling, self.adopted, self._blocked(), policy.residency,
+                                               self.last_used, self._settling_model())
         else:
             loading = None
             for model, loader in self.loaders.items():  # (the earliest: one model resident, the one)
@@ -104,13 +106,24 @@ class GpuRecord:
                 break
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
-                              self.adopted, self.settling or self.adopted > 0, policy.residency, self.last_used)
+                              self.adopted, self._blocked(), policy.residency, self.last_used,
+                              self._settling_model())
         self._holding = held
         return held
 
     @property
     def running(self) -> Running:
         return self.holding.running
+
+    def _settling_model(self) -> str | None:
+        """The one model a settle holds (several resident, its model known); None: none, or
+        the settle holds the whole GPU."""
+        if self.settling and self.settling_model is not None and self.policy.residency.several:
+            return self.settling_model
+        return None
+
+    def _blocked(self) -> bool:
+        return (self.settling and self._settling_model() is None) or self.adopted > 0
 
     def set_residents(self, residents: frozenset[str]) -> None:
         if residents != self.residents:
@@ -136,11 +149,12 @@ class GpuRecord:
         self.load = None
         self.pending.clear()
 
-    def held_by(self, *, settling: bool, adopted: int) -> bool:
+    def held_by(self, *, settling: bool, adopted: int, settling_model: str | None = None) -> bool:
         """The work the scheduler did not grant that holds it now; True if that changed."""
-        if settling == self.settling and adopted == self.adopted:
+        settling_model = settling_model if settling else None
+        if settling == self.settling and adopted == self.adopted and settling_model == self.settling_model:
             return False
-        self.settling, self.adopted = settling, adopted
+        self.settling, self.adopted, self.settling_model = settling, adopted, settling_model
         self._holding = self._idle = None
         return True
 

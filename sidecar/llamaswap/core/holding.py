@@ -125,14 +125,17 @@ class GpuHolding(NamedTuple):
     settling: bool = False
     adopted: int = 0
     # Either of those holds it: nothing new is granted there until it ends. Always
-    # ``settling or adopted > 0``, set by whoever builds the value (`GpuRecord.holding`, the
-    # estimates' walk); a field, not a property, because the rule reads it for every GPU and
+    # ``(settling and settling_model is None) or adopted > 0``, set by whoever builds the value
+    # (`GpuRecord.holding`, the estimates' walk); a field, not a property, because the rule reads it for every GPU and
     # request it asks about (a property costs 50 ns a read).
     blocked: bool = False
     residency: Residency = ONE_MODEL  # how many models may be resident at once, and what they weigh
     # When each resident model was last granted (the scheduler's clock; the record's own map,
     # read, never changed, here): the least recently used goes first among equally needed ones.
     last_used: Mapping[str, int] = NEVER_USED
+    # Several resident: the model whose abandoned generation a settle waits for (it takes nothing
+    # and does not go meanwhile; the others serve on: then ``blocked`` is False); None: none.
+    settling_model: str | None = None
 
     def has(self, model: str | None) -> bool:
         """``model`` is resident here (a request of no model needs none)."""

@@ -260,11 +260,14 @@ class Scheduler:
         gpu.set_residents(gpu.residents | models)
         self._held.changed(residents=True)
 
-    def held_by(self, upstream: str | None, *, settling: bool, adopted: int) -> bool:
+    def held_by(self, upstream: str | None, *, settling: bool, adopted: int,
+                settling_model: str | None = None) -> bool:
         """The work the scheduler did not grant that holds an upstream now (None: the first), as
-        the runtime knows it: a settle under way there, and how many adopted exchanges run there.
-        Nothing is granted there while either does. True if that changed."""
-        if not self._gpu(upstream).held_by(settling=settling, adopted=adopted):
+        the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
+        generation, where known), and how many adopted exchanges run there. Nothing is granted
+        there while either does; several resident, a settle of a known model holds only that
+        model (`GpuHolding.settling_model`). True if that changed."""
+        if not self._gpu(upstream).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
             return False
         self._held.changed(residents=True)  # (what it holds idle changed too)
         return True

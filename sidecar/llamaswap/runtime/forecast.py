@@ -95,7 +95,7 @@ class Forecast:
         now = self._clock.now_ns()
         blocked: dict[str, float] = {}
         for held in self._scheduler.holdings():
-            if held.blocked:
+            if held.blocked or held.settling_model is not None:  # (several resident: that model only)
                 left = self.settle_left_s(held.name, now)
                 blocked[held.name] = left if left > 0 else math.inf
         return blocked

@@ -107,8 +107,9 @@ class Gpus:
         counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
         changed = False
         for gpu in self.all:
-            settling, adopted = gpu.settling is not None, counts.get(gpu.name, 0)
-            changed = scheduler.held_by(gpu.name, settling=settling, adopted=adopted) or changed
+            settle, adopted = gpu.settling, counts.get(gpu.name, 0)
+            changed = scheduler.held_by(gpu.name, settling=settle is not None, adopted=adopted,
+                                        settling_model=None if settle is None else settle.model) or changed
         return changed
 
     def single_model(self) -> str | None:
