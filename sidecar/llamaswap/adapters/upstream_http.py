@@ -117,13 +117,18 @@ class HttpUpstream:
 
     # -- the port ------------------------------------------------------------------------
 
-    async def catalog(self) -> Catalog | None:
+    async def _models_document(self) -> Any:
+        """GET /v1/models's answer; None without one (failed, or not 200)."""
         try:
             status, document = await self._get("/v1/models")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             _log.debug("GET /v1/models failed: %s", exc)
             return None
-        if status != 200:
+        return document if status == 200 else None
+
+    async def catalog(self) -> Catalog | None:
+        document = await self._models_document()
+        if document is None:
             return None
         catalog = catalog_from(document)
         if catalog is not None:
@@ -208,14 +213,8 @@ class HttpUpstream:
     async def _state_of(self, model: str) -> str | None:
         """A router-mode model's status by GET /v1/models (unloaded where it is not listed); None
         without an answer."""
-        try:
-            status, document = await self._get("/v1/models")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            _log.debug("GET /v1/models failed: %s", exc)
-            return None
-        if status != 200:
-            return None
-        return _states(document).get(model, _STATUS_UNLOADED)
+        document = await self._models_document()
+        return None if document is None else _states(document).get(model, _STATUS_UNLOADED)
 
     # -- router mode ---------------------------------------------------------------------
 

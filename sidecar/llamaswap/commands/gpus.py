@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from llamaswap.commands.argv import with_flag_value
 from llamaswap.config import ConfigError, Problem
 
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
@@ -63,23 +64,7 @@ def sets_threads(command: Sequence[str], environ: Mapping[str, str]) -> bool:
 def _with_port(command: Sequence[str], port: int) -> list[str]:
     """The command with its --port replaced by ``port``, or --port appended (llama-server's own
     default, 8080, is no one's port here)."""
-    result: list[str] = []
-    replaced = False
-    skip = False
-    for argument in command:
-        if skip:
-            result.append(str(port))
-            skip = False
-        elif argument in _PORT_FLAGS:
-            result.append(argument)
-            skip = replaced = True
-        elif argument.startswith(tuple(f"{flag}=" for flag in _PORT_FLAGS)):
-            result.append(f"{argument.split('=', 1)[0]}={port}")
-            replaced = True
-        else:
-            result.append(argument)
-    if skip:  # a trailing --port with no value
-        result.append(str(port))
+    result, replaced = with_flag_value(command, _PORT_FLAGS, str(port))
     return result if replaced else [*result, "--port", str(port)]
 
 

@@ -15,6 +15,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llamaswap.commands.argv import with_flag_value
+
 MODELS_MAX_FLAG = "--models-max"
 _MODELS_DIR_FLAG = "--models-dir"
 
@@ -47,23 +49,7 @@ def router_command(command: Any, models_max: int) -> Any:
 
 
 def _with_models_max(argv: Sequence[str], models_max: int) -> list[str] | None:
-    result: list[str] = []
-    found = False
-    skip = False
-    for argument in argv:
-        if skip:
-            result.append(str(models_max))
-            skip = False
-        elif argument == MODELS_MAX_FLAG:
-            result.append(argument)
-            skip = found = True
-        elif argument.startswith(f"{MODELS_MAX_FLAG}="):
-            result.append(f"{MODELS_MAX_FLAG}={models_max}")
-            found = True
-        else:
-            result.append(argument)
-    if skip:  # a trailing --models-max with no value
-        result.append(str(models_max))
+    result, found = with_flag_value(argv, (MODELS_MAX_FLAG,), str(models_max))
     if found:
         return result
     if any(a == _MODELS_DIR_FLAG or a.startswith((f"{_MODELS_DIR_FLAG}=", "LLAMA_ARG_MODELS_DIR=")) for a in argv):
