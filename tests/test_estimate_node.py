@@ -171,6 +171,11 @@ def node_cases(draw: st.DrawFn) -> NodeCase:
                     draw(st.sampled_from([0, 0, 1, 3])), blocks)
 
 
+def look_ns_of(case: NodeCase) -> int:
+    """When the case looks at the queue: after its last arrival, and its ``look_after_s``."""
+    return sum(gap for gap, _, _ in case.arrivals) * NS + case.look_after_s * NS
+
+
 class NodePlay:
     """A node's scheduler and its grants, each released at its expected end; `next` reads
     its times from `NodeTimes`, the blocked upstreams from the case's settles."""
@@ -184,6 +189,17 @@ class NodePlay:
         self.ends: list[tuple[int, str]] = []  # (end ns, request id): a heap
         self.ready_ns: dict[str, int] = {}  # per upstream: when its last load ends
         self.granted: dict[str, tuple[int, str]] = {}  # request -> (grant ns, upstream)
+
+    def arrive(self, case: NodeCase) -> int:
+        """Play the case's arrivals, then on to its instant of looking (returned)."""
+        t_ns = 0
+        for number, (gap_s, value, model) in enumerate(case.arrivals):
+            t_ns += gap_s * NS
+            self.run_until(t_ns)
+            self.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
+        look_ns = look_ns_of(case)
+        self.run_until(look_ns)
+        return look_ns
 
     def blocked(self) -> frozenset[str]:
         now = self.clock.now_ns()
@@ -236,14 +252,8 @@ def test_estimated_starts_over_a_node_are_the_grants(case: NodeCase) -> None:
     estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
     for model, run_s in case.learnt_runs.items():
         estimator.record(model, run_s=run_s, first_byte_s=None, model_load=False)
-    look_ns = sum(gap for gap, _, _ in case.arrivals) * NS + case.look_after_s * NS
-    play = NodePlay(case, estimator, look_ns)
-    t_ns = 0
-    for number, (gap_s, value, model) in enumerate(case.arrivals):
-        t_ns += gap_s * NS
-        play.run_until(t_ns)
-        play.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
-    play.run_until(look_ns)
+    play = NodePlay(case, estimator, look_ns_of(case))
+    look_ns = play.arrive(case)
 
     snapshot = play.scheduler.snapshot()
     blocked_s = {name: (end - look_ns) / NS for name, (start, end) in play.blocks.items() if start <= look_ns < end}

@@ -14,9 +14,9 @@ import math
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from policies import serial
-from test_estimate_node import NS, NodeCase, NodePlay
+from test_estimate_node import NS, NodeCase, NodePlay, look_ns_of
 
-from llamaswap.core import Estimator, Priority, PrioritySource, Residency, Slots
+from llamaswap.core import Estimator, Residency, Slots
 from llamaswap.core.estimate_node import NodeTimes, starts_of_node
 from llamaswap.core.policy import GpuPolicy
 
@@ -81,14 +81,8 @@ class ResidentPlay(NodePlay):
 @given(resident_cases())
 def test_estimated_starts_with_several_resident_models_are_the_grants(case: NodeCase) -> None:
     estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
-    look_ns = sum(gap for gap, _, _ in case.arrivals) * NS + case.look_after_s * NS
-    play = ResidentPlay(case, estimator, look_ns)
-    t_ns = 0
-    for number, (gap_s, value, model) in enumerate(case.arrivals):
-        t_ns += gap_s * NS
-        play.run_until(t_ns)
-        play.scheduler.enqueue(f"r{number}", Priority(value, PrioritySource.NUMBER), model)
-    play.run_until(look_ns)
+    play = ResidentPlay(case, estimator, look_ns_of(case))
+    look_ns = play.arrive(case)
     snapshot = play.scheduler.snapshot()
     estimates = starts_of_node(estimator, snapshot, play.scheduler.holdings())
     note(f"at {look_ns / NS:g} s: residents {[sorted(h.residents) for h in play.scheduler.holdings()]}, "
