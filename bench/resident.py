@@ -12,6 +12,12 @@ run. The sides, measured alike in interleaved rounds whose order rotates:
 - **router alone**: the clients straight to a router started with `--models-max 3`, no llamaswap:
   each model's server takes its requests first come, first served, whatever their priority.
 
+Every router runs at nice `--nice` (10), and so do the model servers it starts: on a GPU node
+generation runs on the GPU and leaves the CPU to Envoy and the sidecar, while here the model
+servers compute on the same 2 cores, and at equal priority they starved Envoy's access log past
+the 3 s lease (grants released, exchanges adopted). The router alone's own proxying runs at the
+same nice value as every other side's router.
+
 Both stacks: `upstream.slots` = `--slots`, `reservedSlots` = `--reserved` (0), the production
 lease, the model poll every 0.5 s (so that they see the unloads between sides). Every router
 gets `--threads-http` for every request that can be at it at once: its default on 2 cores
@@ -65,6 +71,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import pathlib
 import random
 import shutil
@@ -323,6 +330,14 @@ def llamaswap_stack(root: pathlib.Path, document: dict[str, Any]) -> Iterator[tu
         sidecar.stop()
 
 
+def renice_threads(pid: int, nice: int) -> None:
+    """Every thread of a process at ``nice`` (Linux keeps a nice value per thread): the threads it
+    starts later and the model servers they start inherit it."""
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
 def applied_max_loaded(sidecar: SidecarProcess) -> int:
     """The maxLoaded the sidecar applies to its GPU, as GET /queue says (1 where it does not say)."""
     gpus = sidecar.queue().get("gpus") or [{}]
@@ -423,6 +438,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat-tokens", type=int, default=128, help="output tokens of a pair's model-a chat request")
     parser.add_argument("--slots", type=int, default=2, help="slots of each model's server (-np), and the stacks'")
     parser.add_argument("--reserved", type=int, default=0, help="the stacks' reservedSlots")
+    parser.add_argument("--nice", type=int, default=10,
+                        help="the routers' (and their model servers') nice value, every side's alike (0: none)")
     parser.add_argument("--sides", default=",".join(("ml1", "ml3", "router")),
                         help="which sides to run, of ml1, ml3 and router (comma-separated)")
     parser.add_argument("--seed", type=int, default=37)
@@ -472,6 +489,8 @@ async def main() -> None:
                                "--threads-http", str(args.batch + 2 * args.pairs + 8)]
                 name = SHORT_NAMES[side]
                 server = exits.enter_context(run_llama_server(server_args, log_path=root / f"llama-{name}.log"))
+                if args.nice:
+                    renice_threads(server.process.pid, args.nice)
                 servers[side] = server
                 if side == ROUTER:
                     urls[side] = server.url
