@@ -50,7 +50,7 @@ class GpuRecord:
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "settling", "settling_model", "adopted", "_holding", "_idle",
-                 "load", "pending",
+                 "_blocked", "_settle_model", "load", "pending",
                  "loaders", "dispatches", "last_used")
 
     def __init__(self, policy: GpuPolicy) -> None:
@@ -78,7 +78,7 @@ class GpuRecord:
 
     def apply(self, policy: GpuPolicy) -> None:
         self.policy = policy
-        self._holding = self._idle = None
+        self._held_anew()
 
     @property
     def name(self) -> str:
@@ -97,17 +97,18 @@ class GpuRecord:
             held = self._idle
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
-                                               self.settling, self.adopted, self._blocked(), policy.residency,
-                                               self.last_used, self._settling_model())
+                                               self.settling, self.adopted, self._blocked, policy.residency,
+                                               self.last_used, self._settle_model)
         else:
             loading = None
-            for model, loader in self.loaders.items():  # (the earliest: one model resident, the one)
-                loading = (model, loader.granted_ns)
-                break
+            loaders = self.loaders
+            if loaders:
+                for model, loader in loaders.items():  # (the earliest: one model resident, the one)
+                    loading = (model, loader.granted_ns)
+                    break
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
-                              self.adopted, self._blocked(), policy.residency, self.last_used,
-                              self._settling_model())
+                              self.adopted, self._blocked, policy.residency, self.last_used, self._settle_model)
         self._holding = held
         return held
 
@@ -115,15 +116,14 @@ class GpuRecord:
     def running(self) -> Running:
         return self.holding.running
 
-    def _settling_model(self) -> str | None:
-        """The one model a settle holds (several resident, its model known); None: none, or
-        the settle holds the whole GPU."""
-        if self.settling and self.settling_model is not None and self.policy.residency.several:
-            return self.settling_model
-        return None
-
-    def _blocked(self) -> bool:
-        return (self.settling and self._settling_model() is None) or self.adopted > 0
+    def _held_anew(self) -> None:
+        """What holds it besides its grants changed (`held_by`, the policy): the holding's
+        ``settling_model`` (the one model a settle holds: several resident, its model known) and
+        ``blocked`` (a settle of the whole GPU, or adopted exchanges), kept for every build."""
+        one = self.settling and self.settling_model is not None and self.policy.residency.several
+        self._settle_model = self.settling_model if one else None
+        self._blocked = (self.settling and not one) or self.adopted > 0
+        self._holding = self._idle = None
 
     def set_residents(self, residents: frozenset[str]) -> None:
         if residents != self.residents:
@@ -155,7 +155,7 @@ class GpuRecord:
         if settling == self.settling and adopted == self.adopted and settling_model == self.settling_model:
             return False
         self.settling, self.adopted, self.settling_model = settling, adopted, settling_model
-        self._holding = self._idle = None
+        self._held_anew()
         return True
 
     def renew(self) -> None:
