@@ -32,7 +32,7 @@ from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import HeldBack, Step, choose, takes_nothing
 from llamaswap.core.eviction import NOT_WAITED_FOR, after_load, victims
 from llamaswap.core.holding import GpuHolding, running_of
-from llamaswap.core.node import claim_on
+from llamaswap.core.node import HeldBackModels
 from llamaswap.core.estimate import Estimator
 
 
@@ -204,11 +204,10 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
     node_walk = _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
-    # The model the best holds back now (several resident): it keeps holding that one, as `node.find` does.
-    names = [gpu.name for gpu in gpus]
+    # The models the best holds back now (several resident): it keeps holding those, as `node.find` does.
     for view in snapshot.gpus:
-        if view.holding_back and view.name in names and waiting:
-            node_walk.hold(names.index(view.name), view.holding_back)
+        if view.holding_back and view.name in walks and waiting:
+            node_walk.held.hold(0, view.name, view.holding_back)
     return node_walk.run()
 
 
@@ -226,12 +225,7 @@ class _Walk:
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
         self._first_at: dict[str | None, int] | None = None  # each model's first place in the pending order
-        # The best's held-back models: (request, upstream, models).
-        self._held: tuple[int, int, tuple[str | None, ...]] | None = None
-
-    def hold(self, gpu: int, models: tuple[str | None, ...]) -> None:
-        """The best request (the first in the order) holds back ``models`` on upstream ``gpu``."""
-        self._held = (0, gpu, models)
+        self.held = HeldBackModels()  # the models the best holds back (its holder: its place in ``waiting``)
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
@@ -266,11 +260,8 @@ class _Walk:
                 assert gpu is not None
                 return position, gpu
             if position == 0 and gpu is not None:  # only the best claims
-                held = self._held
-                keep = held[2] if held is not None and held[:2] == (request, gpu) else ()
-                claim = claim_on(views, gpu, candidate, self._need, keep)
-                if isinstance(claim, tuple):  # it keeps holding those back, as `node.find` does
-                    self._held = (request, gpu, tuple(model for _, model in claim))
+                claim = self.held.claim(views, gpu, candidate, request, self._need)
+                if isinstance(claim, tuple):
                     (held_back if step is Step.CLAIM else interactive_only).update(claim)
                 else:
                     (closed if step is Step.CLAIM else interactive_only).add(claim)

@@ -33,26 +33,6 @@ from llamaswap.core.order import rank
 _NONE: frozenset[int] = frozenset()  # no upstream claimed yet
 
 
-class HeldBackModels:
-    """The models the best waiting request holds back, by upstream name (several resident), and
-    which request that is: kept from one `find` to the next, so that the hold stays on the same
-    models while the same request stays best (`eviction.to_hold_back`'s ``keep``). ``by_gpu``
-    names the one shown (the busy one it waits for)."""
-
-    __slots__ = ("by_gpu", "holder", "models")
-
-    def __init__(self) -> None:
-        self.by_gpu: dict[str, str | None] = {}
-        self.models: dict[str, tuple[str | None, ...]] = {}
-        self.holder: str | None = None
-
-    def clear(self) -> None:
-        if self.holder is not None:
-            self.by_gpu.clear()
-            self.models.clear()
-            self.holder = None
-
-
 def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need: Need,
              keep: Collection[str | None] = ()) -> int | tuple[HeldBack, ...]:
     """What the best request's claim on upstream ``index`` holds back: the whole upstream, or
@@ -69,6 +49,46 @@ def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need:
     return index if going is None else tuple((index, name) for name in going)
 
 
+class HeldBackModels:
+    """The models the best waiting request holds back, by upstream name (several resident; the
+    busy one it waits for first), and which request that is: kept from one claim to the next, so
+    that the hold stays on the same models while the same request stays best
+    (`eviction.to_hold_back`'s ``keep``). The scheduler keeps one across `find`s; the
+    estimates' walk keeps its own across its instants."""
+
+    __slots__ = ("models", "holder")
+
+    def __init__(self) -> None:
+        self.models: dict[str, tuple[str | None, ...]] = {}
+        self.holder: object = None  # the best request that holds them (None: none)
+
+    def clear(self) -> None:
+        if self.holder is not None:
+            self.models.clear()
+            self.holder = None
+
+    def hold(self, holder: object, name: str, models: tuple[str | None, ...]) -> None:
+        """``holder`` now holds back ``models`` on upstream ``name`` (and nothing elsewhere)."""
+        self.models.clear()
+        self.holder = holder
+        if models:
+            self.models[name] = models
+
+    def claim(self, gpus: Sequence[GpuHolding], index: int, candidate: Candidate, holder: object,
+              need: Need) -> int | tuple[HeldBack, ...]:
+        """`claim_on` for the best request ``holder`` on upstream ``index``, keeping what it held
+        back there last time where that still may be, and remembering what it holds now."""
+        name = gpus[index].name
+        keep = self.models.get(name, ()) if holder == self.holder else ()
+        claim = claim_on(gpus, index, candidate, need, keep)
+        self.hold(holder, name, tuple(model for _, model in claim) if isinstance(claim, tuple) else ())
+        return claim
+
+    def shown(self) -> dict[str, str | None]:
+        """The model shown held back on each upstream: the busy one the best waits for."""
+        return {name: models[0] for name, models in self.models.items()}
+
+
 def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
          pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
@@ -77,8 +97,8 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
     same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
     The best first: it starts (then nothing more is built), or it may hold one upstream back, or
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
-    requests the walk suspended, whatever happens. ``held_back`` is set to the model the best
-    holds back, by upstream name (`claim_on`), or emptied."""
+    requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
+    holds back (`HeldBackModels.claim`), or emptied."""
     first = pick(aged)
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START:
@@ -87,17 +107,10 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
         return gpu, first, first
     walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     claim = None
-    if gpu is not None:
-        name = gpus[gpu].name
-        keep = held_back.models.get(name, ()) if held_back.holder == first.request_id else ()
-        claim = claim_on(gpus, gpu, first, need, keep)
-    held_back.by_gpu.clear()
-    held_back.models.clear()
-    held_back.holder = first.request_id
-    if isinstance(claim, tuple):
-        name = gpus[claim[0][0]].name
-        held_back.by_gpu[name] = claim[0][1]
-        held_back.models[name] = tuple(model for _, model in claim)
+    if gpu is None:
+        held_back.clear()
+    else:
+        claim = held_back.claim(gpus, gpu, first, first.request_id, need)
     try:
         return walk.behind(first, step, claim)
     finally:

@@ -415,7 +415,7 @@ class Scheduler:
     def held_back(self) -> Mapping[str, str | None]:
         """The resident model the best waiting request holds back on an upstream (by name), as
         the last `next` found it: no new grants for it until it drains and goes."""
-        return self._held_back.by_gpu
+        return self._held_back.shown()
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
