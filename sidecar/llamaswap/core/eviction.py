@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 from llamaswap.core.holding import GpuHolding
-from llamaswap.core.residency import Residency
 
 # How much the queue needs a model: higher is needed more. The scheduler: the best waiting request
 # for it, by its index key then arrival; the estimates' walk: how early its first request stands
@@ -93,22 +92,14 @@ def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | N
     """The resident models to evict so that ``model`` loads now: none with room; else the fewest
     idle ones, the queue's least needed first (each with why); None if evicting every idle one
     is not enough."""
-    residency = gpu.residency
-    if residency.fits(gpu.residents | {model}):
+    if gpu.residency.fits(gpu.residents | {model}):
         return ()
-    left = set(gpu.residents)
     ranked = _least_needed_first(gpu, evictable(gpu), need)
-    chosen: list[Eviction] = []
-    for position, victim in enumerate(ranked):
-        left.discard(victim)
-        chosen.append(Eviction(victim, _reason(need, victim, ranked[position + 1:])))
-        if residency.fits(left | {model}):
-            break
-    else:
+    going = _fewest_to_go(gpu, ranked, model)
+    if going is None:
         return None
-    going = [eviction.model for eviction in chosen]
-    _keep_needless(residency, left, going, model)
-    return tuple(eviction for eviction in chosen if eviction.model in going)
+    return tuple(Eviction(victim, _reason(need, victim, ranked[position + 1:]))
+                 for position, victim in enumerate(ranked) if victim in going)
 
 
 def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
@@ -141,26 +132,31 @@ def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str |
     kept = [name for name in keep if name in idle or name in busy]
     if kept and len(kept) == len(keep) and residency.fits((gpu.residents - set(kept)) | {model}):
         return tuple(name for name in kept if name is not None)  # the same hold, while it still makes room
-    ranked = [*_least_needed_first(gpu, idle, need), *_least_needed_first(gpu, busy, need)]
+    going = _fewest_to_go(gpu, [*_least_needed_first(gpu, idle, need), *_least_needed_first(gpu, busy, need)], model)
+    if going is None:
+        return None
+    return tuple(sorted(going, key=lambda name: name in idle))  # (busy first: the one it waits for)
+
+
+def _fewest_to_go(gpu: GpuHolding, ranked: Sequence[str], model: str) -> list[str] | None:
+    """The resident models to go so that ``model`` fits, taken in the order ``ranked`` until it
+    does; then those a later one made needless (a large one after small ones) stay, the last
+    taken before it first. None if all of ``ranked`` going is not enough."""
+    residency = gpu.residency
     left = set(gpu.residents)
     chosen: list[str] = []
-    for candidate in ranked:
-        left.discard(candidate)
-        chosen.append(candidate)
+    for name in ranked:
+        left.discard(name)
+        chosen.append(name)
         if residency.fits(left | {model}):
-            _keep_needless(residency, left, chosen, model)
-            return tuple(sorted(chosen, key=lambda name: name in idle))  # (busy first: the one it waits for)
-    return None
-
-
-def _keep_needless(residency: Residency, left: set[str], chosen: list[str], model: str) -> None:
-    """Those of ``chosen`` (to go, in the order chosen) that ``model`` turns out not to need gone
-    once the last was chosen (a large one after small ones) stay: put back into ``left``, the
-    last chosen before it first."""
+            break
+    else:
+        return None
     for name in reversed(chosen[:-1]):
         if residency.fits(left | {name, model}):
             left.add(name)
             chosen.remove(name)
+    return chosen
 
 
 def after_load(gpu: GpuHolding, model: str, evicted: Collection[str]) -> frozenset[str]:
