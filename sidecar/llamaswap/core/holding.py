@@ -157,7 +157,7 @@ class GpuHolding(NamedTuple):
             return sum(self.slots.of(model) for model in self.residents)
         model = self.running.model
         if model is None:
-            for model in self.residents:  # (at most one today)
+            for model in self.residents:  # (at most one here: several are summed above)
                 break
         return self.slots.of(model)
 
