@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from llamaswap.batches.access import Access
 from llamaswap.batches.api import BatchService, add_batch_routes
 from llamaswap.batches.feeder import Feeder, FeedSettings
 from llamaswap.batches.store import Store
@@ -142,7 +143,8 @@ async def test_with_an_upstream_key_the_api_wants_it(tmp_path: pathlib.Path) -> 
     store = Store(tmp_path)
     app = web.Application()
     service = BatchService(store, Feeder(store, FeedSettings("http://127.0.0.1:9", lambda: 1, lambda: 5)),
-                           lambda: config, lambda: ("1" * 32, "2" * 16), api_key="sekrit")
+                           lambda: config, lambda: ("1" * 32, "2" * 16),
+                           access=Access(config.batches.read_keys("sekrit")))
     add_batch_routes(app, service)
     async with TestClient(TestServer(app)) as client:
         error = await error_of(await client.get("/v1/batches"), 401)

@@ -1,6 +1,7 @@
 """`llamaswap batches` against an admin server on 127.0.0.1: a fake one that pages a list of
-batches as the Batch API does (its own `list_page`), the real routes with the Batch API off,
-and no server at all. The command's HTTP calls block: it runs in a thread beside the server."""
+batches as the admin's GET /batches does (the Batch API's own `list_page`, and the space the
+files take), the real routes (with the Batch API off, and on with keys), and no server at all.
+The command's HTTP calls block: it runs in a thread beside the server."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from llamaswap.batches.api import add_batch_routes
+from llamaswap.batches.access import Access
+from llamaswap.batches.api import BatchService, add_batch_routes
+from llamaswap.batches.feeder import Feeder, FeedSettings
+from llamaswap.batches.store import Store
 from llamaswap.batches.documents import list_page
 from llamaswap.commands import batches as command
 from llamaswap.commands.main import build_parser
+from llamaswap.config import parse_config
 
 # 2026-12-04 14:00:00 UTC; the tests run in a zone two hours east of UTC, so local time shows.
 T0 = 1796392800
@@ -36,6 +41,8 @@ def batch(batch_id: str, status: str, counts: tuple[int, int, int], *, started: 
             "llamaswap": {"priority": priority, "in_flight": 2, "estimated_finish_at": finish}}
 
 
+STORAGE = {"used_bytes": 3 << 30, "files": 14, "max_bytes": 4 << 30, "left_bytes": 1 << 30,
+           "disk_free_bytes": 40 << 30}
 BATCHES = [
     batch("batch_new", "in_progress", (12, 1, 50), started=T0, finish=T0 + 754),
     batch("batch_check", "validating", (0, 0, 0), started=None, finish=None, priority=0),
@@ -69,7 +76,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 @pytest.fixture
 async def admin() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
-    """A fake admin server listing BATCHES, and the query of each GET /v1/batches it answered."""
+    """A fake admin server listing BATCHES, and the query of each GET /batches it answered."""
     asked: list[dict[str, str]] = []
 
     async def listing(request: web.Request) -> web.Response:
@@ -77,10 +84,10 @@ async def admin() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
         page = list_page(BATCHES, after=request.query.get("after"), limit=int(request.query["limit"]),
                          key=lambda item: item["id"], document=lambda item: item)
         assert page is not None
-        return web.json_response(page)
+        return web.json_response({**page, "storage": STORAGE})
 
     app = web.Application()
-    app.router.add_get("/v1/batches", listing)
+    app.router.add_get("/batches", listing)
     runner, url = await serve(app)
     try:
         yield url, asked
@@ -102,15 +109,16 @@ async def test_the_table_shows_each_batch_with_its_progress_start_finish_and_pri
     assert (status, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == "3 batches: 1 in_progress, 1 validating, 1 completed"
-    assert lines[1].split() == ["ID", "STATUS", "DONE/FAILED/TOTAL", "STARTED", "FINISH", "PRIORITY"]
+    assert lines[1] == "files: 3.0 GiB in 14 (quota 4.0 GiB, 1.0 GiB left); disk: 40.0 GiB free"
+    assert lines[2].split() == ["ID", "STATUS", "DONE/FAILED/TOTAL", "STARTED", "FINISH", "PRIORITY"]
     # Local time: two hours east of UTC's 14:00.
-    assert lines[2].split() == ["batch_new", "in_progress", "12/1/50", "2026-12-04", "16:00:00",
+    assert lines[3].split() == ["batch_new", "in_progress", "12/1/50", "2026-12-04", "16:00:00",
                                 "2026-12-04", "16:12:34", "-100"]
-    assert lines[3].split() == ["batch_check", "validating", "0/0/0", "-", "-", "0"]
-    assert lines[4].split() == ["batch_old", "completed", "7/0/7", "2026-12-04", "15:00:00", "-", "-100"]
-    assert len(lines) == 5
+    assert lines[4].split() == ["batch_check", "validating", "0/0/0", "-", "-", "0"]
+    assert lines[5].split() == ["batch_old", "completed", "7/0/7", "2026-12-04", "15:00:00", "-", "-100"]
+    assert len(lines) == 6
     # Columns line up: each row's STATUS starts where its header does.
-    assert len({line.index(word) for line, word in zip(lines[1:], ("STATUS", "in_progress", "validating",
+    assert len({line.index(word) for line, word in zip(lines[2:], ("STATUS", "in_progress", "validating",
                                                                        "completed"))}) == 1
     assert asked == [{"limit": str(command.PAGE)}]
 
@@ -120,7 +128,7 @@ async def test_it_follows_every_page(admin, monkeypatch):
     monkeypatch.setattr(command, "PAGE", 2)
     status, out, _ = await llamaswap_batches("--admin", url)
     assert status == 0
-    assert [line.split()[0] for line in out.splitlines()[2:]] == ["batch_new", "batch_check", "batch_old"]
+    assert [line.split()[0] for line in out.splitlines()[3:]] == ["batch_new", "batch_check", "batch_old"]
     assert asked == [{"limit": "2"}, {"limit": "2", "after": "batch_check"}]
 
 
@@ -130,7 +138,7 @@ async def test_json_prints_the_list_of_every_batch(admin, monkeypatch):
     status, out, _ = await llamaswap_batches("--admin", url, "--json")
     assert status == 0
     assert json.loads(out) == {"object": "list", "data": BATCHES, "first_id": "batch_new", "last_id": "batch_old",
-                               "has_more": False}
+                               "has_more": False, "storage": STORAGE}
 
 
 async def test_none_yet():
@@ -138,7 +146,7 @@ async def test_none_yet():
         return web.json_response({"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False})
 
     app = web.Application()
-    app.router.add_get("/v1/batches", empty)
+    app.router.add_get("/batches", empty)
     runner, url = await serve(app)
     try:
         status, out, _ = await llamaswap_batches("--admin", url)
@@ -169,7 +177,7 @@ async def test_another_http_error_names_the_url_and_the_status():
     finally:
         await runner.cleanup()
     assert status == 1
-    assert err == f"error: GET {url}/v1/batches?limit={command.PAGE}: HTTP 404\n"
+    assert err == f"error: GET {url}/batches?limit={command.PAGE}: HTTP 404\n"
 
 
 async def test_an_unreachable_admin_is_an_error_like_queue_s(tmp_path):
@@ -178,9 +186,41 @@ async def test_an_unreachable_admin_is_an_error_like_queue_s(tmp_path):
         port = probe.getsockname()[1]
     status, out, err = await llamaswap_batches("--admin", f"127.0.0.1:{port}")
     assert (status, out) == (1, "")
-    assert err.startswith(f"error: GET http://127.0.0.1:{port}/v1/batches?limit={command.PAGE}: ")
+    assert err.startswith(f"error: GET http://127.0.0.1:{port}/batches?limit={command.PAGE}: ")
     assert "refused" in err.lower()
     # The same address in a configuration: the same error (listen.admin is asked).
     path = tmp_path / "c.yaml"
     path.write_text(f"listen:\n  admin: 127.0.0.1:{port}\n")
     assert (await llamaswap_batches("-c", str(path)))[:2] == (1, "")
+
+
+async def test_with_keys_it_lists_every_callers_batches_and_the_space_without_a_key(tmp_path, monkeypatch):
+    """The real routes with batches.apiKeys: /v1/batches wants a key and shows a caller its own,
+    the admin's /batches (which Envoy's listener does not route) shows every caller's."""
+    monkeypatch.setenv("ALICE_KEY", "sk-alice")
+    config = parse_config({"batches": {"dir": str(tmp_path), "maxStoredBytes": 1 << 20,
+                                       "apiKeys": [{"name": "alice", "key": "env:ALICE_KEY"}]}})
+    store = Store(tmp_path)
+    upload = tmp_path / "upload"
+    upload.write_bytes(b"x" * 1000)
+    record = store.add_file(upload, filename="in.jsonl", purpose="batch", owner="alice")
+    for owner in ("alice", "bob"):
+        store.create_batch(endpoint="/v1/chat/completions", input_file_id=record.id, completion_window="24h",
+                           window_s=86400, metadata=None, priority=-100, trace_id="1" * 32, span_id="2" * 16,
+                           owner=owner)
+    app = web.Application()
+    add_batch_routes(app, BatchService(store, Feeder(store, FeedSettings("http://127.0.0.1:9", lambda: 1, lambda: 5)),
+                                       lambda: config, lambda: ("1" * 32, "2" * 16),
+                                       access=Access(config.batches.read_keys(None))))
+    runner, url = await serve(app)
+    try:
+        status, out, err = await llamaswap_batches("--admin", url, "--json")
+    finally:
+        await runner.cleanup()
+        store.close()
+    assert (status, err) == (0, "")
+    document = json.loads(out)
+    assert len(document["data"]) == 2
+    storage = document["storage"]
+    assert (storage["used_bytes"], storage["files"], storage["max_bytes"]) == (1000, 1, 1 << 20)
+    assert storage["left_bytes"] <= (1 << 20) - 1000 and storage["disk_free_bytes"] > 0

@@ -393,6 +393,24 @@ BAD_DOCUMENTS = {
                              "batches.dir: must be a file path, or empty for none, got a number 5"),
     "batches.maxFileBytes a float": ({"batches": {"maxFileBytes": 1.5}},
                                      "batches.maxFileBytes: must be an integer, got a number 1.5"),
+    "batches.apiKeys a key itself": ({"batches": {"apiKeys": [{"name": "a", "key": "sk-123"}]}},
+                                     "batches.apiKeys[0].key: must say where the key is, 'file:PATH' or 'env:NAME' "
+                                     "(an environment variable), not the key itself (the value is not repeated "
+                                     "here)"),
+    "batches.apiKeys a name twice": ({"batches": {"apiKeys": [{"name": "a", "key": "env:A"},
+                                                              {"name": "a", "key": "env:B"}]}},
+                                     "batches.apiKeys: names a more than once: give each key its own name"),
+    "batches.adminCallers without callerHeader": ({"batches": {"adminCallers": ["ops"]}},
+                                                  "batches.adminCallers: names admin callers but callerHeader is "
+                                                  "unset: set callerHeader to the header your proxy names callers "
+                                                  "in, or remove adminCallers"),
+    "batches.outputExpirySeconds under an hour": ({"batches": {"outputExpirySeconds": 60}},
+                                                  "batches.outputExpirySeconds: must be 3600..2592000 (null = "
+                                                  "never), got 60"),
+    "batches.maxStoredBytes not a size": ({"batches": {"maxStoredBytes": "lots"}},
+                                          "batches.maxStoredBytes: must be a size, a whole number of bytes "
+                                          "(1000000), or a number with a unit: KiB, MiB, GiB, TiB (binary) or KB, "
+                                          "MB, GB, TB (decimal), as in 80GiB, 512MiB, 1.5GB; got a string 'lots'"),
     "top level is a list": ([1], "(top level): must be a mapping, got a list"),
     # upstream
     "url port 0": ({"upstream": {"url": "http://127.0.0.1:0"}},
@@ -670,7 +688,10 @@ EVERY_KEY = {
     "activity": {"path": "/var/log/llamaswap/activity.jsonl", "recent": 0},
     "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
     "ui": {"jaegerUrl": "http://127.0.0.1:16686"},
-    "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3},
+    "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3,
+                "maxLineBytes": 65536,
+                "apiKeys": [{"name": "team-a", "key": "env:TEAM_A_KEY", "admin": True}], "callerHeader": "x-user",
+                "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400},
 }
 
 

@@ -51,6 +51,8 @@ UI_BATCHES_REFRESH_S = 2.0
 _BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
 # The Batch API's batch objects (GET /v1/batches/{id}) of the newest batches, newest first.
 BatchesProvider = Callable[[], list[dict[str, Any]]]
+# The space the Batch API's files take (used_bytes, files, max_bytes, left_bytes, disk_free_bytes).
+StorageProvider = Callable[[], dict[str, Any]]
 
 _log = logging.getLogger(__name__)
 ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
@@ -65,7 +67,8 @@ class UiState:
     """The documents of the page, each computed once per change of what it shows."""
 
     def __init__(self, coordinator: Coordinator, history: History, *, jaeger_url: Callable[[], str],
-                 waiting_rows: int = UI_WAITING_ROWS, batches: BatchesProvider | None = None) -> None:
+                 waiting_rows: int = UI_WAITING_ROWS, batches: BatchesProvider | None = None,
+                 batch_storage: StorageProvider | None = None) -> None:
         self._coordinator = coordinator
         self._history = history
         self._jaeger_url = jaeger_url
@@ -73,6 +76,8 @@ class UiState:
         # None: the Batch API is off (the page says so).
         self._batches = batches
         self._batch_rows: list[dict[str, Any]] = []
+        self._storage = batch_storage
+        self._storage_document: dict[str, Any] | None = None
         self._batches_version = 0
         self._batches_asked_ns: int | None = None
         # A new sidecar process starts a new timeline: the page resets when this changes.
@@ -135,6 +140,7 @@ class UiState:
             "timeline_seq": self._history.seq,
             "jaeger_url": self._jaeger_url(),
             "batches": None if self._batches is None else self._batch_rows,
+            "batches_storage": self._storage_document,
         }
 
     # -- the batches -----------------------------------------------------------------------
@@ -150,12 +156,13 @@ class UiState:
         self._batches_asked_ns = now_ns  # before the wait: a concurrent poll does not ask again
         try:
             documents = await asyncio.to_thread(self._batches)
+            storage = None if self._storage is None else await asyncio.to_thread(self._storage)
         except Exception as exc:  # the store failing: the page keeps the batches it has
             _log.warning("ui: the batches could not be read: %s", exc)
             return
         rows = batch_rows(documents, now_s=self._history.now_ms() / 1000)
-        if rows != self._batch_rows:
-            self._batch_rows = rows
+        if rows != self._batch_rows or storage != self._storage_document:
+            self._batch_rows, self._storage_document = rows, storage
             self._batches_version += 1
 
     def _waiting_row(self, row: WaitingRow, now_ms: float) -> dict[str, Any]:
@@ -292,6 +299,17 @@ def batch_documents(service: BatchSource | None, most: int = UI_BATCHES) -> Batc
     if service is None:
         return None
     return lambda: [service.document(batch) for batch in service.store.batches()[:most]]
+
+
+class StorageSource(Protocol):
+    def storage(self) -> Any: ...
+
+
+def batch_storage(service: StorageSource | None) -> StorageProvider | None:
+    """UiState's ``batch_storage`` over the Batch API: the space its files take (None: off)."""
+    if service is None:
+        return None
+    return lambda: service.storage().document()  # type: ignore[no-any-return]
 
 
 def _assets() -> dict[str, bytes]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from llamaswap.batches.store import BatchRecord, Counts, FileRecord
+from llamaswap.batches.files import FileRecord
+from llamaswap.batches.store import BatchRecord, Counts
 
 LIST_DEFAULT = 20
 LIST_MOST = 100
@@ -14,14 +15,16 @@ T = TypeVar("T")
 
 def file_document(record: FileRecord) -> dict[str, Any]:
     return {"id": record.id, "object": "file", "bytes": record.bytes, "created_at": record.created_at,
-            "filename": record.filename, "purpose": record.purpose, "status": "processed", "expires_at": None,
+            "filename": record.filename, "purpose": record.purpose, "status": "processed",
+            "expires_at": record.expires_at,
             "status_details": None}
 
 
 def batch_document(record: BatchRecord, counts: Counts, *, in_flight: int,
-                   estimated_finish_at: float | None) -> dict[str, Any]:
+                   estimated_finish_at: float | None, priority: int | None = None) -> dict[str, Any]:
     """A batch as the OpenAI API shows it, and llamaswap's own fields under ``llamaswap``: the
-    priority its lines run at, lines in flight now, and when it should finish."""
+    priority its lines run at (``priority``, now; else the one it was created with), lines in
+    flight now, and when it should finish."""
     errors = {"object": "list", "data": record.errors} if record.errors else None
     return {
         "id": record.id, "object": "batch", "endpoint": record.endpoint, "errors": errors,
@@ -31,7 +34,7 @@ def batch_document(record: BatchRecord, counts: Counts, *, in_flight: int,
         **record.timestamps,
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
         "metadata": record.metadata,
-        "llamaswap": {"priority": record.priority, "in_flight": in_flight,
+        "llamaswap": {"priority": record.priority if priority is None else priority, "in_flight": in_flight,
                       "estimated_finish_at": None if estimated_finish_at is None else int(estimated_finish_at)},
     }
 

@@ -113,6 +113,9 @@ class FeedSettings:
     # Sent with every line: the upstream's key (upstream.apiKey), which the Batch API's callers
     # had to show (batches/api.py), as llama-server wants it of every request.
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The priority a batch's lines are sent at now (the API's BatchService.line_priority: the
+    # policy in force, the creator's ceiling); None: the one the batch was created with.
+    line_priority: Callable[[BatchRecord], int] | None = None
 
 
 async def any_model(model: str) -> bool:
@@ -172,8 +175,8 @@ class Feeder:
         self._client: Http1Client | None = None
         # batch id -> its input file, open while the batch feeds (a line's body is read at its offset)
         self._inputs: dict[str, int] = {}
-        # batch id -> the headers every line of it carries, as bytes
-        self._headers: dict[str, bytes] = {}
+        # batch id -> the priority its lines are sent at and the headers every line of it carries, as bytes
+        self._headers: dict[str, tuple[int, bytes]] = {}
         # answered lines whose results are not written yet (`_write_results`), and the timer that writes them
         self._results: list[tuple[BatchRecord, Result, int, int]] = []  # ..., its status, when (time_ns)
         self._results_timer: asyncio.TimerHandle | None = None
@@ -395,12 +398,14 @@ class Feeder:
             del flying[line.line]
 
     def _batch_headers(self, batch: BatchRecord) -> bytes:
-        block = self._headers.get(batch.id)
-        if block is None:
-            block = self._headers[batch.id] = header_block({
+        # Asked at every line: a reload that tightens the clamp bounds the lines sent after it.
+        priority = batch.priority if self.settings.line_priority is None else self.settings.line_priority(batch)
+        kept = self._headers.get(batch.id)
+        if kept is None or kept[0] != priority:
+            kept = self._headers[batch.id] = (priority, header_block({
                 **self.settings.headers, "content-type": "application/json",
-                self.settings.priority_header: str(batch.priority)})
-        return block
+                self.settings.priority_header: str(priority)}))
+        return kept[1]
 
     def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
         fd = self._inputs.get(batch.id)

@@ -8,7 +8,7 @@ import re
 import secrets
 import urllib.parse
 
-from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
+from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy, PrioritySource, parse_priority
 from llamaswap.envoy.contract import MAX_REQUEST_ID
 
 # The OpenAI Batch API's endpoints a batch may name (its `endpoint`, each line's `url`).
@@ -112,6 +112,28 @@ def batch_priority(metadata: dict[str, str] | None, policy: PriorityPolicy) -> i
     if policy.mode is PriorityMode.CLAMP:
         value = min(max(value, policy.minimum), policy.maximum)
     return value
+
+
+def trusted_ceiling(trusted: str | None, policy: PriorityPolicy) -> int | None:
+    """The priority the operator's proxy gave the caller who creates a batch (its trusted header,
+    security.priority.trustedHeader): the most that batch's lines may run at. None: no such
+    header configured or sent (or not a priority)."""
+    if policy.trusted_header is None or trusted is None:
+        return None
+    granted = parse_priority(trusted)
+    return granted.value if granted.source in (PrioritySource.NUMBER, PrioritySource.ALIAS) else None
+
+
+def bounded_priority(metadata: dict[str, str] | None, ceiling: int | None, policy: PriorityPolicy) -> int:
+    """The priority a batch's lines run at now: its metadata.priority under the policy in force
+    (`batch_priority`, so a reload that tightens the clamp bounds running batches too), never
+    above its creator's trusted ceiling. A metadata.priority no longer readable runs at the
+    batch default (it was checked at creation)."""
+    try:
+        value = batch_priority(metadata, policy)
+    except BadPriority:
+        value = DEFAULT_PRIORITY
+    return value if ceiling is None else min(value, ceiling)
 
 
 def new_id(prefix: str) -> str:

@@ -27,11 +27,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from llamaswap.batches.files import FILES, FileInUse, FileRecord, FilesTable, upgrade_owners_and_expiry
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
 from llamaswap.batches.validate import InputLine, LineError
 
 DATABASE = "batches.sqlite3"
-FILES = "files"
+__all__ = ["FILES", "FileInUse", "FileRecord", "Store", "StoreError"]
 # 2: a batch's counts of completed and failed lines kept in its row (read at every poll).
 SCHEMA_VERSION = 2
 
@@ -63,19 +64,6 @@ class StoreError(Exception):
     """The batches' directory or database cannot be used (batches.dir)."""
 
 
-class FileInUse(Exception):
-    """A file that a batch not yet ended reads cannot be deleted."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FileRecord:
-    id: str
-    filename: str
-    purpose: str
-    bytes: int
-    created_at: int
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchRecord:
     id: str
@@ -94,6 +82,10 @@ class BatchRecord:
     timestamps: dict[str, int | None]
     trace_id: str
     span_id: str
+    # Who created it (None: before callers were told apart) and the most its lines may run at
+    # (the creator's trusted priority; None: none given).
+    owner: str | None = None
+    priority_ceiling: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,8 +113,9 @@ class Result:
 _TIMESTAMPS = tuple(name for name in STATUS_TIMESTAMP.values() if name is not None)
 
 
-class Store:
-    """Files and batches under ``directory`` (batches.dir); ``now`` gives wall-clock seconds."""
+class Store(FilesTable):
+    """Files and batches under ``directory`` (batches.dir); ``now`` gives wall-clock seconds.
+    The files' methods are FilesTable's (`llamaswap.batches.files`)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, now: Callable[[], float] = time.time) -> None:
         self.directory = pathlib.Path(directory)
@@ -135,6 +128,8 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             self._upgrade()
+            upgrade_owners_and_expiry(self._db)
+            self.remove_partial_uploads()
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"batches.dir {self.directory}: cannot keep batches there ({exc}); set batches.dir to a "
@@ -177,66 +172,23 @@ class Store:
                 raise
             self._db.execute("COMMIT")
 
-    # -- files -------------------------------------------------------------------------------
-
-    def file_path(self, file_id: str) -> pathlib.Path:
-        return self.directory / FILES / file_id
-
-    def upload_path(self) -> pathlib.Path:
-        """A temporary name in the files' directory for an upload being received."""
-        return self.directory / FILES / f".upload-{new_id('')}"
-
-    def add_file(self, received: pathlib.Path, *, filename: str, purpose: str,
-                 file_id: str | None = None) -> FileRecord:
-        """Keep a received file (renamed into place, then recorded)."""
-        record = FileRecord(file_id or new_id("file-"), filename, purpose, received.stat().st_size, self.now())
-        os.replace(received, self.file_path(record.id))
-        with self._transaction() as db:
-            db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
-                       (record.id, record.filename, record.purpose, record.bytes, record.created_at))
-        return record
-
-    def file(self, file_id: str) -> FileRecord | None:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
-        return FileRecord(*row) if row else None
-
-    def files(self, *, purpose: str | None = None) -> list[FileRecord]:
-        """Every file, newest first."""
-        where = " WHERE purpose = ?" if purpose else ""
-        query = "SELECT * FROM files" + where + " ORDER BY created_at DESC, rowid DESC"
-        with self._lock:
-            rows = self._db.execute(query, (purpose,) if purpose else ()).fetchall()
-        return [FileRecord(*row) for row in rows]
-
-    def delete_file(self, file_id: str) -> bool:
-        """Forget a file (False: there is none); FileInUse while a batch that has not ended reads it."""
-        with self._transaction() as db:
-            if db.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is None:
-                return False
-            ended = tuple(status.value for status in BatchStatus if status.ended)
-            user = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status NOT IN "
-                              f"({', '.join('?' * len(ended))})", (file_id, *ended)).fetchone()
-            if user is not None:
-                raise FileInUse(f"the file {file_id} is the input of {user[0]}, which has not ended: cancel it first")
-            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-        self.file_path(file_id).unlink(missing_ok=True)
-        return True
-
     # -- batches -----------------------------------------------------------------------------
 
     def create_batch(self, *, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
-                     metadata: dict[str, str] | None, priority: int, trace_id: str, span_id: str) -> BatchRecord:
-        """A batch, validating: the feeder reads its input file next (`validated`)."""
+                     metadata: dict[str, str] | None, priority: int, trace_id: str, span_id: str,
+                     owner: str | None = None, priority_ceiling: int | None = None) -> BatchRecord:
+        """A batch, validating: the feeder reads its input file next (`validated`); ``owner``
+        created it, and its lines run at most at ``priority_ceiling``."""
         now = self.now()
         batch_id = new_id("batch_")
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO batches (id, endpoint, input_file_id, completion_window, created_at, expires_at, status, "
-                "metadata, priority, total, trace_id, span_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "metadata, priority, total, trace_id, span_id, owner, priority_ceiling) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (batch_id, endpoint, input_file_id, completion_window, now, now + window_s,
                  BatchStatus.VALIDATING.value, json.dumps(metadata) if metadata is not None else None, priority,
-                 0, trace_id, span_id))
+                 0, trace_id, span_id, owner, priority_ceiling))
         batch = self.batch(batch_id)
         assert batch is not None
         return batch
@@ -382,7 +334,7 @@ class Store:
             if count:
                 kind = "output" if in_output else "error"
                 written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{kind}.jsonl",
-                                                   purpose="batch_output", file_id=file_id)
+                                                   purpose="batch_output", file_id=file_id, owner=batch.owner)
             else:
                 temporary.unlink()
                 written[in_output] = None
@@ -413,4 +365,5 @@ def _batch_record(row: dict[str, Any]) -> BatchRecord:
         status=BatchStatus(row["status"]), metadata=json.loads(row["metadata"]) if row["metadata"] else None,
         priority=row["priority"], errors=json.loads(row["errors"]) if row["errors"] else None,
         output_file_id=row["output_file_id"], error_file_id=row["error_file_id"], total=row["total"],
-        timestamps={name: row[name] for name in _TIMESTAMPS}, trace_id=row["trace_id"], span_id=row["span_id"])
+        timestamps={name: row[name] for name in _TIMESTAMPS}, trace_id=row["trace_id"], span_id=row["span_id"],
+        owner=row.get("owner"), priority_ceiling=row.get("priority_ceiling"))

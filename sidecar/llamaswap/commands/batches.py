@@ -1,10 +1,13 @@
 """`llamaswap batches`: the batches of the OpenAI Batch API on this llamaswap, as a table.
 
-Reads the sidecar's admin `GET /v1/batches` (every page, newest first) and prints one line per
-batch: its id, status, lines DONE (completed), FAILED (failed, expired or cancelled) and TOTAL,
-when it STARTED (in_progress_at, local time), when it should FINISH (llamaswap's estimate from
-the rate its latest lines ended; "-" before two lines ended or once it ended) and the PRIORITY
-its lines run at. `--json` prints the list document itself, every page's batches in one `data`.
+Reads the sidecar's admin `GET /batches` (every caller's batches, every page, newest first; the
+admin server's own route, which Envoy's listener does not serve) and prints the space the files
+take (used, the quota batches.maxStoredBytes, what is left, the disk's free space), then one
+line per batch: its id, status, lines DONE (completed), FAILED (failed, expired or cancelled)
+and TOTAL, when it STARTED (in_progress_at, local time), when it should FINISH (llamaswap's
+estimate from the rate its latest lines ended; "-" before two lines ended or once it ended) and
+the PRIORITY its lines run at. `--json` prints the list document itself, every page's batches
+in one `data`, and the space in `storage`.
 
 The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
 default listen.admin. Exit status 1 when the admin server cannot be reached or the Batch API is
@@ -24,11 +27,14 @@ from typing import Any, TextIO
 
 from llamaswap.commands.queue import add_admin_arguments, admin_of
 from llamaswap.commands.table import table_lines
+from llamaswap.config.types import size_text
 
 COLUMNS = ("ID", "STATUS", "DONE/FAILED/TOTAL", "STARTED", "FINISH", "PRIORITY")
 _RIGHT = {"DONE/FAILED/TOTAL", "PRIORITY"}
 # The most batches one GET /v1/batches answers (the API's own limit).
 PAGE = 100
+# The admin server's list of every caller's batches, with the space the files take.
+SUMMARY_PATH = "/batches"
 OFF_CODE = "batches_off"
 
 
@@ -57,7 +63,7 @@ def _get(url: str, timeout_s: float) -> dict[str, Any]:
     except urllib.error.HTTPError as exc:
         error = _error_of(exc)
         if exc.code == 404 and error.get("code") == OFF_CODE:
-            admin = url.split("/v1/", 1)[0]
+            admin = url.split(SUMMARY_PATH + "?", 1)[0]
             raise BatchesOff(f"the Batch API is off on the llamaswap at {admin}: batches.dir is unset "
                              "(set it to a directory, a persistent volume, to turn it on)") from exc
         detail = f": {error['message']}" if error.get("message") else ""
@@ -80,7 +86,8 @@ def _error_of(exc: urllib.error.HTTPError) -> dict[str, Any]:
 
 
 def fetch_batches(admin: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Every batch, newest first, following `has_more`: one list document (the API's shape)."""
+    """Every batch, newest first, following `has_more`: one list document (the API's shape),
+    with the space the files take (`storage`, from the last page) where the sidecar says."""
     base = admin.rstrip("/")
     if "://" not in base:
         base = "http://" + base
@@ -88,15 +95,18 @@ def fetch_batches(admin: str, timeout_s: float = 5.0) -> dict[str, Any]:
     after: str | None = None
     while True:
         query = {"limit": str(PAGE), **({"after": after} if after is not None else {})}
-        page = _get(f"{base}/v1/batches?{urllib.parse.urlencode(query)}", timeout_s)
+        page = _get(f"{base}{SUMMARY_PATH}?{urllib.parse.urlencode(query)}", timeout_s)
         batches.extend(item for item in page["data"] if isinstance(item, dict))
         last = page.get("last_id")
         # A page that does not move the cursor ends the walk (never an endless loop).
         if not page.get("has_more") or not isinstance(last, str) or last == after:
             break
         after = last
-    return {"object": "list", "data": batches, "first_id": batches[0].get("id") if batches else None,
-            "last_id": batches[-1].get("id") if batches else None, "has_more": False}
+    document = {"object": "list", "data": batches, "first_id": batches[0].get("id") if batches else None,
+                "last_id": batches[-1].get("id") if batches else None, "has_more": False}
+    if isinstance(page.get("storage"), dict):
+        document["storage"] = page["storage"]
+    return document
 
 
 def local_time(seconds: Any) -> str:
@@ -125,6 +135,23 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
     return table
 
 
+def _size(value: Any) -> str | None:
+    return size_text(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def storage_line(storage: Any) -> str | None:
+    """The space the files take: ``files: 1.2 GiB in 14 (quota 2.0 GiB, 819.2 MiB left); disk: ...``."""
+    if not isinstance(storage, dict):
+        return None
+    used, quota = _size(storage.get("used_bytes")), _size(storage.get("max_bytes"))
+    left = _size(storage.get("left_bytes"))
+    count = storage.get("files")
+    line = f"files: {used or '?'} in {count if isinstance(count, int) else '?'}"
+    line += f" (quota {quota}, {left or '?'} left)" if quota else f" (no quota, {left or '?'} left)"
+    free = _size(storage.get("disk_free_bytes"))
+    return line + (f"; disk: {free} free" if free else "")
+
+
 def render(document: dict[str, Any]) -> str:
     batches = document.get("data") or []
     statuses: dict[str, int] = {}
@@ -133,7 +160,8 @@ def render(document: dict[str, Any]) -> str:
     summary = f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}"
     if statuses:
         summary += ": " + ", ".join(f"{count} {status}" for status, count in statuses.items())
-    return "\n".join([summary, *table_lines(COLUMNS, rows(document), right=_RIGHT)]) + "\n"
+    space = storage_line(document.get("storage"))
+    return "\n".join([summary, *([space] if space else []), *table_lines(COLUMNS, rows(document), right=_RIGHT)]) + "\n"
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -103,6 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_or_exit(args.config)
     try:
         config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
+        config.batches.read_keys(None)  # likewise the Batch API's callers' keys
     except ConfigError as exc:
         raise exit_on(exc) from exc
     try:
@@ -150,6 +151,7 @@ def _up(args: argparse.Namespace) -> int:
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
             return 0
         config.upstream.read_api_key()  # unreadable: exit 2 before anything starts
+        config.batches.read_keys(None)  # likewise the Batch API's callers' keys
         if built_in:
             ensure_default_model()
     except ConfigError as exc:

@@ -36,7 +36,8 @@ from llamaswap.adapters.admin import build_admin_app
 from llamaswap.adapters.ext_authz import Authorization
 from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream, bearer
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
-from llamaswap.adapters.ui import UiState, add_ui_routes, batch_documents
+from llamaswap.adapters.ui import UiState, add_ui_routes, batch_documents, batch_storage
+from llamaswap.batches.access import Access
 from llamaswap.batches.api import BatchService, add_batch_routes
 from llamaswap.batches.feeder import Feeder, FeedSettings
 from llamaswap.batches.store import Store
@@ -132,7 +133,7 @@ class Sidecar:
                                        upstreams=self.upstreams)
         self.batches = self._batch_service(config)
         self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url,
-                          batches=batch_documents(self.batches))
+                          batches=batch_documents(self.batches), batch_storage=batch_storage(self.batches))
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc_server: grpc.aio.Server | None = None
@@ -197,6 +198,7 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self._watch_config_file()))
         if self.batches is not None:
             self._tasks.append(asyncio.create_task(self.batches.feeder.run()))
+            self._tasks.append(asyncio.create_task(self.batches.sweep_expired_files()))
         tune_gc()
         _log.info("llamaswap sidecar: gRPC on %s:%d, admin on http://%s:%d, scheduler %s",
                   listen.grpc.host, self.grpc_port, listen.admin.host, self.admin_port,
@@ -206,15 +208,24 @@ class Sidecar:
         """The Batch API over batches.dir (None: off). Lines go to Envoy's public listener."""
         if config.batches.dir is None:
             return None
+        access = Access(config.batches.read_keys(self._api_key), config.batches.caller_header,
+                        frozenset(config.batches.admin_callers))
+        if access.open:
+            _log.warning("the Batch API is open to every caller who reaches Envoy's listener: each lists, reads and "
+                         "deletes every file and batch. Set batches.apiKeys (a key per caller), upstream.apiKey or "
+                         "batches.callerHeader (set by your authenticating proxy) to tell callers apart")
         store = Store(config.batches.dir)
+        store.output_expiry_s = lambda: self.config.batches.output_expiry_seconds
         listener = config.listen.http
         trusted = config.security.priority.trusted_header
         settings = FeedSettings(target_url=f"http://{HostPort(listener.connect_host, listener.port)}",
                                 in_flight=lambda: self.config.batches.in_flight or self.node_slots(),
                                 max_requests=lambda: self.config.batches.max_requests,
-                                priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key))
+                                priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key),
+                                line_priority=lambda batch: service.line_priority(batch))
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
-        return BatchService(store, feeder, lambda: self.config, new_trace_ids, api_key=self._api_key)
+        service = BatchService(store, feeder, lambda: self.config, new_trace_ids, access=access)
+        return service
 
     def node_slots(self) -> int:
         """The slots of the node now: every upstream's, for the model in effect there."""

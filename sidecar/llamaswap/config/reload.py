@@ -75,7 +75,13 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("batches.dir", OnReload.RESTART, "the batches' database is opened at start"),
     ReloadKey("batches.maxRequests", OnReload.LIVE, "from the next file uploaded or batch validated"),
     ReloadKey("batches.maxFileBytes", OnReload.LIVE, "from the next file uploaded"),
+    ReloadKey("batches.maxLineBytes", OnReload.LIVE, "from the next batch validated"),
     ReloadKey("batches.inFlight", OnReload.LIVE, "from the next line sent"),
+    ReloadKey("batches.apiKeys", OnReload.RESTART, "the keys are read once, at start"),
+    ReloadKey("batches.callerHeader", OnReload.RESTART, "who may call is set up at start, with the keys"),
+    ReloadKey("batches.adminCallers", OnReload.RESTART, "who may call is set up at start, with the keys"),
+    ReloadKey("batches.maxStoredBytes", OnReload.LIVE, "from the next file uploaded"),
+    ReloadKey("batches.outputExpirySeconds", OnReload.LIVE, "from the next output or error file written"),
 )
 
 

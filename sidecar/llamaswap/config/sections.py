@@ -8,8 +8,6 @@ both. Each key's type, range, default and meaning is written here once; the load
 
 from __future__ import annotations
 
-import os
-import pathlib
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -18,7 +16,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSc
 from llamaswap.config.batches import BatchesConfig
 from llamaswap.config.model_key import single_model_slots
 from llamaswap.config.section import Section
-from llamaswap.config.problems import ConfigError, Meaning, Problem, describe_value, invalid, invalid_all
+from llamaswap.config.problems import Meaning, describe_value, invalid, invalid_all
 from llamaswap.config.types import (
     UrlParts,
     AbandonedGeneration,
@@ -38,6 +36,7 @@ from llamaswap.config.types import (
     optional_http_url,
     optional_path,
     priority_value,
+    read_key_reference,
     checked_trusted_header,
     upstream_url,
 )
@@ -281,25 +280,7 @@ class UpstreamConfig(UrlParts, Section):
     def read_api_key(self) -> str | None:
         """The upstream's API key, read from where upstream.apiKey says; None without one. Raises
         ConfigError (naming the file or variable, never the value) when it cannot be read."""
-        if self.api_key is None:
-            return None
-        kind, _, where = self.api_key.partition(":")
-        if kind == "file":
-            try:
-                key = pathlib.Path(where).read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-                raise ConfigError([Problem("upstream.apiKey", f"cannot read the file {where}: {reason}")]) from None
-            empty = f"the file {where} is empty"
-        else:
-            key = os.environ.get(where, "").strip()
-            empty = f"the environment variable {where} is unset or empty"
-        if not key:
-            raise ConfigError([Problem("upstream.apiKey", empty)])
-        if any(c in key for c in "\r\n"):
-            raise ConfigError([Problem("upstream.apiKey",
-                                       f"{self.api_key} holds more than one line: put one key in it")])
-        return key
+        return None if self.api_key is None else read_key_reference(self.api_key, "upstream.apiKey")
 
 
 # Envoy reports a running exchange this many times per envoy.leaseSeconds (its access-log

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
+import os
+import pathlib
 import re
 import shlex
 from typing import Annotated, Any
@@ -24,7 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, core_schema
 
 from llamaswap.config.gguf_memory import SIZE_FORMS, parse_size
-from llamaswap.config.problems import describe_value, invalid
+from llamaswap.config.problems import ConfigError, Problem, describe_value, invalid
 from llamaswap.core.priority import ALIASES, INT64_MAX, INT64_MIN
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
@@ -271,6 +273,27 @@ def api_key_reference(value: Any) -> str | None:
             return value
     raise invalid("must say where the key is, 'file:PATH' or 'env:NAME' (an environment variable), not the key "
                   "itself (the value is not repeated here)")
+
+
+def read_key_reference(reference: str, key_path: str) -> str:
+    """The key a ``file:PATH`` or ``env:NAME`` reference (api_key_reference) points at. Raises
+    ConfigError at ``key_path`` (naming the file or variable, never the value) when it cannot be read."""
+    kind, _, where = reference.partition(":")
+    if kind == "file":
+        try:
+            key = pathlib.Path(where).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError([Problem(key_path, f"cannot read the file {where}: {reason}")]) from None
+        empty = f"the file {where} is empty"
+    else:
+        key = os.environ.get(where, "").strip()
+        empty = f"the environment variable {where} is unset or empty"
+    if not key:
+        raise ConfigError([Problem(key_path, empty)])
+    if any(c in key for c in "\r\n"):
+        raise ConfigError([Problem(key_path, f"{reference} holds more than one line: put one key in it")])
+    return key
 
 
 class UrlParts:

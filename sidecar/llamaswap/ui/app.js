@@ -296,6 +296,28 @@
     return `${when(row.estimated_finish_at)} ${inS > 0 ? `(in ${seconds(inS)})` : "(overdue)"}`;
   }
 
+  // Bytes for people, in binary units as the configuration writes them.
+  function size(bytes) {
+    const units = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+    for (const [unit, factor] of units) {
+      if (bytes >= factor) {
+        return `${(bytes / factor).toFixed(1)} ${unit}`;
+      }
+    }
+    return `${bytes} B`;
+  }
+
+  // The space the Batch API's files take: used, the quota (batches.maxStoredBytes), what is left.
+  function storageText(storage) {
+    const known = (value) => typeof value === "number";
+    let text = `files: ${size(storage.used_bytes)} in ${storage.files}`;
+    text += known(storage.max_bytes) ? ` of a ${size(storage.max_bytes)} quota` : " (no quota)";
+    if (known(storage.left_bytes)) {
+      text += `, ${size(storage.left_bytes)} left`;
+    }
+    return known(storage.disk_free_bytes) ? `${text}; disk: ${size(storage.disk_free_bytes)} free` : text;
+  }
+
   function renderBatches(doc) {
     // An older sidecar sends no batches: no panel. null: the Batch API is off.
     const section = byId("batches-section");
@@ -303,6 +325,9 @@
     const off = doc.batches === null;
     byId("batches-off").hidden = !off;
     byId("batches-list").hidden = off;
+    const storage = off ? null : doc.batches_storage;
+    byId("batches-storage").hidden = !storage;
+    byId("batches-storage").textContent = storage ? storageText(storage) : "";
     if (off || doc.batches === undefined) {
       byId("batches-summary").textContent = "";
       return;
