@@ -7,10 +7,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import IO, Any
+
+from llamaswap.batches.lines import Fields, NotJson, bounded_lines, fields_of, scan_fields
 
 # Errors listed per batch: enough to fix a file, not a second copy of a bad one.
 MAX_ERRORS = 1000
+# batches.maxLineBytes when unset: the listener's envoy.maxRequestBytes (a longer line could not be sent).
+MAX_LINE_BYTES_DEFAULT = 64 * 1024 * 1024
+# A line up to this is parsed whole (json.loads: fast, and its objects take tens of MB at most);
+# a longer one is scanned token by token (`lines.scan_fields`), its body sent as it lies in the file.
+WHOLE_PARSE_BYTES = 1 << 20
+# A value shown in an error message is cut to this many characters.
+SHOWN_MOST = 80
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,6 +31,10 @@ class InputLine:
     custom_id: str
     offset: int
     length: int
+    # Where its body's JSON lies in the file, for a line too long to parse whole when it is sent
+    # (None: the body is parsed out of the line, `line_body`).
+    body_offset: int | None = None
+    body_length: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,18 +72,28 @@ class Validation:
 
 def numbered_lines(data: Iterable[bytes]) -> Iterable[tuple[int, int, bytes]]:
     """(line number, byte offset, line without its end) for each line of a file read in chunks
-    of lines (a binary file object iterates so)."""
+    of lines (a binary file object iterates so). It holds a whole line: `bounded_lines` does not."""
     offset = 0
     for number, raw in enumerate(data, start=1):
         yield number, offset, raw.rstrip(b"\r\n")
         offset += len(raw)
 
 
-def validate(data: Iterable[bytes], *, endpoint: str, max_requests: int) -> Validation:
+def count_requests(source: IO[bytes]) -> int:
+    """The non-blank lines of a file, read in chunks (a line's bytes are not kept)."""
+    return sum(1 for raw in bounded_lines(source, 0) if not raw.blank)
+
+
+def validate(source: IO[bytes], *, endpoint: str, max_requests: int,
+             max_line_bytes: int = MAX_LINE_BYTES_DEFAULT) -> Validation:
     """Every line of an input file checked for ``endpoint``: a JSON object with a string
     ``custom_id`` unique in the file, ``method`` POST, ``url`` the endpoint, a ``body`` object
-    naming a ``model``, not streamed. Blank lines are skipped. More than ``max_requests`` lines
-    is one error. Whether the models are served is the caller's to ask (`without_models`)."""
+    naming a ``model``, not streamed. Blank lines are skipped. A line over ``max_line_bytes``
+    is an error of its own, not read (batches.maxLineBytes). More than ``max_requests`` lines
+    is one error. Whether the models are served is the caller's to ask (`without_models`).
+
+    Memory: a chunk of the file, one line (at most ``max_line_bytes``), the lines found; a line
+    over WHOLE_PARSE_BYTES is scanned, not built (`lines.scan_fields`)."""
     lines: list[InputLine] = []
     models: dict[str, list[int]] = {}
     errors: list[LineError] = []
@@ -85,17 +108,23 @@ def validate(data: Iterable[bytes], *, endpoint: str, max_requests: int) -> Vali
             more += 1
 
     count = 0
-    for number, offset, text in numbered_lines(data):
-        if not text.strip():
+    for raw in bounded_lines(source, max_line_bytes):
+        if raw.blank:
             continue
         count += 1
         if count > max_requests:
             continue
-        problem, custom_id, model = _check_line(text, number, endpoint, seen)
+        number = raw.number
+        if raw.text is None:
+            error(LineError("line_too_long", number, f"line {number} has {raw.length} bytes; a line may have at most "
+                            f"{max_line_bytes} (batches.maxLineBytes): make its request smaller"))
+            continue
+        problem, custom_id, model, span = _check_line(raw.text, number, endpoint, seen)
         if problem is not None:
             error(problem)
         elif custom_id is not None and model is not None:
-            lines.append(InputLine(number, custom_id, offset, len(text)))
+            body = (raw.offset + span[0], span[1] - span[0]) if span else (None, None)
+            lines.append(InputLine(number, custom_id, raw.offset, raw.length, *body))
             models.setdefault(model, []).append(number)
     if count > max_requests:
         error(LineError("too_many_requests", None,
@@ -106,43 +135,64 @@ def validate(data: Iterable[bytes], *, endpoint: str, max_requests: int) -> Vali
     return Validation(tuple(lines), tuple(errors), more, {model: tuple(numbers) for model, numbers in models.items()})
 
 
-def _check_line(text: bytes, number: int, endpoint: str,
-                seen: set[str]) -> tuple[LineError | None, str | None, str | None]:
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _fields(text: bytes) -> Fields:
+    if len(text) <= WHOLE_PARSE_BYTES:
+        try:
+            return fields_of(json.loads(text, parse_constant=_refuse_constant))
+        except RecursionError as exc:
+            raise NotJson("nested too deep") from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise NotJson(str(exc)) from exc
+    return scan_fields(text)
+
+
+def _shown(value: Any) -> str:
+    """A value in a message, cut short (a field may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_MOST else text[:SHOWN_MOST] + "..."
+
+
+def _check_line(text: bytes, number: int, endpoint: str, seen: set[str]
+                ) -> tuple[LineError | None, str | None, str | None, tuple[int, int] | None]:
     try:
-        document = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return LineError("invalid_json_line", number, f"line {number} is not valid JSON: {exc}"), None, None
-    if not isinstance(document, dict):
-        return LineError("invalid_json_line", number, f"line {number} is not a JSON object"), None, None
-    custom_id = document.get("custom_id")
+        fields = _fields(text)
+    except NotJson as exc:
+        return LineError("invalid_json_line", number, f"line {number} is not valid JSON: {exc}"), None, None, None
+    if not fields.is_object:
+        return LineError("invalid_json_line", number, f"line {number} is not a JSON object"), None, None, None
+    custom_id = fields.top.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return LineError("missing_required_parameter", number,
-                         f"line {number} has no custom_id (a non-empty string)", "custom_id"), None, None
+                         f"line {number} has no custom_id (a non-empty string)", "custom_id"), None, None, None
     if custom_id in seen:
         return LineError("duplicate_custom_id", number,
-                         f"line {number}: the custom_id {custom_id!r} is used by an earlier line; each must be "
-                         "unique in the file", "custom_id"), None, None
+                         f"line {number}: the custom_id {_shown(custom_id)} is used by an earlier line; each must be "
+                         "unique in the file", "custom_id"), None, None, None
     seen.add(custom_id)
-    method = document.get("method")
+    method = fields.top.get("method")
     if method != "POST":
-        return LineError("invalid_method", number, f"line {number}: method must be POST, got {method!r}",
-                         "method"), None, None
-    url = document.get("url")
+        return LineError("invalid_method", number, f"line {number}: method must be POST, got {_shown(method)}",
+                         "method"), None, None, None
+    url = fields.top.get("url")
     if url != endpoint:
         return LineError("invalid_url", number, f"line {number}: url must be the batch's endpoint {endpoint}, got "
-                         f"{url!r}", "url"), None, None
-    body = document.get("body")
-    if not isinstance(body, dict):
+                         f"{_shown(url)}", "url"), None, None, None
+    body = fields.body
+    if body is None:
         return LineError("missing_required_parameter", number, f"line {number} has no body (a JSON object)",
-                         "body"), None, None
+                         "body"), None, None, None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         return LineError("missing_required_parameter", number, f"line {number}: body.model is missing",
-                         "body.model"), None, None
+                         "body.model"), None, None, None
     if body.get("stream") is True:
         return LineError("invalid_request", number, f"line {number}: a batch's requests cannot be streamed "
-                         "(body.stream must be false or absent)", "body.stream"), None, None
-    return None, custom_id, model
+                         "(body.stream must be false or absent)", "body.stream"), None, None, None
+    return None, custom_id, model, fields.body_span
 
 
 def line_body(text: bytes) -> bytes:

@@ -1,0 +1,261 @@
+"""An input file's lines read within a bound (pure: bytes in, values out).
+
+Two jobs, both for memory:
+- `bounded_lines` reads a file in chunks and yields each line's bytes, except for a line longer
+  than the bound: that one is counted to its end and yielded without its bytes, so a 100 MB line
+  costs a chunk of memory, not 100 MB;
+- `scan_fields` finds the few fields a batch line must have (custom_id, method, url, body.model,
+  body.stream, where body lies) by walking the JSON token by token without building it: a long
+  line of ten million `{}` costs its bytes and a stack, not ten million objects (json.loads
+  would grow by gigabytes). It checks the JSON's grammar as strictly as json.loads (and refuses
+  NaN and Infinity, which an upstream's parser would refuse too).
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from typing import IO, Any
+
+READ_CHUNK = 1 << 20
+# Deeper nesting is refused (json.loads stops near Python's recursion limit, 1000).
+MAX_DEPTH = 512
+_BLANK = b" \t\r\n\x0b\x0c"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RawLine:
+    """One line of a file: its number (1-based), where it starts, its length without its end,
+    and its bytes (None: longer than the bound, not kept)."""
+
+    number: int
+    offset: int
+    length: int
+    text: bytes | None
+    blank: bool
+
+
+def bounded_lines(source: IO[bytes], max_line_bytes: int, *, chunk_bytes: int = READ_CHUNK) -> Iterator[RawLine]:
+    """Each line of ``source`` (a final line without its end too); a line's end is \\n or \\r\\n."""
+    number = 0
+    offset = 0  # where the current line starts
+    length = 0  # its bytes so far, kept or not
+    parts: list[bytes] = []
+    over = False
+    blank = True
+    last = b""  # the current line's last byte so far (a \r before its \n is not part of it)
+
+    def ended() -> RawLine:
+        text_length = length - (1 if last == b"\r" else 0)
+        text = None
+        if not over:
+            joined = b"".join(parts)
+            text = joined[:text_length] if len(joined) > text_length else joined
+            if len(text) > max_line_bytes:
+                text = None
+        return RawLine(number, offset, text_length, text, blank)
+
+    while chunk := source.read(chunk_bytes):
+        start = 0
+        while start <= len(chunk):
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if piece:
+                length += len(piece)
+                last = piece[-1:]
+                if blank and piece.strip(_BLANK):
+                    blank = False
+                if not over:
+                    # one byte of slack: a \r before the \n is not part of the line
+                    if length > max_line_bytes + 1:
+                        over = True
+                        parts.clear()
+                    else:
+                        parts.append(piece)
+            if end < 0:
+                break
+            number += 1
+            yield ended()
+            offset += length + 1
+            length, parts, over, blank, last = 0, [], False, True, b""
+            start = end + 1
+    if length:
+        number += 1
+        yield ended()
+
+
+# One JSON token after optional whitespace: a string, a number, a literal, or punctuation.
+_TOKEN = re.compile(
+    rb'[ \t\r\n]*(?:'
+    rb'("[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*")'
+    rb'|(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)'
+    rb'|(true|false|null)'
+    rb'|([{}\[\],:]))')
+_TRAILING = re.compile(rb"[ \t\r\n]*")
+_LITERALS = {b"true": True, b"false": False, b"null": None}
+# Names longer than this cannot be one of the fields looked for: they are not decoded.
+_NAME_MOST = 64
+_TOP_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+_BODY_FIELDS = frozenset({"model", "stream"})
+
+
+class NotJson(ValueError):
+    """The line is not valid JSON (the message says where)."""
+
+
+class Container:
+    """A value that is an object or an array, where only its kind was kept."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"an {self.kind}"
+
+
+@dataclasses.dataclass(slots=True)
+class Fields:
+    """What a batch line's checks need of its JSON: the top-level value's kind, the values of
+    custom_id, method and url, whether body is an object, body.model and body.stream, and where
+    body's value lies in the line (bytes, when scanned)."""
+
+    is_object: bool
+    top: dict[str, Any] = dataclasses.field(default_factory=dict)
+    body: dict[str, Any] | None = None  # body's fields when it is an object
+    body_span: tuple[int, int] | None = None  # (start, end) in the line
+
+
+def fields_of(document: Any) -> Fields:
+    """The same from a document json.loads built (a short line)."""
+    if not isinstance(document, dict):
+        return Fields(is_object=False)
+    top = {name: document[name] for name in _TOP_FIELDS if name in document}
+    body = top.get("body")
+    return Fields(True, top, {name: body[name] for name in _BODY_FIELDS if name in body}
+                  if isinstance(body, dict) else None)
+
+
+def scan_fields(text: bytes) -> Fields:
+    """The fields of one line, walking its tokens (memory: the line and a stack of MAX_DEPTH);
+    NotJson where json.loads would refuse it (and for NaN, Infinity, deeper than MAX_DEPTH)."""
+    _check_utf8(text)
+    stack: list[int] = []  # b"{" or b"[" of each open container
+    names: list[str | None] = []  # per open object: the name whose value comes next
+    expect = "value"  # value | first_value (after [) | name | first_name (after {) | colon | after_value
+    found = Fields(is_object=False)
+    body_start = -1
+    position = 0
+    end = len(text)
+    while True:
+        if expect == "after_value" and not stack:
+            tail = _TRAILING.match(text, position)
+            if tail is None or tail.end() != end:
+                raise NotJson(f"extra data at byte {tail.end() if tail else position}")
+            return found
+        match = _TOKEN.match(text, position)
+        if match is None:
+            where = _TRAILING.match(text, position)
+            at = where.end() if where else position
+            raise NotJson("the line ends too early" if at >= end else f"unexpected byte at {at}")
+        string, number, literal, punct = match.groups()
+        start = match.start(match.lastindex or 0)
+        position = match.end()
+        if expect in ("name", "first_name"):
+            if string is not None:
+                names[-1] = json.loads(string) if len(string) <= _NAME_MOST else None
+                expect = "colon"
+                continue
+            if punct == b"}" and expect == "first_name":
+                expect = _close(stack, names, b"{", start, found, body_start)
+                continue
+            raise NotJson(f"a name in quotes expected at byte {start}")
+        if expect == "colon":
+            if punct != b":":
+                raise NotJson(f"':' expected at byte {start}")
+            expect = "value"
+            continue
+        if expect == "after_value":
+            if punct == b",":
+                expect = "name" if stack[-1] == ord("{") else "value"
+                continue
+            if punct in (b"}", b"]"):
+                expect = _close(stack, names, b"{" if punct == b"}" else b"[", start, found, body_start)
+                continue
+            raise NotJson(f"',' or a closing bracket expected at byte {start}")
+        # a value (or, after '[', a ']')
+        if punct == b"]" and expect == "first_value":
+            expect = _close(stack, names, b"[", start, found, body_start)
+            continue
+        field = _field(stack, names, found)
+        if punct in (b"{", b"["):
+            if len(stack) >= MAX_DEPTH:
+                raise NotJson(f"nested more than {MAX_DEPTH} deep")
+            if not stack:
+                found.is_object = punct == b"{"
+            elif field is not None:
+                _keep(found, field, Container("object" if punct == b"{" else "array"))
+                if field == ("top", "body"):
+                    body_start = start
+                    found.body = {} if punct == b"{" else None
+                    found.body_span = None
+            stack.append(punct[0])
+            names.append(None)
+            expect = "first_name" if punct == b"{" else "first_value"
+            continue
+        if punct is not None:
+            raise NotJson(f"a value expected at byte {start}")
+        if field is not None:
+            if string is not None:
+                value: Any = json.loads(string)
+            elif literal is not None:
+                value = _LITERALS[literal]
+            else:
+                value = Container("number") if len(number) > 40 else json.loads(number)
+            _keep(found, field, value)
+        expect = "after_value"
+
+
+def _field(stack: list[int], names: list[str | None], found: Fields) -> tuple[str, str] | None:
+    """Which looked-for field the next value is (None: one not looked for)."""
+    if len(stack) == 1 and stack[0] == ord("{") and names[0] in _TOP_FIELDS:
+        return ("top", names[0])
+    if (len(stack) == 2 and stack[1] == ord("{") and names[0] == "body" and found.body is not None
+            and names[1] in _BODY_FIELDS):
+        return ("body", names[1])
+    return None
+
+
+def _keep(found: Fields, field: tuple[str, str], value: Any) -> None:
+    where, name = field
+    if where == "top":
+        found.top[name] = value
+        if name == "body" and not isinstance(value, Container):
+            found.body, found.body_span = None, None
+    elif found.body is not None:
+        found.body[name] = value
+
+
+def _close(stack: list[int], names: list[str | None], opener: bytes, at: int, found: Fields,
+           body_start: int) -> str:
+    if not stack or stack[-1] != opener[0]:
+        raise NotJson(f"a bracket that does not match at byte {at}")
+    stack.pop()
+    names.pop()
+    if len(stack) == 1 and names[0] == "body" and opener == b"{" and found.body is not None:
+        found.body_span = (body_start, at + 1)
+    return "after_value"
+
+
+def _check_utf8(text: bytes) -> None:
+    """UTF-8 throughout, checked a chunk at a time (a decoded copy of the whole line is not kept)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(text)
+    try:
+        for start in range(0, len(view), READ_CHUNK):
+            decoder.decode(view[start:start + READ_CHUNK], final=False)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        raise NotJson(f"not UTF-8 ({exc.reason})") from exc
