@@ -45,6 +45,9 @@ server-sent-event stream of `x-test-chunks` events `x-test-chunk-ms` apart. By a
 `slots_failures` makes that many next `GET /slots` answer 500, `slots_stall_s` makes them answer
 that late (llama-server's main loop busy with a long prompt batch), `listed_loaded` (router
 mode) lists those models loaded though they are not (a list read just before an unload).
+By body (a batch line carries no header of the test's): `hold_marked(text)` holds each
+completion whose body contains that text until `release_marked(text)`, and `answered` records
+the body of each completion answered 2xx, in order.
 
 `api_key` set (llama-server's --api-key): every request but `GET /health` needs
 `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) and gets llama-server's 401 `Invalid API Key`
@@ -155,6 +158,10 @@ class FakeLlamaServer:
         self.gate_marker: bytes | None = None
         self._gate: asyncio.Event | None = None
         self.bodies: list[bytes] = []  # every completion's body, in arrival order
+        # Completions whose body contains one of these texts wait until `release_marked(text)`
+        # (one batch line at a time: a batch line cannot carry the test's headers).
+        self._marked: dict[bytes, asyncio.Event] = {}
+        self.answered: list[bytes] = []  # the body of each completion answered 2xx, in order
 
     @property
     def url(self) -> str:
@@ -403,7 +410,7 @@ class FakeLlamaServer:
             gated = self.gate_marker is not None and self.gate_marker in body
             sleep_ms = document.get("x_test_sleep_ms", 0) if isinstance(document, dict) else 0
             work = asyncio.ensure_future(self._compute(request, test_id, gated,
-                                                       sleep_ms if isinstance(sleep_ms, (int, float)) else 0))
+                                                       sleep_ms if isinstance(sleep_ms, (int, float)) else 0, body))
             key = f"{test_id}#{id(hit)}"
             self._computing[key] = (hit.model, work)
             try:
@@ -416,6 +423,8 @@ class FakeLlamaServer:
                 self._computing.pop(key, None)
             if request.headers.get("x-test-fail") == "1":
                 return web.json_response({"error": {"message": "boom"}}, status=500)
+            with self.lock:
+                self.answered.append(body)
             if stream:
                 response = web.StreamResponse(headers={"content-type": "text/event-stream"})
                 await response.prepare(request)
@@ -434,7 +443,10 @@ class FakeLlamaServer:
                 self.computing[hit.model] -= 1
 
     async def _compute(self, request: web.Request, test_id: str, gated: bool = False,
-                       body_sleep_ms: float = 0.0) -> None:
+                       body_sleep_ms: float = 0.0, body: bytes = b"") -> None:
+        for marker, event in list(self._marked.items()):
+            if marker in body:
+                await event.wait()
         if gated:
             if self._gate is None:
                 self._gate = asyncio.Event()
@@ -460,6 +472,22 @@ class FakeLlamaServer:
 
         self._loop.call_soon_threadsafe(_open)
 
+    def hold_marked(self, marker: bytes) -> None:
+        """Hold every completion whose body contains `marker` (those arriving from now) until
+        `release_marked(marker)`."""
+        self._marked[marker] = asyncio.Event()
+
+    def release_marked(self, marker: bytes) -> None:
+        """Let the completions held by `marker` finish, and no later one wait for it."""
+        event = self._marked.pop(marker)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(event.set)
+
+    def marked_count(self, marker: bytes) -> int:
+        """How many completions whose body contains `marker` have arrived."""
+        with self.lock:
+            return sum(marker in body for body in self.bodies)
+
     def release(self, test_id: str) -> None:
         assert self._loop is not None
 
@@ -481,6 +509,8 @@ class FakeLlamaServer:
             return
         for event_id in list(self._holds):
             self.release(event_id)
+        for marker in list(self._marked):
+            self.release_marked(marker)
 
         async def _stop() -> None:
             if self._runner is not None:

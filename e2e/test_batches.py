@@ -112,20 +112,29 @@ def test_the_sdk_uploads_creates_polls_and_downloads(tmp_path: pathlib.Path) -> 
 
 def test_a_batch_in_flight_never_holds_more_than_in_flight_lines(tmp_path: pathlib.Path) -> None:
     fake = FakeLlamaServer(router=True)
-    fake.gate_marker = GATE.encode()
+    markers = [f"held-{n};".encode() for n in range(10)]
+    for marker in markers:
+        fake.hold_marked(marker)
     with running_stack(tmp_path, _config(tmp_path, inFlight=3), fake=fake) as stack:
         client = _client(stack)
-        batch = client.batches.create(input_file_id=_upload(client, [_line(f"r{n}", GATE) for n in range(10)]),
+        batch = client.batches.create(input_file_id=_upload(client, [_line(f"r{n}", markers[n].decode())
+                                                                     for n in range(10)]),
                                       endpoint="/v1/chat/completions", completion_window="24h")
-        wait_for(lambda: len(fake.bodies) == 3, what="three lines at the upstream")
-        # The queue holds the three (one running per slot of the fake's four, or waiting): never more.
-        queue = stack.sidecar.queue()
-        lines = [row for row in queue["running_all"] + queue["waiting"] if row["request_id"].startswith(batch.id)]
-        assert len(lines) == 3
-        assert client.batches.retrieve(batch.id).model_extra["llamaswap"]["in_flight"] == 3  # type: ignore[index]
-        fake.open_gate()
+        # The lines are let go one at a time, so the feeder fills its places ten times over; the
+        # upstream (four slots: a fourth line would run) counts the most it computes at once.
+        for n in range(10):
+            expected = min(3, 10 - n)
+            wait_for(lambda: fake.active == expected and len(fake.bodies) == n + expected,  # noqa: B023
+                     what=f"lines {n} to {n + expected - 1} at the upstream")
+            queue = stack.sidecar.queue()
+            lines = [row for row in queue["running_all"] + queue["waiting"] if row["request_id"].startswith(batch.id)]
+            assert len(lines) == expected
+            assert client.batches.retrieve(batch.id).model_extra["llamaswap"]["in_flight"] == expected  # type: ignore[index]
+            fake.release_marked(markers[n])
         _finished(client, batch.id)
         assert len(fake.bodies) == 10
+        # Counted at every arrival, under the fake's lock: never more than inFlight at any moment.
+        assert fake.max_active == 3
         client.close()
 
 
@@ -145,6 +154,11 @@ def test_a_sidecar_killed_mid_batch_resumes_and_writes_each_line_once(tmp_path: 
         stack.sidecar.popen.wait(timeout=30)
         before = len(fake.bodies)
         stack.sidecar = SidecarProcess(stack.config_path, tmp_path, name="sidecar-again")
+        # The kill landed mid-batch: the restarted sidecar finds eight results kept (every line
+        # left is held at the gate, so none can end before this is read).
+        resumed = client.batches.retrieve(batch.id)
+        assert resumed.status == "in_progress" and resumed.request_counts is not None
+        assert (resumed.request_counts.completed, resumed.request_counts.failed) == (8, 0)
         fake.open_gate()
         done = _finished(client, batch.id)
         assert done.request_counts is not None and done.request_counts.completed == 16
@@ -277,7 +291,10 @@ def test_envoy_killed_mid_batch_and_started_again_loses_and_doubles_nothing(tmp_
         lines = [_line(f"e{n}", f"{GATE} {n}" if n >= 4 else f"quick {n}") for n in range(10)]
         batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        wait_for(lambda: sum(GATE.encode() in body for body in fake.bodies) == 3, what="three lines held upstream")
+        # Mid-batch: four lines answered, three held at the upstream, three not sent.
+        wait_for(lambda: sum(GATE.encode() in body for body in fake.bodies) == 3
+                 and client.batches.retrieve(batch.id).request_counts.completed == 4,  # type: ignore[union-attr]
+                 what="four lines done and three held upstream")
         client.close()
         bootstrap = stack.envoy.config_path.read_text()
         stack.envoy.signal(signal.SIGKILL)
@@ -289,6 +306,10 @@ def test_envoy_killed_mid_batch_and_started_again_loses_and_doubles_nothing(tmp_
         custom_ids = sorted(r["custom_id"] for r in _records(client, done.output_file_id))
         assert custom_ids == sorted(f"e{n}" for n in range(10))
         assert _records(client, done.error_file_id) == []
+        # The three whose answers the kill cut were sent again; the others went once.
+        sent = collections.Counter(json.loads(body)["messages"][0]["content"] for body in fake.bodies)
+        assert {content for content, count in sent.items() if count > 1} == {f"{GATE} {n}" for n in range(4, 7)}
+        assert sorted(sent) == sorted(line["body"]["messages"][0]["content"] for line in lines)
         client.close()
 
 
@@ -296,31 +317,42 @@ def test_llamaswap_up_killed_mid_batch_resumes_when_started_again(tmp_path: path
     from test_up import Up
 
     ports = {key: free_port() for key in ("http", "grpc", "admin", "upstream")}
+    # The upstream is this test's (its gate holds lines): `up` starts none, and finds it at upstream.url.
+    fake = FakeLlamaServer(ports["upstream"])
+    fake.gate_marker = GATE.encode()
+    fake.started()
     extra = {"batches": {"dir": str(tmp_path / "batches"), "inFlight": 1}}
-    up = Up(tmp_path, ports=ports, extra=extra)
+    stand_in = {"command": None}
+    up = Up(tmp_path, ports=ports, extra=extra, upstream=stand_in)
     try:
         up.wait_up()
         client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=30)
-        lines = [{**_line(f"u{n}"), "body": {"model": "model-a", "messages": [], "x_test_sleep_ms": 100}}
-                 for n in range(30)]
+        lines = [_line(f"u{n}", f"{GATE} {n}" if n >= 5 else f"quick {n}") for n in range(12)]
         batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5,  # type: ignore[union-attr]
-                 what="five lines done")
-        up.process.kill()  # SIGKILL: Envoy, the sidecar in it and its upstream end with it
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed == 5  # type: ignore[union-attr]
+                 and fake.marked_count(GATE.encode()) == 1, what="five lines done and the sixth held")
+        up.process.kill()  # SIGKILL: Envoy and the sidecar in it end with it
         up.process.wait(30)
         client.close()
         up.stop()
-        up = Up(tmp_path, "up-again", ports=ports, extra=extra)
+        up = Up(tmp_path, "up-again", ports=ports, extra=extra, upstream=stand_in)
         up.wait_up()
         client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        # Resumed, not begun again: five results kept (the lines left wait at the gate).
+        resumed = client.batches.retrieve(batch.id)
+        assert resumed.request_counts is not None and resumed.request_counts.completed == 5
+        fake.open_gate()
         done = _finished(client, batch.id)
         output = _records(client, done.output_file_id)
-        assert sorted(record["custom_id"] for record in output) == sorted(f"u{n}" for n in range(30))
-        assert done.request_counts is not None and done.request_counts.completed == 30
+        assert sorted(record["custom_id"] for record in output) == sorted(f"u{n}" for n in range(12))
+        assert done.request_counts is not None and done.request_counts.completed == 12
+        sent = collections.Counter(json.loads(body)["messages"][0]["content"] for body in fake.bodies)
+        assert {content for content, count in sent.items() if count > 1} == {f"{GATE} 5"}
         client.close()
     finally:
         up.stop()
+        fake.close()
 
 
 def test_one_trace_per_batch_holds_each_line_with_envoy_and_the_sidecar_under_it(tmp_path: pathlib.Path) -> None:
