@@ -43,9 +43,11 @@ Figures, per side (a line per side and round, then a table of the medians over r
   interactive requests and the polls included): on this CPU-only machine it comes out of the
   cores llama-server generates on.
 
-`--history N` runs N one-line batches to their end before the rounds (a store that has served
-batches before); `--cprofile FILE` runs the sidecar under cProfile. The defaults (1,000 lines of
-8 tokens, 5 rounds) take about a minute on the 2-core VM when it is quiet.
+Issue 47's figures (bench/batch_limits.py): the sidecar's peak memory above idle, the Checks of
+1-token interactive requests while the batch validates and finalizes against the same requests
+with no batch, and the refusal of a `--big-line-mb` one-line file. `--history N` runs N one-line
+batches to their end before the rounds; `--cprofile FILE` runs the sidecar under cProfile. The
+defaults (1,000 lines of 8 tokens, 5 rounds) take about a minute on the 2-core VM when quiet.
 
 Last line: `batches: N lines, batch API X lines/s = R.RRx the client's (Y lines/s), interactive
 p95 A ms (client B ms), most lines in the queue M (inFlight I)`, with the issue's goals printed
@@ -68,6 +70,8 @@ from typing import Any
 import aiohttp
 
 import bench_paths  # noqa: F401 - puts e2e/ on the path
+from batch_limits import MemorySampler, Probe, RoundLimits, refuse_big_line, vm_bytes
+from batch_limits import report as report_limits
 from harness import free_port, running_stack
 from llama import run_llama_server
 from procfs import cpu_ns, machine_load
@@ -80,6 +84,8 @@ FLOOR, CLIENT, BATCH_API = "floor (direct, no interactive)", "client", "batch AP
 ENDPOINT = "/v1/completions"
 MODEL = "tiny"
 ENDED = ("completed", "failed", "expired", "cancelled")
+# Issue 47's probe of the Checks: an interactive request granted at once that computes a token.
+PROBE_BODY = {"model": MODEL, "prompt": "probe", "max_tokens": 1}
 
 
 def generation_ms(document: dict[str, Any]) -> float:
@@ -117,6 +123,7 @@ class Side:
     run_ms: tuple[float, float] | None = None  # the lines' grant to end: median, slowest
     generation_ms: float | None = None  # median: llama-server's own time for a line (`timings`)
     queue_get_ms: tuple[float, float] | None = None  # GET /queue's latency: p99, slowest
+    limits: RoundLimits | None = None  # the batch API's: Checks by phase, the sidecar's memory (issue 47)
 
     @property
     def rate(self) -> float:
@@ -321,14 +328,16 @@ async def check_output(session: aiohttp.ClientSession, url: str, batch: dict[str
 
 
 async def run_batch_api(session: aiohttp.ClientSession, url: str, data: bytes, lines: int, tokens: int,
-                        poll_s: float, sampler: QueueSampler | None = None
-                        ) -> tuple[float, float, str, list[float]]:
+                        poll_s: float, sampler: QueueSampler | None = None,
+                        created: Callable[[str], None] | None = None) -> tuple[float, float, str, list[float]]:
     """Upload, create, poll until it ends; (upload s, create to completed s, batch id, llama-server's
-    time for each line in ms)."""
+    time for each line in ms). `created` is told the batch's id as it is created."""
     started = time.perf_counter()
     file_id = await upload(session, url, data)
     uploaded = time.perf_counter()
     batch = await create_batch(session, url, file_id)
+    if created is not None:
+        created(str(batch["id"]))
     if sampler is not None:
         sampler.prefix = f"{batch['id']}:"
     while batch["status"] not in ENDED:
@@ -360,7 +369,20 @@ async def run_side(setup: Setup, name: str, round_: int) -> Side:
             return Side(name, args.lines, span, generation_ms=statistics.median(generations))
         sampler = QueueSampler(session, setup.admin_url, args.sample_ms / 1000)
         interactive = Interactive(session, setup.stack_url, args.interactive_rate, args.interactive_tokens)
-        background = [asyncio.create_task(sampler.run()), asyncio.create_task(interactive.run())]
+        probe = memory = None
+        watching: list[asyncio.Task[None]] = []
+        background = []
+        if name == BATCH_API:
+            # Issue 47: the probes' floor (no batch) first, then the sidecar's idle memory.
+            probe = Probe(session, setup.stack_url, args.probe_ms / 1000, PROBE_BODY, ENDPOINT)
+            memory = MemorySampler(setup.path_pids[0], args.memory_ms / 1000, lambda: probe.phase if probe else None)
+            background.append(asyncio.create_task(probe.run()))
+            await probe.no_batch(args.probe_floor_s)
+            await probe.drain()
+            idle_rss = memory.sample()
+            probe.phase = "upload"
+            background.append(asyncio.create_task(memory.run()))
+        background += [asyncio.create_task(sampler.run()), asyncio.create_task(interactive.run())]
         cpu_before = [cpu_ns(pid) for pid in setup.path_pids]
         log_offset = setup.sidecar_log.stat().st_size
         upload_s = None
@@ -371,13 +393,22 @@ async def run_side(setup: Setup, name: str, round_: int) -> Side:
                 span, generations = await clients(session, setup.stack_url, args.lines, args.tokens, args.slots,
                                                   {"x-llamaswap-priority": "batch"}, request_id=prefix)
             else:
+                assert probe is not None
+                follow = probe.watch
                 upload_s, span, prefix, generations = await run_batch_api(
-                    session, setup.stack_url, setup.data, args.lines, args.tokens, args.poll_ms / 1000, sampler)
+                    session, setup.stack_url, setup.data, args.lines, args.tokens, args.poll_ms / 1000, sampler,
+                    created=lambda batch_id: watching.append(asyncio.create_task(follow(batch_id))))
+                await asyncio.gather(*watching)
         finally:
-            for task in background:
+            for task in background + watching:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(*background, *watching, return_exceptions=True)
         await interactive.drain()
+        limits = None
+        if probe is not None and memory is not None:
+            await probe.drain()
+            limits = RoundLimits(probe.latencies_ms, probe.straddled, idle_rss, memory.peaks,
+                                 vm_bytes(setup.path_pids[0], "VmHWM"), memory.samples)
         sidecar_ms, envoy_ms = ((cpu_ns(pid) - before) / 1e6 / args.lines
                                 for pid, before in zip(setup.path_pids, cpu_before))
         await asyncio.sleep(0.5)  # the last activity lines reach the log
@@ -390,7 +421,8 @@ async def run_side(setup: Setup, name: str, round_: int) -> Side:
                     statistics.fmean(sampler.busy) if sampler.busy else None, len(sampler.busy),
                     sidecar_ms, envoy_ms, handoff, granted_ms / 1000 / (span * args.slots), most,
                     (over_ms, over_times), (statistics.median(runs), max(runs)), statistics.median(generations),
-                    (percentile(sampler.latencies_ms, 99), max(sampler.latencies_ms)) if sampler.latencies_ms else None)
+                    (percentile(sampler.latencies_ms, 99), max(sampler.latencies_ms)) if sampler.latencies_ms else None,
+                    limits)
 
 
 async def warm(setup: Setup) -> None:
@@ -491,7 +523,6 @@ def report(rounds: list[dict[str, Side]], args: argparse.Namespace, in_flight: i
           f"{_ms(client_waits, 95)} ms), most lines in the queue {most} (inFlight {in_flight})")
 
 
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1000, help="lines of the batch (and of the client's run)")
@@ -510,6 +541,13 @@ async def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=50, help="GET /queue every this often")
     parser.add_argument("--poll-ms", type=float, default=100, help="GET /v1/batches/{id} every this often")
     parser.add_argument("--quick", action="store_true", help="1 round of 40 lines")
+    parser.add_argument("--probe-ms", type=float, default=10, help="issue 47: a 1-token interactive request every "
+                        "this often while the batch validates or finalizes (0: none)")
+    parser.add_argument("--probe-floor-s", type=float, default=2.0,
+                        help="issue 47: the same requests with no batch for this long before each batch's upload")
+    parser.add_argument("--memory-ms", type=float, default=10, help="issue 47: the sidecar's VmRSS every this often")
+    parser.add_argument("--big-line-mb", type=int, default=100,
+                        help="issue 47: a one-line file of this many MB after the rounds (0: none)")
     parser.add_argument("--cprofile", metavar="FILE", help="run the sidecar under cProfile (bench/profile_serve.py; "
                         "`python bench/profile_serve.py --report FILE --per _send` reads it per batch line)")
     parser.add_argument("--keep", metavar="DIR", help="keep the logs (llama-server's, the sidecar's, Envoy's) in DIR")
@@ -545,8 +583,16 @@ async def main() -> None:
                     for name in order:
                         round_[name] = await run_side(setup, name, index + 1)
                         print(f"  round {index + 1}, {round_[name].describe()}", flush=True)
+                        if round_[name].limits is not None:
+                            print(f"    {round_[name].limits.describe()}", flush=True)  # type: ignore[union-attr]
                     rounds.append(round_)
+                big = None
+                if args.big_line_mb:
+                    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+                        big = await refuse_big_line(session, stack.url, stack.sidecar.popen.pid, args.big_line_mb,
+                                                    MODEL, ENDPOINT, PROBE_BODY)
     report(rounds, args, in_flight, (load_start, machine_load()), time.perf_counter() - started)
+    report_limits([limits for round_ in rounds if (limits := round_[BATCH_API].limits) is not None], big)
 
 
 if __name__ == "__main__":
