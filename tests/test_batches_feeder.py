@@ -5,6 +5,7 @@ telemetry a line carries."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from llamaswap.batches import feeder as feeder_module
+from llamaswap.batches import writer as writer_module
 from llamaswap.batches.feeder import Feeder, FeedSettings
 from llamaswap.batches.lifecycle import BatchStatus
 from llamaswap.batches.store import BatchRecord, Store
@@ -157,8 +158,9 @@ class Rig:
         self.store.close()
 
 
-@pytest.fixture
-async def listener_with() -> AsyncIterator[Callable[[Answer], Awaitable[Listener]]]:
+@contextlib.asynccontextmanager
+async def listeners() -> AsyncIterator[Callable[[Answer], Awaitable[Listener]]]:
+    """Makes listeners, each stopped at the end (the fixture below, for other test modules too)."""
     started: list[Listener] = []
 
     async def make(answer: Answer) -> Listener:
@@ -167,9 +169,17 @@ async def listener_with() -> AsyncIterator[Callable[[Answer], Awaitable[Listener
         started.append(listener)
         return listener
 
-    yield make
-    for listener in started:
-        await listener.stop()
+    try:
+        yield make
+    finally:
+        for listener in started:
+            await listener.stop()
+
+
+@pytest.fixture
+async def listener_with() -> AsyncIterator[Callable[[Answer], Awaitable[Listener]]]:
+    async with listeners() as make:
+        yield make
 
 
 async def test_lines_run_a_few_at_a_time_at_the_batch_priority_and_end_once(
@@ -332,7 +342,7 @@ async def test_a_paused_feeder_starts_no_line(
 async def test_results_are_written_together_and_a_stop_writes_those_answered(
         tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(feeder_module, "RESULTS_S", 3600.0)  # written by a stop or a look only
+    monkeypatch.setattr(writer_module, "RESULTS_S", 3600.0)  # written by a stop or a look only
 
     async def held(request: web.Request, body: dict[str, Any]) -> web.Response:
         if body["messages"][0]["content"] == "held":

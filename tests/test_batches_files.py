@@ -176,12 +176,16 @@ def test_finalizing_writes_each_line_once_in_file_order_and_can_be_repeated(tmp_
         outcome = LineOutcome.FAILED if item.custom_id == "c1" else LineOutcome.COMPLETED
         store.record_result(batch_id, item, outcome, {"custom_id": item.custom_id})
     assert store.end_unfinished(batch_id, LineOutcome.CANCELLED, lambda item: {"custom_id": item.custom_id}) == 1
+    assert store.set_status(batch_id, BatchStatus.CANCELLING, only_from=(BatchStatus.IN_PROGRESS,))
     batch = store.batch(batch_id)
     assert batch is not None
+    assert store.finalize(batch, BatchStatus.EXPIRED) is None  # it is cancelling: it cannot end expired
     first = store.finalize(batch, BatchStatus.CANCELLED)
-    again = store.finalize(batch, BatchStatus.CANCELLED)
-    assert (first.output_file_id, first.error_file_id) == (again.output_file_id, again.error_file_id)
-    assert first.status is BatchStatus.CANCELLED and first.timestamps["cancelled_at"] is not None
+    assert first is not None and first.status is BatchStatus.CANCELLED and first.timestamps["cancelled_at"]
+    assert first.timestamps["expired_at"] is None
+    # Ended: its results are dropped (the files hold them) and finalizing again changes nothing.
+    assert store.result_page(batch_id, after=0) == [] and store.unfinished_lines(batch_id) == []
+    assert store.finalize(batch, BatchStatus.CANCELLED) is None
     output = store.file_path(first.output_file_id or "").read_text().splitlines()
     errors = store.file_path(first.error_file_id or "").read_text().splitlines()
     assert [json.loads(text)["custom_id"] for text in output] == ["c0", "c2"]
@@ -230,8 +234,9 @@ def test_an_input_file_in_use_cannot_be_deleted_until_its_batch_ends(tmp_path: p
     assert batch is not None
     with pytest.raises(FileInUse, match=batch_id):
         store.delete_file(batch.input_file_id)
+    assert store.set_status(batch_id, BatchStatus.CANCELLING, only_from=(BatchStatus.IN_PROGRESS,))
     store.end_unfinished(batch_id, LineOutcome.CANCELLED, lambda item: {"custom_id": item.custom_id})
-    store.finalize(batch, BatchStatus.CANCELLED)
+    assert store.finalize(batch, BatchStatus.CANCELLED) is not None
     assert store.delete_file(batch.input_file_id)
     assert not store.file_path(batch.input_file_id).exists()
     assert not store.delete_file(batch.input_file_id)

@@ -12,7 +12,12 @@ What happens to a line:
   stopping, its wait limit, the upstream gone) are not an answer about the line: it is sent
   again after a pause (its Retry-After where given), until the batch's window ends;
 - a line running when the sidecar is killed has no result: it is sent again after the restart.
-  The GPU may compute it twice; the store keeps its first result only.
+  The GPU may compute it twice; the store keeps its first result only;
+- a line whose body cannot be read (its input file gone or cut short) ends with the error
+  `input_line_unreadable`; any other failure of its sending ends it with `line_failed`: no line
+  stays in flight for ever, and its batch can finalize;
+- an answer whose result cannot be written (a full disk) is kept, not asked again: the batch
+  pauses (no line starts) until the write succeeds (`writer.ResultWriter`).
 Cancel abandons the lines in flight like a client that leaves (waiting ones leave the queue at
 once, running ones are settled as any abandoned generation) and ends every line without a result
 as cancelled; the window's end does the same as expired.
@@ -24,10 +29,12 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
+import sqlite3
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,8 +42,10 @@ from typing import Any, Protocol
 
 from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
+from llamaswap.batches.output import Stage
 from llamaswap.batches.store import BatchRecord, Result, Store
-from llamaswap.batches.validate import InputLine, LineError, Validation, line_body, validate
+from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, line_body, validate
+from llamaswap.batches.writer import Answered, ResultWriter
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 _log = logging.getLogger(__name__)
@@ -47,11 +56,10 @@ RESEND_FIRST_S = 0.5
 RESEND_MOST_S = 30.0
 # Lines read from the store at once, ahead of those in flight.
 READ_AHEAD = 64
-# Lines' results are written together, one transaction for those that ended within RESULTS_S
-# (or RESULTS_LINES of them): a transaction per line was the feeder's largest cost after the
-# HTTP client's. A kill loses at most those: their lines are sent again, as the running ones are.
-RESULTS_S = 0.05
-RESULTS_LINES = 64
+# A line's body up to this is read and re-serialised on the event loop (tens of microseconds);
+# a longer one in a worker thread. A line too long to parse whole was scanned at validation and
+# its body is sent as it lies in the file (InputLine.body_offset), never parsed.
+INLINE_BODY_BYTES = 64 * 1024
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
@@ -113,6 +121,8 @@ class FeedSettings:
     # Sent with every line: the upstream's key (upstream.apiKey), which the Batch API's callers
     # had to show (batches/api.py), as llama-server wants it of every request.
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # batches.maxLineBytes: a longer input line is an error of its own, never read whole.
+    max_line_bytes: Callable[[], int] = lambda: MAX_LINE_BYTES_DEFAULT
     # The priority a batch's lines are sent at now (the API's BatchService.line_priority: the
     # policy in force, the creator's ceiling); None: the one the batch was created with.
     line_priority: Callable[[BatchRecord], int] | None = None
@@ -142,6 +152,23 @@ def answer_record(batch_id: str, line: InputLine, status: int, request_id: str, 
                  f"the upstream answered {status}"}
     return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": request_id, "body": document}, "error": error}
+
+
+def failed_record(batch_id: str, line: InputLine, code: str, message: str) -> dict[str, Any]:
+    """The error file's line for a line that ended without an answer of the upstream."""
+    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+class LineUnreadable(Exception):
+    """A line's body cannot be read from its input file (gone, cut short, changed)."""
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether a failed write is the disk's (full, or over a quota): it passes when space returns."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
 
 
 def ended_record(batch_id: str, line: InputLine, outcome: LineOutcome) -> dict[str, Any]:
@@ -177,9 +204,8 @@ class Feeder:
         self._inputs: dict[str, int] = {}
         # batch id -> the priority its lines are sent at and the headers every line of it carries, as bytes
         self._headers: dict[str, tuple[int, bytes]] = {}
-        # answered lines whose results are not written yet (`_write_results`), and the timer that writes them
-        self._results: list[tuple[BatchRecord, Result, int, int]] = []  # ..., its status, when (time_ns)
-        self._results_timer: asyncio.TimerHandle | None = None
+        # answered lines whose results are not written yet: written together, kept while writes fail
+        self._writer = ResultWriter(store.record_results, written=self._result_written, recovered=self._wake.set)
 
     def wake(self) -> None:
         """Look at the batches now (a batch was created or cancelled)."""
@@ -197,6 +223,11 @@ class Feeder:
     def in_flight(self, batch_id: str) -> int:
         """Lines of a batch sent and not yet answered (waiting or running, or pausing to be sent again)."""
         return len(self._flying.get(batch_id, {}))
+
+    @property
+    def writes_failing(self) -> bool:
+        """Whether results cannot be written now (a full disk): no line starts until they can."""
+        return self._writer.failing
 
     async def run(self) -> None:
         # No total timeout: a line may wait for the GPU for hours (the scheduler bounds it).
@@ -225,7 +256,7 @@ class Feeder:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._flying.clear()
-        self._write_results()
+        await self._writer.close()
         for batch_id in list(self._inputs):
             self._close_input(batch_id)
         if self._client is not None:
@@ -236,23 +267,60 @@ class Feeder:
         """One pass over the batches that are not ended: fill, expire, cancel, finalize."""
         active = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
         for batch in reversed(await asyncio.to_thread(self.store.batches, statuses=active)):  # oldest first
-            if batch.status is BatchStatus.CANCELLING:
-                await self._end(batch, LineOutcome.CANCELLED)
-            elif batch.status is BatchStatus.FINALIZING:  # every line has its result: not expired
-                await self._finalize(batch, BatchStatus.COMPLETED)
-            elif self.store.now() >= batch.expires_at:
-                await self._end(batch, LineOutcome.EXPIRED)
-            elif batch.status is BatchStatus.VALIDATING:
-                await self._validate(batch)
-            else:
-                await self._fill(batch)
-        self.observer.statuses(self.store.status_counts())
+            # Each batch on its own: one whose step raises is logged, and the others go on (its
+            # validating and finalizing attempts are counted, so it cannot fail for ever).
+            try:
+                await self._look_at(batch)
+            except Exception:  # noqa: BLE001 - one batch's trouble must not stop the others
+                _log.exception("batch %s (%s): this look at it failed; the other batches go on", batch.id,
+                               batch.status.value)
+        self.observer.statuses(await asyncio.to_thread(self.store.status_counts))
+
+    async def _look_at(self, batch: BatchRecord) -> None:
+        if batch.status is BatchStatus.CANCELLING:
+            await self._end(batch, LineOutcome.CANCELLED)
+        elif batch.status is BatchStatus.FINALIZING:  # every line has its result: not expired
+            await self._finalize(batch, BatchStatus.COMPLETED)
+        elif self.store.now() >= batch.expires_at:
+            await self._end(batch, LineOutcome.EXPIRED)
+        elif batch.status is BatchStatus.VALIDATING:
+            await self._validate(batch)
+        else:
+            await self._fill(batch)
+
+    async def _attempt(self, batch: BatchRecord, stage: Stage) -> bool:
+        """Count an attempt at ``stage`` before it starts; False when the batch failed there too
+        often already: it is ended `failed` now, saying why."""
+        attempt = await asyncio.to_thread(self.store.begin_attempt, batch.id, stage)
+        if attempt is not None:
+            if attempt > 1:
+                _log.warning("batch %s: %s, attempt %d (the last one failed or the sidecar stopped during it)",
+                             batch.id, stage.value, attempt)
+            return True
+        if await asyncio.to_thread(self.store.fail_batch, batch.id, stage):
+            _log.error("batch %s failed: %s", batch.id, stage.failure[1])
+            self._forget_batch(batch.id)
+            final = await asyncio.to_thread(self.store.batch, batch.id)
+            if final is not None:
+                self.observer.batch_ended(final)
+        return False
+
+    def _forgive(self, batch: BatchRecord, stage: Stage) -> None:
+        try:
+            self.store.forgive_attempt(batch.id, stage)
+        except Exception as exc:  # noqa: BLE001 - then it stays counted, no worse
+            _log.warning("batch %s: its %s attempt stays counted (%s)", batch.id, stage.value, exc)
 
     async def _validate(self, batch: BatchRecord) -> None:
+        max_requests, max_line_bytes = self.settings.max_requests(), self.settings.max_line_bytes()
+
         def read() -> Validation:
             with open(self.store.file_path(batch.input_file_id), "rb") as source:
-                return validate(source, endpoint=batch.endpoint, max_requests=self.settings.max_requests())
+                return validate(source, endpoint=batch.endpoint, max_requests=max_requests,
+                                max_line_bytes=max_line_bytes)
 
+        if not await self._attempt(batch, Stage.VALIDATE):
+            return
         try:
             validation = await asyncio.to_thread(read)
             validation = validation.without_models([model for model in validation.models
@@ -261,6 +329,9 @@ class Feeder:
             _log.error("batch %s: its input file %s cannot be read (%s)", batch.id, batch.input_file_id, exc)
             validation = Validation((), (LineError("input_file_unreadable", None,
                                                    f"the input file cannot be read: {exc}"),))
+        except asyncio.CancelledError:  # the sidecar stops: not the batch's failure
+            self._forgive(batch, Stage.VALIDATE)
+            raise
         if await asyncio.to_thread(self.store.validated, batch.id, validation.lines, validation.errors,
                                    validation.more_errors):
             if validation.errors:
@@ -278,10 +349,11 @@ class Feeder:
             return
         if self._start_lines(batch) or self._flying.get(batch.id):
             return
-        self._write_results()
-        # Nothing after the cursor and nothing in flight: done, unless a line before the cursor
-        # lost its sending without a result (then read from the start again).
-        if self.store.unfinished_lines(batch.id, limit=1):
+        # Nothing after the cursor and nothing in flight: its answers written, done, unless a
+        # line before the cursor was given back without a result (then read from the start again).
+        if not await self._writer.flush() or self._writer.holds(batch.id):
+            return  # results kept unwritten (a full disk): the writer wakes a look once they are
+        if await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=1):  # a scan of every line
             self._rewind(batch.id)
             self._wake.set()
         elif self.store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,)):
@@ -293,7 +365,7 @@ class Feeder:
         would cost a read of every batch)."""
         flying = self._flying.setdefault(batch.id, {})
         room = max(1, self.settings.in_flight()) - len(flying)
-        if room <= 0 or self._paused or batch.id in self._stopping:
+        if room <= 0 or self._paused or batch.id in self._stopping or self._writer.blocking:
             return 0
         ahead = self._ahead.setdefault(batch.id, collections.deque())
         if len(ahead) < room:
@@ -302,8 +374,8 @@ class Feeder:
         started = 0
         while ahead and started < room:
             line = ahead.popleft()
-            if line.line in flying:
-                continue
+            if line.line in flying or self._writer.is_unwritten(batch.id, line.line):
+                continue  # answered, its result not written yet: never sent again
             flying[line.line] = asyncio.create_task(self._send(batch, line), name=f"{batch.id}:{line.line}")
             self._cursor[batch.id] = line.line
             started += 1
@@ -327,7 +399,8 @@ class Feeder:
         for task in flying.values():
             task.cancel()
         await asyncio.gather(*flying.values(), return_exceptions=True)
-        self._write_results()  # answered lines keep their answers
+        if not await self._writer.flush():  # answered lines keep their answers: written first
+            return  # a full disk: the next look tries again
         ended = await asyncio.to_thread(self.store.end_unfinished, batch.id, outcome,
                                         lambda line: ended_record(batch.id, line, outcome))
         if ended:
@@ -337,60 +410,82 @@ class Feeder:
         await self._finalize(batch, status)
 
     async def _finalize(self, batch: BatchRecord, status: BatchStatus) -> None:
-        self._write_results()
-        final = await asyncio.to_thread(self.store.finalize, batch, status)
-        self._flying.pop(batch.id, None)
-        self._cursor.pop(batch.id, None)
-        self._ahead.pop(batch.id, None)
-        self._stopping.discard(batch.id)
-        self._close_input(batch.id)
+        if not await self._writer.flush() or self._writer.holds(batch.id):
+            return  # its answers are not all written (a full disk): the next look tries again
+        if not await self._attempt(batch, Stage.FINALIZE):
+            return
+        try:
+            final = await asyncio.to_thread(self.store.finalize, batch, status)
+        except asyncio.CancelledError:  # the sidecar stops: not the batch's failure
+            self._forgive(batch, Stage.FINALIZE)
+            raise
+        except Exception as exc:
+            if not out_of_space(exc):
+                raise  # counted: a look logs it, and the batch fails after ATTEMPTS_MOST
+            self._forgive(batch, Stage.FINALIZE)
+            _log.error("batch %s: its output files cannot be written (%s); it stays %s and is tried again at the "
+                       "next look", batch.id, exc, batch.status.value)
+            return
+        self._forget_batch(batch.id)
+        if final is None:  # it moved meanwhile (a cancel during expiry): the next look ends it so
+            _log.info("batch %s: moved while it was finalized as %s; looked at again", batch.id, status.value)
+            self._wake.set()
+            return
         counts = self.store.counts(batch.id, batch.total)
         _log.info("batch %s %s: %d completed, %d failed of %d", batch.id, status.value, counts.completed,
                   counts.failed, counts.total)
         self.observer.batch_ended(final)
 
     async def _send(self, batch: BatchRecord, line: InputLine) -> None:
+        """Send one line until it is answered; every way out ends it: a result kept to be written
+        (`writer`), or, when abandoned (cancel, expiry, stop), the line given back without one."""
         request_id = line_request_id(batch.id, line.custom_id, line.line)
         try:
-            headers = self._batch_headers(batch) + header_block(
-                {"x-request-id": request_id, **self.observer.line_started(batch, line, request_id)})
-            status, answer = await self._post_until_answered(batch, request_id, self._body(batch, line), headers)
+            await self._send_once(batch, line, request_id)
         except asyncio.CancelledError:
-            self._forget(batch, line)  # abandoned (cancel, expiry, stop): a look decides what comes next
+            self._forget(batch, line)  # abandoned: a look decides what comes next
             raise
-        # The result is kept to be written with others (`_write_results`), before the next line
-        # starts: a look that finds nothing left to send writes it before it asks the store. A
-        # kill before the write sends this line again, and its first result is the one kept.
-        outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
-        self._results.append((batch, Result(batch.id, line, outcome, answer_record(
-            batch.id, line, status, request_id, answer), self.store.now_exact()), status, time.time_ns()))
-        if len(self._results) >= RESULTS_LINES:
-            self._write_results()
-        elif self._results_timer is None:
-            self._results_timer = asyncio.get_running_loop().call_later(RESULTS_S, self._write_results)
+        except Exception as exc:  # noqa: BLE001 - a line must end, not stay in flight for ever
+            _log.exception("batch %s line %d: sending it failed; it ends with line_failed", batch.id, line.line)
+            self._keep_result(batch, line, LineOutcome.FAILED, failed_record(
+                batch.id, line, "line_failed", f"llamaswap could not send this request: {type(exc).__name__}: {exc}"),
+                None)
         self._forget(batch, line)
         self._line_ended(batch)
 
-    def _write_results(self) -> None:
-        """Write the answered lines' results, one transaction (the store's first write wins)."""
-        if self._results_timer is not None:
-            self._results_timer.cancel()
-            self._results_timer = None
-        pending, self._results = self._results, []
-        if not pending:
-            return
+    async def _send_once(self, batch: BatchRecord, line: InputLine, request_id: str) -> None:
         try:
-            added = self.store.record_results([result for _, result, _, _ in pending])
-        except Exception:  # noqa: BLE001 - the lines stay without results; a look sends them again
-            _log.exception("batches: the results of %d line(s) could not be recorded; they are sent again",
-                           len(pending))
-            for batch_id in {result.batch_id for _, result, _, _ in pending}:
-                self._rewind(batch_id)
-            self._wake.set()
+            body = await self._body(batch, line)
+        except LineUnreadable as exc:
+            _log.error("batch %s line %d: %s", batch.id, line.line, exc)
+            self._keep_result(batch, line, LineOutcome.FAILED, failed_record(
+                batch.id, line, "input_line_unreadable", str(exc)), None)
             return
-        for (batch, result, status, answered_ns), new in zip(pending, added):
-            if new:
-                self.observer.line_ended(batch, result.line, result.outcome, status, answered_ns)
+        headers = self._batch_headers(batch) + header_block(
+            {"x-request-id": request_id, **self.observer.line_started(batch, line, request_id)})
+        status, answer = await self._post_until_answered(batch, request_id, body, headers)
+        # Kept to be written with others, before the next line starts; a kill before the
+        # write sends this line again, and its first result is the one kept.
+        outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
+        self._keep_result(batch, line, outcome, answer_record(batch.id, line, status, request_id, answer), status)
+
+    def _keep_result(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, record: dict[str, Any],
+                     status: int | None) -> None:
+        self._writer.add(Answered(batch, Result(batch.id, line, outcome, record, self.store.now_exact()), status,
+                                  time.time_ns()))
+
+    def _result_written(self, answered: Answered, new: bool) -> None:
+        if new:
+            self.observer.line_ended(answered.batch, answered.result.line, answered.result.outcome,
+                                     answered.status_code, answered.answered_ns)
+
+    def _forget_batch(self, batch_id: str) -> None:
+        """The batch ended: nothing of it is kept here."""
+        self._flying.pop(batch_id, None)
+        self._cursor.pop(batch_id, None)
+        self._ahead.pop(batch_id, None)
+        self._stopping.discard(batch_id)
+        self._close_input(batch_id)
 
     def _forget(self, batch: BatchRecord, line: InputLine) -> None:
         flying = self._flying.get(batch.id)
@@ -407,11 +502,22 @@ class Feeder:
                 self.settings.priority_header: str(priority)}))
         return kept[1]
 
-    def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
-        fd = self._inputs.get(batch.id)
-        if fd is None:  # kept open while the batch feeds (its file cannot be deleted meanwhile)
-            fd = self._inputs[batch.id] = os.open(self.store.file_path(batch.input_file_id), os.O_RDONLY)
-        return line_body(os.pread(fd, line.length, line.offset))
+    async def _body(self, batch: BatchRecord, line: InputLine) -> bytes:
+        """The line's request body: re-serialised from its line (a short one on the loop, a
+        longer one in a thread), or, for a line too long to parse, read as it lies in the file.
+        LineUnreadable when the input file is gone, cut short or no longer what was validated."""
+        try:
+            fd = self._inputs.get(batch.id)
+            if fd is None:  # kept open while the batch feeds (its file cannot be deleted meanwhile)
+                fd = self._inputs[batch.id] = os.open(self.store.file_path(batch.input_file_id), os.O_RDONLY)
+        except OSError as exc:
+            raise LineUnreadable(f"the input file {batch.input_file_id} cannot be read: {exc}") from exc
+        if line.body_offset is not None and line.body_length is not None:
+            return await asyncio.to_thread(_read_exactly, fd, line.body_offset, line.body_length, batch, line)
+        if line.length <= INLINE_BODY_BYTES:
+            return _parsed_body(_read_exactly(fd, line.offset, line.length, batch, line), batch, line)
+        return await asyncio.to_thread(
+            lambda: _parsed_body(_read_exactly(fd, line.offset, line.length, batch, line), batch, line))
 
     def _close_input(self, batch_id: str) -> None:
         self._headers.pop(batch_id, None)
@@ -438,6 +544,26 @@ class Feeder:
                 _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
             await asyncio.sleep(min(wait_s, RESEND_MOST_S))
             pause_s = min(pause_s * 2, RESEND_MOST_S)
+
+
+def _read_exactly(fd: int, offset: int, length: int, batch: BatchRecord, line: InputLine) -> bytes:
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError as exc:
+        raise LineUnreadable(f"line {line.line} cannot be read from the input file {batch.input_file_id}: "
+                             f"{exc}") from exc
+    if len(data) != length:
+        raise LineUnreadable(f"line {line.line} is cut short in the input file {batch.input_file_id} (it has "
+                             f"{len(data)} of its {length} bytes)")
+    return data
+
+
+def _parsed_body(text: bytes, batch: BatchRecord, line: InputLine) -> bytes:
+    try:
+        return line_body(text)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise LineUnreadable(f"line {line.line} of the input file {batch.input_file_id} is no longer the request "
+                             f"that was validated ({type(exc).__name__})") from exc
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:

@@ -28,10 +28,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from llamaswap.batches.files import FILES, FileInUse, FileRecord, FilesTable, upgrade_owners_and_expiry
+from llamaswap.batches.dirlock import DirectoryInUse, DirectoryLock
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
+from llamaswap.batches.output import ResultsTable, upgrade_attempts_and_bodies
 from llamaswap.batches.validate import InputLine, LineError
 
 DATABASE = "batches.sqlite3"
+# Lines put in per transaction when a batch is validated.
+LINES_PAGE = 1000
 __all__ = ["FILES", "FileInUse", "FileRecord", "Store", "StoreError"]
 # 2: a batch's counts of completed and failed lines kept in its row (read at every poll).
 SCHEMA_VERSION = 2
@@ -113,7 +117,7 @@ class Result:
 _TIMESTAMPS = tuple(name for name in STATUS_TIMESTAMP.values() if name is not None)
 
 
-class Store(FilesTable):
+class Store(FilesTable, ResultsTable):
     """Files and batches under ``directory`` (batches.dir); ``now`` gives wall-clock seconds.
     The files' methods are FilesTable's (`llamaswap.batches.files`)."""
 
@@ -121,17 +125,24 @@ class Store(FilesTable):
         self.directory = pathlib.Path(directory)
         self._now = now
         self._lock = threading.RLock()
+        self._dir_lock = DirectoryLock(self.directory)
         try:
             (self.directory / FILES).mkdir(parents=True, exist_ok=True)
+            self._dir_lock.acquire()  # before anything is read or removed: another sidecar may use them
             self._db = sqlite3.connect(self.directory / DATABASE, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             self._upgrade()
             upgrade_owners_and_expiry(self._db)
+            upgrade_attempts_and_bodies(self._db)
             self.remove_partial_uploads()
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self.drop_ended_results()
+        except DirectoryInUse as exc:
+            raise StoreError(f"batches.dir {self.directory}: {exc}") from exc
         except (OSError, sqlite3.Error) as exc:
+            self._dir_lock.release()
             raise StoreError(f"batches.dir {self.directory}: cannot keep batches there ({exc}); set batches.dir to a "
                              "writable directory") from exc
 
@@ -154,6 +165,7 @@ class Store(FilesTable):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._dir_lock.release()
 
     def now(self) -> int:
         return int(self._now())
@@ -167,10 +179,13 @@ class Store(FilesTable):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # A COMMIT that failed (a full disk) leaves the transaction open: closed here, or
+                # every later BEGIN would fail and the store never recover once space returns.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -196,21 +211,32 @@ class Store(FilesTable):
     def validated(self, batch_id: str, lines: Sequence[InputLine], errors: Sequence[LineError],
                   more_errors: int = 0) -> bool:
         """A validating batch becomes in_progress with its lines, or failed with its input file's
-        errors (False: it was no longer validating, e.g. cancelled meanwhile)."""
+        errors (False: it was no longer validating, e.g. cancelled meanwhile). The lines go in
+        first, a page per transaction (a poll waits for one page, not for 50,000 lines); the
+        status changes last, so a kill between leaves a validating batch, validated again."""
         status = BatchStatus.FAILED if errors else BatchStatus.IN_PROGRESS
         documents = [error.document() for error in errors]
         if more_errors:
             documents.append({"code": "more_errors", "line": None, "param": None,
                               "message": f"{more_errors} more problem(s) not listed"})
         stamp = STATUS_TIMESTAMP[status]
+        for start in range(0, 0 if errors else len(lines), LINES_PAGE):
+            with self._transaction() as db:
+                if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone() != (
+                        BatchStatus.VALIDATING.value,):
+                    break
+                db.executemany(
+                    "INSERT OR IGNORE INTO lines (batch_id, line, custom_id, offset, length, body_offset, body_length) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    ((batch_id, line.line, line.custom_id, line.offset, line.length, line.body_offset,
+                      line.body_length) for line in lines[start:start + LINES_PAGE]))
         with self._transaction() as db:
             changed = db.execute(
                 f"UPDATE batches SET status = ?, errors = ?, total = ?, {stamp} = ? WHERE id = ? AND status = ?",
                 (status.value, json.dumps(documents) if errors else None, 0 if errors else len(lines), self.now(),
                  batch_id, BatchStatus.VALIDATING.value)).rowcount == 1
-            if changed and not errors:
-                db.executemany("INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?, ?)",
-                               ((batch_id, line.line, line.custom_id, line.offset, line.length) for line in lines))
+        if not changed:
+            self.drop_results(batch_id)  # the lines put in before it moved (a cancel meanwhile)
         return changed
 
     def batch(self, batch_id: str) -> BatchRecord | None:
@@ -252,7 +278,8 @@ class Store(FilesTable):
         """Lines with no result yet, in file order, from line ``after`` on."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT l.line, l.custom_id, l.offset, l.length FROM lines l LEFT JOIN results r "
+                "SELECT l.line, l.custom_id, l.offset, l.length, l.body_offset, l.body_length FROM lines l "
+                "LEFT JOIN results r "
                 "ON r.batch_id = l.batch_id AND r.line = l.line WHERE l.batch_id = ? AND l.line > ? "
                 "AND r.line IS NULL ORDER BY l.line LIMIT ?", (batch_id, after, limit)).fetchall()
         return [InputLine(*row) for row in rows]
@@ -263,11 +290,20 @@ class Store(FilesTable):
 
     def record_results(self, results: Sequence[Result]) -> list[bool]:
         """Lines' results in one transaction, each once: for each, False when its line already had
-        one (the first write wins). The batches' counts go up with them."""
+        one (the first write wins). The batches' counts go up with them. A batch that ended keeps
+        none (its files are written; its results were dropped)."""
         added: list[bool] = []
         counts: dict[tuple[str, str], int] = {}
+        ended = {status.value for status in BatchStatus if status.ended}
         with self._transaction() as db:
+            open_batches: dict[str, bool] = {}
             for result in results:
+                if result.batch_id not in open_batches:
+                    row = db.execute("SELECT status FROM batches WHERE id = ?", (result.batch_id,)).fetchone()
+                    open_batches[result.batch_id] = row is not None and row[0] not in ended
+                if not open_batches[result.batch_id]:
+                    added.append(False)
+                    continue
                 cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
                                     (result.batch_id, result.line.line, result.outcome.value,
                                      json.dumps(result.record, separators=(",", ":")), result.ended_at))
@@ -314,48 +350,6 @@ class Store(FilesTable):
             rows = self._db.execute("SELECT ended_at FROM results WHERE batch_id = ? ORDER BY ended_at DESC LIMIT ?",
                                     (batch_id, limit)).fetchall()
         return [row[0] for row in rows]
-
-    def finalize(self, batch: BatchRecord, status: BatchStatus) -> BatchRecord:
-        """Write the output and error files from the results, in file order, and end the batch as
-        ``status``. Safe to repeat: the files' ids come from the batch's."""
-        outputs = {True: f"file-{batch.id.removeprefix('batch_')}-output",
-                   False: f"file-{batch.id.removeprefix('batch_')}-errors"}
-        written: dict[bool, FileRecord | None] = {}
-        for in_output, file_id in outputs.items():
-            temporary = self.upload_path()
-            count = 0
-            with open(temporary, "wb") as out:
-                for record in self._records(batch.id, in_output):
-                    out.write(record.encode() + b"\n")
-                    count += 1
-                if count:  # an empty one is not kept: no sync
-                    out.flush()
-                    os.fsync(out.fileno())
-            if count:
-                kind = "output" if in_output else "error"
-                written[in_output] = self.add_file(temporary, filename=f"{batch.id}_{kind}.jsonl",
-                                                   purpose="batch_output", file_id=file_id, owner=batch.owner)
-            else:
-                temporary.unlink()
-                written[in_output] = None
-        output, errors = written[True], written[False]
-        stamp = STATUS_TIMESTAMP[status]
-        with self._transaction() as db:
-            db.execute(f"UPDATE batches SET status = ?, output_file_id = ?, error_file_id = ?, "
-                       f"{stamp} = COALESCE({stamp}, ?) WHERE id = ?",
-                       (status.value, output.id if output else None, errors.id if errors else None, self.now(),
-                        batch.id))
-        final = self.batch(batch.id)
-        assert final is not None
-        return final
-
-    def _records(self, batch_id: str, in_output: bool) -> Iterator[str]:
-        op = "=" if in_output else "!="
-        with self._lock:
-            rows = self._db.execute(f"SELECT record FROM results WHERE batch_id = ? AND outcome {op} ? ORDER BY line",
-                                    (batch_id, LineOutcome.COMPLETED.value)).fetchall()
-        for (record,) in rows:
-            yield record
 
 
 def _batch_record(row: dict[str, Any]) -> BatchRecord:
