@@ -56,8 +56,8 @@ RESEND_FIRST_S = 0.5
 RESEND_MOST_S = 30.0
 # Lines read from the store at once, ahead of those in flight.
 READ_AHEAD = 64
-# A line's body up to this is read and re-serialised on the event loop (tens of microseconds);
-# a longer one in a worker thread. A line too long to parse whole was scanned at validation and
+# A line's body (or an answer) up to this is parsed and re-serialised on the event loop (tens of
+# microseconds); a longer one in a worker thread. A line too long to parse whole was scanned at validation and
 # its body is sent as it lies in the file (InputLine.body_offset), never parsed.
 INLINE_BODY_BYTES = 64 * 1024
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
@@ -467,7 +467,11 @@ class Feeder:
         # Kept to be written with others, before the next line starts; a kill before the
         # write sends this line again, and its first result is the one kept.
         outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
-        self._keep_result(batch, line, outcome, answer_record(batch.id, line, status, request_id, answer), status)
+        if len(answer) <= INLINE_BODY_BYTES:
+            record = answer_record(batch.id, line, status, request_id, answer)
+        else:  # a long answer (embeddings) is parsed off the event loop
+            record = await asyncio.to_thread(answer_record, batch.id, line, status, request_id, answer)
+        self._keep_result(batch, line, outcome, record, status)
 
     def _keep_result(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, record: dict[str, Any],
                      status: int | None) -> None:

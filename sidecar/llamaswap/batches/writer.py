@@ -27,7 +27,7 @@ RESULTS_LINES = 64
 WRITE_FIRST_S = 0.5
 WRITE_MOST_S = 30.0
 # Results waiting for a write beyond which no line starts (a slow or failing disk).
-KEPT_MOST = 512
+KEPT_MOST = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +56,7 @@ class ResultWriter:
         self.failing = False
         self.pause_s = WRITE_FIRST_S
         self._closed = False
+        self._tried = asyncio.Event()  # set after each try at a write, and when the writing stops
 
     def add(self, answered: Answered) -> None:
         self._pending.append(answered)
@@ -82,16 +83,16 @@ class ResultWriter:
         return sum(len(lines) for lines in self._unwritten.values())
 
     async def flush(self) -> bool:
-        """Write what is kept now (True: nothing is left). While writes fail it does not wait
-        for the next try: False at once."""
+        """Write what is kept now (True: nothing is left). It waits for a try under way, never
+        for the pause before the next one: while writes fail, False at once."""
         if self.failing:
             return False
-        if self._task is not None:
-            await asyncio.shield(self._task)
-        elif self._pending:
+        if self._task is None and self._pending:
             self._cancel_timer()
             self._task = asyncio.create_task(self._run())
-            await asyncio.shield(self._task)
+        while self._task is not None and not self.failing:
+            self._tried.clear()
+            await self._tried.wait()
         return not self._pending and not self.failing
 
     async def close(self) -> None:
@@ -136,11 +137,13 @@ class ResultWriter:
                                    "they are (tried again every %.1f s at most %.0f s)", len(group), exc,
                                    self.pause_s, WRITE_MOST_S)
                     self.failing = True
+                    self._tried.set()
                     await asyncio.sleep(self.pause_s)
                     self.pause_s = min(self.pause_s * 2, WRITE_MOST_S)
                     continue
                 blocked = self.blocking or len(group) >= KEPT_MOST
                 self._done(group, added)
+                self._tried.set()
                 if self.failing:
                     self.failing = False
                     self.pause_s = WRITE_FIRST_S
@@ -151,6 +154,7 @@ class ResultWriter:
                     break
         finally:
             self._task = None
+            self._tried.set()
             if self._pending and self._timer is None and not self._closed:
                 with contextlib.suppress(RuntimeError):  # the loop is closing
                     self._timer = asyncio.get_running_loop().call_later(RESULTS_S, self._kick)
