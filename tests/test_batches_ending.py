@@ -125,6 +125,28 @@ async def test_a_batch_whose_finalize_raises_fails_after_two_tries_and_the_other
     await rig.close()
 
 
+async def test_a_batch_whose_finalize_killed_the_process_twice_fails_at_the_next_start(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]]) -> None:
+    listener = await listener_with(ok)
+    rig = Rig(tmp_path, listener)
+    batch_id = rig.batch(["a", "b"])
+    await rig.feeder.look()  # validated
+    rig.store.record_results([Result(batch_id, line, LineOutcome.COMPLETED, {"custom_id": line.custom_id}, 1.0)
+                              for line in rig.store.unfinished_lines(batch_id)])
+    assert rig.store.set_status(batch_id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,))
+    # Two sidecars were killed while finalizing it: each counted its attempt first, then died.
+    assert rig.store.begin_attempt(batch_id, Stage.FINALIZE) == 1
+    assert rig.store.begin_attempt(batch_id, Stage.FINALIZE) == 2
+    await rig.feeder.look()
+    batch = rig.record(batch_id)
+    assert batch.status is BatchStatus.FAILED and batch.output_file_id is None
+    assert batch.errors == [{"code": "finalize_failed", "line": None, "param": None,
+                             "message": Stage.FINALIZE.failure[1]}]
+    assert "failed 2 times" in Stage.FINALIZE.failure[1]
+    assert rig.store.result_page(batch_id, after=0) == [] and listener.requests == []
+    await rig.close()
+
+
 # -- the output files, paged -------------------------------------------------------------------
 
 
@@ -255,6 +277,7 @@ async def test_a_cancel_during_expiry_ends_cancelled_not_expired(
     rig.feeder.wake()
     batch = await rig.ended(batch_id)
     assert batch.status is BatchStatus.CANCELLED
+    assert rig.store.attempts(batch_id)[Stage.FINALIZE] == 1  # the one that lost the race is not counted
     assert batch.timestamps["cancelling_at"] and batch.timestamps["cancelled_at"]
     assert batch.timestamps["expired_at"] is None
     assert [r["error"]["code"] for r in rig.lines_of(batch.error_file_id)] == ["batch_expired"] * 3

@@ -428,6 +428,7 @@ class Feeder:
             return
         self._forget_batch(batch.id)
         if final is None:  # it moved meanwhile (a cancel during expiry): the next look ends it so
+            self._forgive(batch, Stage.FINALIZE)
             _log.info("batch %s: moved while it was finalized as %s; looked at again", batch.id, status.value)
             self._wake.set()
             return
