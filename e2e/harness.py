@@ -129,10 +129,11 @@ def sidecar_command() -> list[str]:
 
 class SidecarProcess(Process):
     def __init__(self, config_path: pathlib.Path, workdir: pathlib.Path, *, grace_s: float = 10.0,
-                 env: dict[str, str] | None = None, name: str = "sidecar") -> None:
+                 env: dict[str, str] | None = None, name: str = "sidecar", command: list[str] | None = None) -> None:
+        """`command`: what runs `llamaswap` (default `sidecar_command()`)."""
         self.ports_file = workdir / f"{name}-ports.json"
         self.ports_file.unlink(missing_ok=True)
-        super().__init__(name, [*sidecar_command(), "serve", "-c", str(config_path), "--ports-file",
+        super().__init__(name, [*(command or sidecar_command()), "serve", "-c", str(config_path), "--ports-file",
                                 str(self.ports_file), "--grace", str(grace_s)], workdir / f"{name}.log", env)
         try:
             ports = wait_for(self._ports, what="sidecar ports file")
