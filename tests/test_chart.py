@@ -77,6 +77,8 @@ def _config_of(values: dict[str, Any]) -> dict[str, Any]:
     batches = ct.merge_values(CHART_VALUES["batches"], values.get("batches") or {})
     if batches["enabled"]:
         config["batches"] = {**config.get("batches", {}), "dir": batches["mountPath"]}
+        if batches["maxStoredBytes"] and "maxStoredBytes" not in config["batches"]:
+            config["batches"]["maxStoredBytes"] = batches["maxStoredBytes"]
     # llamaServer.maxLoaded above 1 is the sidecar's upstream.maxLoaded too (test_chart_max_loaded.py).
     max_loaded = ct.merge_values(CHART_VALUES["llamaServer"], values.get("llamaServer") or {})["maxLoaded"]
     if max_loaded > 1 and "maxLoaded" not in config.get("upstream", {}):

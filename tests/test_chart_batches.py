@@ -21,6 +21,13 @@ import chart_tools as ct
 from llamaswap.config import HostPort, parse_config  # noqa: E402
 
 MOUNT = "/var/lib/llamaswap/batches"
+# The chart's default quota on the claim's files (batches.maxStoredBytes), below its 1Gi.
+QUOTA = "768MiB"
+
+
+def on(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``values`` with the Batch API on (it is off by default)."""
+    return ct.merge_values({"batches": {"enabled": True}}, values or {})
 
 
 def _config(rendered: ct.Rendered) -> dict[str, Any]:
@@ -40,7 +47,7 @@ def _mounts(container: dict[str, Any]) -> dict[str, str]:
 
 
 def test_the_claim_renders_the_sidecar_mounts_it_and_the_config_names_it() -> None:
-    rendered = ct.render()
+    rendered = ct.render(on())
     claim = _claims(rendered)["llm-llamaswap-batches"]
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
@@ -56,13 +63,13 @@ def test_the_claim_renders_the_sidecar_mounts_it_and_the_config_names_it() -> No
               if c["name"] != "sidecar"]
     assert all("batches" not in _mounts(c) for c in others)
     config = _config(rendered)
-    assert config["batches"] == {"dir": MOUNT}
+    assert config["batches"] == {"dir": MOUNT, "maxStoredBytes": QUOTA}
     assert parse_config(config).batches.dir == MOUNT
 
 
 def test_the_claims_size_class_and_keep_are_the_values() -> None:
-    rendered = ct.render({"batches": {"mountPath": "/data/batches", "persistence": {
-        "size": "20Gi", "storageClassName": "fast-ssd", "keep": False, "accessModes": ["ReadWriteOncePod"]}}})
+    rendered = ct.render(on({"batches": {"mountPath": "/data/batches", "persistence": {
+        "size": "20Gi", "storageClassName": "fast-ssd", "keep": False, "accessModes": ["ReadWriteOncePod"]}}}))
     claim = _claims(rendered)["llm-llamaswap-batches"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
     assert claim["spec"]["storageClassName"] == "fast-ssd"
@@ -73,15 +80,39 @@ def test_the_claims_size_class_and_keep_are_the_values() -> None:
 
 
 def test_an_existing_claim_is_used_and_none_is_created() -> None:
-    rendered = ct.render({"batches": {"persistence": {"existingClaim": "my-batches"}}})
+    rendered = ct.render(on({"batches": {"persistence": {"existingClaim": "my-batches"}}}))
     assert "llm-llamaswap-batches" not in _claims(rendered)
     assert _volumes(rendered)["batches"]["persistentVolumeClaim"] == {"claimName": "my-batches"}
     assert _config(rendered)["batches"]["dir"] == MOUNT
 
 
 def test_the_batch_settings_of_config_pass_through_beside_the_dir() -> None:
-    rendered = ct.render({"config": {"batches": {"maxRequests": 1000, "inFlight": 2}}})
-    assert _config(rendered)["batches"] == {"maxRequests": 1000, "inFlight": 2, "dir": MOUNT}
+    rendered = ct.render(on({"config": {"batches": {"maxRequests": 1000, "inFlight": 2}}}))
+    assert _config(rendered)["batches"] == {"maxRequests": 1000, "inFlight": 2, "dir": MOUNT, "maxStoredBytes": QUOTA}
+    # A quota of config's own wins over the chart's; an empty chart quota writes none.
+    rendered = ct.render(on({"config": {"batches": {"maxStoredBytes": "5GiB"}}}))
+    assert _config(rendered)["batches"] == {"maxStoredBytes": "5GiB", "dir": MOUNT}
+    rendered = ct.render(on({"batches": {"maxStoredBytes": ""}}))
+    assert _config(rendered)["batches"] == {"dir": MOUNT}
+
+
+def test_off_by_default_and_the_notes_say_how_to_turn_it_on() -> None:
+    rendered = ct.render()
+    assert "llm-llamaswap-batches" not in _claims(rendered) and "batches" not in _config(rendered)
+    assert "batches.enabled=true" in rendered.notes and "config.batches.apiKeys" in rendered.notes
+
+
+def test_the_notes_warn_when_nothing_tells_callers_apart() -> None:
+    """On with no key, no caller header and no upstream key, anyone who reaches the Service
+    reads every caller's files: the NOTES say so plainly; any of the three silences it."""
+    warning = "WARNING: the Batch API is open to every caller who reaches the Service"
+    assert warning in ct.render(on()).notes
+    for values in ({"config": {"batches": {"apiKeys": [{"name": "team-a", "key": "env:TEAM_A_KEY"}]}}},
+                   {"config": {"batches": {"callerHeader": "x-user"}}},
+                   {"llamaServer": {"apiKey": {"existingSecret": "llama-key"}}}):
+        notes = ct.render(on(values)).notes
+        assert "WARNING" not in notes, values
+        assert "other callers get 404" in notes
 
 
 def test_disabled_renders_no_claim_no_mount_and_no_dir() -> None:
@@ -100,9 +131,9 @@ def test_disabled_renders_no_claim_no_mount_and_no_dir() -> None:
     ({"config": {"batches": {"dir": "/tmp/b"}}}, "config.batches.dir is written by the chart"),
     ({"batches": {"enabled": False}, "config": {"batches": {"dir": "/tmp/b"}}},
      "config.batches.dir is written by the chart"),
-    ({"replicas": 2}, "batches.enabled with replicas: 2"),
-    ({"strategy": {"type": "RollingUpdate"}}, "a RollingUpdate that may surge (maxSurge 25%)"),
-    ({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+    (on({"replicas": 2}), "batches.enabled with replicas: 2"),
+    (on({"strategy": {"type": "RollingUpdate"}}), "a RollingUpdate that may surge (maxSurge 25%)"),
+    (on({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}),
      "a RollingUpdate that may surge (maxSurge 1)"),
 ], ids=["dir", "dir while off", "replicas", "rolling default", "rolling surge"])
 def test_layouts_that_would_share_or_lose_a_batch_are_refused(values: dict[str, Any], words: str) -> None:
@@ -115,14 +146,15 @@ def test_layouts_that_would_share_or_lose_a_batch_are_refused(values: dict[str, 
 def test_what_is_refused_with_batches_renders_without_them() -> None:
     assert ct.render({"replicas": 2, "batches": {"enabled": False}}).deployment["spec"]["replicas"] == 2
     for surge in (0, "0%"):
-        rendered = ct.render({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge,
-                                                                                      "maxUnavailable": 1}}})
+        rendered = ct.render(on({"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge,
+                                                                                         "maxUnavailable": 1}}}))
         assert _mounts(rendered.container("sidecar"))["batches"] == MOUNT
 
 
 @pytest.mark.parametrize("batches", [{"mountPath": "relative/path"}, {"persistence": {"size": "lots"}},
-                                     {"persistence": {"accessModes": ["ReadOnlyMany"]}}, {"enable": True}],
-                         ids=["relative mount", "size", "read-only", "unknown key"])
+                                     {"persistence": {"accessModes": ["ReadOnlyMany"]}}, {"enable": True},
+                                     {"maxStoredBytes": "lots of it"}, {"maxStoredBytes": 0}],
+                         ids=["relative mount", "size", "read-only", "unknown key", "quota words", "quota 0"])
 def test_the_schema_refuses_bad_batch_values(batches: dict[str, Any]) -> None:
     helm = ct.helm()
     with pytest.raises(helm.HelmValuesError):
@@ -134,7 +166,7 @@ def test_the_feeder_sends_lines_to_the_pods_envoy_listener(listen: str | None, t
     """The feeder sends each line to the connect address of listen.http (commands/serve.py):
     in the pod that is the loopback and the port of Envoy's listener, the one the bootstrap binds
     and the container exposes."""
-    rendered = ct.render({"config": {"listen": {"http": listen}}} if listen else {})
+    rendered = ct.render(on({"config": {"listen": {"http": listen}}} if listen else {}))
     config = parse_config(_config(rendered))
     listener = config.listen.http
     target = HostPort(listener.connect_host, listener.port)
@@ -168,7 +200,7 @@ def test_a_batch_runs_through_the_rendered_pod(tmp_path: pathlib.Path) -> None:
     ports = ct.pod_ports(DEFAULT_PORTS)
     values = _pod_values(ports, 0)
     values["collector"] = {"enabled": False, "endpoint": ""}
-    rendered = ct.render(values)
+    rendered = ct.render(on(values))
     upstream = PodUpstream(ports["llama"])
     processes: list[Any] = []
     try:

@@ -188,6 +188,9 @@ refuses them beside upstreams. upstream's other keys apply to every upstream. */
 {{- end }}
 {{- if .Values.batches.enabled }}
 {{- $_ := set $batches "dir" .Values.batches.mountPath }}
+{{- if and .Values.batches.maxStoredBytes (not (hasKey $batches "maxStoredBytes")) }}
+{{- $_ := set $batches "maxStoredBytes" .Values.batches.maxStoredBytes }}
+{{- end }}
 {{- $_ := set $config "batches" $batches }}
 {{- end }}
 {{- if and .Values.llamaServer.apiKey.existingSecret (not (dig "upstream" "apiKey" "" $config)) -}}
@@ -452,4 +455,15 @@ of the values. */}}
 {{- $plugins := concat (list $source $extractor) $ip.endpointPicker.plugins }}
 {{- $config := dict "apiVersion" "llm-d.ai/v1alpha1" "kind" "EndpointPickerConfig" "plugins" $plugins "schedulingProfiles" $ip.endpointPicker.schedulingProfiles }}
 {{- toYaml (merge $config $ip.endpointPicker.extraConfig) }}
+{{- end }}
+
+{{/* Whether the Batch API is on and tells no callers apart: no batches.apiKeys, no
+callerHeader, no upstream key. Every caller who reaches the listener then reads, deletes and
+cancels every file and batch. */}}
+{{- define "llamaswap.batchesOpen" -}}
+{{- $v := .Values }}
+{{- $batches := default (dict) $v.config.batches }}
+{{- if and $v.batches.enabled (not $batches.apiKeys) (not $batches.callerHeader) (not (dig "upstream" "apiKey" "" $v.config)) (not $v.llamaServer.apiKey.existingSecret) -}}
+true
+{{- end }}
 {{- end }}
