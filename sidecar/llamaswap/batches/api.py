@@ -285,6 +285,7 @@ async def _receive_file(service: BatchService, caller: Caller, request: web.Requ
     fields: dict[str, str] = {}
     filename: str | None = None
     size = 0
+    room = await _quota_room(service, limits.max_stored_bytes)
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
@@ -298,8 +299,7 @@ async def _receive_file(service: BatchService, caller: Caller, request: web.Requ
             elif part.name == "file":
                 filename = part.filename or "upload.jsonl"
                 received = service.store.upload_path()
-                size = await _write_part(part, received, limits.max_file_bytes,
-                                         _quota_room(service, limits.max_stored_bytes))
+                size = await _write_part(part, received, limits.max_file_bytes, room)
         purpose = fields.get("purpose")
         if purpose is None:
             raise ApiError(400, "the field purpose is missing (purpose=batch)", "missing_required_parameter",
@@ -362,11 +362,12 @@ def _expires_after(fields: dict[str, str]) -> int | None:
     return int(seconds)
 
 
-def _quota_room(service: BatchService, quota: int | None) -> Callable[[int], None]:
-    """A check for an upload being received: ApiError once its bytes would pass the quota."""
+async def _quota_room(service: BatchService, quota: int | None) -> Callable[[int], None]:
+    """A check for an upload being received: ApiError once its bytes would pass the quota (the
+    use read once, in a worker thread: the store's lock may be held by a long write)."""
     if quota is None:
         return lambda size: None
-    used = service.store.storage().used_bytes
+    used = (await asyncio.to_thread(service.store.storage)).used_bytes
 
     def check(size: int) -> None:
         if used + size > quota:
