@@ -31,6 +31,7 @@ from llamaswap.adapters.ui import (
     UI_CPU_SHARE,
     UI_WAITING_ROWS,
     BatchesProvider,
+    StorageProvider,
     UiState,
     add_ui_routes,
     batch_documents,
@@ -47,13 +48,14 @@ class Page:
 
     def __init__(self, config: dict[str, Any] | None = None, *, jaeger_url: str = "", capacity: int = 20_000,
                  window_s: float = 86_400, waiting_rows: int = UI_WAITING_ROWS,
-                 activity_path: str | None = None, batches: BatchesProvider | None = None) -> None:
+                 activity_path: str | None = None, batches: BatchesProvider | None = None,
+                 batch_storage: StorageProvider | None = None) -> None:
         self.activity = ActivityLog(clock(), path=activity_path)
         self.history = History(clock(), self.activity, capacity=capacity, window_s=window_s)
         self.flow = Flow({"envoy": {"leaseSeconds": 1000}, **(config or {})}, observers=[self.activity, self.history],
                          upstream=FakeUpstream(router("a", "b")))
         self.ui = UiState(self.flow.coordinator, self.history, jaeger_url=lambda: jaeger_url,
-                          waiting_rows=waiting_rows, batches=batches)
+                          waiting_rows=waiting_rows, batches=batches, batch_storage=batch_storage)
         self.app = web.Application()
         add_ui_routes(self.app, self.ui)
 
@@ -560,6 +562,21 @@ async def test_the_state_carries_the_batches_and_a_change_of_theirs_is_a_new_sta
     await page.flow.advance(UI_BATCHES_REFRESH_S)
     again = await page.get("/ui/state", {"if-none-match": moved.headers["etag"]})
     assert again.status == 304 and len(asked) == 3
+
+
+@virtual_time
+async def test_the_state_carries_the_space_the_batch_files_take() -> None:
+    storage = {"used_bytes": 600, "files": 2, "max_bytes": 1000, "left_bytes": 400, "disk_free_bytes": 5000}
+    page = Page(batches=lambda: [], batch_storage=lambda: dict(storage))
+    current_loop().allow_blocking()  # the providers run in a worker thread (they read SQLite)
+    first = await page.get("/ui/state")
+    assert json.loads(first.body)["batches_storage"] == storage  # type: ignore[arg-type]
+    # The space changed, nothing else did: a new state.
+    storage["used_bytes"], storage["left_bytes"] = 900, 100
+    await page.flow.advance(UI_BATCHES_REFRESH_S)
+    moved = await page.get("/ui/state", {"if-none-match": first.headers["etag"]})
+    assert moved.status == 200 and json.loads(moved.body)["batches_storage"]["left_bytes"] == 100  # type: ignore[arg-type]
+    assert Page().ui.state_document()["batches_storage"] is None  # the Batch API off: nothing to show
 
 
 @virtual_time
