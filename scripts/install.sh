@@ -10,8 +10,8 @@
 #   scripts/install.sh --reinstall  run pip even when .venv is up to date
 #   scripts/install.sh --quiet      print nothing when .venv is up to date
 # Debian packages it installs with apt-get when they are missing (as root, or through sudo):
-# python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus, chromium and
-# chromium-driver for `test`, and ESLint into scripts/eslint with npm (which `test` needs: it stops
+# python3 python3-venv python3-dev gcc g++ cmake make git curl, plus prometheus, chromium,
+# chromium-driver and strace for `test`, and ESLint into scripts/eslint with npm (which `test` needs: it stops
 # and says so without it).
 # Every failure ends with one line saying what failed and what to do.
 # .venv/.llamaswap-installed records a hash of pyproject.toml's install settings and the extras
@@ -154,6 +154,7 @@ eslint_install() {
 runtime_apt=()
 [ "$want" = test ] && runtime_apt+=(prometheus)  # the end-to-end tests run the real Prometheus
 [ "$want" = test ] && runtime_apt+=(chromium chromium-driver)  # e2e/test_ui.py drives the page at /ui in a real browser
+[ "$want" = test ] && runtime_apt+=(strace)  # e2e/test_batches_kills.py holds the sidecar's renames to kill it inside finalize
 
 have=$(installed_extras)
 if [ "$reinstall" -eq 0 ] && [ -n "$have" ] && covers "$have" "$extras"; then
