@@ -161,6 +161,7 @@ class BigLine:
     error: dict[str, Any]
     idle_rss: int
     peak_upload: int
+    before_refusal: int  # RSS as the batch is created (the upload's memory may not be given back)
     peak_refusal: int
     served_after: bool
 
@@ -168,8 +169,9 @@ class BigLine:
         return (f"a {self.file_bytes / MB:.0f} MB one-line file: refused at {self.refused_at} in "
                 f"{self.refuse_s:.2f} s ({json.dumps(self.error)[:200]}), upload {self.upload_s:.2f} s; sidecar RSS "
                 f"idle {self.idle_rss / MB:.1f} MB, peak above it during the upload "
-                f"{(self.peak_upload - self.idle_rss) / MB:+.1f} MB, during the refusal "
-                f"{(self.peak_refusal - self.idle_rss) / MB:+.1f} MB; an interactive request served after it: "
+                f"{(self.peak_upload - self.idle_rss) / MB:+.1f} MB; during the refusal, above the RSS as it began "
+                f"({self.before_refusal / MB:.1f} MB): {(self.peak_refusal - self.before_refusal) / MB:+.1f} MB; "
+                f"an interactive request served after it: "
                 f"{'yes' if self.served_after else 'NO'}")
 
 
@@ -199,10 +201,12 @@ async def refuse_big_line(session: aiohttp.ClientSession, url: str, pid: int, me
             document = await response.json(content_type=None)
             status = response.status
         upload_s = time.perf_counter() - started
+        before_refusal = sampler.sample()
         if status != 200:
             refused_at, refuse_s, error = "upload", upload_s, {"status": status, **document.get("error", {})}
         else:
             state["phase"] = "refusal"
+            before_refusal = sampler.sample()
             started = time.perf_counter()
             async with session.post(f"{url}/v1/batches", json={"input_file_id": document["id"], "endpoint": endpoint,
                                                                "completion_window": "24h"}) as response:
@@ -225,7 +229,7 @@ async def refuse_big_line(session: aiohttp.ClientSession, url: str, pid: int, me
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
     return BigLine(len(data), upload_s, refused_at, refuse_s, error, idle, sampler.peaks.get("upload", idle),
-                   sampler.peaks.get("refusal", idle), served)
+                   before_refusal, sampler.peaks.get("refusal", before_refusal), served)
 
 
 def report(rounds: list[RoundLimits], big: BigLine | None) -> None:
