@@ -250,9 +250,9 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_package_that_was_never_installed_is_installed_and_the_script_goes_on(fresh: Path):
     result = run_fresh(fresh, "test")  # prometheus: dpkg-query has never heard of it
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "==> apt: installing prometheus chromium chromium-driver" in result.stdout
+    assert "==> apt: installing prometheus chromium chromium-driver strace" in result.stdout
     assert calls(fresh)[:2] == ["apt-get update -q",
-                                "apt-get install -y -q --no-install-recommends prometheus chromium chromium-driver"]
+                                "apt-get install -y -q --no-install-recommends prometheus chromium chromium-driver strace"]
     assert any(c.startswith("pip -m pip install -v") and ".[envoy,llama,test]" in c for c in calls(fresh))
     assert "extras=envoy,llama,test" in (fresh / ".venv" / ".llamaswap-installed").read_text()
     assert "==> installed: llamaswap 0.1.0" in result.stdout
@@ -284,9 +284,9 @@ def test_not_root_and_no_sudo_says_what_to_do(fresh: Path):
     result = run_fresh(fresh, "test", FAKE_UID="1000")
     assert result.returncode == 1
     assert last_line(result) == (
-        "scripts/install.sh: the Debian packages prometheus chromium chromium-driver are missing and installing "
+        "scripts/install.sh: the Debian packages prometheus chromium chromium-driver strace are missing and installing "
         "them needs root: run this as root, install sudo, or run 'apt-get install prometheus chromium "
-        "chromium-driver' as root first")
+        "chromium-driver strace' as root first")
     assert not calls(fresh)
 
 
