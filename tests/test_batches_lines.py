@@ -131,6 +131,7 @@ def _plain(top: dict[str, Any] | None) -> dict[str, Any] | None:
                    else getattr(value, "kind", value)) for name, value in top.items()}
 
 
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="the peak memory is read from /proc")
 def test_a_100_mb_line_is_refused_by_its_number_with_bounded_memory(tmp_path: pathlib.Path) -> None:
     size = 100 * 1024 * 1024
     path = tmp_path / "big.jsonl"
@@ -141,19 +142,38 @@ def test_a_100_mb_line_is_refused_by_its_number_with_bounded_memory(tmp_path: pa
         for _ in range(100):
             out.write(block)
         out.write(b'"}}\n' + request("last") + b"\n")
-    # In a fresh process: its peak RSS is this validation's alone, not the test session's.
+    # In a fresh process: its peak memory (VmHWM) is this validation's alone, not the test session's.
     script = textwrap.dedent(f"""
-        import json, resource, sys
+        import json
         from llamaswap.batches.validate import validate
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        def peak():
+            return next(int(row.split()[1]) * 1024 for row in open("/proc/self/status") if row.startswith("VmHWM:"))
+
+        before = peak()
         with open({str(path)!r}, "rb") as source:
             result = validate(source, endpoint={ENDPOINT!r}, max_requests=10, max_line_bytes=64 * 1024 * 1024)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps({{"errors": [[e.code, e.line] for e in result.errors],
-                           "lines": [l.custom_id for l in result.lines], "grew_kib": after - before}}))
+                           "lines": [l.custom_id for l in result.lines], "grew": peak() - before}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
     found = json.loads(out.stdout)
     assert found["errors"] == [["line_too_long", 2]] and found["lines"] == ["first", "last"]
     # A loose memory bound, against the line's size: the line is never held (growth is a chunk or so).
-    assert found["grew_kib"] * 1024 < 50 * 1024 * 1024 < size
+    assert 0 <= found["grew"] < 50 * 1024 * 1024 < size
+
+
+def test_a_string_of_megabytes_is_walked_in_steps_escapes_and_all() -> None:
+    content = ("ab\"c\\d\u00e9\n" + "x" * 997) * 3000  # 3 MB, escapes across every step's edge
+    text = json.dumps({"custom_id": "s", "method": "POST", "url": ENDPOINT,
+                       "body": {"model": "m", "messages": [{"role": "user", "content": content}]}}).encode()
+    fields = scan_fields(text)
+    assert fields.top["custom_id"] == "s" and fields.body == {"model": "m"} and fields.body_span is not None
+    start, end = fields.body_span
+    assert json.loads(text[start:end])["messages"][0]["content"] == content
+    long_id = json.dumps({"custom_id": "i" * 3_000_000, "body": {"model": "m"}}).encode()
+    assert scan_fields(long_id).top["custom_id"] == "i" * 3_000_000
+    for broken in (text.replace(b"x" * 997, b"x" * 500 + b"\x01" + b"x" * 496, 1000),
+                   text.replace(b"\\u00e9", b"\\u00zz", 2000), text[:len(text) // 2]):
+        with pytest.raises(NotJson):
+            scan_fields(broken)

@@ -17,10 +17,12 @@ import codecs
 import dataclasses
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 READ_CHUNK = 1 << 20
+# Steps of a scan between two calls of its ``pause``.
+PAUSE_STEPS = 256
 # Deeper nesting is refused (json.loads stops near Python's recursion limit, 1000).
 MAX_DEPTH = 512
 _BLANK = b" \t\r\n\x0b\x0c"
@@ -38,63 +40,76 @@ class RawLine:
     blank: bool
 
 
-def bounded_lines(source: IO[bytes], max_line_bytes: int, *, chunk_bytes: int = READ_CHUNK) -> Iterator[RawLine]:
-    """Each line of ``source`` (a final line without its end too); a line's end is \\n or \\r\\n."""
+def bounded_lines(source: IO[bytes], max_line_bytes: int, *, chunk_bytes: int = READ_CHUNK,
+                  pause: Callable[[], None] = lambda: None) -> Iterator[RawLine]:
+    """Each line of ``source`` (seekable; a final line without its end too); a line's end is \\n
+    or \\r\\n. Memory: a chunk, and a line within the bound when it is yielded. A line that spans
+    chunks is not gathered as it is read (a line over the bound would be held up to the bound
+    before it is known to be over): it is read again from its start once its end is found."""
     number = 0
-    offset = 0  # where the current line starts
-    length = 0  # its bytes so far, kept or not
-    parts: list[bytes] = []
-    over = False
+    offset = 0  # where the current line starts in the file
+    length = 0  # its bytes so far
     blank = True
-    last = b""  # the current line's last byte so far (a \r before its \n is not part of it)
+    last = b""  # its last byte so far (a \r before its \n is not part of it)
+    position = 0  # where the current chunk starts in the file
 
-    def ended() -> RawLine:
+    def ended(chunk: bytes, end: int) -> RawLine:
         text_length = length - (1 if last == b"\r" else 0)
         text = None
-        if not over:
-            joined = b"".join(parts)
-            text = joined[:text_length] if len(joined) > text_length else joined
-            if len(text) > max_line_bytes:
-                text = None
+        if text_length <= max_line_bytes:
+            if offset >= position:  # begun in this chunk
+                text = chunk[offset - position:offset - position + text_length]
+            else:
+                here = source.tell()
+                source.seek(offset)
+                text = source.read(text_length)
+                source.seek(here)
         return RawLine(number, offset, text_length, text, blank)
 
     while chunk := source.read(chunk_bytes):
         start = 0
-        while start <= len(chunk):
+        while True:
             end = chunk.find(b"\n", start)
-            piece = chunk[start:] if end < 0 else chunk[start:end]
-            if piece:
-                length += len(piece)
-                last = piece[-1:]
-                if blank and piece.strip(_BLANK):
+            stop = len(chunk) if end < 0 else end
+            if stop > start:
+                length += stop - start
+                last = chunk[stop - 1:stop]
+                if blank and chunk[start:stop].strip(_BLANK):
                     blank = False
-                if not over:
-                    # one byte of slack: a \r before the \n is not part of the line
-                    if length > max_line_bytes + 1:
-                        over = True
-                        parts.clear()
-                    else:
-                        parts.append(piece)
             if end < 0:
                 break
             number += 1
-            yield ended()
+            yield ended(chunk, end)
             offset += length + 1
-            length, parts, over, blank, last = 0, [], False, True, b""
+            length, blank, last = 0, True, b""
             start = end + 1
+        position += len(chunk)
+        pause()
     if length:
         number += 1
-        yield ended()
+        yield ended(b"", 0)
 
 
-# One JSON token after optional whitespace: a string, a number, a literal, or punctuation.
-_TOKEN = re.compile(
-    rb'[ \t\r\n]*(?:'
-    rb'("[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*")'
-    rb'|(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)'
-    rb'|(true|false|null)'
-    rb'|([{}\[\],:]))')
-_TRAILING = re.compile(rb"[ \t\r\n]*")
+# Each regex call scans a bounded stretch (the GIL is held for a call: an event loop beside it
+# waits that long at most): a string longer than a short one is walked a STRING_STEP at a time,
+# a number has at most 4300 digits a part (Python's own bound on int(), which json.loads meets).
+STRING_STEP = 1 << 18
+_WS = rb"[ \t\r\n]*"
+_ESCAPE = rb'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
+_STRING = rb'"[^"\\\x00-\x1f]{0,4096}+(?:' + _ESCAPE + rb'[^"\\\x00-\x1f]{0,4096}+){0,256}+"'
+_NUMBER = rb"-?(?:0|[1-9][0-9]{0,4299})(?:\.[0-9]{1,4300})?(?:[eE][+-]?[0-9]{1,4300})?"
+# One JSON token after optional whitespace: a (short) string, a number, a literal, or punctuation.
+_TOKEN = re.compile(_WS + rb"(?:(" + _STRING + rb")|(" + _NUMBER + rb")|(true|false|null)|([{}\[\],:]))")
+_STRING_PART = re.compile(rb'[^"\\\x00-\x1f]{0,%d}+(?:' % STRING_STEP + _ESCAPE + rb")?")
+_TRAILING = re.compile(_WS)
+# Runs of simple members (a scalar or an empty container, then a comma) inside a container none
+# of whose members is looked for, matched in one call: ten million {} are one regex, not twenty
+# million turns of the loop. What ends a run (the last member, anything else) goes token by token.
+_SIMPLE = rb"(?:" + _STRING + rb"|" + _NUMBER + rb"|true|false|null|\{" + _WS + rb"\}|\[" + _WS + rb"\])"
+# At most RUN_MOST members a call: the regex engine keeps a backtracking entry per member matched.
+RUN_MOST = 1024
+_ARRAY_RUN = re.compile(rb"(?:" + _WS + _SIMPLE + _WS + rb",){1,%d}" % RUN_MOST)
+_OBJECT_RUN = re.compile(rb"(?:" + _WS + _STRING + _WS + rb":" + _WS + _SIMPLE + _WS + rb",){1,%d}" % RUN_MOST)
 _LITERALS = {b"true": True, b"false": False, b"null": None}
 # Names longer than this cannot be one of the fields looked for: they are not decoded.
 _NAME_MOST = 64
@@ -138,10 +153,11 @@ def fields_of(document: Any) -> Fields:
                   if isinstance(body, dict) else None)
 
 
-def scan_fields(text: bytes) -> Fields:
+def scan_fields(text: bytes, pause: Callable[[], None] = lambda: None) -> Fields:
     """The fields of one line, walking its tokens (memory: the line and a stack of MAX_DEPTH);
-    NotJson where json.loads would refuse it (and for NaN, Infinity, deeper than MAX_DEPTH)."""
-    _check_utf8(text)
+    NotJson where json.loads would refuse it (and for NaN, Infinity, deeper than MAX_DEPTH).
+    ``pause`` is called every PAUSE_STEPS steps (a step scans a bounded stretch)."""
+    _check_utf8(text, pause)
     stack: list[int] = []  # b"{" or b"[" of each open container
     names: list[str | None] = []  # per open object: the name whose value comes next
     expect = "value"  # value | first_value (after [) | name | first_name (after {) | colon | after_value
@@ -149,21 +165,48 @@ def scan_fields(text: bytes) -> Fields:
     body_start = -1
     position = 0
     end = len(text)
+    steps = 0
     while True:
+        steps += 1
+        if steps % PAUSE_STEPS == 0:
+            pause()
         if expect == "after_value" and not stack:
             tail = _TRAILING.match(text, position)
             if tail is None or tail.end() != end:
                 raise NotJson(f"extra data at byte {tail.end() if tail else position}")
             return found
+        if stack and stack[-1] == ord("[") and expect in ("value", "first_value"):
+            run = _ARRAY_RUN.match(text, position)
+            if run is not None:
+                position, expect = run.end(), "value"
+                continue
+        elif (stack and expect in ("name", "first_name")
+              and not _members_looked_for(stack, names, found)):
+            run = _OBJECT_RUN.match(text, position)
+            if run is not None:
+                position, expect = run.end(), "name"
+                continue
         match = _TOKEN.match(text, position)
-        if match is None:
+        long_string = None
+        if match is not None:
+            string, number, literal, punct = match.groups()
+            start = match.start(match.lastindex or 0)
+            position = match.end()
+        else:
             where = _TRAILING.match(text, position)
-            at = where.end() if where else position
-            raise NotJson("the line ends too early" if at >= end else f"unexpected byte at {at}")
-        string, number, literal, punct = match.groups()
-        start = match.start(match.lastindex or 0)
-        position = match.end()
+            start = where.end() if where else position
+            if start >= end:
+                raise NotJson("the line ends too early")
+            if text[start] != ord('"'):
+                raise NotJson(f"unexpected byte at {start}")
+            position = _long_string_end(text, start, pause)
+            string, number, literal, punct = None, None, None, None
+            long_string = (start, position)
         if expect in ("name", "first_name"):
+            if long_string is not None:
+                names[-1] = None  # too long to be a name looked for
+                expect = "colon"
+                continue
             if string is not None:
                 names[-1] = json.loads(string) if len(string) <= _NAME_MOST else None
                 expect = "colon"
@@ -208,12 +251,14 @@ def scan_fields(text: bytes) -> Fields:
         if punct is not None:
             raise NotJson(f"a value expected at byte {start}")
         if field is not None:
-            if string is not None:
-                value: Any = json.loads(string)
+            if long_string is not None:
+                value: Any = json.loads(text[long_string[0]:long_string[1]])
+            elif string is not None:
+                value = json.loads(string)
             elif literal is not None:
                 value = _LITERALS[literal]
             else:
-                value = Container("number") if len(number) > 40 else json.loads(number)
+                value = Container("number") if number is None or len(number) > 40 else json.loads(number)
             _keep(found, field, value)
         expect = "after_value"
 
@@ -226,6 +271,27 @@ def _field(stack: list[int], names: list[str | None], found: Fields) -> tuple[st
             and names[1] in _BODY_FIELDS):
         return ("body", names[1])
     return None
+
+
+def _long_string_end(text: bytes, start: int, pause: Callable[[], None]) -> int:
+    """Where the string that opens at ``start`` ends (after its closing quote), walked a
+    STRING_STEP at a time; NotJson when it is not a JSON string."""
+    position = start + 1
+    while True:
+        part = _STRING_PART.match(text, position)
+        stop = part.end() if part else position
+        if stop < len(text) and text[stop] == ord('"'):
+            return stop + 1
+        if stop == position:
+            raise NotJson("the line ends in a string" if stop >= len(text) else
+                          f"a string with an unexpected byte at {stop}")
+        position = stop
+        pause()
+
+
+def _members_looked_for(stack: list[int], names: list[str | None], found: Fields) -> bool:
+    """Whether a member of the open object may be a looked-for field (the top-level's, body's)."""
+    return len(stack) == 1 or (len(stack) == 2 and names[0] == "body" and found.body is not None)
 
 
 def _keep(found: Fields, field: tuple[str, str], value: Any) -> None:
@@ -249,13 +315,14 @@ def _close(stack: list[int], names: list[str | None], opener: bytes, at: int, fo
     return "after_value"
 
 
-def _check_utf8(text: bytes) -> None:
+def _check_utf8(text: bytes, pause: Callable[[], None]) -> None:
     """UTF-8 throughout, checked a chunk at a time (a decoded copy of the whole line is not kept)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     view = memoryview(text)
     try:
         for start in range(0, len(view), READ_CHUNK):
             decoder.decode(view[start:start + READ_CHUNK], final=False)
+            pause()
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
         raise NotJson(f"not UTF-8 ({exc.reason})") from exc

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from llamaswap.batches.lines import Fields, NotJson, bounded_lines, fields_of, scan_fields
@@ -18,6 +18,8 @@ MAX_LINE_BYTES_DEFAULT = 64 * 1024 * 1024
 # A line up to this is parsed whole (json.loads: fast, and its objects take tens of MB at most);
 # a longer one is scanned token by token (`lines.scan_fields`), its body sent as it lies in the file.
 WHOLE_PARSE_BYTES = 1 << 20
+# Lines between two calls of validate's ``pause`` (a millisecond's work or so).
+PAUSE_LINES = 64
 # A value shown in an error message is cut to this many characters.
 SHOWN_MOST = 80
 
@@ -84,8 +86,12 @@ def count_requests(source: IO[bytes]) -> int:
     return sum(1 for raw in bounded_lines(source, 0) if not raw.blank)
 
 
+def no_pause() -> None:
+    """Between steps of a validation: nothing (the feeder yields its thread's turn there)."""
+
+
 def validate(source: IO[bytes], *, endpoint: str, max_requests: int,
-             max_line_bytes: int = MAX_LINE_BYTES_DEFAULT) -> Validation:
+             max_line_bytes: int = MAX_LINE_BYTES_DEFAULT, pause: Callable[[], None] = no_pause) -> Validation:
     """Every line of an input file checked for ``endpoint``: a JSON object with a string
     ``custom_id`` unique in the file, ``method`` POST, ``url`` the endpoint, a ``body`` object
     naming a ``model``, not streamed. Blank lines are skipped. A line over ``max_line_bytes``
@@ -93,7 +99,9 @@ def validate(source: IO[bytes], *, endpoint: str, max_requests: int,
     is one error. Whether the models are served is the caller's to ask (`without_models`).
 
     Memory: a chunk of the file, one line (at most ``max_line_bytes``), the lines found; a line
-    over WHOLE_PARSE_BYTES is scanned, not built (`lines.scan_fields`)."""
+    over WHOLE_PARSE_BYTES is scanned, not built (`lines.scan_fields`). ``pause`` is called
+    between short steps (every PAUSE_LINES lines, and within a long line's scan): run in a
+    thread, the caller lets the event loop in there."""
     lines: list[InputLine] = []
     models: dict[str, list[int]] = {}
     errors: list[LineError] = []
@@ -108,7 +116,9 @@ def validate(source: IO[bytes], *, endpoint: str, max_requests: int,
             more += 1
 
     count = 0
-    for raw in bounded_lines(source, max_line_bytes):
+    for raw in bounded_lines(source, max_line_bytes, pause=pause):
+        if raw.number % PAUSE_LINES == 0:
+            pause()
         if raw.blank:
             continue
         count += 1
@@ -119,7 +129,7 @@ def validate(source: IO[bytes], *, endpoint: str, max_requests: int,
             error(LineError("line_too_long", number, f"line {number} has {raw.length} bytes; a line may have at most "
                             f"{max_line_bytes} (batches.maxLineBytes): make its request smaller"))
             continue
-        problem, custom_id, model, span = _check_line(raw.text, number, endpoint, seen)
+        problem, custom_id, model, span = _check_line(raw.text, number, endpoint, seen, pause)
         if problem is not None:
             error(problem)
         elif custom_id is not None and model is not None:
@@ -139,7 +149,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _fields(text: bytes) -> Fields:
+def _fields(text: bytes, pause: Callable[[], None]) -> Fields:
     if len(text) <= WHOLE_PARSE_BYTES:
         try:
             return fields_of(json.loads(text, parse_constant=_refuse_constant))
@@ -147,7 +157,7 @@ def _fields(text: bytes) -> Fields:
             raise NotJson("nested too deep") from exc
         except (ValueError, UnicodeDecodeError) as exc:
             raise NotJson(str(exc)) from exc
-    return scan_fields(text)
+    return scan_fields(text, pause)
 
 
 def _shown(value: Any) -> str:
@@ -156,10 +166,10 @@ def _shown(value: Any) -> str:
     return text if len(text) <= SHOWN_MOST else text[:SHOWN_MOST] + "..."
 
 
-def _check_line(text: bytes, number: int, endpoint: str, seen: set[str]
+def _check_line(text: bytes, number: int, endpoint: str, seen: set[str], pause: Callable[[], None]
                 ) -> tuple[LineError | None, str | None, str | None, tuple[int, int] | None]:
     try:
-        fields = _fields(text)
+        fields = _fields(text, pause)
     except NotJson as exc:
         return LineError("invalid_json_line", number, f"line {number} is not valid JSON: {exc}"), None, None, None
     if not fields.is_object:
