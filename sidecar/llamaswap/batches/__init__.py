@@ -3,10 +3,13 @@
 Ports and adapters, like the rest of the sidecar:
 - `lifecycle`: pure: a batch's statuses, how a line ends, its priority, ids, the documents' shapes;
 - `validate`: pure: an input file read line by line into requests or errors naming each line;
+- `lines`: pure: a file's lines read within a bound, a long line's fields found without building it;
 - `store`: SQLite (WAL) and a directory of files: the one durable record of files, batches,
-  their lines and each line's one result;
+  their lines and each line's one result; `dirlock` keeps it to one sidecar;
+- `output`: a batch's end: attempts counted, output files written by paging, results dropped;
 - `feeder`: asyncio: sends each batch's lines to Envoy's public listener, a few at a time, and
-  records what came back; resumes every batch after a restart;
+  records what came back (`writer`: together, kept while a full disk refuses them); resumes
+  every batch after a restart;
 - `http1`: the feeder's small keep-alive HTTP/1.1 client (its lines cost the sidecar's event loop
   less than a general client's);
 - `api`: the HTTP routes (`/v1/files`, `/v1/batches`) on the admin server, which Envoy's listener

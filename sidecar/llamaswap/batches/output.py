@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # A batch whose validation or finalizing failed (raised, or ended the process) this many times fails.
 ATTEMPTS_MOST = 2
 # Rows read (results) or deleted (results, lines) in one transaction.
-PAGE_LINES = 256
+PAGE_LINES = 128
 # The statuses a batch may end from, by the status it ends as: a batch finalized as expired that
 # a cancel reached meanwhile ends cancelled at the next look, not expired with cancelling_at set.
 END_FROM = {

@@ -8,10 +8,15 @@ its input file), and each line's one result. Invariants, enforced here:
 - a file's content is in place (written to a temporary name, then renamed) before its row is
   committed; an output file's name is derived from its batch, so finalizing again after a crash
   writes the same file;
-- nothing of a refused upload or batch is kept.
+- nothing of a refused upload or batch is kept;
+- results are kept once: when a batch ends, its output and error files hold them and its rows
+  of lines and results are deleted (`batches/output.py`);
+- one process at a time: a flock on batches.dir (`batches/dirlock.py`), taken before anything
+  there is read or removed.
 
 Calls are synchronous and take a lock (one connection): the feeder and the API run the slow ones
-(creating a batch of 50,000 lines, finalizing) in a worker thread.
+(creating a batch of 50,000 lines, finalizing) in a worker thread, and those take the lock a
+page at a time, so a call on the event loop waits for a page, not for the whole.
 """
 
 from __future__ import annotations
