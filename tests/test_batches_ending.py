@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from test_batches_feeder import Answer, Listener, Rig, listeners, ok, wait_until
 
+from llamaswap.batches import feeder as feeder_module
 from llamaswap.batches import validate as validate_module
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome
 from llamaswap.batches.output import ATTEMPTS_MOST, PAGE_LINES, Stage
@@ -144,6 +145,32 @@ async def test_a_batch_whose_finalize_killed_the_process_twice_fails_at_the_next
                              "message": Stage.FINALIZE.failure[1]}]
     assert "failed 2 times" in Stage.FINALIZE.failure[1]
     assert rig.store.result_page(batch_id, after=0) == [] and listener.requests == []
+    await rig.close()
+
+
+async def test_a_full_disk_while_finalizing_is_waited_out_not_counted(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(feeder_module, "IDLE_LOOK_S", 0.05)  # the looks that try again come sooner
+    listener = await listener_with(ok)
+    rig = Rig(tmp_path, listener)
+    batch_id = rig.batch(["a"])
+    real = rig.store.finalize
+    refusals: list[int] = []
+
+    def finalize(batch: Any, status: BatchStatus) -> Any:
+        if len(refusals) < ATTEMPTS_MOST + 1:  # more full-disk failures than a batch may fail
+            refusals.append(rig.store.attempts(batch_id)[Stage.FINALIZE])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(batch, status)
+
+    monkeypatch.setattr(rig.store, "finalize", finalize)
+    rig.start()
+    await wait_until(lambda: len(refusals) == ATTEMPTS_MOST + 1, "finalize refused for want of space")
+    assert rig.record(batch_id).status is BatchStatus.FINALIZING
+    rig.feeder.wake()  # space returns; the next look finalizes it
+    batch = await rig.ended(batch_id)
+    assert batch.status is BatchStatus.COMPLETED and refusals == [1, 1, 1]  # each counted, then given back
     await rig.close()
 
 

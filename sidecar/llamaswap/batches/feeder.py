@@ -332,8 +332,17 @@ class Feeder:
         except asyncio.CancelledError:  # the sidecar stops: not the batch's failure
             self._forgive(batch, Stage.VALIDATE)
             raise
-        if await asyncio.to_thread(self.store.validated, batch.id, validation.lines, validation.errors,
-                                   validation.more_errors):
+        try:
+            moved_on = await asyncio.to_thread(self.store.validated, batch.id, validation.lines, validation.errors,
+                                               validation.more_errors)
+        except Exception as exc:
+            if not out_of_space(exc):
+                raise  # counted: a look logs it, and the batch fails after ATTEMPTS_MOST
+            self._forgive(batch, Stage.VALIDATE)
+            _log.error("batch %s: its lines cannot be recorded (%s); it stays validating and is tried again at the "
+                       "next look", batch.id, exc)
+            return
+        if moved_on:
             if validation.errors:
                 _log.info("batch %s failed validation: %d problem(s)", batch.id,
                           len(validation.errors) + validation.more_errors)
