@@ -89,13 +89,14 @@ async def test_a_full_disk_pauses_the_batch_and_it_finishes_when_space_returns(
     filler = fill(small_disk)
     rig.start()
     await wait_until(lambda: rig.feeder.writes_failing, "a write of results to fail")
+    # The lines in flight then are answered (and kept); none starts after them.
+    await wait_until(lambda: rig.feeder.in_flight(batch_id) == 0, "the lines in flight answered")
     sent = len(listener.requests)
     assert 0 < sent < LINES
     # Paused: the writes are tried again (and fail) while no line starts and none is sent again.
     failed_before = tries.count(False)
     await wait_until(lambda: tries.count(False) >= failed_before + 2, "two more tries of the write")
-    await wait_until(lambda: rig.feeder.in_flight(batch_id) == 0, "the lines in flight answered")
-    assert len(listener.requests) == sent and rig.feeder.writes_failing
+    assert len(listener.requests) == sent and rig.feeder.in_flight(batch_id) == 0 and rig.feeder.writes_failing
     assert rig.record(batch_id).status is BatchStatus.IN_PROGRESS
     filler.unlink()  # space returns
     batch = await rig.ended(batch_id)
