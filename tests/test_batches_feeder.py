@@ -322,7 +322,9 @@ async def test_cancel_abandons_lines_in_flight_and_sends_no_more(
     assert batch.status is BatchStatus.CANCELLED and batch.output_file_id is None
     assert [r["error"]["code"] for r in rig.lines_of(batch.error_file_id)] == ["batch_cancelled"] * 5
     assert len(listener.requests) == 2 and rig.feeder.in_flight(batch_id) == 0
-    assert rig.counted()[("llamaswap_batches", (("status", "cancelled"),))] == 1
+    # the statuses' gauge is set as the look that ended it finishes (after a read in a worker thread)
+    await wait_until(lambda: rig.counted().get(("llamaswap_batches", (("status", "cancelled"),))) == 1,
+                     "the gauge of batches by status to count it")
     await rig.close()
 
 
