@@ -46,7 +46,8 @@ Figures, per side (a line per side and round, then a table of the medians over r
 Issue 47's figures (bench/batch_limits.py): the sidecar's peak memory above idle, the Checks of
 1-token interactive requests while the batch validates and finalizes against the same requests
 with no batch, and the refusal of a `--big-line-mb` one-line file. `--history N` runs N one-line
-batches to their end before the rounds; `--cprofile FILE` runs the sidecar under cProfile. The
+batches to their end before the rounds; `--upstream fake` puts a do-nothing upstream in place of
+llama-server (the sidecar's own costs); `--cprofile FILE` runs the sidecar under cProfile. The
 defaults (1,000 lines of 8 tokens, 5 rounds) take about a minute on the 2-core VM when quiet.
 
 Last line: `batches: N lines, batch API X lines/s = R.RRx the client's (Y lines/s), interactive
@@ -58,20 +59,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
+import contextlib
 import dataclasses
 import json
 import pathlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
 
 import bench_paths  # noqa: F401 - puts e2e/ on the path
+from batch_activity import activity, handoffs, most_at_once
 from batch_limits import MemorySampler, Probe, RoundLimits, refuse_big_line, vm_bytes
 from batch_limits import report as report_limits
+from fake_upstream import UpstreamProcess
 from harness import free_port, running_stack
 from llama import run_llama_server
 from procfs import cpu_ns, machine_load
@@ -88,9 +91,17 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 PROBE_BODY = {"model": MODEL, "prompt": "probe", "max_tokens": 1}
 
 
-def generation_ms(document: dict[str, Any]) -> float:
-    """llama-server's own time for a completion (its `timings`: prompt and generation)."""
+def generation_ms(document: dict[str, Any]) -> float | None:
+    """llama-server's own time for a completion (its `timings`: prompt and generation); None from
+    the do-nothing upstream (`--upstream fake`), which neither times nor counts tokens."""
+    if "timings" not in document:
+        return None
     return float(document["timings"]["prompt_ms"]) + float(document["timings"]["predicted_ms"])
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
 
 
 def line_body(n: int, tokens: int) -> dict[str, Any]:
@@ -159,56 +170,6 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f} %"
 
 
-def activity(log_path: pathlib.Path, offset: int, prefix: str) -> list[dict[str, Any]]:
-    """The sidecar's activity records (its log's `"event":"request"` lines written from `offset`
-    on) whose request id starts with `prefix`."""
-    with open(log_path, "rb") as log:
-        log.seek(offset)
-        data = log.read()
-    records = []
-    for raw in data.splitlines():
-        if raw.startswith(b'{"event":"request"'):
-            record = json.loads(raw)
-            if record["request_id"].startswith(prefix) and record.get("granted_unix_ms") is not None:
-                records.append(record)
-    return records
-
-
-def handoffs(records: list[dict[str, Any]]) -> tuple[float | None, float]:
-    """From the lines' activity records: the median time from the latest end of a line to the
-    next line's arrival at the sidecar (what the sender takes to send the next: with at most
-    SLOTS lines at once a slot waits that long), and the sum of the lines' granted times (ms)."""
-    ends = sorted(record["granted_unix_ms"] + record["run_ms"] for record in records)
-    gaps = []
-    for record in records:
-        arrival = record["arrival_unix_ms"]
-        latest = bisect.bisect_right(ends, arrival)
-        if latest:
-            gaps.append(arrival - ends[latest - 1])
-    return (statistics.median(gaps) if gaps else None), sum(record["run_ms"] for record in records)
-
-
-def most_at_once(records: list[dict[str, Any]], limit: int) -> tuple[int, float, int]:
-    """By the sidecar's own account (each line from its arrival to the end of its exchange, as the
-    access log reported it), exactly: the most lines at once, and how long (ms) and how many times
-    there were more than `limit`."""
-    events = sorted([(record["arrival_unix_ms"], 1) for record in records] +
-                    [(record["granted_unix_ms"] + record["run_ms"], -1) for record in records],
-                    key=lambda event: (event[0], event[1]))  # an end before an arrival at the same instant
-    most = depth = times = 0
-    over_ms = 0.0
-    since = 0.0
-    for at, step in events:
-        depth += step
-        most = max(most, depth)
-        if step > 0 and depth == limit + 1:
-            since = at
-            times += 1
-        elif step < 0 and depth == limit:
-            over_ms += at - since
-    return most, over_ms, times
-
-
 class QueueSampler:
     """GET /queue every `interval_s`: the most rows whose request id starts with `prefix` (waiting
     or running) and the share of the slots busy."""
@@ -268,7 +229,7 @@ async def clients(session: aiohttp.ClientSession, url: str, lines: int, tokens: 
     """`concurrency` clients, each sending its next line when its last is answered; the span (s)
     and llama-server's time for each line (ms)."""
     left = list(range(lines - 1, -1, -1))
-    generations: list[float] = []
+    generations: list[float | None] = []
 
     async def client() -> None:
         while left:
@@ -278,7 +239,7 @@ async def clients(session: aiohttp.ClientSession, url: str, lines: int, tokens: 
                                     headers={**headers, **extra}) as response:
                 document = await response.json(content_type=None)
                 assert response.status == 200, document
-                assert int(document["usage"]["completion_tokens"]) == tokens, document["usage"]
+                assert "usage" not in document or int(document["usage"]["completion_tokens"]) == tokens, document
                 generations.append(generation_ms(document))
 
     started = time.perf_counter()
@@ -323,7 +284,8 @@ async def check_output(session: aiohttp.ClientSession, url: str, batch: dict[str
     assert sorted(record["custom_id"] for record in records) == sorted(f"line-{n}" for n in range(lines))
     for record in records:
         assert record["response"]["status_code"] == 200, record
-        assert int(record["response"]["body"]["usage"]["completion_tokens"]) == tokens, record
+        body = record["response"]["body"]
+        assert "usage" not in body or int(body["usage"]["completion_tokens"]) == tokens, record
     return [generation_ms(record["response"]["body"]) for record in records]
 
 
@@ -366,7 +328,7 @@ async def run_side(setup: Setup, name: str, round_: int) -> Side:
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         if name == FLOOR:
             span, generations = await clients(session, setup.direct_url, args.lines, args.tokens, args.slots, {})
-            return Side(name, args.lines, span, generation_ms=statistics.median(generations))
+            return Side(name, args.lines, span, generation_ms=_median(generations))
         sampler = QueueSampler(session, setup.admin_url, args.sample_ms / 1000)
         interactive = Interactive(session, setup.stack_url, args.interactive_rate, args.interactive_tokens)
         probe = memory = None
@@ -420,7 +382,7 @@ async def run_side(setup: Setup, name: str, round_: int) -> Side:
         return Side(name, args.lines, span, upload_s, interactive.waits_ms, sampler.most,
                     statistics.fmean(sampler.busy) if sampler.busy else None, len(sampler.busy),
                     sidecar_ms, envoy_ms, handoff, granted_ms / 1000 / (span * args.slots), most,
-                    (over_ms, over_times), (statistics.median(runs), max(runs)), statistics.median(generations),
+                    (over_ms, over_times), (statistics.median(runs), max(runs)), _median(generations),
                     (percentile(sampler.latencies_ms, 99), max(sampler.latencies_ms)) if sampler.latencies_ms else None,
                     limits)
 
@@ -523,6 +485,25 @@ def report(rounds: list[dict[str, Side]], args: argparse.Namespace, in_flight: i
           f"{_ms(client_waits, 95)} ms), most lines in the queue {most} (inFlight {in_flight})")
 
 
+@contextlib.contextmanager
+def upstream(args: argparse.Namespace, root: pathlib.Path) -> Iterator[str]:
+    """The real llama-server (the tests' tiny model, --parallel SLOTS), or with `--upstream fake`
+    the do-nothing one in a process of its own (the sidecar's own costs, e.g. at 50,000 lines on a
+    machine whose cores others share); its URL."""
+    if args.upstream == "fake":
+        fake = UpstreamProcess(root)
+        try:
+            yield fake.url
+        finally:
+            fake.close()
+        return
+    model = write_tiny_llama_gguf(root / "tiny.gguf", seed=5, name=MODEL)
+    server_args = ["-m", str(model), "--alias", MODEL, "--no-repack", "-c", str(2048 * args.slots),
+                   "--parallel", str(args.slots)]
+    with run_llama_server(server_args, log_path=root / "llama-server.log") as server:
+        yield f"http://127.0.0.1:{server.port}"
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=1000, help="lines of the batch (and of the client's run)")
@@ -541,6 +522,8 @@ async def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=50, help="GET /queue every this often")
     parser.add_argument("--poll-ms", type=float, default=100, help="GET /v1/batches/{id} every this often")
     parser.add_argument("--quick", action="store_true", help="1 round of 40 lines")
+    parser.add_argument("--upstream", choices=("llama", "fake"), default="llama",
+                        help="the real llama-server (default) or a do-nothing upstream (bench/fake_upstream.py)")
     parser.add_argument("--probe-ms", type=float, default=10, help="issue 47: a 1-token interactive request every "
                         "this often while the batch validates or finalizes (0: none)")
     parser.add_argument("--probe-floor-s", type=float, default=2.0,
@@ -558,11 +541,7 @@ async def main() -> None:
     load_start = machine_load()
     started = time.perf_counter()
     with workdir(args.keep, "batches") as root:
-        model = write_tiny_llama_gguf(root / "tiny.gguf", seed=5, name=MODEL)
-        server_args = ["-m", str(model), "--alias", MODEL, "--no-repack", "-c", str(2048 * args.slots),
-                       "--parallel", str(args.slots)]
-        with run_llama_server(server_args, log_path=root / "llama-server.log") as server:
-            direct_url = f"http://127.0.0.1:{server.port}"
+        with upstream(args, root) as direct_url:
             batches: dict[str, Any] = {"dir": str(root / "batches")}
             if args.in_flight is not None:
                 batches["inFlight"] = args.in_flight
