@@ -1,7 +1,7 @@
 """Replays (issue 45): activity logs recorded through the real stack at 68b3511
 (tests/replays/README.md) replayed by `llamaswap simulate --activity` with the log's own
 settings decide as the sidecar decided: the same grants in the same order, each on the same GPU,
-loading its model or not as it did, unloading the same resident models (for the same reasons),
+loading its model or not as it did, unloading the same resident models (for the same reasons; never a pinned one),
 put ahead by aging or swap affinity as often. Waits are left out: the recorded ones follow the
 machine's clock, the decisions must not."""
 
@@ -32,6 +32,7 @@ FAITHFUL: dict[str, tuple[str, ...]] = {
     # (test_the_measured_concurrency_speed_replays_otherwise).
     "resident": FAKE_SPEED,
     "resident_memory": FAKE_SPEED,
+    "resident_pinned": FAKE_SPEED,
     "slots": FAKE_SPEED,
 }
 
@@ -126,6 +127,9 @@ def test_each_log_exercises_what_it_is_kept_for() -> None:
         assert settings_of(REPLAYS / f"{name}.jsonl")["upstreams"][0]["max_loaded"] == most
         assert sum(len(g.evicted) for g in recorded(REPLAYS / f"{name}.jsonl").grants) >= 3, name
     assert settings_of(REPLAYS / "resident_memory.jsonl")["upstreams"][0]["memory_bytes"] == 20 * 2**30
+    pinned = recorded(REPLAYS / "resident_pinned.jsonl").grants
+    assert settings_of(REPLAYS / "resident_pinned.jsonl")["upstreams"][0]["pinned"] == ["model-a"]
+    assert sum(len(g.evicted) for g in pinned) >= 3 and not any("model-a" in g.evicted for g in pinned)
     slots = [json.loads(line) for line in (REPLAYS / "slots.jsonl").read_text().splitlines()]
     assert (slots[0]["slots"], slots[0]["reserved_slots"]) == (4, 1)
     assert max(r.get("serial_slots_busy") or 0 for r in slots) == 4
@@ -134,6 +138,7 @@ def test_each_log_exercises_what_it_is_kept_for() -> None:
 @pytest.mark.parametrize(("name", "options"), [
     ("resident", ("--max-loaded", "1")),  # one model at a time: no evictions, more loads
     ("resident_memory", ("--max-loaded", "2")),
+    ("resident_pinned", ("--max-loaded", "2")),  # the pinned model and one other
     ("one_gpu", ("--scheduler", "fifo")),  # no aging and no affinity: another order
     ("two_gpus", ("--gpus", "1")),  # every grant on gpu0
     ("slots", ("--slots", "2")),  # fewer at once: another order
@@ -154,7 +159,7 @@ ESTIMATE_DEFAULTS_NOT_RECORDED = ("the log does not record the estimates' defaul
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=MEASURED_SPEED_IS_WRONG)
-@pytest.mark.parametrize("name", ["resident", "resident_memory", "slots"])
+@pytest.mark.parametrize("name", ["resident", "resident_memory", "resident_pinned", "slots"])
 def test_the_measured_concurrency_speed_replays_otherwise(name: str) -> None:
     log = REPLAYS / f"{name}.jsonl"
     assert first_difference(recorded(log), replayed(log)) is None

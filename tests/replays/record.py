@@ -3,7 +3,7 @@ real sidecar process and the fake llama-server(s) of e2e/, started as the end-to
 them (e2e/harness.py, e2e/gpu_stack.py). tests/test_replays.py replays each log with
 `llamaswap simulate` and checks that the replay decides as the sidecar did.
 
-    PYTHONPATH=$PWD/sidecar .venv/bin/python tests/replays/record.py [NAME ...]
+    PYTHONPATH=$PWD/sidecar .venv/bin/python tests/replays/record.py [--out DIR] [NAME ...]
 
 Each workload goes in waves: the GPU(s) held by a request the fake holds, a wave queued behind it
 (each request polled into the queue before the next is sent), then the hold released. Every
@@ -241,6 +241,10 @@ async def record(name: str, log: pathlib.Path) -> None:
                                  "model-c": {"memory": "8GiB"}, "model-d": {"memory": "12GiB"}}}
             await _run_stack(workdir, log, resident, config,
                              FakeLlamaServer(router=True, models=FOUR_MODELS, models_max=3))
+        elif name == "resident_pinned":  # three at most, model-a pinned (loaded at start, never evicted)
+            config = {"upstream": {"maxLoaded": 3}, "models": {"model-a": {"pinned": True}}}
+            await _run_stack(workdir, log, resident, config,
+                             FakeLlamaServer(router=True, models=FOUR_MODELS, models_max=3))
         elif name == "slots":
             kept_slot = {"routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}}
             config = {"upstream": {"slots": 4}, **kept_slot}
@@ -249,12 +253,16 @@ async def record(name: str, log: pathlib.Path) -> None:
             raise SystemExit(f"unknown workload {name!r}; one of {', '.join(NAMES)}")
 
 
-NAMES = ("one_gpu", "two_gpus", "resident", "resident_memory", "slots")
+NAMES = ("one_gpu", "two_gpus", "resident", "resident_memory", "resident_pinned", "slots")
 
 
 def main(argv: Sequence[str]) -> int:
+    """``[--out DIR] [NAME ...]``: every workload, or those named, into DIR (default: here)."""
+    out = HERE
+    if argv[:1] == ["--out"]:
+        out, argv = pathlib.Path(argv[1]), argv[2:]
     for name in argv or NAMES:
-        log = HERE / f"{name}.jsonl"
+        log = out / f"{name}.jsonl"
         asyncio.run(record(name, log))
         print(f"recorded {log} ({len(_records(log))} lines)")
     return 0
