@@ -64,6 +64,8 @@ def recorded(log: pathlib.Path) -> Decisions:
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     granted = [r for r in records if r.get("event") == "request" and r.get("granted_unix_ms") is not None]
     granted.sort(key=lambda r: r["granted_unix_ms"])
+    times = [r["granted_unix_ms"] for r in granted]
+    assert len(set(times)) == len(times), "two grants at one recorded instant: their order is unknown"
     grants = [Grant(r["request_id"], r["upstream"], bool(r["swap"] or r["load"]),
                     tuple(e["model"] for e in r.get("evicted", []))) for r in granted]
     reorders = Counter(cause for r in granted for cause in r.get("reordered_by", []))
