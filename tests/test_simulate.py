@@ -257,10 +257,11 @@ def test_requests_lines():
     by_id = {line["request_id"]: line for line in lines}
     assert list(by_id) == ["a1", "b1", "a2", "i1", "x1", "q1", "b2", "z1"]  # arrival order
     assert by_id["a2"] == {"request_id": "a2", "band": "normal", "priority": 0, "model": "A",
-                           "start_ms": 10000.0, "wait_ms": 8000.0, "outcome": "served", "upstream": "gpu0"}
+                           "start_ms": 10000.0, "wait_ms": 8000.0, "outcome": "served", "upstream": "gpu0",
+                           "grant": 1, "model_load": False, "evicted": []}  # after a1, before b1 (affinity)
     assert by_id["i1"] == {"request_id": "i1", "band": "interactive", "priority": 100, "model": "B",
                            "start_ms": None, "wait_ms": 6000.0, "outcome": "cancelled_waiting",
-                           "upstream": None}
+                           "upstream": None, "grant": None, "model_load": False, "evicted": []}
     assert by_id["x1"]["outcome"] == "expired" and by_id["x1"]["wait_ms"] == 14000.0
     assert by_id["q1"]["outcome"] == "rejected_full" and by_id["q1"]["wait_ms"] == 0.0
     # The table follows the request lines and says what was not replayed.

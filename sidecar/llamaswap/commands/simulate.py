@@ -156,7 +156,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     parser.add_argument("--requests", nargs="?", const="-", metavar="FILE",
                         help="also one JSON line per simulated request (request_id, band, priority, model, "
-                             "start_ms from the first arrival, wait_ms, outcome, upstream), to FILE or, "
+                             "start_ms from the first arrival, wait_ms, outcome, upstream, grant: its place "
+                             "in the order of grants, model_load, evicted), to FILE or, "
                              "without one, to stdout before the summary (which is then one JSON line with "
                              "--format json)")
     parser.add_argument("--plot", metavar="FILE.png",

@@ -293,7 +293,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
     evictions = Counter[EvictReason]()
-    swaps = peak = waiting = 0
+    swaps = peak = waiting = granted = 0
     last_release = 0
     # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
@@ -401,6 +401,9 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
             result.start_ns = result.end_ns = now
             result.model_load = load
             result.upstream = decision.upstream
+            result.grant = granted
+            granted += 1
+            result.evicted = tuple(eviction.model for eviction in decision.evicts)
             swaps += load
             if decision.reordered_by:
                 for cause in decision.reordered_by:

@@ -38,6 +38,8 @@ class Result:
     release_ns: int | None = None
     model_load: bool = False
     upstream: str | None = None  # the upstream (GPU) its grant ran on
+    grant: int | None = None  # its place in the replay's order of grants (0: the first)
+    evicted: tuple[str, ...] = ()  # the resident models its grant unloaded to make room
 
     @property
     def wait_ns(self) -> int:
