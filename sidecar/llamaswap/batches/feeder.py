@@ -356,6 +356,15 @@ class Feeder:
     async def _fill(self, batch: BatchRecord) -> None:
         if self._paused:  # nothing starts (the sidecar is stopping): no end to look for either
             return
+        ahead = self._ahead.setdefault(batch.id, collections.deque())
+        if not ahead and not self._flying.get(batch.id) and not self._writer.blocking:
+            # The first read after a start or a rewind may pass many lines that have results:
+            # in a worker thread. (Nothing of this batch is in flight, so no line's end reads
+            # ahead meanwhile; later reads start from the cursor and are short.)
+            after = self._cursor.get(batch.id, 0)
+            read = await asyncio.to_thread(self.store.unfinished_lines, batch.id, after=after, limit=READ_AHEAD)
+            if not ahead and not self._flying.get(batch.id):
+                ahead.extend(read)
         if self._start_lines(batch) or self._flying.get(batch.id):
             return
         # Nothing after the cursor and nothing in flight: its answers written, done, unless a
