@@ -8,8 +8,8 @@ Ports and adapters, like the rest of the sidecar:
   their lines and each line's one result; `dirlock` keeps it to one sidecar;
 - `output`: a batch's end: attempts counted, output files written by paging, results dropped;
 - `feeder`: asyncio: sends each batch's lines to Envoy's public listener, a few at a time, and
-  records what came back (`writer`: together, kept while a full disk refuses them); resumes
-  every batch after a restart;
+  records what came back (`records`: a result's shape; `writer`: written together, kept while a
+  full disk refuses them); resumes every batch after a restart;
 - `http1`: the feeder's small keep-alive HTTP/1.1 client (its lines cost the sidecar's event loop
   less than a general client's);
 - `api`: the HTTP routes (`/v1/files`, `/v1/batches`) on the admin server, which Envoy's listener

@@ -30,8 +30,6 @@ import collections
 import contextlib
 import dataclasses
 import errno
-import hashlib
-import json
 import logging
 import os
 import sqlite3
@@ -44,7 +42,15 @@ from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
 from llamaswap.batches.output import Stage
 from llamaswap.batches.store import BatchRecord, Result, Store
-from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, line_body, validate
+from llamaswap.batches.records import (
+    LineUnreadable,
+    answer_record,
+    ended_record,
+    failed_record,
+    parsed_body,
+    read_exactly,
+)
+from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, validate
 from llamaswap.batches.writer import Answered, ResultWriter
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
@@ -133,50 +139,11 @@ async def any_model(model: str) -> bool:
     return True
 
 
-def result_id(batch_id: str, line: int) -> str:
-    """A line's `id` in the output: the same on every try, so a line sent again is the same record."""
-    return "batch_req_" + hashlib.sha256(f"{batch_id}/{line}".encode()).hexdigest()[:24]
-
-
-def answer_record(batch_id: str, line: InputLine, status: int, request_id: str, body: bytes) -> dict[str, Any]:
-    """The output or error file's line for an answer of the upstream."""
-    try:
-        document: Any = json.loads(body)
-    except ValueError:
-        document = body.decode("utf-8", "replace")
-    error = None
-    if not 200 <= status < 300:
-        detail = document.get("error") if isinstance(document, dict) else None
-        message = detail.get("message") if isinstance(detail, dict) else None
-        error = {"code": f"http_{status}", "message": message if isinstance(message, str) else
-                 f"the upstream answered {status}"}
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": document}, "error": error}
-
-
-def failed_record(batch_id: str, line: InputLine, code: str, message: str) -> dict[str, Any]:
-    """The error file's line for a line that ended without an answer of the upstream."""
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
-            "error": {"code": code, "message": message}}
-
-
-class LineUnreadable(Exception):
-    """A line's body cannot be read from its input file (gone, cut short, changed)."""
-
-
 def out_of_space(exc: BaseException) -> bool:
     """Whether a failed write is the disk's (full, or over a quota): it passes when space returns."""
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
-
-
-def ended_record(batch_id: str, line: InputLine, outcome: LineOutcome) -> dict[str, Any]:
-    """The error file's line for a line never answered (expired, cancelled)."""
-    message = {LineOutcome.EXPIRED: "the batch's completion window ended before this request ran",
-               LineOutcome.CANCELLED: "the batch was cancelled before this request finished"}[outcome]
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
-            "error": {"code": outcome.error_code, "message": message}}
 
 
 class Feeder:
@@ -536,11 +503,11 @@ class Feeder:
         except OSError as exc:
             raise LineUnreadable(f"the input file {batch.input_file_id} cannot be read: {exc}") from exc
         if line.body_offset is not None and line.body_length is not None:
-            return await asyncio.to_thread(_read_exactly, fd, line.body_offset, line.body_length, batch, line)
+            return await asyncio.to_thread(read_exactly, fd, line.body_offset, line.body_length, batch, line)
         if line.length <= INLINE_BODY_BYTES:
-            return _parsed_body(_read_exactly(fd, line.offset, line.length, batch, line), batch, line)
+            return parsed_body(read_exactly(fd, line.offset, line.length, batch, line), batch, line)
         return await asyncio.to_thread(
-            lambda: _parsed_body(_read_exactly(fd, line.offset, line.length, batch, line), batch, line))
+            lambda: parsed_body(read_exactly(fd, line.offset, line.length, batch, line), batch, line))
 
     def _close_input(self, batch_id: str) -> None:
         self._headers.pop(batch_id, None)
@@ -573,26 +540,6 @@ def _let_others_run() -> None:
     """In a worker thread: give up the GIL now, so the event loop runs within a millisecond or
     so rather than after the interpreter's switch interval (5 ms, more on a busy machine)."""
     time.sleep(0)
-
-
-def _read_exactly(fd: int, offset: int, length: int, batch: BatchRecord, line: InputLine) -> bytes:
-    try:
-        data = os.pread(fd, length, offset)
-    except OSError as exc:
-        raise LineUnreadable(f"line {line.line} cannot be read from the input file {batch.input_file_id}: "
-                             f"{exc}") from exc
-    if len(data) != length:
-        raise LineUnreadable(f"line {line.line} is cut short in the input file {batch.input_file_id} (it has "
-                             f"{len(data)} of its {length} bytes)")
-    return data
-
-
-def _parsed_body(text: bytes, batch: BatchRecord, line: InputLine) -> bytes:
-    try:
-        return line_body(text)
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise LineUnreadable(f"line {line.line} of the input file {batch.input_file_id} is no longer the request "
-                             f"that was validated ({type(exc).__name__})") from exc
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
