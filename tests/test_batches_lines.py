@@ -177,3 +177,21 @@ def test_a_string_of_megabytes_is_walked_in_steps_escapes_and_all() -> None:
                    text.replace(b"\\u00e9", b"\\u00zz", 2000), text[:len(text) // 2]):
         with pytest.raises(NotJson):
             scan_fields(broken)
+
+
+@pytest.mark.parametrize("text", [b'[[1,2,]]', b'{"x":{"a":1,}}', b'[[1 2]]', b'[[01,1]]', b'[[1,2,3', b'[["a\\x",1]]',
+                                  b'{"x":{"a":1,"b" 2,"c":3}}', b'[[{},{} {}]]', b'[[1.,2]]', b'[[-,1]]',
+                                  b'[[' + b"1," * 5000 + b']]', b'{"x":[' + b'{},' * 3000 + b'{}}'])
+def test_runs_of_members_refuse_what_json_loads_refuses(text: bytes) -> None:
+    with pytest.raises(ValueError):
+        json.loads(text)
+    with pytest.raises(NotJson):
+        scan_fields(text)
+
+
+def test_runs_of_members_accept_what_json_loads_accepts() -> None:
+    for text in (b'[[' + b"1, 2.5e3 ,\"s\",true,null,{},[ ]," * 2000 + b'0]]',
+                 b'{"x":{' + b"".join(b'"k%d": [],' % n for n in range(3000)) + b'"z":1}, "custom_id": "c"}'):
+        json.loads(text)
+        assert scan_fields(text).is_object == text.startswith(b"{")
+    assert scan_fields(b'{"x":{' + b'"a":1,' * 3000 + b'"b":2},"custom_id":"c"}').top["custom_id"] == "c"
