@@ -41,7 +41,6 @@ from typing import Any, Protocol
 from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
 from llamaswap.batches.output import Stage
-from llamaswap.batches.store import BatchRecord, Result, Store
 from llamaswap.batches.records import (
     LineUnreadable,
     answer_record,
@@ -50,6 +49,7 @@ from llamaswap.batches.records import (
     parsed_body,
     read_exactly,
 )
+from llamaswap.batches.store import BatchRecord, Result, Store
 from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, validate
 from llamaswap.batches.writer import Answered, ResultWriter
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
@@ -63,8 +63,8 @@ RESEND_MOST_S = 30.0
 # Lines read from the store at once, ahead of those in flight.
 READ_AHEAD = 64
 # A line's body (or an answer) up to this is parsed and re-serialised on the event loop (tens of
-# microseconds); a longer one in a worker thread. A line too long to parse whole was scanned at validation and
-# its body is sent as it lies in the file (InputLine.body_offset), never parsed.
+# microseconds); a longer one in a worker thread. A line too long to parse whole was scanned at
+# validation and its body is sent as it lies in the file (InputLine.body_offset), never parsed.
 INLINE_BODY_BYTES = 64 * 1024
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
