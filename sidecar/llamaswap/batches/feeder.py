@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
-from llamaswap.batches.output import Stage
+from llamaswap.batches.output import Stage, let_others_run
 from llamaswap.batches.records import (
     LineUnreadable,
     answer_record,
@@ -284,7 +284,7 @@ class Feeder:
         def read() -> Validation:
             with open(self.store.file_path(batch.input_file_id), "rb") as source:
                 return validate(source, endpoint=batch.endpoint, max_requests=max_requests,
-                                max_line_bytes=max_line_bytes, pause=_let_others_run)
+                                max_line_bytes=max_line_bytes, pause=let_others_run)
 
         if not await self._attempt(batch, Stage.VALIDATE):
             return
@@ -534,12 +534,6 @@ class Feeder:
                 _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
             await asyncio.sleep(min(wait_s, RESEND_MOST_S))
             pause_s = min(pause_s * 2, RESEND_MOST_S)
-
-
-def _let_others_run() -> None:
-    """In a worker thread: give up the GIL now, so the event loop runs within a millisecond or
-    so rather than after the interpreter's switch interval (5 ms, more on a busy machine)."""
-    time.sleep(0)
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:

@@ -23,6 +23,7 @@ import json
 import pathlib
 import sqlite3
 import threading
+import time
 from typing import IO, TYPE_CHECKING
 
 from llamaswap.batches.files import OUTPUT_PURPOSE
@@ -46,6 +47,14 @@ _STAGES_FROM = {
     "validate": (BatchStatus.VALIDATING,),
     "finalize": (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING),
 }
+
+
+def let_others_run() -> None:
+    """In a worker thread, between two steps (pages of rows, stretches of a file): give up the
+    GIL now, and with it the store's lock just released, so a call on the event loop gets both
+    within a millisecond or so, not after the interpreter's switch interval (5 ms, more on a busy
+    machine) or the next page (a lock released and taken again at once is not handed over)."""
+    time.sleep(0)
 
 
 class Stage(str, enum.Enum):
@@ -196,6 +205,7 @@ class ResultsTable:
                     files[in_output].write(record.encode() + b"\n")
                     counts[in_output] += 1
                 after = page[-1][0]
+                let_others_run()
             for file in files.values():
                 file.flush()
         return counts  # add_file syncs each before it is renamed into place
@@ -227,6 +237,7 @@ class ResultsTable:
                     dropped += count
                 if count == 0:
                     break
+                let_others_run()
         return dropped
 
     def drop_ended_results(self) -> int:

@@ -35,12 +35,12 @@ from typing import Any
 from llamaswap.batches.files import FILES, FileInUse, FileRecord, FilesTable, upgrade_owners_and_expiry
 from llamaswap.batches.dirlock import DirectoryInUse, DirectoryLock
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
-from llamaswap.batches.output import ResultsTable, upgrade_attempts_and_bodies
+from llamaswap.batches.output import ResultsTable, let_others_run, upgrade_attempts_and_bodies
 from llamaswap.batches.validate import InputLine, LineError
 
 DATABASE = "batches.sqlite3"
 # Lines put in per transaction when a batch is validated.
-LINES_PAGE = 1000
+LINES_PAGE = 250
 __all__ = ["FILES", "FileInUse", "FileRecord", "Store", "StoreError"]
 # 2: a batch's counts of completed and failed lines kept in its row (read at every poll).
 SCHEMA_VERSION = 2
@@ -235,6 +235,7 @@ class Store(FilesTable, ResultsTable):
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     ((batch_id, line.line, line.custom_id, line.offset, line.length, line.body_offset,
                       line.body_length) for line in lines[start:start + LINES_PAGE]))
+            let_others_run()
         with self._transaction() as db:
             changed = db.execute(
                 f"UPDATE batches SET status = ?, errors = ?, total = ?, {stamp} = ? WHERE id = ? AND status = ?",
@@ -325,11 +326,12 @@ class Store(FilesTable, ResultsTable):
         """Every line still without a result ends as ``outcome`` (expired, cancelled); how many."""
         ended = 0
         while True:
-            lines = self.unfinished_lines(batch_id, limit=1000)
+            lines = self.unfinished_lines(batch_id, limit=LINES_PAGE)
             if not lines:
                 return ended
             now = self._now()
             ended += sum(self.record_results([Result(batch_id, line, outcome, record(line), now) for line in lines]))
+            let_others_run()
 
     def counts(self, batch_id: str, total: int) -> Counts:
         """Kept in the batch's row with each result (O(1): every poll of a batch reads it)."""
