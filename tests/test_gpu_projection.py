@@ -144,3 +144,20 @@ def test_the_page_reads_the_servers_word_for_per_gpu_rows() -> None:
     script = APP_JS.read_text()
     assert "doc.per_gpu" in script and "gpu.per_model" in script
     assert "max_loaded || 1) > 1" not in script
+
+
+def test_a_gpus_projection_is_kept_only_while_its_holding_and_held_back_model_are() -> None:
+    from llamaswap.core import Slots
+    from llamaswap.core.holding import Running
+    from llamaswap.runtime.gpu_projection import Projector
+
+    projector = Projector()
+    idle = GpuHolding("gpu0", Slots(2), None, frozenset({"a"}))
+    first = projector.node((idle,), {})
+    assert projector.node((idle,), {}) is first  # nothing changed: the same value
+    held = projector.node((idle,), {"gpu0": "a"})
+    assert held is not first and held.gpus[0].held_back == "a" and held.per_gpu
+    busy = idle._replace(running=Running(1, 1, "a"))
+    moved = projector.node((busy,), {})
+    assert (moved.gpus[0].slots_busy, moved.gpus[0].state, moved.gpus[0].held_back) == (1, "running", None)
+    assert (moved.slots_busy, moved.gpu, moved.busy) == (1, "running", True)

@@ -1,6 +1,6 @@
 """One projection of the GPUs, the one that every reader of them reads: GET /queue and the
 page's state (`NodeProjection.document`, which `llamaswap queue` and the page render as sent),
-the gauges and an endpoint picker's page (`QueuePicture.gpus`, `runtime/observer.py`).
+the gauges and an endpoint picker's page (`QueuePicture.node`, `runtime/observer.py`).
 
 Built from what holds each GPU (`GpuHolding`, the scheduler's) and the model the best waiting
 request holds back there (`Scheduler.held_back`). The JSON of a GPU is written from the
@@ -168,19 +168,16 @@ class Projector:
         self._node: NodeProjection | None = None
 
     def node(self, holdings: Sequence[GpuHolding], held_back: Mapping[str, str | None]) -> NodeProjection:
-        gpus = []
-        same = self._node is not None and len(self._node.gpus) == len(holdings)
-        for index, holding in enumerate(holdings):
-            shown = held_back.get(holding.name)
-            last = self._last.get(holding.name)
-            if last is not None and last[0] is holding and last[1] == shown:
-                gpu = last[2]
-            else:
-                gpu = GpuProjection.of(holding, shown)
-                self._last[holding.name] = (holding, shown, gpu)
-            same = same and self._node is not None and self._node.gpus[index] is gpu
-            gpus.append(gpu)
-        if same and self._node is not None:
-            return self._node
-        node = self._node = NodeProjection.of(gpus)
+        gpus = tuple(self._gpu(holding, held_back.get(holding.name)) for holding in holdings)
+        node = self._node
+        if node is None or len(node.gpus) != len(gpus) or any(a is not b for a, b in zip(node.gpus, gpus)):
+            node = self._node = NodeProjection.of(gpus)
         return node
+
+    def _gpu(self, holding: GpuHolding, held_back: str | None) -> GpuProjection:
+        last = self._last.get(holding.name)
+        if last is not None and last[0] is holding and last[1] == held_back:
+            return last[2]
+        gpu = GpuProjection.of(holding, held_back)
+        self._last[holding.name] = (holding, held_back, gpu)
+        return gpu
