@@ -9,14 +9,13 @@ resident at a time keeps the table it had (tests/test_views_gpus.py).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from policies import serial
 
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
-from llamaswap.core import Estimator, ManualClock, QueueSnapshot, Scheduler, Slots
+from llamaswap.core import Estimator, ManualClock, Scheduler, Slots
 from llamaswap.core.holding import GpuHolding, Running
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.core.residency import Residency
@@ -29,7 +28,7 @@ POLICY = serial(aging_divisor_s=0.0).with_gpus((GpuPolicy("gpu0", SLOTS, residen
 
 class HoldingBack:
     """A scheduler that says the best waiting request holds ``model`` back on each GPU (what the
-    core's rule will say: `Scheduler.held_back`, and its snapshots), the rest its own."""
+    core's rule will say: `Scheduler.held_back`), the rest its own."""
 
     def __init__(self, scheduler: Scheduler, model: str | None) -> None:
         self._scheduler = scheduler
@@ -38,11 +37,6 @@ class HoldingBack:
     @property
     def held_back(self) -> dict[str, str | None]:
         return {gpu: self._model for gpu in self._scheduler.gpus} if self._model is not None else {}
-
-    def snapshot(self) -> QueueSnapshot:
-        snapshot = self._scheduler.snapshot()
-        gpus = tuple(dataclasses.replace(gpu, held_back=self._model) for gpu in snapshot.gpus)
-        return dataclasses.replace(snapshot, gpus=gpus)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)

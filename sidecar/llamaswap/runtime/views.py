@@ -18,7 +18,7 @@ from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import SINGLE_UPSTREAM
-from llamaswap.runtime.gpu_projection import GpuProjection, GpuState, NodeProjection, Projector
+from llamaswap.runtime.gpu_projection import GpuState, NodeProjection, Projector
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
 
@@ -91,10 +91,6 @@ class QueueView:
     @property
     def slots_total(self) -> int:
         return self.node.slots_total
-
-    @property
-    def gpus(self) -> tuple[GpuProjection, ...]:
-        return self.node.gpus
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
