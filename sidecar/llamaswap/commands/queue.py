@@ -10,7 +10,9 @@ for the running request TIME is how long it has run and START how long it is exp
 take still. With several upstreams (GPUs) GPU says which one a running request runs on, and one
 line per GPU above the table says what it has loaded and how many of its slots are busy (like
 `squeue`'s partitions); where a GPU keeps several models resident (`maxLoaded`), its line gives
-each model's busy/total slots and the model the best waiting request holds back there. Places
+each model's busy/total slots and the model the best waiting request holds back there. The
+sidecar says which of these lines to show (``per_gpu``, and ``per_model`` on each GPU): this
+command shows what it says. Places
 kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT counts from the
 first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until
 Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
