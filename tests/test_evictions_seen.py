@@ -25,7 +25,8 @@ from llamaswap.core.decisions import Decision
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.core.residency import Residency
 from llamaswap.runtime.activity import ActivityLog
-from llamaswap.runtime.observer import GpuPicture, QueuePicture
+from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
+from llamaswap.runtime.observer import QueuePicture
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
 from llamaswap.simulate.records import parse_activity
 from llamaswap.telemetry import EVICTED_EVENT, QUEUE_SPAN, Telemetry
@@ -36,6 +37,11 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 POLICY = serial(aging_divisor_s=0.0).with_gpus((GpuPolicy("big", Slots(4), residency=Residency(max_loaded=3)),
                                                 GpuPolicy("small", Slots(1))))
 REASONS = {reason.value for reason in EvictReason}
+
+
+def picture(*gpus: GpuProjection) -> QueuePicture:
+    """The gauges' picture of these GPUs, nothing waiting."""
+    return QueuePicture((), (), NodeProjection.of(gpus))
 
 
 def granted(request_id: str, model: str, clock: ManualClock, *, upstream: str = "big",
@@ -82,8 +88,8 @@ def test_the_models_resident_on_each_gpu() -> None:
     telemetry.settings_changed(POLICY)
     # Before the first picture: nothing known resident anywhere.
     assert by_label(metrics(telemetry), names.MODELS_RESIDENT, "upstream") == {"big": 0, "small": 0}
-    telemetry.queue_changed(QueuePicture((), (), True, 1, (GpuPicture("big", ("a", "b", "c"), 1, 4),
-                                                             GpuPicture("small", ("x",), 0, 1))))
+    telemetry.queue_changed(picture(GpuProjection("big", ("a", "b", "c"), 1, 4),
+                                    GpuProjection("small", ("x",), 0, 1)))
     samples = metrics(telemetry)
     assert by_label(samples, names.MODELS_RESIDENT, "upstream") == {"big": 3, "small": 1}
     body = telemetry.prometheus_text()[0].decode()
@@ -239,9 +245,9 @@ def test_the_pickers_max_lora_is_every_gpus_max_loaded() -> None:
         return found
 
     assert adapters().max_adapters == 4
-    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("big", ("a", "b"), 0, 4, max_loaded=3),
-                                                              GpuPicture("small", ("x",), 0, 1))))
+    telemetry.queue_changed(picture(GpuProjection("big", ("a", "b"), 0, 4, max_loaded=3),
+                                    GpuProjection("small", ("x",), 0, 1)))
     assert adapters().max_adapters == 4 and adapters().running == ("a", "b", "x")
-    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("big", ("a", "b"), 0, 4, max_loaded=2),
-                                                              GpuPicture("small", ("x",), 0, 1))))
+    telemetry.queue_changed(picture(GpuProjection("big", ("a", "b"), 0, 4, max_loaded=2),
+                                    GpuProjection("small", ("x",), 0, 1)))
     assert adapters().max_adapters == 3  # a reload changed maxLoaded

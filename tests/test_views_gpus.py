@@ -15,13 +15,16 @@ from two_gpus import TwoGpus
 
 from llamaswap.adapters.admin import queue_document, status_document
 from llamaswap.commands.queue import render
-from llamaswap.core import ManualClock, QueueSnapshot
-from llamaswap.core.decisions import GpuView
-from llamaswap.core.policy import PolicyName
-from llamaswap.runtime.observer import GpuPicture, QueuePicture
-from llamaswap.runtime.views import node_residents
+from llamaswap.core import ManualClock
+from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
+from llamaswap.runtime.observer import QueuePicture
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.observer import QUEUE_SPAN, RUN_SPAN, Telemetry
+
+
+def picture(*gpus: GpuProjection) -> QueuePicture:
+    """The gauges' picture of these GPUs, nothing waiting."""
+    return QueuePicture((), (), NodeProjection.of(gpus))
 
 
 def busy_node(observers: tuple = (), clock: ManualClock | None = None) -> tuple[TwoGpus, dict]:
@@ -36,7 +39,7 @@ def busy_node(observers: tuple = (), clock: ManualClock | None = None) -> tuple[
 def one_model(model: str, busy: int, slots: int, *, loading: bool = False) -> dict:
     """The fields of a GPU's document that describe its models, one resident at a time (issue 37's
     fields, beside the ones before it)."""
-    return {"max_loaded": 1, "held_back": None,
+    return {"max_loaded": 1, "held_back": None, "blocked": False, "per_model": False,
             "models": [{"model": model, "slots_busy": busy, "slots": slots, "pinned": False, "loading": loading}]}
 
 
@@ -62,8 +65,8 @@ def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None
 
 
 def test_the_nodes_resident_models_are_every_gpus_once_in_the_configured_order() -> None:
-    gpus = (GpuView("b", ("y",), 0, 1), GpuView("a", ("x", "y"), 0, 1), GpuView("c", (), 0, 1))
-    assert node_residents(QueueSnapshot(PolicyName.SERIAL, (), {}, (), gpus)) == ("y", "x")
+    gpus = (GpuProjection("b", ("y",), 0, 1), GpuProjection("a", ("x", "y"), 0, 1), GpuProjection("c", (), 0, 1))
+    assert NodeProjection.of(gpus).resident_models == ("y", "x")
 
 
 def test_a_running_requests_own_status_names_its_gpu() -> None:
@@ -190,8 +193,8 @@ def test_the_pickers_gauges_cover_every_gpu() -> None:
 
 def test_a_model_on_two_gpus_is_listed_once() -> None:
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 2, (GpuPicture("a", ("x",), 1, 1),
-                                                             GpuPicture("b", ("x",), 1, 1))))
+    telemetry.queue_changed(picture(GpuProjection("a", ("x",), 1, 1),
+                                    GpuProjection("b", ("x",), 1, 1)))
     adapters = read_adapters(parse_exposition(telemetry.picker_text()[0].decode()), parse_spec(names.MODELS_INFO))
     assert adapters is not None and adapters.running == ("x",) and adapters.max_adapters == 2
 
@@ -200,8 +203,8 @@ def test_each_resident_model_of_a_gpu_is_a_series_and_listed_once() -> None:
     """Several models resident on one GPU (issue 37 will allow it): a series each, and the node's
     models each once, in the configured order of the GPUs."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), False, 0, (GpuPicture("a", ("x", "y"), 0, 1),
-                                                              GpuPicture("b", ("w", "x"), 0, 1))))
+    telemetry.queue_changed(picture(GpuProjection("a", ("x", "y"), 0, 1),
+                                    GpuProjection("b", ("w", "x"), 0, 1)))
     samples = metrics(telemetry)
     assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="a") == {"x": 1, "y": 1}
     assert by_label(samples, names.UPSTREAM_MODEL, "model", upstream="b") == {"w": 1, "x": 1}
@@ -213,8 +216,8 @@ def test_a_settle_on_one_gpu_fills_only_that_gpu() -> None:
     """An upstream that finishes an abandoned generation takes no grant: full for the picker,
     busy in its own series; the other GPU's free slots still count as free."""
     telemetry = Telemetry(clock=ManualClock())
-    telemetry.queue_changed(QueuePicture((), (), True, 0, (GpuPicture("a", ("x",), 0, 2, blocked=True),
-                                                             GpuPicture("b", (), 0, 2))))
+    telemetry.queue_changed(picture(GpuProjection("a", ("x",), 0, 2, blocked=True),
+                                    GpuProjection("b", (), 0, 2)))
     samples = metrics(telemetry)
     assert value(samples, names.SATURATION) == 0.5
     assert by_label(samples, names.UPSTREAM_BUSY, "upstream") == {"a": 1, "b": 0}

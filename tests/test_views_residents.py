@@ -3,20 +3,19 @@ resident (issue 37, `maxLoaded`): each resident model with its own busy/total sl
 pinned, how many may be resident, and the model the best waiting request holds back there.
 
 The GPUs are `GpuHolding` values built by hand (what the scheduler's records build), and the
-held-back model is set on the snapshot's `GpuView` (the scheduler's rule fills it); one model
+held-back model is set as the scheduler's `held_back` (the scheduler's rule fills it); one model
 resident at a time keeps the table it had (tests/test_views_gpus.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from policies import serial
 
 from llamaswap.adapters.admin import queue_document
 from llamaswap.commands.queue import render
-from llamaswap.core import Estimator, ManualClock, QueueSnapshot, Scheduler, Slots
+from llamaswap.core import Estimator, ManualClock, Scheduler, Slots
 from llamaswap.core.holding import GpuHolding, Running
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.core.residency import Residency
@@ -28,17 +27,16 @@ POLICY = serial(aging_divisor_s=0.0).with_gpus((GpuPolicy("gpu0", SLOTS, residen
 
 
 class HoldingBack:
-    """A scheduler whose snapshots say the best waiting request holds ``model`` back on each GPU
-    (what the core's rule will say), the rest its own."""
+    """A scheduler that says the best waiting request holds ``model`` back on each GPU (what the
+    core's rule will say: `Scheduler.held_back`), the rest its own."""
 
     def __init__(self, scheduler: Scheduler, model: str | None) -> None:
         self._scheduler = scheduler
         self._model = model
 
-    def snapshot(self) -> QueueSnapshot:
-        snapshot = self._scheduler.snapshot()
-        gpus = tuple(dataclasses.replace(gpu, held_back=self._model) for gpu in snapshot.gpus)
-        return dataclasses.replace(snapshot, gpus=gpus)
+    @property
+    def held_back(self) -> dict[str, str | None]:
+        return {gpu: self._model for gpu in self._scheduler.gpus} if self._model is not None else {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)
@@ -125,13 +123,14 @@ def test_one_model_at_a_time_keeps_its_table() -> None:
     assert lines[1].split()[0] == "POS"
 
 
-def test_the_pages_state_carries_the_same_gpu_documents() -> None:
-    from llamaswap.adapters.admin import gpu_document
-    from llamaswap.runtime.views import GpuRow
-
-    row = GpuRow.of(BUSY, "chat")
-    shown = gpu_document(row)
-    assert shown["held_back"] == "chat" and [m["model"] for m in shown["models"]] == ["chat", "code", "embed"]
+def test_a_gpu_shown_model_by_model_says_so() -> None:
+    """The server decides what the page and `llamaswap queue` show: ``per_model`` on a GPU that
+    may keep several models, and ``per_gpu`` (a line per GPU) for the node, even of one GPU."""
+    queue = document(BUSY, held_back="chat")
+    assert queue["per_gpu"] is True and queue["gpus"][0]["per_model"] is True
+    one = document(GpuHolding("gpu0", Slots(), None, frozenset({"a"}), Running(1, 1, "a")),
+                   policy=serial(aging_divisor_s=0.0))
+    assert one["per_gpu"] is False and one["gpus"][0]["per_model"] is False
 
 
 def test_the_schedulers_own_gpus_and_held_back_model_reach_the_document() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from llamaswap.core import Estimator, ManualClock, Outcome, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.runtime.observer import Observer, QueuePicture, gpu_pictures
+from llamaswap.runtime.observer import Observer, QueuePicture, queue_picture
 from llamaswap.runtime.ticket import Arrival, Ticket, TicketState
 from llamaswap.runtime.views import QueueView, QueueViews
 from policies import serial
@@ -84,10 +84,7 @@ class TwoGpus:
 
     def picture(self) -> QueuePicture:
         """The gauges' picture as the coordinator publishes it, with every upstream."""
-        stats = self.scheduler.band_stats()
-        return QueuePicture(tuple((band, s.depth) for band, s in stats.items()),
-                            tuple((band, s.oldest_arrival_ns) for band, s in stats.items()),
-                            self.scheduler.slots_busy > 0, self.scheduler.slots_busy, gpu_pictures(self.scheduler))
+        return queue_picture(self.scheduler, self.views.gpus())
 
     def publish(self) -> None:
         picture = self.picture()

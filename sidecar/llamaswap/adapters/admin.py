@@ -17,7 +17,7 @@ from llamaswap.runtime.activity import KEPT_EVENTS, REQUEST, ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.kept import KeptRow
-from llamaswap.runtime.views import GpuRow, QueueView, RunningRow, WaitingRow
+from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
 
@@ -43,34 +43,18 @@ def running_document(row: RunningRow) -> dict[str, Any]:
             "upstream": row.upstream}
 
 
-def gpu_document(row: GpuRow) -> dict[str, Any]:
-    """One upstream (GPU) as GET /queue (and the page at /ui) shows it: its resident models, slots
-    and state, then (several resident, issue 37) ``max_loaded``, each model's own slots and busy
-    ones (``models``) and the model the best waiting request holds back there (``held_back``)."""
-    return {"name": row.name, "resident_models": list(row.resident_models), "slots_busy": row.slots_busy,
-            "slots": row.slots, "state": row.state, "max_loaded": row.max_loaded,
-            "models": [{"model": model.model, "slots_busy": model.slots_busy, "slots": model.slots,
-                        "pinned": model.pinned, "loading": model.loading} for model in row.models],
-            "held_back": row.held_back}
-
-
 def queue_document(view: QueueView) -> dict[str, Any]:
     """GET /queue: the running requests, then the waiting ones in dispatch order, then the places
     kept for a client's retry (``kept``, oldest first). ``running`` is
     the earliest running request (null for none: the shape before slots); ``running_all`` is
-    every one, earliest first, each with the ``upstream`` it runs on, and ``slots_busy`` of
-    ``slots_total`` (over every upstream). ``gpus`` lists the upstreams in the configured order:
-    each one's resident models (sorted), slots and state (``gpu``'s words); ``resident_models`` is every
-    one's, each once, in that order."""
+    every one, earliest first, each with the ``upstream`` it runs on. The GPUs and the node
+    (``gpus``, ``gpu``, ``resident_models``, ``slots_busy`` of ``slots_total``, ``per_gpu``) are
+    the GPUs' projection as it is (`NodeProjection.document`)."""
     return {
         "policy": view.policy,
-        "resident_models": list(view.resident_models),
-        "gpu": view.gpu,
+        **view.node.document(),
         "running": running_document(view.running[0]) if view.running else None,
         "running_all": [running_document(row) for row in view.running],
-        "slots_busy": view.slots_busy,
-        "slots_total": view.slots_total,
-        "gpus": [gpu_document(row) for row in view.gpus],
         "waiting": [waiting_document(row) for row in view.waiting],
         "kept": [kept_document(row) for row in view.kept],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},

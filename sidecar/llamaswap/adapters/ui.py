@@ -28,7 +28,7 @@ from llamaswap.core import PolicyName
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.runtime.history import History
-from llamaswap.adapters.admin import gpu_document, kept_document, running_document, status_document, waiting_document
+from llamaswap.adapters.admin import kept_document, running_document, status_document, waiting_document
 from llamaswap.adapters.outcomes import openai_error_body
 
 # Rows of the queue the page gets: enough to read, few enough to stay quick at 10,000 waiting
@@ -125,13 +125,10 @@ class UiState:
             # the page adds this times the time since, and derives no term itself.
             "aging_per_s": policy.aging_per_s,
             "swap_affinity_bonus": policy.swap_affinity_bonus,
-            "gpu": view.gpu,
-            "resident_models": list(view.resident_models),
             "running": [self._running_row(row, now_ms) for row in view.running],
-            "slots_busy": view.slots_busy,
-            "slots_total": view.slots_total,
-            # Every upstream in the configured order: a timeline row each, its model and slots in the header.
-            "gpus": [gpu_document(row) for row in view.gpus],
+            # The GPUs' projection, as GET /queue has it: every GPU in the configured order (a
+            # timeline row each, its models and slots in the header) and whether a line per GPU shows.
+            **view.node.document(),
             "waiting": [self._waiting_row(row, now_ms) for row in view.waiting[:self._waiting_rows]],
             "waiting_total": len(view.waiting),
             "kept": [kept_document(row) for row in view.kept],

@@ -10,7 +10,9 @@ for the running request TIME is how long it has run and START how long it is exp
 take still. With several upstreams (GPUs) GPU says which one a running request runs on, and one
 line per GPU above the table says what it has loaded and how many of its slots are busy (like
 `squeue`'s partitions); where a GPU keeps several models resident (`maxLoaded`), its line gives
-each model's busy/total slots and the model the best waiting request holds back there. Places
+each model's busy/total slots and the model the best waiting request holds back there. The
+sidecar says which of these lines to show (``per_gpu``, and ``per_model`` on each GPU): this
+command shows what it says. Places
 kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT counts from the
 first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until
 Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
@@ -34,7 +36,7 @@ from typing import Any, TextIO
 from llamaswap.commands.arguments import positive_seconds
 from llamaswap.commands.table import table_lines
 from llamaswap.config import DEFAULT_ADMIN, HostPort
-from llamaswap.runtime.views import GpuState
+from llamaswap.runtime.gpu_projection import GpuState
 
 COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
 # With several upstreams: which one a running request runs on.
@@ -151,20 +153,12 @@ def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
     return [gpu for gpu in gpus if isinstance(gpu, dict)] if isinstance(gpus, list) else []
 
 
-def _several_resident(gpu: dict[str, Any]) -> bool:
-    """The GPU may keep several models resident (``max_loaded`` above 1), has several, or holds one back."""
-    max_loaded = gpu.get("max_loaded")
-    residents = gpu.get("resident_models")
-    return ((isinstance(max_loaded, int) and max_loaded > 1) or (isinstance(residents, list) and len(residents) > 1)
-            or bool(gpu.get("held_back")))
-
-
 def gpu_lines(document: dict[str, Any]) -> list[str]:
-    """One line per upstream when there are several, or when one keeps several models resident:
-    its name, busy slots, resident models (with several, each one's busy/total slots) and what
-    holds it, then the model held back there, if any."""
+    """One line per upstream where the sidecar says so (``per_gpu``: there are several, or one
+    keeps several models resident): its name, busy slots, resident models (each one's busy/total
+    slots where the GPU says ``per_model``) and what holds it, then the model held back there, if any."""
     gpus = _gpus(document)
-    if len(gpus) <= 1 and not any(_several_resident(gpu) for gpu in gpus):
+    if not document.get("per_gpu") or not gpus:
         return []
     names = [str(gpu.get("name", "?")) for gpu in gpus]
     width = max(len(name) for name in names)
@@ -172,7 +166,7 @@ def gpu_lines(document: dict[str, Any]) -> list[str]:
     for name, gpu in zip(names, gpus):
         busy, slots = gpu.get("slots_busy", 0), gpu.get("slots", 1)
         state = _GPU_LINE.get(str(gpu.get("state")), f"{busy} running" if busy else "idle")
-        loaded = _models(gpu) if _several_resident(gpu) else _loaded(gpu)
+        loaded = _models(gpu) if gpu.get("per_model") else _loaded(gpu)
         line = f"  {name.ljust(width)}  slots {busy}/{slots}  {loaded}  {state}"
         held_back = gpu.get("held_back")
         if held_back:

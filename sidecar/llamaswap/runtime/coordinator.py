@@ -186,7 +186,7 @@ class Coordinator:
 
     @property
     def gpu_state(self) -> GpuState:
-        return GpuState.of_node(self._holdings())
+        return self._views.gpus().gpu
 
     @property
     def version(self) -> int:
@@ -592,7 +592,7 @@ class Coordinator:
 
     def _publish_now(self) -> None:
         """The gauges' picture (`observer.queue_picture`; `deferred.py` sends it once per loop turn)."""
-        self._observer.queue_changed(queue_picture(self.scheduler, not free(self._holdings())))
+        self._observer.queue_changed(queue_picture(self.scheduler, self._views.gpus()))
 
     def _observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run after the step (`deferred.py`): no handoff waits for telemetry."""

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from llamaswap.core import Band, Policy, Scheduler
 from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.runtime.gpu_projection import NodeProjection
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
 
@@ -37,43 +38,22 @@ def overtaken_by(ticket: Ticket | None) -> Overtaken:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GpuPicture:
-    """One upstream (GPU) in the gauges' picture."""
-
-    name: str
-    resident_models: tuple[str, ...]  # sorted (empty: none known)
-    slots_busy: int  # its running grants
-    slots_total: int  # the slots of the model in effect there
-    # Something besides our grants holds it (a settle, an adopted exchange): nothing starts there.
-    blocked: bool = False
-    max_loaded: int = 1  # models it may keep resident at once (`maxLoaded`)
-
-
-def gpu_pictures(scheduler: Scheduler) -> tuple[GpuPicture, ...]:
-    """Every upstream of the scheduler, in the configured order, for `QueuePicture.gpus`."""
-    return tuple(GpuPicture(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect,
-                             gpu.blocked, gpu.residency.max_loaded) for gpu in scheduler.holdings())
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class QueuePicture:
     """The gauges' view of the queue, published after every change. Immutable, so an exporter
     thread may read it while the event loop moves on."""
 
     depth: tuple[tuple[Band, int], ...]
     oldest_arrival_ns: tuple[tuple[Band, int | None], ...]  # the coordinator's clock
-    busy: bool  # a grant, a settle or an adopted exchange holds a GPU
-    slots_busy: int  # running grants, over every upstream
-    gpus: tuple[GpuPicture, ...]  # every upstream (`gpu_pictures`), in the configured order
+    # Every GPU and the node (`gpu_projection.py`): the projection GET /queue shows.
+    node: NodeProjection
 
 
-def queue_picture(scheduler: Scheduler, busy: bool) -> QueuePicture:
-    """The gauges' picture of the scheduler's queue now; `busy`: anything holds a GPU (a grant, a
-    settle, an adopted exchange)."""
+def queue_picture(scheduler: Scheduler, node: NodeProjection) -> QueuePicture:
+    """The gauges' picture of the scheduler's queue now, with the GPUs' projection (`QueueViews.gpus`)."""
     stats = scheduler.band_stats()
     depth = tuple((band, s.depth) for band, s in stats.items())
     oldest = tuple((band, s.oldest_arrival_ns) for band, s in stats.items())
-    return QueuePicture(depth, oldest, busy, scheduler.slots_busy, gpu_pictures(scheduler))
+    return QueuePicture(depth, oldest, node)
 
 
 class SettleReason(str, enum.Enum):

@@ -10,16 +10,15 @@ it costs O(1) however deep the queue (bench/status_poll.py).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
-from llamaswap.core.eviction import busy_of
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.runtime.gpu_projection import GpuState, NodeProjection, Projector
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
 
@@ -27,43 +26,9 @@ from llamaswap.runtime.ticket import Ticket, TicketState
 VIEW_MAX_AGE_S = 0.2
 
 
-class GpuState(enum.StrEnum):
-    """What holds the GPU: nothing, a grant, an abandoned generation the upstream finishes, or an
-    exchange granted by an earlier sidecar process that Envoy still reports."""
-
-    IDLE = "idle"
-    RUNNING = "running"
-    SETTLING = "settling"
-    ADOPTED = "adopted"
-
-    @classmethod
-    def of(cls, gpu: GpuHolding) -> GpuState:
-        """The one word for what holds a GPU (grants first, then a settle, then an adopted exchange)."""
-        if gpu.running.busy:
-            return cls.RUNNING
-        if gpu.settling:
-            return cls.SETTLING
-        return cls.ADOPTED if gpu.adopted else cls.IDLE
-
-    @classmethod
-    def of_node(cls, holdings: Sequence[GpuHolding]) -> GpuState:
-        """The one word for the node: grants on any GPU first, then a settle on any, then an
-        adopted exchange on any."""
-        if any(gpu.running.busy for gpu in holdings):
-            return cls.RUNNING
-        if any(gpu.settling for gpu in holdings):
-            return cls.SETTLING
-        return cls.ADOPTED if any(gpu.adopted for gpu in holdings) else cls.IDLE
-
-
 def free(holdings: Sequence[GpuHolding]) -> bool:
     """Nothing holds any of these GPUs: no grant, no settle, no adopted exchange."""
     return not any(gpu.running.busy or gpu.blocked for gpu in holdings)
-
-
-def held(gpu: GpuHolding) -> int:
-    """The exchanges this process holds on a GPU: its grants and the adopted ones."""
-    return gpu.running.busy + gpu.adopted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,81 +64,33 @@ class RunningRow:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ModelRow:
-    """One model on a GPU: resident there (or running there while none is known resident), its
-    slots and how many of them running grants hold."""
-
-    model: str
-    slots_busy: int
-    slots: int  # the model's own slots there (`models.<id>.slots`, else the upstream's)
-    pinned: bool = False  # `models.<id>.pinned`: never evicted
-    # A running grant began by loading it (`GpuHolding.loading`): its load may still be under way.
-    loading: bool = False
-
-    @classmethod
-    def rows_of(cls, gpu: GpuHolding) -> tuple[ModelRow, ...]:
-        """Each resident model of a GPU, and any model running there while not known resident,
-        sorted by name."""
-        running = gpu.running
-        named = set(gpu.residents)
-        if running.models is not None:
-            named.update(running.models)
-        elif running.model is not None:
-            named.add(running.model)
-        loading = gpu.loading[0] if gpu.loading is not None else None
-        pinned = gpu.residency.pinned
-        return tuple(cls(model, busy_of(gpu, model)[0], gpu.slots.of(model), model in pinned, model == loading)
-                     for model in sorted(named))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GpuRow:
-    """One upstream of the node (a GPU, or the GPUs one llama-server uses together): what it has
-    loaded and how many of its slots the running grants hold."""
-
-    name: str
-    resident_models: tuple[str, ...]  # sorted (empty: none known)
-    slots_busy: int
-    slots: int  # the slots of the model in effect there
-    state: GpuState = GpuState.IDLE  # what holds it
-    # Several resident (issue 37): each model's slots and busy ones (`ModelRow.rows_of`), how many
-    # may be resident at once (`maxLoaded`), and the resident model the best waiting request
-    # holds back there (no new grants for it until it drains and goes; None: none).
-    models: tuple[ModelRow, ...] = ()
-    max_loaded: int = 1
-    held_back: str | None = None
-
-    @classmethod
-    def of(cls, gpu: GpuHolding, held_back: str | None = None) -> GpuRow:
-        """The row of what a GPU holds (`Scheduler.holdings`), with the model held back there
-        (the snapshot's `GpuView.held_back`)."""
-        return cls(gpu.name, tuple(sorted(gpu.residents)), gpu.running.busy, gpu.slots_in_effect, GpuState.of(gpu),
-                   ModelRow.rows_of(gpu), gpu.residency.max_loaded, held_back)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class QueueView:
     """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
 
     policy: str
-    # Every upstream's resident models, each once, in the configured order of the upstreams (each
-    # one's sorted); empty: none known.
-    resident_models: tuple[str, ...]
-    gpu: GpuState
     running: tuple[RunningRow, ...]  # every running grant, earliest first (one per busy slot)
     waiting: tuple[WaitingRow, ...]
     bands: tuple[tuple[Band, int, float], ...]  # band, depth, oldest wait in seconds
-    slots_busy: int = 0  # running grants
-    slots_total: int = 1  # the slots of the model in effect (upstream.slots, models.<id>.slots)
+    # Every GPU in the configured order, and the node they make (`gpu_projection.py`): the one
+    # projection /queue, the page, the gauges and the picker read.
+    node: NodeProjection
     kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
-    # Every upstream, in the configured order (one with `upstream:` alone). With several, the
-    # fields above describe the node: `resident_models` all of theirs, the slots summed over all.
-    gpus: tuple[GpuRow, ...] = ()
 
+    @property
+    def gpu(self) -> GpuState:
+        return self.node.gpu
 
-def node_residents(snapshot: QueueSnapshot) -> tuple[str, ...]:
-    """Every upstream's resident models in a snapshot, each once, in the configured order."""
-    return tuple(dict.fromkeys(model for gpu in snapshot.gpus for model in gpu.resident_models))
+    @property
+    def resident_models(self) -> tuple[str, ...]:
+        return self.node.resident_models
+
+    @property
+    def slots_busy(self) -> int:
+        return self.node.slots_busy
+
+    @property
+    def slots_total(self) -> int:
+        return self.node.slots_total
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,7 +109,7 @@ class QueueViews:
     did not grant holds (a settling generation, an adopted exchange), how much longer it does
     (`math.inf`: unknown), nothing granted there meanwhile; `holdings`, what holds each GPU
     (`Scheduler.holdings`, by default; the coordinator's tells the scheduler first what the
-    runtime knows: `Gpus.tell`), which says what holds the node and each GPU (`GpuState`)."""
+    runtime knows: `Gpus.tell`), which the GPUs' projection shows (`gpu_projection.py`)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],
@@ -207,6 +124,7 @@ class QueueViews:
         self._blocked = blocked
         self._holdings = holdings or scheduler.holdings
         self._walk: _Walk | None = None
+        self._projector = Projector()
 
     @property
     def last_walk_s(self) -> float:
@@ -253,15 +171,12 @@ class QueueViews:
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
-        # The GPUs as the scheduler has them now (the walk's may be VIEW_MAX_AGE_S old).
-        scheduler = self._scheduler
-        holdings = self._holdings()
-        held_back = {gpu.name: gpu.held_back for gpu in snapshot.gpus}
-        gpus = [GpuRow.of(gpu, held_back.get(gpu.name)) for gpu in holdings]
-        # The node's slots in effect (with one GPU, its own; busy is over all of them).
-        slots_total = sum(gpu.slots for gpu in gpus)
-        return QueueView(str(snapshot.policy), node_residents(snapshot), GpuState.of_node(holdings), tuple(running),
-                         waiting, bands, scheduler.slots_busy, slots_total, kept=kept, gpus=tuple(gpus))
+        return QueueView(str(snapshot.policy), tuple(running), waiting, bands, self.gpus(), kept=kept)
+
+    def gpus(self) -> NodeProjection:
+        """Every GPU as the scheduler has it now (the walk's may be VIEW_MAX_AGE_S old), with the
+        model held back on each (`gpu_projection.py`; the gauges' picture reads the same)."""
+        return self._projector.node(self._holdings(), self._scheduler.held_back)
 
     def _running_rows(self, now: int, *, only: str | None = None) -> tuple[RunningRow, ...]:
         """A row per running grant, earliest first (with `only`, that ticket's row alone)."""

@@ -42,7 +42,8 @@ from llamaswap.core import NS_PER_S, Band, Clock, EvictReason, MonotonicClock, O
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import SINGLE_UPSTREAM
-from llamaswap.runtime.observer import GpuPicture, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
+from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
@@ -79,8 +80,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 # A wait shorter than this counts as this long when the estimate is compared with it.
 ESTIMATE_FLOOR_S = 0.1
 # Before the first settings: one upstream of one slot, as a configuration of one `upstream:`.
-_EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band), False, 0,
-                              (GpuPicture(SINGLE_UPSTREAM, (), 0, 1),))
+_EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band),
+                              NodeProjection.of((GpuProjection.configured(SINGLE_UPSTREAM, 1),)))
 
 
 def parent_of(ticket: Ticket) -> Context | None:
@@ -226,9 +227,9 @@ class Telemetry:
                 instruments.evictions.declare(_eviction_labels(gpu.name, reason))
         if not self._published:  # before the first picture: each upstream's default slots (the
             # coordinator publishes the resident models' with every change)
-            shown = tuple(GpuPicture(gpu.name, (), 0, gpu.slots.default, max_loaded=gpu.residency.max_loaded)
-                          for gpu in gpus)
-            self._picture = dataclasses.replace(self._picture, gpus=shown)
+            shown = NodeProjection.of([GpuProjection.configured(gpu.name, gpu.slots.default, gpu.residency.max_loaded)
+                                       for gpu in gpus])
+            self._picture = dataclasses.replace(self._picture, node=shown)
             self._models_changed(self._picture)
 
     def queue_changed(self, picture: QueuePicture) -> None:
@@ -392,7 +393,7 @@ class Telemetry:
         # Each upstream's resident models, each once (two GPUs may hold the same), in the configured order.
         loaded = dict.fromkeys(model for models in _resident_models(picture) for model in models)
         return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
-                MAX_ADAPTERS: str(max(1, sum(gpu.max_loaded for gpu in picture.gpus)))}
+                MAX_ADAPTERS: str(max(1, sum(gpu.max_loaded for gpu in picture.node.gpus)))}
 
     def _models_changed(self, picture: QueuePicture) -> None:
         labels = self._models_labels(picture)
@@ -432,24 +433,24 @@ class Telemetry:
                 for band, arrival in self._picture.oldest_arrival_ns]
 
     def _observe_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(1 if self._picture.busy else 0)]
+        return [Observation(1 if self._picture.node.busy else 0)]
 
     def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
         picture = self._picture
         # Several upstreams: the node's slots (the busy ones are counted over all of them too).
-        return [Observation(sum(gpu.slots_total for gpu in picture.gpus))]
+        return [Observation(picture.node.slots_total)]
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._picture.slots_busy)]
+        return [Observation(self._picture.node.slots_busy)]
 
     def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(sum(depth for _, depth in self._picture.depth))]
 
     def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
         # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
-        gpus = self._picture.gpus
-        total = sum(gpu.slots_total for gpu in gpus)
-        held = sum(gpu.slots_total if gpu.blocked else min(gpu.slots_busy, gpu.slots_total) for gpu in gpus)
+        gpus = self._picture.node.gpus
+        total = sum(gpu.slots for gpu in gpus)
+        held = sum(gpu.slots if gpu.blocked else min(gpu.slots_busy, gpu.slots) for gpu in gpus)
         return [Observation(held / total if total else 0.0)]
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
@@ -457,23 +458,23 @@ class Telemetry:
         return [Observation(changed, labels)]
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots_total, {"upstream": gpu.name}) for gpu in self._picture.gpus]
+        return [Observation(gpu.slots, {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
 
     def _observe_upstream_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._picture.gpus]
+        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
 
     def _observe_upstream_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(1 if gpu.slots_busy or gpu.blocked else 0, {"upstream": gpu.name})
-                for gpu in self._picture.gpus]
+                for gpu in self._picture.node.gpus]
 
     def _observe_models_resident(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(len(gpu.resident_models), {"upstream": gpu.name}) for gpu in self._picture.gpus]
+        return [Observation(len(gpu.resident_models), {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
 
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
         # One series per upstream and resident model (model="": none known), whatever the models' names:
         # bounded by the models an upstream holds at once (today one) times the upstreams.
         return [Observation(1, {"upstream": gpu.name, "model": model})
-                for gpu in self._picture.gpus for model in gpu.resident_models or ("",)]
+                for gpu in self._picture.node.gpus for model in gpu.resident_models or ("",)]
 
 
 def _eviction_labels(upstream: str, reason: EvictReason) -> dict[str, str]:
@@ -483,12 +484,12 @@ def _eviction_labels(upstream: str, reason: EvictReason) -> dict[str, str]:
 
 def _max_loaded(picture: QueuePicture) -> tuple[int, ...]:
     """Each upstream's `maxLoaded`, in the configured order (a reload may change it)."""
-    return tuple(gpu.max_loaded for gpu in picture.gpus)
+    return tuple(gpu.max_loaded for gpu in picture.node.gpus)
 
 
 def _resident_models(picture: QueuePicture) -> tuple[tuple[str, ...], ...]:
     """Each upstream's resident models, in the configured order."""
-    return tuple(gpu.resident_models for gpu in picture.gpus)
+    return tuple(gpu.resident_models for gpu in picture.node.gpus)
 
 
 def _decision_attributes(ticket: Ticket) -> dict[str, Any]:

@@ -190,9 +190,6 @@
   // The upstreams (GPUs) in the configured order; an older sidecar lists none: one, unnamed.
   const gpusOf = (doc) => (doc && doc.gpus && doc.gpus.length ? doc.gpus : [{ name: null }]);
 
-  // A GPU that keeps several models resident (maxLoaded above 1, issue 37), has several, or holds one back.
-  const severalResident = (gpu) => (gpu.max_loaded || 1) > 1 || (gpu.resident_models || []).length > 1 || !!gpu.held_back;
-
   // Its models, each with its own busy / total slots (a pin for a pinned one), and the model held back.
   function residentModels(gpu) {
     const rows = (gpu.models || []).map((row) => `<span class="gpu-resident" data-model="${escapeHtml(row.model)}">` +
@@ -204,7 +201,8 @@
 
   function renderGpus(doc) {
     const gpus = gpusOf(doc);
-    if (gpus.length < 2 && !gpus.some((gpu) => gpu.name !== null && severalResident(gpu))) {
+    // The server says whether each GPU gets its own chip (per_gpu) and which show model by model (per_model).
+    if (!doc.per_gpu) {
       byId("gpus").innerHTML = ""; // one GPU of one model: the facts above say it all
       return;
     }
@@ -213,7 +211,7 @@
     }
     byId("gpus").innerHTML = gpus.map((gpu) => `<span class="chip" data-gpu="${escapeHtml(gpu.name)}" data-state="${escapeHtml(gpu.state || "")}">` +
       `<span class="gpu-${escapeHtml(gpu.state || "idle")}">${escapeHtml(gpu.name)}</span> ` +
-      (severalResident(gpu) ? residentModels(gpu) : `<span class="gpu-model">${models(gpu.resident_models)}</span>`) +
+      (gpu.per_model ? residentModels(gpu) : `<span class="gpu-model">${models(gpu.resident_models)}</span>`) +
       `<b class="gpu-slots">${gpu.slots_busy} / ${gpu.slots}</b></span>`).join("");
   }
 
