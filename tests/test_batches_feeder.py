@@ -205,6 +205,9 @@ async def test_lines_run_a_few_at_a_time_at_the_batch_priority_and_end_once(
     assert {h["authorization"] for h in headers} == {"Bearer upstream-key"}
     assert sorted(h["x-request-id"] for h in headers) == sorted(f"{batch_id}:id-q{n}" for n in range(8))
     # Each line's span is a child of the batch's span, whose ids were kept since its creation.
+    # The batch's span ends as the feeder learns of the end it committed (a moment after it).
+    await wait_until(lambda: any(span.name == "llamaswap.batch" for span in rig.spans.get_finished_spans()),
+                     "the batch's span to end")
     spans = rig.spans.get_finished_spans()
     batch_span = next(span for span in spans if span.name == "llamaswap.batch")
     lines = [span for span in spans if span.name == "llamaswap.batch.line"]

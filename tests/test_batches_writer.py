@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -90,3 +91,27 @@ async def test_too_many_results_waiting_block_new_lines(monkeypatch: pytest.Monk
     assert writer.blocking and not writer.failing
     assert await writer.flush() and not writer.blocking and disk.written == [1, 2]
     await writer.close()
+
+
+async def test_a_stop_during_a_write_lets_it_finish_and_tells_of_it() -> None:
+    entered, release = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def slow(results: Sequence[Result]) -> list[bool]:
+        entered.set()
+        release.wait(60)
+        written.extend(result.line.line for result in results)
+        return [True] * len(results)
+
+    told: list[int] = []
+    writer = ResultWriter(slow, written=lambda a, new: told.append(a.result.line.line), recovered=lambda: None)
+    writer.add(answered(1))
+    flushing = asyncio.create_task(writer.flush())
+    await asyncio.to_thread(entered.wait, 60)
+    closing = asyncio.create_task(writer.close())
+    await asyncio.sleep(0)
+    assert not closing.done()  # it waits for the write under way, not cancelling it
+    release.set()
+    await closing
+    assert await flushing
+    assert written == [1] and told == [1] and writer.kept() == 0

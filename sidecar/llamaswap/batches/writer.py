@@ -56,6 +56,7 @@ class ResultWriter:
         self.failing = False
         self.pause_s = WRITE_FIRST_S
         self._closed = False
+        self._writing = False  # a write runs in a worker thread now (a cancel would not stop it)
         self._tried = asyncio.Event()  # set after each try at a write, and when the writing stops
 
     def add(self, answered: Answered) -> None:
@@ -100,7 +101,10 @@ class ResultWriter:
         self._closed = True
         self._cancel_timer()
         if self._task is not None:
-            self._task.cancel()
+            # A write under way finishes (its thread would go on anyway, its outcome unknown);
+            # a pause before the next try is cut short.
+            if not self._writing:
+                self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if not self._pending:
@@ -128,10 +132,18 @@ class ResultWriter:
         try:
             while self._pending:
                 group, self._pending = self._pending, []
+                self._writing = True
                 try:
                     added = await asyncio.to_thread(self._record, [answered.result for answered in group])
-                except Exception as exc:  # noqa: BLE001 - kept and tried again: a full disk must not lose them
+                except asyncio.CancelledError:
+                    # kept: its thread may still write them; written again, the first write wins
                     self._pending[:0] = group
+                    raise
+                except Exception as exc:  # noqa: BLE001 - kept and tried again: a full disk must not lose them
+                    self._writing = False
+                    self._pending[:0] = group
+                    if self._closed:
+                        break  # close() makes the last try
                     if not self.failing:
                         _log.error("batches: the results of %d line(s) cannot be written (%s); no line starts until "
                                    "they are (tried again every %.1f s at most %.0f s)", len(group), exc,
@@ -142,6 +154,7 @@ class ResultWriter:
                     self.pause_s = min(self.pause_s * 2, WRITE_MOST_S)
                     continue
                 blocked = self.blocking or len(group) >= KEPT_MOST
+                self._writing = False
                 self._done(group, added)
                 self._tried.set()
                 if self.failing:
@@ -154,6 +167,7 @@ class ResultWriter:
                     break
         finally:
             self._task = None
+            self._writing = False
             self._tried.set()
             if self._pending and self._timer is None and not self._closed:
                 with contextlib.suppress(RuntimeError):  # the loop is closing
