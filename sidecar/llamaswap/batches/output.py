@@ -49,12 +49,19 @@ _STAGES_FROM = {
 }
 
 
+# How long a worker thread rests between two steps of a long job (validating, finalizing).
+REST_S = 0.0005
+
+
 def let_others_run() -> None:
-    """In a worker thread, between two steps (pages of rows, stretches of a file): give up the
-    GIL now, and with it the store's lock just released, so a call on the event loop gets both
-    within a millisecond or so, not after the interpreter's switch interval (5 ms, more on a busy
-    machine) or the next page (a lock released and taken again at once is not handed over)."""
-    time.sleep(0)
+    """In a worker thread, between two steps (pages of rows, stretches of a file, about a
+    millisecond of work each): rest for REST_S without the GIL and the store's lock just
+    released. A thread that only yields (sleep(0)) takes the GIL back at once, and the event loop,
+    which drops and takes the GIL at every socket call of a request, waits up to the switch
+    interval (5 ms) each time. Measured in-process beside 50,000 lines validating (load 5 on two
+    cores): an HTTP request's p99 49 ms with no pause, 24 ms yielding, 9 ms resting 0.5 ms; the
+    validation took 1.2, 1.8 and about 2-3.5 s."""
+    time.sleep(REST_S)
 
 
 class Stage(str, enum.Enum):
