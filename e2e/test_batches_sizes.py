@@ -26,9 +26,6 @@ def _vm_bytes(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47: the upload counts the file's lines with validate.numbered_lines "
-                   "(api._count_requests), which holds a line whole: a 100 MB line grows the sidecar by about 200 MB "
-                   "before validation refuses it")
 def test_a_100_mb_line_is_refused_by_its_number_without_being_read_whole(tmp_path: pathlib.Path) -> None:
     with running_stack(tmp_path, batch_config(tmp_path), fake=FakeLlamaServer(router=True)) as stack:
         client = sdk(stack)
