@@ -72,15 +72,6 @@ class Validation:
                           self.models)
 
 
-def numbered_lines(data: Iterable[bytes]) -> Iterable[tuple[int, int, bytes]]:
-    """(line number, byte offset, line without its end) for each line of a file read in chunks
-    of lines (a binary file object iterates so). It holds a whole line: `bounded_lines` does not."""
-    offset = 0
-    for number, raw in enumerate(data, start=1):
-        yield number, offset, raw.rstrip(b"\r\n")
-        offset += len(raw)
-
-
 def count_requests(source: IO[bytes]) -> int:
     """The non-blank lines of a file, read in chunks (a line's bytes are not kept)."""
     return sum(1 for raw in bounded_lines(source, 0) if not raw.blank)
