@@ -6,6 +6,7 @@ Ports and adapters, like the rest of the sidecar:
 - `lines`: pure: a file's lines read within a bound, a long line's fields found without building it;
 - `store`: SQLite (WAL) and a directory of files: the one durable record of files, batches,
   their lines and each line's one result; `dirlock` keeps it to one sidecar;
+- `rows`: the values of the store's rows (a batch, its counts, a line's result), shared by its readers;
 - `output`: a batch's end: attempts counted, output files written by paging, results dropped;
 - `feeder`: asyncio: sends each batch's lines to Envoy's public listener, a few at a time, and
   records what came back (`records`: a result's shape; `writer`: written together, kept while a

@@ -49,7 +49,8 @@ from llamaswap.batches.records import (
     parsed_body,
     read_exactly,
 )
-from llamaswap.batches.store import BatchRecord, Result, Store
+from llamaswap.batches.rows import BatchRecord, Result
+from llamaswap.batches.store import Store
 from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, validate
 from llamaswap.batches.writer import Answered, ResultWriter
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER

@@ -24,13 +24,11 @@ import pathlib
 import sqlite3
 import threading
 import time
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
-from llamaswap.batches.files import OUTPUT_PURPOSE
+from llamaswap.batches.files import OUTPUT_PURPOSE, FileRecord
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome
-
-if TYPE_CHECKING:
-    from llamaswap.batches.store import BatchRecord, FileRecord
+from llamaswap.batches.rows import BatchRecord
 
 # A batch whose validation or finalizing failed (raised, or ended the process) this many times fails.
 ATTEMPTS_MOST = 2

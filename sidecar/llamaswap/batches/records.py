@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from llamaswap.batches.lifecycle import LineOutcome
-from llamaswap.batches.store import BatchRecord
+from llamaswap.batches.rows import BatchRecord
 from llamaswap.batches.validate import InputLine, line_body
 
 

@@ -22,7 +22,6 @@ page at a time, so a call on the event loop waits for a page, not for the whole.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -36,12 +35,13 @@ from llamaswap.batches.files import FILES, FileInUse, FileRecord, FilesTable, up
 from llamaswap.batches.dirlock import DirectoryInUse, DirectoryLock
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
 from llamaswap.batches.output import ResultsTable, let_others_run, upgrade_attempts_and_bodies
+from llamaswap.batches.rows import BatchRecord, Counts, Result
 from llamaswap.batches.validate import InputLine, LineError
 
 DATABASE = "batches.sqlite3"
 # Lines put in per transaction when a batch is validated.
 LINES_PAGE = 250
-__all__ = ["FILES", "FileInUse", "FileRecord", "Store", "StoreError"]
+__all__ = ["FILES", "BatchRecord", "Counts", "FileInUse", "FileRecord", "Result", "Store", "StoreError"]
 # 2: a batch's counts of completed and failed lines kept in its row (read at every poll).
 SCHEMA_VERSION = 2
 
@@ -73,52 +73,6 @@ class StoreError(Exception):
     """The batches' directory or database cannot be used (batches.dir)."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BatchRecord:
-    id: str
-    endpoint: str
-    input_file_id: str
-    completion_window: str
-    created_at: int
-    expires_at: int
-    status: BatchStatus
-    metadata: dict[str, str] | None
-    priority: int
-    errors: list[dict[str, Any]] | None
-    output_file_id: str | None
-    error_file_id: str | None
-    total: int
-    timestamps: dict[str, int | None]
-    trace_id: str
-    span_id: str
-    # Who created it (None: before callers were told apart) and the most its lines may run at
-    # (the creator's trusted priority; None: none given).
-    owner: str | None = None
-    priority_ceiling: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Counts:
-    total: int
-    completed: int
-    failed: int  # failed, expired and cancelled lines: all that went to the error file
-
-    @property
-    def done(self) -> int:
-        return self.completed + self.failed
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Result:
-    """One line's result to record: its outcome, its output or error file's record, when it ended."""
-
-    batch_id: str
-    line: InputLine
-    outcome: LineOutcome
-    record: dict[str, Any]
-    ended_at: float
-
-
 _TIMESTAMPS = tuple(name for name in STATUS_TIMESTAMP.values() if name is not None)
 
 
@@ -142,6 +96,7 @@ class Store(FilesTable, ResultsTable):
             upgrade_owners_and_expiry(self._db)
             upgrade_attempts_and_bodies(self._db)
             self.remove_partial_uploads()
+            self.remove_unrecorded_files()
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self.drop_ended_results()
         except DirectoryInUse as exc:

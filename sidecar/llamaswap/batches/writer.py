@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from llamaswap.batches.store import BatchRecord, Result
+from llamaswap.batches.rows import BatchRecord, Result
 
 _log = logging.getLogger(__name__)
 
