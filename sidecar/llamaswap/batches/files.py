@@ -9,6 +9,8 @@ Invariants kept here:
   never names a file a power cut lost;
 - an upload still being received has a temporary name (UPLOAD_PREFIX); one a kill left behind is
   removed at start;
+- a file no row names is removed: at once when its row cannot be added (a full disk), at start
+  when a kill came between the rename and the commit, or between a delete and the unlink;
 - the quota is checked in the transaction that adds the row: two uploads at once cannot both pass it.
 """
 
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
+import re
 import shutil
 import sqlite3
 import threading
@@ -26,9 +30,14 @@ from typing import Any
 
 from llamaswap.batches.lifecycle import BatchStatus, new_id
 
+_log = logging.getLogger(__name__)
+
 FILES = "files"
 UPLOAD_PREFIX = ".upload-"
 OUTPUT_PURPOSE = "batch_output"
+# The names a file's bytes may have in files/: an upload's id (new_id("file-")), or an output's
+# (the same with a suffix, -output or -errors). Only these are removed when no row names them.
+_FILE_ID = re.compile(rf"file-[0-9a-f]{{{len(new_id(''))}}}(?:-[a-z]+)?")
 
 
 class FileInUse(Exception):
@@ -149,17 +158,56 @@ class FilesTable:
         record = FileRecord(file_id or new_id("file-"), filename, purpose, size, now, owner, expires_at)
         with open(received, "rb") as synced:
             os.fsync(synced.fileno())
-        with self._transaction() as db:
-            if quota is not None:
-                used = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE id != ?", (record.id,)).fetchone()[0]
-                if used + size > quota:
-                    raise QuotaExceeded(size, used, quota)
-            # Renamed and synced inside the transaction: its row commits after the file is durable.
-            os.replace(received, self.file_path(record.id))
-            fsync_directory(self.directory / FILES)
-            db.execute(f"INSERT OR REPLACE INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       dataclasses.astuple(record))
+        renamed = False
+        with self._lock:  # held until the file is known recorded or removed
+            try:
+                with self._transaction() as db:
+                    if quota is not None:
+                        used = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE id != ?",
+                                          (record.id,)).fetchone()[0]
+                        if used + size > quota:
+                            raise QuotaExceeded(size, used, quota)
+                    # Renamed and synced inside the transaction: its row commits after the file is durable.
+                    os.replace(received, self.file_path(record.id))
+                    renamed = True
+                    fsync_directory(self.directory / FILES)
+                    db.execute(f"INSERT OR REPLACE INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               dataclasses.astuple(record))
+            except BaseException:
+                if renamed:  # the row was not added (a full disk fails the INSERT or the COMMIT)
+                    self._remove_if_unrecorded(record.id)
+                raise
         return record
+
+    def _remove_if_unrecorded(self, file_id: str) -> None:
+        """Remove a file's bytes unless a row names it (an output written again keeps its row).
+        Where that cannot be asked, the bytes stay until the next start removes them."""
+        try:
+            with self._lock:
+                if self._db.execute("SELECT 1 FROM files WHERE id = ?", (file_id,)).fetchone() is None:
+                    self.file_path(file_id).unlink(missing_ok=True)
+        except (OSError, sqlite3.Error) as exc:
+            _log.warning("batches: the file %s, not recorded, could not be removed (%s); the next start removes it",
+                         file_id, exc)
+
+    def remove_unrecorded_files(self) -> int:
+        """Remove the files in files/ that no row names (a kill between a rename and its commit, or
+        between a delete's commit and its unlink, left them); how many. Only regular files named as
+        file ids are touched. Called at start, after the schema, before anything adds a file."""
+        with self._lock:
+            recorded = {row[0] for row in self._db.execute("SELECT id FROM files")}
+        removed = []
+        with os.scandir(self.directory / FILES) as entries:
+            for entry in entries:
+                if (entry.name not in recorded and _FILE_ID.fullmatch(entry.name)
+                        and entry.is_file(follow_symlinks=False)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed.append(entry.name)
+        if removed:
+            _log.info("batches: %d file(s) no row names removed from %s (left by a kill or a full disk): %s",
+                      len(removed), self.directory / FILES, ", ".join(sorted(removed)))
+        return len(removed)
 
     def file(self, file_id: str) -> FileRecord | None:
         with self._lock:
