@@ -6,6 +6,8 @@ multipart body read with bounds (one file part, small fields, safe filenames).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import pathlib
@@ -18,7 +20,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from test_batches_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
+from test_batches_orphans import FullAtCommit
 
+from llamaswap.batches import api as api_module
 from llamaswap.batches import files as files_module
 from llamaswap.batches.api import FIELD_MOST_BYTES, BatchService, add_batch_routes, content_disposition
 from llamaswap.batches.feeder import Feeder, FeedSettings
@@ -54,20 +59,28 @@ class Rig:
         return sorted(path.name for path in (self.directory / "files").iterdir() if path.name not in rows)
 
 
-@pytest.fixture
-async def rig(tmp_path: pathlib.Path) -> AsyncIterator[Rig]:
-    config = parse_config({"batches": {"dir": str(tmp_path), "maxStoredBytes": 1000, "maxFileBytes": 800,
+@contextlib.asynccontextmanager
+async def serving(directory: pathlib.Path) -> AsyncIterator[Rig]:
+    config = parse_config({"batches": {"dir": str(directory), "maxStoredBytes": 1000, "maxFileBytes": 800,
                                        "outputExpirySeconds": 2 * HOUR}})
     clock = Clock()
-    store = Store(tmp_path, now=clock)
+    store = Store(directory, now=clock)
     store.output_expiry_s = lambda: config.batches.output_expiry_seconds
     service = BatchService(store, Feeder(store, FeedSettings("http://127.0.0.1:9", lambda: 1, lambda: 100)),
                            lambda: config, lambda: ("1" * 32, "2" * 16))
     app = web.Application()
     add_batch_routes(app, service)
-    async with TestClient(TestServer(app)) as client:
-        yield Rig(client, store, clock, tmp_path)
-    store.close()
+    try:
+        async with TestClient(TestServer(app)) as client:
+            yield Rig(client, store, clock, directory)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+async def rig(tmp_path: pathlib.Path) -> AsyncIterator[Rig]:
+    async with serving(tmp_path) as served:
+        yield served
 
 
 def form(data: bytes, *, filename: str = "in.jsonl", **fields: str) -> aiohttp.FormData:
@@ -243,6 +256,58 @@ def test_temporary_files_a_kill_left_are_removed_at_start(tmp_path: pathlib.Path
     store = Store(tmp_path)
     assert sorted(path.name for path in (tmp_path / "files").iterdir()) == [kept.id]
     store.close()
+
+
+# -- a full disk -------------------------------------------------------------------------------
+
+async def disk_full_error(response: aiohttp.ClientResponse) -> None:
+    error = await error_of(response, 507)
+    assert (error["code"], error["type"], error["param"]) == ("insufficient_storage", "server_error", None)
+    assert "batches.dir is full" in error["message"] and "DELETE /v1/files" in error["message"]
+
+
+async def test_a_full_disk_while_an_upload_is_written_is_a_507_and_leaves_nothing(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[pathlib.Path] = []
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, path: pathlib.Path, mode: str) -> None:
+            opened.append(path)
+            self.file = real_open(path, mode)
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.close()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(api_module, "open", FullDisk, raising=False)
+    await disk_full_error(await rig.client.post("/v1/files", data=form(line("a"))))
+    assert len(opened) == 1 and opened[0].name.startswith(UPLOAD_PREFIX)
+    assert rig.store.files() == [] and rig.leftovers() == []
+
+
+async def test_a_full_disk_when_an_upload_is_recorded_is_a_507_and_leaves_nothing(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rig.store, "_db", FullAtCommit(rig.store._db))
+    await disk_full_error(await rig.client.post("/v1/files", data=form(line("a"))))
+    monkeypatch.undo()
+    assert rig.store.files() == [] and rig.leftovers() == []
+    assert (await rig.client.post("/v1/files", data=form(line("a")))).status == 200
+
+
+async def test_an_upload_to_a_real_full_disk_is_a_507_until_space_returns(
+        small_disk: pathlib.Path) -> None:  # noqa: F811 - the fixture imported above
+    async with serving(small_disk) as served:
+        filler = fill(small_disk)
+        await disk_full_error(await served.client.post("/v1/files", data=form(line("a"))))
+        assert served.store.files() == [] and served.leftovers() == []
+        filler.unlink()
+        assert (await served.client.post("/v1/files", data=form(line("a")))).status == 200
 
 
 # -- input hygiene -----------------------------------------------------------------------------

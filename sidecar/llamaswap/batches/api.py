@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import pathlib
 import re
+import sqlite3
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from aiohttp import BodyPartReader, web
 
 from llamaswap.batches.access import OPEN, Access, Caller, Unidentified
 from llamaswap.batches.documents import LIST_DEFAULT, LIST_MOST, batch_document, file_document, list_page
-from llamaswap.batches.feeder import Feeder
+from llamaswap.batches.feeder import Feeder, out_of_space
 from llamaswap.batches.files import QuotaExceeded, Storage
 from llamaswap.batches.lifecycle import (
     COMPLETION_WINDOWS,
@@ -326,6 +327,12 @@ async def _receive_file(service: BatchService, caller: Caller, request: web.Requ
         return record
     except ValueError as exc:  # a malformed multipart body
         raise ApiError(400, f"the multipart body cannot be read: {exc}", "invalid_multipart") from exc
+    except (OSError, sqlite3.Error) as exc:  # writing the bytes or adding the row
+        if not out_of_space(exc):
+            raise
+        _log.error("batches: an upload from %s could not be stored: the disk of batches.dir %s is full (%s)",
+                   caller.name or "a caller", service.store.directory, exc)
+        raise _disk_full_error() from exc
     finally:
         if received is not None:
             with contextlib.suppress(OSError):
@@ -380,6 +387,13 @@ def _quota_error(size: int, used: int, quota: int) -> ApiError:
                          f"{size_text(quota)} (batches.maxStoredBytes): {size_text(used)} are used by uploads and "
                          "batch outputs. Free space by deleting files you no longer need (DELETE /v1/files/ID) or "
                          "let them expire (expires_after)", "storage_quota_exceeded", "file")
+
+
+def _disk_full_error() -> ApiError:
+    return ApiError(507, "the file cannot be stored: the disk that holds batches.dir is full. Free space by deleting "
+                         "files you no longer need (DELETE /v1/files/ID), then send it again; the operator may give "
+                         "that disk more space or set batches.maxStoredBytes below its size, so uploads are refused "
+                         "before it fills", "insufficient_storage", error_type="server_error")
 
 
 async def _write_part(part: BodyPartReader, path: pathlib.Path, most: int, room: Callable[[int], None]) -> int:
