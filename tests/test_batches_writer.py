@@ -4,6 +4,7 @@ resumes, that a flush never waits out the pause between tries, and what a stop d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import threading
 from collections.abc import Sequence
@@ -22,8 +23,9 @@ BATCH = BatchRecord(id="batch_x", endpoint="/v1/chat/completions", input_file_id
                     span_id="0")
 
 
-def answered(line: int) -> Answered:
-    return Answered(BATCH, Result(BATCH.id, InputLine(line, f"c{line}", 0, 1), LineOutcome.COMPLETED, {}, 1.0), 200, 0)
+def answered(line: int, batch: BatchRecord = BATCH) -> Answered:
+    return Answered(batch, Result(batch.id, InputLine(line, f"c{line}", 0, 1), LineOutcome.COMPLETED, {}, 1.0), 200,
+                    0)
 
 
 class Disk:
@@ -56,7 +58,7 @@ async def test_failed_writes_keep_the_results_block_new_lines_and_resume(monkeyp
     while disk.tries < 3:
         await asyncio.sleep(0.01)
     assert writer.failing and writer.blocking and writer.kept() == 2 and told == []
-    assert not await writer.flush()  # at once: it does not wait for the next try
+    assert not await writer.flush(BATCH.id)  # at once: it does not wait for the next try
     writer.add(answered(3))  # a line in flight when the disk filled is kept too
     disk.full = False
     await recovered.wait()
@@ -72,7 +74,7 @@ async def test_a_flush_while_writes_fail_returns_without_waiting_out_the_pause(
     writer = ResultWriter(disk.record, written=lambda a, new: None, recovered=lambda: None)
     writer.add(answered(1))
     # The flush starts the write, sees it fail and returns: the pause of an hour is the writer's alone.
-    assert not await asyncio.wait_for(writer.flush(), timeout=60)
+    assert not await asyncio.wait_for(writer.flush(BATCH.id), timeout=60)
     assert disk.tries == 1 and writer.failing and writer.kept() == 1
     await writer.close()  # one last try at the stop; it fails too and is only logged
     assert disk.tries == 2
@@ -89,7 +91,7 @@ async def test_too_many_results_waiting_block_new_lines(monkeypatch: pytest.Monk
     assert not writer.blocking
     writer.add(answered(2))
     assert writer.blocking and not writer.failing
-    assert await writer.flush() and not writer.blocking and disk.written == [1, 2]
+    assert await writer.flush(BATCH.id) and not writer.blocking and disk.written == [1, 2]
     await writer.close()
 
 
@@ -106,7 +108,7 @@ async def test_a_stop_during_a_write_lets_it_finish_and_tells_of_it() -> None:
     told: list[int] = []
     writer = ResultWriter(slow, written=lambda a, new: told.append(a.result.line.line), recovered=lambda: None)
     writer.add(answered(1))
-    flushing = asyncio.create_task(writer.flush())
+    flushing = asyncio.create_task(writer.flush(BATCH.id))
     await asyncio.to_thread(entered.wait, 60)
     closing = asyncio.create_task(writer.close())
     await asyncio.sleep(0)
@@ -115,3 +117,34 @@ async def test_a_stop_during_a_write_lets_it_finish_and_tells_of_it() -> None:
     await closing
     assert await flushing
     assert written == [1] and told == [1] and writer.kept() == 0
+
+
+async def test_a_flush_of_one_batch_is_not_held_up_by_another_that_keeps_adding_results() -> None:
+    # Batch B keeps feeding: each write adds one more of its results (an answer that came while
+    # the write ran). A's flush must still end once A's results are written, not wait for B's.
+    other = dataclasses.replace(BATCH, id="batch_other")
+    loop = asyncio.get_running_loop()
+    entered, release = threading.Event(), threading.Event()
+    written: list[tuple[str, int]] = []
+    extra = iter(range(100, 200))
+
+    def record(results: Sequence[Result]) -> list[bool]:
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)  # the first write (B's alone) is under way when A's result comes
+        written.extend((result.batch_id, result.line.line) for result in results)
+        loop.call_soon_threadsafe(writer.add, answered(next(extra), other))
+        return [True] * len(results)
+
+    writer = ResultWriter(record, written=lambda a, new: None, recovered=lambda: None)
+    writer.add(answered(1, other))
+    flushing_other = asyncio.create_task(writer.flush(other.id))
+    await asyncio.to_thread(entered.wait, 60)
+    writer.add(answered(7))
+    flushing = asyncio.create_task(writer.flush(BATCH.id))
+    release.set()
+    assert await asyncio.wait_for(flushing, timeout=60)
+    assert (BATCH.id, 7) in written and not writer.holds(BATCH.id)
+    assert writer.holds(other.id)  # B still has results waiting: they did not make A's flush fail
+    flushing_other.cancel()
+    await writer.close()

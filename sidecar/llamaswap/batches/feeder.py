@@ -337,7 +337,7 @@ class Feeder:
             return
         # Nothing after the cursor and nothing in flight: its answers written, done, unless a
         # line before the cursor was given back without a result (then read from the start again).
-        if not await self._writer.flush() or self._writer.holds(batch.id):
+        if not await self._writer.flush(batch.id):
             return  # results kept unwritten (a full disk): the writer wakes a look once they are
         if await asyncio.to_thread(self.store.unfinished_lines, batch.id, limit=1):  # a scan of every line
             self._rewind(batch.id)
@@ -385,7 +385,7 @@ class Feeder:
         for task in flying.values():
             task.cancel()
         await asyncio.gather(*flying.values(), return_exceptions=True)
-        if not await self._writer.flush():  # answered lines keep their answers: written first
+        if not await self._writer.flush(batch.id):  # answered lines keep their answers: written first
             return  # a full disk: the next look tries again
         ended = await asyncio.to_thread(self.store.end_unfinished, batch.id, outcome,
                                         lambda line: ended_record(batch.id, line, outcome))
@@ -396,7 +396,7 @@ class Feeder:
         await self._finalize(batch, status)
 
     async def _finalize(self, batch: BatchRecord, status: BatchStatus) -> None:
-        if not await self._writer.flush() or self._writer.holds(batch.id):
+        if not await self._writer.flush(batch.id):
             return  # its answers are not all written (a full disk): the next look tries again
         if not await self._attempt(batch, Stage.FINALIZE):
             return

@@ -83,18 +83,19 @@ class ResultWriter:
         """Results not written yet."""
         return sum(len(lines) for lines in self._unwritten.values())
 
-    async def flush(self) -> bool:
-        """Write what is kept now (True: nothing is left). It waits for a try under way, never
-        for the pause before the next one: while writes fail, False at once."""
-        if self.failing:
-            return False
-        if self._task is None and self._pending:
-            self._cancel_timer()
-            self._task = asyncio.create_task(self._run())
-        while self._task is not None and not self.failing:
+    async def flush(self, batch_id: str) -> bool:
+        """Write what is kept of the batch now (True: none of its results is left unwritten and
+        writes succeed). It waits through writes until that batch's are done, whatever other
+        batches add meanwhile (each write takes every result waiting: two writes at most), never
+        for the pause before the next try: while writes fail (a full disk, where nothing else
+        can be written either), False at once."""
+        while self.holds(batch_id) and not self.failing and not self._closed:
+            if self._task is None:
+                self._cancel_timer()
+                self._task = asyncio.create_task(self._run())
             self._tried.clear()
             await self._tried.wait()
-        return not self._pending and not self.failing
+        return not self.holds(batch_id) and not self.failing
 
     async def close(self) -> None:
         """Stop trying; one last write of what is kept (what fails is logged: sent again at the next start)."""
