@@ -25,6 +25,7 @@ from llamaswap.batches import feeder as feeder_module
 from llamaswap.batches import validate as validate_module
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome
 from llamaswap.batches.output import ATTEMPTS_MOST, PAGE_LINES, Stage
+from llamaswap.batches.rows import record_text
 from llamaswap.batches.store import Result, Store, StoreError
 from llamaswap.batches.validate import InputLine
 
@@ -132,7 +133,8 @@ async def test_a_batch_whose_finalize_killed_the_process_twice_fails_at_the_next
     rig = Rig(tmp_path, listener)
     batch_id = rig.batch(["a", "b"])
     await rig.feeder.look()  # validated
-    rig.store.record_results([Result(batch_id, line, LineOutcome.COMPLETED, {"custom_id": line.custom_id}, 1.0)
+    rig.store.record_results([Result(batch_id, line, LineOutcome.COMPLETED,
+                                     record_text({"custom_id": line.custom_id}), 1.0)
                               for line in rig.store.unfinished_lines(batch_id)])
     assert rig.store.set_status(batch_id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,))
     # Two sidecars were killed while finalizing it: each counted its attempt first, then died.
@@ -190,7 +192,8 @@ def test_fifty_thousand_lines_are_finalized_a_page_at_a_time(tmp_path: pathlib.P
     assert store.validated(batch.id, lines, [])
     for start in range(0, count, 5000):
         store.record_results([Result(batch.id, line, LineOutcome.FAILED if line.line % 10 == 0 else
-                                     LineOutcome.COMPLETED, {"custom_id": line.custom_id, "pad": "p" * 100}, 1.0)
+                                     LineOutcome.COMPLETED,
+                                     record_text({"custom_id": line.custom_id, "pad": "p" * 100}), 1.0)
                               for line in lines[start:start + 5000]])
     assert store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,))
     pages: list[int] = []
@@ -233,14 +236,14 @@ def test_results_left_by_a_kill_after_the_end_are_dropped_at_start(tmp_path: pat
     batch = store.create_batch(endpoint=ENDPOINT, input_file_id=record.id, completion_window="24h", window_s=3600,
                                metadata=None, priority=-100, trace_id="0" * 32, span_id="0" * 16)
     store.validated(batch.id, [InputLine(1, "a", 0, 2)], [])
-    store.record_result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, {"custom_id": "a"})
+    store.record_result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, record_text({"custom_id": "a"}))
     # The end committed, the kill came before the results were dropped.
     assert store.set_status(batch.id, BatchStatus.COMPLETED, only_from=(BatchStatus.IN_PROGRESS,))
     store.close()
     again = Store(tmp_path / "b")
     assert again.result_page(batch.id, after=0) == []
     # And a result that comes for an ended batch is not kept.
-    assert again.record_results([Result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, {}, 1.0)]) == [
+    assert again.record_results([Result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, "{}", 1.0)]) == [
         False]
     again.close()
 
@@ -253,8 +256,8 @@ def test_a_failed_finalize_leaves_no_temporary_file(tmp_path: pathlib.Path, monk
     batch = store.create_batch(endpoint=ENDPOINT, input_file_id=record.id, completion_window="24h", window_s=3600,
                                metadata=None, priority=-100, trace_id="0" * 32, span_id="0" * 16)
     store.validated(batch.id, [InputLine(1, "a", 0, 2), InputLine(2, "b", 0, 2)], [])
-    store.record_result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, {"custom_id": "a"})
-    store.record_result(batch.id, InputLine(2, "b", 0, 2), LineOutcome.FAILED, {"custom_id": "b"})
+    store.record_result(batch.id, InputLine(1, "a", 0, 2), LineOutcome.COMPLETED, record_text({"custom_id": "a"}))
+    store.record_result(batch.id, InputLine(2, "b", 0, 2), LineOutcome.FAILED, record_text({"custom_id": "b"}))
     store.set_status(batch.id, BatchStatus.FINALIZING, only_from=(BatchStatus.IN_PROGRESS,))
     real = store.add_file
 

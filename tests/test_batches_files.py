@@ -22,6 +22,7 @@ from llamaswap.batches.lifecycle import (
     estimated_finish,
     line_request_id,
 )
+from llamaswap.batches.rows import record_text
 from llamaswap.batches.store import FileInUse, Store
 from llamaswap.batches.validate import InputLine, line_body, validate
 from llamaswap.core.priority import PriorityMode, PriorityPolicy
@@ -162,8 +163,8 @@ def stored_batch(store: Store, tmp_path: pathlib.Path, lines: int) -> tuple[str,
 def test_a_line_has_one_result_whoever_writes_it_again(tmp_path: pathlib.Path) -> None:
     store = Store(tmp_path / "b")
     batch_id, lines = stored_batch(store, tmp_path, 3)
-    assert store.record_result(batch_id, lines[1], LineOutcome.COMPLETED, {"custom_id": "c1", "try": 1})
-    assert not store.record_result(batch_id, lines[1], LineOutcome.FAILED, {"custom_id": "c1", "try": 2})
+    assert store.record_result(batch_id, lines[1], LineOutcome.COMPLETED, record_text({"custom_id": "c1", "try": 1}))
+    assert not store.record_result(batch_id, lines[1], LineOutcome.FAILED, record_text({"custom_id": "c1", "try": 2}))
     assert [item.custom_id for item in store.unfinished_lines(batch_id)] == ["c0", "c2"]
     counts = store.counts(batch_id, 3)
     assert (counts.total, counts.completed, counts.failed) == (3, 1, 0)
@@ -174,8 +175,9 @@ def test_finalizing_writes_each_line_once_in_file_order_and_can_be_repeated(tmp_
     batch_id, lines = stored_batch(store, tmp_path, 4)
     for item in reversed(lines[:3]):
         outcome = LineOutcome.FAILED if item.custom_id == "c1" else LineOutcome.COMPLETED
-        store.record_result(batch_id, item, outcome, {"custom_id": item.custom_id})
-    assert store.end_unfinished(batch_id, LineOutcome.CANCELLED, lambda item: {"custom_id": item.custom_id}) == 1
+        store.record_result(batch_id, item, outcome, record_text({"custom_id": item.custom_id}))
+    assert store.end_unfinished(batch_id, LineOutcome.CANCELLED,
+                                lambda item: record_text({"custom_id": item.custom_id})) == 1
     assert store.set_status(batch_id, BatchStatus.CANCELLING, only_from=(BatchStatus.IN_PROGRESS,))
     batch = store.batch(batch_id)
     assert batch is not None
@@ -197,7 +199,7 @@ def test_everything_survives_a_new_store_on_the_same_directory(tmp_path: pathlib
     clock = Clock()
     store = Store(tmp_path / "b", now=clock)
     batch_id, lines = stored_batch(store, tmp_path, 2)
-    store.record_result(batch_id, lines[0], LineOutcome.COMPLETED, {"custom_id": "c0"})
+    store.record_result(batch_id, lines[0], LineOutcome.COMPLETED, record_text({"custom_id": "c0"}))
     store.close()  # a kill leaves the WAL; a new process opens it the same way
     again = Store(tmp_path / "b", now=clock)
     batch = again.batch(batch_id)
@@ -235,7 +237,7 @@ def test_an_input_file_in_use_cannot_be_deleted_until_its_batch_ends(tmp_path: p
     with pytest.raises(FileInUse, match=batch_id):
         store.delete_file(batch.input_file_id)
     assert store.set_status(batch_id, BatchStatus.CANCELLING, only_from=(BatchStatus.IN_PROGRESS,))
-    store.end_unfinished(batch_id, LineOutcome.CANCELLED, lambda item: {"custom_id": item.custom_id})
+    store.end_unfinished(batch_id, LineOutcome.CANCELLED, lambda item: record_text({"custom_id": item.custom_id}))
     assert store.finalize(batch, BatchStatus.CANCELLED) is not None
     assert store.delete_file(batch.input_file_id)
     assert not store.file_path(batch.input_file_id).exists()
@@ -258,9 +260,11 @@ def test_any_order_of_writes_leaves_one_result_per_line(tmp_path_factory: pytest
     batch_id, lines = stored_batch(store, tmp_path, 10)
     first: dict[int, LineOutcome] = {}
     for index, outcome in writes:
-        store.record_result(batch_id, lines[index], outcome, {"custom_id": lines[index].custom_id, "o": outcome.value})
+        store.record_result(batch_id, lines[index], outcome,
+                            record_text({"custom_id": lines[index].custom_id, "o": outcome.value}))
         first.setdefault(index, outcome)
-    store.end_unfinished(batch_id, LineOutcome.EXPIRED, lambda item: {"custom_id": item.custom_id, "o": "expired"})
+    store.end_unfinished(batch_id, LineOutcome.EXPIRED,
+                         lambda item: record_text({"custom_id": item.custom_id, "o": "expired"}))
     batch = store.batch(batch_id)
     assert batch is not None
     final = store.finalize(batch, BatchStatus.EXPIRED)
@@ -291,8 +295,8 @@ def test_strip_without_a_trusted_header_is_said_to_run_lines_at_normal(tmp_path:
 def test_a_database_of_the_first_schema_gets_its_counts_from_its_results(tmp_path: pathlib.Path) -> None:
     store = Store(tmp_path / "b")
     batch_id, lines = stored_batch(store, tmp_path, 3)
-    store.record_result(batch_id, lines[0], LineOutcome.COMPLETED, {"custom_id": "c0"})
-    store.record_result(batch_id, lines[2], LineOutcome.FAILED, {"custom_id": "c2"})
+    store.record_result(batch_id, lines[0], LineOutcome.COMPLETED, record_text({"custom_id": "c0"}))
+    store.record_result(batch_id, lines[2], LineOutcome.FAILED, record_text({"custom_id": "c2"}))
     with store._lock:  # back to schema 1: no counts in the batch's row
         store._db.execute("DROP INDEX batches_by_status")
         store._db.execute("ALTER TABLE batches DROP COLUMN completed")
@@ -302,5 +306,5 @@ def test_a_database_of_the_first_schema_gets_its_counts_from_its_results(tmp_pat
     again = Store(tmp_path / "b")
     counts = again.counts(batch_id, 3)
     assert (counts.completed, counts.failed) == (1, 1)
-    again.record_result(batch_id, lines[1], LineOutcome.COMPLETED, {"custom_id": "c1"})
+    again.record_result(batch_id, lines[1], LineOutcome.COMPLETED, record_text({"custom_id": "c1"}))
     assert again.counts(batch_id, 3).completed == 2

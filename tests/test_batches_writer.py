@@ -24,7 +24,7 @@ BATCH = BatchRecord(id="batch_x", endpoint="/v1/chat/completions", input_file_id
 
 
 def answered(line: int, batch: BatchRecord = BATCH) -> Answered:
-    return Answered(batch, Result(batch.id, InputLine(line, f"c{line}", 0, 1), LineOutcome.COMPLETED, {}, 1.0), 200,
+    return Answered(batch, Result(batch.id, InputLine(line, f"c{line}", 0, 1), LineOutcome.COMPLETED, "{}", 1.0), 200,
                     0)
 
 

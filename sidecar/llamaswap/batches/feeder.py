@@ -36,7 +36,7 @@ import sqlite3
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from llamaswap.batches.http1 import Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
@@ -460,7 +460,7 @@ class Feeder:
             record = await asyncio.to_thread(answer_record, batch.id, line, status, request_id, answer)
         self._keep_result(batch, line, outcome, record, status)
 
-    def _keep_result(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, record: dict[str, Any],
+    def _keep_result(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, record: str,
                      status: int | None) -> None:
         self._writer.add(Answered(batch, Result(batch.id, line, outcome, record, self.store.now_exact()), status,
                                   time.time_ns()))

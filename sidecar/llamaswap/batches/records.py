@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from llamaswap.batches.lifecycle import LineOutcome
-from llamaswap.batches.rows import BatchRecord
+from llamaswap.batches.rows import BatchRecord, record_text
 from llamaswap.batches.validate import InputLine, line_body
 
 
@@ -19,38 +19,47 @@ def result_id(batch_id: str, line: int) -> str:
     return "batch_req_" + hashlib.sha256(f"{batch_id}/{line}".encode()).hexdigest()[:24]
 
 
-def answer_record(batch_id: str, line: InputLine, status: int, request_id: str, body: bytes) -> dict[str, Any]:
-    """The output or error file's line for an answer of the upstream."""
+def answer_record(batch_id: str, line: InputLine, status: int, request_id: str, body: bytes) -> str:
+    """The output or error file's line for an answer of the upstream. An answer that is JSON on
+    one line (llama-server's are) goes in as its bytes are: parsed once, to know it is JSON, and
+    never serialised again (a long answer costs one parse, not a parse and a serialisation)."""
+    text: str | None
     try:
-        document: Any = json.loads(body)
-    except ValueError:
-        document = body.decode("utf-8", "replace")
+        text = body.decode("utf-8").strip(" \t\r\n")  # JSON's whitespace around it
+        document: Any = json.loads(text)
+    except ValueError:  # not UTF-8 (UnicodeDecodeError is a ValueError), or not JSON
+        text, document = None, body.decode("utf-8", "replace")
     error = None
     if not 200 <= status < 300:
         detail = document.get("error") if isinstance(document, dict) else None
         message = detail.get("message") if isinstance(detail, dict) else None
         error = {"code": f"http_{status}", "message": message if isinstance(message, str) else
                  f"the upstream answered {status}"}
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": document}, "error": error}
+    if text is None or "\n" in text or "\r" in text:  # not JSON, or not on one line: serialised anew
+        return record_text({"id": result_id(batch_id, line.line), "custom_id": line.custom_id,
+                            "response": {"status_code": status, "request_id": request_id, "body": document},
+                            "error": error})
+    return (f'{{"id":{json.dumps(result_id(batch_id, line.line))},"custom_id":{json.dumps(line.custom_id)},'
+            f'"response":{{"status_code":{status},"request_id":{json.dumps(request_id)},"body":{text}}},'
+            f'"error":{record_text(error) if error is not None else "null"}}}')
 
 
-def failed_record(batch_id: str, line: InputLine, code: str, message: str) -> dict[str, Any]:
+def failed_record(batch_id: str, line: InputLine, code: str, message: str) -> str:
     """The error file's line for a line that ended without an answer of the upstream."""
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+    return record_text({"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
+                        "error": {"code": code, "message": message}})
 
 
 class LineUnreadable(Exception):
     """A line's body cannot be read from its input file (gone, cut short, changed)."""
 
 
-def ended_record(batch_id: str, line: InputLine, outcome: LineOutcome) -> dict[str, Any]:
+def ended_record(batch_id: str, line: InputLine, outcome: LineOutcome) -> str:
     """The error file's line for a line never answered (expired, cancelled)."""
     message = {LineOutcome.EXPIRED: "the batch's completion window ended before this request ran",
                LineOutcome.CANCELLED: "the batch was cancelled before this request finished"}[outcome]
-    return {"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
-            "error": {"code": outcome.error_code, "message": message}}
+    return record_text({"id": result_id(batch_id, line.line), "custom_id": line.custom_id, "response": None,
+                        "error": {"code": outcome.error_code, "message": message}})
 
 
 def read_exactly(fd: int, offset: int, length: int, batch: BatchRecord, line: InputLine) -> bytes:

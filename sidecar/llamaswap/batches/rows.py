@@ -4,6 +4,7 @@ the feeder, the writer, the documents): a leaf, so that none of them imports ano
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome
@@ -47,10 +48,17 @@ class Counts:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Result:
-    """One line's result to record: its outcome, its output or error file's record, when it ended."""
+    """One line's result to record: its outcome, its line of the output or error file (JSON text
+    on one line, serialised before it reaches the store: its lock is never held for that), when
+    it ended."""
 
     batch_id: str
     line: InputLine
     outcome: LineOutcome
-    record: dict[str, Any]
+    record: str
     ended_at: float
+
+
+def record_text(record: dict[str, Any]) -> str:
+    """A record as its line of the output or error file."""
+    return json.dumps(record, separators=(",", ":"))

@@ -245,14 +245,16 @@ class Store(FilesTable, ResultsTable):
                 "AND r.line IS NULL ORDER BY l.line LIMIT ?", (batch_id, after, limit)).fetchall()
         return [InputLine(*row) for row in rows]
 
-    def record_result(self, batch_id: str, line: InputLine, outcome: LineOutcome, record: dict[str, Any]) -> bool:
-        """A line's result, once: False when it already had one (the first write wins)."""
+    def record_result(self, batch_id: str, line: InputLine, outcome: LineOutcome, record: str) -> bool:
+        """A line's result (its file line, `rows.record_text`), once: False when it already had
+        one (the first write wins)."""
         return self.record_results([Result(batch_id, line, outcome, record, self._now())])[0]
 
     def record_results(self, results: Sequence[Result]) -> list[bool]:
         """Lines' results in one transaction, each once: for each, False when its line already had
         one (the first write wins). The batches' counts go up with them. A batch that ended keeps
-        none (its files are written; its results were dropped)."""
+        none (its files are written; its results were dropped). The records come serialised:
+        nothing per result but the INSERT is done while the lock is held."""
         added: list[bool] = []
         counts: dict[tuple[str, str], int] = {}
         ended = {status.value for status in BatchStatus if status.ended}
@@ -266,8 +268,8 @@ class Store(FilesTable, ResultsTable):
                     added.append(False)
                     continue
                 cursor = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?)",
-                                    (result.batch_id, result.line.line, result.outcome.value,
-                                     json.dumps(result.record, separators=(",", ":")), result.ended_at))
+                                    (result.batch_id, result.line.line, result.outcome.value, result.record,
+                                     result.ended_at))
                 added.append(cursor.rowcount == 1)
                 if cursor.rowcount == 1:
                     column = "completed" if result.outcome is LineOutcome.COMPLETED else "failed"
@@ -277,8 +279,9 @@ class Store(FilesTable, ResultsTable):
         return added
 
     def end_unfinished(self, batch_id: str, outcome: LineOutcome,
-                       record: Callable[[InputLine], dict[str, Any]]) -> int:
-        """Every line still without a result ends as ``outcome`` (expired, cancelled); how many."""
+                       record: Callable[[InputLine], str]) -> int:
+        """Every line still without a result ends as ``outcome`` (expired, cancelled), with
+        ``record`` (its file line); how many."""
         ended = 0
         while True:
             lines = self.unfinished_lines(batch_id, limit=LINES_PAGE)
