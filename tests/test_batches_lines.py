@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamaswap.batches import validate as validate_module
-from llamaswap.batches.lines import MAX_DEPTH, NotJson, bounded_lines, fields_of, scan_fields
+from llamaswap.batches import lines as lines_module
+from llamaswap.batches.lines import MAX_DEPTH, SCAN_STEP, NotJson, bounded_lines, fields_of, scan_fields
 from llamaswap.batches.validate import count_requests, line_body, validate
 
 ENDPOINT = "/v1/chat/completions"
@@ -195,3 +196,38 @@ def test_runs_of_members_accept_what_json_loads_accepts() -> None:
         json.loads(text)
         assert scan_fields(text).is_object == text.startswith(b"{")
     assert scan_fields(b'{"x":{' + b'"a":1,' * 3000 + b'"b":2},"custom_id":"c"}').top["custom_id"] == "c"
+
+
+def _escaped(length: int, every: int) -> str:
+    """A string's JSON text of about ``length`` bytes with an escape every ``every`` characters."""
+    return json.dumps(("y" * every + "\n") * (length // (every + 2)))
+
+
+@pytest.mark.parametrize("shape", ["strings of 1 MB", "strings of 60 KB", "an object of 60 KB strings",
+                                   "8 MB of whitespace", "a looked-for field of 8 MB", "a prompt of short lines"])
+def test_a_scan_pauses_after_every_stretch_of_bytes_whatever_the_line(shape: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Between two pauses a scan goes 2 * SCAN_STEP bytes at most, whatever a line is made of: a
+    # regex that matched a run of 1 MB strings in one call held the GIL for tens of milliseconds.
+    # And it does not pause at every escape (a pause rests half a millisecond: a long prompt of
+    # short lines took a pause per line).
+    size = 8 << 20
+    head, tail = b'{"custom_id":"c","method":"POST","url":"' + ENDPOINT.encode() + b'",', b'"body":{"model":"m"}}'
+    if shape == "strings of 1 MB":
+        middle = b'"x":[' + ",".join([_escaped(1 << 20, 4090)] * 8).encode() + b"],"
+    elif shape == "strings of 60 KB":
+        middle = b'"x":[' + ",".join([_escaped(60_000, 1000)] * (size // 60_000)).encode() + b"],"
+    elif shape == "an object of 60 KB strings":
+        middle = b'"x":{' + ",".join(f'"k{n}":{_escaped(60_000, 1000)}' for n in range(size // 60_000)).encode() + b"},"
+    elif shape == "8 MB of whitespace":
+        middle = b" " * size
+    else:
+        every = 4000 if shape == "a looked-for field of 8 MB" else 80
+        middle, tail = b"", b'"body":{"model":"m","p":' + _escaped(size, every).encode() + b"}}"
+    text = head + middle + tail
+    assert len(text) >= size * 0.9
+    monkeypatch.setattr(lines_module, "_check_utf8", lambda text, pause: None)  # its own pauses aside
+    pauses = []
+    fields = scan_fields(text, pause=lambda: pauses.append(1))
+    assert fields.top["custom_id"] == "c" and fields.body == {"model": "m"}
+    assert len(text) // (2 * SCAN_STEP) <= len(pauses) <= 2 * (len(text) // SCAN_STEP + 1)

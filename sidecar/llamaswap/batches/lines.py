@@ -90,18 +90,24 @@ def bounded_lines(source: IO[bytes], max_line_bytes: int, *, chunk_bytes: int = 
         yield ended(b"", 0)
 
 
-# Each regex call scans a bounded stretch (the GIL is held for a call: an event loop beside it
-# waits that long at most): a string longer than a short one is walked a STRING_STEP at a time,
-# a number has at most 4300 digits a part (Python's own bound on int(), which json.loads meets).
-STRING_STEP = 1 << 18
+# Each regex call scans SCAN_STEP bytes at most (it holds the GIL: an event loop beside it waits
+# that long, about a millisecond): runs of members, a long string's parts and whitespace are
+# matched up to a window's end; a token is short by its pattern (a string of at most ~70 KB, a
+# number of at most 4300 digits a part: Python's own bound on int(), which json.loads meets; at
+# most 4096 bytes of whitespace before it), and longer strings and whitespace are walked a window
+# at a time. A scan pauses once it went SCAN_STEP bytes (or PAUSE_STEPS steps) since its last
+# pause: at most 2 * SCAN_STEP bytes between two pauses.
+SCAN_STEP = 1 << 17
 _WS = rb"[ \t\r\n]*"
 _ESCAPE = rb'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
-_STRING = rb'"[^"\\\x00-\x1f]{0,4096}+(?:' + _ESCAPE + rb'[^"\\\x00-\x1f]{0,4096}+){0,256}+"'
+_STRING = rb'"[^"\\\x00-\x1f]{0,1024}+(?:' + _ESCAPE + rb'[^"\\\x00-\x1f]{0,1024}+){0,64}+"'
 _NUMBER = rb"-?(?:0|[1-9][0-9]{0,4299})(?:\.[0-9]{1,4300})?(?:[eE][+-]?[0-9]{1,4300})?"
 # One JSON token after optional whitespace: a (short) string, a number, a literal, or punctuation.
-_TOKEN = re.compile(_WS + rb"(?:(" + _STRING + rb")|(" + _NUMBER + rb")|(true|false|null)|([{}\[\],:]))")
-_STRING_PART = re.compile(rb'[^"\\\x00-\x1f]{0,%d}+(?:' % STRING_STEP + _ESCAPE + rb")?")
-_TRAILING = re.compile(_WS)
+_TOKEN = re.compile(rb"[ \t\r\n]{0,4096}+(?:(" + _STRING + rb")|(" + _NUMBER + rb")|(true|false|null)|([{}\[\],:]))")
+# A stretch of a string's characters and escapes (matched within a window: it may stop anywhere
+# between two of them, and the next stretch goes on from there).
+_STRING_PART = re.compile(rb'[^"\\\x00-\x1f]*+(?:' + _ESCAPE + rb'[^"\\\x00-\x1f]*+)*+')
+_BLANKS = re.compile(_WS)
 # Runs of simple members (a scalar or an empty container, then a comma) inside a container none
 # of whose members is looked for, matched in one call: ten million {} are one regex, not twenty
 # million turns of the loop. What ends a run (the last member, anything else) goes token by token.
@@ -156,7 +162,8 @@ def fields_of(document: Any) -> Fields:
 def scan_fields(text: bytes, pause: Callable[[], None] = lambda: None) -> Fields:
     """The fields of one line, walking its tokens (memory: the line and a stack of MAX_DEPTH);
     NotJson where json.loads would refuse it (and for NaN, Infinity, deeper than MAX_DEPTH).
-    ``pause`` is called every PAUSE_STEPS steps (a step scans a bounded stretch)."""
+    ``pause`` is called after every SCAN_STEP bytes or PAUSE_STEPS steps (a step scans
+    SCAN_STEP bytes at most)."""
     _check_utf8(text, pause)
     stack: list[int] = []  # b"{" or b"[" of each open container
     names: list[str | None] = []  # per open object: the name whose value comes next
@@ -164,39 +171,43 @@ def scan_fields(text: bytes, pause: Callable[[], None] = lambda: None) -> Fields
     found = Fields(is_object=False)
     body_start = -1
     position = 0
+    paused_at = 0
     end = len(text)
     steps = 0
     while True:
         steps += 1
-        if steps % PAUSE_STEPS == 0:
+        if steps % PAUSE_STEPS == 0 or position - paused_at >= SCAN_STEP:
             pause()
+            paused_at = position
         if expect == "after_value" and not stack:
-            tail = _TRAILING.match(text, position)
-            if tail is None or tail.end() != end:
-                raise NotJson(f"extra data at byte {tail.end() if tail else position}")
+            tail = _blanks_end(text, position, pause)
+            if tail != end:
+                raise NotJson(f"extra data at byte {tail}")
             return found
+        window = min(end, position + SCAN_STEP)  # a run ends at a member's comma: never cut by it
         if stack and stack[-1] == ord("[") and expect in ("value", "first_value"):
-            run = _ARRAY_RUN.match(text, position)
+            run = _ARRAY_RUN.match(text, position, window)
             if run is not None:
                 position, expect = run.end(), "value"
                 continue
         elif (stack and expect in ("name", "first_name")
               and not _members_looked_for(stack, names, found)):
-            run = _OBJECT_RUN.match(text, position)
+            run = _OBJECT_RUN.match(text, position, window)
             if run is not None:
                 position, expect = run.end(), "name"
                 continue
         match = _TOKEN.match(text, position)
+        if match is None:  # long whitespace before the token, or a long string: walked, and matched again
+            start = _blanks_end(text, position, pause)
+            if start >= end:
+                raise NotJson("the line ends too early")
+            match = _TOKEN.match(text, start) if start > position else None  # else: matched already
         long_string = None
         if match is not None:
             string, number, literal, punct = match.groups()
             start = match.start(match.lastindex or 0)
             position = match.end()
         else:
-            where = _TRAILING.match(text, position)
-            start = where.end() if where else position
-            if start >= end:
-                raise NotJson("the line ends too early")
             if text[start] != ord('"'):
                 raise NotJson(f"unexpected byte at {start}")
             position = _long_string_end(text, start, pause)
@@ -275,16 +286,30 @@ def _field(stack: list[int], names: list[str | None], found: Fields) -> tuple[st
 
 def _long_string_end(text: bytes, start: int, pause: Callable[[], None]) -> int:
     """Where the string that opens at ``start`` ends (after its closing quote), walked a
-    STRING_STEP at a time; NotJson when it is not a JSON string."""
+    SCAN_STEP at a time (a pause between two); NotJson when it is not a JSON string."""
     position = start + 1
     while True:
-        part = _STRING_PART.match(text, position)
+        part = _STRING_PART.match(text, position, min(len(text), position + SCAN_STEP))
         stop = part.end() if part else position
         if stop < len(text) and text[stop] == ord('"'):
             return stop + 1
-        if stop == position:
+        if stop == position:  # a window holds a whole escape: no progress is a byte no string has
             raise NotJson("the line ends in a string" if stop >= len(text) else
                           f"a string with an unexpected byte at {stop}")
+        position = stop
+        pause()
+
+
+def _blanks_end(text: bytes, position: int, pause: Callable[[], None]) -> int:
+    """Where the whitespace from ``position`` ends, walked a SCAN_STEP at a time."""
+    while True:
+        window = min(len(text), position + SCAN_STEP)
+        blanks = _BLANKS.match(text, position, window)
+        stop = blanks.end() if blanks else position
+        if stop < window:
+            return stop
+        if window == len(text):
+            return window
         position = stop
         pause()
 
@@ -320,8 +345,8 @@ def _check_utf8(text: bytes, pause: Callable[[], None]) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     view = memoryview(text)
     try:
-        for start in range(0, len(view), READ_CHUNK):
-            decoder.decode(view[start:start + READ_CHUNK], final=False)
+        for start in range(0, len(view), SCAN_STEP):
+            decoder.decode(view[start:start + SCAN_STEP], final=False)
             pause()
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
