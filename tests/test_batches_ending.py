@@ -22,6 +22,7 @@ from aiohttp import web
 from test_batches_feeder import Answer, Listener, Rig, listeners, ok, wait_until
 
 from llamaswap.batches import feeder as feeder_module
+from llamaswap.batches import records as records_module
 from llamaswap.batches import validate as validate_module
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome
 from llamaswap.batches.output import ATTEMPTS_MOST, PAGE_LINES, Stage
@@ -387,6 +388,36 @@ async def test_a_long_line_is_sent_as_it_lies_in_the_file(
     rig.start()
     batch = await rig.ended(batch_id)
     assert batch.status is BatchStatus.COMPLETED
+    assert sorted(body["messages"][0]["content"] for _, body in listener.requests) == sorted(contents)
+    assert [r["response"]["body"]["echo"] for r in rig.lines_of(batch.output_file_id)] == contents
+    await rig.close()
+
+
+async def test_a_line_over_64_kb_is_scanned_at_validation_and_never_parsed_when_sent(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parsing a line of a megabyte whole holds the GIL for tens of milliseconds, at validation and
+    # at every send: a line over WHOLE_PARSE_BYTES (64 KB) is scanned, and its body sent as it lies.
+    parsed_at_send: list[int] = []
+    real_line_body = records_module.line_body
+
+    def line_body(text: bytes) -> bytes:
+        parsed_at_send.append(len(text))
+        return real_line_body(text)
+
+    monkeypatch.setattr(records_module, "line_body", line_body)
+    listener = await listener_with(ok)
+    rig = Rig(tmp_path, listener)
+    contents = ["\u00e9\"" + "x" * 100_000, "short"]
+    batch_id = rig.batch(contents)
+    await rig.feeder.look()  # validated
+    long, short = rig.store.unfinished_lines(batch_id)
+    assert long.length > validate_module.WHOLE_PARSE_BYTES >= short.length
+    assert long.body_offset is not None and short.body_offset is None  # scanned; parsed whole
+    rig.start()
+    batch = await rig.ended(batch_id)
+    assert batch.status is BatchStatus.COMPLETED
+    assert parsed_at_send == [short.length]  # the short line's body only
     assert sorted(body["messages"][0]["content"] for _, body in listener.requests) == sorted(contents)
     assert [r["response"]["body"]["echo"] for r in rig.lines_of(batch.output_file_id)] == contents
     await rig.close()

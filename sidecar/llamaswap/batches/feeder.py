@@ -51,7 +51,14 @@ from llamaswap.batches.records import (
 )
 from llamaswap.batches.rows import BatchRecord, Result
 from llamaswap.batches.store import Store
-from llamaswap.batches.validate import MAX_LINE_BYTES_DEFAULT, InputLine, LineError, Validation, validate
+from llamaswap.batches.validate import (
+    MAX_LINE_BYTES_DEFAULT,
+    WHOLE_PARSE_BYTES,
+    InputLine,
+    LineError,
+    Validation,
+    validate,
+)
 from llamaswap.batches.writer import Answered, ResultWriter
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
@@ -64,9 +71,10 @@ RESEND_MOST_S = 30.0
 # Lines read from the store at once, ahead of those in flight.
 READ_AHEAD = 64
 # A line's body (or an answer) up to this is parsed and re-serialised on the event loop (tens of
-# microseconds); a longer one in a worker thread. A line too long to parse whole was scanned at
-# validation and its body is sent as it lies in the file (InputLine.body_offset), never parsed.
-INLINE_BODY_BYTES = 64 * 1024
+# microseconds); a longer answer in a worker thread. A longer line was scanned at validation (the
+# same bound) and its body is sent as it lies in the file (InputLine.body_offset), never parsed;
+# only a line recorded before body offsets were kept is parsed, in a worker thread.
+INLINE_BODY_BYTES = WHOLE_PARSE_BYTES
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
