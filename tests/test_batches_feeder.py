@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -221,6 +222,41 @@ async def test_lines_run_a_few_at_a_time_at_the_batch_priority_and_end_once(
     sent = {h["traceparent"].split("-")[2] for h in headers}
     assert sent == {f"{span.context.span_id:016x}" for span in lines}
     assert rig.counted()[("llamaswap_batch_requests_total", (("outcome", "completed"),))] == 8
+    await rig.close()
+
+
+async def test_an_answer_over_max_answer_bytes_ends_its_line_answer_too_large_never_sent_again(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]]) -> None:
+    most = 64 * 1024
+
+    async def sized(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        content = body["messages"][0]["content"]
+        if content == "huge":  # its content-length passes the bound
+            return web.json_response({"data": "x" * (2 * most)})
+        if content == "streamed":  # chunked: its bytes so far pass the bound
+            response = web.StreamResponse(headers={"content-type": "application/json"})
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            for _ in range(4):
+                await response.write(b" " * (most // 2))
+            await response.write_eof()
+            return response
+        return await ok(request, body)
+
+    listener = await listener_with(sized)
+    rig = Rig(tmp_path, listener)
+    rig.feeder.settings = dataclasses.replace(rig.feeder.settings, max_answer_bytes=lambda: most)
+    batch_id = rig.batch(["huge", "fine", "streamed"])
+    rig.start()
+    batch = await rig.ended(batch_id)
+    assert batch.status is BatchStatus.COMPLETED
+    assert [record["response"]["body"]["echo"] for record in rig.lines_of(batch.output_file_id)] == ["fine"]
+    errors = rig.lines_of(batch.error_file_id)
+    assert [(record["custom_id"], record["error"]["code"]) for record in errors] == [
+        ("id-huge", "answer_too_large"), ("id-streamed", "answer_too_large")]
+    assert all("batches.maxAnswerBytes" in record["error"]["message"] and record["response"] is None
+               for record in errors)
+    assert (listener.tries_of("huge"), listener.tries_of("streamed"), listener.tries_of("fine")) == (1, 1, 1)
     await rig.close()
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from llamaswap.batches.http1 import Http1Client, ProtocolError, header_block
+from llamaswap.batches.http1 import AnswerTooLarge, Http1Client, ProtocolError, header_block
 
 Script = Callable[[bytes], bytes | None]  # a request's head and body -> the bytes to answer (None: hang up)
 
@@ -171,6 +171,37 @@ async def test_a_refused_connection_is_an_os_error() -> None:
     await server.stop()
     with pytest.raises(OSError):
         await Http1Client("127.0.0.1", port).post("/v1/completions", HEADERS, b"{}")
+
+
+async def _closed(server: Server) -> None:
+    deadline = asyncio.get_running_loop().time() + 30
+    while server.closed < 1:  # the server sees the client leave
+        assert asyncio.get_running_loop().time() < deadline, "the connection was not closed"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "up to the close"])
+async def test_an_answer_over_its_bound_is_not_read_and_hangs_up(serve, framing: str) -> None:  # type: ignore[no-untyped-def]
+    most = 1000
+    answers = {
+        # Its length says it all: nothing of the body is sent, and the client must not wait for it.
+        "content-length": b"HTTP/1.1 200 OK\r\ncontent-length: 1000000000\r\n\r\n",
+        # Two chunks pass the bound, and the answer never ends: the client must not wait for its end.
+        "chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"258\r\n" + b"a" * 600 + b"\r\n"
+                   + b"258\r\n" + b"b" * 600 + b"\r\n",
+        "up to the close": b"HTTP/1.1 200 OK\r\n\r\n" + b"c" * 2000,
+    }
+    server, client = await serve(lambda request: answers[framing])
+    with pytest.raises(AnswerTooLarge) as refused:
+        await asyncio.wait_for(client.post("/v1/completions", HEADERS, b"{}", most=most), 30)
+    assert refused.value.most == most
+    assert refused.value.length == (1_000_000_000 if framing == "content-length" else None)
+    assert not isinstance(refused.value, OSError)  # the feeder sends a line again after an OSError: not this
+    if framing != "up to the close":  # that one the server closes itself
+        await _closed(server)
+    server.script = lambda request: ok(b"x" * most)  # at the bound: read, on a new connection
+    assert (await client.post("/v1/completions", HEADERS, b"{}", most=most)).body == b"x" * most
+    assert server.connections == 2
 
 
 @pytest.mark.parametrize("headers", [{"x-a": "one\r\ntwo: 2"}, {"x-a": "one\ntwo"}, {"x a": "b"}, {"x:a": "b"}])

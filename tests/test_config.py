@@ -391,6 +391,10 @@ BAD_DOCUMENTS = {
                            "batches.inFlight: must be >= 1 (null = the node's slots), got 0"),
     "batches.dir a number": ({"batches": {"dir": 5}},
                              "batches.dir: must be a file path, or empty for none, got a number 5"),
+    "batches.maxAnswerBytes under 64 KiB": ({"batches": {"maxAnswerBytes": 1000}},
+                                            "batches.maxAnswerBytes: must be >= 65536, got 1000"),
+    "batches.maxAnswerBytes a size string": ({"batches": {"maxAnswerBytes": "64MiB"}},
+                                             "batches.maxAnswerBytes: must be an integer, got a string '64MiB'"),
     "batches.maxFileBytes a float": ({"batches": {"maxFileBytes": 1.5}},
                                      "batches.maxFileBytes: must be an integer, got a number 1.5"),
     "batches.apiKeys a key itself": ({"batches": {"apiKeys": [{"name": "a", "key": "sk-123"}]}},
@@ -689,7 +693,7 @@ EVERY_KEY = {
     "estimates": {"defaultRunSeconds": 2.5, "defaultSwapSeconds": 0.0, "samples": 1},
     "ui": {"jaegerUrl": "http://127.0.0.1:16686"},
     "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3,
-                "maxLineBytes": 65536,
+                "maxLineBytes": 65536, "maxAnswerBytes": 131072,
                 "apiKeys": [{"name": "team-a", "key": "env:TEAM_A_KEY", "admin": True}], "callerHeader": "x-user",
                 "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400},
 }
@@ -734,6 +738,7 @@ def test_every_key_reaches_its_attribute():
     assert (es.default_run_seconds, es.default_swap_seconds, es.samples) == (2.5, 0, 1)
     b = cfg.batches
     assert (b.dir, b.max_requests, b.max_file_bytes, b.in_flight) == ("/var/lib/llamaswap/batches", 1000, 1048576, 3)
+    assert (b.max_line_bytes, b.max_answer_bytes) == (65536, 131072)
 
 
 def test_the_defaults():

@@ -13,6 +13,8 @@ What happens to a line:
   again after a pause (its Retry-After where given), until the batch's window ends;
 - a line running when the sidecar is killed has no result: it is sent again after the restart.
   The GPU may compute it twice; the store keeps its first result only;
+- an answer longer than batches.maxAnswerBytes is not read (the connection is dropped as soon as
+  its length is known to pass it): the line ends with the error `answer_too_large`, not sent again;
 - a line whose body cannot be read (its input file gone or cut short) ends with the error
   `input_line_unreadable`; any other failure of its sending ends it with `line_failed`: no line
   stays in flight for ever, and its batch can finalize;
@@ -38,7 +40,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
-from llamaswap.batches.http1 import Http1Client, header_block
+from llamaswap.batches.http1 import AnswerTooLarge, Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
 from llamaswap.batches.output import Stage, let_others_run
 from llamaswap.batches.records import (
@@ -60,6 +62,7 @@ from llamaswap.batches.validate import (
     validate,
 )
 from llamaswap.batches.writer import Answered, ResultWriter
+from llamaswap.config.batches import MAX_ANSWER_BYTES_DEFAULT
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 
 _log = logging.getLogger(__name__)
@@ -138,6 +141,8 @@ class FeedSettings:
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # batches.maxLineBytes: a longer input line is an error of its own, never read whole.
     max_line_bytes: Callable[[], int] = lambda: MAX_LINE_BYTES_DEFAULT
+    # batches.maxAnswerBytes: a longer answer is not read; the line ends with answer_too_large.
+    max_answer_bytes: Callable[[], int] = lambda: MAX_ANSWER_BYTES_DEFAULT
     # The priority a batch's lines are sent at now (the API's BatchService.line_priority: the
     # policy in force, the creator's ceiling); None: the one the batch was created with.
     line_priority: Callable[[BatchRecord], int] | None = None
@@ -458,7 +463,16 @@ class Feeder:
             return
         headers = self._batch_headers(batch) + header_block(
             {"x-request-id": request_id, **self.observer.line_started(batch, line, request_id)})
-        status, answer = await self._post_until_answered(batch, request_id, body, headers)
+        try:
+            status, answer = await self._post_until_answered(batch, request_id, body, headers)
+        except AnswerTooLarge as exc:  # the same answer again: never asked again
+            _log.error("batch %s line %d: %s (batches.maxAnswerBytes); it ends with answer_too_large", batch.id,
+                       line.line, exc)
+            self._keep_result(batch, line, LineOutcome.FAILED, failed_record(
+                batch.id, line, "answer_too_large",
+                f"the upstream's answer to this request has more than {exc.most} bytes (batches.maxAnswerBytes): "
+                "ask for less in one request (fewer inputs, fewer tokens), or raise batches.maxAnswerBytes"), None)
+            return
         # Kept to be written with others, before the next line starts; a kill before the
         # write sends this line again, and its first result is the one kept.
         outcome = LineOutcome.COMPLETED if 200 <= status < 300 else LineOutcome.FAILED
@@ -532,7 +546,8 @@ class Feeder:
             assert self._client is not None
             tries += 1
             try:
-                response = await self._client.post(batch.endpoint, headers, body)
+                response = await self._client.post(batch.endpoint, headers, body,
+                                                   most=self.settings.max_answer_bytes())
                 if response.status not in RESEND_STATUSES:
                     return response.status, response.body
                 wait_s = _retry_after(response.headers) or pause_s

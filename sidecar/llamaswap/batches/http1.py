@@ -9,13 +9,17 @@ read the status, a few headers and the body (content-length, chunked, or up to t
 
 A request that is cancelled closes its connection at once (abort): Envoy then sees the client
 leave, as with any client that hangs up (a waiting line leaves the queue, a running one is
-settled as an abandoned generation).
+settled as an abandoned generation). So does an answer longer than the request's bound
+(batches.maxAnswerBytes), as soon as its length is known to pass it: a content-length over it at
+once, a chunked answer or one that ends with the connection when its bytes so far pass it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+
+from llamaswap.config.batches import MAX_ANSWER_BYTES_DEFAULT
 
 CONNECT_TIMEOUT_S = 10.0
 # The most header bytes of an answer (Envoy's own limit on what it sends is 60 KiB by default).
@@ -24,6 +28,16 @@ MAX_HEAD_BYTES = 256 * 1024
 
 class ProtocolError(OSError):
     """The other end answered something that is not HTTP/1.1 this client reads."""
+
+
+class AnswerTooLarge(Exception):
+    """The answer's body is longer than the request allowed (not an OSError: asking again would
+    get the same answer)."""
+
+    def __init__(self, most: int, length: int | None) -> None:
+        self.most, self.length = most, length
+        super().__init__(f"the answer has {length} bytes, more than {most}" if length is not None else
+                         f"the answer has more than {most} bytes")
 
 
 class Answer:
@@ -59,6 +73,7 @@ class _Connection(asyncio.Protocol):
         self._length: int | None = None  # the body's length (content-length); None: chunked or to the close
         self._chunked = False
         self._body = bytearray()
+        self._most = 0  # the longest body the request under way accepts
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -86,10 +101,10 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def exchange(self, request: bytes) -> Answer:
+    async def exchange(self, request: bytes, most: int) -> Answer:
         assert self.transport is not None and self._waiter is None
         self._waiter = asyncio.get_running_loop().create_future()
-        self._head, self._length, self._chunked = None, None, False
+        self._head, self._length, self._chunked, self._most = None, None, False, most
         self.received_any = False
         self._buffer.clear()
         self.transport.write(request)
@@ -107,6 +122,10 @@ class _Connection(asyncio.Protocol):
         self._buffer += data
         try:
             self._parse()
+        except AnswerTooLarge as exc:
+            self.abort()  # the rest is not read: the other end sees the client leave
+            if not waiter.done():
+                waiter.set_exception(exc)
         except (ProtocolError, ValueError) as exc:
             self.abort()
             if not waiter.done():
@@ -141,12 +160,16 @@ class _Connection(asyncio.Protocol):
                 self._body.clear()
             elif "content-length" in headers:
                 self._length = int(headers["content-length"])
+                if self._length > self._most:
+                    raise AnswerTooLarge(self._most, self._length)
             elif status in (204, 304):
                 self._length = 0
             else:
                 self.reusable = False  # the body ends with the connection
         if self._chunked:
             self._parse_chunks()
+        elif self._length is None and len(self._buffer) > self._most:  # a body that ends with the connection
+            raise AnswerTooLarge(self._most, None)
         elif self._length is not None and len(self._buffer) >= self._length:
             if len(self._buffer) > self._length:
                 raise ProtocolError("more bytes than the answer's content-length")
@@ -162,6 +185,8 @@ class _Connection(asyncio.Protocol):
                 if self._buffer.find(b"\r\n\r\n", end) >= 0:
                     self._finish(bytes(self._body))
                 return
+            if len(self._body) + size > self._most:
+                raise AnswerTooLarge(self._most, None)
             if len(self._buffer) < end + 2 + size + 2:
                 return
             self._body += self._buffer[end + 2:end + 2 + size]
@@ -190,10 +215,12 @@ class Http1Client:
         self._open.add(connection)
         return connection
 
-    async def post(self, path: str, headers: bytes, body: bytes) -> Answer:
+    async def post(self, path: str, headers: bytes, body: bytes, *, most: int = MAX_ANSWER_BYTES_DEFAULT) -> Answer:
         """POST ``body`` to ``path`` with ``headers`` (from `header_block`); an OSError when no
-        answer came. A connection kept from before that the other end had closed is tried once
-        more on a new one when nothing at all came back on it."""
+        answer came; AnswerTooLarge when its body has more than ``most`` bytes (known from its
+        content-length, or from its bytes so far: the rest is not read). A connection kept from
+        before that the other end had closed is tried once more on a new one when nothing at all
+        came back on it."""
         request = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\n", self._host_header,
                             b"content-length: ", str(len(body)).encode(), b"\r\n", headers, b"\r\n", body))
         while True:
@@ -207,7 +234,7 @@ class Http1Client:
             else:
                 connection = await self._connect()
             try:
-                answer = await connection.exchange(request)
+                answer = await connection.exchange(request, most)
             except BaseException as exc:
                 connection.abort()
                 self._open.discard(connection)

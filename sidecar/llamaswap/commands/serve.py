@@ -223,6 +223,7 @@ class Sidecar:
                                 max_requests=lambda: self.config.batches.max_requests,
                                 max_line_bytes=lambda: (self.config.batches.max_line_bytes
                                                         or self.config.envoy.max_request_bytes),
+                                max_answer_bytes=lambda: self.config.batches.max_answer_bytes,
                                 priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key),
                                 line_priority=lambda batch: service.line_priority(batch))
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)

@@ -22,6 +22,11 @@ from llamaswap.config.types import (
 # The OpenAI Batch API's own limits (facts: models-and-batches.md).
 MAX_REQUESTS_DEFAULT = 50_000
 MAX_FILE_BYTES_DEFAULT = 200 * 1024 * 1024
+# The longest answer of the upstream a batch line takes: as long as the longest request the listener
+# passes by default (envoy.maxRequestBytes), and a few hundred MB of the sidecar's memory at most while
+# it is read and parsed (an embeddings answer of 64 MiB is about 3 million numbers: 800 inputs of
+# 4096 dimensions). A longer one is the line's error, answer_too_large, never asked again.
+MAX_ANSWER_BYTES_DEFAULT = 64 * 1024 * 1024
 # `llamaswap up` keeps batches here, under the directory it runs in, unless batches.dir is set.
 UP_DIR_DEFAULT = "llamaswap-batches"
 # The OpenAI files API's bounds on expires_after[seconds] (an hour to 30 days); outputs keep the longest.
@@ -69,6 +74,11 @@ class BatchesConfig(Section):
         description="The longest line of a batch's input file, in bytes: a longer one is refused by its line "
                     "number without being read whole (the batch fails validation). Null: envoy.maxRequestBytes "
                     "(a longer request could not pass the listener anyway).")
+    max_answer_bytes: StrictInt = Field(
+        default=MAX_ANSWER_BYTES_DEFAULT, ge=64 * 1024,
+        description="The longest answer of the upstream to one line, in bytes: a longer one is not read "
+                    "(the line ends in the error file as answer_too_large and is not sent again), so no "
+                    "answer can exhaust the sidecar's memory. Raise it for embeddings of many inputs.")
     in_flight: Annotated[StrictInt | None, Meaning("null = the node's slots")] = Field(
         default=None, ge=1,
         description="The most lines of one batch waiting or running at once; null: the node's slots (the "

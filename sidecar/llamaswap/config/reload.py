@@ -76,6 +76,7 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("batches.maxRequests", OnReload.LIVE, "from the next file uploaded or batch validated"),
     ReloadKey("batches.maxFileBytes", OnReload.LIVE, "from the next file uploaded"),
     ReloadKey("batches.maxLineBytes", OnReload.LIVE, "from the next batch validated"),
+    ReloadKey("batches.maxAnswerBytes", OnReload.LIVE, "from the next line sent"),
     ReloadKey("batches.inFlight", OnReload.LIVE, "from the next line sent"),
     ReloadKey("batches.apiKeys", OnReload.RESTART, "the keys are read once, at start"),
     ReloadKey("batches.callerHeader", OnReload.RESTART, "who may call is set up at start, with the keys"),
