@@ -3,9 +3,12 @@ the SQLite record (exactly one result per line, files made from them, restarts).
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import pathlib
+import sqlite3
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +26,7 @@ from llamaswap.batches.lifecycle import (
     line_request_id,
 )
 from llamaswap.batches.rows import record_text
-from llamaswap.batches.store import FileInUse, Store
+from llamaswap.batches.store import FileInUse, Store, StoreError
 from llamaswap.batches.validate import InputLine, line_body, validate
 from llamaswap.core.priority import PriorityMode, PriorityPolicy
 
@@ -308,3 +311,26 @@ def test_a_database_of_the_first_schema_gets_its_counts_from_its_results(tmp_pat
     assert (counts.completed, counts.failed) == (1, 1)
     again.record_result(batch_id, lines[1], LineOutcome.COMPLETED, record_text({"custom_id": "c1"}))
     assert again.counts(batch_id, 3).completed == 2
+
+
+def test_a_store_that_cannot_start_closes_its_database_and_frees_the_directory(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[sqlite3.Connection] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        opened.append(real_connect(*args, **kwargs))
+        return opened[-1]
+
+    def full(self: Store) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    monkeypatch.setattr(Store, "remove_partial_uploads", full)
+    with pytest.raises(StoreError, match="No space left on device"):
+        Store(tmp_path / "b")
+    assert len(opened) == 1
+    with pytest.raises(sqlite3.ProgrammingError):  # closed
+        opened[0].execute("SELECT 1")
+    monkeypatch.undo()
+    Store(tmp_path / "b").close()  # the directory's lock went with it

@@ -102,6 +102,9 @@ class Store(FilesTable, ResultsTable):
         except DirectoryInUse as exc:
             raise StoreError(f"batches.dir {self.directory}: {exc}") from exc
         except (OSError, sqlite3.Error) as exc:
+            opened = getattr(self, "_db", None)
+            if opened is not None:  # the connection goes with the lock: a retry opens its own
+                opened.close()
             self._dir_lock.release()
             raise StoreError(f"batches.dir {self.directory}: cannot keep batches there ({exc}); set batches.dir to a "
                              "writable directory") from exc
