@@ -260,6 +260,26 @@ async def test_an_answer_over_max_answer_bytes_ends_its_line_answer_too_large_ne
     await rig.close()
 
 
+async def test_a_line_whose_sending_fails_otherwise_ends_line_failed_and_the_batch_ends(
+        tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]]) -> None:
+    # Any failure that is neither an answer nor a lost connection (here: a header value that would
+    # break HTTP/1.1's framing) ends the line with line_failed: none stays in flight for ever.
+    listener = await listener_with(ok)
+    rig = Rig(tmp_path, listener)
+    rig.feeder.settings = dataclasses.replace(rig.feeder.settings, headers={"authorization": "Bearer a\r\nx: y"})
+    batch_id = rig.batch(["a", "b"])
+    rig.start()
+    batch = await rig.ended(batch_id)
+    assert batch.status is BatchStatus.COMPLETED and batch.output_file_id is None and listener.requests == []
+    errors = rig.lines_of(batch.error_file_id)
+    assert [(record["custom_id"], record["error"]["code"]) for record in errors] == [
+        ("id-a", "line_failed"), ("id-b", "line_failed")]
+    assert all("ValueError" in record["error"]["message"] and "Bearer" not in record["error"]["message"]
+               for record in errors)  # the failure is named, the key's value is not
+    assert rig.feeder.in_flight(batch_id) == 0
+    await rig.close()
+
+
 async def test_refusals_that_say_nothing_about_the_line_send_it_again(
         tmp_path: pathlib.Path, listener_with: Callable[[Answer], Awaitable[Listener]]) -> None:
     async def flaky(request: web.Request, body: dict[str, Any]) -> web.Response:
