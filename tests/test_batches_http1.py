@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from llamaswap.batches.http1 import AnswerTooLarge, Http1Client, ProtocolError, header_block
+from llamaswap.batches.http1 import MAX_HEAD_BYTES, AnswerTooLarge, Http1Client, ProtocolError, header_block
 
 Script = Callable[[bytes], bytes | None]  # a request's head and body -> the bytes to answer (None: hang up)
 
@@ -180,7 +180,8 @@ async def _closed(server: Server) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("framing", ["content-length", "chunked", "up to the close"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "a chunk's size line that never ends",
+                                     "up to the close"])
 async def test_an_answer_over_its_bound_is_not_read_and_hangs_up(serve, framing: str) -> None:  # type: ignore[no-untyped-def]
     most = 1000
     answers = {
@@ -189,6 +190,8 @@ async def test_an_answer_over_its_bound_is_not_read_and_hangs_up(serve, framing:
         # Two chunks pass the bound, and the answer never ends: the client must not wait for its end.
         "chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"258\r\n" + b"a" * 600 + b"\r\n"
                    + b"258\r\n" + b"b" * 600 + b"\r\n",
+        "a chunk's size line that never ends": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                                                + b"0" * (most + MAX_HEAD_BYTES + 1),
         "up to the close": b"HTTP/1.1 200 OK\r\n\r\n" + b"c" * 2000,
     }
     server, client = await serve(lambda request: answers[framing])

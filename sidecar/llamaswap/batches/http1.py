@@ -176,6 +176,10 @@ class _Connection(asyncio.Protocol):
             self._finish(bytes(self._buffer))
 
     def _parse_chunks(self) -> None:
+        # What waits to be parsed is one chunk's data and its framing: beyond that, a size line or
+        # trailers that never end.
+        if len(self._buffer) > self._most + MAX_HEAD_BYTES:
+            raise AnswerTooLarge(self._most, None)
         while True:
             end = self._buffer.find(b"\r\n")
             if end < 0:
