@@ -252,7 +252,8 @@ def test_a_package_that_was_never_installed_is_installed_and_the_script_goes_on(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "==> apt: installing prometheus chromium chromium-driver strace" in result.stdout
     assert calls(fresh)[:2] == ["apt-get update -q",
-                                "apt-get install -y -q --no-install-recommends prometheus chromium chromium-driver strace"]
+                                "apt-get install -y -q --no-install-recommends "
+                                "prometheus chromium chromium-driver strace"]
     assert any(c.startswith("pip -m pip install -v") and ".[envoy,llama,test]" in c for c in calls(fresh))
     assert "extras=envoy,llama,test" in (fresh / ".venv" / ".llamaswap-installed").read_text()
     assert "==> installed: llamaswap 0.1.0" in result.stdout
