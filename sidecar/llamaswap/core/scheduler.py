@@ -122,7 +122,6 @@ class Scheduler:
         # report, `held_by` or the policy, each of which tells it).
         self._held = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
-        self._several = any(gpu.residency.several for gpu in gpus)  # some GPU keeps several models resident
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
         # only needed to tell whether aging changed a pick.
@@ -380,10 +379,9 @@ class Scheduler:
         if not self._waiting:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
-        holdings, open_gpus, warm = self._held.now()
-        if not open_gpus and not self._several:
-            return None  # every slot is taken (with one slot: anything runs)
-        # (Several resident: the walk runs all the same, for the model the best holds back.)
+        holdings, _, warm = self._held.now()
+        # (With every GPU taking nothing the walk runs all the same: it says which models the
+        # best holds back, which GET /queue shows.)
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
@@ -403,7 +401,9 @@ class Scheduler:
             aged, plain = self._reserved
         else:
             aged, plain = self._aged, self._plain
-        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick)
+        # Models the best holds back for its own load go for its load only.
+        keep = () if winner is first else self._held_back.models.get(gpu.name, ())
+        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick, keep)
 
     def _need(self, model: str) -> tuple[float, float]:
         """How much the queue needs ``model``: its best waiting request's key, then arrival
@@ -429,7 +429,7 @@ class Scheduler:
             self._compact()
 
     def _grant(self, gpu: GpuRecord, held: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
-               reserved_slot: bool, pick: Callable[[Index], Entry]) -> Decision:
+               reserved_slot: bool, pick: Callable[[Index], Entry], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
         reasons = _REASONS[plain is not None and pick(plain) is not winner,
@@ -439,11 +439,11 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model not in residents
-        several = held.residency.several
+        several = held.residency.max_loaded > 1
         evicts: tuple[Eviction, ...] = ()
         if loads and several:
             assert model is not None
-            found = victims(held, model, self._need)
+            found = victims(held, model, self._need, keep)
             assert found is not None, "the rule starts a load only where it has room or idle models may go"
             evicts = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
@@ -451,10 +451,13 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
-        loading = held.loading  # a load under way there, which this grant starts beside (of its model)
-        if several:
-            loader = gpu.loaders.get(model) if model is not None else None
-            loading = None if loader is None or model is None else (model, loader.granted_ns)
+        # The load this grant runs after (its ready time, set here once): its own model's; with no
+        # model, it shares whatever is in effect there: the first load under way.
+        if model is None:
+            loading = held.loading
+        else:
+            loader = gpu.loaders.get(model)
+            loading = None if loader is None else (model, loader.granted_ns)
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
