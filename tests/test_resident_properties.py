@@ -1,0 +1,269 @@
+"""Several models resident on each GPU, against the brute-force reference
+(tests/reference_resident.py, the rule of docs/scheduling.md as written there).
+
+Random traffic over one or two GPUs, each keeping 1 to 3 models resident (`maxLoaded`), with 1 or
+4 slots (per model too), reserved slots, pinned models, memory budgets (models of unknown size
+among them), limits on the models a GPU may serve and learnt times: arrivals, cancels, releases,
+clock steps and reports of the resident models. After every step that grants, each grant must be
+the reference's: the same request on the same GPU, loading or swapping the same, with the same
+swap affinity, reserved slot, busy slots and score, evicting the same models for the same reasons.
+When the scheduler grants nothing, neither does the reference; afterwards every GPU's resident
+models and the models the best waiting request holds back there (snapshot, `GpuView`) are the
+reference's. The invariants of docs/scheduling.md are checked beside it, from what runs: never
+more resident models than `maxLoaded` or the budget holds, never an evicted model that runs or is
+pinned, never more of a model's work than its slots.
+
+Only public entry points are used: `Scheduler` (enqueue, cancel, next, release, set_residents,
+residents_on, snapshot), the decisions and the configuration types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import HealthCheck, event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from policies import fifo, serial
+from reference import RefPolicy, float_close
+from reference_resident import ReferenceResidentNode, RefResidentDecision, RefResidentGpuPolicy
+
+from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Residency, Scheduler, Slots
+from llamaswap.core.dispatch import NO_TIMES
+from llamaswap.core.policy import GpuPolicy
+
+MODELS = ("a", "b", "c", "d", "e")
+SECONDS = (0.5, 2.0, 10.0, 30.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Times:
+    """Fixed learnt times per GPU (and per model for a load), handed to both."""
+
+    slot_free: dict[str, float]
+    drained: dict[str, float]
+    swap: dict[tuple[str | None, str], float]
+
+    def slot_free_in_s(self, gpu: str) -> float:
+        return self.slot_free[gpu]
+
+    def drained_in_s(self, gpu: str) -> float:
+        return self.drained[gpu]
+
+    def swap_s(self, model: str | None, gpu: str) -> float:
+        return self.swap[model, gpu]
+
+
+def times_for(names: list[str]) -> st.SearchStrategy[Times | None]:
+    seconds = st.sampled_from(SECONDS)
+    per_gpu = st.fixed_dictionaries({name: seconds for name in names})
+    per_load = st.fixed_dictionaries({(model, name): seconds for model in MODELS for name in names})
+    return st.one_of(st.none(), st.none(), st.builds(Times, per_gpu, per_gpu, per_load))
+
+
+def prio(value: int) -> Priority:
+    return Priority(value, PrioritySource.NUMBER)
+
+
+@st.composite
+def gpu_policies(draw: st.DrawFn, name: str, reserved: int) -> GpuPolicy:
+    """One GPU: 1 to 3 models resident, 1 or 4 slots (per model too), pins and a budget where
+    several may be resident."""
+    slot_counts = st.sampled_from((1, 4)) if not reserved else st.just(4)
+    default = draw(slot_counts, label="slots")
+    per_model = draw(st.dictionaries(st.sampled_from(MODELS), slot_counts, max_size=2), label="model slots")
+    max_loaded = draw(st.sampled_from((1, 2, 2, 3, 3)), label="maxLoaded")
+    models = draw(st.one_of(st.none(), st.none(), st.frozensets(st.sampled_from(MODELS), min_size=2)),
+                  label="models it may serve")
+    pinned: frozenset[str] = frozenset()
+    memory = None
+    sizes: dict[str, int] = {}
+    if max_loaded > 1:
+        servable = sorted(models) if models is not None else list(MODELS)
+        pinned = draw(st.frozensets(st.sampled_from(servable), max_size=max_loaded - 1), label="pinned")
+        if draw(st.booleans(), label="a memory budget"):
+            # Sizes for most models (the others weigh the whole budget), a budget the pinned fit in.
+            sizes = draw(st.dictionaries(st.sampled_from(MODELS), st.integers(1, 6), min_size=2), label="sizes")
+            sizes.update({model: sizes.get(model, 1) for model in pinned})
+            memory = sum(sizes[model] for model in pinned) + draw(st.integers(2, 9), label="memory above the pinned")
+    return GpuPolicy(name, Slots(default, per_model, reserved), models, Residency(max_loaded, pinned, memory, sizes))
+
+
+class ResidentMachine(RuleBasedStateMachine):
+    """Drives the real Scheduler and the reference with the same operations."""
+
+    @initialize(data=st.data(), count=st.integers(1, 2), reserved=st.sampled_from((0, 0, 1)))
+    def start(self, data: st.DataObject, count: int, reserved: int) -> None:
+        self.policies = [data.draw(gpu_policies(f"gpu{i}", reserved)) for i in range(count)]
+        self.names = [p.name for p in self.policies]
+        serials = st.builds(lambda divisor, bonus: serial(aging_divisor_s=divisor, swap_affinity_bonus=bonus),
+                            st.sampled_from((0.0, 1.0, 60.0)), st.sampled_from((0, 5, 30)))
+        fifos = st.builds(fifo, st.dictionaries(st.sampled_from(MODELS), st.integers(-60, 60)))
+        policy = data.draw(st.one_of(serials, serials, fifos), label="policy").with_gpus(tuple(self.policies))
+        self.clock = ManualClock()
+        self.clock.set_ns(10**12)
+        self.scheduler = Scheduler(policy, self.clock)
+        self.reference = ReferenceResidentNode(RefPolicy.of(policy),
+                                               [RefResidentGpuPolicy.of(p) for p in self.policies],
+                                               self.clock.now_ns)
+        self.ref_policies = {p.name: RefResidentGpuPolicy.of(p) for p in self.policies}
+        # The pinned models are loaded before any traffic (as the runtime preloads them).
+        for p in self.policies:
+            if p.residency.pinned:
+                self._report(p.name, frozenset(p.residency.pinned))
+        self.times: Times | None = data.draw(times_for(self.names), label="times")
+        self.running: dict[str, tuple[str, str]] = {}  # request -> (GPU, model)
+        self.waiting: set[str] = set()
+        self.seq = 0
+
+    def _servable(self, model: str) -> bool:
+        return any(p.may_serve(model) for p in self.ref_policies.values())
+
+    def _report(self, name: str, models: frozenset[str]) -> None:
+        applied = self.scheduler.set_residents(models, as_of=self.scheduler.dispatches_on(name), upstream=name)
+        assert applied, "a report made while nothing runs is taken"
+        self.reference.report(name, models)
+
+    # -- operations ------------------------------------------------------------------------
+
+    @rule(arrivals=st.lists(st.tuples(st.sampled_from((-100, -60, 0, 0, 1, 10, 49, 50, 60, 100)),
+                                      st.sampled_from(MODELS)), min_size=1, max_size=6),
+          grant=st.booleans())
+    def arrive(self, arrivals: list[tuple[int, str]], grant: bool) -> None:
+        for priority, model in arrivals:
+            if not self._servable(model):
+                continue  # the configuration refuses a model no GPU can ever serve
+            self.seq += 1
+            request_id = f"r{self.seq}"
+            self.scheduler.enqueue(request_id, prio(priority), model)
+            self.reference.enqueue(request_id, priority, model)
+            self.waiting.add(request_id)
+        if grant:
+            self.grant_all()
+
+    @rule(seconds=st.sampled_from((0.001, 0.5, 3.0, 100.0)))
+    def tick(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule(data=st.data())
+    def learn_times(self, data: st.DataObject) -> None:
+        self.times = data.draw(times_for(self.names))
+
+    @precondition(lambda self: bool(self.waiting))
+    @rule(data=st.data(), grant=st.booleans())
+    def cancel(self, data: st.DataObject, grant: bool) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.waiting)))
+        assert self.scheduler.cancel(request_id) is not None and self.reference.cancel(request_id)
+        self.waiting.remove(request_id)
+        if grant:
+            self.grant_all()
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data(), grant=st.booleans())
+    def release(self, data: st.DataObject, grant: bool) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.running)))
+        self.running.pop(request_id)
+        self.scheduler.release(request_id)
+        self.reference.release(request_id)
+        if grant:
+            self.grant_all()
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def release_several(self, data: st.DataObject) -> None:
+        """Several grants end at once (models go idle together: what an eviction chooses among)."""
+        ending = data.draw(st.lists(st.sampled_from(sorted(self.running)), min_size=1, unique=True), label="end")
+        for request_id in ending:
+            self.running.pop(request_id)
+            self.scheduler.release(request_id)
+            self.reference.release(request_id)
+        self.grant_all()
+
+    @rule(data=st.data())
+    def report_residents(self, data: st.DataObject) -> None:
+        """An idle GPU reports what its router holds: its pinned models and some others that fit."""
+        idle = [name for name in self.names if not any(gpu == name for gpu, _ in self.running.values())]
+        if not idle:
+            return
+        name = data.draw(st.sampled_from(idle), label="reports")
+        policy = self.ref_policies[name]
+        others = data.draw(st.frozensets(st.sampled_from([m for m in MODELS if policy.may_serve(m)] or ["a"])),
+                           label="resident")
+        models = frozenset(policy.residency.pinned | others)
+        if not policy.residency.fits(models) or not all(policy.may_serve(m) for m in models):
+            return
+        self._report(name, models)
+
+    @rule()
+    def grant_all(self) -> None:
+        times = self.times if self.times is not None else NO_TIMES
+        while True:
+            decision = self.scheduler.next(times)
+            expected = self.reference.next(self.times)
+            if decision is None or expected is None:
+                assert decision is None and expected is None, f"granted {decision}, the reference {expected}"
+                break
+            self._same_grant(decision, expected)
+            self._what_the_gpu_holds(decision)
+            # The next grant a microsecond later: when each model was last used is never a tie.
+            self.clock.advance(1e-6)
+        self._same_holds()
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _same_grant(self, decision: Decision, expected: RefResidentDecision) -> None:
+        evicts = frozenset((eviction.model, str(eviction.reason)) for eviction in decision.evicts)
+        got = (decision.request_id, decision.upstream, decision.model, decision.load, decision.swap,
+               decision.swap_affinity, decision.reserved_slot, decision.slots_busy, evicts)
+        want = (expected.request_id, expected.upstream, expected.model, expected.load, expected.swap,
+                expected.swap_affinity, expected.reserved_slot, expected.slots_busy, expected.evicts)
+        note(f"grant {got}")
+        assert got == want, f"granted {got}, the reference {want}"
+        # (Within rounding of the terms a float sum adds: the priority, the bonus and the aging.)
+        magnitude = abs(expected.score) + abs(decision.priority) + 200
+        assert float_close(decision.score, expected.score, magnitude=magnitude), (decision.score, expected.score)
+        assert self.scheduler.residents_on(decision.upstream) == expected.residents_after
+        if evicts:
+            event(f"evicts {len(evicts)}: {sorted(reason for _, reason in evicts)}")
+        if decision.swap:
+            event("swap")
+
+    def _what_the_gpu_holds(self, decision: Decision) -> None:
+        """The rules of one GPU, from what runs there (kept here, not asked)."""
+        name = decision.upstream
+        policy = self.ref_policies[name]
+        residents = self.scheduler.residents_on(name)
+        assert policy.residency.fits(residents), "more resident than maxLoaded or the budget holds"
+        assert policy.residency.pinned <= residents, "a pinned model went"
+        running = [model for gpu, model in self.running.values() if gpu == name]
+        for eviction in decision.evicts:
+            assert eviction.model not in running, "an evicted model runs"
+        self.running[decision.request_id] = (name, decision.model)
+        self.waiting.remove(decision.request_id)
+        running.append(decision.model)
+        for model in set(running):
+            assert model in residents, "a model runs that is not resident"
+            assert running.count(model) <= policy.slots_of(model), "more of a model's work than its slots"
+
+    def _same_holds(self) -> None:
+        """Every GPU that keeps several models resident shows the models the reference holds back."""
+        expected = self.reference.held_back()
+        for view in self.scheduler.snapshot().gpus:
+            if self.ref_policies[view.name].residency.max_loaded > 1:
+                assert frozenset(view.holding_back) == expected.get(view.name, frozenset()), (view, expected)
+                if view.holding_back:
+                    event(f"held back: {len(view.holding_back)}")
+
+    @invariant()
+    def records_agree(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        for name in self.names:
+            assert self.scheduler.residents_on(name) == frozenset(self.reference.gpu(name).residents)
+            assert self.scheduler.slots_busy_on(name) == sum(1 for gpu, _ in self.running.values() if gpu == name)
+        assert self.scheduler.depth == len(self.waiting)
+
+
+ResidentMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
+test_resident_rule_against_the_reference = ResidentMachine.TestCase
