@@ -152,11 +152,12 @@ def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _several_resident(gpu: dict[str, Any]) -> bool:
-    """The GPU may keep several models resident (``max_loaded`` above 1), has several, or holds one back."""
+    """The GPU may keep several models resident (``max_loaded`` above 1) or has several. (A model
+    held back alone says nothing of it: with room for one model, the best waiting for a swap
+    holds back the one resident model.)"""
     max_loaded = gpu.get("max_loaded")
     residents = gpu.get("resident_models")
-    return ((isinstance(max_loaded, int) and max_loaded > 1) or (isinstance(residents, list) and len(residents) > 1)
-            or bool(gpu.get("held_back")))
+    return (isinstance(max_loaded, int) and max_loaded > 1) or (isinstance(residents, list) and len(residents) > 1)
 
 
 def gpu_lines(document: dict[str, Any]) -> list[str]:

@@ -190,8 +190,9 @@
   // The upstreams (GPUs) in the configured order; an older sidecar lists none: one, unnamed.
   const gpusOf = (doc) => (doc && doc.gpus && doc.gpus.length ? doc.gpus : [{ name: null }]);
 
-  // A GPU that keeps several models resident (maxLoaded above 1, issue 37), has several, or holds one back.
-  const severalResident = (gpu) => (gpu.max_loaded || 1) > 1 || (gpu.resident_models || []).length > 1 || !!gpu.held_back;
+  // A GPU that keeps several models resident (maxLoaded above 1, issue 37) or has several. (A model held back
+  // says nothing of it: with room for one model, the best waiting for a swap holds back the one resident.)
+  const severalResident = (gpu) => (gpu.max_loaded || 1) > 1 || (gpu.resident_models || []).length > 1;
 
   // Its models, each with its own busy / total slots (a pin for a pinned one), and the model held back.
   function residentModels(gpu) {
