@@ -68,8 +68,11 @@ def full(gpu: GpuHolding) -> bool:
         return True
     if not running.busy:
         return False
-    held = held_models(gpu)
-    if places_held(gpu, held) < gpu.residency.max_loaded:
+    residents = gpu.residents
+    model = running.model
+    # (`held_models` inline where what runs names resident models only: this runs per GPU and change.)
+    held = residents if running.models is None and (model is None or model in residents) else held_models(gpu)
+    if (len(held) or 1) < gpu.residency.max_loaded:  # (`places_held`: something runs here)
         return False
     if not held:  # work of no model alone: the slots in effect (the default)
         return running.busy >= gpu.slots_in_effect
