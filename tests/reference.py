@@ -36,6 +36,9 @@ arrival order, as if it had never left.
 
 Several GPUs (`ReferenceNode`, at the end): one queue over GPUs that each keep the above for
 themselves, and the node rule of docs/scheduling.md that says which request starts on which.
+
+Several models resident on a GPU (`maxLoaded`, memory budgets, pinned models, evictions and the
+models the best waiting request holds back): tests/reference_resident.py, on the same scores.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 of tests/test_estimate_node.py (a random queue played against a real scheduler that reads its
 times from `NodeTimes`, every grant released at its expected end) over GPUs that keep two or
 three models resident, with pinned models and memory budgets: each request waiting at one instant is granted
-exactly when and where the estimate said. The invariants of the grants are checked on the way:
+exactly when and where the estimate said. At that instant more requests arrive than the node can
+run at once, so every example has requests waiting to check. The invariants of the grants are checked on the way:
 never more resident models than ``max_loaded`` or the budget holds, never an evicted model that runs or is pinned,
 never more of a model's work than its slots."""
 
@@ -40,8 +41,14 @@ def resident_cases(draw: st.DrawFn) -> NodeCase:
     priority = st.sampled_from([-50, -1, 0, 1, 10, 50, 60])
     model = st.sampled_from(MODELS)
     arrivals = draw(st.lists(st.tuples(st.sampled_from([0, 0, 1, 2]), priority, model), min_size=6, max_size=20))
+    # Then, at the instant the case looks, more requests than the node can run at once (each GPU
+    # runs at most its maxLoaded models' slots): something always waits there to be estimated.
+    look_after_s = draw(st.sampled_from([0, 1, 3]))
+    capacity = sum(gpu.residency.max_loaded * max([gpu.slots.default, *gpu.slots.per_model.values()]) for gpu in gpus)
+    burst = draw(st.lists(st.tuples(priority, model), min_size=capacity + 1, max_size=capacity + 3))
+    arrivals += [(look_after_s if i == 0 else 0, value, name) for i, (value, name) in enumerate(burst)]
     return NodeCase(serial(draw(st.sampled_from([0, 7])), 0).with_gpus(tuple(gpus)), draw(st.integers(2, 5)),
-                    draw(st.sampled_from([0, 3, 5])), {}, arrivals, draw(st.sampled_from([0, 1, 3])))
+                    draw(st.sampled_from([0, 3, 5])), {}, arrivals, 0)
 
 
 class ResidentPlay(NodePlay):
@@ -87,7 +94,8 @@ def test_estimated_starts_with_several_resident_models_are_the_grants(case: Node
     estimates = starts_of_node(estimator, snapshot, play.scheduler.holdings())
     note(f"at {look_ns / NS:g} s: residents {[sorted(h.residents) for h in play.scheduler.holdings()]}, "
          f"held back {dict(play.scheduler.held_back)}, waiting {[v.request_id for v in snapshot.waiting]}")
-    event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}")
+    assert snapshot.waiting, "every case has something waiting at its instant (the burst outnumbers the slots)"
+    event(f"waiting at the instant: {min(len(snapshot.waiting), 4)}{'+' if len(snapshot.waiting) >= 4 else ''}")
     event(f"held back at the instant: {bool(play.scheduler.held_back)}")
     expected = {view.request_id: (look_ns + round(start * NS), upstream) if math.isfinite(start) else None
                 for view, (start, upstream) in zip(snapshot.waiting, estimates, strict=True)}

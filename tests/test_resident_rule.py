@@ -101,17 +101,18 @@ def test_no_room_evicts_the_idle_model_the_queue_needs_least() -> None:
 
 def test_equally_needed_idle_models_go_least_recently_used_first() -> None:
     scheduler, clock = node(gpu(max_loaded=3))
-    for request_id, model in (("b", "B"), ("c", "C"), ("a", "A")):
+    # Granted a second apart, C first (so its name, after B's, cannot be what decides).
+    for request_id, model in (("c", "C"), ("b", "B"), ("a", "A")):
         scheduler.enqueue(request_id, prio(0), model)
+        assert grant_all(scheduler) == [request_id]
         clock.advance(1.0)
-    assert grant_all(scheduler) == ["b", "c", "a"]
     for request_id in ("b", "c"):
         scheduler.release(request_id)
     scheduler.enqueue("d", prio(9), "D")
     decision = scheduler.next()
     assert decision is not None
-    # Neither B nor C is waited for; B was granted first (used longer ago): B goes.
-    assert decision.evicts == (("B", EvictReason.LEAST_RECENTLY_USED),)
+    # Neither B nor C is waited for; C was granted first (used longer ago): C goes.
+    assert decision.evicts == (("C", EvictReason.LEAST_RECENTLY_USED),)
 
 
 def test_a_model_waited_for_at_a_lower_score_goes_before_one_waited_for_higher() -> None:
@@ -302,6 +303,19 @@ def test_several_gpus_prefer_the_resident_model_then_room_then_an_eviction() -> 
     assert decision is not None and decision.upstream == "gpu0" and not decision.model_load
 
 
+def test_a_gpu_with_room_goes_before_a_less_busy_one_where_a_model_must_go() -> None:
+    scheduler, _ = node(gpu("gpu0", max_loaded=2, slots=2), gpu("gpu1", max_loaded=2, slots=2))
+    assert scheduler.set_residents(frozenset({"X", "Y"}), as_of=0, upstream="gpu1")
+    scheduler.enqueue("a", prio(0), "A")
+    first = scheduler.next()
+    assert first is not None and first.upstream == "gpu0"  # nothing to evict there
+    scheduler.enqueue("b", prio(0), "B")
+    decision = scheduler.next()
+    # gpu0 runs a but has room for B; gpu1 is idle, but X or Y would have to go: room first.
+    assert decision is not None and (decision.upstream, decision.evicts) == ("gpu0", ())
+    assert scheduler.residents_on("gpu1") == frozenset({"X", "Y"})
+
+
 def test_the_estimates_start_a_load_beside_running_work_now() -> None:
     scheduler, _ = node(gpu(max_loaded=2))
     scheduler.enqueue("a", prio(10), "A")
@@ -396,10 +410,11 @@ def test_a_load_that_needs_two_models_gone_holds_both_back() -> None:
 def test_an_eviction_keeps_the_models_the_load_turns_out_not_to_need_gone() -> None:
     sizes = {"S": 10, "L": 60, "M": 50}
     scheduler, clock = node(gpu(max_loaded=3, memory=100, sizes=sizes))
+    # Granted a second apart, so S is the least recently used (not by its name: L's comes first).
     for request_id, model in (("s", "S"), ("l", "L")):
         scheduler.enqueue(request_id, prio(0), model)
+        assert grant_all(scheduler) == [request_id]
         clock.advance(1.0)
-    grant_all(scheduler)
     scheduler.release("s")
     scheduler.release("l")
     scheduler.enqueue("m", prio(0), "M")  # S goes first (used longer ago), but L alone is enough

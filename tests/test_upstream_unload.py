@@ -4,12 +4,12 @@ against the fake llama-server in router mode: an unload waits until the model is
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 from fake_llama import LOADED, UNLOADED, FakeLlamaServer
-from llamaswap.adapters.upstream_http import HttpUpstream
+from llamaswap.adapters.upstream_http import UNLOAD_POLL_FIRST_S, UNLOAD_POLL_MAX_S, HttpUpstream
 
 
 @pytest.fixture
@@ -44,13 +44,30 @@ async def test_an_unload_of_a_model_not_loaded_is_done(fake: FakeLlamaServer) ->
         await client.close()
 
 
+class StepClock:
+    """The unload's clock and its sleep: time moves only by the waits the unload asks for, so a
+    deadline is reached after an exact count of looks, however slow the machine is."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now_s += seconds
+        await asyncio.sleep(0)
+
+
 async def test_a_refused_unload_fails_at_once(fake: FakeLlamaServer) -> None:
     fake.unload_refused = {"a"}
-    client = HttpUpstream(fake.url)
+    clock = StepClock()
+    client = HttpUpstream(fake.url, monotonic=clock.monotonic, sleep=clock.sleep)
     try:
-        started = time.monotonic()
         assert not await client.unload("a", timeout_s=10.0)
-        assert time.monotonic() - started < 5.0
+        assert clock.slept == []  # it did not wait for a model nothing will unload
         assert fake.states["a"] == LOADED
     finally:
         await client.close()
@@ -58,11 +75,17 @@ async def test_a_refused_unload_fails_at_once(fake: FakeLlamaServer) -> None:
 
 async def test_an_unload_that_outlasts_its_deadline_fails(fake: FakeLlamaServer) -> None:
     fake.unload_takes_looks = 10_000
-    client = HttpUpstream(fake.url)
+    clock = StepClock()
+    client = HttpUpstream(fake.url, monotonic=clock.monotonic, sleep=clock.sleep)
     try:
-        started = time.monotonic()
+        looks = fake.looks
         assert not await client.unload("a", timeout_s=0.3)
-        assert 0.3 <= time.monotonic() - started < 3.0
+        # It waited exactly until its deadline, backing off between looks, and looked after each wait.
+        assert clock.now_s == pytest.approx(0.3)
+        assert clock.slept[0] == UNLOAD_POLL_FIRST_S and max(clock.slept) <= UNLOAD_POLL_MAX_S
+        # One look tells it the upstream is a router; then one after the POST and one after each wait.
+        assert fake.looks - looks == 1 + 1 + len(clock.slept)
+        assert fake.states["a"] != UNLOADED
     finally:
         await client.close()
 

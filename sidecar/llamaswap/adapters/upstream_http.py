@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -66,8 +67,13 @@ def bearer(api_key: str | None) -> dict[str, str]:
 
 
 class HttpUpstream:
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 5.0,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self._url = url.rstrip("/")
+        # An unload's deadline and its waits between looks (injected: tests count them, never time them).
+        self._monotonic = monotonic
+        self._sleep = sleep
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = bearer(api_key)
         self._session: aiohttp.ClientSession | None = None
@@ -172,7 +178,7 @@ class HttpUpstream:
         return stopped
 
     async def unload(self, model: str, *, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = self._monotonic() + timeout_s
         if self._kind is None:
             await self.catalog()
         if self._kind is not UpstreamKind.ROUTER:
@@ -189,12 +195,12 @@ class HttpUpstream:
                 _log.warning("the upstream did not unload %s (POST /models/unload: %s; listed %s)",
                              model, posted or "no answer", state)
                 return False
-            left = deadline - time.monotonic()
+            left = deadline - self._monotonic()
             if left <= 0:
                 _log.warning("the upstream still lists %s %s %.1f s after its unload", model, state or "(no answer)",
                              timeout_s)
                 return False
-            await asyncio.sleep(min(delay, left))
+            await self._sleep(min(delay, left))
             delay = min(delay * 2, UNLOAD_POLL_MAX_S)
 
     async def _post_unload(self, name: str) -> int | None:
