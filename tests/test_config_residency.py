@@ -50,7 +50,7 @@ def test_the_defaults_keep_one_model_and_no_budget() -> None:
     cfg = Config()
     assert (cfg.upstream.max_loaded, cfg.upstream.memory) == (1, None)
     assert cfg.residency_of("gpu0") == Residency()
-    assert not cfg.residency_of("gpu0").several
+    assert cfg.residency_of("gpu0").max_loaded == 1
     document = cfg.to_document()
     assert (document["upstream"]["maxLoaded"], document["upstream"]["memory"]) == (1, None)
 

@@ -18,6 +18,8 @@ after the grant that loaded has ended.
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 import math
 from collections.abc import Sequence
@@ -110,8 +112,11 @@ def test_an_overdue_grant_leaves_its_upstream_unknown() -> None:
 
 def test_node_times_read_each_upstreams_grants() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=5, samples=3)
-    snapshot = _snapshot([], [("gpu0", "x", 2.0, False), ("gpu0", "x", 7.0, False), ("gpu1", "y", 1.0, True),
-                              ("gpu1", "y", 30.0, False)])
+    snapshot = _snapshot([], [("gpu0", "x", 2.0, False), ("gpu0", "x", 7.0, False), ("gpu1", "y", 1.0, True)])
+    # (A grant beside a load says so from its grant on: `Decision.beside_load`, the load's model
+    # and how long ago it began; the estimates never guess it.)
+    snapshot = dataclasses.replace(snapshot, grants=(*snapshot.grants, RunningView(
+        "g3", 0, Band.NORMAL, 0.0, "y", False, 0.0, 0.5, upstream="gpu1", beside_load=("y", 1.0))))
     times = NodeTimes(snapshot, estimator)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == (3.0, 8.0)
     # gpu1: a load under way (14 s left) and a grant beside it that runs after it.

@@ -91,9 +91,10 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
 
     # The estimates (and the times the grants read: `NodeTimes`).
     snapshot = scheduler.snapshot()
-    remaining, loading_s = figures.remaining_of(snapshot.grants)
+    remaining = figures.remaining_of(snapshot.grants)
     assert dict(zip([g.request_id for g in snapshot.grants], remaining)) == pytest.approx(left)
-    assert loading_s == pytest.approx(9.0)
+    loader = next(grant for grant in snapshot.grants if grant.model_load)  # the load under way
+    assert figures.load_left_s(loader) == pytest.approx(9.0)
     times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == pytest.approx((14.0, 39.0))
 

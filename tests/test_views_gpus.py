@@ -53,7 +53,9 @@ def test_the_queue_document_lists_each_gpu_and_where_each_request_runs() -> None
         {"name": "big", "resident_models": ["x"], "slots_busy": 2, "slots": 2, "state": "running",
          **one_model("x", 2, 2, loading=True)},
         {"name": "small", "resident_models": ["y"], "slots_busy": 1, "slots": 1, "state": "running",
-         **one_model("y", 1, 1, loading=True)}]
+         # z waits for small to drain: it holds back y there (issue 45: with room for one model
+         # too, the best holds back the models that must go for its load, not the whole GPU).
+         **one_model("y", 1, 1, loading=True), "held_back": "y"}]
     assert [(row["request_id"], row["upstream"]) for row in document["running_all"]] == [
         ("x1", "big"), ("x2", "big"), ("y1", "small")]
     # The fields a client of one GPU reads stay: the first running request, the slots over the
@@ -113,7 +115,8 @@ def test_the_queue_table_has_a_line_per_gpu_and_a_gpu_column() -> None:
     lines = render(queue_document(node.view())).splitlines()
     assert lines[0] == "policy serial, 2 GPUs, 3 running, slots 3/3, 1 waiting (interactive 0, normal 1, batch 0)"
     assert lines[1].split() == ["big", "slots", "2/2", "loaded", "model", "x", "2", "running"]
-    assert lines[2].split() == ["small", "slots", "1/1", "loaded", "model", "y", "1", "running"]
+    assert lines[2].split()[:8] == ["small", "slots", "1/1", "loaded", "model", "y", "1", "running,"]
+    assert lines[2].split()[8:11] == ["holding", "back", "y"]  # z waits for it to drain (issue 45)
     assert lines[3].split()[-2:] == ["MODEL", "GPU"]
     assert [line.split()[2] + ":" + line.split()[-1] for line in lines[4:7]] == ["x1:big", "x2:big", "y1:small"]
     assert lines[7].split()[:3] == ["1", "PD", "z1"] and lines[7].split()[-1] == "z"  # waits: no GPU

@@ -312,12 +312,11 @@ def describe_residency(config: Config) -> list[str]:
     lines: list[str] = []
     for index, entry in enumerate(config.upstream_entries):
         residency = config.residency_of(entry.name)
-        if not residency.several and residency.memory_bytes is None:
-            continue
         name = entry.name
         key = max_loaded_key(config, index)
-        if not residency.several:
-            lines.append(f"{name}: one model resident at a time ({key}: 1): the memory budget does not apply")
+        if residency.max_loaded == 1:  # (room for one model: `Residency` drops the budget)
+            if entry.memory is not None:
+                lines.append(f"{name}: one model resident at a time ({key}: 1): the memory budget does not apply")
             continue
         budget = residency.memory_bytes
         within = f", within {size_text(budget)} ({memory_key(config, index)})" if budget is not None else ""

@@ -29,8 +29,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence, Set
 from typing import Protocol
 
-from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room
-from llamaswap.core.holding import Candidate, GpuHolding, Running
+from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room, held_models, places_held
+from llamaswap.core.holding import Candidate, GpuHolding
 
 
 class Turn(enum.Enum):
@@ -52,43 +52,48 @@ def fits(candidate: Candidate, gpu: GpuHolding) -> bool:
 
 
 def takes_nothing(gpu: GpuHolding) -> bool:
-    """A GPU is closed or full, whoever asks: work the scheduler did not grant holds it, a
-    request runs alone there, or every slot in effect is held. The one measure of it, for the
-    grant, the node walk, the estimates and the swap-affinity bonus."""
+    """A GPU is closed or full, whoever asks: work the scheduler did not grant holds it
+    (``blocked``), or it is `full`. The one measure of it, for the grant, the node walk, the
+    estimates, the swap-affinity bonus and Retry-After."""
+    return gpu.blocked or (gpu.running.busy > 0 and full(gpu))
+
+
+def full(gpu: GpuHolding) -> bool:
+    """What runs on a GPU leaves no place for another request, whatever holds it apart from its
+    grants: a request runs alone there, or every model held there (`eviction.held_models`) has
+    every slot of its own taken and there is no place for another model (as many held as
+    ``max_loaded``; each of them busy, so none may go). With room for one model: its slots."""
     running = gpu.running
-    if gpu.blocked or not running.busy:
-        return gpu.blocked
-    if gpu.residency.several:
-        # Full for every resident model, and no place for another one.
-        return running.alone or (len(gpu.residents) >= gpu.residency.max_loaded and all(
-            busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in gpu.residents))
-    return _full(running, gpu.slots_in_effect)
+    if running.alone:
+        return True
+    if not running.busy:
+        return False
+    residents = gpu.residents
+    model = running.model
+    # (`held_models` inline where what runs names resident models only: this runs per GPU and change.)
+    held = residents if running.models is None and (model is None or model in residents) else held_models(gpu)
+    if (len(held) or 1) < gpu.residency.max_loaded:  # (`places_held`: something runs here)
+        return False
+    if not held:  # work of no model alone: the slots in effect (the default)
+        return running.busy >= gpu.slots_in_effect
+    return all(busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in held)
 
 
 def open_to_loads(gpu: GpuHolding) -> bool:
-    """A request of any model may start there now, loading it: nothing runs, or (several
-    resident) a place is free or an idle model may go. (Beside a request that runs alone: none.)"""
+    """A request of any model may start there now, loading it: nothing runs, or a place is free
+    or an idle model may go. (Beside a request that runs alone: none.)"""
     running = gpu.running
     if not running.busy:
         return True
-    if running.alone or not gpu.residency.several:
+    if running.alone:
         return False
-    return len(gpu.residents) < gpu.residency.max_loaded or bool(evictable(gpu))
-
-
-def _full(running: Running, slots: int) -> bool:
-    """A request runs alone there, or every one of its ``slots`` in effect is held."""
-    return running.alone or running.busy >= slots  # (both callers asked it only with something running)
+    return places_held(gpu, held_models(gpu)) < gpu.residency.max_loaded or bool(evictable(gpu))
 
 
 def share_used(gpu: GpuHolding) -> bool:
-    """The reserved-slot test: work below the interactive band holds its whole share
-    (``slots - reserved``), so only slots kept for the interactive band are free."""
-    return _share_used(gpu, gpu.slots_in_effect)
-
-
-def _share_used(gpu: GpuHolding, slots: int) -> bool:
-    return gpu.running.non_interactive >= slots - gpu.slots.reserved
+    """The reserved-slot test for what runs on a GPU as a whole: work below the interactive band
+    holds its whole share (``slots - reserved``) of the slots in effect."""
+    return gpu.running.non_interactive >= gpu.slots_in_effect - gpu.slots.reserved
 
 
 def in_reserved_slot(gpu: GpuHolding, candidate: Candidate) -> bool:
@@ -96,59 +101,47 @@ def in_reserved_slot(gpu: GpuHolding, candidate: Candidate) -> bool:
     grant's ``reserved_slot``)."""
     if not (gpu.running.busy > 0 and candidate.interactive):
         return False
-    if gpu.residency.several:
-        busy, share = _model_share(gpu, candidate.model)
-        return busy > 0 and share
-    return share_used(gpu)
+    busy, share = _model_share(gpu, candidate.model)
+    return busy > 0 and share
 
 
 def _model_share(gpu: GpuHolding, model: str | None) -> tuple[int, bool]:
-    """Several resident: the slots ``model``'s work holds, and whether work below the interactive
-    band holds its whole share of them (``slots - reserved``)."""
+    """The slots ``model``'s work holds, and whether work below the interactive band holds its
+    whole share of them (``slots - reserved``). A request of no model shares the slots of
+    whatever runs: the slots in effect."""
     busy, non_interactive = busy_of(gpu, model)
-    return busy, non_interactive >= gpu.slots.of(model) - gpu.slots.reserved
+    slots = gpu.slots_in_effect if model is None else gpu.slots.of(model)
+    return busy, non_interactive >= slots - gpu.slots.reserved
 
 
 def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
     """The dispatch rule: what a GPU (what it holds) can do for ``candidate`` now, whatever holds
     it apart from its grants aside (``blocked`` is `choose`'s to read). The one rule function:
-    the grant, the estimates and the simulator ask it, for each GPU of the node."""
-    if gpu.residency.several:
-        return _turn_beside(gpu, candidate)
+    the grant, the estimates and the simulator ask it, for each GPU of the node. Each resident
+    model has slots of its own; a model that is not resident loads beside what runs where it
+    has room, or where idle models may go for it; with room for one model, that is only once
+    the other model's work has drained."""
+    model = candidate.model
+    if gpu.settling_model is not None and (candidate.alone or model == gpu.settling_model):
+        return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
     running = gpu.running
     if not running.busy:
         return Turn.IDLE
-    slots = gpu.slots_in_effect  # once: this runs for every GPU and request asked
-    if _full(running, slots):
-        return Turn.CLOSED
-    if not fits(candidate, gpu):
-        return Turn.OTHER_MODEL
-    if not candidate.interactive and _share_used(gpu, slots):
-        return Turn.SHARE_USED
-    return Turn.FREE
-
-
-def _turn_beside(gpu: GpuHolding, candidate: Candidate) -> Turn:
-    """`turn` where several models may be resident: each model's own slots."""
-    if gpu.settling_model is not None and (candidate.alone or candidate.model == gpu.settling_model):
-        return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
-    if not gpu.running.busy:
-        return Turn.IDLE
-    if gpu.running.alone:
-        return Turn.CLOSED
-    if candidate.alone:
-        return Turn.OTHER_MODEL  # it waits for the GPU to drain
-    model = candidate.model
+    if candidate.alone or running.alone:
+        return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL  # it waits for the GPU to drain
     if model is None or model in gpu.residents:
         busy, share = _model_share(gpu, model)
-        if busy >= gpu.slots.of(model):
+        if busy >= (gpu.slots_in_effect if model is None else gpu.slots.of(model)):
             return Turn.CLOSED  # full for its model
         return Turn.SHARE_USED if share and not candidate.interactive else Turn.FREE
-    if has_room(gpu, model):
-        return Turn.ROOM
-    if can_evict_for(gpu, model):
-        return Turn.EVICT
-    return Turn.OTHER_MODEL
+    # (A model its running work names that the record no longer counts resident is not known
+    # loaded: its load waits for that work to drain.)
+    if model not in held_models(gpu):
+        if has_room(gpu, model):
+            return Turn.ROOM
+        if can_evict_for(gpu, model):
+            return Turn.EVICT
+    return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL
 
 
 # -- a node: one GPU or several ------------------------------------------------------------
@@ -225,9 +218,11 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
     for index, gpu in enumerate(gpus):
         if gpu.blocked or index in closed or not gpu.may_serve(candidate):
             continue
-        if held_back and (index, model) in held_back:
+        if held_back and ((index, model) in held_back or (model is None and _all_held(gpu, index, held_back))):
             continue
         verdict = turn(gpu, candidate)
+        if verdict is Turn.EVICT and held_back and not _may_evict(gpu, index, candidate, held_back):
+            verdict = Turn.OTHER_MODEL  # only models the best holds back for its own load could go
         if verdict is Turn.IDLE or verdict is Turn.ROOM or verdict is Turn.EVICT:
             idle.append(index)  # it may start there now, loading its model
             continue
@@ -277,12 +272,33 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
 
 def _load_cost(gpu: GpuHolding, model: str | None, wanted: Mapping[str | None, int]) -> tuple[bool, int, int]:
     """What loading ``model`` on a GPU where it may start costs, least first: whether a resident
-    model must go for it, how many waiting requests want those that may go, and how busy it is."""
-    if not gpu.residency.several:
-        return bool(gpu.residents), sum(wanted.get(name, 0) for name in gpu.residents), 0
-    if model is None or has_room(gpu, model):
+    model must go for it, how many waiting requests want those that may go, and how busy it is.
+    A request of no model loads nothing: it goes where the resident models are wanted least (it
+    takes a slot they could use), nothing resident first."""
+    if model is None:
+        residents = gpu.residents
+        return bool(residents), sum(wanted.get(name, 0) for name in residents), gpu.running.busy
+    if has_room(gpu, model):
         return False, 0, gpu.running.busy
     return True, sum(wanted.get(name, 0) for name in evictable(gpu)), gpu.running.busy
+
+
+def _may_evict(gpu: GpuHolding, index: int, candidate: Candidate, held_back: Set[HeldBack]) -> bool:
+    """Idle models that the best waiting request does not hold back may go for ``candidate``'s
+    load on GPU ``index`` (the ones it holds back go for its own load only)."""
+    assert candidate.model is not None
+    return can_evict_for(gpu, candidate.model, held_on(index, held_back))
+
+
+def held_on(index: int, held_back: Set[HeldBack]) -> list[str | None]:
+    """The models held back on GPU ``index``."""
+    return [name for at, name in held_back if at == index]
+
+
+def _all_held(gpu: GpuHolding, index: int, held_back: Set[HeldBack]) -> bool:
+    """Every model resident on GPU ``index`` is held back: a request of no model waits too, as
+    its slot would keep them from draining (with room for one model: the drain before a swap)."""
+    return bool(gpu.residents) and all((index, name) in held_back for name in gpu.residents)
 
 
 def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:

@@ -49,7 +49,6 @@ from typing import Final, Protocol, TypeVar
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, RunningView
-from llamaswap.core.holding import load_under_way
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
 _Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
@@ -288,33 +287,21 @@ class Estimator:
         return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
                       running_s)
 
-    def remaining_of(self, grants: Sequence[RunningView]) -> tuple[list[float], float]:
+    def remaining_of(self, grants: Sequence[RunningView]) -> list[float]:
         """The expected remaining time of each of these running grants of one upstream
-        (`math.inf`: it outran its expected time) and how long the load under way there still
-        takes (0: none). Each is sized by the output tokens it asked for, where it said."""
-        # The load under way there: its model and how long ago it began (None: none). A grant
-        # made beside it (while its grant runs) begins its run when the load ends, as the walk
-        # reads the ones it starts (``ready_at``); one that says its load (`beside_load`) also
-        # once the grant that loaded has ended.
-        loader = load_under_way(grants)
-        loading = None if loader is None else (loader.model, loader.running_s)
-        # Several models loading (several resident): each load holds back its own model's grants only.
-        loads: dict[str, tuple[str | None, float]] = {}
-        for grant in grants:
-            if grant.model_load and grant.model is not None:
-                loads.setdefault(grant.model, (grant.model, grant.running_s))  # (the earliest, as `loading`)
+        (`math.inf`: it outran its expected time). Each is sized by the output tokens it asked
+        for, where it said, and runs once the load it was granted beside ends (its
+        ``beside_load``, set once at its grant)."""
         remaining: list[float] = []
         for grant in grants:
-            load: tuple[str | None, float] | None = grant.beside_load
-            if load is None:
-                load = loading if grant.model is None else loads.get(grant.model)
+            load = grant.beside_load
             # (that model, how long before this grant its load began)
             beside = None if load is None else (load[0], load[1] - grant.running_s)
             end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=grant.max_tokens,
                                  upstream=grant.upstream, beside_load=beside)
             left = left_s(end, grant.running_s)
             remaining.append(math.inf if left is None else left)
-        return remaining, 0.0 if loader is None else self.load_left_s(loader)
+        return remaining
 
     def load_left_s(self, loader: RunningView) -> float:
         """How long the load a running grant began still takes (0 once it is expected over)."""

@@ -62,28 +62,31 @@ class _Waiting:
 class _GpuWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("holding", "residents", "items", "ready_at", "loaded_at", "blocked_until")
+    __slots__ = ("holding", "residents", "items", "loaded_at", "blocked_until")
 
     def __init__(self, gpu: GpuHolding, blocked_until: float) -> None:
         self.holding = gpu
         self.residents = gpu.residents
         self.items: list[_Item] = []
-        self.ready_at = 0.0  # when the load under way ends (its runs begin then)
-        self.loaded_at: dict[str, float] = {}  # several resident: when each model's load ends
+        self.loaded_at: dict[str, float] = {}  # when each model's load ends, the earliest begun first
         self.blocked_until = blocked_until
 
-    def ready_of(self, model: str | None) -> float:
-        """When a run of ``model`` may begin: once the load under way there ends (several
-        resident: its own model's load)."""
-        if not self.holding.residency.several:
-            return self.ready_at
-        return self.loaded_at.get(model, 0.0) if model is not None else 0.0
+    def ready_of(self, model: str | None, now: float) -> float:
+        """When a run of ``model`` begun at ``now`` may begin: once its own model's load ends; a
+        request of no model, once the first load still under way there ends (`Scheduler`'s
+        ``beside_load``: it shares whatever is in effect there)."""
+        if model is not None:
+            return self.loaded_at.get(model, 0.0)
+        for end in self.loaded_at.values():
+            if end > now:
+                return end
+        return 0.0
 
     def view(self, now: float) -> GpuHolding:
         """What it holds at ``now``, as the rule reads it."""
         gpu = self.holding
         # (The rule reads whether work it did not grant holds the GPU, not which: until
-        # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``ready_at``.)
+        # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``loaded_at``.)
         blocked = self.blocked_until > now
         # Several resident, a settle of a known model holds that model only.
         settling_model = gpu.settling_model if blocked else None
@@ -118,7 +121,7 @@ class NodeTimes:
     def __init__(self, snapshot: QueueSnapshot, estimator: Estimator) -> None:
         self._estimator = estimator
         self._remaining: dict[str, list[float]] = {
-            upstream: estimator.remaining_of(grants)[0] for upstream, grants in _by_upstream(snapshot.grants).items()}
+            upstream: estimator.remaining_of(grants) for upstream, grants in _by_upstream(snapshot.grants).items()}
 
     @classmethod
     def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
@@ -195,11 +198,10 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
         walk = walks.get(upstream)
         if walk is None:  # an upstream no longer configured: nothing new starts there
             continue
-        remaining, loading_s = estimator.remaining_of(grants)
-        walk.ready_at = loading_s
-        for grant in grants:  # several resident: each load under way holds back its own model's runs
+        remaining = estimator.remaining_of(grants)
+        for grant in grants:  # each load under way holds back the runs of its own model
             if grant.model_load and grant.model is not None:
-                walk.loaded_at[grant.model] = estimator.load_left_s(grant)
+                walk.loaded_at.setdefault(grant.model, estimator.load_left_s(grant))
         walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
                       for grant, left in zip(grants, remaining, strict=True)]
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
@@ -288,14 +290,14 @@ class _Walk:
         name = gpu.holding.name
         if model is not None and model not in gpu.residents:  # a load
             loaded_at = now + self._estimator.expected_swap_s(model, name)
-            if gpu.holding.residency.several:  # beside what runs, once the idle models chosen have gone
-                view = gpu.view(now)
-                gone = victims(view, model, self._need) or ()
-                gpu.residents = after_load(view, model, [eviction.model for eviction in gone])
-                gpu.loaded_at[model] = loaded_at
-            else:  # only with nothing running there: it replaces what was resident
-                gpu.ready_at = loaded_at
-                gpu.residents = frozenset((model,))
-        end = max(now, gpu.ready_of(model)) + self._estimator.expected_request_run_s(model, self._sizes[request], name)
+            view = gpu.view(now)  # beside what runs, once the idle models chosen have gone
+            # (Models the best holds back go for its own load only.)
+            keep = () if position == 0 else self.held.models.get(name, ())
+            gone = victims(view, model, self._need, keep) or ()
+            gpu.residents = after_load(view, model, [eviction.model for eviction in gone])
+            gpu.loaded_at.pop(model, None)  # (a new entry: the latest begun last)
+            gpu.loaded_at[model] = loaded_at
+        run_s = self._estimator.expected_request_run_s(model, self._sizes[request], name)
+        end = max(now, gpu.ready_of(model, now)) + run_s
         gpu.items.append(_Item(end, candidate.interactive, model, False))
         self._starts[request] = (now, name)

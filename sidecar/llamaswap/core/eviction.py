@@ -4,8 +4,8 @@ could go is busy.
 
 Pure: it reads what a GPU holds (`holding.GpuHolding`, its `residency.Residency`) and how much
 the queue needs each model (``need``: higher is needed more: the best waiting score for it), and
-changes nothing. With ``max_loaded`` 1 (the default) the rule asks none of this: a load replaces
-the resident model, as it always did.
+changes nothing. With ``max_loaded`` 1 (the default) a GPU has room for one model: a load there
+evicts the one idle resident model, once the work on it has drained.
 
 Invariants, enforced by the rule that asks these (`dispatch.turn`, `dispatch.choose`, the grant):
 - a model is evicted only if nothing runs on it, it does not load, and it is not pinned;
@@ -69,17 +69,38 @@ def busy_of(gpu: GpuHolding, model: str | None) -> tuple[int, int]:
     return per_model.get(model, (0, 0))
 
 
-def evictable(gpu: GpuHolding) -> list[str]:
+def evictable(gpu: GpuHolding, held: Collection[str | None] = ()) -> list[str]:
     """The resident models that may go now: nothing runs on them, none loads, none is pinned,
-    and no settle waits for one of their generations."""
+    no settle waits for one of their generations, and none is ``held`` back by the best waiting
+    request for its own load (asked for another request)."""
     pinned = gpu.residency.pinned
     return [model for model in gpu.residents
-            if model not in pinned and model != gpu.settling_model and busy_of(gpu, model)[0] == 0]
+            if model not in pinned and model != gpu.settling_model and model not in held
+            and busy_of(gpu, model)[0] == 0]
+
+
+def held_models(gpu: GpuHolding) -> frozenset[str]:
+    """The models a GPU holds: those resident, and any that its running work names beside them
+    (a model the upstream said it no longer had, while its requests still run there)."""
+    residents = gpu.residents
+    running = gpu.running
+    if running.models is None:
+        model = running.model
+        return residents if model is None or model in residents else residents | {model}
+    return residents if residents.issuperset(running.models) else residents | running.models.keys()
+
+
+def places_held(gpu: GpuHolding, held: Collection[str]) -> int:
+    """The places of a GPU taken: its ``held`` models; with none known, work that names no model
+    holds the one it runs on (the upstream's, unknown here), so nothing loads beside it where
+    there is room for one model only."""
+    return len(held) or (1 if gpu.running.busy else 0)
 
 
 def has_room(gpu: GpuHolding, model: str) -> bool:
-    """``model`` can load beside the resident models without evicting any."""
-    return gpu.residency.fits(gpu.residents | {model})
+    """``model`` can load beside the models held there without evicting any."""
+    held = held_models(gpu)
+    return places_held(gpu, held) < gpu.residency.max_loaded and gpu.residency.fits(held | {model})
 
 
 def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) -> list[str]:
@@ -88,13 +109,13 @@ def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) ->
     return sorted(models, key=lambda name: (need(name), last_used.get(name, 0), name))
 
 
-def victims(gpu: GpuHolding, model: str, need: Need) -> tuple[Eviction, ...] | None:
+def victims(gpu: GpuHolding, model: str, need: Need, held: Collection[str | None] = ()) -> tuple[Eviction, ...] | None:
     """The resident models to evict so that ``model`` loads now: none with room; else the fewest
-    idle ones, the queue's least needed first (each with why); None if evicting every idle one
-    is not enough."""
+    idle ones (not ``held`` back for the best waiting request), the queue's least needed first
+    (each with why); None if evicting every idle one is not enough."""
     if gpu.residency.fits(gpu.residents | {model}):
         return ()
-    ranked = _least_needed_first(gpu, evictable(gpu), need)
+    ranked = _least_needed_first(gpu, evictable(gpu, held), need)
     going = _fewest_to_go(gpu, ranked, model)
     if going is None:
         return None
@@ -110,10 +131,12 @@ def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
     return EvictReason.NOT_WAITED_FOR
 
 
-def can_evict_for(gpu: GpuHolding, model: str) -> bool:
-    """Evicting idle residents would make room for ``model`` now (`victims` is not None),
-    without ranking them."""
-    return gpu.residency.fits((gpu.residents - set(evictable(gpu))) | {model})
+def can_evict_for(gpu: GpuHolding, model: str, kept: Collection[str | None] = ()) -> bool:
+    """Evicting idle residents (not those ``kept``: held back for the best waiting request)
+    would make room for ``model`` now (`victims` is not None), without ranking them."""
+    held = held_models(gpu)
+    # (None held: nothing to evict.)
+    return bool(held) and gpu.residency.fits((held - set(evictable(gpu, kept))) | {model})
 
 
 def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str | None] = ()) -> tuple[str, ...] | None:
@@ -162,6 +185,6 @@ def _fewest_to_go(gpu: GpuHolding, ranked: Sequence[str], model: str) -> list[st
 def after_load(gpu: GpuHolding, model: str, evicted: Collection[str]) -> frozenset[str]:
     """The resident models once ``model`` has loaded there, ``evicted`` gone: with one model
     resident at a time, the load replaces it."""
-    if not gpu.residency.several:
+    if gpu.residency.max_loaded == 1:
         return frozenset((model,))
     return (gpu.residents - frozenset(evicted)) | {model}

@@ -120,7 +120,7 @@ class GpuRecord:
         """What holds it besides its grants changed (`held_by`, the policy): the holding's
         ``settling_model`` (the one model a settle holds: several resident, its model known) and
         ``blocked`` (a settle of the whole GPU, or adopted exchanges), kept for every build."""
-        one = self.settling and self.settling_model is not None and self.policy.residency.several
+        one = self.settling and self.settling_model is not None and self.policy.residency.max_loaded > 1
         self._settle_model = self.settling_model if one else None
         self._blocked = (self.settling and not one) or self.adopted > 0
         self._holding = self._idle = None
@@ -136,7 +136,7 @@ class GpuRecord:
         which one serves: not known, as before several could be resident). Several: nothing
         runs; or no load is under way and it names every model that runs (then only the others
         can differ from what the scheduler believes: an unload that failed, a stop)."""
-        if not self.policy.residency.several:
+        if self.policy.residency.max_loaded == 1:
             return not self.grants and len(residents) <= 1
         if not self.grants:
             return True
@@ -169,7 +169,7 @@ class GpuRecord:
         model = decision.model
         load = None
         if model is not None and not decision.alone:
-            several = held.residency.several
+            several = held.residency.max_loaded > 1
             if load_number is not None:
                 # One model resident: only with nothing running there, and it replaces what was.
                 gone = frozenset(eviction.model for eviction in decision.evicts)
@@ -194,7 +194,7 @@ class GpuRecord:
         model = grant.entry.model
         if model is not None and self.loaders.get(model) is grant.decision:
             del self.loaders[model]  # its load is over, whatever it says
-        if self.policy.residency.several:
+        if self.policy.residency.max_loaded > 1:
             self._released_beside(grant, model, model_loaded=model_loaded, reached_upstream=reached_upstream)
             return
         pending = self.load

@@ -12,9 +12,9 @@ read it, and nothing else says what a GPU holds. Each running request's expected
 function of its own record (`estimate.grant_end_s`: sized by the `max_tokens` it carries, after
 the load it began or was granted beside), not a second copy kept here.
 
-With ``residency.max_loaded`` 1 (the default) a GPU has at most one resident model (a load
-replaces it); with more, several models are resident at once, each with slots of its own, and
-what runs is counted per model (`Running.models`, `residency.busy_of`).
+A GPU keeps up to ``residency.max_loaded`` models resident (1, the default: room for one, so a
+load evicts the idle resident one), each with slots of its own; what runs is counted per model
+where it names more than one (`Running.models`, `eviction.busy_of`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol, TypeVar
 
-from llamaswap.core.residency import ONE_MODEL, Residency
+from llamaswap.core.residency import ONE_MODEL, Residency, may_serve
 from llamaswap.core.slots import Slots
 
 
@@ -142,25 +142,28 @@ class GpuHolding(NamedTuple):
         return model is not None and model in self.residents
 
     def may_serve(self, candidate: Candidate) -> bool:
-        model = candidate.model
-        if model is None:
-            return True
-        if self.models is not None and model not in self.models:
-            return False
-        return not self.residency.several or not self.residency.never_fits(model)
+        return may_serve(self.models, self.residency, candidate.model)
 
     @property
     def slots_in_effect(self) -> int:
-        """The slots the rule fills up to: those of the model the running work names, else of
-        the resident one (the default with none); with several resident, the sum of theirs."""
-        if self.residency.several and len(self.residents) > 1:
-            return sum(self.slots.of(model) for model in self.residents)
-        model = self.running.model
-        if model is None:
-            for model in self.residents:  # (at most one here: several are summed above)
+        """The slots the rule fills up to: those of the models held there (resident, or named by
+        what runs), summed; the default with none. While a request runs alone (an unload), its
+        model's: it holds the whole GPU."""
+        residents = self.residents
+        running = self.running
+        model = running.model
+        if running.alone:
+            return self.slots.of(model)
+        if len(residents) <= 1 and (model is None or model in residents):  # the common case, without a set
+            for model in residents:
                 break
-        return self.slots.of(model)
-
+            return self.slots.of(model)
+        held = set(residents)
+        if running.models is not None:
+            held.update(running.models)
+        elif model is not None:
+            held.add(model)
+        return sum(self.slots.of(name) for name in held)
 
 
 def resident_on(holdings: Sequence[GpuHolding]) -> frozenset[str]:

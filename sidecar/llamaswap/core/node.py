@@ -41,7 +41,7 @@ def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need:
     may; the whole upstream if none may)."""
     gpu = gpus[index]
     model = candidate.model
-    if not gpu.residency.several or candidate.alone or gpu.running.alone:
+    if candidate.alone or gpu.running.alone:
         return index
     if model is None or model in gpu.residents:
         return ((index, model),)

@@ -97,7 +97,7 @@ def _after(residents: frozenset[str], model: str, gpu: GpuRecord) -> frozenset[s
     the resident model; several resident, the rule's evictions (`eviction.victims`, by recency
     here: the order does not say what will wait then)."""
     held = gpu.holding._replace(residents=residents)
-    gone = victims(held, model, no_need) if held.residency.several else ()
+    gone = victims(held, model, no_need) if held.residency.max_loaded > 1 else ()
     return after_load(held, model, [eviction.model for eviction in gone or ()])
 
 

@@ -8,7 +8,7 @@ import enum
 from collections.abc import Mapping
 
 from llamaswap.core.clock import NS_PER_S
-from llamaswap.core.residency import ONE_MODEL, Residency
+from llamaswap.core.residency import ONE_MODEL, Residency, may_serve
 from llamaswap.core.slots import Slots
 
 
@@ -30,6 +30,10 @@ class GpuPolicy:
     slots: Slots = dataclasses.field(default_factory=Slots)
     models: frozenset[str] | None = None
     residency: Residency = ONE_MODEL
+
+    def may_serve(self, model: str | None) -> bool:
+        """`residency.may_serve` for this upstream."""
+        return may_serve(self.models, self.residency, model)
 
 
 # The name of the one upstream of a configuration that lists none (`upstream:` alone).
@@ -73,12 +77,8 @@ class Policy:
         return self.gpus or (GpuPolicy(SINGLE_UPSTREAM, self.slots),)
 
     def may_run(self, model: str | None) -> bool:
-        """Some GPU may serve ``model`` (its ``models``) and can ever keep it resident (several
-        resident: beside its pinned models, within its budget). None: a request of no model."""
-        if model is None:
-            return True
-        return any((gpu.models is None or model in gpu.models) and not gpu.residency.never_fits(model)
-                   for gpu in self.gpus_in_effect)
+        """Some GPU may serve ``model`` (`GpuPolicy.may_serve`). None: a request of no model."""
+        return any(gpu.may_serve(model) for gpu in self.gpus_in_effect)
 
     @property
     def aging_divisor_ns(self) -> int:

@@ -4,31 +4,32 @@ setting, and which sets of models fit it. What to evict under it is `eviction.py
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Set
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Residency:
     """How many models a GPU keeps resident at once, and what they may weigh.
 
-    ``max_loaded``: models resident at once (1: a load replaces the resident model). ``pinned``:
-    models that are never evicted (only with ``max_loaded`` > 1). ``memory_bytes``: a budget the
+    ``max_loaded``: models resident at once (1: room for one model, so a load evicts the idle
+    resident one). ``pinned``: models that are never evicted. ``memory_bytes``: a budget the
     resident models' sizes (``model_bytes``; a model not listed counts 0: the configuration
-    makes sure every model has one where a budget is set) must fit in; None: count only.
+    makes sure every model has one where a budget is set) must fit in; None: count only. With
+    room for one model neither applies (the configuration warns): nothing can stay beside a
+    load, so a pin or a budget would only keep every other model out, and they are dropped.
     """
 
     max_loaded: int = 1
     pinned: frozenset[str] = frozenset()
     memory_bytes: int | None = None
     model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    # More than one model may be resident: loads go beside others, evictions are explicit. (A
-    # field set from ``max_loaded``, not a property: the rule reads it for every GPU and request.)
-    several: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
             raise ValueError(f"max_loaded must be an integer >= 1, not {self.max_loaded!r}")
         object.__setattr__(self, "model_bytes", dict(self.model_bytes))  # a picture, not the caller's dict
-        object.__setattr__(self, "several", self.max_loaded > 1)
+        if self.max_loaded == 1:
+            object.__setattr__(self, "pinned", frozenset())
+            object.__setattr__(self, "memory_bytes", None)
 
     def bytes_of(self, model: str) -> int:
         """A model's size; one of unknown size counts as the whole budget (it is never loaded
@@ -46,9 +47,19 @@ class Residency:
     def never_fits(self, model: str) -> bool:
         """``model`` can never be resident here beside the pinned models (too large for the
         budget, or the pinned ones fill every place)."""
-        if not self.several or model in self.pinned:
+        if model in self.pinned:
             return False
         return not self.fits(self.pinned | {model})
 
 
 ONE_MODEL = Residency()
+
+
+def may_serve(models: Set[str] | None, residency: Residency, model: str | None) -> bool:
+    """A GPU that may serve ``models`` (None: any) and keeps them resident by ``residency`` may
+    serve ``model``: it is listed, and can ever be resident there beside the pinned models. A
+    request of no model: any GPU. The one test of it, for the rule (`GpuHolding.may_serve`)
+    and for refusing a model that no GPU can ever run (`Policy.may_run`)."""
+    if model is None:
+        return True
+    return (models is None or model in models) and not residency.never_fits(model)

@@ -16,26 +16,18 @@ better of the top of the global heap and the top of each such model's heap plus 
 (`order.pick`). Everything is integer nanoseconds, so the
 comparison is exact and equal scores fall back to arrival order.
 
-Slots (`slots.py`): a GPU serves several generations of its resident model at once. The
-dispatch rule is `dispatch.choose` (each GPU read by `dispatch.turn`), walked down the order by
-`node.find` for one GPU as for several (one GPU is a node of one); the estimates' walk runs
-the same rule. With one slot (the default) it is exactly the one-grant-at-a-time scheduler this
-module always was. The policy is in `policy.py`, the heap indexes in `index.py`, the decision
-and view types in `decisions.py`.
+The rule is `dispatch.choose` (each GPU read by `dispatch.turn`, one form whatever
+``maxLoaded``), walked down the order by `node.find` (one GPU is a node of one); the estimates'
+walk runs the same rule. Policy: `policy.py`; heaps: `index.py`; decisions and views: `decisions.py`.
 
 Invariants, enforced here (by applying the rule to the one record of the grants):
-- at most ``slots`` requests hold a grant, and the models they name are one model: a grant
-  that needs another model (a swap, or a load from nothing known loaded) is made only when
-  nothing runs;
-- a request that runs alone (``enqueue(alone=True)``: it changes what the upstream has loaded
-  under any generation, as llama-server's model unload does) is granted only when nothing runs,
-  and nothing is granted beside it;
+- on a GPU, at most each resident model's slots of grants of it; a load only where there is
+  room or idle models go for it (room for one model: once nothing runs); nothing beside a
+  request that runs alone (``enqueue(alone=True)``: an unload);
 - a request is either waiting, running, or gone; never two at once;
-- the dispatch order shown by ``snapshot`` is the order ``next`` grants in when the grants are
-  taken one at a time, because both use the same ``order.pick`` (with several slots, a reserved
-  slot can let an interactive request start before a non-interactive one listed ahead of it);
-- a report of the resident models older than the latest grant, or made while anything runs, is
-  ignored (``set_residents``);
+- the order ``snapshot`` shows is the order ``next`` grants in, one at a time (the same
+  ``order.pick``; a reserved slot can let an interactive request start ahead);
+- a report of the resident models older than the latest grant is ignored (``set_residents``);
 - removed entries are deleted lazily from heaps and compacted when they outnumber the living.
 """
 
@@ -101,6 +93,7 @@ class Scheduler:
         # The resident model the best waiting request holds back, by upstream (several resident:
         # no new grants for it until it drains and goes), as the last `next` found it.
         self._held_back = node.HeldBackModels()
+        self._hold_times: GpuTimes | None = None  # set where `next` left it to be worked out (`_hold`)
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -122,7 +115,6 @@ class Scheduler:
         # report, `held_by` or the policy, each of which tells it).
         self._held = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
-        self._several = any(gpu.residency.several for gpu in gpus)  # some GPU keeps several models resident
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
         # only needed to tell whether aging changed a pick.
@@ -366,24 +358,31 @@ class Scheduler:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
         An upstream that work the scheduler did not grant holds (`held_by`) takes nothing.
 
-        One path for one upstream and for several (one GPU is a node of one): the node rule
-        (`dispatch.choose`, one answer per request, each upstream read by `dispatch.turn`) asked
-        down the order (`node.find`). With nothing running the best request goes whatever
-        model it needs; beside running grants only a request of the loaded model (or none) goes,
-        a swap or a request that runs alone waits for the drain, and a non-interactive request
-        past its share (``slots - reserved``) leaves the reserved slots to the interactive
-        requests behind it. An interactive grant in a slot that only the interactive band could
-        take now says ``reserved_slot`` (`dispatch.in_reserved_slot`). ``times`` is what the rule
-        may know of run times and swap costs (it chooses among upstreams by them; with one
-        upstream it reads none).
+        The node rule (`dispatch.choose`, each upstream read by `dispatch.turn`) asked down the
+        order (`node.find`; one GPU is a node of one): a request of a resident model (or none)
+        takes a free slot of it, another model loads where there is room or idle models may go,
+        else waits for the drain, as does a request that runs alone; a non-interactive request
+        past its share (``slots - reserved``) leaves the reserved slots to the interactive ones
+        behind it (their grant says ``reserved_slot``). ``times``: what the rule may know of run
+        times and swap costs (it chooses among upstreams by them).
         """
         if not self._waiting:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
         holdings, open_gpus, warm = self._held.now()
-        if not open_gpus and not self._several:
-            return None  # every slot is taken (with one slot: anything runs)
-        # (Several resident: the walk runs all the same, for the model the best holds back.)
+        if not open_gpus:  # nothing starts: what the best holds back is worked out when read (`_hold`)
+            self._hold_times = times
+            return None
+        return self._find(holdings, warm, times)
+
+    def _hold(self) -> node.HeldBackModels:
+        """What the best holds back, worked out where `next` left it while no GPU takes work yet."""
+        if self._hold_times is not None and self._waiting and not self._held.now()[1]:
+            assert self._find(*self._held.now()[::2], self._hold_times) is None  # (nothing can start)
+        return self._held_back
+
+    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes) -> Decision | None:
+        self._hold_times = None
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
@@ -403,7 +402,9 @@ class Scheduler:
             aged, plain = self._reserved
         else:
             aged, plain = self._aged, self._plain
-        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick)
+        # Models the best holds back for its own load go for its load only.
+        keep = () if winner is first else self._held_back.models.get(gpu.name, ())
+        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick, keep)
 
     def _need(self, model: str) -> tuple[float, float]:
         """How much the queue needs ``model``: its best waiting request's key, then arrival
@@ -415,7 +416,7 @@ class Scheduler:
     def held_back(self) -> Mapping[str, str | None]:
         """The resident model the best waiting request holds back on an upstream (by name), as
         the last `next` found it: no new grants for it until it drains and goes."""
-        return self._held_back.shown()
+        return self._hold().shown()
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -429,7 +430,7 @@ class Scheduler:
             self._compact()
 
     def _grant(self, gpu: GpuRecord, held: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
-               reserved_slot: bool, pick: Callable[[Index], Entry]) -> Decision:
+               reserved_slot: bool, pick: Callable[[Index], Entry], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
         reasons = _REASONS[plain is not None and pick(plain) is not winner,
@@ -439,11 +440,11 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model not in residents
-        several = held.residency.several
+        several = held.residency.max_loaded > 1
         evicts: tuple[Eviction, ...] = ()
         if loads and several:
             assert model is not None
-            found = victims(held, model, self._need)
+            found = victims(held, model, self._need, keep)
             assert found is not None, "the rule starts a load only where it has room or idle models may go"
             evicts = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
@@ -451,10 +452,13 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
-        loading = held.loading  # a load under way there, which this grant starts beside (of its model)
-        if several:
-            loader = gpu.loaders.get(model) if model is not None else None
-            loading = None if loader is None or model is None else (model, loader.granted_ns)
+        # The load this grant runs after (its ready time, set here once): its own model's; with no
+        # model, it shares whatever is in effect there: the first load under way.
+        if model is None:
+            loading = held.loading
+        else:
+            loader = gpu.loaders.get(model)
+            loading = None if loader is None else (model, loader.granted_ns)
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
@@ -568,7 +572,7 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
         return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
-                              self._arrivals, self._clock.now_ns(), self._held_back.models)
+                              self._arrivals, self._clock.now_ns(), self._hold().models)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""

@@ -34,7 +34,7 @@ def held(gpu: GpuHolding, model: str | None) -> int:
     abandoned one: its grants there, and the adopted exchanges (whose model is not known). With
     several resident models only the grants of ``model`` (none named: all): each resident model
     runs in a process of its own, whose slots the upstream counts apart (`Upstream.busy`)."""
-    if model is None or not gpu.residency.several:
+    if model is None or gpu.residency.max_loaded == 1:
         return gpu.running.busy + gpu.adopted
     return busy_of(gpu, model)[0] + gpu.adopted
 
@@ -102,7 +102,7 @@ class Adoptions:
         def unloaded() -> None:
             # Stopping unloads the settle's model (none named: every loaded one); with several
             # resident, the others stay.
-            model, several = settling.model, self._holding(gpu.name).residency.several
+            model, several = settling.model, self._holding(gpu.name).residency.max_loaded > 1
             left = scheduler.residents_on(gpu.name) - {model} if model is not None and several else frozenset()
             if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
-from llamaswap.core.dispatch import GpuTimes
+from llamaswap.core.dispatch import GpuTimes, full
 from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.ticket import Refusal, Ticket, TicketState
@@ -57,14 +57,15 @@ class Forecast:
     def busy_s(self) -> float:
         """How long until some GPU is expected to take the next grant: the soonest over the GPUs
         of when each can. A GPU can once its settle ends (nothing is granted there meanwhile,
-        free slot or not) and, when every slot there is taken, once the first of its running
-        grants ends (with one slot, the grant's)."""
+        free slot or not) and, when what runs there leaves no place for another request
+        (`dispatch.full`: every slot taken and no room to load beside it), once the first of its
+        running grants ends (with one slot, the grant's)."""
         now = self._clock.now_ns()
         times: NodeTimes | None = None
         soonest = math.inf
         for gpu in self._scheduler.holdings():
             busy = self.settle_left_s(gpu.name, now)
-            if gpu.running.busy >= gpu.slots_in_effect:
+            if full(gpu):
                 times = times or self._node_times()
                 busy = max(busy, times.soonest_end_s(gpu.name))
             soonest = min(soonest, busy)

@@ -80,8 +80,9 @@ class GpuProjection:
     held_back: str | None = None
     # Something besides our grants holds it (a settle, an adopted exchange): nothing starts there.
     blocked: bool = False
-    # Shown model by model (each with its slots): it may keep several resident, has several, or
-    # holds one back.
+    # Shown model by model (each with its slots): it may keep several resident, or has several. (A
+    # model held back says nothing of it: with room for one model, the best waiting for a swap
+    # holds back the one resident.)
     per_model: bool = False
 
     @classmethod
@@ -91,7 +92,7 @@ class GpuProjection:
         max_loaded = gpu.residency.max_loaded
         return cls(gpu.name, residents, gpu.running.busy, gpu.slots_in_effect, GpuState.of(gpu), max_loaded,
                    _models_of(gpu), held_back, gpu.blocked,
-                   max_loaded > 1 or len(residents) > 1 or held_back is not None)
+                   max_loaded > 1 or len(residents) > 1)
 
     @classmethod
     def configured(cls, name: str, slots: int, max_loaded: int = 1) -> GpuProjection:
