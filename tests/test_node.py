@@ -17,6 +17,8 @@ from llamaswap.core import Decision, ManualClock, Priority, PrioritySource, Sche
 from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import GpuPolicy
+import learnt_times
+from learnt_times import Times
 from policies import fifo, serial
 from reference import ReferenceNode, RefGpuPolicy, RefNodeDecision, RefPolicy, float_close, residents
 
@@ -233,33 +235,8 @@ def test_the_upstreams_cannot_change_under_a_running_scheduler() -> None:
 # -- properties: the scheduler against the brute-force node (tests/reference.py) --------------
 
 MODELS = ("a", "b", "c", None)
-SECONDS = (0.5, 2.0, 10.0, 30.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Times:
-    """Fixed learnt times per upstream (and per model for a load), handed to both schedulers."""
-
-    slot_free: dict[str, float]
-    drained: dict[str, float]
-    swap: dict[tuple[str | None, str], float]
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return self.slot_free[gpu]
-
-    def drained_in_s(self, gpu: str) -> float:
-        return self.drained[gpu]
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self.swap[model, gpu]
-
-
 def times_for(names: list[str]) -> st.SearchStrategy[Times | None]:
-    seconds = st.sampled_from(SECONDS)
-    per_gpu = st.fixed_dictionaries({name: seconds for name in names})
-    per_load = st.fixed_dictionaries({(model, name): seconds for model in MODELS for name in names})
-    known = st.builds(Times, per_gpu, per_gpu, per_load)
-    return st.one_of(st.none(), known, known)
+    return learnt_times.times_for(names, MODELS, unknown_in_3=1)
 
 
 class NodeMachine(RuleBasedStateMachine):

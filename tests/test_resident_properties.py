@@ -19,7 +19,6 @@ residents_on, snapshot), the decisions and the configuration types.
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -27,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, event, note, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+import learnt_times
+from learnt_times import Times
 from policies import fifo, serial
 from reference import RefPolicy, float_close
 from reference_resident import ReferenceResidentNode, RefResidentDecision, RefResidentGpuPolicy
@@ -36,32 +37,8 @@ from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.core.policy import GpuPolicy
 
 MODELS = ("a", "b", "c", "d", "e")
-SECONDS = (0.5, 2.0, 10.0, 30.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Times:
-    """Fixed learnt times per GPU (and per model for a load), handed to both."""
-
-    slot_free: dict[str, float]
-    drained: dict[str, float]
-    swap: dict[tuple[str | None, str], float]
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return self.slot_free[gpu]
-
-    def drained_in_s(self, gpu: str) -> float:
-        return self.drained[gpu]
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self.swap[model, gpu]
-
-
 def times_for(names: list[str]) -> st.SearchStrategy[Times | None]:
-    seconds = st.sampled_from(SECONDS)
-    per_gpu = st.fixed_dictionaries({name: seconds for name in names})
-    per_load = st.fixed_dictionaries({(model, name): seconds for model in MODELS for name in names})
-    return st.one_of(st.none(), st.none(), st.builds(Times, per_gpu, per_gpu, per_load))
+    return learnt_times.times_for(names, MODELS, unknown_in_3=2)
 
 
 def prio(value: int) -> Priority:
