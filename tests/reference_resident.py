@@ -56,7 +56,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 
-from reference import INTERACTIVE, RefNoTimes, RefPolicy, RefTimes
+from reference import INTERACTIVE, RefGpuPolicy, RefNoTimes, RefPolicy, RefTimes
 
 NOT_WAITED_FOR = "not_waited_for"
 LEAST_NEEDED = "least_needed"
@@ -81,30 +81,26 @@ class RefResidency:
 
 
 @dataclasses.dataclass(frozen=True)
-class RefResidentGpuPolicy:
-    name: str
-    slots: int = 1
-    model_slots: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    reserved: int = 0
-    models: frozenset[str] | None = None  # None: any
+class RefResidentGpuPolicy(RefGpuPolicy):
+    """One GPU as the configuration describes it (`reference.RefGpuPolicy`), with its residency."""
+
     residency: RefResidency = RefResidency()
 
     @classmethod
     def of(cls, gpu) -> "RefResidentGpuPolicy":
         """Read the public settings of a real ``GpuPolicy`` (nothing else)."""
+        base = RefGpuPolicy.of(gpu)
         residency = gpu.residency
-        return cls(gpu.name, gpu.slots.default, dict(gpu.slots.per_model), gpu.slots.reserved,
-                   None if gpu.models is None else frozenset(gpu.models),
+        return cls(base.name, base.slots, base.model_slots, base.reserved, base.models,
                    RefResidency(residency.max_loaded, frozenset(residency.pinned), residency.memory_bytes,
                                 dict(residency.model_bytes)))
 
-    def slots_of(self, model: str) -> int:
-        return self.model_slots.get(model, self.slots)
-
-    def may_serve(self, model: str) -> bool:
+    def may_serve(self, model: str | None) -> bool:
         """Its ``models`` allow it, and it can ever be resident there beside the pinned ones."""
-        if self.models is not None and model not in self.models:
+        if not super().may_serve(model):
             return False
+        if model is None:
+            return True
         pinned = self.residency.pinned
         return model in pinned or self.residency.fits(pinned | {model})
 
