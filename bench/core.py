@@ -119,7 +119,7 @@ def run_real(depth: int, rounds: int, seed: int,
     for rid, prio, model, gap in fill:
         clock.set_ns(clock.now_ns() + gap)
         scheduler.enqueue(rid, priorities[prio], model)
-    scheduler.set_residents(frozenset((MODELS[0],)), as_of=scheduler.dispatches)
+    scheduler.set_residents(frozenset((MODELS[0],)), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
     loop = [(rid, priorities[prio], model, gap) for rid, prio, model, gap in loop]
     granted: list[str] = []
     enqueue, next_, release, advance = scheduler.enqueue, scheduler.next, scheduler.release, clock.set_ns

@@ -76,7 +76,7 @@ class RefPolicy:
     def of(cls, policy) -> "RefPolicy":
         """Read the public settings of a real ``Policy`` (nothing else)."""
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, dict(policy.model_priorities),
-                   policy.slots.default, dict(policy.slots.per_model), policy.slots.reserved)
+                   policy.gpus[0].slots.default, dict(policy.gpus[0].slots.per_model), policy.gpus[0].slots.reserved)
 
     def slots_of(self, model: str | None) -> int:
         return self.slots if model is None else self.model_slots.get(model, self.slots)

@@ -601,17 +601,17 @@ def test_parse_config_problems_carry_paths():
 def test_slots_reach_the_policy():
     cfg = parse_config({"upstream": {"slots": 4}, "models": {"small": {"slots": 2}, "other": {}},
                         "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}})
-    assert cfg.policy().slots == Slots(4, {"small": 2}, 1)
+    assert cfg.policy().gpu("gpu0").slots == Slots(4, {"small": 2}, 1)
     fifo = parse_config({"upstream": {"slots": 3}, "routing": {"scheduler": {
         "use": "fifo", "settings": {"fifo": {"reservedSlots": 2}, "serial": {"reservedSlots": 0}}}}})
-    assert fifo.policy().slots == Slots(3, {}, 2)
+    assert fifo.policy().gpu("gpu0").slots == Slots(3, {}, 2)
     # serial's reservation does not apply under fifo, and is not checked against the slots there
     assert parse_config({"routing": {"scheduler": {"use": "fifo", "settings": {
-        "serial": {"reservedSlots": 5}}}}}).policy().slots == Slots()
+        "serial": {"reservedSlots": 5}}}}}).policy().gpu("gpu0").slots == Slots()
 
 
 def test_slots_default_to_one_grant_at_a_time():
-    slots = Config().policy().slots
+    slots = Config().policy().gpu("gpu0").slots
     assert slots == Slots() and slots.single
 
 
@@ -619,10 +619,10 @@ def test_auto_slots_take_what_the_upstream_says_and_fit_the_reservation():
     cfg = parse_config({"upstream": {"slots": "auto"}, "routing": {"scheduler": {"settings": {
         "serial": {"reservedSlots": 2}}}}})
     assert cfg.upstream.slots == "auto"
-    assert cfg.policy({None: 4}).slots == Slots(4, {}, 2)
+    assert cfg.gpu_policy("gpu0", {None: 4}).slots == Slots(4, {}, 2)
     # fewer slots than reserved: lowered, not refused (the caller compares with reserved_slots to warn)
-    assert cfg.policy({None: 2}).slots == Slots(2, {}, 1)
-    assert cfg.policy().slots == Slots(1, {}, 0)
+    assert cfg.gpu_policy("gpu0", {None: 2}).slots == Slots(2, {}, 1)
+    assert cfg.policy().gpu("gpu0").slots == Slots(1, {}, 0)
     assert cfg.reserved_slots == 2
     assert cfg.to_document()["upstream"]["slots"] == "auto"
 
@@ -630,8 +630,8 @@ def test_auto_slots_take_what_the_upstream_says_and_fit_the_reservation():
 def test_auto_slots_in_router_mode_are_per_model_and_configured_ones_win():
     cfg = parse_config({"upstream": {"slots": "auto"}, "models": {"c": {"slots": 1}}})
     # The last model learnt gives the default for models not asked about yet.
-    assert cfg.policy({"a": 4, "b": 2}).slots == Slots(2, {"a": 4, "b": 2, "c": 1}, 0)
-    assert cfg.policy({"c": 3}).slots == Slots(3, {"c": 1}, 0)
+    assert cfg.gpu_policy("gpu0", {"a": 4, "b": 2}).slots == Slots(2, {"a": 4, "b": 2, "c": 1}, 0)
+    assert cfg.gpu_policy("gpu0", {"c": 3}).slots == Slots(3, {"c": 1}, 0)
 
 
 def test_policy_from_parsed_config_matches_the_documented_defaults():
@@ -716,7 +716,7 @@ def test_every_key_reaches_its_attribute():
     assert (s.settings.serial.aging_divisor, s.settings.serial.swap_affinity_bonus) == (30, 99)
     assert (s.settings.serial.reserved_slots, s.settings.fifo.reserved_slots) == (3, 1)
     assert model_priorities(cfg) == {"qwen": 10, "gemma": -5}
-    assert cfg.policy().slots == Slots(4, {"qwen": 2}, 1)
+    assert cfg.policy().gpu("gpu0").slots == Slots(4, {"qwen": 2}, 1)
     assert (str(cfg.listen.http), str(cfg.listen.grpc), str(cfg.listen.admin)) == \
         ("0.0.0.0:8000", "[::1]:9001", "10.0.0.5:9091")
     u = cfg.upstream

@@ -18,7 +18,7 @@ import yaml
 import llamaswap
 from llamaswap.commands.serve import Sidecar
 from llamaswap.config import (
-    IMPLICIT_UPSTREAM,
+    IMPLICIT_GPU,
     Config,
     ConfigError,
     UpstreamEntry,
@@ -48,7 +48,7 @@ def two(**second: Any) -> list[dict[str, Any]]:
 
 
 def test_without_upstreams_the_one_upstream_is_gpu0() -> None:
-    assert Config().upstream_entries == (UpstreamEntry(IMPLICIT_UPSTREAM, "http://127.0.0.1:8081", 1, None, ()),)
+    assert Config().upstream_entries == (UpstreamEntry(IMPLICIT_GPU, "http://127.0.0.1:8081", 1, None, ()),)
     cfg = parse_config({"upstream": {"url": "https://llm.example:8443/", "slots": "auto", "command": "server -p 1"}})
     [entry] = cfg.upstream_entries
     assert (entry.name, entry.url, entry.slots, entry.models, entry.command) == (
@@ -73,7 +73,7 @@ def test_entries_keep_their_order_and_take_upstream_slots_by_default() -> None:
     assert (big.models, small.models, auto.models) == (None, frozenset({"qwen", "7"}), None)  # [] means any
     assert small.command == ("llama-server", "--port", "8082") and big.command == ()
     assert (small.host, small.port, small.tls) == ("10.0.0.2", 443, True)
-    assert small.may_serve("qwen") and not small.may_serve("llama-70b") and big.may_serve("llama-70b")
+    assert small.lists("qwen") and not small.lists("llama-70b") and big.lists("llama-70b")
     assert cfg.upstream.model_check.value == "strict"  # the rest of upstream applies to every entry
 
 

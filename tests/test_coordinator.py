@@ -88,8 +88,9 @@ async def test_grant_order_matches_the_core(seed: int) -> None:
             await flow.advance_to(end_at)
             core_clock.set_ns(end_at)
             await flow.complete(flow.requests[running[0].request_id])
-            if core.running is not None:
-                core.release(core.running.request_id)
+            earliest = next(core.running_ids(), None)
+            if earliest is not None:
+                core.release(earliest)
             core_next()
         else:
             _, name, header, model = pending.pop(0)
@@ -1222,21 +1223,21 @@ async def test_no_catalog_refuses_nothing(failure: str) -> None:
 async def test_the_reconcile_applies_the_loaded_model_only_if_no_grant_happened_since() -> None:
     flow = Flow({"upstream": {"modelCheck": "off"}})
     coordinator = flow.coordinator
-    as_of = coordinator.scheduler.dispatches
+    as_of = coordinator.scheduler.dispatches_on("gpu0")
     coordinator.observe_catalog(router("a", "b", loaded="b"), as_of)
     assert coordinator.view().resident_models == ("b",)
     a = await flow.arrive("a", model="a")  # a grant: the model becomes a
     assert a.ticket.decision.swap and a.ticket.decision.residents_before == {"b"}
-    stale = coordinator.scheduler.dispatches
+    stale = coordinator.scheduler.dispatches_on("gpu0")
     coordinator.observe_catalog(router("a", "b", loaded="b"), stale)  # while a runs
     assert coordinator.view().resident_models == ("a",)
     await flow.complete(a)
     coordinator.observe_catalog(router("a", "b", loaded="b"), stale - 1)  # asked before a's grant
     assert coordinator.view().resident_models == ("a",)
-    coordinator.observe_catalog(router("a", "b", loaded=None), coordinator.scheduler.dispatches)
+    coordinator.observe_catalog(router("a", "b", loaded=None), coordinator.scheduler.dispatches_on("gpu0"))
     assert coordinator.view().resident_models == ()
     coordinator.observe_catalog(Catalog(UpstreamKind.ROUTER, frozenset({"a"}), frozenset({"a"}), residents_known=False),
-                                coordinator.scheduler.dispatches)
+                                coordinator.scheduler.dispatches_on("gpu0"))
     assert coordinator.view().resident_models == ()  # says nothing about what is loaded
     b = await flow.arrive("b", model="b")
     assert b.ticket.decision.load

@@ -98,7 +98,7 @@ async def test_slots_are_learnt_per_gpu() -> None:
     flow = two_gpus(gpu0, gpu1, slots="auto")
     await flow.coordinator.learn_slots()
     scheduler = flow.coordinator.scheduler
-    assert [gpu.slots.default for gpu in scheduler.policy.gpus_in_effect] == [2, 1]
+    assert [gpu.slots.default for gpu in scheduler.policy.gpus] == [2, 1]
     requests = [await flow.arrive(f"r{i}", model="m") for i in range(4)]
     assert [r.granted for r in requests] == [True, True, True, False]
     assert sorted(on(flow, f"r{i}") for i in range(3)) == ["gpu0", "gpu0", "gpu1"]
@@ -131,7 +131,7 @@ async def test_a_model_goes_only_where_the_configuration_lets_it() -> None:
 async def test_reserved_slots_hold_per_gpu_with_each_ones_slots() -> None:
     # upstream.slots stays 1; the entries' 2 and 3 slots carry the reservation of one.
     flow = two_gpus(slots=2, routing={"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}})
-    gpus = flow.coordinator.scheduler.policy.gpus_in_effect
+    gpus = flow.coordinator.scheduler.policy.gpus
     assert [(gpu.slots.default, gpu.slots.reserved) for gpu in gpus] == [(2, 1), (2, 1)]
     batch = [await flow.arrive(f"b{i}", "batch", "m") for i in range(3)]
     assert [b.granted for b in batch] == [True, True, False]  # one per GPU: the other slot is kept

@@ -54,7 +54,7 @@ async def test_a_query_that_loads_a_model_waits_for_the_running_generations() ->
     await flow.complete(reads)
     await flow.complete(a1)
     assert props.granted and props.ticket.decision.swap and props.ticket.model == "b"
-    assert flow.coordinator.scheduler.residents_on() == frozenset({"b"})
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"b"})
 
 
 @virtual_time
@@ -78,12 +78,12 @@ async def test_a_refusal_leaves_the_model_loaded_and_the_next_grant_is_no_load()
     a1 = await flow.arrive("a1", model="a")
     refused = await flow.arrive("refused", model="a")
     await flow.complete(refused, 400)
-    assert refused.outcome is Outcome.SERVED and flow.coordinator.scheduler.residents_on() == frozenset({"a"})
+    assert refused.outcome is Outcome.SERVED and flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"a"})
     a2 = await flow.arrive("a2", model="a")
     assert a1.granted and a2.granted  # the free slot, beside a1
     assert not a2.ticket.decision.model_load
     await flow.complete(a2, 500)  # a failure does say the model is not known to be loaded
-    assert flow.coordinator.scheduler.residents_on() == frozenset()
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset()
 
 
 @virtual_time
@@ -99,7 +99,7 @@ async def test_a_refusal_beside_the_grant_that_loads_the_model_does_not_undo_the
     assert a3.granted and not a3.ticket.decision.model_load
     await flow.complete(a1)
     await flow.complete(a3)
-    assert flow.coordinator.scheduler.residents_on() == frozenset({"a"})
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"a"})
 
 
 @virtual_time
@@ -109,7 +109,7 @@ async def test_a_refused_load_leaves_nothing_known_loaded() -> None:
     b = await flow.arrive("b", model="b")
     assert b.granted and b.ticket.decision.swap
     await flow.complete(b, 404)
-    assert flow.coordinator.scheduler.residents_on() == frozenset()
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset()
 
 
 @virtual_time
@@ -127,7 +127,7 @@ async def test_a_single_model_upstreams_model_stays_loaded_after_a_failure() -> 
     await flow.complete(a2)
     assert unload.granted
     await flow.complete(unload, 404)
-    assert flow.coordinator.scheduler.residents_on() == frozenset({"m"})
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"m"})
 
 
 async def _swap_holds_back_a2(flow: Flow) -> tuple[Request, Request, Request]:

@@ -335,9 +335,9 @@ async def test_auto_slots_are_what_the_upstream_says() -> None:
     upstream = FakeUpstream()
     upstream.slots_answer = 3
     flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
-    assert flow.coordinator.scheduler.policy.slots.default == 1  # before it is asked
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.default == 1  # before it is asked
     await flow.coordinator.learn_slots()
-    assert flow.coordinator.scheduler.policy.slots.default == 3
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.default == 3
     requests = [await flow.arrive(f"r{i}", model="a") for i in range(4)]
     assert [r.granted for r in requests] == [True, True, True, False]
 
@@ -349,13 +349,13 @@ async def test_auto_slots_fall_back_to_one_and_fit_the_reservation(caplog) -> No
                  "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 2}}}}}, upstream=upstream)
     with caplog.at_level("INFO", logger="llamaswap.runtime.slot_learning"):
         await flow.coordinator.learn_slots()  # the upstream cannot tell
-    assert flow.coordinator.scheduler.policy.slots.default == 1
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.default == 1
     assert "does not say how many slots it has; scheduling with 1" in caplog.text
     upstream.slots_answer = 2
     caplog.clear()
     with caplog.at_level("INFO", logger="llamaswap.runtime.slot_learning"):
         await flow.coordinator.learn_slots()
-    slots = flow.coordinator.scheduler.policy.slots
+    slots = flow.coordinator.scheduler.policy.gpus[0].slots
     assert (slots.default, slots.reserved) == (2, 1)
     assert "too few for 2 reserved" in caplog.text and "reserving 1" in caplog.text
 
@@ -373,19 +373,23 @@ async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loa
     flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE, "models": {"c": {"slots": 1}}},
                 upstream=upstream)
     await flow.coordinator.learn_slots()  # nothing loaded: nothing to ask about
-    assert flow.coordinator.scheduler.policy.slots.default == 1
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.default == 1
     assert [model for name, model in upstream.calls if name == "total_slots"] == []
     upstream.slots_answer = {"a": 3, "b": 2, "c": 4}
-    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"), flow.coordinator.scheduler.dispatches)
-    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"),
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"),
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
     await flow.idle()
-    slots = flow.coordinator.scheduler.policy.slots
+    slots = flow.coordinator.scheduler.policy.gpus[0].slots
     assert (slots.of("a"), slots.of("b")) == (3, 3)  # b not asked yet: the last number learnt
-    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="b"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="b"),
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
     await flow.idle()
-    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="c"), flow.coordinator.scheduler.dispatches)
+    flow.coordinator.observe_catalog(router("a", "b", "c", loaded="c"),
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
     await flow.idle()
-    slots = flow.coordinator.scheduler.policy.slots
+    slots = flow.coordinator.scheduler.policy.gpus[0].slots
     assert (slots.of("a"), slots.of("b"), slots.of("c")) == (3, 2, 1)  # c's configured slots win
     # Each model asked once, by name, only while loaded, and never one whose slots are configured.
     assert [model for name, model in upstream.calls if name == "total_slots"] == ["a", "b"]
@@ -408,7 +412,7 @@ async def test_auto_slots_learnt_while_a_reload_applies_are_applied() -> None:
                                                "routing": {"scheduler": {"maxQueued": 50}}}))
     upstream.slots_gate.set()
     await asking
-    assert flow.coordinator.scheduler.policy.slots.default == 3
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.default == 3
     assert flow.coordinator.scheduler.policy.max_queued == 50
 
 
@@ -421,7 +425,7 @@ async def test_auto_slots_of_a_model_swapped_in_under_steady_traffic_are_learnt_
     flow = Flow({"upstream": {"slots": "auto"}, "envoy": LONG_LEASE}, upstream=upstream)
     await flow.coordinator.learn_slots()
     await flow.idle()
-    assert flow.coordinator.scheduler.policy.slots.of("a") == 2
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.of("a") == 2
     a1 = await flow.arrive("a1", "normal", "a")
     b1 = await flow.arrive("b1", "interactive", "b")
     b_more = [await flow.arrive(f"b{i}", "normal", "b") for i in range(2, 5)]
@@ -429,7 +433,7 @@ async def test_auto_slots_of_a_model_swapped_in_under_steady_traffic_are_learnt_
     assert b1.granted and b1.ticket.decision.swap
     upstream.catalog_answer = router("a", "b", loaded="b")  # the upstream has swapped
     await flow.advance(LEARN_POLL_MAX_S)
-    assert flow.coordinator.scheduler.policy.slots.of("b") == 4
+    assert flow.coordinator.scheduler.policy.gpus[0].slots.of("b") == 4
     assert b1.outcome is None and all(r.granted for r in b_more)  # four of b at once, beside b1
     assert ("total_slots", "b") in upstream.calls
 

@@ -13,7 +13,7 @@ from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySou
 from llamaswap.core.decisions import QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.estimate_node import starts_of_node
-from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
+from llamaswap.core.policy import IMPLICIT_GPU, PolicyName
 from llamaswap.core.priority import Band
 
 
@@ -36,7 +36,7 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
     lefts = [*([busy_s] if busy_s > 0 else []), *remaining_s]
     flags = [*([False] if busy_s > 0 else []), *remaining_interactive,
              *[False] * (len(remaining_s) - len(remaining_interactive))]
-    end = e.expected_request_run_s(None, None, SINGLE_UPSTREAM)
+    end = e.expected_request_run_s(None, None, IMPLICIT_GPU)
     grants = tuple(RunningView(f"g{i}", 50 if flag else 0, Band.INTERACTIVE if flag else Band.NORMAL, 0.0, None,
                                False, 0.0, end + 1.0 if math.isinf(left) else end - left)
                    for i, (left, flag) in enumerate(zip(lefts, flags, strict=True)))
@@ -45,7 +45,7 @@ def starts_on_one_gpu(e: Estimator, models: list[str | None], *, loaded: str | N
                     for i, (model, flag) in enumerate(zip(models, bands, strict=True)))
     slots = slots if slots is not None else Slots()
     snapshot = QueueSnapshot(PolicyName.SERIAL, waiting, {}, grants)
-    gpu = GpuHolding(SINGLE_UPSTREAM, slots, None, residents(loaded))
+    gpu = GpuHolding(IMPLICIT_GPU, slots, None, residents(loaded))
     return [start for start, _ in starts_of_node(e, snapshot, [gpu])]
 
 
@@ -289,7 +289,7 @@ def test_starts_of_wait_for_a_grant_that_runs_alone():
     waits for it too, though a slot is free and the waiting request needs the loaded model."""
     clock = ManualClock()
     s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)), clock)
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches)
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
     s.enqueue("unload", Priority(0, PrioritySource.NUMBER), "a", alone=True)
     assert s.next() is not None
     clock.advance(4)
@@ -377,7 +377,7 @@ def test_starts_of_fill_the_slots_of_the_running_model_while_none_is_known_loade
         assert s.next() is not None
     clock.advance(1)
     s.release("a1", model_loaded=False)  # the upstream failed it: a is not known loaded
-    assert s.residents_on() == frozenset()
+    assert s.residents_on("gpu0") == frozenset()
     for rid in ("n1", "n2", "n3", "n4", "n5"):
         s.enqueue(rid, Priority(0, PrioritySource.NUMBER), None)
     assert [s.next() is not None for _ in range(4)] == [True, True, True, False]  # a's 4 slots

@@ -33,7 +33,7 @@ def resident_flow(upstream: FakeUpstream, *, max_loaded: int = 2, slots: int | s
     scheduler = flow.coordinator.scheduler
     policy = scheduler.policy
     scheduler.reconfigure(policy.with_gpus(tuple(dataclasses.replace(gpu, residency=Residency(max_loaded))
-                                                 for gpu in policy.gpus_in_effect)))
+                                                 for gpu in policy.gpus)))
     if upstream.catalog_answer is not None:
         flow.coordinator.observe_catalog(upstream.catalog_answer, scheduler.dispatches_on("gpu0"), "gpu0")
     return flow
@@ -297,7 +297,7 @@ async def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_refused_at_o
     scheduler = flow.coordinator.scheduler
     policy = scheduler.policy
     scheduler.reconfigure(policy.with_gpus(tuple(
-        dataclasses.replace(gpu, residency=Residency(2, frozenset({"a", "b"}))) for gpu in policy.gpus_in_effect)))
+        dataclasses.replace(gpu, residency=Residency(2, frozenset({"a", "b"}))) for gpu in policy.gpus)))
     c = await flow.arrive("c1", model="c")  # both places pinned: "c" would wait for ever
     assert c.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
     a = await flow.arrive("a1", model="a")

@@ -37,10 +37,10 @@ def test_unmatched_only_where_the_upstream_routes_by_name_and_lists() -> None:
 
 def test_single_model_slots_whatever_the_id() -> None:
     config = parse_config({"models": {"alias": {"slots": 3}}})
-    assert config.slots(single="x.gguf").of("x.gguf") == 3
+    assert config.slots("gpu0", single="x.gguf").of("x.gguf") == 3
     assert parse_config({"models": {"x.gguf": {"slots": 4}, "alias": {"slots": 2}}}).slots(
-        single="x.gguf").of("x.gguf") == 4  # its own entry first
-    assert parse_config({"models": {"a": {"slots": 4}, "b": {"slots": 2}}}).slots(single="x").of("x") == 2
+        "gpu0", single="x.gguf").of("x.gguf") == 4  # its own entry first
+    assert parse_config({"models": {"a": {"slots": 4}, "b": {"slots": 2}}}).slots("gpu0", single="x").of("x") == 2
 
 
 @virtual_time
@@ -49,7 +49,7 @@ async def test_models_slots_under_the_clients_name_apply_on_a_single_model_upstr
     flow = Flow({"models": {"chat": {"slots": 2}}, "envoy": LONG_LEASE}, upstream=FakeUpstream(single("x.gguf")))
     requests = [await flow.arrive(f"r{i}", model="chat") for i in range(3)]
     assert [r.granted for r in requests] == [True, True, False]
-    assert flow.coordinator.scheduler.slots_total == 2
+    assert flow.coordinator.scheduler.holdings()[0].slots_in_effect == 2
     assert requests[0].ticket.schedule_model == "x.gguf"
 
 

@@ -76,7 +76,7 @@ async def test_runtime_and_replay_agree_on_the_loaded_model_after_a_granted_outc
     await flow.advance(2)
     await _end_granted(flow, a, outcome)
     assert a.outcome is outcome
-    runtime_keeps = flow.coordinator.scheduler.residents_on() == frozenset({"m"})
+    runtime_keeps = flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"m"})
     if outcome is not Outcome.SHUTDOWN:  # nothing is admitted after a shutdown
         await flow.advance(100)  # past any settle
         b = await flow.arrive("b", model="m")
@@ -107,7 +107,7 @@ async def test_an_outcome_without_a_run_leaves_the_loaded_model_as_it_was(outcom
     first = await flow.arrive("first", model="m")
     await flow.advance(1)
     await flow.complete(first, 200)
-    assert flow.coordinator.scheduler.residents_on() == frozenset({"m"})
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"m"})
     run = await flow.arrive("run", model="m")  # holds the GPU while the other one ends
     assert run.granted
     if outcome is Outcome.REJECTED_UNKNOWN_MODEL:
@@ -132,7 +132,7 @@ async def test_an_outcome_without_a_run_leaves_the_loaded_model_as_it_was(outcom
         else:
             await flow.advance(6)
     assert other.outcome is outcome
-    assert flow.coordinator.scheduler.residents_on() == frozenset({"m"})
+    assert flow.coordinator.scheduler.residents_on("gpu0") == frozenset({"m"})
 
 
 # -- what teaches the estimates --------------------------------------------------------------
@@ -177,7 +177,8 @@ async def test_only_a_streamed_first_byte_times_a_model_load() -> None:
     assert estimator.expected_swap_s("m") == SWAP_S
     assert estimator.expected_run_s("m") == 9.0 - SWAP_S
     # Streamed: its first byte (2 s) is the load plus the prompt.
-    flow.coordinator.scheduler.set_residents(frozenset(), as_of=flow.coordinator.scheduler.dispatches)
+    scheduler = flow.coordinator.scheduler
+    scheduler.set_residents(frozenset(), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
     b = await flow.arrive("b", model="m", streamed=True)
     await flow.advance(6)
     await flow.complete(b, 200, first_byte_s=2.0)

@@ -162,7 +162,7 @@ async def _advance(seconds: float) -> None:
 async def test_models_poll_off_does_not_spin_and_a_reload_turns_it_on_and_off(tmp_path: pathlib.Path) -> None:
     sidecar, path = _sidecar(tmp_path, {"upstream": {"modelsPollSeconds": 0}})
     upstream = _CountingUpstream()
-    sidecar.coordinator.gpus.first.upstream = upstream  # type: ignore[assignment]  # the loop asks each GPU
+    sidecar.coordinator.gpus.named("gpu0").upstream = upstream  # type: ignore[assignment]  # the loop asks each GPU
     task = asyncio.create_task(sidecar._reconcile_models())
     try:
         await _advance(3600)  # off: an hour without an ask (a loop that spins fails `_advance`)

@@ -53,7 +53,7 @@ def test_a_second_model_loads_beside_the_first_while_it_runs() -> None:
     assert (first.request_id, first.load, first.swap) == ("chat", True, False)
     # B loads at once beside A's work: no drain, nothing evicted.
     assert (second.request_id, second.load, second.swap, second.evicts) == ("embed", True, False, ())
-    assert scheduler.residents_on() == frozenset({"A", "B"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "B"})
     assert scheduler.slots_busy == 2
 
 
@@ -65,7 +65,7 @@ def test_with_one_model_resident_at_a_time_the_second_waits_for_the_drain() -> N
     scheduler.release("chat")
     decision = scheduler.next()
     assert decision is not None and decision.swap and decision.evicts == ()
-    assert scheduler.residents_on() == frozenset({"B"})
+    assert scheduler.residents_on("gpu0") == frozenset({"B"})
 
 
 def test_a_resident_model_starts_in_its_own_free_slot_beside_another_models_work() -> None:
@@ -96,7 +96,7 @@ def test_no_room_evicts_the_idle_model_the_queue_needs_least() -> None:
     assert decision is not None and decision.request_id == "d"
     assert decision.evicts == ((("C", EvictReason.NOT_WAITED_FOR)),)
     assert decision.swap and not decision.load
-    assert scheduler.residents_on() == frozenset({"A", "B", "D"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "B", "D"})
 
 
 def test_equally_needed_idle_models_go_least_recently_used_first() -> None:
@@ -142,7 +142,7 @@ def test_a_pinned_model_is_never_evicted() -> None:
     decision = scheduler.next()
     assert decision is not None and decision.request_id == "c"
     assert [eviction.model for eviction in decision.evicts] == ["B"]
-    assert scheduler.residents_on() == frozenset({"E", "C"})
+    assert scheduler.residents_on("gpu0") == frozenset({"E", "C"})
 
 
 def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_not_served_there() -> None:
@@ -172,7 +172,7 @@ def test_every_candidate_busy_the_best_holds_back_only_the_model_chosen_to_go() 
     decision = scheduler.next()
     assert decision is not None and decision.request_id == "c"
     assert decision.evicts == (("B", EvictReason.LEAST_NEEDED),)
-    assert scheduler.residents_on() == frozenset({"A", "C"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "C"})
     assert scheduler.held_back == {}
 
 
@@ -215,7 +215,7 @@ def test_a_memory_budget_evicts_as_many_idle_models_as_the_load_needs() -> None:
     decision = scheduler.next()
     assert decision is not None
     assert sorted(eviction.model for eviction in decision.evicts) == ["B", "C"]
-    assert scheduler.residents_on() == frozenset({"A", "D"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "D"})
 
 
 def test_a_request_that_runs_alone_waits_for_every_model_to_drain() -> None:
@@ -239,10 +239,10 @@ def test_a_failed_answer_keeps_its_model_counted_until_the_upstream_says() -> No
     # A 5xx of B says nothing sure of what the router holds: counting B keeps a later load from
     # making the router evict by itself (one model too many would).
     scheduler.release("b", model_loaded=False)
-    assert scheduler.residents_on() == frozenset({"A", "B"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A", "B"})
     scheduler.release("a")
     assert scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
-    assert scheduler.residents_on() == frozenset({"A"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A"})
 
 
 def test_a_load_keeps_its_own_models_users_only() -> None:
@@ -258,7 +258,7 @@ def test_a_load_keeps_its_own_models_users_only() -> None:
     # the upstream must not drop A.
     scheduler.release("c1", reached_upstream=False)
     scheduler.release("a3", reached_upstream=False)
-    assert scheduler.residents_on() == frozenset({"A"})
+    assert scheduler.residents_on("gpu0") == frozenset({"A"})
 
 
 def test_a_grant_of_a_model_whose_load_is_under_way_is_granted_beside_that_load() -> None:
@@ -284,7 +284,7 @@ def test_an_unconfirmed_load_stays_counted_where_it_reached_the_upstream(reached
     grant_all(scheduler)
     scheduler.release("a")
     scheduler.release("b", model_loaded=None, reached_upstream=reached)
-    assert scheduler.residents_on() == frozenset(expected)
+    assert scheduler.residents_on("gpu0") == frozenset(expected)
 
 
 def test_several_gpus_prefer_the_resident_model_then_room_then_an_eviction() -> None:
@@ -420,7 +420,7 @@ def test_an_eviction_keeps_the_models_the_load_turns_out_not_to_need_gone() -> N
     scheduler.enqueue("m", prio(0), "M")  # S goes first (used longer ago), but L alone is enough
     decision = scheduler.next()
     assert decision is not None and [eviction.model for eviction in decision.evicts] == ["L"]
-    assert scheduler.residents_on() == frozenset({"S", "M"})
+    assert scheduler.residents_on("gpu0") == frozenset({"S", "M"})
 
 
 def test_a_settle_of_one_model_holds_that_model_only() -> None:

@@ -296,17 +296,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(model=models)
     def set_loaded_model(self, model):
-        applied = self.real.set_residents(residents(model), as_of=self.real.dispatches)
+        applied = self.real.set_residents(residents(model), as_of=self.real.dispatches_on("gpu0"), upstream="gpu0")
         assert applied == (not self.ref.grants)
         self.ref.set_loaded_model(model)
 
     @rule(model=models)
     def stale_loaded_model_report_is_dropped(self, model):
         # Asked before the latest grant: whatever it says, the scheduler has moved on.
-        if self.real.dispatches:
-            before = self.real.residents_on()
-            assert not self.real.set_residents(residents(model), as_of=self.real.dispatches - 1)
-            assert self.real.residents_on() == before
+        if self.real.dispatches_on("gpu0"):
+            before = self.real.residents_on("gpu0")
+            stale = self.real.dispatches_on("gpu0") - 1
+            assert not self.real.set_residents(residents(model), as_of=stale, upstream="gpu0")
+            assert self.real.residents_on("gpu0") == before
 
     @rule(data=st.data())
     def reconfigure(self, data):
@@ -314,8 +315,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.real.reconfigure(policy)
         self.ref.reconfigure(RefPolicy.of(policy))
         # Fewer slots than grants run: they keep their slots, and nothing starts until enough end.
-        self._shrunk = self._shrunk or self.real.slots_busy > self.real.slots_total
-        if self.real.slots_busy > self.real.slots_total:
+        self._shrunk = self._shrunk or self.real.slots_busy > self.real.holdings()[0].slots_in_effect
+        if self.real.slots_busy > self.real.holdings()[0].slots_in_effect:
             event("reconfigure: fewer slots than running grants")
 
     @rule()
@@ -339,9 +340,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from([g.request.request_id for g in self.ref.grants]), label="release")
         if len(self.ref.grants) > 1:
             event(f"release: one of {len(self.ref.grants)} running, reached_upstream={reached_upstream}")
-        loaded = self.real.residents_on()
+        loaded = self.real.residents_on("gpu0")
         released = self.real.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
-        if not reached_upstream and self.real.residents_on() != loaded:
+        if not reached_upstream and self.real.residents_on("gpu0") != loaded:
             event(f"release: a load undone, {len(self.ref.grants) - 1} still running")
         self.ref.release(rid, model_loaded=model_loaded, reached_upstream=reached_upstream)
         assert released.request_id == rid
@@ -405,14 +406,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert real.overtook == ref.overtook
         assert real.queue_depth_after == ref.queue_depth_after
         assert (real.slots_busy, real.reserved_slot, real.alone) == (ref.slots_busy, ref.reserved_slot, ref.alone)
-        assert self.real.slots_total == self.ref.total_slots()
+        assert self.real.holdings()[0].slots_in_effect == self.ref.total_slots()
         self._slot_rules(real, ranked, loaded_before, busy_before)
         return real
 
     def _slot_rules(self, decision, ranked, loaded_before, busy_before):
         """The issue's rules for one grant, checked on their own (not through the reference)."""
-        slots = self.real.policy.slots
-        total = self.real.slots_total  # the slots it was counted against (unchanged by its grant)
+        slots = self.real.policy.gpus[0].slots
+        total = self.real.holdings()[0].slots_in_effect  # the slots it was counted against (unchanged by its grant)
         assert decision.slots_busy == busy_before + 1 <= total
         if decision.slots_busy > 1:
             event(f"dispatch: {decision.slots_busy} running{' (reserved slot)' if decision.reserved_slot else ''}")
@@ -443,10 +444,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.real is None:
             return
         assert self.real.depth == len(self.ref.waiting)
-        assert self.real.running_id == (self.ref.running.request_id if self.ref.running else None)
+        assert next(self.real.running_ids(), None) == (self.ref.running.request_id if self.ref.running else None)
         assert [d.request_id for d in self.real.running_grants] == [g.request.request_id for g in self.ref.grants]
         assert self.real.slots_busy == len(self.ref.grants)
-        assert self.real.residents_on() == residents(self.ref.loaded_model)
+        assert self.real.residents_on("gpu0") == residents(self.ref.loaded_model)
         if self.ref.choose(self.clock.now_ns()) is None:
             assert self.real.next() is None  # non-preemptive: no slot for the best request
 
@@ -457,8 +458,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         named = {d.model for d in self.real.running_grants if d.model is not None}
         assert len(named) <= 1, f"two models run at once: {named}"
         if named:
-            assert self.real.slots_busy <= self.real.policy.slots.of(named.pop()) or self._shrunk
-        if self.real.policy.slots.single:
+            assert self.real.slots_busy <= self.real.policy.gpus[0].slots.of(named.pop()) or self._shrunk
+        if self.real.policy.gpus[0].slots.single:
             assert self.real.slots_busy <= 1 or self._shrunk
 
     @invariant()

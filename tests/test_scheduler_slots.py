@@ -3,7 +3,6 @@ interactive work. Exact cases on a fake clock (the random ones are in test_sched
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -11,6 +10,7 @@ from core_lines import core_lines
 from policies import fifo, serial
 
 from llamaswap.core import (
+    GpuPolicy,
     Band,
     InvalidSlots,
     ManualClock,
@@ -32,7 +32,8 @@ def P(value: int) -> Priority:
 
 def make(slots: Slots, policy: Policy | None = None) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock()
-    return Scheduler(dataclasses.replace(policy if policy is not None else serial(60, 10), slots=slots), clock), clock
+    base = policy if policy is not None else serial(60, 10)
+    return Scheduler(base.with_gpus((GpuPolicy("gpu0", slots),)), clock), clock
 
 
 def granted(s: Scheduler) -> list[str]:
@@ -60,7 +61,7 @@ def test_four_slots_take_four_requests_of_the_loaded_model_at_once():
     assert [d.slots_busy for d in decisions] == [1, 2, 3, 4]
     assert [d.load for d in decisions] == [True, False, False, False]  # only the first loads the model
     assert s.next() is None  # every slot busy
-    assert (s.slots_busy, s.slots_total) == (4, 4)
+    assert (s.slots_busy, s.holdings()[0].slots_in_effect) == (4, 4)
     clock.advance(10)
     released = s.release("a1")  # any grant ends on its own, by its id
     assert (released.request_id, released.granted_ns, released.run_ns) == ("a1", 6 * S, 10 * S)
@@ -69,7 +70,7 @@ def test_four_slots_take_four_requests_of_the_loaded_model_at_once():
     assert (d.request_id, d.slots_busy) == ("a4", 4)
     assert s.next() is None
     assert running(s) == ["a0", "a2", "a3", "a4"]
-    assert s.running_id == "a0" and s.running.request_id == "a0"  # the earliest running grant
+    assert next(s.running_ids(), None) == "a0" and s.running_grants[0].request_id == "a0"  # the earliest running grant
 
 
 def test_requests_naming_no_model_run_beside_the_loaded_model():
@@ -79,7 +80,7 @@ def test_requests_naming_no_model_run_beside_the_loaded_model():
     s.enqueue("a2", P(0), "a")
     assert granted(s) == ["a1", "a2", "none"]  # a2 with the loaded model's bonus, then the one without a model
     assert [d.slots_busy for d in s.running_grants] == [1, 2, 3]
-    assert s.residents_on() == frozenset({"a"})
+    assert s.residents_on("gpu0") == frozenset({"a"})
 
 
 # -- swaps ---------------------------------------------------------------------------------
@@ -138,15 +139,15 @@ def test_slots_per_model_apply_to_the_model_that_runs():
     for rid, model in [("a1", "a"), ("a2", "a"), ("a3", "a"), ("a4", "a"), ("b1", "b"), ("b2", "b")]:
         s.enqueue(rid, P(0), model)
     assert granted(s) == ["a1", "a2", "a3"]  # a has 3 slots
-    assert s.slots_total == 3
+    assert s.holdings()[0].slots_in_effect == 3
     for rid in ("a1", "a2", "a3"):
         s.release(rid)
     assert granted(s) == ["a4"]  # arrival order, and affinity keeps a loaded
     s.release("a4")
     d = s.next()
-    assert (d.request_id, d.swap, s.slots_total) == ("b1", True, 1)
+    assert (d.request_id, d.swap, s.holdings()[0].slots_in_effect) == ("b1", True, 1)
     assert s.next() is None  # b has the default: one slot
-    assert s.slots_total == 1
+    assert s.holdings()[0].slots_in_effect == 1
 
 
 def test_the_slots_of_a_failed_model_still_bound_what_runs_beside_it():
@@ -155,10 +156,10 @@ def test_the_slots_of_a_failed_model_still_bound_what_runs_beside_it():
         s.enqueue(rid, P(0), model)
     assert granted(s) == ["a1", "a2"]
     s.release("a1", model_loaded=False)  # a is not known to be loaded any more
-    assert s.residents_on() == frozenset()
+    assert s.residents_on("gpu0") == frozenset()
     # a2 still runs on a: requests naming no model may use a's slots, not the default's 4.
     assert granted(s) == ["x"]
-    assert s.slots_total == 2
+    assert s.holdings()[0].slots_in_effect == 2
 
 
 # -- reserved slots ------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_a_reserved_slot_goes_to_an_interactive_request_behind_a_held_back_batch
     s.enqueue("chat", P(100), "a")
     clock.advance(1)
     d = s.next()
-    assert (d.request_id, d.band, d.slots_busy, s.slots_total) == ("chat", Band.INTERACTIVE, 2, 2)
+    assert (d.request_id, d.band, d.slots_busy, s.holdings()[0].slots_in_effect) == ("chat", Band.INTERACTIVE, 2, 2)
     assert d.reserved_slot is True  # the best request anyway, in the slot the batch job's share could not take
     s.release("chat")
     assert s.next() is None  # normal still waits for the batch job's slot
@@ -248,20 +249,20 @@ def test_non_interactive_work_never_takes_the_reserved_slots():
 
 def _two_on_a_after_b(slots: int = 2) -> Scheduler:
     s, _ = make(Slots(slots))
-    s.set_residents(frozenset({"b"}), as_of=s.dispatches)
+    s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
     s.enqueue("g1", P(0), "a")
     s.enqueue("g2", P(0), "a")
     assert granted(s) == ["g1", "g2"]
-    assert s.residents_on() == frozenset({"a"})
+    assert s.residents_on("gpu0") == frozenset({"a"})
     return s
 
 
 def test_a_load_no_grant_used_is_undone_when_the_last_of_its_grants_ends():
     s = _two_on_a_after_b()
     s.release("g1", reached_upstream=False)
-    assert s.residents_on() == frozenset({"a"})  # g2 may still load it
+    assert s.residents_on("gpu0") == frozenset({"a"})  # g2 may still load it
     s.release("g2", reached_upstream=False)
-    assert s.residents_on() == frozenset({"b"})  # neither reached the upstream: b is still loaded
+    assert s.residents_on("gpu0") == frozenset({"b"})  # neither reached the upstream: b is still loaded
 
 
 @pytest.mark.parametrize("order", [("g1", "g2"), ("g2", "g1")])
@@ -270,7 +271,7 @@ def test_a_load_one_grant_used_stays(order):
     first, second = order
     s.release(first)
     s.release(second, reached_upstream=False)
-    assert s.residents_on() == frozenset({"a"})
+    assert s.residents_on("gpu0") == frozenset({"a"})
 
 
 def test_a_failed_grant_makes_the_loaded_model_unknown_and_the_others_drain_before_a_load():
@@ -279,10 +280,11 @@ def test_a_failed_grant_makes_the_loaded_model_unknown_and_the_others_drain_befo
     s.enqueue("a2", P(0), "a")
     assert granted(s) == ["a1", "a2"]
     s.release("a1", model_loaded=False)
-    assert s.residents_on() == frozenset()
+    assert s.residents_on("gpu0") == frozenset()
     s.enqueue("a3", P(0), "a")
     assert s.next() is None  # from unknown, a is a load: it waits for a2
-    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches)  # a report while a2 runs is dropped
+    # a report while a2 runs is dropped
+    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
     s.release("a2")
     d = s.next()
     assert (d.request_id, d.load, d.slots_busy) == ("a3", True, 1)
@@ -294,10 +296,10 @@ def test_a_loaded_model_report_applies_only_when_nothing_runs():
     s.enqueue("a2", P(0), "a")
     granted(s)
     s.release("a1")
-    assert not s.set_residents(frozenset({"b"}), as_of=s.dispatches)
+    assert not s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
     s.release("a2")
-    assert s.set_residents(frozenset({"b"}), as_of=s.dispatches)
-    assert s.residents_on() == frozenset({"b"})
+    assert s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert s.residents_on("gpu0") == frozenset({"b"})
 
 
 # -- release, snapshot, reconfigure --------------------------------------------------------
@@ -402,8 +404,8 @@ def test_slot_settings_answer_per_model():
     copied = Slots(2, per_model)
     per_model["big"] = 1
     assert copied.of("big") == 8  # the settings are a picture, not the caller's dict
-    assert Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10).slots == Slots()
-    assert Policy.fifo(model_priorities={}).slots == Slots(1, {}, 0)
+    assert Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10).gpus == (GpuPolicy("gpu0", Slots()),)
+    assert Policy.fifo(model_priorities={}).gpus == (GpuPolicy("gpu0", Slots(1, {}, 0)),)
 
 
 def test_learnt_slots_lower_the_reservation_to_fit():
@@ -424,7 +426,7 @@ def _lines_per_dispatch(waiting: int, slots: Slots, dispatches: int = 20) -> flo
 
     def dispatch() -> None:
         for _ in range(dispatches):
-            s.release(s.running_id)
+            s.release(next(s.running_ids(), None))
             assert granted(s)
 
     count = core_lines(dispatch)

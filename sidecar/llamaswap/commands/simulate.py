@@ -79,7 +79,6 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from llamaswap.core import Policy
-from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate import report
 from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
@@ -300,18 +299,14 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
     """The scheduler's policy over the configured node, as the runtime builds it
     (`runtime.gpus.node_policy`; one GPU is a node of one): a GPU per upstream entry (without
     ``upstreams:``, the one of ``upstream:``), named as configured, with the entry's slots (``auto``:
-    the slots the log recorded) and the models it may serve; the node-wide settings with the first
-    one's slots. Each GPU keeps the models resident that the configuration lets it
-    (`Config.residency_of`: maxLoaded, pinned models, memory)."""
+    the slots the log recorded, as if learnt) and the models it may serve. Each GPU keeps the
+    models resident that the configuration lets it (`Config.residency_of`: maxLoaded, pinned
+    models, memory)."""
     from llamaswap.config import SLOTS_AUTO
-    from llamaswap.runtime.gpus import gpu_config
 
-    entries = [dataclasses.replace(entry, slots=recorded_slots) if entry.slots == SLOTS_AUTO else entry
-               for entry in config.upstream_entries]
-    configs = [gpu_config(config, entry) for entry in entries]
-    gpus = tuple(GpuPolicy(entry.name, own.slots(None, single), entry.models, config.residency_of(entry.name))
-                 for entry, own in zip(entries, configs, strict=True))
-    return configs[0].policy(None, single).with_gpus(gpus)
+    return config.policy([config.gpu_policy(entry.name, {None: recorded_slots} if entry.slots == SLOTS_AUTO else None,
+                                            single)
+                          for entry in config.upstream_entries])
 
 
 def _pods_flag(text: str) -> int:
@@ -334,7 +329,7 @@ def _speed_flag(text: str) -> ConcurrencySpeed:
 def _defaults() -> Settings:
     from llamaswap.config import Config
 
-    return Settings.from_policy(Config().policy())
+    return Settings.from_policy(Config().policy(), configured=False)
 
 
 def _load_config(path: str, err: TextIO) -> Any:

@@ -39,7 +39,9 @@ import aiohttp
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from llamaswap.config.batches import UP_DIR_DEFAULT
-from llamaswap.config import DEFAULT_UPSTREAM_PORT, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config  # noqa: E402
+from llamaswap.config import (  # noqa: E402
+    DEFAULT_UPSTREAM_PORT, IMPLICIT_GPU, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config,
+)
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
 from llamaswap.adapters.upstream_http import bearer  # noqa: E402
@@ -478,10 +480,11 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
     if gpus is None or gpus == 1:
         return config, built_in
     cores = usable_cores()
-    several = gpus_document(document, url=config.upstream.url, command=config.upstream.command, gpus=gpus,
+    [one] = config.upstream_entries  # (a file with upstreams was refused above)
+    several = gpus_document(document, url=one.url, command=one.command, gpus=gpus,
                             source=source, environ=os.environ, cores=cores, gpu_count=nvidia_gpu_count())
     if say is not None:
-        say(describe(gpus, config.upstream.command, os.environ, cores))
+        say(describe(gpus, one.command, os.environ, cores))
     # The file's warnings were given with its first reading.
     return parse_config(several, source=f"{config.source}, --gpus {gpus}", warn=lambda _: None), built_in
 
@@ -495,9 +498,10 @@ def _one_upstream(document: Any, *, source: str, warn: Callable[[str], None] | N
     config = parse_config({**document, "upstream": upstream}, source=source, warn=warn)
     # The built-in llama-server runs as many generations at once as its model has slots, and keeps
     # the models llamaswap keeps resident.
-    parallel = config.slots().of(DEFAULT_MODEL_ID) if config.upstream.slots != SLOTS_AUTO else None
-    if parallel is not None or config.upstream.max_loaded != 1:
-        upstream.update(default_upstream(parallel, config.upstream.max_loaded))
+    built = config.entry(IMPLICIT_GPU)
+    parallel = config.slots(IMPLICIT_GPU).of(DEFAULT_MODEL_ID) if built.slots != SLOTS_AUTO else None
+    if parallel is not None or built.max_loaded != 1:
+        upstream.update(default_upstream(parallel, built.max_loaded))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
 

@@ -35,12 +35,12 @@ from llamaswap.config.sections import (
     UpstreamItem,
 )
 from llamaswap.config.types import AbandonedGeneration, HostPort, ManagementApi, ModelCheck
-from llamaswap.config.upstreams import IMPLICIT_UPSTREAM, UpstreamEntry
+from llamaswap.config.upstreams import UpstreamEntry
 from llamaswap.core.priority import PriorityMode
-from llamaswap.core.policy import PolicyName
+from llamaswap.core.policy import IMPLICIT_GPU, PolicyName
 
 __all__ = [
-    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_UPSTREAM", "SLOTS_AUTO", "AbandonedGeneration",
+    "DEFAULT_ADMIN", "DEFAULT_UPSTREAM_PORT", "IMPLICIT_GPU", "SLOTS_AUTO", "AbandonedGeneration",
     "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort",
     "ListenConfig", "ManagementApi", "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",

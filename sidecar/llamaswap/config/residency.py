@@ -65,6 +65,8 @@ class Config(Protocol):
     @property
     def upstream_entries(self) -> tuple[UpstreamEntry, ...]: ...
 
+    def entry(self, gpu: str) -> UpstreamEntry: ...
+
     def residency_of(self, upstream: str) -> Residency: ...
 
     def model_sizes(self, upstream: str) -> Mapping[str, ModelSize]: ...
@@ -164,7 +166,7 @@ def model_sizes(config: Config) -> tuple[dict[str, dict[str, ModelSize]], list[P
     problems: list[Problem] = []
     for index, entry in enumerate(config.upstream_entries):
         if entry.memory is None:
-            sizes[entry.name] = {m: size for m, size in configured.items() if entry.may_serve(m)}
+            sizes[entry.name] = {m: size for m, size in configured.items() if entry.lists(m)}
             continue
         directory = models_dir(entry.command)
         found = gguf_models(directory) if directory is not None else {}
@@ -218,7 +220,7 @@ def residency_problems(config: Config, sizes: Mapping[str, Mapping[str, ModelSiz
     problems: list[Problem] = []
     pinned_models = [model_id for model_id, model in config.models.items() if model.pinned]
     for index, entry in enumerate(config.upstream_entries):
-        pinned = [model_id for model_id in pinned_models if entry.may_serve(model_id)]
+        pinned = [model_id for model_id in pinned_models if entry.lists(model_id)]
         if not pinned:
             continue
         key = max_loaded_key(config, index)
@@ -252,14 +254,10 @@ def residency_problems(config: Config, sizes: Mapping[str, Mapping[str, ModelSiz
 def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, ModelSize]]) -> Residency:
     """The `Residency` of the upstream named ``name``: its maxLoaded, the pinned models it may
     serve, its memory budget and the models' sizes. KeyError for a name the file does not have."""
-    for entry in config.upstream_entries:
-        if entry.name == name:
-            pinned = frozenset(model_id for model_id, model in config.models.items()
-                               if model.pinned and entry.may_serve(model_id))
-            return Residency(entry.max_loaded, pinned, entry.memory,
-                             {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()})
-    names = ", ".join(entry.name for entry in config.upstream_entries)
-    raise KeyError(f"no upstream named {name!r} (the configuration has {names})")
+    entry = config.entry(name)
+    pinned = frozenset(model_id for model_id, model in config.models.items() if model.pinned and entry.lists(model_id))
+    return Residency(entry.max_loaded, pinned, entry.memory,
+                     {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()})
 
 
 # llama-server's router keeps this many models loaded without --models-max (0: no limit).
@@ -292,7 +290,7 @@ def residency_advice(config: Config) -> list[Problem]:
             problems.append(Problem(memory_key(config, index),
                                     f"{entry.name} keeps one model at a time ({key}: 1), so the budget never decides "
                                     f"what stays: set {key} >= 2 to keep several models that fit in it, or remove it"))
-        pinned = [model_id for model_id, model in config.models.items() if model.pinned and entry.may_serve(model_id)]
+        pinned = [model_id for model_id, model in config.models.items() if model.pinned and entry.lists(model_id)]
         if entry.max_loaded > 1 and len(pinned) == entry.max_loaded:
             problems.append(Problem(key, f"{entry.name} pins {len(pinned)} models ({', '.join(pinned)}) and keeps "
                                          f"{entry.max_loaded} at once: no other model can ever load there. Set {key} "

@@ -8,7 +8,7 @@ both. Each key's type, range, default and meaning is written here once; the load
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
@@ -42,7 +42,7 @@ from llamaswap.config.types import (
 )
 from llamaswap.config.residency import ModelSize, model_sizes, residency_of, residency_problems
 from llamaswap.config.upstreams import (
-    IMPLICIT_UPSTREAM,
+    IMPLICIT_GPU,
     SLOTS_AUTO,
     UPSTREAM_URL_PATTERN,
     Command,
@@ -55,7 +55,7 @@ from llamaswap.config.upstreams import (
     upstream_list,
 )
 from llamaswap.core.priority import ALIASES, PriorityMode, PriorityPolicy
-from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
+from llamaswap.core import GpuPolicy, InvalidSlots, Policy, PolicyName, Slots
 from llamaswap.core.residency import Residency
 
 # The anchors (batch -100, normal 0, interactive 100) sit this far apart. The swap affinity
@@ -389,7 +389,7 @@ class Config(Section):
         default=None,
         description="Several upstreams behind the one queue, each one llama-server (a GPU): name, url, and "
                     "optionally slots, models, command. Null (the default): upstream.url, slots and command are "
-                    f"the one upstream, named {IMPLICIT_UPSTREAM}. With a list, those three go in the entries "
+                    f"the one upstream, named {IMPLICIT_GPU}. With a list, those three go in the entries "
                     "(upstream.slots stays the default of an entry's slots); a change needs a restart.",
         json_schema_extra=_at_least_one_item)
     envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
@@ -400,6 +400,8 @@ class Config(Section):
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
 
     _source: str = PrivateAttr("<defaults>")
+    # The node's GPUs (`upstream_entries`), built once when the file is validated.
+    _entries: tuple[UpstreamEntry, ...] = PrivateAttr(default=())
     # Each upstream's model sizes (`residency.model_sizes`), read once when the file is validated.
     _model_sizes: Mapping[str, Mapping[str, ModelSize]] = PrivateAttr(default_factory=dict)
 
@@ -415,6 +417,24 @@ class Config(Section):
         return self.__dict__ == other.__dict__
 
     __hash__ = None  # type: ignore[assignment]  # models is a dict
+
+    @model_validator(mode="after")
+    def _gpus_built(self) -> Config:
+        # First of the validators: the others read the list. Without ``upstreams`` it is one
+        # entry, IMPLICIT_GPU, of upstream.url, slots and command; an entry's settings default to
+        # upstream's.
+        upstream = self.upstream
+        if self.upstreams is None:
+            self._entries = (UpstreamEntry(IMPLICIT_GPU, upstream.url, upstream.slots, None, upstream.command,
+                                           upstream.max_loaded, upstream.memory),)
+        else:
+            self._entries = tuple(
+                UpstreamEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
+                              None if item.models is None else frozenset(item.models), item.command,
+                              upstream.max_loaded if item.max_loaded is None else item.max_loaded,
+                              upstream.memory if item.memory is None else item.memory)
+                for item in self.upstreams)
+        return self
 
     @model_validator(mode="after")
     def _upstreams_fit(self) -> Config:
@@ -439,7 +459,7 @@ class Config(Section):
         # The one check across sections: a reservation must leave every model a non-interactive slot.
         try:
             if self.upstreams is None:
-                self.slots()
+                self.slots(IMPLICIT_GPU)
             else:  # the upstreams' own slots are checked above; models.<id>.slots here
                 per_model = {model_id: model.slots for model_id, model in self.models.items()
                              if model.slots is not None}
@@ -476,17 +496,17 @@ class Config(Section):
 
     @property
     def upstream_entries(self) -> tuple[UpstreamEntry, ...]:
-        """The node's upstreams, in the file's order: ``upstreams``, or without it one entry
-        (``gpu0``) of upstream.url, slots and command. An entry's slots default to upstream.slots."""
-        upstream = self.upstream
-        if self.upstreams is None:
-            return (UpstreamEntry(IMPLICIT_UPSTREAM, upstream.url, upstream.slots, None, upstream.command,
-                                  upstream.max_loaded, upstream.memory),)
-        return tuple(UpstreamEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
-                                   None if item.models is None else frozenset(item.models), item.command,
-                                   upstream.max_loaded if item.max_loaded is None else item.max_loaded,
-                                   upstream.memory if item.memory is None else item.memory)
-                     for item in self.upstreams)
+        """The node's GPUs, in the file's order: ``upstreams``, or without it one entry
+        (IMPLICIT_GPU) of upstream.url, slots and command. An entry's slots default to upstream.slots."""
+        return self._entries
+
+    def entry(self, gpu: str) -> UpstreamEntry:
+        """The GPU named ``gpu``; KeyError for a name the file does not have."""
+        for entry in self._entries:
+            if entry.name == gpu:
+                return entry
+        names = ", ".join(entry.name for entry in self._entries)
+        raise KeyError(f"no upstream named {gpu!r} (the configuration has {names})")
 
     @property
     def reserved_slots(self) -> int:
@@ -494,19 +514,20 @@ class Config(Section):
         settings = self.routing.scheduler.settings
         return (settings.fifo if self.routing.scheduler.use == PolicyName.FIFO else settings.serial).reserved_slots
 
-    def slots(self, learnt: Mapping[str | None, int] | None = None, single: str | None = None) -> Slots:
-        """The slots of every model. With ``upstream.slots: auto``, ``learnt`` is what the
-        upstream said: by model in router mode, under None for a single-model upstream. A model
-        configured in ``models.<id>.slots`` keeps its number; one asked about has what it said;
-        every other has the last number learnt (a router's children mostly share --parallel),
-        1 before any. A reservation that does not fit learnt numbers is lowered (`Slots.fitted`:
-        compare ``.reserved`` with `reserved_slots` to warn); configured numbers are checked as
-        written (InvalidSlots), under ``auto`` too. ``single`` is the key of a single-model
-        upstream's one model (`model_key`): every ``models.<id>.slots`` describes it."""
+    def slots(self, gpu: str, learnt: Mapping[str | None, int] | None = None, single: str | None = None) -> Slots:
+        """The slots of every model on the GPU named ``gpu`` (its entry's slots). With ``slots:
+        auto``, ``learnt`` is what its upstream said: by model in router mode, under None for a
+        single-model upstream. A model configured in ``models.<id>.slots`` keeps its number; one
+        asked about has what it said; every other has the last number learnt (a router's
+        children mostly share --parallel), 1 before any. A reservation that does not fit learnt
+        numbers is lowered (`Slots.fitted`: compare ``.reserved`` with `reserved_slots` to warn);
+        configured numbers are checked as written (InvalidSlots), under ``auto`` too. ``single``
+        is the key of a single-model upstream's one model (`model_key`): every
+        ``models.<id>.slots`` describes it."""
         per_model = {model_id: model.slots for model_id, model in self.models.items() if model.slots is not None}
         if single is not None:
             per_model = single_model_slots(single, per_model)
-        configured = self.upstream.slots
+        configured = self.entry(gpu).slots
         if configured == SLOTS_AUTO:
             # The numbers written in models.<id>.slots must hold the reservation as they are.
             Slots(self.reserved_slots + 1, per_model, self.reserved_slots)
@@ -517,18 +538,25 @@ class Config(Section):
         assert isinstance(configured, int)
         return Slots(configured, per_model, self.reserved_slots)
 
-    def policy(self, learnt_slots: Mapping[str | None, int] | None = None, single: str | None = None) -> Policy:
-        """The scheduler's policy (``learnt_slots``: what the upstream said, for ``upstream.slots: auto``;
-        ``single``: as for `slots`)."""
+    def gpu_policy(self, gpu: str, learnt_slots: Mapping[str | None, int] | None = None,
+                   single: str | None = None) -> GpuPolicy:
+        """The GPU named ``gpu`` as the scheduler's policy has it: its slots (``learnt_slots``,
+        ``single``: as for `slots`), the models it may serve and its residency (`residency_of`)."""
+        return GpuPolicy(gpu, self.slots(gpu, learnt_slots, single), self.entry(gpu).models, self.residency_of(gpu))
+
+    def policy(self, gpus: Sequence[GpuPolicy] | None = None) -> Policy:
+        """The scheduler's policy over ``gpus`` (None: every GPU as configured, `gpu_policy`, with
+        nothing learnt)."""
         s = self.routing.scheduler
-        slots = self.slots(learnt_slots, single)
+        over = tuple(gpus) if gpus is not None else tuple(self.gpu_policy(entry.name) for entry in self._entries)
         if s.use == PolicyName.FIFO:
             priorities = {model_id: model.priority for model_id, model in self.models.items()}
-            return Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds,
-                               slots=slots)
-        serial = s.settings.serial
-        return Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
-                             max_queued=s.max_queued, max_wait_s=s.max_wait_seconds, slots=slots)
+            policy = Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+        else:
+            serial = s.settings.serial
+            policy = Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
+                                   max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+        return policy.with_gpus(over)
 
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, PlainSerializer, WithJsonSchema
 
-from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.core.policy import IMPLICIT_GPU
+from llamaswap.core.residency import listed
 from llamaswap.config.section import Section
 from llamaswap.config.types import (
     MemorySize,
@@ -25,8 +26,6 @@ from llamaswap.config.types import (
 )
 from llamaswap.config.problems import Meaning, Problem, describe_value, invalid
 
-# The entry that upstream.url, slots and command make when the file has no `upstreams`.
-IMPLICIT_UPSTREAM = SINGLE_UPSTREAM
 # A name becomes part of an Envoy cluster name (upstream-<name>) and a metric label value.
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
@@ -50,9 +49,10 @@ class UpstreamEntry(UrlParts):
     max_loaded: int = 1
     memory: int | None = None
 
-    def may_serve(self, model: str) -> bool:
-        """Whether the file lets this upstream serve ``model`` (its ``models`` list, if any)."""
-        return self.models is None or model in self.models
+    def lists(self, model: str) -> bool:
+        """Whether the file lists ``model`` for this upstream (its ``models`` list, if any:
+        `residency.listed`). Whether the scheduler may send it there is `GpuPolicy.may_serve`."""
+        return listed(self.models, model)
 
 
 def upstream_name(value: Any) -> str:
@@ -87,7 +87,7 @@ def upstream_list(value: Any) -> Any:
         raise invalid(f"must be a list of upstreams, each a mapping with name and url, got {describe_value(value)}")
     if not value:
         raise invalid("lists no upstream: give at least one entry (name, url), or remove upstreams to use "
-                      f"upstream.url as the one upstream ({IMPLICIT_UPSTREAM})")
+                      f"upstream.url as the one upstream ({IMPLICIT_GPU})")
     return value
 
 

@@ -12,7 +12,7 @@ from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.eviction import Eviction
 from llamaswap.core.index import Entry
 from llamaswap.core.kept import KeptPlace
-from llamaswap.core.policy import SINGLE_UPSTREAM, PolicyName
+from llamaswap.core.policy import IMPLICIT_GPU, PolicyName
 from llamaswap.core.priority import Band
 
 # A decision names at most this many of the requests its winner overtook.
@@ -51,7 +51,7 @@ class Decision:
     overtook: tuple[str, ...]  # earlier arrivals it went ahead of (at most OVERTAKEN_LIMIT)
     queue_depth_after: int
     # Grants running once this one began, itself included (1 with one slot): the activity
-    # record's serial_slots_busy. (The slots it was counted against: `Scheduler.slots_total`.)
+    # record's serial_slots_busy. (The slots it was counted against: its GPU's, `GpuHolding.slots_in_effect`.)
     slots_busy: int = 1
     # It took a slot kept for the interactive band: non-interactive work held its whole share of
     # the slots (``slots - reserved``) as it was granted (`dispatch.in_reserved_slot`).
@@ -59,7 +59,7 @@ class Decision:
     # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
     # beside it. It loads nothing (neither `load` nor `swap`).
     alone: bool = False
-    upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
+    upstream: str = IMPLICIT_GPU  # the upstream it runs on
     # Granted beside a grant that loads its model there: that model and when that grant was made
     # (its run begins once the load ends, which the estimates need after that grant has ended).
     beside_load: tuple[str, int] | None = None
@@ -151,7 +151,7 @@ class RunningView:
     queue_wait_s: float
     running_s: float
     alone: bool = False  # it runs alone (an unload): nothing starts beside it
-    upstream: str = SINGLE_UPSTREAM  # the upstream it runs on
+    upstream: str = IMPLICIT_GPU  # the upstream it runs on
     # Granted beside a load (`Decision.beside_load`): that model, and how long ago its load began.
     beside_load: tuple[str, float] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said)

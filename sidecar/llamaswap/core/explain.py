@@ -21,6 +21,7 @@ import math
 
 from llamaswap.core.priority import ALIASES, INTERACTIVE_FLOOR, Band
 from llamaswap.core.policy import Policy, PolicyName
+from llamaswap.core.slots import Slots
 
 ANCHORS: dict[Band, int] = {Band(name): value for name, value in ALIASES.items()}
 # Lowest first: a band can only need to overtake the bands after it.
@@ -105,8 +106,15 @@ def explain_policy(policy: Policy) -> list[str]:
 
 
 def _slots_lines(policy: Policy) -> list[str]:
-    """What the slots allow; nothing with one slot for every model (the default)."""
-    slots = policy.slots
+    """What the slots allow, for every GPU at once where they all have the same, else per GPU;
+    nothing with one slot for every model (the default)."""
+    first = policy.gpus[0].slots
+    if all(gpu.slots == first for gpu in policy.gpus):
+        return _gpu_slots_lines(first, "")
+    return [line for gpu in policy.gpus for line in _gpu_slots_lines(gpu.slots, f"{gpu.name}: ")]
+
+
+def _gpu_slots_lines(slots: Slots, prefix: str) -> list[str]:
     if slots.single:
         return []
     if slots.per_model:
@@ -114,11 +122,12 @@ def _slots_lines(policy: Policy) -> list[str]:
         counts = f"{listed}other models {slots.default}"
     else:
         counts = str(slots.default)
-    lines = [f"slots: generations of the loaded model at once: {counts}; a swap waits until every slot is idle"]
+    lines = [f"{prefix}slots: generations of the loaded model at once: {counts}; a swap waits until every slot is "
+             "idle"]
     if slots.reserved:
-        lines.append(f"reservedSlots {slots.reserved}: requests below priority {INTERACTIVE_FLOOR} use at most "
-                     f"a model's slots minus {slots.reserved}; the other {slots.reserved} go only to interactive "
-                     "requests")
+        lines.append(f"{prefix}reservedSlots {slots.reserved}: requests below priority {INTERACTIVE_FLOOR} use at "
+                     f"most a model's slots minus {slots.reserved}; the other {slots.reserved} go only to "
+                     "interactive requests")
     return lines
 
 

@@ -36,14 +36,17 @@ class GpuPolicy:
         return may_serve(self.models, self.residency, model)
 
 
-# The name of the one upstream of a configuration that lists none (`upstream:` alone).
-SINGLE_UPSTREAM = "gpu0"
+# The name of the one GPU of a configuration that lists none (`upstream:` alone): the configuration
+# builds it (`Config.upstream_entries`), Envoy names its cluster after it, and a policy of one
+# GPU built without a configuration has it.
+IMPLICIT_GPU = "gpu0"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Policy:
-    """How requests are ordered. Build with :meth:`serial` or :meth:`fifo`; the defaults of every
-    setting live in the configuration (`llamaswap.config`), not here."""
+    """How requests are ordered over the node's GPUs (one GPU is a node of one). Build with
+    :meth:`serial` or :meth:`fifo`; the defaults of every setting live in the configuration
+    (`llamaswap.config`), not here."""
 
     name: PolicyName
     aging_divisor_s: float
@@ -52,33 +55,43 @@ class Policy:
     model_priorities: Mapping[str, int]
     max_queued: int  # 0: unlimited
     max_wait_s: float  # 0: wait forever
-    slots: Slots = dataclasses.field(default_factory=Slots)  # the default: one grant at a time
-    # The node's upstreams (`upstreams:`), one queue over them; empty: one, SINGLE_UPSTREAM, with `slots`.
-    gpus: tuple[GpuPolicy, ...] = ()
+    # The node's GPUs, in the configured order, one queue over them: each one's slots, the models
+    # it may serve and its residency. Never empty; by default one, IMPLICIT_GPU, one grant at a time.
+    gpus: tuple[GpuPolicy, ...] = (GpuPolicy(IMPLICIT_GPU),)
+
+    def __post_init__(self) -> None:
+        names = [gpu.name for gpu in self.gpus]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a policy needs one GPU or more, each named once, got {names}")
 
     @classmethod
     def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
                max_wait_s: float = 0.0, slots: Slots | None = None) -> Policy:
+        """``slots``: a node of one GPU (IMPLICIT_GPU) with these slots (`with_gpus` for others)."""
         return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s,
-                   slots if slots is not None else Slots())
+                   _one_gpu(slots))
 
     @classmethod
     def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0,
              slots: Slots | None = None) -> Policy:
-        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s,
-                   slots if slots is not None else Slots())
+        """``slots``: as for `serial`."""
+        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s, _one_gpu(slots))
 
     def with_gpus(self, gpus: tuple[GpuPolicy, ...]) -> Policy:
-        """This policy over these upstreams; `slots` becomes the first one's."""
-        return dataclasses.replace(self, gpus=gpus, slots=gpus[0].slots if gpus else self.slots)
+        """This policy's order over these GPUs."""
+        return dataclasses.replace(self, gpus=gpus)
+
+    def gpu(self, name: str) -> GpuPolicy:
+        """The GPU named ``name``; KeyError for a name it does not have."""
+        for gpu in self.gpus:
+            if gpu.name == name:
+                return gpu
+        raise KeyError(f"no GPU named {name!r}")
 
     @property
-    def gpus_in_effect(self) -> tuple[GpuPolicy, ...]:
-        return self.gpus or (GpuPolicy(SINGLE_UPSTREAM, self.slots),)
-
-    def may_run(self, model: str | None) -> bool:
-        """Some GPU may serve ``model`` (`GpuPolicy.may_serve`). None: a request of no model."""
-        return any(gpu.may_serve(model) for gpu in self.gpus_in_effect)
+    def reserves_slots(self) -> bool:
+        """Some GPU keeps slots for the interactive band (routing...reservedSlots)."""
+        return any(gpu.slots.reserved for gpu in self.gpus)
 
     @property
     def aging_divisor_ns(self) -> int:
@@ -98,3 +111,7 @@ class Policy:
         if self.name is PolicyName.FIFO and model is not None:
             return priority + self.model_priorities.get(model, 0)
         return priority
+
+
+def _one_gpu(slots: Slots | None) -> tuple[GpuPolicy, ...]:
+    return (GpuPolicy(IMPLICIT_GPU, slots if slots is not None else Slots()),)

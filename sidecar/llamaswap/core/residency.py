@@ -55,11 +55,18 @@ class Residency:
 ONE_MODEL = Residency()
 
 
+def listed(models: Set[str] | None, model: str) -> bool:
+    """``model`` is in a GPU's list of the models it may serve (``models``; None: any). The
+    configuration reads it alone (`UpstreamEntry.lists`: which models need a size, which are
+    pinned where); the scheduler through `may_serve`."""
+    return models is None or model in models
+
+
 def may_serve(models: Set[str] | None, residency: Residency, model: str | None) -> bool:
     """A GPU that may serve ``models`` (None: any) and keeps them resident by ``residency`` may
     serve ``model``: it is listed, and can ever be resident there beside the pinned models. A
     request of no model: any GPU. The one test of it, for the rule (`GpuHolding.may_serve`)
-    and for refusing a model that no GPU can ever run (`Policy.may_run`)."""
+    and for refusing a model that no GPU can ever run (`Gpus.serves`, through `GpuPolicy.may_serve`)."""
     if model is None:
         return True
-    return (models is None or model in models) and not residency.never_fits(model)
+    return listed(models, model) and not residency.never_fits(model)

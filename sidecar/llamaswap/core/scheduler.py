@@ -99,7 +99,7 @@ class Scheduler:
 
     def _apply_policy(self, policy: Policy) -> None:
         self._policy = policy
-        gpus = policy.gpus_in_effect
+        gpus = policy.gpus
         known = {gpu.name: gpu for gpu in self._gpus}
         if self._gpus and set(known) != {gpu.name for gpu in gpus}:
             raise SchedulerError("the upstreams cannot change while the scheduler runs")
@@ -110,7 +110,6 @@ class Scheduler:
             self._gpus = [GpuRecord(gpu_policy) for gpu_policy in gpus]
         names = [gpu.name for gpu in gpus]
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
-        self._first = self._gpus[0]
         # What the upstreams hold (every change goes through a grant, a release, a loaded-model
         # report, `held_by` or the policy, each of which tells it).
         self._held = NodeHolding(self._gpus)
@@ -121,7 +120,7 @@ class Scheduler:
         self._aged, self._plain = self._indexes()
         # With reserved slots, the same two for the interactive requests alone: the reserved
         # slots' candidates.
-        self._reserved: tuple[Index, Index | None] | None = self._indexes() if policy.slots.reserved else None
+        self._reserved: tuple[Index, Index | None] | None = self._indexes() if policy.reserves_slots else None
 
     def _indexes(self) -> tuple[Index, Index | None]:
         divisor = self._divisor_ns
@@ -158,27 +157,21 @@ class Scheduler:
         """The upstreams' names, in the configured order."""
         return tuple(gpu.name for gpu in self._gpus)
 
-    def _gpu(self, upstream: str | None) -> GpuRecord:
-        if upstream is None:
-            return self._first
+    def _gpu(self, upstream: str) -> GpuRecord:
         for gpu in self._gpus:
             if gpu.name == upstream:
                 return gpu
         raise UnknownRequest(f"no upstream is named {upstream!r}")
 
-    def residents_on(self, upstream: str | None = None) -> frozenset[str]:
-        """The models resident on an upstream (None: the first; with one upstream, the loaded ones)."""
+    def residents_on(self, upstream: str) -> frozenset[str]:
+        """The models resident on an upstream."""
         return self._gpu(upstream).residents
 
-    @property
-    def dispatches(self) -> int:
-        """Grants so far on the first upstream: the generation a loaded-model report was asked at."""
-        return self._first.dispatches
-
-    def dispatches_on(self, upstream: str | None = None) -> int:
+    def dispatches_on(self, upstream: str) -> int:
+        """Grants so far on an upstream: the generation a loaded-model report was asked at."""
         return self._gpu(upstream).dispatches
 
-    def set_residents(self, models: frozenset[str], *, as_of: int, upstream: str | None = None) -> bool:
+    def set_residents(self, models: frozenset[str], *, as_of: int, upstream: str) -> bool:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken, or that arrives while requests run there
@@ -195,20 +188,6 @@ class Scheduler:
     @property
     def depth(self) -> int:
         return len(self._waiting)
-
-    @property
-    def running(self) -> Decision | None:
-        """The earliest running grant (with one slot, the grant)."""
-        for request_id in self._gpu_of:
-            return self._gpu_of[request_id].grants[request_id].decision
-        return None
-
-    @property
-    def running_id(self) -> str | None:
-        """The request of the earliest running grant."""
-        for request_id in self._gpu_of:
-            return request_id
-        return None
 
     @property
     def running_grants(self) -> tuple[Decision, ...]:
@@ -232,14 +211,8 @@ class Scheduler:
         """Grants running, over every upstream."""
         return len(self._gpu_of)
 
-    def slots_busy_on(self, upstream: str | None = None) -> int:
+    def slots_busy_on(self, upstream: str) -> int:
         return len(self._gpu(upstream).grants)
-
-    @property
-    def slots_total(self) -> int:
-        """The slots ``next`` fills up to now on the first upstream (`GpuHolding.slots_in_effect`;
-        each upstream's: `holdings`)."""
-        return order.slots_total(self._first)
 
     def holdings(self) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order."""
@@ -252,9 +225,9 @@ class Scheduler:
         gpu.set_residents(gpu.residents | models)
         self._held.changed(residents=True)
 
-    def held_by(self, upstream: str | None, *, settling: bool, adopted: int,
+    def held_by(self, upstream: str, *, settling: bool, adopted: int,
                 settling_model: str | None = None) -> bool:
-        """The work the scheduler did not grant that holds an upstream now (None: the first), as
+        """The work the scheduler did not grant that holds an upstream now, as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
         there while either does; several resident, a settle of a known model holds only that

@@ -11,7 +11,6 @@ import json
 
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
-from llamaswap.core.policy import SINGLE_UPSTREAM
 from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 
 __all__ = [
@@ -23,7 +22,7 @@ __all__ = [
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
     "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
-    "SINGLE_UPSTREAM_NAME", "UPSTREAM_CLUSTER_PREFIX", "UPSTREAM_HEADER", "upstream_cluster", "upstream_of_cluster",
+    "UPSTREAM_CLUSTER_PREFIX", "UPSTREAM_HEADER", "upstream_cluster", "upstream_of_cluster",
 ]
 
 # Where the body's model goes, and where Envoy puts what the Check answered.
@@ -47,8 +46,6 @@ REQUEST_ID_HEADER = "x-request-id"
 UPSTREAM_HEADER = "x-llamaswap-upstream"
 # Each upstream's Envoy cluster is this prefix and its name; the access log reads the name back.
 UPSTREAM_CLUSTER_PREFIX = "upstream-"
-# The name of the one upstream a configuration without `upstreams:` describes (upstream.url).
-SINGLE_UPSTREAM_NAME = SINGLE_UPSTREAM
 # routing.retryGraceSeconds: Envoy copies the client's own x-request-id here before it generates
 # one for a request that has none (an early header mutation, ahead of the request id), so the
 # sidecar can tell a client-chosen id (the two are equal) from Envoy's.

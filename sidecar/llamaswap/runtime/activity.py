@@ -111,15 +111,16 @@ class ActivityLog:
             "max_queued": policy.max_queued,
             "max_wait_s": policy.max_wait_s,
             "model_priorities": dict(policy.model_priorities),
-            # The slots it ran with (after `auto` learnt them), so a replay runs with the same.
-            "slots": policy.slots.default,
-            "model_slots": dict(policy.slots.per_model),
-            "reserved_slots": policy.slots.reserved,
+            # The slots it ran with (after `auto` learnt them), so a replay runs with the same: the
+            # first GPU's, which `llamaswap simulate` gives every GPU (each one's: `upstreams`).
+            "slots": policy.gpus[0].slots.default,
+            "model_slots": dict(policy.gpus[0].slots.per_model),
+            "reserved_slots": policy.gpus[0].slots.reserved,
             # The node's upstreams (issue 27), in the configured order: a replay runs with the same.
             "upstreams": [{"name": gpu.name, "slots": gpu.slots.default, "model_slots": dict(gpu.slots.per_model),
                            "models": sorted(gpu.models) if gpu.models is not None else None,
                            **_residency_fields(gpu.residency)}
-                          for gpu in policy.gpus_in_effect],
+                          for gpu in policy.gpus],
         })
 
     def finished(self, ticket: Ticket) -> None:

@@ -182,7 +182,7 @@ class Coordinator:
         return self.gpus.single_model()
 
     def _default_slots(self, name: str) -> int:
-        return self.scheduler.policy.gpus_in_effect[self.scheduler.gpus.index(name)].slots.default
+        return self.scheduler.policy.gpu(name).slots.default
 
     @property
     def gpu_state(self) -> GpuState:
@@ -385,10 +385,9 @@ class Coordinator:
                    for t in self._running)
 
     async def serves(self, model: str) -> bool:
-        """Whether an upstream that may serve ``model`` lists it, and one may run it as scheduled
-        (`Policy.may_run`: several resident, one where it can ever fit beside the pinned models)."""
-        return await self.gpus.serves(model, self._config,
-                                      lambda: self.scheduler.policy.may_run(self._key(model).scheduled))
+        """Whether a GPU that may run ``model`` as scheduled lists it (`Gpus.serves`)."""
+        return await self.gpus.serves(model, self._key(model).scheduled, self.scheduler.policy,
+                                      self._config.upstream.model_check)
 
     def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
         """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`

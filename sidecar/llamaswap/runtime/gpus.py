@@ -2,10 +2,8 @@
 its own catalog (reconciled with the scheduler's resident models: `Gpus.reconcile`), slot learning,
 settle and adopted exchanges. The scheduler holds the one queue over them (its GPUs); everything
 here is what holds one upstream apart from the others: a settle or an adopted exchange on one GPU
-stops grants on that GPU only.
-
-`gpu_config` is the configuration as one upstream sees it (its url and slots in `upstream:`),
-so the rooms written for one upstream (slot learning, `Config.slots`) serve each GPU unchanged.
+stops grants on that GPU only. Each GPU reads its own entry of the configuration
+(`Config.entry`, `Config.slots`, `Config.gpu_policy`, by its name).
 """
 
 from __future__ import annotations
@@ -15,22 +13,15 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from llamaswap.config import SLOTS_AUTO, Config, UpstreamEntry
+from llamaswap.config import SLOTS_AUTO, Config, ModelCheck
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import Clock, Policy, Scheduler
-from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.catalog import ModelCatalog
 from llamaswap.runtime.leases import Adoption
 from llamaswap.runtime.observer import Settle, SettleReason
 from llamaswap.runtime.settle import Settling, settle_upstream
 from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
-
-
-def gpu_config(config: Config, entry: UpstreamEntry) -> Config:
-    """The configuration as one upstream of the node sees it: its url and slots in `upstream:`."""
-    upstream = config.upstream.model_copy(update={"url": entry.url, "slots": entry.slots})
-    return config.model_copy(update={"upstream": upstream})
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,12 +70,11 @@ class Gpu:
 
 
 class Gpus:
-    """The node's GPUs, in the configured order (the first is also the one of a single-upstream
-    configuration, and where an unknown name goes)."""
+    """The node's GPUs, in the configured order."""
 
-    def __init__(self, gpus: list[Gpu]) -> None:
+    def __init__(self, gpus: list[Gpu], adoptions: Mapping[str, Adoption]) -> None:
         self.all = gpus
-        self.first = gpus[0]
+        self.adoptions = adoptions  # the node's adopted exchanges (`Leases.adopted`), which each GPU reads
         self._by_name = {gpu.name: gpu for gpu in gpus}
 
     def __iter__(self) -> Iterator[Gpu]:
@@ -95,15 +85,15 @@ class Gpus:
 
     def named(self, name: str | None) -> Gpu:
         """The GPU of that name; an unknown or missing name (an adopted exchange Envoy did not
-        place) is the first one's."""
-        return self._by_name.get(name or "", self.first)
+        place: a node of one GPU) is the configured order's first."""
+        return self._by_name.get(name or "", self.all[0])
 
     def tell(self, scheduler: Scheduler) -> bool:
         """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
         `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
         True if that changed anywhere."""
         # Every GPU reads the node's one record of adoptions: counted once here, not per GPU.
-        adoptions = self.first.adoptions
+        adoptions = self.adoptions
         counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
         changed = False
         for gpu in self.all:
@@ -118,15 +108,13 @@ class Gpus:
         keys = {gpu.catalog.single_model() for gpu in self.all}
         return keys.pop() if len(keys) == 1 else None
 
-    async def serves(self, model: str, config: Config, may_run: Callable[[], bool]) -> bool:
-        """Whether an upstream that may serve ``model`` lists it (upstream.modelCheck; each asked
-        again once on a miss), and the scheduler has an upstream it may run on (``may_run``)."""
-        entries = {entry.name: entry for entry in config.upstream_entries}
+    async def serves(self, model: str, scheduled: str | None, policy: Policy, check: ModelCheck) -> bool:
+        """Whether a GPU that may serve the request (the scheduler's one rule for what it is
+        scheduled as, ``scheduled``: `GpuPolicy.may_serve`) lists ``model`` (upstream.modelCheck:
+        `ModelCatalog.serves`, each asked again once on a miss)."""
         for gpu in self.all:
-            entry = entries.get(gpu.name)
-            may_serve = entry is None or entry.may_serve(model)
-            if may_serve and await gpu.catalog.serves(model, config.upstream.model_check):
-                return may_run()
+            if policy.gpu(gpu.name).may_serve(scheduled) and await gpu.catalog.serves(model, check):
+                return True
         return False
 
     def reconcile(self, catalog: Catalog, as_of: int, upstream: str | None, *, scheduler: Scheduler,
@@ -176,28 +164,16 @@ def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Call
         name = entry.name
         catalog = ModelCatalog(upstream, dispatches=functools.partial(dispatches, name),
                                observed=functools.partial(observed, name))
-        learner = SlotLearner(config=functools.partial(_config_of, config_now, name), catalog=catalog,
+        learner = SlotLearner(name, config=config_now, catalog=catalog,
                               upstream=upstream, apply=lambda _config: learnt(), runs=functools.partial(runs, name),
                               default_slots=functools.partial(default_slots, name))
         gpus.append(Gpu(name, upstream, catalog, learner, adoptions=adopted))
-    return Gpus(gpus)
-
-
-def _config_of(config_now: Callable[[], Config], name: str) -> Config:
-    config = config_now()
-    return gpu_config(config, entry_of(config, name))
+    return Gpus(gpus, adopted)
 
 
 def auto_slots(config: Config) -> frozenset[str]:
     """The upstreams whose slots are learnt (slots: auto)."""
     return frozenset(entry.name for entry in config.upstream_entries if entry.slots == SLOTS_AUTO)
-
-
-def entry_of(config: Config, name: str) -> UpstreamEntry:
-    for entry in config.upstream_entries:
-        if entry.name == name:
-            return entry
-    raise KeyError(name)
 
 
 def served_by(catalog: Catalog | None) -> frozenset[str] | None:
@@ -215,17 +191,12 @@ def node_policy(config: Config, gpus: Gpus, single: str | None) -> Policy:
     that the node sends it only that model's requests: with one there is nowhere else to send
     the others, and the server answers them), and how many models it keeps resident at once
     (``maxLoaded``, pinned models, ``memory``: `Config.residency_of`)."""
-    first = gpus.first
     policies = []
     for gpu in gpus:
-        entry = entry_of(config, gpu.name)
         own = gpu.catalog.single_model() if single is not None else None
-        slots = gpu_config(config, entry).slots(gpu.slots.learnt, own)
-        models = entry.models
+        policy = config.gpu_policy(gpu.name, gpu.slots.learnt, own)
         served = served_by(gpu.catalog.latest) if len(gpus) > 1 else None
         if served is not None:
-            models = served if models is None else models & served
-        policies.append(GpuPolicy(gpu.name, slots, models, config.residency_of(gpu.name)))
-    # The node-wide settings (order, aging, limits) with the first upstream's slots: the GPUs say each one's.
-    first_config = gpu_config(config, entry_of(config, first.name))
-    return first_config.policy(first.slots.learnt, single).with_gpus(tuple(policies))
+            policy = dataclasses.replace(policy, models=served if policy.models is None else policy.models & served)
+        policies.append(policy)
+    return config.policy(policies)

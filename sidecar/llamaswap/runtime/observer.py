@@ -12,7 +12,7 @@ from typing import Protocol
 
 
 from llamaswap.core import Band, Policy, Scheduler
-from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import NodeProjection
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.ticket import Ticket
@@ -89,7 +89,7 @@ class Settle:
     request_id: str  # the abandoned (or adopted) request, "-" at startup
     started_ns: int
     ended_ns: int
-    upstream: str = SINGLE_UPSTREAM  # the upstream that waited (the others keep serving)
+    upstream: str = IMPLICIT_GPU  # the upstream that waited (the others keep serving)
 
     @property
     def seconds(self) -> float:

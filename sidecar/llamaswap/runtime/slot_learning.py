@@ -30,13 +30,15 @@ LEARN_POLLS = 30
 
 
 class SlotLearner:
-    """What the upstream said about its slots, and the asking. ``config`` reads the settings in
-    force; ``apply`` re-applies them (the learnt numbers changed); ``runs(model)`` says whether a
-    grant of ``model`` runs; ``default_slots`` is the scheduler's default now (for the log)."""
+    """What the upstream of the GPU named ``gpu`` said about its slots, and the asking. ``config``
+    reads the settings in force (the GPU's own entry: `Config.entry`); ``apply`` re-applies them
+    (the learnt numbers changed); ``runs(model)`` says whether a grant of ``model`` runs;
+    ``default_slots`` is the scheduler's default now (for the log)."""
 
-    def __init__(self, *, config: Callable[[], Config], catalog: ModelCatalog, upstream: Upstream,
+    def __init__(self, gpu: str, *, config: Callable[[], Config], catalog: ModelCatalog, upstream: Upstream,
                  apply: Callable[[Config], None], runs: Callable[[str], bool],
                  default_slots: Callable[[], int]) -> None:
+        self._gpu = gpu
         self._config = config
         self._catalog = catalog
         self._upstream = upstream
@@ -54,7 +56,7 @@ class SlotLearner:
         return self._asking is not None and not self._asking.done()
 
     def _auto(self) -> bool:
-        return self._config().upstream.slots == SLOTS_AUTO
+        return self._config().entry(self._gpu).slots == SLOTS_AUTO
 
     def _ask(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Begin an ask (the only place one begins): `asking` until it ends, however it ends."""
@@ -93,9 +95,9 @@ class SlotLearner:
                   f" of model {model}" if model else "")
         # The settings now in force: a reload while the upstream was asked has replaced them.
         config = self._config()
-        if config.upstream.slots != SLOTS_AUTO:
+        if config.entry(self._gpu).slots != SLOTS_AUTO:
             return
-        slots = config.slots(self.learnt, self._catalog.single_model())  # as the coordinator applies them
+        slots = config.slots(self._gpu, self.learnt, self._catalog.single_model())  # as the coordinator applies them
         if slots.reserved < config.reserved_slots:
             _log.warning("upstream.slots: auto: the upstream has %d slots%s, too few for %d reserved "
                          "(routing.scheduler.settings.%s.reservedSlots); reserving %d", learnt,
@@ -107,7 +109,7 @@ class SlotLearner:
         """Not learnt yet, nor configured in models.<id>.slots (None: the single model's)."""
         config = self._config()
         configured = model is not None and model in config.models and config.models[model].slots is not None
-        return config.upstream.slots == SLOTS_AUTO and model not in self.learnt and not configured
+        return config.entry(self._gpu).slots == SLOTS_AUTO and model not in self.learnt and not configured
 
     def observe(self, catalog: Catalog) -> None:
         """The reconcile loop read the catalog: ask about each model seen loaded for the first time

@@ -17,7 +17,7 @@ from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Sche
 from llamaswap.core.estimate import grant_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.holding import GpuHolding
-from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuState, NodeProjection, Projector
 from llamaswap.runtime.kept import KeptRow
 from llamaswap.runtime.ticket import Ticket, TicketState
@@ -60,7 +60,7 @@ class RunningRow:
     # load or the load it was granted beside.
     expected_end_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
-    upstream: str = SINGLE_UPSTREAM  # the upstream (GPU) it runs on
+    upstream: str = IMPLICIT_GPU  # the upstream (GPU) it runs on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -297,7 +297,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     last_release = 0
     # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
-    shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus_in_effect)
+    shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus)
     gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}

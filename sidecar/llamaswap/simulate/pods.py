@@ -88,14 +88,15 @@ class _Pod:
 def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs, *, pods: int, gpus: int,
                   routing: Routing) -> PodsResult:
     """The records (in arrival order) over ``pods`` pods of ``gpus`` GPUs each, routed by ``routing``.
-    ``policy`` gives the order and each GPU's slots (its ``slots``)."""
+    ``policy``, of one GPU, gives the order and each GPU's slots."""
     if pods < 1 or gpus < 1:
         raise ValueError("pods and gpus must be at least 1")
     clock = ManualClock()
     figures = figures_of(costs)
     groups = 1 if routing is Routing.ONE_QUEUE else pods
     per_group = gpus * pods // groups
-    nodes = [_Pod(Scheduler(policy.with_gpus(tuple(GpuPolicy(f"gpu{index}", policy.slots)
+    slots = policy.gpus[0].slots  # every GPU's (a policy of one GPU: the one of each pod)
+    nodes = [_Pod(Scheduler(policy.with_gpus(tuple(GpuPolicy(f"gpu{index}", slots)
                                                     for index in range(per_group))), clock))
              for _ in range(groups)]
     ordered = sorted(records, key=lambda r: (r.arrival_ms, r.order))

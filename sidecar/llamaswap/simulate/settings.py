@@ -64,11 +64,15 @@ class Settings:
     recorded_residency: Mapping[str, Residency] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_policy(cls, policy: Policy) -> Settings:
+    def from_policy(cls, policy: Policy, *, configured: bool = True) -> Settings:
+        """The settings of ``policy``: its GPUs as configured (``configured``), or only their count
+        and, for every GPU, the slots and maxLoaded of the first (the settings without -c FILE)."""
+        first = policy.gpus[0]
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
-                   policy.max_wait_s, dict(policy.model_priorities), policy.slots.default, policy.slots.reserved,
-                   dict(policy.slots.per_model), len(policy.gpus_in_effect),
-                   tuple(gpu.name for gpu in policy.gpus), policy.gpus, policy.gpus_in_effect[0].residency.max_loaded)
+                   policy.max_wait_s, dict(policy.model_priorities), first.slots.default, first.slots.reserved,
+                   dict(first.slots.per_model), len(policy.gpus),
+                   tuple(gpu.name for gpu in policy.gpus) if configured else (),
+                   policy.gpus if configured else (), first.residency.max_loaded)
 
     @property
     def fewest_slots(self) -> int:

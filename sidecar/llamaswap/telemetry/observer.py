@@ -41,7 +41,7 @@ from llamaswap import __version__
 from llamaswap.core import NS_PER_S, Band, Clock, EvictReason, MonotonicClock, Outcome, Policy, PrioritySource
 from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.core.policy import SINGLE_UPSTREAM
+from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
 from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
@@ -81,7 +81,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 ESTIMATE_FLOOR_S = 0.1
 # Before the first settings: one upstream of one slot, as a configuration of one `upstream:`.
 _EMPTY_PICTURE = QueuePicture(tuple((band, 0) for band in Band), tuple((band, None) for band in Band),
-                              NodeProjection.of((GpuProjection.configured(SINGLE_UPSTREAM, 1),)))
+                              NodeProjection.of((GpuProjection.configured(IMPLICIT_GPU, 1),)))
 
 
 def parent_of(ticket: Ticket) -> Context | None:
@@ -216,7 +216,7 @@ class Telemetry:
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
-        gpus = policy.gpus_in_effect
+        gpus = policy.gpus
         instruments = self.instruments
         for gpu in gpus:  # every upstream's counts exist from the start, at 0
             labels = {"upstream": gpu.name}
