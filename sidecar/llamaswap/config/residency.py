@@ -23,23 +23,15 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
+from llamaswap.config.llama_command import cache_types, context_of, models_dir, router_models_max
 from llamaswap.config.problems import Problem
 from llamaswap.config.types import size_document, size_text
 from llamaswap.config.upstreams import UpstreamEntry, UpstreamItem
 from llamaswap.core.residency import Residency
 
-# llama-server's flags (and the variables it reads where a flag is not given, which a command sets
-# as `env NAME=VALUE llama-server ...`) that say where its models are and the context and KV
-# cache they run with.
-MODELS_DIR_FLAGS = ("--models-dir",)
-MODELS_DIR_ENV = "LLAMA_ARG_MODELS_DIR"
-CONTEXT_FLAGS = ("-c", "--ctx-size")
-CONTEXT_ENV = "LLAMA_ARG_CTX_SIZE"
-CACHE_TYPE_FLAGS = {"K": ("-ctk", "--cache-type-k"), "V": ("-ctv", "--cache-type-v")}
 # Bytes per KV cache element of llama-server's --cache-type-k/-v (a block's bytes over its 32 values).
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                     "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
-DEFAULT_CACHE_TYPE = "f16"
 
 
 class _Model(Protocol):
@@ -83,44 +75,9 @@ class ModelSize:
         return size_text(self.bytes)
 
 
-def flag_value(command: Sequence[str], flags: Sequence[str], env: str | None = None) -> str | None:
-    """The value of the last of ``flags`` on a command line (``--flag VALUE`` or ``--flag=VALUE``),
-    else of the variable ``env`` that the command sets (``env NAME=VALUE llama-server ...``)."""
-    found = None
-    for index, argument in enumerate(command):
-        for flag in flags:
-            if argument == flag and index + 1 < len(command):
-                found = command[index + 1]
-            elif argument.startswith(f"{flag}="):
-                found = argument.split("=", 1)[1]
-    if found is None and env is not None:
-        for argument in command:
-            if argument.startswith(f"{env}="):
-                found = argument.split("=", 1)[1]
-    return found
-
-
-def models_dir(command: Sequence[str]) -> pathlib.Path | None:
-    """The models directory of a llama-server command (router mode's ``--models-dir``), if any."""
-    value = flag_value(command, MODELS_DIR_FLAGS, MODELS_DIR_ENV)
-    return pathlib.Path(value) if value else None
-
-
-def context_of(command: Sequence[str]) -> int:
-    """The context a command runs its models with (``-c``/``--ctx-size``); 0, the model's own
-    trained context, without one or where it is not a number (the larger estimate: the safe side)."""
-    value = flag_value(command, CONTEXT_FLAGS, CONTEXT_ENV)
-    try:
-        return max(0, int(value)) if value is not None else 0
-    except ValueError:
-        return 0
-
-
 def cache_type_bytes(command: Sequence[str]) -> float:
-    """Bytes per KV cache element: the mean of K's and V's (``--cache-type-k/-v``, f16 by default)."""
-    widths = [CACHE_TYPE_BYTES.get((flag_value(command, flags, f"LLAMA_ARG_CACHE_TYPE_{which}")
-                                    or DEFAULT_CACHE_TYPE).lower(), 2.0)
-              for which, flags in CACHE_TYPE_FLAGS.items()]
+    """Bytes per KV cache element: the mean of K's and V's (`llama_command.cache_types`)."""
+    widths = [CACHE_TYPE_BYTES.get(cache_type, 2.0) for cache_type in cache_types(command)]
     return sum(widths) / len(widths)
 
 
@@ -236,14 +193,18 @@ def residency_problems(config: Config, sizes: Mapping[str, Mapping[str, ModelSiz
                                          f"for the others too), or unpin one"))
         if entry.memory is None:
             continue
+        # The fit is the scheduler's (`Residency`), over the pinned models whose size is known
+        # (one without is a problem of `model_sizes`).
+        residency = residency_of(config, entry.name, sizes)
         own = sizes.get(entry.name, {})
+        known = [model_id for model_id in pinned if model_id in own]
         budget = f"{entry.name}'s memory ({memory_key(config, index)}: {size_document(entry.memory)})"
-        over = [model_id for model_id in pinned if model_id in own and own[model_id].bytes > entry.memory]
+        over = [model_id for model_id in known if not residency.fits((model_id,))]
         problems.extend(Problem(f"models.{model_id}.pinned",
                                 f"{model_id} takes {own[model_id]} ({own[model_id].source}), more than {budget}: "
                                 f"it can never be resident there. Raise the memory, or remove pinned")
                         for model_id in over)
-        total = sum(own[model_id].bytes for model_id in pinned if model_id in own)
+        total = residency.bytes_together(known)
         if not over and len(pinned) > 1 and total > entry.memory:
             problems.append(Problem(memory_key(config, index),
                                     f"the pinned models ({', '.join(pinned)}) take {size_text(total)} together, more "
@@ -260,25 +221,8 @@ def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, Mod
                      {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()})
 
 
-# llama-server's router keeps this many models loaded without --models-max (0: no limit).
-ROUTER_MODELS_MAX_DEFAULT = 4
-_MODELS_MAX_FLAGS = ("--models-max",)
-_MODELS_MAX_ENV = "LLAMA_ARG_MODELS_MAX"
 # Pairs of models that can never be resident together, named at most this many times per upstream.
 _PAIRS_SHOWN = 6
-
-
-def router_models_max(command: Sequence[str]) -> int | None:
-    """The models a llama-server router started by ``command`` keeps loaded (``--models-max``,
-    else its default where the command is a router, ``--models-dir``); None: not a router command,
-    or no limit (``--models-max 0``)."""
-    value = flag_value(command, _MODELS_MAX_FLAGS, _MODELS_MAX_ENV)
-    if value is not None:
-        try:
-            return int(value) or None
-        except ValueError:
-            return None
-    return ROUTER_MODELS_MAX_DEFAULT if models_dir(command) is not None else None
 
 
 def residency_advice(config: Config) -> list[Problem]:
@@ -350,10 +294,9 @@ def _fitting(name: str, sizes: Mapping[str, ModelSize], residency: Residency) ->
         return lines
     pairs = [(a, b) for i, a in enumerate(others) for b in others[i + 1:]
              if not residency.fits(residency.pinned | {a, b})]
-    pinned_bytes = sum(sizes[model_id].bytes for model_id in residency.pinned if model_id in sizes)
     beside = " with the pinned models" if residency.pinned else ""
     for a, b in pairs[:_PAIRS_SHOWN]:
-        together = size_text(sizes[a].bytes + sizes[b].bytes + pinned_bytes)
+        together = size_text(residency.bytes_together(residency.pinned | {a, b}))
         lines.append(f"{name}: {a} and {b} are never resident together ({together}{beside}, over {budget})")
     if len(pairs) > _PAIRS_SHOWN:
         lines.append(f"{name}: and {len(pairs) - _PAIRS_SHOWN} more pairs that are never resident together")

@@ -37,12 +37,17 @@ class Residency:
         size = self.model_bytes.get(model)
         return size if size is not None else self.memory_bytes or 0
 
+    def bytes_together(self, models: Collection[str]) -> int:
+        """What these models weigh together (`bytes_of` each): the one sum the rule and the
+        configuration's checks of pinned models read."""
+        return sum(self.bytes_of(model) for model in models)
+
     def fits(self, models: Collection[str]) -> bool:
         """These models may be resident together."""
         if len(models) > self.max_loaded:
             return False
         budget = self.memory_bytes
-        return budget is None or sum(self.bytes_of(model) for model in models) <= budget
+        return budget is None or self.bytes_together(models) <= budget
 
     def never_fits(self, model: str) -> bool:
         """``model`` can never be resident here beside the pinned models (too large for the
