@@ -77,6 +77,36 @@ def test_entries_keep_their_order_and_take_upstream_slots_by_default() -> None:
     assert cfg.upstream.model_check.value == "strict"  # the rest of upstream applies to every entry
 
 
+def test_the_policy_has_every_gpu_each_from_its_own_entry() -> None:
+    """`Config.policy` is over the list of GPUs, one of them without ``upstreams``: each GPU's slots,
+    models and residency come from its entry (its own, or upstream's as the default); the
+    configuration is never rewritten per GPU."""
+    cfg = parse_config({"upstream": {"slots": 3, "maxLoaded": 2},
+                        "upstreams": two(slots=2, models=["qwen"], maxLoaded=1),
+                        "models": {"qwen": {"slots": 4}}})
+    gpu0, gpu1 = cfg.policy().gpus
+    assert (gpu0.name, gpu0.slots.default, gpu0.slots.of("qwen"), gpu0.models, gpu0.residency.max_loaded) == (
+        "gpu0", 3, 4, None, 2)
+    assert (gpu1.name, gpu1.slots.default, gpu1.slots.of("qwen"), gpu1.models, gpu1.residency.max_loaded) == (
+        "gpu1", 2, 4, frozenset({"qwen"}), 1)
+    assert cfg.upstream.slots == 3  # upstream: stays the entries' default, as written
+    [one] = parse_config({"upstream": {"slots": 2}}).policy().gpus
+    assert (one.name, one.slots.default) == (IMPLICIT_GPU, 2)
+    with pytest.raises(KeyError, match="gpu0, gpu1"):
+        cfg.entry("gpu7")
+
+
+def test_check_config_explains_slots_per_gpu_where_they_differ() -> None:
+    from llamaswap.core.explain import explain_policy
+
+    same = explain_policy(parse_config({"upstream": {"slots": 2}, "upstreams": two()}).policy())
+    assert [line for line in same if line.startswith("slots:")] == [
+        "slots: generations of the loaded model at once: 2; a swap waits until every slot is idle"]
+    differ = explain_policy(parse_config({"upstream": {"slots": 2}, "upstreams": two(slots=1)}).policy())
+    assert [line for line in differ if "slots:" in line] == [
+        "gpu0: slots: generations of the loaded model at once: 2; a swap waits until every slot is idle"]
+
+
 def test_upstream_slots_change_the_entries_that_take_it() -> None:
     document = {"upstreams": two(slots=1)}
     assert [e.slots for e in parse_config(document).upstream_entries] == [1, 1]

@@ -214,3 +214,23 @@ async def test_retry_after_follows_the_gpu_that_can_take_a_request_soonest() -> 
     assert (await flow.arrive("waits", model="short")).waiting
     assert flow.coordinator.gpus.named("gpu0").settling is not None and short.granted
     assert (await flow.arrive("refused", model="short")).refusal.retry_after_s == 19
+
+
+@virtual_time
+async def test_a_model_is_served_only_where_a_gpu_that_may_run_it_lists_it() -> None:
+    """One rule per GPU (`Gpus.serves`): the GPU the scheduler may send the model to must list it.
+    gpu0 lists c, but keeps a and b pinned in its two places, so c can never run there; gpu1 may
+    run c, but its upstream does not list it. Refused at once (before, gpu0's list and gpu1's
+    place were asked apart, and c was queued for gpu1, whose upstream has no c)."""
+    models = {"a": {"pinned": True}, "b": {"pinned": True}}
+    gpu0, gpu1 = FakeUpstream(router("a", "b", "c")), FakeUpstream(router("a", "b"))
+    entries = [{"name": "gpu0", "url": "http://127.0.0.1:8081", "maxLoaded": 2},
+               {"name": "gpu1", "url": "http://127.0.0.1:8082", "models": ["c"]}]
+    flow = Flow({"upstreams": entries, "models": models, "envoy": LONG_LEASE}, upstreams=[gpu0, gpu1])
+    flow.coordinator.observe_catalog(router("a", "b", "c"), 0, "gpu0")
+    flow.coordinator.observe_catalog(router("a", "b"), 0, "gpu1")
+    c = await flow.arrive("c", model="c")
+    assert c.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
+    gpu1.catalog_answer = router("a", "b", "c")  # gpu1's upstream gets c: asked again on a miss
+    again = await flow.arrive("c2", model="c")
+    assert again.granted and on(flow, "c2") == "gpu1"
