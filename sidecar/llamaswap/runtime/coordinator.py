@@ -1,4 +1,4 @@
-"""The coordinator: the asyncio adapter around the pure core, and the only place that changes it.
+"""The coordinator: the asyncio adapter around the pure core; it and its rooms are the only place that changes it.
 
 One Ticket per request. Envoy's held ext_authz Check is `admit`: the ticket waits in the
 scheduler until it is granted (the Check answers OK) or refused. Envoy's access log then
