@@ -1224,20 +1224,20 @@ async def test_the_reconcile_applies_the_loaded_model_only_if_no_grant_happened_
     flow = Flow({"upstream": {"modelCheck": "off"}})
     coordinator = flow.coordinator
     as_of = coordinator.scheduler.dispatches_on("gpu0")
-    coordinator.observe_catalog(router("a", "b", loaded="b"), as_of)
+    coordinator.observe_catalog(router("a", "b", loaded="b"), as_of, "gpu0")
     assert coordinator.view().resident_models == ("b",)
     a = await flow.arrive("a", model="a")  # a grant: the model becomes a
     assert a.ticket.decision.swap and a.ticket.decision.residents_before == {"b"}
     stale = coordinator.scheduler.dispatches_on("gpu0")
-    coordinator.observe_catalog(router("a", "b", loaded="b"), stale)  # while a runs
+    coordinator.observe_catalog(router("a", "b", loaded="b"), stale, "gpu0")  # while a runs
     assert coordinator.view().resident_models == ("a",)
     await flow.complete(a)
-    coordinator.observe_catalog(router("a", "b", loaded="b"), stale - 1)  # asked before a's grant
+    coordinator.observe_catalog(router("a", "b", loaded="b"), stale - 1, "gpu0")  # asked before a's grant
     assert coordinator.view().resident_models == ("a",)
-    coordinator.observe_catalog(router("a", "b", loaded=None), coordinator.scheduler.dispatches_on("gpu0"))
+    coordinator.observe_catalog(router("a", "b", loaded=None), coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     assert coordinator.view().resident_models == ()
     coordinator.observe_catalog(Catalog(UpstreamKind.ROUTER, frozenset({"a"}), frozenset({"a"}), residents_known=False),
-                                coordinator.scheduler.dispatches_on("gpu0"))
+                                coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     assert coordinator.view().resident_models == ()  # says nothing about what is loaded
     b = await flow.arrive("b", model="b")
     assert b.ticket.decision.load

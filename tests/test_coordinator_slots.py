@@ -377,17 +377,17 @@ async def test_auto_slots_in_router_mode_are_asked_for_each_model_once_it_is_loa
     assert [model for name, model in upstream.calls if name == "total_slots"] == []
     upstream.slots_answer = {"a": 3, "b": 2, "c": 4}
     flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"),
-                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     flow.coordinator.observe_catalog(router("a", "b", "c", loaded="a"),
-                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     await flow.idle()
     slots = flow.coordinator.scheduler.policy.gpus[0].slots
     assert (slots.of("a"), slots.of("b")) == (3, 3)  # b not asked yet: the last number learnt
     flow.coordinator.observe_catalog(router("a", "b", "c", loaded="b"),
-                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     await flow.idle()
     flow.coordinator.observe_catalog(router("a", "b", "c", loaded="c"),
-                                     flow.coordinator.scheduler.dispatches_on("gpu0"))
+                                     flow.coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
     await flow.idle()
     slots = flow.coordinator.scheduler.policy.gpus[0].slots
     assert (slots.of("a"), slots.of("b"), slots.of("c")) == (3, 2, 1)  # c's configured slots win

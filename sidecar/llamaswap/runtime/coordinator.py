@@ -263,8 +263,8 @@ class Coordinator:
     def _catalog_of(self, upstream: str, catalog: Catalog, as_of: int) -> None:
         self.observe_catalog(catalog, as_of, upstream)
 
-    def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str | None = None) -> None:
-        """A catalog of an upstream (None: the first), asked when its `Scheduler.dispatches_on`
+    def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str) -> None:
+        """A catalog of an upstream, asked when its `Scheduler.dispatches_on`
         was `as_of` (the reconcile loop): `Gpus.reconcile`."""
         self.gpus.reconcile(catalog, as_of, upstream, scheduler=self.scheduler, config=self._config.config,
                             changed=self._publisher.changed, reconfigure=self._reload_in_effect)

@@ -117,9 +117,9 @@ class Gpus:
                 return True
         return False
 
-    def reconcile(self, catalog: Catalog, as_of: int, upstream: str | None, *, scheduler: Scheduler,
+    def reconcile(self, catalog: Catalog, as_of: int, upstream: str, *, scheduler: Scheduler,
                   config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:
-        """Catalog reconciliation: a catalog of an upstream (None: the first), asked when its
+        """Catalog reconciliation: a catalog of an upstream, asked when its
         `Scheduler.dispatches_on` was `as_of`. What it says is loaded goes to the scheduler (unless
         a grant overtook it: `changed` when applied); the `models.<id>` that match nothing are
         said; a change of the one model of single-model upstreams that changes the node's policy
