@@ -257,7 +257,8 @@ class Coordinator:
         self._grants.pump()  # more slots may let waiting requests go now
 
     async def serves(self, model: str) -> bool:
-        """Whether a GPU that may run ``model`` as scheduled lists it (`Admitter.serves`)."""
+        """Whether a GPU that may run ``model`` as scheduled lists it (`Admitter.serves`; the
+        Batch API's feeder asks it of each line)."""
         return await self._admitter.serves(model)
 
     def _catalog_of(self, upstream: str, catalog: Catalog, as_of: int) -> None:
