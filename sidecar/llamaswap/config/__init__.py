@@ -6,6 +6,7 @@
 - `load`: reading and validating a file or a document;
 - `schema`: the JSON Schema of the document;
 - `upstreams`: `UpstreamEntry`, an upstream of the node (`Config.upstream_entries`), and the checks of the list.
+- `llama_command`: llama-server's command line, the one place that knows its flags.
 
 This package's public names, which the rest of llamaswap imports from here.
 """
