@@ -84,8 +84,8 @@ class Gpus:
         return len(self.all)
 
     def named(self, name: str | None) -> Gpu:
-        """The GPU of that name; an unknown or missing name (an adopted exchange Envoy did not
-        place: a node of one GPU) is the configured order's first."""
+        """The GPU of that name; an unknown or missing name (an adopted exchange whose Envoy
+        entry names no GPU) is the configured order's first."""
         return self._by_name.get(name or "", self.all[0])
 
     def tell(self, scheduler: Scheduler) -> bool:
