@@ -9,8 +9,8 @@ import math
 from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
-from llamaswap.core.dispatch import GpuTimes, full
-from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
+from llamaswap.core.dispatch import full
+from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.ticket import Refusal, Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -61,24 +61,20 @@ class Forecast:
         (`dispatch.full`: every slot taken and no room to load beside it), once the first of its
         running grants ends (with one slot, the grant's)."""
         now = self._clock.now_ns()
-        times: NodeTimes | None = None
+        times = self.gpu_times()  # (the running grants' ends read only if some GPU is full)
         soonest = math.inf
         for gpu in self._scheduler.holdings():
             busy = self.settle_left_s(gpu.name, now)
             if full(gpu):
-                times = times or self._node_times()
                 busy = max(busy, times.soonest_end_s(gpu.name))
             soonest = min(soonest, busy)
         return soonest if math.isfinite(soonest) else 0.0
 
-    def gpu_times(self) -> GpuTimes:
+    def gpu_times(self) -> NodeTimes:
         """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
-        estimates walk from (`NodeTimes`, a grant beside a load run after it), over what runs
-        on each GPU; read once, when the rule first asks."""
-        return LazyNodeTimes(self._node_times, self._estimator)
-
-    def _node_times(self) -> NodeTimes:
-        return NodeTimes.of_grants(self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
+        estimates walk from (`NodeTimes`: each running grant's end after the ready time its grant
+        set), over what runs on each GPU; read once, when the rule first asks."""
+        return NodeTimes.of_grants(lambda: self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
 
     def settle_left_s(self, gpu: str, now_ns: int) -> float:
         """How much longer the generation a GPU's settle waits for is expected to run, by that

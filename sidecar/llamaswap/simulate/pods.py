@@ -35,13 +35,11 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from functools import partial
 
 from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
-from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import LazyNodeTimes
+from llamaswap.core.estimate import Figures, grant_end_s
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.simulate.engine import Costs, figures_of, quantile, running_times
+from llamaswap.simulate.engine import quantile, running_times
 from llamaswap.simulate.records import RequestRecord
 
 _NS_PER_MS = 1_000_000
@@ -85,14 +83,13 @@ class _Pod:
         return any(gpu.has(model) for gpu in self.scheduler.holdings())
 
 
-def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs, *, pods: int, gpus: int,
+def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Figures, *, pods: int, gpus: int,
                   routing: Routing) -> PodsResult:
     """The records (in arrival order) over ``pods`` pods of ``gpus`` GPUs each, routed by ``routing``.
     ``policy`` gives the order and each GPU's slots (its ``slots``)."""
     if pods < 1 or gpus < 1:
         raise ValueError("pods and gpus must be at least 1")
     clock = ManualClock()
-    figures = figures_of(costs)
     groups = 1 if routing is Routing.ONE_QUEUE else pods
     per_group = gpus * pods // groups
     nodes = [_Pod(Scheduler(policy.with_gpus(tuple(GpuPolicy(f"gpu{index}", policy.slots)
@@ -137,8 +134,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
         for index, node in enumerate(nodes):
             scheduler = node.scheduler
             # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            while (decision := scheduler.next(times=LazyNodeTimes(partial(running_times, scheduler, now, figures),
-                                                                  figures))) is not None:
+            while (decision := scheduler.next(times=running_times(scheduler, now, costs))) is not None:
                 hold = run_ns_of.pop(decision.request_id)
                 if hold is None:  # never recorded: as long as the runtime expects the grant to take
                     hold = round(grant_end_s(costs, decision) * _NS_PER_S)
