@@ -36,7 +36,7 @@ page, Retry-After and `llamaswap simulate` all read it, each through one protoco
 (`Figures`: a learnt `Estimator`, or the stated costs of a simulation).
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
-remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
+remainder is unknown (`left_s`: None), and so is the start of every request that
 waits for that slot (`math.inf` from `starts_of_node`), never a time already known to be wrong. Pure:
 no clock, no I/O; times are passed in.
 """
@@ -304,24 +304,3 @@ class Estimator:
             return by_runs if by_runs is not None else self.default_swap_s
         warm = self._median(self._warm_first_byte, model, upstream)
         return max(0.0, loads - (warm if warm is not None else 0.0))
-
-    def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None,
-                         upstream: str | None = None) -> float:
-        """How long a grant of `model` is expected to hold the GPU, its model's load included
-        (`expected_end_s` of a grant made beside no load: ready at once, or once its own load ends)."""
-        return expected_end_s(self, model, max_tokens=max_tokens, upstream=upstream,
-                              ready_at=(model, 0.0) if model_load else None)
-
-    def remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                    max_tokens: int | None = None, upstream: str | None = None) -> float:
-        """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        left = self.known_remaining_s(model, model_load=model_load, running_s=running_s, max_tokens=max_tokens,
-                                      upstream=upstream)
-        return 0.0 if left is None else left
-
-    def known_remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                          max_tokens: int | None = None, upstream: str | None = None) -> float | None:
-        """`remaining_s`, or None once the grant has outrun its expected time: it still runs, so
-        "0" would be wrong, and how much longer it takes cannot be told."""
-        return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
-                      running_s)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
 from llamaswap.core.dispatch import full
+from llamaswap.core.estimate import expected_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.ticket import Refusal, Ticket, TicketState
@@ -82,8 +83,9 @@ class Forecast:
         settling = self._gpus.named(gpu).settling if self._gpus is not None else None
         if settling is None or settling.granted_ns is None:
             return 0.0
-        return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
-                                           running_s=(now_ns - settling.granted_ns) / NS_PER_S, upstream=gpu)
+        # (A settle follows a generation whose load, if any, is over: ready at once.)
+        end_s = expected_end_s(self._estimator, self._schedule_model(settling.model), upstream=gpu)
+        return left_s(end_s, (now_ns - settling.granted_ns) / NS_PER_S) or 0.0
 
     def blocked_by_upstream(self) -> dict[str, float]:
         """How much longer work the scheduler did not grant holds each GPU that has some (a
