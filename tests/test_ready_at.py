@@ -3,7 +3,8 @@ load it waits for ends (its own, or the one under way that it was granted beside
 Every reader of a running request's end reads that field (`estimate.grant_end_s`,
 `estimate.remaining_of`, `NodeTimes`, and through them the views, Retry-After and `llamaswap
 simulate`), and the estimates' walk gives each start the ready time its grant would set. The
-case where the walk decided another way is pinned here (it is listed in issue 45's closing note).
+cases where a reader decided another way are pinned here (issue 45's closing note lists them):
+the walk's start of no model beside loads, and the pods' recorded run beside a load.
 
 Every number is worked out by hand in the comments next to it.
 """
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from llamaswap.core import ManualClock, Priority, PrioritySource, Residency, Scheduler, Slots
+from llamaswap.core import ManualClock, Outcome, Priority, PrioritySource, Residency, Scheduler, Slots
 from llamaswap.core.decisions import RunningView
 from llamaswap.core.estimate import grant_end_s, remaining_of
 from llamaswap.core.estimate_node import NodeTimes, starts_of_node
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate.engine import FixedCosts
+from llamaswap.simulate.pods import Routing, simulate_pods
+from llamaswap.simulate.records import RequestRecord
 from policies import serial
 
 S = 1_000_000_000
@@ -90,3 +93,19 @@ def test_a_start_of_no_model_in_the_walk_has_the_ready_time_its_grant_would_set(
         s.release(first)
         del ends[first]
     assert granted == {"w0": 0.0, "w1": 0.0, "w2": 9.0, "w3": 10.0}
+
+
+def test_the_pods_run_a_recorded_run_from_its_grants_ready_time() -> None:
+    """One pod of one GPU with two slots; A loads in 10 s. a1 (recorded run 5 s) loads A at 0 and
+    holds its slot to 15 s; a2 (1 s) is granted at 0 beside that load, so it runs from 10 s to
+    11 s; a3 (1 s) waits for the first slot to free: at 11 s. Before, the pods ran a2 at once (a
+    recorded run counted a swap only for a grant that loads), released it at 1 s and granted a3
+    then."""
+    policy = serial(aging_divisor_s=0.0, swap_affinity_bonus=0, slots=Slots(2))
+    records = [RequestRecord(name, "A", 0, Outcome.SERVED, True, 0.0, None, None, run_s * 1000, 0.0, False, False,
+                             order=order) for order, (name, run_s) in enumerate((("a1", 5.0), ("a2", 1.0),
+                                                                                  ("a3", 1.0)))]
+    costs = FixedCosts({}, {"A": 10.0})
+    result = simulate_pods(records, policy, costs, pods=1, gpus=1, routing=Routing.ONE_QUEUE)
+    assert (result.granted, result.loads) == (3, 1)
+    assert result.wait_p95_s == 11.0  # a3's wait, the longest of the three (0, 0, 11 s)

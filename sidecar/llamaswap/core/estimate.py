@@ -174,13 +174,22 @@ def expected_end_s(figures: Figures, model: str | None, *, max_tokens: int | Non
     return ready_in_s(figures, ready_at, upstream) + figures.expected_request_run_s(model, max_tokens, upstream)
 
 
+def _ready_of(decision: Decision) -> ReadyAt | None:
+    """A grant's `Decision.ready_at` counted from its grant."""
+    load = decision.ready_at
+    return None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
+
+
+def grant_ready_s(figures: Figures, decision: Decision) -> float:
+    """How long after its grant a grant is ready to run (`Decision.ready_at`)."""
+    return ready_in_s(figures, _ready_of(decision), decision.upstream)
+
+
 def grant_end_s(figures: Figures, decision: Decision) -> float:
     """`expected_end_s` of a grant as the scheduler made it: its ready time is the one its grant
     set (`Decision.ready_at`), its run sized by its `max_tokens` where said."""
-    load = decision.ready_at
-    ready = None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
     return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, upstream=decision.upstream,
-                          ready_at=ready)
+                          ready_at=_ready_of(decision))
 
 
 def left_s(end_s: float, running_s: float) -> float | None:
