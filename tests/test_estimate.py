@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from llamaswap.core import Estimator, ManualClock, Policy, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.decisions import QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.holding import GpuHolding
+from llamaswap.core.estimate import expected_end_s, left_s
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import IMPLICIT_GPU, PolicyName
 from llamaswap.core.priority import Band
@@ -195,8 +196,8 @@ def test_starts_walk_the_order_adding_runs_and_swaps():
 def test_a_grant_past_its_expected_run_makes_the_starts_behind_it_unknown():
     """Issue 25: an overdue grant still runs; "starts in 0 s" behind it would be known wrong."""
     e = make(run=10.0, swap=5.0)
-    assert e.known_remaining_s("a", model_load=False, running_s=4.0) == 6.0
-    assert e.known_remaining_s("a", model_load=False, running_s=10.0) is None
+    assert left_s(expected_end_s(e, "a"), 4.0) == 6.0
+    assert left_s(expected_end_s(e, "a"), 10.0) is None
     assert starts_on_one_gpu(e, ["a", "a"], loaded="a", busy_s=math.inf) == [math.inf, math.inf]
     # Two slots, one held for an unknown time: the other still serves the queue, in turn.
     assert starts_on_one_gpu(e, ["a", "a", "b"], loaded="a", remaining_s=[math.inf],
@@ -212,9 +213,9 @@ def test_a_grant_past_its_expected_run_makes_the_starts_behind_it_unknown():
 
 def test_remaining_of_a_running_grant():
     e = make(run=10.0, swap=5.0)
-    assert e.remaining_s("a", model_load=False, running_s=4.0) == 6.0
-    assert e.remaining_s("a", model_load=True, running_s=4.0) == 11.0
-    assert e.remaining_s("a", model_load=False, running_s=40.0) == 0.0
+    assert left_s(expected_end_s(e, "a"), 4.0) == 6.0
+    assert left_s(expected_end_s(e, "a", ready_at=("a", 0.0)), 4.0) == 11.0  # after its own load
+    assert left_s(expected_end_s(e, "a"), 40.0) is None  # outrun: for how long, unknown
 
 
 def test_samples_must_be_positive():

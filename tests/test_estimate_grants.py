@@ -18,7 +18,7 @@ beside it while the model loads begins its run when the load ends (the walk's ``
 Times are whole seconds, so every sum is exact in floats and nanoseconds.
 
 A grant made beside a load begins its run when the load ends, also once the grant that loaded
-has ended: the snapshot says when that load was granted (`RunningView.beside_load`).
+has ended: the snapshot says when that load was granted (`RunningView.ready_at`).
 
 Left out, on purpose: requests that run alone (an unload: "the estimate's order carries no
 unload", `_Waiting.alone`), failed or unanswered releases (the loaded model is then not known,

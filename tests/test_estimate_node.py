@@ -12,8 +12,8 @@ What the property leaves out, and why: swap affinity (0: with a bonus the order 
 moves with the models loaded, which a snapshot's order cannot say in advance); unloads,
 failed releases and max_wait (as in test_estimate_grants.py). Settles are in: an upstream may
 be blocked from before the instant until a known time after it. Grants made beside a load run
-once it ends, which `NodeTimes` and the estimate read from the snapshot (`beside_load`) also
-after the grant that loaded has ended.
+once it ends, which `NodeTimes` and the estimate read from the snapshot (`ready_at`, set at the
+grant) also after the grant that loaded has ended.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None,
         PolicyName.SERIAL,
         tuple(WaitingView(f"w{i}", i + 1, 0, Band.NORMAL, 0.0, False, 0.0, m) for i, m in enumerate(waiting)),
         {},
-        tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, upstream=upstream)
+        tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, upstream=upstream,
+                          ready_at=(model, running_s) if load and model is not None else None)  # (its own load)
               for i, (upstream, model, running_s, load) in enumerate(grants)))
 
 
@@ -113,20 +114,20 @@ def test_an_overdue_grant_leaves_its_upstream_unknown() -> None:
 def test_node_times_read_each_upstreams_grants() -> None:
     estimator = Estimator(default_run_s=10, default_swap_s=5, samples=3)
     snapshot = _snapshot([], [("gpu0", "x", 2.0, False), ("gpu0", "x", 7.0, False), ("gpu1", "y", 1.0, True)])
-    # (A grant beside a load says so from its grant on: `Decision.beside_load`, the load's model
+    # (A grant beside a load says so from its grant on: `Decision.ready_at`, the load's model
     # and how long ago it began; the estimates never guess it.)
     snapshot = dataclasses.replace(snapshot, grants=(*snapshot.grants, RunningView(
-        "g3", 0, Band.NORMAL, 0.0, "y", False, 0.0, 0.5, upstream="gpu1", beside_load=("y", 1.0))))
-    times = NodeTimes(snapshot, estimator)
+        "g3", 0, Band.NORMAL, 0.0, "y", False, 0.0, 0.5, upstream="gpu1", ready_at=("y", 1.0))))
+    times = NodeTimes.of_snapshot(snapshot, estimator)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == (3.0, 8.0)
     # gpu1: a load under way (14 s left) and a grant beside it that runs after it.
     assert (times.slot_free_in_s("gpu1"), times.drained_in_s("gpu1")) == (14.0, 14.0)
     assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x", "gpu2")) == (0.0, 0.0, 5.0)
     # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
     beside = QueueSnapshot(PolicyName.SERIAL, (), {}, (
-        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", beside_load=("z", 4.0)),))
-    assert NodeTimes(beside, estimator).slot_free_in_s("gpu0") == 11.0
-    overdue = NodeTimes(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
+        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", ready_at=("z", 4.0)),))
+    assert NodeTimes.of_snapshot(beside, estimator).slot_free_in_s("gpu0") == 11.0
+    overdue = NodeTimes.of_snapshot(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
     assert (overdue.slot_free_in_s("gpu0"), overdue.drained_in_s("gpu0")) == (9.0, math.inf)
 
 
@@ -231,8 +232,8 @@ class NodePlay:
 
     def grant_all(self) -> None:
         while True:
-            times = NodeTimes(self.scheduler.snapshot(), self.estimator)
-            cheap = NodeTimes.of_grants(self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
+            times = NodeTimes.of_snapshot(self.scheduler.snapshot(), self.estimator)
+            cheap = NodeTimes.of_grants(lambda: self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             assert all((times.slot_free_in_s(u), times.drained_in_s(u))
                        == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.gpus)
             blocked = self.blocked()

@@ -107,7 +107,7 @@ async def test_the_grants_beside_an_evicting_load_wait_for_it_and_fail_with_it()
     first = await flow.arrive("c1", model="c")
     second = await flow.arrive("c2", model="c")
     assert first.waiting and second.waiting
-    assert flow.coordinator.scheduler.running_grants[1].beside_load is not None
+    assert flow.coordinator.scheduler.running_grants[1].ready_at is not None
     assert upstream.unload_calls == ["a"]  # one unload for both
     assert upstream.unload_gate is not None
     upstream.unload_gate.set()

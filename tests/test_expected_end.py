@@ -1,6 +1,7 @@
 """One expected end of a running request (`estimate.expected_end_s`, issue 36 item 3): its run,
-sized by its `max_tokens` where given, after its own load or after the load it was granted
-beside. The grants (`NodeTimes`), the estimates (`Estimator.remaining_of`), Retry-After
+sized by its `max_tokens` where given, from its ready time (`Decision.ready_at`, set once at the
+grant: after its own load or after the load it was granted beside). The grants (`NodeTimes`), the
+estimates (`estimate.remaining_of`), Retry-After
 (`Forecast`), the views (GET /queue), the page's state document and `llamaswap simulate` all
 give the same figure for the same running request.
 
@@ -20,7 +21,7 @@ import pytest
 from llamaswap.adapters.ui import UiState
 from llamaswap.core import Estimator, ManualClock, Outcome, Policy, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.decisions import Decision
-from llamaswap.core.estimate import expected_end_s, grant_end_s, left_s
+from llamaswap.core.estimate import expected_end_s, grant_end_s, left_s, ready_left_s, remaining_of
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
@@ -43,13 +44,13 @@ def estimator() -> Estimator:
 
 def test_the_one_function() -> None:
     figures = estimator()
-    assert expected_end_s(figures, "A", model_load=True, max_tokens=3000) == pytest.approx(42.0)
+    assert expected_end_s(figures, "A", max_tokens=3000, ready_at=("A", 0.0)) == pytest.approx(42.0)
     # Not sized: the model's median run.
-    assert expected_end_s(figures, "A", model_load=False) == pytest.approx(10.0)
+    assert expected_end_s(figures, "A") == pytest.approx(10.0)
     # Beside a load of A that began 1 s before its grant: the load ends 11 s after the grant.
-    assert expected_end_s(figures, "A", model_load=False, max_tokens=500, beside_load=("A", 1.0)) == pytest.approx(16)
+    assert expected_end_s(figures, "A", max_tokens=500, ready_at=("A", 1.0)) == pytest.approx(16)
     # A load that had ended before the grant: nothing to wait for.
-    assert expected_end_s(figures, "A", model_load=False, max_tokens=500, beside_load=("A", 20.0)) == pytest.approx(5)
+    assert expected_end_s(figures, "A", max_tokens=500, ready_at=("A", 20.0)) == pytest.approx(5)
     assert left_s(16.0, 2.0) == 14.0 and left_s(16.0, 16.0) is None
 
 
@@ -84,18 +85,19 @@ def test_every_reader_gives_the_same_expected_end(monkeypatch: pytest.MonkeyPatc
     figures = estimator()
     scheduler, clock, tickets = _runtime(now_s=3.0)
     decisions: dict[str, Decision] = {name: t.decision for name, t in tickets.items() if t.decision is not None}
-    assert decisions["a2"].beside_load is not None  # granted beside a1's load
+    # Each ready time set at its grant: a1 when its own load ends, a2 when that same load ends.
+    assert decisions["a1"].ready_at == decisions["a2"].ready_at == ("A", 0)
     ends = {name: grant_end_s(figures, d) for name, d in decisions.items()}
     assert ends == pytest.approx({"a1": 42.0, "a2": 16.0})
     left = {"a1": 39.0, "a2": 14.0}
 
     # The estimates (and the times the grants read: `NodeTimes`).
     snapshot = scheduler.snapshot()
-    remaining = figures.remaining_of(snapshot.grants)
+    remaining = remaining_of(figures, snapshot.grants)
     assert dict(zip([g.request_id for g in snapshot.grants], remaining)) == pytest.approx(left)
     loader = next(grant for grant in snapshot.grants if grant.model_load)  # the load under way
-    assert figures.load_left_s(loader) == pytest.approx(9.0)
-    times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures)
+    assert ready_left_s(figures, loader) == pytest.approx(9.0)
+    times = NodeTimes.of_grants(lambda: scheduler.running_grants, clock.now_ns(), figures)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == pytest.approx((14.0, 39.0))
 
     # Retry-After: both slots taken, a place frees when a2 ends.
@@ -150,12 +152,12 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
     sizes: dict[str, int | None] = {"a1": 3000, "b1": None}
     for name, model in (("a1", "A"), ("b1", "B")):
         scheduler.enqueue(name, priority, model, max_tokens=sizes[name])
-        assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 0, figures)) is not None
+        assert scheduler.next(times=NodeTimes.of_grants(lambda: scheduler.running_grants, 0, figures)) is not None
     clock.set_ns(S)
     scheduler.enqueue("a2", priority, "A")
     clock.set_ns(14 * S)
     scheduler.release("b1", model_loaded=True)
-    times = NodeTimes.of_grants(scheduler.running_grants, clock.now_ns(), figures)
+    times = NodeTimes.of_grants(lambda: scheduler.running_grants, clock.now_ns(), figures)
     decision = scheduler.next(times=times)
     assert decision is not None and (decision.request_id, decision.upstream) == ("a2", "gpu1")
 
@@ -163,5 +165,5 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
 def test_a_stated_cost_is_a_requests_whatever_its_size() -> None:
     costs = FixedCosts({"A": 10.0}, {"A": 5.0})
     assert costs.expected_request_run_s("A", 4000) == 10.0
-    assert expected_end_s(costs, "A", model_load=True, max_tokens=4000) == 15.0
-    assert math.isfinite(expected_end_s(costs, None, model_load=False))
+    assert expected_end_s(costs, "A", max_tokens=4000, ready_at=("A", 0.0)) == 15.0
+    assert math.isfinite(expected_end_s(costs, None))

@@ -8,6 +8,7 @@ import pytest
 
 from llamaswap.core import Estimator, ManualClock, Priority, PrioritySource, Residency, Scheduler, Slots
 from llamaswap.core.dispatch import Turn, full, takes_nothing, turn
+from llamaswap.core.estimate import remaining_of
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
@@ -66,7 +67,7 @@ def test_retry_after_waits_for_no_grant_where_a_gpu_has_room_to_load() -> None:
 
 
 def test_a_request_of_no_model_granted_beside_a_load_runs_after_it() -> None:
-    # Several resident (before): the grant said it ran at once (no `beside_load`) while the
+    # Several resident (before): the grant said it ran at once (no ready time after the load) while the
     # estimates inferred it ran after the load. Now the grant sets it once, as with one model.
     for max_loaded in (1, 3):
         scheduler, _ = node(gpu(max_loaded=max_loaded, slots=2))
@@ -75,7 +76,7 @@ def test_a_request_of_no_model_granted_beside_a_load_runs_after_it() -> None:
         load, beside = scheduler.next(), scheduler.next()
         assert load is not None and load.load
         assert beside is not None and beside.model is None
-        assert beside.beside_load == ("A", load.granted_ns)
+        assert beside.ready_at == ("A", load.granted_ns)
 
 
 def test_the_walk_starts_a_request_of_no_model_after_the_load_under_way() -> None:
@@ -92,8 +93,8 @@ def test_the_walk_starts_a_request_of_no_model_after_the_load_under_way() -> Non
         starts = starts_of_node(estimator, snapshot, scheduler.holdings())
         assert starts == [(0.0, "gpu0")]
         running = {grant.request_id: grant for grant in snapshot.grants}
-        assert running["n1"].beside_load == ("A", 0.0)
-        assert estimator.remaining_of(snapshot.grants) == [14.0, 14.0]
+        assert running["n1"].ready_at == ("A", 0.0)
+        assert remaining_of(estimator, snapshot.grants) == [14.0, 14.0]
 
 
 def test_a_request_of_no_model_goes_where_the_resident_models_are_wanted_least() -> None:

@@ -56,7 +56,7 @@ class ResidentPlay(NodePlay):
 
     def grant_all(self) -> None:
         while True:
-            times = NodeTimes(self.scheduler.snapshot(), self.estimator)
+            times = NodeTimes.of_snapshot(self.scheduler.snapshot(), self.estimator)
             decision = self.scheduler.next(times)
             if decision is None:
                 return

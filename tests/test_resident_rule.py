@@ -273,7 +273,7 @@ def test_a_grant_of_a_model_whose_load_is_under_way_is_granted_beside_that_load(
     b1, b2 = made[1], made[3]
     assert b2.request_id == "b2" and not b2.model_load
     # Its run begins once B's load ends, whatever loads began on the GPU after B's.
-    assert b2.beside_load == ("B", b1.granted_ns)
+    assert b2.ready_at == ("B", b1.granted_ns)
 
 
 @pytest.mark.parametrize(("reached", "expected"), [(False, {"A"}), (True, {"A", "B"})])

@@ -445,14 +445,14 @@ def test_the_load_under_way_is_held_until_its_grant_is_released() -> None:
     s, clock = make(Slots(3))
     s.enqueue("a1", P(0), "a")
     loader = s.next()
-    assert loader is not None and loader.model_load and loader.beside_load is None
+    assert loader is not None and loader.model_load and loader.ready_at == ("a", loader.granted_ns)
     assert s.holdings()[0].loading == ("a", loader.granted_ns)
     clock.advance(1)
     s.enqueue("a2", P(0), "a")
     beside = s.next()
-    assert beside is not None and not beside.model_load and beside.beside_load == ("a", loader.granted_ns)
+    assert beside is not None and not beside.model_load and beside.ready_at == ("a", loader.granted_ns)
     s.release("a1")  # the load is over with its grant, whatever a2 still runs
     assert s.holdings()[0].loading is None
     s.enqueue("a3", P(0), "a")
     after = s.next()
-    assert after is not None and after.beside_load is None
+    assert after is not None and after.ready_at is None

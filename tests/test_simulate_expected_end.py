@@ -1,25 +1,26 @@
 """`llamaswap simulate` reads a running request's end as the runtime does (issue 36 items 1, 3): the
 node rule is handed `NodeTimes.of_grants` of the scheduler's running grants (never the replay's
 own release times, which the runtime cannot know), and a grant whose run was never recorded holds
-its GPU for `estimate.grant_end_s` (its run sized by its `max_tokens`, after its own load or the
-load it was granted beside). Each case checks the runtime's own rule or figure beside the replay.
+its GPU for `estimate.grant_end_s` (its run sized by its `max_tokens`, from the ready time its
+grant set: after its own load or the load it was granted beside). Each case checks the runtime's
+own rule or figure beside the replay.
 
 Every expected number is worked out by hand in the comments next to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from llamaswap.core import Estimator, ManualClock, Outcome, Policy, Priority, PrioritySource, Scheduler, Slots
 from llamaswap.core.decisions import Decision
-from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate import Figures, grant_end_s
+from llamaswap.core.estimate_node import Ends, NodeTimes
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.simulate import engine
-from llamaswap.simulate.engine import Costs, FixedCosts, figures_of, prepare, simulate
+from llamaswap.simulate.engine import FixedCosts, prepare, simulate
 from llamaswap.simulate.pods import Routing, simulate_pods
 from llamaswap.simulate.records import RequestRecord
 
@@ -48,7 +49,7 @@ def two_gpus(slots: int = 1) -> Policy:
         (GpuPolicy("gpu0", Slots(slots)), GpuPolicy("gpu1", Slots(slots))))
 
 
-def replayed(records: list[RequestRecord], policy: Policy, costs: Costs) -> dict[str, tuple[int | None, int | None,
+def replayed(records: list[RequestRecord], policy: Policy, costs: Figures) -> dict[str, tuple[int | None, int | None,
                                                                                            str | None]]:
     """(start, release, upstream) of each request."""
     sim = simulate(prepare(records), policy, costs)
@@ -56,19 +57,27 @@ def replayed(records: list[RequestRecord], policy: Policy, costs: Costs) -> dict
 
 
 def rule_times(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], policy: Policy,
-               costs: Costs) -> dict[str, tuple[float, float]]:
+               costs: Figures) -> dict[str, tuple[float, float]]:
     """What the rule was handed of each GPU's running grants, the first time it read them with
     something running there (`NodeTimes`, the replay's only reading of time): when its first
     slot frees and when it drains, in seconds from the first arrival."""
     seen: dict[str, tuple[float, float]] = {}
 
     class Seen(NodeTimes):
+        now_ns = 0
+
         @classmethod
-        def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
-            times = super().of_grants(grants, now_ns, estimator)
-            for gpu in {decision.upstream for decision in grants}:
-                seen.setdefault(gpu, (now_ns / S + times.slot_free_in_s(gpu), now_ns / S + times.drained_in_s(gpu)))
+        def of_grants(cls, grants: Callable[[], Sequence[Decision]], now_ns: int, figures: Figures) -> NodeTimes:
+            times = super().of_grants(grants, now_ns, figures)
+            assert isinstance(times, Seen)
+            times.now_ns = now_ns
             return times
+
+        def _of(self) -> Ends:  # (read once, when the rule first asks)
+            ends = super()._of()
+            for gpu, lefts in ends.items():
+                seen.setdefault(gpu, (self.now_ns / S + min(lefts), self.now_ns / S + max(lefts)))
+            return ends
 
     monkeypatch.setattr(engine, "NodeTimes", Seen)
     simulate(prepare(records), policy, costs)
@@ -91,7 +100,7 @@ def test_a_grant_never_recorded_holds_its_gpu_as_long_as_the_runtime_expects_by_
     # The runtime expects the same grant to end then.
     scheduler = Scheduler(two_gpus(), ManualClock(0))
     scheduler.enqueue("a1", PRIORITY, "A", max_tokens=3000)
-    decision = scheduler.next(times=NodeTimes.of_grants((), 0, figures))
+    decision = scheduler.next(times=NodeTimes.of_grants(tuple, 0, figures))
     assert decision is not None and grant_end_s(figures, decision) == pytest.approx(42.0)
 
 
@@ -115,7 +124,7 @@ def test_a_grant_beside_a_load_holds_its_slot_until_the_load_ends_and_its_run_af
     clock.set_ns(S)
     scheduler.enqueue("a2", PRIORITY, "A")
     decision = scheduler.next()
-    assert decision is not None and decision.beside_load is not None
+    assert decision is not None and decision.ready_at == ("A", 0)  # when a1's load ends
     assert grant_end_s(costs, decision) == pytest.approx(14.0)
 
 
@@ -153,18 +162,23 @@ def test_pods_read_the_expected_ends_not_the_recorded_release() -> None:
     scheduler = Scheduler(two_gpus(), clock)
     for name, model in (("a1", "A"), ("b1", "B")):
         scheduler.enqueue(name, PRIORITY, model)
-        assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 0, figures_of(costs))) is not None
+        assert scheduler.next(times=NodeTimes.of_grants(lambda: scheduler.running_grants, 0, costs)) is not None
     clock.set_ns(S)
     scheduler.release("b1", model_loaded=True)
     clock.set_ns(12 * S)
     scheduler.enqueue("a2", PRIORITY, "A")
-    assert scheduler.next(times=NodeTimes.of_grants(scheduler.running_grants, 12 * S, figures_of(costs))) is None
+    assert scheduler.next(times=NodeTimes.of_grants(lambda: scheduler.running_grants, 12 * S, costs)) is None
 
 
-def test_stated_costs_answer_as_the_figures_nodetimes_reads() -> None:
+def test_stated_costs_are_figures_as_the_estimator_is() -> None:
+    """One protocol of figures (`estimate.Figures`): the stated costs are read as they are, with no
+    `Estimator` made of them (simulate composes the figures it is given, it subclasses nothing)."""
     costs = FixedCosts({"A": 10.0}, {"A": 5.0})
-    figures = figures_of(costs)
+    figures: Figures = costs
     assert (figures.expected_request_run_s("A", 4000, "gpu1"), figures.expected_swap_s("A", "gpu1")) == (10.0, 5.0)
     assert figures.expected_run_s("B") == costs.default_run_s
-    estimator = sized()
-    assert figures_of(estimator) is estimator
+    assert NodeTimes(dict, costs).swap_s("A", "gpu1") == 5.0
+    learnt: Figures = sized()
+    assert NodeTimes(dict, learnt).swap_s("A", "gpu1") == 12.0
+    assert not [kind for kind in vars(engine).values()
+                if isinstance(kind, type) and issubclass(kind, Estimator) and kind is not Estimator]

@@ -79,6 +79,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from llamaswap.core import Policy
+from llamaswap.core.estimate import Figures
 from llamaswap.simulate import report
 from llamaswap.simulate.concurrency import (
     ConcurrencySpeed,
@@ -89,7 +90,7 @@ from llamaswap.simulate.concurrency import (
     as_solo,
     measure,
 )
-from llamaswap.simulate.engine import NOT_REPLAYED, Costs, measure_costs, prepare, simulate
+from llamaswap.simulate.engine import NOT_REPLAYED, measure_costs, prepare, simulate
 from llamaswap.simulate.pods import Routing, render_pods_json, render_pods_table, simulate_pods
 from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_upstreams, single_model
 from llamaswap.simulate.settings import (
@@ -211,7 +212,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if concurrency.speed is not None:
             records = as_solo(records, recorded, concurrency.speed)
         run_s, swap_s, samples = _estimates(config)
-        costs: Costs = measure_costs(records, default_run_s=run_s, default_swap_s=swap_s, samples=samples)
+        costs: Figures = measure_costs(records, default_run_s=run_s, default_swap_s=swap_s, samples=samples)
         source = args.activity
     else:
         try:

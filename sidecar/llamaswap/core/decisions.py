@@ -60,9 +60,11 @@ class Decision:
     # beside it. It loads nothing (neither `load` nor `swap`).
     alone: bool = False
     upstream: str = IMPLICIT_GPU  # the upstream it runs on
-    # Granted beside a grant that loads its model there: that model and when that grant was made
-    # (its run begins once the load ends, which the estimates need after that grant has ended).
-    beside_load: tuple[str, int] | None = None
+    # Its ready time, set once at the grant: the load its run waits for, that model and when the
+    # load began (its own load: this grant's; granted beside a load under way there: that load's),
+    # so that it is ready when that load ends; None: ready at once. Every expected end reads it
+    # (`estimate.grant_end_s`), also after the grant that loads has ended.
+    ready_at: tuple[str, int] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said): sizes its expected run
     # The resident models llamaswap unloads there before this grant's load, each with why it was
     # chosen (several resident, `eviction.victims`: idle ones, the queue's least needed first);
@@ -152,14 +154,14 @@ class RunningView:
     running_s: float
     alone: bool = False  # it runs alone (an unload): nothing starts beside it
     upstream: str = IMPLICIT_GPU  # the upstream it runs on
-    # Granted beside a load (`Decision.beside_load`): that model, and how long ago its load began.
-    beside_load: tuple[str, float] | None = None
+    # Its ready time (`Decision.ready_at`): the load it waits for, and how long ago that load began.
+    ready_at: tuple[str, float] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said)
 
     @classmethod
     def of(cls, decision: Decision, now_ns: int) -> RunningView:
         """A running grant as it stands at `now_ns`."""
-        load = decision.beside_load
+        load = decision.ready_at
         return cls(decision.request_id, decision.priority, decision.band, decision.score, decision.model,
                    decision.model_load, decision.queue_wait_ns / NS_PER_S, (now_ns - decision.granted_ns) / NS_PER_S,
                    decision.alone, decision.upstream,

@@ -29,12 +29,14 @@ Estimated starts are `estimate_node.starts_of_node`: the grants' own rule walked
 order with this estimator's figures, for one GPU as for several (one GPU is a node of one).
 
 A running request's expected end is one function, `expected_end_s`: its run (sized by its
-`max_tokens` where given) after its own load, or after the load it was granted beside, counted
-from its grant. The grants (`NodeTimes`), the estimates, the views, the page and `llamaswap
-simulate` all read it.
+`max_tokens` where given) from its ready time, counted from its grant. The ready time is set once,
+at the grant (`Decision.ready_at`): when the load it waits for ends (its own, or the one under way
+that it was granted beside), or at once. The grants (`NodeTimes`), the estimates, the views, the
+page, Retry-After and `llamaswap simulate` all read it, each through one protocol of figures
+(`Figures`: a learnt `Estimator`, or the stated costs of a simulation).
 
 A grant that has run longer than expected holds its slot for a time nobody can tell: its
-remainder is unknown (`known_remaining_s`: None), and so is the start of every request that
+remainder is unknown (`left_s`: None), and so is the start of every request that
 waits for that slot (`math.inf` from `starts_of_node`), never a time already known to be wrong. Pure:
 no clock, no I/O; times are passed in.
 """
@@ -135,8 +137,12 @@ class _TokenRuns:
 
 
 class Figures(Protocol):
-    """What a running request's expected end is figured from: an `Estimator`, or the stated costs
-    of `llamaswap simulate` (None: the node's figure)."""
+    """The expected GPU times per model on a GPU (upstream None: the node's figure), which every
+    expected end and estimated start is figured from: an `Estimator` (learnt), or the stated costs
+    of `llamaswap simulate` (`simulate.engine.FixedCosts`). The run of a request that says its
+    `max_tokens` is sized by them (`expected_request_run_s`)."""
+
+    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float: ...
 
     def expected_request_run_s(self, model: str | None, max_tokens: int | None,
                                upstream: str | None = None) -> float: ...
@@ -144,27 +150,46 @@ class Figures(Protocol):
     def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
 
 
-def expected_end_s(figures: Figures, model: str | None, *, model_load: bool, max_tokens: int | None = None,
-                   upstream: str | None = None, beside_load: tuple[str | None, float] | None = None) -> float:
+# A grant's ready time as a running request reads it: the load its run waits for (that model)
+# and how long before the moment asked about that load began (`Decision.ready_at`).
+ReadyAt = tuple[str | None, float]
+
+
+def ready_in_s(figures: Figures, ready_at: ReadyAt | None, upstream: str | None = None) -> float:
+    """How long after the moment ``ready_at`` is counted from a run may begin: when the load it
+    waits for ends (that model's expected swap after the load began), or at once (None, or a load
+    expected over)."""
+    if ready_at is None:
+        return 0.0
+    return max(0.0, figures.expected_swap_s(ready_at[0], upstream) - ready_at[1])
+
+
+def expected_end_s(figures: Figures, model: str | None, *, max_tokens: int | None = None,
+                   upstream: str | None = None, ready_at: ReadyAt | None = None) -> float:
     """When a running request is expected to end, in seconds after its grant: its run (sized by
-    ``max_tokens`` where given, `expected_request_run_s`) once its model is ready. That is at once,
-    or after its own load (``model_load``), or when the load it was granted beside ends
-    (``beside_load``: that model, and how long before this grant that load began; not read for a
-    grant that loads itself). The one figure of a running request's end: every reader asks it."""
-    ready_s = 0.0
-    if model_load:
-        ready_s = figures.expected_swap_s(model, upstream)
-    elif beside_load is not None:
-        ready_s = max(0.0, figures.expected_swap_s(beside_load[0], upstream) - beside_load[1])
-    return ready_s + figures.expected_request_run_s(model, max_tokens, upstream)
+    ``max_tokens`` where given, `expected_request_run_s`) once it is ready (``ready_at``: the
+    load it waits for, its own or the one it was granted beside, and how long before this grant
+    that load began; None: ready at once). The one figure of a running request's end: every
+    reader asks it."""
+    return ready_in_s(figures, ready_at, upstream) + figures.expected_request_run_s(model, max_tokens, upstream)
+
+
+def _ready_of(decision: Decision) -> ReadyAt | None:
+    """A grant's `Decision.ready_at` counted from its grant."""
+    load = decision.ready_at
+    return None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
+
+
+def grant_ready_s(figures: Figures, decision: Decision) -> float:
+    """How long after its grant a grant is ready to run (`Decision.ready_at`)."""
+    return ready_in_s(figures, _ready_of(decision), decision.upstream)
 
 
 def grant_end_s(figures: Figures, decision: Decision) -> float:
-    """`expected_end_s` of a grant as the scheduler made it (sized by its `max_tokens` where said)."""
-    load = decision.beside_load
-    beside = None if load is None else (load[0], (decision.granted_ns - load[1]) / NS_PER_S)
-    return expected_end_s(figures, decision.model, model_load=decision.model_load, max_tokens=decision.max_tokens,
-                          upstream=decision.upstream, beside_load=beside)
+    """`expected_end_s` of a grant as the scheduler made it: its ready time is the one its grant
+    set (`Decision.ready_at`), its run sized by its `max_tokens` where said."""
+    return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, upstream=decision.upstream,
+                          ready_at=_ready_of(decision))
 
 
 def left_s(end_s: float, running_s: float) -> float | None:
@@ -172,6 +197,28 @@ def left_s(end_s: float, running_s: float) -> float | None:
     after it: None once it has outrun that (it still runs, for a time nobody can tell)."""
     left = end_s - running_s
     return left if left > 0 else None
+
+
+def remaining_of(figures: Figures, grants: Sequence[RunningView]) -> list[float]:
+    """The expected remaining time of each of these running grants (`math.inf`: it outran its
+    expected time): its run, sized by the output tokens it asked for where it said, once its
+    ready time has come (`RunningView.ready_at`, set once at its grant)."""
+    remaining: list[float] = []
+    for grant in grants:
+        load = grant.ready_at
+        # (that model, how long before this grant its load began)
+        ready = None if load is None else (load[0], load[1] - grant.running_s)
+        end = expected_end_s(figures, grant.model, max_tokens=grant.max_tokens, upstream=grant.upstream,
+                             ready_at=ready)
+        left = left_s(end, grant.running_s)
+        remaining.append(math.inf if left is None else left)
+    return remaining
+
+
+def ready_left_s(figures: Figures, grant: RunningView) -> float:
+    """How long until a running grant's ready time (the load it waits for ends; 0 once it is
+    expected over, or with none)."""
+    return ready_in_s(figures, grant.ready_at, grant.upstream)
 
 
 class Estimator:
@@ -266,43 +313,3 @@ class Estimator:
             return by_runs if by_runs is not None else self.default_swap_s
         warm = self._median(self._warm_first_byte, model, upstream)
         return max(0.0, loads - (warm if warm is not None else 0.0))
-
-    def expected_grant_s(self, model: str | None, *, model_load: bool, max_tokens: int | None = None,
-                         upstream: str | None = None) -> float:
-        """How long a grant of `model` is expected to hold the GPU, its model's load included
-        (`expected_end_s` of a grant made beside no load)."""
-        return expected_end_s(self, model, model_load=model_load, max_tokens=max_tokens, upstream=upstream)
-
-    def remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                    max_tokens: int | None = None, upstream: str | None = None) -> float:
-        """How much longer a running grant is expected to hold the GPU (0 once it is overdue)."""
-        left = self.known_remaining_s(model, model_load=model_load, running_s=running_s, max_tokens=max_tokens,
-                                      upstream=upstream)
-        return 0.0 if left is None else left
-
-    def known_remaining_s(self, model: str | None, *, model_load: bool, running_s: float,
-                          max_tokens: int | None = None, upstream: str | None = None) -> float | None:
-        """`remaining_s`, or None once the grant has outrun its expected time: it still runs, so
-        "0" would be wrong, and how much longer it takes cannot be told."""
-        return left_s(self.expected_grant_s(model, model_load=model_load, max_tokens=max_tokens, upstream=upstream),
-                      running_s)
-
-    def remaining_of(self, grants: Sequence[RunningView]) -> list[float]:
-        """The expected remaining time of each of these running grants of one upstream
-        (`math.inf`: it outran its expected time). Each is sized by the output tokens it asked
-        for, where it said, and runs once the load it was granted beside ends (its
-        ``beside_load``, set once at its grant)."""
-        remaining: list[float] = []
-        for grant in grants:
-            load = grant.beside_load
-            # (that model, how long before this grant its load began)
-            beside = None if load is None else (load[0], load[1] - grant.running_s)
-            end = expected_end_s(self, grant.model, model_load=grant.model_load, max_tokens=grant.max_tokens,
-                                 upstream=grant.upstream, beside_load=beside)
-            left = left_s(end, grant.running_s)
-            remaining.append(math.inf if left is None else left)
-        return remaining
-
-    def load_left_s(self, loader: RunningView) -> float:
-        """How long the load a running grant began still takes (0 once it is expected over)."""
-        return max(0.0, self.expected_swap_s(loader.model, loader.upstream) - loader.running_s)

@@ -13,9 +13,12 @@ and its run, and those started beside the load run once it ends. A slot that fre
 the next request; a request that needs another model waits until every slot of its upstream is
 free, or (several models resident) loads beside the others where it has room or idle models may
 go (a load counts only where it happens: each model's runs wait for its own load), and the
-best's claim there holds back one model, as `node.claim_on` says. The rule reads time from the
-walk's own state (`_WalkTimes`); the runtime hands `next` the same from a snapshot
-(`NodeTimes`), so both read one picture.
+best's claim there holds back one model, as `node.claim_on` says. A start's ready time is the
+one its grant would set (`Scheduler`'s `Decision.ready_at`): its own load's end, else its
+model's load under way there, else (no model) the first load under way there whose grant still
+runs. The rule reads time as one type, `NodeTimes`: from the walk's own state here, from the
+running grants in the runtime and `llamaswap simulate`, so every reader reads one picture. All
+of it is typed against `estimate.Figures`: learnt (`Estimator`) or stated.
 
 Exact when every grant takes its expected time and the order does not change as models load
 (swap affinity 0: with a bonus, the order moves with the loaded models, which the snapshot's
@@ -25,15 +28,14 @@ order cannot say in advance). Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
-from llamaswap.core.policy import PolicyName
 from llamaswap.core.dispatch import HeldBack, Step, choose, takes_nothing
 from llamaswap.core.eviction import NOT_WAITED_FOR, after_load, victims
 from llamaswap.core.holding import GpuHolding, running_of
 from llamaswap.core.node import HeldBackModels
-from llamaswap.core.estimate import Estimator
+from llamaswap.core.estimate import Figures, ready_left_s, remaining_of
 
 
 class _Item:
@@ -62,23 +64,29 @@ class _Waiting:
 class _GpuWalk:
     """One upstream during the walk."""
 
-    __slots__ = ("holding", "residents", "items", "loaded_at", "blocked_until")
+    __slots__ = ("holding", "residents", "items", "loads", "blocked_until")
 
     def __init__(self, gpu: GpuHolding, blocked_until: float) -> None:
         self.holding = gpu
         self.residents = gpu.residents
         self.items: list[_Item] = []
-        self.loaded_at: dict[str, float] = {}  # when each model's load ends, the earliest begun first
+        # The loads whose grant still runs, the earliest begun first: the loader's slot, that
+        # model and when its load ends (`Scheduler`'s loaders there).
+        self.loads: list[tuple[_Item, str, float]] = []
         self.blocked_until = blocked_until
 
-    def ready_of(self, model: str | None, now: float) -> float:
-        """When a run of ``model`` begun at ``now`` may begin: once its own model's load ends; a
-        request of no model, once the first load still under way there ends (`Scheduler`'s
-        ``beside_load``: it shares whatever is in effect there)."""
-        if model is not None:
-            return self.loaded_at.get(model, 0.0)
-        for end in self.loaded_at.values():
-            if end > now:
+    def passed(self, now: float) -> None:
+        """What has ended by ``now`` goes: the grants, and the loads whose grant has ended."""
+        self.items = [item for item in self.items if item.end > now]
+        if self.loads:
+            self.loads = [load for load in self.loads if load[0].end > now]
+
+    def ready_of(self, model: str | None) -> float:
+        """When a run of ``model`` granted now may begin, as its grant's ready time says: once its
+        model's load under way ends; a request of no model, once the first load under way there
+        ends (it shares whatever is in effect there); else at once (0)."""
+        for _, loading, end in self.loads:
+            if model is None or loading == model:
                 return end
         return 0.0
 
@@ -86,7 +94,7 @@ class _GpuWalk:
         """What it holds at ``now``, as the rule reads it."""
         gpu = self.holding
         # (The rule reads whether work it did not grant holds the GPU, not which: until
-        # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``loaded_at``.)
+        # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``loads``.)
         blocked = self.blocked_until > now
         # Several resident, a settle of a known model holds that model only.
         settling_model = gpu.settling_model if blocked else None
@@ -94,94 +102,76 @@ class _GpuWalk:
                           blocked, 0, blocked and settling_model is None, gpu.residency, gpu.last_used, settling_model)
 
 
-class _WalkTimes:
-    """`dispatch.GpuTimes` from the walk's own state at ``now``."""
-
-    def __init__(self, gpus: Mapping[str, _GpuWalk], now: float, estimator: Estimator) -> None:
-        self._gpus = gpus
-        self._now = now
-        self._estimator = estimator
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return min((item.end for item in self._gpus[gpu].items), default=self._now) - self._now
-
-    def drained_in_s(self, gpu: str) -> float:
-        return max((item.end for item in self._gpus[gpu].items), default=self._now) - self._now
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._estimator.expected_swap_s(model, gpu)
+# Per GPU, the expected ends of what runs there, in seconds from the moment the rule asks
+# (`math.inf`: unknown).
+Ends = Mapping[str, Sequence[float]]
 
 
 class NodeTimes:
-    """`dispatch.GpuTimes` from a scheduler's snapshot: what `Scheduler.next(times=...)` reads
-    in the runtime, the same picture the estimates walk from. Per upstream, the first slot frees
-    after the smallest expected remaining time of its grants (inf when none is known), it drains
-    after the largest (inf if any is unknown); 0 with nothing running."""
+    """`dispatch.GpuTimes`, the one type of what the rule knows of time: per GPU, the expected
+    ends of what runs there (``read``, called once, the first time the rule asks: nothing is
+    built where a free slot decides or there is one GPU, since `dispatch.choose` reads time only
+    to choose among GPUs) and ``figures`` for the swaps. Per GPU the first slot frees after the
+    smallest expected end (inf when none is known), it drains after the largest (inf if any is
+    unknown); 0 with nothing running. Built from the running grants (`of_grants`: the runtime's
+    grants and Retry-After, `llamaswap simulate`), a snapshot (`of_snapshot`) or the walk's own
+    state (`_Walk`)."""
 
-    def __init__(self, snapshot: QueueSnapshot, estimator: Estimator) -> None:
-        self._estimator = estimator
-        self._remaining: dict[str, list[float]] = {
-            upstream: estimator.remaining_of(grants) for upstream, grants in _by_upstream(snapshot.grants).items()}
+    __slots__ = ("_read", "_ends", "_figures")
+
+    def __init__(self, read: Callable[[], Ends], figures: Figures) -> None:
+        self._read = read
+        self._ends: Ends | None = None
+        self._figures = figures
 
     @classmethod
-    def of_grants(cls, grants: Sequence[Decision], now_ns: int, estimator: Estimator) -> NodeTimes:
-        """The same from the running grants alone (`Scheduler.running_grants`), without the
-        snapshot's dispatch order: what a grant on the hot path can afford."""
-        views = tuple(RunningView.of(decision, now_ns) for decision in grants)
-        return cls(QueueSnapshot(PolicyName.SERIAL, (), {}, views), estimator)
+    def of_snapshot(cls, snapshot: QueueSnapshot, figures: Figures) -> NodeTimes:
+        """From a scheduler's snapshot: its running grants' expected remaining times."""
+        return cls(lambda: remaining_by_gpu(snapshot.grants, figures), figures)
+
+    @classmethod
+    def of_grants(cls, grants: Callable[[], Sequence[Decision]], now_ns: int, figures: Figures) -> NodeTimes:
+        """From the running grants (`Scheduler.running_grants`, asked for only when the rule reads
+        time) at ``now_ns``, without the snapshot's dispatch order: what a grant on the hot path
+        can afford."""
+        return cls(lambda: remaining_by_gpu([RunningView.of(decision, now_ns) for decision in grants()], figures),
+                   figures)
+
+    def _of(self) -> Ends:
+        ends = self._ends
+        if ends is None:
+            ends = self._ends = self._read()
+        return ends
 
     def slot_free_in_s(self, gpu: str) -> float:
-        return min(self._remaining.get(gpu, ()), default=0.0)
+        return min(self._of().get(gpu, ()), default=0.0)
 
     def drained_in_s(self, gpu: str) -> float:
-        return max(self._remaining.get(gpu, ()), default=0.0)
+        return max(self._of().get(gpu, ()), default=0.0)
 
     def soonest_end_s(self, gpu: str) -> float:
         """When the first running grant there is expected to end, as a client is told to come
         back (Retry-After): one that outran its expected time may end at any moment (0), where
         the rule reads it as unknown (`slot_free_in_s`: inf)."""
-        return min((0.0 if math.isinf(left) else left for left in self._remaining.get(gpu, ())), default=0.0)
+        return min((0.0 if math.isinf(left) else left for left in self._of().get(gpu, ())), default=0.0)
 
     def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._estimator.expected_swap_s(model, gpu)
+        return self._figures.expected_swap_s(model, gpu)
 
 
-class LazyNodeTimes:
-    """`dispatch.GpuTimes` read from `NodeTimes` the first time the rule asks: ``read`` builds
-    them (once); until then nothing is built, as when a free slot decides or there is one GPU
-    (`dispatch.choose` reads time only to choose among GPUs). ``swap_s`` needs no snapshot: it
-    asks ``estimator`` directly, as `NodeTimes` does."""
-
-    __slots__ = ("_read", "_times", "_estimator")
-
-    def __init__(self, read: Callable[[], NodeTimes], estimator: Estimator) -> None:
-        self._read = read
-        self._times: NodeTimes | None = None
-        self._estimator = estimator
-
-    def _of(self) -> NodeTimes:
-        if self._times is None:
-            self._times = self._read()
-        return self._times
-
-    def slot_free_in_s(self, gpu: str) -> float:
-        return self._of().slot_free_in_s(gpu)
-
-    def drained_in_s(self, gpu: str) -> float:
-        return self._of().drained_in_s(gpu)
-
-    def swap_s(self, model: str | None, gpu: str) -> float:
-        return self._estimator.expected_swap_s(model, gpu)
+def remaining_by_gpu(grants: Iterable[RunningView], figures: Figures) -> dict[str, list[float]]:
+    """Per GPU, the expected remaining time of each of its running grants (`estimate.remaining_of`)."""
+    return {upstream: remaining_of(figures, of) for upstream, of in _by_upstream(grants).items()}
 
 
-def _by_upstream(grants: Sequence[RunningView]) -> dict[str, list[RunningView]]:
+def _by_upstream(grants: Iterable[RunningView]) -> dict[str, list[RunningView]]:
     out: dict[str, list[RunningView]] = {}
     for grant in grants:
         out.setdefault(grant.upstream, []).append(grant)
     return out
 
 
-def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence[GpuHolding],
+def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[GpuHolding],
                    blocked_s: Mapping[str, float] | None = None) -> list[tuple[float, str | None]]:
     """Each waiting request's estimated start, in seconds from now (`math.inf` where it cannot be
     told: it waits for a slot held for a time unknown), and the upstream it is expected to start
@@ -198,14 +188,14 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
         walk = walks.get(upstream)
         if walk is None:  # an upstream no longer configured: nothing new starts there
             continue
-        remaining = estimator.remaining_of(grants)
-        for grant in grants:  # each load under way holds back the runs of its own model
-            if grant.model_load and grant.model is not None:
-                walk.loaded_at.setdefault(grant.model, estimator.load_left_s(grant))
-        walk.items = [_Item(left, grant.band.interactive, grant.model, grant.alone)
-                      for grant, left in zip(grants, remaining, strict=True)]
+        remaining = remaining_of(figures, grants)
+        for grant, left in zip(grants, remaining, strict=True):
+            item = _Item(left, grant.band.interactive, grant.model, grant.alone)
+            walk.items.append(item)
+            if grant.model_load and grant.model is not None:  # a load under way holds back its model's runs
+                walk.loads.append((item, grant.model, ready_left_s(figures, grant)))
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
-    node_walk = _Walk(estimator, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
+    node_walk = _Walk(figures, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
     # The models the best holds back now (several resident): it keeps holding those, as `node.find` does.
     for view in snapshot.gpus:
         if view.holding_back and view.name in walks and waiting:
@@ -214,11 +204,10 @@ def starts_of_node(estimator: Estimator, snapshot: QueueSnapshot, gpus: Sequence
 
 
 class _Walk:
-    def __init__(self, estimator: Estimator, gpus: list[_GpuWalk], waiting: list[_Waiting],
+    def __init__(self, figures: Figures, gpus: list[_GpuWalk], waiting: list[_Waiting],
                  sizes: Sequence[int | None]) -> None:
-        self._estimator = estimator
+        self._figures = figures
         self._gpus = gpus
-        self._by_name = {gpu.holding.name: gpu for gpu in gpus}
         self._waiting = waiting
         self._sizes = sizes
         self._pending = list(range(len(waiting)))  # not started yet, in the order
@@ -233,7 +222,7 @@ class _Walk:
         now = 0.0
         while self._pending:
             for gpu in self._gpus:
-                gpu.items = [item for item in gpu.items if item.end > now]
+                gpu.passed(now)
             found = self._find(now)
             if found is not None:
                 self._start(now, *found)
@@ -252,7 +241,9 @@ class _Walk:
         closed: set[int] = set()
         interactive_only: set[int | HeldBack] = set()
         held_back: set[HeldBack] = set()
-        times = _WalkTimes(self._by_name, now, self._estimator)
+        gpus = self._gpus
+        times = NodeTimes(lambda: {gpu.holding.name: [item.end - now for item in gpu.items] for gpu in gpus},
+                          self._figures)
         for position, request in enumerate(self._pending):
             if len(closed | full) >= len(views):
                 return None
@@ -288,16 +279,17 @@ class _Walk:
         self._wanted[model] -= 1
         gpu = self._gpus[index]
         name = gpu.holding.name
-        if model is not None and model not in gpu.residents:  # a load
-            loaded_at = now + self._estimator.expected_swap_s(model, name)
+        run_s = self._figures.expected_request_run_s(model, self._sizes[request], name)
+        if model is not None and model not in gpu.residents:  # a load: ready when it ends
+            loaded_at = now + self._figures.expected_swap_s(model, name)
             view = gpu.view(now)  # beside what runs, once the idle models chosen have gone
             # (Models the best holds back go for its own load only.)
             keep = () if position == 0 else self.held.models.get(name, ())
             gone = victims(view, model, self._need, keep) or ()
             gpu.residents = after_load(view, model, [eviction.model for eviction in gone])
-            gpu.loaded_at.pop(model, None)  # (a new entry: the latest begun last)
-            gpu.loaded_at[model] = loaded_at
-        run_s = self._estimator.expected_request_run_s(model, self._sizes[request], name)
-        end = max(now, gpu.ready_of(model, now)) + run_s
-        gpu.items.append(_Item(end, candidate.interactive, model, False))
+            item = _Item(loaded_at + run_s, candidate.interactive, model, False)
+            gpu.loads.append((item, model, loaded_at))
+        else:
+            item = _Item(max(now, gpu.ready_of(model)) + run_s, candidate.interactive, model, False)
+        gpu.items.append(item)
         self._starts[request] = (now, name)

@@ -6,7 +6,7 @@ not grant that holds it (a settle, adopted exchanges: the runtime tells the sche
 `Scheduler.held_by`). The scheduler keeps one per GPU, built again when read after a change of
 what runs, is resident or holds it (`GpuRecord.holding`; the GPU's idle one is kept while
 nothing of that changes, and `Scheduler` keeps the tuple of them and of the GPUs that take
-work); the dispatch rule (`dispatch.turn`, `dispatch.choose`), a grant's `beside_load`, the node
+work); the dispatch rule (`dispatch.turn`, `dispatch.choose`), a grant's `ready_at`, the node
 walk, the dispatch order's swap-affinity bonus, the estimates' walk, the views and the gauges
 read it, and nothing else says what a GPU holds. Each running request's expected end is a
 function of its own record (`estimate.grant_end_s`: sized by the `max_tokens` it carries, after

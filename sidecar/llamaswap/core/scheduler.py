@@ -425,13 +425,13 @@ class Scheduler:
         divisor = self._divisor_ns
         aging = (now - winner.arrival_ns) / divisor if divisor else 0.0
         gpu.dispatches += 1
-        # The load this grant runs after (its ready time, set here once): its own model's; with no
-        # model, it shares whatever is in effect there: the first load under way.
+        # Its ready time, set here once (`Decision.ready_at`): its own load's end, else its model's
+        # load under way; with no model, it shares what is in effect there: the first load under way.
         if model is None:
             loading = held.loading
         else:
             loader = gpu.loaders.get(model)
-            loading = None if loader is None else (model, loader.granted_ns)
+            loading = (model, now) if loads else None if loader is None else (model, loader.granted_ns)
         # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
         decision = Decision(
             winner.request_id,  # request_id
@@ -453,7 +453,7 @@ class Scheduler:
             reserved_slot,  # reserved_slot
             alone,  # alone
             gpu.name,  # upstream
-            loading,  # beside_load
+            loading,  # ready_at
             winner.max_tokens,  # max_tokens
             evicts,  # evicts
         )

@@ -179,7 +179,7 @@ def _goes_now(decision: Decision, evicting: frozenset[str]) -> bool:
     model = decision.model
     if model is None:
         return True  # it names no model: it loads nothing
-    return not decision.model_load and decision.beside_load is None and model not in evicting
+    return decision.ready_at is None and model not in evicting  # (a load sets it too)
 
 
 async def _first_failure(unloads: Sequence[Unloads]) -> str | None:

@@ -9,8 +9,9 @@ import math
 from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
-from llamaswap.core.dispatch import GpuTimes, full
-from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
+from llamaswap.core.dispatch import full
+from llamaswap.core.estimate import expected_end_s, left_s
+from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.ticket import Refusal, Ticket, TicketState
 from llamaswap.runtime.views import QueueViews
@@ -65,24 +66,20 @@ class Forecast:
         (`dispatch.full`: every slot taken and no room to load beside it), once the first of its
         running grants ends (with one slot, the grant's)."""
         now = self._clock.now_ns()
-        times: NodeTimes | None = None
+        times = self.gpu_times()  # (the running grants' ends read only if some GPU is full)
         soonest = math.inf
         for gpu in self._scheduler.holdings():
             busy = self.settle_left_s(gpu.name, now)
             if full(gpu):
-                times = times or self._node_times()
                 busy = max(busy, times.soonest_end_s(gpu.name))
             soonest = min(soonest, busy)
         return soonest if math.isfinite(soonest) else 0.0
 
-    def gpu_times(self) -> GpuTimes:
+    def gpu_times(self) -> NodeTimes:
         """What the node rule may know of time now (`dispatch.GpuTimes`): the times the
-        estimates walk from (`NodeTimes`, a grant beside a load run after it), over what runs
-        on each GPU; read once, when the rule first asks."""
-        return LazyNodeTimes(self._node_times, self._estimator)
-
-    def _node_times(self) -> NodeTimes:
-        return NodeTimes.of_grants(self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
+        estimates walk from (`NodeTimes`: each running grant's end after the ready time its grant
+        set), over what runs on each GPU; read once, when the rule first asks."""
+        return NodeTimes.of_grants(lambda: self._scheduler.running_grants, self._clock.now_ns(), self._estimator)
 
     def settle_left_s(self, gpu: str, now_ns: int) -> float:
         """How much longer the generation a GPU's settle waits for is expected to run, by that
@@ -90,8 +87,9 @@ class Forecast:
         settling = self._gpus.named(gpu).settling if self._gpus is not None else None
         if settling is None or settling.granted_ns is None:
             return 0.0
-        return self._estimator.remaining_s(self._schedule_model(settling.model), model_load=False,
-                                           running_s=(now_ns - settling.granted_ns) / NS_PER_S, upstream=gpu)
+        # (A settle follows a generation whose load, if any, is over: ready at once.)
+        end_s = expected_end_s(self._estimator, self._schedule_model(settling.model), upstream=gpu)
+        return left_s(end_s, (now_ns - settling.granted_ns) / NS_PER_S) or 0.0
 
     def blocked_by_upstream(self) -> dict[str, float]:
         """How much longer work the scheduler did not grant holds each GPU that has some (a

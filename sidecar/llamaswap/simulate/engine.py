@@ -39,10 +39,10 @@ as one each. With one slot nothing changes.
 Upstreams (the policy's GPUs: `simulate --gpus N`, or the log's recorded upstreams): one queue
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
 runtime reads, `NodeTimes.of_grants` of the running grants: each one's `grant_end_s`, built as in
-the runtime only when the rule asks, `LazyNodeTimes`). With one GPU the rule does not read them;
-one GPU is a node of one. Each GPU has its own slots, loaded model, swaps and concurrency; the
-replay starts each with the model its first recorded grant found loaded. The metrics give each
-GPU's swaps and busy fraction. Costs are each GPU's own (`Costs` per (upstream, model), the
+the runtime only when the rule asks). With one GPU the rule does not read them; one GPU is a
+node of one. Each GPU has its own slots, loaded model, swaps and concurrency; the replay starts
+each with the model its first recorded grant found loaded. The metrics give each GPU's swaps
+and busy fraction. Costs are each GPU's own (`estimate.Figures` per (upstream, model), the
 node's where it has none): a request that never ran takes its GPU's expected end, and a recorded
 run replayed on another GPU than the one it ran on is scaled by the two GPUs' expected runs of its
 model (its load swapped for this GPU's).
@@ -57,7 +57,6 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
 from typing import Protocol
 
 from llamaswap.core import (
@@ -75,8 +74,8 @@ from llamaswap.core import (
     Scheduler,
     model_stays_loaded,
 )
-from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import LazyNodeTimes, NodeTimes
+from llamaswap.core.estimate import Figures, grant_end_s
+from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
@@ -94,51 +93,17 @@ _NEVER = 2**63  # later than any event
 _NS_PER_MS = 1_000_000
 
 
-class Costs(Protocol):
-    """Expected GPU times per model on an upstream (None: the node's figure); :class:`Estimator`
-    is one: a GPU with no measurement of its own has the node's. The run of a request that says
-    its `max_tokens` is sized by them (`expected_request_run_s`), as the runtime sizes it."""
-
-    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float: ...
-
-    def expected_request_run_s(self, model: str | None, max_tokens: int | None,
-                               upstream: str | None = None) -> float: ...
-
-    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
-
-
-class _StatedFigures(Estimator):
-    """Stated costs as the `Estimator` that `NodeTimes` reads (its `remaining_of`): every answer is
-    the costs' own; nothing is learnt."""
-
-    def __init__(self, costs: Costs) -> None:
-        super().__init__(default_run_s=0.0, default_swap_s=0.0, samples=1)
-        self._costs = costs
-
-    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
-        return self._costs.expected_run_s(model, upstream)
-
-    def expected_request_run_s(self, model: str | None, max_tokens: int | None, upstream: str | None = None) -> float:
-        return self._costs.expected_request_run_s(model, max_tokens, upstream)
-
-    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
-        return self._costs.expected_swap_s(model, upstream)
-
-
-def running_times(scheduler: Scheduler, now_ns: int, figures: Estimator) -> NodeTimes:
+def running_times(scheduler: Scheduler, now_ns: int, figures: Figures) -> NodeTimes:
     """What the runtime knows of each upstream's time at ``now_ns``: `NodeTimes.of_grants` of the
-    scheduler's running grants (this module's `NodeTimes`, looked up when asked)."""
-    return NodeTimes.of_grants(scheduler.running_grants, now_ns, figures)
-
-
-def figures_of(costs: Costs) -> Estimator:
-    """The costs as `NodeTimes` reads them: an `Estimator` as it is, stated costs adapted."""
-    return costs if isinstance(costs, Estimator) else _StatedFigures(costs)
+    scheduler's running grants, read only if the rule asks (this module's `NodeTimes`, looked up
+    when called)."""
+    return NodeTimes.of_grants(lambda: scheduler.running_grants, now_ns, figures)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FixedCosts:
-    """Stated costs (synthetic workloads), the same on every GPU, with defaults for models not listed."""
+    """Stated costs (synthetic workloads), the same on every GPU, with defaults for models not
+    listed: `estimate.Figures`, as a learnt `Estimator` is."""
 
     run_s: Mapping[str, float]
     swap_s: Mapping[str, float]
@@ -260,7 +225,7 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
     return Replay(tuple(requests), dict(skipped), origin)
 
 
-def simulate(replay: Replay, policy: Policy, costs: Costs, *,
+def simulate(replay: Replay, policy: Policy, costs: Figures, *,
              concurrency_speed: ConcurrencySpeed | None = None) -> Simulation:
     requests = replay.requests
     clock = ManualClock(0)
@@ -301,8 +266,6 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
     gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
-    # What the runtime knows of each upstream's time (`NodeTimes`): its running grants' expected ends.
-    figures = figures_of(costs)
     release_at = _NEVER
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
@@ -373,7 +336,7 @@ def simulate(replay: Replay, policy: Policy, costs: Costs, *,
 
         while waiting:
             # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            decision = grant(times=LazyNodeTimes(partial(running_times, scheduler, now, figures), figures))
+            decision = grant(times=running_times(scheduler, now, costs))
             if decision is None:
                 break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1

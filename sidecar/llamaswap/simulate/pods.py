@@ -13,8 +13,9 @@ queue over them. In front of the pods, the request is sent by one of:
   single node with that many GPUs would do; the bound the routed ones are measured against).
 
 Every request waits until it is granted (patience and max wait are the single-node simulator's
-business, `engine.py`); a grant holds its GPU for its recorded run, plus its model's swap cost when
-the grant loads the model; a request with no recorded run holds it as long as the runtime expects
+business, `engine.py`); a grant holds its GPU for its recorded run from its ready time (the one
+its grant set, `Decision.ready_at`: once its own load, or the load it was granted beside, ends;
+`estimate.grant_ready_s`); a request with no recorded run holds it as long as the runtime expects
 its grant to take (`estimate.grant_end_s`). Each pod's rule reads the times the runtime reads
 (`NodeTimes.of_grants`: its running grants' expected ends, built when the rule asks), never the
 replay's own release times. Time is virtual (`ManualClock`), events in order: releases first, then
@@ -35,13 +36,11 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from functools import partial
 
 from llamaswap.core import Band, ManualClock, Policy, Priority, PrioritySource, Scheduler
-from llamaswap.core.estimate import grant_end_s
-from llamaswap.core.estimate_node import LazyNodeTimes
+from llamaswap.core.estimate import Figures, grant_end_s, grant_ready_s
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.simulate.engine import Costs, figures_of, quantile, running_times
+from llamaswap.simulate.engine import quantile, running_times
 from llamaswap.simulate.records import RequestRecord
 
 _NS_PER_MS = 1_000_000
@@ -85,14 +84,13 @@ class _Pod:
         return any(gpu.has(model) for gpu in self.scheduler.holdings())
 
 
-def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs, *, pods: int, gpus: int,
+def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Figures, *, pods: int, gpus: int,
                   routing: Routing) -> PodsResult:
     """The records (in arrival order) over ``pods`` pods of ``gpus`` GPUs each, routed by ``routing``.
     ``policy``, of one GPU, gives the order and each GPU's slots."""
     if pods < 1 or gpus < 1:
         raise ValueError("pods and gpus must be at least 1")
     clock = ManualClock()
-    figures = figures_of(costs)
     groups = 1 if routing is Routing.ONE_QUEUE else pods
     per_group = gpus * pods // groups
     slots = policy.gpus[0].slots  # every GPU's (a policy of one GPU: the one of each pod)
@@ -138,13 +136,12 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Costs
         for index, node in enumerate(nodes):
             scheduler = node.scheduler
             # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            while (decision := scheduler.next(times=LazyNodeTimes(partial(running_times, scheduler, now, figures),
-                                                                  figures))) is not None:
+            while (decision := scheduler.next(times=running_times(scheduler, now, costs))) is not None:
                 hold = run_ns_of.pop(decision.request_id)
                 if hold is None:  # never recorded: as long as the runtime expects the grant to take
                     hold = round(grant_end_s(costs, decision) * _NS_PER_S)
-                elif decision.model_load:
-                    hold += round(costs.expected_swap_s(decision.model, decision.upstream) * _NS_PER_S)
+                else:  # a recorded run, once the grant is ready (its own load, or the one it went beside)
+                    hold += round(grant_ready_s(costs, decision) * _NS_PER_S)
                 if decision.model_load:
                     swaps += decision.swap
                     loads += decision.load
