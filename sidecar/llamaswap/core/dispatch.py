@@ -126,7 +126,10 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
         return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
     running = gpu.running
     if not running.busy:
-        return Turn.IDLE
+        if gpu.settling_model is None or model is None or model in gpu.residents or has_room(gpu, model) \
+                or can_evict_for(gpu, model):
+            return Turn.IDLE
+        return Turn.CLOSED  # its load needs the settle's model gone: it waits for the settle
     if candidate.alone or running.alone:
         return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL  # it waits for the GPU to drain
     if model is None or model in gpu.residents:

@@ -440,13 +440,12 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model not in residents
-        several = held.residency.max_loaded > 1
-        evicts: tuple[Eviction, ...] = ()
-        if loads and several:
+        gone: tuple[Eviction, ...] = ()  # the resident models its load makes room by (room for one: the one)
+        if loads:
             assert model is not None
             found = victims(held, model, self._need, keep)
             assert found is not None, "the rule starts a load only where it has room or idle models may go"
-            evicts = found
+            gone = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
         affinity = self._bonus if model is not None and model in residents else 0
         divisor = self._divisor_ns
@@ -470,8 +469,8 @@ class Scheduler:
             model,  # model
             affinity > 0,  # swap_affinity
             aging,  # aging
-            loads and not (evicts if several else residents),  # load
-            loads and bool(evicts if several else residents),  # swap
+            loads and not gone,  # load
+            loads and bool(gone),  # swap
             residents,  # residents_before
             reasons,  # reordered_by
             overtook,  # overtook
@@ -482,11 +481,11 @@ class Scheduler:
             gpu.name,  # upstream
             loading,  # beside_load
             winner.max_tokens,  # max_tokens
-            evicts,  # evicts
+            () if held.residency.replaces_by_itself else gone,  # evicts: those unloaded first
         )
         if loads:
             self._loads += 1
-        gpu.granted(winner, decision, held, self._loads if loads else None)
+        gpu.granted(winner, decision, held, self._loads if loads else None, gone)
         self._gpu_of[winner.request_id] = gpu
         self._held.changed(residents=loads)
         return decision

@@ -31,12 +31,10 @@ _log = logging.getLogger(__name__)
 
 def held(gpu: GpuHolding, model: str | None) -> int:
     """The generations this process holds on a GPU that a settle of ``model`` counts beside the
-    abandoned one: its grants there, and the adopted exchanges (whose model is not known). With
-    several resident models only the grants of ``model`` (none named: all): each resident model
+    abandoned one: its grants of ``model`` (and of no model, which share its slots; none named:
+    all its grants), and the adopted exchanges (whose model is not known). Each resident model
     runs in a process of its own, whose slots the upstream counts apart (`Upstream.busy`)."""
-    if model is None or gpu.residency.max_loaded == 1:
-        return gpu.running.busy + gpu.adopted
-    return busy_of(gpu, model)[0] + gpu.adopted
+    return (gpu.running.busy if model is None else busy_of(gpu, model)[0]) + gpu.adopted
 
 
 _ENDED = {SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
@@ -100,10 +98,9 @@ class Adoptions:
         scheduler = self._scheduler
 
         def unloaded() -> None:
-            # Stopping unloads the settle's model (none named: every loaded one); with several
-            # resident, the others stay.
-            model, several = settling.model, self._holding(gpu.name).residency.max_loaded > 1
-            left = scheduler.residents_on(gpu.name) - {model} if model is not None and several else frozenset()
+            # Stopping unloads the settle's model (none named: every loaded one); the others stay.
+            model = settling.model
+            left = scheduler.residents_on(gpu.name) - {model} if model is not None else frozenset()
             if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()
 

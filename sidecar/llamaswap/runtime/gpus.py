@@ -106,10 +106,14 @@ class Gpus:
         adoptions = self.first.adoptions
         counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
         changed = False
+        residency = {holding.name: holding.residency for holding in scheduler.holdings()}
         for gpu in self.all:
             settle, adopted = gpu.settling, counts.get(gpu.name, 0)
+            # A settle of a known model holds that model only where the others run beside it;
+            # where the upstream replaces its one model by itself, the whole GPU.
+            whole = settle is None or residency[gpu.name].replaces_by_itself
             changed = scheduler.held_by(gpu.name, settling=settle is not None, adopted=adopted,
-                                        settling_model=None if settle is None else settle.model) or changed
+                                        settling_model=None if whole or settle is None else settle.model) or changed
         return changed
 
     def single_model(self) -> str | None:
