@@ -140,9 +140,11 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
     authz = ext_authz.Authorization(coordinator)
     timings = Timings()
     if wrapped:
-        for method in ("_pump", "_release", "_finish", "_changed", "_publish", "_arm_expiry", "_update_idle",
-                       "_observe"):
-            timings.wrap(coordinator, method, f"Coordinator.{method}")
+        for part, methods in ((coordinator._grants, ("pump", "release", "finish", "_update_idle")),
+                              (coordinator._publisher, ("changed", "publish", "observe")),
+                              (coordinator._admitter, ("arm_expiry",))):
+            for method in methods:
+                timings.wrap(part, method, f"{type(part).__name__}.{method}")
         timings.wrap(coordinator._watchdogs, "arm", "Watchdogs.arm")
         for method in ("estimate_later", "_estimate"):
             timings.wrap(coordinator._forecast, method, f"Forecast.{method}")

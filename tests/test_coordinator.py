@@ -306,7 +306,7 @@ async def test_finished_exactly_once_however_it_ends(scenario: Scenario, outcome
     if ticket.decision is not None and outcome is not Outcome.LEASE_EXPIRED and outcome is not Outcome.PROXY_GONE:
         await flow.renew(ticket.token)  # its exchange reported late (those two would be adopted again)
     await flow.peer_gone(PEER)
-    assert flow.coordinator._finish(ticket, Outcome.INTERNAL_ERROR, flow.now_ns) is False
+    assert flow.coordinator._grants.finish(ticket, Outcome.INTERNAL_ERROR, flow.now_ns) is False
     await flow.advance(30)
     assert ticket.outcome is outcome and ticket.finished_ns == finished_ns
     assert flow.recorder.times_finished(ticket) == 1

@@ -81,7 +81,7 @@ async def test_queue_the_page_and_the_gauges_read_one_projection() -> None:
     await node.flow.idle()
     # The flow's observers run at once: c1's arrival published before the pump that found what it
     # holds back (gpu1's b). A sidecar publishes once per loop turn, after the pump: so here.
-    node.flow.coordinator._publish_now()
+    node.flow.coordinator._publisher.publish_now()
     projection = node.flow.coordinator.view().node
     assert [gpu.slots_busy for gpu in projection.gpus] == [2, 1]  # (c1 waits)
     assert [gpu.held_back for gpu in projection.gpus] == [None, "b"]  # c1 holds b back (room for one)

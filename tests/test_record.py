@@ -115,14 +115,14 @@ async def test_an_outcome_without_a_run_leaves_the_loaded_model_as_it_was(outcom
     elif outcome is Outcome.INTERNAL_ERROR:
         # Admission fails after the grant (a bug): the grant never reached the upstream.
         await flow.complete(run, 200)
-        original = flow.coordinator._pump
+        original = flow.coordinator._grants.pump
 
         def failing() -> None:
             original()
             raise RuntimeError("a bug")
-        flow.coordinator._pump = failing  # type: ignore[method-assign]
+        flow.coordinator._grants.pump = failing  # type: ignore[method-assign]
         other = await flow.arrive("other", model="n")
-        flow.coordinator._pump = original  # type: ignore[method-assign]
+        flow.coordinator._grants.pump = original  # type: ignore[method-assign]
     else:
         other = await flow.arrive("other", model="n")
         if outcome is Outcome.REJECTED_FULL:

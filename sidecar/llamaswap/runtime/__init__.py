@@ -1,6 +1,8 @@
 """The asyncio adapter around the pure core: tickets, waiters, leases, settles, estimates, reload.
 
-- `coordinator`: admit, report, pump, release, finish (the invariants);
+- `coordinator`: builds the parts and is what the adapters call (the invariants); `admission`:
+  admit and refuse, the waiting side; `grants`: pump, grant, release, finish, the running side;
+  `publishing`: the change counter, the gauges' picture, the observers after the step;
 - `leases`: the running grant, the adopted exchanges, the lapsed grants kept and their timer;
 - `settle`: the settle loop (waiting for the upstream to compute nothing);
 - `catalog`: the model catalog checks (upstream.modelCheck);

@@ -139,7 +139,7 @@ class Evictions:
     async def wait(self, ticket: Ticket) -> Ticket | Refusal:
         """The hold goes on until the unloads ``ticket``'s grant waits for have ended: then it goes
         (the ticket), or it is refused (an unload failed: 503; released meanwhile: its outcome's
-        answer). A client that leaves meanwhile is the caller's (`Coordinator.admit`): the unloads
+        answer). A client that leaves meanwhile is the caller's (`Admitter.admit`): the unloads
         go on without it."""
         unloads, decision = ticket.unloads, ticket.decision
         assert unloads is not None and decision is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
 from llamaswap.core.dispatch import GpuTimes, full
@@ -26,16 +26,20 @@ _ESTIMATE_CPU_SHARE = 0.1
 
 class Forecast:
     """``gpus``: the node's GPUs as the runtime keeps them (each one's settle under way, if any);
-    ``schedule_model`` says what a settling generation was scheduled as (the estimator's key)."""
+    ``schedule_model`` says what a settling generation was scheduled as (the estimator's key);
+    ``views`` builds the queue views from this forecast's `blocked_by_upstream` (the views show
+    it, and the arrival estimates walk them: each needs the other); without it nothing is
+    estimated at arrival."""
 
     def __init__(self, clock: Clock, scheduler: Scheduler, estimator: Estimator, *, gpus: Gpus | None = None,
-                 schedule_model: Callable[[str | None], str | None]) -> None:
+                 schedule_model: Callable[[str | None], str | None],
+                 views: Callable[[Callable[[], Mapping[str, float]]], QueueViews] | None = None) -> None:
         self._clock = clock
         self._scheduler = scheduler
         self._estimator = estimator
         self._gpus = gpus
         self._schedule_model = schedule_model
-        self.views: QueueViews | None = None  # set once the views exist (the arrival estimates walk them)
+        self.views = views(self.blocked_by_upstream) if views is not None else None
         self._pending: list[Ticket] = []
         self._handle: asyncio.TimerHandle | None = None
         self._batch_s = ESTIMATE_BATCH_S

@@ -6,7 +6,7 @@ either the same client-chosen x-request-id, or, without one, the same body. The 
 these with a key drawn once per process (`RetryKeys`): the body is never stored, and a digest
 means nothing outside this process. The core compares the digest, the priority and the model
 (`core/kept.py`). The coordinator keeps a place when a waiting request's Check is cancelled
-(`Coordinator._check_cancelled`) and offers the digest of every arrival (`Coordinator._admit`).
+(`Admitter.cancelled`) and offers the digest of every arrival (`Admitter._admit`).
 """
 
 from __future__ import annotations

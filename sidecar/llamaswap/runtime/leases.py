@@ -45,16 +45,16 @@ class Leases:
     """What holds the GPU by lease. `due` runs when the earliest deadline passes (the coordinator
     decides what a lapse means); `running` lists the running grants' tickets, earliest first (the
     scheduler's grants are the record of what runs: the leases only watch their deadlines);
-    `max_run_ns` reads routing.scheduler.maxRunSeconds (0: off)."""
+    `max_run_ns` reads routing.scheduler.maxRunSeconds (0: off); `adopted`: the node's adopted
+    exchanges by token, the one record of them (each GPU reads its own from it: `Gpu.adoptions`)."""
 
     def __init__(self, clock: Clock, due: Callable[[], None], running: Callable[[], Sequence[Ticket]],
-                 max_run_ns: Callable[[], int] = lambda: 0) -> None:
+                 max_run_ns: Callable[[], int] = lambda: 0, *, adopted: dict[str, Adoption] | None = None) -> None:
         self._clock = clock
         self._due = due
         self._running = running
         self._max_run_ns = max_run_ns
-        # The adopted exchanges by token: the one record of them (each GPU reads its own from it).
-        self.adopted: dict[str, Adoption] = {}
+        self.adopted: dict[str, Adoption] = {} if adopted is None else adopted
         self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._timer: asyncio.TimerHandle | None = None

@@ -4,7 +4,8 @@ Created when Envoy's ext_authz Check arrives (the hold), granted or refused by t
 coordinator, and finished exactly once: by the end of its exchange (Envoy's access log), by a
 lapsed lease, by the watchdog, or when it leaves the queue. Holds no prompt or completion text.
 
-Only the coordinator writes to a ticket; adapters and observers read it.
+Only the coordinator's rooms write to a ticket (`admission.py`, `grants.py`; the lease of a grant
+that waits for unloads, `evictions.py`; the estimated wait, `forecast.py`); adapters and observers read it.
 """
 
 from __future__ import annotations
