@@ -14,12 +14,12 @@ of one GPU; `choose` asks it once per GPU of a node (one GPU is a node of one).
 - Reserved slots: a non-interactive request starts only while fewer than ``slots - reserved``
   non-interactive ones run. When the best is non-interactive and its share is used up, the
   first interactive request behind it that fits (`fits`) takes a free slot.
-- Several models resident (``residency.max_loaded`` > 1): each resident model has slots of its
-  own, and a request of another model starts beside what runs if it has room there (`Turn.ROOM`:
-  its load starts at once) or if idle resident models can go to make room (`Turn.EVICT`: they
-  are unloaded first, `eviction.victims`); else it waits while one busy model drains (the best
-  waiting request holds only that one back: `node.NodeWalk`). A request that runs alone still
-  runs alone on the GPU.
+- Resident models (up to ``residency.max_loaded``): each has slots of its own, and a request of
+  another model starts beside what runs if it has room there (`Turn.ROOM`: its load starts at
+  once) or if idle resident models can go to make room (`Turn.EVICT`: `eviction.victims`); else
+  it waits while one busy model drains (the best waiting request holds only that one back:
+  `node.NodeWalk`). With room for one model that is drain then swap. A request that runs alone
+  still runs alone on the GPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Several models resident on one GPU: whether a model has room there, which resident models go
+"""The resident models of one GPU: whether a model has room there, which resident models go
 when it has none, and which one the best waiting request holds back while every model that
 could go is busy.
 

@@ -1,10 +1,10 @@
 """Per GPU (`GpuRecord`): what runs on it and what is resident there, as the scheduler records it.
 
-A node's upstreams share one queue (`scheduler.py`) but each keeps its own record: its grants
-(at most its slots, one model), its resident models, what holds it besides its grants (a
-settle, adopted exchanges: `held_by`), the load a grant began there that no release has
-confirmed yet, and the `GpuHolding` built from all of that. With one upstream this is the
-record the scheduler always kept.
+A node's GPUs share one queue (`scheduler.py`) but each keeps its own record, one form
+whatever ``maxLoaded``: its grants (at most each resident model's slots), its resident models
+and when each was last used, what holds it besides its grants (a settle, adopted exchanges:
+`held_by`, told by the runtime as each begins and ends), the load each model's grant began there
+that no release has confirmed yet, and the `GpuHolding` built from all of that.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class Scheduler:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken, or that arrives while requests run there
-        (`GpuRecord.may_adopt` says when several resident may), describes a past the scheduler
+        (`GpuRecord.may_adopt` says when one may), describes a past the scheduler
         has already moved on from: it is dropped. True if applied.
         """
         gpu = self._gpu(upstream)
@@ -246,7 +246,7 @@ class Scheduler:
         return self._held.now()[0]
 
     def not_unloaded(self, upstream: str, models: frozenset[str]) -> None:
-        """Models a grant evicted that the upstream did not unload (several resident): counted
+        """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
         gpu = self._gpu(upstream)
         gpu.set_residents(gpu.residents | models)
@@ -257,8 +257,8 @@ class Scheduler:
         """The work the scheduler did not grant that holds an upstream now (None: the first), as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
-        there while either does; several resident, a settle of a known model holds only that
-        model (`GpuHolding.settling_model`). True if that changed."""
+        there while either does; a settle of a known model holds only that model
+        (`GpuHolding.settling_model`). True if that changed."""
         if not self._gpu(upstream).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
             return False
         self._held.changed(residents=True)  # (what it holds idle changed too)

@@ -10,7 +10,6 @@ so the rooms written for one upstream (slot learning, `Config.slots`) serve each
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -97,24 +96,6 @@ class Gpus:
         """The GPU of that name; an unknown or missing name (an adopted exchange Envoy did not
         place) is the first one's."""
         return self._by_name.get(name or "", self.first)
-
-    def tell(self, scheduler: Scheduler) -> bool:
-        """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
-        `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
-        True if that changed anywhere."""
-        # Every GPU reads the node's one record of adoptions: counted once here, not per GPU.
-        adoptions = self.first.adoptions
-        counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
-        changed = False
-        residency = {holding.name: holding.residency for holding in scheduler.holdings()}
-        for gpu in self.all:
-            settle, adopted = gpu.settling, counts.get(gpu.name, 0)
-            # A settle of a known model holds that model only where the others run beside it;
-            # where the upstream replaces its one model by itself, the whole GPU.
-            whole = settle is None or residency[gpu.name].replaces_by_itself
-            changed = scheduler.held_by(gpu.name, settling=settle is not None, adopted=adopted,
-                                        settling_model=None if whole or settle is None else settle.model) or changed
-        return changed
 
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
