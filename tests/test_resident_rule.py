@@ -485,3 +485,23 @@ def test_a_load_that_needs_the_settling_model_gone_waits_though_nothing_runs() -
     assert grant_all(scheduler) == []
     scheduler.held_by("gpu0", settling=False, adopted=0)
     assert grant_all(scheduler) == ["c1"]
+
+
+def test_the_order_counts_a_load_past_busy_models_as_evicting_once_they_drain() -> None:
+    """One rule (issue 45): the dispatch order (snapshot) follows a load with the residents after
+    it. Where every resident model is busy, the victims are those once they drain (by recency
+    here), as with room for one model, where the load replaces the busy one; the several-model
+    form counted the loaded model beside all of them, past maxLoaded, so a request of the model
+    that goes still got the swap-affinity bonus."""
+    scheduler, clock = node(gpu(max_loaded=2, slots=1), bonus=10)
+    scheduler.enqueue("a1", prio(0), "A")
+    assert grant_all(scheduler) == ["a1"]
+    clock.advance(1.0)
+    scheduler.enqueue("b1", prio(0), "B")
+    assert grant_all(scheduler) == ["b1"]  # beside A: room for two
+    scheduler.enqueue("c1", prio(100), "C")
+    scheduler.enqueue("a2", prio(0), "A")
+    scheduler.enqueue("b2", prio(0), "B")
+    waiting = scheduler.snapshot().waiting
+    assert [(view.request_id, view.swap_affinity) for view in waiting] == [
+        ("c1", False), ("b2", True), ("a2", False)]  # A, used longer ago, goes for C

@@ -161,7 +161,7 @@ class GpuRecord:
         self._holding = None
 
     def granted(self, entry: Entry, decision: Decision, held: GpuHolding, load_number: int | None,
-                victims: Sequence[Eviction] = ()) -> None:
+                victims: Sequence[Eviction]) -> None:
         """A grant on it (``held``: what it held as it was made): the load it begins (numbered
         ``load_number``; None: none), with the models it evicts (``victims``) gone and its own
         resident, when its model was last used, and what runs."""
