@@ -92,6 +92,35 @@ async def test_an_adopted_exchange_holds_the_gpu_envoy_names() -> None:
 
 
 @virtual_time
+async def test_the_scheduler_is_told_what_holds_a_gpu_as_it_begins_and_ends() -> None:
+    """Issue 45 (item 2): the core owns the record of what holds each GPU. The runtime tells it at
+    the moment a settle or an adoption begins or ends; the scheduler's own holdings say so at
+    once, with no read of the coordinator's views, pump or holdings in between."""
+    gpu0 = FakeUpstream(busy=1)
+    flow = two_gpus(gpu0, FakeUpstream(busy=0))
+    scheduler = flow.coordinator.scheduler
+
+    def held(name: str) -> tuple[bool, bool, int]:
+        holding = next(holding for holding in scheduler.holdings() if holding.name == name)
+        return holding.blocked, holding.settling, holding.adopted
+
+    flow.coordinator.report("foreign", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                      elapsed_s=1.0, upstream="gpu1"))
+    assert held("gpu1") == (True, False, 1) and held("gpu0") == (False, False, 0)
+    flow.coordinator.report("foreign", ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200,
+                                                      first_byte_s=None, upstream="gpu1"))
+    assert held("gpu1") == (False, False, 0)
+    first = await flow.arrive("first", model="m")
+    assert on(flow, "first") == "gpu0"
+    await flow.end(first, ExchangeEnd.CLIENT_LEFT)  # gpu0 goes on computing it: a settle of m begins
+    # (Room for one model: the upstream would replace m by itself, so the settle holds the whole GPU.)
+    assert held("gpu0") == (True, True, 0)
+    gpu0.busy_answer = 0
+    await flow.advance(1.0)
+    assert flow.coordinator.gpus.named("gpu0").settling is None and held("gpu0") == (False, False, 0)
+
+
+@virtual_time
 async def test_slots_are_learnt_per_gpu() -> None:
     gpu0, gpu1 = FakeUpstream(single("m")), FakeUpstream(single("m"))
     gpu0.slots_answer, gpu1.slots_answer = 2, 1
@@ -170,8 +199,9 @@ async def test_the_estimated_start_reads_every_gpu() -> None:
     _, row = found
     assert row.estimated_start_s == 20.0  # type: ignore[union-attr]
     # An adopted exchange on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
-    flow.coordinator._leases.adopt("someone", 10**12, started_ns=0, ours=False, upstream=on(flow, "a"))
-    flow.coordinator.reconfigure(flow.config)  # any change: a new walk
+    # (Adopted as Envoy's entry arrives: the scheduler is told then, and the change makes a new walk.)
+    flow.coordinator.report("someone", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                      elapsed_s=1.0, upstream=on(flow, "a")))
     _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
     assert row.estimated_start_s == 30.0  # type: ignore[union-attr]
 

@@ -57,6 +57,18 @@ async def test_several_loaded_are_adopted_as_the_resident_set() -> None:
 
 
 @virtual_time
+async def test_with_room_for_one_model_a_swap_evicts_it_and_unloads_nothing() -> None:
+    """One rule (issue 45): with room for one model the load evicts the idle resident one, and the
+    upstream replaces it by itself (`Residency.replaces_by_itself`): nothing is unloaded first."""
+    flow = resident_flow(FakeUpstream(loaded("a")), max_loaded=1)
+    b = await flow.arrive("b1", model="b")
+    decision = b.ticket.decision
+    assert b.granted and decision is not None and decision.swap and decision.evicts == ()
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"b"}
+    assert flow.upstream.unload_calls == []
+
+
+@virtual_time
 async def test_a_load_with_room_goes_at_once() -> None:
     flow = resident_flow(FakeUpstream(loaded("a")))
     c = await flow.arrive("c1", model="c")

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import pytest
-
 from hypothesis import HealthCheck, event, note, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -315,7 +313,6 @@ def test_a_load_never_evicts_a_model_the_best_holds_back() -> None:
     assert decision is None, f"granted {decision.request_id}, evicting {[e.model for e in decision.evicts]}"
 
 
-@pytest.mark.xfail(strict=True, reason="the walk behind a waiting best gives the bonus for a model on a full GPU")
 def test_no_bonus_from_a_full_gpu_behind_the_best() -> None:
     """docs/scheduling.md (several GPUs): swap affinity counts where a request's model is resident
     on a GPU that takes work now; equal scores keep arrival order. Found by the property above

@@ -441,13 +441,67 @@ def test_a_settle_of_one_model_holds_that_model_only() -> None:
     assert grant_all(scheduler) == ["a2"]
 
 
-def test_a_settle_of_an_unknown_model_or_one_model_resident_holds_the_whole_gpu() -> None:
-    for max_loaded, model in ((2, None), (1, "A")):
-        scheduler, _ = node(gpu(max_loaded=max_loaded, slots=2))
-        scheduler.enqueue("a1", prio(0), "A")
-        grant_all(scheduler)
-        scheduler.release("a1")
-        scheduler.held_by("gpu0", settling=True, adopted=0, settling_model=model)
-        scheduler.enqueue("b1", prio(0), "B")
-        scheduler.enqueue("a2", prio(0), "A")
-        assert grant_all(scheduler) == []
+def test_a_settle_of_an_unknown_model_holds_the_whole_gpu() -> None:
+    scheduler, _ = node(gpu(max_loaded=2, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    grant_all(scheduler)
+    scheduler.release("a1")
+    scheduler.held_by("gpu0", settling=True, adopted=0)
+    scheduler.enqueue("b1", prio(0), "B")
+    scheduler.enqueue("a2", prio(0), "A")
+    scheduler.enqueue("n1", prio(0), None)
+    assert grant_all(scheduler) == []
+
+
+def test_with_room_for_one_model_a_settle_of_it_holds_it_as_with_room_for_more() -> None:
+    """One rule (issue 45): a settle of a known model holds that model, whatever the room. With
+    room for one, no other model may load (the settling one cannot go), and a request of no
+    model starts beside it, as where there is room for more (the old one-model form held the
+    whole GPU). The runtime tells a settle of the whole GPU where the upstream replaces its one
+    model by itself (`Residency.replaces_by_itself`): tests/test_coordinator.py's
+    test_no_grant_until_the_upstream_is_idle."""
+    scheduler, _ = node(gpu(max_loaded=1, slots=2))
+    scheduler.enqueue("a1", prio(0), "A")
+    grant_all(scheduler)
+    scheduler.release("a1")
+    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")
+    scheduler.enqueue("n1", prio(9), None)
+    scheduler.enqueue("b1", prio(0), "B")
+    assert grant_all(scheduler) == ["n1"]  # (b1 waits: A cannot go)
+    scheduler.held_by("gpu0", settling=False, adopted=0)
+    assert grant_all(scheduler) == []  # n1 runs on A's slot: A is busy, b1 waits for the drain
+    scheduler.release("n1")
+    assert grant_all(scheduler) == ["b1"]
+
+
+def test_a_load_that_needs_the_settling_model_gone_waits_though_nothing_runs() -> None:
+    """Found by the one rule (issue 45): with nothing running, a load that needs the settling model
+    gone (the pinned one cannot go either) waits for the settle; the rule said IDLE and the grant
+    failed its own check that a load has room or idle models to evict."""
+    scheduler, _ = node(gpu(max_loaded=2, slots=1, pinned=("B",)))
+    assert scheduler.set_residents(frozenset({"A", "B"}), as_of=0, upstream="gpu0")
+    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")
+    scheduler.enqueue("c1", prio(0), "C")
+    assert grant_all(scheduler) == []
+    scheduler.held_by("gpu0", settling=False, adopted=0)
+    assert grant_all(scheduler) == ["c1"]
+
+
+def test_the_order_counts_a_load_past_busy_models_as_evicting_once_they_drain() -> None:
+    """One rule (issue 45): the dispatch order (snapshot) follows a load with the residents after
+    it. Where every resident model is busy, the victims are those once they drain (by recency
+    here), as with room for one model, where the load replaces the busy one; the several-model
+    form counted the loaded model beside all of them, past maxLoaded, so a request of the model
+    that goes still got the swap-affinity bonus."""
+    scheduler, clock = node(gpu(max_loaded=2, slots=1), bonus=10)
+    scheduler.enqueue("a1", prio(0), "A")
+    assert grant_all(scheduler) == ["a1"]
+    clock.advance(1.0)
+    scheduler.enqueue("b1", prio(0), "B")
+    assert grant_all(scheduler) == ["b1"]  # beside A: room for two
+    scheduler.enqueue("c1", prio(100), "C")
+    scheduler.enqueue("a2", prio(0), "A")
+    scheduler.enqueue("b2", prio(0), "B")
+    waiting = scheduler.snapshot().waiting
+    assert [(view.request_id, view.swap_affinity) for view in waiting] == [
+        ("c1", False), ("b2", True), ("a2", False)]  # A, used longer ago, goes for C

@@ -14,12 +14,12 @@ of one GPU; `choose` asks it once per GPU of a node (one GPU is a node of one).
 - Reserved slots: a non-interactive request starts only while fewer than ``slots - reserved``
   non-interactive ones run. When the best is non-interactive and its share is used up, the
   first interactive request behind it that fits (`fits`) takes a free slot.
-- Several models resident (``residency.max_loaded`` > 1): each resident model has slots of its
-  own, and a request of another model starts beside what runs if it has room there (`Turn.ROOM`:
-  its load starts at once) or if idle resident models can go to make room (`Turn.EVICT`: they
-  are unloaded first, `eviction.victims`); else it waits while one busy model drains (the best
-  waiting request holds only that one back: `node.NodeWalk`). A request that runs alone still
-  runs alone on the GPU.
+- Resident models (up to ``residency.max_loaded``): each has slots of its own, and a request of
+  another model starts beside what runs if it has room there (`Turn.ROOM`: its load starts at
+  once) or if idle resident models can go to make room (`Turn.EVICT`: `eviction.victims`); else
+  it waits while one busy model drains (the best waiting request holds only that one back:
+  `node.NodeWalk`). With room for one model that is drain then swap. A request that runs alone
+  still runs alone on the GPU.
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
         return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
     running = gpu.running
     if not running.busy:
-        return Turn.IDLE
+        if gpu.settling_model is None or model is None or model in gpu.residents or has_room(gpu, model) \
+                or can_evict_for(gpu, model):
+            return Turn.IDLE
+        return Turn.CLOSED  # its load needs the settle's model gone: it waits for the settle
     if candidate.alone or running.alone:
         return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL  # it waits for the GPU to drain
     if model is None or model in gpu.residents:

@@ -96,10 +96,12 @@ class _GpuWalk:
         # (The rule reads whether work it did not grant holds the GPU, not which: until
         # ``blocked_until`` it is told a settle does. The walk keeps its loads in ``loads``.)
         blocked = self.blocked_until > now
-        # Several resident, a settle of a known model holds that model only.
+        # The record's ``blocked`` (a settle of a known model holds that model only); a GPU it was
+        # told is held, with no model named, is held whole.
         settling_model = gpu.settling_model if blocked else None
         return GpuHolding(gpu.name, gpu.slots, gpu.models, self.residents, running_of(self.items), None,
-                          blocked, 0, blocked and settling_model is None, gpu.residency, gpu.last_used, settling_model)
+                          blocked, 0, blocked and (gpu.blocked or settling_model is None), gpu.residency,
+                          gpu.last_used, settling_model)
 
 
 # Per GPU, the expected ends of what runs there, in seconds from the moment the rule asks

@@ -1,4 +1,4 @@
-"""Several models resident on one GPU: whether a model has room there, which resident models go
+"""The resident models of one GPU: whether a model has room there, which resident models go
 when it has none, and which one the best waiting request holds back while every model that
 could go is busy.
 
@@ -183,8 +183,6 @@ def _fewest_to_go(gpu: GpuHolding, ranked: Sequence[str], model: str) -> list[st
 
 
 def after_load(gpu: GpuHolding, model: str, evicted: Collection[str]) -> frozenset[str]:
-    """The resident models once ``model`` has loaded there, ``evicted`` gone: with one model
-    resident at a time, the load replaces it."""
-    if gpu.residency.max_loaded == 1:
-        return frozenset((model,))
+    """The resident models once ``model`` has loaded there, ``evicted`` (`victims`) gone: with
+    room for one model, the one that was there is the one victim."""
     return (gpu.residents - frozenset(evicted)) | {model}

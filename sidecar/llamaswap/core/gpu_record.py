@@ -1,10 +1,10 @@
 """Per GPU (`GpuRecord`): what runs on it and what is resident there, as the scheduler records it.
 
-A node's upstreams share one queue (`scheduler.py`) but each keeps its own record: its grants
-(at most its slots, one model), its resident models, what holds it besides its grants (a
-settle, adopted exchanges: `held_by`), the load a grant began there that no release has
-confirmed yet, and the `GpuHolding` built from all of that. With one upstream this is the
-record the scheduler always kept.
+A node's GPUs share one queue (`scheduler.py`) but each keeps its own record, one form
+whatever ``maxLoaded``: its grants (at most each resident model's slots), its resident models
+and when each was last used, what holds it besides its grants (a settle, adopted exchanges:
+`held_by`, told by the runtime as each begins and ends), the load each model's grant began there
+that no release has confirmed yet, and the `GpuHolding` built from all of that.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
-from llamaswap.core.eviction import after_load
+from llamaswap.core.eviction import Eviction, after_load
 from llamaswap.core.holding import IDLE, NO_RESIDENTS, GpuHolding, Running, resident_on, running_of
 from llamaswap.core.index import Entry
 from llamaswap.core.policy import GpuPolicy
@@ -24,12 +24,13 @@ from llamaswap.core.policy import GpuPolicy
 @dataclasses.dataclass(slots=True)
 class PendingLoad:
     """A model load begun by a grant (a load or a swap) that no release has confirmed yet: which
-    load it is (the scheduler counts them), the model loaded before it, and whether a grant on it
-    reached the upstream and got an answer that said nothing about the model (then, unconfirmed,
-    the load may or may not have happened)."""
+    load it is (the scheduler counts them), the resident models it evicted that the upstream
+    replaces by itself when the load reaches it (`Residency.replaces_by_itself`: none where they
+    are unloaded first), and whether a grant on it reached the upstream and got an answer that
+    said nothing about the model (then, unconfirmed, the load may or may not have happened)."""
 
     number: int
-    previous: frozenset[str]  # the residents before it
+    replaced: frozenset[str]
     unsure: bool = False
 
 
@@ -50,8 +51,7 @@ class GpuRecord:
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "settling", "settling_model", "adopted", "_holding", "_idle",
-                 "_blocked", "_settle_model", "load", "pending",
-                 "loaders", "dispatches", "last_used")
+                 "_blocked", "pending", "loaders", "dispatches", "last_used")
 
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
@@ -61,18 +61,16 @@ class GpuRecord:
         self.adopted = 0
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
         self._idle: GpuHolding | None = None  # the same with nothing running, while residents and policy stay
-        # The load the resident model came from while none of its grants has reached the upstream
-        # (None once one has, or when the model was reported rather than loaded by a grant). Several
-        # resident: each model's, in ``pending`` (a grant is a user of its own model's load only).
-        self.load: PendingLoad | None = None
+        # By resident model, the load it came from while no release has confirmed it (none once
+        # one has, or when the model was reported rather than loaded by a grant): a grant is a
+        # user of its own model's load only.
         self.pending: dict[str, PendingLoad] = {}
         # The running grant whose load is under way, by model (`holding.load_under_way` of its
-        # grants, kept as they are granted and released rather than searched for at every build;
-        # one model resident: at most one).
+        # grants, kept as they are granted and released rather than searched for at every build).
         self.loaders: dict[str, Decision] = {}
         self.dispatches = 0  # grants on it so far: the generation a loaded-model report was asked at
-        # When each model was last granted there (several resident: the least recently used goes
-        # first among equally needed ones); the holdings read this map, never a copy.
+        # When each model was last granted there (the least recently used goes first among
+        # equally needed ones); the holdings read this map, never a copy.
         self.last_used: dict[str, int] = {}
         self.apply(policy)
 
@@ -98,17 +96,17 @@ class GpuRecord:
             if held is None:
                 held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
                                                self.settling, self.adopted, self._blocked, policy.residency,
-                                               self.last_used, self._settle_model)
+                                               self.last_used, self.settling_model)
         else:
             loading = None
             loaders = self.loaders
             if loaders:
-                for model, loader in loaders.items():  # (the earliest: one model resident, the one)
+                for model, loader in loaders.items():  # (the earliest)
                     loading = (model, loader.granted_ns)
                     break
             held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
-                              self.adopted, self._blocked, policy.residency, self.last_used, self._settle_model)
+                              self.adopted, self._blocked, policy.residency, self.last_used, self.settling_model)
         self._holding = held
         return held
 
@@ -117,12 +115,11 @@ class GpuRecord:
         return self.holding.running
 
     def _held_anew(self) -> None:
-        """What holds it besides its grants changed (`held_by`, the policy): the holding's
-        ``settling_model`` (the one model a settle holds: several resident, its model known) and
-        ``blocked`` (a settle of the whole GPU, or adopted exchanges), kept for every build."""
-        one = self.settling and self.settling_model is not None and self.policy.residency.max_loaded > 1
-        self._settle_model = self.settling_model if one else None
-        self._blocked = (self.settling and not one) or self.adopted > 0
+        """What holds it besides its grants changed (`held_by`, the policy): ``blocked``, the one
+        place it is derived (a settle of the whole GPU, its model not known, or adopted
+        exchanges; a settle of a known model holds that model only: `GpuHolding.settling_model`),
+        kept for every build and read by everyone (the rule, the estimates' walk, the views)."""
+        self._blocked = (self.settling and self.settling_model is None) or self.adopted > 0
         self._holding = self._idle = None
 
     def set_residents(self, residents: frozenset[str]) -> None:
@@ -131,13 +128,15 @@ class GpuRecord:
             self._holding = self._idle = None
 
     def may_adopt(self, residents: frozenset[str]) -> bool:
-        """A report of the resident models made now may be applied. One model resident: nothing
-        runs, and it names at most one (an upstream that keeps several loaded says nothing of
-        which one serves: not known, as before several could be resident). Several: nothing
-        runs; or no load is under way and it names every model that runs (then only the others
-        can differ from what the scheduler believes: an unload that failed, a stop)."""
-        if self.policy.residency.max_loaded == 1:
-            return not self.grants and len(residents) <= 1
+        """A report of the resident models made now may be applied: nothing runs; or no load is
+        under way and it names every model that runs (then only the others can differ from what
+        the scheduler believes: an unload that failed, a stop). Where the upstream replaces its
+        model by itself (`Residency.replaces_by_itself`), what it holds is its word once nothing
+        runs, and one that names more models than it has room for says nothing of which one
+        serves (not known)."""
+        residency = self.policy.residency
+        if residency.replaces_by_itself:
+            return not self.grants and residency.fits(residents)
         if not self.grants:
             return True
         return not self.loaders and all(
@@ -146,7 +145,6 @@ class GpuRecord:
     def adopt(self, residents: frozenset[str]) -> None:
         """What the upstream reports resident, as it is (`may_adopt`): no load is pending any more."""
         self.set_residents(residents)
-        self.load = None
         self.pending.clear()
 
     def held_by(self, *, settling: bool, adopted: int, settling_model: str | None = None) -> bool:
@@ -162,80 +160,61 @@ class GpuRecord:
         """What runs changed (a grant, a release): the holding is built again when next read."""
         self._holding = None
 
-    def granted(self, entry: Entry, decision: Decision, held: GpuHolding, load_number: int | None) -> None:
+    def granted(self, entry: Entry, decision: Decision, held: GpuHolding, load_number: int | None,
+                victims: Sequence[Eviction]) -> None:
         """A grant on it (``held``: what it held as it was made): the load it begins (numbered
-        ``load_number``; None: none), with the models it evicts gone and its own resident, when
-        its model was last used, and what runs."""
+        ``load_number``; None: none), with the models it evicts (``victims``) gone and its own
+        resident, when its model was last used, and what runs."""
         model = decision.model
         load = None
         if model is not None and not decision.alone:
-            several = held.residency.max_loaded > 1
             if load_number is not None:
-                # One model resident: only with nothing running there, and it replaces what was.
-                gone = frozenset(eviction.model for eviction in decision.evicts)
-                pending = PendingLoad(load_number, held.residents - gone)
-                if several:
-                    self.pending[model] = pending
-                else:
-                    self.load = pending
+                gone = frozenset(eviction.model for eviction in victims)
+                unloaded = frozenset(eviction.model for eviction in decision.evicts)
+                self.pending[model] = PendingLoad(load_number, gone - unloaded)
                 self.set_residents(after_load(held, model, gone))
                 self.loaders[model] = decision  # its load is under way there until it is released
-            if several:
-                own = self.pending.get(model)
-                load = own.number if own is not None else None
-                self.last_used[model] = decision.granted_ns
-            else:
-                load = self.load.number if self.load is not None else None
+            own = self.pending.get(model)
+            load = own.number if own is not None else None
+            self.last_used[model] = decision.granted_ns
         self.grants[entry.request_id] = Grant(entry, decision, load)
         self.renew()
 
     def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
-        """What a released grant says about the loaded model (`Scheduler.release`)."""
+        """What a released grant says about its model (`Scheduler.release`): only its own
+        model's load is concerned. Answered after it reached the upstream, the load happened
+        (or failed); a model not known loaded after a failure counts gone where the upstream
+        replaces its model by itself, and stays counted elsewhere (`Residency.replaces_by_itself`:
+        one too few would let a load make llama-server's router evict by itself). Its load's last
+        user, none confirming it: if none reached the upstream, it never loaded (and what it was
+        to replace is there still); if one did unanswered, it may have loaded: it stays counted,
+        or where the upstream replaces its model by itself, neither it nor what it replaced is
+        known. What the upstream says it holds corrects the count (`may_adopt`)."""
         model = grant.entry.model
-        if model is not None and self.loaders.get(model) is grant.decision:
-            del self.loaders[model]  # its load is over, whatever it says
-        if self.policy.residency.max_loaded > 1:
-            self._released_beside(grant, model, model_loaded=model_loaded, reached_upstream=reached_upstream)
-            return
-        pending = self.load
-        on_pending = pending is not None and grant.load == pending.number  # a user of the pending load
-        if not reached_upstream or model_loaded is None:
-            if on_pending:
-                assert pending is not None
-                pending.unsure = pending.unsure or reached_upstream
-                if all(other.load != pending.number for other in self.grants.values()):
-                    # Its last user, and none confirmed the load: none reached the upstream (what
-                    # was resident before still is), or those that did were not told (not known).
-                    self.set_residents(NO_RESIDENTS if pending.unsure else pending.previous)
-                    self.load = None
-        elif not model_loaded and model is not None and model in self.residents:
-            self.set_residents(self.residents - {model})
-            self.load = None
-        elif on_pending:
-            self.load = None  # it reached the upstream: the load happened
-
-    def _released_beside(self, grant: Grant, model: str | None, *, model_loaded: bool | None,
-                         reached_upstream: bool) -> None:
-        """`released` where several models are resident: only the grant's own model's load is
-        concerned, and the resident set never counts fewer models than the upstream may hold
-        (fewer would let a load make llama-server's router evict by itself). A model stays
-        counted after a failed answer (a 5xx of a loaded model) or a load no user confirmed that
-        one reached the upstream unanswered; it goes only where its load reached the upstream
-        with none of its users. What the upstream says it holds corrects the count
-        (`may_adopt`)."""
         if model is None:
             return
+        if self.loaders.get(model) is grant.decision:
+            del self.loaders[model]  # its load is over, whatever it says
+        forgets = self.policy.residency.replaces_by_itself
         pending = self.pending.get(model)
-        if pending is None or grant.load != pending.number:
-            return
+        on_pending = pending is not None and grant.load == pending.number  # a user of the pending load
         if reached_upstream and model_loaded is not None:
-            del self.pending[model]  # it reached the upstream and was answered: the load happened (or failed)
+            if not model_loaded and forgets and model in self.residents:
+                self.set_residents(self.residents - {model})
+                self.pending.pop(model, None)
+            elif on_pending:
+                del self.pending[model]
+            return
+        if pending is None or not on_pending:
             return
         pending.unsure = pending.unsure or reached_upstream
-        if all(other.load != pending.number or other.entry.model != model for other in self.grants.values()):
-            del self.pending[model]  # its last user, and none confirmed the load
-            if not pending.unsure:
-                self.set_residents(self.residents - {model})  # none reached the upstream: never loaded
+        if any(other.load == pending.number for other in self.grants.values()):
+            return
+        del self.pending[model]  # its last user, and none confirmed the load
+        if not pending.unsure:
+            self.set_residents((self.residents - {model}) | pending.replaced)  # none reached the upstream
+        elif forgets:
+            self.set_residents(self.residents - {model})
 
 
 # What a node holds now: every upstream's holding (in the configured order), those that take

@@ -48,7 +48,7 @@ class Running(NamedTuple):
     non_interactive: int = 0  # of those, held by work below the interactive band
     model: str | None = None  # a model the running work names (the one, where it names one); None: none named
     alone: bool = False  # a request that runs alone holds the GPU
-    # Where the running work names several models (several resident): each one's (busy,
+    # Where the running work names more than one model: each one's (busy,
     # non_interactive); None where it names at most one (then ``busy`` is that model's).
     models: Mapping[str, tuple[int, int]] | None = None
 
@@ -87,14 +87,14 @@ def running_of(work: Collection[Candidate]) -> Running:
     model = None
     alone = False
     non_interactive = 0
-    several = False
+    mixed = False  # it names more than one model
     for item in work:
         if item.model is not None:
-            several = several or (model is not None and item.model != model)
+            mixed = mixed or (model is not None and item.model != model)
             model = item.model
         alone = alone or item.alone
         non_interactive += not item.interactive
-    if not several:
+    if not mixed:
         return Running(len(work), non_interactive, model, alone)
     per_model: dict[str, tuple[int, int]] = {}
     for item in work:

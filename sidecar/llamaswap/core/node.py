@@ -27,7 +27,7 @@ from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, op
 from llamaswap.core.eviction import Need, to_hold_back
 from llamaswap.core.holding import Candidate, GpuHolding
 from llamaswap.core.index import Entry, Index, Item
-from llamaswap.core.order import rank
+from llamaswap.core.order import rank, warm_models
 
 
 _NONE: frozenset[int] = frozenset()  # no upstream claimed yet
@@ -200,12 +200,15 @@ class NodeWalk:
         models: Collection[str | None] = warm
         if any_model:
             models = {model for index in indexes for model in index.by_model}
+        # The bonus as `order.pick` gives it: a model resident on a GPU that takes work now (one
+        # resident only on a full GPU earns none, whether or not the best claimed that GPU).
+        bonused = warm_models(self._gpus) if self._bonus else frozenset()
         items: list[tuple[tuple[int, int], Entry]] = []
         for index in indexes:
             for model in models:
                 item = self._top_beside(index, model)
                 if item is not None:
-                    bonus = self._bonus if model is not None and model in warm else 0
+                    bonus = self._bonus if model is not None and model in bonused else 0
                     items.append((rank(item, bonus, scale), item[2]))
         for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
             if self._choose(entry)[0] is Step.START:

@@ -17,7 +17,7 @@ from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import BandStats, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.eviction import after_load, no_need, victims
-from llamaswap.core.holding import GpuHolding, resident_on
+from llamaswap.core.holding import IDLE, GpuHolding, resident_on
 from llamaswap.core.index import Entry, Index
 from llamaswap.core.gpu_record import GpuRecord
 from llamaswap.core.policy import Policy
@@ -86,18 +86,22 @@ def dispatch_order(index: Index, count: int, gpus: Sequence[GpuRecord], bonus: i
         taken.add(winner.seq)
         order.append((winner, bonus if winner.model is not None and winner.model in residents else 0))
         if winner.model is not None and not winner.alone and winner.model not in residents:
-            # A load replaces the resident model; several resident: it joins them, the least
-            # recently used making room (what the grant would evict is the rule's to say).
+            # A load joins the resident models, the rule's victims making room (with room for
+            # one model, the resident one).
             residents = _after(residents, winner.model, gpus[0])
     return order
 
 
 def _after(residents: frozenset[str], model: str, gpu: GpuRecord) -> frozenset[str]:
-    """The residents once ``model`` has loaded on ``gpu`` in the simulated order: a load replaces
-    the resident model; several resident, the rule's evictions (`eviction.victims`, by recency
-    here: the order does not say what will wait then)."""
+    """The residents once ``model`` has loaded on ``gpu`` in the simulated order: the rule's
+    evictions (`eviction.victims`, by recency here: the order does not say what will wait then)
+    as they would be now, else once what runs has drained (the load waits for it: with room for
+    one model, the resident one goes then)."""
     held = gpu.holding._replace(residents=residents)
-    gone = victims(held, model, no_need) if held.residency.max_loaded > 1 else ()
+    gone = victims(held, model, no_need)
+    if gone is None:
+        held = held._replace(running=IDLE)
+        gone = victims(held, model, no_need)
     return after_load(held, model, [eviction.model for eviction in gone or ()])
 
 

@@ -31,6 +31,20 @@ class Residency:
             object.__setattr__(self, "pinned", frozenset())
             object.__setattr__(self, "memory_bytes", None)
 
+    @property
+    def replaces_by_itself(self) -> bool:
+        """What the upstream behind such a GPU does, not a rule of the scheduler's: with room for
+        one model (llama-swap, a single-model llama-server, a router at ``--models-max 1``) it
+        replaces its model by itself when a request for another reaches it. So a grant's
+        evictions are not unloaded first (`Decision.evicts` names none), a model it replaces is
+        there still if no request of the load reached it, and a model not known loaded (a
+        failure, an answer that said nothing of a load) counts gone: counting it gone loses
+        nothing, and what the upstream has is whatever it says once nothing runs. With room for
+        more, llama-server's router would evict by itself (its least recently used, by count) a
+        model llamaswap keeps: the evictions are unloaded first, and a model it may hold stays
+        counted until it says otherwise (one too few would let a load make it evict)."""
+        return self.max_loaded == 1
+
     def bytes_of(self, model: str) -> int:
         """A model's size; one of unknown size counts as the whole budget (it is never loaded
         beside others on a guess: the configuration gives every model it knows a size)."""

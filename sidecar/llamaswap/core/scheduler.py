@@ -175,7 +175,7 @@ class Scheduler:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken, or that arrives while requests run there
-        (`GpuRecord.may_adopt` says when several resident may), describes a past the scheduler
+        (`GpuRecord.may_adopt` says when one may), describes a past the scheduler
         has already moved on from: it is dropped. True if applied.
         """
         gpu = self._gpu(upstream)
@@ -219,7 +219,7 @@ class Scheduler:
         return self._held.now()[0]
 
     def not_unloaded(self, upstream: str, models: frozenset[str]) -> None:
-        """Models a grant evicted that the upstream did not unload (several resident): counted
+        """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
         gpu = self._gpu(upstream)
         gpu.set_residents(gpu.residents | models)
@@ -230,8 +230,8 @@ class Scheduler:
         """The work the scheduler did not grant that holds an upstream now, as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
-        there while either does; several resident, a settle of a known model holds only that
-        model (`GpuHolding.settling_model`). True if that changed."""
+        there while either does; a settle of a known model holds only that model
+        (`GpuHolding.settling_model`). True if that changed."""
         if not self._gpu(upstream).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
             return False
         self._held.changed(residents=True)  # (what it holds idle changed too)
@@ -413,13 +413,12 @@ class Scheduler:
         model = winner.model
         alone = winner.alone
         loads = model is not None and not alone and model not in residents
-        several = held.residency.max_loaded > 1
-        evicts: tuple[Eviction, ...] = ()
-        if loads and several:
+        gone: tuple[Eviction, ...] = ()  # the resident models its load makes room by (room for one: the one)
+        if loads:
             assert model is not None
             found = victims(held, model, self._need, keep)
             assert found is not None, "the rule starts a load only where it has room or idle models may go"
-            evicts = found
+            gone = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
         affinity = self._bonus if model is not None and model in residents else 0
         divisor = self._divisor_ns
@@ -443,8 +442,8 @@ class Scheduler:
             model,  # model
             affinity > 0,  # swap_affinity
             aging,  # aging
-            loads and not (evicts if several else residents),  # load
-            loads and bool(evicts if several else residents),  # swap
+            loads and not gone,  # load
+            loads and bool(gone),  # swap
             residents,  # residents_before
             reasons,  # reordered_by
             overtook,  # overtook
@@ -455,11 +454,11 @@ class Scheduler:
             gpu.name,  # upstream
             loading,  # ready_at
             winner.max_tokens,  # max_tokens
-            evicts,  # evicts
+            () if held.residency.replaces_by_itself else gone,  # evicts: those unloaded first
         )
         if loads:
             self._loads += 1
-        gpu.granted(winner, decision, held, self._loads if loads else None)
+        gpu.granted(winner, decision, held, self._loads if loads else None, gone)
         self._gpu_of[winner.request_id] = gpu
         self._held.changed(residents=loads)
         return decision

@@ -4,9 +4,12 @@ A settle (`settle.py`) waits until an upstream computes no more than this proces
 begun at startup, and after a grant or an adopted exchange ends in a way that may leave the
 upstream computing. An adoption is an exchange Envoy reports that this process does not hold
 (granted by an earlier sidecar process, or a grant of ours whose lease lapsed): it is held like a
-grant until its end, its lease lapses or `maxRunSeconds` passes. While either runs on a GPU,
-nothing is granted there (`GpuHolding.blocked`, told by `Gpus.tell`); when it ends, the coordinator is told (`freed`) so
-that it grants again. The coordinator owns the tickets; this room changes no ticket.
+grant until its end, its lease lapses or `maxRunSeconds` passes. The scheduler owns the record
+of what holds each GPU: it is told here at the moment a settle begins or ends and an adoption
+begins or ends (`Scheduler.held_by`), so nothing reads the runtime's state to sync it. While
+either runs on a GPU, nothing is granted there (`GpuHolding.blocked`, or the settling model
+alone); when it ends, the coordinator is told (`freed`) so that it grants again. The coordinator
+owns the tickets; this room changes no ticket.
 """
 
 from __future__ import annotations
@@ -31,12 +34,10 @@ _log = logging.getLogger(__name__)
 
 def held(gpu: GpuHolding, model: str | None) -> int:
     """The generations this process holds on a GPU that a settle of ``model`` counts beside the
-    abandoned one: its grants there, and the adopted exchanges (whose model is not known). With
-    several resident models only the grants of ``model`` (none named: all): each resident model
+    abandoned one: its grants of ``model`` (and of no model, which share its slots; none named:
+    all its grants), and the adopted exchanges (whose model is not known). Each resident model
     runs in a process of its own, whose slots the upstream counts apart (`Upstream.busy`)."""
-    if model is None or gpu.residency.max_loaded == 1:
-        return gpu.running.busy + gpu.adopted
-    return busy_of(gpu, model)[0] + gpu.adopted
+    return (gpu.running.busy if model is None else busy_of(gpu, model)[0]) + gpu.adopted
 
 
 _ENDED = {SettleResult.ENDED: "ended", SettleResult.LAPSED: "is no longer reported by Envoy",
@@ -68,6 +69,19 @@ class Adoptions:
         self._holding = holding
         self._lease_ns = lease_ns
 
+    def _tell(self, gpu: Gpu) -> None:
+        """Tell the scheduler what holds ``gpu`` besides its grants now (`Scheduler.held_by`): at
+        the moment a settle or an adoption there begins or ends, the one place it is told. A settle
+        of a known model holds that model only, where the others may run beside it; where the
+        upstream replaces its one model by itself (`Residency.replaces_by_itself`: another
+        model's load would replace the settling one), it holds the whole GPU."""
+        settling = gpu.settling
+        model = None if settling is None else settling.model
+        if model is not None and self._holding(gpu.name).residency.replaces_by_itself:
+            model = None
+        self._scheduler.held_by(gpu.name, settling=settling is not None, adopted=len(gpu.adopted),
+                                settling_model=model)
+
     def _stops(self) -> bool:
         return self._config().upstream.abandoned_generation is AbandonedGeneration.STOP
 
@@ -90,6 +104,7 @@ class Adoptions:
                      granted_ns: int | None, *, stop: bool) -> None:
         settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
         gpu.settling = settling
+        self._tell(gpu)
         self._busy()
         self._changed()
         settling.task = asyncio.ensure_future(self._settle(gpu, settling, stop))
@@ -100,17 +115,19 @@ class Adoptions:
         scheduler = self._scheduler
 
         def unloaded() -> None:
-            # Stopping unloads the settle's model (none named: every loaded one); with several
-            # resident, the others stay.
-            model, several = settling.model, self._holding(gpu.name).residency.max_loaded > 1
-            left = scheduler.residents_on(gpu.name) - {model} if model is not None and several else frozenset()
+            # Stopping unloads the settle's model (none named: every loaded one); the others stay.
+            model = settling.model
+            left = scheduler.residents_on(gpu.name) - {model} if model is not None else frozenset()
             if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
                 self._changed()
 
-        settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
-                                  settle_timeout_s=config.upstream.settle_timeout_seconds,
-                                  max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
-                                  held=lambda: held(self._holding(gpu.name), settling.model))
+        try:
+            settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
+                                      settle_timeout_s=config.upstream.settle_timeout_seconds,
+                                      max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
+                                      held=lambda: held(self._holding(gpu.name), settling.model))
+        finally:
+            self._tell(gpu)  # it ended (or was cancelled): no longer under way
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
         self._changed()
         self._freed()
@@ -138,8 +155,9 @@ class Adoptions:
         _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
                      "no grant until it ends", whose, (now - started_ns) / NS_PER_S)
         # It holds the upstream Envoy's entry names (the first one, where it names none).
-        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours,
-                           upstream=self._gpus.named(report.upstream).name)
+        gpu = self._gpus.named(report.upstream)
+        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours, upstream=gpu.name)
+        self._tell(gpu)
         self._busy()
         self._changed()
         self._leases.arm()
@@ -159,6 +177,7 @@ class Adoptions:
         is followed by a settle."""
         adoption = self._leases.end_adopted(token)
         gpu = self._gpus.named(adoption.upstream)
+        self._tell(gpu)
         if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
             self._leases.forget_lapsed(token)
         elif result is SettleResult.WATCHDOG:

@@ -8,10 +8,10 @@ needs no locks.
 
 Invariants enforced here (the other rooms of the runtime serve them and change nothing alone):
 - a grant is made on a GPU (one upstream of `upstreams:`, `gpus.py`) only when it has room for
-  it in fact (`GpuHolding.blocked`, told by `Gpus.tell`): no abandoned generation is still computing
-  there (a settle, `settle.py`), no exchange this process does not hold is still reported on it
-  by Envoy (an adopted lease, `leases.py`: granted by an earlier sidecar process, or a grant of
-  ours whose lease lapsed), and the scheduler has a free slot there for the request
+  it in fact (`GpuHolding.blocked`, told by `Adoptions` as each begins and ends): no abandoned
+  generation is still computing there (a settle, `settle.py`), no exchange this process does not
+  hold is still reported on it by Envoy (an adopted lease, `leases.py`: granted by an earlier
+  sidecar process, or a grant of ours whose lease lapsed), and the scheduler has a free slot there for the request
   (`Scheduler.next`: at most its ``slots`` grants, all of one model). An abandoned generation
   keeps its slot until its upstream's /slots processes no more slots than the grants and
   adopted exchanges this process holds there: while its settle runs, nothing new is granted on
@@ -102,7 +102,7 @@ class Coordinator:
         self._tickets: dict[str, Ticket] = {}
         self._request_ids = RequestIds()
         self._version = Version()
-        self._holdings = Holdings(self.gpus, self.scheduler)
+        self._holdings = Holdings(self.scheduler)
 
         def views(blocked: Callable[[], Mapping[str, float]]) -> QueueViews:
             return QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
@@ -112,7 +112,7 @@ class Coordinator:
                                   schedule_model=self._keys.scheduled, views=views)
         assert self._forecast.views is not None
         self._views: QueueViews = self._forecast.views
-        self._publisher = Publisher(version=self._version, scheduler=self.scheduler, gpus=self.gpus,
+        self._publisher = Publisher(version=self._version, scheduler=self.scheduler,
                                     observer=self._observer, views=self._views, immediate=not observe_after_grant)
         self._grants = Grants(clock=self._clock, config=self._config, scheduler=self.scheduler, gpus=self.gpus,
                               estimator=self.estimator, tickets=self._tickets, request_ids=self._request_ids,

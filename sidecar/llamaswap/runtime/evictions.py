@@ -1,6 +1,6 @@
-"""Evictions before a load (several resident models): the resident models a grant evicts
-(`Decision.evicts`) are unloaded on its GPU, and the request goes only once the upstream no
-longer lists them.
+"""Evictions before a load: the resident models a grant evicts (`Decision.evicts`: none where
+the upstream replaces its one model by itself, `Residency.replaces_by_itself`) are unloaded on
+its GPU, and the request goes only once the upstream no longer lists them.
 
 Why the runtime waits: llama-server's router (`--models-max N`) unloads the least recently used
 model by itself when a load would pass N, busy or not. llamaswap chooses what goes (never a model

@@ -8,7 +8,6 @@ stops grants on that GPU only. Each GPU reads its own entry of the configuration
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,20 +86,6 @@ class Gpus:
         """The GPU of that name; an unknown or missing name (an adopted exchange whose Envoy
         entry names no GPU) is the configured order's first."""
         return self._by_name.get(name or "", self.all[0])
-
-    def tell(self, scheduler: Scheduler) -> bool:
-        """Tell the scheduler what holds each GPU besides its grants (a settle, adopted exchanges:
-        `Scheduler.held_by`), so that its holdings say it: nothing is granted there meanwhile.
-        True if that changed anywhere."""
-        # Every GPU reads the node's one record of adoptions: counted once here, not per GPU.
-        adoptions = self.adoptions
-        counts = collections.Counter(adoption.upstream for adoption in adoptions.values()) if adoptions else {}
-        changed = False
-        for gpu in self.all:
-            settle, adopted = gpu.settling, counts.get(gpu.name, 0)
-            changed = scheduler.held_by(gpu.name, settling=settle is not None, adopted=adopted,
-                                        settling_model=None if settle is None else settle.model) or changed
-        return changed
 
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever

@@ -121,8 +121,8 @@ class Grants:
 
     def pump(self) -> None:
         """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
-        # A settle or an adopted exchange on a GPU: nothing is granted there until it ends.
-        self._gpus.tell(self._scheduler)
+        # (A settle or an adopted exchange on a GPU: nothing is granted there until it ends; the
+        # scheduler was told as it began: `Adoptions`.)
         times = self._forecast.gpu_times()  # (lazy: read only if the rule asks)
         while True:
             decision = self._scheduler.next(times)

@@ -1,21 +1,18 @@
-"""What holds each GPU now, read after the scheduler is told what the runtime knows of it (a
-settle or an adoption may have just changed: `Gpus.tell`)."""
+"""What holds each GPU now: the scheduler's record (`Scheduler.holdings`), which the runtime told
+of each settle and adoption as it began and ended (`Adoptions`); reading syncs nothing."""
 
 from __future__ import annotations
 
 from llamaswap.core import Scheduler
 from llamaswap.core.holding import GpuHolding
-from llamaswap.runtime.gpus import Gpus
 
 
 class Holdings:
-    def __init__(self, gpus: Gpus, scheduler: Scheduler) -> None:
-        self._gpus = gpus
+    def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
 
     def all(self) -> tuple[GpuHolding, ...]:
-        """What holds each GPU, the scheduler told first (`Gpus.tell`: a settle or adoption may have just changed)."""
-        self._gpus.tell(self._scheduler)
+        """What holds each GPU, in the configured order."""
         return self._scheduler.holdings()
 
     def of(self, gpu: str) -> GpuHolding:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from llamaswap.core import Scheduler
 from llamaswap.runtime.deferred import Deferred
-from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.observer import Observer, queue_picture
 from llamaswap.runtime.views import QueueViews
 
@@ -29,11 +28,10 @@ class Version:
 class Publisher:
     """``immediate``: everything runs at once (tests that read telemetry synchronously)."""
 
-    def __init__(self, *, version: Version, scheduler: Scheduler, gpus: Gpus, observer: Observer,
+    def __init__(self, *, version: Version, scheduler: Scheduler, observer: Observer,
                  views: QueueViews, immediate: bool) -> None:
         self._version = version
         self._scheduler = scheduler
-        self._gpus = gpus
         self._observer = observer
         self._views = views
         self._deferred = Deferred(self.publish_now, immediate=immediate)
@@ -43,7 +41,6 @@ class Publisher:
         self.publish()
 
     def publish(self) -> None:
-        self._gpus.tell(self._scheduler)  # (a settle's or an adoption's change publishes, or frees: `Holdings`)
         self._deferred.publish()
 
     def publish_now(self) -> None:

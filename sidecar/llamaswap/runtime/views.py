@@ -108,8 +108,9 @@ class QueueViews:
     the queue (the coordinator counts them); `blocked` says, for each GPU that work the scheduler
     did not grant holds (a settling generation, an adopted exchange), how much longer it does
     (`math.inf`: unknown), nothing granted there meanwhile; `holdings`, what holds each GPU
-    (`Scheduler.holdings`, by default; the coordinator's tells the scheduler first what the
-    runtime knows: `Gpus.tell`), which the GPUs' projection shows (`gpu_projection.py`)."""
+    (`Scheduler.holdings`, by default: the record the runtime tells of each settle and adoption
+    as it begins and ends, so both read the same state and neither syncs anything), which the
+    GPUs' projection shows (`gpu_projection.py`)."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],

@@ -188,10 +188,8 @@ _EVICTION_LEGEND = ("; evictions: resident models the replay's grants unloaded t
 
 
 def _evicting(summary: Summary, rows: Sequence[Row]) -> bool:
-    """Evictions are worth a column: the log recorded some, a row made some, or a row may keep
-    several models resident."""
-    return bool(summary.recorded_evictions) or any(
-        row.settings.max_loaded > 1 or any(row.metrics.evictions.values()) for row in rows)
+    """Evictions are worth a column: the log recorded some, or a row made some."""
+    return bool(summary.recorded_evictions) or any(any(row.metrics.evictions.values()) for row in rows)
 
 
 def _reasons(counts: Mapping[str, int]) -> str:

@@ -118,12 +118,14 @@ class Settings:
         one is given."""
         if not self.max_loaded_everywhere or residency.max_loaded == self.max_loaded:
             return residency
-        if self.max_loaded == 1:
-            return Residency()  # one model at a time: nothing stays beside it, no budget to fit
-        if len(residency.pinned) > self.max_loaded:
-            raise SettingsError(f"maxLoaded {self.max_loaded}: {name} pins {len(residency.pinned)} models "
-                                f"({', '.join(sorted(residency.pinned))}) in {source}: keep at least as many")
-        return dataclasses.replace(residency, max_loaded=self.max_loaded)
+        # (`Residency` drops the pins and the budget where nothing can stay beside a load.)
+        changed = dataclasses.replace(residency, max_loaded=self.max_loaded)
+        if len(changed.pinned) > self.max_loaded:
+            raise SettingsError(f"maxLoaded {self.max_loaded}: {name} pins {len(changed.pinned)} models "
+                                f"({', '.join(sorted(changed.pinned))}) in {source}: keep at least as many")
+        if changed.memory_bytes is None:  # the models' sizes count against a budget only
+            changed = dataclasses.replace(changed, model_bytes={})
+        return changed
 
     def with_recorded(self, record: SettingsRecord) -> Settings:
         """The record's values over these (a record may lack some fields)."""
