@@ -17,11 +17,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
 from urllib.parse import parse_qs
 
 import grpc
-from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from llamaswap._proto.envoy.config.core.v3 import base_pb2
@@ -53,6 +51,7 @@ from llamaswap.envoy.contract import (
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import RetryKeys, parse_attempt
 from llamaswap.runtime.ticket import Arrival, Ticket
+from llamaswap.adapters.metadata import Fields, namespace_fields
 from llamaswap.adapters.outcomes import http_error
 
 _log = logging.getLogger(__name__)
@@ -64,8 +63,6 @@ MAX_SERVICE_TIER = 32
 # More output tokens than any context holds is not a request's size.
 MAX_TOKENS = 10_000_000
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-# The json_to_metadata namespace's fields (a protobuf map of JSON values).
-BodyFields = Mapping[str, struct_pb2.Value]
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -130,11 +127,10 @@ def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
     )
 
 
-def body_fields(request: authz_pb2.CheckRequest) -> BodyFields | None:
+def body_fields(request: authz_pb2.CheckRequest) -> Fields | None:
     """The body's fields json_to_metadata put into the Check's metadata, found once per Check
     (each reader below then looks up only its key); None when the namespace is not there."""
-    filter_metadata = request.attributes.metadata_context.filter_metadata
-    return filter_metadata[MODEL_NAMESPACE].fields if MODEL_NAMESPACE in filter_metadata else None
+    return namespace_fields(request.attributes.metadata_context, MODEL_NAMESPACE)
 
 
 def model_of(request: authz_pb2.CheckRequest) -> str | None:
@@ -142,7 +138,7 @@ def model_of(request: authz_pb2.CheckRequest) -> str | None:
     return _model_in(body_fields(request))
 
 
-def _model_in(fields: BodyFields | None) -> str | None:
+def _model_in(fields: Fields | None) -> str | None:
     if fields is None or MODEL_KEY not in fields:
         return None
     value = fields[MODEL_KEY]
@@ -191,7 +187,7 @@ def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
     return _max_tokens_in(body_fields(request))
 
 
-def _max_tokens_in(fields: BodyFields | None) -> int | None:
+def _max_tokens_in(fields: Fields | None) -> int | None:
     if fields is None:
         return None
     for key in MAX_TOKENS_KEYS:
@@ -211,7 +207,7 @@ def streamed_of(request: authz_pb2.CheckRequest) -> bool:
     return _streamed_in(body_fields(request))
 
 
-def _streamed_in(fields: BodyFields | None) -> bool:
+def _streamed_in(fields: Fields | None) -> bool:
     if fields is None or STREAM_KEY not in fields:
         return False
     value = fields[STREAM_KEY]
@@ -224,7 +220,7 @@ def service_tier_of(request: authz_pb2.CheckRequest) -> str | None:
     return _service_tier_in(body_fields(request))
 
 
-def _service_tier_in(fields: BodyFields | None) -> str | None:
+def _service_tier_in(fields: Fields | None) -> str | None:
     if fields is None or SERVICE_TIER_KEY not in fields:
         return None
     value = fields[SERVICE_TIER_KEY]
