@@ -99,7 +99,7 @@ def render(path: str, *, main_us: float | None, requests: int | None, rate: int)
     if not busy:
         return f"{path}: no busy main-thread samples"
     lines = [f"{path}: {busy} busy main-thread samples ({idle} idle in epoll, left out)"]
-    lines.append("| step | share of the main thread | " + ("us per request |" if main_us else "") )
+    lines.append("| step | share of the main thread |" + (" us per request |" if main_us else ""))
     lines.append("|---|---|" + ("---|" if main_us else ""))
     order = [step for step, _ in STEPS] + [OTHER]
     for step in order:
