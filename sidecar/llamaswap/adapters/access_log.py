@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -26,6 +27,10 @@ _log = logging.getLogger(__name__)
 
 _PERIODIC = accesslog_pb2.DownstreamPeriodic
 _END = accesslog_pb2.DownstreamEnd
+
+
+def _ns(value: timestamp_pb2.Timestamp | duration_pb2.Duration) -> int:
+    return value.seconds * 1_000_000_000 + value.nanos
 
 
 def ticket_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
@@ -66,19 +71,18 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     kind = common.access_log_type
     if kind not in (_PERIODIC, _END, accesslog_pb2.NotSet):
         return None
+    # Each timing read once (a protobuf field access builds a new wrapper each time), and its
+    # nanoseconds computed here: the well-known types' ToNanoseconds validates in Python first.
+    to_upstream = _ns(common.time_to_first_upstream_tx_byte) if common.HasField("time_to_first_upstream_tx_byte") \
+        else None
     elapsed_s = None
     if common.HasField("start_time"):
         now_ns = time.time_ns() if now_unix_ns is None else now_unix_ns
-        started_ns = common.start_time.ToNanoseconds()
-        if common.HasField("time_to_first_upstream_tx_byte"):
-            started_ns += common.time_to_first_upstream_tx_byte.ToNanoseconds()
-        else:
-            started_ns = now_ns
+        started_ns = now_ns if to_upstream is None else _ns(common.start_time) + to_upstream
         elapsed_s = max(0, now_ns - started_ns) / 1e9
     first_byte_s = None
-    if common.HasField("time_to_first_upstream_rx_byte") and common.HasField("time_to_first_upstream_tx_byte"):
-        first_byte_s = max(0.0, common.time_to_first_upstream_rx_byte.ToNanoseconds()
-                           - common.time_to_first_upstream_tx_byte.ToNanoseconds()) / 1e9
+    if to_upstream is not None and common.HasField("time_to_first_upstream_rx_byte"):
+        first_byte_s = max(0, _ns(common.time_to_first_upstream_rx_byte) - to_upstream) / 1e9
     # The upstream whose cluster the route chose (the OK's x-llamaswap-upstream).
     upstream = upstream_of_cluster(common.upstream_cluster)
     if kind == _PERIODIC:

@@ -51,7 +51,7 @@ from llamaswap.envoy.contract import (
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import RetryKeys, parse_attempt
 from llamaswap.runtime.ticket import Arrival, Ticket
-from llamaswap.adapters.metadata import metadata_value
+from llamaswap.adapters.metadata import Fields, namespace_fields
 from llamaswap.adapters.outcomes import http_error
 
 _log = logging.getLogger(__name__)
@@ -127,10 +127,22 @@ def denied(refusal: Refusal) -> authz_pb2.CheckResponse:
     )
 
 
+def body_fields(request: authz_pb2.CheckRequest) -> Fields | None:
+    """The body's fields json_to_metadata put into the Check's metadata, found once per Check
+    (each reader below then looks up only its key); None when the namespace is not there."""
+    return namespace_fields(request.attributes.metadata_context, MODEL_NAMESPACE)
+
+
 def model_of(request: authz_pb2.CheckRequest) -> str | None:
     """The body's top-level `model`, if it is a non-empty string (json_to_metadata put it there)."""
-    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, MODEL_KEY)
-    if value is None or value.WhichOneof("kind") != "string_value":
+    return _model_in(body_fields(request))
+
+
+def _model_in(fields: Fields | None) -> str | None:
+    if fields is None or MODEL_KEY not in fields:
+        return None
+    value = fields[MODEL_KEY]
+    if value.WhichOneof("kind") != "string_value":
         return None
     model = value.string_value
     return model if 0 < len(model) <= MAX_MODEL_NAME else None
@@ -172,9 +184,17 @@ def scheduled_as(method: str, path: str, body_model: str | None) -> Scheduled:
 def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
     """The output tokens the body asks for: the first of MAX_TOKENS_KEYS that is a positive
     number (json_to_metadata put it there); None when absent or not a count (-1: unlimited)."""
+    return _max_tokens_in(body_fields(request))
+
+
+def _max_tokens_in(fields: Fields | None) -> int | None:
+    if fields is None:
+        return None
     for key in MAX_TOKENS_KEYS:
-        value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, key)
-        if value is None or value.WhichOneof("kind") != "number_value":
+        if key not in fields:
+            continue
+        value = fields[key]
+        if value.WhichOneof("kind") != "number_value":
             continue
         number = value.number_value
         if 1 <= number <= MAX_TOKENS:
@@ -184,15 +204,27 @@ def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
 
 def streamed_of(request: authz_pb2.CheckRequest) -> bool:
     """Whether the body asks for a streamed response (`"stream": true`)."""
-    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, STREAM_KEY)
-    return value is not None and value.WhichOneof("kind") == "bool_value" and value.bool_value
+    return _streamed_in(body_fields(request))
+
+
+def _streamed_in(fields: Fields | None) -> bool:
+    if fields is None or STREAM_KEY not in fields:
+        return False
+    value = fields[STREAM_KEY]
+    return value.WhichOneof("kind") == "bool_value" and value.bool_value
 
 
 def service_tier_of(request: authz_pb2.CheckRequest) -> str | None:
     """The body's OpenAI `service_tier`, if it is a short string (the core says which count:
     core.priority.SERVICE_TIERS); None when absent or of another JSON type."""
-    value = metadata_value(request.attributes.metadata_context, MODEL_NAMESPACE, SERVICE_TIER_KEY)
-    if value is None or value.WhichOneof("kind") != "string_value":
+    return _service_tier_in(body_fields(request))
+
+
+def _service_tier_in(fields: Fields | None) -> str | None:
+    if fields is None or SERVICE_TIER_KEY not in fields:
+        return None
+    value = fields[SERVICE_TIER_KEY]
+    if value.WhichOneof("kind") != "string_value":
         return None
     tier = value.string_value
     return tier if len(tier) <= MAX_SERVICE_TIER else None
@@ -253,7 +285,9 @@ class Authorization(authz_grpc.AuthorizationServicer):
         replaced = len(request_id) > MAX_REQUEST_ID
         if replaced:  # the ticket, the activity log and every span keep it: bounded
             request_id = http.id
-        scheduled = scheduled_as(http.method, http.path, model_of(request))
+        method, path = http.method, http.path
+        fields = body_fields(request)
+        scheduled = scheduled_as(method, path, _model_in(fields))
         retry_key = attempt = None
         if self._coordinator.config.routing.retry_grace_seconds > 0:
             retry_key, attempt = retry_identity(request, self._retry_keys)
@@ -265,14 +299,14 @@ class Authorization(authz_grpc.AuthorizationServicer):
             peer=context.peer(),
             trace_parent=trace_parent if isinstance(trace_parent, str) else None,
             trace_state=trace_state if isinstance(trace_state, str) else None,
-            method=http.method,
-            path=http.path,
-            max_tokens=max_tokens_of(request),
-            streamed=streamed_of(request),
+            method=method,
+            path=path,
+            max_tokens=_max_tokens_in(fields),
+            streamed=_streamed_in(fields),
             request_id_replaced=replaced,
             alone=scheduled.alone,
             objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
-            service_tier=service_tier_of(request),
+            service_tier=_service_tier_in(fields),
             retry_key=retry_key,
             attempt=attempt,
         )
