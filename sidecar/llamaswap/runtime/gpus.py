@@ -82,10 +82,21 @@ class Gpus:
     def __len__(self) -> int:
         return len(self.all)
 
-    def named(self, name: str | None) -> Gpu:
-        """The GPU of that name; an unknown or missing name (an adopted exchange whose Envoy
-        entry names no GPU) is the configured order's first."""
-        return self._by_name.get(name or "", self.all[0])
+    def named(self, name: str) -> Gpu:
+        """The GPU of that name: every caller has one (a grant's, an adoption's, a catalog's).
+        Raises KeyError for a name that is not configured."""
+        return self._by_name[name]
+
+    def reported(self, name: str | None) -> Gpu | None:
+        """The GPU an exchange Envoy reports runs on: the one its access-log entry names (the
+        cluster its route chose: `envoy.contract.upstream_of_cluster`). An entry that names none,
+        or a GPU not configured (a grant's route always names one of ours; an exchange that reached
+        no upstream names none), is placed only where there is no choice: on a node of one GPU it
+        is that GPU, on several it cannot be placed (None)."""
+        gpu = self._by_name.get(name) if name is not None else None
+        if gpu is None and len(self.all) == 1:
+            return self.all[0]
+        return gpu
 
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
