@@ -195,6 +195,23 @@ async def test_single_model_servers_get_only_their_model() -> None:
 
 
 @virtual_time
+async def test_single_model_servers_answer_only_the_names_their_entries_list() -> None:
+    """Issue 45: where every GPU is a single-model server of the same model, every request is
+    scheduled on that model; the entries' ``models`` lists still say which names the GPUs
+    answer. A listed alias is served (as the one model), a name no entry lists is refused as
+    unknown, as it was before the lists and the scheduler's rule were one (docs/configuration.md:
+    ``upstreams[i].models``)."""
+    gpu0, gpu1 = FakeUpstream(single("m")), FakeUpstream(single("m"))
+    flow = two_gpus(gpu0, gpu1, models=(["m", "alias"], ["m", "alias"]))
+    flow.coordinator.observe_catalog(single("m"), 0, "gpu0")
+    flow.coordinator.observe_catalog(single("m"), 0, "gpu1")
+    alias = await flow.arrive("alias", model="alias")
+    assert alias.granted and alias.ticket.schedule_model == "m"
+    unlisted = await flow.arrive("unlisted", model="other")
+    assert unlisted.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
+
+
+@virtual_time
 async def test_a_model_goes_only_where_the_configuration_lets_it() -> None:
     flow = two_gpus(models=(["small"], None))
     big1 = await flow.arrive("big1", model="big")
