@@ -283,6 +283,14 @@ def test_each_gpu_replays_with_the_slots_the_log_recorded_for_it(tmp_path):
     assert older.gpu_slots is None
 
 
+def test_the_reservation_of_a_configured_node_is_not_its_first_gpus():
+    """`auto` lowered the reservation on the first GPU (one slot learnt); the node's is the
+    configured one, which each replayed GPU gets and a replay lowers to fit as the sidecar did."""
+    policies = (GpuPolicy("small", Slots(1, {}, 0)), GpuPolicy("big", Slots(4, {}, 2)))
+    base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(policies))
+    assert base.reserved_slots == 2 and base.fewest_slots == 1
+
+
 def test_an_unusable_slots_entry_makes_the_record_unusable():
     bad = {**SETTINGS, "upstreams": [_upstream_entry("big", 0)]}
     activity = parse_activity([format_line(bad)])

@@ -72,10 +72,14 @@ class Settings:
     @classmethod
     def from_policy(cls, policy: Policy, *, configured: bool = True) -> Settings:
         """The settings of ``policy``: its GPUs as configured (``configured``), or only their count
-        and, for every GPU, the slots and maxLoaded of the first (the settings without -c FILE)."""
+        (the defaults, without -c FILE: one GPU). The node's reservation is the largest of the
+        GPUs' (`auto` may have lowered one GPU's). The node-wide slots and maxLoaded are the first
+        GPU's: what the report shows for the row and what GPUs named by ``--gpus N`` get (each
+        configured GPU keeps its own until a flag replaces them)."""
         first = policy.gpus[0]
+        reserved = max(gpu.slots.reserved for gpu in policy.gpus)
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
-                   policy.max_wait_s, dict(policy.model_priorities), first.slots.default, first.slots.reserved,
+                   policy.max_wait_s, dict(policy.model_priorities), first.slots.default, reserved,
                    dict(first.slots.per_model), len(policy.gpus),
                    tuple(gpu.name for gpu in policy.gpus) if configured else (),
                    policy.gpus if configured else (), first.residency.max_loaded)
