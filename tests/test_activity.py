@@ -300,3 +300,26 @@ def test_each_dispatch_record_names_the_upstream_it_ran_on(tmp_path: pathlib.Pat
         {"name": "small", "slots": 1, "model_slots": {}, "models": None, **ONE_MODEL}]
     assert {r["request_id"]: r["upstream"] for r in lines if r["event"] == "request"} == {
         "x1": "big", "y1": "small", "x2": "big", "z1": "big"}
+
+
+def test_the_settings_record_gives_each_gpus_slots_and_the_nodes_reservation(tmp_path: pathlib.Path) -> None:
+    """Issue 45 (item 5): each GPU's own slots are in ``upstreams``, which `llamaswap simulate`
+    reads back per GPU; the top-level ``slots`` stay the first GPU's, for older readers; the
+    reservation is the node's, not the first GPU's where `auto` lowered that one's."""
+    from llamaswap.core import ManualClock, Slots
+    from llamaswap.core.policy import GpuPolicy
+    from policies import serial
+
+    path = tmp_path / "activity.jsonl"
+    activity = ActivityLog(ManualClock(), path=str(path))
+    activity.settings_changed(serial().with_gpus((GpuPolicy("small", Slots(1, {}, 0)),
+                                                  GpuPolicy("big", Slots(4, {"m": 3}, 2)))))
+    activity.close()
+    (line,) = lines_of(path)
+    assert (line["slots"], line["model_slots"], line["reserved_slots"]) == (1, {}, 2)
+    assert [(u["name"], u["slots"], u["model_slots"]) for u in line["upstreams"]] == [
+        ("small", 1, {}), ("big", 4, {"m": 3})]
+    (record,) = read_activity(path).settings
+    assert record.gpu_slots is not None
+    assert {name: (own.default, dict(own.per_model)) for name, own in record.gpu_slots.items()} == {
+        "small": (1, {}), "big": (4, {"m": 3})}

@@ -92,6 +92,54 @@ async def test_an_adopted_exchange_holds_the_gpu_envoy_names() -> None:
 
 
 @virtual_time
+async def test_an_exchange_envoy_places_on_no_gpu_of_several_holds_none() -> None:
+    """Issue 45 (item 5): no first GPU stands in for a missing name. An earlier process's
+    exchange whose entry names no GPU (it reached no upstream) or one this node does not have
+    cannot be placed on one of two GPUs: it holds neither, and both keep granting."""
+    flow = two_gpus()
+    flow.coordinator.report("nowhere", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                      elapsed_s=1.0))
+    flow.coordinator.report("elsewhere", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                        elapsed_s=1.0, upstream="gpu7"))
+    await flow.idle()
+    assert not flow.coordinator.gpus.named("gpu0").adopted and not flow.coordinator.gpus.named("gpu1").adopted
+    one = await flow.arrive("one", model="m")
+    two = await flow.arrive("two", model="n")
+    assert one.granted and two.granted and {on(flow, "one"), on(flow, "two")} == {"gpu0", "gpu1"}
+
+
+@virtual_time
+async def test_an_exchange_envoy_places_on_no_gpu_holds_the_one_gpu_of_a_node_of_one() -> None:
+    """On a node of one GPU there is nowhere else it can run: it holds that GPU, named as configured."""
+    flow = Flow({"upstreams": [{"name": "big", "url": "http://127.0.0.1:8081"}], "envoy": LONG_LEASE})
+    flow.coordinator.report("nowhere", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
+                                                      elapsed_s=1.0))
+    await flow.idle()
+    assert flow.coordinator.gpus.named("big").adopted == ["nowhere"]
+    waiting = await flow.arrive("a", model="m")
+    assert waiting.waiting
+
+
+@virtual_time
+async def test_a_lapsed_grant_reported_again_holds_the_gpu_it_was_granted() -> None:
+    """Our own lapsed grant is placed by its grant, whatever Envoy's entry names: on gpu1, not on
+    the configured order's first."""
+    flow = two_gpus(envoy={"leaseSeconds": 2})
+    first = await flow.arrive("first", model="m")
+    second = await flow.arrive("second", model="n")
+    lapsing = first if on(flow, "first") == "gpu1" else second
+    other = second if lapsing is first else first
+    await flow.renew(other)
+    await flow.advance(1.5)
+    await flow.renew(other)
+    await flow.advance(0.6)  # the lapsing one's lease is over; the other's is renewed
+    assert lapsing.outcome is Outcome.LEASE_EXPIRED and other.outcome is None
+    await flow.renew(lapsing.ticket.token)  # Envoy still runs it after all (its entry names no GPU)
+    assert flow.coordinator.gpus.named("gpu1").adopted == [lapsing.ticket.token]
+    assert not flow.coordinator.gpus.named("gpu0").adopted
+
+
+@virtual_time
 async def test_the_scheduler_is_told_what_holds_a_gpu_as_it_begins_and_ends() -> None:
     """Issue 45 (item 2): the core owns the record of what holds each GPU. The runtime tells it at
     the moment a settle or an adoption begins or ends; the scheduler's own holdings say so at
@@ -144,6 +192,23 @@ async def test_single_model_servers_get_only_their_model() -> None:
     assert l1.granted and on(flow, "l1") == "gpu1" and l2.waiting  # gpu0 idles: it serves qwen only
     unknown = await flow.arrive("x", model="mistral")
     assert unknown.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
+
+
+@virtual_time
+async def test_single_model_servers_answer_only_the_names_their_entries_list() -> None:
+    """Issue 45: where every GPU is a single-model server of the same model, every request is
+    scheduled on that model; the entries' ``models`` lists still say which names the GPUs
+    answer. A listed alias is served (as the one model), a name no entry lists is refused as
+    unknown, as it was before the lists and the scheduler's rule were one (docs/configuration.md:
+    ``upstreams[i].models``)."""
+    gpu0, gpu1 = FakeUpstream(single("m")), FakeUpstream(single("m"))
+    flow = two_gpus(gpu0, gpu1, models=(["m", "alias"], ["m", "alias"]))
+    flow.coordinator.observe_catalog(single("m"), 0, "gpu0")
+    flow.coordinator.observe_catalog(single("m"), 0, "gpu1")
+    alias = await flow.arrive("alias", model="alias")
+    assert alias.granted and alias.ticket.schedule_model == "m"
+    unlisted = await flow.arrive("unlisted", model="other")
+    assert unlisted.refusal.outcome is Outcome.REJECTED_UNKNOWN_MODEL
 
 
 @virtual_time

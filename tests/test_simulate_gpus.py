@@ -245,6 +245,58 @@ def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_r
     assert "gpus" in KEYS
 
 
+def _upstream_entry(name: str, slots: int, model_slots: dict | None = None) -> dict:
+    return {"name": name, "slots": slots, "model_slots": model_slots or {}, "models": None, "max_loaded": 1,
+            "pinned": [], "memory_bytes": None, "model_bytes": {}}
+
+
+def test_each_gpu_replays_with_the_slots_the_log_recorded_for_it(tmp_path):
+    """Issue 45 (item 5): the settings record's top-level slots are the first GPU's; each GPU's
+    own are in ``upstreams``, and the replay gives each its own (big 2 with A 3, small 1), not the
+    first's everywhere. A flag's slots are every GPU's; --gpus N names new GPUs with the node's."""
+    from llamaswap.simulate.settings import override
+
+    recorded = {**SETTINGS, "slots": 2, "model_slots": {"A": 3}, "reserved_slots": 0,
+                "upstreams": [_upstream_entry("big", 2, {"A": 3}), _upstream_entry("small", 1)]}
+    (record,) = parse_activity([format_line(recorded)]).settings
+    base = dataclasses.replace(Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0),
+                                                    configured=False), gpus=2, upstreams=("big", "small"))
+    base = base.with_recorded(record)
+    assert [(gpu.name, gpu.slots) for gpu in base.policy().gpus] == [("big", Slots(2, {"A": 3})),
+                                                                    ("small", Slots(1))]
+    assert (base.most_slots, base.fewest_slots) == (3, 1)
+    assert [gpu.slots for gpu in override(base, {"slots": "4"}).policy().gpus] == [Slots(4), Slots(4)]
+    assert [gpu.slots for gpu in override(base, {"gpus": "2"}).policy().gpus] == [Slots(2, {"A": 3})] * 2
+    # Through the command: small keeps its one slot, so b2 waits for b1 there until 5 s (big runs
+    # A, one model at a time, so it cannot load B beside it); with the first GPU's two slots on
+    # small too, b2 would start at 1 s beside b1.
+    documents = [_request("a1", 0, "A", granted_s=0, run_s=8, load=True, upstream="big", swap_s=1),
+                 _request("b1", 0, "B", granted_s=0, run_s=5, load=True, upstream="small", swap_s=1),
+                 _request("b2", 1, "B", granted_s=5, run_s=5, load=False, upstream="small")]
+    out, err, status = run_cli(["--format", "json", "--requests", "-"], documents, tmp_path, settings=recorded)
+    assert status == 0, err
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith('{"request_id"')]
+    assert {line["request_id"]: (line["upstream"], line["start_ms"]) for line in lines} == {
+        "a1": ("big", 0.0), "b1": ("small", 0.0), "b2": ("small", 5000.0)}
+    # An older record (no upstreams): the top-level slots are every GPU's.
+    (older,) = parse_activity([format_line({**SETTINGS, "slots": 2})]).settings
+    assert older.gpu_slots is None
+
+
+def test_the_reservation_of_a_configured_node_is_not_its_first_gpus():
+    """`auto` lowered the reservation on the first GPU (one slot learnt); the node's is the
+    configured one, which each replayed GPU gets and a replay lowers to fit as the sidecar did."""
+    policies = (GpuPolicy("small", Slots(1, {}, 0)), GpuPolicy("big", Slots(4, {}, 2)))
+    base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(policies))
+    assert base.reserved_slots == 2 and base.fewest_slots == 1
+
+
+def test_an_unusable_slots_entry_makes_the_record_unusable():
+    bad = {**SETTINGS, "upstreams": [_upstream_entry("big", 0)]}
+    activity = parse_activity([format_line(bad)])
+    assert activity.settings == () and activity.first_problem == "line 1: upstream big: slots is not an integer >= 1: 0"
+
+
 # -- fidelity: a recording of the runtime over two GPUs -------------------------------------------
 
 # Each GPU serves its own models (`upstreams[].models`), so no choice of the rule rests on

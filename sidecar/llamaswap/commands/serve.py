@@ -119,9 +119,8 @@ class Sidecar:
         self.telemetry = Telemetry.from_environment(clock)
         # Read once (ConfigError when it cannot be); only the HTTP clients hold it.
         self._api_key = config.upstream.read_api_key()
-        # One client per upstream of the node (`upstreams:`), in order; `upstream` is the first.
+        # One client per upstream of the node (`upstreams:`), in order.
         self.upstreams = [HttpUpstream(entry.url, api_key=self._api_key) for entry in config.upstream_entries]
-        self.upstream = self.upstreams[0]
         # A 401 or 403 from the upstream before it ever answered otherwise: `failure` says why.
         self.failed = asyncio.Event()
         self.failure: str | None = None

@@ -111,12 +111,17 @@ class ActivityLog:
             "max_queued": policy.max_queued,
             "max_wait_s": policy.max_wait_s,
             "model_priorities": dict(policy.model_priorities),
-            # The slots it ran with (after `auto` learnt them), so a replay runs with the same: the
-            # first GPU's, which `llamaswap simulate` gives every GPU (each one's: `upstreams`).
+            # Compatibility for readers of logs written before each GPU's slots were recorded (an
+            # older `llamaswap simulate` gives these every GPU): the first GPU's slots. This
+            # version's simulate reads each GPU's own from `upstreams`, these only where a log
+            # has no `upstreams`.
             "slots": policy.gpus[0].slots.default,
             "model_slots": dict(policy.gpus[0].slots.per_model),
-            "reserved_slots": policy.gpus[0].slots.reserved,
-            # The node's upstreams (issue 27), in the configured order: a replay runs with the same.
+            # The node's reservation (routing.scheduler.settings.<use>.reservedSlots; a GPU where
+            # `auto` learnt fewer slots holds a lower one, and a replay lowers it to fit the same way).
+            "reserved_slots": max(gpu.slots.reserved for gpu in policy.gpus),
+            # The node's upstreams (issue 27), in the configured order, each with its own slots
+            # (after `auto` learnt them), models and residency: a replay runs with the same.
             "upstreams": [{"name": gpu.name, "slots": gpu.slots.default, "model_slots": dict(gpu.slots.per_model),
                            "models": sorted(gpu.models) if gpu.models is not None else None,
                            **_residency_fields(gpu.residency)}

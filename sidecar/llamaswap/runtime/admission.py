@@ -113,10 +113,9 @@ class Admitter:
         return ticket if ticket.unloads is None else await self._grants.evictions.wait(ticket)  # (several resident)
 
     async def serves(self, model: str) -> bool:
-        """Whether a GPU that may run ``model`` as scheduled lists it (`Gpus.serves`: the
-        scheduler's one rule, `GpuPolicy.may_serve`, per GPU)."""
+        """Whether a GPU answers ``model`` and may run it as scheduled (`Gpus.serves`)."""
         return await self._gpus.serves(model, self._keys.scheduled(model), self._scheduler.policy,
-                                       self._config.config.upstream.model_check)
+                                       self._config.config)
 
     def _over_stream_limit(self) -> bool:
         """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its

@@ -147,15 +147,22 @@ class Adoptions:
             return
         now = self._clock.now_ns()
         ours = self._tokens.issued(token)
-        started_ns = self._leases.to_adopt(token, ours=ours, final=report.final, elapsed_s=report.elapsed_s, now_ns=now)
-        if started_ns is None:
+        adoptable = self._leases.to_adopt(token, ours=ours, final=report.final, elapsed_s=report.elapsed_s,
+                                          now_ns=now)
+        if adoptable is None:
             return
         whose = ("a grant of ours whose lease lapsed or whose Envoy connection went" if ours
                  else "granted by an earlier sidecar process")
-        _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago); "
-                     "no grant until it ends", whose, (now - started_ns) / NS_PER_S)
-        # It holds the upstream Envoy's entry names (the first one, where it names none).
-        gpu = self._gpus.named(report.upstream)
+        started_ns = adoptable.started_ns
+        # It holds the GPU of our grant, else the one Envoy's entry names (`Gpus.reported`).
+        gpu = self._gpus.named(adoptable.gpu) if adoptable.gpu is not None else self._gpus.reported(report.upstream)
+        if gpu is None:
+            _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago) on "
+                         "upstream %s, which is none of this node's GPUs: it holds none of them", whose,
+                         (now - started_ns) / NS_PER_S, report.upstream or "(none named)")
+            return
+        _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago) on %s; "
+                     "no grant there until it ends", whose, (now - started_ns) / NS_PER_S, gpu.name)
         self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours, upstream=gpu.name)
         self._tell(gpu)
         self._busy()

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from llamaswap.config import SLOTS_AUTO, Config, ModelCheck
+from llamaswap.config import SLOTS_AUTO, Config
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import Clock, Policy, Scheduler
 from llamaswap.runtime.catalog import ModelCatalog
@@ -82,10 +82,21 @@ class Gpus:
     def __len__(self) -> int:
         return len(self.all)
 
-    def named(self, name: str | None) -> Gpu:
-        """The GPU of that name; an unknown or missing name (an adopted exchange whose Envoy
-        entry names no GPU) is the configured order's first."""
-        return self._by_name.get(name or "", self.all[0])
+    def named(self, name: str) -> Gpu:
+        """The GPU of that name: every caller has one (a grant's, an adoption's, a catalog's).
+        Raises KeyError for a name that is not configured."""
+        return self._by_name[name]
+
+    def reported(self, name: str | None) -> Gpu | None:
+        """The GPU an exchange Envoy reports runs on: the one its access-log entry names (the
+        cluster its route chose: `envoy.contract.upstream_of_cluster`). An entry that names none,
+        or a GPU not configured (a grant's route always names one of ours; an exchange that reached
+        no upstream names none), is placed only where there is no choice: on a node of one GPU it
+        is that GPU, on several it cannot be placed (None)."""
+        gpu = self._by_name.get(name) if name is not None else None
+        if gpu is None and len(self.all) == 1:
+            return self.all[0]
+        return gpu
 
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
@@ -93,12 +104,16 @@ class Gpus:
         keys = {gpu.catalog.single_model() for gpu in self.all}
         return keys.pop() if len(keys) == 1 else None
 
-    async def serves(self, model: str, scheduled: str | None, policy: Policy, check: ModelCheck) -> bool:
-        """Whether a GPU that may serve the request (the scheduler's one rule for what it is
-        scheduled as, ``scheduled``: `GpuPolicy.may_serve`) lists ``model`` (upstream.modelCheck:
+    async def serves(self, model: str, scheduled: str | None, policy: Policy, config: Config) -> bool:
+        """Whether some GPU answers the client's name ``model``: its entry lists it (the operator's
+        ``upstreams[i].models`` names what the GPU answers, `UpstreamEntry.lists`: a single-model
+        server answers every name with its one model, and a name its entry does not list is refused
+        there), the scheduler may run there what the request is scheduled as (``scheduled``:
+        `GpuPolicy.may_serve`, the one rule), and the upstream lists it (upstream.modelCheck:
         `ModelCatalog.serves`, each asked again once on a miss)."""
         for gpu in self.all:
-            if policy.gpu(gpu.name).may_serve(scheduled) and await gpu.catalog.serves(model, check):
+            if (config.entry(gpu.name).lists(model) and policy.gpu(gpu.name).may_serve(scheduled)
+                    and await gpu.catalog.serves(model, config.upstream.model_check)):
                 return True
         return False
 

@@ -160,14 +160,16 @@ class Grants:
 
     def release(self, ticket: Ticket, outcome: Outcome, *, abandoned: bool, sent: bool = True) -> None:
         decision = ticket.decision
-        gpu = self._gpus.named(decision.upstream if decision is not None else None)
+        if decision is None:  # only a running grant is released (every caller checks it runs)
+            raise ValueError(f"request {ticket.request_id} was never granted: there is nothing to release")
+        gpu = self._gpus.named(decision.upstream)
         model_loaded = model_stays_loaded(outcome, ticket.response_status,
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
         self.watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self.leases.arm()
-        if outcome is Outcome.SERVED and decision is not None and ticket.generation:
+        if outcome is Outcome.SERVED and ticket.generation:
             # Only a streamed first byte is the generation's start: a non-streamed one is its end,
             # and would teach generation length as swap cost.
             self._estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
@@ -177,8 +179,7 @@ class Grants:
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self.finish(ticket, outcome, released.released_ns)
         if ticket.abandoned:
-            self.adoptions.abandoned(gpu, ticket.model, ticket.request_id,
-                                     decision.granted_ns if decision is not None else None)
+            self.adoptions.abandoned(gpu, ticket.model, ticket.request_id, decision.granted_ns)
         self._update_idle()
         self.pump()
 
@@ -193,7 +194,7 @@ class Grants:
         self._request_ids.forget(ticket)
         if ticket.decision is not None and outcome in (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE):
             # Released while its exchange may still run: if Envoy reports it again, it is adopted.
-            self.leases.remember_lapsed(ticket.token, ticket.decision.granted_ns)
+            self.leases.remember_lapsed(ticket.token, ticket.decision.granted_ns, ticket.decision.upstream)
         waiter = ticket.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -38,7 +38,16 @@ class Adoption:
     started_ns: int  # the exchange's start: our grant, Envoy's start_time, or else the adoption
     lease_deadline_ns: int
     ours: bool  # a grant of this process whose lease lapsed (or whose Envoy connection went)
-    upstream: str  # the GPU it holds (the one Envoy's entry names)
+    upstream: str  # the GPU it holds: our grant's, else the one Envoy's entry names (`Gpus.reported`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Adoptable:
+    """An exchange to adopt: when it started, and the GPU it holds where this process knows it
+    (a lapsed grant of ours: its grant's; None: an earlier process's, placed by Envoy's entry)."""
+
+    started_ns: int
+    gpu: str | None
 
 
 class Leases:
@@ -55,26 +64,28 @@ class Leases:
         self._running = running
         self._max_run_ns = max_run_ns
         self.adopted: dict[str, Adoption] = {} if adopted is None else adopted
-        self._lapsed: collections.OrderedDict[str, int] = collections.OrderedDict()  # token -> granted_ns
+        # token -> (granted_ns, the GPU it was granted)
+        self._lapsed: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
 
     # -- what is remembered ----------------------------------------------------------------
 
-    def remember_lapsed(self, token: str, granted_ns: int) -> None:
-        """A grant of ours was released while its exchange may still run."""
-        self._lapsed[token] = granted_ns
-        while self._lapsed and (len(self._lapsed) > LAPSED_MEMORY or self._overrun(next(iter(self._lapsed.values())))):
+    def remember_lapsed(self, token: str, granted_ns: int, gpu: str) -> None:
+        """A grant of ours (on ``gpu``) was released while its exchange may still run."""
+        self._lapsed[token] = (granted_ns, gpu)
+        while self._lapsed and (len(self._lapsed) > LAPSED_MEMORY
+                                or self._overrun(next(iter(self._lapsed.values()))[0])):
             self._lapsed.popitem(last=False)
 
-    def lapsed_grant(self, token: str) -> int | None:
-        """When a lapsed grant of ours was granted (ns), if it may still run; None for every
-        other grant of ours (it finished, or the watchdog would let it go by now)."""
-        granted_ns = self._lapsed.get(token)
-        if granted_ns is not None and self._overrun(granted_ns):
+    def lapsed_grant(self, token: str) -> tuple[int, str] | None:
+        """When a lapsed grant of ours was granted (ns) and on which GPU, if it may still run;
+        None for every other grant of ours (it finished, or the watchdog would let it go by now)."""
+        lapsed = self._lapsed.get(token)
+        if lapsed is not None and self._overrun(lapsed[0]):
             del self._lapsed[token]
             return None
-        return granted_ns
+        return lapsed
 
     def forget_lapsed(self, token: str) -> None:
         self._lapsed.pop(token, None)
@@ -115,24 +126,27 @@ class Leases:
         """The adopted exchanges older than routing.scheduler.maxRunSeconds (the watchdog's)."""
         return [token for token, adoption in self.adopted.items() if self._overrun(adoption.started_ns)]
 
-    def to_adopt(self, token: str, *, ours: bool, final: bool, elapsed_s: float | None, now_ns: int) -> int | None:
-        """An entry for an exchange this process does not hold: when it started, if it is to be
-        adopted; None if nothing runs for it. A grant of ours that is not live finished (served,
-        failed, let go by the watchdog, cut off at shutdown), unless it was released while it
-        could still run (`remember_lapsed`); one let go on purpose stays let go; one past
-        maxRunSeconds would be let go by the watchdog at once."""
+    def to_adopt(self, token: str, *, ours: bool, final: bool, elapsed_s: float | None,
+                 now_ns: int) -> Adoptable | None:
+        """An entry for an exchange this process does not hold: when it started (and, if ours, on
+        which GPU), if it is to be adopted; None if nothing runs for it. A grant of ours that is
+        not live finished (served, failed, let go by the watchdog, cut off at shutdown), unless it
+        was released while it could still run (`remember_lapsed`); one let go on purpose stays
+        let go; one past maxRunSeconds would be let go by the watchdog at once."""
+        gpu: str | None = None
         if ours:
-            started_ns = self.lapsed_grant(token)
-            if started_ns is None:
+            lapsed = self.lapsed_grant(token)
+            if lapsed is None:
                 return None
             if final:
                 self.forget_lapsed(token)
                 return None
+            started_ns, gpu = lapsed
         else:
             if final or self.was_let_go(token):
                 return None
             started_ns = now_ns if elapsed_s is None else now_ns - round(elapsed_s * NS_PER_S)
-        return None if self.past_max_run(started_ns) else started_ns
+        return None if self.past_max_run(started_ns) else Adoptable(started_ns, gpu)
 
     def past_max_run(self, started_ns: int) -> bool:
         """An exchange started then is older than maxRunSeconds: the watchdog lets it go."""

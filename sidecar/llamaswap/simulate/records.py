@@ -26,6 +26,14 @@ _OUTCOMES = {outcome.value: outcome for outcome in Outcome}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GpuSlots:
+    """One GPU's slots as a settings record gives them: every model's, and the models' own."""
+
+    default: int
+    per_model: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SettingsRecord:
     """The scheduler settings in force from ``time`` on (None fields: not in the record)."""
 
@@ -36,13 +44,17 @@ class SettingsRecord:
     max_queued: int | None
     max_wait_s: float | None
     model_priorities: Mapping[str, int] | None
-    # Slots, where the record carries them (`slots`: the default, `model_slots`: per model).
+    # The node's slots, where the record carries them (`slots`: the default, `model_slots`: per
+    # model): the first GPU's, which logs written before each GPU's were recorded give every GPU.
     slots: int | None = None
     model_slots: Mapping[str, int] | None = None
     reserved_slots: int | None = None
     # Each upstream's residency (maxLoaded, pinned models, memory budget and sizes), by name, in
     # the configured order; an entry without the fields (older logs) keeps one model at a time.
     residency: Mapping[str, Residency] | None = None
+    # Each upstream's own slots, by name (`upstreams[].slots`, `model_slots`; after `auto`, what
+    # was learnt); an entry without them takes the node's.
+    gpu_slots: Mapping[str, GpuSlots] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -294,6 +306,7 @@ def _settings(document: Mapping[str, Any]) -> SettingsRecord:
         model_slots=dict(model_slots) if model_slots is not None else None,
         reserved_slots=reserved,
         residency=_residencies(document.get("upstreams")),
+        gpu_slots=_gpu_slots(document.get("upstreams")),
     )
 
 
@@ -328,6 +341,27 @@ def _residencies(upstreams: Any) -> dict[str, Residency] | None:
         if not isinstance(sizes, dict) or not all(type(v) is int and v >= 0 for v in sizes.values()):
             raise _Bad(f"upstream {name}: model_bytes is not a mapping of model to bytes")
         found[name] = Residency(max_loaded or 1, frozenset(pinned), budget, sizes)
+    return found
+
+
+def _gpu_slots(upstreams: Any) -> dict[str, GpuSlots] | None:
+    """The settings record's ``upstreams`` (a list of named objects: `_residencies` checked it):
+    each one's own slots by name, where it gives them (None: no list)."""
+    if upstreams is None:
+        return None
+    found: dict[str, GpuSlots] = {}
+    for entry in upstreams:
+        name = entry["name"]
+        slots = entry.get("slots")
+        if slots is None:
+            continue
+        if type(slots) is not int or slots < 1:
+            raise _Bad(f"upstream {name}: slots is not an integer >= 1: {slots!r}")
+        per_model = entry.get("model_slots") or {}
+        if not isinstance(per_model, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 1 for k, v in per_model.items()):
+            raise _Bad(f"upstream {name}: model_slots is not a mapping of model to an integer >= 1")
+        found[name] = GpuSlots(slots, dict(per_model))
     return found
 
 

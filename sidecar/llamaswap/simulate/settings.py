@@ -4,7 +4,10 @@ Precedence, lowest first: the recorded settings (the log's first settings record
 configuration defaults without one), then a whole configuration file (``-c``), then the single
 flags (``--scheduler``, ``--aging-divisor``, ...), then ``--sweep``, whose every combination runs.
 
-``slots`` set by a flag or a sweep applies to every model (the per-model slots of ``-c`` or the
+Slots: without -c, each GPU the log's settings record lists with its own slots
+(``upstreams[].slots``, ``model_slots``) keeps them, by name; the others (a log written before
+they were recorded, a GPU it does not list) take the node's ``slots``. ``slots`` set by a flag or
+a sweep applies to every model on every GPU (the per-model and per-GPU slots of ``-c`` or the
 record give way). ``maxLoaded`` set by a flag or a sweep applies to every GPU (the models each
 keeps resident at once; ``-c``'s pinned models and memory budgets stay, and 1 is one model at a
 time, as before); without one each GPU keeps what ``-c`` gives it, else what the log's settings
@@ -27,7 +30,7 @@ from typing import Any
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.core.residency import Residency
-from llamaswap.simulate.records import SettingsRecord
+from llamaswap.simulate.records import GpuSlots, SettingsRecord
 
 MAX_BONUS = 99
 MAX_GPUS = 64
@@ -62,14 +65,21 @@ class Settings:
     # Each upstream's residency as the log's settings record gives it, by name (without -c): an
     # upstream it does not name keeps ``max_loaded`` models, no pins, no budget.
     recorded_residency: Mapping[str, Residency] = dataclasses.field(default_factory=dict)
+    # Each upstream's own slots as the log's settings record gives them, by name (without -c): an
+    # upstream it does not name takes ``slots`` and ``model_slots``.
+    recorded_slots: Mapping[str, GpuSlots] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_policy(cls, policy: Policy, *, configured: bool = True) -> Settings:
         """The settings of ``policy``: its GPUs as configured (``configured``), or only their count
-        and, for every GPU, the slots and maxLoaded of the first (the settings without -c FILE)."""
+        (the defaults, without -c FILE: one GPU). The node's reservation is the largest of the
+        GPUs' (`auto` may have lowered one GPU's). The node-wide slots and maxLoaded are the first
+        GPU's: what the report shows for the row and what GPUs named by ``--gpus N`` get (each
+        configured GPU keeps its own until a flag replaces them)."""
         first = policy.gpus[0]
+        reserved = max(gpu.slots.reserved for gpu in policy.gpus)
         return cls(policy.name, policy.aging_divisor_s, policy.swap_affinity_bonus, policy.max_queued,
-                   policy.max_wait_s, dict(policy.model_priorities), first.slots.default, first.slots.reserved,
+                   policy.max_wait_s, dict(policy.model_priorities), first.slots.default, reserved,
                    dict(first.slots.per_model), len(policy.gpus),
                    tuple(gpu.name for gpu in policy.gpus) if configured else (),
                    policy.gpus if configured else (), first.residency.max_loaded)
@@ -78,7 +88,8 @@ class Settings:
     def fewest_slots(self) -> int:
         """The fewest slots of any model on any upstream (reservedSlots must stay below)."""
         per_gpu = [min([gpu.slots.default, *gpu.slots.per_model.values()]) for gpu in self.configured]
-        return min([self.slots, *self.model_slots.values(), *per_gpu])
+        recorded = [min([own.default, *own.per_model.values()]) for own in self._recorded_slots()]
+        return min([self.slots, *self.model_slots.values(), *per_gpu, *recorded])
 
     @property
     def upstream_names(self) -> tuple[str, ...]:
@@ -109,9 +120,20 @@ class Settings:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
         recorded = self.recorded_residency
         return policy.with_gpus(tuple(
-            GpuPolicy(name, slots, residency=self._residency(name, recorded.get(name) or Residency(self.max_loaded),
-                                                             "the log's settings record"))
+            GpuPolicy(name, self._slots_of(name, slots),
+                      residency=self._residency(name, recorded.get(name) or Residency(self.max_loaded),
+                                                "the log's settings record"))
             for name in self.upstream_names))
+
+    def _slots_of(self, name: str, node: Slots) -> Slots:
+        """A GPU's slots: its own as the log recorded them, else the node's."""
+        own = self.recorded_slots.get(name)
+        if own is None:
+            return node
+        try:
+            return Slots(own.default, own.per_model, self.reserved_slots)
+        except InvalidSlots as exc:
+            raise SettingsError(f"reservedSlots {self.reserved_slots} on {name}: {exc}") from None
 
     def _residency(self, name: str, residency: Residency, source: str) -> Residency:
         """A GPU's residency (configured or recorded), with a flag's or a sweep's maxLoaded where
@@ -135,6 +157,8 @@ class Settings:
             value = getattr(record, field)
             if value is not None:
                 changes[field] = value
+        if record.gpu_slots:
+            changes["recorded_slots"] = dict(record.gpu_slots)
         if record.residency:  # the first upstream's maxLoaded is the node's (as from_policy reads it)
             changes["recorded_residency"] = dict(record.residency)
             changes["max_loaded"] = next(iter(record.residency.values())).max_loaded
@@ -144,7 +168,14 @@ class Settings:
     def most_slots(self) -> int:
         """The most slots of any model on any upstream."""
         per_gpu = [max([gpu.slots.default, *gpu.slots.per_model.values()]) for gpu in self.configured]
-        return max([self.slots, *self.model_slots.values(), *per_gpu])
+        recorded = [max([own.default, *own.per_model.values()]) for own in self._recorded_slots()]
+        return max([self.slots, *self.model_slots.values(), *per_gpu, *recorded])
+
+    def _recorded_slots(self) -> list[GpuSlots]:
+        """The recorded slots of the GPUs this replay has (those it runs with)."""
+        if len(self.configured) == self.gpus:
+            return []
+        return [own for name in self.upstream_names if (own := self.recorded_slots.get(name)) is not None]
 
     def values(self) -> dict[str, Any]:
         """Keyed by the configuration's names (the sweep keys), plus the model priorities and
@@ -269,10 +300,11 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("maxQueued", "max_queued", "--max-queued", parse_max_queued),
     Key("maxWaitSeconds", "max_wait_s", "--max-wait", parse_max_wait),
     # A flag's or a sweep's slots are every model's.
-    Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}, "configured": ()}),
+    Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}, "configured": (), "recorded_slots": {}}),
     Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
     # A flag's or a sweep's GPUs are gpu0..gpuN-1, whatever the log or -c named them.
-    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": (), "recorded_residency": {}}),
+    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": (), "recorded_residency": {},
+                                               "recorded_slots": {}}),
     # A flag's or a sweep's maxLoaded is every GPU's.
     Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),
 )}
