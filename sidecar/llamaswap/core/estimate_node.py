@@ -247,14 +247,16 @@ class _Walk:
         times = NodeTimes(lambda: {gpu.holding.name: [item.end - now for item in gpu.items] for gpu in gpus},
                           self._figures)
         for position, request in enumerate(self._pending):
-            if len(closed | full) >= len(views):
-                return None
+            if position and len(closed | full) >= len(views):
+                return None  # (the best claims all the same, as at every `Scheduler.next`)
             candidate = self._waiting[request]
             step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
             if step is Step.START:
                 assert gpu is not None
                 return position, gpu
-            if position == 0 and gpu is not None:  # only the best claims
+            if position == 0 and gpu is None:
+                self.held.clear()  # (as `node.find`: the best holds nothing back)
+            elif position == 0 and gpu is not None:  # only the best claims
                 claim = self.held.claim(views, gpu, candidate, request, self._need)
                 if isinstance(claim, tuple):
                     (held_back if step is Step.CLAIM else interactive_only).update(claim)

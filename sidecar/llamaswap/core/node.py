@@ -105,12 +105,14 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
         assert gpu is not None
         held_back.clear()
         return gpu, first, first
-    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     claim = None
     if gpu is None:
         held_back.clear()
     else:
         claim = held_back.claim(gpus, gpu, first, first.request_id, need)
+    if all(takes_nothing(holding) for holding in gpus):
+        return None  # the best has claimed, and nothing else starts
+    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     try:
         return walk.behind(first, step, claim)
     finally:
