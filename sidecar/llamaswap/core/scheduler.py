@@ -341,18 +341,20 @@ class Scheduler:
         if not self._waiting:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
-        holdings, _, warm = self._held.now()
+        holdings, open_gpus, warm = self._held.now()
         # (Where no GPU takes work, `node.find` asks the best only: its claim is made at every
         # `next` all the same, so what it holds back never depends on who read it when.)
-        return self._find(holdings, warm, times)
+        return self._find(holdings, warm, times, not open_gpus)
 
-    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes) -> Decision | None:
+    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes,
+              shut: bool = False) -> Decision | None:
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
-                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
+                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back,
+                          shut)
         if found is None:
             return None
         index, winner, first = found
