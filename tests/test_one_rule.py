@@ -4,6 +4,8 @@ test pins one case; the closing note of issue 45 lists them."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from llamaswap.core import Estimator, ManualClock, Priority, PrioritySource, Residency, Scheduler, Slots
@@ -12,6 +14,8 @@ from llamaswap.core.estimate import remaining_of
 from llamaswap.core.estimate_node import starts_of_node
 from llamaswap.core.policy import GpuPolicy
 from llamaswap.runtime.forecast import Forecast
+from llamaswap.runtime.observer import SettleReason
+from llamaswap.runtime.settle import Settling
 from policies import serial
 
 
@@ -137,3 +141,29 @@ def test_a_model_the_best_holds_back_for_its_load_goes_for_that_load_only() -> N
     decision = scheduler.next()
     assert decision is not None and decision.request_id == "r3"
     assert {eviction.model for eviction in decision.evicts} == {"a", "c"}
+
+
+class _SettlingGpus:
+    """What `Forecast` reads of the runtime's GPUs: each one's settle under way (`Gpus.named`)."""
+
+    def __init__(self, settling: Settling) -> None:
+        self._gpu = types.SimpleNamespace(settling=settling)
+
+    def named(self, name: str | None) -> types.SimpleNamespace:
+        return self._gpu
+
+
+def test_retry_after_waits_for_no_settle_of_one_model_where_the_others_serve() -> None:
+    # Several resident, A's abandoned generation settling: the rule grants B beside it
+    # (`takes_nothing` is False), while `Forecast.busy_s` waited for the settle's expected end.
+    # Now it reads `takes_nothing`; a settle that holds the whole GPU is waited for as before.
+    estimator = Estimator(default_run_s=10, default_swap_s=5, samples=3)
+    for settling_model, expected_s in (("A", 0.0), (None, 10.0)):
+        scheduler, clock = node(gpu(max_loaded=2))
+        scheduler.set_residents(frozenset({"A", "B"}), as_of=0, upstream="gpu0")
+        scheduler.held_by("gpu0", settling=True, adopted=0, settling_model=settling_model)
+        settling = Settling(SettleReason.ABANDONED, "A", "a1", clock.now_ns(), clock.now_ns())
+        forecast = Forecast(clock, scheduler, estimator, gpus=_SettlingGpus(settling),  # type: ignore[arg-type]
+                            schedule_model=lambda model: model)
+        assert takes_nothing(scheduler.holdings()[0]) is (settling_model is None)
+        assert forecast.busy_s() == pytest.approx(expected_s)

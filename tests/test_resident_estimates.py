@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 from policies import serial
 from test_estimate_node import NS, NodeCase, NodePlay, look_ns_of
@@ -84,8 +84,23 @@ class ResidentPlay(NodePlay):
             assert sum(d.model == name for d in running) <= holding.slots.of(name)
 
 
+# Found by Hypothesis: at 4 s every model resident (A, B, D) is busy, so the GPU takes nothing;
+# C, the best, still claims at that `next` in the grants (B and D held back, kept at 5 s, so A's
+# next request starts when A's slot frees), where the walk made no claim until 5 s and held back
+# B and the idle A (that request 1 s late). The grants made that claim only if someone read the
+# snapshot or `held_back` at 4 s; now both make it at every step, read or not.
+_CLAIMED_WHILE_FULL = NodeCase(
+    serial(0, 0).with_gpus((GpuPolicy("gpu0", Slots(1, {}, 0), None, Residency(3, frozenset(), 4,
+                                                                               {"a": 1, "b": 2, "c": 3, "d": 1})),)),
+    2, 0, {},
+    [(0, -50, "a"), (0, -50, "b"), (0, -50, "c"), (0, -1, "c"), (0, -1, "b"), (1, -50, "d"), (0, -50, "a"),
+     (0, -50, "a"), (0, -50, "a"), (0, -50, "d")],
+    0)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(resident_cases())
+@example(_CLAIMED_WHILE_FULL)
 def test_estimated_starts_with_several_resident_models_are_the_grants(case: NodeCase) -> None:
     estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
     play = ResidentPlay(case, estimator, look_ns_of(case))
@@ -103,3 +118,44 @@ def test_estimated_starts_with_several_resident_models_are_the_grants(case: Node
         play.run_until(play._next_event())
     assert not play.scheduler.snapshot().waiting
     assert {request_id: play.granted[request_id] for request_id in expected} == expected
+
+
+class UnreadPlay(ResidentPlay):
+    """`ResidentPlay` whose grants read no snapshot (with ``reads``, one before each `next`): the
+    times from the running grants, as the runtime's grants take them (`NodeTimes.of_grants`)."""
+
+    reads = False
+
+    def grant_all(self) -> None:
+        while True:
+            if self.reads:
+                self.scheduler.snapshot()
+            times = NodeTimes.of_grants(lambda: self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
+            decision = self.scheduler.next(times)
+            if decision is None:
+                return
+            now = self.clock.now_ns()
+            key = f"{decision.upstream}/{decision.model}"
+            if decision.model_load:
+                self.ready_ns[key] = now + round(self.estimator.expected_swap_s(decision.model) * NS)
+            run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
+            heapq.heappush(self.ends, (max(now, self.ready_ns.get(key, 0)) + run_ns, decision.request_id))
+            self.granted[decision.request_id] = (now, decision.upstream)
+
+
+def test_what_the_best_holds_back_while_every_slot_is_busy_does_not_depend_on_who_read_it() -> None:
+    """The grants of `_CLAIMED_WHILE_FULL` are the same whether or not anyone reads the snapshot
+    between them: at 4 s, the GPU full, the best's claim is made by `next` itself."""
+    case = _CLAIMED_WHILE_FULL
+    grants = []
+    for reads in (True, False):
+        estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
+        play = UnreadPlay(case, estimator, look_ns_of(case))
+        play.reads = reads
+        play.arrive(case)
+        while play.ends or play._next_event() < 2**62:
+            play.run_until(play._next_event())
+        grants.append(play.granted)
+    read, unread = grants
+    assert unread == read
+    assert read["r7"] == (5 * NS, "gpu0")  # A's next request takes A's slot as it frees

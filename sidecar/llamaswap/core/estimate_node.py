@@ -28,6 +28,7 @@ order cannot say in advance). Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from llamaswap.core.decisions import Decision, QueueSnapshot, RunningView
@@ -206,23 +207,31 @@ def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[Gpu
 
 
 class _Walk:
+    """The walk's state: the requests not started yet, by what the rule reads of one (its model and
+    band: `dispatch.choose` answers every request of such a key alike, the best's claim once made),
+    each key's in the order. So each instant asks the best, then the first of each key behind it:
+    a few questions, however deep the queue (asking each request in turn was quadratic in it
+    wherever the GPUs stay open to other models' loads)."""
+
     def __init__(self, figures: Figures, gpus: list[_GpuWalk], waiting: list[_Waiting],
                  sizes: Sequence[int | None]) -> None:
         self._figures = figures
         self._gpus = gpus
         self._waiting = waiting
         self._sizes = sizes
-        self._pending = list(range(len(waiting)))  # not started yet, in the order
+        # Not started yet, per key in the order (places in ``waiting``, the order's own).
+        self._pending: dict[tuple[str | None, bool], deque[int]] = {}
         self._wanted: dict[str | None, int] = {}
-        for candidate in waiting:
+        for request, candidate in enumerate(waiting):
+            self._pending.setdefault((candidate.model, candidate.interactive), deque()).append(request)
             self._wanted[candidate.model] = self._wanted.get(candidate.model, 0) + 1
+        self._left = len(waiting)
         self._starts: list[tuple[float, str | None]] = [(math.inf, None)] * len(waiting)
-        self._first_at: dict[str | None, int] | None = None  # each model's first place in the pending order
         self.held = HeldBackModels()  # the models the best holds back (its holder: its place in ``waiting``)
 
     def run(self) -> list[tuple[float, str | None]]:
         now = 0.0
-        while self._pending:
+        while self._left:
             for gpu in self._gpus:
                 gpu.passed(now)
             found = self._find(now)
@@ -236,8 +245,9 @@ class _Walk:
                 break  # the rest wait for slots held for an unknown time
         return self._starts
 
-    def _find(self, now: float) -> tuple[int, int] | None:
-        """`node.find`: (position in the pending order, upstream) of the next start."""
+    def _find(self, now: float) -> tuple[int, int, bool] | None:
+        """`node.find`: (place in ``waiting``, upstream, whether it is the best) of the next start:
+        the best, or the first in the order of the keys' first requests behind it that the rule starts."""
         views = [gpu.view(now) for gpu in self._gpus]
         full = {i for i, view in enumerate(views) if takes_nothing(view)}
         closed: set[int] = set()
@@ -246,37 +256,50 @@ class _Walk:
         gpus = self._gpus
         times = NodeTimes(lambda: {gpu.holding.name: [item.end - now for item in gpu.items] for gpu in gpus},
                           self._figures)
-        for position, request in enumerate(self._pending):
-            if len(closed | full) >= len(views):
-                return None
-            candidate = self._waiting[request]
-            step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
+        best = min(queue[0] for queue in self._pending.values() if queue)
+        candidate = self._waiting[best]
+        step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
+        if step is Step.START:
+            assert gpu is not None
+            return best, gpu, True
+        if gpu is None:
+            self.held.clear()  # (as `node.find`: the best holds nothing back)
+        else:  # only the best claims (at every instant, as at every `Scheduler.next`)
+            claim = self.held.claim(views, gpu, candidate, best, self._need)
+            if isinstance(claim, tuple):
+                (held_back if step is Step.CLAIM else interactive_only).update(claim)
+            else:
+                (closed if step is Step.CLAIM else interactive_only).add(claim)
+        if len(closed | full) >= len(views):
+            return None
+        found: tuple[int, int, bool] | None = None
+        for queue in self._pending.values():
+            if not queue:
+                continue
+            request = queue[0]
+            if request == best:
+                if len(queue) == 1:
+                    continue
+                request = queue[1]
+            if found is not None and request > found[0]:
+                continue  # (a later one in the order)
+            step, gpu = choose(views, self._waiting[request], closed, interactive_only, times, self._wanted,
+                               held_back)
             if step is Step.START:
                 assert gpu is not None
-                return position, gpu
-            if position == 0 and gpu is not None:  # only the best claims
-                claim = self.held.claim(views, gpu, candidate, request, self._need)
-                if isinstance(claim, tuple):
-                    (held_back if step is Step.CLAIM else interactive_only).update(claim)
-                else:
-                    (closed if step is Step.CLAIM else interactive_only).add(claim)
-        return None
+                found = request, gpu, False
+        return found
 
     def _need(self, model: str) -> tuple[float, float]:
-        """`eviction.Need` from the pending order: the earlier its first request, the more. (The
-        first place of each model is read once per start, not once per model asked.)"""
-        first = self._first_at
-        if first is None:
-            first = self._first_at = {}
-            for position, request in enumerate(self._pending):
-                first.setdefault(self._waiting[request].model, position)
-        place = first.get(model)
-        return NOT_WAITED_FOR if place is None else (-float(place), 0.0)
+        """`eviction.Need` from the order: the earlier its first request not started, the more."""
+        first = min((queue[0] for band in (False, True) if (queue := self._pending.get((model, band)))),
+                    default=None)
+        return NOT_WAITED_FOR if first is None else (-float(first), 0.0)
 
-    def _start(self, now: float, position: int, index: int) -> None:
-        request = self._pending.pop(position)
-        self._first_at = None
+    def _start(self, now: float, request: int, index: int, best: bool) -> None:
         candidate = self._waiting[request]
+        self._pending[candidate.model, candidate.interactive].remove(request)  # (its key's first or second)
+        self._left -= 1
         model = candidate.model
         self._wanted[model] -= 1
         gpu = self._gpus[index]
@@ -286,7 +309,7 @@ class _Walk:
             loaded_at = now + self._figures.expected_swap_s(model, name)
             view = gpu.view(now)  # beside what runs, once the idle models chosen have gone
             # (Models the best holds back go for its own load only.)
-            keep = () if position == 0 else self.held.models.get(name, ())
+            keep = () if best else self.held.models.get(name, ())
             gone = victims(view, model, self._need, keep) or ()
             gpu.residents = after_load(view, model, [eviction.model for eviction in gone])
             item = _Item(loaded_at + run_s, candidate.interactive, model, False)

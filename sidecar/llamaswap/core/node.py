@@ -56,19 +56,24 @@ class HeldBackModels:
     (`eviction.to_hold_back`'s ``keep``). The scheduler keeps one across `find`s; the
     estimates' walk keeps its own across its instants."""
 
-    __slots__ = ("models", "holder")
+    __slots__ = ("models", "holder", "asked")
 
     def __init__(self) -> None:
         self.models: dict[str, tuple[str | None, ...]] = {}
         self.holder: object = None  # the best request that holds them (None: none)
+        # The best and what the one GPU held when it last claimed while that GPU took nothing:
+        # the same claim again until either changes (`find`).
+        self.asked: tuple[object, object] | None = None
 
     def clear(self) -> None:
+        self.asked = None
         if self.holder is not None:
             self.models.clear()
             self.holder = None
 
     def hold(self, holder: object, name: str, models: tuple[str | None, ...]) -> None:
         """``holder`` now holds back ``models`` on upstream ``name`` (and nothing elsewhere)."""
+        self.asked = None
         self.models.clear()
         self.holder = holder
         if models:
@@ -92,25 +97,34 @@ class HeldBackModels:
 def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
          pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
-         held_back: HeldBackModels) -> tuple[int, Entry, Entry] | None:
+         held_back: HeldBackModels, shut: bool = False) -> tuple[int, Entry, Entry] | None:
     """The upstream and the request that starts next, and the best request (the first asked: the
     same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
     The best first: it starts (then nothing more is built), or it may hold one upstream back, or
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
-    holds back (`HeldBackModels.claim`), or emptied."""
+    holds back (`HeldBackModels.claim`), or emptied. ``shut``: no GPU takes work (`takes_nothing`):
+    the best claims all the same, and nothing starts; with one GPU, asked again with the same
+    best and the same holding it would claim the same (no times choose among GPUs), so it is not
+    asked again."""
     first = pick(aged)
+    if shut and held_back.asked is not None and held_back.asked[0] is first and held_back.asked[1] is gpus:
+        return None
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START:
         assert gpu is not None
         held_back.clear()
         return gpu, first, first
-    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     claim = None
     if gpu is None:
         held_back.clear()
     else:
         claim = held_back.claim(gpus, gpu, first, first.request_id, need)
+    if shut:  # the best has claimed, and nothing else starts
+        if len(gpus) == 1:
+            held_back.asked = first, gpus
+        return None
+    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     try:
         return walk.behind(first, step, claim)
     finally:

@@ -93,7 +93,6 @@ class Scheduler:
         # The resident model the best waiting request holds back, by upstream (several resident:
         # no new grants for it until it drains and goes), as the last `next` found it.
         self._held_back = node.HeldBackModels()
-        self._hold_times: GpuTimes | None = None  # set where `next` left it to be worked out (`_hold`)
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -343,25 +342,19 @@ class Scheduler:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
         holdings, open_gpus, warm = self._held.now()
-        if not open_gpus:  # nothing starts: what the best holds back is worked out when read (`_hold`)
-            self._hold_times = times
-            return None
-        return self._find(holdings, warm, times)
+        # (Where no GPU takes work, `node.find` asks the best only: its claim is made at every
+        # `next` all the same, so what it holds back never depends on who read it when.)
+        return self._find(holdings, warm, times, not open_gpus)
 
-    def _hold(self) -> node.HeldBackModels:
-        """What the best holds back, worked out where `next` left it while no GPU takes work yet."""
-        if self._hold_times is not None and self._waiting and not self._held.now()[1]:
-            assert self._find(*self._held.now()[::2], self._hold_times) is None  # (nothing can start)
-        return self._held_back
-
-    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes) -> Decision | None:
-        self._hold_times = None
+    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes,
+              shut: bool = False) -> Decision | None:
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
-                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
+                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back,
+                          shut)
         if found is None:
             return None
         index, winner, first = found
@@ -389,7 +382,7 @@ class Scheduler:
     def held_back(self) -> Mapping[str, str | None]:
         """The resident model the best waiting request holds back on an upstream (by name), as
         the last `next` found it: no new grants for it until it drains and goes."""
-        return self._hold().shown()
+        return self._held_back.shown()
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -544,7 +537,7 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
         return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
-                              self._arrivals, self._clock.now_ns(), self._hold().models)
+                              self._arrivals, self._clock.now_ns(), self._held_back.models)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Estimator, Outcome, Scheduler
-from llamaswap.core.dispatch import full
+from llamaswap.core.dispatch import full, takes_nothing
 from llamaswap.core.estimate import expected_end_s, left_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.runtime.gpus import Gpus
@@ -61,14 +61,18 @@ class Forecast:
 
     def busy_s(self) -> float:
         """How long until some GPU is expected to take the next grant: the soonest over the GPUs
-        of when each can. A GPU can once its settle ends (nothing is granted there meanwhile,
-        free slot or not) and, when what runs there leaves no place for another request
-        (`dispatch.full`: every slot taken and no room to load beside it), once the first of its
-        running grants ends (with one slot, the grant's)."""
+        of when each can. One that takes work now (`dispatch.takes_nothing`, the rule's one
+        measure: a settle of one of its models leaves the others to serve) can at once; one that
+        takes nothing, once its settle ends (nothing is granted there meanwhile, free slot or not)
+        and, when what runs there leaves no place for another request (`dispatch.full`: every
+        slot taken and no room to load beside it), once the first of its running grants ends
+        (with one slot, the grant's)."""
         now = self._clock.now_ns()
         times = self.gpu_times()  # (the running grants' ends read only if some GPU is full)
         soonest = math.inf
         for gpu in self._scheduler.holdings():
+            if not takes_nothing(gpu):
+                return 0.0
             busy = self.settle_left_s(gpu.name, now)
             if full(gpu):
                 busy = max(busy, times.soonest_end_s(gpu.name))
