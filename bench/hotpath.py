@@ -201,7 +201,8 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
         timings.add("loop turn after the release (deferred observers)", time.perf_counter_ns() - t0)
         loop_turns += 2
     await asyncio.sleep(0.1)
-    await sidecar.upstream.close()
+    for upstream in sidecar.upstreams:
+        await upstream.close()
     sidecar.activity.close()
     sidecar.telemetry.shutdown()
     return timings, requests
