@@ -300,3 +300,42 @@ def test_each_dispatch_record_names_the_upstream_it_ran_on(tmp_path: pathlib.Pat
         {"name": "small", "slots": 1, "model_slots": {}, "models": None, **ONE_MODEL}]
     assert {r["request_id"]: r["upstream"] for r in lines if r["event"] == "request"} == {
         "x1": "big", "y1": "small", "x2": "big", "z1": "big"}
+
+
+@virtual_time
+async def test_the_page_history_shares_the_record_the_activity_log_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One record per finished request (issue 49): the timeline's entry is the activity log's
+    record with the entry's own fields after it; a History without the log builds its own."""
+    from llamaswap.runtime.history import History
+
+    built: list[str] = []
+    build = ActivityLog.record
+
+    def counted(self: ActivityLog, ticket):  # type: ignore[no-untyped-def]
+        built.append(ticket.request_id)
+        return build(self, ticket)
+
+    monkeypatch.setattr(ActivityLog, "record", counted)
+    activity = ActivityLog(clock())
+    history = History(clock(), activity)
+    flow = Flow(CONFIG, observers=[activity, history])
+    a = await flow.arrive("a", "interactive", "a")
+    b = await flow.arrive("b", "batch", "b")
+    await flow.advance(1)
+    await flow.complete(a, 200)
+    assert b.granted  # after a
+    await flow.complete(b)
+    assert built == ["a", "b"]
+    records = {r["request_id"]: r for r in activity.recent()}
+    for entry in history.entries():
+        document = entry.document()
+        assert document["seq"] == entry.seq and document["kind"] == entry.kind
+        own = {"seq", "kind", "start_ms", "end_ms", "overtook"}
+        assert {k: v for k, v in document.items() if k not in own} == records[entry.request_id]
+        assert "start_ms" not in records[entry.request_id]  # the log's record is not changed
+
+    alone = History(clock(), ActivityLog(clock()))
+    flow_alone = Flow(CONFIG, observers=[alone])
+    c = await flow_alone.arrive("c", "interactive", "a")
+    await flow_alone.complete(c)
+    assert built[2:] == ["c"] and [e.request_id for e in alone.entries()] == ["c"]

@@ -118,6 +118,9 @@ class ActivityLog:
             event: collections.deque(maxlen=capacity) for event in KEPT_EVENTS}
         # Records of abandoned requests wait for their settle, whose time they include.
         self._awaiting_settle: dict[str, dict[str, Any]] = {}
+        # The last finished ticket's record: the page's history (the next observer) reads it
+        # instead of building it again.
+        self._finished: tuple[Ticket, dict[str, Any]] | None = None
         # The file holds nothing but records (no prefix, no other lines).
         self._file = _LinesFile(path) if path else None
         self._line_handlers = _line_handlers(_log)
@@ -181,6 +184,7 @@ class ActivityLog:
 
     def finished(self, ticket: Ticket) -> None:
         record = self.record(ticket)
+        self._finished = (ticket, record)
         if ticket.abandoned:
             self._awaiting_settle[ticket.request_id] = record
         else:
@@ -243,6 +247,14 @@ class ActivityLog:
             "kept_from_attempt": takeover.from_attempt if takeover is not None else None,
             "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
+
+    def finished_record(self, ticket: Ticket) -> dict[str, Any]:
+        """The record `finished` built for this ticket (one per request, whoever reads it), or a
+        new one where this log did not see it finish. Shared: a reader copies what it changes."""
+        last = self._finished
+        if last is not None and last[0] is ticket:
+            return last[1]
+        return self.record(ticket)
 
     def eviction_record(self, ticket: Ticket, eviction: Eviction) -> dict[str, Any]:
         """A resident model that a grant unloads before its load (several resident, `maxLoaded`):
