@@ -303,9 +303,11 @@ def test_each_dispatch_record_names_the_upstream_it_ran_on(tmp_path: pathlib.Pat
 
 
 @virtual_time
-async def test_the_page_history_shares_the_record_the_activity_log_built(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_page_history_shares_the_record_the_activity_log_built(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: pathlib.Path) -> None:
     """One record per finished request (issue 49): the timeline's entry is the activity log's
-    record with the entry's own fields after it; a History without the log builds its own."""
+    record, from its line, with the entry's own fields after it, the bytes the encoder would
+    write for that dict; a History without the log builds its own."""
     from llamaswap.runtime.history import History
 
     built: list[str] = []
@@ -316,7 +318,7 @@ async def test_the_page_history_shares_the_record_the_activity_log_built(monkeyp
         return build(self, ticket)
 
     monkeypatch.setattr(ActivityLog, "record", counted)
-    activity = ActivityLog(clock())
+    activity = ActivityLog(clock(), path=str(tmp_path / "activity.jsonl"))  # a line to share
     history = History(clock(), activity)
     flow = Flow(CONFIG, observers=[activity, history])
     a = await flow.arrive("a", "interactive", "a")
@@ -332,6 +334,8 @@ async def test_the_page_history_shares_the_record_the_activity_log_built(monkeyp
         assert document["seq"] == entry.seq and document["kind"] == entry.kind
         own = {"seq", "kind", "start_ms", "end_ms", "overtook"}
         assert {k: v for k, v in document.items() if k not in own} == records[entry.request_id]
+        assert list(document)[:2 + len(records[entry.request_id])] == ["seq", "kind", *records[entry.request_id]]
+        assert entry.body == json.dumps(document, separators=(",", ":")).encode()
         assert "start_ms" not in records[entry.request_id]  # the log's record is not changed
 
     alone = History(clock(), ActivityLog(clock()))

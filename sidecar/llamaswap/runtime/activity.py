@@ -118,9 +118,9 @@ class ActivityLog:
             event: collections.deque(maxlen=capacity) for event in KEPT_EVENTS}
         # Records of abandoned requests wait for their settle, whose time they include.
         self._awaiting_settle: dict[str, dict[str, Any]] = {}
-        # The last finished ticket's record: the page's history (the next observer) reads it
-        # instead of building it again.
-        self._finished: tuple[Ticket, dict[str, Any]] | None = None
+        # The last finished ticket's record and its line (None: not written yet): the page's
+        # history (the next observer) reads them instead of building and encoding its own.
+        self._finished: tuple[Ticket, dict[str, Any], str | None] | None = None
         # The file holds nothing but records (no prefix, no other lines).
         self._file = _LinesFile(path) if path else None
         self._line_handlers = _line_handlers(_log)
@@ -184,11 +184,12 @@ class ActivityLog:
 
     def finished(self, ticket: Ticket) -> None:
         record = self.record(ticket)
-        self._finished = (ticket, record)
+        line = None
         if ticket.abandoned:
             self._awaiting_settle[ticket.request_id] = record
         else:
-            self._write(record)
+            line = self._write(record)
+        self._finished = (ticket, record, line)
 
     def settled(self, settle: Settle) -> None:
         record = self._awaiting_settle.pop(settle.request_id, None)
@@ -248,13 +249,16 @@ class ActivityLog:
             "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
 
-    def finished_record(self, ticket: Ticket) -> dict[str, Any]:
-        """The record `finished` built for this ticket (one per request, whoever reads it), or a
-        new one where this log did not see it finish. Shared: a reader copies what it changes."""
+    def finished_record(self, ticket: Ticket) -> tuple[dict[str, Any], str]:
+        """The record `finished` built for this ticket and its JSON as it ended (one of each per
+        request, whoever reads them), or new ones where this log did not see it finish. Shared:
+        a reader copies what it changes."""
         last = self._finished
         if last is not None and last[0] is ticket:
-            return last[1]
-        return self.record(ticket)
+            record, line = last[1], last[2]
+            return record, line if line is not None else _ENCODE(record)
+        record = self.record(ticket)
+        return record, _ENCODE(record)
 
     def eviction_record(self, ticket: Ticket, eviction: Eviction) -> dict[str, Any]:
         """A resident model that a grant unloads before its load (several resident, `maxLoaded`):
@@ -282,14 +286,15 @@ class ActivityLog:
     def _unix_ms(self, clock_ns: int) -> float:
         return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> str | None:
+        """Keep the record and write its line where one is taken: the line, or None if none is."""
         kept = self._recent.get(record["event"])
         if kept is not None:
             kept.append(record)
         logged = _log.isEnabledFor(logging.INFO)  # --log-level above INFO: not to the process log
         handlers = self._line_handlers
         if self._file is None and (not logged or handlers == ()):
-            return  # no destination takes the line
+            return None  # no destination takes the line
         line = _ENCODE(record)
         if logged:
             if handlers is None:
@@ -304,3 +309,4 @@ class ActivityLog:
                         _errors.warning("writing an activity line to the process log failed: %s", exc)
         if self._file is not None:
             self._file.write(line + "\n")
+        return line
