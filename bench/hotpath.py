@@ -156,7 +156,7 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
             for method in ("enqueued", "dispatched", "finished", "queue_changed"):
                 timings.wrap(observer, method, f"{type(observer).__name__}.{method}")
         timings.wrap(sidecar.activity, "record", "ActivityLog.record (the dict)")
-        timings.wrap(sidecar.activity, "_write", "ActivityLog._write (JSON + 1-2 log lines)")
+        timings.wrap(sidecar.activity, "_write", "ActivityLog._write (JSON, its line to each destination)")
         timings.wrap(ext_authz, "model_of", "ext_authz.model_of")
         timings.wrap(ext_authz, "decision_headers", "ext_authz.decision_headers")
     context = Context("ipv4:127.0.0.1:51000")

@@ -279,13 +279,11 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Activity records are JSON lines that carry their own time: written as they are, one a
-    # line, which also spares every request a timestamp formatting.
-    from llamaswap.runtime.activity import LOGGER_NAME
+    # line, by the activity log itself (LineHandler), which spares every request a LogRecord.
+    from llamaswap.runtime.activity import LOGGER_NAME, LineHandler
 
     activity = logging.getLogger(LOGGER_NAME)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    activity.addHandler(handler)
+    activity.addHandler(LineHandler())
     activity.propagate = False
 
 

@@ -4,7 +4,11 @@ scheduler's settings at start and after every reload; the most recent request re
 for GET /activity, and the most recent evictions for GET /activity?event=eviction.
 
 Lines go to the logger `llamaswap.activity` and, with `activity.path` (or `--activity-log`),
-to a file of pure JSON lines, which is what `llamaswap simulate` replays. Every timestamp of a
+to a file of pure JSON lines, which is what `llamaswap simulate` replays. A line carries its own
+time, so where the logger's handlers are the CLI's `LineHandler`s (the message alone, a line
+each) and the file, the log writes each line to them itself, one write and one flush per line
+(`tail -f` sees it at once, a crash loses none), without a LogRecord per line; where nothing
+takes a line (a log level above INFO and no file) it is not even encoded. Every timestamp of a
 record comes from the runtime's one monotonic clock, turned into Unix time by one offset taken
 when the log starts, so arrivals and grants stay consistent with each other even if the wall
 clock steps.
@@ -15,9 +19,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import logging.handlers
+import os
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from llamaswap.core import NS_PER_S, Clock, Eviction, Policy
 from llamaswap.core.residency import Residency
@@ -27,6 +31,7 @@ from llamaswap.runtime.ticket import Ticket
 
 LOGGER_NAME = "llamaswap.activity"
 _log = logging.getLogger(LOGGER_NAME)
+_errors = logging.getLogger(__name__)
 # One encoder for every line: json.dumps with separators makes a new one per call.
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 # The record kinds kept for GET /activity (its `event` query): each its own recent list.
@@ -43,6 +48,66 @@ def _residency_fields(residency: Residency) -> dict[str, Any]:
             "model_bytes": dict(residency.model_bytes) if budget is not None else {}}
 
 
+class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The activity logger's handler as the CLI sets it up: a record's message alone, a line each
+    (to stderr by default). While every handler of that logger is one, `ActivityLog` writes its
+    lines to their streams itself: the same bytes, without a LogRecord per line."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        super().__init__(stream)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+
+def _line_handlers(logger: logging.Logger) -> tuple[LineHandler, ...] | None:
+    """The handlers an activity line can be written to directly, or None when the logger must
+    format it (other handlers, filters, or propagation to the root's: a test's caplog, an
+    embedding application's own logging). Read once, when the log starts."""
+    handlers = logger.handlers
+    if logger.propagate or logger.filters or not all(
+            type(handler) is LineHandler and not handler.filters and handler.level <= logging.INFO
+            for handler in handlers):
+        return None
+    return tuple(handler for handler in handlers if isinstance(handler, LineHandler))
+
+
+class _LinesFile:
+    """`activity.path`: JSON lines appended to a file, each written and flushed at once. Before
+    each line the path is checked, as logging's WatchedFileHandler does, and the file reopened
+    when logrotate has moved or removed it."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._file: TextIO | None = None
+        self._identity: tuple[int, int] | None = None
+        self._open()  # a path that cannot be opened fails the start, as before
+
+    def _open(self) -> None:
+        self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
+        status = os.fstat(self._file.fileno())
+        self._identity = (status.st_dev, status.st_ino)
+
+    def write(self, line: str) -> None:
+        try:
+            try:
+                status = os.stat(self._path)
+                identity: tuple[int, int] | None = (status.st_dev, status.st_ino)
+            except FileNotFoundError:
+                identity = None
+            if self._file is None or identity != self._identity:
+                self.close()
+                self._open()
+            assert self._file is not None
+            self._file.write(line)
+            self._file.flush()
+        except (OSError, ValueError) as exc:  # a full disk, a removed directory: the sidecar goes on
+            _errors.warning("writing the activity log %s failed: %s", self._path, exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.close()
+
+
 class ActivityLog:
     """An Observer that writes each request's record when it ends."""
 
@@ -53,17 +118,12 @@ class ActivityLog:
             event: collections.deque(maxlen=capacity) for event in KEPT_EVENTS}
         # Records of abandoned requests wait for their settle, whose time they include.
         self._awaiting_settle: dict[str, dict[str, Any]] = {}
-        self._file: logging.Logger | None = None
-        self._handler: logging.Handler | None = None
-        if path:
-            # Its own logger, so the file holds nothing but records (no prefix, no other lines);
-            # WatchedFileHandler reopens the file after logrotate moves it.
-            self._handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
-            self._handler.setFormatter(logging.Formatter("%(message)s"))
-            self._file = logging.getLogger(f"{LOGGER_NAME}.file.{id(self)}")
-            self._file.propagate = False
-            self._file.setLevel(logging.INFO)
-            self._file.addHandler(self._handler)
+        # The last finished ticket's record and its line (None: not written yet): the page's
+        # history (the next observer) reads them instead of building and encoding its own.
+        self._finished: tuple[Ticket, dict[str, Any], str | None] | None = None
+        # The file holds nothing but records (no prefix, no other lines).
+        self._file = _LinesFile(path) if path else None
+        self._line_handlers = _line_handlers(_log)
 
     def recent(self, limit: int | None = None, event: str = REQUEST) -> list[dict[str, Any]]:
         """The most recent records of one kind (``request`` or ``eviction``), oldest first."""
@@ -75,10 +135,9 @@ class ActivityLog:
         for record in self._awaiting_settle.values():
             self._write(record)
         self._awaiting_settle.clear()
-        if self._file is not None and self._handler is not None:
-            self._file.removeHandler(self._handler)
-            self._handler.close()
-            self._file = self._handler = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     # -- Observer ------------------------------------------------------------------------
 
@@ -130,10 +189,12 @@ class ActivityLog:
 
     def finished(self, ticket: Ticket) -> None:
         record = self.record(ticket)
+        line = None
         if ticket.abandoned:
             self._awaiting_settle[ticket.request_id] = record
         else:
-            self._write(record)
+            line = self._write(record)
+        self._finished = (ticket, record, line)
 
     def settled(self, settle: Settle) -> None:
         record = self._awaiting_settle.pop(settle.request_id, None)
@@ -193,6 +254,17 @@ class ActivityLog:
             "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
 
+    def finished_record(self, ticket: Ticket) -> tuple[dict[str, Any], str]:
+        """The record `finished` built for this ticket and its JSON as it ended (one of each per
+        request, whoever reads them), or new ones where this log did not see it finish. Shared:
+        a reader copies what it changes."""
+        last = self._finished
+        if last is not None and last[0] is ticket:
+            record, line = last[1], last[2]
+            return record, line if line is not None else _ENCODE(record)
+        record = self.record(ticket)
+        return record, _ENCODE(record)
+
     def eviction_record(self, ticket: Ticket, eviction: Eviction) -> dict[str, Any]:
         """A resident model that a grant unloads before its load (several resident, `maxLoaded`):
         which, where, why it was the one to go, and the request whose model it made room for."""
@@ -219,11 +291,27 @@ class ActivityLog:
     def _unix_ms(self, clock_ns: int) -> float:
         return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> str | None:
+        """Keep the record and write its line where one is taken: the line, or None if none is."""
         kept = self._recent.get(record["event"])
         if kept is not None:
             kept.append(record)
+        logged = _log.isEnabledFor(logging.INFO)  # --log-level above INFO: not to the process log
+        handlers = self._line_handlers
+        if self._file is None and (not logged or handlers == ()):
+            return None  # no destination takes the line
         line = _ENCODE(record)
-        _log.info(line)
+        if logged:
+            if handlers is None:
+                _log.info(line)
+            else:
+                text = line + "\n"
+                for handler in handlers:
+                    try:
+                        handler.stream.write(text)
+                        handler.stream.flush()
+                    except (OSError, ValueError) as exc:  # a closed stderr: the file still gets it
+                        _errors.warning("writing an activity line to the process log failed: %s", exc)
         if self._file is not None:
-            self._file.info(line)
+            self._file.write(line + "\n")
+        return line

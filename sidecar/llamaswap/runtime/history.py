@@ -7,8 +7,9 @@
 - counters since the sidecar started: grants per band, reorders per cause, swaps and loads,
   endings per outcome, settles per reason, and how actual waits compare with their estimates.
 
-An Observer. A request's record is the activity log's (`ActivityLog.record`, one format and one
-time base for both). Each entry is encoded to JSON once, when it is added, and kept in end-time
+An Observer, after the activity log in the observers' order: a request's record is the one the
+log built when it finished (`ActivityLog.finished_record`: one format, one time base, built and
+encoded once per request). Each entry is encoded to JSON once, when it is added, and kept in end-time
 order, bounded by age and by count, so serving the last hour is a join of bytes.
 """
 
@@ -152,8 +153,8 @@ class History:
             if end_ms < oldest_ms:
                 continue
             if record.get("dispatched") and isinstance(granted_ms, (int, float)):
-                self._add("grant", request_id, end_ms,
-                          {**record, "start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
+                self._add("grant", request_id, end_ms, record,
+                          {"start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
                 if settle_ms > 0:
                     self._add("settle", request_id, end_ms + settle_ms, {
                         "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
@@ -161,7 +162,7 @@ class History:
                         "settle_ms": settle_ms})
                     added += 1
             else:
-                self._add("mark", request_id, end_ms, {**record, "end_ms": end_ms})
+                self._add("mark", request_id, end_ms, record, {"end_ms": end_ms})
             added += 1
         return added
 
@@ -199,13 +200,13 @@ class History:
         self._kept[event.kind.value] += 1
 
     def finished(self, ticket: Ticket) -> None:
-        record = self._activity.record(ticket)
+        record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR
         self._outcomes[outcome.value] += 1
         decision = ticket.decision
         end_ms = round(self._activity.unix_ms(ticket.ended_ns), 3)  # `time` is in whole milliseconds
         if decision is None:
-            self._add("mark", ticket.request_id, end_ms, {**record, "end_ms": end_ms})
+            self._add("mark", ticket.request_id, end_ms, record, {"end_ms": end_ms}, encoded=encoded)
             return
         estimated = ticket.estimated_wait_s
         if estimated is not None and estimated >= RATIO_MIN_ESTIMATE_S:
@@ -214,8 +215,8 @@ class History:
             self._actual_wait_s += actual
             self._estimated_wait_s += estimated
         overtook = self._overtook.pop(ticket.token, [])
-        self._add("grant", ticket.request_id, end_ms,
-                  {**record, "start_ms": record["granted_unix_ms"], "end_ms": end_ms, "overtook": overtook})
+        self._add("grant", ticket.request_id, end_ms, record,
+                  {"start_ms": record["granted_unix_ms"], "end_ms": end_ms, "overtook": overtook}, encoded=encoded)
 
     def settled(self, settle: Settle) -> None:
         self._settles[settle.reason.value] += 1
@@ -229,9 +230,22 @@ class History:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any]) -> None:
+    def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any],
+             extra: dict[str, Any] | None = None, *, encoded: str | None = None) -> None:
+        """An entry: `document` (not changed: it may be the activity log's record) with `extra`
+        after it, which wins where both name a key. `encoded`: the document's JSON already made
+        (the activity log's line), which the entry's takes whole instead of encoding it again."""
         self._seq += 1
-        body = _ENCODE({"seq": self._seq, "kind": kind, **document}).encode()
+        if encoded is not None and (not extra or extra.keys().isdisjoint(document)):
+            # The bytes the encoder writes for the merged dict: its members are the document's
+            # and then extra's, in order, comma-separated (`kind` is one of this class's names).
+            members = [f'{{"seq":{self._seq},"kind":"{kind}"', encoded[1:-1]]
+            if extra:
+                members.append(_ENCODE(extra)[1:-1])
+            text = ",".join(member for member in members if member) + "}"
+        else:
+            text = _ENCODE({"seq": self._seq, "kind": kind, **document, **(extra or {})})
+        body = text.encode()
         self._entries.append(Entry(self._seq, kind, request_id, end_ms, body))
         oldest_ms = end_ms - self._window_ms
         while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
