@@ -2,8 +2,8 @@
 macOS), asyncio's own where it is not or where ``LLAMASWAP_EVENT_LOOP=asyncio`` says so.
 
 uvloop runs grpc.aio, aiohttp, signal handlers and worker threads (`asyncio.to_thread`) like
-asyncio's loop does, with less CPU per wake-up: measured on a shared 2-core machine, the
-sidecar's main thread spent 75-92 us less per request (about 7 % of its CPU; bench/README.md).
+asyncio's loop does, with less CPU per wake-up: in five A/Bs on a shared 2-core machine the
+sidecar spent 48-144 us less CPU per request on it (4-11 %; bench/README.md).
 """
 
 from __future__ import annotations
