@@ -23,7 +23,8 @@ import re
 import sys
 from collections.abc import Callable
 
-IDLE_LEAVES = ("epoll_wait", "EpollSelector.select", "select_epoll_poll", "poll (libc")
+# Where an idle main thread waits: asyncio's selector (epoll_wait), or uvloop's libuv (epoll_pwait).
+IDLE_LEAVES = ("epoll_wait", "epoll_pwait", "EpollSelector.select", "select_epoll_poll", "poll (libc")
 
 
 def _all(*patterns: str) -> Callable[[str], bool]:
@@ -60,6 +61,10 @@ STEPS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("event loop: select, _run_once, ready handles", _any(r";(BaseEventLoop\._run_once|EpollSelector\.select|"
                                                           r"BaseSelectorEventLoop\._process_events) \([^;]*$")),
     ("grpc.aio: Cython and task steps (the rest)", _any(r"cygrpc|task_step|TaskStepMethWrapper")),
+    # uvloop (the default since it was adopted): its Cython (loop.c) or libuv at the leaf or just
+    # above it; every stack runs under uv_run, so only what no step above claimed comes here.
+    ("event loop: uvloop and libuv's own work", _any(r"\((loop\.c|core\.c|linux\.c|loop-watcher\.c|queue\.h):\d+\)"
+                                                      r"[^;]*(;[^;]*)?$")),
 )
 OTHER = "other"
 

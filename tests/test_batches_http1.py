@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from llamaswap.batches.http1 import MAX_HEAD_BYTES, AnswerTooLarge, Http1Client, ProtocolError, header_block
+from llamaswap.commands.event_loop import EVENT_LOOP_ENV, loop_factory, loop_name, run
 
 Script = Callable[[bytes], bytes | None]  # a request's head and body -> the bytes to answer (None: hang up)
 
@@ -211,3 +212,25 @@ async def test_an_answer_over_its_bound_is_not_read_and_hangs_up(serve, framing:
 def test_headers_that_would_break_the_framing_are_refused(headers: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         header_block(headers)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_answers_and_keep_alive_on_each_loop_the_sidecar_runs_on(loop: str) -> None:
+    # uvloop's transports are not asyncio.Transport subclasses (an isinstance check once failed
+    # every connection there, so no line of a batch was ever sent).
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+
+    async def two_posts() -> tuple[list[int], int, str]:
+        server = Server(lambda request: ok())
+        await server.start()
+        client = Http1Client("127.0.0.1", server.port)
+        try:
+            answers = [await client.post("/v1/chat/completions", HEADERS, b"{}") for _ in range(2)]
+        finally:
+            await client.close()
+            await server.stop()
+        return [answer.status for answer in answers], server.connections, loop_name(asyncio.get_running_loop())
+
+    statuses, connections, ran_on = run(two_posts(), loop_factory({EVENT_LOOP_ENV: loop}))
+    assert (statuses, connections, ran_on) == ([200, 200], 1, loop)

@@ -56,6 +56,21 @@ def test_each_sample_goes_to_the_innermost_step_its_stack_names(tmp_path: pathli
     assert threads == {"Thread-1 (_poll_wrapper)": 23}
 
 
+def test_under_uvloop_idle_waits_are_left_out_and_the_loops_own_work_has_its_row(tmp_path: pathlib.Path) -> None:
+    uv = f"{MAIN};run_forever (loop.c:33397);uv_run (core.c:452)"
+    profile = write_profile(tmp_path, {
+        f"{uv};uv__io_poll (linux.c:1404);epoll_pwait (libc.so.6)": 1000,
+        f"{uv};uv__run_idle (loop-watcher.c:68);Loop__on_idle (loop.c:19342);Py_DECREF (object.h:537)": 5,
+        f"{uv};uv__run_idle (loop-watcher.c:68);Handle__run (loop.c:70959);ActivityLog._write (x.py:1)": 7,
+        f"{uv};Handle__run (loop.c:70959);gc_collect_main (libpython3.11.so.1.0);visit (gcmodule.c:1)": 2,
+    })
+    steps, _, idle = cpu_split.split(profile)
+    assert idle == 1000
+    assert steps["event loop: uvloop and libuv's own work"] == 5
+    assert steps["observers: activity log (record, JSON, log line)"] == 7  # a step's work stays the step's
+    assert steps[cpu_split.OTHER] == 2  # uvloop deeper in the stack is not the loop's own work
+
+
 def test_the_table_gives_shares_and_microseconds(tmp_path: pathlib.Path) -> None:
     profile = write_profile(tmp_path, {
         f"{CHECK};granted (llamaswap/adapters/ext_authz.py:91)": 1,

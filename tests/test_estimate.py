@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 from hypothesis import given, settings
@@ -431,3 +432,20 @@ def test_each_gpu_learns_its_own_run_and_swap_the_node_learns_from_all() -> None
     assert e.expected_swap_s("m", "fast") == 4.0  # no load seen there: the node's figure
     assert e.expected_run_s("m", "new") == e.expected_run_s("m") == 8.0  # the median of 2, 8 and 8
     assert e.expected_run_s("other", "fast") == 9.0  # nothing known: the default
+
+
+# Runs as a release gives them: non-negative, repeats likely (the window drops one of equal values).
+_RUNS = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                  st.floats(min_value=0.0, max_value=1e6, allow_nan=False),
+                  st.just(math.inf))
+
+
+@settings(max_examples=300)
+@given(runs=st.lists(_RUNS, min_size=1, max_size=40), samples=st.integers(min_value=1, max_value=9))
+def test_the_expected_run_is_the_median_of_the_window_after_every_release(runs: list[float], samples: int) -> None:
+    # The window is kept sorted as values arrive and leave; its median must be statistics.median's
+    # of the same last `samples` runs exactly, after each one.
+    e = make(samples=samples)
+    for count, run in enumerate(runs, start=1):
+        e.record("m", run_s=run, first_byte_s=None, model_load=False)
+        assert e.expected_run_s("m") == statistics.median(runs[max(0, count - samples):count])

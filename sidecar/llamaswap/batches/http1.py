@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import cast
 
 from llamaswap.config.batches import MAX_ANSWER_BYTES_DEFAULT
 
@@ -76,8 +77,9 @@ class _Connection(asyncio.Protocol):
         self._most = 0  # the longest body the request under way accepts
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A TCP connection's transport; not an isinstance check: uvloop's transports do not derive
+        # from asyncio.Transport (the check failed there, so no line was ever sent).
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -16,6 +17,9 @@ from llamaswap.batches.store import StoreError
 from llamaswap.commands.loading import EXIT_CONFIG, exit_on, load_or_exit, warn, warn_about
 from llamaswap.config import Config, ConfigError, load_document
 from llamaswap.envoy.bootstrap import ENVOY_ADMIN_HOST, ENVOY_ADMIN_PORT
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
 
 # The levels --log-level accepts (logging's names).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -96,8 +100,7 @@ def _validate_with_envoy(config: Config) -> tuple[str, str | None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from llamaswap.commands.event_loop import run
     from llamaswap.commands.serve import serve
 
     config = load_or_exit(args.config)
@@ -106,9 +109,10 @@ def _serve(args: argparse.Namespace) -> int:
         config.batches.read_keys(None)  # likewise the Batch API's callers' keys
     except ConfigError as exc:
         raise exit_on(exc) from exc
+    factory = _loop_factory_or_exit()
     try:
-        return asyncio.run(serve(config, config_path=args.config, ports_file=args.ports_file,
-                                 activity_path=args.activity_log, grace_s=args.grace))
+        return run(serve(config, config_path=args.config, ports_file=args.ports_file,
+                         activity_path=args.activity_log, grace_s=args.grace), factory)
     except StoreError as exc:  # batches.dir cannot be used: a configuration error
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -136,9 +140,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import asyncio
     import pathlib
 
+    from llamaswap.commands.event_loop import run
     from llamaswap.commands.up import StackError, effective_config, ensure_default_model, run_stack
 
     try:
@@ -160,14 +164,26 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     workdir = pathlib.Path(args.workdir) if args.workdir else None
+    factory = _loop_factory_or_exit()
     try:
-        return asyncio.run(run_stack(config, config_path=args.config, workdir=workdir,
-                                     otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
-                                     activity_path=args.activity_log, gpus=args.gpus,
-                                     max_loaded=args.max_loaded))
+        return run(run_stack(config, config_path=args.config, workdir=workdir,
+                             otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
+                             activity_path=args.activity_log, gpus=args.gpus,
+                             max_loaded=args.max_loaded), factory)
     except StoreError as exc:  # batches.dir cannot be used: a configuration error
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _loop_factory_or_exit() -> Callable[[], AbstractEventLoop] | None:
+    """The event loop LLAMASWAP_EVENT_LOOP asks for (`commands/event_loop.py`); exit 2 if it cannot be had."""
+    from llamaswap.commands.event_loop import EventLoopError, loop_factory
+
+    try:
+        return loop_factory()
+    except EventLoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from exc
 
 
 def _otlp_endpoint_from_env() -> str | None:

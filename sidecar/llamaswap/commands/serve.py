@@ -21,6 +21,7 @@ from typing import Any
 
 from llamaswap.config import Config, ConfigError, HostPort, ListenConfig, load_document, parse_config
 from llamaswap.config.advice import advice
+from llamaswap.commands.event_loop import loop_name
 from llamaswap.commands.loading import EXIT_CONFIG
 from llamaswap.commands.ports import is_llamaswap, port_holder
 from llamaswap.config.reload import plan_reload
@@ -199,9 +200,9 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self.batches.feeder.run()))
             self._tasks.append(asyncio.create_task(self.batches.sweep_expired_files()))
         tune_gc()
-        _log.info("llamaswap sidecar: gRPC on %s:%d, admin on http://%s:%d, scheduler %s",
+        _log.info("llamaswap sidecar: gRPC on %s:%d, admin on http://%s:%d, scheduler %s, event loop %s",
                   listen.grpc.host, self.grpc_port, listen.admin.host, self.admin_port,
-                  self.config.routing.scheduler.use)
+                  self.config.routing.scheduler.use, loop_name(asyncio.get_running_loop()))
 
     def _batch_service(self, config: Config) -> BatchService | None:
         """The Batch API over batches.dir (None: off). Lines go to Envoy's public listener."""

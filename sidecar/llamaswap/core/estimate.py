@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Protocol, TypeVar
@@ -58,17 +59,25 @@ _W = TypeVar("_W")  # a window of recent measurements (`_Recent`, `_TokenRuns`)
 
 
 class _Recent:
-    """The last `size` values and their median, recomputed only when a value arrives."""
+    """The last `size` values and their median, updated only when a value arrives. The window is
+    also kept sorted, so a value costs a bisect instead of `statistics.median`'s sort of the whole
+    window on every release; the median is the same value (the middle one, or the mean of the two)."""
 
-    __slots__ = ("values", "median")
+    __slots__ = ("values", "_ordered", "median")
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)
+        self._ordered: list[float] = []  # the same values, ascending
         self.median: float | None = None
 
     def add(self, value: float) -> None:
+        ordered = self._ordered
+        if len(self.values) == self.values.maxlen:
+            del ordered[bisect_left(ordered, self.values[0])]  # the value the append drops
         self.values.append(value)
-        self.median = statistics.median(self.values)
+        insort(ordered, value)
+        middle = len(ordered) // 2
+        self.median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class _TokenRuns:
