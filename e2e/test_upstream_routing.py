@@ -125,7 +125,7 @@ async def test_the_request_goes_to_the_upstream_the_check_named_and_only_there(t
         assert stack.gpu1.hits[0].headers[UPSTREAM_HEADER] == "gpu1"  # the client's copy is gone
         entry = await async_wait_for(lambda: stack.stub.final_entry("ticket-r1"), what="r1's final access-log entry")
         report = report_of(entry)
-        assert report is not None and (report.status, report.upstream) == (200, "gpu1")
+        assert report is not None and (report.status, report.gpu) == (200, "gpu1")
 
         # The grant decides, whichever upstream it names.
         stack.stub.upstream = "gpu0"
@@ -133,7 +133,7 @@ async def test_the_request_goes_to_the_upstream_the_check_named_and_only_there(t
         assert reply.status == 200, reply.body
         assert (stack.gpu0.order(), stack.gpu1.order()) == (["r2"], ["r1"])
         entry = await async_wait_for(lambda: stack.stub.final_entry("ticket-r2"), what="r2's final access-log entry")
-        assert report_of(entry).upstream == "gpu0"
+        assert report_of(entry).gpu == "gpu0"
 
         # An OK that names no upstream (or one Envoy does not know) reaches none: 503.
         for name, test_id in ((None, "r3"), ("gpu7", "r4")):
@@ -142,7 +142,7 @@ async def test_the_request_goes_to_the_upstream_the_check_named_and_only_there(t
             assert reply.status == 503, reply.body
             entry = await async_wait_for(lambda t=test_id: stack.stub.final_entry(f"ticket-{t}"),
                                          what=f"{test_id}'s final access-log entry")
-            assert report_of(entry).upstream is None
+            assert report_of(entry).gpu is None
         assert (stack.gpu0.order(), stack.gpu1.order()) == (["r2"], ["r1"])
 
 

@@ -548,7 +548,7 @@ class RefGpu:
 @dataclasses.dataclass(frozen=True)
 class RefNodeDecision:
     request_id: str
-    upstream: str
+    gpu: str
     model: str | None
     score: Fraction
     swap_affinity: bool

@@ -160,7 +160,7 @@ class RefResidentGpu:
 @dataclasses.dataclass(frozen=True)
 class RefResidentDecision:
     request_id: str
-    upstream: str
+    gpu: str
     model: str
     score: Fraction
     swap_affinity: bool

@@ -26,7 +26,7 @@ def two_gpus(*upstreams: FakeUpstream, slots: int | str = 1, models: tuple[list[
 def on(flow: Flow, request_id: str) -> str:
     decision = flow.requests[request_id].ticket.decision
     assert decision is not None, f"{request_id} was not granted"
-    return decision.upstream
+    return decision.gpu
 
 
 @virtual_time
@@ -79,14 +79,14 @@ async def test_an_abandoned_generation_settles_its_own_gpu_while_the_other_serve
 async def test_an_adopted_exchange_holds_the_gpu_envoy_names() -> None:
     flow = two_gpus()
     flow.coordinator.report("someone-elses", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
-                                                            elapsed_s=1.0, upstream="gpu1"))
+                                                            elapsed_s=1.0, gpu="gpu1"))
     await flow.idle()
     assert flow.coordinator.gpus.named("gpu1").adopted
     one = await flow.arrive("one", model="m")
     two = await flow.arrive("two", model="n")
     assert one.granted and on(flow, "one") == "gpu0" and two.waiting
     flow.coordinator.report("someone-elses", ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200,
-                                                            first_byte_s=None, upstream="gpu1"))
+                                                            first_byte_s=None, gpu="gpu1"))
     await flow.idle()
     assert two.granted and on(flow, "two") == "gpu1"
 
@@ -100,7 +100,7 @@ async def test_an_exchange_envoy_places_on_no_gpu_of_several_holds_none() -> Non
     flow.coordinator.report("nowhere", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
                                                       elapsed_s=1.0))
     flow.coordinator.report("elsewhere", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
-                                                        elapsed_s=1.0, upstream="gpu7"))
+                                                        elapsed_s=1.0, gpu="gpu7"))
     await flow.idle()
     assert not flow.coordinator.gpus.named("gpu0").adopted and not flow.coordinator.gpus.named("gpu1").adopted
     one = await flow.arrive("one", model="m")
@@ -153,10 +153,10 @@ async def test_the_scheduler_is_told_what_holds_a_gpu_as_it_begins_and_ends() ->
         return holding.blocked, holding.settling, holding.adopted
 
     flow.coordinator.report("foreign", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
-                                                      elapsed_s=1.0, upstream="gpu1"))
+                                                      elapsed_s=1.0, gpu="gpu1"))
     assert held("gpu1") == (True, False, 1) and held("gpu0") == (False, False, 0)
     flow.coordinator.report("foreign", ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200,
-                                                      first_byte_s=None, upstream="gpu1"))
+                                                      first_byte_s=None, gpu="gpu1"))
     assert held("gpu1") == (False, False, 0)
     first = await flow.arrive("first", model="m")
     assert on(flow, "first") == "gpu0"
@@ -266,7 +266,7 @@ async def test_the_estimated_start_reads_every_gpu() -> None:
     # An adopted exchange on the GPU that frees first holds it for a time nobody can tell: gpu1's end counts.
     # (Adopted as Envoy's entry arrives: the scheduler is told then, and the change makes a new walk.)
     flow.coordinator.report("someone", ExchangeReport(final=False, end=None, status=0, first_byte_s=None,
-                                                      elapsed_s=1.0, upstream=on(flow, "a")))
+                                                      elapsed_s=1.0, gpu=on(flow, "a")))
     _, row = flow.coordinator.status_of("c")  # type: ignore[misc]
     assert row.estimated_start_s == 30.0  # type: ignore[union-attr]
 

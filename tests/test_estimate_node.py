@@ -64,7 +64,7 @@ def _snapshot(waiting: list[str | None], grants: Sequence[tuple[str, str | None,
         PolicyName.SERIAL,
         tuple(WaitingView(f"w{i}", i + 1, 0, Band.NORMAL, 0.0, False, 0.0, m) for i, m in enumerate(waiting)),
         {},
-        tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, upstream=upstream,
+        tuple(RunningView(f"g{i}", 0, Band.NORMAL, 0.0, model, load, 0.0, running_s, gpu=upstream,
                           ready_at=(model, running_s) if load and model is not None else None)  # (its own load)
               for i, (upstream, model, running_s, load) in enumerate(grants)))
 
@@ -117,7 +117,7 @@ def test_node_times_read_each_upstreams_grants() -> None:
     # (A grant beside a load says so from its grant on: `Decision.ready_at`, the load's model
     # and how long ago it began; the estimates never guess it.)
     snapshot = dataclasses.replace(snapshot, grants=(*snapshot.grants, RunningView(
-        "g3", 0, Band.NORMAL, 0.0, "y", False, 0.0, 0.5, upstream="gpu1", ready_at=("y", 1.0))))
+        "g3", 0, Band.NORMAL, 0.0, "y", False, 0.0, 0.5, gpu="gpu1", ready_at=("y", 1.0))))
     times = NodeTimes.of_snapshot(snapshot, estimator)
     assert (times.slot_free_in_s("gpu0"), times.drained_in_s("gpu0")) == (3.0, 8.0)
     # gpu1: a load under way (14 s left) and a grant beside it that runs after it.
@@ -125,7 +125,7 @@ def test_node_times_read_each_upstreams_grants() -> None:
     assert (times.slot_free_in_s("gpu2"), times.drained_in_s("gpu2"), times.swap_s("x", "gpu2")) == (0.0, 0.0, 5.0)
     # Granted beside a load of z 4 s ago, that grant gone: the load ends in 1 s, its 10 s run after.
     beside = QueueSnapshot(PolicyName.SERIAL, (), {}, (
-        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, upstream="gpu0", ready_at=("z", 4.0)),))
+        RunningView("g", 0, Band.NORMAL, 0.0, "z", False, 0.0, 3.0, gpu="gpu0", ready_at=("z", 4.0)),))
     assert NodeTimes.of_snapshot(beside, estimator).slot_free_in_s("gpu0") == 11.0
     overdue = NodeTimes.of_snapshot(_snapshot([], [("gpu0", "x", 12.0, False), ("gpu0", "x", 1.0, False)]), estimator)
     assert (overdue.slot_free_in_s("gpu0"), overdue.drained_in_s("gpu0")) == (9.0, math.inf)
@@ -243,7 +243,7 @@ class NodePlay:
             if decision is None:
                 return
             now = self.clock.now_ns()
-            upstream = decision.upstream
+            upstream = decision.gpu
             if decision.model_load:
                 self.ready_ns[upstream] = now + round(self.estimator.expected_swap_s(decision.model) * NS)
             ready = self.ready_ns.get(upstream, 0)

@@ -52,7 +52,7 @@ def granted(request_id: str, model: str, clock: ManualClock, *, upstream: str = 
     ticket = Ticket(f"token-{request_id}", arrival, Priority(100, PrioritySource.NUMBER), clock.now_ns() - 2 * S)
     ticket.decision = Decision(request_id, 100, Band.INTERACTIVE, 100.0, ticket.arrival_ns, clock.now_ns(), model,
                                False, 0.0, False, True, frozenset({"a", "b", "c"}), frozenset(), (), 0,
-                               upstream=upstream, evicts=evicts)
+                               gpu=upstream, evicts=evicts)
     ticket.state = TicketState.RUNNING
     return ticket
 

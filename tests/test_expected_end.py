@@ -142,7 +142,7 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
     records = [_arrival("a1", 0, "A", max_tokens=3000, run_s=30, order=0), _arrival("b1", 0, "B", order=1),
                _arrival("a2", 1, "A", max_tokens=100, order=2)]
     sim = simulate(prepare(records), policy, figures)
-    got = {r.request.record.request_id: (r.start_ns, r.upstream) for r in sim.results}
+    got = {r.request.record.request_id: (r.start_ns, r.gpu) for r in sim.results}
     assert got == {"a1": (0, "gpu0"), "b1": (0, "gpu1"), "a2": (14 * S, "gpu1")}
 
     # The runtime's own rule, on what the runtime knows at 14 s, decides the same.
@@ -159,7 +159,7 @@ def test_the_simulator_sizes_a_running_grant_by_its_max_tokens_as_the_runtime_do
     scheduler.release("b1", model_loaded=True)
     times = NodeTimes.of_grants(lambda: scheduler.running_grants, clock.now_ns(), figures)
     decision = scheduler.next(times=times)
-    assert decision is not None and (decision.request_id, decision.upstream) == ("a2", "gpu1")
+    assert decision is not None and (decision.request_id, decision.gpu) == ("a2", "gpu1")
 
 
 def test_a_stated_cost_is_a_requests_whatever_its_size() -> None:

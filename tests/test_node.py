@@ -41,7 +41,7 @@ def grants(scheduler: Scheduler) -> list[tuple[str, str]]:
     """Grant until nothing more starts: (request, upstream) in grant order."""
     made = []
     while (decision := scheduler.next()) is not None:
-        made.append((decision.request_id, decision.upstream))
+        made.append((decision.request_id, decision.gpu))
     return made
 
 
@@ -68,8 +68,8 @@ def test_a_request_goes_where_its_model_is_loaded() -> None:
     decisions = {}
     while (decision := scheduler.next()) is not None:
         decisions[decision.request_id] = decision
-    assert decisions["wants-y"].upstream == "gpu1" and not decisions["wants-y"].model_load
-    assert decisions["wants-x"].upstream == "gpu0" and not decisions["wants-x"].model_load
+    assert decisions["wants-y"].gpu == "gpu1" and not decisions["wants-y"].model_load
+    assert decisions["wants-x"].gpu == "gpu0" and not decisions["wants-x"].model_load
 
 
 def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted_model() -> None:
@@ -78,7 +78,7 @@ def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted
     scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
     scheduler.enqueue("z1", prio(50), "z")
     first = scheduler.next()
-    assert first is not None and first.upstream == "gpu2" and first.load
+    assert first is not None and first.gpu == "gpu2" and first.load
     scheduler.enqueue("x1", prio(1), "x")  # x is wanted, y is not: y's upstream is the one to swap
     scheduler.enqueue("w1", prio(40), "w")
     taken = dict(grants(scheduler))
@@ -149,12 +149,12 @@ def test_waiting_for_a_warm_upstream_when_it_frees_sooner_than_a_load() -> None:
     scheduler.enqueue("y1", prio(0), "y")
     decision = scheduler.next(times=Times())
     # x2 waits for gpu0 (a slot in 1 s beats a 20 s load); y1 takes the idle gpu1 meanwhile.
-    assert decision is not None and (decision.request_id, decision.upstream) == ("y1", "gpu1")
+    assert decision is not None and (decision.request_id, decision.gpu) == ("y1", "gpu1")
     assert scheduler.next(times=Times()) is None
     # Knowing nothing of times, an idle upstream takes the best request it may serve.
     scheduler.release("y1")
     decision = scheduler.next()
-    assert decision is not None and (decision.request_id, decision.upstream) == ("x2", "gpu1")
+    assert decision is not None and (decision.request_id, decision.gpu) == ("x2", "gpu1")
 
 
 def test_a_model_goes_only_to_the_upstreams_that_may_serve_it() -> None:
@@ -173,13 +173,13 @@ def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
     assert scheduler.held_by("gpu0", settling=True, adopted=0)
     assert [gpu.blocked for gpu in scheduler.holdings()] == [True, False]
     decision = scheduler.next()
-    assert decision is not None and decision.upstream == "gpu1"
+    assert decision is not None and decision.gpu == "gpu1"
     assert scheduler.next() is None
     assert scheduler.held_by("gpu0", settling=False, adopted=1)  # an adopted exchange holds it as well
     assert scheduler.next() is None
     assert scheduler.held_by("gpu0", settling=False, adopted=0)
     decision = scheduler.next()
-    assert decision is not None and decision.upstream == "gpu0"
+    assert decision is not None and decision.gpu == "gpu0"
 
 
 def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
@@ -193,7 +193,7 @@ def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
     assert grants(scheduler) == [("y2", "gpu0")]
     scheduler.release("y1")
     decision = scheduler.next()
-    assert decision is not None and decision.request_id == "unload-y" and decision.upstream == "gpu1"
+    assert decision is not None and decision.request_id == "unload-y" and decision.gpu == "gpu1"
     scheduler.enqueue("y3", prio(0), "y")
     assert grants(scheduler) == [("y3", "gpu0")]  # nothing beside the unload on gpu1
 
@@ -223,7 +223,7 @@ def test_release_and_loaded_model_reports_are_per_upstream() -> None:
     snapshot = scheduler.snapshot()
     assert [(view.name, view.resident_models, view.slots_busy) for view in snapshot.gpus] == [
         ("gpu0", ("x",), 1), ("gpu1", ("q",), 0)]
-    assert [grant.upstream for grant in snapshot.grants] == ["gpu0"]
+    assert [grant.gpu for grant in snapshot.grants] == ["gpu0"]
 
 
 def test_the_upstreams_cannot_change_under_a_running_scheduler() -> None:
@@ -334,21 +334,21 @@ class NodeMachine(RuleBasedStateMachine):
                 assert decision is None and expected is None, f"granted {decision}, the reference {expected}"
                 return
             self._same_grant(decision, expected)
-            assert decision.upstream not in blocked
+            assert decision.gpu not in blocked
             self._what_the_upstream_sees(decision)
 
     def _same_grant(self, decision: Decision, expected: RefNodeDecision) -> None:
-        got = (decision.request_id, decision.upstream, decision.model, decision.load, decision.swap,
+        got = (decision.request_id, decision.gpu, decision.model, decision.load, decision.swap,
                decision.residents_before, decision.alone, decision.swap_affinity, decision.reserved_slot,
                decision.slots_busy, decision.queue_depth_after)
-        assert got == (expected.request_id, expected.upstream, expected.model, expected.load, expected.swap,
+        assert got == (expected.request_id, expected.gpu, expected.model, expected.load, expected.swap,
                        residents(expected.previous_model), expected.alone, expected.swap_affinity,
                        expected.reserved_slot, expected.slots_busy, expected.queue_depth_after)
         assert float_close(decision.score, expected.score), (decision.score, expected.score)
 
     def _what_the_upstream_sees(self, decision: Decision) -> None:
         """The rules of one upstream, checked from what runs there (kept here, not asked)."""
-        upstream = decision.upstream
+        upstream = decision.gpu
         policy = next(p for p in self.policies if p.name == upstream)
         assert policy.models is None or decision.model is None or decision.model in policy.models
         others = [(m, alone) for (u, m, alone) in self.running.values() if u == upstream]
@@ -402,12 +402,12 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
     scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
     scheduler.enqueue("y0", prio(0), "y")
     first = scheduler.next()
-    assert first is not None and first.upstream == "gpu1"  # gpu1: nothing loaded there yet
+    assert first is not None and first.gpu == "gpu1"  # gpu1: nothing loaded there yet
     scheduler.enqueue("y1", prio(0), "y")
     clock.advance(1.0)
     scheduler.enqueue("x1", prio(0), "x")
     decision = scheduler.next()
-    assert decision is not None and (decision.request_id, decision.upstream) == ("x1", "gpu0")
+    assert decision is not None and (decision.request_id, decision.gpu) == ("x1", "gpu0")
     assert not decision.model_load and decision.swap_affinity
 
 
@@ -447,7 +447,7 @@ class Drive:
                 decision = self.reference.next(blocked, times)
             if decision is None:
                 return made
-            made.append((decision.request_id, decision.upstream))
+            made.append((decision.request_id, decision.gpu))
 
 
 def only_the_best_holds_a_gpu_back(reference: bool) -> list[tuple[str, str]]:

@@ -109,7 +109,7 @@ def test_a_request_of_no_model_goes_where_the_resident_models_are_wanted_least()
         assert scheduler.set_residents(frozenset({"A"}), as_of=0, upstream="gpu0")
         scheduler.enqueue("n1", prio(10), None)
         decision = scheduler.next()
-        assert decision is not None and decision.upstream == "gpu1"
+        assert decision is not None and decision.gpu == "gpu1"
 
 
 def test_nothing_loads_beside_work_of_no_model_where_there_is_room_for_one() -> None:

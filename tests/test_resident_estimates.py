@@ -61,7 +61,7 @@ class ResidentPlay(NodePlay):
             if decision is None:
                 return
             now = self.clock.now_ns()
-            upstream, model = decision.upstream, decision.model
+            upstream, model = decision.gpu, decision.model
             self._check(upstream, decision.evicts)
             key = f"{upstream}/{model}"
             if decision.model_load:
@@ -76,7 +76,7 @@ class ResidentPlay(NodePlay):
         holding = next(h for h in self.scheduler.holdings() if h.name == upstream)
         residency = holding.residency
         assert residency.fits(holding.residents)
-        running = [d for d in self.scheduler.running_grants if d.upstream == upstream]
+        running = [d for d in self.scheduler.running_grants if d.gpu == upstream]
         for eviction in evicts:
             assert eviction.model not in residency.pinned
             assert all(d.model != eviction.model for d in running)
@@ -135,12 +135,12 @@ class UnreadPlay(ResidentPlay):
             if decision is None:
                 return
             now = self.clock.now_ns()
-            key = f"{decision.upstream}/{decision.model}"
+            key = f"{decision.gpu}/{decision.model}"
             if decision.model_load:
                 self.ready_ns[key] = now + round(self.estimator.expected_swap_s(decision.model) * NS)
             run_ns = round(self.estimator.expected_request_run_s(decision.model, None) * NS)
             heapq.heappush(self.ends, (max(now, self.ready_ns.get(key, 0)) + run_ns, decision.request_id))
-            self.granted[decision.request_id] = (now, decision.upstream)
+            self.granted[decision.request_id] = (now, decision.gpu)
 
 
 def test_what_the_best_holds_back_while_every_slot_is_busy_does_not_depend_on_who_read_it() -> None:

@@ -223,22 +223,22 @@ class ResidentMachine(RuleBasedStateMachine):
         grants otherwise (`test_a_load_never_evicts_a_model_the_best_holds_back`)."""
         if decision is None or not decision.evicts:
             return False
-        held = self.reference.held_back().get(decision.upstream, frozenset())
+        held = self.reference.held_back().get(decision.gpu, frozenset())
         differs = expected is None or expected.request_id != decision.request_id
         return differs and any(eviction.model in held for eviction in decision.evicts)
 
     def _same_grant(self, decision: Decision, expected: RefResidentDecision) -> None:
         evicts = frozenset((eviction.model, str(eviction.reason)) for eviction in decision.evicts)
-        got = (decision.request_id, decision.upstream, decision.model, decision.load, decision.swap,
+        got = (decision.request_id, decision.gpu, decision.model, decision.load, decision.swap,
                decision.swap_affinity, decision.reserved_slot, decision.slots_busy, evicts)
-        want = (expected.request_id, expected.upstream, expected.model, expected.load, expected.swap,
+        want = (expected.request_id, expected.gpu, expected.model, expected.load, expected.swap,
                 expected.swap_affinity, expected.reserved_slot, expected.slots_busy, expected.evicts)
         note(f"grant {got}")
         assert got == want, f"granted {got}, the reference {want}"
         # (Within rounding of the terms a float sum adds: the priority, the bonus and the aging.)
         magnitude = abs(expected.score) + abs(decision.priority) + 200
         assert float_close(decision.score, expected.score, magnitude=magnitude), (decision.score, expected.score)
-        assert self.scheduler.residents_on(decision.upstream) == expected.residents_after
+        assert self.scheduler.residents_on(decision.gpu) == expected.residents_after
         if evicts:
             event(f"evicts {len(evicts)}: {sorted(reason for _, reason in evicts)}")
         if decision.swap:
@@ -246,7 +246,7 @@ class ResidentMachine(RuleBasedStateMachine):
 
     def _what_the_gpu_holds(self, decision: Decision) -> None:
         """The rules of one GPU, from what runs there (kept here, not asked)."""
-        name = decision.upstream
+        name = decision.gpu
         policy = self.ref_policies[name]
         residents = self.scheduler.residents_on(name)
         assert policy.residency.fits(residents), "more resident than maxLoaded or the budget holds"
@@ -330,7 +330,7 @@ def test_no_bonus_from_a_full_gpu_behind_the_best() -> None:
                                         ("r5", 10, "e")):
         scheduler.enqueue(request_id, prio(priority), model)
     first, second = scheduler.next(), scheduler.next()
-    assert (first.request_id, first.upstream, second.request_id, second.upstream) == ("r3", "gpu0", "r5", "gpu1")
+    assert (first.request_id, first.gpu, second.request_id, second.gpu) == ("r3", "gpu0", "r5", "gpu1")
     assert [view.request_id for view in scheduler.snapshot().waiting][:3] == ["r1", "r2", "r4"]
     decision = scheduler.next()
-    assert decision is not None and (decision.request_id, decision.upstream) == ("r2", "gpu0")
+    assert decision is not None and (decision.request_id, decision.gpu) == ("r2", "gpu0")

@@ -149,7 +149,7 @@ def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_not_served_there()
     scheduler, _ = node(gpu("gpu0", max_loaded=2, pinned=("E", "F")), gpu("gpu1", max_loaded=2))
     scheduler.enqueue("c", prio(0), "C")
     decision = scheduler.next()
-    assert decision is not None and decision.upstream == "gpu1"
+    assert decision is not None and decision.gpu == "gpu1"
 
 
 def test_every_candidate_busy_the_best_holds_back_only_the_model_chosen_to_go() -> None:
@@ -293,14 +293,14 @@ def test_several_gpus_prefer_the_resident_model_then_room_then_an_eviction() -> 
         scheduler.enqueue(request_id, prio(10 - len(request_id)), model)
     made = []
     while (decision := scheduler.next()) is not None:
-        made.append((decision.request_id, decision.upstream, decision.evicts))
+        made.append((decision.request_id, decision.gpu, decision.evicts))
     # a on gpu0 (both idle: the first); b loads where it has room beside nothing (gpu1 is idle);
     # c has room beside a on gpu0 (the less busy of the two with room).
     assert [upstream for _, upstream, _ in made] == ["gpu0", "gpu1", "gpu0"]
     assert all(evicts == () for *_, evicts in made)
     scheduler.enqueue("a2", prio(0), "A")
     decision = scheduler.next()
-    assert decision is not None and decision.upstream == "gpu0" and not decision.model_load
+    assert decision is not None and decision.gpu == "gpu0" and not decision.model_load
 
 
 def test_a_gpu_with_room_goes_before_a_less_busy_one_where_a_model_must_go() -> None:
@@ -308,11 +308,11 @@ def test_a_gpu_with_room_goes_before_a_less_busy_one_where_a_model_must_go() -> 
     assert scheduler.set_residents(frozenset({"X", "Y"}), as_of=0, upstream="gpu1")
     scheduler.enqueue("a", prio(0), "A")
     first = scheduler.next()
-    assert first is not None and first.upstream == "gpu0"  # nothing to evict there
+    assert first is not None and first.gpu == "gpu0"  # nothing to evict there
     scheduler.enqueue("b", prio(0), "B")
     decision = scheduler.next()
     # gpu0 runs a but has room for B; gpu1 is idle, but X or Y would have to go: room first.
-    assert decision is not None and (decision.upstream, decision.evicts) == ("gpu0", ())
+    assert decision is not None and (decision.gpu, decision.evicts) == ("gpu0", ())
     assert scheduler.residents_on("gpu1") == frozenset({"X", "Y"})
 
 

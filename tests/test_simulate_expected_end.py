@@ -53,7 +53,7 @@ def replayed(records: list[RequestRecord], policy: Policy, costs: Figures) -> di
                                                                                            str | None]]:
     """(start, release, upstream) of each request."""
     sim = simulate(prepare(records), policy, costs)
-    return {r.request.record.request_id: (r.start_ns, r.release_ns, r.upstream) for r in sim.results}
+    return {r.request.record.request_id: (r.start_ns, r.release_ns, r.gpu) for r in sim.results}
 
 
 def rule_times(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], policy: Policy,

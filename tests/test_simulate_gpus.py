@@ -39,7 +39,7 @@ def two_gpus(slots: int = 1) -> Policy:
 
 def starts(records: list[RequestRecord], policy: Policy, costs: FixedCosts) -> dict[str, tuple[int | None, str | None]]:
     sim = simulate(prepare(records), policy, costs)
-    return {r.request.record.request_id: (r.start_ns, r.upstream) for r in sim.results}
+    return {r.request.record.request_id: (r.start_ns, r.gpu) for r in sim.results}
 
 
 def test_two_gpus_serve_two_models_at_once_and_swap_apart():
@@ -48,7 +48,7 @@ def test_two_gpus_serve_two_models_at_once_and_swap_apart():
     records = [arrival("a1", 0, "A", order=0), arrival("b1", 0, "B", order=1), arrival("a2", 1, "A", order=2),
                arrival("a3", 2, "A", order=3), arrival("b2", 7, "B", order=4)]
     sim = simulate(prepare(records), two_gpus(), costs)
-    got = {r.request.record.request_id: (r.start_ns, r.upstream) for r in sim.results}
+    got = {r.request.record.request_id: (r.start_ns, r.gpu) for r in sim.results}
     assert got == {
         # t=0: both idle: a1 loads A on gpu0 (until 15), b1 loads B on gpu1 (until 6).
         "a1": (0, "gpu0"), "b1": (0, "gpu1"),
@@ -194,11 +194,11 @@ def _recording(slots: int, seed: int) -> list[dict]:
     policy = Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(slots))
     policy = policy.with_gpus((GpuPolicy("gpu0", Slots(slots)), GpuPolicy("gpu1", Slots(slots))))
     sim = simulate(prepare(records), policy, FixedCosts(RUN_S, SWAP_S))
-    assert {r.upstream for r in sim.results} == {"gpu0", "gpu1"}
+    assert {r.gpu for r in sim.results} == {"gpu0", "gpu1"}
     assert sim.metrics.gpus["gpu0"].swaps and sim.metrics.gpus["gpu1"].swaps
     return [_request(r.request.record.request_id, r.request.arrival_ns / S, r.request.record.model,
                      granted_s=r.start_ns / S, run_s=(r.release_ns - r.start_ns) / S, load=r.model_load,
-                     upstream=r.upstream, priority=r.request.priority.value,
+                     upstream=r.gpu, priority=r.request.priority.value,
                      swap_s=SWAP_S[r.request.record.model])
             for r in sorted(sim.results, key=lambda r: (r.release_ns, r.request.index))]
 
@@ -223,9 +223,9 @@ def test_the_replay_of_a_two_gpu_recording_is_what_it_recorded(slots, seed, tmp_
 
 def test_records_carry_their_upstream():
     (record,) = parse_activity([format_line(NAMED[0])]).requests
-    assert record.upstream == "big"
+    assert record.gpu == "big"
     (record,) = parse_activity([format_line(dict(NAMED[0], upstream=None))]).requests
-    assert record.upstream is None
+    assert record.gpu is None
 
 
 def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_replaces_them():
@@ -402,7 +402,7 @@ def test_a_configuration_of_one_upstream_is_a_node_of_one_as_the_runtime_builds_
 def _warm(request_id: str, at_s: float, run_s: float, upstream: str | None, order: int) -> RequestRecord:
     """A served warm generation of A, granted as it arrived (first byte at once)."""
     return RequestRecord(request_id, "A", 0, Outcome.SERVED, True, at_s * 1000, 0.0, 0.0, run_s * 1000, 0.0,
-                         False, False, order=order, upstream=upstream)
+                         False, False, order=order, gpu=upstream)
 
 
 def _slow_gpu1() -> list[RequestRecord]:
@@ -422,7 +422,7 @@ def test_each_gpu_replays_with_its_own_run_times():
     # run of A (not the node's 2 s on gpu1).
     late = [arrival("n1", 30, "A", order=4), arrival("n2", 30, "A", order=5)]
     sim = simulate(prepare(records + late), two_gpus(), costs)
-    ran = {r.request.record.request_id: (r.upstream, (r.release_ns - r.start_ns) / S) for r in sim.results}
+    ran = {r.request.record.request_id: (r.gpu, (r.release_ns - r.start_ns) / S) for r in sim.results}
     assert {ran["n1"], ran["n2"]} == {("gpu0", 2.0), ("gpu1", 20.0)}
     # One GPU (gpu0): f1 loads A first (no grant time recorded: nothing loaded; the default
     # swap, 5 s: 0..7); s1, recorded 20 s on gpu1, runs at gpu0's pace (2 s): f2 starts at 9, not 27.
@@ -443,7 +443,7 @@ def test_a_gpu_without_its_own_figures_takes_the_nodes():
         tuple(GpuPolicy(f"gpu{i}", Slots(1)) for i in range(3)))
     late = [arrival(f"n{i}", 30, "A", order=4 + i) for i in range(3)]
     sim = simulate(prepare(records + late), three, costs)
-    ran = {r.upstream: (r.release_ns - r.start_ns) / S for r in sim.results if r.request.record.request_id[0] == "n"}
+    ran = {r.gpu: (r.release_ns - r.start_ns) / S for r in sim.results if r.request.record.request_id[0] == "n"}
     assert ran == {"gpu0": 2.0, "gpu1": 20.0, "gpu2": 2.0}
 
 
@@ -455,12 +455,12 @@ def test_measuring_the_needed_suffix_per_upstream_matches_feeding_everything():
     for _ in range(300):
         records = [RequestRecord("r", rng.choice(["a", "b"]), 0, Outcome.SERVED, True, 0.0, 0.0,
                                  rng.choice([None, rng.uniform(0, 9000)]), rng.uniform(0, 20000), 0.0,
-                                 rng.random() < 0.3, False, upstream=rng.choice(["g0", "g1", None]))
+                                 rng.random() < 0.3, False, gpu=rng.choice(["g0", "g1", None]))
                    for _ in range(rng.randint(0, 60))]
         samples = rng.randint(1, 8)
         everything = Estimator(default_run_s=10.0, default_swap_s=5.0, samples=samples)
         for r in records:
-            everything.record(r.model, run_s=r.run_ms / 1000, model_load=r.model_load, upstream=r.upstream,
+            everything.record(r.model, run_s=r.run_ms / 1000, model_load=r.model_load, upstream=r.gpu,
                               first_byte_s=r.first_byte_ms / 1000 if r.first_byte_ms is not None else None)
         measured = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=samples)
         for model in ("a", "b"):

@@ -111,11 +111,11 @@ def test_other_entry_kinds_report_nothing(kind: int) -> None:
 
 @pytest.mark.parametrize("kind", [accesslog_pb2.DownstreamPeriodic, accesslog_pb2.DownstreamEnd])
 def test_the_entry_says_which_upstream_served(kind: int) -> None:
-    assert report_of(log_entry(kind, cluster="upstream-gpu1")).upstream == "gpu1"
-    assert report_of(log_entry(kind, cluster="upstream-big-gpu-0")).upstream == "big-gpu-0"
+    assert report_of(log_entry(kind, cluster="upstream-gpu1")).gpu == "gpu1"
+    assert report_of(log_entry(kind, cluster="upstream-big-gpu-0")).gpu == "big-gpu-0"
     # No cluster (the route chose none) or not an upstream's: nobody served it.
     for cluster in ("", "upstream-", "llamaswap_unrouted", "llamaswap_admin", "gpu1"):
-        assert report_of(log_entry(kind, cluster=cluster)).upstream is None
+        assert report_of(log_entry(kind, cluster=cluster)).gpu is None
 
 
 def test_the_first_byte_comes_from_the_two_durations() -> None:
@@ -322,10 +322,10 @@ def test_granted_carries_the_decision_headers_and_the_ticket() -> None:
 
 
 class _DecisionOn:
-    """A decision that names the upstream it runs on (the core's Decision.upstream)."""
+    """A decision that names the upstream it runs on (the core's Decision.gpu)."""
 
-    def __init__(self, decision: Decision, upstream: str) -> None:
-        self._decision, self.upstream = decision, upstream
+    def __init__(self, decision: Decision, gpu: str) -> None:
+        self._decision, self.gpu = decision, gpu
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._decision, name)

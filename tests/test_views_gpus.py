@@ -284,7 +284,7 @@ def test_a_settle_on_the_timeline_names_its_gpu() -> None:
 
     clock = ManualClock()
     history = History(clock, ActivityLog(clock))
-    history.settled(Settle(SettleReason.ABANDONED, SettleResult.IDLE, "y", "y1", 0, 2_000_000_000, upstream="small"))
+    history.settled(Settle(SettleReason.ABANDONED, SettleResult.IDLE, "y", "y1", 0, 2_000_000_000, gpu="small"))
     (entry,) = history.entries()
     assert json.loads(entry.body)["upstream"] == "small"
 

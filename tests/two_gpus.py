@@ -61,7 +61,7 @@ class TwoGpus:
             ticket = self.tickets[decision.request_id]
             ticket.decision = decision
             ticket.state = TicketState.RUNNING
-            granted[ticket.request_id] = decision.upstream
+            granted[ticket.request_id] = decision.gpu
             for observer in self.observers:
                 observer.dispatched(ticket, ())
         self._changed()

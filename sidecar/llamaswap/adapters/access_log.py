@@ -87,11 +87,11 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     upstream = upstream_of_cluster(common.upstream_cluster)
     if kind == _PERIODIC:
         return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s, elapsed_s=elapsed_s,
-                              upstream=upstream)
+                              gpu=upstream)
     response = entry.response
     status = response.response_code.value if response.HasField("response_code") else 0
     return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s,
-                          elapsed_s=elapsed_s, upstream=upstream)
+                          elapsed_s=elapsed_s, gpu=upstream)
 
 
 class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

@@ -40,7 +40,7 @@ def running_document(row: RunningRow) -> dict[str, Any]:
     return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
             "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
             "expected_end_s": row.expected_end_s, "expected_remaining_s": row.expected_remaining_s,
-            "upstream": row.upstream}
+            "upstream": row.gpu}
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any]
     if isinstance(row, RunningRow):
         return {"request_id": request_id, "state": "running", "position": 0, "priority": row.priority,
                 "band": row.band.value, "score": row.score, "waited_s": row.queue_wait_s, "running_s": row.running_s,
-                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s, "upstream": row.upstream}
+                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s, "upstream": row.gpu}
     return {"request_id": request_id, "state": "waiting", "position": row.position, "priority": row.priority,
             "band": row.band.value, "score": row.score, "waited_s": row.waited_s,
             "estimated_start_s": row.estimated_start_s}

@@ -82,7 +82,7 @@ def decision_headers(decision: Decision) -> list[tuple[str, str]]:
 
 def upstream_of(decision: Decision) -> str:
     """The name of the upstream the grant runs on."""
-    return decision.upstream
+    return decision.gpu
 
 
 def granted(ticket: Ticket) -> authz_pb2.CheckResponse:

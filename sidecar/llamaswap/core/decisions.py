@@ -59,7 +59,7 @@ class Decision:
     # It runs alone (`Scheduler.enqueue`): nothing ran when it was granted, nothing is granted
     # beside it. It loads nothing (neither `load` nor `swap`).
     alone: bool = False
-    upstream: str = IMPLICIT_GPU  # the upstream it runs on
+    gpu: str = IMPLICIT_GPU  # the GPU it runs on
     # Its ready time, set once at the grant: the load its run waits for, that model and when the
     # load began (its own load: this grant's; granted beside a load under way there: that load's),
     # so that it is ready when that load ends; None: ready at once. Every expected end reads it
@@ -153,7 +153,7 @@ class RunningView:
     queue_wait_s: float
     running_s: float
     alone: bool = False  # it runs alone (an unload): nothing starts beside it
-    upstream: str = IMPLICIT_GPU  # the upstream it runs on
+    gpu: str = IMPLICIT_GPU  # the GPU it runs on
     # Its ready time (`Decision.ready_at`): the load it waits for, and how long ago that load began.
     ready_at: tuple[str, float] | None = None
     max_tokens: int | None = None  # output tokens it asked for (None: not said)
@@ -164,7 +164,7 @@ class RunningView:
         load = decision.ready_at
         return cls(decision.request_id, decision.priority, decision.band, decision.score, decision.model,
                    decision.model_load, decision.queue_wait_ns / NS_PER_S, (now_ns - decision.granted_ns) / NS_PER_S,
-                   decision.alone, decision.upstream,
+                   decision.alone, decision.gpu,
                    None if load is None else (load[0], (now_ns - load[1]) / NS_PER_S), decision.max_tokens)
 
 

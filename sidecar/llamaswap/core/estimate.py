@@ -191,13 +191,13 @@ def _ready_of(decision: Decision) -> ReadyAt | None:
 
 def grant_ready_s(figures: Figures, decision: Decision) -> float:
     """How long after its grant a grant is ready to run (`Decision.ready_at`)."""
-    return ready_in_s(figures, _ready_of(decision), decision.upstream)
+    return ready_in_s(figures, _ready_of(decision), decision.gpu)
 
 
 def grant_end_s(figures: Figures, decision: Decision) -> float:
     """`expected_end_s` of a grant as the scheduler made it: its ready time is the one its grant
     set (`Decision.ready_at`), its run sized by its `max_tokens` where said."""
-    return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, upstream=decision.upstream,
+    return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, upstream=decision.gpu,
                           ready_at=_ready_of(decision))
 
 
@@ -217,7 +217,7 @@ def remaining_of(figures: Figures, grants: Sequence[RunningView]) -> list[float]
         load = grant.ready_at
         # (that model, how long before this grant its load began)
         ready = None if load is None else (load[0], load[1] - grant.running_s)
-        end = expected_end_s(figures, grant.model, max_tokens=grant.max_tokens, upstream=grant.upstream,
+        end = expected_end_s(figures, grant.model, max_tokens=grant.max_tokens, upstream=grant.gpu,
                              ready_at=ready)
         left = left_s(end, grant.running_s)
         remaining.append(math.inf if left is None else left)
@@ -227,7 +227,7 @@ def remaining_of(figures: Figures, grants: Sequence[RunningView]) -> list[float]
 def ready_left_s(figures: Figures, grant: RunningView) -> float:
     """How long until a running grant's ready time (the load it waits for ends; 0 once it is
     expected over, or with none)."""
-    return ready_in_s(figures, grant.ready_at, grant.upstream)
+    return ready_in_s(figures, grant.ready_at, grant.gpu)
 
 
 class Estimator:

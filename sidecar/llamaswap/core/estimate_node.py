@@ -170,7 +170,7 @@ def remaining_by_gpu(grants: Iterable[RunningView], figures: Figures) -> dict[st
 def _by_upstream(grants: Iterable[RunningView]) -> dict[str, list[RunningView]]:
     out: dict[str, list[RunningView]] = {}
     for grant in grants:
-        out.setdefault(grant.upstream, []).append(grant)
+        out.setdefault(grant.gpu, []).append(grant)
     return out
 
 

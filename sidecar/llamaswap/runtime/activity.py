@@ -230,7 +230,7 @@ class ActivityLog:
             "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
             "serial_slots_busy": decision.slots_busy if decision is not None else None,
             # The upstream (GPU) its grant ran on (None: never dispatched): a replay runs with the log's upstreams.
-            "upstream": decision.upstream if decision is not None else None,
+            "upstream": decision.gpu if decision is not None else None,
             "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
             "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
             "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,
@@ -273,7 +273,7 @@ class ActivityLog:
         return {
             "event": EVICTION,
             "time": round(self._unix_ms(decision.granted_ns) / 1000, 3),
-            "upstream": decision.upstream,
+            "upstream": decision.gpu,
             "model": eviction.model,  # the model unloaded
             "reason": eviction.reason.value,
             "for_model": decision.model,  # the model it made room for (what the request is scheduled on)

@@ -155,15 +155,15 @@ class Adoptions:
                  else "granted by an earlier sidecar process")
         started_ns = adoptable.started_ns
         # It holds the GPU of our grant, else the one Envoy's entry names (`Gpus.reported`).
-        gpu = self._gpus.named(adoptable.gpu) if adoptable.gpu is not None else self._gpus.reported(report.upstream)
+        gpu = self._gpus.named(adoptable.gpu) if adoptable.gpu is not None else self._gpus.reported(report.gpu)
         if gpu is None:
             _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago) on "
                          "upstream %s, which is none of this node's GPUs: it holds none of them", whose,
-                         (now - started_ns) / NS_PER_S, report.upstream or "(none named)")
+                         (now - started_ns) / NS_PER_S, report.gpu or "(none named)")
             return
         _log.warning("Envoy reports an exchange this sidecar does not hold (%s, started %.1f s ago) on %s; "
                      "no grant there until it ends", whose, (now - started_ns) / NS_PER_S, gpu.name)
-        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours, upstream=gpu.name)
+        self._leases.adopt(token, self._lease_ns(), started_ns=started_ns, ours=ours, gpu=gpu.name)
         self._tell(gpu)
         self._busy()
         self._changed()
@@ -183,7 +183,7 @@ class Adoptions:
         leave the upstream computing (`abandoned`; the watchdog's with abandonedGeneration: stop)
         is followed by a settle."""
         adoption = self._leases.end_adopted(token)
-        gpu = self._gpus.named(adoption.upstream)
+        gpu = self._gpus.named(adoption.gpu)
         self._tell(gpu)
         if result is SettleResult.ENDED or (result is SettleResult.WATCHDOG and adoption.ours):
             self._leases.forget_lapsed(token)

@@ -89,7 +89,7 @@ class Evictions:
     def granted(self, decision: Decision) -> Unloads | None:
         """A grant was made: begin its unloads (after those under way on its GPU); what it waits
         for before it goes, None if nothing."""
-        gpu = decision.upstream
+        gpu = decision.gpu
         if not decision.evicts and gpu not in self._under_way:
             return None  # (every grant passes here: nothing is built for the common one)
         under_way = self._live(gpu)
@@ -145,7 +145,7 @@ class Evictions:
         assert unloads is not None and decision is not None
         # Its lease: no access-log entry can come before it goes. Every unload before it may take
         # up to `timeout_s`.
-        waits_s = self.timeout_s * (len(self._under_way.get(decision.upstream, ())) + 1)
+        waits_s = self.timeout_s * (len(self._under_way.get(decision.gpu, ())) + 1)
         self._hold_lease(ticket, waits_s)
         failed = await asyncio.shield(unloads)
         ticket.unloads = None
@@ -155,7 +155,7 @@ class Evictions:
             self._hold_lease(ticket, 0.0)
             return ticket
         _log.warning("request %s for %s on %s is refused: the upstream did not unload %s to make room for it",
-                     ticket.request_id, decision.model, decision.upstream, failed)
+                     ticket.request_id, decision.model, decision.gpu, failed)
         self._release(ticket)
         return Refusal(Outcome.UPSTREAM_ERROR, self._forecast.retry_after_s(), model=decision.model,
                        evicting=failed)

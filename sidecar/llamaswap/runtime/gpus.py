@@ -39,7 +39,7 @@ class Gpu:
     @property
     def adopted(self) -> list[str]:
         """The tokens of the adopted exchanges that hold it."""
-        return [token for token, adoption in self.adoptions.items() if adoption.upstream == self.name]
+        return [token for token, adoption in self.adoptions.items() if adoption.gpu == self.name]
 
     async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
                      settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
@@ -62,7 +62,7 @@ class Gpu:
                 self.upstream, settling, stop=stop, clock=clock, deadline_ns=deadline_ns,
                 residents=residents if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
                 held=held)
-            return dataclasses.replace(settle, upstream=self.name)
+            return dataclasses.replace(settle, gpu=self.name)
         finally:
             if self.settling is settling:
                 self.settling = None

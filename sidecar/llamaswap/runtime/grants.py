@@ -86,7 +86,7 @@ class Grants:
         return [ticket for token in self._scheduler.running_ids() if (ticket := tickets.get(token)) is not None]
 
     def runs_model(self, upstream: str, model: str) -> bool:
-        return any(t.decision is not None and t.decision.model == model and t.decision.upstream == upstream
+        return any(t.decision is not None and t.decision.model == model and t.decision.gpu == upstream
                    for t in self.running())
 
     # -- Envoy's reports ---------------------------------------------------------------------
@@ -151,8 +151,8 @@ class Grants:
         self.leases.arm()
         self.watchdogs.arm(ticket)
         waiter.set_result(decision)
-        if decision.upstream in self._config.auto_slots:
-            self._gpus.named(decision.upstream).slots.after_grant(decision.model)
+        if decision.gpu in self._config.auto_slots:
+            self._gpus.named(decision.gpu).slots.after_grant(decision.model)
         overtaken = tuple(overtaken_by(self._tickets.get(token)) for token in decision.overtook)
         # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
         # never waits for spans, metrics or log lines.
@@ -162,7 +162,7 @@ class Grants:
         decision = ticket.decision
         if decision is None:  # only a running grant is released (every caller checks it runs)
             raise ValueError(f"request {ticket.request_id} was never granted: there is nothing to release")
-        gpu = self._gpus.named(decision.upstream)
+        gpu = self._gpus.named(decision.gpu)
         model_loaded = model_stays_loaded(outcome, ticket.response_status,
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
@@ -174,7 +174,7 @@ class Grants:
             # and would teach generation length as swap cost.
             self._estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
                                    first_byte_s=ticket.first_byte_s if ticket.streamed else None,
-                                   max_tokens=ticket.max_tokens, upstream=decision.upstream)
+                                   max_tokens=ticket.max_tokens, upstream=decision.gpu)
         stop = self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self.finish(ticket, outcome, released.released_ns)
@@ -194,7 +194,7 @@ class Grants:
         self._request_ids.forget(ticket)
         if ticket.decision is not None and outcome in (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE):
             # Released while its exchange may still run: if Envoy reports it again, it is adopted.
-            self.leases.remember_lapsed(ticket.token, ticket.decision.granted_ns, ticket.decision.upstream)
+            self.leases.remember_lapsed(ticket.token, ticket.decision.granted_ns, ticket.decision.gpu)
         waiter = ticket.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -182,7 +182,7 @@ class History:
                 self._reorders[str(cause)] += 1
             self._swaps += decision.swap
             self._loads += decision.load
-            counts = self._upstreams.setdefault(decision.upstream, collections.Counter())
+            counts = self._upstreams.setdefault(decision.gpu, collections.Counter())
             counts["dispatched"] += 1
             counts["swaps"] += decision.swap
             counts["loads"] += decision.load
@@ -224,7 +224,7 @@ class History:
         end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
         self._add("settle", settle.request_id, end_ms, {
             "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
-            "model": settle.model, "upstream": settle.upstream, "start_ms": start_ms, "end_ms": end_ms,
+            "model": settle.model, "upstream": settle.gpu, "start_ms": start_ms, "end_ms": end_ms,
             "settle_ms": round(settle.seconds * 1000, 3),
         })
 

@@ -38,7 +38,7 @@ class Adoption:
     started_ns: int  # the exchange's start: our grant, Envoy's start_time, or else the adoption
     lease_deadline_ns: int
     ours: bool  # a grant of this process whose lease lapsed (or whose Envoy connection went)
-    upstream: str  # the GPU it holds: our grant's, else the one Envoy's entry names (`Gpus.reported`)
+    gpu: str  # the GPU it holds: our grant's, else the one Envoy's entry names (`Gpus.reported`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,9 +105,9 @@ class Leases:
 
     # -- adopted exchanges -----------------------------------------------------------------
 
-    def adopt(self, token: str, lease_ns: int, *, started_ns: int, ours: bool, upstream: str) -> Adoption:
+    def adopt(self, token: str, lease_ns: int, *, started_ns: int, ours: bool, gpu: str) -> Adoption:
         now = self._clock.now_ns()
-        adoption = self.adopted[token] = Adoption(now, started_ns, now + lease_ns, ours, upstream)
+        adoption = self.adopted[token] = Adoption(now, started_ns, now + lease_ns, ours, gpu)
         return adoption
 
     def renew_adopted(self, token: str, lease_ns: int) -> None:

@@ -89,7 +89,7 @@ class Settle:
     request_id: str  # the abandoned (or adopted) request, "-" at startup
     started_ns: int
     ended_ns: int
-    upstream: str = IMPLICIT_GPU  # the upstream that waited (the others keep serving)
+    gpu: str = IMPLICIT_GPU  # the GPU that waited (the others keep serving)
 
     @property
     def seconds(self) -> float:

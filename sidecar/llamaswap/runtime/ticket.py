@@ -41,7 +41,7 @@ class ExchangeReport:
     # start_time and its first upstream byte: the queue wait does not count), if it says.
     elapsed_s: float | None = None
     # The upstream that served it, by name (its Envoy cluster's); None if it reached none.
-    upstream: str | None = None
+    gpu: str | None = None  # the GPU of the cluster Envoy routed it to (None: not one of ours)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ class RunningRow:
     # load or the load it was granted beside.
     expected_end_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
-    upstream: str = IMPLICIT_GPU  # the upstream (GPU) it runs on
+    gpu: str = IMPLICIT_GPU  # the GPU it runs on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ class QueueViews:
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
                                    decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,
-                                   decision.upstream))
+                                   decision.gpu))
         return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:

@@ -122,7 +122,7 @@ class RecordedConcurrency:
         for record in records:
             interval = _interval_us(record)
             if interval is not None and interval[1] > interval[0]:
-                by_upstream.setdefault(record.upstream, {})[record.order] = interval
+                by_upstream.setdefault(record.gpu, {})[record.order] = interval
         exposure: dict[int, Mapping[int, int]] = {}
         peak = 0
         for intervals in by_upstream.values():

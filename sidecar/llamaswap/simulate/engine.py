@@ -144,7 +144,7 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
             first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
                              first_byte_s=first_byte, model_load=record.model_load, max_tokens=record.max_tokens,
-                             upstream=record.upstream)
+                             upstream=record.gpu)
     return estimator
 
 
@@ -163,8 +163,8 @@ def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
         return 0
     keys: dict[str | None, list[int]] = {None: list(range(len(grants)))}
     for i, grant in enumerate(grants):
-        if grant.upstream is not None:
-            keys.setdefault(grant.upstream, []).append(i)
+        if grant.gpu is not None:
+            keys.setdefault(grant.gpu, []).append(i)
     start = until = len(grants)
     for indices in keys.values():
         window = indices[max(0, len(indices) - samples):]
@@ -237,7 +237,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     # Records without a grant time (older logs, synthetic workloads) start from nothing loaded.
     for name in names:
         first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None
-                     and (len(names) == 1 or r.record.upstream == name)),
+                     and (len(names) == 1 or r.record.gpu == name)),
                     key=lambda r: (r.record.granted_ms, r.index), default=None)
         if first is not None and not first.recorded_load and first.record.model is not None:
             scheduler.set_residents(frozenset((first.record.model,)), as_of=scheduler.dispatches_on(name),
@@ -252,7 +252,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     # Each GPU's own figures where the log has them (else the node's), keyed (upstream, model);
     # also those of the upstreams the log recorded, which a recorded run is converted from.
     models = {r.record.model for r in requests}
-    uppers = {*names, *(r.record.upstream for r in requests if r.run_ns is not None)}
+    uppers = {*names, *(r.record.gpu for r in requests if r.run_ns is not None)}
     run_ns = {(u, m): round(costs.expected_run_s(m, u) * 1e9) for u in uppers for m in models}
     swap_ns = {(u, m): round(costs.expected_swap_s(m, u) * 1e9) for u in uppers for m in models}
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
@@ -344,11 +344,11 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             request = result.request
             model = request.record.model
             load = decision.model_load
-            upstream = decision.upstream
+            upstream = decision.gpu
             swap = swap_ns[upstream, model]
             if request.run_ns is not None:
                 hold = request.run_ns
-                was = request.record.upstream
+                was = request.record.gpu
                 if run_ns[was, model] != run_ns[upstream, model] or swap_ns[was, model] != swap:
                     # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
                     work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
@@ -363,7 +363,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             result.outcome = request.granted_outcome
             result.start_ns = result.end_ns = now
             result.model_load = load
-            result.upstream = decision.upstream
+            result.gpu = decision.gpu
             result.grant = granted
             granted += 1
             result.evicted = tuple(eviction.model for eviction in decision.evicts)
@@ -373,7 +373,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     reorders[cause] += 1
             for eviction in decision.evicts:  # several resident: the models its grant unloaded
                 evictions[eviction.reason] += 1
-            gpu = gpu_of[decision.upstream]
+            gpu = gpu_of[decision.gpu]
             gpu.swaps += load
             if not gpu.running:
                 gpu.busy_since = now

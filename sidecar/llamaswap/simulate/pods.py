@@ -146,7 +146,7 @@ def simulate_pods(records: Sequence[RequestRecord], policy: Policy, costs: Figur
                     swaps += decision.swap
                     loads += decision.load
                 end = now + max(hold, 1)
-                heapq.heappush(releases, (end, next(seq), index, decision.upstream, decision.request_id))
+                heapq.heappush(releases, (end, next(seq), index, decision.gpu, decision.request_id))
                 wait = now - arrived_ns.pop(decision.request_id)
                 waits.append(wait)
                 if interactive.pop(decision.request_id):

@@ -91,7 +91,7 @@ class RequestRecord:
     granted_ms: float | None = None
     max_tokens: int | None = None
     slots_busy: int | None = None
-    upstream: str | None = None  # the upstream its grant ran on (None: not recorded, or not granted)
+    gpu: str | None = None  # the GPU its grant ran on (None: not recorded, or not granted)
 
     def settings_of(self, configured: Collection[str]) -> str | None:
         """The models.<id> entry it had (`config.model_key`, as the sidecar keyed it): where the
@@ -108,7 +108,7 @@ class RequestRecord:
 
 def recorded_upstreams(records: Iterable[RequestRecord]) -> tuple[str, ...]:
     """The upstreams the log's grants ran on, by name (empty: none recorded)."""
-    return tuple(sorted({record.upstream for record in records if record.upstream is not None}))
+    return tuple(sorted({record.gpu for record in records if record.gpu is not None}))
 
 
 def single_model(records: Iterable[RequestRecord]) -> str | None:
@@ -390,7 +390,7 @@ def request_document(record: RequestRecord) -> dict[str, Any]:
         "granted_unix_ms": record.granted_ms,
         "max_tokens": record.max_tokens,
         "serial_slots_busy": record.slots_busy,
-        "upstream": record.upstream,
+        "upstream": record.gpu,
     }
 
 

@@ -229,7 +229,7 @@ def request_lines(simulation: Simulation, setting: int | None = None) -> list[st
             "start_ms": round(result.start_ns / 1e6, 3) if result.start_ns is not None else None,
             "wait_ms": round(result.wait_ns / 1e6, 3),
             "outcome": result.outcome.value,
-            "upstream": result.upstream,  # the GPU it ran on (None: never granted)
+            "upstream": result.gpu,  # the GPU it ran on (None: never granted)
             "grant": result.grant,  # its place in the order of grants (None: never granted)
             "model_load": result.model_load,  # its grant loaded its model first
             "evicted": list(result.evicted),  # the resident models its grant unloaded

@@ -37,7 +37,7 @@ class Result:
     end_ns: int = 0  # left the queue: granted, gave up, expired or rejected
     release_ns: int | None = None
     model_load: bool = False
-    upstream: str | None = None  # the upstream (GPU) its grant ran on
+    gpu: str | None = None  # the GPU its grant ran on
     grant: int | None = None  # its place in the replay's order of grants (0: the first)
     evicted: tuple[str, ...] = ()  # the resident models its grant unloaded to make room
 

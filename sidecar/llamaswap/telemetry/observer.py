@@ -251,7 +251,7 @@ class Telemetry:
             instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
         instruments.queue_wait.record(wait_s, {"band": band})
-        upstream = {"upstream": decision.upstream}
+        upstream = {"upstream": decision.gpu}
         instruments.upstream_dispatched.add(1, upstream)
         if decision.swap:
             instruments.swaps.add(1)
@@ -260,7 +260,7 @@ class Telemetry:
             instruments.loads.add(1)
             instruments.upstream_loads.add(1, upstream)
         for eviction in decision.evicts:
-            instruments.evictions.add(1, _eviction_labels(decision.upstream, eviction.reason))
+            instruments.evictions.add(1, _eviction_labels(decision.gpu, eviction.reason))
         if ticket.estimated_wait_s is not None:
             ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
             instruments.estimate_ratio.record(ratio, {"band": band})
@@ -292,7 +292,7 @@ class Telemetry:
         for eviction in decision.evicts:
             span.add_event(EVICTED_EVENT, {"llamaswap.evicted_model": eviction.model,
                                            "llamaswap.evict_reason": eviction.reason.value,
-                                           "llamaswap.upstream": decision.upstream}, timestamp=at)
+                                           "llamaswap.upstream": decision.gpu}, timestamp=at)
         self._add_overtaken_by(span, ticket.request_id)
         span.end(end_time=at)
 
@@ -503,7 +503,7 @@ def _decision_attributes(ticket: Ticket) -> dict[str, Any]:
         "llamaswap.swap": decision.swap,
         "llamaswap.load": decision.load,
         "llamaswap.serial_slots_busy": decision.slots_busy,  # running grants, this one included
-        "llamaswap.upstream": decision.upstream,  # the upstream (GPU) it runs on
+        "llamaswap.upstream": decision.gpu,  # the upstream (GPU) it runs on
     }
     if decision.reordered_by:
         attributes["llamaswap.reordered_by"] = sorted(cause.value for cause in decision.reordered_by)
