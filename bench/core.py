@@ -168,7 +168,7 @@ def run_real(depth: int, rounds: int, seed: int, profile: cProfile.Profile | Non
         clock.set_ns(clock.now_ns() + gap)
         scheduler.enqueue(rid, priorities[prio], model)
     for gpu in scheduler.gpus:  # the first model resident on every GPU
-        scheduler.set_residents(frozenset(shape.names[:1]), as_of=scheduler.dispatches_on(gpu), upstream=gpu)
+        scheduler.set_residents(frozenset(shape.names[:1]), as_of=scheduler.dispatches_on(gpu), gpu=gpu)
     # The times the runtime hands the rule (read only if it asks: to choose among GPUs).
     figures = Estimator(default_run_s=10.0, default_swap_s=5.0, samples=5)
     grants = lambda: scheduler.running_grants  # noqa: E731 (read only when the rule asks)

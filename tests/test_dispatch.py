@@ -98,7 +98,7 @@ def test_what_the_node_holds_follows_each_change_though_kept_between_them() -> N
     a swap each show at once."""
     clock = ManualClock()
     scheduler = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10), clock)
-    assert scheduler.set_residents(frozenset({"a"}), as_of=0, upstream="gpu0")
+    assert scheduler.set_residents(frozenset({"a"}), as_of=0, gpu="gpu0")
     assert scheduler.holdings()[0].residents == {"a"}
     scheduler.enqueue("r1", Priority(0, PrioritySource.NUMBER), "a")
     assert scheduler.next() is not None
@@ -111,7 +111,7 @@ def test_what_the_node_holds_follows_each_change_though_kept_between_them() -> N
     assert scheduler.next() is not None
     scheduler.release("r2", model_loaded=False)  # idle again, and "a" no longer known loaded
     assert scheduler.holdings()[0].residents == frozenset()
-    assert scheduler.set_residents(frozenset({"b"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
+    assert scheduler.set_residents(frozenset({"b"}), as_of=scheduler.dispatches_on("gpu0"), gpu="gpu0")
     assert scheduler.holdings()[0].residents == {"b"}
     scheduler.enqueue("r3", Priority(0, PrioritySource.NUMBER), "c")
     decision = scheduler.next()

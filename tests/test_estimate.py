@@ -291,7 +291,7 @@ def test_starts_of_wait_for_a_grant_that_runs_alone():
     waits for it too, though a slot is free and the waiting request needs the loaded model."""
     clock = ManualClock()
     s = Scheduler(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, slots=Slots(2)), clock)
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("unload", Priority(0, PrioritySource.NUMBER), "a", alone=True)
     assert s.next() is not None
     clock.advance(4)

@@ -61,8 +61,8 @@ def test_two_models_start_at_once_on_two_idle_upstreams() -> None:
 
 def test_a_request_goes_where_its_model_is_loaded() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
-    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
-    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, gpu="gpu0")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, gpu="gpu1")
     scheduler.enqueue("wants-y", prio(0), "y")
     scheduler.enqueue("wants-x", prio(0), "x")
     decisions = {}
@@ -74,8 +74,8 @@ def test_a_request_goes_where_its_model_is_loaded() -> None:
 
 def test_an_idle_upstream_with_nothing_loaded_is_preferred_then_the_least_wanted_model() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"), gpu("gpu2"))
-    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
-    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, gpu="gpu0")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, gpu="gpu1")
     scheduler.enqueue("z1", prio(50), "z")
     first = scheduler.next()
     assert first is not None and first.gpu == "gpu2" and first.load
@@ -184,7 +184,7 @@ def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
 
 def test_an_unload_runs_alone_on_the_upstream_that_has_the_model() -> None:
     scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=2))
-    scheduler.set_residents(frozenset({"y"}), as_of=0, upstream="gpu1")
+    scheduler.set_residents(frozenset({"y"}), as_of=0, gpu="gpu1")
     scheduler.enqueue("y1", prio(0), "y")
     grants(scheduler)
     scheduler.enqueue("unload-y", prio(5), "y", alone=True)
@@ -216,10 +216,10 @@ def test_release_and_loaded_model_reports_are_per_upstream() -> None:
     scheduler.enqueue("b", prio(0), "y")
     grants(scheduler)
     as_of = scheduler.dispatches_on("gpu1")
-    assert not scheduler.set_residents(frozenset({"q"}), as_of=as_of, upstream="gpu1")  # b runs there
+    assert not scheduler.set_residents(frozenset({"q"}), as_of=as_of, gpu="gpu1")  # b runs there
     scheduler.release("b", model_loaded=False)
     assert scheduler.residents_on("gpu1") == frozenset() and scheduler.residents_on("gpu0") == frozenset({"x"})
-    assert scheduler.set_residents(frozenset({"q"}), as_of=as_of, upstream="gpu1")
+    assert scheduler.set_residents(frozenset({"q"}), as_of=as_of, gpu="gpu1")
     snapshot = scheduler.snapshot()
     assert [(view.name, view.resident_models, view.slots_busy) for view in snapshot.gpus] == [
         ("gpu0", ("x",), 1), ("gpu1", ("q",), 0)]
@@ -313,7 +313,7 @@ class NodeMachine(RuleBasedStateMachine):
         upstream = data.draw(st.sampled_from(self.names))
         idle = self.scheduler.slots_busy_on(upstream) == 0
         applied = self.scheduler.set_residents(residents(model), as_of=self.scheduler.dispatches_on(upstream),
-                                               upstream=upstream)
+                                               gpu=upstream)
         assert applied == idle  # a fresh report is taken exactly while nothing runs there
         self.reference.set_loaded_model(model, upstream)
 
@@ -367,7 +367,7 @@ class NodeMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject, loaded: bool | None, reached: bool, grant: bool) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.running)))
         upstream, model, alone = self.running.pop(request_id)
-        assert self.scheduler.upstream_of(request_id) == upstream
+        assert self.scheduler.gpu_of(request_id) == upstream
         loaded = False if alone and loaded else loaded  # an unload's success: its model is gone
         self.scheduler.release(request_id, model_loaded=loaded, reached_upstream=reached)
         self.reference.release(request_id, model_loaded=loaded, reached_upstream=reached)
@@ -399,7 +399,7 @@ def test_the_bonus_counts_where_a_request_can_start_without_a_swap() -> None:
     # y1's model is loaded only where it cannot start now, so x1 (the idle GPU's model) wins by
     # the bonus and starts on gpu0 without a swap, as it would with one GPU.
     scheduler, clock = node(gpu("gpu0"), gpu("gpu1"), bonus=10)
-    scheduler.set_residents(frozenset({"x"}), as_of=0, upstream="gpu0")
+    scheduler.set_residents(frozenset({"x"}), as_of=0, gpu="gpu0")
     scheduler.enqueue("y0", prio(0), "y")
     first = scheduler.next()
     assert first is not None and first.gpu == "gpu1"  # gpu1: nothing loaded there yet
@@ -427,7 +427,7 @@ class Drive:
 
     def loaded(self, model: str, upstream: str) -> None:
         if self.scheduler is not None:
-            assert self.scheduler.set_residents(frozenset({model}), as_of=0, upstream=upstream)
+            assert self.scheduler.set_residents(frozenset({model}), as_of=0, gpu=upstream)
         else:
             self.reference.set_loaded_model(model, upstream)
 

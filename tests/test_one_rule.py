@@ -106,7 +106,7 @@ def test_a_request_of_no_model_goes_where_the_resident_models_are_wanted_least()
     # would take a slot A's requests could use). Before, with several resident: the first, gpu0.
     for max_loaded in (1, 3):
         scheduler, _ = node(gpu("gpu0", max_loaded=max_loaded), gpu("gpu1", max_loaded=max_loaded))
-        assert scheduler.set_residents(frozenset({"A"}), as_of=0, upstream="gpu0")
+        assert scheduler.set_residents(frozenset({"A"}), as_of=0, gpu="gpu0")
         scheduler.enqueue("n1", prio(10), None)
         decision = scheduler.next()
         assert decision is not None and decision.gpu == "gpu1"
@@ -160,7 +160,7 @@ def test_retry_after_waits_for_no_settle_of_one_model_where_the_others_serve() -
     estimator = Estimator(default_run_s=10, default_swap_s=5, samples=3)
     for settling_model, expected_s in (("A", 0.0), (None, 10.0)):
         scheduler, clock = node(gpu(max_loaded=2))
-        scheduler.set_residents(frozenset({"A", "B"}), as_of=0, upstream="gpu0")
+        scheduler.set_residents(frozenset({"A", "B"}), as_of=0, gpu="gpu0")
         scheduler.held_by("gpu0", settling=True, adopted=0, settling_model=settling_model)
         settling = Settling(SettleReason.ABANDONED, "A", "a1", clock.now_ns(), clock.now_ns())
         forecast = Forecast(clock, scheduler, estimator, gpus=_SettlingGpus(settling),  # type: ignore[arg-type]

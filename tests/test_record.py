@@ -178,7 +178,7 @@ async def test_only_a_streamed_first_byte_times_a_model_load() -> None:
     assert estimator.expected_run_s("m") == 9.0 - SWAP_S
     # Streamed: its first byte (2 s) is the load plus the prompt.
     scheduler = flow.coordinator.scheduler
-    scheduler.set_residents(frozenset(), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
+    scheduler.set_residents(frozenset(), as_of=scheduler.dispatches_on("gpu0"), gpu="gpu0")
     b = await flow.arrive("b", model="m", streamed=True)
     await flow.advance(6)
     await flow.complete(b, 200, first_byte_s=2.0)

@@ -98,7 +98,7 @@ class ResidentMachine(RuleBasedStateMachine):
         return any(p.may_serve(model) for p in self.ref_policies.values())
 
     def _report(self, name: str, models: frozenset[str]) -> None:
-        applied = self.scheduler.set_residents(models, as_of=self.scheduler.dispatches_on(name), upstream=name)
+        applied = self.scheduler.set_residents(models, as_of=self.scheduler.dispatches_on(name), gpu=name)
         assert applied, "a report made while nothing runs is taken"
         self.reference.report(name, models)
 
@@ -325,7 +325,7 @@ def test_no_bonus_from_a_full_gpu_behind_the_best() -> None:
             GpuPolicy("gpu1", Slots(1), None, Residency(1)))
     clock = ManualClock(10**12)
     scheduler = Scheduler(serial(aging_divisor_s=0.0, swap_affinity_bonus=5).with_gpus(gpus), clock)
-    assert scheduler.set_residents(frozenset({"a"}), as_of=0, upstream="gpu0")
+    assert scheduler.set_residents(frozenset({"a"}), as_of=0, gpu="gpu0")
     for request_id, priority, model in (("r1", 0, "a"), ("r2", 0, "b"), ("r3", 10, "a"), ("r4", 0, "e"),
                                         ("r5", 10, "e")):
         scheduler.enqueue(request_id, prio(priority), model)

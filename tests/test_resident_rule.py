@@ -241,7 +241,7 @@ def test_a_failed_answer_keeps_its_model_counted_until_the_upstream_says() -> No
     scheduler.release("b", model_loaded=False)
     assert scheduler.residents_on("gpu0") == frozenset({"A", "B"})
     scheduler.release("a")
-    assert scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
+    assert scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), gpu="gpu0")
     assert scheduler.residents_on("gpu0") == frozenset({"A"})
 
 
@@ -305,7 +305,7 @@ def test_several_gpus_prefer_the_resident_model_then_room_then_an_eviction() -> 
 
 def test_a_gpu_with_room_goes_before_a_less_busy_one_where_a_model_must_go() -> None:
     scheduler, _ = node(gpu("gpu0", max_loaded=2, slots=2), gpu("gpu1", max_loaded=2, slots=2))
-    assert scheduler.set_residents(frozenset({"X", "Y"}), as_of=0, upstream="gpu1")
+    assert scheduler.set_residents(frozenset({"X", "Y"}), as_of=0, gpu="gpu1")
     scheduler.enqueue("a", prio(0), "A")
     first = scheduler.next()
     assert first is not None and first.gpu == "gpu0"  # nothing to evict there
@@ -354,14 +354,14 @@ def test_a_report_beside_running_work_is_adopted_if_it_names_what_runs() -> None
     grant_all(scheduler)
     as_of = scheduler.dispatches_on("gpu0")
     # Loads under way (a and b loaded their models, unconfirmed): no report applies yet.
-    assert not scheduler.set_residents(frozenset({"A", "B", "X"}), as_of=as_of, upstream="gpu0")
+    assert not scheduler.set_residents(frozenset({"A", "B", "X"}), as_of=as_of, gpu="gpu0")
     scheduler.release("b")
     scheduler.release("a")
     scheduler.enqueue("a2", prio(0), "A")
     grant_all(scheduler)  # runs on A, loads nothing
     as_of = scheduler.dispatches_on("gpu0")
-    assert not scheduler.set_residents(frozenset({"B"}), as_of=as_of, upstream="gpu0")  # A runs: not gone
-    assert scheduler.set_residents(frozenset({"A", "C"}), as_of=as_of, upstream="gpu0")
+    assert not scheduler.set_residents(frozenset({"B"}), as_of=as_of, gpu="gpu0")  # A runs: not gone
+    assert scheduler.set_residents(frozenset({"A", "C"}), as_of=as_of, gpu="gpu0")
     assert scheduler.residents_on("gpu0") == frozenset({"A", "C"})
 
 
@@ -372,7 +372,7 @@ def test_one_model_at_a_time_drops_every_report_made_while_a_request_runs() -> N
     scheduler.release("a")
     scheduler.enqueue("a2", prio(0), "A")
     grant_all(scheduler)
-    assert not scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), upstream="gpu0")
+    assert not scheduler.set_residents(frozenset({"A"}), as_of=scheduler.dispatches_on("gpu0"), gpu="gpu0")
 
 
 def test_a_full_gpu_still_says_which_model_the_best_holds_back() -> None:
@@ -479,7 +479,7 @@ def test_a_load_that_needs_the_settling_model_gone_waits_though_nothing_runs() -
     gone (the pinned one cannot go either) waits for the settle; the rule said IDLE and the grant
     failed its own check that a load has room or idle models to evict."""
     scheduler, _ = node(gpu(max_loaded=2, slots=1, pinned=("B",)))
-    assert scheduler.set_residents(frozenset({"A", "B"}), as_of=0, upstream="gpu0")
+    assert scheduler.set_residents(frozenset({"A", "B"}), as_of=0, gpu="gpu0")
     scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")
     scheduler.enqueue("c1", prio(0), "C")
     assert grant_all(scheduler) == []

@@ -71,7 +71,7 @@ def test_tier_offsets_order_inside_the_batch_band_and_stay_behind_normal(policy)
 
 def test_tier_offsets_with_headers_and_models():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"qwen"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"qwen"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("free", parse_priority("-100"), "qwen")
     s.enqueue("pro", parse_priority("-99"), "qwen")
     s.enqueue("max", parse_priority("-98"), "qwen")
@@ -140,7 +140,7 @@ def test_batch_never_overtakes_normal_without_aging():
 )
 def test_swap_affinity_never_lifts_a_request_into_the_next_band(favoured, rival):
     s, _ = make(serial(60, 99))
-    s.set_residents(frozenset({"loaded"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"loaded"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("rival", P(rival), "other")  # arrives first
     s.enqueue("favoured", P(favoured), "loaded")
     d = s.next()
@@ -151,7 +151,7 @@ def test_swap_affinity_never_lifts_a_request_into_the_next_band(favoured, rival)
 
 def test_swap_affinity_at_99_cannot_beat_the_next_anchor_even_arriving_first():
     s, _ = make(serial(60, 99))
-    s.set_residents(frozenset({"loaded"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"loaded"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("batch-loaded", P(-100), "loaded")
     s.enqueue("normal-loaded", P(0), "loaded")
     s.enqueue("normal-other", P(0), "other")
@@ -163,7 +163,7 @@ def test_swap_affinity_at_99_cannot_beat_the_next_anchor_even_arriving_first():
 
 def test_swap_affinity_breaks_near_ties_inside_a_band():
     s, _ = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("b-first", P(5), "b")
     s.enqueue("a-second", P(0), "a")
     d = s.next()
@@ -188,7 +188,7 @@ def test_bonus_zero_with_uniform_priorities_is_exact_fifo(divisor, priority):
             expected.append(name)
             rid += 1
             clock.advance((rid * 7) % 5)
-        s.set_residents(residents(models[(round_ * 3) % len(models)]), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+        s.set_residents(residents(models[(round_ * 3) % len(models)]), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
         d = s.next()
         if d is not None:
             granted.append(d.request_id)
@@ -231,7 +231,7 @@ def test_fifo_model_priority_can_cross_bands_by_configuration():
 
 def test_fifo_has_no_aging_and_no_affinity():
     s, clock = make(fifo({"a": 0, "b": 0}))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("old-batch", P(-100), "a")
     s.enqueue("b-first", P(0), "b")
     clock.advance(365 * 24 * 3600)  # a year of waiting ages nothing
@@ -355,7 +355,7 @@ def test_drain_removes_everything_in_arrival_order():
 
 def test_decision_record_fields():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"qwen"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"qwen"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("early", P(0), "llama")
     clock.advance(90)
     s.enqueue("chat", parse_priority("interactive"), "qwen")
@@ -399,21 +399,21 @@ def test_loaded_model_follows_dispatch_and_set_loaded_model_overrides():
     assert d.swap is False and d.model is None
     assert s.residents_on("gpu0") == frozenset({"a"})  # a request without a model leaves it alone
     s.release("nomodel")
-    s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")  # the upstream says otherwise
+    s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")  # the upstream says otherwise
     assert s.residents_on("gpu0") == frozenset({"b"})
     s.enqueue("a2", P(5), "a")
     s.enqueue("b1", P(0), "b")
     d = s.next()
     assert d.request_id == "b1" and d.swap_affinity is True and d.residents_before == {"b"}
     s.release("b1")
-    s.set_residents(frozenset(), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset(), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     d = s.next()
     assert d.request_id == "a2" and d.load is True and d.swap is False and d.residents_before == frozenset()
 
 
 def test_reordered_by_nothing():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("best", P(100), "a")  # best by priority, with or without either term
     s.enqueue("other", P(0), "b")
     clock.advance(600)
@@ -436,7 +436,7 @@ def test_reordered_by_aging_only():
 
 def test_reordered_by_swap_affinity_only():
     s, _ = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("other", P(5), "b")
     s.enqueue("loaded", P(0), "a")  # same instant: no aging difference
     d = s.next()
@@ -448,7 +448,7 @@ def test_reordered_by_swap_affinity_only():
 
 def test_reordered_by_aging_and_swap_affinity():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("winner", P(0), "a")
     clock.advance(180)  # 3 points: 0 + 10 + 3 = 13
     s.enqueue("rival", P(12), "b")  # 12; wins without aging (10 < 12) and without bonus (3 < 12)
@@ -460,7 +460,7 @@ def test_reordered_by_aging_and_swap_affinity():
 
 def test_an_aging_reorder_with_a_model_loaded_is_not_an_affinity_reorder():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")  # nobody waiting uses it
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")  # nobody waiting uses it
     s.enqueue("aged", P(0), "b")
     clock.advance(20 * 60)  # 20 points
     s.enqueue("fresh", P(5), "c")
@@ -472,7 +472,7 @@ def test_an_aging_reorder_with_a_model_loaded_is_not_an_affinity_reorder():
 
 def test_reorders_are_not_counted_when_the_term_is_off():
     s, clock = make(serial(0, 0))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("x", P(0), "b")
     clock.advance(1000)
     s.enqueue("y", P(0), "a")
@@ -642,7 +642,7 @@ def _mixed_queue(s: Scheduler, clock: ManualClock, models=("a", "b", None)) -> N
                                     fifo({"a": 20, "b": -20})])
 def test_snapshot_order_equals_dispatch_order(policy):
     s, clock = make(policy)
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     _mixed_queue(s, clock)
     snap = s.snapshot()
     assert [w.position for w in snap.waiting] == list(range(1, len(snap.waiting) + 1))
@@ -656,7 +656,7 @@ def test_snapshot_order_equals_dispatch_order(policy):
 @pytest.mark.parametrize("loaded", ["a", "b", None])
 def test_snapshot_order_equals_dispatch_order_with_affinity_and_model_switches(policy, loaded):
     s, clock = make(policy)
-    s.set_residents(residents(loaded), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(residents(loaded), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     _mixed_queue(s, clock, models=("a", "b", None, "c", "a"))
     expected = [w.request_id for w in s.snapshot().waiting]
     assert dispatch_all(s, clock, step_s=120) == expected
@@ -664,7 +664,7 @@ def test_snapshot_order_equals_dispatch_order_with_affinity_and_model_switches(p
 
 def test_snapshot_order_equals_dispatch_order_with_affinity_on_one_model():
     s, clock = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     _mixed_queue(s, clock, models=("a", None))  # dispatch never changes the loaded model
     expected = [w.request_id for w in s.snapshot().waiting]
     assert dispatch_all(s, clock, step_s=300) == expected
@@ -672,7 +672,7 @@ def test_snapshot_order_equals_dispatch_order_with_affinity_on_one_model():
 
 def test_snapshot_order_equals_dispatch_order_when_dispatch_switches_the_model():
     s, _ = make(serial(60, 10))
-    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("r1", P(20), "b")
     s.enqueue("r2", P(5), "a")
     s.enqueue("r3", P(0), "b")
@@ -825,14 +825,14 @@ def test_a_loaded_model_report_asked_before_a_grant_is_dropped():
     """The reconcile race: a /models answer in flight across a grant and its release must not
     overwrite the model that grant just loaded."""
     s, _ = make(serial(60, 10))
-    assert s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     asked_at = s.dispatches_on("gpu0")  # the reconcile loop sends GET /models now ...
     s.enqueue("b1", P(0), "b")
     s.next()
     s.release("b1")  # ... and b is loaded by the time the answer (still "a") arrives
-    assert not s.set_residents(frozenset({"a"}), as_of=asked_at, upstream="gpu0")
+    assert not s.set_residents(frozenset({"a"}), as_of=asked_at, gpu="gpu0")
     assert s.residents_on("gpu0") == frozenset({"b"})
-    assert s.set_residents(frozenset(), as_of=s.dispatches_on("gpu0"), upstream="gpu0")  # a fresh answer applies
+    assert s.set_residents(frozenset(), as_of=s.dispatches_on("gpu0"), gpu="gpu0")  # a fresh answer applies
     assert s.residents_on("gpu0") == frozenset()
 
 
@@ -840,7 +840,7 @@ def test_a_loaded_model_report_while_a_request_runs_is_dropped():
     s, _ = make(serial(60, 10))
     s.enqueue("b1", P(0), "b")
     s.next()
-    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     assert s.residents_on("gpu0") == frozenset({"b"})
 
 

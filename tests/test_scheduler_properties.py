@@ -296,7 +296,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(model=models)
     def set_loaded_model(self, model):
-        applied = self.real.set_residents(residents(model), as_of=self.real.dispatches_on("gpu0"), upstream="gpu0")
+        applied = self.real.set_residents(residents(model), as_of=self.real.dispatches_on("gpu0"), gpu="gpu0")
         assert applied == (not self.ref.grants)
         self.ref.set_loaded_model(model)
 
@@ -306,7 +306,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.real.dispatches_on("gpu0"):
             before = self.real.residents_on("gpu0")
             stale = self.real.dispatches_on("gpu0") - 1
-            assert not self.real.set_residents(residents(model), as_of=stale, upstream="gpu0")
+            assert not self.real.set_residents(residents(model), as_of=stale, gpu="gpu0")
             assert self.real.residents_on("gpu0") == before
 
     @rule(data=st.data())

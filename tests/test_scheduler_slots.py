@@ -249,7 +249,7 @@ def test_non_interactive_work_never_takes_the_reserved_slots():
 
 def _two_on_a_after_b(slots: int = 2) -> Scheduler:
     s, _ = make(Slots(slots))
-    s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.enqueue("g1", P(0), "a")
     s.enqueue("g2", P(0), "a")
     assert granted(s) == ["g1", "g2"]
@@ -284,7 +284,7 @@ def test_a_failed_grant_makes_the_loaded_model_unknown_and_the_others_drain_befo
     s.enqueue("a3", P(0), "a")
     assert s.next() is None  # from unknown, a is a load: it waits for a2
     # a report while a2 runs is dropped
-    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert not s.set_residents(frozenset({"a"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.release("a2")
     d = s.next()
     assert (d.request_id, d.load, d.slots_busy) == ("a3", True, 1)
@@ -296,9 +296,9 @@ def test_a_loaded_model_report_applies_only_when_nothing_runs():
     s.enqueue("a2", P(0), "a")
     granted(s)
     s.release("a1")
-    assert not s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert not s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     s.release("a2")
-    assert s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), upstream="gpu0")
+    assert s.set_residents(frozenset({"b"}), as_of=s.dispatches_on("gpu0"), gpu="gpu0")
     assert s.residents_on("gpu0") == frozenset({"b"})
 
 

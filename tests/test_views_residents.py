@@ -51,7 +51,7 @@ class Resident:
         self.clock = clock or ManualClock()
         core = Scheduler(policy, self.clock)
         for holding in holdings:
-            core.set_residents(holding.residents, as_of=0, upstream=holding.name)
+            core.set_residents(holding.residents, as_of=0, gpu=holding.name)
         self.scheduler = HoldingBack(core, held_back)
         self.version = 0
         self.views = QueueViews(self.scheduler, Estimator(default_run_s=10.0, default_swap_s=5.0, samples=5),  # type: ignore[arg-type]

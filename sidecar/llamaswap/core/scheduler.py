@@ -156,31 +156,31 @@ class Scheduler:
         """The upstreams' names, in the configured order."""
         return tuple(gpu.name for gpu in self._gpus)
 
-    def _gpu(self, upstream: str) -> GpuRecord:
-        for gpu in self._gpus:
-            if gpu.name == upstream:
-                return gpu
-        raise UnknownRequest(f"no upstream is named {upstream!r}")
+    def _gpu(self, gpu: str) -> GpuRecord:
+        for record in self._gpus:
+            if record.name == gpu:
+                return record
+        raise UnknownRequest(f"no GPU is named {gpu!r}")
 
-    def residents_on(self, upstream: str) -> frozenset[str]:
+    def residents_on(self, gpu: str) -> frozenset[str]:
         """The models resident on an upstream."""
-        return self._gpu(upstream).residents
+        return self._gpu(gpu).residents
 
-    def dispatches_on(self, upstream: str) -> int:
+    def dispatches_on(self, gpu: str) -> int:
         """Grants so far on an upstream: the generation a loaded-model report was asked at."""
-        return self._gpu(upstream).dispatches
+        return self._gpu(gpu).dispatches
 
-    def set_residents(self, models: frozenset[str], *, as_of: int, upstream: str) -> bool:
+    def set_residents(self, models: frozenset[str], *, as_of: int, gpu: str) -> bool:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken, or that arrives while requests run there
         (`GpuRecord.may_adopt` says when one may), describes a past the scheduler
         has already moved on from: it is dropped. True if applied.
         """
-        gpu = self._gpu(upstream)
-        if as_of != gpu.dispatches or not gpu.may_adopt(models):
+        record = self._gpu(gpu)
+        if as_of != record.dispatches or not record.may_adopt(models):
             return False
-        gpu.adopt(models)
+        record.adopt(models)
         self._held.changed(residents=True)
         return True
 
@@ -200,8 +200,8 @@ class Scheduler:
     def is_running(self, request_id: str) -> bool:
         return request_id in self._gpu_of
 
-    def upstream_of(self, request_id: str) -> str | None:
-        """The upstream a running request runs on (None: it does not run)."""
+    def gpu_of(self, request_id: str) -> str | None:
+        """The GPU a running request runs on (None: it does not run)."""
         gpu = self._gpu_of.get(request_id)
         return gpu.name if gpu is not None else None
 
@@ -210,28 +210,28 @@ class Scheduler:
         """Grants running, over every upstream."""
         return len(self._gpu_of)
 
-    def slots_busy_on(self, upstream: str) -> int:
-        return len(self._gpu(upstream).grants)
+    def slots_busy_on(self, gpu: str) -> int:
+        return len(self._gpu(gpu).grants)
 
     def holdings(self) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order."""
         return self._held.now()[0]
 
-    def not_unloaded(self, upstream: str, models: frozenset[str]) -> None:
+    def not_unloaded(self, gpu: str, models: frozenset[str]) -> None:
         """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
-        gpu = self._gpu(upstream)
-        gpu.set_residents(gpu.residents | models)
+        record = self._gpu(gpu)
+        record.set_residents(record.residents | models)
         self._held.changed(residents=True)
 
-    def held_by(self, upstream: str, *, settling: bool, adopted: int,
+    def held_by(self, gpu: str, *, settling: bool, adopted: int,
                 settling_model: str | None = None) -> bool:
         """The work the scheduler did not grant that holds an upstream now, as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
         there while either does; a settle of a known model holds only that model
         (`GpuHolding.settling_model`). True if that changed."""
-        if not self._gpu(upstream).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
+        if not self._gpu(gpu).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
             return False
         self._held.changed(residents=True)  # (what it holds idle changed too)
         return True

@@ -118,7 +118,7 @@ class Adoptions:
             # Stopping unloads the settle's model (none named: every loaded one); the others stay.
             model = settling.model
             left = scheduler.residents_on(gpu.name) - {model} if model is not None else frozenset()
-            if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), upstream=gpu.name):
+            if scheduler.set_residents(left, as_of=scheduler.dispatches_on(gpu.name), gpu=gpu.name):
                 self._changed()
 
         try:

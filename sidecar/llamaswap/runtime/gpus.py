@@ -133,7 +133,7 @@ class Gpus:
         if catalog.residents_known or own is not None:
             single = self.single_model() or own
             loaded = catalog.residents if catalog.residents_known or single is None else frozenset((single,))
-            if scheduler.set_residents(loaded, as_of=as_of, upstream=gpu.name):
+            if scheduler.set_residents(loaded, as_of=as_of, gpu=gpu.name):
                 changed()
         gpu.catalog.warn_unmatched(config.models)
         if (own, self.single_model()) != before and node_policy(config, self, self.single_model()) != scheduler.policy:

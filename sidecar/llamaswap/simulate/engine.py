@@ -241,7 +241,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     key=lambda r: (r.record.granted_ms, r.index), default=None)
         if first is not None and not first.recorded_load and first.record.model is not None:
             scheduler.set_residents(frozenset((first.record.model,)), as_of=scheduler.dispatches_on(name),
-                                    upstream=name)
+                                    gpu=name)
     ids = [str(r.index) for r in requests]
     entries = [r.record.settings_of(policy.model_priorities) for r in requests]  # their models.<id>
     results = [Result(r, Outcome.SERVED, policy.base_priority(r.priority.value, entry))
