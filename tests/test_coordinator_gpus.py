@@ -300,7 +300,7 @@ async def test_retry_after_follows_the_gpu_that_can_take_a_request_soonest() -> 
                     routing={"scheduler": {"maxQueued": 1}},
                     estimates={"defaultRunSeconds": 100, "defaultSwapSeconds": 0})
     for _ in range(3):
-        flow.coordinator.estimator.record("short", run_s=20.0, first_byte_s=None, model_load=False, upstream="gpu1")
+        flow.coordinator.estimator.record("short", run_s=20.0, first_byte_s=None, model_load=False, gpu="gpu1")
     long = await flow.arrive("long", model="long")
     short = await flow.arrive("short", model="short")
     assert on(flow, "long") == "gpu0" and on(flow, "short") == "gpu1"

@@ -97,8 +97,8 @@ def test_unstreamed_loads_measure_the_swap_by_their_run_beyond_their_tokens():
     # That load's run is learnt without the measured swap, not without the 5 s default.
     assert e.expected_request_run_s("a", 100) == pytest.approx(0.1)
     # Per GPU as the first bytes are: gpu1's own loads are slower.
-    e.record("a", run_s=1.0, first_byte_s=None, model_load=False, max_tokens=1000, upstream="gpu1")
-    e.record("a", run_s=1.1, first_byte_s=None, model_load=True, max_tokens=100, upstream="gpu1")
+    e.record("a", run_s=1.0, first_byte_s=None, model_load=False, max_tokens=1000, gpu="gpu1")
+    e.record("a", run_s=1.1, first_byte_s=None, model_load=True, max_tokens=100, gpu="gpu1")
     assert e.expected_swap_s("a", "gpu1") == pytest.approx(1.0)
 
 
@@ -423,9 +423,9 @@ def test_starts_of_requests_started_beside_a_load_under_way_run_after_it():
 
 def test_each_gpu_learns_its_own_run_and_swap_the_node_learns_from_all() -> None:
     e = Estimator(default_run_s=9.0, default_swap_s=1.0, samples=5)
-    e.record("m", run_s=2.0, first_byte_s=0.5, model_load=False, upstream="fast")
-    e.record("m", run_s=8.0, first_byte_s=0.5, model_load=False, upstream="slow")
-    e.record("m", run_s=12.0, first_byte_s=4.5, model_load=True, upstream="slow")  # a 4 s load on slow
+    e.record("m", run_s=2.0, first_byte_s=0.5, model_load=False, gpu="fast")
+    e.record("m", run_s=8.0, first_byte_s=0.5, model_load=False, gpu="slow")
+    e.record("m", run_s=12.0, first_byte_s=4.5, model_load=True, gpu="slow")  # a 4 s load on slow
     assert e.expected_run_s("m", "fast") == 2.0
     assert e.expected_run_s("m", "slow") == 8.0  # its warm run, the load taken off the other
     assert e.expected_swap_s("m", "slow") == 4.0

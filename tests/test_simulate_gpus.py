@@ -460,7 +460,7 @@ def test_measuring_the_needed_suffix_per_upstream_matches_feeding_everything():
         samples = rng.randint(1, 8)
         everything = Estimator(default_run_s=10.0, default_swap_s=5.0, samples=samples)
         for r in records:
-            everything.record(r.model, run_s=r.run_ms / 1000, model_load=r.model_load, upstream=r.gpu,
+            everything.record(r.model, run_s=r.run_ms / 1000, model_load=r.model_load, gpu=r.gpu,
                               first_byte_s=r.first_byte_ms / 1000 if r.first_byte_ms is not None else None)
         measured = measure_costs(records, default_run_s=10.0, default_swap_s=5.0, samples=samples)
         for model in ("a", "b"):

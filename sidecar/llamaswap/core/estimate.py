@@ -151,12 +151,12 @@ class Figures(Protocol):
     of `llamaswap simulate` (`simulate.engine.FixedCosts`). The run of a request that says its
     `max_tokens` is sized by them (`expected_request_run_s`)."""
 
-    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float: ...
+    def expected_run_s(self, model: str | None, gpu: str | None = None) -> float: ...
 
     def expected_request_run_s(self, model: str | None, max_tokens: int | None,
-                               upstream: str | None = None) -> float: ...
+                               gpu: str | None = None) -> float: ...
 
-    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float: ...
+    def expected_swap_s(self, model: str | None, gpu: str | None = None) -> float: ...
 
 
 # A grant's ready time as a running request reads it: the load its run waits for (that model)
@@ -164,23 +164,23 @@ class Figures(Protocol):
 ReadyAt = tuple[str | None, float]
 
 
-def ready_in_s(figures: Figures, ready_at: ReadyAt | None, upstream: str | None = None) -> float:
+def ready_in_s(figures: Figures, ready_at: ReadyAt | None, gpu: str | None = None) -> float:
     """How long after the moment ``ready_at`` is counted from a run may begin: when the load it
     waits for ends (that model's expected swap after the load began), or at once (None, or a load
     expected over)."""
     if ready_at is None:
         return 0.0
-    return max(0.0, figures.expected_swap_s(ready_at[0], upstream) - ready_at[1])
+    return max(0.0, figures.expected_swap_s(ready_at[0], gpu) - ready_at[1])
 
 
 def expected_end_s(figures: Figures, model: str | None, *, max_tokens: int | None = None,
-                   upstream: str | None = None, ready_at: ReadyAt | None = None) -> float:
+                   gpu: str | None = None, ready_at: ReadyAt | None = None) -> float:
     """When a running request is expected to end, in seconds after its grant: its run (sized by
     ``max_tokens`` where given, `expected_request_run_s`) once it is ready (``ready_at``: the
     load it waits for, its own or the one it was granted beside, and how long before this grant
     that load began; None: ready at once). The one figure of a running request's end: every
     reader asks it."""
-    return ready_in_s(figures, ready_at, upstream) + figures.expected_request_run_s(model, max_tokens, upstream)
+    return ready_in_s(figures, ready_at, gpu) + figures.expected_request_run_s(model, max_tokens, gpu)
 
 
 def _ready_of(decision: Decision) -> ReadyAt | None:
@@ -197,7 +197,7 @@ def grant_ready_s(figures: Figures, decision: Decision) -> float:
 def grant_end_s(figures: Figures, decision: Decision) -> float:
     """`expected_end_s` of a grant as the scheduler made it: its ready time is the one its grant
     set (`Decision.ready_at`), its run sized by its `max_tokens` where said."""
-    return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, upstream=decision.gpu,
+    return expected_end_s(figures, decision.model, max_tokens=decision.max_tokens, gpu=decision.gpu,
                           ready_at=_ready_of(decision))
 
 
@@ -217,7 +217,7 @@ def remaining_of(figures: Figures, grants: Sequence[RunningView]) -> list[float]
         load = grant.ready_at
         # (that model, how long before this grant its load began)
         ready = None if load is None else (load[0], load[1] - grant.running_s)
-        end = expected_end_s(figures, grant.model, max_tokens=grant.max_tokens, upstream=grant.gpu,
+        end = expected_end_s(figures, grant.model, max_tokens=grant.max_tokens, gpu=grant.gpu,
                              ready_at=ready)
         left = left_s(end, grant.running_s)
         remaining.append(math.inf if left is None else left)
@@ -247,13 +247,13 @@ class Estimator:
     # -- learning ------------------------------------------------------------------------
 
     def record(self, model: str | None, *, run_s: float, first_byte_s: float | None, model_load: bool,
-               max_tokens: int | None = None, upstream: str | None = None) -> None:
+               max_tokens: int | None = None, gpu: str | None = None) -> None:
         """One finished generation: its run time, its time to first byte (None when it does not
         time the start of the generation: no answer, or a response that was not streamed), whether
         it began by loading its model, the output tokens it asked for (None: not said), and the
         upstream (GPU) it ran on: each GPU learns its own figures (a small GPU runs slower), and
         the node's figures, for a GPU that has none yet, learn from all."""
-        for where in (None, upstream) if upstream is not None else (None,):
+        for where in (None, gpu) if gpu is not None else (None,):
             key = (where, model or NO_MODEL)
             if first_byte_s is not None:
                 table = self._load_first_byte if model_load else self._warm_first_byte
@@ -262,7 +262,7 @@ class Estimator:
                 tokens_run = self._tokens_run_s(model, max_tokens, where)
                 if tokens_run is not None:
                     self._recent(self._load_beyond_run, key).add(max(0.0, run_s - tokens_run))
-            run = max(0.0, run_s - self.expected_swap_s(model, upstream=where) if model_load else run_s)
+            run = max(0.0, run_s - self.expected_swap_s(model, gpu=where) if model_load else run_s)
             self._recent(self._run, key).add(run)
             if max_tokens is not None and max_tokens > 0:
                 self._window(self._token_runs, key, _TokenRuns).add(max_tokens, run)
@@ -278,47 +278,47 @@ class Estimator:
         return window
 
     @staticmethod
-    def _own_or_node(table: Mapping[_Key, _W], model: str | None, upstream: str | None) -> _W | None:
+    def _own_or_node(table: Mapping[_Key, _W], model: str | None, gpu: str | None) -> _W | None:
         """The GPU's own window of the model where it has one, else the node's (None: neither).
         A window exists only once a value went in."""
         key = model or NO_MODEL
-        own = table.get((upstream, key)) if upstream is not None else None
+        own = table.get((gpu, key)) if gpu is not None else None
         return own if own is not None else table.get((None, key))
 
     @classmethod
-    def _median(cls, table: dict[_Key, _Recent], model: str | None, upstream: str | None) -> float | None:
+    def _median(cls, table: dict[_Key, _Recent], model: str | None, gpu: str | None) -> float | None:
         """The GPU's own median where it has one, else the node's (None: no measurement)."""
-        recent = cls._own_or_node(table, model, upstream)
+        recent = cls._own_or_node(table, model, gpu)
         return recent.median if recent is not None else None
 
-    def _tokens_run_s(self, model: str | None, tokens: int, upstream: str | None) -> float | None:
+    def _tokens_run_s(self, model: str | None, tokens: int, gpu: str | None) -> float | None:
         """The run of ``tokens`` output tokens by the GPU's own runs where it has them, else the
         node's (None: no run that said its tokens)."""
-        runs = self._own_or_node(self._token_runs, model, upstream)
+        runs = self._own_or_node(self._token_runs, model, gpu)
         return runs.run_s(tokens) if runs is not None else None
 
     # -- answers -------------------------------------------------------------------------
 
-    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
+    def expected_run_s(self, model: str | None, gpu: str | None = None) -> float:
         """On ``upstream`` (None: the node's figure; a GPU with no measurement of its own has it)."""
-        median = self._median(self._run, model, upstream)
+        median = self._median(self._run, model, gpu)
         return median if median is not None else self.default_run_s
 
-    def expected_request_run_s(self, model: str | None, max_tokens: int | None, upstream: str | None = None) -> float:
+    def expected_request_run_s(self, model: str | None, max_tokens: int | None, gpu: str | None = None) -> float:
         """The expected run of one request of `model` that asks for `max_tokens` output tokens
         (None: not said): by the runs that said their tokens where the model has some
         (`_TokenRuns`), else the model's expected run."""
         if max_tokens is not None and max_tokens > 0:
-            tokens_run = self._tokens_run_s(model, max_tokens, upstream)
+            tokens_run = self._tokens_run_s(model, max_tokens, gpu)
             if tokens_run is not None:
                 return tokens_run
-        return self.expected_run_s(model, upstream)
+        return self.expected_run_s(model, gpu)
 
-    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
+    def expected_swap_s(self, model: str | None, gpu: str | None = None) -> float:
         """By the first bytes where loads were streamed, else by unstreamed runs, else the default."""
-        loads = self._median(self._load_first_byte, model, upstream)
+        loads = self._median(self._load_first_byte, model, gpu)
         if loads is None:
-            by_runs = self._median(self._load_beyond_run, model, upstream)
+            by_runs = self._median(self._load_beyond_run, model, gpu)
             return by_runs if by_runs is not None else self.default_swap_s
-        warm = self._median(self._warm_first_byte, model, upstream)
+        warm = self._median(self._warm_first_byte, model, gpu)
         return max(0.0, loads - (warm if warm is not None else 0.0))

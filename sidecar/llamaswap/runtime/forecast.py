@@ -92,7 +92,7 @@ class Forecast:
         if settling is None or settling.granted_ns is None:
             return 0.0
         # (A settle follows a generation whose load, if any, is over: ready at once.)
-        end_s = expected_end_s(self._estimator, self._schedule_model(settling.model), upstream=gpu)
+        end_s = expected_end_s(self._estimator, self._schedule_model(settling.model), gpu=gpu)
         return left_s(end_s, (now_ns - settling.granted_ns) / NS_PER_S) or 0.0
 
     def blocked_by_upstream(self) -> dict[str, float]:

@@ -174,7 +174,7 @@ class Grants:
             # and would teach generation length as swap cost.
             self._estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
                                    first_byte_s=ticket.first_byte_s if ticket.streamed else None,
-                                   max_tokens=ticket.max_tokens, upstream=decision.gpu)
+                                   max_tokens=ticket.max_tokens, gpu=decision.gpu)
         stop = self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
         self.finish(ticket, outcome, released.released_ns)

@@ -110,15 +110,15 @@ class FixedCosts:
     default_run_s: float = 10.0
     default_swap_s: float = 0.0
 
-    def expected_run_s(self, model: str | None, upstream: str | None = None) -> float:
+    def expected_run_s(self, model: str | None, gpu: str | None = None) -> float:
         return self.run_s.get(model or NO_MODEL, self.default_run_s)
 
     def expected_request_run_s(self, model: str | None, max_tokens: int | None,
-                               upstream: str | None = None) -> float:
+                               gpu: str | None = None) -> float:
         """A stated run is a request's whatever its size."""
-        return self.expected_run_s(model, upstream)
+        return self.expected_run_s(model, gpu)
 
-    def expected_swap_s(self, model: str | None, upstream: str | None = None) -> float:
+    def expected_swap_s(self, model: str | None, gpu: str | None = None) -> float:
         return self.swap_s.get(model or NO_MODEL, self.default_swap_s)
 
 
@@ -144,7 +144,7 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
             first_byte = record.first_byte_ms / 1000 if record.first_byte_ms is not None and record.streamed else None
             estimator.record(record.model, run_s=record.run_ms / 1000,  # type: ignore[operator]
                              first_byte_s=first_byte, model_load=record.model_load, max_tokens=record.max_tokens,
-                             upstream=record.gpu)
+                             gpu=record.gpu)
     return estimator
 
 
@@ -344,16 +344,16 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             request = result.request
             model = request.record.model
             load = decision.model_load
-            upstream = decision.gpu
-            swap = swap_ns[upstream, model]
+            on = decision.gpu
+            swap = swap_ns[on, model]
             if request.run_ns is not None:
                 hold = request.run_ns
                 was = request.record.gpu
-                if run_ns[was, model] != run_ns[upstream, model] or swap_ns[was, model] != swap:
+                if run_ns[was, model] != run_ns[on, model] or swap_ns[was, model] != swap:
                     # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
                     work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
                     if run_ns[was, model] > 0:
-                        work = round(work * run_ns[upstream, model] / run_ns[was, model])
+                        work = round(work * run_ns[on, model] / run_ns[was, model])
                     hold = work + swap if load else work
                 elif load is not request.recorded_load:
                     hold = hold + swap if load else max(0, hold - swap)
