@@ -233,7 +233,7 @@ def test_upstreams_of_a_configuration_keep_their_slots_and_models_until_a_flag_r
 
     policies = (GpuPolicy("big", Slots(2, {"A": 3})), GpuPolicy("small", Slots(1), frozenset({"B"})))
     base = Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0).with_gpus(policies))
-    assert (base.gpus, base.upstreams, base.most_slots, base.fewest_slots) == (2, ("big", "small"), 3, 1)
+    assert (base.gpus, base.named_gpus, base.most_slots, base.fewest_slots) == (2, ("big", "small"), 3, 1)
     assert base.policy().gpus == policies
     with_reserved = dataclasses.replace(base, reserved_slots=1)
     with pytest.raises(SettingsError, match="reservedSlots 1"):  # small has one slot
@@ -260,7 +260,7 @@ def test_each_gpu_replays_with_the_slots_the_log_recorded_for_it(tmp_path):
                 "upstreams": [_upstream_entry("big", 2, {"A": 3}), _upstream_entry("small", 1)]}
     (record,) = parse_activity([format_line(recorded)]).settings
     base = dataclasses.replace(Settings.from_policy(Policy.serial(aging_divisor_s=60, swap_affinity_bonus=0),
-                                                    configured=False), gpus=2, upstreams=("big", "small"))
+                                                    configured=False), gpus=2, named_gpus=("big", "small"))
     base = base.with_recorded(record)
     assert [(gpu.name, gpu.slots) for gpu in base.policy().gpus] == [("big", Slots(2, {"A": 3})),
                                                                     ("small", Slots(1))]

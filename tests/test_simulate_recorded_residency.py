@@ -64,7 +64,7 @@ def test_the_settings_record_gives_each_upstreams_residency() -> None:
                                 "small": Residency()}
     (older,) = parse_activity([format_line(SETTINGS)]).settings  # no upstreams at all
     assert older.residency is None
-    base = Settings(PolicyName.SERIAL, 60, 10, 0, 0, {}, gpus=2, upstreams=("big", "small")).with_recorded(parsed)
+    base = Settings(PolicyName.SERIAL, 60, 10, 0, 0, {}, gpus=2, named_gpus=("big", "small")).with_recorded(parsed)
     assert base.max_loaded == 3  # the first upstream's, as for -c FILE
     assert [gpu.residency for gpu in base.policy().gpus] == [
         Residency(3, frozenset({"B"}), 80 * GiB, {"A": 40 * GiB, "B": GiB}), Residency()]

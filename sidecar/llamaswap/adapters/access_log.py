@@ -18,7 +18,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY, upstream_of_cluster
+from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY, gpu_of_cluster
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport
 from llamaswap.adapters.metadata import metadata_value
@@ -83,15 +83,15 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     first_byte_s = None
     if to_upstream is not None and common.HasField("time_to_first_upstream_rx_byte"):
         first_byte_s = max(0, _ns(common.time_to_first_upstream_rx_byte) - to_upstream) / 1e9
-    # The upstream whose cluster the route chose (the OK's x-llamaswap-upstream).
-    upstream = upstream_of_cluster(common.upstream_cluster)
+    # The GPU whose cluster the route chose (the OK's x-llamaswap-upstream).
+    gpu = gpu_of_cluster(common.upstream_cluster)
     if kind == _PERIODIC:
         return ExchangeReport(final=False, end=None, status=0, first_byte_s=first_byte_s, elapsed_s=elapsed_s,
-                              gpu=upstream)
+                              gpu=gpu)
     response = entry.response
     status = response.response_code.value if response.HasField("response_code") else 0
     return ExchangeReport(final=True, end=exchange_end(entry, status), status=status, first_byte_s=first_byte_s,
-                          elapsed_s=elapsed_s, gpu=upstream)
+                          elapsed_s=elapsed_s, gpu=gpu)
 
 
 class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

@@ -80,7 +80,7 @@ def decision_headers(decision: Decision) -> list[tuple[str, str]]:
     ]
 
 
-def upstream_of(decision: Decision) -> str:
+def gpu_of(decision: Decision) -> str:
     """The name of the upstream the grant runs on."""
     return decision.gpu
 
@@ -104,7 +104,7 @@ def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
     # the client's before Envoy matched a route).
     option = ok.headers.add()
     option.header.key = UPSTREAM_HEADER
-    option.header.value = upstream_of(decision)
+    option.header.value = gpu_of(decision)
     option.append_action = _OVERWRITE
     response.dynamic_metadata.fields[TICKET_KEY].string_value = ticket.token
     return response

@@ -25,7 +25,7 @@ from llamaswap.config.llama_command import PORT_FLAG, THREADS_ENV, THREADS_FLAGS
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
 
-def upstream_name(index: int) -> str:
+def gpu_name(index: int) -> str:
     return f"gpu{index}"
 
 
@@ -135,7 +135,7 @@ def gpus_document(document: Mapping[str, Any], *, url: str, command: Sequence[st
     seen = devices(gpus, environ, gpu_count)
     threads = None if sets_threads(command, environ) else threads_each(gpus, cores)
     upstream = {key: value for key, value in (document.get("upstream") or {}).items() if key not in ("url", "command")}
-    entries = [{"name": upstream_name(index), "url": _url_with_port(url, port + index),
+    entries = [{"name": gpu_name(index), "url": _url_with_port(url, port + index),
                 "command": list(server_command(command, port=port + index, device=seen[index], threads=threads))}
                for index in range(gpus)]
     return {**document, "upstream": upstream, "upstreams": entries}

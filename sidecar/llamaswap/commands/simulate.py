@@ -92,7 +92,7 @@ from llamaswap.simulate.concurrency import (
 )
 from llamaswap.simulate.engine import NOT_REPLAYED, measure_costs, prepare, simulate
 from llamaswap.simulate.pods import Routing, render_pods_json, render_pods_table, simulate_pods
-from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_upstreams, single_model
+from llamaswap.simulate.records import Activity, RequestRecord, read_activity, recorded_gpus, single_model
 from llamaswap.simulate.settings import (
     KEYS,
     Settings,
@@ -202,9 +202,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         activity = _read_activity(args.activity)
         records: Sequence[RequestRecord] = activity.requests
         base, note = _recorded_settings(activity, configured=config is not None)
-        upstreams = recorded_upstreams(records)
-        if upstreams:  # the log's grants ran on these: the replay has them
-            base = dataclasses.replace(base, gpus=len(upstreams), upstreams=upstreams)
+        named = recorded_gpus(records)
+        if named:  # the log's grants ran on these: the replay has them
+            base = dataclasses.replace(base, gpus=len(named), named_gpus=named)
         recorded = RecordedConcurrency.of(records)
         peak = recorded.peak
         measurement: Measurement | None = measure(records, recorded)
@@ -234,7 +234,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         # describes its one model, whatever the id (`config.model_key`).
         configured = Settings.from_policy(_node_policy(config, single_model(records), base.slots))
         if configured.gpus == 1 and base.gpus > 1:  # a configuration of one upstream keeps the log's
-            configured = dataclasses.replace(configured, gpus=base.gpus, upstreams=base.upstreams)
+            configured = dataclasses.replace(configured, gpus=base.gpus, named_gpus=base.named_gpus)
         base = configured
     try:
         base = override(base, {"scheduler": args.scheduler, "agingDivisor": args.aging_divisor,

@@ -484,15 +484,15 @@ class Config(Section):
         self._model_sizes = sizes
         return self
 
-    def residency_of(self, upstream: str) -> Residency:
+    def residency_of(self, gpu: str) -> Residency:
         """How many models the upstream named ``upstream`` keeps resident at once, which are
         pinned, and its memory budget with each model's size (``models.<id>.memory`` or the GGUF
         estimate): what its `GpuPolicy` carries. KeyError for a name it does not have."""
-        return residency_of(self, upstream, self._model_sizes)
+        return residency_of(self, gpu, self._model_sizes)
 
-    def model_sizes(self, upstream: str) -> Mapping[str, ModelSize]:
+    def model_sizes(self, gpu: str) -> Mapping[str, ModelSize]:
         """The sizes of the models of ``upstream`` and where each comes from (a key or its GGUF file)."""
-        return self._model_sizes.get(upstream, {})
+        return self._model_sizes.get(gpu, {})
 
     @property
     def upstream_entries(self) -> tuple[UpstreamEntry, ...]:

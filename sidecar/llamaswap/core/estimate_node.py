@@ -164,10 +164,10 @@ class NodeTimes:
 
 def remaining_by_gpu(grants: Iterable[RunningView], figures: Figures) -> dict[str, list[float]]:
     """Per GPU, the expected remaining time of each of its running grants (`estimate.remaining_of`)."""
-    return {upstream: remaining_of(figures, of) for upstream, of in _by_upstream(grants).items()}
+    return {gpu_name: remaining_of(figures, of) for gpu_name, of in _by_gpu(grants).items()}
 
 
-def _by_upstream(grants: Iterable[RunningView]) -> dict[str, list[RunningView]]:
+def _by_gpu(grants: Iterable[RunningView]) -> dict[str, list[RunningView]]:
     out: dict[str, list[RunningView]] = {}
     for grant in grants:
         out.setdefault(grant.gpu, []).append(grant)
@@ -187,8 +187,8 @@ def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[Gpu
     # A GPU held by work the scheduler did not grant (`GpuHolding.blocked`) with no time said: for how long, unknown.
     walks = {gpu.name: _GpuWalk(gpu, blocked_s.get(gpu.name, math.inf if gpu.blocked or gpu.settling_model else 0.0))
              for gpu in gpus}
-    for upstream, grants in _by_upstream(snapshot.grants).items():
-        walk = walks.get(upstream)
+    for gpu_name, grants in _by_gpu(snapshot.grants).items():
+        walk = walks.get(gpu_name)
         if walk is None:  # an upstream no longer configured: nothing new starts there
             continue
         remaining = remaining_of(figures, grants)

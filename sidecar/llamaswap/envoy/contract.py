@@ -22,7 +22,7 @@ __all__ = [
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
     "RENEWALS_PER_LEASE", "REQUEST_ID_HEADER", "STATUS_PREFIX", "TICKET_KEY",
     "UPSTREAM_METRICS_PATH", "openai_error_body",
-    "UPSTREAM_CLUSTER_PREFIX", "UPSTREAM_HEADER", "upstream_cluster", "upstream_of_cluster",
+    "UPSTREAM_CLUSTER_PREFIX", "UPSTREAM_HEADER", "upstream_cluster", "gpu_of_cluster",
 ]
 
 # Where the body's model goes, and where Envoy puts what the Check answered.
@@ -100,7 +100,7 @@ def upstream_cluster(name: str) -> str:
     return UPSTREAM_CLUSTER_PREFIX + name
 
 
-def upstream_of_cluster(cluster: str) -> str | None:
+def gpu_of_cluster(cluster: str) -> str | None:
     """The upstream's name from its cluster's (an access-log entry's upstream_cluster); None for
     another cluster or none (the request never reached an upstream)."""
     if not cluster.startswith(UPSTREAM_CLUSTER_PREFIX) or len(cluster) == len(UPSTREAM_CLUSTER_PREFIX):

@@ -154,8 +154,8 @@ class Coordinator:
     def _default_slots(self, name: str) -> int:
         return self.scheduler.policy.gpu(name).slots.default
 
-    def _runs_model(self, upstream: str, model: str) -> bool:
-        return self._grants.runs_model(upstream, model)
+    def _runs_model(self, gpu: str, model: str) -> bool:
+        return self._grants.runs_model(gpu, model)
 
     def _observe_kept(self, event: KeptEvent) -> None:
         self._publisher.observe(self._observer.kept_place, event)
@@ -261,13 +261,13 @@ class Coordinator:
         Batch API's feeder asks it of each line)."""
         return await self._admitter.serves(model)
 
-    def _catalog_of(self, upstream: str, catalog: Catalog, as_of: int) -> None:
-        self.observe_catalog(catalog, as_of, upstream)
+    def _catalog_of(self, gpu: str, catalog: Catalog, as_of: int) -> None:
+        self.observe_catalog(catalog, as_of, gpu)
 
-    def observe_catalog(self, catalog: Catalog, as_of: int, upstream: str) -> None:
+    def observe_catalog(self, catalog: Catalog, as_of: int, gpu: str) -> None:
         """A catalog of an upstream, asked when its `Scheduler.dispatches_on`
         was `as_of` (the reconcile loop): `Gpus.reconcile`."""
-        self.gpus.reconcile(catalog, as_of, upstream, scheduler=self.scheduler, config=self._config.config,
+        self.gpus.reconcile(catalog, as_of, gpu, scheduler=self.scheduler, config=self._config.config,
                             changed=self._publisher.changed, reconfigure=self._reload_in_effect)
 
     def _reload_in_effect(self) -> None:

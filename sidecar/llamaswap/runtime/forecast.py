@@ -28,7 +28,7 @@ _ESTIMATE_CPU_SHARE = 0.1
 class Forecast:
     """``gpus``: the node's GPUs as the runtime keeps them (each one's settle under way, if any);
     ``schedule_model`` says what a settling generation was scheduled as (the estimator's key);
-    ``views`` builds the queue views from this forecast's `blocked_by_upstream` (the views show
+    ``views`` builds the queue views from this forecast's `blocked_by_gpu` (the views show
     it, and the arrival estimates walk them: each needs the other); without it nothing is
     estimated at arrival."""
 
@@ -40,7 +40,7 @@ class Forecast:
         self._estimator = estimator
         self._gpus = gpus
         self._schedule_model = schedule_model
-        self.views = views(self.blocked_by_upstream) if views is not None else None
+        self.views = views(self.blocked_by_gpu) if views is not None else None
         self._pending: list[Ticket] = []
         self._handle: asyncio.TimerHandle | None = None
         self._batch_s = ESTIMATE_BATCH_S
@@ -95,7 +95,7 @@ class Forecast:
         end_s = expected_end_s(self._estimator, self._schedule_model(settling.model), gpu=gpu)
         return left_s(end_s, (now_ns - settling.granted_ns) / NS_PER_S) or 0.0
 
-    def blocked_by_upstream(self) -> dict[str, float]:
+    def blocked_by_gpu(self) -> dict[str, float]:
         """How much longer work the scheduler did not grant holds each GPU that has some (a
         settling generation's expected rest, `settle_left_s`; `math.inf` once it is past its
         expected end, or for an adopted exchange: held for a time nobody can tell)."""

@@ -89,7 +89,7 @@ class Gpus:
 
     def reported(self, name: str | None) -> Gpu | None:
         """The GPU an exchange Envoy reports runs on: the one its access-log entry names (the
-        cluster its route chose: `envoy.contract.upstream_of_cluster`). An entry that names none,
+        cluster its route chose: `envoy.contract.gpu_of_cluster`). An entry that names none,
         or a GPU not configured (a grant's route always names one of ours; an exchange that reached
         no upstream names none), is placed only where there is no choice: on a node of one GPU it
         is that GPU, on several it cannot be placed (None)."""
@@ -117,7 +117,7 @@ class Gpus:
                 return True
         return False
 
-    def reconcile(self, catalog: Catalog, as_of: int, upstream: str, *, scheduler: Scheduler,
+    def reconcile(self, catalog: Catalog, as_of: int, name: str, *, scheduler: Scheduler,
                   config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:
         """Catalog reconciliation: a catalog of an upstream, asked when its
         `Scheduler.dispatches_on` was `as_of`. What it says is loaded goes to the scheduler (unless
@@ -125,7 +125,7 @@ class Gpus:
         said; a change of the one model of single-model upstreams that changes the node's policy
         re-applies the settings (`reconfigure`: the one model's models.<id>.slots, whatever the id);
         the GPU's slot learning sees the catalog."""
-        gpu = self.named(upstream)
+        gpu = self.named(name)
         before = gpu.catalog.single_model(), self.single_model()
         gpu.catalog.latest = catalog
         # A single-model upstream has its one model loaded whenever it answers.

@@ -85,8 +85,8 @@ class Grants:
         tickets = self._tickets
         return [ticket for token in self._scheduler.running_ids() if (ticket := tickets.get(token)) is not None]
 
-    def runs_model(self, upstream: str, model: str) -> bool:
-        return any(t.decision is not None and t.decision.model == model and t.decision.gpu == upstream
+    def runs_model(self, gpu: str, model: str) -> bool:
+        return any(t.decision is not None and t.decision.model == model and t.decision.gpu == gpu
                    for t in self.running())
 
     # -- Envoy's reports ---------------------------------------------------------------------

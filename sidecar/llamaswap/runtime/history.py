@@ -79,7 +79,7 @@ class History:
         self._swaps = 0
         self._loads = 0
         # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one.
-        self._upstreams: dict[str, collections.Counter[str]] = {}
+        self._counts_by_gpu: dict[str, collections.Counter[str]] = {}
         self._ratios: collections.deque[float] = collections.deque(maxlen=RATIO_SAMPLES)
         self._actual_wait_s = 0.0
         self._estimated_wait_s = 0.0
@@ -115,7 +115,7 @@ class History:
             "swaps": self._swaps,
             "loads": self._loads,
             "upstreams": {name: {"dispatched": counts["dispatched"], "swaps": counts["swaps"], "loads": counts["loads"]}
-                          for name, counts in self._upstreams.items()},
+                          for name, counts in self._counts_by_gpu.items()},
             "outcomes": dict(self._outcomes),
             "kept_places": dict(self._kept),
             "settles": dict(self._settles),
@@ -182,7 +182,7 @@ class History:
                 self._reorders[str(cause)] += 1
             self._swaps += decision.swap
             self._loads += decision.load
-            counts = self._upstreams.setdefault(decision.gpu, collections.Counter())
+            counts = self._counts_by_gpu.setdefault(decision.gpu, collections.Counter())
             counts["dispatched"] += 1
             counts["swaps"] += decision.swap
             counts["loads"] += decision.load

@@ -118,14 +118,14 @@ class RecordedConcurrency:
     def of(cls, records: Iterable[RequestRecord]) -> RecordedConcurrency:
         """Per upstream (the record's; not recorded: one): generations on different GPUs do
         not share one."""
-        by_upstream: dict[str | None, dict[int, tuple[int, int]]] = {}
+        by_gpu: dict[str | None, dict[int, tuple[int, int]]] = {}
         for record in records:
             interval = _interval_us(record)
             if interval is not None and interval[1] > interval[0]:
-                by_upstream.setdefault(record.gpu, {})[record.order] = interval
+                by_gpu.setdefault(record.gpu, {})[record.order] = interval
         exposure: dict[int, Mapping[int, int]] = {}
         peak = 0
-        for intervals in by_upstream.values():
+        for intervals in by_gpu.values():
             part = cls._of_one(intervals)
             exposure.update(part.exposure)
             peak = max(peak, part.peak)

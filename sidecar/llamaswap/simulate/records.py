@@ -106,7 +106,7 @@ class RequestRecord:
         return self.swap or self.load
 
 
-def recorded_upstreams(records: Iterable[RequestRecord]) -> tuple[str, ...]:
+def recorded_gpus(records: Iterable[RequestRecord]) -> tuple[str, ...]:
     """The upstreams the log's grants ran on, by name (empty: none recorded)."""
     return tuple(sorted({record.gpu for record in records if record.gpu is not None}))
 
@@ -269,7 +269,7 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
         _number(document, "granted_unix_ms", required=False, minimum=None),
         _count(document, "max_tokens"),
         _count(document, "serial_slots_busy"),
-        upstream if isinstance(upstream := document.get("upstream"), str) and upstream else None,
+        gpu if isinstance(gpu := document.get("upstream"), str) and gpu else None,
     )
 
 

@@ -54,7 +54,7 @@ class Settings:
     # The upstreams (GPUs) of the node, each with these slots: their names where the log or -c
     # names them (as many as ``gpus``), else gpu0..gpuN-1.
     gpus: int = 1
-    upstreams: tuple[str, ...] = ()
+    named_gpus: tuple[str, ...] = ()
     # The upstreams as -c FILE describes them (their own slots, models and residency), while no
     # flag or sweep of slots or gpus replaces them.
     configured: tuple[GpuPolicy, ...] = ()
@@ -92,9 +92,9 @@ class Settings:
         return min([self.slots, *self.model_slots.values(), *per_gpu, *recorded])
 
     @property
-    def upstream_names(self) -> tuple[str, ...]:
-        if len(self.upstreams) == self.gpus:
-            return self.upstreams
+    def gpu_names(self) -> tuple[str, ...]:
+        if len(self.named_gpus) == self.gpus:
+            return self.named_gpus
         return tuple(f"gpu{i}" for i in range(self.gpus))
 
     def policy(self) -> Policy:
@@ -123,7 +123,7 @@ class Settings:
             GpuPolicy(name, self._slots_of(name, slots),
                       residency=self._residency(name, recorded.get(name) or Residency(self.max_loaded),
                                                 "the log's settings record"))
-            for name in self.upstream_names))
+            for name in self.gpu_names))
 
     def _slots_of(self, name: str, node: Slots) -> Slots:
         """A GPU's slots: its own as the log recorded them, else the node's."""
@@ -175,7 +175,7 @@ class Settings:
         """The recorded slots of the GPUs this replay has (those it runs with)."""
         if len(self.configured) == self.gpus:
             return []
-        return [own for name in self.upstream_names if (own := self.recorded_slots.get(name)) is not None]
+        return [own for name in self.gpu_names if (own := self.recorded_slots.get(name)) is not None]
 
     def values(self) -> dict[str, Any]:
         """Keyed by the configuration's names (the sweep keys), plus the model priorities and
@@ -303,7 +303,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("slots", "slots", "--slots", parse_slots, {"model_slots": {}, "configured": (), "recorded_slots": {}}),
     Key("reservedSlots", "reserved_slots", "--reserved-slots", parse_reserved_slots),
     # A flag's or a sweep's GPUs are gpu0..gpuN-1, whatever the log or -c named them.
-    Key("gpus", "gpus", "--gpus", parse_gpus, {"upstreams": (), "configured": (), "recorded_residency": {},
+    Key("gpus", "gpus", "--gpus", parse_gpus, {"named_gpus": (), "configured": (), "recorded_residency": {},
                                                "recorded_slots": {}}),
     # A flag's or a sweep's maxLoaded is every GPU's.
     Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),

@@ -251,14 +251,14 @@ class Telemetry:
             instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
         instruments.queue_wait.record(wait_s, {"band": band})
-        upstream = {"upstream": decision.gpu}
-        instruments.upstream_dispatched.add(1, upstream)
+        gpu_labels = {"upstream": decision.gpu}
+        instruments.upstream_dispatched.add(1, gpu_labels)
         if decision.swap:
             instruments.swaps.add(1)
-            instruments.upstream_swaps.add(1, upstream)
+            instruments.upstream_swaps.add(1, gpu_labels)
         if decision.load:
             instruments.loads.add(1)
-            instruments.upstream_loads.add(1, upstream)
+            instruments.upstream_loads.add(1, gpu_labels)
         for eviction in decision.evicts:
             instruments.evictions.add(1, _eviction_labels(decision.gpu, eviction.reason))
         if ticket.estimated_wait_s is not None:
@@ -477,9 +477,9 @@ class Telemetry:
                 for gpu in self._picture.node.gpus for model in gpu.resident_models or ("",)]
 
 
-def _eviction_labels(upstream: str, reason: EvictReason) -> dict[str, str]:
+def _eviction_labels(gpu: str, reason: EvictReason) -> dict[str, str]:
     """An eviction series' labels, in the one order its counts are kept under."""
-    return {"upstream": upstream, "reason": reason.value}
+    return {"upstream": gpu, "reason": reason.value}
 
 
 def _max_loaded(picture: QueuePicture) -> tuple[int, ...]:
