@@ -118,7 +118,7 @@ class NullSidecar:
         name = "toy-fifo" if serial else "floor"
         ports_file = workdir / f"{name}-ports.json"
         ports_file.unlink(missing_ok=True)
-        upstream = parse_config(document).upstream_entries[0].name  # the one its OK names
+        upstream = parse_config(document).gpu_entries[0].name  # the one its OK names
         self.process = Process(name, [sys.executable, __file__, str(ports_file), upstream,
                                       *(["--serial"] if serial else [])],
                                workdir / f"{name}.log", env)

@@ -131,7 +131,7 @@ def bench_stack(config: dict[str, Any] | None = None, *, bare: bool = True, null
             if bare:
                 bootstrap = build_bootstrap(parse_config(document), grpc_port=stack.sidecar.grpc_port,
                                             admin_port=stack.sidecar.admin_port, envoy_admin_port=0)
-                upstream_name = parse_config(document).upstream_entries[0].name
+                upstream_name = parse_config(document).gpu_entries[0].name
                 bare_envoy = EnvoyProcess(bare_bootstrap(bootstrap, upstream_name), workdir, name="envoy-bare")
             try:
                 yield Bench(stack, upstream, bare_envoy, workdir, null_sidecar)

@@ -201,7 +201,7 @@ def test_the_config_with_upstreams_passes_check_config(tmp_path: pathlib.Path) -
     result = subprocess.run([sys.executable, "-m", "llamaswap", "check-config", "-c", str(path)],
                             env=ct.python_env(), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0 and result.stdout.startswith("ok\n"), result.stdout + result.stderr
-    entries = parse_config(yaml.safe_load(rendered.sidecar_config)).upstream_entries
+    entries = parse_config(yaml.safe_load(rendered.sidecar_config)).gpu_entries
     assert [(e.name, e.port, e.slots) for e in entries] == [("gpu0", 8081, 2), ("gpu1", 8082, 2)]
 
 

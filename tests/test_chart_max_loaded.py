@@ -46,7 +46,7 @@ def test_on_several_gpus_each_router_and_each_upstream_keeps_n() -> None:
     rendered = ct.render({"llamaServer": {"gpus": 2, "maxLoaded": 4}})
     assert [_arg(c["args"], "--models-max") for c in _servers(rendered)] == ["4", "4"]
     config = parse_config(_config(rendered))
-    assert [(e.name, e.max_loaded) for e in config.upstream_entries] == [("gpu0", 4), ("gpu1", 4)]
+    assert [(e.name, e.max_loaded) for e in config.gpu_entries] == [("gpu0", 4), ("gpu1", 4)]
 
 
 def test_pins_and_a_budget_in_config_go_with_it() -> None:

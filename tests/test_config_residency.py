@@ -97,7 +97,7 @@ def test_each_entry_of_upstreams_has_its_own_or_takes_upstreams() -> None:
     assert small.model_bytes == {"embed": GiB, "chat": 16 * GiB}
     # one does not serve embed: nothing pinned, and one model at a time
     assert (one.max_loaded, one.pinned) == (1, frozenset())
-    assert [(e.name, e.max_loaded, e.memory) for e in cfg.upstream_entries] == [
+    assert [(e.name, e.max_loaded, e.memory) for e in cfg.gpu_entries] == [
         ("big", 4, 141 * GiB), ("small", 2, 24 * GiB), ("one", 1, 24 * GiB)]
 
 

@@ -21,7 +21,7 @@ from llamaswap.config import (
     IMPLICIT_GPU,
     Config,
     ConfigError,
-    UpstreamEntry,
+    GpuEntry,
     json_schema,
     load_config,
     parse_config,
@@ -48,9 +48,9 @@ def two(**second: Any) -> list[dict[str, Any]]:
 
 
 def test_without_upstreams_the_one_upstream_is_gpu0() -> None:
-    assert Config().upstream_entries == (UpstreamEntry(IMPLICIT_GPU, "http://127.0.0.1:8081", 1, None, ()),)
+    assert Config().gpu_entries == (GpuEntry(IMPLICIT_GPU, "http://127.0.0.1:8081", 1, None, ()),)
     cfg = parse_config({"upstream": {"url": "https://llm.example:8443/", "slots": "auto", "command": "server -p 1"}})
-    [entry] = cfg.upstream_entries
+    [entry] = cfg.gpu_entries
     assert (entry.name, entry.url, entry.slots, entry.models, entry.command) == (
         "gpu0", "https://llm.example:8443", "auto", None, ("server", "-p", "1"))
     assert (entry.host, entry.port, entry.tls) == ("llm.example", 8443, True)
@@ -67,8 +67,8 @@ def test_entries_keep_their_order_and_take_upstream_slots_by_default() -> None:
             {"name": "auto-1", "url": "http://10.0.0.3:8081", "slots": "auto", "models": []},
         ],
     })
-    big, small, auto = cfg.upstream_entries
-    assert [e.name for e in cfg.upstream_entries] == ["big", "small", "auto-1"]
+    big, small, auto = cfg.gpu_entries
+    assert [e.name for e in cfg.gpu_entries] == ["big", "small", "auto-1"]
     assert (big.slots, small.slots, auto.slots) == (3, 1, "auto")  # big takes upstream.slots
     assert (big.models, small.models, auto.models) == (None, frozenset({"qwen", "7"}), None)  # [] means any
     assert small.command == ("llama-server", "--port", "8082") and big.command == ()
@@ -109,8 +109,8 @@ def test_check_config_explains_slots_per_gpu_where_they_differ() -> None:
 
 def test_upstream_slots_change_the_entries_that_take_it() -> None:
     document = {"upstreams": two(slots=1)}
-    assert [e.slots for e in parse_config(document).upstream_entries] == [1, 1]
-    assert [e.slots for e in parse_config({**document, "upstream": {"slots": 4}}).upstream_entries] == [4, 1]
+    assert [e.slots for e in parse_config(document).gpu_entries] == [1, 1]
+    assert [e.slots for e in parse_config({**document, "upstream": {"slots": 4}}).gpu_entries] == [4, 1]
 
 
 def test_a_model_one_entry_may_serve_is_served_and_an_entry_without_models_serves_any() -> None:
@@ -123,7 +123,7 @@ def test_auto_slots_are_not_held_against_the_reservation() -> None:
     # `auto` is what the upstream says at run time, where a reservation that does not fit is lowered.
     cfg = parse_config({"upstreams": two(slots="auto"), "upstream": {"slots": 2},
                         "routing": {"scheduler": {"settings": {"serial": {"reservedSlots": 1}}}}})
-    assert [e.slots for e in cfg.upstream_entries] == [2, "auto"]
+    assert [e.slots for e in cfg.gpu_entries] == [2, "auto"]
 
 
 # -- the round trip ------------------------------------------------------------------------------
@@ -158,9 +158,9 @@ def test_to_document_round_trips_and_is_the_yaml_shape() -> None:
     assert document["upstream"]["settleTimeoutSeconds"] == Config().upstream.settle_timeout_seconds
     for again in (parse_config(document), parse_config(yaml.safe_load(yaml.safe_dump(document)))):
         assert again == cfg
-        assert again.upstream_entries == cfg.upstream_entries
-    assert [e.slots for e in cfg.upstream_entries] == [4, 2, "auto"]
-    assert [(e.max_loaded, e.memory) for e in cfg.upstream_entries] == [(2, 80 << 30), (1, None), (1, None)]
+        assert again.gpu_entries == cfg.gpu_entries
+    assert [e.slots for e in cfg.gpu_entries] == [4, 2, "auto"]
+    assert [(e.max_loaded, e.memory) for e in cfg.gpu_entries] == [(2, 80 << 30), (1, None), (1, None)]
 
 
 def test_the_schema_has_upstreams_and_agrees_with_the_loader() -> None:
@@ -296,7 +296,7 @@ def test_a_yaml_file_with_upstreams_loads(tmp_path: pathlib.Path) -> None:
             models: [qwen3-0.6b]
         """))
     cfg = load_config(path)
-    assert [(e.name, e.port, e.slots, e.models) for e in cfg.upstream_entries] == [
+    assert [(e.name, e.port, e.slots, e.models) for e in cfg.gpu_entries] == [
         ("gpu0", 8081, 2, None), ("gpu1", 8082, 1, frozenset({"qwen3-0.6b"}))]
 
 
@@ -345,7 +345,7 @@ async def test_the_sidecar_keeps_its_upstreams_when_a_reload_changes_them(tmp_pa
         path.write_text(yaml.safe_dump({"upstreams": two(url="http://127.0.0.1:9999"),
                                         "routing": {"scheduler": {"maxQueued": 3}}}))
         assert not sidecar.reload()
-        assert [e.url for e in sidecar.config.upstream_entries] == ["http://127.0.0.1:8081", "http://127.0.0.1:8082"]
+        assert [e.url for e in sidecar.config.gpu_entries] == ["http://127.0.0.1:8081", "http://127.0.0.1:8082"]
         assert sidecar.coordinator.scheduler.policy.max_queued == 0
     finally:
         await sidecar.close()

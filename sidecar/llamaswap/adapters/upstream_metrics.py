@@ -10,7 +10,7 @@ loaded and reads only that one's metrics (with `autoload=false`: a model unloade
 left out, never loaded again), labelled `model="NAME"`; with nothing loaded the upstream adds
 nothing. An upstream that is not in router mode is read as it is.
 
-Every upstream of the node (`Config.upstream_entries`) is read, all at once, and each of its
+Every upstream of the node (`Config.gpu_entries`) is read, all at once, and each of its
 samples labelled `upstream="NAME"` (`gpu0` for a configuration with `upstream:` alone, as the
 sidecar's own `llamaswap_upstream_*` series); a metric family's HELP and TYPE lines come once,
 its samples from every upstream under them. An upstream down or without `--metrics` is left

@@ -121,7 +121,7 @@ class Sidecar:
         # Read once (ConfigError when it cannot be); only the HTTP clients hold it.
         self._api_key = config.upstream.read_api_key()
         # One client per upstream of the node (`upstreams:`), in order.
-        self.upstreams = [HttpUpstream(entry.url, api_key=self._api_key) for entry in config.upstream_entries]
+        self.upstreams = [HttpUpstream(entry.url, api_key=self._api_key) for entry in config.gpu_entries]
         # A 401 or 403 from the upstream before it ever answered otherwise: `failure` says why.
         self.failed = asyncio.Event()
         self.failure: str | None = None
@@ -175,7 +175,7 @@ class Sidecar:
 
         app = build_admin_app(self.coordinator, self.activity, metrics=self.telemetry.prometheus_text,
                               picker_metrics=self.telemetry.picker_text, history=self.history)
-        add_upstream_metrics(app, {entry.name: entry.url for entry in self.config.upstream_entries}, self._api_key)
+        add_upstream_metrics(app, {entry.name: entry.url for entry in self.config.gpu_entries}, self._api_key)
         add_ui_routes(app, self.ui)
         add_batch_routes(app, self.batches)
         self._admin_runner = web.AppRunner(app, access_log=None)

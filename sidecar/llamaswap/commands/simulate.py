@@ -307,7 +307,7 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
 
     return config.policy([config.gpu_policy(entry.name, {None: recorded_slots} if entry.slots == SLOTS_AUTO else None,
                                             single)
-                          for entry in config.upstream_entries])
+                          for entry in config.gpu_entries])
 
 
 def _pods_flag(text: str) -> int:

@@ -40,7 +40,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from llamaswap.config.batches import UP_DIR_DEFAULT
 from llamaswap.config import (  # noqa: E402
-    DEFAULT_UPSTREAM_PORT, IMPLICIT_GPU, SLOTS_AUTO, Config, HostPort, UpstreamEntry, parse_config,
+    DEFAULT_UPSTREAM_PORT, IMPLICIT_GPU, SLOTS_AUTO, Config, HostPort, GpuEntry, parse_config,
 )
 from llamaswap.config.llama_command import (  # noqa: E402
     MODELS_DIR_FLAG, MODELS_MAX_FLAG, PARALLEL_FLAGS, PORT_FLAG, parallel_of,
@@ -183,9 +183,9 @@ async def _poll(session: aiohttp.ClientSession, url: str, *, child: Child | None
 
 @dataclasses.dataclass(frozen=True)
 class _Server:
-    """An upstream `up` starts: an entry of `Config.upstream_entries` that has a command."""
+    """An upstream `up` starts: an entry of `Config.gpu_entries` that has a command."""
 
-    entry: UpstreamEntry
+    entry: GpuEntry
     index: int
     implicit: bool  # the one upstream of a file without `upstreams`: named as before, "the upstream"
 
@@ -220,7 +220,7 @@ class _Server:
 
 def _servers_to_start(config: Config) -> list[_Server]:
     implicit = config.upstreams is None
-    return [_Server(entry, index, implicit) for index, entry in enumerate(config.upstream_entries) if entry.command]
+    return [_Server(entry, index, implicit) for index, entry in enumerate(config.gpu_entries) if entry.command]
 
 
 async def _ready(session: aiohttp.ClientSession, server: _Server, child: Child, health_path: str, deadline_s: float,
@@ -484,7 +484,7 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
     if gpus is None or gpus == 1:
         return config, built_in
     cores = usable_cores()
-    [one] = config.upstream_entries  # (a file with upstreams was refused above)
+    [one] = config.gpu_entries  # (a file with upstreams was refused above)
     several = gpus_document(document, url=one.url, command=one.command, gpus=gpus,
                             source=source, environ=os.environ, cores=cores, gpu_count=nvidia_gpu_count())
     if say is not None:

@@ -5,7 +5,7 @@
 - `problems`: `Problem`, `ConfigError`, and pydantic's errors as key-path problems;
 - `load`: reading and validating a file or a document;
 - `schema`: the JSON Schema of the document;
-- `upstreams`: `UpstreamEntry`, an upstream of the node (`Config.upstream_entries`), and the checks of the list.
+- `upstreams`: `GpuEntry`, an upstream of the node (`Config.gpu_entries`), and the checks of the list.
 - `llama_command`: llama-server's command line, the one place that knows its flags.
 
 This package's public names, which the rest of llamaswap imports from here.
@@ -36,7 +36,7 @@ from llamaswap.config.sections import (
     UpstreamItem,
 )
 from llamaswap.config.types import AbandonedGeneration, HostPort, ManagementApi, ModelCheck
-from llamaswap.config.upstreams import UpstreamEntry
+from llamaswap.config.upstreams import GpuEntry
 from llamaswap.core.priority import PriorityMode
 from llamaswap.core.policy import IMPLICIT_GPU, PolicyName
 
@@ -45,7 +45,7 @@ __all__ = [
     "ActivityConfig", "Config", "ConfigError", "EnvoyConfig", "EstimatesConfig", "FifoSettings", "HostPort",
     "ListenConfig", "ManagementApi", "ModelCheck", "ModelConfig",
     "PriorityMode", "PrioritySecurityConfig", "Problem", "RoutingConfig", "SchedulerConfig", "PolicyName",
-    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "UpstreamEntry",
+    "SchedulerSettings", "SecurityConfig", "SerialSettings", "UiConfig", "UpstreamConfig", "GpuEntry",
     "UpstreamItem", "describe_value", "json_schema",
     "load_config", "load_document", "parse_config",
 ]

@@ -26,7 +26,7 @@ from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
 from llamaswap.config.llama_command import cache_types, context_of, models_dir, router_models_max
 from llamaswap.config.problems import Problem
 from llamaswap.config.types import size_document, size_text
-from llamaswap.config.upstreams import UpstreamEntry, UpstreamItem
+from llamaswap.config.upstreams import GpuEntry, UpstreamItem
 from llamaswap.core.residency import Residency
 
 # Bytes per KV cache element of llama-server's --cache-type-k/-v (a block's bytes over its 32 values).
@@ -55,9 +55,9 @@ class Config(Protocol):
     def upstreams(self) -> Sequence[UpstreamItem] | None: ...
 
     @property
-    def upstream_entries(self) -> tuple[UpstreamEntry, ...]: ...
+    def gpu_entries(self) -> tuple[GpuEntry, ...]: ...
 
-    def entry(self, gpu: str) -> UpstreamEntry: ...
+    def entry(self, gpu: str) -> GpuEntry: ...
 
     def residency_of(self, gpu: str) -> Residency: ...
 
@@ -106,7 +106,7 @@ def max_loaded_key(config: Config, index: int) -> str:
     return "upstream.maxLoaded"
 
 
-def served_models(config: Config, entry: UpstreamEntry, found: Mapping[str, pathlib.Path]) -> list[str]:
+def served_models(config: Config, entry: GpuEntry, found: Mapping[str, pathlib.Path]) -> list[str]:
     """The models an upstream may serve, as far as the file and its models directory tell: its
     ``models`` list, else every ``models.<id>`` and every GGUF file of its directory."""
     if entry.models is not None:
@@ -121,7 +121,7 @@ def model_sizes(config: Config) -> tuple[dict[str, dict[str, ModelSize]], list[P
                   for model_id, model in config.models.items() if model.memory is not None}
     sizes: dict[str, dict[str, ModelSize]] = {}
     problems: list[Problem] = []
-    for index, entry in enumerate(config.upstream_entries):
+    for index, entry in enumerate(config.gpu_entries):
         if entry.memory is None:
             sizes[entry.name] = {m: size for m, size in configured.items() if entry.lists(m)}
             continue
@@ -176,7 +176,7 @@ def residency_problems(config: Config, sizes: Mapping[str, Mapping[str, ModelSiz
     """Pinned models that cannot stay resident where they are pinned."""
     problems: list[Problem] = []
     pinned_models = [model_id for model_id, model in config.models.items() if model.pinned]
-    for index, entry in enumerate(config.upstream_entries):
+    for index, entry in enumerate(config.gpu_entries):
         pinned = [model_id for model_id in pinned_models if entry.lists(model_id)]
         if not pinned:
             continue
@@ -228,7 +228,7 @@ _PAIRS_SHOWN = 6
 def residency_advice(config: Config) -> list[Problem]:
     """Residency settings that are valid but do less than they seem to (warnings)."""
     problems = []
-    for index, entry in enumerate(config.upstream_entries):
+    for index, entry in enumerate(config.gpu_entries):
         key = max_loaded_key(config, index)
         if entry.memory is not None and entry.max_loaded == 1:
             problems.append(Problem(memory_key(config, index),
@@ -252,7 +252,7 @@ def describe_residency(config: Config) -> list[str]:
     """What maxLoaded, memory and pinned models imply, per upstream (`llamaswap check-config`);
     nothing for an upstream that keeps one model without a budget or pins."""
     lines: list[str] = []
-    for index, entry in enumerate(config.upstream_entries):
+    for index, entry in enumerate(config.gpu_entries):
         residency = config.residency_of(entry.name)
         name = entry.name
         key = max_loaded_key(config, index)

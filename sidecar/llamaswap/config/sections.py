@@ -46,7 +46,7 @@ from llamaswap.config.upstreams import (
     SLOTS_AUTO,
     UPSTREAM_URL_PATTERN,
     Command,
-    UpstreamEntry,
+    GpuEntry,
     UpstreamItem,
     duplicates,
     moved_keys,
@@ -400,8 +400,8 @@ class Config(Section):
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
 
     _source: str = PrivateAttr("<defaults>")
-    # The node's GPUs (`upstream_entries`), built once when the file is validated.
-    _entries: tuple[UpstreamEntry, ...] = PrivateAttr(default=())
+    # The node's GPUs (`gpu_entries`), built once when the file is validated.
+    _entries: tuple[GpuEntry, ...] = PrivateAttr(default=())
     # Each upstream's model sizes (`residency.model_sizes`), read once when the file is validated.
     _model_sizes: Mapping[str, Mapping[str, ModelSize]] = PrivateAttr(default_factory=dict)
 
@@ -425,11 +425,11 @@ class Config(Section):
         # upstream's.
         upstream = self.upstream
         if self.upstreams is None:
-            self._entries = (UpstreamEntry(IMPLICIT_GPU, upstream.url, upstream.slots, None, upstream.command,
+            self._entries = (GpuEntry(IMPLICIT_GPU, upstream.url, upstream.slots, None, upstream.command,
                                            upstream.max_loaded, upstream.memory),)
         else:
             self._entries = tuple(
-                UpstreamEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
+                GpuEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
                               None if item.models is None else frozenset(item.models), item.command,
                               upstream.max_loaded if item.max_loaded is None else item.max_loaded,
                               upstream.memory if item.memory is None else item.memory)
@@ -442,7 +442,7 @@ class Config(Section):
         # adds upstream.url and command to a file that names neither, which must not bury the rest.
         if self.upstreams is None:
             return self
-        entries = self.upstream_entries
+        entries = self.gpu_entries
         own_slots = [item.slots is not None for item in self.upstreams]
         reserved_key = f"routing.scheduler.settings.{self.routing.scheduler.use}.reservedSlots"
         problems = [*duplicates(entries), *unserved_models(entries, self.models),
@@ -495,12 +495,12 @@ class Config(Section):
         return self._model_sizes.get(gpu, {})
 
     @property
-    def upstream_entries(self) -> tuple[UpstreamEntry, ...]:
+    def gpu_entries(self) -> tuple[GpuEntry, ...]:
         """The node's GPUs, in the file's order: ``upstreams``, or without it one entry
         (IMPLICIT_GPU) of upstream.url, slots and command. An entry's slots default to upstream.slots."""
         return self._entries
 
-    def entry(self, gpu: str) -> UpstreamEntry:
+    def entry(self, gpu: str) -> GpuEntry:
         """The GPU named ``gpu``; KeyError for a name the file does not have."""
         for entry in self._entries:
             if entry.name == gpu:

@@ -1,4 +1,4 @@
-"""The upstreams a node's one queue serves (issue 27): `UpstreamEntry`, what `Config.upstream_entries`
+"""The upstreams a node's one queue serves (issue 27): `GpuEntry`, what `Config.gpu_entries`
 gives, and the checks across ``upstreams``, ``upstream`` and ``models`` that the configuration
 runs on it. Without ``upstreams`` the list is one entry, ``gpu0``, made of upstream.url, slots
 and command."""
@@ -35,7 +35,7 @@ SLOTS_AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class UpstreamEntry(UrlParts):
+class GpuEntry(UrlParts):
     """One upstream of the node: a llama-server on one GPU (or on the GPUs it uses together).
     ``slots`` is resolved (an entry without its own takes upstream.slots); ``models`` None means
     it may serve any model."""
@@ -97,7 +97,7 @@ def _same_server(url: str) -> tuple[str, str, int | None, str]:
     return parts.scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
 
 
-def duplicates(entries: Sequence[UpstreamEntry]) -> list[Problem]:
+def duplicates(entries: Sequence[GpuEntry]) -> list[Problem]:
     """A name or a server given twice: each repeat, naming the first."""
     problems = []
     names: dict[str, int] = {}
@@ -116,7 +116,7 @@ def duplicates(entries: Sequence[UpstreamEntry]) -> list[Problem]:
     return problems
 
 
-def unserved_models(entries: Sequence[UpstreamEntry], configured: Iterable[str]) -> list[Problem]:
+def unserved_models(entries: Sequence[GpuEntry], configured: Iterable[str]) -> list[Problem]:
     """``models.<id>`` entries that no upstream may serve, where every upstream lists its models."""
     if any(entry.models is None for entry in entries):
         return []
@@ -127,7 +127,7 @@ def unserved_models(entries: Sequence[UpstreamEntry], configured: Iterable[str])
             for model_id in configured if model_id not in served]
 
 
-def slots_left_unreserved(entries: Sequence[UpstreamEntry], own_slots: Sequence[bool], reserved: int,
+def slots_left_unreserved(entries: Sequence[GpuEntry], own_slots: Sequence[bool], reserved: int,
                           reserved_key: str) -> list[Problem]:
     """Upstreams whose integer slots the reservation fills (``own_slots``: whether each entry
     gives its own, or takes upstream.slots)."""

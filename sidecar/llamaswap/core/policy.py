@@ -37,7 +37,7 @@ class GpuPolicy:
 
 
 # The name of the one GPU of a configuration that lists none (`upstream:` alone): the configuration
-# builds it (`Config.upstream_entries`), Envoy names its cluster after it, and a policy of one
+# builds it (`Config.gpu_entries`), Envoy names its cluster after it, and a policy of one
 # GPU built without a configuration has it.
 IMPLICIT_GPU = "gpu0"
 

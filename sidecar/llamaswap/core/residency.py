@@ -76,7 +76,7 @@ ONE_MODEL = Residency()
 
 def listed(models: Set[str] | None, model: str) -> bool:
     """``model`` is in a GPU's list of the models it may serve (``models``; None: any). The
-    configuration reads it alone (`UpstreamEntry.lists`: which models need a size, which are
+    configuration reads it alone (`GpuEntry.lists`: which models need a size, which are
     pinned where); the scheduler through `may_serve`."""
     return models is None or model in models
 

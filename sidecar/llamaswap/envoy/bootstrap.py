@@ -110,7 +110,7 @@ UNLIMITED_HOLD_S = 8_640_000
 
 
 class Upstream(Protocol):
-    """What the bootstrap reads of an upstream (config's UpstreamEntry)."""
+    """What the bootstrap reads of an upstream (config's GpuEntry)."""
 
     @property
     def name(self) -> str: ...
@@ -123,8 +123,8 @@ class Upstream(Protocol):
 
 
 def _entries(config: Config) -> tuple[Upstream, ...]:
-    """The configuration's upstreams, first one first (`Config.upstream_entries`)."""
-    return tuple(config.upstream_entries)
+    """The configuration's upstreams, first one first (`Config.gpu_entries`)."""
+    return tuple(config.gpu_entries)
 
 
 def _duration(seconds: float) -> str:

@@ -78,13 +78,13 @@ class Coordinator:
     def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None,
                  upstream: Upstream | None = None, upstreams: Sequence[Upstream] | None = None,
                  observe_after_grant: bool = True) -> None:
-        """``upstreams``: one per `Config.upstream_entries`, in order (``upstream``: the one of a
+        """``upstreams``: one per `Config.gpu_entries`, in order (``upstream``: the one of a
         configuration with one upstream; neither: `NoUpstream`s)."""
         self._clock = clock or MonotonicClock()
         self._config = LiveConfig(config)
         if upstreams is None:
             upstreams = [upstream or NoUpstream()] if upstream is not None else [
-                NoUpstream() for _ in config.upstream_entries]
+                NoUpstream() for _ in config.gpu_entries]
         # The node's adopted exchanges by token: the one record of them (`Leases.adopted`), which each GPU reads.
         adopted: dict[str, Adoption] = {}
         # Each GPU's catalog, slot learning (upstream.slots: auto), settle and adopted exchanges: `gpus.py`.

@@ -106,7 +106,7 @@ class Gpus:
 
     async def serves(self, model: str, scheduled: str | None, policy: Policy, config: Config) -> bool:
         """Whether some GPU answers the client's name ``model``: its entry lists it (the operator's
-        ``upstreams[i].models`` names what the GPU answers, `UpstreamEntry.lists`: a single-model
+        ``upstreams[i].models`` names what the GPU answers, `GpuEntry.lists`: a single-model
         server answers every name with its one model, and a name its entry does not list is refused
         there), the scheduler may run there what the request is scheduled as (``scheduled``:
         `GpuPolicy.may_serve`, the one rule), and the upstream lists it (upstream.modelCheck:
@@ -160,7 +160,7 @@ def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Call
     """One `Gpu` per configured upstream, in order (``upstreams`` in the same order); ``adopted``:
     the node's adopted exchanges (`Leases.adopted`), which each reads its own from."""
     gpus = []
-    for entry, upstream in zip(config.upstream_entries, upstreams, strict=True):
+    for entry, upstream in zip(config.gpu_entries, upstreams, strict=True):
         name = entry.name
         catalog = ModelCatalog(upstream, dispatches=functools.partial(dispatches, name),
                                observed=functools.partial(observed, name))
@@ -173,7 +173,7 @@ def make_gpus(config: Config, upstreams: Sequence[Upstream], *, dispatches: Call
 
 def auto_slots(config: Config) -> frozenset[str]:
     """The upstreams whose slots are learnt (slots: auto)."""
-    return frozenset(entry.name for entry in config.upstream_entries if entry.slots == SLOTS_AUTO)
+    return frozenset(entry.name for entry in config.gpu_entries if entry.slots == SLOTS_AUTO)
 
 
 def served_by(catalog: Catalog | None) -> frozenset[str] | None:
