@@ -28,7 +28,7 @@ def loaded(*models: str) -> Catalog:
 def resident_flow(upstream: FakeUpstream, *, max_loaded: int = 2, slots: int | str = 1, **config: object) -> Flow:
     """A node of one GPU that keeps up to ``max_loaded`` models resident (the scheduler's policy
     told so directly: the configuration's maxLoaded is not what is tested here), with what the
-    upstream's catalog says loaded adopted."""
+    upstream's catalog says loaded accepted."""
     flow = Flow({"upstream": {"slots": slots}, "envoy": {"leaseSeconds": 3}, **config}, upstream=upstream)
     scheduler = flow.coordinator.scheduler
     policy = scheduler.policy
@@ -46,7 +46,7 @@ def gated(*models: str) -> FakeUpstream:
 
 
 @virtual_time
-async def test_several_loaded_are_adopted_as_the_resident_set() -> None:
+async def test_several_loaded_are_accepted_as_the_resident_set() -> None:
     flow = resident_flow(FakeUpstream(loaded("a", "b")))
     assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}
     a = await flow.arrive("a1", model="a")
@@ -275,7 +275,7 @@ async def test_a_startup_settle_asks_about_every_loaded_model() -> None:
     assert upstream.busy_calls[0] is None  # several loaded: no one model stands for the GPU
     settled = [s for s in flow.recorder.settles if s.reason is SettleReason.STARTUP]
     assert settled and settled[0].model is None
-    assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}  # read from the catalog, adopted
+    assert flow.coordinator.scheduler.residents_on("gpu0") == {"a", "b"}  # read from the catalog, accepted
 
 
 @virtual_time
@@ -290,7 +290,7 @@ async def test_slot_learning_asks_each_resident_model() -> None:
 
 
 @virtual_time
-async def test_after_a_failed_unload_beside_running_work_the_models_read_again_are_adopted() -> None:
+async def test_after_a_failed_unload_beside_running_work_the_models_read_again_are_accepted() -> None:
     upstream = FakeUpstream(loaded("a", "b"))
     upstream.unloads = False
     flow = resident_flow(upstream)

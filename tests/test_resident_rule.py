@@ -347,7 +347,7 @@ def test_the_estimates_and_the_grants_agree_on_an_eviction() -> None:
     assert decision.evicts[0].model == scheduler.held_back.get("gpu0", "A")
 
 
-def test_a_report_beside_running_work_is_adopted_if_it_names_what_runs() -> None:
+def test_a_report_beside_running_work_is_accepted_if_it_names_what_runs() -> None:
     scheduler, _ = node(gpu(max_loaded=3))
     scheduler.enqueue("a", prio(0), "A")
     scheduler.enqueue("b", prio(0), "B")

@@ -45,8 +45,8 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("upstream.slots", OnReload.LIVE, "the scheduler's slots from the next grant (the upstream's own "
                                                "--parallel is set where it starts)"),
     ReloadKey("upstream.maxLoaded", OnReload.RESTART, "`up` and the chart start llama-server's router with "
-                                                      "--models-max from it, and the resident models are adopted "
-                                                      "at start"),
+                                                      "--models-max from it, and the resident models it reports are "
+                                                      "accepted at start"),
     ReloadKey("upstream.memory", OnReload.LIVE, "the scheduler's budget from the next decision (the models' sizes "
                                                 "are read again with the file)"),
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),

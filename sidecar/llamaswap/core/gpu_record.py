@@ -127,7 +127,7 @@ class GpuRecord:
             self.residents = residents
             self._holding = self._idle = None
 
-    def may_adopt(self, residents: frozenset[str]) -> bool:
+    def may_accept_report(self, residents: frozenset[str]) -> bool:
         """A report of the resident models made now may be applied: nothing runs; or no load is
         under way and it names every model that runs (then only the others can differ from what
         the scheduler believes: an unload that failed, a stop). Where the upstream replaces its
@@ -142,8 +142,8 @@ class GpuRecord:
         return not self.loaders and all(
             grant.entry.model is None or grant.entry.model in residents for grant in self.grants.values())
 
-    def adopt(self, residents: frozenset[str]) -> None:
-        """What the upstream reports resident, as it is (`may_adopt`): no load is pending any more."""
+    def accept_report(self, residents: frozenset[str]) -> None:
+        """What the upstream reports resident, as it is (`may_accept_report`): no load is pending any more."""
         self.set_residents(residents)
         self.pending.clear()
 
@@ -189,7 +189,7 @@ class GpuRecord:
         user, none confirming it: if none reached the upstream, it never loaded (and what it was
         to replace is there still); if one did unanswered, it may have loaded: it stays counted,
         or where the upstream replaces its model by itself, neither it nor what it replaced is
-        known. What the upstream says it holds corrects the count (`may_adopt`)."""
+        known. What the upstream says it holds corrects the count (`may_accept_report`)."""
         model = grant.entry.model
         if model is None:
             return

@@ -174,13 +174,13 @@ class Scheduler:
         """The models an upstream reports as loaded (empty: none), asked when its ``dispatches_on`` was ``as_of``.
 
         A report that a grant has overtaken, or that arrives while requests run there
-        (`GpuRecord.may_adopt` says when one may), describes a past the scheduler
+        (`GpuRecord.may_accept_report` says when one may), describes a past the scheduler
         has already moved on from: it is dropped. True if applied.
         """
         record = self._gpu(gpu)
-        if as_of != record.dispatches or not record.may_adopt(models):
+        if as_of != record.dispatches or not record.may_accept_report(models):
             return False
-        record.adopt(models)
+        record.accept_report(models)
         self._held.changed(residents=True)
         return True
 
