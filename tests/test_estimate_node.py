@@ -238,7 +238,7 @@ class NodePlay:
                        == (cheap.slot_free_in_s(u), cheap.drained_in_s(u)) for u in self.scheduler.gpus)
             blocked = self.blocked()
             for name in self.scheduler.gpus:
-                self.scheduler.held_by(name, settling=name in blocked, adopted=0)
+                self.scheduler.blocked_by(name, settling=name in blocked, adopted=0)
             decision = self.scheduler.next(times)
             if decision is None:
                 return

@@ -48,7 +48,7 @@ def grants(scheduler: Scheduler) -> list[tuple[str, str]]:
 def hold(scheduler: Scheduler, blocked: frozenset[str]) -> None:
     """The ``blocked`` upstreams held by a settle (as the runtime tells the scheduler), the others by nothing."""
     for name in scheduler.gpus:
-        scheduler.held_by(name, settling=name in blocked, adopted=0)
+        scheduler.blocked_by(name, settling=name in blocked, adopted=0)
 
 
 def test_two_models_start_at_once_on_two_idle_upstreams() -> None:
@@ -170,14 +170,14 @@ def test_a_blocked_upstream_takes_nothing_and_the_other_serves() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
     scheduler.enqueue("a", prio(0), "x")
     scheduler.enqueue("b", prio(0), "x")
-    assert scheduler.held_by("gpu0", settling=True, adopted=0)
+    assert scheduler.blocked_by("gpu0", settling=True, adopted=0)
     assert [gpu.blocked for gpu in scheduler.holdings()] == [True, False]
     decision = scheduler.next()
     assert decision is not None and decision.gpu == "gpu1"
     assert scheduler.next() is None
-    assert scheduler.held_by("gpu0", settling=False, adopted=1)  # an adopted exchange holds it as well
+    assert scheduler.blocked_by("gpu0", settling=False, adopted=1)  # an adopted exchange holds it as well
     assert scheduler.next() is None
-    assert scheduler.held_by("gpu0", settling=False, adopted=0)
+    assert scheduler.blocked_by("gpu0", settling=False, adopted=0)
     decision = scheduler.next()
     assert decision is not None and decision.gpu == "gpu0"
 

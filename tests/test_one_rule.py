@@ -161,7 +161,7 @@ def test_retry_after_waits_for_no_settle_of_one_model_where_the_others_serve() -
     for settling_model, expected_s in (("A", 0.0), (None, 10.0)):
         scheduler, clock = node(gpu(max_loaded=2))
         scheduler.set_residents(frozenset({"A", "B"}), as_of=0, gpu="gpu0")
-        scheduler.held_by("gpu0", settling=True, adopted=0, settling_model=settling_model)
+        scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model=settling_model)
         settling = Settling(SettleReason.ABANDONED, "A", "a1", clock.now_ns(), clock.now_ns())
         forecast = Forecast(clock, scheduler, estimator, gpus=_SettlingGpus(settling),  # type: ignore[arg-type]
                             schedule_model=lambda model: model)

@@ -430,14 +430,14 @@ def test_a_settle_of_one_model_holds_that_model_only() -> None:
     grant_all(scheduler)
     scheduler.release("a1")
     scheduler.release("b1")
-    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")  # A's abandoned generation
+    scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model="A")  # A's abandoned generation
     scheduler.enqueue("a2", prio(9), "A")
     scheduler.enqueue("b2", prio(0), "B")
     scheduler.enqueue("c1", prio(0), "C")
     # A waits for its settle; B serves on; C may not evict A (its generation still computes) and
     # B runs: C waits.
     assert grant_all(scheduler) == ["b2"]
-    scheduler.held_by("gpu0", settling=False, adopted=0)
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
     assert grant_all(scheduler) == ["a2"]
 
 
@@ -446,7 +446,7 @@ def test_a_settle_of_an_unknown_model_holds_the_whole_gpu() -> None:
     scheduler.enqueue("a1", prio(0), "A")
     grant_all(scheduler)
     scheduler.release("a1")
-    scheduler.held_by("gpu0", settling=True, adopted=0)
+    scheduler.blocked_by("gpu0", settling=True, adopted=0)
     scheduler.enqueue("b1", prio(0), "B")
     scheduler.enqueue("a2", prio(0), "A")
     scheduler.enqueue("n1", prio(0), None)
@@ -464,11 +464,11 @@ def test_with_room_for_one_model_a_settle_of_it_holds_it_as_with_room_for_more()
     scheduler.enqueue("a1", prio(0), "A")
     grant_all(scheduler)
     scheduler.release("a1")
-    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")
+    scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model="A")
     scheduler.enqueue("n1", prio(9), None)
     scheduler.enqueue("b1", prio(0), "B")
     assert grant_all(scheduler) == ["n1"]  # (b1 waits: A cannot go)
-    scheduler.held_by("gpu0", settling=False, adopted=0)
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
     assert grant_all(scheduler) == []  # n1 runs on A's slot: A is busy, b1 waits for the drain
     scheduler.release("n1")
     assert grant_all(scheduler) == ["b1"]
@@ -480,10 +480,10 @@ def test_a_load_that_needs_the_settling_model_gone_waits_though_nothing_runs() -
     failed its own check that a load has room or idle models to evict."""
     scheduler, _ = node(gpu(max_loaded=2, slots=1, pinned=("B",)))
     assert scheduler.set_residents(frozenset({"A", "B"}), as_of=0, gpu="gpu0")
-    scheduler.held_by("gpu0", settling=True, adopted=0, settling_model="A")
+    scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model="A")
     scheduler.enqueue("c1", prio(0), "C")
     assert grant_all(scheduler) == []
-    scheduler.held_by("gpu0", settling=False, adopted=0)
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
     assert grant_all(scheduler) == ["c1"]
 
 

@@ -93,10 +93,10 @@ def test_a_gpu_frees_and_the_document_follows() -> None:
 
 
 def test_what_holds_each_gpu_comes_from_its_holding() -> None:
-    """A settle on one upstream (told to the scheduler, `Scheduler.held_by`): that GPU says
+    """A settle on one upstream (told to the scheduler, `Scheduler.blocked_by`): that GPU says
     settling, the other what its grants say."""
     node = TwoGpus()
-    node.scheduler.held_by("small", settling=True, adopted=0)
+    node.scheduler.blocked_by("small", settling=True, adopted=0)
     document = queue_document(node.view())
     assert [(gpu["name"], gpu["state"]) for gpu in document["gpus"]] == [("big", "idle"), ("small", "settling")]
     lines = render(document).splitlines()

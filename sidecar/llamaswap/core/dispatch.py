@@ -29,7 +29,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence, Set
 from typing import Protocol
 
-from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room, held_models, places_held
+from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room, placed_models, places_taken
 from llamaswap.core.holding import Candidate, GpuHolding
 
 
@@ -60,8 +60,8 @@ def takes_nothing(gpu: GpuHolding) -> bool:
 
 def full(gpu: GpuHolding) -> bool:
     """What runs on a GPU leaves no place for another request, whatever holds it apart from its
-    grants: a request runs alone there, or every model held there (`eviction.held_models`) has
-    every slot of its own taken and there is no place for another model (as many held as
+    grants: a request runs alone there, or every model placed there (`eviction.placed_models`) has
+    every slot of its own taken and there is no place for another model (as many placed as
     ``max_loaded``; each of them busy, so none may go). With room for one model: its slots."""
     running = gpu.running
     if running.alone:
@@ -70,13 +70,13 @@ def full(gpu: GpuHolding) -> bool:
         return False
     residents = gpu.residents
     model = running.model
-    # (`held_models` inline where what runs names resident models only: this runs per GPU and change.)
-    held = residents if running.models is None and (model is None or model in residents) else held_models(gpu)
-    if (len(held) or 1) < gpu.residency.max_loaded:  # (`places_held`: something runs here)
+    # (`placed_models` inline where what runs names resident models only: this runs per GPU and change.)
+    placed = residents if running.models is None and (model is None or model in residents) else placed_models(gpu)
+    if (len(placed) or 1) < gpu.residency.max_loaded:  # (`places_taken`: something runs here)
         return False
-    if not held:  # work of no model alone: the slots in effect (the default)
+    if not placed:  # work of no model alone: the slots in effect (the default)
         return running.busy >= gpu.slots_in_effect
-    return all(busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in held)
+    return all(busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in placed)
 
 
 def open_to_loads(gpu: GpuHolding) -> bool:
@@ -87,7 +87,7 @@ def open_to_loads(gpu: GpuHolding) -> bool:
         return True
     if running.alone:
         return False
-    return places_held(gpu, held_models(gpu)) < gpu.residency.max_loaded or bool(evictable(gpu))
+    return places_taken(gpu, placed_models(gpu)) < gpu.residency.max_loaded or bool(evictable(gpu))
 
 
 def share_used(gpu: GpuHolding) -> bool:
@@ -139,7 +139,7 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
         return Turn.SHARE_USED if share and not candidate.interactive else Turn.FREE
     # (A model its running work names that the record no longer counts resident is not known
     # loaded: its load waits for that work to drain.)
-    if model not in held_models(gpu):
+    if model not in placed_models(gpu):
         if has_room(gpu, model):
             return Turn.ROOM
         if can_evict_for(gpu, model):

@@ -79,7 +79,7 @@ def evictable(gpu: GpuHolding, held: Collection[str | None] = ()) -> list[str]:
             and busy_of(gpu, model)[0] == 0]
 
 
-def held_models(gpu: GpuHolding) -> frozenset[str]:
+def placed_models(gpu: GpuHolding) -> frozenset[str]:
     """The models a GPU holds: those resident, and any that its running work names beside them
     (a model the upstream said it no longer had, while its requests still run there)."""
     residents = gpu.residents
@@ -90,17 +90,17 @@ def held_models(gpu: GpuHolding) -> frozenset[str]:
     return residents if residents.issuperset(running.models) else residents | running.models.keys()
 
 
-def places_held(gpu: GpuHolding, held: Collection[str]) -> int:
-    """The places of a GPU taken: its ``held`` models; with none known, work that names no model
+def places_taken(gpu: GpuHolding, placed: Collection[str]) -> int:
+    """The places of a GPU taken: its ``placed`` models; with none known, work that names no model
     holds the one it runs on (the upstream's, unknown here), so nothing loads beside it where
     there is room for one model only."""
-    return len(held) or (1 if gpu.running.busy else 0)
+    return len(placed) or (1 if gpu.running.busy else 0)
 
 
 def has_room(gpu: GpuHolding, model: str) -> bool:
-    """``model`` can load beside the models held there without evicting any."""
-    held = held_models(gpu)
-    return places_held(gpu, held) < gpu.residency.max_loaded and gpu.residency.fits(held | {model})
+    """``model`` can load beside the models placed there without evicting any."""
+    placed = placed_models(gpu)
+    return places_taken(gpu, placed) < gpu.residency.max_loaded and gpu.residency.fits(placed | {model})
 
 
 def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) -> list[str]:
@@ -134,9 +134,9 @@ def _reason(need: Need, victim: str, kept: Collection[str]) -> EvictReason:
 def can_evict_for(gpu: GpuHolding, model: str, kept: Collection[str | None] = ()) -> bool:
     """Evicting idle residents (not those ``kept``: held back for the best waiting request)
     would make room for ``model`` now (`victims` is not None), without ranking them."""
-    held = held_models(gpu)
-    # (None held: nothing to evict.)
-    return bool(held) and gpu.residency.fits((held - set(evictable(gpu, kept))) | {model})
+    placed = placed_models(gpu)
+    # (None placed: nothing to evict.)
+    return bool(placed) and gpu.residency.fits((placed - set(evictable(gpu, kept))) | {model})
 
 
 def to_hold_back(gpu: GpuHolding, model: str, need: Need, keep: Collection[str | None] = ()) -> tuple[str, ...] | None:

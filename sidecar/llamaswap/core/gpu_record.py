@@ -3,7 +3,7 @@
 A node's GPUs share one queue (`scheduler.py`) but each keeps its own record, one form
 whatever ``maxLoaded``: its grants (at most each resident model's slots), its resident models
 and when each was last used, what holds it besides its grants (a settle, adopted exchanges:
-`held_by`, told by the runtime as each begins and ends), the load each model's grant began there
+`blocked_by`, told by the runtime as each begins and ends), the load each model's grant began there
 that no release has confirmed yet, and the `GpuHolding` built from all of that.
 """
 
@@ -56,7 +56,7 @@ class GpuRecord:
     def __init__(self, policy: GpuPolicy) -> None:
         self.grants: dict[str, Grant] = {}
         self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
-        self.settling = False  # (`held_by` changes these three)
+        self.settling = False  # (`blocked_by` changes these three)
         self.settling_model: str | None = None
         self.adopted = 0
         self._holding: GpuHolding | None = None  # built when read after a change (`holding`)
@@ -76,7 +76,7 @@ class GpuRecord:
 
     def apply(self, policy: GpuPolicy) -> None:
         self.policy = policy
-        self._held_anew()
+        self._blocked_anew()
 
     @property
     def name(self) -> str:
@@ -87,14 +87,14 @@ class GpuRecord:
         """What it holds, built once after each change of its grants, residents or policy (a
         grant and its release change it twice, and the next grant reads it once; with nothing
         running, the one built last time nothing ran, if residents and policy stayed)."""
-        held = self._holding
-        if held is not None:
-            return held
+        holding = self._holding
+        if holding is not None:
+            return holding
         policy = self.policy
         if not self.grants:
-            held = self._idle
-            if held is None:
-                held = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
+            holding = self._idle
+            if holding is None:
+                holding = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
                                                self.settling, self.adopted, self._blocked, policy.residency,
                                                self.last_used, self.settling_model)
         else:
@@ -104,18 +104,18 @@ class GpuRecord:
                 for model, loader in loaders.items():  # (the earliest)
                     loading = (model, loader.granted_ns)
                     break
-            held = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
+            holding = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
                               self.adopted, self._blocked, policy.residency, self.last_used, self.settling_model)
-        self._holding = held
-        return held
+        self._holding = holding
+        return holding
 
     @property
     def running(self) -> Running:
         return self.holding.running
 
-    def _held_anew(self) -> None:
-        """What holds it besides its grants changed (`held_by`, the policy): ``blocked``, the one
+    def _blocked_anew(self) -> None:
+        """What holds it besides its grants changed (`blocked_by`, the policy): ``blocked``, the one
         place it is derived (a settle of the whole GPU, its model not known, or adopted
         exchanges; a settle of a known model holds that model only: `GpuHolding.settling_model`),
         kept for every build and read by everyone (the rule, the estimates' walk, the views)."""
@@ -147,22 +147,22 @@ class GpuRecord:
         self.set_residents(residents)
         self.pending.clear()
 
-    def held_by(self, *, settling: bool, adopted: int, settling_model: str | None = None) -> bool:
+    def blocked_by(self, *, settling: bool, adopted: int, settling_model: str | None = None) -> bool:
         """The work the scheduler did not grant that holds it now; True if that changed."""
         settling_model = settling_model if settling else None
         if settling == self.settling and adopted == self.adopted and settling_model == self.settling_model:
             return False
         self.settling, self.adopted, self.settling_model = settling, adopted, settling_model
-        self._held_anew()
+        self._blocked_anew()
         return True
 
     def renew(self) -> None:
         """What runs changed (a grant, a release): the holding is built again when next read."""
         self._holding = None
 
-    def granted(self, entry: Entry, decision: Decision, held: GpuHolding, load_number: int | None,
+    def granted(self, entry: Entry, decision: Decision, holding: GpuHolding, load_number: int | None,
                 victims: Sequence[Eviction]) -> None:
-        """A grant on it (``held``: what it held as it was made): the load it begins (numbered
+        """A grant on it (``holding``: what it held as it was made): the load it begins (numbered
         ``load_number``; None: none), with the models it evicts (``victims``) gone and its own
         resident, when its model was last used, and what runs."""
         model = decision.model
@@ -172,7 +172,7 @@ class GpuRecord:
                 gone = frozenset(eviction.model for eviction in victims)
                 unloaded = frozenset(eviction.model for eviction in decision.evicts)
                 self.pending[model] = PendingLoad(load_number, gone - unloaded)
-                self.set_residents(after_load(held, model, gone))
+                self.set_residents(after_load(holding, model, gone))
                 self.loaders[model] = decision  # its load is under way there until it is released
             own = self.pending.get(model)
             load = own.number if own is not None else None
@@ -219,11 +219,11 @@ class GpuRecord:
 
 # What a node holds now: every upstream's holding (in the configured order), those that take
 # work now (``blocked`` aside), and the models resident on those (`holding.resident_on`).
-Held = tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]
+NodeHoldings = tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]
 
 
 class NodeHolding:
-    """`Held` for the scheduler's upstreams, built once after each change (a `next` that finds
+    """`NodeHoldings` for the scheduler's upstreams, built once after each change (a `next` that finds
     every slot taken reads one value), and kept for when nothing runs while no upstream's
     residents change (a release that leaves the node idle builds nothing)."""
 
@@ -231,12 +231,12 @@ class NodeHolding:
 
     def __init__(self, gpus: Sequence[GpuRecord]) -> None:
         self._gpus = gpus
-        self._now: Held | None = None
-        self._idle: Held | None = None  # what it holds with nothing running
+        self._now: NodeHoldings | None = None
+        self._idle: NodeHoldings | None = None  # what it holds with nothing running
 
-    def now(self) -> Held:
-        held = self._now
-        if held is None:
+    def now(self) -> NodeHoldings:
+        now = self._now
+        if now is None:
             holdings: list[GpuHolding] = []
             open_gpus: list[GpuHolding] = []
             idle = True
@@ -246,10 +246,10 @@ class NodeHolding:
                 idle = idle and not gpu.grants
                 if not takes_nothing(holding):
                     open_gpus.append(holding)
-            held = self._now = tuple(holdings), open_gpus, resident_on(open_gpus)
+            now = self._now = tuple(holdings), open_gpus, resident_on(open_gpus)
             if idle:
-                self._idle = held
-        return held
+                self._idle = now
+        return now
 
     def changed(self, residents: bool) -> None:
         """What runs changed (a grant), and with ``residents`` what is resident somewhere too."""

@@ -3,7 +3,7 @@
 Its resident models, the slots of each, what runs in them (`Running`, as the dispatch rule
 needs it), the load under way there, the models it may serve, and the work the scheduler did
 not grant that holds it (a settle, adopted exchanges: the runtime tells the scheduler,
-`Scheduler.held_by`). The scheduler keeps one per GPU, built again when read after a change of
+`Scheduler.blocked_by`). The scheduler keeps one per GPU, built again when read after a change of
 what runs, is resident or holds it (`GpuRecord.holding`; the GPU's idle one is kept while
 nothing of that changes, and `Scheduler` keeps the tuple of them and of the GPUs that take
 work); the dispatch rule (`dispatch.turn`, `dispatch.choose`), a grant's `ready_at`, the node

@@ -97,12 +97,12 @@ def _after(residents: frozenset[str], model: str, gpu: GpuRecord) -> frozenset[s
     evictions (`eviction.victims`, by recency here: the order does not say what will wait then)
     as they would be now, else once what runs has drained (the load waits for it: with room for
     one model, the resident one goes then)."""
-    held = gpu.holding._replace(residents=residents)
-    gone = victims(held, model, no_need)
+    holding = gpu.holding._replace(residents=residents)
+    gone = victims(holding, model, no_need)
     if gone is None:
-        held = held._replace(running=IDLE)
-        gone = victims(held, model, no_need)
-    return after_load(held, model, [eviction.model for eviction in gone or ()])
+        holding = holding._replace(running=IDLE)
+        gone = victims(holding, model, no_need)
+    return after_load(holding, model, [eviction.model for eviction in gone or ()])
 
 
 def slots_total(gpu: GpuRecord) -> int:

@@ -110,8 +110,8 @@ class Scheduler:
         names = [gpu.name for gpu in gpus]
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
         # What the upstreams hold (every change goes through a grant, a release, a loaded-model
-        # report, `held_by` or the policy, each of which tells it).
-        self._held = NodeHolding(self._gpus)
+        # report, `blocked_by` or the policy, each of which tells it).
+        self._holding = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
@@ -181,7 +181,7 @@ class Scheduler:
         if as_of != record.dispatches or not record.may_accept_report(models):
             return False
         record.accept_report(models)
-        self._held.changed(residents=True)
+        self._holding.changed(residents=True)
         return True
 
     @property
@@ -215,25 +215,25 @@ class Scheduler:
 
     def holdings(self) -> tuple[GpuHolding, ...]:
         """What every upstream holds, in the configured order."""
-        return self._held.now()[0]
+        return self._holding.now()[0]
 
     def not_unloaded(self, gpu: str, models: frozenset[str]) -> None:
         """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
         record = self._gpu(gpu)
         record.set_residents(record.residents | models)
-        self._held.changed(residents=True)
+        self._holding.changed(residents=True)
 
-    def held_by(self, gpu: str, *, settling: bool, adopted: int,
+    def blocked_by(self, gpu: str, *, settling: bool, adopted: int,
                 settling_model: str | None = None) -> bool:
         """The work the scheduler did not grant that holds an upstream now, as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
         there while either does; a settle of a known model holds only that model
         (`GpuHolding.settling_model`). True if that changed."""
-        if not self._gpu(gpu).held_by(settling=settling, adopted=adopted, settling_model=settling_model):
+        if not self._gpu(gpu).blocked_by(settling=settling, adopted=adopted, settling_model=settling_model):
             return False
-        self._held.changed(residents=True)  # (what it holds idle changed too)
+        self._holding.changed(residents=True)  # (what it holds idle changed too)
         return True
 
     # -- commands ------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class Scheduler:
 
     def next(self, times: GpuTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
-        An upstream that work the scheduler did not grant holds (`held_by`) takes nothing.
+        An upstream that work the scheduler did not grant holds (`blocked_by`) takes nothing.
 
         The node rule (`dispatch.choose`, each upstream read by `dispatch.turn`) asked down the
         order (`node.find`; one GPU is a node of one): a request of a resident model (or none)
@@ -341,7 +341,7 @@ class Scheduler:
         if not self._waiting:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
-        holdings, open_gpus, warm = self._held.now()
+        holdings, open_gpus, warm = self._holding.now()
         # (Where no GPU takes work, `node.find` asks the best only: its claim is made at every
         # `next` all the same, so what it holds back never depends on who read it when.)
         return self._find(holdings, warm, times, not open_gpus)
@@ -359,8 +359,8 @@ class Scheduler:
             return None
         index, winner, first = found
         gpu = self._gpus[index]
-        held = holdings[index]  # what it holds now (`gpu.holding`)
-        reserved_slot = in_reserved_slot(held, winner)
+        holding = holdings[index]  # what it holds now (`gpu.holding`)
+        reserved_slot = in_reserved_slot(holding, winner)
         if winner is not first and reserved_slot:
             # Ahead of a better-scored request that used up its share: it won among the
             # interactive requests, so why it won is said among them.
@@ -370,7 +370,7 @@ class Scheduler:
             aged, plain = self._aged, self._plain
         # Models the best holds back for its own load go for its load only.
         keep = () if winner is first else self._held_back.models.get(gpu.name, ())
-        return self._grant(gpu, held, winner, aged, plain, reserved_slot, pick, keep)
+        return self._grant(gpu, holding, winner, aged, plain, reserved_slot, pick, keep)
 
     def _need(self, model: str) -> tuple[float, float]:
         """How much the queue needs ``model``: its best waiting request's key, then arrival
@@ -395,7 +395,7 @@ class Scheduler:
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
-    def _grant(self, gpu: GpuRecord, held: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
+    def _grant(self, gpu: GpuRecord, holding: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
                reserved_slot: bool, pick: Callable[[Index], Entry], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
@@ -409,7 +409,7 @@ class Scheduler:
         gone: tuple[Eviction, ...] = ()  # the resident models its load makes room by (room for one: the one)
         if loads:
             assert model is not None
-            found = victims(held, model, self._need, keep)
+            found = victims(holding, model, self._need, keep)
             assert found is not None, "the rule starts a load only where it has room or idle models may go"
             gone = found
         # The affinity bonus and the aging term, inline: this runs once per grant.
@@ -420,7 +420,7 @@ class Scheduler:
         # Its ready time, set here once (`Decision.ready_at`): its own load's end, else its model's
         # load under way; with no model, it shares what is in effect there: the first load under way.
         if model is None:
-            loading = held.loading
+            loading = holding.loading
         else:
             loader = gpu.loaders.get(model)
             loading = (model, now) if loads else None if loader is None else (model, loader.granted_ns)
@@ -441,19 +441,19 @@ class Scheduler:
             reasons,  # reordered_by
             overtook,  # overtook
             len(self._waiting),  # queue_depth_after
-            held.running.busy + 1,  # slots_busy
+            holding.running.busy + 1,  # slots_busy
             reserved_slot,  # reserved_slot
             alone,  # alone
             gpu.name,  # upstream
             loading,  # ready_at
             winner.max_tokens,  # max_tokens
-            () if held.residency.replaces_by_itself else gone,  # evicts: those unloaded first
+            () if holding.residency.replaces_by_itself else gone,  # evicts: those unloaded first
         )
         if loads:
             self._loads += 1
-        gpu.granted(winner, decision, held, self._loads if loads else None, gone)
+        gpu.granted(winner, decision, holding, self._loads if loads else None, gone)
         self._gpu_of[winner.request_id] = gpu
-        self._held.changed(residents=loads)
+        self._holding.changed(residents=loads)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
@@ -480,7 +480,7 @@ class Scheduler:
         gpu.renew()
         residents = gpu.residents
         gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
-        self._held.released(not self._gpu_of, gpu.residents is not residents)
+        self._holding.released(not self._gpu_of, gpu.residents is not residents)
         return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:

@@ -43,7 +43,7 @@ class Admitter:
         self._kept = kept
         self._grants = grants
         self.admitting = True
-        self._held_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
+        self._open_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         self._expiry: asyncio.TimerHandle | None = None
 
     async def admit(self, arrival: Arrival) -> Admission:
@@ -52,7 +52,7 @@ class Admitter:
         priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective,
                                   arrival.service_tier)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
-        self._held_checks += 1
+        self._open_checks += 1
         try:
             return await self._admit(ticket)
         except asyncio.CancelledError:
@@ -66,7 +66,7 @@ class Admitter:
             self.cancelled(ticket, Outcome.INTERNAL_ERROR)
             raise
         finally:
-            self._held_checks -= 1
+            self._open_checks -= 1
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
@@ -74,7 +74,7 @@ class Admitter:
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         if self._over_stream_limit():
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
-                                                queue_depth=self._held_checks - 1,
+                                                queue_depth=self._open_checks - 1,
                                                 queue_limit=self._config.config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
         if ticket.model is not None and not await self.serves(ticket.model):
@@ -122,7 +122,7 @@ class Admitter:
         overflow would pass requests unscheduled, since ext_authz treats it as the sidecar being
         unreachable): the sidecar holds the limit itself and refuses past it."""
         envoy = self._config.config.envoy
-        return envoy.fail_open and self._held_checks > envoy.max_sidecar_streams
+        return envoy.fail_open and self._open_checks > envoy.max_sidecar_streams
 
     def _refuse(self, ticket: Ticket, refusal: Refusal) -> Refusal:
         self._grants.finish(ticket, refusal.outcome, self._clock.now_ns())

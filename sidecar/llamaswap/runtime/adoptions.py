@@ -6,7 +6,7 @@ upstream computing. An adoption is an exchange Envoy reports that this process d
 (granted by an earlier sidecar process, or a grant of ours whose lease lapsed): it is held like a
 grant until its end, its lease lapses or `maxRunSeconds` passes. The scheduler owns the record
 of what holds each GPU: it is told here at the moment a settle begins or ends and an adoption
-begins or ends (`Scheduler.held_by`), so nothing reads the runtime's state to sync it. While
+begins or ends (`Scheduler.blocked_by`), so nothing reads the runtime's state to sync it. While
 either runs on a GPU, nothing is granted there (`GpuHolding.blocked`, or the settling model
 alone); when it ends, the coordinator is told (`freed`) so that it grants again. The coordinator
 owns the tickets; this room changes no ticket.
@@ -32,7 +32,7 @@ from llamaswap.runtime.upstream import NoUpstream
 _log = logging.getLogger(__name__)
 
 
-def held(gpu: GpuHolding, model: str | None) -> int:
+def known_running(gpu: GpuHolding, model: str | None) -> int:
     """The generations this process holds on a GPU that a settle of ``model`` counts beside the
     abandoned one: its grants of ``model`` (and of no model, which share its slots; none named:
     all its grants), and the adopted exchanges (whose model is not known). Each resident model
@@ -49,7 +49,7 @@ class Adoptions:
 
     ``busy``: a GPU is held by something new (the coordinator is not idle); ``changed``: the
     state the views show changed; ``freed``: a settle or an adoption ended (grant again);
-    ``holding``: what holds a GPU now, by name (the generations this process holds there: `held`)."""
+    ``holding``: what holds a GPU now, by name (the generations this process holds there: `known_running`)."""
 
     def __init__(self, *, clock: Clock, config: Callable[[], Config], scheduler: Scheduler, gpus: Gpus,
                  leases: Leases, tokens: Tokens, observer: Observer, observe: Callable[..., None],
@@ -70,7 +70,7 @@ class Adoptions:
         self._lease_ns = lease_ns
 
     def _tell(self, gpu: Gpu) -> None:
-        """Tell the scheduler what holds ``gpu`` besides its grants now (`Scheduler.held_by`): at
+        """Tell the scheduler what holds ``gpu`` besides its grants now (`Scheduler.blocked_by`): at
         the moment a settle or an adoption there begins or ends, the one place it is told. A settle
         of a known model holds that model only, where the others may run beside it; where the
         upstream replaces its one model by itself (`Residency.replaces_by_itself`: another
@@ -79,7 +79,7 @@ class Adoptions:
         model = None if settling is None else settling.model
         if model is not None and self._holding(gpu.name).residency.replaces_by_itself:
             model = None
-        self._scheduler.held_by(gpu.name, settling=settling is not None, adopted=len(gpu.adopted),
+        self._scheduler.blocked_by(gpu.name, settling=settling is not None, adopted=len(gpu.adopted),
                                 settling_model=model)
 
     def _stops(self) -> bool:
@@ -125,7 +125,7 @@ class Adoptions:
             settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
                                       settle_timeout_s=config.upstream.settle_timeout_seconds,
                                       max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
-                                      held=lambda: held(self._holding(gpu.name), settling.model))
+                                      known_running=lambda: known_running(self._holding(gpu.name), settling.model))
         finally:
             self._tell(gpu)  # it ended (or was cancelled): no longer under way
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`

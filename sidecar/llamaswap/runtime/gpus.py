@@ -42,7 +42,8 @@ class Gpu:
         return [token for token, adoption in self.adoptions.items() if adoption.gpu == self.name]
 
     async def settle(self, settling: Settling, *, stop: bool, clock: Clock, unloaded: Callable[[], None],
-                     settle_timeout_s: float, max_run_s: float, lease_ns: int, held: Callable[[], int]) -> Settle:
+                     settle_timeout_s: float, max_run_s: float, lease_ns: int,
+                     known_running: Callable[[], int]) -> Settle:
         """Its settle loop (`settle.py`) until it ends; then the settle is no longer under way."""
         deadline_ns = settling.deadline_ns(settle_timeout_s, max_run_s)
 
@@ -61,7 +62,7 @@ class Gpu:
             settle = await settle_upstream(
                 self.upstream, settling, stop=stop, clock=clock, deadline_ns=deadline_ns,
                 residents=residents if startup else None, unloaded=unloaded, blind_until_ns=blind_until_ns,
-                held=held)
+                known_running=known_running)
             return dataclasses.replace(settle, gpu=self.name)
         finally:
             if self.settling is settling:

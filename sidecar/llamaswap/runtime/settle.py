@@ -45,8 +45,8 @@ class Settling:
 async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool, clock: Clock, deadline_ns: int,
                           residents: Callable[[], Awaitable[frozenset[str]]] | None = None,
                           unloaded: Callable[[], None] | None = None, blind_until_ns: int | None = None,
-                          held: Callable[[], int] | None = None) -> Settle:
-    """Wait until the upstream computes no more generations than `held()` counts, with a
+                          known_running: Callable[[], int] | None = None) -> Settle:
+    """Wait until the upstream computes no more generations than `known_running()` counts, with a
     deadline; what happened, as a Settle.
 
     An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
@@ -59,18 +59,18 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     `unloaded` hears that the generation was stopped (nothing is loaded any more); with
     `blind_until_ns`, an upstream that cannot tell holds the GPU until then (at startup: until
     Envoy's periodic entry would have revealed a running exchange).
-    `held` counts the generations this process knows to run beside the abandoned one (its
+    `known_running` counts the generations this process knows to run beside the abandoned one (its
     running grants and adopted exchanges, with several slots): the settle is over once the
     processing slots are no more than those in two answers one poll apart (or none compute), so the
     abandoned generation no longer takes one of the slots (/slots does not say which slot computes
     what, so a count is what can be told, and a held generation that ended at the upstream is
     counted until its end reaches this process).
-    Stopping waits until `held` is 0, because unloading the model, or cancelling every slot,
+    Stopping waits until `known_running` is 0, because unloading the model, or cancelling every slot,
     would cut them as well (an adopted exchange is known to be alive); until then the settle only
     waits."""
     model = settling.model
     result = SettleResult.UNANSWERED
-    stopped = tried_stop = told_waiting = seen_within_held = False
+    stopped = tried_stop = told_waiting = seen_within_known = False
     delay = SETTLE_POLL_FIRST_S
     while True:
         try:
@@ -86,16 +86,16 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
             if processing is None:
                 result = SettleResult.UNSUPPORTED
                 break
-            beside = held() if held is not None else 0
-            within_held = processing <= beside
-            if within_held and (processing == 0 or seen_within_held):
+            beside = known_running() if known_running is not None else 0
+            within_known = processing <= beside
+            if within_known and (processing == 0 or seen_within_known):
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
             # A count within what we hold may still be the abandoned one: a held generation that
             # just ended at the upstream is counted until its exchange's end reaches us, a little
             # later. Only a second answer, one poll later, tells (the deadline takes this one's word).
-            seen_within_held = within_held
-            if within_held:
+            seen_within_known = within_known
+            if within_known:
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
             else:
                 result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation

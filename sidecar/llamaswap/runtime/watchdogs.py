@@ -33,9 +33,9 @@ class Watchdogs:
         decision = ticket.decision
         if limit <= 0 or decision is None:
             return
-        held_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
+        ran_s = (self._clock.now_ns() - decision.granted_ns) / NS_PER_S
         self._timers[ticket.token] = asyncio.get_running_loop().call_later(
-            max(0.0, limit - held_s), self._fired, ticket.token)
+            max(0.0, limit - ran_s), self._fired, ticket.token)
 
     def cancel(self, token: str) -> None:
         timer = self._timers.pop(token, None)

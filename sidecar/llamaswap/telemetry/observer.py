@@ -450,8 +450,8 @@ class Telemetry:
         # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
         gpus = self._picture.node.gpus
         total = sum(gpu.slots for gpu in gpus)
-        held = sum(gpu.slots if gpu.blocked else min(gpu.slots_busy, gpu.slots) for gpu in gpus)
-        return [Observation(held / total if total else 0.0)]
+        taken = sum(gpu.slots if gpu.blocked else min(gpu.slots_busy, gpu.slots) for gpu in gpus)
+        return [Observation(taken / total if total else 0.0)]
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
         labels, changed = self._models_info
