@@ -177,7 +177,7 @@ class BandStats:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuView:
-    """One upstream of the node: its resident models (sorted; empty: none known), its slots, busy
+    """One GPU of the node: its resident models (sorted; empty: none known), its slots, busy
     and in effect, and the resident model the best waiting request holds back there (no new
     grants for it until it drains and goes; None: none)."""
 
@@ -195,7 +195,7 @@ class QueueSnapshot:
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
-    gpus: tuple[GpuView, ...] = ()  # every upstream, in the configured order (its residents and slots)
+    gpus: tuple[GpuView, ...] = ()  # every GPU, in the configured order (its residents and slots)
 
 
     @property

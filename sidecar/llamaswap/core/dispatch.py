@@ -1,6 +1,6 @@
-"""The dispatch rule: whether the best waiting request starts now beside what runs on the upstream.
+"""The dispatch rule: whether the best waiting request starts now beside what runs on a GPU.
 
-One rule function, written once (`turn`, one answer per upstream and request), for everything
+One rule function, written once (`turn`, one answer per GPU and request), for everything
 that decides or predicts a start: the grant (`Scheduler.next`) and the estimated starts (the
 estimates' walk, and so `llamaswap simulate`). Pure: it reads what a GPU holds
 (`holding.GpuHolding`) and the waiting candidates it is handed, and changes nothing. It speaks
@@ -162,7 +162,7 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
 
 class GpuTimes(Protocol):
     """What the node rule may know of time (learnt run times and swap costs); `NO_TIMES` knows
-    nothing, and then an idle upstream always takes the best request it may serve."""
+    nothing, and then an idle GPU always takes the best request it may serve."""
 
     def slot_free_in_s(self, gpu: str) -> float: ...  # until its first running slot frees
 
@@ -189,10 +189,10 @@ class Step(enum.Enum):
     START = "start"  # it starts on `gpu`
     CLAIM = "claim"  # it waits for `gpu`, which takes no new work meanwhile
     INTERACTIVE_ONLY = "interactive_only"  # it waits for `gpu`'s share; its reserved slots stay open
-    SKIP = "skip"  # every upstream that may serve it is closed already
+    SKIP = "skip"  # every GPU that may serve it is closed already
 
 
-# The rule's answer for one request over the node: the step, and the upstream it names (None
+# The rule's answer for one request over the node: the step, and the GPU it names (None
 # with `Step.SKIP`). A plain tuple: one is built per request asked.
 Choice = tuple[Step, int | None]
 
@@ -207,9 +207,9 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
            interactive_only: Set[int] | Set[int | HeldBack], times: GpuTimes, wanted: Mapping[str | None, int],
            held_back: Set[HeldBack] = _NOTHING_HELD) -> Choice:
     """The node rule for one waiting request, every request ahead of it in the order having been
-    asked already (their claims are ``closed``, or ``interactive_only`` for an upstream whose
+    asked already (their claims are ``closed``, or ``interactive_only`` for a GPU whose
     non-interactive share they wait for; where several models are resident, ``held_back`` for
-    one model of an upstream, which then takes no new request of it). ``wanted[model]``: how many
+    one model of a GPU, which then takes no new request of it). ``wanted[model]``: how many
     waiting requests name it (none where absent)."""
     model = candidate.model
     free = -1  # the least busy with a free slot for it (the fewest running: each runs faster), first in order
@@ -305,7 +305,7 @@ def _all_held(gpu: GpuHolding, index: int, held_back: Set[HeldBack]) -> bool:
 
 
 def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:
-    """It waits for an upstream: only its share used there leaves the reserved slots open to
-    interactive requests (as with one GPU, whatever model it names); else the upstream takes
+    """It waits for a GPU: only its share used there leaves the reserved slots open to
+    interactive requests (as with one GPU, whatever model it names); else the GPU takes
     nothing else."""
     return Step.INTERACTIVE_ONLY if verdicts[index] is Turn.SHARE_USED else Step.CLAIM, index

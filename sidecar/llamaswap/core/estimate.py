@@ -54,7 +54,7 @@ from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.decisions import Decision, RunningView
 
 NO_MODEL: Final = ""  # the key for requests that name no model (also their metric label)
-_Key = tuple[str | None, str]  # (upstream, model): None for the node's figure
+_Key = tuple[str | None, str]  # (gpu, model): None for the node's figure
 _W = TypeVar("_W")  # a window of recent measurements (`_Recent`, `_TokenRuns`)
 
 
@@ -146,7 +146,7 @@ class _TokenRuns:
 
 
 class Figures(Protocol):
-    """The expected GPU times per model on a GPU (upstream None: the node's figure), which every
+    """The expected GPU times per model on a GPU (gpu None: the node's figure), which every
     expected end and estimated start is figured from: an `Estimator` (learnt), or the stated costs
     of `llamaswap simulate` (`simulate.engine.FixedCosts`). The run of a request that says its
     `max_tokens` is sized by them (`expected_request_run_s`)."""
@@ -237,7 +237,7 @@ class Estimator:
         self.default_run_s = default_run_s
         self.default_swap_s = default_swap_s
         self._samples = samples
-        # Keyed by (upstream, model): each GPU's own figures, and the node's under upstream None.
+        # Keyed by (gpu, model): each GPU's own figures, and the node's under gpu None.
         self._run: dict[_Key, _Recent] = {}
         self._warm_first_byte: dict[_Key, _Recent] = {}
         self._load_first_byte: dict[_Key, _Recent] = {}
@@ -251,7 +251,7 @@ class Estimator:
         """One finished generation: its run time, its time to first byte (None when it does not
         time the start of the generation: no answer, or a response that was not streamed), whether
         it began by loading its model, the output tokens it asked for (None: not said), and the
-        upstream (GPU) it ran on: each GPU learns its own figures (a small GPU runs slower), and
+        GPU it ran on: each GPU learns its own figures (a small GPU runs slower), and
         the node's figures, for a GPU that has none yet, learn from all."""
         for where in (None, gpu) if gpu is not None else (None,):
             key = (where, model or NO_MODEL)
@@ -300,7 +300,7 @@ class Estimator:
     # -- answers -------------------------------------------------------------------------
 
     def expected_run_s(self, model: str | None, gpu: str | None = None) -> float:
-        """On ``upstream`` (None: the node's figure; a GPU with no measurement of its own has it)."""
+        """On ``gpu`` (None: the node's figure; a GPU with no measurement of its own has it)."""
         median = self._median(self._run, model, gpu)
         return median if median is not None else self.default_run_s
 

@@ -1,16 +1,16 @@
-"""Estimated starts: which waiting request starts when, and on which upstream.
+"""Estimated starts: which waiting request starts when, and on which GPU.
 
 This walks the rule `Scheduler.next` asks (`dispatch.choose`, down the order as `node.find`
-does) for one upstream as for several, so a grant and an estimate say the same. The walk keeps,
-per upstream, what runs there (each running grant's expected end, its band, its model, whether
+does) for one GPU as for several, so a grant and an estimate say the same. The walk keeps,
+per GPU, what runs there (each running grant's expected end, its band, its model, whether
 it runs alone), its loaded model, when a load under way there ends and until when a settle
 blocks it. At each instant it asks the rule for one start at a time, like repeated calls of
 `next`: the first request in the order is the best; if it cannot start it may claim one
-upstream (which then takes nothing else, or only interactive requests where it waits for its
+GPU (which then takes nothing else, or only interactive requests where it waits for its
 share), and the first request after it that the rule starts does; none: the walk moves to the
 next end of a grant or of a settle. A request that loads its model holds its slot for the swap
 and its run, and those started beside the load run once it ends. A slot that frees first takes
-the next request; a request that needs another model waits until every slot of its upstream is
+the next request; a request that needs another model waits until every slot of its GPU is
 free, or (several models resident) loads beside the others where it has room or idle models may
 go (a load counts only where it happens: each model's runs wait for its own load), and the
 best's claim there holds back one model, as `node.claim_on` says. A start's ready time is the
@@ -40,7 +40,7 @@ from llamaswap.core.estimate import Figures, ready_left_s, remaining_of
 
 
 class _Item:
-    """A slot held on an upstream, until ``end`` seconds from the walk's start (inf: unknown)."""
+    """A slot held on a GPU, until ``end`` seconds from the walk's start (inf: unknown)."""
 
     __slots__ = ("end", "interactive", "model", "alone")
 
@@ -63,7 +63,7 @@ class _Waiting:
 
 
 class _GpuWalk:
-    """One upstream during the walk."""
+    """One GPU during the walk."""
 
     __slots__ = ("holding", "residents", "items", "loads", "blocked_until")
 
@@ -177,10 +177,10 @@ def _by_gpu(grants: Iterable[RunningView]) -> dict[str, list[RunningView]]:
 def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[GpuHolding],
                    blocked_s: Mapping[str, float] | None = None) -> list[tuple[float, str | None]]:
     """Each waiting request's estimated start, in seconds from now (`math.inf` where it cannot be
-    told: it waits for a slot held for a time unknown), and the upstream it is expected to start
+    told: it waits for a slot held for a time unknown), and the GPU it is expected to start
     on (None where not known). ``gpus`` in the configured order (their slots, the models they
     may serve and their loaded model; what runs there is read from the snapshot's grants),
-    ``blocked_s`` how long a settle still holds an upstream (inf: unknown; a GPU whose holding
+    ``blocked_s`` how long a settle still holds a GPU (inf: unknown; a GPU whose holding
     is ``blocked`` and not in it: unknown). Each request, waiting or running, is sized by the output
     tokens it asked for, where it said (`max_tokens` of the snapshot's views)."""
     blocked_s = blocked_s or {}
@@ -189,7 +189,7 @@ def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[Gpu
              for gpu in gpus}
     for gpu_name, grants in _by_gpu(snapshot.grants).items():
         walk = walks.get(gpu_name)
-        if walk is None:  # an upstream no longer configured: nothing new starts there
+        if walk is None:  # a GPU no longer configured: nothing new starts there
             continue
         remaining = remaining_of(figures, grants)
         for grant, left in zip(grants, remaining, strict=True):
@@ -246,7 +246,7 @@ class _Walk:
         return self._starts
 
     def _find(self, now: float) -> tuple[int, int, bool] | None:
-        """`node.find`: (place in ``waiting``, upstream, whether it is the best) of the next start:
+        """`node.find`: (place in ``waiting``, GPU, whether it is the best) of the next start:
         the best, or the first in the order of the keys' first requests behind it that the rule starts."""
         views = [gpu.view(now) for gpu in self._gpus]
         full = {i for i, view in enumerate(views) if takes_nothing(view)}

@@ -45,7 +45,7 @@ class Grant(NamedTuple):
 
 
 class GpuRecord:
-    """One upstream's record: its grants (earliest first), its resident models, the work the
+    """One GPU's record: its grants (earliest first), its resident models, the work the
     scheduler did not grant that holds it (a settle, adopted exchanges: the runtime says), what
     it holds (`holding`: all of that as one value, as the dispatch rule reads it), its pending
     load, and its grants so far."""
@@ -217,14 +217,14 @@ class GpuRecord:
             self.set_residents(self.residents - {model})
 
 
-# What a node holds now: every upstream's holding (in the configured order), those that take
+# What a node holds now: every GPU's holding (in the configured order), those that take
 # work now (``blocked`` aside), and the models resident on those (`holding.resident_on`).
 NodeHoldings = tuple[tuple[GpuHolding, ...], list[GpuHolding], frozenset[str]]
 
 
 class NodeHolding:
-    """`NodeHoldings` for the scheduler's upstreams, built once after each change (a `next` that finds
-    every slot taken reads one value), and kept for when nothing runs while no upstream's
+    """`NodeHoldings` for the scheduler's GPUs, built once after each change (a `next` that finds
+    every slot taken reads one value), and kept for when nothing runs while no GPU's
     residents change (a release that leaves the node idle builds nothing)."""
 
     __slots__ = ("_gpus", "_now", "_idle")

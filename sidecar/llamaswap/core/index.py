@@ -58,7 +58,7 @@ class Index:
         self.key = key
         self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
         self.all: list[Item] = []
-        # Per model named (None: no model), for the bonus and a node's upstreams.
+        # Per model named (None: no model), for the bonus and a node's GPUs.
         self.by_model: dict[str | None, list[Item]] = {}
 
     def push(self, entry: Entry) -> None:

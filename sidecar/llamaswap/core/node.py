@@ -1,10 +1,10 @@
-"""The node rule walked down the order: which waiting request starts next, and on which upstream.
+"""The node rule walked down the order: which waiting request starts next, and on which GPU.
 
 `dispatch.choose` says it for one request; this walks the scheduler's order with it. The best
-request starts on an upstream or claims one, which then takes nothing else until it can start
+request starts on a GPU or claims one, which then takes nothing else until it can start
 there; each request after it starts where the rule lets it, or waits (only the best claims: one
-upstream drains for the one best request, and lower ones never hold an upstream back). Once no
-open upstream is idle, only a request of a model loaded on one (or of none) can start, and the
+GPU drains for the one best request, and lower ones never hold a GPU back). Once no
+open GPU is idle, only a request of a model loaded on one (or of none) can start, and the
 first such in the order is the best of those models' tops (`_warm_pick`, ranked as `order.pick`
 ranks; a request that runs alone at a model's top is passed over, as it cannot start beside
 running work): the walk never reads the whole queue for it. Requests it asks are suspended
@@ -30,15 +30,15 @@ from llamaswap.core.index import Entry, Index, Item
 from llamaswap.core.order import rank, warm_models
 
 
-_NONE: frozenset[int] = frozenset()  # no upstream claimed yet
+_NONE: frozenset[int] = frozenset()  # no GPU claimed yet
 
 
 def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need: Need,
              keep: Collection[str | None] = ()) -> int | tuple[HeldBack, ...]:
-    """What the best request's claim on upstream ``index`` holds back: the whole upstream, or
+    """What the best request's claim on GPU ``index`` holds back: the whole GPU, or
     where several models are resident there, models of it (its own, whose slot it waits for;
     else those chosen to go for its load, `eviction.to_hold_back`, ``keep`` where they still
-    may; the whole upstream if none may)."""
+    may; the whole GPU if none may)."""
     gpu = gpus[index]
     model = candidate.model
     if candidate.alone or gpu.running.alone:
@@ -50,7 +50,7 @@ def claim_on(gpus: Sequence[GpuHolding], index: int, candidate: Candidate, need:
 
 
 class HeldBackModels:
-    """The models the best waiting request holds back, by upstream name (several resident; the
+    """The models the best waiting request holds back, by GPU name (several resident; the
     busy one it waits for first), and which request that is: kept from one claim to the next, so
     that the hold stays on the same models while the same request stays best
     (`eviction.to_hold_back`'s ``keep``). The scheduler keeps one across `find`s; the
@@ -72,7 +72,7 @@ class HeldBackModels:
             self.holder = None
 
     def hold(self, holder: object, name: str, models: tuple[str | None, ...]) -> None:
-        """``holder`` now holds back ``models`` on upstream ``name`` (and nothing elsewhere)."""
+        """``holder`` now holds back ``models`` on GPU ``name`` (and nothing elsewhere)."""
         self.asked = None
         self.models.clear()
         self.holder = holder
@@ -81,7 +81,7 @@ class HeldBackModels:
 
     def claim(self, gpus: Sequence[GpuHolding], index: int, candidate: Candidate, holder: object,
               need: Need) -> int | tuple[HeldBack, ...]:
-        """`claim_on` for the best request ``holder`` on upstream ``index``, keeping what it held
+        """`claim_on` for the best request ``holder`` on GPU ``index``, keeping what it held
         back there last time where that still may be, and remembering what it holds now."""
         name = gpus[index].name
         keep = self.models.get(name, ()) if holder == self.holder else ()
@@ -90,7 +90,7 @@ class HeldBackModels:
         return claim
 
     def shown(self) -> dict[str, str | None]:
-        """The model shown held back on each upstream: the busy one the best waits for."""
+        """The model shown held back on each GPU: the busy one the best waits for."""
         return {name: models[0] for name, models in self.models.items()}
 
 
@@ -98,9 +98,9 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
          pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
          held_back: HeldBackModels, shut: bool = False) -> tuple[int, Entry, Entry] | None:
-    """The upstream and the request that starts next, and the best request (the first asked: the
+    """The GPU and the request that starts next, and the best request (the first asked: the
     same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
-    The best first: it starts (then nothing more is built), or it may hold one upstream back, or
+    The best first: it starts (then nothing more is built), or it may hold one GPU back, or
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
     holds back (`HeldBackModels.claim`), or emptied. ``shut``: no GPU takes work (`takes_nothing`):
@@ -148,9 +148,9 @@ class NodeWalk:
         self._wanted = wanted
         self._times = times
         self._closed: set[int] = set()  # claimed by the best request
-        # The best waits for its share: reserved slots stay open (an upstream, or one model of it).
+        # The best waits for its share: reserved slots stay open (a GPU, or one model of it).
         self._interactive_only: set[int | HeldBack] = set()
-        self._held_back: set[HeldBack] = set()  # models of an upstream held back by the best
+        self._held_back: set[HeldBack] = set()  # models of a GPU held back by the best
         self.suspended: list[Entry] = []
 
     def _choose(self, candidate: Entry) -> Choice:
@@ -159,7 +159,7 @@ class NodeWalk:
 
     def behind(self, first: Entry, step: Step,
                claim: int | tuple[HeldBack, ...] | None) -> tuple[int, Entry, Entry] | None:
-        """`find` after the best, ``first``, did not start (the rule said ``step``, on the upstream
+        """`find` after the best, ``first``, did not start (the rule said ``step``, on the GPU
         or the models of one that ``claim`` names)."""
         if claim is not None:
             if step is not Step.CLAIM:
@@ -199,7 +199,7 @@ class NodeWalk:
         self.suspended.append(entry)
 
     def _warm_pick(self, any_model: bool) -> Entry | None:
-        """With every open upstream busy: the first request in the order that the rule starts,
+        """With every open GPU busy: the first request in the order that the rule starts,
         among the tops of the models loaded on them and of no model, or with ``any_model`` (some
         GPU may load one beside its work) of every model waiting (by the reserved slots' index
         too, where only interactive requests can take a slot). Within a model, every request

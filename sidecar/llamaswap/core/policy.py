@@ -22,7 +22,7 @@ class PolicyName(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuPolicy:
-    """One upstream of the node as the policy describes it: its name, its slots (with the
+    """One GPU of the node as the policy describes it: its name, its slots (with the
     node's reserved slots), the models it may serve (None: any), and how many models may be
     resident there at once (`residency.Residency`: ``maxLoaded``, ``memory``, pinned models)."""
 
@@ -32,7 +32,7 @@ class GpuPolicy:
     residency: Residency = ONE_MODEL
 
     def may_serve(self, model: str | None) -> bool:
-        """`residency.may_serve` for this upstream."""
+        """`residency.may_serve` for this GPU."""
         return may_serve(self.models, self.residency, model)
 
 

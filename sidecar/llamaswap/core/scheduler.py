@@ -85,12 +85,12 @@ class Scheduler:
     def __init__(self, policy: Policy, clock: Clock) -> None:
         self._clock = clock
         self._seq = 0
-        self._gpus: list[GpuRecord] = []  # the upstreams, in the configured order
-        self._gpu_of: dict[str, GpuRecord] = {}  # running request -> the upstream it runs on
+        self._gpus: list[GpuRecord] = []  # the GPUs, in the configured order
+        self._gpu_of: dict[str, GpuRecord] = {}  # running request -> the GPU it runs on
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
-        # The resident model the best waiting request holds back, by upstream (several resident:
+        # The resident model the best waiting request holds back, by GPU (several resident:
         # no new grants for it until it drains and goes), as the last `next` found it.
         self._held_back = node.HeldBackModels()
         self._apply_policy(policy)
@@ -109,7 +109,7 @@ class Scheduler:
             self._gpus = [GpuRecord(gpu_policy) for gpu_policy in gpus]
         names = [gpu.name for gpu in gpus]
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
-        # What the upstreams hold (every change goes through a grant, a release, a loaded-model
+        # What the GPUs hold (every change goes through a grant, a release, a loaded-model
         # report, `blocked_by` or the policy, each of which tells it).
         self._holding = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
@@ -153,7 +153,7 @@ class Scheduler:
 
     @property
     def gpus(self) -> tuple[str, ...]:
-        """The upstreams' names, in the configured order."""
+        """The GPUs' names, in the configured order."""
         return tuple(gpu.name for gpu in self._gpus)
 
     def _gpu(self, gpu: str) -> GpuRecord:
@@ -163,11 +163,11 @@ class Scheduler:
         raise UnknownRequest(f"no GPU is named {gpu!r}")
 
     def residents_on(self, gpu: str) -> frozenset[str]:
-        """The models resident on an upstream."""
+        """The models resident on a GPU."""
         return self._gpu(gpu).residents
 
     def dispatches_on(self, gpu: str) -> int:
-        """Grants so far on an upstream: the generation a loaded-model report was asked at."""
+        """Grants so far on a GPU: the generation a loaded-model report was asked at."""
         return self._gpu(gpu).dispatches
 
     def set_residents(self, models: frozenset[str], *, as_of: int, gpu: str) -> bool:
@@ -207,14 +207,14 @@ class Scheduler:
 
     @property
     def slots_busy(self) -> int:
-        """Grants running, over every upstream."""
+        """Grants running, over every GPU."""
         return len(self._gpu_of)
 
     def slots_busy_on(self, gpu: str) -> int:
         return len(self._gpu(gpu).grants)
 
     def holdings(self) -> tuple[GpuHolding, ...]:
-        """What every upstream holds, in the configured order."""
+        """What every GPU holds, in the configured order."""
         return self._holding.now()[0]
 
     def not_unloaded(self, gpu: str, models: frozenset[str]) -> None:
@@ -226,7 +226,7 @@ class Scheduler:
 
     def blocked_by(self, gpu: str, *, settling: bool, adopted: int,
                 settling_model: str | None = None) -> bool:
-        """The work the scheduler did not grant that holds an upstream now, as
+        """The work the scheduler did not grant that holds a GPU now, as
         the runtime knows it: a settle under way there (of ``settling_model``'s abandoned
         generation, where known), and how many adopted exchanges run there. Nothing is granted
         there while either does; a settle of a known model holds only that model
@@ -328,15 +328,15 @@ class Scheduler:
 
     def next(self, times: GpuTimes = NO_TIMES) -> Decision | None:
         """Grant the best waiting request if a slot is free for it; None if nothing can start.
-        An upstream that work the scheduler did not grant holds (`blocked_by`) takes nothing.
+        A GPU that work the scheduler did not grant holds (`blocked_by`) takes nothing.
 
-        The node rule (`dispatch.choose`, each upstream read by `dispatch.turn`) asked down the
+        The node rule (`dispatch.choose`, each GPU read by `dispatch.turn`) asked down the
         order (`node.find`; one GPU is a node of one): a request of a resident model (or none)
         takes a free slot of it, another model loads where there is room or idle models may go,
         else waits for the drain, as does a request that runs alone; a non-interactive request
         past its share (``slots - reserved``) leaves the reserved slots to the interactive ones
         behind it (their grant says ``reserved_slot``). ``times``: what the rule may know of run
-        times and swap costs (it chooses among upstreams by them).
+        times and swap costs (it chooses among GPUs by them).
         """
         if not self._waiting:
             self._held_back.clear()  # (nobody waits to hold anything back)
@@ -380,7 +380,7 @@ class Scheduler:
 
     @property
     def held_back(self) -> Mapping[str, str | None]:
-        """The resident model the best waiting request holds back on an upstream (by name), as
+        """The resident model the best waiting request holds back on a GPU (by name), as
         the last `next` found it: no new grants for it until it drains and goes."""
         return self._held_back.shown()
 
@@ -444,7 +444,7 @@ class Scheduler:
             holding.running.busy + 1,  # slots_busy
             reserved_slot,  # reserved_slot
             alone,  # alone
-            gpu.name,  # upstream
+            gpu.name,  # gpu
             loading,  # ready_at
             winner.max_tokens,  # max_tokens
             () if holding.residency.replaces_by_itself else gone,  # evicts: those unloaded first
