@@ -76,11 +76,16 @@ class Adoptions:
         upstream replaces its one model by itself (`Residency.replaces_by_itself`: another
         model's load would replace the settling one), it holds the whole GPU."""
         settling = gpu.settling
-        model = None if settling is None else settling.model
-        if model is not None and self._holding(gpu.name).residency.replaces_by_itself:
-            model = None
         self._scheduler.blocked_by(gpu.name, settling=settling is not None, adopted=len(gpu.adopted),
-                                settling_model=model)
+                                settling_model=None if settling is None else self._settled_model(gpu, settling))
+
+    def _settled_model(self, gpu: Gpu, settling: Settling) -> str | None:
+        """The model a settle of ``gpu`` waits on, as a process of its own: its model where each
+        resident model runs in a process of its own; None (the whole GPU: every grant there shares
+        the one process's slots) where the upstream replaces its one model by itself
+        (`Residency.replaces_by_itself`), so that what it holds and what it counts beside the
+        abandoned generation (`known_running`) are the same."""
+        return None if self._holding(gpu.name).residency.replaces_by_itself else settling.model
 
     def _stops(self) -> bool:
         return self._config().upstream.abandoned_generation is AbandonedGeneration.STOP
@@ -125,7 +130,8 @@ class Adoptions:
             settle = await gpu.settle(settling, stop=stop, clock=self._clock, unloaded=unloaded,
                                       settle_timeout_s=config.upstream.settle_timeout_seconds,
                                       max_run_s=config.routing.scheduler.max_run_seconds, lease_ns=self._lease_ns(),
-                                      known_running=lambda: known_running(self._holding(gpu.name), settling.model))
+                                      known_running=lambda: known_running(self._holding(gpu.name),
+                                                                                 self._settled_model(gpu, settling)))
         finally:
             self._tell(gpu)  # it ended (or was cancelled): no longer under way
         self._observe(self._observer.settled, settle)  # after the abandoned ticket's `finished`
