@@ -124,7 +124,7 @@ def format_duration(seconds: float | None) -> str:
 
 def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
     """The table's rows, in COLUMNS order (with several GPUs, GPU_COLUMN last)."""
-    several = len(_gpus(document)) > 1
+    gpu_column = len(_gpus(document)) > 1
     table: list[tuple[str, ...]] = []
     for running in _running(document):
         row: tuple[str, ...] = (
@@ -132,18 +132,18 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
             str(running.get("band", "")), _score(running.get("score")),
             format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
             _start(running, "expected_remaining_s"), running.get("model") or "-")
-        table.append((*row, str(running.get("upstream") or "-")) if several else row)
+        table.append((*row, str(running.get("upstream") or "-")) if gpu_column else row)
     for item in document.get("waiting") or []:
         row = (str(item.get("position", "")), "PD", str(item.get("request_id", "")),
                str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
                format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
                item.get("model") or "-")
-        table.append((*row, "") if several else row)
+        table.append((*row, "") if gpu_column else row)
     for item in document.get("kept") or []:
         row = ("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
                str(item.get("band", "")), "", format_duration(item.get("waited_s")),
                format_duration(item.get("away_s")), "", item.get("model") or "-")
-        table.append((*row, "") if several else row)
+        table.append((*row, "") if gpu_column else row)
     return table
 
 
@@ -237,9 +237,9 @@ def render(document: dict[str, Any]) -> str:
     if isinstance(slots_total, int) and slots_total > 1:
         gpu += f", slots {document.get('slots_busy', running)}/{slots_total}"
     gpus = gpu_lines(document)
-    several = len(_gpus(document)) > 1
+    gpu_column = len(_gpus(document)) > 1
     # Several GPUs: each one's resident models are on its own line.
-    loaded = f"{len(gpus)} GPUs" if several else _loaded(document)
+    loaded = f"{len(gpus)} GPUs" if gpu_column else _loaded(document)
     summary = f"policy {document.get('policy', '?')}, {loaded}, {gpu}, {len(waiting)} waiting"
     bands = document.get("bands") or {}
     if bands:
@@ -247,7 +247,7 @@ def render(document: dict[str, Any]) -> str:
     kept = document.get("kept") or []
     if kept:
         summary += f", {len(kept)} kept for a retry"
-    columns = (*COLUMNS, GPU_COLUMN) if several else COLUMNS
+    columns = (*COLUMNS, GPU_COLUMN) if gpu_column else COLUMNS
     return "\n".join([summary, *gpus, *table_lines(columns, rows(document), right=_RIGHT)]) + "\n"
 
 

@@ -224,11 +224,11 @@ def _servers_to_start(config: Config) -> list[_Server]:
 
 
 async def _ready(session: aiohttp.ClientSession, server: _Server, child: Child, health_path: str, deadline_s: float,
-                 *, several: bool) -> None:
+                 *, say_each: bool) -> None:
     """Wait for one upstream's health; with several, say when each is ready."""
     start = time.monotonic()
     await _poll(session, server.entry.url + health_path, child=child, deadline_s=deadline_s, what=server.label)
-    if several:
+    if say_each:
         print(f"  {server.label} is ready at {server.entry.url} ({time.monotonic() - start:.0f} s)",
               file=sys.stderr, flush=True)
 
@@ -337,7 +337,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
             # Loading in parallel; a stop meanwhile (minutes for a big model) ends the wait at once.
             await _until_stopped(stop, _all_of([
                 _ready(session, server, child, config.upstream.health_path, config.upstream.startup_timeout_seconds,
-                       several=len(servers) > 1)
+                       say_each=len(servers) > 1)
                 for server, child in zip(servers, upstreams, strict=True)]))
             sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path,
                               parse=reload_parser(gpus, max_loaded))
@@ -485,12 +485,12 @@ def effective_config(document: Any, *, source: str, warn: Callable[[str], None] 
         return config, built_in
     cores = usable_cores()
     [one] = config.gpu_entries  # (a file with upstreams was refused above)
-    several = gpus_document(document, url=one.url, command=one.command, gpus=gpus,
+    node_document = gpus_document(document, url=one.url, command=one.command, gpus=gpus,
                             source=source, environ=os.environ, cores=cores, gpu_count=nvidia_gpu_count())
     if say is not None:
         say(describe(gpus, one.command, os.environ, cores))
     # The file's warnings were given with its first reading.
-    return parse_config(several, source=f"{config.source}, --gpus {gpus}", warn=lambda _: None), built_in
+    return parse_config(node_document, source=f"{config.source}, --gpus {gpus}", warn=lambda _: None), built_in
 
 
 def _one_upstream(document: Any, *, source: str, warn: Callable[[str], None] | None) -> tuple[Config, bool]:
