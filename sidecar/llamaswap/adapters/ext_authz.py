@@ -138,14 +138,17 @@ def model_of(request: authz_pb2.CheckRequest) -> str | None:
     return _model_in(body_fields(request))
 
 
+def _string_in(fields: Fields | None, key: str) -> str | None:
+    """The body's top-level ``key`` where it is a JSON string; None when absent or of another type."""
+    if fields is None or key not in fields:
+        return None
+    value = fields[key]
+    return value.string_value if value.WhichOneof("kind") == "string_value" else None
+
+
 def _model_in(fields: Fields | None) -> str | None:
-    if fields is None or MODEL_KEY not in fields:
-        return None
-    value = fields[MODEL_KEY]
-    if value.WhichOneof("kind") != "string_value":
-        return None
-    model = value.string_value
-    return model if 0 < len(model) <= MAX_MODEL_NAME else None
+    model = _string_in(fields, MODEL_KEY)
+    return model if model and len(model) <= MAX_MODEL_NAME else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,13 +224,8 @@ def service_tier_of(request: authz_pb2.CheckRequest) -> str | None:
 
 
 def _service_tier_in(fields: Fields | None) -> str | None:
-    if fields is None or SERVICE_TIER_KEY not in fields:
-        return None
-    value = fields[SERVICE_TIER_KEY]
-    if value.WhichOneof("kind") != "string_value":
-        return None
-    tier = value.string_value
-    return tier if len(tier) <= MAX_SERVICE_TIER else None
+    tier = _string_in(fields, SERVICE_TIER_KEY)
+    return tier if tier is not None and len(tier) <= MAX_SERVICE_TIER else None
 
 
 def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[bytes | None, int | None]:

@@ -10,8 +10,9 @@ deadline) or at shutdown. Every end goes through `Grants.finish`, the one way a 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
-from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Decision, Outcome, QueueFull, Scheduler
+from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Decision, Outcome, QueueFull, Removed, Scheduler
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.grants import Grants
@@ -152,13 +153,17 @@ class Admitter:
     def stop_admitting(self) -> None:
         """Refuse new requests and answer every waiting one 503 (graceful shutdown)."""
         self.admitting = False
-        for removed in self._scheduler.drain():
-            ticket = self._tickets.get(removed.request_id)
-            if ticket is not None:
-                self._grants.finish(ticket, Outcome.SHUTDOWN, removed.removed_ns)
+        self._finish_removed(self._scheduler.drain(), Outcome.SHUTDOWN)
         self._kept.ended(self._scheduler.drain_kept())
         self._publisher.changed()
         self.arm_expiry()
+
+    def _finish_removed(self, removed: Iterable[Removed], outcome: Outcome) -> None:
+        """End the tickets of requests the scheduler took out of the queue (drained, expired)."""
+        for request in removed:
+            ticket = self._tickets.get(request.request_id)
+            if ticket is not None:
+                self._grants.finish(ticket, outcome, request.removed_ns)
 
     # -- maxWaitSeconds and the kept places' grace, one timer ------------------------------
 
@@ -174,10 +179,7 @@ class Admitter:
 
     def _expire(self) -> None:
         self._expiry = None
-        for removed in self._scheduler.expire_overdue():
-            ticket = self._tickets.get(removed.request_id)
-            if ticket is not None:
-                self._grants.finish(ticket, Outcome.EXPIRED, removed.removed_ns)
+        self._finish_removed(self._scheduler.expire_overdue(), Outcome.EXPIRED)
         if self._kept.ended(self._scheduler.expire_kept()):
             self._publisher.changed()
         self.arm_expiry()
