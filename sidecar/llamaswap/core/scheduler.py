@@ -217,6 +217,10 @@ class Scheduler:
         """What every GPU holds, in the configured order."""
         return self._holding.now()[0]
 
+    def holding_of(self, gpu: str) -> GpuHolding:
+        """What the GPU of that name holds."""
+        return next(holding for holding in self.holdings() if holding.name == gpu)
+
     def not_unloaded(self, gpu: str, models: frozenset[str]) -> None:
         """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""

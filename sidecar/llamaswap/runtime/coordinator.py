@@ -34,9 +34,9 @@ The coordinator builds its parts and holds them together; each job is a room of 
 admission and refusal, the waiting side (`admission.py`); grants, leases, watchdogs and release,
 the running side (`grants.py`); the publishing of pictures and observers (`publishing.py`); the
 configuration in effect and what a model is scheduled as (`live_config.py`); what holds each GPU
-(`holdings.py`). The coordinator itself applies a reload (`reconfigure`) and answers the
-adapters. Elsewhere (docs/architecture.md, "The rooms"): the model catalog checks and the model key
-(`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
+is the scheduler's record (`Scheduler.holdings`). The coordinator itself applies a reload
+(`reconfigure`) and answers the adapters. Elsewhere (docs/architecture.md, "The rooms"): the model
+catalog checks and the model key (`catalog.py`), slot learning (`slot_learning.py`), Retry-After and arrival estimates
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
 queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
 request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`), the unloads
@@ -55,7 +55,6 @@ from llamaswap.runtime.admission import Admitter
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.gpus import make_gpus, node_policy
 from llamaswap.runtime.grants import Grants
-from llamaswap.runtime.holdings import Holdings
 from llamaswap.runtime.kept import KeptEvent, PlaceKeeper
 from llamaswap.runtime.leases import Adoption
 from llamaswap.runtime.live_config import LiveConfig, ModelKeys
@@ -102,11 +101,10 @@ class Coordinator:
         self._tickets: dict[str, Ticket] = {}
         self._request_ids = RequestIds()
         self._version = Version()
-        self._holdings = Holdings(self.scheduler)
 
         def views(blocked: Callable[[], Mapping[str, float]]) -> QueueViews:
             return QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
-                              version=self._version.current, blocked=blocked, holdings=self._holdings.all)
+                              version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings)
 
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=self._keys.scheduled, views=views)
@@ -117,7 +115,7 @@ class Coordinator:
         self._grants = Grants(clock=self._clock, config=self._config, scheduler=self.scheduler, gpus=self.gpus,
                               estimator=self.estimator, tickets=self._tickets, request_ids=self._request_ids,
                               tokens=self._tokens, observer=self._observer, publisher=self._publisher,
-                              forecast=self._forecast, holdings=self._holdings, adopted=adopted)
+                              forecast=self._forecast, adopted=adopted)
         self._leases = self._grants.leases
         self._watchdogs = self._grants.watchdogs
         self._adoptions = self._grants.adoptions
@@ -146,7 +144,7 @@ class Coordinator:
         return self._admitter.admitting
 
     def holding_of(self, gpu: str) -> GpuHolding:
-        return self._holdings.of(gpu)
+        return self.scheduler.holding_of(gpu)
 
     def _dispatches_on(self, gpu: str) -> int:
         return self.scheduler.dispatches_on(gpu)

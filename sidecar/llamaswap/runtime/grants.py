@@ -32,7 +32,6 @@ from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.gpus import Gpus
-from llamaswap.runtime.holdings import Holdings
 from llamaswap.runtime.leases import Adoption, Leases
 from llamaswap.runtime.live_config import LiveConfig
 from llamaswap.runtime.observer import Observer, overtaken_by
@@ -52,7 +51,7 @@ class Grants:
 
     def __init__(self, *, clock: Clock, config: LiveConfig, scheduler: Scheduler, gpus: Gpus, estimator: Estimator,
                  tickets: dict[str, Ticket], request_ids: RequestIds, tokens: Tokens, observer: Observer,
-                 publisher: Publisher, forecast: Forecast, holdings: Holdings, adopted: dict[str, Adoption]) -> None:
+                 publisher: Publisher, forecast: Forecast, adopted: dict[str, Adoption]) -> None:
         self._clock = clock
         self._config = config
         self._scheduler = scheduler
@@ -63,7 +62,6 @@ class Grants:
         self._observer = observer
         self._publisher = publisher
         self._forecast = forecast
-        self._holdings = holdings
         self.idle = asyncio.Event()
         self.idle.set()
         # The running grant, the adopted exchanges and what is remembered of finished grants,
@@ -74,7 +72,7 @@ class Grants:
         self.adoptions = Adoptions(clock=clock, config=config.current, scheduler=scheduler, gpus=gpus,
                                    leases=self.leases, tokens=tokens, observer=observer, observe=publisher.observe,
                                    busy=self.idle.clear, changed=publisher.changed, freed=self.freed,
-                                   holding=holdings.of, lease_ns=config.lease_ns)
+                                   holding=scheduler.holding_of, lease_ns=config.lease_ns)
         self.evictions = Evictions(gpus, clock, self.leases, config.lease_ns, forecast, scheduler=scheduler,
                                    release=functools.partial(self.release, outcome=Outcome.UPSTREAM_ERROR,
                                                              abandoned=False, sent=False))
@@ -208,7 +206,7 @@ class Grants:
         self.pump()
 
     def _update_idle(self) -> None:
-        if free(self._holdings.all()):
+        if free(self._scheduler.holdings()):
             self.idle.set()
         self._publisher.publish()
 
