@@ -44,6 +44,9 @@ taking the best by the comparator the documents give:
   only for its share (non-interactive, only reserved slots free), the reserved slots stay open to
   interactive requests: the GPU (``maxLoaded`` 1) or its model (several) takes no non-interactive
   request meanwhile.
+- The best claims only where some GPU takes work (`RefResidentGpu.takes_work`): while none does,
+  the claim made last stays as it was, and what is shown held back is the claim the best would
+  make then (shown, never kept).
 
 Releases here are answers that say the model served (it stays resident); reports of the resident
 models are taken while nothing runs on the GPU.
@@ -199,9 +202,10 @@ class ReferenceResidentNode:
         self.waiting: list[RefWaiting] = []  # arrival order
         self.running: dict[str, RefResidentGpu] = {}
         self._order = 0
-        # What the best held back at the latest `next`: (its request, the GPU, the models; () for
-        # the whole GPU), or None.
+        # What the best held back at the latest `next` where a GPU took work: (its request, the
+        # GPU, the models; () for the whole GPU), or None.
         self.hold: tuple[str, str, frozenset[str]] | None = None
+        self._times: RefTimes = RefNoTimes()  # those of the latest `next`, for what is shown held back
 
     def gpu(self, name: str) -> RefResidentGpu:
         return next(gpu for gpu in self.gpus if gpu.name == name)
@@ -365,16 +369,26 @@ class ReferenceResidentNode:
         return None
 
     def held_back(self) -> dict[str, frozenset[str]]:
-        """The models the best holds back, by GPU (a whole-GPU claim holds no model)."""
-        if self.hold is None or not self.hold[2]:
+        """The models shown held back, by GPU (a whole-GPU claim holds no model): the last claim;
+        while no GPU takes work, the claim the best would make now (not kept)."""
+        if not self.waiting:
             return {}
-        return {self.hold[1]: self.hold[2]}
+        hold = self.hold
+        if not any(gpu.takes_work() for gpu in self.gpus):
+            assert self.choose(self._times) is None  # (nothing starts; it sets the claim)
+            hold, self.hold = self.hold, hold
+        if hold is None or not hold[2]:
+            return {}
+        return {hold[1]: hold[2]}
 
     def next(self, times: RefTimes | None = None) -> RefResidentDecision | None:
         times = times if times is not None else RefNoTimes()
+        self._times = times
         if not self.waiting:
             self.hold = None
             return None
+        if not any(gpu.takes_work() for gpu in self.gpus):
+            return None  # nothing starts, and the best claims nothing
         chosen = self.choose(times)
         if chosen is None:
             return None

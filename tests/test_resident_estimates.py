@@ -84,11 +84,11 @@ class ResidentPlay(NodePlay):
             assert sum(d.model == name for d in running) <= holding.slots.of(name)
 
 
-# Found by Hypothesis: at 4 s every model resident (A, B, D) is busy, so the GPU takes nothing;
-# C, the best, still claims at that `next` in the grants (B and D held back, kept at 5 s, so A's
-# next request starts when A's slot frees), where the walk made no claim until 5 s and held back
-# B and the idle A (that request 1 s late). The grants made that claim only if someone read the
-# snapshot or `held_back` at 4 s; now both make it at every step, read or not.
+# Found by Hypothesis: at 4 s every model resident (A, B, D) is busy, so the GPU takes nothing
+# and C, the best, claims nothing; at 5 s A's slot frees and C claims then, holding back the idle
+# A (it costs no wait) and B, so A's next request waits for C's load. Once the grants made a claim
+# at 4 s only if someone read the snapshot or `held_back` then (B and D, kept at 5 s), and the walk
+# made none: the estimate and the grant of that request differed by 1 s.
 _CLAIMED_WHILE_FULL = NodeCase(
     serial(0, 0).with_gpus((GpuPolicy("gpu0", Slots(1, {}, 0), None, Residency(3, frozenset(), 4,
                                                                                {"a": 1, "b": 2, "c": 3, "d": 1})),)),
@@ -125,11 +125,12 @@ class UnreadPlay(ResidentPlay):
     times from the running grants, as the runtime's grants take them (`NodeTimes.of_grants`)."""
 
     reads = False
+    shown: dict[int, tuple[str, ...]]  # with ``reads``: what the picture held back, by instant (its last read)
 
     def grant_all(self) -> None:
         while True:
             if self.reads:
-                self.scheduler.snapshot()
+                self.shown[self.clock.now_ns()] = self.scheduler.snapshot().gpus[0].holding_back
             times = NodeTimes.of_grants(lambda: self.scheduler.running_grants, self.clock.now_ns(), self.estimator)
             decision = self.scheduler.next(times)
             if decision is None:
@@ -145,17 +146,21 @@ class UnreadPlay(ResidentPlay):
 
 def test_what_the_best_holds_back_while_every_slot_is_busy_does_not_depend_on_who_read_it() -> None:
     """The grants of `_CLAIMED_WHILE_FULL` are the same whether or not anyone reads the snapshot
-    between them: at 4 s, the GPU full, the best's claim is made by `next` itself."""
+    between them: at 4 s, the GPU full, a read shows the claim the best would make (B and D, both
+    busy) and keeps nothing; the claim is made at 5 s, when a GPU takes work."""
     case = _CLAIMED_WHILE_FULL
     grants = []
     for reads in (True, False):
         estimator = Estimator(default_run_s=case.default_run_s, default_swap_s=case.swap_s, samples=3)
         play = UnreadPlay(case, estimator, look_ns_of(case))
-        play.reads = reads
+        play.reads, play.shown = reads, {}
         play.arrive(case)
         while play.ends or play._next_event() < 2**62:
             play.run_until(play._next_event())
         grants.append(play.granted)
+        if reads:
+            shown = play.shown
     read, unread = grants
+    assert sorted(shown[4 * NS]) == ["b", "d"]  # what C would hold back at 4 s: it claims nothing then
     assert unread == read
-    assert read["r7"] == (5 * NS, "gpu0")  # A's next request takes A's slot as it frees
+    assert read["r7"] == (6 * NS, "gpu0")  # A is held back for C's load at 5 s: A's next request waits

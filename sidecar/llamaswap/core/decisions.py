@@ -190,12 +190,24 @@ class GpuView:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """The models the best waiting request's last claim holds back on one GPU, and whose claim it
+    is: what the rule keeps while that request stays the best (`node.HeldBackModels`). Where no
+    GPU takes work the picture (`GpuView.holding_back`) shows the claim it would make instead."""
+
+    holder: str  # the request that claimed
+    gpu: str
+    models: tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QueueSnapshot:
     policy: PolicyName
     waiting: tuple[WaitingView, ...]  # dispatch order, if nothing changed from now on
     bands: Mapping[Band, BandStats]
     grants: tuple[RunningView, ...]  # every running grant, earliest first
     gpus: tuple[GpuView, ...] = ()  # every GPU, in the configured order (its residents and slots)
+    claim: Claim | None = None  # the claim in force (the estimates' walk goes on from it)
 
 
     @property

@@ -199,10 +199,14 @@ def starts_of_node(figures: Figures, snapshot: QueueSnapshot, gpus: Sequence[Gpu
                 walk.loads.append((item, grant.model, ready_left_s(figures, grant)))
     waiting = [_Waiting(view.model, view.band.interactive) for view in snapshot.waiting]
     node_walk = _Walk(figures, list(walks.values()), waiting, [view.max_tokens for view in snapshot.waiting])
-    # The models the best holds back now (several resident): it keeps holding those, as `node.find` does.
-    for view in snapshot.gpus:
-        if view.holding_back and view.name in walks and waiting:
-            node_walk.held.hold(0, view.name, view.holding_back)
+    # The claim in force: its holder keeps holding those models while it stays the best, as in
+    # `node.find` (where no GPU takes work now, the best claims only once one does).
+    claim = snapshot.claim
+    if claim is not None and claim.gpu in walks:
+        holder = next((position for position, view in enumerate(snapshot.waiting)
+                       if view.request_id == claim.holder), None)
+        if holder is not None:
+            node_walk.held.hold(holder, claim.gpu, claim.models)
     return node_walk.run()
 
 
@@ -256,6 +260,8 @@ class _Walk:
         gpus = self._gpus
         times = NodeTimes(lambda: {gpu.holding.name: [item.end - now for item in gpu.items] for gpu in gpus},
                           self._figures)
+        if len(full) >= len(views):
+            return None  # (nothing starts, and the best claims nothing: as `Scheduler.next`)
         best = min(queue[0] for queue in self._pending.values() if queue)
         candidate = self._waiting[best]
         step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
@@ -264,7 +270,7 @@ class _Walk:
             return best, gpu, True
         if gpu is None:
             self.held.clear()  # (as `node.find`: the best holds nothing back)
-        else:  # only the best claims (at every instant, as at every `Scheduler.next`)
+        else:  # only the best claims (at every instant where a GPU takes work, as `Scheduler.next`)
             claim = self.held.claim(views, gpu, candidate, best, self._need)
             if isinstance(claim, tuple):
                 (held_back if step is Step.CLAIM else interactive_only).update(claim)

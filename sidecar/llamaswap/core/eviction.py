@@ -105,6 +105,8 @@ def has_room(gpu: GpuHolding, model: str) -> bool:
 
 def _least_needed_first(gpu: GpuHolding, models: Collection[str], need: Need) -> list[str]:
     """Least needed by the queue first, then least recently used."""
+    if len(models) < 2:
+        return list(models)  # (nothing to rank: the queue's needs are not read)
     last_used = gpu.last_used
     return sorted(models, key=lambda name: (need(name), last_used.get(name, 0), name))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from llamaswap.core.decisions import Claim
 from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing
 from llamaswap.core.eviction import Need, to_hold_back
 from llamaswap.core.holding import Candidate, GpuHolding
@@ -56,24 +57,25 @@ class HeldBackModels:
     (`eviction.to_hold_back`'s ``keep``). The scheduler keeps one across `find`s; the
     estimates' walk keeps its own across its instants."""
 
-    __slots__ = ("models", "holder", "asked")
+    __slots__ = ("models", "holder")
 
     def __init__(self) -> None:
         self.models: dict[str, tuple[str | None, ...]] = {}
         self.holder: object = None  # the best request that holds them (None: none)
-        # The best and what the one GPU held when it last claimed while that GPU took nothing:
-        # the same claim again until either changes (`find`).
-        self.asked: tuple[object, object] | None = None
+
+    def copy(self) -> HeldBackModels:
+        twin = HeldBackModels()
+        twin.models = dict(self.models)
+        twin.holder = self.holder
+        return twin
 
     def clear(self) -> None:
-        self.asked = None
         if self.holder is not None:
             self.models.clear()
             self.holder = None
 
     def hold(self, holder: object, name: str, models: tuple[str | None, ...]) -> None:
         """``holder`` now holds back ``models`` on GPU ``name`` (and nothing elsewhere)."""
-        self.asked = None
         self.models.clear()
         self.holder = holder
         if models:
@@ -89,6 +91,12 @@ class HeldBackModels:
         self.hold(holder, name, tuple(model for _, model in claim) if isinstance(claim, tuple) else ())
         return claim
 
+    def claim_in_force(self) -> Claim | None:
+        """The models held back and whose claim it is (None: no models held)."""
+        for name, models in self.models.items():
+            return Claim(str(self.holder), name, models)
+        return None
+
     def shown(self) -> dict[str, str | None]:
         """The model shown held back on each GPU: the busy one the best waits for."""
         return {name: models[0] for name, models in self.models.items()}
@@ -97,19 +105,15 @@ class HeldBackModels:
 def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
          pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
-         held_back: HeldBackModels, shut: bool = False) -> tuple[int, Entry, Entry] | None:
+         held_back: HeldBackModels) -> tuple[int, Entry, Entry] | None:
     """The GPU and the request that starts next, and the best request (the first asked: the
-    same one, unless the best waits); None if nothing starts now. (Asked with a request waiting.)
+    same one, unless the best waits); None if nothing starts now. (Asked with a request waiting
+    and a GPU that takes work: where none does, nothing starts and the best claims nothing.)
     The best first: it starts (then nothing more is built), or it may hold one GPU back, or
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
-    holds back (`HeldBackModels.claim`), or emptied. ``shut``: no GPU takes work (`takes_nothing`):
-    the best claims all the same, and nothing starts; with one GPU, asked again with the same
-    best and the same holding it would claim the same (no times choose among GPUs), so it is not
-    asked again."""
+    holds back (`HeldBackModels.claim`), or emptied."""
     first = pick(aged)
-    if shut and held_back.asked is not None and held_back.asked[0] is first and held_back.asked[1] is gpus:
-        return None
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START:
         assert gpu is not None
@@ -120,15 +124,26 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
         held_back.clear()
     else:
         claim = held_back.claim(gpus, gpu, first, first.request_id, need)
-    if shut:  # the best has claimed, and nothing else starts
-        if len(gpus) == 1:
-            held_back.asked = first, gpus
-        return None
     walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     try:
         return walk.behind(first, step, claim)
     finally:
         resume(walk.suspended)
+
+
+def would_hold(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, wanted: Mapping[str | None, int],
+               need: Need, held_back: HeldBackModels) -> HeldBackModels:
+    """What the best request ``first`` would hold back if it claimed now, from ``held_back`` (the
+    claim in force), on a copy: where no GPU takes work it claims nothing (`find` is not asked),
+    and the picture shows this instead, worked out at each read and never kept, so the grants
+    never depend on who read it."""
+    would = held_back.copy()
+    step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
+    if step is Step.START or gpu is None:
+        would.clear()
+    else:
+        would.claim(gpus, gpu, first, first.request_id, need)
+    return would
 
 
 class NodeWalk:

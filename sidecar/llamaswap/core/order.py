@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S
-from llamaswap.core.decisions import BandStats, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
+from llamaswap.core.decisions import BandStats, Claim, Decision, GpuView, QueueSnapshot, RunningView, WaitingView
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.eviction import after_load, no_need, victims
 from llamaswap.core.holding import IDLE, GpuHolding, resident_on
@@ -125,11 +125,12 @@ def band_stats(arrivals: Arrivals, now_ns: int) -> dict[Band, BandStats]:
 
 
 def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int, grants: Sequence[Decision],
-             arrivals: Arrivals, now_ns: int, held_back: Mapping[str, tuple[str | None, ...]]) -> QueueSnapshot:
+             arrivals: Arrivals, now_ns: int, held_back: Mapping[str, tuple[str | None, ...]],
+             claim: Claim | None = None) -> QueueSnapshot:
     """A read-only picture of the queue: the `count` waiting requests of `index` in dispatch
     order, the running `grants` and each GPU (with the models the best holds back there, by
-    name in ``held_back``, the busy one it waits for first). The simulated order makes it
-    O(n log n)."""
+    name in ``held_back``, the busy one it waits for first), and the ``claim`` in force. The
+    simulated order makes it O(n log n)."""
     divisor = policy.aging_divisor_ns
     waiting = tuple(
         WaitingView(
@@ -150,5 +151,5 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
     views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu),
                           next(iter(held), None), tuple(model for model in held if model is not None))
                   for gpu in gpus for held in (held_back.get(gpu.name, ()),))
-    return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views)
+    return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views, claim)
 

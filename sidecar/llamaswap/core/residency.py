@@ -22,6 +22,9 @@ class Residency:
     pinned: frozenset[str] = frozenset()
     memory_bytes: int | None = None
     model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # `never_fits` by model, worked out once: the rule asks it of every GPU at every grant.
+    _never_fits: dict[str, bool] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                     compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
@@ -66,9 +69,10 @@ class Residency:
     def never_fits(self, model: str) -> bool:
         """``model`` can never be resident here beside the pinned models (too large for the
         budget, or the pinned ones fill every place)."""
-        if model in self.pinned:
-            return False
-        return not self.fits(self.pinned | {model})
+        known = self._never_fits.get(model)
+        if known is None:
+            known = self._never_fits[model] = model not in self.pinned and not self.fits(self.pinned | {model})
+        return known
 
 
 ONE_MODEL = Residency()

@@ -90,9 +90,11 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
-        # The resident model the best waiting request holds back, by GPU (several resident:
-        # no new grants for it until it drains and goes), as the last `next` found it.
+        # The models the best waiting request holds back, by GPU (no new grants for them until
+        # they drain and go), as the last `next` where a GPU took work found them: a claim is
+        # made only there, so the grants never depend on anything else.
         self._held_back = node.HeldBackModels()
+        self._shut_times: GpuTimes = NO_TIMES  # the times the last `next` that found no GPU taking work had
         self._apply_policy(policy)
         self._reset_queue()
 
@@ -346,19 +348,17 @@ class Scheduler:
             self._held_back.clear()  # (nobody waits to hold anything back)
             return None
         holdings, open_gpus, warm = self._holding.now()
-        # (Where no GPU takes work, `node.find` asks the best only: its claim is made at every
-        # `next` all the same, so what it holds back never depends on who read it when.)
-        return self._find(holdings, warm, times, not open_gpus)
-
-    def _find(self, holdings: tuple[GpuHolding, ...], warm: frozenset[str], times: GpuTimes,
-              shut: bool = False) -> Decision | None:
+        if not open_gpus:
+            # Nothing starts, and the best claims nothing: a claim made now could only tie the
+            # one made when a GPU takes work to what held then (`held_back` shows what it would claim).
+            self._shut_times = times
+            return None
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
-                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back,
-                          shut)
+                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
             return None
         index, winner, first = found
@@ -384,9 +384,21 @@ class Scheduler:
 
     @property
     def held_back(self) -> Mapping[str, str | None]:
-        """The resident model the best waiting request holds back on a GPU (by name), as
-        the last `next` found it: no new grants for it until it drains and goes."""
-        return self._held_back.shown()
+        """The resident model the best waiting request holds back on a GPU (by name), the busy
+        one it waits for: no new grants for it until it drains and goes (`_holding_back`)."""
+        return self._holding_back().shown()
+
+    def _holding_back(self) -> node.HeldBackModels:
+        """What the picture shows held back: the claim in force, as the last `next` where a GPU
+        took work made it; where none takes work now, the claim the best would make (worked out
+        at each read and never kept: `node.would_hold`)."""
+        if not self._waiting:
+            return node.HeldBackModels()
+        holdings, open_gpus, warm = self._holding.now()
+        if open_gpus:
+            return self._held_back
+        first = order.pick(self._aged, warm, self._bonus)
+        return node.would_hold(holdings, first, self._shut_times, self._wanted, self._need, self._held_back)
 
     def _resume(self, suspended: list[Entry]) -> None:
         """Put the requests a node walk passed over back in the indexes. Their old items, where
@@ -541,7 +553,8 @@ class Scheduler:
     def snapshot(self) -> QueueSnapshot:
         """A read-only picture (`order.snapshot`): O(n log n), so keep it off hot paths."""
         return order.snapshot(self._policy, self._gpus, self._aged, len(self._waiting), self.running_grants,
-                              self._arrivals, self._clock.now_ns(), self._held_back.models)
+                              self._arrivals, self._clock.now_ns(), self._holding_back().models,
+                              self._held_back.claim_in_force() if self._waiting else None)
 
     def band_stats(self) -> dict[Band, BandStats]:
         """Depth and oldest wait per band in O(1) amortised (for metrics)."""
