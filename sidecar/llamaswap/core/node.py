@@ -188,7 +188,7 @@ class NodeWalk:
                 self._closed.add(claim)
         self._suspend(first)
         gpus = self._gpus
-        # Upstreams that take nothing now: held by a settle, full, or running a request alone.
+        # GPUs that take nothing now: held by a settle, full, or running a request alone.
         full = {i for i, holding in enumerate(gpus) if takes_nothing(holding)}
         while len(self._closed | full) < len(gpus) and self._aged.top() is not None:
             open_gpus = [gpu for i, gpu in enumerate(gpus) if i not in self._closed]

@@ -103,7 +103,7 @@ class Scheduler:
         gpus = policy.gpus
         known = {gpu.name: gpu for gpu in self._gpus}
         if self._gpus and set(known) != {gpu.name for gpu in gpus}:
-            raise SchedulerError("the upstreams cannot change while the scheduler runs")
+            raise SchedulerError("the GPUs cannot change while the scheduler runs")
         for gpu_policy in gpus:
             if gpu_policy.name in known:
                 known[gpu_policy.name].apply(gpu_policy)

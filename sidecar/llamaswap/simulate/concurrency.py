@@ -116,7 +116,7 @@ class RecordedConcurrency:
 
     @classmethod
     def of(cls, records: Iterable[RequestRecord]) -> RecordedConcurrency:
-        """Per upstream (the record's; not recorded: one): generations on different GPUs do
+        """Per GPU (the record's; not recorded: one): generations on different GPUs do
         not share one."""
         by_gpu: dict[str | None, dict[int, tuple[int, int]]] = {}
         for record in records:

@@ -36,13 +36,13 @@ throughput of n concurrent generations relative to one (`ConcurrencySpeed`), so 
 grant's release moves whenever one starts or ends. Without a table, n generations run as fast
 as one each. With one slot nothing changes.
 
-Upstreams (the policy's GPUs: `simulate --gpus N`, or the log's recorded upstreams): one queue
+GPUs (the policy's: `simulate --gpus N`, or those the log recorded grants on): one queue
 over several GPUs, as the scheduler's node rule grants (`Scheduler.next` with the times the
 runtime reads, `NodeTimes.of_grants` of the running grants: each one's `grant_end_s`, built as in
 the runtime only when the rule asks). With one GPU the rule does not read them; one GPU is a
 node of one. Each GPU has its own slots, loaded model, swaps and concurrency; the replay starts
 each with the model its first recorded grant found loaded. The metrics give each GPU's swaps
-and busy fraction. Costs are each GPU's own (`estimate.Figures` per (upstream, model), the
+and busy fraction. Costs are each GPU's own (`estimate.Figures` per (GPU, model), the
 node's where it has none): a request that never ran takes its GPU's expected end, and a recorded
 run replayed on another GPU than the one it ran on is scaled by the two GPUs' expected runs of its
 model (its load swapped for this GPU's).
@@ -94,7 +94,7 @@ _NS_PER_MS = 1_000_000
 
 
 def running_times(scheduler: Scheduler, now_ns: int, figures: Figures) -> NodeTimes:
-    """What the runtime knows of each upstream's time at ``now_ns``: `NodeTimes.of_grants` of the
+    """What the runtime knows of each GPU's time at ``now_ns``: `NodeTimes.of_grants` of the
     scheduler's running grants, read only if the rule asks (this module's `NodeTimes`, looked up
     when called)."""
     return NodeTimes.of_grants(lambda: scheduler.running_grants, now_ns, figures)
@@ -126,7 +126,7 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
                   samples: int) -> Estimator:
     """The live estimator, taught every served grant in file order (the order they finished):
     it then holds the estimates the sidecar would have had at the end of the log: the node's, and
-    each recorded upstream's own (run and swap per (upstream, model), as the sidecar keeps them).
+    each recorded GPU's own (run and swap per (GPU, model), as the sidecar keeps them).
 
     Only the records that can still show in its rolling windows are fed (per model, a suffix of
     its grants), which leaves the estimator in exactly the state that feeding all would.
@@ -151,9 +151,9 @@ def measure_costs(records: Iterable[RequestRecord], *, default_run_s: float, def
 def _first_needed(grants: Sequence[RequestRecord], samples: int) -> int:
     """The earliest of one model's grants that still matters to the estimator after all of them.
 
-    The node's windows hold every grant, each upstream's its own. Every grant adds a run, so the
+    The node's windows hold every grant, each GPU's its own. Every grant adds a run, so the
     last ``samples`` of each make its run window. A run learnt from a load subtracts the swap
-    estimate of that moment (an upstream without its own: the node's), which comes from the last
+    estimate of that moment (a GPU without its own: the node's), which comes from the last
     ``samples`` times to first byte of each kind (load, warm) before it; those before the earliest
     such load in any window, and the last ``samples`` of each kind overall (which come later), are
     all that can matter. Runs per token, and the swaps that unstreamed loads measure by them,
@@ -233,7 +233,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     names = scheduler.gpus
     # The replay starts with what the recording started with: a first recorded grant that did
     # not load its model found it loaded (a single-model upstream's one model always is), per
-    # upstream where the log names them (replayed on one GPU, every recorded grant ran on it).
+    # GPU where the log names them (replayed on one GPU, every recorded grant ran on it).
     # Records without a grant time (older logs, synthetic workloads) start from nothing loaded.
     for name in names:
         first = min((r for r in requests if r.record.dispatched and r.record.granted_ms is not None
@@ -249,18 +249,18 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
     arrivals = [r.arrival_ns for r in requests] + [_NEVER]
-    # Each GPU's own figures where the log has them (else the node's), keyed (upstream, model);
-    # also those of the upstreams the log recorded, which a recorded run is converted from.
+    # Each GPU's own figures where the log has them (else the node's), keyed (GPU, model);
+    # also those of the GPUs the log recorded, which a recorded run is converted from.
     models = {r.record.model for r in requests}
-    uppers = {*names, *(r.record.gpu for r in requests if r.run_ns is not None)}
-    run_ns = {(u, m): round(costs.expected_run_s(m, u) * 1e9) for u in uppers for m in models}
-    swap_ns = {(u, m): round(costs.expected_swap_s(m, u) * 1e9) for u in uppers for m in models}
+    replayed_gpus = {*names, *(r.record.gpu for r in requests if r.run_ns is not None)}
+    run_ns = {(u, m): round(costs.expected_run_s(m, u) * 1e9) for u in replayed_gpus for m in models}
+    swap_ns = {(u, m): round(costs.expected_swap_s(m, u) * 1e9) for u in replayed_gpus for m in models}
     patience: list[tuple[int, int]] = []  # (deadline, index); entries of the granted are skipped
     reorders = Counter[ReorderCause]()
     evictions = Counter[EvictReason]()
     swaps = peak = waiting = granted = 0
     last_release = 0
-    # Per upstream, the running grants (one per busy slot, sharing that GPU by the concurrency
+    # Per GPU, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
     shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus)
     gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
@@ -387,7 +387,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
 
 
 class _Gpu:
-    """One upstream of the replay: its running grants and its figures."""
+    """One GPU of the replay: its running grants and its figures."""
 
     __slots__ = ("name", "running", "swaps", "busy_ns", "busy_since")
 
