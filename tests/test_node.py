@@ -226,9 +226,9 @@ def test_release_and_loaded_model_reports_are_per_upstream() -> None:
     assert [grant.gpu for grant in snapshot.grants] == ["gpu0"]
 
 
-def test_the_upstreams_cannot_change_under_a_running_scheduler() -> None:
+def test_the_gpus_cannot_change_under_a_running_scheduler() -> None:
     scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
-    with pytest.raises(SchedulerError, match="upstreams"):
+    with pytest.raises(SchedulerError, match="GPUs cannot change"):
         scheduler.reconfigure(serial().with_gpus((gpu("gpu0"), gpu("gpu7"))))
 
 
