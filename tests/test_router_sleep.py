@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from fake_llama import LOADED, SLEEPING, UNLOADED, FakeLlamaServer
 from flow import FakeUpstream, Flow, virtual_time
 from llamaswap.adapters.upstream_http import HttpUpstream, catalog_from
@@ -166,13 +168,13 @@ async def test_a_model_the_router_unloaded_by_itself_is_a_load_again() -> None:
 # -- a place of the router's: unloaded where the GPU keeps several --------------------------
 
 
-def keeping(upstream: FakeUpstream, max_loaded: int) -> Flow:
+def keeping(upstream: FakeUpstream, max_loaded: int, pinned: frozenset[str] = frozenset()) -> Flow:
     """A node of one GPU that keeps up to ``max_loaded`` models (the scheduler told so directly),
     with what the upstream's catalog says loaded accepted."""
     flow = Flow({"upstream": {"slots": 1}, **LONG_LEASE}, upstream=upstream)
     scheduler = flow.coordinator.scheduler
     policy = scheduler.policy
-    scheduler.reconfigure(policy.with_gpus(tuple(dataclasses.replace(gpu, residency=Residency(max_loaded))
+    scheduler.reconfigure(policy.with_gpus(tuple(dataclasses.replace(gpu, residency=Residency(max_loaded, pinned))
                                                  for gpu in policy.gpus)))
     flow.coordinator.observe_catalog(upstream.catalog_answer, scheduler.dispatches_on("gpu0"), "gpu0")  # type: ignore[arg-type]
     return flow
@@ -245,3 +247,17 @@ async def test_a_sleeping_model_the_scheduler_still_counts_is_not_unloaded() -> 
     coordinator.observe_catalog(router(loaded=("b",), asleep=("a",)), stale, "gpu0")
     await flow.idle()
     assert coordinator.scheduler.residents_on("gpu0") == {"a", "b"} and upstream.unload_calls == []
+
+
+@virtual_time
+async def test_a_pinned_model_asleep_stays_counted_and_is_never_unloaded(caplog: pytest.LogCaptureFixture) -> None:
+    upstream = FakeUpstream(router(loaded=("a", "b")))
+    flow = keeping(upstream, 2, pinned=frozenset({"a"}))
+    coordinator = flow.coordinator
+    for _ in range(2):
+        coordinator.observe_catalog(router(loaded=("b",), asleep=("a",)), coordinator.scheduler.dispatches_on("gpu0"),
+                                    "gpu0")
+        await flow.idle()
+    assert coordinator.scheduler.residents_on("gpu0") == {"a", "b"} and upstream.unload_calls == []
+    said = [record.getMessage() for record in caplog.records if "models.a.pinned" in record.getMessage()]
+    assert len(said) == 1 and "sleep-idle-seconds = -1" in said[0]  # once

@@ -16,6 +16,10 @@ and lists it `sleeping` (its process stays; any request naming it wakes it, whic
   model the scheduler no longer counts is unloaded (`Evictions.unload`: loads on that GPU wait for
   it, as for a grant's evictions); one whose unload failed is counted resident again and not tried
   again while it sleeps. With room for one the router replaces its model by itself anyway.
+- A pinned model (`models.<id>.pinned`) is never unloaded by llamaswap: asleep, it stays counted
+  resident (its place is held; its next request is estimated as if it needed no load), and a
+  warning says so once (set the router's sleep off for it: `sleep-idle-seconds = -1` in its
+  `--models-preset` section).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class RouterSleep:
         # begun again), and of those the ones that failed; each kept while a catalog lists it asleep.
         self._tried: dict[str, set[str]] = {}
         self._failed: dict[str, set[str]] = {}
+        self._said: set[tuple[str, str]] = set()  # (GPU, pinned model) warned about asleep
 
     async def look(self, model: str | None) -> None:
         """Before a request of ``model`` is queued: read again the catalog of each GPU where it
@@ -84,14 +89,23 @@ class RouterSleep:
 
     def reported(self, gpu: str, catalog: Catalog) -> Catalog:
         """What a catalog of ``gpu`` tells the scheduler is resident (`Gpus.reconcile`): a sleeping
-        model the upstream would not unload still holds its place, so it is counted."""
+        model that is pinned, or that the upstream would not unload, still holds its place, so it
+        is counted."""
         for marks in (self._tried, self._failed):
             if gpu in marks:
                 marks[gpu] &= catalog.asleep  # awake or gone since: tried again when it next sleeps
-        failed = self._failed.get(gpu)
-        if not failed:
+        if not catalog.asleep:
             return catalog
-        return dataclasses.replace(catalog, residents=catalog.residents | failed)
+        pinned = catalog.asleep & self._scheduler.policy.gpu(gpu).residency.pinned
+        for model in sorted(pinned):
+            if (gpu, model) not in self._said:
+                self._said.add((gpu, model))
+                _log.warning("models.%s.pinned: the router on %s put %s to sleep (--sleep-idle-seconds); it stays "
+                             "counted resident and is never unloaded, and its next request wakes it: set "
+                             "sleep-idle-seconds = -1 in its --models-preset section to keep it loaded",
+                             model, gpu, model)
+        kept = pinned | self._failed.get(gpu, set())
+        return dataclasses.replace(catalog, residents=catalog.residents | kept) if kept else catalog
 
     def observed(self, gpu: Gpu, catalog: Catalog) -> None:
         """A catalog of ``gpu`` was reconciled: unload the sleeping models that hold a place of the
