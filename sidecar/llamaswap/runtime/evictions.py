@@ -1,6 +1,8 @@
 """Evictions before a load: the resident models a grant evicts (`Decision.evicts`: none where
 the upstream replaces its one model by itself, `Residency.replaces_by_itself`) are unloaded on
-its GPU, and the request goes only once the upstream no longer lists them.
+its GPU, and the request goes only once the upstream no longer lists them. Models no grant evicts
+(the router's sleeping ones, `asleep.py`) are unloaded the same way (`unload`), and the grants
+there wait for them as for a grant's.
 
 Why the runtime waits: llama-server's router (`--models-max N`) unloads the least recently used
 model by itself when a load would pass N, busy or not. llamaswap chooses what goes (never a model
