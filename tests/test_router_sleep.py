@@ -74,7 +74,8 @@ async def test_the_fake_router_says_sleeping_and_the_sidecars_asks_never_wake_it
         assert (catalog.residents, catalog.asleep, catalog.sleep_after_s) == (frozenset(), {"model-a"}, 2.0)
         assert await client.busy(None) == 0 and await client.busy("model-a") == 0
         assert upstream.slots_asked == [] and upstream.autoloaded == []
-        assert upstream.states["model-a"] == SLEEPING
+        assert await client.total_slots("model-a") is None  # asking /props would wake it
+        assert upstream.props_asked == [] and upstream.states["model-a"] == SLEEPING
         assert await client.unload("model-a", timeout_s=5.0)
         assert upstream.unloads == ["model-a"] and upstream.states["model-a"] == UNLOADED
     finally:

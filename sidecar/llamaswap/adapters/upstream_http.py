@@ -242,6 +242,8 @@ class HttpUpstream:
             if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
                 if model is None:
                     return None  # the router's own /props has no slots
+                if model in catalog.asleep:
+                    return None  # asked, it would wake (autoload=false or not): asked again once awake
                 # autoload=false: /props?model= for a model not loaded would load it.
                 path = f"/props?model={quote(model, safe='')}&autoload=false"
             elif catalog is not None and catalog.kind is UpstreamKind.LLAMA_SWAP:
