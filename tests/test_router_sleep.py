@@ -125,7 +125,9 @@ async def test_the_next_request_of_a_model_put_to_sleep_is_a_load() -> None:
     await flow.advance(SLEEP_S)
     woken = await flow.arrive("a3", model="a")
     assert upstream.catalog_calls == asked + 1  # read before it was queued
-    assert woken.granted and woken.ticket.decision.load  # type: ignore[union-attr]
+    decision = woken.ticket.decision
+    assert woken.granted and decision is not None and decision.load
+    assert decision.ready_at is not None and decision.ready_at[0] == "a"  # its expected end counts the load
     assert flow.coordinator.scheduler.residents_on("gpu0") == {"a"}  # the load makes it resident again
     await flow.complete(woken)
     assert flow.recorder.outcomes() == {"a1": Outcome.SERVED, "a2": Outcome.SERVED, "a3": Outcome.SERVED}
