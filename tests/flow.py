@@ -260,9 +260,10 @@ class FakeUpstream:
         self.calls.append(("unload", model))
         if self.unload_gate is not None:
             await self.unload_gate.wait()
-        if self.unloads and self.catalog_answer is not None and model in self.catalog_answer.residents:
-            self.catalog_answer = dataclasses.replace(self.catalog_answer,
-                                                      residents=self.catalog_answer.residents - {model})
+        answer = self.catalog_answer
+        if self.unloads and answer is not None and model in answer.residents | answer.asleep:
+            self.catalog_answer = dataclasses.replace(answer, residents=answer.residents - {model},
+                                                      asleep=answer.asleep - {model})
         return self.unloads
 
     @property

@@ -54,6 +54,16 @@ def test_a_model_unloaded_again_is_asked_for_again(router: FakeLlamaServer) -> N
     assert load_model(router.url, "qwen3-8b").returncode == 1 and router.loads == ["qwen3-8b"]
 
 
+def test_a_model_the_router_put_to_sleep_counts_as_loaded(router: FakeLlamaServer) -> None:
+    """A load of a sleeping model is refused (400 `model is already running`): asking would never
+    end the probe. It was loaded, and its next request wakes it."""
+    router.states["qwen3-8b"] = "loaded"
+    router.put_to_sleep("qwen3-8b")
+    done = load_model(router.url, "qwen3-8b")
+    assert done.returncode == 0 and router.loads == []
+    assert done.stdout == "qwen3-8b: loaded, asleep (the router's --sleep-idle-seconds): its next request wakes it\n"
+
+
 def test_an_unknown_model_exits_2(router: FakeLlamaServer) -> None:
     result = load_model(router.url, "nope")
     assert result.returncode == 2

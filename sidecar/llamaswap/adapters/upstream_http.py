@@ -4,7 +4,9 @@ any OpenAI-compatible server.
 What each kind tells (measured on llama-server b11434; see docs/operations.md, "Failure
 behaviour"):
 - every kind lists its models at `GET /v1/models`;
-- llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`),
+- llama-server in router mode gives each model a `status` (`loaded`, `loading`, `unloaded`; and
+  `sleeping` for one it put to sleep after `--sleep-idle-seconds`: its process stays, its weights
+  are freed, and any request naming it wakes it, even `GET /slots?model=...&autoload=false`),
   answers `GET /slots?model=NAME` for a loaded model, and unloads with `POST /models/unload`
   (`unload` then reads the list until the model is `unloaded`: its child process has exited).
   Asking `/slots` for a model that is not loaded LOADS it (router autoload), so busy() asks
@@ -45,6 +47,9 @@ _log = logging.getLogger(__name__)
 _STATUS_LOADED = "loaded"
 _STATUS_LOADING = "loading"
 _STATUS_UNLOADED = "unloaded"
+_STATUS_SLEEPING = "sleeping"
+# The router's argument that puts an idle model to sleep (its children's `status.args` carry it).
+_SLEEP_ARGUMENT = "--sleep-idle-seconds"
 # What a server without GET /slots answers (llama-server started with --no-slots: 501).
 _NO_SLOTS_STATUSES = frozenset({404, 405, 501})
 # What router mode answers a query with autoload=false for a model that is not loaded.
@@ -237,6 +242,8 @@ class HttpUpstream:
             if catalog is not None and catalog.kind is UpstreamKind.ROUTER:
                 if model is None:
                     return None  # the router's own /props has no slots
+                if model in catalog.asleep:
+                    return None  # asked, it would wake (autoload=false or not): asked again once awake
                 # autoload=false: /props?model= for a model not loaded would load it.
                 path = f"/props?model={quote(model, safe='')}&autoload=false"
             elif catalog is not None and catalog.kind is UpstreamKind.LLAMA_SWAP:
@@ -263,7 +270,7 @@ class HttpUpstream:
                 processing += 1  # a load is GPU work too
             if value != _STATUS_LOADED:
                 self._exiting.pop(name, None)  # gone: a later `loaded` is a new instance
-                continue  # never ask /slots for it: that would load it
+                continue  # never ask /slots for it: that would load it (or wake it, asleep)
             unloaded_at = self._exiting.get(name)
             if unloaded_at is not None and time.monotonic() - unloaded_at < EXITING_S:
                 continue  # unloaded by us and still exiting: asking it would hold its exit
@@ -296,15 +303,18 @@ def catalog_from(document: Any) -> Catalog | None:
     if states:
         # A model being loaded is one the upstream will have: affinity applies to it already. With
         # --models-max N it keeps up to N: the resident set, every one of them.
+        # A sleeping model is not: its next request loads its weights again.
         loaded = frozenset(name for name, value in states.items() if value in (_STATUS_LOADED, _STATUS_LOADING))
-        return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded, True)
+        asleep = frozenset(name for name, value in states.items() if value == _STATUS_SLEEPING)
+        return Catalog(UpstreamKind.ROUTER, frozenset(names), loaded, True, asleep=asleep,
+                       sleep_after_s=_sleep_after_s(items))
     if "llama-swap" in owners:
         return Catalog(UpstreamKind.LLAMA_SWAP, frozenset(names))
     return Catalog(UpstreamKind.SINGLE, frozenset(names))
 
 
 def _states(document: Any) -> dict[str, str]:
-    """Router mode's model states (`loaded`, `loading`, `unloaded`) by model id; {} otherwise."""
+    """Router mode's model states (`loaded`, `loading`, `unloaded`, `sleeping`) by model id; {} otherwise."""
     items = document.get("data") if isinstance(document, dict) else document
     states: dict[str, str] = {}
     for item in items if isinstance(items, list) else ():
@@ -313,6 +323,27 @@ def _states(document: Any) -> dict[str, str]:
             if isinstance(value, str):
                 states[item["id"]] = value
     return states
+
+
+def _sleep_after_s(items: list[Any]) -> float | None:
+    """The shortest `--sleep-idle-seconds` among the router's models' arguments (`status.args`;
+    -1 is off); None where none sleeps."""
+    shortest = None
+    for item in items:
+        status = item.get("status") if isinstance(item, dict) else None
+        args = status.get("args") if isinstance(status, dict) else None
+        if not isinstance(args, list):
+            continue
+        for flag, value in zip(args, args[1:]):
+            if flag != _SLEEP_ARGUMENT or not isinstance(value, str):
+                continue
+            try:
+                seconds = float(value)
+            except ValueError:
+                continue
+            if seconds >= 0 and (shortest is None or seconds < shortest):
+                shortest = seconds
+    return shortest
 
 
 def _processing(slots: Any) -> int:

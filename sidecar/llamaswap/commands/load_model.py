@@ -6,9 +6,11 @@ and the first request would otherwise pay the load):
 
     llamaswap load-model --upstream http://127.0.0.1:8081 qwen3-8b
 
-One run asks `GET /v1/models`: exit 0 if the model's status is `loaded`; if it is neither
-loaded nor loading, `POST /models/load` it; exit 1 while it is not loaded yet (the probe runs
-again). With `--wait SECONDS` it polls until loaded instead (an init step or a script).
+One run asks `GET /v1/models`: exit 0 if the model's status is `loaded`, or `sleeping` (it was
+loaded, and the router put it to sleep after `--sleep-idle-seconds`: a load of it is refused as
+already running, and its next request wakes it); if it is neither loaded nor loading, `POST
+/models/load` it; exit 1 while it is not loaded yet (the probe runs again). With `--wait SECONDS`
+it polls until loaded instead (an init step or a script).
 A model the upstream does not list, or an upstream that is not in router mode, exits 2 with
 one line saying so. It talks to llama-server directly: the pod is not ready yet, so no
 scheduled request can be running.
@@ -62,9 +64,9 @@ def model_state(document: Any, model: str) -> str | None:
     return None
 
 
-def step(upstream: str, model: str, api_key: str | None = None) -> bool:
-    """One look: True if loaded; otherwise start a load if none is under way. Raises
-    PreloadError (hopeless) or OSError/URLError (not reachable yet)."""
+def step(upstream: str, model: str, api_key: str | None = None) -> str | None:
+    """One look: the status if loaded (or asleep); otherwise None, after starting a load if none
+    is under way. Raises PreloadError (hopeless) or OSError/URLError (not reachable yet)."""
     base = upstream.rstrip("/")
     try:
         state = model_state(_request(f"{base}/v1/models", api_key=api_key), model)
@@ -75,11 +77,11 @@ def step(upstream: str, model: str, api_key: str | None = None) -> bool:
         raise
     if state is None:
         raise PreloadError(f"{model}: not among the upstream's models (a GGUF file name without .gguf)")
-    if state == "loaded":
-        return True
+    if state in ("loaded", "sleeping"):
+        return state
     if state != "loading":
         _request(f"{base}/models/load", {"model": model}, api_key)
-    return False
+    return None
 
 
 def run(upstream: str, model: str, wait_s: float, *, clock: Callable[[], float] = time.monotonic,
@@ -87,8 +89,10 @@ def run(upstream: str, model: str, wait_s: float, *, clock: Callable[[], float] 
     deadline = clock() + wait_s
     while True:
         try:
-            if step(upstream, model, api_key):
-                print(f"{model}: loaded")
+            state = step(upstream, model, api_key)
+            if state is not None:
+                print(f"{model}: loaded" if state == "loaded" else
+                      f"{model}: loaded, asleep (the router's --sleep-idle-seconds): its next request wakes it")
                 return 0
             reason = "loading"
         except PreloadError as exc:

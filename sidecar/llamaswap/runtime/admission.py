@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Iterable
 
 from llamaswap.core import NS_PER_S, SHUTDOWN_RETRY_AFTER_S, Clock, Decision, Outcome, QueueFull, Removed, Scheduler
+from llamaswap.runtime.asleep import RouterSleep
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.grants import Grants
@@ -29,7 +30,8 @@ class Admitter:
 
     def __init__(self, *, clock: Clock, config: LiveConfig, scheduler: Scheduler, gpus: Gpus, keys: ModelKeys,
                  tickets: dict[str, Ticket], request_ids: RequestIds, tokens: Tokens, observer: Observer,
-                 publisher: Publisher, forecast: Forecast, kept: PlaceKeeper, grants: Grants) -> None:
+                 publisher: Publisher, forecast: Forecast, kept: PlaceKeeper, grants: Grants,
+                 sleep: RouterSleep) -> None:
         self._clock = clock
         self._config = config
         self._scheduler = scheduler
@@ -43,6 +45,7 @@ class Admitter:
         self._forecast = forecast
         self._kept = kept
         self._grants = grants
+        self._sleep = sleep
         self.admitting = True
         self._open_checks = 0  # Checks being answered: each holds one of Envoy's streams to us
         self._expiry: asyncio.TimerHandle | None = None
@@ -80,6 +83,8 @@ class Admitter:
                                                 limit_key="envoy.maxSidecarStreams"))
         if ticket.model is not None and not await self.serves(ticket.model):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
+        # A router may have put its model to sleep since it was last asked: then it is a load.
+        await self._sleep.look(self._keys.scheduled(ticket.model))
         if not self.admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         # What it is scheduled as (a single-model upstream: its one model, whatever the name) and

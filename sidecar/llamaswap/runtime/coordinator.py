@@ -52,6 +52,7 @@ from llamaswap.config import Config
 from llamaswap.core import Clock, Estimator, MonotonicClock, Scheduler
 from llamaswap.core.holding import GpuHolding
 from llamaswap.runtime.admission import Admitter
+from llamaswap.runtime.asleep import RouterSleep
 from llamaswap.runtime.forecast import RETRY_AFTER_MAX_S, Forecast
 from llamaswap.runtime.gpus import make_gpus, node_policy
 from llamaswap.runtime.grants import Grants
@@ -120,13 +121,16 @@ class Coordinator:
         self._watchdogs = self._grants.watchdogs
         self._adoptions = self._grants.adoptions
         self._evictions = self._grants.evictions
+        # The router's own sleep (`asleep.py`): read before a request of a model it may have put to sleep.
+        self._sleep = RouterSleep(self.gpus, self.scheduler, self._clock, lambda: self._evictions)
         # routing.retryGraceSeconds: places kept for a retry (`kept.py`; the scheduler keeps them).
         self._kept = PlaceKeeper(self.scheduler, self._clock, grace_ns=self._config.retry_grace_ns,
                                  observe=self._observe_kept)
         self._admitter = Admitter(clock=self._clock, config=self._config, scheduler=self.scheduler, gpus=self.gpus,
                                   keys=self._keys, tickets=self._tickets, request_ids=self._request_ids,
                                   tokens=self._tokens, observer=self._observer, publisher=self._publisher,
-                                  forecast=self._forecast, kept=self._kept, grants=self._grants)
+                                  forecast=self._forecast, kept=self._kept, grants=self._grants,
+                                  sleep=self._sleep)
         self._observer.settings_changed(self.scheduler.policy)
 
     # -- configuration and state ---------------------------------------------------------
@@ -264,9 +268,13 @@ class Coordinator:
 
     def observe_catalog(self, catalog: Catalog, as_of: int, gpu: str) -> None:
         """A catalog of an upstream, asked when its `Scheduler.dispatches_on`
-        was `as_of` (the reconcile loop): `Gpus.reconcile`."""
+        was `as_of` (the reconcile loop): `Gpus.reconcile`, with the sleeping models that would not
+        unload counted (`RouterSleep.reported`); then the models the router put to sleep that hold
+        a place of its own are unloaded (`RouterSleep.observed`)."""
+        catalog = self._sleep.reported(gpu, catalog)
         self.gpus.reconcile(catalog, as_of, gpu, scheduler=self.scheduler, config=self._config.config,
                             changed=self._publisher.changed, reconfigure=self._reload_in_effect)
+        self._sleep.observed(self.gpus.named(gpu), catalog)
 
     def _reload_in_effect(self) -> None:
         self.reconfigure(self._config.config)

@@ -1,6 +1,8 @@
 """Evictions before a load: the resident models a grant evicts (`Decision.evicts`: none where
 the upstream replaces its one model by itself, `Residency.replaces_by_itself`) are unloaded on
-its GPU, and the request goes only once the upstream no longer lists them.
+its GPU, and the request goes only once the upstream no longer lists them. Models no grant evicts
+(the router's sleeping ones, `asleep.py`) are unloaded the same way (`unload`), and the grants
+there wait for them as for a grant's.
 
 Why the runtime waits: llama-server's router (`--models-max N`) unloads the least recently used
 model by itself when a load would pass N, busy or not. llamaswap chooses what goes (never a model
@@ -92,19 +94,28 @@ class Evictions:
         gpu = decision.gpu
         if not decision.evicts and gpu not in self._under_way:
             return None  # (every grant passes here: nothing is built for the common one)
-        under_way = self._live(gpu)
-        earlier = [unloading.done for unloading in under_way]
         if decision.evicts:
-            models = tuple(dict.fromkeys(eviction.model for eviction in decision.evicts))
             for eviction in decision.evicts:
                 _log.info("unloading %s on %s to make room for %s (%s; request %s)", eviction.model, gpu,
                           decision.model, eviction.reason, decision.request_id)
-            done = asyncio.ensure_future(self._unload(gpu, models, earlier))
-            self._under_way[gpu] = [*under_way, _Unloading(frozenset(models), done)]
-            return done
+            return self._begin(gpu, tuple(dict.fromkeys(eviction.model for eviction in decision.evicts)))
+        under_way = self._live(gpu)
         if not under_way or _goes_now(decision, self.evicting(gpu)):
             return None
-        return asyncio.ensure_future(_first_failure(earlier))
+        return asyncio.ensure_future(_first_failure([unloading.done for unloading in under_way]))
+
+    def unload(self, gpu: str, models: frozenset[str], why: str) -> Unloads:
+        """Unload models no grant evicts (the router's sleeping ones: `asleep.py`), after the
+        unloads under way on the GPU; the grants there wait for it as for a grant's evictions."""
+        for model in sorted(models):
+            _log.info("unloading %s on %s: %s", model, gpu, why)
+        return self._begin(gpu, tuple(sorted(models)))
+
+    def _begin(self, gpu: str, models: Sequence[str]) -> Unloads:
+        under_way = self._live(gpu)
+        done = asyncio.ensure_future(self._unload(gpu, models, [unloading.done for unloading in under_way]))
+        self._under_way[gpu] = [*under_way, _Unloading(frozenset(models), done)]
+        return done
 
     async def _unload(self, gpu: str, models: Sequence[str], earlier: Sequence[Unloads]) -> str | None:
         failed = await _first_failure(earlier)

@@ -30,6 +30,12 @@ class Catalog:
     # when the answer says nothing about them.
     residents: frozenset[str] = frozenset()
     residents_known: bool = False
+    # Router mode: the models it put to sleep by itself (`--sleep-idle-seconds`: status `sleeping`,
+    # weights freed, the process kept): not resident (their next request loads them again), yet
+    # each still holds one of its `--models-max` places. `sleep_after_s`: the shortest idle time
+    # after which it puts one to sleep, as its models' arguments say; None: it puts none to sleep.
+    asleep: frozenset[str] = frozenset()
+    sleep_after_s: float | None = None
 
 
 class UpstreamUnanswered(Exception):
