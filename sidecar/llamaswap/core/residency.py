@@ -92,4 +92,5 @@ def may_serve(models: Set[str] | None, residency: Residency, model: str | None) 
     and for refusing a model that no GPU can ever run (`Gpus.serves`, through `GpuPolicy.may_serve`)."""
     if model is None:
         return True
-    return listed(models, model) and not residency.never_fits(model)
+    # (`listed`, inline: the rule asks this of every GPU at every grant.)
+    return (models is None or model in models) and not residency.never_fits(model)

@@ -63,6 +63,7 @@ from llamaswap.core import (
     NO_MODEL,
     Band,
     Estimator,
+    Decision,
     EvictReason,
     ManualClock,
     Outcome,
@@ -269,6 +270,11 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     release_at = _NEVER
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
+    # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
+    of_grants = NodeTimes.of_grants
+
+    def running_grants() -> tuple[Decision, ...]:
+        return scheduler.running_grants
     next_deadline = scheduler.next_deadline_ns
     expiring = policy.max_wait_ns > 0  # without maxWaitSeconds nothing expires: no need to ask
     heappush, heappop = heapq.heappush, heapq.heappop
@@ -336,7 +342,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
 
         while waiting:
             # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            decision = grant(times=running_times(scheduler, now, costs))
+            decision = grant(times=of_grants(running_grants, now, costs))
             if decision is None:
                 break  # every slot it may use is busy (with one slot: a grant runs)
             waiting -= 1
