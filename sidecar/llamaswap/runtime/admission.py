@@ -84,7 +84,9 @@ class Admitter:
         if ticket.model is not None and not await self.serves(ticket.model):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         # A router may have put its model to sleep since it was last asked: then it is a load.
-        await self._sleep.look(self._keys.scheduled(ticket.model))
+        rereads = self._sleep.look(self._keys.scheduled(ticket.model))
+        if rereads is not None:
+            await rereads
         if not self.admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         # What it is scheduled as (a single-model upstream: its one model, whatever the name) and

@@ -28,7 +28,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from llamaswap.core import NS_PER_S, Clock, Scheduler
 from llamaswap.core.eviction import busy_of
@@ -78,14 +78,14 @@ class RouterSleep:
         self._failed: dict[str, set[str]] = {}
         self._said: set[tuple[str, str]] = set()  # (GPU, pinned model) warned about asleep
 
-    async def look(self, model: str | None) -> None:
-        """Before a request of ``model`` is queued: read again the catalog of each GPU where it
-        may have been put to sleep (`may_be_asleep`)."""
+    def look(self, model: str | None) -> Awaitable[object] | None:
+        """Before a request of ``model`` is queued: the reads again of the catalog of each GPU
+        where it may have been put to sleep (`may_be_asleep`), to wait for; None where there is
+        none (no coroutine on the admission path for the usual case)."""
         now_ns = self._clock.now_ns()
         stale = [gpu for gpu in self._gpus
                  if may_be_asleep(gpu.catalog.latest, self._scheduler.holding_of(gpu.name), model, now_ns)]
-        if stale:
-            await asyncio.gather(*(gpu.catalog.refresh() for gpu in stale))
+        return asyncio.gather(*(gpu.catalog.refresh() for gpu in stale)) if stale else None
 
     def reported(self, gpu: str, catalog: Catalog) -> Catalog:
         """What a catalog of ``gpu`` tells the scheduler is resident (`Gpus.reconcile`): a sleeping
