@@ -79,8 +79,8 @@ async def test_the_queue_shows_estimated_starts(tmp_path: pathlib.Path) -> None:
         assert running["expected_end_s"] == 34  # nothing measured yet: the default run + a load
         a1, b1, b2 = document["waiting"]
         # a1 after the blocker's expected remainder, b1 after a1's run; b1 swaps to model-b, so
-        # b2 waits for that swap and b1's run. (Computed microseconds apart, hence approx.)
-        assert a1["estimated_start_s"] == pytest.approx(running["expected_remaining_s"], abs=1e-3)
+        # b2 waits for that swap and b1's run. (As of one instant: approx for the float sums only.)
+        assert a1["estimated_start_s"] == pytest.approx(running["expected_remaining_s"], abs=1e-9)
         assert b1["estimated_start_s"] == pytest.approx(a1["estimated_start_s"] + 30, abs=1e-6)
         assert b2["estimated_start_s"] == pytest.approx(b1["estimated_start_s"] + 4 + 30, abs=1e-6)
         assert table.returncode == 0, table.stderr

@@ -208,6 +208,7 @@ class QueueSnapshot:
     grants: tuple[RunningView, ...]  # every running grant, earliest first
     gpus: tuple[GpuView, ...] = ()  # every GPU, in the configured order (its residents and slots)
     claim: Claim | None = None  # the claim in force (the estimates' walk goes on from it)
+    at_ns: int = 0  # the instant it pictures (the scheduler's clock): the waits and running times are as of it
 
 
     @property

@@ -151,5 +151,5 @@ def snapshot(policy: Policy, gpus: Sequence[GpuRecord], index: Index, count: int
     views = tuple(GpuView(gpu.name, tuple(sorted(gpu.residents)), len(gpu.grants), slots_total(gpu),
                           next(iter(held), None), tuple(model for model in held if model is not None))
                   for gpu in gpus for held in (held_back.get(gpu.name, ()),))
-    return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views, claim)
+    return QueueSnapshot(policy.name, waiting, band_stats(arrivals, now_ns), running, views, claim, now_ns)
 

@@ -132,9 +132,11 @@ class QueueViews:
         """How long the last fresh walk took (the estimate batching widens with it)."""
         return self._walk.took_s if self._walk is not None else 0.0
 
-    def walk(self, *, fresh: bool = False) -> tuple[QueueSnapshot, list[float]]:
-        """The dispatch order and each one's estimated start (seconds from now)."""
-        now = self._clock.now_ns()
+    def walk(self, *, fresh: bool = False, now: int | None = None) -> tuple[QueueSnapshot, list[float]]:
+        """The dispatch order and each one's estimated start (seconds from ``now``: the clock's
+        now unless given)."""
+        if now is None:
+            now = self._clock.now_ns()
         cached = self._current(now, fresh=fresh)
         age_s = (now - cached.at_ns) / NS_PER_S
         if age_s == 0:
@@ -155,13 +157,14 @@ class QueueViews:
         starts = [start for start, _ in placed]
         positions = {w.request_id: index for index, w in enumerate(snapshot.waiting)}
         took_s = (self._clock.now_ns() - now) / NS_PER_S
-        walk = self._walk = _Walk(self._version(), now, snapshot, starts, took_s, positions)
+        # (As of the snapshot's instant, which its running grants' remaining times are of.)
+        walk = self._walk = _Walk(self._version(), snapshot.at_ns, snapshot, starts, took_s, positions)
         return walk
 
     def view(self, kept: tuple[KeptRow, ...] = ()) -> QueueView:
         """The live queue, with ``kept``: the places kept for a retry (`PlaceKeeper.rows`)."""
-        snapshot, starts = self.walk()
-        now = self._clock.now_ns()
+        now = self._clock.now_ns()  # (one instant for the estimates and the running rows)
+        snapshot, starts = self.walk(now=now)
 
         tickets = self._tickets
         waiting = tuple(
