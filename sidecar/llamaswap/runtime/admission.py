@@ -68,6 +68,7 @@ class Admitter:
             raise
         finally:
             self._open_checks -= 1
+            ticket.drop_retry_digest()  # answered or gone: its place can no longer be kept
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
