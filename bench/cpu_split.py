@@ -39,7 +39,7 @@ def _any(pattern: str) -> Callable[[str], bool]:
 
 # (step, test on the whole stack as one ';'-joined string), first match wins.
 STEPS: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("Check: retry digest (retry_identity: HMAC of caller and body)", _any(r"\bretry_identity \(")),
+    ("Check: retry digest (retry_digest: HMAC of caller and body)", _any(r"\bretry_(identity|digest) \(")),
     ("Check: reading the arrival (_arrival: headers, metadata, Arrival)", _any(r"Authorization\._arrival \(")),
     ("Check: the grant in admit (Grants.pump: scheduler, lease, ticket)", _all(r"Coordinator\.admit \(",
                                                                                r"Grants\.(pump|_grant) \(")),

@@ -1466,6 +1466,17 @@ async def test_the_trusted_header_and_the_priority_policy_apply_at_arrival() -> 
     assert flow.waiting_ids() == ["trusted", "high"]
 
 
+@virtual_time
+async def test_a_reload_s_priority_policy_applies_to_the_next_arrival() -> None:
+    # The coordinator keeps the policy built once per configuration (LiveConfig): a reload rebuilds it.
+    flow = Flow(LONG_LEASE)
+    await flow.arrive("a", model="a")
+    before = await flow.arrive("before", "interactive", model="a")
+    flow.coordinator.reconfigure(parse_config({"security": {"priority": {"mode": "clamp", "max": 3}}, **LONG_LEASE}))
+    after = await flow.arrive("after", "interactive", model="a")
+    assert (before.ticket.priority.value, after.ticket.priority.value) == (100, 3)
+
+
 def test_arrival_has_the_fields_the_transport_fills() -> None:
     arrival = Arrival("id", "5", None, "m", "peer", None, None)
     ticket = Ticket("token", arrival, parse_config({}).priority_policy().resolve("5"), 7)

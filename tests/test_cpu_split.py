@@ -29,7 +29,7 @@ def write_profile(tmp_path: pathlib.Path, stacks: dict[str, int]) -> str:
 def test_each_sample_goes_to_the_innermost_step_its_stack_names(tmp_path: pathlib.Path) -> None:
     profile = write_profile(tmp_path, {
         f"{CHECK};Authorization._arrival (llamaswap/adapters/ext_authz.py:300);"
-        "retry_identity (llamaswap/adapters/ext_authz.py:240);RetryKeys.digest (llamaswap/runtime/kept.py:57)": 3,
+        "retry_digest (llamaswap/adapters/ext_authz.py:240);RetryKeys.digest (llamaswap/runtime/kept.py:57)": 3,
         f"{CHECK};Authorization._arrival (llamaswap/adapters/ext_authz.py:300);model_of (x.py:1)": 5,
         f"{ADMIT};Grants.pump (llamaswap/runtime/grants.py:130)": 7,
         f"{ADMIT};Admitter._admit (a.py:80)": 11,
@@ -83,7 +83,7 @@ def test_the_table_gives_shares_and_microseconds(tmp_path: pathlib.Path) -> None
 
 def test_the_functions_it_names_still_exist() -> None:
     from llamaswap.adapters.access_log import AccessLogs, report_of, ticket_of
-    from llamaswap.adapters.ext_authz import Authorization, granted, retry_identity
+    from llamaswap.adapters.ext_authz import Authorization, granted, retry_digest
     from llamaswap.runtime.activity import ActivityLog
     from llamaswap.runtime.coordinator import Coordinator
     from llamaswap.runtime.deferred import Deferred
@@ -94,5 +94,5 @@ def test_the_functions_it_names_still_exist() -> None:
                         (Coordinator, "report"), (Grants, "pump"), (Grants, "_grant"), (AccessLogs, "StreamAccessLogs"),
                         (Publisher, "publish_now"), (Deferred, "run"), (ActivityLog, "_write")):
         assert callable(getattr(owner, name)), f"{owner.__name__}.{name}"
-    assert all(callable(function) for function in (report_of, ticket_of, granted, retry_identity))
+    assert all(callable(function) for function in (report_of, ticket_of, granted, retry_digest))
     assert (ROOT / "sidecar/llamaswap/runtime/history.py").exists()

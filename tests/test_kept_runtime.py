@@ -4,12 +4,14 @@ once; and the adapter's digest says which requests are the same one."""
 
 from __future__ import annotations
 
-from flow import Flow, Request, check_request, virtual_time
+from flow import FakeServicerContext, Flow, Request, check_request, virtual_time
 from llamaswap.adapters.admin import queue_document
-from llamaswap.adapters.ext_authz import retry_identity
+from llamaswap.adapters.ext_authz import Authorization, retry_digest
 from llamaswap.commands.queue import render
+from llamaswap.config import parse_config
 from llamaswap.core import NS_PER_S, Outcome
 from llamaswap.runtime.kept import KeptEventKind, RetryKeys, parse_attempt
+from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd
 
 KEY = b"k" * 16
@@ -125,7 +127,7 @@ def _digest(keys: RetryKeys, headers: dict[str, str], body: bytes | None = None,
     request.attributes.source.address.socket_address.address = address
     if body is not None:
         request.attributes.request.http.raw_body = body
-    return retry_identity(request, keys)[0]
+    return retry_digest(request, keys)
 
 
 def test_the_same_request_is_the_same_caller_and_id_or_body() -> None:
@@ -183,3 +185,72 @@ async def test_queue_and_the_command_list_a_kept_place() -> None:
     summary, _, *rows = render(document).splitlines()
     assert summary.endswith(", 1 kept for a retry")
     assert rows[-1].split()[:3] == ["-", "K", "job"]
+
+
+class _CountedDigest:
+    """An adapter's deferred digest (`Arrival.retry_digest`) that counts how often it is computed."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.calls = 0
+
+    def __call__(self) -> bytes:
+        self.calls += 1
+        return self.key
+
+
+async def _arrive_deferred(flow: Flow, request_id: str, digest: _CountedDigest) -> Request:
+    return await flow.admit(Arrival(request_id, None, None, "m", "peer", None, None, "POST",
+                                    "/v1/chat/completions", retry_digest=digest))
+
+
+@virtual_time
+async def test_the_digest_is_computed_only_where_a_place_can_be_kept_or_taken_over() -> None:
+    flow = Flow()
+    at_once = _CountedDigest(b"another request.")
+    running = await _arrive_deferred(flow, "running", at_once)
+    assert running.granted
+    left = _CountedDigest(KEY)
+    first = await _arrive_deferred(flow, "job", left)
+    assert left.calls == 0  # no place is kept: nothing to take over
+    await flow.cancel(first)  # its client left: its place is kept under its digest
+    assert left.calls == 1 and len(flow.coordinator.view().kept) == 1
+    retried = _CountedDigest(KEY)
+    retry = await _arrive_deferred(flow, "job", retried)  # a place is kept: it may be this one's
+    assert retried.calls == 1 and retry.ticket.takeover is not None
+    await flow.complete(running)
+    assert retry.granted and retried.calls == 1
+    # Granted at once with no place kept: never hashed, and never now (its Check was answered).
+    assert at_once.calls == 0 and running.ticket.retry_key is None and at_once.calls == 0
+    assert _kinds(flow) == [KeptEventKind.KEPT, KeptEventKind.TAKEN_OVER]
+
+
+@virtual_time
+async def test_a_connection_that_ends_keeps_the_places_of_its_waiting_requests() -> None:
+    flow = Flow()
+    await _arrive(flow, "running", key=None)
+    digest = _CountedDigest(KEY)
+    await _arrive_deferred(flow, "job", digest)
+    await flow.peer_gone("peer")
+    assert digest.calls == 1 and _kinds(flow) == [KeptEventKind.KEPT]
+    assert [row.request_id for row in flow.coordinator.view().kept] == ["job"]
+
+
+def test_the_adapter_hashes_the_body_only_when_the_digest_is_read() -> None:
+    keys = RetryKeys()
+    body = b'{"model":"m","messages":[]}'
+    headers = {"content-length": str(len(body)), "authorization": "Bearer a", "x-request-id": "envoy-1",
+               "x-stainless-retry-count": "1"}
+    request = check_request(headers)
+    http = request.attributes.request.http
+    http.raw_body = body
+    request.attributes.source.address.socket_address.address = "10.0.0.1"
+    arrival = Authorization(Coordinator(parse_config({})), retry_keys=keys)._arrival(
+        request, FakeServicerContext())  # type: ignore[arg-type]
+    assert arrival.attempt == 1 and arrival.retry_digest is not None
+    assert http.raw_body == body  # not hashed on arrival
+    assert arrival.retry_digest() == _digest(keys, headers, body)
+    assert http.raw_body == b""  # hashed, never kept
+    off = Authorization(Coordinator(parse_config({"routing": {"retryGraceSeconds": 0}})), retry_keys=keys)._arrival(
+        check_request(headers), FakeServicerContext())  # type: ignore[arg-type]
+    assert off.retry_digest is None and off.attempt is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from urllib.parse import parse_qs
 
@@ -228,8 +229,9 @@ def _service_tier_in(fields: Fields | None) -> str | None:
     return tier if tier is not None and len(tier) <= MAX_SERVICE_TIER else None
 
 
-def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[bytes | None, int | None]:
-    """routing.retryGraceSeconds: the request's keyed digest (runtime/kept.py) and which try it is.
+def retry_digest(request: authz_pb2.CheckRequest, keys: RetryKeys) -> bytes | None:
+    """routing.retryGraceSeconds: the request's keyed digest (runtime/kept.py), computed when first
+    read (`Ticket.retry_key`).
 
     The caller is the Authorization header and the client's address. A client-chosen x-request-id
     is one Envoy found on arrival (copied to CLIENT_REQUEST_ID_HEADER before Envoy makes one up for
@@ -246,7 +248,7 @@ def retry_identity(request: authz_pb2.CheckRequest, keys: RetryKeys) -> tuple[by
                          route=f"{http.method} {http.path}")
     if body:
         http.ClearField("raw_body")  # hashed, never kept
-    return digest, parse_attempt(headers.get(RETRY_COUNT_HEADER))
+    return digest
 
 
 class Authorization(authz_grpc.AuthorizationServicer):
@@ -286,9 +288,11 @@ class Authorization(authz_grpc.AuthorizationServicer):
         method, path = http.method, http.path
         fields = body_fields(request)
         scheduled = scheduled_as(method, path, _model_in(fields))
-        retry_key = attempt = None
+        digest = attempt = None
         if self._coordinator.config.routing.retry_grace_seconds > 0:
-            retry_key, attempt = retry_identity(request, self._retry_keys)
+            # Hashed only if read: most requests find no kept place and are never cancelled waiting.
+            digest = functools.partial(retry_digest, request, self._retry_keys)
+            attempt = parse_attempt(headers.get(RETRY_COUNT_HEADER))
         return Arrival(
             request_id=request_id,
             priority_header=headers.get(PRIORITY_HEADER),
@@ -305,6 +309,6 @@ class Authorization(authz_grpc.AuthorizationServicer):
             alone=scheduled.alone,
             objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
             service_tier=_service_tier_in(fields),
-            retry_key=retry_key,
             attempt=attempt,
+            retry_digest=digest,
         )

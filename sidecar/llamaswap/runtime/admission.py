@@ -52,9 +52,8 @@ class Admitter:
 
     async def admit(self, arrival: Arrival) -> Admission:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
-        policy = self._config.config.priority_policy()
-        priority = policy.resolve(arrival.priority_header, arrival.trusted_header, arrival.objective,
-                                  arrival.service_tier)
+        priority = self._config.priority_policy.resolve(arrival.priority_header, arrival.trusted_header,
+                                                        arrival.objective, arrival.service_tier)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         self._open_checks += 1
         try:
@@ -71,6 +70,7 @@ class Admitter:
             raise
         finally:
             self._open_checks -= 1
+            ticket.drop_retry_digest()  # answered or gone: its place can no longer be kept
 
     async def _admit(self, ticket: Ticket) -> Admission:
         priority = ticket.priority
@@ -122,8 +122,9 @@ class Admitter:
 
     async def serves(self, model: str) -> bool:
         """Whether a GPU answers ``model`` and may run it as scheduled (`Gpus.serves`)."""
+        config = self._config
         return await self._gpus.serves(model, self._keys.scheduled(model), self._scheduler.policy,
-                                       self._config.config)
+                                       config.entries, config.config.upstream.model_check)
 
     def _over_stream_limit(self) -> bool:
         """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its

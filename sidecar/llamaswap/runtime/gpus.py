@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from llamaswap.config import SLOTS_AUTO, Config
+from llamaswap.config import SLOTS_AUTO, Config, GpuEntry, ModelCheck
 from llamaswap.config.sections import RENEWALS_PER_LEASE
 from llamaswap.core import Clock, Policy, Scheduler
 from llamaswap.runtime.catalog import ModelCatalog
@@ -105,16 +105,17 @@ class Gpus:
         keys = {gpu.catalog.single_model() for gpu in self.all}
         return keys.pop() if len(keys) == 1 else None
 
-    async def serves(self, model: str, scheduled: str | None, policy: Policy, config: Config) -> bool:
+    async def serves(self, model: str, scheduled: str | None, policy: Policy, entries: Mapping[str, GpuEntry],
+                     model_check: ModelCheck) -> bool:
         """Whether some GPU answers the client's name ``model``: its entry lists it (the operator's
-        ``upstreams[i].models`` names what the GPU answers, `GpuEntry.lists`: a single-model
-        server answers every name with its one model, and a name its entry does not list is refused
-        there), the scheduler may run there what the request is scheduled as (``scheduled``:
-        `GpuPolicy.may_serve`, the one rule), and the upstream lists it (upstream.modelCheck:
-        `ModelCatalog.serves`, each asked again once on a miss)."""
+        ``upstreams[i].models`` names what the GPU answers, `GpuEntry.lists`, ``entries`` by GPU
+        name: a single-model server answers every name with its one model, and a name its entry
+        does not list is refused there), the scheduler may run there what the request is scheduled
+        as (``scheduled``: `GpuPolicy.may_serve`, the one rule), and the upstream lists it
+        (upstream.modelCheck, ``model_check``: `ModelCatalog.serves`, each asked again once on a miss)."""
         for gpu in self.all:
-            if (config.entry(gpu.name).lists(model) and policy.gpu(gpu.name).may_serve(scheduled)
-                    and await gpu.catalog.serves(model, config.upstream.model_check)):
+            if (entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled)
+                    and await gpu.catalog.serves(model, model_check)):
                 return True
         return False
 

@@ -6,7 +6,8 @@ either the same client-chosen x-request-id, or, without one, the same body. The 
 these with a key drawn once per process (`RetryKeys`): the body is never stored, and a digest
 means nothing outside this process. The core compares the digest, the priority and the model
 (`core/kept.py`). The coordinator keeps a place when a waiting request's Check is cancelled
-(`Admitter.cancelled`) and offers the digest of every arrival (`Admitter._admit`).
+(`Admitter.cancelled`) and offers the digest of each arrival while a place is kept
+(`Admitter._admit`); the digest is computed only then (`Ticket.retry_key`).
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ class PlaceKeeper:
         self.ledger = KeptLedger()
 
     def retry_key(self, ticket: Ticket) -> bytes | None:
-        """What an arrival offers to take a place over with (None with no grace period)."""
-        return ticket.retry_key if self._grace_ns() else None
+        """What an arrival offers to take a place over with: None with no grace period, and None
+        while no place is kept (nothing to take over: its digest is not computed for it)."""
+        return ticket.retry_key if self._scheduler.kept_count and self._grace_ns() else None
 
     def keep(self, ticket: Ticket, *, admitting: bool) -> Removed | None:
         """The client of a waiting request left: keep its place for its retry, if it can be

@@ -68,6 +68,7 @@ class Leases:
         self._lapsed: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._let_go: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_ns = 0  # the deadline it is armed for
 
     # -- what is remembered ----------------------------------------------------------------
 
@@ -163,20 +164,38 @@ class Leases:
 
     def arm(self) -> None:
         """One timer for the leases (every running grant's and the adopted ones) and the adopted
-        exchanges' watchdog, at the earliest."""
+        exchanges' watchdog, at the earliest. A timer already armed no later than that stays: it
+        fires, finds nothing due yet and arms for the earliest then (`_fire`), so a grant and its
+        release cost no timer of their own while another is armed."""
+        deadline_ns = self._earliest_ns()
+        if deadline_ns is None or (self._timer is not None and self._timer_ns <= deadline_ns):
+            return
         self.cancel()
+        self._set(deadline_ns)
+
+    def _earliest_ns(self) -> int | None:
         deadlines = [adoption.lease_deadline_ns for adoption in self.adopted.values()]
         max_run_ns = self._max_run_ns()
         if max_run_ns > 0:
             deadlines.extend(adoption.started_ns + max_run_ns for adoption in self.adopted.values())
         deadlines.extend(ticket.lease_deadline_ns for ticket in self._running())
-        if not deadlines:
-            return
-        delay_s = max(0.0, (min(deadlines) - self._clock.now_ns()) / NS_PER_S)
+        return min(deadlines) if deadlines else None
+
+    def _set(self, deadline_ns: int) -> None:
+        delay_s = max(0.0, (deadline_ns - self._clock.now_ns()) / NS_PER_S)
         self._timer = asyncio.get_running_loop().call_later(delay_s, self._fire)
+        self._timer_ns = deadline_ns
 
     def _fire(self) -> None:
+        """`due` runs when the earliest deadline has passed, only then: a timer armed for a grant
+        since released, or for a lease since renewed, arms for the earliest deadline now, if any."""
         self._timer = None
+        deadline_ns = self._earliest_ns()
+        if deadline_ns is None:
+            return
+        if deadline_ns > self._clock.now_ns():
+            self._set(deadline_ns)
+            return
         self._due()
 
     def cancel(self) -> None:

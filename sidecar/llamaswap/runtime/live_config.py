@@ -11,15 +11,21 @@ from llamaswap.runtime.gpus import Gpus, auto_slots
 
 
 class LiveConfig:
-    """The configuration now, and the few values the runtime reads of it on every step."""
+    """The configuration now, and the few values the runtime reads of it on every step: those
+    derived from it are built once per configuration (a Config's private attributes go through
+    pydantic's `__getattr__`, about 1.5 us a read, and `priority_policy` builds one)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.auto_slots = auto_slots(config)  # the upstreams whose slots are learnt (slots: auto)
+        self.priority_policy = config.priority_policy()  # what callers may claim (each Check)
+        self.entries = {entry.name: entry for entry in config.gpu_entries}  # each GPU's, by its name
 
     def set(self, config: Config) -> None:
         self.config = config
         self.auto_slots = auto_slots(config)
+        self.priority_policy = config.priority_policy()
+        self.entries = {entry.name: entry for entry in config.gpu_entries}
 
     def current(self) -> Config:
         return self.config

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import enum
 import os
+from collections.abc import Callable
 
 from llamaswap.core import Decision, Outcome, Priority
 # How a granted exchange ended is the core's (`core/outcome.py`: it decides the outcome); named here too.
@@ -65,9 +66,13 @@ class Arrival:
     objective: str | None = None  # the InferenceObjective it names (x-llm-d-inference-objective)
     service_tier: str | None = None  # the body's OpenAI `service_tier`, if a string
     # routing.retryGraceSeconds: the keyed digest that says which request this is (runtime/kept.py),
-    # and which try (the SDKs' x-stainless-retry-count), if the client said.
+    # and which try (the SDKs' x-stainless-retry-count), if the client said. The adapter gives the
+    # digest as `retry_digest`, computed on first read (`Ticket.retry_key`): only a request that
+    # finds kept places or whose client leaves while it waits needs it (an HMAC of its body).
     retry_key: bytes | None = None
     attempt: int | None = None
+    # (a computation, not a value: arrivals compare and print without it)
+    retry_digest: Callable[[], bytes | None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,7 +134,7 @@ class Ticket:
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
         "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
-        "retry_key", "attempt", "takeover", "unloads",
+        "_retry_key", "_retry_digest", "attempt", "takeover", "unloads",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -163,12 +168,28 @@ class Ticket:
         # The model the scheduler and the estimates key on: the client's, except where the
         # upstream serves one model whatever the name (then every request is on the loaded one).
         self.schedule_model = arrival.model
-        self.retry_key = arrival.retry_key
+        self._retry_key = arrival.retry_key
+        self._retry_digest = arrival.retry_digest  # computes _retry_key when first read
         self.attempt = arrival.attempt
         self.takeover: Takeover | None = None  # the kept place it took over, if it did
         # Granted: the unloads it waits for before it goes (several resident models, `evictions.py`;
         # their result: None once done, else the model that would not go); None: nothing to wait for.
         self.unloads: asyncio.Future[str | None] | None = None
+
+    @property
+    def retry_key(self) -> bytes | None:
+        """Its keyed digest (`Arrival.retry_key`), computed here on first read. None without one,
+        and after `drop_retry_digest` when nobody read it while its Check was held."""
+        digest = self._retry_digest
+        if digest is not None:
+            self._retry_digest = None
+            self._retry_key = digest()
+        return self._retry_key
+
+    def drop_retry_digest(self) -> None:
+        """Its Check was answered: a place is kept or taken over only while it is held, so the
+        digest is never read now; let go of what it would be computed from (the Check's body)."""
+        self._retry_digest = None
 
     @property
     def generation(self) -> bool:
