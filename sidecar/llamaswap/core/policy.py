@@ -58,6 +58,9 @@ class Policy:
     # The node's GPUs, in the configured order, one queue over them: each one's slots, the models
     # it may serve and its residency. Never empty; by default one, IMPLICIT_GPU, one grant at a time.
     gpus: tuple[GpuPolicy, ...] = (GpuPolicy(IMPLICIT_GPU),)
+    # A stoppable grant (a Batch API line: `preemption.py`) runs at least this long before it is
+    # stopped for a higher band: a resumed line is not stopped again at once.
+    stop_min_run_s: float = 0.0
 
     def __post_init__(self) -> None:
         names = [gpu.name for gpu in self.gpus]
@@ -102,6 +105,10 @@ class Policy:
         """How fast a waiting request's aging term grows: points per second waited (0: no aging)."""
         divisor = self.aging_divisor_ns
         return NS_PER_S / divisor if divisor else 0.0
+
+    @property
+    def stop_min_run_ns(self) -> int:
+        return round(self.stop_min_run_s * NS_PER_S)
 
     @property
     def max_wait_ns(self) -> int:

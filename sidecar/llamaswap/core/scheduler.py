@@ -60,6 +60,7 @@ from llamaswap.core.index import Entry, Index, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.gpu_record import GpuRecord, NodeHolding
 from llamaswap.core.policy import Policy, PolicyName
+from llamaswap.core.preemption import Stop, Stopping
 from llamaswap.core.priority import Band, Priority
 from llamaswap.core.slots import Slots
 
@@ -90,6 +91,7 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
+        self._stops = Stopping()  # the stoppable grants running, and those ordered stopped (`preemption.py`)
         # The models the best waiting request holds back, by GPU (no new grants for them until
         # they drain and go), as the last `next` where a GPU took work found them: a claim is
         # made only there, so the grants never depend on anything else.
@@ -246,7 +248,7 @@ class Scheduler:
 
     def enqueue(self, request_id: str, priority: Priority, model: str | None = None, *,
                 priority_model: str | None = None, alone: bool = False,
-                retry_key: bytes | None = None, max_tokens: int | None = None) -> Queued:
+                retry_key: bytes | None = None, max_tokens: int | None = None, stoppable: bool = False) -> Queued:
         """Add a waiting request; says the queue depth it found and its arrival time.
 
         ``model`` is what it is scheduled on; ``priority_model`` (default: the same) is the name
@@ -256,7 +258,8 @@ class Scheduler:
         nothing runs, nothing is granted beside it, and it loads nothing (its release says
         whether ``model`` is still loaded). A ``retry_key`` under which a place is kept (`keep`)
         with the same priority and model takes that place over: the place's arrival time and
-        arrival order, so its aging, position and max wait."""
+        arrival order, so its aging, position and max wait. ``stoppable``: once granted, it may be
+        stopped for a higher band (a Batch API line: `preemption.py`)."""
         if request_id in self._waiting or request_id in self._gpu_of:
             raise SchedulerError(f"request {request_id!r} is already known")
         named = priority_model if priority_model is not None else model
@@ -274,7 +277,7 @@ class Scheduler:
         else:
             seq, arrival_ns = place.seq, place.arrival_ns
         entry = Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
-                      arrival_ns, named, alone, max_tokens)
+                      arrival_ns, named, alone, max_tokens, stoppable)
         self._waiting[request_id] = entry
         self._wanted[model] = self._wanted.get(model, 0) + 1
         self._push(entry)
@@ -349,10 +352,9 @@ class Scheduler:
             return None
         holdings, open_gpus, warm = self._holding.now()
         if not open_gpus:
-            # Nothing starts, and the best claims nothing: a claim made now could only tie the
-            # one made when a GPU takes work to what held then (`held_back` shows what it would claim).
+            # Nothing starts and the best claims nothing (`node.find`; `held_back` shows what it would).
             self._shut_times = times
-            return None
+            return self._nothing_starts(warm)
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the
@@ -360,7 +362,7 @@ class Scheduler:
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
                           self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
-            return None
+            return self._nothing_starts(warm)
         index, winner, first = found
         gpu = self._gpus[index]
         holding = holdings[index]  # what it holds now (`gpu.holding`)
@@ -375,6 +377,17 @@ class Scheduler:
         # Models the best holds back for its own load go for its load only.
         keep = () if winner is first else self._held_back.models.get(gpu.name, ())
         return self._grant(gpu, holding, winner, aged, plain, reserved_slot, pick, keep)
+
+    def _nothing_starts(self, warm: frozenset[str]) -> Decision | None:
+        """The best waits and starts nowhere: where stoppable grants run, it may order stops."""
+        if self._stops.running:
+            self._stops.ask(self._gpus, order.pick(self._aged, warm, self._bonus), self._clock.now_ns(),
+                            self._policy.stop_min_run_ns)
+        return None
+
+    def stops(self) -> list[Stop]:
+        """The running grants ordered stopped since the last call, each said once (`preemption.py`)."""
+        return self._stops.orders()
 
     def _need(self, model: str) -> tuple[float, float]:
         """How much the queue needs ``model``: its best waiting request's key, then arrival
@@ -469,11 +482,12 @@ class Scheduler:
             self._loads += 1
         gpu.granted(winner, decision, holding, self._loads if loads else None, gone)
         self._gpu_of[winner.request_id] = gpu
+        self._stops.granted(winner)
         self._holding.changed(residents=loads)
         return decision
 
     def release(self, request_id: str, *, model_loaded: bool | None = True,
-                reached_upstream: bool = True) -> Released:
+                reached_upstream: bool = True, keep_as: bytes | None = None, grace_ns: int = 0) -> Released:
         """End one running request's grant.
 
         ``model_loaded=False`` says the upstream failed the request (or unloaded its model), so
@@ -487,12 +501,16 @@ class Scheduler:
         loaded, are that load's users: when the last of them is released and none confirmed the
         load, what was loaded before the load still is if none reached the upstream, and nothing
         is known to be loaded if some did with an answer that said nothing. (With one slot: a
-        grant that never reached the upstream leaves the model loaded before it.)
+        grant that never reached the upstream leaves the model loaded before it.) ``keep_as``: a
+        stopped grant, whose request comes back to resume: its place is kept under that key for
+        ``grace_ns`` (`keep`), its first arrival and order with it.
         """
         gpu = self._gpu_of.pop(request_id, None)
         if gpu is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
+        if self._stops.released(grant.entry) and keep_as is not None:
+            self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns))
         gpu.renew()
         residents = gpu.residents
         gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
