@@ -28,7 +28,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from llamaswap.core import NS_PER_S, Clock, Scheduler
 from llamaswap.core.eviction import busy_of
@@ -67,11 +67,11 @@ def asleep_to_unload(catalog: Catalog, holding: GpuHolding, evicting: frozenset[
 class RouterSleep:
     """See the module's docstring."""
 
-    def __init__(self, gpus: Gpus, scheduler: Scheduler, clock: Clock, evictions: Callable[[], Evictions]) -> None:
+    def __init__(self, gpus: Gpus, scheduler: Scheduler, clock: Clock, evictions: Evictions) -> None:
         self._gpus = gpus
         self._scheduler = scheduler
         self._clock = clock
-        self._evictions = evictions  # (built after this: the grants own it)
+        self._evictions = evictions  # (the grants' own)
         # By GPU: sleeping models being unloaded or whose unload failed, marked as it begins (not
         # begun again), and of those the ones that failed; each kept while a catalog lists it asleep.
         self._tried: dict[str, set[str]] = {}
@@ -112,7 +112,7 @@ class RouterSleep:
         router's the scheduler no longer counts (`asleep_to_unload`), each on its own."""
         if not catalog.asleep:
             return
-        evictions = self._evictions()
+        evictions = self._evictions
         tried = self._tried.setdefault(gpu.name, set())
         models = asleep_to_unload(catalog, self._scheduler.holding_of(gpu.name), evictions.evicting(gpu.name),
                                   frozenset(tried))

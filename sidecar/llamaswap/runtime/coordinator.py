@@ -122,7 +122,7 @@ class Coordinator:
         self._adoptions = self._grants.adoptions
         self._evictions = self._grants.evictions
         # The router's own sleep (`asleep.py`): read before a request of a model it may have put to sleep.
-        self._sleep = RouterSleep(self.gpus, self.scheduler, self._clock, lambda: self._evictions)
+        self._sleep = RouterSleep(self.gpus, self.scheduler, self._clock, self._evictions)
         # routing.retryGraceSeconds: places kept for a retry (`kept.py`; the scheduler keeps them).
         self._kept = PlaceKeeper(self.scheduler, self._clock, grace_ns=self._config.retry_grace_ns,
                                  observe=self._observe_kept)
