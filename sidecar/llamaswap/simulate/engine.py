@@ -57,7 +57,6 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
 
 from llamaswap.core import (
     NO_MODEL,
@@ -80,6 +79,7 @@ from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
+from llamaswap.simulate.running import NEVER, Apart, Gpu, Shared
 from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation
 
 _log = logging.getLogger(__name__)
@@ -90,7 +90,6 @@ _RAN = frozenset({Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ER
                   Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
 
 _NS_PER_US = 1_000
-_NEVER = 2**63  # later than any event
 _NS_PER_MS = 1_000_000
 
 
@@ -249,7 +248,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                for r, entry in zip(requests, entries, strict=True)]
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
-    arrivals = [r.arrival_ns for r in requests] + [_NEVER]
+    arrivals = [r.arrival_ns for r in requests] + [NEVER]
     # Each GPU's own figures where the log has them (else the node's), keyed (GPU, model);
     # also those of the GPUs the log recorded, which a recorded run is converted from.
     models = {r.record.model for r in requests}
@@ -264,10 +263,10 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     # Per GPU, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
     shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus)
-    gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
+    gpus = [Gpu(name, Shared(concurrency_speed) if shared and concurrency_speed is not None else Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
-    release_at = _NEVER
+    release_at = NEVER
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
@@ -290,7 +289,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             expiry = next_deadline()
             if expiry is not None and expiry < now:
                 now = expiry
-        if now == _NEVER:
+        if now == NEVER:
             break
         clock.set_ns(now)
 
@@ -392,113 +391,13 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     return Simulation(policy, results, metrics)
 
 
-class _Gpu:
-    """One GPU of the replay: its running grants and its figures."""
-
-    __slots__ = ("name", "running", "swaps", "busy_ns", "busy_since")
-
-    def __init__(self, name: str, running: _Running) -> None:
-        self.name = name
-        self.running = running
-        self.swaps = 0
-        self.busy_ns = 0
-        self.busy_since = 0
-
-
-class _Running(Protocol):
-    """The grants holding a slot: ``start`` one, ``finish`` those done at ``release_at``."""
-
-    release_at: int  # the next release (_NEVER: none running)
-
-    def __len__(self) -> int: ...
-
-    def start(self, now: int, index: int, hold_ns: int) -> None: ...
-
-    def finish(self, now: int) -> list[int]: ...
-
-
-class _Apart:
-    """Each grant runs its own time, whatever else runs (one slot, or no concurrency table)."""
-
-    def __init__(self) -> None:
-        self._releases: list[tuple[int, int]] = []  # (release time, index), earliest first
-        self.release_at = _NEVER
-
-    def __len__(self) -> int:
-        return len(self._releases)
-
-    def start(self, now: int, index: int, hold_ns: int) -> None:
-        heapq.heappush(self._releases, (now + hold_ns, index))
-        self.release_at = self._releases[0][0]
-
-    def finish(self, now: int) -> list[int]:
-        releases, done = self._releases, []
-        while releases and releases[0][0] == now:
-            done.append(heapq.heappop(releases)[1])
-        self.release_at = releases[0][0] if releases else _NEVER
-        return done
-
-
-class _Shared:
-    """The running grants share the GPU: while n run, each progresses at speed(n) / n of its solo
-    rate. Work is kept in solo nanoseconds; a release lands on the first nanosecond at which its
-    work is done to within half a nanosecond (floating point)."""
-
-    _EPS_NS = 0.5
-
-    def __init__(self, speed: ConcurrencySpeed) -> None:
-        self._speed = speed
-        self._rates: dict[int, float] = {}  # n running -> each one's rate
-        self._left: dict[int, float] = {}  # index -> solo ns of work left
-        self._since = 0  # when _left was last brought up to date
-        self.release_at = _NEVER
-
-    def __len__(self) -> int:
-        return len(self._left)
-
-    def _rate(self) -> float:
-        count = len(self._left)
-        rate = self._rates.get(count)
-        if rate is None:
-            rate = self._rates[count] = self._speed.rate(count)
-        return rate
-
-    def _advance(self, now: int) -> None:
-        if self._left and now != self._since:
-            done = (now - self._since) * self._rate()
-            for index in self._left:
-                self._left[index] -= done
-        self._since = now
-
-    def _plan(self) -> None:
-        if not self._left:
-            self.release_at = _NEVER
-            return
-        least = min(self._left.values()) / self._rate()
-        self.release_at = self._since + max(0, math.ceil(least - self._EPS_NS))
-
-    def start(self, now: int, index: int, hold_ns: int) -> None:
-        self._advance(now)
-        self._left[index] = float(hold_ns)
-        self._plan()
-
-    def finish(self, now: int) -> list[int]:
-        self._advance(now)
-        rate = self._rate()
-        done = sorted(index for index, left in self._left.items() if left / rate <= self._EPS_NS)
-        for index in done:
-            del self._left[index]
-        self._plan()
-        return done
-
-
 def quantile(ordered: Sequence[int], fraction: float) -> int:
     """Nearest rank: the smallest value with at least ``fraction`` of the values at or below it."""
     rank = max(1, math.ceil(fraction * len(ordered)))
     return ordered[rank - 1]
 
 
-def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[_Gpu],
+def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[Gpu],
              last_release: int, peak: int, evictions: Counter[EvictReason]) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
