@@ -80,7 +80,8 @@ from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
 from llamaswap.simulate.running import NEVER, Apart, Gpu, Shared
-from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation
+from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation, StopMetrics
+from llamaswap.simulate.stopping import GRACE_NS, Lines, index_of, part_id, retry_key
 
 _log = logging.getLogger(__name__)
 
@@ -226,7 +227,9 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
 
 
 def simulate(replay: Replay, policy: Policy, costs: Figures, *,
-             concurrency_speed: ConcurrencySpeed | None = None) -> Simulation:
+             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False) -> Simulation:
+    """``preempt``: the records' Batch API lines (``batch_line``) are enqueued stoppable, and the
+    replay stops and resends those the scheduler orders stopped (`stopping.py`)."""
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
@@ -267,6 +270,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
     release_at = NEVER
+    lines = Lines() if preempt else None  # the Batch API lines stopped and resumed
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
@@ -300,20 +304,29 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     continue
                 for index in running.finish(now):
                     released = results[index]
-                    scheduler.release(ids[index], model_loaded=released.request.model_loaded)
+                    # (A resumed line's running part has its own id.)
+                    scheduler.release(part_id(index, released.stops) if released.stops else ids[index],
+                                      model_loaded=released.request.model_loaded)
                     released.release_ns = last_release = now
+                    if lines is not None:
+                        lines.ended(index)
                 if not running:
                     gpu.busy_ns += now - gpu.busy_since
             release_at = min(gpu.running.release_at for gpu in gpus)
         if expiry is not None and expiry <= now:
             for expired in scheduler.expire_overdue():
-                result = results[int(expired.request_id)]
+                result = results[index_of(expired.request_id)]
                 result.outcome = Outcome.EXPIRED
-                result.end_ns = expired.removed_ns
+                if result.start_ns is None:
+                    result.end_ns = expired.removed_ns
+                else:  # a stopped line, waiting to resume: it ends there
+                    result.release_ns = expired.removed_ns
+                    lines.ended(result.request.index)  # type: ignore[union-attr]
                 waiting -= 1
         for round_ in (0, 1):  # clients leaving, arrivals, then clients that had no patience at all
             while patience and patience[0][0] <= now:
                 index = heappop(patience)[1]
+                # (A stopped line waits under another id: a client's patience ended at its grant.)
                 removed = cancel(ids[index])
                 if removed is not None:
                     result = results[index]
@@ -326,7 +339,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                 request = requests[arrival]
                 try:
                     enqueue(ids[arrival], request.priority, request.record.model,
-                            priority_model=entries[arrival], max_tokens=request.record.max_tokens)
+                            priority_model=entries[arrival], max_tokens=request.record.max_tokens,
+                            stoppable=preempt and request.record.batch_line)
                 except QueueFull:
                     result = results[arrival]
                     result.outcome = Outcome.REJECTED_FULL
@@ -339,54 +353,83 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                         heappush(patience, (now + request.patience_ns, arrival))
                 arrival += 1
 
-        while waiting:
-            # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            decision = grant(times=of_grants(running_grants, now, costs))
-            if decision is None:
-                break  # every slot it may use is busy (with one slot: a grant runs)
-            waiting -= 1
-            result = results[int(decision.request_id)]
-            request = result.request
-            model = request.record.model
-            load = decision.model_load
-            on = decision.gpu
-            swap = swap_ns[on, model]
-            if request.run_ns is not None:
-                hold = request.run_ns
-                was = request.record.gpu
-                if run_ns[was, model] != run_ns[on, model] or swap_ns[was, model] != swap:
-                    # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
-                    work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
-                    if run_ns[was, model] > 0:
-                        work = round(work * run_ns[on, model] / run_ns[was, model])
-                    hold = work + swap if load else work
-                elif load is not request.recorded_load:
-                    hold = hold + swap if load else max(0, hold - swap)
-                hold += request.settle_ns
-            else:  # never recorded: as long as the runtime expects the grant to take
-                hold = round(grant_end_s(costs, decision) * 1e9)
-            result.outcome = request.granted_outcome
-            result.start_ns = result.end_ns = now
-            result.model_load = load
-            result.gpu = decision.gpu
-            result.grant = granted
-            granted += 1
-            result.evicted = tuple(eviction.model for eviction in decision.evicts)
-            swaps += load
-            if decision.reordered_by:
-                for cause in decision.reordered_by:
-                    reorders[cause] += 1
-            for eviction in decision.evicts:  # several resident: the models its grant unloaded
-                evictions[eviction.reason] += 1
-            gpu = gpu_of[decision.gpu]
-            gpu.swaps += load
-            if not gpu.running:
-                gpu.busy_since = now
-            gpu.running.start(now, request.index, hold)
-            if gpu.running.release_at < release_at:
-                release_at = gpu.running.release_at
+        while True:
+            while waiting:
+                # (Built only if the rule asks: it reads time only to choose among GPUs.)
+                decision = grant(times=of_grants(running_grants, now, costs))
+                if decision is None:
+                    break  # every slot it may use is busy (with one slot: a grant runs)
+                waiting -= 1
+                index = int(decision.request_id) if lines is None else index_of(decision.request_id)
+                result = results[index]
+                request = result.request
+                model = request.record.model
+                load = decision.model_load
+                on = decision.gpu
+                swap = swap_ns[on, model]
+                if lines is not None and lines.resumes(index):  # a stopped line's next part
+                    hold = lines.resumed(index, _work_ns(request, on, run_ns, swap_ns, costs), swap if load else 0,
+                                         request.settle_ns if request.run_ns is not None else 0)
+                    result.part_start_ns = now
+                else:
+                    if request.run_ns is not None:
+                        hold = request.run_ns
+                        was = request.record.gpu
+                        if run_ns[was, model] != run_ns[on, model] or swap_ns[was, model] != swap:
+                            # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
+                            work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
+                            if run_ns[was, model] > 0:
+                                work = round(work * run_ns[on, model] / run_ns[was, model])
+                            hold = work + swap if load else work
+                        elif load is not request.recorded_load:
+                            hold = hold + swap if load else max(0, hold - swap)
+                        hold += request.settle_ns
+                    else:  # never recorded: as long as the runtime expects the grant to take
+                        hold = round(grant_end_s(costs, decision) * 1e9)
+                    if lines is not None and request.record.batch_line:
+                        lines.started(index, hold, request.settle_ns if request.run_ns is not None else 0,
+                                      _work_ns(request, on, run_ns, swap_ns, costs))
+                    result.outcome = request.granted_outcome
+                    result.start_ns = result.end_ns = now
+                    result.model_load = load
+                    result.gpu = decision.gpu
+                    result.grant = granted
+                    result.evicted = tuple(eviction.model for eviction in decision.evicts)
+                granted += 1
+                swaps += load
+                if decision.reordered_by:
+                    for cause in decision.reordered_by:
+                        reorders[cause] += 1
+                for eviction in decision.evicts:  # several resident: the models its grant unloaded
+                    evictions[eviction.reason] += 1
+                gpu = gpu_of[decision.gpu]
+                gpu.swaps += load
+                if not gpu.running:
+                    gpu.busy_since = now
+                gpu.running.start(now, request.index, hold)
+                if gpu.running.release_at < release_at:
+                    release_at = gpu.running.release_at
+            if lines is None:
+                break
+            stops = scheduler.stops()  # ordered by the `next` that found nothing to start
+            if not stops:
+                break
+            for stop in stops:  # the feeder stops each line and sends it again at once
+                index = index_of(stop.request_id)
+                result = results[index]
+                gpu = gpu_of[stop.gpu]
+                lines.stopped(stop, result, now, gpu.running.stop(now, index))
+                if not gpu.running:
+                    gpu.busy_ns += now - gpu.busy_since
+                scheduler.release(stop.request_id, keep_as=retry_key(index), grace_ns=GRACE_NS)
+                if _resend(scheduler, result, part_id(index, result.stops), entries[index], now):
+                    waiting += 1
+                else:
+                    lines.ended(index)
+            release_at = min(gpu.running.release_at for gpu in gpus)
 
-    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions)
+    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions,
+                       lines.metrics() if lines is not None else None)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
 
@@ -397,8 +440,41 @@ def quantile(ordered: Sequence[int], fraction: float) -> int:
     return ordered[rank - 1]
 
 
+def _work_ns(request: Request, on: str, run_ns: Mapping[tuple[str | None, str | None], int],
+             swap_ns: Mapping[tuple[str | None, str | None], int], costs: Figures) -> int:
+    """A request's work on GPU ``on``: its run without its load or settle (a recorded run at this
+    GPU's pace, as a grant's hold takes it; else the run the runtime expects)."""
+    model = request.record.model
+    if request.run_ns is None:
+        return round(costs.expected_request_run_s(model, request.record.max_tokens, on) * 1e9)
+    was = request.record.gpu
+    work = max(0, request.run_ns - swap_ns[was, model]) if request.recorded_load else request.run_ns
+    if run_ns[was, model] != run_ns[on, model] and run_ns[was, model] > 0:
+        work = round(work * run_ns[on, model] / run_ns[was, model])
+    return work
+
+
+def _resend(scheduler: Scheduler, result: Result, request_id: str, entry: str | None, now: int) -> bool:
+    """Send a stopped line again under ``request_id``, to take its kept place back (its first
+    arrival and order). False where the queue refuses it (its place was not kept: it waited
+    maxWaitSeconds, and the queue is full): the line ends there, rejected."""
+    request = result.request
+    try:
+        queued = scheduler.enqueue(request_id, request.priority, request.record.model, priority_model=entry,
+                                   max_tokens=request.record.max_tokens, retry_key=retry_key(request.index),
+                                   stoppable=True)
+    except QueueFull:
+        scheduler.expire_kept()
+        result.outcome = Outcome.REJECTED_FULL
+        result.release_ns = now
+        return False
+    if queued.taken is None:
+        scheduler.expire_kept()  # its place, kept past maxWaitSeconds, is not taken: drop it
+    return True
+
+
 def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[Gpu],
-             last_release: int, peak: int, evictions: Counter[EvictReason]) -> Metrics:
+             last_release: int, peak: int, evictions: Counter[EvictReason], stops: StopMetrics | None) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
     for result in results:
@@ -430,4 +506,5 @@ def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause],
         inversion=worst_inversion(results),
         gpus=per_gpu,
         evictions={reason.value: evictions[reason] for reason in EvictReason},
+        stops=stops,
     )
