@@ -271,6 +271,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     gpu_of = {gpu.name: gpu for gpu in gpus}
     release_at = NEVER
     lines = Lines() if preempt else None  # the Batch API lines stopped and resumed
+    min_run = policy.stop_min_run_ns
+    ripe_at = NEVER  # when a running line first reaches its minimum run while others wait
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
@@ -287,6 +289,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         now = arrivals[arrival]
         if release_at < now:
             now = release_at
+        if ripe_at < now:
+            now = ripe_at
         if patience and patience[0][0] < now:
             now = patience[0][0]
         if expiring:
@@ -368,7 +372,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                 on = decision.gpu
                 swap = swap_ns[on, model]
                 if lines is not None and lines.resumes(index):  # a stopped line's next part
-                    hold = lines.resumed(index, _work_ns(request, on, run_ns, swap_ns, costs), swap if load else 0,
+                    hold = lines.resumed(index, now, _work_ns(request, on, run_ns, swap_ns, costs), swap if load else 0,
                                          request.settle_ns if request.run_ns is not None else 0)
                     result.part_start_ns = now
                 else:
@@ -387,7 +391,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     else:  # never recorded: as long as the runtime expects the grant to take
                         hold = round(grant_end_s(costs, decision) * 1e9)
                     if lines is not None and request.record.batch_line:
-                        lines.started(index, hold, request.settle_ns if request.run_ns is not None else 0,
+                        lines.started(index, now, hold, request.settle_ns if request.run_ns is not None else 0,
                                       _work_ns(request, on, run_ns, swap_ns, costs))
                     result.outcome = request.granted_outcome
                     result.start_ns = result.end_ns = now
@@ -427,6 +431,9 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                 else:
                     lines.ended(index)
             release_at = min(gpu.running.release_at for gpu in gpus)
+        if lines is not None and min_run:
+            # A line not yet stoppable may be stopped once it has run its minimum: ask again then.
+            ripe_at = lines.ripe_at(now, min_run) if waiting else NEVER
 
     metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions,
                        lines.metrics() if lines is not None else None)

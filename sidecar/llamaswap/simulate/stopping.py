@@ -25,6 +25,7 @@ from collections import Counter
 from llamaswap.core import Band
 from llamaswap.core.preemption import Stop
 from llamaswap.simulate.results import Result, StopMetrics
+from llamaswap.simulate.running import NEVER
 
 REREAD_SHARE = 0.05
 # The stopped line's place is kept this long: the replay sends it again at the same instant.
@@ -50,6 +51,7 @@ def retry_key(index: int) -> bytes:
 class _Part:
     """A line's running part: what its hold is made of."""
 
+    start_ns: int  # its grant
     hold_ns: int  # the whole hold
     ready_ns: int  # before it progresses: its load, and reading its kept tokens again
     work_ns: int  # the line's whole work on this GPU
@@ -71,19 +73,19 @@ class Lines:
         """Whether ``index`` is a stopped line that waits to resume."""
         return index in self._left
 
-    def started(self, index: int, hold_ns: int, settle_ns: int, work_ns: int) -> None:
+    def started(self, index: int, now_ns: int, hold_ns: int, settle_ns: int, work_ns: int) -> None:
         """A line's first part was granted to hold ``hold_ns``: its load is what the hold has
         beyond its work and settle."""
-        self._parts[index] = _Part(hold_ns, max(0, hold_ns - settle_ns - work_ns), work_ns, work_ns)
+        self._parts[index] = _Part(now_ns, hold_ns, max(0, hold_ns - settle_ns - work_ns), work_ns, work_ns)
 
-    def resumed(self, index: int, work_ns: int, load_ns: int, settle_ns: int) -> int:
+    def resumed(self, index: int, now_ns: int, work_ns: int, load_ns: int, settle_ns: int) -> int:
         """A stopped line granted again, its work on this GPU ``work_ns``: its hold."""
         was_work, left = self._left.pop(index)
         if was_work != work_ns:  # another GPU's pace
             left = round(left * work_ns / was_work) if was_work > 0 else 0
         ready = load_ns + round(REREAD_SHARE * (work_ns - left))
         hold = ready + left + settle_ns
-        self._parts[index] = _Part(hold, ready, work_ns, left)
+        self._parts[index] = _Part(now_ns, hold, ready, work_ns, left)
         return hold
 
     def stopped(self, stop: Stop, result: Result, now_ns: int, remaining_ns: int) -> None:
@@ -106,6 +108,12 @@ class Lines:
         """A line's last part ended (or a line's resend was refused)."""
         self._parts.pop(index, None)
         self._left.pop(index, None)
+
+    def ripe_at(self, now_ns: int, min_run_ns: int) -> int:
+        """The first instant after ``now_ns`` at which a running part has run ``min_run_ns``
+        (`Policy.stop_min_run_s`: not stoppable before); NEVER if none."""
+        return min((ripe for part in self._parts.values() if (ripe := part.start_ns + min_run_ns) > now_ns),
+                   default=NEVER)
 
     def metrics(self) -> StopMetrics:
         return StopMetrics(sum(self._by_band.values()), {band.value: self._by_band[band] for band in Band},
