@@ -315,3 +315,29 @@ def test_preempt_without_a_line_says_nothing_is_stopped(tmp_path):
     out, err, status = run_cli(["--activity", str(path), "--preempt"])
     assert status == 0, err
     assert "--preempt: no request is a Batch API line" in out
+
+
+def run_with(records: list[RequestRecord], **changes: float) -> Simulation:
+    changed = dataclasses.replace(policy(), **changes)
+    return simulate(prepare(records), changed, FixedCosts({}, {}), preempt=True)
+
+
+def test_a_stopped_line_that_waits_out_max_wait_since_its_first_arrival_expires_there():
+    records = [arrival("line", 0, "A", BATCH, 10.0, line=True, order=0),
+               arrival("person", 4, "A", PERSON, 20.0, order=1)]
+    # maxWait 12: stopped at 4, the line takes its place back (arrival 0) and waits behind the
+    # person's 20 s: at 12 it has waited 12 s since it first arrived, and expires.
+    simulation = run_with(records, max_wait_s=12.0)
+    line = simulation.results[0]
+    assert (line.outcome, line.start_ns, line.release_ns, line.stops) == (Outcome.EXPIRED, 0, 12 * S, 1)
+    assert simulation.results[1].release_ns == 24 * S
+
+
+def test_a_line_stopped_past_max_wait_comes_back_as_a_new_arrival():
+    records = [arrival("line", 0, "A", BATCH, 20.0, line=True, order=0),
+               arrival("person", 6, "A", PERSON, 2.0, order=1)]
+    # maxWait 5: at its stop (6) the line's place from 0 is past it, so it is not taken back: the
+    # line waits anew from 6 and resumes at 8 with 14 s left and 0.3 s to read again: until 22.3.
+    simulation = run_with(records, max_wait_s=5.0)
+    assert by_id(simulation) == {"line": (0, 22_300_000_000, 1), "person": (6 * S, 8 * S, 0)}
+    assert simulation.results[0].outcome is Outcome.SERVED
