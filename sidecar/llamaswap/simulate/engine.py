@@ -46,6 +46,13 @@ and busy fraction. Costs are each GPU's own (`estimate.Figures` per (GPU, model)
 node's where it has none): a request that never ran takes its GPU's expected end, and a recorded
 run replayed on another GPU than the one it ran on is scaled by the two GPUs' expected runs of its
 model (its load swapped for this GPU's).
+
+Stopping (``preempt``, issue 46): the records' Batch API lines (``batch_line``) are enqueued
+stoppable. After each round of grants the replay takes the stops the scheduler ordered
+(`Scheduler.stops`), ends each stopped line's hold there, keeps the work it did, releases it
+keeping its place and sends it again at once, as the feeder does: granted again, it runs what it
+had left (`stopping.py`). While requests wait, a line that has not yet run ``stop_min_run_s`` is
+an event too: the instant it has (`Lines.ripe_at`).
 """
 
 from __future__ import annotations
@@ -330,7 +337,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         for round_ in (0, 1):  # clients leaving, arrivals, then clients that had no patience at all
             while patience and patience[0][0] <= now:
                 index = heappop(patience)[1]
-                # (A stopped line waits under another id: a client's patience ended at its grant.)
+                # (A stopped line waits again under its part's id: a patience ending then leaves it be.)
                 removed = cancel(ids[index])
                 if removed is not None:
                     result = results[index]
