@@ -56,6 +56,14 @@ by an endpoint picker's rule (least queued, with model affinity), by round-robin
 queue over every GPU; one row each with the interactive p95 wait, swaps, loads and the GPU time
 idle while work waited (docs/kubernetes.md).
 
+Stopping Batch API lines: --preempt (sweepable: --sweep preempt=off,on) lets the scheduler stop
+a running line (a record with batch_line: true; a workload class with stoppable: true) for a
+request of a higher band that starts nowhere (core/preemption.py); the line keeps the work it
+did, is sent again at once to take back its first arrival and order, and runs what it had left,
+plus 5% of the work done to read its kept tokens again. --min-run S (sweepable: minRun) lets a
+line run S seconds before it is stopped. The rows then count the stops, by the stopped line's
+band, and the lines stopped at least once.
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -63,7 +71,8 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
   classes:
     - {name: chat, rate: 0.2, priority: interactive, models: {qwen3: 3, gemma3: 1},
        run: {lognormal: {median: 4, sigma: 0.6}}, patience: {uniform: [30, 120]}, swap: 8}
-    - {name: nightly, rate: 0.01, priority: batch, models: qwen3, run: {uniform: [60, 600]}}
+    - {name: nightly, rate: 0.01, priority: batch, models: qwen3, run: {uniform: [60, 600]},
+       stoppable: true}
 
 (distributions: {fixed: S}, {uniform: [A, B]}, {exponential: MEAN}, {lognormal: {median: S, sigma: X}}).
 """
@@ -143,6 +152,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--max-loaded", metavar="N",
                         help="models each GPU keeps resident at once, evicting by what the queue needs least (1: "
                              "one model at a time; default: -c FILE's maxLoaded, else the log's, else 1; sweepable)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="the Batch API lines (batch_line in the log, stoppable in a workload) may be stopped "
+                             "for a higher band and resumed where they stopped (sweepable: preempt=off,on)")
+    parser.add_argument("--min-run", metavar="S",
+                        help="seconds a line runs before it may be stopped (with --preempt; default 0)")
     parser.add_argument("--pods", metavar="N", type=_pods_flag,
                         help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
                              "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
@@ -186,6 +200,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError(str(exc)) from None
     if args.pods is not None and (sweeps or args.plot or args.requests):
         raise UsageError("--pods compares three routings for one setting: drop --sweep, --plot and --requests")
+    if args.pods is not None and (args.preempt or args.min_run is not None):
+        raise UsageError("--pods does not replay stopped lines: drop --preempt and --min-run")
     if args.plot:
         if not sweeps:
             raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
@@ -241,7 +257,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                                "swapAffinityBonus": args.swap_affinity_bonus, "maxQueued": args.max_queued,
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
                                "reservedSlots": args.reserved_slots, "gpus": args.gpus,
-                               "maxLoaded": args.max_loaded})
+                               "maxLoaded": args.max_loaded, "preempt": "on" if args.preempt else None,
+                               "minRun": args.min_run})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)
@@ -250,6 +267,12 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError(str(exc)) from None
     if lowered:
         notes.append(lowered)
+    preempting = any(setting.preempt for setting in settings)
+    if not preempting and (args.min_run is not None or any(s.key.name == "minRun" for s in sweeps)):
+        raise UsageError("minRun is how long a stopped line runs first: add --preempt or --sweep preempt=off,on")
+    if preempting and not any(record.batch_line for record in records):
+        notes.append("--preempt: no request is a Batch API line (batch_line in the log, stoppable in the "
+                     "workload): nothing is stopped")
     most = max(setting.most_slots for setting in settings)
     if peak > most:
         notes.append(f"the log ran up to {peak} requests at once, the simulation {most} at most per upstream "
@@ -269,7 +292,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
     rows, simulations = [], []
     for setting, policy in zip(settings, policies):
-        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed)
+        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt)
         simulations.append(simulation)
         rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),

@@ -46,6 +46,13 @@ and busy fraction. Costs are each GPU's own (`estimate.Figures` per (GPU, model)
 node's where it has none): a request that never ran takes its GPU's expected end, and a recorded
 run replayed on another GPU than the one it ran on is scaled by the two GPUs' expected runs of its
 model (its load swapped for this GPU's).
+
+Stopping (``preempt``, issue 46): the records' Batch API lines (``batch_line``) are enqueued
+stoppable. After each round of grants the replay takes the stops the scheduler ordered
+(`Scheduler.stops`), ends each stopped line's hold there, keeps the work it did, releases it
+keeping its place and sends it again at once, as the feeder does: granted again, it runs what it
+had left (`stopping.py`). While requests wait, a line that has not yet run ``stop_min_run_s`` is
+an event too: the instant it has (`Lines.ripe_at`).
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
 
 from llamaswap.core import (
     NO_MODEL,
@@ -80,7 +86,9 @@ from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
-from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation
+from llamaswap.simulate.running import NEVER, Apart, Gpu, Shared
+from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation, StopMetrics
+from llamaswap.simulate.stopping import GRACE_NS, Lines, index_of, part_id, retry_key
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +98,6 @@ _RAN = frozenset({Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ER
                   Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
 
 _NS_PER_US = 1_000
-_NEVER = 2**63  # later than any event
 _NS_PER_MS = 1_000_000
 
 
@@ -227,7 +234,9 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
 
 
 def simulate(replay: Replay, policy: Policy, costs: Figures, *,
-             concurrency_speed: ConcurrencySpeed | None = None) -> Simulation:
+             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False) -> Simulation:
+    """``preempt``: the records' Batch API lines (``batch_line``) are enqueued stoppable, and the
+    replay stops and resends those the scheduler orders stopped (`stopping.py`)."""
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
@@ -249,7 +258,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                for r, entry in zip(requests, entries, strict=True)]
     # The loop runs once per event: everything it reads per request or per model is looked up
     # here once (a handful of models, so the costs are asked once each).
-    arrivals = [r.arrival_ns for r in requests] + [_NEVER]
+    arrivals = [r.arrival_ns for r in requests] + [NEVER]
     # Each GPU's own figures where the log has them (else the node's), keyed (GPU, model);
     # also those of the GPUs the log recorded, which a recorded run is converted from.
     models = {r.record.model for r in requests}
@@ -264,10 +273,13 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     # Per GPU, the running grants (one per busy slot, sharing that GPU by the concurrency
     # speed), its swaps and how long it was held.
     shared = concurrency_speed is not None and not all(gpu.slots.single for gpu in policy.gpus)
-    gpus = [_Gpu(name, _Shared(concurrency_speed) if shared and concurrency_speed is not None else _Apart())
+    gpus = [Gpu(name, Shared(concurrency_speed) if shared and concurrency_speed is not None else Apart())
             for name in names]
     gpu_of = {gpu.name: gpu for gpu in gpus}
-    release_at = _NEVER
+    release_at = NEVER
+    lines = Lines() if preempt else None  # the Batch API lines stopped and resumed
+    min_run = policy.stop_min_run_ns
+    ripe_at = NEVER  # when a running line first reaches its minimum run while others wait
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
     # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
@@ -284,13 +296,15 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         now = arrivals[arrival]
         if release_at < now:
             now = release_at
+        if ripe_at < now:
+            now = ripe_at
         if patience and patience[0][0] < now:
             now = patience[0][0]
         if expiring:
             expiry = next_deadline()
             if expiry is not None and expiry < now:
                 now = expiry
-        if now == _NEVER:
+        if now == NEVER:
             break
         clock.set_ns(now)
 
@@ -301,20 +315,29 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     continue
                 for index in running.finish(now):
                     released = results[index]
-                    scheduler.release(ids[index], model_loaded=released.request.model_loaded)
+                    # (A resumed line's running part has its own id.)
+                    scheduler.release(part_id(index, released.stops) if released.stops else ids[index],
+                                      model_loaded=released.request.model_loaded)
                     released.release_ns = last_release = now
+                    if lines is not None:
+                        lines.ended(index)
                 if not running:
                     gpu.busy_ns += now - gpu.busy_since
             release_at = min(gpu.running.release_at for gpu in gpus)
         if expiry is not None and expiry <= now:
             for expired in scheduler.expire_overdue():
-                result = results[int(expired.request_id)]
+                result = results[index_of(expired.request_id)]
                 result.outcome = Outcome.EXPIRED
-                result.end_ns = expired.removed_ns
+                if result.start_ns is None:
+                    result.end_ns = expired.removed_ns
+                else:  # a stopped line, waiting to resume: it ends there
+                    result.release_ns = expired.removed_ns
+                    lines.ended(result.request.index)  # type: ignore[union-attr]
                 waiting -= 1
         for round_ in (0, 1):  # clients leaving, arrivals, then clients that had no patience at all
             while patience and patience[0][0] <= now:
                 index = heappop(patience)[1]
+                # (A stopped line waits again under its part's id: a patience ending then leaves it be.)
                 removed = cancel(ids[index])
                 if removed is not None:
                     result = results[index]
@@ -327,7 +350,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                 request = requests[arrival]
                 try:
                     enqueue(ids[arrival], request.priority, request.record.model,
-                            priority_model=entries[arrival], max_tokens=request.record.max_tokens)
+                            priority_model=entries[arrival], max_tokens=request.record.max_tokens,
+                            stoppable=preempt and request.record.batch_line)
                 except QueueFull:
                     result = results[arrival]
                     result.outcome = Outcome.REJECTED_FULL
@@ -340,156 +364,88 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                         heappush(patience, (now + request.patience_ns, arrival))
                 arrival += 1
 
-        while waiting:
-            # (Built only if the rule asks: it reads time only to choose among GPUs.)
-            decision = grant(times=of_grants(running_grants, now, costs))
-            if decision is None:
-                break  # every slot it may use is busy (with one slot: a grant runs)
-            waiting -= 1
-            result = results[int(decision.request_id)]
-            request = result.request
-            model = request.record.model
-            load = decision.model_load
-            on = decision.gpu
-            swap = swap_ns[on, model]
-            if request.run_ns is not None:
-                hold = request.run_ns
-                was = request.record.gpu
-                if run_ns[was, model] != run_ns[on, model] or swap_ns[was, model] != swap:
-                    # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
-                    work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
-                    if run_ns[was, model] > 0:
-                        work = round(work * run_ns[on, model] / run_ns[was, model])
-                    hold = work + swap if load else work
-                elif load is not request.recorded_load:
-                    hold = hold + swap if load else max(0, hold - swap)
-                hold += request.settle_ns
-            else:  # never recorded: as long as the runtime expects the grant to take
-                hold = round(grant_end_s(costs, decision) * 1e9)
-            result.outcome = request.granted_outcome
-            result.start_ns = result.end_ns = now
-            result.model_load = load
-            result.gpu = decision.gpu
-            result.grant = granted
-            granted += 1
-            result.evicted = tuple(eviction.model for eviction in decision.evicts)
-            swaps += load
-            if decision.reordered_by:
-                for cause in decision.reordered_by:
-                    reorders[cause] += 1
-            for eviction in decision.evicts:  # several resident: the models its grant unloaded
-                evictions[eviction.reason] += 1
-            gpu = gpu_of[decision.gpu]
-            gpu.swaps += load
-            if not gpu.running:
-                gpu.busy_since = now
-            gpu.running.start(now, request.index, hold)
-            if gpu.running.release_at < release_at:
-                release_at = gpu.running.release_at
+        while True:
+            while waiting:
+                # (Built only if the rule asks: it reads time only to choose among GPUs.)
+                decision = grant(times=of_grants(running_grants, now, costs))
+                if decision is None:
+                    break  # every slot it may use is busy (with one slot: a grant runs)
+                waiting -= 1
+                index = int(decision.request_id) if lines is None else index_of(decision.request_id)
+                result = results[index]
+                request = result.request
+                model = request.record.model
+                load = decision.model_load
+                on = decision.gpu
+                swap = swap_ns[on, model]
+                if lines is not None and lines.resumes(index):  # a stopped line's next part
+                    hold = lines.resumed(index, now, _work_ns(request, on, run_ns, swap_ns, costs), swap if load else 0,
+                                         request.settle_ns if request.run_ns is not None else 0)
+                    result.part_start_ns = now
+                else:
+                    if request.run_ns is not None:
+                        hold = request.run_ns
+                        was = request.record.gpu
+                        if run_ns[was, model] != run_ns[on, model] or swap_ns[was, model] != swap:
+                            # Recorded on another GPU: its run at this GPU's pace, with this GPU's load.
+                            work = max(0, hold - swap_ns[was, model]) if request.recorded_load else hold
+                            if run_ns[was, model] > 0:
+                                work = round(work * run_ns[on, model] / run_ns[was, model])
+                            hold = work + swap if load else work
+                        elif load is not request.recorded_load:
+                            hold = hold + swap if load else max(0, hold - swap)
+                        hold += request.settle_ns
+                    else:  # never recorded: as long as the runtime expects the grant to take
+                        hold = round(grant_end_s(costs, decision) * 1e9)
+                    if lines is not None and request.record.batch_line:
+                        lines.started(index, now, hold, request.settle_ns if request.run_ns is not None else 0,
+                                      _work_ns(request, on, run_ns, swap_ns, costs))
+                    result.outcome = request.granted_outcome
+                    result.start_ns = result.end_ns = now
+                    result.model_load = load
+                    result.gpu = decision.gpu
+                    result.grant = granted
+                    result.evicted = tuple(eviction.model for eviction in decision.evicts)
+                granted += 1
+                swaps += load
+                if decision.reordered_by:
+                    for cause in decision.reordered_by:
+                        reorders[cause] += 1
+                for eviction in decision.evicts:  # several resident: the models its grant unloaded
+                    evictions[eviction.reason] += 1
+                gpu = gpu_of[decision.gpu]
+                gpu.swaps += load
+                if not gpu.running:
+                    gpu.busy_since = now
+                gpu.running.start(now, request.index, hold)
+                if gpu.running.release_at < release_at:
+                    release_at = gpu.running.release_at
+            if lines is None:
+                break
+            stops = scheduler.stops()  # ordered by the `next` that found nothing to start
+            if not stops:
+                break
+            for stop in stops:  # the feeder stops each line and sends it again at once
+                index = index_of(stop.request_id)
+                result = results[index]
+                gpu = gpu_of[stop.gpu]
+                lines.stopped(stop, result, now, gpu.running.stop(now, index))
+                if not gpu.running:
+                    gpu.busy_ns += now - gpu.busy_since
+                scheduler.release(stop.request_id, keep_as=retry_key(index), grace_ns=GRACE_NS)
+                if _resend(scheduler, result, part_id(index, result.stops), entries[index], now):
+                    waiting += 1
+                else:
+                    lines.ended(index)
+            release_at = min(gpu.running.release_at for gpu in gpus)
+        if lines is not None and min_run:
+            # A line not yet stoppable may be stopped once it has run its minimum: ask again then.
+            ripe_at = lines.ripe_at(now, min_run) if waiting else NEVER
 
-    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions)
+    metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions,
+                       lines.metrics() if lines is not None else None)
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
-
-
-class _Gpu:
-    """One GPU of the replay: its running grants and its figures."""
-
-    __slots__ = ("name", "running", "swaps", "busy_ns", "busy_since")
-
-    def __init__(self, name: str, running: _Running) -> None:
-        self.name = name
-        self.running = running
-        self.swaps = 0
-        self.busy_ns = 0
-        self.busy_since = 0
-
-
-class _Running(Protocol):
-    """The grants holding a slot: ``start`` one, ``finish`` those done at ``release_at``."""
-
-    release_at: int  # the next release (_NEVER: none running)
-
-    def __len__(self) -> int: ...
-
-    def start(self, now: int, index: int, hold_ns: int) -> None: ...
-
-    def finish(self, now: int) -> list[int]: ...
-
-
-class _Apart:
-    """Each grant runs its own time, whatever else runs (one slot, or no concurrency table)."""
-
-    def __init__(self) -> None:
-        self._releases: list[tuple[int, int]] = []  # (release time, index), earliest first
-        self.release_at = _NEVER
-
-    def __len__(self) -> int:
-        return len(self._releases)
-
-    def start(self, now: int, index: int, hold_ns: int) -> None:
-        heapq.heappush(self._releases, (now + hold_ns, index))
-        self.release_at = self._releases[0][0]
-
-    def finish(self, now: int) -> list[int]:
-        releases, done = self._releases, []
-        while releases and releases[0][0] == now:
-            done.append(heapq.heappop(releases)[1])
-        self.release_at = releases[0][0] if releases else _NEVER
-        return done
-
-
-class _Shared:
-    """The running grants share the GPU: while n run, each progresses at speed(n) / n of its solo
-    rate. Work is kept in solo nanoseconds; a release lands on the first nanosecond at which its
-    work is done to within half a nanosecond (floating point)."""
-
-    _EPS_NS = 0.5
-
-    def __init__(self, speed: ConcurrencySpeed) -> None:
-        self._speed = speed
-        self._rates: dict[int, float] = {}  # n running -> each one's rate
-        self._left: dict[int, float] = {}  # index -> solo ns of work left
-        self._since = 0  # when _left was last brought up to date
-        self.release_at = _NEVER
-
-    def __len__(self) -> int:
-        return len(self._left)
-
-    def _rate(self) -> float:
-        count = len(self._left)
-        rate = self._rates.get(count)
-        if rate is None:
-            rate = self._rates[count] = self._speed.rate(count)
-        return rate
-
-    def _advance(self, now: int) -> None:
-        if self._left and now != self._since:
-            done = (now - self._since) * self._rate()
-            for index in self._left:
-                self._left[index] -= done
-        self._since = now
-
-    def _plan(self) -> None:
-        if not self._left:
-            self.release_at = _NEVER
-            return
-        least = min(self._left.values()) / self._rate()
-        self.release_at = self._since + max(0, math.ceil(least - self._EPS_NS))
-
-    def start(self, now: int, index: int, hold_ns: int) -> None:
-        self._advance(now)
-        self._left[index] = float(hold_ns)
-        self._plan()
-
-    def finish(self, now: int) -> list[int]:
-        self._advance(now)
-        rate = self._rate()
-        done = sorted(index for index, left in self._left.items() if left / rate <= self._EPS_NS)
-        for index in done:
-            del self._left[index]
-        self._plan()
-        return done
 
 
 def quantile(ordered: Sequence[int], fraction: float) -> int:
@@ -498,8 +454,41 @@ def quantile(ordered: Sequence[int], fraction: float) -> int:
     return ordered[rank - 1]
 
 
-def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[_Gpu],
-             last_release: int, peak: int, evictions: Counter[EvictReason]) -> Metrics:
+def _work_ns(request: Request, on: str, run_ns: Mapping[tuple[str | None, str | None], int],
+             swap_ns: Mapping[tuple[str | None, str | None], int], costs: Figures) -> int:
+    """A request's work on GPU ``on``: its run without its load or settle (a recorded run at this
+    GPU's pace, as a grant's hold takes it; else the run the runtime expects)."""
+    model = request.record.model
+    if request.run_ns is None:
+        return round(costs.expected_request_run_s(model, request.record.max_tokens, on) * 1e9)
+    was = request.record.gpu
+    work = max(0, request.run_ns - swap_ns[was, model]) if request.recorded_load else request.run_ns
+    if run_ns[was, model] != run_ns[on, model] and run_ns[was, model] > 0:
+        work = round(work * run_ns[on, model] / run_ns[was, model])
+    return work
+
+
+def _resend(scheduler: Scheduler, result: Result, request_id: str, entry: str | None, now: int) -> bool:
+    """Send a stopped line again under ``request_id``, to take its kept place back (its first
+    arrival and order). False where the queue refuses it (its place was not kept: it waited
+    maxWaitSeconds, and the queue is full): the line ends there, rejected."""
+    request = result.request
+    try:
+        queued = scheduler.enqueue(request_id, request.priority, request.record.model, priority_model=entry,
+                                   max_tokens=request.record.max_tokens, retry_key=retry_key(request.index),
+                                   stoppable=True)
+    except QueueFull:
+        scheduler.expire_kept()
+        result.outcome = Outcome.REJECTED_FULL
+        result.release_ns = now
+        return False
+    if queued.taken is None:
+        scheduler.expire_kept()  # its place, kept past maxWaitSeconds, is not taken: drop it
+    return True
+
+
+def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[Gpu],
+             last_release: int, peak: int, evictions: Counter[EvictReason], stops: StopMetrics | None) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
     for result in results:
@@ -531,4 +520,5 @@ def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause],
         inversion=worst_inversion(results),
         gpus=per_gpu,
         evictions={reason.value: evictions[reason] for reason in EvictReason},
+        stops=stops,
     )

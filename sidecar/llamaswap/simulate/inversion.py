@@ -13,7 +13,9 @@ up, when it expires or (at once) when it is rejected. The worst inversion is the
 the largest inversion time (the earliest to leave the queue on a tie); none when every
 inversion time is 0. Non-preemption alone does not count: a lower-priority request that was
 already running, or arrived earlier, is not an inversion. With serial settings an inversion
-comes from swap affinity (a later, lower request with the loaded model went first).
+comes from swap affinity (a later, lower request with the loaded model went first). A Batch API
+line stopped and resumed (`simulate --preempt`) holds the GPU part by part, each part from its
+grant to its stop (the last to its release).
 
 Computed in O(n log n): sweeping the grants and departures in time order, each priority level
 keeps a Fenwick tree over its requests in arrival order; a grant adds its hold to the prefix of
@@ -60,16 +62,19 @@ class _Level:
 def worst_inversion(results: Sequence[Result]) -> Inversion | None:
     levels: dict[int, _Level] = {}
     position = [0] * len(results)
-    events: list[tuple[int, int, int]] = []  # (time, 0 leave / 1 grant, index); leaves first
+    # (time, 0 leave / 1 grant, index, the grant's release); leaves first
+    events: list[tuple[int, int, int, int]] = []
     for index, result in enumerate(results):
         level = levels.get(result.base)
         if level is None:
             level = levels[result.base] = _Level()
         position[index] = len(level.indices)
         level.indices.append(index)
-        events.append((result.end_ns, 0, index))
-        if result.start_ns is not None:
-            events.append((result.start_ns, 1, index))
+        events.append((result.end_ns, 0, index, 0))
+        if result.parts:  # a stopped line: each part holds the GPU from its grant to its stop
+            events += [(start, 1, index, end) for start, end in result.held()]
+        elif result.start_ns is not None:
+            events.append((result.start_ns, 1, index, result.release_ns))  # type: ignore[arg-type]
     if not events:
         return None
     for level in levels.values():
@@ -81,13 +86,14 @@ def worst_inversion(results: Sequence[Result]) -> Inversion | None:
 
     worst_ns, worst = 0, -1
     running = -1  # the last grant: the one that may be holding the GPU as someone leaves
-    for time, kind, index in events:
+    running_end = 0  # its release
+    for time, kind, index, end in events:
         result = results[index]
         if kind == 1:
-            hold = result.release_ns - time  # type: ignore[operator]
+            hold = end - time
             if hold <= 0:  # nothing to count; and the grant after it, at the same instant, holds the GPU
                 continue
-            running = index
+            running, running_end = index, end
             for level in ordered[bisect.bisect_right(values, result.base):]:
                 oldest = level.oldest
                 if oldest < len(level.indices) and level.indices[oldest] < index:
@@ -97,8 +103,8 @@ def worst_inversion(results: Sequence[Result]) -> Inversion | None:
         inverted = level.read(position[index])
         if result.start_ns is None and running > index:
             holder = results[running]
-            if holder.base < result.base and holder.release_ns is not None and holder.release_ns > time:
-                inverted -= holder.release_ns - time  # it left while that one still ran
+            if holder.base < result.base and running_end > time:
+                inverted -= running_end - time  # it left while that one still ran
         if inverted > worst_ns:
             worst_ns, worst = inverted, index
         left[index] = True

@@ -92,6 +92,9 @@ class RequestRecord:
     max_tokens: int | None = None
     slots_busy: int | None = None
     gpu: str | None = None  # the GPU its grant ran on (None: not recorded, or not granted)
+    # A line of the Batch API (`batch_line`): its grant may be stopped for a higher band and the
+    # line resumed where it stopped (`simulate --preempt`). Absent: a client's own request.
+    batch_line: bool = False
 
     def settings_of(self, configured: Collection[str]) -> str | None:
         """The models.<id> entry it had (`config.model_key`, as the sidecar keyed it): where the
@@ -270,6 +273,7 @@ def _request(document: Mapping[str, Any], order: int) -> RequestRecord:
         _count(document, "max_tokens"),
         _count(document, "serial_slots_busy"),
         gpu if isinstance(gpu := document.get("upstream"), str) and gpu else None,
+        _flag(document, "batch_line", False),
     )
 
 
@@ -391,6 +395,7 @@ def request_document(record: RequestRecord) -> dict[str, Any]:
         "max_tokens": record.max_tokens,
         "serial_slots_busy": record.slots_busy,
         "upstream": record.gpu,
+        "batch_line": record.batch_line,
     }
 
 

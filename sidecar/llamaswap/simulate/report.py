@@ -13,7 +13,7 @@ from typing import Any
 from llamaswap.core import BAND_NAMES
 from llamaswap.simulate.concurrency import SpeedChoice
 from llamaswap.simulate.results import Metrics, Simulation
-from llamaswap.simulate.settings import KEYS, Settings, model_slots_text
+from llamaswap.simulate.settings import STOPPING_KEYS, Settings, model_slots_text, shown_keys, stopping
 
 PLOT_HINT = "pip install 'llamaswap[plot]', or pip install matplotlib"
 
@@ -44,10 +44,14 @@ class Summary:
     recorded_evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
-def row_document(row: Row) -> dict[str, Any]:
+def row_document(row: Row, *, stops: bool = False) -> dict[str, Any]:
+    """One row; ``stops``: with the stopping settings and the stops (null: stopping off)."""
     m = row.metrics
-    return {
-        "settings": row.settings.values(),
+    values = row.settings.values()
+    if not stops:
+        values = {name: value for name, value in values.items() if name not in STOPPING_KEYS}
+    document = {
+        "settings": values,
         "requests": m.requests,
         "bands": {band: dataclasses.asdict(stats) for band, stats in m.bands.items()},
         "swaps": m.swaps,
@@ -62,6 +66,9 @@ def row_document(row: Row) -> dict[str, Any]:
                  for name, gpu in m.gpus.items()},
         "evictions": dict(m.evictions),
     }
+    if stops:
+        document["stops"] = dataclasses.asdict(m.stops) if m.stops is not None else None
+    return document
 
 
 def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dict[str, Any]:
@@ -74,7 +81,7 @@ def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dic
         "swept": list(swept),
         "concurrency_speed": summary.concurrency.document() if summary.concurrency is not None else None,
         "recorded_evictions": dict(summary.recorded_evictions),
-        "rows": [row_document(row) for row in rows],
+        "rows": [row_document(row, stops=_stopping(swept, rows)) for row in rows],
     }
 
 
@@ -96,6 +103,8 @@ def _seconds(value: float | None) -> str:
 
 
 def _setting(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -123,7 +132,7 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     if concurrency is not None and (concurrency.speed is not None or any(r.settings.most_slots > 1 for r in rows)):
         lines.append(concurrency.describe())
     first = rows[0].settings
-    fixed = [name for name in KEYS if name not in swept]
+    fixed = [name for name in shown_keys([row.settings for row in rows], swept) if name not in swept]
     values = first.values()
     label = "settings" if not swept else "fixed settings"
     lines.append(f"{label}: " + ", ".join(f"{name} {_setting(values[name])}" for name in fixed)
@@ -132,8 +141,9 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     for band in BAND_NAMES:
         groups.append((band, ["n", "p50", "p95", "max"]))
     evicting = _evicting(summary, rows)
-    groups.append(("", ["swaps", *(["evictions"] if evicting else []), "aging", "affinity", "busy", "left",
-                        "expired", "rejected", "inversion"]))
+    stops = _stopping(swept, rows)
+    groups.append(("", ["swaps", *(["evictions"] if evicting else []), *(["stops", "stopped"] if stops else []),
+                        "aging", "affinity", "busy", "left", "expired", "rejected", "inversion"]))
     body = []
     for row in rows:
         m = row.metrics
@@ -144,6 +154,8 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
                       _seconds(stats.wait_max_s)]
         inversion = "-" if m.inversion is None else f"{_seconds(m.inversion.seconds)} ({m.inversion.request_id})"
         evictions = [str(sum(m.evictions.values()))] if evicting else []
+        if stops:
+            evictions += [str(m.stops.total), str(m.stops.lines)] if m.stops is not None else ["-", "-"]
         cells += [str(m.swaps), *evictions, str(m.reorders.get("aging", 0)), str(m.reorders.get("swap_affinity", 0)),
                   f"{m.busy_fraction:.3f}", str(m.left), str(m.expired), str(m.rejected), inversion]
         body.append(cells)
@@ -171,8 +183,12 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     if evicting:
         lines.append("")
         lines += _eviction_lines(summary, rows)
+    if stops:
+        lines.append("")
+        lines += _stop_lines(rows)
     lines.append("")
-    lines += textwrap.wrap(_LEGEND + (_EVICTION_LEGEND if evicting else ""), width=100)
+    lines += textwrap.wrap(_LEGEND + (_EVICTION_LEGEND if evicting else "") + (_STOP_LEGEND if stops else ""),
+                           width=100)
     return "\n".join(lines) + "\n"
 
 
@@ -185,6 +201,26 @@ _LEGEND = ("n: granted the GPU; p50/p95/max: seconds from arrival to grant; swap
 
 _EVICTION_LEGEND = ("; evictions: resident models the replay's grants unloaded to make room for their own "
                     "(maxLoaded above 1), by reason below, beside the log's own")
+
+
+_STOP_LEGEND = ("; stops: Batch API lines stopped for a higher band (--preempt; -: off), by the stopped "
+                "line's band below; stopped: lines stopped at least once")
+
+
+def _stopping(swept: Sequence[str], rows: Sequence[Row]) -> bool:
+    """Stops are worth columns: some row stops lines, or a stopping key is swept."""
+    return stopping([row.settings for row in rows], swept)
+
+
+def _stop_lines(rows: Sequence[Row]) -> list[str]:
+    """Each row's stops by the stopped line's band."""
+    lines = []
+    for number, row in enumerate(rows, 1):
+        stops = row.metrics.stops
+        text = "stopping off" if stops is None else (
+            f"stops {_reasons(stops.bands)}, {stops.lines} line{'s' if stops.lines != 1 else ''} stopped")
+        lines.append((f"row {number}: " if len(rows) > 1 else "") + text)
+    return lines
 
 
 def _evicting(summary: Summary, rows: Sequence[Row]) -> bool:
@@ -234,6 +270,9 @@ def request_lines(simulation: Simulation, setting: int | None = None) -> list[st
             "model_load": result.model_load,  # its grant loaded its model first
             "evicted": list(result.evicted),  # the resident models its grant unloaded
         }
+        if simulation.metrics.stops is not None:  # stopping on: how often it was stopped, its end
+            item["stops"] = result.stops
+            item["end_ms"] = round(result.release_ns / 1e6, 3) if result.release_ns is not None else None
         if setting is not None:
             item["setting"] = setting
         lines.append(json.dumps(item, separators=(",", ":")))
@@ -266,7 +305,8 @@ def plot(path: str | pathlib.Path, swept: Sequence[str], rows: Sequence[Row]) ->
         axes = figure.add_subplot(1, len(swept), panel + 1)
         others = [other for other in swept if other != key]
         chosen = [row for row in rows if all(row.settings.values()[o] == first[o] for o in others)]
-        xs = [_setting(row.settings.values()[key]) if key == "scheduler" else row.settings.values()[key]
+        xs = [_setting(row.settings.values()[key]) if key in ("scheduler", "preempt")
+              else row.settings.values()[key]
               for row in chosen]
         for colour, band in enumerate(BAND_NAMES):  # one colour per band: p50 solid, p95 dashed
             for stat, style in (("wait_p50_s", "-o"), ("wait_p95_s", "--s")):

@@ -40,6 +40,20 @@ class Result:
     gpu: str | None = None  # the GPU its grant ran on
     grant: int | None = None  # its place in the replay's order of grants (0: the first)
     evicted: tuple[str, ...] = ()  # the resident models its grant unloaded to make room
+    # A Batch API line stopped (`--preempt`): how often, the parts it ran before its last, each
+    # (grant, stop), and when its last part was granted (None: never stopped).
+    stops: int = 0
+    parts: list[tuple[int, int]] | None = None
+    part_start_ns: int | None = None
+
+    def held(self) -> list[tuple[int, int]]:
+        """The times its grants held a GPU, each (grant, release): one, or a stopped line's parts."""
+        if self.start_ns is None or self.release_ns is None:
+            return []
+        if not self.parts:
+            return [(self.start_ns, self.release_ns)]
+        last = self.part_start_ns if self.part_start_ns is not None else self.release_ns
+        return [*self.parts, (last, self.release_ns)]
 
     @property
     def wait_ns(self) -> int:
@@ -72,6 +86,15 @@ class GpuMetrics:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StopMetrics:
+    """Batch API lines stopped for a higher band (`simulate --preempt`)."""
+
+    total: int  # stops
+    bands: Mapping[str, int]  # stops by the stopped line's band (every band, 0 where none)
+    lines: int  # lines stopped at least once
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Metrics:
     requests: int
     bands: Mapping[str, BandMetrics]
@@ -86,6 +109,7 @@ class Metrics:
     gpus: Mapping[str, GpuMetrics] = dataclasses.field(default_factory=dict)  # per upstream, by name
     # Resident models its grants unloaded to make room (several resident), by reason (EvictReason).
     evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    stops: StopMetrics | None = None  # None: stopping was off
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -68,6 +68,10 @@ class Settings:
     # Each upstream's own slots as the log's settings record gives them, by name (without -c): an
     # upstream it does not name takes ``slots`` and ``model_slots``.
     recorded_slots: Mapping[str, GpuSlots] = dataclasses.field(default_factory=dict)
+    # Batch API lines may be stopped for a higher band (`simulate --preempt`), each after running
+    # at least ``min_run_s`` (`Policy.stop_min_run_s`).
+    preempt: bool = False
+    min_run_s: float = 0.0
 
     @classmethod
     def from_policy(cls, policy: Policy, *, configured: bool = True) -> Settings:
@@ -82,7 +86,8 @@ class Settings:
                    policy.max_wait_s, dict(policy.model_priorities), first.slots.default, reserved,
                    dict(first.slots.per_model), len(policy.gpus),
                    tuple(gpu.name for gpu in policy.gpus) if configured else (),
-                   policy.gpus if configured else (), first.residency.max_loaded)
+                   policy.gpus if configured else (), first.residency.max_loaded,
+                   min_run_s=policy.stop_min_run_s)
 
     @property
     def fewest_slots(self) -> int:
@@ -99,6 +104,12 @@ class Settings:
 
     def policy(self) -> Policy:
         """Raises SettingsError where reservedSlots leaves a model no slot (see ``fit_reserved``)."""
+        policy = self._policy()
+        if self.min_run_s != policy.stop_min_run_s:
+            policy = dataclasses.replace(policy, stop_min_run_s=self.min_run_s)
+        return policy
+
+    def _policy(self) -> Policy:
         try:
             slots = Slots(self.slots, self.model_slots, self.reserved_slots)
         except InvalidSlots as exc:
@@ -185,7 +196,7 @@ class Settings:
 
     def describe(self) -> str:
         values = self.values()
-        text = ", ".join(f"{name} {_show(values[name])}" for name in KEYS)
+        text = ", ".join(f"{name} {_show(values[name])}" for name in shown_keys([self], ()))
         if self.scheduler is PolicyName.FIFO and self.model_priorities:
             text += ", model priorities " + ", ".join(f"{m} {p:+d}" for m, p in sorted(self.model_priorities.items()))
         return text + model_slots_text(self)
@@ -198,6 +209,8 @@ def model_slots_text(settings: Settings) -> str:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -277,6 +290,20 @@ def parse_max_loaded(text: str) -> int:
     return value
 
 
+def parse_preempt(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("on", "off", "true", "false"):
+        raise SettingsError(f"must be on or off, got {text!r}")
+    return value in ("on", "true")
+
+
+def parse_min_run(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise SettingsError(f"must be 0 (stopped at once) or more seconds, got {text}")
+    return value
+
+
 def parse_reserved_slots(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -307,7 +334,24 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                                                "recorded_slots": {}}),
     # A flag's or a sweep's maxLoaded is every GPU's.
     Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),
+    Key("preempt", "preempt", "--preempt", parse_preempt),
+    Key("minRun", "min_run_s", "--min-run", parse_min_run),
 )}
+# Shown in a report only where some row stops lines or one of them is swept (`shown_keys`): a
+# replay without stopping reads as it did before stopping existed.
+STOPPING_KEYS = frozenset({"preempt", "minRun"})
+
+
+def stopping(settings: Iterable[Settings], swept: Iterable[str] = ()) -> bool:
+    """Whether some row stops lines, or a stopping key is swept."""
+    return any(setting.preempt for setting in settings) or not STOPPING_KEYS.isdisjoint(swept)
+
+
+def shown_keys(settings: Sequence[Settings], swept: Sequence[str]) -> list[str]:
+    """The keys a report shows, in KEYS order."""
+    if stopping(settings, swept):
+        return list(KEYS)
+    return [name for name in KEYS if name not in STOPPING_KEYS]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ classes:
     run: {lognormal: {median: 4, sigma: 0.6}}   # GPU seconds when no model load is needed
     patience: {uniform: [30, 120]}  # optional: seconds before the client gives up; absent = forever
     swap: 8             # optional: extra seconds when its model must be loaded first (default 0)
+    stoppable: false    # optional: its requests are Batch API lines (`simulate --preempt` may stop them)
 ```
 
 Distributions: ``{fixed: S}``, ``{uniform: [A, B]}``, ``{exponential: MEAN}``,
@@ -20,7 +21,8 @@ class, so the result does not depend on anything else.
 Each arrival becomes a record: a client with patience is a ``cancelled_waiting`` record whose
 wait is its patience and whose ``run_ms`` is what it would run if granted; the others are
 ``served`` with their run. None of them needed a model load, so every load the simulation
-makes costs its model's ``swap``.
+makes costs its model's ``swap``. A ``stoppable`` class's records are Batch API lines
+(``batch_line``), which have no patience.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class TrafficClass:
     run: Distribution
     patience: Distribution | None
     swap_s: float
+    stoppable: bool = False  # its requests are Batch API lines (records' `batch_line`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +125,12 @@ class _Reader:
             self.fail(path, f"must be {'positive' if positive else 'at least 0'}, got {node!r}")
             return None
         return float(node)
+
+    def flag(self, node: Any, path: str) -> bool | None:
+        if node is not True and node is not False:
+            self.fail(path, f"must be true or false, got {describe_value(node)}")
+            return None
+        return node
 
     def distribution(self, node: Any, path: str) -> Distribution | None:
         kinds = {"fixed", "uniform", "exponential", "lognormal"}
@@ -178,7 +187,8 @@ def parse_workload(data: Any) -> Workload:
     swaps: dict[str, tuple[float, str]] = {}
     for i, item in enumerate(node or []):
         path = f"classes[{i}]"
-        spec = r.mapping(item, path, {"name", "rate", "priority", "models", "run", "patience", "swap"},
+        spec = r.mapping(item, path, {"name", "rate", "priority", "models", "run", "patience", "swap",
+                                     "stoppable"},
                          {"name", "rate", "models", "run"})
         name = spec.get("name")
         if "name" in spec:
@@ -193,14 +203,18 @@ def parse_workload(data: Any) -> Workload:
         run = r.distribution(spec["run"], f"{path}.run") if "run" in spec else None
         patience = r.distribution(spec["patience"], f"{path}.patience") if spec.get("patience") is not None else None
         swap = r.number(spec.get("swap", 0), f"{path}.swap")
+        stoppable = r.flag(spec.get("stoppable", False), f"{path}.stoppable")
+        if stoppable and patience is not None:  # the feeder sends a line and waits for its answer
+            r.fail(f"{path}.stoppable", "a Batch API line has no client that gives up: drop patience or stoppable")
         # A model has one load cost: classes that state it must agree (absent: the other's, else 0).
         if "swap" in spec and swap is not None:
             for model, _ in models or ():
                 stated, where = swaps.setdefault(model, (swap, path))
                 if stated != swap:
                     r.fail(f"{path}.swap", f"model {model!r} already has swap {stated:g} in {where}")
-        if rate is not None and models and run is not None and priority is not None and swap is not None:
-            classes.append(TrafficClass(str(name), rate, priority, models, run, patience, swap))
+        if (rate is not None and models and run is not None and priority is not None and swap is not None
+                and stoppable is not None):
+            classes.append(TrafficClass(str(name), rate, priority, models, run, patience, swap, stoppable))
     if duration is not None and classes:
         expected = duration * sum(c.rate for c in classes)
         if expected > MAX_ARRIVALS:
@@ -292,6 +306,7 @@ def generate(workload: Workload) -> list[RequestRecord]:
         swap=False,
         load=False,
         order=order,
+        batch_line=classes[class_index].stoppable,
     ) for order, (at_ms, class_index, number, model, run_ms, patience_ms) in enumerate(drawn)]
 
 
