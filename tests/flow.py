@@ -46,6 +46,7 @@ from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.stops import Lines
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
 from llamaswap.adapters.ext_authz import Authorization
@@ -334,6 +335,9 @@ class Recorder:
         self.events.append(("kept_place", event))
         self.kept_events.append(event)
 
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        self.events.append(("line_stopped", (line.request_id, waiting.request_id if waiting is not None else None)))
+
     # -- questions -----------------------------------------------------------------------
 
     def outcomes(self) -> dict[str, Outcome | None]:
@@ -423,8 +427,10 @@ class Flow:
     """A real Coordinator driven the way Envoy's ext_authz and access log drive it."""
 
     def __init__(self, config: dict[str, Any] | Config | None = None, *, observers: Iterable[Observer] = (),
-                 upstream: FakeUpstream | None = None, upstreams: Sequence[FakeUpstream] | None = None) -> None:
-        """``upstreams``: one per upstream of the configuration's ``upstreams:`` list."""
+                 upstream: FakeUpstream | None = None, upstreams: Sequence[FakeUpstream] | None = None,
+                 lines: Lines | None = None) -> None:
+        """``upstreams``: one per upstream of the configuration's ``upstreams:`` list; ``lines``:
+        the Batch API lines that may be stopped (`runtime/stops.py`)."""
         self.loop = current_loop()
         self.clock = self.loop.clock
         self.config = config if isinstance(config, Config) else parse_config(with_stated_swap(config or {}))
@@ -433,7 +439,7 @@ class Flow:
         self.upstream = self.upstreams[0]
         self.recorder = Recorder()
         self.coordinator = Coordinator(self.config, clock=self.clock, observer=_Tee((self.recorder, *observers)),
-                                       upstreams=self.upstreams, observe_after_grant=False)
+                                       upstreams=self.upstreams, observe_after_grant=False, lines=lines)
         self.requests: dict[str, Request] = {}
         _FLOWS.setdefault(self.loop, []).append(self)
 

@@ -54,10 +54,13 @@ _GRANTED = (Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ERROR, O
             Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.SHUTDOWN)
 _NEVER_RAN = (Outcome.CANCELLED_WAITING, Outcome.REJECTED_FULL, Outcome.REJECTED_UNKNOWN_MODEL, Outcome.EXPIRED,
               Outcome.INTERNAL_ERROR)
+# A stopped Batch API line's part: its model stays loaded (tests/test_line_stops.py, as the runtime
+# has it; the replay's `_RAN` counts it as one that ran).
+_STOPPED_PART = (Outcome.STOPPED,)
 
 
 def test_every_outcome_is_covered_by_the_agreement_test() -> None:
-    assert set(_GRANTED) | set(_NEVER_RAN) == set(Outcome)
+    assert set(_GRANTED) | set(_NEVER_RAN) | set(_STOPPED_PART) == set(Outcome)
     assert not set(_GRANTED) & set(_NEVER_RAN)
 
 

@@ -129,7 +129,8 @@ def build_admin_app(
             limit = int(request.query.get("limit", str(ACTIVITY_DEFAULT_LIMIT)))
         except ValueError:
             limit = ACTIVITY_DEFAULT_LIMIT
-        # ?event=eviction: the models unloaded to make room (several resident); requests by default.
+        # ?event=eviction: the models unloaded to make room (several resident); ?event=stop: the Batch
+        # API lines stopped for a higher band; requests by default.
         event = request.query.get("event", REQUEST)
         if event not in KEPT_EVENTS:
             return _error(400, "invalid_request_error", "unknown_event",

@@ -48,6 +48,9 @@ class Outcome(str, enum.Enum):
     PROXY_GONE = "proxy_gone"
     # llamaswap itself failed while deciding (a bug): the client gets a 500.
     INTERNAL_ERROR = "internal_error"
+    # A Batch API line stopped at a token for a request of a higher band: its feeder sends it
+    # again to resume where it stopped (`core/preemption.py`). Not an error.
+    STOPPED = "stopped"
 
     @property
     def is_error(self) -> bool:
@@ -71,6 +74,7 @@ SHUTDOWN_RETRY_AFTER_S = 5
 # generating for it (the client left, the watchdog, a lapsed lease, Envoy gone, shutdown).
 _MODEL_STAYS_LOADED = frozenset({
     Outcome.CANCELLED_RUNNING, Outcome.WATCHDOG, Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.SHUTDOWN,
+    Outcome.STOPPED,
 })
 
 

@@ -37,7 +37,8 @@ _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 # The record kinds kept for GET /activity (its `event` query): each its own recent list.
 REQUEST = "request"
 EVICTION = "eviction"
-KEPT_EVENTS = (REQUEST, EVICTION)
+STOP = "stop"
+KEPT_EVENTS = (REQUEST, EVICTION, STOP)
 
 
 def _residency_fields(residency: Residency) -> dict[str, Any]:
@@ -160,6 +161,25 @@ class ActivityLog:
     def kept_place(self, event: KeptEvent) -> None:
         pass
 
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        """A running Batch API line being stopped for a higher band: which, where, after how long,
+        and the request it makes room for (`stops.py`)."""
+        decision = line.decision
+        assert decision is not None
+        now = self._clock.now_ns()
+        self._write({
+            "event": STOP,
+            "time": round(self._unix_ms(now) / 1000, 3),
+            "upstream": decision.gpu,
+            "model": decision.model,
+            "request_id": line.request_id,  # the line stopped
+            "trace_id": line.trace_id,
+            "serial_band": decision.band.value,
+            "ran_ms": round((now - decision.granted_ns) / 1e6, 3),
+            "for_request_id": waiting.request_id if waiting is not None else None,
+            "for_band": waiting.priority.band.value if waiting is not None else None,
+        })
+
     def settings_changed(self, policy: Policy) -> None:
         self._write({
             "event": "settings",
@@ -222,6 +242,8 @@ class ActivityLog:
             "max_tokens": ticket.max_tokens,
             "streamed": ticket.streamed,
             "generation": ticket.generation,
+            # A Batch API line that may be stopped for a higher band (`stops.py`): simulate --preempt replays its stops.
+            "batch_line": ticket.line_key is not None,
             "outcome": outcome.value if outcome is not None else None,
             "dispatched": decision is not None,
             "serial_priority": ticket.priority.value,

@@ -94,9 +94,12 @@ class Admitter:
         key = self._keys.key(ticket.model)
         ticket.schedule_model = key.scheduled
         try:
+            # A stoppable line offers its line's key: sent again after a stop, it takes its place back.
+            line_key = ticket.line_key = self._grants.stops.key_of(ticket)
+            retry_key = line_key if line_key is not None else self._kept.retry_key(ticket)
             queued = self._scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
-                                             alone=ticket.alone, retry_key=self._kept.retry_key(ticket),
-                                             max_tokens=ticket.max_tokens)
+                                             alone=ticket.alone, retry_key=retry_key, max_tokens=ticket.max_tokens,
+                                             stoppable=line_key is not None)
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))

@@ -62,6 +62,7 @@ from llamaswap.runtime.live_config import LiveConfig, ModelKeys
 from llamaswap.runtime.observer import NoopObserver, Observer
 from llamaswap.runtime.publishing import Publisher, Version
 from llamaswap.runtime.request_ids import RequestIds
+from llamaswap.runtime.stops import Lines
 from llamaswap.runtime.ticket import Admission, Arrival, ExchangeReport, Refusal, Ticket, TicketState, Tokens
 from llamaswap.runtime.upstream import Catalog, NoUpstream, Upstream
 from llamaswap.runtime.views import GpuState, QueueView, QueueViews, RunningRow, WaitingRow
@@ -77,9 +78,10 @@ class Coordinator:
 
     def __init__(self, config: Config, *, clock: Clock | None = None, observer: Observer | None = None,
                  upstream: Upstream | None = None, upstreams: Sequence[Upstream] | None = None,
-                 observe_after_grant: bool = True) -> None:
+                 observe_after_grant: bool = True, lines: Lines | None = None) -> None:
         """``upstreams``: one per `Config.gpu_entries`, in order (``upstream``: the one of a
-        configuration with one upstream; neither: `NoUpstream`s)."""
+        configuration with one upstream; neither: `NoUpstream`s). ``lines``: the Batch API's
+        lines that may be stopped for a higher band (`stops.py`; none without it)."""
         self._clock = clock or MonotonicClock()
         self._config = LiveConfig(config)
         if upstreams is None:
@@ -116,7 +118,7 @@ class Coordinator:
         self._grants = Grants(clock=self._clock, config=self._config, scheduler=self.scheduler, gpus=self.gpus,
                               estimator=self.estimator, tickets=self._tickets, request_ids=self._request_ids,
                               tokens=self._tokens, observer=self._observer, publisher=self._publisher,
-                              forecast=self._forecast, adopted=adopted)
+                              forecast=self._forecast, adopted=adopted, lines=lines)
         self._leases = self._grants.leases
         self._watchdogs = self._grants.watchdogs
         self._adoptions = self._grants.adoptions

@@ -37,6 +37,7 @@ from llamaswap.runtime.live_config import LiveConfig
 from llamaswap.runtime.observer import Observer, overtaken_by
 from llamaswap.runtime.publishing import Publisher
 from llamaswap.runtime.request_ids import RequestIds
+from llamaswap.runtime.stops import KEEP_STOPPED_MIN_NS, LineStops, Lines, NoLines
 from llamaswap.runtime.ticket import ExchangeReport, Ticket, TicketState, Tokens
 from llamaswap.runtime.views import free
 from llamaswap.runtime.watchdogs import Watchdogs
@@ -51,7 +52,8 @@ class Grants:
 
     def __init__(self, *, clock: Clock, config: LiveConfig, scheduler: Scheduler, gpus: Gpus, estimator: Estimator,
                  tickets: dict[str, Ticket], request_ids: RequestIds, tokens: Tokens, observer: Observer,
-                 publisher: Publisher, forecast: Forecast, adopted: dict[str, Adoption]) -> None:
+                 publisher: Publisher, forecast: Forecast, adopted: dict[str, Adoption],
+                 lines: Lines | None = None) -> None:
         self._clock = clock
         self._config = config
         self._scheduler = scheduler
@@ -62,6 +64,8 @@ class Grants:
         self._observer = observer
         self._publisher = publisher
         self._forecast = forecast
+        # Batch API lines stopped for a higher band (`stops.py`; without the Batch API, none).
+        self.stops = LineStops(scheduler, tickets, lines or NoLines())
         self.idle = asyncio.Event()
         self.idle.set()
         # The running grant, the adopted exchanges and what is remembered of finished grants,
@@ -104,7 +108,10 @@ class Grants:
         end = report.end or ExchangeEnd.UPSTREAM_FAILED
         ticket.end = end
         ticket.response_status = report.status
-        self.release(ticket, exchange_outcome(end, report.status), abandoned=abandons(end))
+        # A line being stopped ends as its feeder closed it: stopped, not a client that left.
+        outcome = (Outcome.STOPPED if end is ExchangeEnd.CLIENT_LEFT and self.stops.stopping(ticket)
+                   else exchange_outcome(end, report.status))
+        self.release(ticket, outcome, abandoned=abandons(end))
 
     def peer_gone(self, peer: str) -> None:
         """An Envoy connection ended: release the grants it held (its waiting Checks end first:
@@ -125,6 +132,8 @@ class Grants:
         while True:
             decision = self._scheduler.next(times)
             if decision is None:
+                for line, waiting in self.stops.ask():
+                    self._publisher.observe(self._observer.line_stopped, line, waiting)
                 return
             ticket = self._tickets.get(decision.request_id)
             # Its unloads begin whatever becomes of it: the scheduler counts the evicted models gone.
@@ -163,7 +172,11 @@ class Grants:
         gpu = self._gpus.named(decision.gpu)
         model_loaded = model_stays_loaded(outcome, ticket.response_status,
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
-        released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
+        # A stopped line's place is kept for it to resume (`stops.py`).
+        keep_as = self.stops.ended(ticket)
+        released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
+                                           keep_as=keep_as,
+                                           grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
         self.watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
         self.leases.arm()

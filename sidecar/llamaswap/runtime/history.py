@@ -199,6 +199,9 @@ class History:
     def kept_place(self, event: KeptEvent) -> None:
         self._kept[event.kind.value] += 1
 
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        pass  # (its end, stopped, is in the timeline)
+
     def finished(self, ticket: Ticket) -> None:
         record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR

@@ -119,6 +119,10 @@ class Observer(Protocol):
     def kept_place(self, event: KeptEvent) -> None:
         """A place was kept for a client's retry, taken over by one, or ended untaken."""
 
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        """A running Batch API line is being stopped for ``waiting`` (None: it left since), a
+        request of a higher band that started nowhere (`stops.py`)."""
+
 
 class NoopObserver:
     def enqueued(self, ticket: Ticket) -> None:
@@ -143,6 +147,9 @@ class NoopObserver:
         pass
 
     def kept_place(self, event: KeptEvent) -> None:
+        pass
+
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
         pass
 
 
@@ -182,3 +189,6 @@ class FanOut:
 
     def kept_place(self, event: KeptEvent) -> None:
         self._each("kept_place", event)
+
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        self._each("line_stopped", line, waiting)

@@ -134,7 +134,7 @@ class Ticket:
         "state", "arrival_ns", "queue_depth_at_arrival", "estimated_wait_s", "decision",
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
         "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
-        "_retry_key", "_retry_digest", "attempt", "takeover", "unloads",
+        "_retry_key", "_retry_digest", "attempt", "takeover", "unloads", "line_key",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -175,6 +175,9 @@ class Ticket:
         # Granted: the unloads it waits for before it goes (several resident models, `evictions.py`;
         # their result: None once done, else the model that would not go); None: nothing to wait for.
         self.unloads: asyncio.Future[str | None] | None = None
+        # A Batch API line that may be stopped for a higher band: the key its place is kept
+        # under when it is (`stops.py`); None for any other request.
+        self.line_key: bytes | None = None
 
     @property
     def retry_key(self) -> bytes | None:

@@ -95,7 +95,7 @@ _log = logging.getLogger(__name__)
 NOT_REPLAYED = frozenset({Outcome.REJECTED_UNKNOWN_MODEL, Outcome.INTERNAL_ERROR, Outcome.SHUTDOWN})
 # Outcomes of a grant whose run the log measured: a granted replay ends the same way.
 _RAN = frozenset({Outcome.SERVED, Outcome.CANCELLED_RUNNING, Outcome.UPSTREAM_ERROR, Outcome.WATCHDOG,
-                  Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE})
+                  Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE, Outcome.STOPPED})
 
 _NS_PER_US = 1_000
 _NS_PER_MS = 1_000_000

@@ -60,6 +60,7 @@ MAX_ADAPTERS = "max_lora"
 # The picker's four gauges, in the order of its engine config (queued, running, KV use, LoRA).
 PICKER = (WAITING, GPU_SLOTS_BUSY, SATURATION, MODELS_INFO)
 KEPT_PLACES = "llamaswap_kept_places_total"
+PREEMPTIONS = "llamaswap_preemptions_total"
 # Per upstream (issue 27: several GPUs behind one queue), label `upstream`: new series beside the
 # node-wide ones above, which keep their names and labels (a dashboard over one GPU reads on).
 UPSTREAM_SLOTS = "llamaswap_upstream_slots"
@@ -80,7 +81,7 @@ PER_UPSTREAM = (UPSTREAM_SLOTS, UPSTREAM_SLOTS_BUSY, UPSTREAM_BUSY, UPSTREAM_MOD
 SPECIFIED = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS)
 ALL = (QUEUE_DEPTH, QUEUE_OLDEST_WAIT, DISPATCHED, REORDERS, QUEUE_WAIT, RUN, SWAPS, LOADS, REQUESTS, UNPARSEABLE,
        ABSENT, GPU_BUSY, GPU_SLOTS, GPU_SLOTS_BUSY, WATCHDOG, MODEL_SWAP, MODEL_RUN, ESTIMATE_RATIO, SETTLE,
-       REQUEST_ID_REPLACED, MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES, *PER_UPSTREAM)
+       REQUEST_ID_REPLACED, MODEL_LABEL_OTHER, WAITING, SATURATION, MODELS_INFO, KEPT_PLACES, PREEMPTIONS, *PER_UPSTREAM)
 
 # The `model` label takes at most this many names; the rest share OTHER_MODEL (a client picks
 # the name, up to 512 characters: unbounded series otherwise).
@@ -264,6 +265,11 @@ class Instruments:
             description="Places kept for a client's retry (routing.retryGraceSeconds), by event: kept (a waiting "
                         "request's client left), taken_over (its retry took the place), expired (nobody did).",
             series=[{"event": kind.value} for kind in KeptEventKind])
+        self.preemptions = Tally(
+            meter, PREEMPTIONS, unit="{stop}",
+            description="Running Batch API lines stopped at a token for a request of a higher band that could "
+                        "start nowhere, by the band of the line stopped (it resumes where it stopped).",
+            series=[{"band": band.value} for band in Band])
         self.settle = meter.create_histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "

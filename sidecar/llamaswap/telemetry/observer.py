@@ -368,6 +368,10 @@ class Telemetry:
         if not self._closed:
             self.instruments.kept_places.add(1, {"event": event.kind.value})
 
+    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        if not self._closed:
+            self.instruments.preemptions.add(1, {"band": line.priority.band.value})
+
     def settled(self, settle: Settle) -> None:
         if not self._closed:
             self.instruments.settle.record(settle.seconds, {"reason": settle.reason.value,

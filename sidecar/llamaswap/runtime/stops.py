@@ -1,0 +1,94 @@
+"""Stopping Batch API lines for a higher band, the runtime's side (issue 46): the scheduler says
+which running grants to stop (`core/preemption.py`); their owner stops them, and the place of each
+is kept for the line sent again to resume where it stopped.
+
+- Which requests may be stopped: those `Lines.key_of` gives a key (a line of the Batch API that
+  its feeder can stop at a token and send again), asked once at admission (`key_of`). A line is
+  queued with that key as its retry key, so a line sent again after a stop takes back the place
+  its stop kept: its first arrival and order (the kept places' rule, `core/kept.py`).
+- The stops: after each round of grants (`Grants.pump`), each stop the scheduler ordered is asked
+  of the lines' owner (`Lines.stop`, by the line's x-request-id). One it refuses (the line is
+  ending, or cannot be stopped after all) runs on; the scheduler's order ends with its release.
+- Its end: the feeder closes the line's stream, so Envoy reports a client that left. That end,
+  of a line being stopped, is `Outcome.STOPPED` (the upstream may still be at its token: settled
+  as any abandoned generation), and the release keeps the line's place under its key for
+  ``grace_ns`` (`routing.retryGraceSeconds`, at least a minute: the feeder sends it again at once).
+  A line that ended on its own first ends as it ended: nothing doubled.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from llamaswap.core import NS_PER_S, Scheduler
+from llamaswap.runtime.ticket import ExchangeEnd, Ticket
+
+_log = logging.getLogger(__name__)
+
+# The least a stopped line's place is kept: it is sent again as soon as its stream has closed.
+KEEP_STOPPED_MIN_NS = 60 * NS_PER_S
+
+
+class Lines(Protocol):
+    """The lines in flight that their owner can stop and resume (the Batch API's feeder)."""
+
+    def key_of(self, request_id: str) -> bytes | None:
+        """The key a stoppable line's place is kept under (the same for each of its sends);
+        None: not such a line."""
+
+    def stop(self, request_id: str) -> bool:
+        """Stop the running line ``request_id`` at its next token and send it again to resume;
+        False: not a running stoppable line (it may be ending)."""
+
+
+class NoLines:
+    """No Batch API: nothing is ever stopped."""
+
+    def key_of(self, request_id: str) -> bytes | None:
+        return None
+
+    def stop(self, request_id: str) -> bool:
+        return False
+
+
+class LineStops:
+    """The stops asked of the lines' owner and not yet ended, by ticket token."""
+
+    def __init__(self, scheduler: Scheduler, tickets: dict[str, Ticket], lines: Lines) -> None:
+        self._scheduler = scheduler
+        self._tickets = tickets
+        self._lines = lines
+        self._stopping: dict[str, Ticket] = {}  # token -> the ticket it is stopped for
+
+    def key_of(self, ticket: Ticket) -> bytes | None:
+        """At admission: the key of a stoppable line (its retry key), None for any other request."""
+        if ticket.request_id == "-":
+            return None
+        return self._lines.key_of(ticket.request_id)
+
+    def ask(self) -> list[tuple[Ticket, Ticket | None]]:
+        """The scheduler's new stop orders, each asked of the lines' owner: the lines it stops,
+        each with the waiting request it stops for (None: it left meanwhile)."""
+        asked = []
+        for stop in self._scheduler.stops():
+            line = self._tickets.get(stop.request_id)
+            if line is None or line.line_key is None:
+                continue  # ended meanwhile
+            if not self._lines.stop(line.request_id):
+                _log.info("line %s was not stopped (ending, or not stoppable after all)", line.request_id)
+                continue
+            waiting = self._tickets.get(stop.for_request)
+            self._stopping[line.token] = line
+            asked.append((line, waiting))
+        return asked
+
+    def stopping(self, ticket: Ticket) -> bool:
+        return ticket.token in self._stopping
+
+    def ended(self, ticket: Ticket) -> bytes | None:
+        """A line's grant ends: the key to keep its place under if it was being stopped and did not
+        come to its own end first (an exchange that completed is the line's answer: nothing to resume)."""
+        if self._stopping.pop(ticket.token, None) is None or ticket.end is ExchangeEnd.COMPLETE:
+            return None
+        return ticket.line_key

@@ -1,0 +1,107 @@
+"""Stopping Batch API lines for a higher band, the runtime's side (issue 46, `runtime/stops.py`):
+a real Coordinator on virtual time asks the lines' owner to stop a line, ends it as stopped when
+its stream closes, and gives the line sent again its first place back."""
+
+from __future__ import annotations
+
+from flow import Flow, clock, virtual_time
+
+from llamaswap.core import Outcome
+from llamaswap.runtime.activity import STOP, ActivityLog
+from llamaswap.runtime.ticket import ExchangeEnd
+from llamaswap.telemetry import instruments as names
+from llamaswap.telemetry.observer import Telemetry
+from test_telemetry import by_label, parse_text
+
+
+class FakeLines:
+    """The feeder's side: which request ids are stoppable lines, and the stops asked of it."""
+
+    def __init__(self, *request_ids: str, refuse: bool = False) -> None:
+        self.lines = set(request_ids)
+        self.refuse = refuse
+        self.stopped: list[str] = []
+
+    def key_of(self, request_id: str) -> bytes | None:
+        return f"line:{request_id}".encode() if request_id in self.lines else None
+
+    def stop(self, request_id: str) -> bool:
+        if self.refuse or request_id not in self.lines:
+            return False
+        self.stopped.append(request_id)
+        return True
+
+
+def stops_seen(flow: Flow) -> list[object]:
+    return [detail for kind, detail in flow.recorder.events if kind == "line_stopped"]
+
+
+@virtual_time
+async def test_a_person_stops_a_line_which_ends_stopped_and_comes_back_to_its_first_place() -> None:
+    lines = FakeLines("batch_1:line-a", "batch_1:line-b")
+    activity = ActivityLog(clock())
+    telemetry = Telemetry(clock=clock())
+    flow = Flow(lines=lines, observers=(activity, telemetry))
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    assert line.granted
+    first_arrival = line.ticket.arrival_ns
+    for _ in range(5):  # (Envoy's periodic entries keep its lease)
+        await flow.advance(1)
+        await flow.renew(line)
+    later_line = await flow.arrive("batch_1:line-b", "batch", model="m")
+    person = await flow.arrive("person", "interactive", model="m")
+    assert lines.stopped == ["batch_1:line-a"]
+    assert stops_seen(flow) == [("batch_1:line-a", "person")]
+    [record] = activity.recent(event=STOP)
+    assert (record["request_id"], record["for_request_id"], record["serial_band"], record["for_band"],
+            record["ran_ms"]) == ("batch_1:line-a", "person", "batch", "interactive", 5000.0)
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)  # the feeder closed the line's stream
+    assert line.ticket.outcome is Outcome.STOPPED and line.ticket.abandoned
+    samples = parse_text(telemetry.prometheus_text()[0].decode())
+    assert by_label(samples, names.PREEMPTIONS, "band") == {"interactive": 0.0, "normal": 0.0, "batch": 1.0}
+    assert by_label(samples, names.REQUESTS, "outcome")["stopped"] == 1.0
+    await flow.advance(1)  # the settle's poll: the upstream has let go
+    assert person.granted and not later_line.granted
+    resumed = await flow.arrive("batch_1:line-a", "batch", model="m")
+    assert resumed.ticket.takeover is not None and resumed.ticket.arrival_ns == first_arrival
+    assert flow.waiting_ids() == ["batch_1:line-a", "batch_1:line-b"]  # ahead of the line that came after it
+    await flow.complete(person)
+    await flow.advance(1)
+    assert resumed.granted and not later_line.granted
+    assert lines.stopped == ["batch_1:line-a"]  # asked once
+    telemetry.shutdown()
+
+
+@virtual_time
+async def test_a_client_s_own_request_is_never_stopped() -> None:
+    lines = FakeLines()
+    flow = Flow(lines=lines)
+    batch = await flow.arrive("a-client", "batch")
+    person = await flow.arrive("person", "interactive")
+    await flow.advance(1)
+    assert batch.granted and person.waiting
+    assert lines.stopped == [] and stops_seen(flow) == []
+
+
+@virtual_time
+async def test_a_line_that_ends_before_its_stop_ends_as_it_ended_and_keeps_no_place() -> None:
+    lines = FakeLines("batch_1:line-a")
+    flow = Flow(lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch")
+    person = await flow.arrive("person", "interactive")
+    assert lines.stopped == ["batch_1:line-a"]
+    await flow.complete(line)  # its last token came before the stop
+    assert line.ticket.outcome is Outcome.SERVED
+    assert person.granted and flow.coordinator.view().kept == ()
+
+
+@virtual_time
+async def test_a_line_its_owner_will_not_stop_runs_on() -> None:
+    lines = FakeLines("batch_1:line-a", refuse=True)
+    flow = Flow(lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch")
+    person = await flow.arrive("person", "interactive")
+    assert stops_seen(flow) == [] and person.waiting
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)
+    assert line.ticket.outcome is Outcome.CANCELLED_RUNNING
+    assert flow.coordinator.view().kept == ()
