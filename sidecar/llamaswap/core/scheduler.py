@@ -34,10 +34,10 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Final
 
-from llamaswap.core import node, order
+from llamaswap.core import idle, node, order
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
@@ -90,6 +90,7 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
+        self._idle = idle.IdleSince()  # when each model last became idle on each GPU (idle unloads)
         # The models the best waiting request holds back, by GPU (no new grants for them until
         # they drain and go), as the last `next` where a GPU took work found them: a claim is
         # made only there, so the grants never depend on anything else.
@@ -182,6 +183,7 @@ class Scheduler:
         record = self._gpu(gpu)
         if as_of != record.dispatches or not record.may_accept_report(models):
             return False
+        self._idle.mark(gpu, models - record.residents, self._clock.now_ns())
         record.accept_report(models)
         self._holding.changed(residents=True)
         return True
@@ -227,7 +229,20 @@ class Scheduler:
         """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
         record = self._gpu(gpu)
+        self._idle.mark(gpu, models - record.residents, self._clock.now_ns())
         record.set_residents(record.residents | models)
+        self._holding.changed(residents=True)
+
+    def idle_unloads(self, gpus: Collection[str] | None = None) -> idle.IdleDue:
+        """The idle resident models, those due for an idle unload now (only on ``gpus``, None:
+        any) and when the next falls due (`core/idle.py`)."""
+        waited = {*self._wanted, *(place.model for place in self._kept.places())}
+        return idle.idle_due(self.holdings(), self._idle, waited, self._clock.now_ns(), gpus)
+
+    def unload_idle(self, gpu: str, models: frozenset[str]) -> None:
+        """Idle models whose unload begins: no longer counted resident (a load of one waits for it)."""
+        record = self._gpu(gpu)
+        record.set_residents(record.residents - models)
         self._holding.changed(residents=True)
 
     def blocked_by(self, gpu: str, *, settling: bool, adopted: int,
@@ -497,7 +512,9 @@ class Scheduler:
         residents = gpu.residents
         gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
         self._holding.released(not self._gpu_of, gpu.residents is not residents)
-        return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
+        now = self._clock.now_ns()
+        self._idle.mark(gpu.name, (grant.entry.model,), now)
+        return Released(request_id, grant.entry.model, grant.decision.granted_ns, now)
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
