@@ -45,7 +45,7 @@ from llamaswap.config import Config, parse_config
 from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
 from llamaswap.adapters.ext_authz import Authorization
@@ -333,6 +333,9 @@ class Recorder:
     def kept_place(self, event: KeptEvent) -> None:
         self.events.append(("kept_place", event))
         self.kept_events.append(event)
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        self.events.append(("idle_unloaded", unload))
 
     # -- questions -----------------------------------------------------------------------
 

@@ -23,10 +23,10 @@ import os
 import time
 from typing import Any, TextIO
 
-from llamaswap.core import NS_PER_S, Clock, Eviction, Policy
+from llamaswap.core import NS_PER_S, Clock, EvictReason, Eviction, Policy
 from llamaswap.core.residency import Residency
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
 LOGGER_NAME = "llamaswap.activity"
@@ -159,6 +159,18 @@ class ActivityLog:
 
     def kept_place(self, event: KeptEvent) -> None:
         pass
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        """An idle unload: an `eviction` record with the reason `idle` (no request made room by it)."""
+        self._write({
+            "event": EVICTION,
+            "time": round(self._unix_ms(unload.at_ns) / 1000, 3),
+            "upstream": unload.gpu,
+            "model": unload.model,
+            "reason": EvictReason.IDLE.value,
+            "idle_s": round(unload.idle_s, 3),  # how long it had sat idle
+            "idle_unload_s": unload.after_s,  # its idle time (models.<id>.ttl, upstream.idleUnloadSeconds)
+        })
 
     def settings_changed(self, policy: Policy) -> None:
         self._write({

@@ -40,7 +40,7 @@ catalog checks and the model key (`catalog.py`), slot learning (`slot_learning.p
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
 queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
 request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`), the unloads
-a grant waits for (`evictions.py`).
+a grant waits for (`evictions.py`), idle unloads (`idle.py`, built and re-armed by the grants).
 """
 
 from __future__ import annotations
@@ -275,6 +275,7 @@ class Coordinator:
         self.gpus.reconcile(catalog, as_of, gpu, scheduler=self.scheduler, config=self._config.config,
                             changed=self._publisher.changed, reconfigure=self._reload_in_effect)
         self._sleep.observed(self.gpus.named(gpu), catalog)
+        self._grants.idle_unloads.arm()  # (a model counted resident anew counts its idle time from now)
 
     def _reload_in_effect(self) -> None:
         self.reconfigure(self._config.config)

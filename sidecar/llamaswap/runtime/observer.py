@@ -56,6 +56,18 @@ def queue_picture(scheduler: Scheduler, node: NodeProjection) -> QueuePicture:
     return QueuePicture(depth, oldest, node)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdleUnloaded:
+    """A resident model unloaded because it sat idle its idle time (`models.<id>.ttl`,
+    `upstream.idleUnloadSeconds`): an eviction with the reason `idle` (`runtime/idle.py`)."""
+
+    gpu: str
+    model: str
+    idle_s: float  # how long it had sat idle when its unload began
+    after_s: float  # its idle time (the setting)
+    at_ns: int  # when its unload began (the coordinator's clock)
+
+
 class SettleReason(str, enum.Enum):
     """Why the GPU waited for the upstream to be idle before the next grant."""
 
@@ -119,6 +131,9 @@ class Observer(Protocol):
     def kept_place(self, event: KeptEvent) -> None:
         """A place was kept for a client's retry, taken over by one, or ended untaken."""
 
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        """A resident model's idle unload began (an eviction with the reason `idle`)."""
+
 
 class NoopObserver:
     def enqueued(self, ticket: Ticket) -> None:
@@ -143,6 +158,9 @@ class NoopObserver:
         pass
 
     def kept_place(self, event: KeptEvent) -> None:
+        pass
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
         pass
 
 
@@ -182,3 +200,6 @@ class FanOut:
 
     def kept_place(self, event: KeptEvent) -> None:
         self._each("kept_place", event)
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        self._each("idle_unloaded", unload)
