@@ -10,6 +10,8 @@ from flow import FakeUpstream, Flow, virtual_time
 from test_evictions_seen import POLICY
 from test_telemetry import by_label, parse_text
 
+from llamaswap.adapters.admin import queue_document
+from llamaswap.commands.queue import render
 from llamaswap.core import ManualClock, Outcome
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.observer import IdleUnloaded
@@ -152,3 +154,21 @@ def test_an_idle_unload_is_an_eviction_with_the_reason_idle_in_the_log_and_the_m
     samples = parse_text(telemetry.prometheus_text()[0].decode())
     counts = by_label(samples, names.MODEL_EVICTIONS, "reason", upstream="big")
     assert counts["idle"] == 1 and sum(counts.values()) == 1
+
+
+@virtual_time
+async def test_the_queue_shows_each_idle_models_idle_time_and_when_it_is_unloaded() -> None:
+    upstream = FakeUpstream(router("a", "p"))
+    flow = idle_flow(upstream, ttl_s=30.0, p={"pinned": True})
+    a1 = await flow.arrive("a1", model="a")
+    await flow.complete(a1)
+    await flow.advance(12.0)
+    document = queue_document(flow.coordinator.view())
+    assert document["idle"] == [{"upstream": "gpu0", "model": "a", "idle_s": 12.0, "unload_in_s": 18.0},
+                                {"upstream": "gpu0", "model": "p", "idle_s": 12.0, "unload_in_s": None}]
+    lines = render(document).splitlines()
+    assert "  idle a for 0:12, unloaded in 0:18" in lines and "  idle p for 0:12, kept" in lines
+    a2 = await flow.arrive("a2", model="a")  # running: not idle
+    assert a2.granted
+    await flow.advance(1.0)
+    assert [row["model"] for row in queue_document(flow.coordinator.view())["idle"]] == ["p"]

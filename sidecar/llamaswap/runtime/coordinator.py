@@ -105,7 +105,8 @@ class Coordinator:
 
         def views(blocked: Callable[[], Mapping[str, float]]) -> QueueViews:
             return QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
-                              version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings)
+                              version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings,
+                              unloadable=self.gpus.routers)
 
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=self._keys.scheduled, views=views)

@@ -29,7 +29,6 @@ from llamaswap.core.idle import IdleModel
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.observer import IdleUnloaded
-from llamaswap.runtime.upstream import UpstreamKind
 
 _log = logging.getLogger(__name__)
 
@@ -51,11 +50,6 @@ class IdleUnloads:
         self._policy: Policy | None = None  # the policy `_ever` was worked out for
         self._ever = False
 
-    def unloadable(self) -> frozenset[str]:
-        """The GPUs whose upstream can unload a model: llama-server's router, as last read."""
-        return frozenset(gpu.name for gpu in self._gpus
-                         if gpu.catalog.latest is not None and gpu.catalog.latest.kind is UpstreamKind.ROUTER)
-
     def arm(self) -> None:
         """Unload what is due now, and set the one timer for the next due time."""
         policy = self._scheduler.policy
@@ -65,10 +59,10 @@ class IdleUnloads:
         if not self._ever:
             self._cancel()
             return
-        found = self._scheduler.idle_unloads(self.unloadable())
+        found = self._scheduler.idle_unloads(self._gpus.routers())
         if found.due:
             self._unload(found.due)
-            found = self._scheduler.idle_unloads(self.unloadable())
+            found = self._scheduler.idle_unloads(self._gpus.routers())
         self._set_timer(found.next_ns)
 
     def _set_timer(self, due_ns: int | None) -> None:
