@@ -172,3 +172,17 @@ async def test_the_queue_shows_each_idle_models_idle_time_and_when_it_is_unloade
     assert a2.granted
     await flow.advance(1.0)
     assert [row["model"] for row in queue_document(flow.coordinator.view())["idle"]] == ["p"]
+
+
+@virtual_time
+async def test_with_room_for_one_model_the_routers_one_model_is_unloaded_too() -> None:
+    upstream = FakeUpstream(router("a"))
+    flow = Flow({"upstream": {"idleUnloadSeconds": 5.0}, "envoy": {"leaseSeconds": 1000}}, upstream=upstream)
+    flow.coordinator.observe_catalog(router("a"), flow.coordinator.scheduler.dispatches_on("gpu0"), "gpu0")
+    b1 = await flow.arrive("b1", model="b")  # replaces a (room for one): nothing unloaded first
+    assert b1.granted and upstream.unload_calls == []
+    await flow.complete(b1)
+    await flow.advance(5.0)
+    assert upstream.unload_calls == ["b"] and flow.coordinator.scheduler.residents_on("gpu0") == frozenset()
+    b2 = await flow.arrive("b2", model="b")
+    assert b2.granted and b2.ticket.decision.model_load  # type: ignore[union-attr]
