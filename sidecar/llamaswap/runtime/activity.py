@@ -1,5 +1,6 @@
 """The activity log: one JSON line per finished request (dispatched or not), one per resident
-model a grant unloaded to make room for its own (an `eviction`, at the grant), and the
+model a grant unloaded to make room for its own (an `eviction`, at the grant) or that was
+unloaded for idleness (an `eviction` with the reason `idle`, as its unload began), and the
 scheduler's settings at start and after every reload; the most recent request records are kept
 for GET /activity, and the most recent evictions for GET /activity?event=eviction.
 
