@@ -8,6 +8,7 @@ import pytest
 
 from llamaswap.config import ConfigError, parse_config
 from llamaswap.config.advice import advice
+from llamaswap.config.idle import describe_idle
 from llamaswap.core.clock import NS_PER_S
 from test_config import check_config, write
 
@@ -85,3 +86,19 @@ def test_a_single_model_llama_server_cannot_unload_and_is_warned_about() -> None
     assert advice(router) == []
     never = parse_config({"upstream": {"command": "llama-server -m /models/a.gguf --port 8081"}})
     assert advice(never) == []
+
+
+def test_check_config_explains_the_idle_times(tmp_path) -> None:
+    assert describe_idle(parse_config({})) == []
+    config = parse_config({"upstream": {"idleUnloadSeconds": 600, "maxLoaded": 3},
+                           "models": {"chat": {"ttl": 3600}, "draft": {"ttl": 0}, "embed": {}}})
+    assert describe_idle(config) == [
+        "gpu0: a model idle 600 s is unloaded (upstream.idleUnloadSeconds); chat after 3600 s, draft never "
+        "(models.<id>.ttl)"]
+    own = parse_config({"globalTTL": 0, "models": {"chat": {"ttl": 30}}})
+    assert describe_idle(own) == ["gpu0: no model is unloaded for idleness (globalTTL: 0); chat after 30 s "
+                                  "(models.<id>.ttl)"]
+    path = write(tmp_path, "upstream: {url: 'http://127.0.0.1:9', idleUnloadSeconds: 60}\n")
+    result = check_config(path.name, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "  gpu0: a model idle 60 s is unloaded (upstream.idleUnloadSeconds)" in result.stdout.splitlines()

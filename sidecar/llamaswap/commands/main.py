@@ -48,6 +48,7 @@ def _check_config(args: argparse.Namespace) -> int:
     """Validate a file as `up` would run it (with the built-in upstream when it names none),
     explain its policy, and check the generated bootstrap with `envoy --mode validate`."""
     from llamaswap.commands.up import StackError, effective_config, names_an_upstream
+    from llamaswap.config.idle import describe_idle
     from llamaswap.config.residency import describe_residency
     from llamaswap.core.explain import explain_policy
 
@@ -72,7 +73,8 @@ def _check_config(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     warn_about(config)
     print("ok")
-    for line in [*notes, envoy_line, *explain_policy(config.policy()), *describe_residency(config)]:
+    for line in [*notes, envoy_line, *explain_policy(config.policy()), *describe_residency(config),
+                 *describe_idle(config)]:
         print(f"  {line}")
     return 0
 

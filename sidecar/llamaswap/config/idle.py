@@ -86,3 +86,46 @@ def idle_advice(entries: Sequence[GpuEntry], keys: Sequence[str], models: Mappin
                                      f"Start it in router mode (--models-dir or --models-preset, no -m), or set "
                                      f"{key}: 0 and leave the models' ttl out"))
     return problems
+
+
+class _Entry(Protocol):
+    @property
+    def idle_unload_seconds(self) -> float | None: ...
+
+
+class _Config(Protocol):
+    @property
+    def global_ttl(self) -> int | None: ...
+
+    @property
+    def upstreams(self) -> Sequence[_Entry] | None: ...
+
+    @property
+    def gpu_entries(self) -> Sequence[GpuEntry]: ...
+
+    @property
+    def models(self) -> Mapping[str, Any]: ...
+
+
+def idle_keys(config: _Config) -> list[str]:
+    """The key that gives each upstream its idle time (for advice and explanations)."""
+    upstream = "globalTTL" if config.global_ttl is not None else "upstream.idleUnloadSeconds"
+    if config.upstreams is None:
+        return [upstream]
+    return [f"upstreams[{index}].idleUnloadSeconds" if item.idle_unload_seconds is not None else upstream
+            for index, item in enumerate(config.upstreams)]
+
+
+def describe_idle(config: _Config) -> list[str]:
+    """What the idle times imply, per upstream (`llamaswap check-config`); nothing where none is set."""
+    lines = []
+    for entry, key in zip(config.gpu_entries, idle_keys(config), strict=True):
+        idle = idle_unload_of(entry, config.models)
+        if not idle.ever:
+            continue
+        default = (f"a model idle {entry.idle_unload_s:g} s is unloaded ({key})" if entry.idle_unload_s > 0
+                   else f"no model is unloaded for idleness ({key}: 0)")
+        own = [f"{model} {'never' if seconds == 0 else f'after {seconds:g} s'}"
+               for model, seconds in sorted(idle.per_model_s.items())]
+        lines.append(f"{entry.name}: {default}" + (f"; {', '.join(own)} (models.<id>.ttl)" if own else ""))
+    return lines
