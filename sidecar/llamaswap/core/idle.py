@@ -4,49 +4,30 @@ idle long enough to be unloaded, and when the next one will have.
 A resident model is idle on a GPU while nothing runs on it, none of it loads, no settle waits for
 its generation, nothing holds the GPU (`GpuHolding.blocked`) and no request that could use it
 waits: one naming it, one naming no model, or a place kept for a retry of it. It has been idle
-since its last grant there ended (`IdleSince`: a release marks it), or since the scheduler first
-counted it resident (a report, an unload that failed), whichever is later. It falls due once it
-has been idle its `IdleUnload.after_ns`; 0 (the default), or a pinned model: never.
+since its last grant there ended, or since the scheduler counted it resident anew (a report, an
+unload that failed), whichever is later (`GpuHolding.idle_since`, kept by `GpuRecord` on the
+scheduler's clock; its last grant: `GpuHolding.last_used`). It falls due once it has been idle
+its `IdleUnload.after_ns`; 0 (the default), or a pinned model: never.
 
-Pure: values in, values out; the scheduler keeps the marks (`Scheduler.idle_unloads`) and counts
-an idle model gone as its unload begins (`Scheduler.unload_idle`: a load of it then waits for the
-unload, as for an eviction's), and the runtime unloads it (`runtime/idle.py`). An unload that
-fails counts the model resident again, which marks it anew: it is tried again a whole idle time
-later, never in a loop.
+Pure: values in, values out. `IdleUnloading` is the scheduler's part of it (a base of
+`Scheduler`, whose module is at its size limit): what is due (`idle_unloads`), and an idle model
+counted gone as its unload begins (`unload_idle`: a load of it then waits for the unload, as for
+an eviction's); the runtime unloads it (`runtime/idle.py`). An unload that fails counts the model
+resident again, which marks it anew: it is tried again a whole idle time later, never in a loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Collection, Container, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from llamaswap.core.eviction import busy_of
 from llamaswap.core.holding import GpuHolding
 
-_NONE: Mapping[str, int] = {}
-
-
-class IdleSince:
-    """When each model on each GPU last became idle by an event the holding does not keep: a
-    release of its grant, or being counted resident anew. (Its last grant: `GpuHolding.last_used`.)"""
-
-    __slots__ = ("_since",)
-
-    def __init__(self) -> None:
-        self._since: dict[str, dict[str, int]] = {}
-
-    def mark(self, gpu: str, models: Iterable[str | None], now_ns: int) -> None:
-        """``models`` became idle on ``gpu`` now (the idle time counts from here)."""
-        marks = self._since.get(gpu)
-        for model in models:
-            if model is None:
-                continue
-            if marks is None:
-                marks = self._since[gpu] = {}
-            marks[model] = now_ns
-
-    def of(self, gpu: str) -> Mapping[str, int]:
-        return self._since.get(gpu, _NONE)
+if TYPE_CHECKING:
+    from llamaswap.core.clock import Clock
+    from llamaswap.core.gpu_record import GpuRecord, NodeHolding
+    from llamaswap.core.kept import KeptPlaces
 
 
 class IdleModel(NamedTuple):
@@ -58,7 +39,7 @@ class IdleModel(NamedTuple):
     due_ns: int | None
 
 
-def idle_models(holding: GpuHolding, since: Mapping[str, int], waited_for: Container[str | None]) -> list[IdleModel]:
+def idle_models(holding: GpuHolding, waited_for: Container[str | None]) -> list[IdleModel]:
     """The resident models idle on one GPU (see the module), by name, each with since when and
     when it falls due."""
     if holding.blocked or not holding.residents or None in waited_for:
@@ -66,6 +47,7 @@ def idle_models(holding: GpuHolding, since: Mapping[str, int], waited_for: Conta
     residency = holding.residency
     idle = residency.idle
     last_used = holding.last_used
+    since = holding.idle_since
     found = []
     for model in sorted(holding.residents):
         if model == holding.settling_model or model in waited_for or busy_of(holding, model)[0]:
@@ -85,7 +67,7 @@ class IdleDue(NamedTuple):
     next_ns: int | None
 
 
-def idle_due(holdings: Sequence[GpuHolding], since: IdleSince, waited_for: Container[str | None], now_ns: int,
+def idle_due(holdings: Sequence[GpuHolding], waited_for: Container[str | None], now_ns: int,
              gpus: Container[str] | None = None) -> IdleDue:
     """`IdleDue` over ``holdings`` at ``now_ns``; only ``gpus`` (None: all) may have models due
     (the others' upstreams cannot unload one: they are shown, never due)."""
@@ -93,7 +75,7 @@ def idle_due(holdings: Sequence[GpuHolding], since: IdleSince, waited_for: Conta
     due: list[IdleModel] = []
     next_ns: int | None = None
     for holding in holdings:
-        found = idle_models(holding, since.of(holding.name), waited_for)
+        found = idle_models(holding, waited_for)
         if gpus is not None and holding.name not in gpus:
             found = [model._replace(due_ns=None) for model in found]
         idle.extend(found)
@@ -105,3 +87,27 @@ def idle_due(holdings: Sequence[GpuHolding], since: IdleSince, waited_for: Conta
             elif next_ns is None or model.due_ns < next_ns:
                 next_ns = model.due_ns
     return IdleDue(tuple(idle), tuple(due), next_ns)
+
+
+class IdleUnloading:
+    """The scheduler's idle unloads, read from its own record (a base of `Scheduler`: these are
+    the attributes it sets)."""
+
+    _clock: Clock
+    _gpus: list[GpuRecord]
+    _holding: NodeHolding
+    _wanted: dict[str | None, int]
+    _kept: KeptPlaces
+
+    def idle_unloads(self, gpus: Collection[str] | None = None) -> IdleDue:
+        """The idle resident models, those due for an idle unload now (only on ``gpus``: those
+        whose upstream can unload one; None: any) and when the next falls due."""
+        waited = {*self._wanted, *(place.model for place in self._kept.places())}
+        return idle_due(self._holding.now()[0], waited, self._clock.now_ns(), gpus)
+
+    def unload_idle(self, gpu: str, models: frozenset[str]) -> None:
+        """Idle models whose unload begins: no longer counted resident (a load of one waits for it)."""
+        for record in self._gpus:
+            if record.name == gpu:
+                record.set_residents(record.residents - models)
+        self._holding.changed(residents=True)

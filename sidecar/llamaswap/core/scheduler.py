@@ -34,7 +34,7 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core import idle, node, order
@@ -77,7 +77,7 @@ _REASONS: Final = {
     for aging in (False, True) for affinity in (False, True)}
 
 
-class Scheduler:
+class Scheduler(idle.IdleUnloading):
     """Non-preemptive priority queue over a node's GPUs (one GPU is a node of one), each serving
     up to its slots of generations of its resident model at once (one, by default: the size-1
     resource of the specification)."""
@@ -90,7 +90,6 @@ class Scheduler:
         self._loads = 0  # model loads begun by grants so far: each pending load's number
         self._wanted: dict[str | None, int] = {}  # waiting requests per model they name
         self._kept = KeptPlaces()
-        self._idle = idle.IdleSince()  # when each model last became idle on each GPU (idle unloads)
         # The models the best waiting request holds back, by GPU (no new grants for them until
         # they drain and go), as the last `next` where a GPU took work found them: a claim is
         # made only there, so the grants never depend on anything else.
@@ -109,7 +108,7 @@ class Scheduler:
             if gpu_policy.name in known:
                 known[gpu_policy.name].apply(gpu_policy)
         if not self._gpus:
-            self._gpus = [GpuRecord(gpu_policy) for gpu_policy in gpus]
+            self._gpus = [GpuRecord(gpu_policy, self._clock) for gpu_policy in gpus]
         names = [gpu.name for gpu in gpus]
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
         # What the GPUs hold (every change goes through a grant, a release, a loaded-model
@@ -183,7 +182,6 @@ class Scheduler:
         record = self._gpu(gpu)
         if as_of != record.dispatches or not record.may_accept_report(models):
             return False
-        self._idle.mark(gpu, models - record.residents, self._clock.now_ns())
         record.accept_report(models)
         self._holding.changed(residents=True)
         return True
@@ -229,20 +227,7 @@ class Scheduler:
         """Models a grant evicted that the upstream did not unload (`Decision.evicts`): counted
         resident again, whatever runs (fewer than it holds would let a load make it evict by itself)."""
         record = self._gpu(gpu)
-        self._idle.mark(gpu, models - record.residents, self._clock.now_ns())
         record.set_residents(record.residents | models)
-        self._holding.changed(residents=True)
-
-    def idle_unloads(self, gpus: Collection[str] | None = None) -> idle.IdleDue:
-        """The idle resident models, those due for an idle unload now (only on ``gpus``, None:
-        any) and when the next falls due (`core/idle.py`)."""
-        waited = {*self._wanted, *(place.model for place in self._kept.places())}
-        return idle.idle_due(self.holdings(), self._idle, waited, self._clock.now_ns(), gpus)
-
-    def unload_idle(self, gpu: str, models: frozenset[str]) -> None:
-        """Idle models whose unload begins: no longer counted resident (a load of one waits for it)."""
-        record = self._gpu(gpu)
-        record.set_residents(record.residents - models)
         self._holding.changed(residents=True)
 
     def blocked_by(self, gpu: str, *, settling: bool, adopted: int,
@@ -512,9 +497,7 @@ class Scheduler:
         residents = gpu.residents
         gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
         self._holding.released(not self._gpu_of, gpu.residents is not residents)
-        now = self._clock.now_ns()
-        self._idle.mark(gpu.name, (grant.entry.model,), now)
-        return Released(request_id, grant.entry.model, grant.decision.granted_ns, now)
+        return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
