@@ -87,10 +87,10 @@ class IdleUnloads:
         for gpu, models in by_gpu.items():
             names = frozenset(idle.model for idle in models)
             self._scheduler.unload_idle(gpu, names)
-            after_s = {idle.model: (idle.due_ns or now_ns) - idle.since_ns for idle in models}
             for idle in models:
-                self._unloaded(IdleUnloaded(gpu, idle.model, (now_ns - idle.since_ns) / NS_PER_S,
-                                                          after_s[idle.model] / NS_PER_S, now_ns))
+                idle_s = (now_ns - idle.since_ns) / NS_PER_S
+                after_s = ((idle.due_ns or now_ns) - idle.since_ns) / NS_PER_S  # (due: never None here)
+                self._unloaded(IdleUnloaded(gpu, idle.model, idle_s, after_s, now_ns))
             why = ", ".join(f"{idle.model} idle {(now_ns - idle.since_ns) / NS_PER_S:.0f} s" for idle in models)
             done = self._evictions.unload(gpu, names, f"idle ({why})")
             done.add_done_callback(functools.partial(self._ended, gpu, names))
