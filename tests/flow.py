@@ -45,7 +45,7 @@ from llamaswap.config import Config, parse_config
 from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Observer, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Observer, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.stops import Lines
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
@@ -337,6 +337,9 @@ class Recorder:
 
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
         self.events.append(("line_stopped", (line.request_id, waiting.request_id if waiting is not None else None)))
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        self.events.append(("idle_unloaded", unload))
 
     # -- questions -----------------------------------------------------------------------
 

@@ -383,8 +383,8 @@ BAD_DOCUMENTS = {
                                       "routing.scheduler.settings.fifo.agingDivisor: unknown key; "
                                       "allowed here: reservedSlots"),
     "unknown top-level key": ({"zzzzzz": 1}, "zzzzzz: unknown key; allowed here: activity, batches, envoy, estimates, "
-                                             "listen, models, routing, security, ui, upstream, upstreams (and "
-                                             "llama-swap's keys, which are ignored)"),
+                                             "globalTTL, listen, models, routing, security, ui, upstream, upstreams "
+                                             "(and llama-swap's keys, which are ignored)"),
     "non-string key": ({1: 2}, "1: keys must be strings, got a number 1"),
     # batches
     "batches.inFlight 0": ({"batches": {"inFlight": 0}},
@@ -677,15 +677,16 @@ EVERY_KEY = {
         "settings": {"serial": {"agingDivisor": 30.0, "swapAffinityBonus": 99, "reservedSlots": 3},
                      "fifo": {"reservedSlots": 1}},
     }, "objectives": {"interactive": 90, "normal": 5, "batch": -90}, "retryGraceSeconds": 30.0},
-    "models": {"qwen": {"priority": 10, "slots": 2, "memory": "8GiB", "pinned": True},
-               "gemma": {"priority": -5, "slots": None, "memory": "512MiB", "pinned": False}},
+    "models": {"qwen": {"priority": 10, "slots": 2, "memory": "8GiB", "pinned": True, "ttl": 60.0},
+               "gemma": {"priority": -5, "slots": None, "memory": "512MiB", "pinned": False, "ttl": 0.0}},
     "listen": {"http": "0.0.0.0:8000", "grpc": "[::1]:9001", "admin": "10.0.0.5:9091", "allowRemote": True},
     "upstream": {
         "url": "https://llm.example.com:8443/base", "command": ["llama-server", "--port", "8081"],
         "healthPath": "/ready", "startupTimeoutSeconds": 60.0, "modelsPollSeconds": 0.0, "modelCheck": "strict",
         "abandonedGeneration": "stop", "settleTimeoutSeconds": 30.0, "managementApi": "schedule", "slots": 4,
-        "maxLoaded": 3, "memory": "80GiB", "apiKey": "env:LLAMASWAP_UPSTREAM_API_KEY",
+        "maxLoaded": 3, "memory": "80GiB", "idleUnloadSeconds": 300.0, "apiKey": "env:LLAMASWAP_UPSTREAM_API_KEY",
     },
+    "globalTTL": 300,  # (llama-swap's name of upstream.idleUnloadSeconds: the two agree)
     "envoy": {"streamIdleTimeoutSeconds": 60.0, "maxRequestBytes": 1024, "maxSidecarStreams": 10,
               "failOpen": True, "leaseSeconds": 0.3, "maxHeapBytes": 100_000_000},
     "security": {"priority": {"mode": "clamp", "min": -5, "max": 5, "trustedHeader": "x-user-priority"}},
@@ -835,7 +836,8 @@ def test_python_names_build_the_same_configuration():
 def test_a_section_with_nothing_under_it_means_its_defaults(tmp_path, text):
     cfg = load_config(write(tmp_path, text))
     expected = Config().to_document() | ({"models": {"qwen": {"priority": 0, "slots": None, "memory": None,
-                                                                 "pinned": False}}} if "qwen" in text else {})
+                                                                 "pinned": False, "ttl": None}}}
+                                                 if "qwen" in text else {})
     assert cfg.to_document() == expected
 
 

@@ -132,7 +132,7 @@ EVERY_ENTRY_KEY = {
     "upstream": {"healthPath": "/ready", "slots": 2, "apiKey": "env:KEY", "modelCheck": "off"},
     "upstreams": [
         {"name": "gpu0", "url": "http://127.0.0.1:8081", "slots": 4, "models": ["big", "small"],
-         "command": ["llama-server", "--port", "8081"], "maxLoaded": 2, "memory": "80GiB"},
+         "command": ["llama-server", "--port", "8081"], "maxLoaded": 2, "memory": "80GiB", "idleUnloadSeconds": 600},
         {"name": "gpu1", "url": "https://gpu1.example:8443/v", "slots": None, "models": None, "command": ""},
         {"name": "gpu2", "url": "http://127.0.0.1:8083", "slots": "auto", "models": ["small"],
          "command": "llama-server --port 8083"},
@@ -146,11 +146,11 @@ def test_to_document_round_trips_and_is_the_yaml_shape() -> None:
     document = cfg.to_document()
     assert document["upstreams"] == [
         {"name": "gpu0", "url": "http://127.0.0.1:8081", "slots": 4, "models": ["big", "small"],
-         "command": ["llama-server", "--port", "8081"], "maxLoaded": 2, "memory": "80GiB"},
+         "command": ["llama-server", "--port", "8081"], "maxLoaded": 2, "memory": "80GiB", "idleUnloadSeconds": 600},
         {"name": "gpu1", "url": "https://gpu1.example:8443/v", "slots": None, "models": None, "command": "",
-         "maxLoaded": None, "memory": None},
+         "maxLoaded": None, "memory": None, "idleUnloadSeconds": None},
         {"name": "gpu2", "url": "http://127.0.0.1:8083", "slots": "auto", "models": ["small"],
-         "command": ["llama-server", "--port", "8083"], "maxLoaded": None, "memory": None},
+         "command": ["llama-server", "--port", "8083"], "maxLoaded": None, "memory": None, "idleUnloadSeconds": None},
     ]
     # upstream.url and command are the entries' now; the rest of upstream stays, filled in
     assert "url" not in document["upstream"] and "command" not in document["upstream"]
@@ -170,7 +170,7 @@ def test_the_schema_has_upstreams_and_agrees_with_the_loader() -> None:
     [listed] = [branch for branch in upstreams["anyOf"] if branch.get("type") == "array"]
     assert listed["minItems"] == 1
     assert set(listed["items"]["properties"]) == {"name", "url", "slots", "models", "command",
-                                                      "maxLoaded", "memory"}
+                                                      "maxLoaded", "memory", "idleUnloadSeconds"}
     assert listed["items"]["required"] == ["name", "url"]
     assert all(sub.get("description") for sub in listed["items"]["properties"].values())
     validator = jsonschema.Draft202012Validator(schema)

@@ -106,7 +106,8 @@ def test_what_the_node_holds_follows_each_change_though_kept_between_them() -> N
     assert scheduler.holdings()[0].running == Running(1, 1, "a")
     scheduler.release("r1")
     assert scheduler.holdings()[0] == GpuHolding("gpu0", Slots(), None, frozenset({"a"}), IDLE)._replace(
-        name=scheduler.gpus[0], last_used={"a": 0})  # (r1's grant, at 0: room for one model records it too)
+        name=scheduler.gpus[0], last_used={"a": 0},  # (r1's grant, at 0: room for one model records it too)
+        idle_since={"a": 0})  # (and its end: idle since then, for idle unloads)
     scheduler.enqueue("r2", Priority(0, PrioritySource.NUMBER), "a")
     assert scheduler.next() is not None
     scheduler.release("r2", model_loaded=False)  # idle again, and "a" no longer known loaded

@@ -78,7 +78,7 @@ def test_each_eviction_is_counted_by_upstream_and_reason() -> None:
     telemetry.dispatched(granted("r3", "x", clock, upstream="small"), ())  # a swap evicts nothing explicitly
     samples = metrics(telemetry)
     assert by_label(samples, names.MODEL_EVICTIONS, "reason", upstream="big") == {
-        "not_waited_for": 2, "least_needed": 1, "least_recently_used": 0}
+        "not_waited_for": 2, "least_needed": 1, "least_recently_used": 0, "idle": 0}
     assert by_label(samples, names.MODEL_EVICTIONS, "reason", upstream="small") == dict.fromkeys(REASONS, 0)
     assert value(samples, names.SWAPS) == 3  # the grants themselves are counted as before
 
@@ -222,7 +222,7 @@ def test_the_schedulers_evictions_reach_the_metrics_and_the_log() -> None:
     assert tickets["c1"].decision.evicts == (Eviction("a", EvictReason.NOT_WAITED_FOR),)
     samples = metrics(telemetry)
     assert by_label(samples, names.MODEL_EVICTIONS, "reason", upstream="gpu0") == {
-        "not_waited_for": 1, "least_needed": 0, "least_recently_used": 0}
+        "not_waited_for": 1, "least_needed": 0, "least_recently_used": 0, "idle": 0}
     assert [(r["model"], r["reason"], r["for_model"], r["request_id"]) for r in activity.recent(event="eviction")] == [
         ("a", "not_waited_for", "c", "c1")]
     # The request's own record, at its end, names what its grant evicted (the page's timeline shows it).

@@ -163,6 +163,16 @@ number, so that the router never evicts on its own a model the scheduler keeps r
 {{- $_ := set $upstreamConfig "maxLoaded" $maxLoaded }}
 {{- $_ := set $config "upstream" $upstreamConfig }}
 {{- end }}
+{{- /* llamaServer.idleUnloadSeconds: the sidecar's upstream.idleUnloadSeconds (one number, either place). */ -}}
+{{- $idle := float64 (default 0 $ls.idleUnloadSeconds) }}
+{{- if gt $idle 0.0 }}
+{{- $upstreamIdle := default (dict) $config.upstream }}
+{{- if and (hasKey $upstreamIdle "idleUnloadSeconds") (ne (float64 $upstreamIdle.idleUnloadSeconds) $idle) }}
+{{- fail (printf "config.upstream.idleUnloadSeconds is %v and llamaServer.idleUnloadSeconds is %v: the chart writes llamaServer.idleUnloadSeconds into config.upstream.idleUnloadSeconds, so set one of them" $upstreamIdle.idleUnloadSeconds $ls.idleUnloadSeconds) }}
+{{- end }}
+{{- $_ := set $upstreamIdle "idleUnloadSeconds" $ls.idleUnloadSeconds }}
+{{- $_ := set $config "upstream" $upstreamIdle }}
+{{- end }}
 {{- $gpus := int .Values.llamaServer.gpus }}
 {{- if hasKey $config "upstreams" }}
 {{- fail "config.upstreams is written by the chart, one entry per llama-server container of the pod: remove config.upstreams and set llamaServer.gpus (the number of GPUs, one llama-server each)" }}

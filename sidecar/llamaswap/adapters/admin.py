@@ -17,7 +17,7 @@ from llamaswap.runtime.activity import KEPT_EVENTS, REQUEST, ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.kept import KeptRow
-from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
+from llamaswap.runtime.views import IdleRow, QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
 
@@ -57,8 +57,16 @@ def queue_document(view: QueueView) -> dict[str, Any]:
         "running_all": [running_document(row) for row in view.running],
         "waiting": [waiting_document(row) for row in view.waiting],
         "kept": [kept_document(row) for row in view.kept],
+        "idle": [idle_document(row) for row in view.idle],
         "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
     }
+
+
+def idle_document(row: IdleRow) -> dict[str, Any]:
+    """An idle resident model: how long it has sat idle, and in how long it will be unloaded for
+    idleness (null: never)."""
+    return {"upstream": row.gpu, "model": row.model, "idle_s": round(row.idle_s, 3),
+            "unload_in_s": None if row.unload_in_s is None else round(row.unload_in_s, 3)}
 
 
 def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:

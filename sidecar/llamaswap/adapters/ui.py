@@ -28,7 +28,13 @@ from llamaswap.core import PolicyName
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
 from llamaswap.runtime.history import History
-from llamaswap.adapters.admin import kept_document, running_document, status_document, waiting_document
+from llamaswap.adapters.admin import (
+    idle_document,
+    kept_document,
+    running_document,
+    status_document,
+    waiting_document,
+)
 from llamaswap.adapters.outcomes import openai_error_body
 
 # Rows of the queue the page gets: enough to read, few enough to stay quick at 10,000 waiting
@@ -132,6 +138,7 @@ class UiState:
             "waiting": [self._waiting_row(row, now_ms) for row in view.waiting[:self._waiting_rows]],
             "waiting_total": len(view.waiting),
             "kept": [kept_document(row) for row in view.kept],
+            "idle": [idle_document(row) for row in view.idle],  # idle resident models (idle unloads)
             "bands": {band.value: {"depth": depth, "oldest_wait_s": oldest} for band, depth, oldest in view.bands},
             "counters": self._history.counters(),
             "timeline_seq": self._history.seq,

@@ -36,6 +36,7 @@ examples:
   llamaswap up -c my.yaml                the same with your settings (or your own upstream.url)
   llamaswap up --gpus 2                  two llama-servers, one per GPU, behind the one queue
   llamaswap up --max-loaded 3            keep up to 3 models loaded at once (llama-server --models-max 3)
+  llamaswap up --idle-unload 600         unload a model idle for 10 minutes (give its memory back)
   llamaswap queue --watch                the live queue with estimated starts, like squeue --start
   llamaswap batches                      the Batch API's batches: progress, estimated finish, priority
   llamaswap simulate --activity-log act.log  replay recorded traffic under other settings
@@ -47,6 +48,7 @@ def _check_config(args: argparse.Namespace) -> int:
     """Validate a file as `up` would run it (with the built-in upstream when it names none),
     explain its policy, and check the generated bootstrap with `envoy --mode validate`."""
     from llamaswap.commands.up import StackError, effective_config, names_an_upstream
+    from llamaswap.config.idle import describe_idle
     from llamaswap.config.residency import describe_residency
     from llamaswap.core.explain import explain_policy
 
@@ -71,7 +73,8 @@ def _check_config(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     warn_about(config)
     print("ok")
-    for line in [*notes, envoy_line, *explain_policy(config.policy()), *describe_residency(config)]:
+    for line in [*notes, envoy_line, *explain_policy(config.policy()), *describe_residency(config),
+                 *describe_idle(config)]:
         print(f"  {line}")
     return 0
 
@@ -149,7 +152,7 @@ def _up(args: argparse.Namespace) -> int:
         document = load_document(args.config) if args.config else {}
         config, built_in = effective_config(document, source=args.config or "<built-in default>", warn=warn,
                                             gpus=args.gpus, say=lambda text: print(text, file=sys.stderr),
-                                            max_loaded=args.max_loaded)
+                                            max_loaded=args.max_loaded, idle_unload=args.idle_unload)
         if args.print_config:
             print(f"# the effective configuration of `llamaswap up` ({config.source})")
             sys.stdout.write(yaml.safe_dump(config.to_document(), sort_keys=False))
@@ -169,7 +172,7 @@ def _up(args: argparse.Namespace) -> int:
         return run(run_stack(config, config_path=args.config, workdir=workdir,
                              otlp_endpoint=_otlp_endpoint_from_env(), grace_s=args.grace,
                              activity_path=args.activity_log, gpus=args.gpus,
-                             max_loaded=args.max_loaded), factory)
+                             max_loaded=args.max_loaded, idle_unload=args.idle_unload), factory)
     except StoreError as exc:  # batches.dir cannot be used: a configuration error
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -216,6 +219,15 @@ def _max_loaded(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _idle_unload(text: str) -> float:
+    from llamaswap.commands.resident import idle_unload_flag
+
+    try:
+        return idle_unload_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_log_level(parser: argparse.ArgumentParser, *, default: object) -> None:
     parser.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
                         help=f"{', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]} (default INFO)")
@@ -242,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "file's), and start llama-server's router keeping N (--models-max N: the built-in one, and a "
                     "command that passes --models-max or --models-dir), so that it never evicts on its own a "
                     "model llamaswap keeps. Default: the file's maxLoaded, else 1")
+    up.add_argument("--idle-unload", type=_idle_unload, metavar="S",
+                    help="unload a resident model once it has sat idle S seconds (upstream.idleUnloadSeconds: S, "
+                    "over the file's and its globalTTL; a model's own models.<id>.ttl still applies; pinned models "
+                    "stay). 0: never. Default: the file's, else never")
     up.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     up.add_argument("--workdir", help="keep logs and the generated Envoy bootstrap here (default: a temporary "
                     "directory, removed on a clean stop)")

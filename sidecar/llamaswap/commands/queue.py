@@ -14,7 +14,9 @@ each model's busy/total slots and the model the best waiting request holds back 
 sidecar says which of these lines to show (``per_gpu``, and ``per_model`` on each GPU): this
 command shows what it says. Places
 kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT counts from the
-first try, TIME is how long the client has been away. `--watch N` refreshes every N seconds until
+first try, TIME is how long the client has been away. Each idle resident model has a line: how long
+it has sat idle and in how long it is unloaded for idleness (`models.<id>.ttl`), or that it is kept.
+`--watch N` refreshes every N seconds until
 Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
 
 The admin address is `--admin`, or `listen.admin` of the configuration `-c FILE` names, or the
@@ -248,7 +250,22 @@ def render(document: dict[str, Any]) -> str:
     if kept:
         summary += f", {len(kept)} kept for a retry"
     columns = (*COLUMNS, GPU_COLUMN) if gpu_column else COLUMNS
-    return "\n".join([summary, *gpus, *table_lines(columns, rows(document), right=_RIGHT)]) + "\n"
+    lines = [summary, *gpus, *idle_lines(document), *table_lines(columns, rows(document), right=_RIGHT)]
+    return "\n".join(lines) + "\n"
+
+
+def idle_lines(document: dict[str, Any]) -> list[str]:
+    """One line per idle resident model (``idle``): how long it has sat idle, and in how long it is
+    unloaded for idleness (models.<id>.ttl, upstream.idleUnloadSeconds), or that it is kept."""
+    idle = [row for row in document.get("idle") or [] if isinstance(row, dict)]
+    several = len(_gpus(document)) > 1
+    lines = []
+    for row in idle:
+        where = f" on {row.get('upstream')}" if several else ""
+        unload_in = row.get("unload_in_s")
+        when = "kept" if unload_in is None else f"unloaded in {format_duration(unload_in)}"
+        lines.append(f"  idle {row.get('model')}{where} for {format_duration(row.get('idle_s'))}, {when}")
+    return lines
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -1,4 +1,5 @@
-"""`llamaswap up --max-loaded N`: N models resident on each upstream at once (issue 37).
+"""`llamaswap up --max-loaded N`: N models resident on each upstream at once (issue 37); `up
+--idle-unload S`: a resident model idle S seconds is unloaded (issue 48).
 
 The flag writes ``maxLoaded: N`` into the configuration `up` runs (upstream.maxLoaded, and each
 entry of ``upstreams`` that gives its own), and makes each llama-server router that `up` starts
@@ -7,10 +8,15 @@ is replaced, and a router command (``--models-dir``, or ``env LLAMA_ARG_MODELS_D
 one gets it, so that the router never evicts on its own a model llamaswap keeps resident. The
 built-in llama-server takes its ``--models-max`` from the configuration's maxLoaded
 (`up.default_upstream`), with or without the flag.
+
+--idle-unload S writes ``idleUnloadSeconds: S`` the same way (upstream.idleUnloadSeconds, and each
+entry of ``upstreams`` that gives its own), over the file's and its ``globalTTL``; a model's own
+``ttl`` still applies to it.
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping
 from typing import Any
@@ -72,3 +78,31 @@ def _entry(entry: Any, max_loaded: int) -> Any:
     if "command" in entry:
         entry["command"] = router_command(entry["command"], max_loaded)
     return entry
+
+
+def idle_unload_flag(text: str) -> float:
+    """--idle-unload's value: seconds, 0 (never) or at least a millisecond (argparse turns the
+    ValueError into its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0 or 0 < value < 0.001:
+        raise ValueError(f"must be the seconds a model may sit idle before it is unloaded (0: never), got {text!r}")
+    return value
+
+
+def with_idle_unload(document: Any, seconds: float) -> Any:
+    """The configuration document of `up --idle-unload S`: idleUnloadSeconds S on the upstream
+    (and on each entry of upstreams that sets its own), in place of the file's globalTTL."""
+    if not isinstance(document, Mapping):
+        return document
+    result = {key: value for key, value in document.items() if key != "globalTTL"}
+    upstream = document.get("upstream")
+    result["upstream"] = {**(upstream if isinstance(upstream, Mapping) else {}), "idleUnloadSeconds": seconds}
+    entries = document.get("upstreams")
+    if isinstance(entries, list):
+        result["upstreams"] = [{**entry, "idleUnloadSeconds": seconds}
+                               if isinstance(entry, Mapping) and entry.get("idleUnloadSeconds") is not None else entry
+                               for entry in entries]
+    return result

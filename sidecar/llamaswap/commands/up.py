@@ -55,7 +55,7 @@ from llamaswap.commands.gpus import (  # noqa: E402
     refuse_beside_upstreams,
     usable_cores,
 )
-from llamaswap.commands.resident import with_max_loaded  # noqa: E402
+from llamaswap.commands.resident import with_idle_unload, with_max_loaded  # noqa: E402
 from llamaswap.commands.serve import DocumentParser, PortInUse, Sidecar, UpstreamKeyRefused, first_of  # noqa: E402
 from llamaswap.runtime.coordinator import GRACE_SECONDS_DEFAULT  # noqa: E402
 
@@ -296,7 +296,7 @@ async def _start_envoy(session: aiohttp.ClientSession, config: Config, sidecar: 
 async def run_stack(config: Config, *, config_path: str | None = None, workdir: pathlib.Path | None = None,
                     otlp_endpoint: str | None = None, grace_s: float = GRACE_SECONDS_DEFAULT,
                     envoy_admin_port: int = 0, activity_path: str | None = None, gpus: int | None = None,
-                    max_loaded: int | None = None) -> int:
+                    max_loaded: int | None = None, idle_unload: float | None = None) -> int:
     keep_workdir = workdir is not None
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="llamaswap-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +340,7 @@ async def run_stack(config: Config, *, config_path: str | None = None, workdir: 
                        say_each=len(servers) > 1)
                 for server, child in zip(servers, upstreams, strict=True)]))
             sidecar = Sidecar(config, config_path=config_path, activity_path=activity_path,
-                              parse=reload_parser(gpus, max_loaded))
+                              parse=reload_parser(gpus, max_loaded, idle_unload))
             try:
                 await sidecar.start()
             except (PortInUse, UpstreamKeyRefused) as exc:
@@ -437,11 +437,12 @@ def ensure_default_model() -> pathlib.Path:
     return model_path
 
 
-def reload_parser(gpus: int | None = None, max_loaded: int | None = None) -> DocumentParser:
+def reload_parser(gpus: int | None = None, max_loaded: int | None = None,
+                  idle_unload: float | None = None) -> DocumentParser:
     """A reload reads the file as `up` started it: with the built-in upstream when it names none,
-    made into `gpus` servers by --gpus, with --max-loaded's maxLoaded."""
+    made into `gpus` servers by --gpus, with --max-loaded's maxLoaded and --idle-unload's idle time."""
     def parse(document: Any, source: str) -> Config:
-        return effective_config(document, source=source, gpus=gpus, max_loaded=max_loaded,
+        return effective_config(document, source=source, gpus=gpus, max_loaded=max_loaded, idle_unload=idle_unload,
                                 warn=lambda text: _log.warning("reload: %s", text))[0]
     return parse
 
@@ -468,16 +469,19 @@ def with_batches_dir(document: Any) -> Any:
 
 def effective_config(document: Any, *, source: str, warn: Callable[[str], None] | None = None,
                      gpus: int | None = None, say: Callable[[str], None] | None = None,
-                     max_loaded: int | None = None) -> tuple[Config, bool]:
+                     max_loaded: int | None = None, idle_unload: float | None = None) -> tuple[Config, bool]:
     """The configuration `up` runs: the file's, with the built-in upstream when the file names
-    none, made into `gpus` servers (`commands/gpus.py`) with --gpus N, which `say` explains, and
-    ``max_loaded`` models resident on each (--max-loaded N, `commands/resident.py`).
+    none, made into `gpus` servers (`commands/gpus.py`) with --gpus N, which `say` explains,
+    ``max_loaded`` models resident on each (--max-loaded N) and ``idle_unload`` seconds idle before
+    a model is unloaded (--idle-unload S; both `commands/resident.py`).
     Also says whether the built-in upstream is used. --gpus 1 changes nothing."""
     if document is None:
         document = {}
     document = with_batches_dir(document)
     if max_loaded is not None:
         document = with_max_loaded(document, max_loaded)
+    if idle_unload is not None:
+        document = with_idle_unload(document, idle_unload)
     if gpus is not None:
         refuse_beside_upstreams(document, gpus, source)
     config, built_in = _one_upstream(document, source=source, warn=warn)

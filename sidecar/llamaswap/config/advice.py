@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from llamaswap.config.idle import idle_advice, idle_keys
 from llamaswap.config.problems import Problem
 from llamaswap.config.residency import residency_advice
 from llamaswap.config.sections import Config
@@ -16,7 +17,7 @@ from llamaswap.core.scheduler import PolicyName
 def advice(config: Config) -> list[Problem]:
     """What in ``config`` cannot apply or undoes its purpose, each with its fix."""
     return [*_clamp_reaches_interactive(config), *_unused_settings(config), *_stripped_batches(config),
-            *residency_advice(config)]
+            *residency_advice(config), *idle_advice(config.gpu_entries, idle_keys(config), config.models)]
 
 
 def _stripped_batches(config: Config) -> list[Problem]:

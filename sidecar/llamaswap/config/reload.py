@@ -49,6 +49,9 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
                                                       "accepted at start"),
     ReloadKey("upstream.memory", OnReload.LIVE, "the scheduler's budget from the next decision (the models' sizes "
                                                 "are read again with the file)"),
+    ReloadKey("upstream.idleUnloadSeconds", OnReload.LIVE, "the idle times from the next decision, counted "
+                                                           "from each model's last request"),
+    ReloadKey("globalTTL", OnReload.LIVE, "as upstream.idleUnloadSeconds"),
     ReloadKey("upstream.command", OnReload.RESTART, "`up` started the upstream with it"),
     ReloadKey("upstream.healthPath", OnReload.RESTART, "read once, when `up` starts the upstream"),
     ReloadKey("upstream.startupTimeoutSeconds", OnReload.RESTART, "read once, when `up` starts the upstream"),

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
+from llamaswap.config.idle import idle_unload_of
 from llamaswap.config.llama_command import cache_types, context_of, models_dir, router_models_max
 from llamaswap.config.problems import Problem
 from llamaswap.config.types import size_document, size_text
@@ -42,6 +43,9 @@ class _Model(Protocol):
 
     @property
     def pinned(self) -> bool: ...
+
+    @property
+    def ttl(self) -> float | None: ...
 
 
 class Config(Protocol):
@@ -218,7 +222,8 @@ def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, Mod
     entry = config.entry(name)
     pinned = frozenset(model_id for model_id, model in config.models.items() if model.pinned and entry.lists(model_id))
     return Residency(entry.max_loaded, pinned, entry.memory,
-                     {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()})
+                     {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()},
+                     idle_unload_of(entry, config.models))
 
 
 # Pairs of models that can never be resident together, named at most this many times per upstream.

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
 
 from llamaswap.config.batches import BatchesConfig
+from llamaswap.config.idle import TTL_SCHEMA, global_ttl_as_upstream, global_ttl_problems, ttl_value
 from llamaswap.config.model_key import single_model_slots
 from llamaswap.config.section import Section
 from llamaswap.config.problems import Meaning, describe_value, invalid, invalid_all
@@ -171,7 +172,7 @@ class ModelConfig(Section):
     """One model, by the id requests name in "model". llama-swap's per-model keys are accepted and ignored."""
 
     _llama_swap_keys: ClassVar[frozenset[str]] = frozenset({
-        "cmd", "cmdStop", "proxy", "aliases", "env", "checkEndpoint", "ttl", "useModelName", "unlisted",
+        "cmd", "cmdStop", "proxy", "aliases", "env", "checkEndpoint", "useModelName", "unlisted",
         "filters", "name", "description", "concurrencyLimit", "metadata", "macros", "sendLoadingState",
     })
 
@@ -188,6 +189,11 @@ class ModelConfig(Section):
     pinned: StrictBool = Field(
         default=False,
         description="Loaded and never evicted, on each upstream that may serve it (needs maxLoaded >= 2 there).")
+    ttl: Annotated[float | None, BeforeValidator(ttl_value), WithJsonSchema(TTL_SCHEMA)] = Field(
+        default=None,
+        description="llama-swap's key: seconds this model may sit idle (nothing running, loading or waiting for "
+                    "it) before it is unloaded; 0 = never; -1 or null (the default): the upstream's "
+                    "idleUnloadSeconds.")
 
 
 class ListenConfig(Section):
@@ -269,6 +275,11 @@ class UpstreamConfig(UrlParts, Section):
         description="A memory budget the resident models must fit in together (80GiB, 512MiB, 1.5GB or bytes): "
                     "each model then needs models.<id>.memory, or a GGUF file llamaswap can read to estimate it "
                     "(its size plus its KV cache). Null (the default): count models only (maxLoaded).")
+    idle_unload_seconds: Annotated[ZeroOrSeconds, Meaning("0 = never")] = Field(
+        default=0.0, ge=0,
+        description="Unload a resident model (POST /models/unload) once it has sat idle this long: nothing running, "
+                    "loading or waiting for it since its last request ended; never a pinned one. 0 (the default) "
+                    "= never; models.<id>.ttl overrides it per model (llama-swap's globalTTL is read as it).")
     api_key: Annotated[str | None, BeforeValidator(api_key_reference)] = Field(
         default=None,
         description="Where the upstream's API key is (llama-server's --api-key): 'file:PATH' or 'env:NAME', never "
@@ -398,6 +409,9 @@ class Config(Section):
     estimates: EstimatesConfig = Field(default_factory=EstimatesConfig)
     ui: UiConfig = Field(default_factory=UiConfig)
     batches: BatchesConfig = Field(default_factory=BatchesConfig)
+    global_ttl: Annotated[StrictInt | None, Meaning("null = upstream.idleUnloadSeconds")] = Field(
+        default=None, ge=0, alias="globalTTL",
+        description="llama-swap's key, read as upstream.idleUnloadSeconds (set one of the two).")
 
     _source: str = PrivateAttr("<defaults>")
     # The node's GPUs (`gpu_entries`), built once when the file is validated.
@@ -418,21 +432,31 @@ class Config(Section):
 
     __hash__ = None  # type: ignore[assignment]  # models is a dict
 
+    @model_validator(mode="before")
+    @classmethod
+    def _global_ttl(cls, data: Any) -> Any:
+        return global_ttl_as_upstream(data)
+
     @model_validator(mode="after")
     def _gpus_built(self) -> Config:
         # First of the validators: the others read the list. Without ``upstreams`` it is one
         # entry, IMPLICIT_GPU, of upstream.url, slots and command; an entry's settings default to
         # upstream's.
         upstream = self.upstream
+        problems = global_ttl_problems(upstream.idle_unload_seconds, self.global_ttl)
+        if problems:
+            raise invalid_all(type(self).__name__, problems)
+        idle_s = upstream.idle_unload_seconds  # (globalTTL's where the file gives only that: `global_ttl_as_upstream`)
         if self.upstreams is None:
             self._entries = (GpuEntry(IMPLICIT_GPU, upstream.url, upstream.slots, None, upstream.command,
-                                           upstream.max_loaded, upstream.memory),)
+                                           upstream.max_loaded, upstream.memory, idle_s),)
         else:
             self._entries = tuple(
                 GpuEntry(item.name, item.url, upstream.slots if item.slots is None else item.slots,
                               None if item.models is None else frozenset(item.models), item.command,
                               upstream.max_loaded if item.max_loaded is None else item.max_loaded,
-                              upstream.memory if item.memory is None else item.memory)
+                              upstream.memory if item.memory is None else item.memory,
+                              idle_s if item.idle_unload_seconds is None else item.idle_unload_seconds)
                 for item in self.upstreams)
         return self
 

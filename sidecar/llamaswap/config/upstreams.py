@@ -20,6 +20,7 @@ from llamaswap.config.types import (
     MemorySize,
     StrictInt,
     UrlParts,
+    ZeroOrSeconds,
     command_document,
     command_line,
     upstream_url,
@@ -48,6 +49,7 @@ class GpuEntry(UrlParts):
     # Models resident at once, and their memory budget in bytes (None: none); resolved like slots.
     max_loaded: int = 1
     memory: int | None = None
+    idle_unload_s: float = 0.0  # how long a model may sit idle before it is unloaded (0: for ever)
 
     def lists(self, model: str) -> bool:
         """Whether the file lists ``model`` for this upstream (its ``models`` list, if any:
@@ -214,3 +216,7 @@ class UpstreamItem(Section):
         default=None,
         description="Its memory budget for resident models, as upstream.memory; null (the default) takes "
                     "upstream.memory.")
+    idle_unload_seconds: Annotated[ZeroOrSeconds | None, Meaning("null = upstream.idleUnloadSeconds")] = Field(
+        default=None, ge=0,
+        description="Unload a model idle this long on it, as upstream.idleUnloadSeconds; null (the default) takes "
+                    "upstream.idleUnloadSeconds.")

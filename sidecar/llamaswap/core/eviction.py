@@ -37,6 +37,7 @@ class EvictReason(str, enum.Enum):
     NOT_WAITED_FOR = "not_waited_for"  # nothing waiting needs it (and every other one is waited for)
     LEAST_NEEDED = "least_needed"  # requests wait for it, behind those for the others in the order
     LEAST_RECENTLY_USED = "least_recently_used"  # nothing waits for it nor for another: used longer ago
+    IDLE = "idle"  # no grant made room by it: it sat idle its idle time (`idle.py`: models.<id>.ttl)
 
     def __str__(self) -> str:
         return self.value

@@ -10,9 +10,10 @@ that no release has confirmed yet, and the `GpuHolding` built from all of that.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from llamaswap.core.clock import Clock
 from llamaswap.core.decisions import Decision
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.eviction import Eviction, after_load
@@ -51,9 +52,10 @@ class GpuRecord:
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "settling", "settling_model", "adopted", "_holding", "_idle",
-                 "_blocked", "pending", "loaders", "dispatches", "last_used")
+                 "_blocked", "pending", "loaders", "dispatches", "last_used", "idle_since", "_clock")
 
-    def __init__(self, policy: GpuPolicy) -> None:
+    def __init__(self, policy: GpuPolicy, clock: Clock | None = None) -> None:
+        """``clock``: the scheduler's, for when each model became idle (None: never marked)."""
         self.grants: dict[str, Grant] = {}
         self.residents: frozenset[str] = NO_RESIDENTS  # (`set_residents` changes it)
         self.settling = False  # (`blocked_by` changes these three)
@@ -72,6 +74,10 @@ class GpuRecord:
         # When each model was last granted there (the least recently used goes first among
         # equally needed ones); the holdings read this map, never a copy.
         self.last_used: dict[str, int] = {}
+        # When each model last became idle there (a release of it, or being counted resident
+        # anew): with `last_used`, where its idle time counts from (idle unloads, `idle.py`).
+        self.idle_since: dict[str, int] = {}
+        self._clock = clock
         self.apply(policy)
 
     def apply(self, policy: GpuPolicy) -> None:
@@ -96,7 +102,7 @@ class GpuRecord:
             if holding is None:
                 holding = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
                                                self.settling, self.adopted, self._blocked, policy.residency,
-                                               self.last_used, self.settling_model)
+                                               self.last_used, self.settling_model, self.idle_since)
         else:
             loading = None
             loaders = self.loaders
@@ -106,7 +112,8 @@ class GpuRecord:
                     break
             holding = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
-                              self.adopted, self._blocked, policy.residency, self.last_used, self.settling_model)
+                              self.adopted, self._blocked, policy.residency, self.last_used, self.settling_model,
+                              self.idle_since)
         self._holding = holding
         return holding
 
@@ -124,8 +131,17 @@ class GpuRecord:
 
     def set_residents(self, residents: frozenset[str]) -> None:
         if residents != self.residents:
+            self._became_idle(residents - self.residents)  # (counted resident anew: idle from now)
             self.residents = residents
             self._holding = self._idle = None
+
+    def _became_idle(self, models: Iterable[str | None]) -> None:
+        clock = self._clock
+        if clock is not None:
+            now = clock.now_ns()
+            for model in models:
+                if model is not None:
+                    self.idle_since[model] = now
 
     def may_accept_report(self, residents: frozenset[str]) -> bool:
         """A report of the resident models made now may be applied: nothing runs; or no load is
@@ -193,6 +209,7 @@ class GpuRecord:
         model = grant.entry.model
         if model is None:
             return
+        self._became_idle((model,))  # (idle from now, unless another of its grants runs on)
         if self.loaders.get(model) is grant.decision:
             del self.loaders[model]  # its load is over, whatever it says
         forgets = self.policy.residency.replaces_by_itself

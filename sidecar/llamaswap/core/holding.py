@@ -136,6 +136,10 @@ class GpuHolding(NamedTuple):
     # Several resident: the model whose abandoned generation a settle waits for (it takes nothing
     # and does not go meanwhile; the others serve on: then ``blocked`` is False); None: none.
     settling_model: str | None = None
+    # When each model last became idle there: its last release, or being counted resident anew
+    # (the record's own map, read here): its idle time counts from the later of this and its last
+    # grant (idle unloads, `idle.py`).
+    idle_since: Mapping[str, int] = NEVER_USED
 
     def has(self, model: str | None) -> bool:
         """``model`` is resident here (a request of no model needs none)."""

@@ -6,6 +6,30 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Set
 
+from llamaswap.core.clock import NS_PER_S
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdleUnload:
+    """How long a resident model may sit idle on a GPU before it is unloaded (`core/idle.py`):
+    ``default_s`` (``upstream.idleUnloadSeconds``, llama-swap's ``globalTTL``) unless the model
+    has its own (``per_model_s``: ``models.<id>.ttl``). 0: never."""
+
+    default_s: float = 0.0
+    per_model_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def after_ns(self, model: str) -> int:
+        """How long ``model`` may sit idle, in nanoseconds; 0: for ever."""
+        return round(self.per_model_s.get(model, self.default_s) * NS_PER_S)
+
+    @property
+    def ever(self) -> bool:
+        """Some model may be unloaded for idleness here."""
+        return self.default_s > 0 or any(seconds > 0 for seconds in self.per_model_s.values())
+
+
+NEVER_IDLE = IdleUnload()
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Residency:
     """How many models a GPU keeps resident at once, and what they may weigh.
@@ -22,6 +46,8 @@ class Residency:
     pinned: frozenset[str] = frozenset()
     memory_bytes: int | None = None
     model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # How long each model may sit idle before it is unloaded (`core/idle.py`; default: for ever).
+    idle: IdleUnload = NEVER_IDLE
     # `never_fits` by model, worked out once: the rule asks it of every GPU at every grant.
     _never_fits: dict[str, bool] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                      compare=False, hash=False)

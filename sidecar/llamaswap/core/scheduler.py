@@ -37,7 +37,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final
 
-from llamaswap.core import node, order
+from llamaswap.core import idle, node, order
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
@@ -78,7 +78,7 @@ _REASONS: Final = {
     for aging in (False, True) for affinity in (False, True)}
 
 
-class Scheduler:
+class Scheduler(idle.IdleUnloading):
     """Non-preemptive priority queue over a node's GPUs (one GPU is a node of one), each serving
     up to its slots of generations of its resident model at once (one, by default: the size-1
     resource of the specification)."""
@@ -110,7 +110,7 @@ class Scheduler:
             if gpu_policy.name in known:
                 known[gpu_policy.name].apply(gpu_policy)
         if not self._gpus:
-            self._gpus = [GpuRecord(gpu_policy) for gpu_policy in gpus]
+            self._gpus = [GpuRecord(gpu_policy, self._clock) for gpu_policy in gpus]
         names = [gpu.name for gpu in gpus]
         self._gpus.sort(key=lambda gpu: names.index(gpu.name))
         # What the GPUs hold (every change goes through a grant, a release, a loaded-model

@@ -1,5 +1,6 @@
 """The activity log: one JSON line per finished request (dispatched or not), one per resident
-model a grant unloaded to make room for its own (an `eviction`, at the grant), and the
+model a grant unloaded to make room for its own (an `eviction`, at the grant) or that was
+unloaded for idleness (an `eviction` with the reason `idle`, as its unload began), and the
 scheduler's settings at start and after every reload; the most recent request records are kept
 for GET /activity, and the most recent evictions for GET /activity?event=eviction.
 
@@ -23,10 +24,10 @@ import os
 import time
 from typing import Any, TextIO
 
-from llamaswap.core import NS_PER_S, Clock, Eviction, Policy
+from llamaswap.core import NS_PER_S, Clock, EvictReason, Eviction, Policy
 from llamaswap.core.residency import Residency
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
 LOGGER_NAME = "llamaswap.activity"
@@ -178,6 +179,18 @@ class ActivityLog:
             "ran_ms": round((now - decision.granted_ns) / 1e6, 3),
             "for_request_id": waiting.request_id if waiting is not None else None,
             "for_band": waiting.priority.band.value if waiting is not None else None,
+        })
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        """An idle unload: an `eviction` record with the reason `idle` (no request made room by it)."""
+        self._write({
+            "event": EVICTION,
+            "time": round(self._unix_ms(unload.at_ns) / 1000, 3),
+            "upstream": unload.gpu,
+            "model": unload.model,
+            "reason": EvictReason.IDLE.value,
+            "idle_s": round(unload.idle_s, 3),  # how long it had sat idle
+            "idle_unload_s": unload.after_s,  # its idle time (models.<id>.ttl, upstream.idleUnloadSeconds)
         })
 
     def settings_changed(self, policy: Policy) -> None:

@@ -40,7 +40,7 @@ catalog checks and the model key (`catalog.py`), slot learning (`slot_learning.p
 (`forecast.py`), the grants' watchdogs (`watchdogs.py`), deferred telemetry (`deferred.py`), the
 queue views and what holds the GPU (`views.py`), places kept for a retry (`kept.py`), the
 request-id index (`request_ids.py`), settles and adopted exchanges (`adoptions.py`), the unloads
-a grant waits for (`evictions.py`).
+a grant waits for (`evictions.py`), idle unloads (`idle.py`, built and re-armed by the grants).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Coordinator:
 
         def views(blocked: Callable[[], Mapping[str, float]]) -> QueueViews:
             return QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
-                              version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings)
+                              version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings,
+                              unloadable=self.gpus.routers)
 
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=self._keys.scheduled, views=views)
@@ -277,6 +278,7 @@ class Coordinator:
         self.gpus.reconcile(catalog, as_of, gpu, scheduler=self.scheduler, config=self._config.config,
                             changed=self._publisher.changed, reconfigure=self._reload_in_effect)
         self._sleep.observed(self.gpus.named(gpu), catalog)
+        self._grants.idle_unloads.arm()  # (a model counted resident anew counts its idle time from now)
 
     def _reload_in_effect(self) -> None:
         self.reconfigure(self._config.config)

@@ -99,6 +99,12 @@ class Gpus:
             return self.all[0]
         return gpu
 
+    def routers(self) -> frozenset[str]:
+        """The GPUs whose upstream is llama-server's router, as last read: those that can unload a
+        model (idle unloads, `idle.py`)."""
+        return frozenset(gpu.name for gpu in self.all
+                         if gpu.catalog.latest is not None and gpu.catalog.latest.kind is UpstreamKind.ROUTER)
+
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
         the name, and the same one (`ModelCatalog.single_model`); None otherwise."""

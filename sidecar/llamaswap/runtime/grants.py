@@ -32,6 +32,7 @@ from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.forecast import Forecast
 from llamaswap.runtime.gpus import Gpus
+from llamaswap.runtime.idle import IdleUnloads
 from llamaswap.runtime.leases import Adoption, Leases
 from llamaswap.runtime.live_config import LiveConfig
 from llamaswap.runtime.observer import Observer, overtaken_by
@@ -80,6 +81,9 @@ class Grants:
         self.evictions = Evictions(gpus, clock, self.leases, config.lease_ns, forecast, scheduler=scheduler,
                                    release=functools.partial(self.release, outcome=Outcome.UPSTREAM_ERROR,
                                                              abandoned=False, sent=False))
+        # Idle unloads (`idle.py`): re-armed after each pass of the grant decision.
+        self.idle_unloads = IdleUnloads(gpus, scheduler, clock, self.evictions,
+                                        functools.partial(publisher.observe, observer.idle_unloaded), publisher.changed)
 
     def running(self) -> list[Ticket]:
         """The running grants' tickets, earliest first: the scheduler's grants are the one record
@@ -134,6 +138,7 @@ class Grants:
             if decision is None:
                 for line, waiting in self.stops.ask():
                     self._publisher.observe(self._observer.line_stopped, line, waiting)
+                self.idle_unloads.arm()
                 return
             ticket = self._tickets.get(decision.request_id)
             # Its unloads begin whatever becomes of it: the scheduler counts the evicted models gone.
@@ -248,6 +253,7 @@ class Grants:
             self.watchdogs.rearm(ticket)
 
     def close(self) -> None:
+        self.idle_unloads.close()
         self.evictions.close()
         self.watchdogs.close()
         self.leases.cancel()

@@ -27,7 +27,7 @@ from typing import Any
 from llamaswap.core import Band, Clock, Outcome, Policy
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
 # The timeline reaches back a day at most, and holds at most this many entries (about 1 KB each).
@@ -201,6 +201,9 @@ class History:
 
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
         pass  # (its end, stopped, is in the timeline)
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        pass  # (the activity log keeps it: GET /activity?event=eviction)
 
     def finished(self, ticket: Ticket) -> None:
         record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once

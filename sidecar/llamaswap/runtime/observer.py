@@ -56,6 +56,18 @@ def queue_picture(scheduler: Scheduler, node: NodeProjection) -> QueuePicture:
     return QueuePicture(depth, oldest, node)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdleUnloaded:
+    """A resident model unloaded because it sat idle its idle time (`models.<id>.ttl`,
+    `upstream.idleUnloadSeconds`): an eviction with the reason `idle` (`runtime/idle.py`)."""
+
+    gpu: str
+    model: str
+    idle_s: float  # how long it had sat idle when its unload began
+    after_s: float  # its idle time (the setting)
+    at_ns: int  # when its unload began (the coordinator's clock)
+
+
 class SettleReason(str, enum.Enum):
     """Why the GPU waited for the upstream to be idle before the next grant."""
 
@@ -123,6 +135,9 @@ class Observer(Protocol):
         """A running Batch API line is being stopped for ``waiting`` (None: it left since), a
         request of a higher band that started nowhere (`stops.py`)."""
 
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        """A resident model's idle unload began (an eviction with the reason `idle`)."""
+
 
 class NoopObserver:
     def enqueued(self, ticket: Ticket) -> None:
@@ -150,6 +165,9 @@ class NoopObserver:
         pass
 
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+        pass
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
         pass
 
 
@@ -192,3 +210,6 @@ class FanOut:
 
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
         self._each("line_stopped", line, waiting)
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        self._each("idle_unloaded", unload)

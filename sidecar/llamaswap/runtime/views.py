@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from llamaswap.core import NS_PER_S, Band, Clock, Estimator, QueueSnapshot, Scheduler
 from llamaswap.core.estimate import grant_end_s, left_s
@@ -64,6 +64,17 @@ class RunningRow:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class IdleRow:
+    """A resident model idle on a GPU (`core/idle.py`): for how long, and in how long it will be
+    unloaded for idleness (None: never: no idle time there, pinned, or an upstream that cannot unload)."""
+
+    gpu: str
+    model: str
+    idle_s: float
+    unload_in_s: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QueueView:
     """The live queue for operators (GET /queue, `llamaswap queue`) and for one client's status."""
 
@@ -75,6 +86,8 @@ class QueueView:
     # projection /queue, the page, the gauges and the picker read.
     node: NodeProjection
     kept: tuple[KeptRow, ...] = ()  # places kept for a client's retry (routing.retryGraceSeconds), oldest first
+    # The idle resident models on the GPUs with an idle time (idle unloads), GPU by GPU.
+    idle: tuple[IdleRow, ...] = ()
 
     @property
     def gpu(self) -> GpuState:
@@ -115,7 +128,8 @@ class QueueViews:
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],
                  blocked: Callable[[], Mapping[str, float]],
-                 holdings: Callable[[], Sequence[GpuHolding]] | None = None) -> None:
+                 holdings: Callable[[], Sequence[GpuHolding]] | None = None,
+                 unloadable: Callable[[], Collection[str]] = frozenset) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
@@ -124,6 +138,7 @@ class QueueViews:
         self._version = version
         self._blocked = blocked
         self._holdings = holdings or scheduler.holdings
+        self._unloadable = unloadable  # the GPUs that can unload a model (`Gpus.routers`)
         self._walk: _Walk | None = None
         self._projector = Projector()
 
@@ -175,7 +190,18 @@ class QueueViews:
             for w, start in zip(snapshot.waiting, starts))
         running = self._running_rows(now)
         bands = tuple((band, stats.depth, stats.oldest_wait_s) for band, stats in self._scheduler.band_stats().items())
-        return QueueView(str(snapshot.policy), tuple(running), waiting, bands, self.gpus(), kept=kept)
+        return QueueView(str(snapshot.policy), tuple(running), waiting, bands, self.gpus(), kept=kept,
+                         idle=self.idle_rows(now))
+
+    def idle_rows(self, now: int) -> tuple[IdleRow, ...]:
+        """Each idle resident model on a GPU with an idle time, with how long it has sat idle and
+        when it will be unloaded (`core/idle.py`); none where no GPU has one (the default)."""
+        timed = {gpu.name for gpu in self._scheduler.policy.gpus if gpu.residency.idle.ever}
+        if not timed:
+            return ()
+        return tuple(IdleRow(idle.gpu, idle.model, (now - idle.since_ns) / NS_PER_S,
+                             None if idle.due_ns is None else max(0.0, (idle.due_ns - now) / NS_PER_S))
+                     for idle in self._scheduler.idle_unloads(self._unloadable()).idle if idle.gpu in timed)
 
     def gpus(self) -> NodeProjection:
         """Every GPU as the scheduler has it now (the walk's may be VIEW_MAX_AGE_S old), with the

@@ -43,7 +43,7 @@ from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
-from llamaswap.runtime.observer import Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
@@ -371,6 +371,10 @@ class Telemetry:
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
         if not self._closed:
             self.instruments.preemptions.add(1, {"band": line.priority.band.value})
+
+    def idle_unloaded(self, unload: IdleUnloaded) -> None:
+        if not self._closed:
+            self.instruments.evictions.add(1, _eviction_labels(unload.gpu, EvictReason.IDLE))
 
     def settled(self, settle: Settle) -> None:
         if not self._closed:

@@ -180,6 +180,7 @@
     byId("loaded-model").textContent = (doc.resident_models || []).join(", ") || "none known";
     byId("slots").textContent = `${doc.slots_busy} / ${doc.slots_total}`;
     renderGpus(doc);
+    renderIdle(doc, ageS);
     byId("waiting-total").textContent = doc.waiting_total.toLocaleString();
     renderRunning(doc);
     renderQueue(doc, ageS);
@@ -197,6 +198,15 @@
     const held = gpu.held_back ? ` <span class="gpu-held" title="the best waiting request holds it back: no new grants until it drains and is unloaded">holding back ${escapeHtml(gpu.held_back)}</span>` : "";
     return `<span class="gpu-model">${rows.length ? rows.join(", ") : models(gpu.resident_models)}</span>` +
       ` <span class="gpu-max">(${(gpu.resident_models || []).length} of ${gpu.max_loaded || 1})</span>${held}`;
+  }
+
+  // Each idle resident model: how long it has sat idle, and when it is unloaded for idleness (ttl).
+  function renderIdle(doc, ageS) {
+    const rows = doc.idle || [];
+    const several = gpusOf(doc).length > 1;
+    byId("idle-models").textContent = rows.length ? rows.map((row) => `${row.model}${several ? ` on ${row.upstream}` : ""} ` +
+      `idle ${seconds(row.idle_s + ageS)}, ` +
+      (row.unload_in_s === null ? "kept" : `unloaded in ${seconds(row.unload_in_s - ageS)}`)).join("; ") : "none";
   }
 
   function renderGpus(doc) {
