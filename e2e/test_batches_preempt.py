@@ -9,25 +9,20 @@ releases it: where a stop lands is then exact, never a race with the generation.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import pathlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from batches_e2e import batch_config
+from batches_e2e import Feeding, batch_config
 from fake_llama import FakeLlamaServer
 from fake_tokens import generate, prompt_text, text_of, tokenize
 from harness import Stack, async_wait_for, get_json, running_stack
-from llamaswap.batches.feeder import Feeder, FeedSettings
-from llamaswap.batches.store import Store
-from llamaswap.telemetry.batches import new_trace_ids
 
-ENDPOINT = "/v1/chat/completions"
 MAX_TOKENS = 12
 MODEL = "model-a"
+Fed = tuple[FakeLlamaServer, Feeding, Stack]
 
 
 def _messages(content: str) -> list[dict[str, Any]]:
@@ -38,66 +33,15 @@ def _prompt(content: str) -> list[int]:
     return tokenize(prompt_text(_messages(content)))
 
 
-class Feeding:
-    """A store and a feeder in this process, sending to the stack's listener."""
-
-    def __init__(self, stack: Stack, directory: pathlib.Path, *, preempt: bool = True) -> None:
-        self.stack = stack
-        self.store = Store(directory)
-        self.preempt = preempt
-        self.feeder = self._feeder()
-        self.task: asyncio.Task[None] | None = None
-
-    def _feeder(self) -> Feeder:
-        return Feeder(self.store, FeedSettings(self.stack.url, lambda: 2, lambda: 1000, preempt=lambda: self.preempt))
-
-    def batch(self, lines: list[tuple[str, dict[str, Any]]]) -> str:
-        upload = self.store.directory / "upload.jsonl"
-        upload.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": ENDPOINT,
-                                              "body": body}) + "\n" for custom_id, body in lines))
-        record = self.store.add_file(upload, filename="in.jsonl", purpose="batch")
-        trace_id, span_id = new_trace_ids()
-        batch = self.store.create_batch(endpoint=ENDPOINT, input_file_id=record.id, completion_window="24h",
-                                        window_s=3600, metadata=None, priority=-100, trace_id=trace_id,
-                                        span_id=span_id)
-        self.feeder.wake()
-        return batch.id
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.feeder.run())
-
-    async def restart(self) -> None:
-        """Stop the feeder as a kill would leave it (its lines in flight abandoned) and start anew."""
-        await self.stop()
-        self.feeder = self._feeder()
-        self.start()
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-            self.task = None
-
-    async def output(self, batch_id: str) -> dict[str, dict[str, Any]]:
-        """The batch's output file once it completed, by custom_id."""
-        def done() -> Any:
-            batch = self.store.batch(batch_id)
-            return batch if batch is not None and batch.status.ended else None
-        batch = await async_wait_for(done, what=f"batch {batch_id} to end")
-        assert batch.status.value == "completed" and batch.output_file_id is not None, batch
-        records = [json.loads(text) for text in self.store.file_path(batch.output_file_id).read_text().splitlines()]
-        return {record["custom_id"]: record for record in records}
-
-
 @pytest.fixture
-async def fed(tmp_path: pathlib.Path) -> AsyncIterator[tuple[FakeLlamaServer, Feeding]]:
+async def fed(tmp_path: pathlib.Path) -> AsyncIterator[Fed]:
     fake = FakeLlamaServer(router=True)
     config = batch_config(tmp_path)
     del config["batches"]  # the sidecar's own feeder stays off: this test's feeder sends the lines
     with running_stack(tmp_path, config, fake=fake) as stack:
-        feeding = Feeding(stack, tmp_path / "batches")
+        feeding = Feeding(stack.url, tmp_path / "batches")
         try:
-            yield fake, feeding
+            yield fake, feeding, stack
         finally:
             fake.tokens.hold_after = None
             fake.tokens.release()
@@ -122,8 +66,8 @@ def _check_answer(record: dict[str, Any], content: str, stops: int) -> None:
 
 
 async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
-        fed: tuple[FakeLlamaServer, Feeding]) -> None:
-    fake, feeding = fed
+        fed: Fed) -> None:
+    fake, feeding, stack = fed
     fake.tokens.hold_after = 5
     batch_id = feeding.batch([("stopped", _line("alpha"))])
     request_id = f"{batch_id}:stopped"
@@ -148,7 +92,7 @@ async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
     assert fake.tokens.templates[0] == {"model": MODEL, "messages": _messages("alpha")}
     assert feeding.feeder.line_state(request_id) is None and feeding.store.progress(batch_id, 1) is None
     # Every part went through the queue as a request of the line's model, at the batch priority.
-    records = [record for record in get_json(f"{feeding.stack.sidecar.admin_url}/activity")["activity"]
+    records = [record for record in get_json(f"{stack.sidecar.admin_url}/activity")["activity"]
                if record.get("request_id") == request_id]
     assert {(record["model"], record["serial_priority"]) for record in records} == {(MODEL, -100)}
     # template and tokenize (no generation), then the two parts, each scheduled with its n_predict
@@ -156,8 +100,8 @@ async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
         (False, 0), (False, 0), (True, MAX_TOKENS - 6), (True, MAX_TOKENS)]
 
 
-async def test_the_lines_end_wins_over_a_stop_that_comes_with_it(fed: tuple[FakeLlamaServer, Feeding]) -> None:
-    fake, feeding = fed
+async def test_the_lines_end_wins_over_a_stop_that_comes_with_it(fed: Fed) -> None:
+    fake, feeding, _ = fed
     fake.tokens.hold_after = MAX_TOKENS  # every token sent, the stream's end not yet
     batch_id = feeding.batch([("ending", _line("beta"))])
     request_id = f"{batch_id}:ending"
@@ -171,8 +115,8 @@ async def test_the_lines_end_wins_over_a_stop_that_comes_with_it(fed: tuple[Fake
     assert len(fake.tokens.completions) == 1 and fake.tokens.left == []
 
 
-async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: tuple[FakeLlamaServer, Feeding]) -> None:
-    fake, feeding = fed
+async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: Fed) -> None:
+    fake, feeding, _ = fed
     fake.tokens.hold_after = 4
     batch_id = feeding.batch([("kept", _line("gamma"))])
     request_id = f"{batch_id}:kept"
@@ -199,8 +143,8 @@ async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: tuple[FakeLl
 
 
 async def test_lines_that_cannot_be_continued_are_sent_as_they_are_and_never_stopped(
-        fed: tuple[FakeLlamaServer, Feeding]) -> None:
-    fake, feeding = fed
+        fed: Fed) -> None:
+    fake, feeding, _ = fed
     marker = b"tool-line;"
     fake.hold_marked(marker)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -214,8 +158,8 @@ async def test_lines_that_cannot_be_continued_are_sent_as_they_are_and_never_sto
     assert fake.tokens.completions == [] and fake.tokens.templates == []
 
 
-async def test_with_preempt_off_every_line_is_sent_as_it_is(fed: tuple[FakeLlamaServer, Feeding]) -> None:
-    fake, feeding = fed
+async def test_with_preempt_off_every_line_is_sent_as_it_is(fed: Fed) -> None:
+    fake, feeding, _ = fed
     feeding.preempt = False
     batch_id = feeding.batch([("plain", _line("delta"))])
     feeding.start()
