@@ -99,7 +99,7 @@ def test_the_answer_is_one_chat_completion_as_if_it_ran_once() -> None:
     last = Part()
     last.add(_event([13], "c", 1))
     last.add(_event([], "", 1, stop=True, stop_type="eos"))
-    answer = resume.answer(CHAT, progress, last, "batch_x:q1", created=100)
+    answer = resume.answer(CHAT, progress, last, "batch_x:q1", 100)
     assert answer == {
         "id": "chatcmpl-batch_x:q1", "object": "chat.completion", "created": 100, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "abc"}, "logprobs": None,
@@ -108,8 +108,8 @@ def test_the_answer_is_one_chat_completion_as_if_it_ran_once() -> None:
         "llamaswap": {"stops": 2}}
     at_limit = Part()
     at_limit.add(_event([], "", 8, stop=True, stop_type="limit"))
-    assert resume.answer(CHAT, progress, at_limit, "r")["choices"][0]["finish_reason"] == "length"
-    assert resume.answer(CHAT, progress, at_limit, "r")["usage"]["completion_tokens"] == 10
+    assert resume.answer(CHAT, progress, at_limit, "r", 1)["choices"][0]["finish_reason"] == "length"
+    assert resume.answer(CHAT, progress, at_limit, "r", 1)["usage"]["completion_tokens"] == 10
 
 
 def test_a_line_whose_kept_tokens_reach_its_bound_needs_no_resume() -> None:

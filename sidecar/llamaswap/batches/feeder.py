@@ -144,7 +144,8 @@ class Feeder:
         yet) and send it again to continue from its tokens: it then waits in the queue like any
         request. True where it was a line of the token path with a part in flight (waiting or
         running); False for any other: a line on the plain path (never stopped), one preparing
-        its prompt, pausing before a resend or whose part just ended (its end wins), an unknown id."""
+        its prompt, pausing before a resend or whose part just ended (its end wins), an unknown id.
+        Called on the feeder's event loop (the sidecar's)."""
         run = self._runs.get(request_id)
         return run is not None and run.stop()
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -217,15 +216,15 @@ def parse_event(line: bytes) -> dict[str, Any] | None:
     return event if isinstance(event, dict) else None
 
 
-def answer(body: Mapping[str, Any], progress: Progress, last: Part, request_id: str,
-           created: int | None = None) -> dict[str, Any]:
+def answer(body: Mapping[str, Any], progress: Progress, last: Part, request_id: str, created: int) -> dict[str, Any]:
     """The line's one answer, as if it ran once: all its text, the original prompt's tokens, every
-    completion token, the last part's finish reason; `llamaswap.stops` counts its stops."""
+    completion token, the last part's finish reason; `llamaswap.stops` counts its stops;
+    ``created``: when it ended (Unix seconds)."""
     completion = len(progress.kept) + max(last.predicted, len(last.tokens))
     prompt = len(progress.prompt_tokens)
     return {
         "id": f"chatcmpl-{request_id}", "object": "chat.completion",
-        "created": int(time.time()) if created is None else created, "model": body["model"],
+        "created": created, "model": body["model"],
         "choices": [{"index": 0, "message": {"role": "assistant", "content": progress.text + last.text},
                      "logprobs": None, "finish_reason": last.finish_reason}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -74,6 +75,10 @@ class LineRun:
             self._stream.close()
         return True
 
+    def streaming(self, part: Part, stream: sse.Stream | None) -> None:
+        """The part in flight now and its connection (None: the part's stream is over)."""
+        self.part, self._stream = part, stream
+
     @property
     def tokens(self) -> int:
         """The tokens the line has now: kept from earlier parts and read in this one."""
@@ -122,7 +127,7 @@ class TokenPath:
                     continue
                 last = outcome
             if last.ended:
-                document = json.dumps(resume.answer(body, progress, last, run.request_id)).encode()
+                document = json.dumps(resume.answer(body, progress, last, run.request_id, int(time.time()))).encode()
                 if len(document) > most:
                     raise AnswerTooLarge(most, len(document))
                 return 200, document
@@ -160,7 +165,7 @@ class TokenPath:
             stream = await sse.send(self.host, self.port, COMPLETION_PATH, headers, request)
         except OSError as exc:
             return 503, {}, f"the listener cannot be reached: {exc}".encode()
-        run.part, run._stream = part, stream
+        run.streaming(part, stream)
         try:
             await stream.head()
             if stream.status != 200:
@@ -179,6 +184,6 @@ class TokenPath:
                 _log.warning("batch line %s: its stream broke after %d token(s) (%s)", run.request_id,
                              len(part.tokens), exc)
         finally:
-            run._stream = None
+            run.streaming(part, None)
             stream.close()
         return part
