@@ -1,14 +1,15 @@
 """A batch line stopped at a token and resumed (issue 46, the feeder's side), through the real Envoy
 and sidecar to the fake upstream's token path (e2e/fake_tokens.py: a deterministic model, so the
-undisturbed answer is known). The feeder runs in the test's process, on its own store, sending
-to the stack's listener, so that the test can call `Feeder.stop_line` itself; the sidecar
-schedules each of its requests like any other.
+undisturbed answer is known), and a cancel while a line is stopped. The feeder runs in the test's
+process, on its own store, sending to the stack's listener, so that the test can call
+`Feeder.stop_line` itself; the sidecar schedules each of its requests like any other.
 
 A stream is paused by the fake after a given number of tokens (`hold_after`) until the test
 releases it: where a stop lands is then exact, never a race with the generation."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from batches_e2e import Feeding, batch_config
 from fake_llama import FakeLlamaServer
 from fake_tokens import generate, prompt_text, text_of, tokenize
 from harness import Stack, async_wait_for, get_json, running_stack
+from llamaswap.batches.lifecycle import BatchStatus
 
 MAX_TOKENS = 12
 MODEL = "model-a"
@@ -76,7 +78,7 @@ async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
     await async_wait_for(lambda: (state := feeding.feeder.line_state(request_id)) is not None and state.tokens == 5,
                          what="the feeder to have read the 5 tokens")
     state = feeding.feeder.line_state(request_id)
-    assert state is not None and state.stops == 0
+    assert state is not None and state.stops == 0 and state.stoppable
     assert feeding.feeder.stop_line(request_id)
     assert not feeding.feeder.stop_line(f"{batch_id}:nobody")
     fake.tokens.hold_after = None
@@ -167,3 +169,29 @@ async def test_with_preempt_off_every_line_is_sent_as_it_is(fed: Fed) -> None:
     assert output["plain"]["response"]["body"]["choices"][0]["message"]["content"] == "ok"
     assert "llamaswap" not in output["plain"]["response"]["body"]
     assert fake.tokens.completions == [] and fake.tokens.templates == []
+
+
+async def test_a_cancel_while_a_line_is_stopped_ends_it_once_and_drops_its_progress(fed: Fed) -> None:
+    fake, feeding, _ = fed
+    fake.tokens.hold_after = 3
+    batch_id = feeding.batch([("cancelled", _line("epsilon"))])
+    request_id = f"{batch_id}:cancelled"
+    feeding.start()
+    await async_wait_for(lambda: (state := feeding.feeder.line_state(request_id)) is not None and state.tokens == 3,
+                         what="the feeder to have read 3 tokens")
+    assert feeding.feeder.stop_line(request_id)
+    fake.tokens.release()
+    await async_wait_for(lambda: len(fake.tokens.completions) == 2 and fake.tokens.held == 1,
+                         what="the resumed part to pause")
+    assert feeding.store.progress(batch_id, 1) is not None
+    assert feeding.store.set_status(batch_id, BatchStatus.CANCELLING, only_from=(BatchStatus.IN_PROGRESS,))
+    feeding.feeder.stop_feeding(batch_id)
+
+    def ended() -> Any:
+        batch = feeding.store.batch(batch_id)
+        return batch if batch is not None and batch.status.ended else None
+    batch = await async_wait_for(ended, what="the batch to end cancelled")
+    assert batch.status is BatchStatus.CANCELLED and batch.output_file_id is None
+    [record] = [json.loads(text) for text in feeding.store.file_path(batch.error_file_id).read_text().splitlines()]
+    assert (record["custom_id"], record["error"]["code"]) == ("cancelled", "batch_cancelled")
+    assert feeding.store.progress(batch_id, 1) is None and feeding.feeder.line_state(request_id) is None

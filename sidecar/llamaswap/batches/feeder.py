@@ -150,13 +150,14 @@ class Feeder:
         return run is not None and run.stop()
 
     def line_state(self, request_id: str) -> LineState | None:
-        """A token-path line in flight: when it was first sent, its tokens now, its stops (None:
-        no such line here). The same first arrival is kept in the store at each stop
-        (`Store.progress_of_request`), for a restart."""
+        """A token-path line in flight: when it was first sent, its tokens now, its stops, whether
+        a stop would stop it now (None: no such line here). The same first send is kept in the
+        store at each stop (`Store.progress_of_request`), for a restart."""
         run = self._runs.get(request_id)
         if run is None:
             return None
-        return LineState(run.first_sent_at, run.tokens, run.progress.stops if run.progress is not None else 0)
+        return LineState(run.first_sent_at, run.tokens, run.progress.stops if run.progress is not None else 0,
+                         run.stoppable)
 
     @property
     def writes_failing(self) -> bool:

@@ -49,6 +49,7 @@ class LineState:
     first_sent_at: float  # wall-clock seconds of its first send (its place in the queue is kept from it)
     tokens: int  # generated so far: kept from its stopped parts and read in the part in flight
     stops: int
+    stoppable: bool  # a part is in flight (waiting or running): `Feeder.stop_line` would stop it now
 
 
 class LineRun:
@@ -65,10 +66,16 @@ class LineRun:
         self._stream: sse.Stream | None = None
         self.stop_asked = False
 
+    @property
+    def stoppable(self) -> bool:
+        """Whether a part is in flight (not while the line prepares its prompt, pauses before a
+        resend, or once its part ended)."""
+        return self._stream is not None and self.part is not None and not self.part.ended
+
     def stop(self) -> bool:
-        """Stop the part in flight at its next token (at once when no token came yet). False: no
-        part is in flight (the line prepares its prompt, pauses before a resend, or just ended)."""
-        if self._stream is None or self.part is None or self.part.ended:
+        """Stop the part in flight at its next token (at once when no token came yet); False when
+        none is (`stoppable`)."""
+        if not self.stoppable or self.part is None or self._stream is None:
             return False
         self.stop_asked = True
         if not self.part.tokens:
