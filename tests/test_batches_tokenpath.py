@@ -238,3 +238,16 @@ async def test_a_stop_before_the_first_token_closes_the_part_at_once(rig: tuple[
     assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED)
     assert answer["llamaswap"] == {"stops": 1}
     assert [body["n_predict"] for body in server.completions] == [MAX_TOKENS, MAX_TOKENS]
+
+
+async def test_an_answer_that_is_not_a_stream_of_tokens_is_the_lines_error(rig: tuple[TokenServer, Rig]) -> None:
+    server, made = rig
+
+    async def not_a_stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"content": "all at once"})
+
+    server.hooks.append(not_a_stream)
+    batch = await made.ended(made.batch())
+    [record] = made.records(batch.error_file_id)
+    assert record["response"]["status_code"] == 500 and "llama-server" in record["error"]["message"]
+    assert len(server.completions) == 1

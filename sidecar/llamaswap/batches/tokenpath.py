@@ -32,6 +32,8 @@ _log = logging.getLogger(__name__)
 TEMPLATE_PATH = "/apply-template"
 TOKENIZE_PATH = "/tokenize"
 COMPLETION_PATH = "/completion"
+# The most of an error answer to a part that is read (it goes to the error file).
+ERROR_MOST_BYTES = 1024 * 1024
 
 
 class ProgressStore(Protocol):
@@ -147,6 +149,7 @@ class TokenPath:
                 tries += 1
                 await pause(tries, {}, "the stream broke")
             else:
+                tries = 0
                 _log.info("batch line %s: stopped with %d token(s) kept (stop %d); sent again to continue",
                           run.request_id, len(progress.kept), progress.stops)
 
@@ -176,7 +179,12 @@ class TokenPath:
         try:
             await stream.head()
             if stream.status != 200:
-                return stream.status, stream.headers, await stream.body(1024 * 1024)
+                return stream.status, stream.headers, await stream.body(ERROR_MOST_BYTES)
+            if "text/event-stream" not in stream.headers.get("content-type", ""):
+                # not llama-server's stream: sending it again would get the same (the line's error)
+                return 500, {}, json.dumps({"error": {"message": (
+                    f"the upstream answered {COMPLETION_PATH} without a stream of tokens: batches.preempt wants "
+                    "llama-server"), "type": "server_error"}}).encode()
             async for text in stream.lines():
                 event = resume.parse_event(text)
                 if event is None:
