@@ -20,6 +20,9 @@ What happens to a line:
   stays in flight for ever, and its batch can finalize;
 - an answer whose result cannot be written (a full disk) is kept, not asked again: the batch
   pauses (no line starts) until the write succeeds (`writer.ResultWriter`).
+With batches.preempt, a chat line that can be continued exactly takes llama-server's token path
+(`batches/tokenpath.py`): `stop_line` stops it at a token, its progress is kept in the store,
+and it is sent again to continue from there (its one answer as if it had run once).
 Cancel abandons the lines in flight like a client that leaves (waiting ones leave the queue at
 once, running ones are settled as any abandoned generation) and ends every line without a result
 as cancelled; the window's end does the same as expired.
