@@ -159,11 +159,16 @@ class Part:
     """One streamed `/completion` of a line, read event by event (`add`): its tokens, its text,
     whether it ended and how, and how much of it a stop may keep (`safe_tokens`, `safe_text`)."""
 
-    __slots__ = ("tokens", "text", "ended", "stop_type", "safe_tokens", "safe_text", "predicted", "_stops", "_gap")
+    __slots__ = ("tokens", "ended", "stop_type", "safe_tokens", "safe_text", "predicted", "_stops", "_gap",
+                 "_pieces", "_length", "_tail", "_longest")
 
     def __init__(self, stop_strings: object = None) -> None:
         self.tokens: list[int] = []
-        self.text = ""
+        # The text as its pieces (joined when asked: a long answer is not copied at each token),
+        # its length, and its end as long as the longest stop string (what `_holds_back` reads).
+        self._pieces: list[str] = []
+        self._length = 0
+        self._tail = ""
         self.ended = False
         self.stop_type: str | None = None
         self.safe_tokens = 0
@@ -171,6 +176,7 @@ class Part:
         self.predicted = 0  # the tokens generated, as llama-server counts them (ids left out included)
         stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
         self._stops = [s for s in stops if isinstance(s, str) and s] if isinstance(stops, list) else []
+        self._longest = max((len(stop) for stop in self._stops), default=0)
         self._gap = False  # a token's id never came: nothing after it is safe to keep
 
     def add(self, event: Mapping[str, Any]) -> None:
@@ -178,8 +184,11 @@ class Part:
         tokens = event.get("tokens") or []
         self.tokens.extend(t for t in tokens if isinstance(t, int))
         content = event.get("content")
-        if isinstance(content, str):
-            self.text += content
+        if isinstance(content, str) and content:
+            self._pieces.append(content)
+            self._length += len(content)
+            if self._longest:
+                self._tail = (self._tail + content)[-self._longest:]
         predicted = event.get("tokens_predicted")
         if isinstance(predicted, int):
             self.predicted = max(self.predicted, predicted)
@@ -191,12 +200,16 @@ class Part:
         if not isinstance(predicted, int) or predicted != len(self.tokens):
             self._gap = True
         if not self._gap and not self._holds_back():
-            self.safe_tokens, self.safe_text = len(self.tokens), len(self.text)
+            self.safe_tokens, self.safe_text = len(self.tokens), self._length
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def _holds_back(self) -> bool:
         """Whether the text so far ends with the beginning of a stop string (llama-server holds
         such text back until it knows: a cut there would lose it)."""
-        return any(self.text.endswith(stop[:n]) for stop in self._stops for n in range(1, len(stop)))
+        return any(self._tail.endswith(stop[:n]) for stop in self._stops for n in range(1, len(stop)))
 
     @property
     def finish_reason(self) -> str:
