@@ -126,11 +126,14 @@ async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: Fed) -> None
     await async_wait_for(lambda: (state := feeding.feeder.line_state(request_id)) is not None and state.tokens == 4,
                          what="the feeder to have read 4 tokens")
     first_sent_at = feeding.feeder.line_state(request_id).first_sent_at  # type: ignore[union-attr]
+    key = feeding.feeder.line_key(request_id)
+    assert key is not None
     assert feeding.feeder.stop_line(request_id)
     fake.tokens.release()
     # The resume is held after 4 more tokens; the feeder is stopped then, as a kill would.
     await async_wait_for(lambda: len(fake.tokens.completions) == 2 and fake.tokens.held == 1,
                          what="the resumed part to pause")
+    assert feeding.feeder.line_key(request_id) == key  # the resume's place is the stopped part's
     kept = feeding.store.progress_of_request(request_id)
     assert kept is not None and (len(kept.kept), kept.stops, kept.first_sent_at) == (5, 1, first_sent_at)
     fake.tokens.hold_after = None

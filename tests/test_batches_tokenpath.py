@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from llamaswap.batches.feeder import Feeder, FeedSettings
+from llamaswap.batches.feeder import Feeder, FeedSettings, StoppableLines
 from llamaswap.batches.store import BatchRecord, Store
 from llamaswap.telemetry.batches import new_trace_ids
 
@@ -232,12 +232,17 @@ async def test_a_stop_before_the_first_token_closes_the_part_at_once(rig: tuple[
     request_id = f"{batch_id}:q"
     state = made.feeder.line_state(request_id)
     assert state is not None and state.tokens == 0
-    assert made.feeder.stop_line(request_id)
+    lines = StoppableLines(made.feeder)
+    key = lines.key_of(request_id)
+    assert key is not None and key.endswith(request_id.encode()) and lines.key_of(f"{batch_id}:other") is None
+    assert StoppableLines().key_of(request_id) is None and not StoppableLines().stop(request_id)
+    assert lines.stop(request_id)
     await asyncio.wait_for(left.wait(), 30)
     answer = _answer(made, await made.ended(batch_id))
     assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED)
     assert answer["llamaswap"] == {"stops": 1}
     assert [body["n_predict"] for body in server.completions] == [MAX_TOKENS, MAX_TOKENS]
+    assert lines.key_of(request_id) is None  # ended: nothing to stop
 
 
 async def test_an_answer_that_is_not_a_stream_of_tokens_is_the_lines_error(rig: tuple[TokenServer, Rig]) -> None:

@@ -62,7 +62,8 @@ from llamaswap.batches.tokenpath import LineRun, LineState, TokenPath
 from llamaswap.batches.validate import WHOLE_PARSE_BYTES, InputLine, LineError, Validation, validate
 from llamaswap.batches.writer import Answered, ResultWriter
 
-__all__ = ["BatchObserver", "FeedSettings", "Feeder", "LineState", "NoBatchObserver", "any_model", "out_of_space"]
+__all__ = ["BatchObserver", "FeedSettings", "Feeder", "LineState", "NoBatchObserver", "StoppableLines", "any_model",
+           "out_of_space"]
 
 _log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ INLINE_BODY_BYTES = WHOLE_PARSE_BYTES
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
+# Where a stoppable line's place is kept (`Feeder.line_key`): apart from a client's retry keys (digests).
+LINE_KEY_PREFIX = b"batch-line:"
 
 
 async def any_model(model: str) -> bool:
@@ -151,6 +154,13 @@ class Feeder:
         Called on the feeder's event loop (the sidecar's)."""
         run = self._runs.get(request_id)
         return run is not None and run.stop()
+
+    def line_key(self, request_id: str) -> bytes | None:
+        """The key a stoppable line's place is kept under, the same for each of its parts, while a
+        part of it is in flight (asked when the part reaches admission); None for any other request
+        (a line's template and tokenize requests, a line on the plain path, a client's)."""
+        run = self._runs.get(request_id)
+        return LINE_KEY_PREFIX + request_id.encode() if run is not None and run.stoppable else None
 
     def line_state(self, request_id: str) -> LineState | None:
         """A token-path line in flight: when it was first sent, its tokens now, its stops, whether
@@ -550,6 +560,20 @@ class Feeder:
         if tries in (1, 10) or tries % 100 == 0:
             _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
         await asyncio.sleep(min(wait_s, RESEND_MOST_S))
+
+
+class StoppableLines:
+    """The feeder's lines as the runtime stops them (runtime/stops.py's `Lines`): ``feeder`` may be
+    set after this is made (None: no Batch API, nothing is stopped)."""
+
+    def __init__(self, feeder: Feeder | None = None) -> None:
+        self.feeder = feeder
+
+    def key_of(self, request_id: str) -> bytes | None:
+        return self.feeder.line_key(request_id) if self.feeder is not None else None
+
+    def stop(self, request_id: str) -> bool:
+        return self.feeder.stop_line(request_id) if self.feeder is not None else False
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
