@@ -142,8 +142,9 @@ async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: Fed) -> None
     output = await feeding.output(batch_id)
     _check_answer(output["kept"], "gamma", stops=1)
     prompt = _prompt("gamma")
-    # After the restart the line went on from its 5 kept tokens: no new template or tokenize.
-    assert fake.tokens.completions[-1] == (prompt + generate(prompt, 5), MAX_TOKENS - 5)
+    # After the restart the line went on from its tokens: the 5 kept at the stop and the 4 its
+    # resumed part had read when the feeder stopped; no new template or tokenize.
+    assert fake.tokens.completions[-1] == (prompt + generate(prompt, 9), MAX_TOKENS - 9)
     assert len(fake.tokens.templates) == 1
 
 

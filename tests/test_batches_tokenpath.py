@@ -256,3 +256,35 @@ async def test_an_answer_that_is_not_a_stream_of_tokens_is_the_lines_error(rig: 
     [record] = made.records(batch.error_file_id)
     assert record["response"]["status_code"] == 500 and "llama-server" in record["error"]["message"]
     assert len(server.completions) == 1
+
+
+async def test_a_line_abandoned_mid_part_keeps_its_tokens_for_the_next_start(rig: tuple[TokenServer, Rig]) -> None:
+    server, made = rig
+
+    async def stalls(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(3):
+            token = token_at(len(body["prompt"]) + n)
+            await response.write(_event({"content": letters([token]), "tokens": [token], "stop": False,
+                                         "tokens_predicted": n + 1}))
+        await asyncio.sleep(30)  # until the client leaves
+        return response
+
+    server.hooks.append(stalls)
+    batch_id = made.batch()
+    request_id = f"{batch_id}:q"
+    deadline = asyncio.get_running_loop().time() + 30
+    while (state := made.feeder.line_state(request_id)) is None or state.tokens < 3:
+        assert asyncio.get_running_loop().time() < deadline, "the line did not read 3 tokens"
+        await asyncio.sleep(0.01)
+    made.task.cancel()  # the sidecar stops
+    await asyncio.gather(made.task, return_exceptions=True)
+    kept = made.store.progress(batch_id, 1)
+    assert kept is not None and (list(kept.kept), kept.stops) == (UNDISTURBED[:3], 0)
+    made.feeder = Feeder(made.store, made.feeder.settings)
+    made.task = asyncio.create_task(made.feeder.run())
+    answer = _answer(made, await made.ended(batch_id))
+    assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED)
+    assert (server.completions[-1]["prompt"], server.completions[-1]["n_predict"]) == (
+        PROMPT + UNDISTURBED[:3], MAX_TOKENS - 3)

@@ -126,7 +126,11 @@ class TokenPath:
         while True:
             last = resume.finished_by_stops(body, progress)
             if last is None:
-                outcome = await self._part(run, body, headers, progress)
+                try:
+                    outcome = await self._part(run, body, headers, progress)
+                except asyncio.CancelledError:
+                    self._keep_at_cancel(run, batch_id, line, progress)
+                    raise
                 if isinstance(outcome, tuple):
                     status, answer_headers, answer = outcome
                     if status not in self.resend_statuses:
@@ -152,6 +156,18 @@ class TokenPath:
                 tries = 0
                 _log.info("batch line %s: stopped with %d token(s) kept (stop %d); sent again to continue",
                           run.request_id, len(progress.kept), progress.stops)
+
+    def _keep_at_cancel(self, run: LineRun, batch_id: str, line: int, progress: Progress) -> None:
+        """The line is abandoned mid-part (the sidecar stops, its batch ends): the tokens it has are
+        kept, so that a restart goes on from them (a batch that ended drops them with its rows).
+        Written here, on the loop: a cancelled task cannot wait for a thread."""
+        part = run.part
+        if part is None or part.ended or part.safe_tokens == 0:
+            return
+        try:
+            self.store.keep_progress(batch_id, line, run.request_id, progress.stopped(part, counted=False))
+        except Exception as exc:  # noqa: BLE001 - then the line starts from its last kept tokens
+            _log.warning("batch line %s: its tokens could not be kept as it was abandoned (%s)", run.request_id, exc)
 
     async def _prepare(self, body: Mapping[str, Any], post: Post,
                        first_sent_at: float) -> Progress | tuple[int, bytes]:
