@@ -11,6 +11,7 @@ batches.dir, and two ways to stop the sidecar inside a window of its work withou
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -24,9 +25,12 @@ from typing import Any
 
 import openai
 
-from harness import Stack, free_port, wait_for
-from llamaswap.batches.store import DATABASE
+from harness import Stack, async_wait_for, free_port, wait_for
+from llamaswap.batches.feeder import Feeder, FeedSettings
+from llamaswap.batches.store import DATABASE, Store
+from llamaswap.telemetry.batches import new_trace_ids
 
+ENDPOINT = "/v1/chat/completions"
 ENDED = ("completed", "failed", "expired", "cancelled")
 # What batches.dir holds besides the files the API lists: the database, its WAL, the lock.
 DIR_ENTRIES = (DATABASE, f"{DATABASE}-wal", f"{DATABASE}-shm", "batches.lock")
@@ -199,3 +203,56 @@ class RenameHold:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(15)
+
+
+class Feeding:
+    """A store and a feeder in this test's process, sending to a stack's listener at ``url``: the
+    test calls the feeder itself (`Feeder.stop_line`). Leave the stack's batches.dir unset (the
+    sidecar's own feeder off)."""
+
+    def __init__(self, url: str, directory: pathlib.Path, *, preempt: bool = True) -> None:
+        self.url = url
+        self.store = Store(directory)
+        self.preempt = preempt
+        self.feeder = self._feeder()
+        self.task: asyncio.Task[None] | None = None
+
+    def _feeder(self) -> Feeder:
+        return Feeder(self.store, FeedSettings(self.url, lambda: 2, lambda: 1000, preempt=lambda: self.preempt))
+
+    def batch(self, lines: list[tuple[str, dict[str, Any]]]) -> str:
+        upload = self.store.directory / "upload.jsonl"
+        upload.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": ENDPOINT,
+                                              "body": body}) + "\n" for custom_id, body in lines))
+        record = self.store.add_file(upload, filename="in.jsonl", purpose="batch")
+        trace_id, span_id = new_trace_ids()
+        batch = self.store.create_batch(endpoint=ENDPOINT, input_file_id=record.id, completion_window="24h",
+                                        window_s=3600, metadata=None, priority=-100, trace_id=trace_id,
+                                        span_id=span_id)
+        self.feeder.wake()
+        return batch.id
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.feeder.run())
+
+    async def restart(self) -> None:
+        """Stop the feeder as a kill would leave it (its lines in flight abandoned) and start anew."""
+        await self.stop()
+        self.feeder = self._feeder()
+        self.start()
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+    async def output(self, batch_id: str) -> dict[str, dict[str, Any]]:
+        """The batch's output file once it completed, by custom_id."""
+        def done() -> Any:
+            batch = self.store.batch(batch_id)
+            return batch if batch is not None and batch.status.ended else None
+        batch = await async_wait_for(done, what=f"batch {batch_id} to end")
+        assert batch.status.value == "completed" and batch.output_file_id is not None, batch
+        records = [json.loads(text) for text in self.store.file_path(batch.output_file_id).read_text().splitlines()]
+        return {record["custom_id"]: record for record in records}

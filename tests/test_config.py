@@ -696,7 +696,7 @@ EVERY_KEY = {
     "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3,
                 "maxLineBytes": 65536, "maxAnswerBytes": 131072,
                 "apiKeys": [{"name": "team-a", "key": "env:TEAM_A_KEY", "admin": True}], "callerHeader": "x-user",
-                "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400},
+                "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400, "preempt": True},
 }
 
 

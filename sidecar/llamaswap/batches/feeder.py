@@ -20,6 +20,9 @@ What happens to a line:
   stays in flight for ever, and its batch can finalize;
 - an answer whose result cannot be written (a full disk) is kept, not asked again: the batch
   pauses (no line starts) until the write succeeds (`writer.ResultWriter`).
+With batches.preempt, a chat line that can be continued exactly takes llama-server's token path
+(`batches/tokenpath.py`): `stop_line` stops it at a token, its progress is kept in the store,
+and it is sent again to continue from there (its one answer as if it had run once).
 Cancel abandons the lines in flight like a client that leaves (waiting ones leave the queue at
 once, running ones are settled as any abandoned generation) and ends every line without a result
 as cancelled; the window's end does the same as expired.
@@ -30,16 +33,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import errno
+import json
 import logging
 import os
 import sqlite3
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Any
 
+from llamaswap.batches import resume
+from llamaswap.batches.feeding import BatchObserver, FeedSettings, NoBatchObserver
 from llamaswap.batches.http1 import AnswerTooLarge, Http1Client, header_block
 from llamaswap.batches.lifecycle import BatchStatus, LineOutcome, ended_status, line_request_id
 from llamaswap.batches.output import Stage, let_others_run
@@ -53,17 +58,12 @@ from llamaswap.batches.records import (
 )
 from llamaswap.batches.rows import BatchRecord, Result
 from llamaswap.batches.store import Store
-from llamaswap.batches.validate import (
-    MAX_LINE_BYTES_DEFAULT,
-    WHOLE_PARSE_BYTES,
-    InputLine,
-    LineError,
-    Validation,
-    validate,
-)
+from llamaswap.batches.tokenpath import LineRun, LineState, TokenPath
+from llamaswap.batches.validate import WHOLE_PARSE_BYTES, InputLine, LineError, Validation, validate
 from llamaswap.batches.writer import Answered, ResultWriter
-from llamaswap.config.batches import MAX_ANSWER_BYTES_DEFAULT
-from llamaswap.core.priority import HEADER as PRIORITY_HEADER
+
+__all__ = ["BatchObserver", "FeedSettings", "Feeder", "LineState", "NoBatchObserver", "StoppableLines", "any_model",
+           "out_of_space"]
 
 _log = logging.getLogger(__name__)
 
@@ -81,71 +81,8 @@ INLINE_BODY_BYTES = WHOLE_PARSE_BYTES
 # How often the feeder looks at the batches when nothing wakes it (a new batch, a cancel and a
 # line's end do): for the completion window's end.
 IDLE_LOOK_S = 5.0
-
-
-class BatchObserver(Protocol):
-    """What telemetry learns from the feeder (a no-op by default)."""
-
-    def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
-        """A line is about to be sent: the headers that join it to its batch's trace."""
-        ...
-
-    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None,
-                   answered_ns: int | None = None) -> None:
-        """A line's result was recorded; ``answered_ns``: when its answer came (time.time_ns()),
-        where that was before now (results are written together)."""
-        ...
-
-    def lines_ended(self, outcome: LineOutcome, count: int) -> None:
-        """Lines that ended unanswered (expired, cancelled)."""
-        ...
-
-    def batch_ended(self, batch: BatchRecord) -> None:
-        ...
-
-    def statuses(self, counts: Mapping[BatchStatus, int]) -> None:
-        """How many batches are in each status now."""
-        ...
-
-
-class NoBatchObserver:
-    def line_started(self, batch: BatchRecord, line: InputLine, request_id: str) -> dict[str, str]:
-        return {}
-
-    def line_ended(self, batch: BatchRecord, line: InputLine, outcome: LineOutcome, status_code: int | None,
-                   answered_ns: int | None = None) -> None:
-        pass
-
-    def lines_ended(self, outcome: LineOutcome, count: int) -> None:
-        pass
-
-    def batch_ended(self, batch: BatchRecord) -> None:
-        pass
-
-    def statuses(self, counts: Mapping[BatchStatus, int]) -> None:
-        pass
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FeedSettings:
-    """Where lines go and how they are marked. ``in_flight`` is read at each look (a reload may
-    change batches.inFlight); ``priority_header`` is the header that carries the priority
-    (security.priority.trustedHeader where set, else X-LlamaSwap-Priority)."""
-
-    target_url: str
-    in_flight: Callable[[], int]
-    max_requests: Callable[[], int]
-    priority_header: str = PRIORITY_HEADER
-    # Sent with every line: the upstream's key (upstream.apiKey), which the Batch API's callers
-    # had to show (batches/api.py), as llama-server wants it of every request.
-    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # batches.maxLineBytes: a longer input line is an error of its own, never read whole.
-    max_line_bytes: Callable[[], int] = lambda: MAX_LINE_BYTES_DEFAULT
-    # batches.maxAnswerBytes: a longer answer is not read; the line ends with answer_too_large.
-    max_answer_bytes: Callable[[], int] = lambda: MAX_ANSWER_BYTES_DEFAULT
-    # The priority a batch's lines are sent at now (the API's BatchService.line_priority: the
-    # policy in force, the creator's ceiling); None: the one the batch was created with.
-    line_priority: Callable[[BatchRecord], int] | None = None
+# Where a stoppable line's place is kept (`Feeder.line_key`): apart from a client's retry keys (digests).
+LINE_KEY_PREFIX = b"batch-line:"
 
 
 async def any_model(model: str) -> bool:
@@ -187,6 +124,9 @@ class Feeder:
         self._headers: dict[str, tuple[int, bytes]] = {}
         # answered lines whose results are not written yet: written together, kept while writes fail
         self._writer = ResultWriter(store.record_results, written=self._result_written, recovered=self._wake.set)
+        # request id -> a line of the token path in flight (what `stop_line` stops)
+        self._runs: dict[str, LineRun] = {}
+        self._token_path: TokenPath | None = None
 
     def wake(self) -> None:
         """Look at the batches now (a batch was created or cancelled)."""
@@ -205,6 +145,33 @@ class Feeder:
         """Lines of a batch sent and not yet answered (waiting or running, or pausing to be sent again)."""
         return len(self._flying.get(batch_id, {}))
 
+    def stop_line(self, request_id: str) -> bool:
+        """Stop the line sent with this x-request-id at its next token (at once where no token came
+        yet) and send it again to continue from its tokens: it then waits in the queue like any
+        request. True where it was a line of the token path with a part in flight (waiting or
+        running); False for any other: a line on the plain path (never stopped), one preparing
+        its prompt, pausing before a resend or whose part just ended (its end wins), an unknown id.
+        Called on the feeder's event loop (the sidecar's)."""
+        run = self._runs.get(request_id)
+        return run is not None and run.stop()
+
+    def line_key(self, request_id: str) -> bytes | None:
+        """The key a stoppable line's place is kept under, the same for each of its parts, while a
+        part of it is in flight (asked when the part reaches admission); None for any other request
+        (a line's template and tokenize requests, a line on the plain path, a client's)."""
+        run = self._runs.get(request_id)
+        return LINE_KEY_PREFIX + request_id.encode() if run is not None and run.stoppable else None
+
+    def line_state(self, request_id: str) -> LineState | None:
+        """A token-path line in flight: when it was first sent, its tokens now, its stops, whether
+        a stop would stop it now (None: no such line here). The same first send is kept in the
+        store at each stop (`Store.progress_of_request`), for a restart."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return None
+        return LineState(run.first_sent_at, run.tokens, run.progress.stops if run.progress is not None else 0,
+                         run.stoppable)
+
     @property
     def writes_failing(self) -> bool:
         """Whether results cannot be written now (a full disk): no line starts until they can."""
@@ -214,6 +181,8 @@ class Feeder:
         # No total timeout: a line may wait for the GPU for hours (the scheduler bounds it).
         target = urllib.parse.urlsplit(self.settings.target_url)
         self._client = Http1Client(target.hostname or "127.0.0.1", target.port or 80)
+        self._token_path = TokenPath(self._client.host, self._client.port, self.store,
+                                     resend_statuses=RESEND_STATUSES)
         try:
             while True:
                 self._wake.clear()
@@ -464,7 +433,11 @@ class Feeder:
         headers = self._batch_headers(batch) + header_block(
             {"x-request-id": request_id, **self.observer.line_started(batch, line, request_id)})
         try:
-            status, answer = await self._post_until_answered(batch, request_id, body, headers)
+            document = await self._continuable(batch, body)
+            if document is None:
+                status, answer = await self._post_until_answered(batch, request_id, body, headers)
+            else:
+                status, answer = await self._send_by_tokens(batch, line, request_id, document, headers)
         except AnswerTooLarge as exc:  # the same answer again: never asked again
             _log.error("batch %s line %d: %s (batches.maxAnswerBytes); it ends with answer_too_large", batch.id,
                        line.line, exc)
@@ -538,26 +511,69 @@ class Feeder:
         if fd is not None:
             os.close(fd)
 
+    async def _continuable(self, batch: BatchRecord, body: bytes) -> dict[str, Any] | None:
+        """The line's body where it takes the token path (batches.preempt on, a chat line that can
+        be continued exactly: `resume.not_continuable`), else None."""
+        if batch.endpoint != resume.CHAT_ENDPOINT or not self.settings.preempt():
+            return None
+        try:
+            document = json.loads(body) if len(body) <= INLINE_BODY_BYTES else await asyncio.to_thread(json.loads, body)
+        except ValueError:
+            return None
+        return document if isinstance(document, dict) and resume.not_continuable(document) is None else None
+
+    async def _send_by_tokens(self, batch: BatchRecord, line: InputLine, request_id: str, document: dict[str, Any],
+                              headers: bytes) -> tuple[int, bytes]:
+        assert self._token_path is not None
+        run = self._runs[request_id] = LineRun(request_id, self.store.now_exact())
+        try:
+            return await self._token_path.run(
+                run, batch.id, line.line, document, headers,
+                post=lambda path, data: self._post_until_answered(batch, request_id, data, headers, path),
+                pause=lambda tries, answer_headers, why: self._pause(request_id, tries, answer_headers, why),
+                most=self.settings.max_answer_bytes())
+        finally:
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
+
     async def _post_until_answered(self, batch: BatchRecord, request_id: str, body: bytes,
-                                   headers: bytes) -> tuple[int, bytes]:
-        pause_s = RESEND_FIRST_S
+                                   headers: bytes, path: str | None = None) -> tuple[int, bytes]:
         tries = 0
         while True:
             assert self._client is not None
             tries += 1
             try:
-                response = await self._client.post(batch.endpoint, headers, body,
+                response = await self._client.post(path or batch.endpoint, headers, body,
                                                    most=self.settings.max_answer_bytes())
                 if response.status not in RESEND_STATUSES:
                     return response.status, response.body
-                wait_s = _retry_after(response.headers) or pause_s
+                answer_headers: Mapping[str, str] = response.headers
                 why = f"HTTP {response.status} ({response.headers.get('x-llamaswap-outcome') or 'no outcome'})"
             except (OSError, asyncio.TimeoutError) as exc:
-                wait_s, why = pause_s, f"{type(exc).__name__}: {exc}"
-            if tries in (1, 10) or tries % 100 == 0:
-                _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
-            await asyncio.sleep(min(wait_s, RESEND_MOST_S))
-            pause_s = min(pause_s * 2, RESEND_MOST_S)
+                answer_headers, why = {}, f"{type(exc).__name__}: {exc}"
+            await self._pause(request_id, tries, answer_headers, why)
+
+    async def _pause(self, request_id: str, tries: int, headers: Mapping[str, str], why: str) -> None:
+        """Before a line is sent again (its ``tries``th try had no answer about it): the answer's
+        Retry-After where given, else RESEND_FIRST_S doubling, at most RESEND_MOST_S."""
+        wait_s = _retry_after(headers) or min(RESEND_FIRST_S * 2 ** min(tries - 1, 16), RESEND_MOST_S)
+        if tries in (1, 10) or tries % 100 == 0:
+            _log.warning("batch line %s: %s; sending it again in %.1f s (try %d)", request_id, why, wait_s, tries)
+        await asyncio.sleep(min(wait_s, RESEND_MOST_S))
+
+
+class StoppableLines:
+    """The feeder's lines as the runtime stops them (runtime/stops.py's `Lines`): ``feeder`` may be
+    set after this is made (None: no Batch API, nothing is stopped)."""
+
+    def __init__(self, feeder: Feeder | None = None) -> None:
+        self.feeder = feeder
+
+    def key_of(self, request_id: str) -> bytes | None:
+        return self.feeder.line_key(request_id) if self.feeder is not None else None
+
+    def stop(self, request_id: str) -> bool:
+        return self.feeder.stop_line(request_id) if self.feeder is not None else False
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:

@@ -231,7 +231,7 @@ class ResultsTable:
         """Delete an ended batch's results and lines (the files hold them now), a page per
         transaction; how many results."""
         dropped = 0
-        for table in ("results", "lines"):
+        for table in ("results", "lines", "progress"):
             while True:
                 with self._transaction() as db:
                     count = db.execute(

@@ -1,7 +1,8 @@
 """The durable record of the Batch API: SQLite (WAL) beside a directory of files.
 
-One database, four tables: files, batches, the lines of each batch (where each request lies in
-its input file), and each line's one result. Invariants, enforced here:
+One database, five tables: files, batches, the lines of each batch (where each request lies in
+its input file), each line's one result, and the progress of lines stopped part-way (the tokens
+they keep, `batches/resume.py`). Invariants, enforced here:
 - a line has at most one result (its primary key; the first write wins), so a line sent twice
   after a restart is written once, and the output and error files, made from these rows when the
   batch ends, hold every custom_id exactly once;
@@ -9,6 +10,9 @@ its input file), and each line's one result. Invariants, enforced here:
   committed; an output file's name is derived from its batch, so finalizing again after a crash
   writes the same file;
 - nothing of a refused upload or batch is kept;
+- a line's progress is kept only while it has no result: a result deletes it in the same
+  transaction, and progress is not written for a line that has one (a stop that races the
+  line's end: the end wins);
 - results are kept once: when a batch ends, its output and error files hold them and its rows
   of lines and results are deleted (`batches/output.py`);
 - one process at a time: a flock on batches.dir (`batches/dirlock.py`), taken before anything
@@ -35,6 +39,7 @@ from llamaswap.batches.files import FILES, FileInUse, FileRecord, FilesTable, up
 from llamaswap.batches.dirlock import DirectoryInUse, DirectoryLock
 from llamaswap.batches.lifecycle import STATUS_TIMESTAMP, BatchStatus, LineOutcome, new_id
 from llamaswap.batches.output import ResultsTable, let_others_run, upgrade_attempts_and_bodies
+from llamaswap.batches.resume import Progress
 from llamaswap.batches.rows import BatchRecord, Counts, Result
 from llamaswap.batches.validate import InputLine, LineError
 
@@ -64,6 +69,11 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, outcome TEXT NOT NULL, record TEXT NOT NULL,
     ended_at REAL NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS progress (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, request_id TEXT NOT NULL, prompt_tokens TEXT NOT NULL,
+    kept TEXT NOT NULL, text TEXT NOT NULL, stops INTEGER NOT NULL, first_sent_at REAL NOT NULL,
+    PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS progress_by_request ON progress (request_id);
 CREATE INDEX IF NOT EXISTS results_by_end ON results (batch_id, ended_at);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
 """
@@ -274,12 +284,38 @@ class Store(FilesTable, ResultsTable):
                                     (result.batch_id, result.line.line, result.outcome.value, result.record,
                                      result.ended_at))
                 added.append(cursor.rowcount == 1)
+                db.execute("DELETE FROM progress WHERE batch_id = ? AND line = ?", (result.batch_id, result.line.line))
                 if cursor.rowcount == 1:
                     column = "completed" if result.outcome is LineOutcome.COMPLETED else "failed"
                     counts[(result.batch_id, column)] = counts.get((result.batch_id, column), 0) + 1
             for (batch_id, column), count in counts.items():
                 db.execute(f"UPDATE batches SET {column} = {column} + ? WHERE id = ?", (count, batch_id))
         return added
+
+    def keep_progress(self, batch_id: str, line: int, request_id: str, progress: Progress) -> bool:
+        """A stopped line's progress, replacing what it had; False (nothing written) when the line
+        has a result already: its end won."""
+        with self._transaction() as db:
+            return db.execute(
+                "INSERT OR REPLACE INTO progress SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE NOT EXISTS "
+                "(SELECT 1 FROM results WHERE batch_id = ? AND line = ?)",
+                (batch_id, line, request_id, json.dumps(progress.prompt_tokens), json.dumps(progress.kept),
+                 progress.text, progress.stops, progress.first_sent_at, batch_id, line)).rowcount == 1
+
+    def progress(self, batch_id: str, line: int) -> Progress | None:
+        """A line's progress kept at its last stop (None: never stopped, or ended)."""
+        with self._lock:
+            row = self._db.execute("SELECT prompt_tokens, kept, text, stops, first_sent_at FROM progress "
+                                   "WHERE batch_id = ? AND line = ?", (batch_id, line)).fetchone()
+        return _progress(row) if row else None
+
+    def progress_of_request(self, request_id: str) -> Progress | None:
+        """The progress of the stopped line sent with this x-request-id (its first arrival:
+        `first_sent_at`); None: no such line stopped and unfinished."""
+        with self._lock:
+            row = self._db.execute("SELECT prompt_tokens, kept, text, stops, first_sent_at FROM progress "
+                                   "WHERE request_id = ? LIMIT 1", (request_id,)).fetchone()
+        return _progress(row) if row else None
 
     def end_unfinished(self, batch_id: str, outcome: LineOutcome,
                        record: Callable[[InputLine], str]) -> int:
@@ -318,6 +354,11 @@ class Store(FilesTable, ResultsTable):
             rows = self._db.execute("SELECT ended_at FROM results WHERE batch_id = ? ORDER BY ended_at DESC LIMIT ?",
                                     (batch_id, limit)).fetchall()
         return [row[0] for row in rows]
+
+
+def _progress(row: tuple[Any, ...]) -> Progress:
+    prompt_tokens, kept, text, stops, first_sent_at = row
+    return Progress(tuple(json.loads(prompt_tokens)), tuple(json.loads(kept)), text, stops, first_sent_at)
 
 
 def _batch_record(row: dict[str, Any]) -> BatchRecord:

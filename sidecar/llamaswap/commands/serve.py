@@ -225,7 +225,8 @@ class Sidecar:
                                                         or self.config.envoy.max_request_bytes),
                                 max_answer_bytes=lambda: self.config.batches.max_answer_bytes,
                                 priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key),
-                                line_priority=lambda batch: service.line_priority(batch))
+                                line_priority=lambda batch: service.line_priority(batch),
+                                preempt=lambda: self.config.batches.preempt)
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
         service = BatchService(store, feeder, lambda: self.config, new_trace_ids, access=access)
         return service

@@ -100,6 +100,12 @@ class BatchesConfig(Section):
         description="A quota for the files kept (uploads and outputs together: 10GiB, 512MiB or bytes): an "
                     "upload that would pass it is refused with 413 storage_quota_exceeded. Null: none (the "
                     "disk is the bound).")
+    preempt: StrictBool = Field(
+        default=False,
+        description="Send chat lines that can be continued exactly by llama-server's token path (/apply-template, "
+                    "/tokenize, a streamed /completion), so that a line can be stopped at a token and resumed "
+                    "where it stopped, with the same answer at temperature 0. Only for llama-server upstreams. "
+                    "Off: every line is sent as it is and is never stopped.")
     output_expiry_seconds: Annotated[StrictInt | None, Meaning("null = never")] = Field(
         default=OUTPUT_EXPIRY_DEFAULT_S, ge=EXPIRY_MIN_S, le=EXPIRY_MAX_S,
         description="How long a batch's output and error files are kept after they are written (an hour to "

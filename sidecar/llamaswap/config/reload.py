@@ -86,6 +86,7 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("batches.adminCallers", OnReload.RESTART, "who may call is set up at start, with the keys"),
     ReloadKey("batches.maxStoredBytes", OnReload.LIVE, "from the next file uploaded"),
     ReloadKey("batches.outputExpirySeconds", OnReload.LIVE, "from the next output or error file written"),
+    ReloadKey("batches.preempt", OnReload.LIVE, "from the next line sent"),
 )
 
 
