@@ -10,10 +10,11 @@ scheduler's clock; its last grant: `GpuHolding.last_used`). It falls due once it
 its `IdleUnload.after_ns`; 0 (the default), or a pinned model: never.
 
 Pure: values in, values out. `IdleUnloading` is the scheduler's part of it (a base of
-`Scheduler`, so that this job keeps its own room beside the grant rule's): what is due (`idle_unloads`), and an idle model
-counted gone as its unload begins (`unload_idle`: a load of it then waits for the unload, as for
-an eviction's); the runtime unloads it (`runtime/idle.py`). An unload that fails counts the model
-resident again, which marks it anew: it is tried again a whole idle time later, never in a loop.
+`Scheduler`, so that this job keeps its own room beside the grant rule's): what is due
+(`idle_unloads`), and an idle model counted gone as its unload begins (`unload_idle`: a load of
+it then waits for the unload, as for an eviction's); the runtime unloads it (`runtime/idle.py`).
+An unload that fails counts the model resident again, which marks it anew: it is tried again a
+whole idle time later, never in a loop.
 """
 
 from __future__ import annotations
