@@ -105,3 +105,23 @@ async def test_a_line_its_owner_will_not_stop_runs_on() -> None:
     await flow.end(line, ExchangeEnd.CLIENT_LEFT)
     assert line.ticket.outcome is Outcome.CANCELLED_RUNNING
     assert flow.coordinator.view().kept == ()
+
+
+@virtual_time
+async def test_a_line_sent_again_before_its_stopped_part_has_ended_waits_for_that_end_and_takes_its_place() -> None:
+    lines = FakeLines("batch_1:line-a", "batch_1:line-b")
+    flow = Flow(lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    first_arrival = line.ticket.arrival_ns
+    await flow.advance(1)
+    later_line = await flow.arrive("batch_1:line-b", "batch", model="m")
+    person = await flow.arrive("person", "interactive", model="m")
+    assert lines.stopped == ["batch_1:line-a"]
+    resumed = await flow.arrive("batch_1:line-a", "batch", model="m")  # the feeder was quicker than Envoy's report
+    assert flow.waiting_ids() == ["person", "batch_1:line-b"]  # not queued yet: it waits for the stopped part
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)
+    assert line.ticket.outcome is Outcome.STOPPED
+    assert resumed.ticket.takeover is not None and resumed.ticket.arrival_ns == first_arrival
+    await flow.advance(1)
+    assert person.granted and not later_line.granted
+    assert flow.waiting_ids() == ["batch_1:line-a", "batch_1:line-b"]

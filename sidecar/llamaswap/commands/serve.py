@@ -40,7 +40,7 @@ from llamaswap.adapters.upstream_metrics import add_upstream_metrics
 from llamaswap.adapters.ui import UiState, add_ui_routes, batch_documents, batch_storage
 from llamaswap.batches.access import Access
 from llamaswap.batches.api import BatchService, add_batch_routes
-from llamaswap.batches.feeder import Feeder, FeedSettings
+from llamaswap.batches.feeder import Feeder, FeedSettings, StoppableLines
 from llamaswap.batches.store import Store
 from llamaswap.core.priority import HEADER as PRIORITY_HEADER
 from llamaswap.telemetry.batches import new_trace_ids
@@ -129,8 +129,11 @@ class Sidecar:
         if activity_path or config.activity.path:  # a restart keeps the page's timeline
             self.history.load(activity_path or config.activity.path or "")
         observers: list[Observer] = [self.activity, self.history, *extra_observers, self.telemetry]
+        # The Batch API's lines the scheduler may stop for a higher band: the feeder, built after
+        # the coordinator (it asks the coordinator what it serves), answers for them once it is.
+        self.lines = StoppableLines()
         self.coordinator = Coordinator(config, clock=clock, observer=FanOut(*observers),
-                                       upstreams=self.upstreams)
+                                       upstreams=self.upstreams, lines=self.lines)
         self.batches = self._batch_service(config)
         self.ui = UiState(self.coordinator, self.history, jaeger_url=lambda: self.config.ui.jaeger_url,
                           batches=batch_documents(self.batches), batch_storage=batch_storage(self.batches))
@@ -228,6 +231,7 @@ class Sidecar:
                                 line_priority=lambda batch: service.line_priority(batch),
                                 preempt=lambda: self.config.batches.preempt)
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
+        self.lines.feeder = feeder
         service = BatchService(store, feeder, lambda: self.config, new_trace_ids, access=access)
         return service
 

@@ -87,6 +87,12 @@ class Admitter:
         rereads = self._sleep.look(self._keys.scheduled(ticket.model))
         if rereads is not None:
             await rereads
+        # A stoppable line's part: sent again after a stop, it takes its place back once the stopped
+        # part has ended (Envoy's report of that end may come after this arrival).
+        ticket.line_key = self._grants.stops.key_of(ticket)
+        stopped_part = self._grants.stops.ending(ticket.line_key)
+        if stopped_part is not None:
+            await stopped_part
         if not self.admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
         # What it is scheduled as (a single-model upstream: its one model, whatever the name) and
@@ -94,8 +100,7 @@ class Admitter:
         key = self._keys.key(ticket.model)
         ticket.schedule_model = key.scheduled
         try:
-            # A stoppable line offers its line's key: sent again after a stop, it takes its place back.
-            line_key = ticket.line_key = self._grants.stops.key_of(ticket)
+            line_key = ticket.line_key
             retry_key = line_key if line_key is not None else self._kept.retry_key(ticket)
             queued = self._scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
                                              alone=ticket.alone, retry_key=retry_key, max_tokens=ticket.max_tokens,

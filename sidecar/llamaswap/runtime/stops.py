@@ -18,6 +18,7 @@ is kept for the line sent again to resume where it stopped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -59,7 +60,9 @@ class LineStops:
         self._scheduler = scheduler
         self._tickets = tickets
         self._lines = lines
-        self._stopping: dict[str, Ticket] = {}  # token -> the ticket it is stopped for
+        self._stopping: dict[str, Ticket] = {}  # token -> the line being stopped
+        # By line key: done when the stopped part's grant has ended (its place is kept by then).
+        self._ends: dict[bytes, asyncio.Future[None]] = {}
 
     def key_of(self, ticket: Ticket) -> bytes | None:
         """At admission: the key of a stoppable line (its retry key), None for any other request."""
@@ -80,15 +83,28 @@ class LineStops:
                 continue
             waiting = self._tickets.get(stop.for_request)
             self._stopping[line.token] = line
+            if line.line_key is not None:
+                self._ends[line.line_key] = asyncio.get_running_loop().create_future()
             asked.append((line, waiting))
         return asked
 
     def stopping(self, ticket: Ticket) -> bool:
         return ticket.token in self._stopping
 
+    def ending(self, line_key: bytes | None) -> asyncio.Future[None] | None:
+        """While a part of the line ``line_key`` is being stopped: done once it has ended (its
+        place kept); None otherwise. Its next part waits for it before it is queued."""
+        if line_key is None:
+            return None
+        end = self._ends.get(line_key)
+        return None if end is None or end.done() else asyncio.shield(end)
+
     def ended(self, ticket: Ticket) -> bytes | None:
         """A line's grant ends: the key to keep its place under if it was being stopped and did not
         come to its own end first (an exchange that completed is the line's answer: nothing to resume)."""
-        if self._stopping.pop(ticket.token, None) is None or ticket.end is ExchangeEnd.COMPLETE:
+        if self._stopping.pop(ticket.token, None) is None:
             return None
-        return ticket.line_key
+        end = self._ends.pop(ticket.line_key, None) if ticket.line_key is not None else None
+        if end is not None and not end.done():
+            end.set_result(None)  # (its next part is queued after this release: `Admitter`)
+        return None if ticket.end is ExchangeEnd.COMPLETE else ticket.line_key
