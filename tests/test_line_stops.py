@@ -4,8 +4,12 @@ its stream closes, and gives the line sent again its first place back."""
 
 from __future__ import annotations
 
+import pathlib
+
+import pytest
 from flow import Flow, clock, virtual_time
 
+from llamaswap.config import ConfigError, parse_config
 from llamaswap.core import Outcome
 from llamaswap.runtime.activity import STOP, ActivityLog
 from llamaswap.runtime.ticket import ExchangeEnd
@@ -17,13 +21,17 @@ from test_telemetry import by_label, parse_text
 class FakeLines:
     """The feeder's side: which request ids are stoppable lines, and the stops asked of it."""
 
-    def __init__(self, *request_ids: str, refuse: bool = False) -> None:
+    def __init__(self, *request_ids: str, refuse: bool = False, stops_left: bool = True) -> None:
         self.lines = set(request_ids)
         self.refuse = refuse
+        self.stops_left = stops_left  # False: each line was stopped batches.maxPreemptions times
         self.stopped: list[str] = []
 
     def key_of(self, request_id: str) -> bytes | None:
         return f"line:{request_id}".encode() if request_id in self.lines else None
+
+    def may_stop(self, request_id: str) -> bool:
+        return request_id in self.lines and self.stops_left
 
     def stop(self, request_id: str) -> bool:
         if self.refuse or request_id not in self.lines:
@@ -125,3 +133,22 @@ async def test_a_line_sent_again_before_its_stopped_part_has_ended_waits_for_tha
     await flow.advance(1)
     assert person.granted and not later_line.granted
     assert flow.waiting_ids() == ["batch_1:line-a", "batch_1:line-b"]
+
+
+@virtual_time
+async def test_a_line_stopped_its_most_times_runs_to_its_end() -> None:
+    lines = FakeLines("batch_1:line-a", stops_left=False)
+    flow = Flow(lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    person = await flow.arrive("person", "interactive", model="m")
+    assert line.granted and person.waiting
+    assert lines.stopped == [] and stops_seen(flow) == []
+
+
+def test_the_minimum_run_and_the_most_stops_are_read_and_checked(tmp_path: pathlib.Path) -> None:
+    config = parse_config({"batches": {"dir": str(tmp_path), "minRunSeconds": 2.5, "maxPreemptions": 1}})
+    assert config.policy().stop_min_run_s == 2.5 and config.batches.max_preemptions == 1
+    assert parse_config({"batches": {"dir": str(tmp_path)}}).policy().stop_min_run_s == 10.0
+    for key, value in (("minRunSeconds", -1), ("maxPreemptions", -1), ("maxPreemptions", "3")):
+        with pytest.raises(ConfigError, match=f"batches.{key}"):
+            parse_config({"batches": {"dir": str(tmp_path), key: value}})

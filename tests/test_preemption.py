@@ -85,16 +85,24 @@ def test_only_grants_marked_stoppable_and_of_a_lower_band_are_stopped() -> None:
     assert stopped(scheduler) == ["normal-line"]
 
 
-def test_a_line_runs_its_minimum_before_it_is_stopped() -> None:
+def test_a_resumed_line_runs_its_minimum_before_it_is_stopped_again_and_a_first_part_at_once() -> None:
     scheduler, clock = node(gpu(), min_run_s=5.0)
     scheduler.enqueue("line", prio(BATCH), "A", stoppable=True)
     granted(scheduler)
+    scheduler.enqueue("person-1", prio(PERSON), "A")
+    granted(scheduler)
+    assert stopped(scheduler) == ["line"]  # its first part: at once
+    scheduler.release("line", keep_as=b"line-1", grace_ns=60 * NS)
+    assert granted(scheduler) == ["person-1"]
+    scheduler.enqueue("line-resumed", prio(BATCH), "A", retry_key=b"line-1", stoppable=True)
+    scheduler.release("person-1")
+    assert granted(scheduler) == ["line-resumed"]
     clock.advance(4.0)
-    scheduler.enqueue("person", prio(PERSON), "A")
-    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.enqueue("person-2", prio(PERSON), "A")
+    assert granted(scheduler) == [] and scheduler.stops() == []  # resumed 4 s ago: not yet
     clock.advance(1.0)
     assert granted(scheduler) == []
-    assert stopped(scheduler) == ["line"]
+    assert stopped(scheduler) == ["line-resumed"]
 
 
 def test_of_a_model_s_lines_the_one_that_ran_least_is_stopped() -> None:

@@ -162,6 +162,13 @@ class Feeder:
         run = self._runs.get(request_id)
         return LINE_KEY_PREFIX + request_id.encode() if run is not None and run.stoppable else None
 
+    def may_stop(self, request_id: str) -> bool:
+        """A line with a key (`line_key`) that may still be stopped: fewer than
+        batches.maxPreemptions stops so far (after that it runs to its end)."""
+        run = self._runs.get(request_id)
+        stops = run.progress.stops if run is not None and run.progress is not None else 0
+        return run is not None and run.stoppable and stops < self.settings.max_preemptions()
+
     def line_state(self, request_id: str) -> LineState | None:
         """A token-path line in flight: when it was first sent, its tokens now, its stops, whether
         a stop would stop it now (None: no such line here). The same first send is kept in the
@@ -571,6 +578,9 @@ class StoppableLines:
 
     def key_of(self, request_id: str) -> bytes | None:
         return self.feeder.line_key(request_id) if self.feeder is not None else None
+
+    def may_stop(self, request_id: str) -> bool:
+        return self.feeder.may_stop(request_id) if self.feeder is not None else False
 
     def stop(self, request_id: str) -> bool:
         return self.feeder.stop_line(request_id) if self.feeder is not None else False

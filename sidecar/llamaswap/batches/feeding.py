@@ -80,3 +80,5 @@ class FeedSettings:
     # batches.preempt: chat lines that can be continued exactly take the token path (stoppable at a
     # token, `batches/tokenpath.py`); off: every line is sent as it is (never stopped).
     preempt: Callable[[], bool] = lambda: False
+    # batches.maxPreemptions: a line stopped that many times runs to its end.
+    max_preemptions: Callable[[], int] = lambda: 3

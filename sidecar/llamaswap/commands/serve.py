@@ -229,7 +229,8 @@ class Sidecar:
                                 max_answer_bytes=lambda: self.config.batches.max_answer_bytes,
                                 priority_header=trusted or PRIORITY_HEADER, headers=bearer(self._api_key),
                                 line_priority=lambda batch: service.line_priority(batch),
-                                preempt=lambda: self.config.batches.preempt)
+                                preempt=lambda: self.config.batches.preempt,
+                                max_preemptions=lambda: self.config.batches.max_preemptions)
         feeder = Feeder(store, settings, observer=self.telemetry.batch_telemetry(), serves=self.coordinator.serves)
         self.lines.feeder = feeder
         service = BatchService(store, feeder, lambda: self.config, new_trace_ids, access=access)

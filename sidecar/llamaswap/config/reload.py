@@ -87,6 +87,8 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
     ReloadKey("batches.maxStoredBytes", OnReload.LIVE, "from the next file uploaded"),
     ReloadKey("batches.outputExpirySeconds", OnReload.LIVE, "from the next output or error file written"),
     ReloadKey("batches.preempt", OnReload.LIVE, "from the next line sent"),
+    ReloadKey("batches.maxPreemptions", OnReload.LIVE, "from the next part of a line sent"),
+    ReloadKey("batches.minRunSeconds", OnReload.LIVE, "from the next decision"),
 )
 
 

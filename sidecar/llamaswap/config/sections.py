@@ -8,6 +8,7 @@ both. Each key's type, range, default and meaning is written here once; the load
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -580,7 +581,8 @@ class Config(Section):
             serial = s.settings.serial
             policy = Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
                                    max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
-        return policy.with_gpus(over)
+        # A Batch API line runs batches.minRunSeconds before it may be stopped (`core/preemption.py`).
+        return dataclasses.replace(policy.with_gpus(over), stop_min_run_s=float(self.batches.min_run_seconds))
 
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""

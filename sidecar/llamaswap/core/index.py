@@ -13,11 +13,11 @@ class Entry:
     """A waiting request as the scheduler keeps it (it is also a `dispatch.Candidate`)."""
 
     __slots__ = ("request_id", "seq", "priority", "base", "model", "priority_model", "arrival_ns", "alive",
-                 "older", "newer", "alone", "interactive", "max_tokens", "stoppable")
+                 "older", "newer", "alone", "interactive", "max_tokens", "stoppable", "resumed")
 
     def __init__(self, request_id: str, seq: int, priority: Priority, base: int, model: str | None,
                  arrival_ns: int, priority_model: str | None = None, alone: bool = False,
-                 max_tokens: int | None = None, stoppable: bool = False) -> None:
+                 max_tokens: int | None = None, stoppable: bool = False, resumed: bool = False) -> None:
         self.request_id = request_id
         self.seq = seq
         self.priority = priority
@@ -30,6 +30,7 @@ class Entry:
         self.interactive = priority.band.interactive  # may take a reserved slot
         self.max_tokens = max_tokens  # output tokens it asks for (None: not said): sizes its expected run
         self.stoppable = stoppable  # once granted, it may be stopped for a higher band (`preemption.py`)
+        self.resumed = resumed  # a stopped line sent again (it took its stopped place back): a minimum run first
         # Arrival order of the living, as a doubly linked list: O(1) removal, and a walk
         # from the oldest meets only waiting requests.
         self.older: Entry | None = None

@@ -36,6 +36,7 @@ class KeptPlace:
     seq: int  # its arrival order among all requests (ties in score go by it)
     left_ns: int  # when its client left
     until_ns: int  # the end of its grace period
+    stopped: bool = False  # a running line's place, kept when it was stopped (`preemption.py`)
 
     @property
     def waited_ns(self) -> int:
@@ -43,10 +44,11 @@ class KeptPlace:
         return self.left_ns - self.arrival_ns
 
     @classmethod
-    def of(cls, entry: Entry, key: bytes, now_ns: int, grace_ns: int) -> KeptPlace:
-        """The place of the waiting `entry`, whose client left at `now_ns`, kept for `grace_ns`."""
+    def of(cls, entry: Entry, key: bytes, now_ns: int, grace_ns: int, *, stopped: bool = False) -> KeptPlace:
+        """The place of `entry`, whose client left at `now_ns` (``stopped``: a running line stopped
+        then), kept for `grace_ns`."""
         return cls(key, entry.request_id, entry.priority, entry.model, entry.priority_model, entry.arrival_ns,
-                   entry.seq, now_ns, now_ns + grace_ns)
+                   entry.seq, now_ns, now_ns + grace_ns, stopped)
 
 
 class KeptPlaces:

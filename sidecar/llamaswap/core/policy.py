@@ -58,8 +58,8 @@ class Policy:
     # The node's GPUs, in the configured order, one queue over them: each one's slots, the models
     # it may serve and its residency. Never empty; by default one, IMPLICIT_GPU, one grant at a time.
     gpus: tuple[GpuPolicy, ...] = (GpuPolicy(IMPLICIT_GPU),)
-    # A stoppable grant (a Batch API line: `preemption.py`) runs at least this long before it is
-    # stopped for a higher band: a resumed line is not stopped again at once.
+    # A resumed stoppable grant (a Batch API line sent again after a stop: `preemption.py`) runs at
+    # least this long before it is stopped again for a higher band.
     stop_min_run_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -4,9 +4,10 @@ lines, on which GPU, as the one rule reads it.
 Only a grant the runtime marked stoppable at its arrival is ever stopped (a line of the Batch
 API, whose feeder can stop it at a token and send it again to resume where it stopped; a
 client's own request never is). When the best waiting request cannot start on any GPU, the
-stoppable grants of a lower band than its own that have run at least ``min_run_ns`` are the
-candidates, and on each GPU that may serve it the fewest of them whose going lets it start
-there are chosen (`turn` asked of the GPU as it would hold without them):
+stoppable grants of a lower band than its own are the candidates (a resumed one, which took its
+stopped place back, once it has run ``min_run_ns``: not stopped again at once), and on each GPU
+that may serve it the fewest of them whose going lets it start there are chosen (`turn` asked of
+the GPU as it would hold without them):
 
 - its model resident there (or a request of no model): one of that model's grants, which frees
   a slot of it;
@@ -63,7 +64,7 @@ def _holding_without(gpu: GpuRecord, gone: Iterable[str]) -> GpuHolding:
 def _stoppable(grant: Grant, best: Entry, now_ns: int, min_run_ns: int) -> bool:
     entry = grant.entry
     return (entry.stoppable and _RANK[entry.priority.band] < _RANK[best.priority.band]
-            and now_ns - grant.decision.granted_ns >= min_run_ns)
+            and (not entry.resumed or now_ns - grant.decision.granted_ns >= min_run_ns))
 
 
 def _least_loss(grants: Sequence[Grant]) -> list[Grant]:

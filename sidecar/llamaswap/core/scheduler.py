@@ -277,7 +277,7 @@ class Scheduler(idle.IdleUnloading):
         else:
             seq, arrival_ns = place.seq, place.arrival_ns
         entry = Entry(request_id, seq, priority, self._policy.base_priority(priority.value, named), model,
-                      arrival_ns, named, alone, max_tokens, stoppable)
+                      arrival_ns, named, alone, max_tokens, stoppable, place is not None and place.stopped)
         self._waiting[request_id] = entry
         self._wanted[model] = self._wanted.get(model, 0) + 1
         self._push(entry)
@@ -510,7 +510,7 @@ class Scheduler(idle.IdleUnloading):
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
         if self._stops.released(grant.entry) and keep_as is not None:
-            self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns))
+            self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns, stopped=True))
         gpu.renew()
         residents = gpu.residents
         gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)

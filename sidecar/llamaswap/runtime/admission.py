@@ -104,7 +104,7 @@ class Admitter:
             retry_key = line_key if line_key is not None else self._kept.retry_key(ticket)
             queued = self._scheduler.enqueue(ticket.token, priority, key.scheduled, priority_model=key.settings,
                                              alone=ticket.alone, retry_key=retry_key, max_tokens=ticket.max_tokens,
-                                             stoppable=line_key is not None)
+                                             stoppable=self._grants.stops.may_stop(ticket))
         except QueueFull as exc:
             return self._refuse(ticket, Refusal(Outcome.REJECTED_FULL, self._forecast.retry_after_s(),
                                                 queue_depth=exc.depth, queue_limit=exc.limit))

@@ -38,6 +38,10 @@ class Lines(Protocol):
         """The key a stoppable line's place is kept under (the same for each of its sends);
         None: not such a line."""
 
+    def may_stop(self, request_id: str) -> bool:
+        """A line with a key that may still be stopped (not yet stopped batches.maxPreemptions
+        times: after that it runs to its end, its key still taking its place back)."""
+
     def stop(self, request_id: str) -> bool:
         """Stop the running line ``request_id`` at its next token and send it again to resume;
         False: not a running stoppable line (it may be ending)."""
@@ -48,6 +52,9 @@ class NoLines:
 
     def key_of(self, request_id: str) -> bytes | None:
         return None
+
+    def may_stop(self, request_id: str) -> bool:
+        return False
 
     def stop(self, request_id: str) -> bool:
         return False
@@ -69,6 +76,10 @@ class LineStops:
         if ticket.request_id == "-":
             return None
         return self._lines.key_of(ticket.request_id)
+
+    def may_stop(self, ticket: Ticket) -> bool:
+        """At admission, for a line (a key): whether its grant may be stopped."""
+        return ticket.line_key is not None and self._lines.may_stop(ticket.request_id)
 
     def ask(self) -> list[tuple[Ticket, Ticket | None]]:
         """The scheduler's new stop orders, each asked of the lines' owner: the lines it stops,
