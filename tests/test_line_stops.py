@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from flow import Flow, clock, virtual_time
 
 from llamaswap.config import ConfigError, parse_config
@@ -152,3 +154,24 @@ def test_the_minimum_run_and_the_most_stops_are_read_and_checked(tmp_path: pathl
     for key, value in (("minRunSeconds", -1), ("maxPreemptions", -1), ("maxPreemptions", "3")):
         with pytest.raises(ConfigError, match=f"batches.{key}"):
             parse_config({"batches": {"dir": str(tmp_path), key: value}})
+
+
+@virtual_time
+async def test_a_stop_is_an_event_on_the_line_s_run_span_and_on_the_person_s_queue_span() -> None:
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(clock=clock(), span_processors=[SimpleSpanProcessor(exporter)])
+    lines = FakeLines("batch_1:line-a")
+    flow = Flow(lines=lines, observers=(telemetry,))
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    person = await flow.arrive("person", "interactive", model="m")
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(1)
+    assert person.granted
+    spans = {(span.name, span.attributes["llamaswap.request_id"]): span for span in exporter.get_finished_spans()}
+    [stopped] = spans["llamaswap.run", "batch_1:line-a"].events
+    assert (stopped.name, dict(stopped.attributes)) == (
+        "llamaswap.stopped", {"llamaswap.for_request_id": "person", "llamaswap.for_band": "interactive"})
+    [made_room] = [e for e in spans["llamaswap.queue", "person"].events if e.name == "llamaswap.stopped_line"]
+    assert dict(made_room.attributes) == {"llamaswap.request_id": "batch_1:line-a", "llamaswap.band": "batch",
+                                          "llamaswap.upstream": "gpu0"}
+    telemetry.shutdown()

@@ -74,6 +74,10 @@ WATCHDOG_EVENT = "llamaswap.watchdog"
 # On the queue span of a request whose grant unloads resident models to make room for its own
 # (several resident, `Decision.evicts`): one per model that goes, with why it was the one.
 EVICTED_EVENT = "llamaswap.evicted"
+# A Batch API line stopped for a higher band (`runtime/stops.py`): on the line's run span, the
+# request it made room for; on that request's queue span, each line stopped for it.
+STOPPED_EVENT = "llamaswap.stopped"
+STOPPED_LINE_EVENT = "llamaswap.stopped_line"
 
 INSTRUMENTATION_NAME = "llamaswap"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -140,6 +144,10 @@ class Telemetry:
         # By request id, while it waits: (when, the event's attributes) of each request that
         # overtook it, and how many did (its queue span is written only when it stops waiting).
         self._overtaken_by: dict[str, tuple[list[tuple[int, dict[str, Any]]], list[int]]] = {}
+        # Stops, kept until the span they go on is written: by the stopped line's token (for its
+        # run span) and by the token of the request they were for (for its queue span).
+        self._stop_of_line: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._stops_for: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._closed = False
         # The models of the waiting requests, kept per event (O(1)) so a picker's scrape every
         # 50 ms reads a finished label set whatever the depth.
@@ -294,7 +302,13 @@ class Telemetry:
                                            "llamaswap.evict_reason": eviction.reason.value,
                                            "llamaswap.upstream": decision.gpu}, timestamp=at)
         self._add_overtaken_by(span, ticket.request_id)
+        self._add_stops_for(span, ticket.token)
         span.end(end_time=at)
+
+    def _add_stops_for(self, span: Any, token: str) -> None:
+        """The Batch API lines stopped to make room for this request, as events on its queue span."""
+        for at, line in self._stops_for.pop(token, ()):
+            span.add_event(STOPPED_LINE_EVENT, line, timestamp=at)
 
     def _add_overtaken_by(self, span: Any, request_id: str) -> None:
         """The requests that went ahead of this one while it waited, as events on its queue span."""
@@ -353,6 +367,10 @@ class Telemetry:
                                        attributes=attributes, start_time=self._wall(start_ns))
         if decision is None:
             self._add_overtaken_by(span, ticket.request_id)
+            self._add_stops_for(span, ticket.token)
+        stop = self._stop_of_line.pop(ticket.token, None)
+        if stop is not None:
+            span.add_event(STOPPED_EVENT, stop[1], timestamp=stop[0])
         if outcome is Outcome.WATCHDOG:
             span.add_event(WATCHDOG_EVENT, {"llamaswap.request_id": ticket.request_id},
                            timestamp=self._wall(finished_ns))
@@ -369,8 +387,21 @@ class Telemetry:
             self.instruments.kept_places.add(1, {"event": event.kind.value})
 
     def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
-        if not self._closed:
-            self.instruments.preemptions.add(1, {"band": line.priority.band.value})
+        if self._closed:
+            return
+        self.instruments.preemptions.add(1, {"band": line.priority.band.value})
+        if not self._tracing:
+            return
+        at = self._wall(self._clock.now_ns())
+        made_room: dict[str, Any] = {}
+        if waiting is not None:
+            made_room = {"llamaswap.for_request_id": waiting.request_id,
+                         "llamaswap.for_band": waiting.priority.band.value}
+            stopped = {"llamaswap.request_id": line.request_id, "llamaswap.band": line.priority.band.value}
+            if line.decision is not None:
+                stopped["llamaswap.upstream"] = line.decision.gpu
+            self._stops_for.setdefault(waiting.token, []).append((at, stopped))
+        self._stop_of_line[line.token] = (at, made_room)
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
         if not self._closed:
