@@ -64,6 +64,13 @@ plus 5% of the work done to read its kept tokens again. --min-run S (sweepable: 
 line run S seconds before it is stopped. The rows then count the stops, by the stopped line's
 band, and the lines stopped at least once.
 
+Idle unloads: --idle-unload S (sweepable: --sweep idleUnload=0,60,600) unloads a resident model
+once it has sat idle S seconds, as `upstream.idleUnloadSeconds` does on every GPU (-c FILE's
+models.<id>.ttl and idle times apply without the flag; with it, a model's own ttl still wins).
+Every GPU is taken as llama-server's router, which can unload a model, and the unload as instant.
+The rows then count the idle unloads and the reloads: loads of a model on the GPU that unloaded
+it, by its first grant there after, where it would have stayed resident (docs/simulate.md).
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -157,6 +164,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "for a higher band and resumed where they stopped (sweepable: preempt=off,on)")
     parser.add_argument("--min-run", metavar="S",
                         help="seconds a line runs before it may be stopped (with --preempt; default 0)")
+    parser.add_argument("--idle-unload", metavar="S",
+                        help="seconds a resident model may sit idle before it is unloaded, every GPU (0: never; "
+                             "default: -c FILE's idle times, else 0; sweepable: idleUnload)")
     parser.add_argument("--pods", metavar="N", type=_pods_flag,
                         help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
                              "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
@@ -202,6 +212,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError("--pods compares three routings for one setting: drop --sweep, --plot and --requests")
     if args.pods is not None and (args.preempt or args.min_run is not None):
         raise UsageError("--pods does not replay stopped lines: drop --preempt and --min-run")
+    if args.pods is not None and args.idle_unload is not None:
+        raise UsageError("--pods does not replay idle unloads: drop --idle-unload")
     if args.plot:
         if not sweeps:
             raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
@@ -258,7 +270,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
                                "reservedSlots": args.reserved_slots, "gpus": args.gpus,
                                "maxLoaded": args.max_loaded, "preempt": "on" if args.preempt else None,
-                               "minRun": args.min_run})
+                               "minRun": args.min_run, "idleUnload": args.idle_unload})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)

@@ -95,6 +95,23 @@ class StopMetrics:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class IdleGpuMetrics:
+    """Idle unloads on one GPU (`idling.py`)."""
+
+    unloads: int  # resident models unloaded for idleness
+    reloads: int  # loads of a model there that one of them cost later
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdleMetrics:
+    """Idle unloads (`simulate --idle-unload S`, `models.<id>.ttl`) and the loads they cost later."""
+
+    unloads: int
+    reloads: int
+    gpus: Mapping[str, IdleGpuMetrics]  # per upstream, by name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Metrics:
     requests: int
     bands: Mapping[str, BandMetrics]
@@ -110,6 +127,7 @@ class Metrics:
     # Resident models its grants unloaded to make room (several resident), by reason (EvictReason).
     evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
     stops: StopMetrics | None = None  # None: stopping was off
+    idle: IdleMetrics | None = None  # idle unloads (zeros where none can happen); None: not replayed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
