@@ -237,6 +237,21 @@ def test_the_configurations_ttl_is_replayed_and_shown(tmp_path: pathlib.Path):
     assert row["idle"]["unloads"] > 0
 
 
+def test_a_single_model_llama_server_unloads_nothing(tmp_path: pathlib.Path):
+    one_model = {"upstream": {"url": "http://127.0.0.1:8081", "command": "llama-server -m /models/a.gguf --port 8081",
+                              "idleUnloadSeconds": 30}}
+    out, err, status = run_cli(tmp_path, ["--format", "json"], config=one_model)
+    assert status == 0, err
+    (row,) = json.loads(out)["rows"]
+    assert row["settings"]["idleUnload"] == 30 and row["idle"]["unloads"] == 0
+    table, _, _ = run_cli(tmp_path, [], config=one_model)
+    assert "no idle unload on gpu0: a single-model llama-server (-m in the command) cannot unload" in table
+    # The GPUs of --gpus N are not the configured one: each is taken as a router.
+    out, err, status = run_cli(tmp_path, ["--format", "json", "--gpus", "2"], config=one_model)
+    assert status == 0, err
+    assert json.loads(out)["rows"][0]["idle"]["unloads"] > 0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--idle-unload", "-1"], "error: --idle-unload -1: must be 0"),
     (["--sweep", "idleUnload=60,0.0001"], "error: --sweep idleUnload=0.0001: must be 0"),

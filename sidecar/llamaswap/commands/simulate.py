@@ -67,7 +67,8 @@ band, and the lines stopped at least once.
 Idle unloads: --idle-unload S (sweepable: --sweep idleUnload=0,60,600) unloads a resident model
 once it has sat idle S seconds, as `upstream.idleUnloadSeconds` does on every GPU (-c FILE's
 models.<id>.ttl and idle times apply without the flag; with it, a model's own ttl still wins).
-Every GPU is taken as llama-server's router, which can unload a model, and the unload as instant.
+Every GPU is taken as llama-server's router, which can unload a model (but for -c FILE's upstreams
+whose command starts a single-model llama-server, which cannot), and the unload as instant.
 The rows then count the idle unloads and the reloads: loads of a model on the GPU that unloaded
 it, by its first grant there after, where it would have stayed resident (docs/simulate.md).
 
@@ -302,9 +303,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
+    one_model = _one_model_gpus(config)
+    if one_model and any(setting.idles and len(setting.configured) == setting.gpus for setting in settings):
+        notes.append(f"no idle unload on {', '.join(sorted(one_model))}: a single-model llama-server (-m in the "
+                     "command) cannot unload its model, only the router can")
     rows, simulations = [], []
     for setting, policy in zip(settings, policies):
-        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt)
+        # (GPUs named by --gpus N are not the configured ones: each is taken as a router.)
+        unloading = (frozenset(gpu.name for gpu in policy.gpus if gpu.name not in one_model)
+                     if one_model and len(setting.configured) == setting.gpus else None)
+        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt,
+                              idle_gpus=unloading)
         simulations.append(simulation)
         rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
@@ -343,6 +352,16 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
     return config.policy([config.gpu_policy(entry.name, {None: recorded_slots} if entry.slots == SLOTS_AUTO else None,
                                             single)
                           for entry in config.gpu_entries])
+
+
+def _one_model_gpus(config: Any) -> frozenset[str]:
+    """The configured upstreams that cannot unload a model: their command starts a single-model
+    llama-server (`config.idle.one_model_command`)."""
+    if config is None:
+        return frozenset()
+    from llamaswap.config.idle import one_model_command
+
+    return frozenset(entry.name for entry in config.gpu_entries if one_model_command(entry))
 
 
 def _pods_flag(text: str) -> int:

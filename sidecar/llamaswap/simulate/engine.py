@@ -68,7 +68,7 @@ import logging
 import math
 import operator
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 from llamaswap.core import (
     NO_MODEL,
@@ -249,9 +249,11 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
 
 
 def simulate(replay: Replay, policy: Policy, costs: Figures, *,
-             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False) -> Simulation:
+             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False,
+             idle_gpus: Set[str] | None = None) -> Simulation:
     """``preempt``: the records' Batch API lines (``batch_line``) are enqueued stoppable, and the
-    replay stops and resends those the scheduler orders stopped (`stopping.py`)."""
+    replay stops and resends those the scheduler orders stopped (`stopping.py`). ``idle_gpus``:
+    the GPUs whose upstream can unload an idle model (None: every one, `idling.py`)."""
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
@@ -304,7 +306,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         return scheduler.running_grants
     next_deadline = scheduler.next_deadline_ns
     expiring = policy.max_wait_ns > 0  # without maxWaitSeconds nothing expires: no need to ask
-    idle = IdleReplay(scheduler, policy, names)
+    idle = IdleReplay(scheduler, policy, names, idle_gpus)
     idle_at = NEVER  # the next idle unload (`idle.on`: some model may have one)
     heappush, heappop = heapq.heappush, heapq.heappop
     expiry: int | None = None

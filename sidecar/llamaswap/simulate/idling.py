@@ -4,7 +4,8 @@ scheduler says which resident models are due and when the next falls due
 ones at their due time and counts what they cost later.
 
 - Every GPU of the replay is taken as llama-server's router, the one upstream that can unload a
-  model (a single-model llama-server cannot; llama-swap unloads by its own `ttl`).
+  model, unless told otherwise (``unloading``: `-c FILE`'s upstreams whose command starts a
+  single-model llama-server cannot; llama-swap unloads by its own `ttl`).
 - The unload takes no time: the router stops the model's process at once, and the model is
   counted gone as the unload begins (`Scheduler.unload_idle`), as in the runtime.
 - Reloads: the loads an idle unload cost later. A grant that loads a model on the GPU that
@@ -16,7 +17,7 @@ ones at their due time and counts what they cost later.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Set
 
 from llamaswap.core import Decision, Policy, Scheduler
 from llamaswap.simulate.results import IdleGpuMetrics, IdleMetrics
@@ -26,11 +27,14 @@ from llamaswap.simulate.running import NEVER
 class IdleReplay:
     """See the module's docstring: one per replay, over its scheduler."""
 
-    def __init__(self, scheduler: Scheduler, policy: Policy, gpus: Collection[str]) -> None:
+    def __init__(self, scheduler: Scheduler, policy: Policy, gpus: Collection[str],
+                 unloading: Set[str] | None = None) -> None:
+        """``unloading``: the GPUs whose upstream can unload a model (None: every one)."""
         self._scheduler = scheduler
         self._policy = policy
+        self._unloading = unloading
         # Whether any model may ever be unloaded for idleness (else nothing is asked).
-        self.on = any(gpu.residency.idle.ever for gpu in policy.gpus)
+        self.on = any(gpu.residency.idle.ever for gpu in policy.gpus if unloading is None or gpu.name in unloading)
         self._unloads = dict.fromkeys(gpus, 0)
         self._reloads = dict.fromkeys(gpus, 0)
         # Models unloaded for idleness, by GPU, whose next load there would count as a reload.
@@ -38,7 +42,7 @@ class IdleReplay:
 
     def unload_due(self) -> int:
         """Unload the models due now (at the scheduler's clock); how many went."""
-        due = self._scheduler.idle_unloads().due
+        due = self._scheduler.idle_unloads(self._unloading).due
         by_gpu: dict[str, set[str]] = {}
         for idle in due:
             by_gpu.setdefault(idle.gpu, set()).add(idle.model)
@@ -51,7 +55,7 @@ class IdleReplay:
     def next_at(self, now_ns: int) -> int:
         """When to unload next: now if some model is due already, else the next due time (NEVER:
         none while nothing changes)."""
-        found = self._scheduler.idle_unloads()
+        found = self._scheduler.idle_unloads(self._unloading)
         if found.due:
             return now_ns
         return NEVER if found.next_ns is None else found.next_ns
