@@ -60,16 +60,17 @@ def grants(simulation: Simulation) -> dict[str, tuple[int | None, int | None, bo
     return {r.request.record.request_id: (r.start_ns, r.release_ns, r.model_load) for r in simulation.results}
 
 
-def idle(unloads: int, reloads: int) -> IdleMetrics:
-    return IdleMetrics(unloads, reloads, {"gpu0": IdleGpuMetrics(unloads, reloads)})
+def idle(unloads: int, reloads: int, freed_s: float = 0.0) -> IdleMetrics:
+    return IdleMetrics(unloads, reloads, freed_s, {"gpu0": IdleGpuMetrics(unloads, reloads, freed_s)})
 
 
 def test_a_model_idle_past_its_time_is_unloaded_and_its_next_request_loads_it_again_a_reload():
     simulation = run([arrival("a1", 0, "A", 0), arrival("a2", 100, "A", 1)])
     # a1 loads A from nothing: 0..15. A is idle from 15, due at 75: unloaded. a2 at 100 loads it
     # again (100..115), a reload; A, idle from 115, is unloaded again at 175 (nothing follows).
+    # Freed: A out of memory 75..100; the unload at 175 is past the last release (115).
     assert grants(simulation) == {"a1": (0, 15 * S, True), "a2": (100 * S, 115 * S, True)}
-    assert simulation.metrics.idle == idle(2, 1)
+    assert simulation.metrics.idle == idle(2, 1, 25.0)
     assert simulation.metrics.swaps == 2
     assert simulation.metrics.evictions["idle"] == 2  # each idle unload is an eviction, reason idle
     without = run([arrival("a1", 0, "A", 0), arrival("a2", 100, "A", 1)], idle_s=0)
@@ -84,8 +85,9 @@ def test_the_unload_is_at_exactly_the_due_time_after_the_arrivals_of_that_instan
     simulation = run([arrival("a1", 0, "A", 0), arrival("a2", at_s, "A", 1)])
     start = round(at_s * 1000) * 1_000_000
     assert grants(simulation)["a2"] == (start, start + (15 if loads else 10) * S, loads)
-    # One unload after a2's release, plus the one at 75 where a2 came later.
-    assert simulation.metrics.idle == idle(2 if loads else 1, 1 if loads else 0)
+    # One unload after a2's release (past the last release: it frees nothing counted), plus the
+    # one at 75 where a2 came later, freeing A for a millisecond.
+    assert simulation.metrics.idle == (idle(2, 1, 0.001) if loads else idle(1, 0))
 
 
 def test_a_request_before_the_due_time_cancels_nothing_and_is_no_load():
@@ -104,23 +106,26 @@ def test_a_model_waited_for_is_never_unloaded():
     clock.set_ns(100 * S)  # past its due time, and a request for it waits (not yet granted)
     scheduler.enqueue("r", Priority(0, PrioritySource.NUMBER), "A")
     assert replay.next_at(100 * S) == NEVER
-    assert replay.unload_due() == 0 and scheduler.residents_on("gpu0") == {"A"}
+    assert replay.unload_due(100 * S) == 0 and scheduler.residents_on("gpu0") == {"A"}
     scheduler.cancel("r")  # no longer waited for: due at once
     assert replay.next_at(100 * S) == 100 * S
-    assert replay.unload_due() == 1 and scheduler.residents_on("gpu0") == frozenset()
-    assert replay.metrics() == idle(1, 0)
+    assert replay.unload_due(100 * S) == 1 and scheduler.residents_on("gpu0") == frozenset()
+    assert replay.metrics(130 * S) == idle(1, 0, 30.0)  # out of memory from 100 to the end
 
 
-@pytest.mark.parametrize(("max_loaded", "reloads"), [(1, 0), (2, 1)])
-def test_a_load_is_a_reload_only_where_the_model_would_have_stayed_resident(max_loaded: int, reloads: int):
+@pytest.mark.parametrize(("max_loaded", "reloads", "freed_s"), [(1, 0, 50.0), (2, 1, 165.0)])
+def test_a_load_is_a_reload_only_where_the_model_would_have_stayed_resident(max_loaded: int, reloads: int,
+                                                                            freed_s: float):
     records = [arrival("a1", 0, "A", 0), arrival("b1", 100, "B", 1), arrival("a2", 200, "A", 2)]
     simulation = run(records, max_loaded=max_loaded)
     # A is unloaded at 75, B loads at 100..115 and is unloaded at 175, A loads at 200..215 and is
     # unloaded at 275. With room for one model, B's load would have replaced A anyway: a2's load is
     # no reload. With room for two, A would have stayed beside B: it is one.
+    # Freed, with room for one: A 75..100 (B's load would have replaced it), B 175..200 (A's
+    # would have). With room for two: A 75..200 (its next grant), B 175..215 (the last release).
     assert grants(simulation) == {"a1": (0, 15 * S, True), "b1": (100 * S, 115 * S, True),
                                   "a2": (200 * S, 215 * S, True)}
-    assert simulation.metrics.idle == idle(3, reloads)
+    assert simulation.metrics.idle == idle(3, reloads, freed_s)
     # The reloads are the loads the idle unloads added: the swaps beyond those without them.
     assert simulation.metrics.swaps - run(records, idle_s=0, max_loaded=max_loaded).metrics.swaps == reloads
 
@@ -186,21 +191,25 @@ def test_a_sweep_reports_idle_unloads_and_reloads_per_row(tmp_path: pathlib.Path
     assert status == 0, err
     rows = json.loads(out)["rows"]
     assert [row["settings"]["idleUnload"] for row in rows] == [0, 60, 600]
-    assert rows[0]["idle"] == {"unloads": 0, "reloads": 0, "gpus": {"gpu0": {"unloads": 0, "reloads": 0}}}
+    assert rows[0]["idle"] == {"unloads": 0, "reloads": 0, "freed_s": 0.0,
+                               "gpus": {"gpu0": {"unloads": 0, "reloads": 0, "freed_s": 0.0}}}
     for row in rows:
         assert row["evictions"]["idle"] == row["idle"]["unloads"]
         # The reloads are loads the row made beyond those of the row that never unloads.
         assert row["swaps"] - rows[0]["swaps"] == row["idle"]["reloads"]
-    # A shorter idle time unloads more, and costs more loads later (about 18 arrivals: some gaps
-    # pass 60 s, fewer pass 600 s).
+    # A shorter idle time unloads more, costs more loads later and frees more (15 arrivals on two
+    # models in 30 minutes: many gaps pass 60 s, none 600 s; there only the unloads after the
+    # last release, which free nothing counted).
     assert rows[1]["idle"]["unloads"] > rows[2]["idle"]["unloads"] > 0
     assert rows[1]["idle"]["reloads"] > rows[2]["idle"]["reloads"]
+    assert rows[1]["idle"]["freed_s"] > rows[2]["idle"]["freed_s"]
     table, err, status = run_cli(tmp_path, ["--sweep", "idleUnload=0,60,600", "--max-loaded", "2"])
     assert status == 0, err
     header = next(line for line in table.splitlines() if line.lstrip().startswith("idleUnload"))
-    assert header.split()[13:17] == ["unloads", "reloads", "swaps", "evictions"]
+    assert header.split()[13:18] == ["unloads", "reloads", "freed", "swaps", "evictions"]
     cells = [line.split() for line in table.splitlines() if line.split()[:1] in (["0"], ["60"], ["600"])]
-    assert [(int(c[13]), int(c[14])) for c in cells] == [(r["idle"]["unloads"], r["idle"]["reloads"]) for r in rows]
+    assert [(int(c[13]), int(c[14]), float(c[15])) for c in cells] == [
+        (r["idle"]["unloads"], r["idle"]["reloads"], round(r["idle"]["freed_s"] / 3600, 2)) for r in rows]
 
 
 def test_per_gpu_idle_unloads_add_up(tmp_path: pathlib.Path):
@@ -214,7 +223,8 @@ def test_per_gpu_idle_unloads_add_up(tmp_path: pathlib.Path):
     table, _, _ = run_cli(tmp_path, ["--idle-unload", "60", "--gpus", "2"])
     line = next(line for line in table.splitlines() if line.startswith("per GPU: "))
     assert f"gpu0 swaps {row['gpus']['gpu0']['swaps']} " in line
-    assert f"idle unloads {gpus['gpu1']['unloads']} reloads {gpus['gpu1']['reloads']}" in line
+    assert (f"idle unloads {gpus['gpu1']['unloads']} reloads {gpus['gpu1']['reloads']} "
+            f"freed {gpus['gpu1']['freed_s'] / 3600:.2f} h") in line
 
 
 def test_without_an_idle_time_the_report_is_as_before(tmp_path: pathlib.Path):

@@ -69,8 +69,9 @@ once it has sat idle S seconds, as `upstream.idleUnloadSeconds` does on every GP
 models.<id>.ttl and idle times apply without the flag; with it, a model's own ttl still wins).
 Every GPU is taken as llama-server's router, which can unload a model (but for -c FILE's upstreams
 whose command starts a single-model llama-server, which cannot), and the unload as instant.
-The rows then count the idle unloads and the reloads: loads of a model on the GPU that unloaded
-it, by its first grant there after, where it would have stayed resident (docs/simulate.md).
+The rows then count the idle unloads, the reloads (loads of a model on the GPU that unloaded it,
+by its first grant there after, where it would have stayed resident) and the model-hours freed
+(docs/simulate.md).
 
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 

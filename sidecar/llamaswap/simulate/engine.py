@@ -385,7 +385,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                         heappush(patience, (now + request.patience_ns, arrival))
                 arrival += 1
         if idle_at <= now:
-            evictions[EvictReason.IDLE] += idle.unload_due()
+            evictions[EvictReason.IDLE] += idle.unload_due(now)
 
         while True:
             while waiting:
@@ -470,7 +470,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             idle_at = idle.next_at(now)
 
     metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions,
-                       lines.metrics() if lines is not None else None, idle.metrics())
+                       lines.metrics() if lines is not None else None, idle.metrics(last_release))
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
 

@@ -13,13 +13,16 @@ ones at their due time and counts what they cost later.
   model would have stayed resident until then: at every load of another model there in between,
   it would have fitted beside the GPU's residents (`Residency.fits`; with room for one model,
   any other load would have replaced it anyway, and the load it then needs is not counted).
+- Freed: what the unloads bought, the time each model stayed out of memory where it would have
+  stayed resident by the same rule: from its unload to its next grant there, or to the load that
+  would have replaced it, or to the replay's last release (model-seconds).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Set
 
-from llamaswap.core import Decision, Policy, Scheduler
+from llamaswap.core import NS_PER_S, Decision, Policy, Scheduler
 from llamaswap.simulate.results import IdleGpuMetrics, IdleMetrics
 from llamaswap.simulate.running import NEVER
 
@@ -37,11 +40,13 @@ class IdleReplay:
         self.on = any(gpu.residency.idle.ever for gpu in policy.gpus if unloading is None or gpu.name in unloading)
         self._unloads = dict.fromkeys(gpus, 0)
         self._reloads = dict.fromkeys(gpus, 0)
-        # Models unloaded for idleness, by GPU, whose next load there would count as a reload.
-        self._gone: dict[str, set[str]] = {gpu: set() for gpu in gpus}
+        self._freed_ns = dict.fromkeys(gpus, 0)
+        # Models unloaded for idleness that would have stayed resident, by GPU, each with when it
+        # went: its next load there would be a reload.
+        self._gone: dict[str, dict[str, int]] = {gpu: {} for gpu in gpus}
 
-    def unload_due(self) -> int:
-        """Unload the models due now (at the scheduler's clock); how many went."""
+    def unload_due(self, now_ns: int) -> int:
+        """Unload the models due at ``now_ns`` (the scheduler's clock); how many went."""
         due = self._scheduler.idle_unloads(self._unloading).due
         by_gpu: dict[str, set[str]] = {}
         for idle in due:
@@ -49,7 +54,7 @@ class IdleReplay:
         for gpu, models in by_gpu.items():
             self._scheduler.unload_idle(gpu, frozenset(models))
             self._unloads[gpu] += len(models)
-            self._gone[gpu] |= models
+            self._gone[gpu].update(dict.fromkeys(models, now_ns))
         return len(due)
 
     def next_at(self, now_ns: int) -> int:
@@ -62,19 +67,32 @@ class IdleReplay:
 
     def granted(self, decision: Decision) -> None:
         """A grant: a reload where it loads a model its GPU unloaded for idleness (see the module)."""
-        gone = self._gone[decision.gpu]
+        gpu = decision.gpu
+        gone = self._gone[gpu]
         if not gone:
             return
+        now_ns = decision.granted_ns
         model = decision.model
-        if model in gone:
-            gone.discard(model)
+        if model is not None and model in gone:
+            self._freed_ns[gpu] += now_ns - gone.pop(model)
             if decision.model_load:
-                self._reloads[decision.gpu] += 1
+                self._reloads[gpu] += 1
         if decision.model_load and gone:  # would each have stayed beside what is resident now?
-            residency = self._policy.gpu(decision.gpu).residency
-            residents = self._scheduler.residents_on(decision.gpu)
-            self._gone[decision.gpu] = {other for other in gone if residency.fits(residents | {other})}
+            residency = self._policy.gpu(gpu).residency
+            residents = self._scheduler.residents_on(gpu)
+            for other in [other for other in gone if not residency.fits(residents | {other})]:
+                self._freed_ns[gpu] += now_ns - gone.pop(other)
 
-    def metrics(self) -> IdleMetrics:
-        gpus = {gpu: IdleGpuMetrics(self._unloads[gpu], self._reloads[gpu]) for gpu in self._unloads}
-        return IdleMetrics(sum(self._unloads.values()), sum(self._reloads.values()), gpus)
+    def metrics(self, end_ns: int) -> IdleMetrics:
+        """The counts, the models still out of memory freed until ``end_ns`` (the last release)."""
+        for gpu, gone in self._gone.items():
+            self._freed_ns[gpu] += sum(max(0, end_ns - since) for since in gone.values())
+            gone.clear()
+        gpus = {gpu: IdleGpuMetrics(self._unloads[gpu], self._reloads[gpu], _seconds(self._freed_ns[gpu]))
+                for gpu in self._unloads}
+        return IdleMetrics(sum(self._unloads.values()), sum(self._reloads.values()),
+                           _seconds(sum(self._freed_ns.values())), gpus)
+
+
+def _seconds(ns: int) -> float:
+    return round(ns / NS_PER_S, 3)  # (to the millisecond: the JSON reads cleanly)

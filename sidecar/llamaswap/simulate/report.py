@@ -159,7 +159,7 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     evicting = _evicting(summary, rows)
     stops = _stopping(swept, rows)
     if idle:
-        groups.append(("idle", ["unloads", "reloads"]))
+        groups.append(("idle", ["unloads", "reloads", "freed"]))
     groups.append(("", ["swaps", *(["evictions"] if evicting else []), *(["stops", "stopped"] if stops else []),
                         "aging", "affinity", "busy", "left", "expired", "rejected", "inversion"]))
     body = []
@@ -171,7 +171,8 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
             cells += [str(stats.served), _seconds(stats.wait_p50_s), _seconds(stats.wait_p95_s),
                       _seconds(stats.wait_max_s)]
         if idle:
-            cells += [str(m.idle.unloads), str(m.idle.reloads)] if m.idle is not None else ["-", "-"]
+            cells += ([str(m.idle.unloads), str(m.idle.reloads), _seconds(m.idle.freed_s / 3600)]
+                      if m.idle is not None else ["-", "-", "-"])
         inversion = "-" if m.inversion is None else f"{_seconds(m.inversion.seconds)} ({m.inversion.request_id})"
         evictions = [str(sum(m.evictions.values()))] if evicting else []
         if stops:
@@ -230,7 +231,8 @@ _STOP_LEGEND = ("; stops: Batch API lines stopped for a higher band (--preempt; 
 
 _IDLE_LEGEND = ("; idle unloads: resident models unloaded after sitting idle their idle time (--idle-unload, "
                 "models.<id>.ttl), each also an eviction; reloads: loads of a model on the GPU that idle-unloaded "
-                "it, by its first grant there after, where it would have stayed resident (docs/simulate.md)")
+                "it, by its first grant there after, where it would have stayed resident; freed: model-hours "
+                "they kept models out of memory that would have stayed, up to the last release (docs/simulate.md)")
 
 
 def _idling(swept: Sequence[str], rows: Sequence[Row]) -> bool:
@@ -241,7 +243,7 @@ def _idling(swept: Sequence[str], rows: Sequence[Row]) -> bool:
 def _idle_of(row: Row, gpu: str) -> str:
     idle = row.metrics.idle
     own = idle.gpus.get(gpu) if idle is not None else None
-    return "" if own is None else f" idle unloads {own.unloads} reloads {own.reloads}"
+    return "" if own is None else f" idle unloads {own.unloads} reloads {own.reloads} freed {own.freed_s / 3600:.2f} h"
 
 
 def _stopping(swept: Sequence[str], rows: Sequence[Row]) -> bool:

@@ -100,6 +100,7 @@ class IdleGpuMetrics:
 
     unloads: int  # resident models unloaded for idleness
     reloads: int  # loads of a model there that one of them cost later
+    freed_s: float  # model-seconds they kept models out of memory that would have stayed (`idling.py`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class IdleMetrics:
 
     unloads: int
     reloads: int
+    freed_s: float
     gpus: Mapping[str, IdleGpuMetrics]  # per upstream, by name
 
 
