@@ -64,6 +64,15 @@ plus 5% of the work done to read its kept tokens again. --min-run S (sweepable: 
 line run S seconds before it is stopped. The rows then count the stops, by the stopped line's
 band, and the lines stopped at least once.
 
+Idle unloads: --idle-unload S (sweepable: --sweep idleUnload=0,60,600) unloads a resident model
+once it has sat idle S seconds, as `upstream.idleUnloadSeconds` does on every GPU (-c FILE's
+models.<id>.ttl and idle times apply without the flag; with it, a model's own ttl still wins).
+Every GPU is taken as llama-server's router, which can unload a model (but for -c FILE's upstreams
+whose command starts a single-model llama-server, which cannot), and the unload as instant.
+The rows then count the idle unloads, the reloads (loads of a model on the GPU that unloaded it,
+by its first grant there after, where it would have stayed resident) and the model-hours freed
+(docs/simulate.md).
+
 Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 
   duration: 3600
@@ -157,6 +166,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "for a higher band and resumed where they stopped (sweepable: preempt=off,on)")
     parser.add_argument("--min-run", metavar="S",
                         help="seconds a line runs before it may be stopped (with --preempt; default 0)")
+    parser.add_argument("--idle-unload", metavar="S",
+                        help="seconds a resident model may sit idle before it is unloaded, every GPU (0: never; "
+                             "default: -c FILE's idle times, else 0; sweepable: idleUnload)")
     parser.add_argument("--pods", metavar="N", type=_pods_flag,
                         help="many nodes: N pods of --gpus GPUs each, the workload routed to them by an endpoint "
                              "picker's rule (least queued, with model affinity), by round-robin, and as one queue "
@@ -202,6 +214,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError("--pods compares three routings for one setting: drop --sweep, --plot and --requests")
     if args.pods is not None and (args.preempt or args.min_run is not None):
         raise UsageError("--pods does not replay stopped lines: drop --preempt and --min-run")
+    if args.pods is not None and args.idle_unload is not None:
+        raise UsageError("--pods does not replay idle unloads: drop --idle-unload")
     if args.plot:
         if not sweeps:
             raise UsageError("--plot draws wait against a swept setting: add --sweep KEY=V1,V2,...")
@@ -258,7 +272,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                                "maxWaitSeconds": args.max_wait, "slots": args.slots,
                                "reservedSlots": args.reserved_slots, "gpus": args.gpus,
                                "maxLoaded": args.max_loaded, "preempt": "on" if args.preempt else None,
-                               "minRun": args.min_run})
+                               "minRun": args.min_run, "idleUnload": args.idle_unload})
         settings = combinations(base, sweeps)
         explicit = args.reserved_slots is not None or any(s.key.name == "reservedSlots" for s in sweeps)
         settings, lowered = fit_reserved(settings, explicit=explicit)
@@ -290,9 +304,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
+    one_model = _one_model_gpus(config)
+    if one_model and any(setting.idles and len(setting.configured) == setting.gpus for setting in settings):
+        notes.append(f"no idle unload on {', '.join(sorted(one_model))}: a single-model llama-server (-m in the "
+                     "command) cannot unload its model, only the router can")
     rows, simulations = [], []
     for setting, policy in zip(settings, policies):
-        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt)
+        # (GPUs named by --gpus N are not the configured ones: each is taken as a router.)
+        unloading = (frozenset(gpu.name for gpu in policy.gpus if gpu.name not in one_model)
+                     if one_model and len(setting.configured) == setting.gpus else None)
+        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt,
+                              idle_gpus=unloading)
         simulations.append(simulation)
         rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
@@ -331,6 +353,16 @@ def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy
     return config.policy([config.gpu_policy(entry.name, {None: recorded_slots} if entry.slots == SLOTS_AUTO else None,
                                             single)
                           for entry in config.gpu_entries])
+
+
+def _one_model_gpus(config: Any) -> frozenset[str]:
+    """The configured upstreams that cannot unload a model: their command starts a single-model
+    llama-server (`config.idle.one_model_command`)."""
+    if config is None:
+        return frozenset()
+    from llamaswap.config.idle import one_model_command
+
+    return frozenset(entry.name for entry in config.gpu_entries if one_model_command(entry))
 
 
 def _pods_flag(text: str) -> int:

@@ -73,13 +73,19 @@ def idle_unload_of(entry: GpuEntry, models: Mapping[str, _Model]) -> IdleUnload:
                                             if model.ttl is not None and entry.lists(model_id)})
 
 
+def one_model_command(entry: GpuEntry) -> bool:
+    """``entry``'s command starts llama-server with one model (``-m`` and the like), which cannot
+    unload it: no model is unloaded for idleness there (`idle_advice`; `llamaswap simulate`)."""
+    return flag_value(entry.command, _MODEL_FLAGS) is not None
+
+
 def idle_advice(entries: Sequence[GpuEntry], keys: Sequence[str], models: Mapping[str, _Model]) -> list[Problem]:
     """Idle times that cannot apply: an upstream started as a single-model llama-server (its
     ``command`` gives it a model) cannot unload its one model, so it is never unloaded there.
     ``keys``: each entry's idleUnloadSeconds key path."""
     problems = []
     for entry, key in zip(entries, keys, strict=True):
-        if not idle_unload_of(entry, models).ever or flag_value(entry.command, _MODEL_FLAGS) is None:
+        if not idle_unload_of(entry, models).ever or not one_model_command(entry):
             continue
         problems.append(Problem(key, f"{entry.name}'s command starts llama-server with one model, which cannot be "
                                      f"unloaded (only its router mode can): no model is unloaded for idleness there. "

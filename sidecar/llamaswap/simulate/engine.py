@@ -53,6 +53,11 @@ stoppable. After each round of grants the replay takes the stops the scheduler o
 keeping its place and sends it again at once, as the feeder does: granted again, it runs what it
 had left (`stopping.py`). While requests wait, a line that has not yet run ``stop_min_run_s`` is
 an event too: the instant it has (`Lines.ripe_at`).
+
+Idle unloads (a GPU's `Residency.idle`: ``--idle-unload S``, ``models.<id>.ttl``): the next due
+time is an event too; at it the due models are unloaded, after that instant's arrivals (a request
+arriving then keeps its model) and before its grants (`idling.py`: every GPU taken as a router,
+the unload instant, and the loads they cost later). Each is an eviction with the reason ``idle``.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import logging
 import math
 import operator
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 from llamaswap.core import (
     NO_MODEL,
@@ -84,10 +89,20 @@ from llamaswap.core import (
 from llamaswap.core.estimate import Figures, grant_end_s
 from llamaswap.core.estimate_node import NodeTimes
 from llamaswap.simulate.concurrency import ConcurrencySpeed
+from llamaswap.simulate.idling import IdleReplay
 from llamaswap.simulate.inversion import worst_inversion
 from llamaswap.simulate.records import RequestRecord
 from llamaswap.simulate.running import NEVER, Apart, Gpu, Shared
-from llamaswap.simulate.results import BandMetrics, GpuMetrics, Metrics, Request, Result, Simulation, StopMetrics
+from llamaswap.simulate.results import (
+    BandMetrics,
+    GpuMetrics,
+    IdleMetrics,
+    Metrics,
+    Request,
+    Result,
+    Simulation,
+    StopMetrics,
+)
 from llamaswap.simulate.stopping import GRACE_NS, Lines, index_of, part_id, retry_key
 
 _log = logging.getLogger(__name__)
@@ -234,9 +249,11 @@ def prepare(records: Sequence[RequestRecord]) -> Replay:
 
 
 def simulate(replay: Replay, policy: Policy, costs: Figures, *,
-             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False) -> Simulation:
+             concurrency_speed: ConcurrencySpeed | None = None, preempt: bool = False,
+             idle_gpus: Set[str] | None = None) -> Simulation:
     """``preempt``: the records' Batch API lines (``batch_line``) are enqueued stoppable, and the
-    replay stops and resends those the scheduler orders stopped (`stopping.py`)."""
+    replay stops and resends those the scheduler orders stopped (`stopping.py`). ``idle_gpus``:
+    the GPUs whose upstream can unload an idle model (None: every one, `idling.py`)."""
     requests = replay.requests
     clock = ManualClock(0)
     scheduler = Scheduler(policy, clock)
@@ -289,6 +306,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         return scheduler.running_grants
     next_deadline = scheduler.next_deadline_ns
     expiring = policy.max_wait_ns > 0  # without maxWaitSeconds nothing expires: no need to ask
+    idle = IdleReplay(scheduler, policy, names, idle_gpus)
+    idle_at = NEVER  # the next idle unload (`idle.on`: some model may have one)
     heappush, heappop = heapq.heappush, heapq.heappop
     expiry: int | None = None
 
@@ -298,6 +317,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
             now = release_at
         if ripe_at < now:
             now = ripe_at
+        if idle_at < now:
+            now = idle_at
         if patience and patience[0][0] < now:
             now = patience[0][0]
         if expiring:
@@ -363,6 +384,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     if request.patience_ns is not None:
                         heappush(patience, (now + request.patience_ns, arrival))
                 arrival += 1
+        if idle_at <= now:
+            evictions[EvictReason.IDLE] += idle.unload_due(now)
 
         while True:
             while waiting:
@@ -408,6 +431,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     result.evicted = tuple(eviction.model for eviction in decision.evicts)
                 granted += 1
                 swaps += load
+                if idle.on:
+                    idle.granted(decision)
                 if decision.reordered_by:
                     for cause in decision.reordered_by:
                         reorders[cause] += 1
@@ -441,9 +466,11 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         if lines is not None and min_run:
             # A line not yet stoppable may be stopped once it has run its minimum: ask again then.
             ripe_at = lines.ripe_at(now, min_run) if waiting else NEVER
+        if idle.on:
+            idle_at = idle.next_at(now)
 
     metrics = _metrics(results, swaps, reorders, gpus, last_release, peak, evictions,
-                       lines.metrics() if lines is not None else None)
+                       lines.metrics() if lines is not None else None, idle.metrics(last_release))
     _log.debug("simulated %d requests with %s: %d swaps", len(requests), policy.name, swaps)
     return Simulation(policy, results, metrics)
 
@@ -488,7 +515,8 @@ def _resend(scheduler: Scheduler, result: Result, request_id: str, entry: str | 
 
 
 def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause], gpus: Sequence[Gpu],
-             last_release: int, peak: int, evictions: Counter[EvictReason], stops: StopMetrics | None) -> Metrics:
+             last_release: int, peak: int, evictions: Counter[EvictReason], stops: StopMetrics | None,
+             idle: IdleMetrics) -> Metrics:
     waits: dict[Band, list[int]] = {band: [] for band in Band}
     outcomes = Counter[Outcome]()
     for result in results:
@@ -521,4 +549,5 @@ def _metrics(results: list[Result], swaps: int, reorders: Counter[ReorderCause],
         gpus=per_gpu,
         evictions={reason.value: evictions[reason] for reason in EvictReason},
         stops=stops,
+        idle=idle,
     )

@@ -13,7 +13,16 @@ from typing import Any
 from llamaswap.core import BAND_NAMES
 from llamaswap.simulate.concurrency import SpeedChoice
 from llamaswap.simulate.results import Metrics, Simulation
-from llamaswap.simulate.settings import STOPPING_KEYS, Settings, model_slots_text, shown_keys, stopping
+from llamaswap.simulate.settings import (
+    IDLE_KEYS,
+    STOPPING_KEYS,
+    Settings,
+    idling,
+    model_slots_text,
+    model_ttl_text,
+    shown_keys,
+    stopping,
+)
 
 PLOT_HINT = "pip install 'llamaswap[plot]', or pip install matplotlib"
 
@@ -44,12 +53,15 @@ class Summary:
     recorded_evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
-def row_document(row: Row, *, stops: bool = False) -> dict[str, Any]:
-    """One row; ``stops``: with the stopping settings and the stops (null: stopping off)."""
+def row_document(row: Row, *, stops: bool = False, idle: bool = False) -> dict[str, Any]:
+    """One row; ``stops``: with the stopping settings and the stops (null: stopping off);
+    ``idle``: with the idle time and the idle unloads."""
     m = row.metrics
     values = row.settings.values()
-    if not stops:
-        values = {name: value for name, value in values.items() if name not in STOPPING_KEYS}
+    hidden = (frozenset() if stops else STOPPING_KEYS) | (frozenset() if idle else IDLE_KEYS)
+    values = {name: value for name, value in values.items() if name not in hidden}
+    if idle:
+        values["modelTtl"] = row.settings.model_ttl
     document = {
         "settings": values,
         "requests": m.requests,
@@ -68,6 +80,8 @@ def row_document(row: Row, *, stops: bool = False) -> dict[str, Any]:
     }
     if stops:
         document["stops"] = dataclasses.asdict(m.stops) if m.stops is not None else None
+    if idle:
+        document["idle"] = dataclasses.asdict(m.idle) if m.idle is not None else None
     return document
 
 
@@ -81,7 +95,7 @@ def document(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) -> dic
         "swept": list(swept),
         "concurrency_speed": summary.concurrency.document() if summary.concurrency is not None else None,
         "recorded_evictions": dict(summary.recorded_evictions),
-        "rows": [row_document(row, stops=_stopping(swept, rows)) for row in rows],
+        "rows": [row_document(row, stops=_stopping(swept, rows), idle=_idling(swept, rows)) for row in rows],
     }
 
 
@@ -132,16 +146,20 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
     if concurrency is not None and (concurrency.speed is not None or any(r.settings.most_slots > 1 for r in rows)):
         lines.append(concurrency.describe())
     first = rows[0].settings
+    idle = _idling(swept, rows)
     fixed = [name for name in shown_keys([row.settings for row in rows], swept) if name not in swept]
     values = first.values()
     label = "settings" if not swept else "fixed settings"
     lines.append(f"{label}: " + ", ".join(f"{name} {_setting(values[name])}" for name in fixed)
-                 + _model_priorities(first) + ("" if "slots" in swept else model_slots_text(first)))
+                 + _model_priorities(first) + ("" if "slots" in swept else model_slots_text(first))
+                 + (model_ttl_text(first) if idle else ""))
     groups: list[tuple[str, list[str]]] = [("", list(swept))] if swept else []
     for band in BAND_NAMES:
         groups.append((band, ["n", "p50", "p95", "max"]))
     evicting = _evicting(summary, rows)
     stops = _stopping(swept, rows)
+    if idle:
+        groups.append(("idle", ["unloads", "reloads", "freed"]))
     groups.append(("", ["swaps", *(["evictions"] if evicting else []), *(["stops", "stopped"] if stops else []),
                         "aging", "affinity", "busy", "left", "expired", "rejected", "inversion"]))
     body = []
@@ -152,6 +170,9 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
             stats = m.bands[band]
             cells += [str(stats.served), _seconds(stats.wait_p50_s), _seconds(stats.wait_p95_s),
                       _seconds(stats.wait_max_s)]
+        if idle:
+            cells += ([str(m.idle.unloads), str(m.idle.reloads), _seconds(m.idle.freed_s / 3600)]
+                      if m.idle is not None else ["-", "-", "-"])
         inversion = "-" if m.inversion is None else f"{_seconds(m.inversion.seconds)} ({m.inversion.request_id})"
         evictions = [str(sum(m.evictions.values()))] if evicting else []
         if stops:
@@ -179,7 +200,8 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
         for number, row in enumerate(rows, 1):
             gpus = row.metrics.gpus
             lines.append((f"row {number}: " if len(rows) > 1 else "per GPU: ") + "; ".join(
-                f"{name} swaps {gpu.swaps} busy {gpu.busy_fraction:.3f}" for name, gpu in gpus.items()))
+                f"{name} swaps {gpu.swaps} busy {gpu.busy_fraction:.3f}{_idle_of(row, name) if idle else ''}"
+                for name, gpu in gpus.items()))
     if evicting:
         lines.append("")
         lines += _eviction_lines(summary, rows)
@@ -187,8 +209,8 @@ def render_table(summary: Summary, swept: Sequence[str], rows: Sequence[Row]) ->
         lines.append("")
         lines += _stop_lines(rows)
     lines.append("")
-    lines += textwrap.wrap(_LEGEND + (_EVICTION_LEGEND if evicting else "") + (_STOP_LEGEND if stops else ""),
-                           width=100)
+    lines += textwrap.wrap(_LEGEND + (_EVICTION_LEGEND if evicting else "") + (_STOP_LEGEND if stops else "")
+                           + (_IDLE_LEGEND if idle else ""), width=100)
     return "\n".join(lines) + "\n"
 
 
@@ -205,6 +227,23 @@ _EVICTION_LEGEND = ("; evictions: resident models the replay's grants unloaded t
 
 _STOP_LEGEND = ("; stops: Batch API lines stopped for a higher band (--preempt; -: off), by the stopped "
                 "line's band below; stopped: lines stopped at least once")
+
+
+_IDLE_LEGEND = ("; idle unloads: resident models unloaded after sitting idle their idle time (--idle-unload, "
+                "models.<id>.ttl), each also an eviction; reloads: loads of a model on the GPU that idle-unloaded "
+                "it, by its first grant there after, where it would have stayed resident; freed: model-hours "
+                "they kept models out of memory that would have stayed, up to the last release (docs/simulate.md)")
+
+
+def _idling(swept: Sequence[str], rows: Sequence[Row]) -> bool:
+    """Idle unloads are worth columns: some row may unload idle models, or the idle time is swept."""
+    return idling([row.settings for row in rows], swept)
+
+
+def _idle_of(row: Row, gpu: str) -> str:
+    idle = row.metrics.idle
+    own = idle.gpus.get(gpu) if idle is not None else None
+    return "" if own is None else f" idle unloads {own.unloads} reloads {own.reloads} freed {own.freed_s / 3600:.2f} h"
 
 
 def _stopping(swept: Sequence[str], rows: Sequence[Row]) -> bool:

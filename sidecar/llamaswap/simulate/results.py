@@ -95,6 +95,25 @@ class StopMetrics:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class IdleGpuMetrics:
+    """Idle unloads on one GPU (`idling.py`)."""
+
+    unloads: int  # resident models unloaded for idleness
+    reloads: int  # loads of a model there that one of them cost later
+    freed_s: float  # model-seconds they kept models out of memory that would have stayed (`idling.py`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdleMetrics:
+    """Idle unloads (`simulate --idle-unload S`, `models.<id>.ttl`) and the loads they cost later."""
+
+    unloads: int
+    reloads: int
+    freed_s: float
+    gpus: Mapping[str, IdleGpuMetrics]  # per upstream, by name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Metrics:
     requests: int
     bands: Mapping[str, BandMetrics]
@@ -110,6 +129,7 @@ class Metrics:
     # Resident models its grants unloaded to make room (several resident), by reason (EvictReason).
     evictions: Mapping[str, int] = dataclasses.field(default_factory=dict)
     stops: StopMetrics | None = None  # None: stopping was off
+    idle: IdleMetrics | None = None  # idle unloads (zeros where none can happen); None: not replayed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,6 +12,9 @@ record give way). ``maxLoaded`` set by a flag or a sweep applies to every GPU (t
 keeps resident at once; ``-c``'s pinned models and memory budgets stay, and 1 is one model at a
 time, as before); without one each GPU keeps what ``-c`` gives it, else what the log's settings
 record says it ran with (its maxLoaded, pinned models and memory budget, by upstream name), else 1.
+``idleUnload`` (``--idle-unload S``) set by a flag or a sweep is every GPU's
+``upstream.idleUnloadSeconds`` (``-c``'s ``models.<id>.ttl`` stay: a model's own wins, as in the
+sidecar); without one each GPU keeps ``-c``'s idle times, else none (0: never).
 
 A ``reservedSlots`` that a flag or a sweep gives must be below the slots of
 its combination (``SettingsError`` otherwise); one from the record or ``-c`` is lowered to fit,
@@ -29,7 +32,7 @@ from typing import Any
 
 from llamaswap.core import InvalidSlots, Policy, PolicyName, Slots
 from llamaswap.core.policy import GpuPolicy
-from llamaswap.core.residency import Residency
+from llamaswap.core.residency import IdleUnload, Residency
 from llamaswap.simulate.records import GpuSlots, SettingsRecord
 
 MAX_BONUS = 99
@@ -72,6 +75,11 @@ class Settings:
     # at least ``min_run_s`` (`Policy.stop_min_run_s`).
     preempt: bool = False
     min_run_s: float = 0.0
+    # Seconds a resident model may sit idle before it is unloaded (`upstream.idleUnloadSeconds`;
+    # 0: never): the first configured GPU's, or a flag's or a sweep's (then every GPU's:
+    # ``idle_unload_everywhere``; a GPU not configured takes it in any case).
+    idle_unload_s: float = 0.0
+    idle_unload_everywhere: bool = False
 
     @classmethod
     def from_policy(cls, policy: Policy, *, configured: bool = True) -> Settings:
@@ -87,7 +95,18 @@ class Settings:
                    dict(first.slots.per_model), len(policy.gpus),
                    tuple(gpu.name for gpu in policy.gpus) if configured else (),
                    policy.gpus if configured else (), first.residency.max_loaded,
-                   min_run_s=policy.stop_min_run_s)
+                   min_run_s=policy.stop_min_run_s, idle_unload_s=first.residency.idle.default_s)
+
+    @property
+    def model_ttl(self) -> dict[str, float]:
+        """The configured models' own idle times (``models.<id>.ttl``; 0: never), over every
+        configured GPU that lists them."""
+        return {model: seconds for gpu in self.configured for model, seconds in gpu.residency.idle.per_model_s.items()}
+
+    @property
+    def idles(self) -> bool:
+        """Some model may be unloaded for idleness: an idle time, or a configured model's own ttl."""
+        return self.idle_unload_s > 0 or any(gpu.residency.idle.ever for gpu in self.configured)
 
     @property
     def fewest_slots(self) -> int:
@@ -125,7 +144,8 @@ class Settings:
                 return policy.with_gpus(tuple(
                     dataclasses.replace(gpu, slots=Slots(gpu.slots.default, gpu.slots.per_model,
                                                           self.reserved_slots),
-                                        residency=self._residency(gpu.name, gpu.residency, "-c FILE"))
+                                        residency=self._residency(gpu.name, gpu.residency, "-c FILE",
+                                                                  configured=True))
                     for gpu in self.configured))
             except InvalidSlots as exc:
                 raise SettingsError(f"reservedSlots {self.reserved_slots}: {exc}") from None
@@ -146,9 +166,12 @@ class Settings:
         except InvalidSlots as exc:
             raise SettingsError(f"reservedSlots {self.reserved_slots} on {name}: {exc}") from None
 
-    def _residency(self, name: str, residency: Residency, source: str) -> Residency:
+    def _residency(self, name: str, residency: Residency, source: str, *, configured: bool = False) -> Residency:
         """A GPU's residency (configured or recorded), with a flag's or a sweep's maxLoaded where
-        one is given."""
+        one is given, and the idle time (a configured GPU keeps its own without a flag or a sweep)."""
+        if ((self.idle_unload_everywhere or not configured)
+                and residency.idle.default_s != self.idle_unload_s):  # (the models' own ttl stay)
+            residency = dataclasses.replace(residency, idle=IdleUnload(self.idle_unload_s, residency.idle.per_model_s))
         if not self.max_loaded_everywhere or residency.max_loaded == self.max_loaded:
             return residency
         # (`Residency` drops the pins and the budget where nothing can stay beside a load.)
@@ -200,6 +223,14 @@ class Settings:
         if self.scheduler is PolicyName.FIFO and self.model_priorities:
             text += ", model priorities " + ", ".join(f"{m} {p:+d}" for m, p in sorted(self.model_priorities.items()))
         return text + model_slots_text(self)
+
+
+def model_ttl_text(settings: Settings) -> str:
+    """The models' own idle times where some are configured (shown beside ``idleUnload``)."""
+    ttl = settings.model_ttl
+    if not ttl:
+        return ""
+    return ", model ttl " + ", ".join(f"{m} {_show(seconds)}" for m, seconds in sorted(ttl.items()))
 
 
 def model_slots_text(settings: Settings) -> str:
@@ -304,6 +335,13 @@ def parse_min_run(text: str) -> float:
     return value
 
 
+def parse_idle_unload(text: str) -> float:
+    value = _float(text)
+    if value < 0 or 0 < value < 0.001:
+        raise SettingsError(f"must be 0 (never unload an idle model) or at least 0.001 seconds, got {text}")
+    return value
+
+
 def parse_reserved_slots(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -336,10 +374,14 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key("maxLoaded", "max_loaded", "--max-loaded", parse_max_loaded, {"max_loaded_everywhere": True}),
     Key("preempt", "preempt", "--preempt", parse_preempt),
     Key("minRun", "min_run_s", "--min-run", parse_min_run),
+    # A flag's or a sweep's idle time is every GPU's upstream.idleUnloadSeconds.
+    Key("idleUnload", "idle_unload_s", "--idle-unload", parse_idle_unload, {"idle_unload_everywhere": True}),
 )}
 # Shown in a report only where some row stops lines or one of them is swept (`shown_keys`): a
 # replay without stopping reads as it did before stopping existed.
 STOPPING_KEYS = frozenset({"preempt", "minRun"})
+# The same for idle unloads: shown where some row unloads idle models or the key is swept.
+IDLE_KEYS = frozenset({"idleUnload"})
 
 
 def stopping(settings: Iterable[Settings], swept: Iterable[str] = ()) -> bool:
@@ -347,11 +389,21 @@ def stopping(settings: Iterable[Settings], swept: Iterable[str] = ()) -> bool:
     return any(setting.preempt for setting in settings) or not STOPPING_KEYS.isdisjoint(swept)
 
 
+def idling(settings: Iterable[Settings], swept: Iterable[str] = ()) -> bool:
+    """Whether some row unloads idle models, or the idle time is swept."""
+    return any(setting.idles for setting in settings) or not IDLE_KEYS.isdisjoint(swept)
+
+
+def hidden_keys(settings: Sequence[Settings], swept: Sequence[str]) -> frozenset[str]:
+    """The keys a report leaves out: those of what no row does and no sweep asks about."""
+    return ((frozenset() if stopping(settings, swept) else STOPPING_KEYS)
+            | (frozenset() if idling(settings, swept) else IDLE_KEYS))
+
+
 def shown_keys(settings: Sequence[Settings], swept: Sequence[str]) -> list[str]:
     """The keys a report shows, in KEYS order."""
-    if stopping(settings, swept):
-        return list(KEYS)
-    return [name for name in KEYS if name not in STOPPING_KEYS]
+    hidden = hidden_keys(settings, swept)
+    return [name for name in KEYS if name not in hidden]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
