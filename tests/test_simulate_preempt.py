@@ -120,11 +120,17 @@ def test_a_line_stopped_during_its_load_keeps_no_work():
     assert by_id(run(records, costs)) == {"line": (0, 17 * S, 1), "person": (1 * S, 5 * S, 0)}
 
 
-def test_a_line_runs_its_minimum_before_it_is_stopped():
-    # minRun 5: at t=4 the line has run 4 s, not yet stoppable; the replay asks again at 5, when
-    # it has: stopped there with 5 s left. The person runs 5..7, the line 7..12.25 (5 + 0.25).
-    simulation = run(LINE_AND_PERSON, min_run_s=5.0)
-    assert by_id(simulation) == {"line": (0, 12_250_000_000, 1), "person": (5 * S, 7 * S, 0)}
+def test_a_resumed_line_runs_its_minimum_before_it_is_stopped_again():
+    records = [arrival("line", 0, "A", NORMAL, 10.0, line=True, order=0),
+               arrival("person-1", 2, "A", PERSON, 1.0, order=1),
+               arrival("person-2", 5, "A", PERSON, 1.0, order=2)]
+    # minRun 5 holds a resumed line only. t=2: its first part stopped at once (2 done, 8 left);
+    # person-1 2..3; the line resumes at 3 with 0.1 + 8. t=5: it has run 2 s of 5: person-2
+    # waits; the replay asks again at 8, when it has: 4.9 done (6.9 in all), 3.1 left; person-2
+    # 8..9; the line resumes with 5% of 6.9 (0.345) + 3.1: 9..12.445.
+    simulation = run(records, min_run_s=5.0)
+    assert by_id(simulation) == {"line": (0, 12_445_000_000, 2), "person-1": (2 * S, 3 * S, 0),
+                                 "person-2": (8 * S, 9 * S, 0)}
 
 
 def test_a_resumed_line_keeps_its_first_arrival_ahead_of_a_later_line():
@@ -281,7 +287,8 @@ def test_min_run_is_a_setting_of_the_replay(tmp_path):
                                 "--format", "json"])
     assert status == 0, err
     row = json.loads(out)["rows"][0]
-    assert row["settings"]["minRun"] == 5.0 and row["bands"]["interactive"]["wait_max_s"] == 1.0
+    # (A line's first part is stopped at once: the person waits for nothing.)
+    assert row["settings"]["minRun"] == 5.0 and row["bands"]["interactive"]["wait_max_s"] == 0.0
 
 
 def test_without_preempt_the_report_shows_no_stopping(tmp_path):
