@@ -91,7 +91,7 @@
     const tokens = `${line.tokens.toLocaleString()} token${line.tokens === 1 ? "" : "s"}${running ? "" : " kept"}`;
     const text = line.stops ? `stopped ${line.stops}x, ${tokens}` : tokens;
     const title = running ? "stopped for a higher band and resumed where it stopped" :
-      "stopped for a higher band: it resumes from the tokens kept";
+      "it resumes from the tokens kept when its part was stopped or its stream broke";
     return `<span class="line-note" title="${title}">${escapeHtml(text)}</span>`;
   }
 
