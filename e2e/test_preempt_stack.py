@@ -2,7 +2,8 @@
 path (`batches.preempt`), the scheduler stops it for a person's chat that can start nowhere (one
 slot, the line's), the feeder resumes it once the person's request has run, and the line's one
 answer is the undisturbed one. Real Envoy and sidecar; the fake router's token path
-(e2e/fake_tokens.py) pauses the line's stream after a few tokens, so where the stop lands is exact."""
+(e2e/fake_tokens.py) pauses the line's stream after a few tokens, so where the stop lands is exact;
+while the person runs, GET /queue shows the line waiting with its progress."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ async def test_a_person_stops_a_running_batch_line_which_resumes_to_its_undistur
         line_id = f"{batch.id}:long"
         await async_wait_for(lambda: fake.tokens.held == 1, what="the line's stream paused after 5 tokens")
         async with aiohttp.ClientSession() as session:
-            person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", model=MODEL))
+            # (Held at the upstream once it runs: the line, sent again, then waits behind it.)
+            person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", model=MODEL,
+                                              hold=True))
             await async_wait_for(lambda: _stops(stack.sidecar.admin_url), what="the line's stop")
             [stop] = _stops(stack.sidecar.admin_url)
             assert (stop["request_id"], stop["for_request_id"], stop["serial_band"], stop["for_band"]) == (
@@ -50,6 +53,12 @@ async def test_a_person_stops_a_running_batch_line_which_resumes_to_its_undistur
             # there, so the feeder's hang-up (a client that left, to Envoy) comes first.
             fake.tokens.hold_after = 6
             fake.tokens.release()
+            # The line sent again waits with its progress (GET /queue's `line`): 1 stop, 6 tokens kept.
+            waiting = await async_wait_for(
+                lambda: [row for row in get_json(f"{stack.sidecar.admin_url}/queue")["waiting"]
+                         if row["request_id"] == line_id], what="the stopped line waiting to resume")
+            assert waiting[0]["line"] == {"stops": 1, "tokens": 6}
+            fake.release("person")
             reply = await person
             fake.tokens.hold_after = None
             fake.tokens.release()  # (the resumed part's 6 tokens: it may have paused at its 6th)

@@ -8,7 +8,7 @@ colour, the refusal and the cancellation as marks, and a request found by its id
 sidecar restarts on the same admin port and the open page carries on with the new one, whose
 timeline is read back from the activity log file. A batch of the Batch API shows in the Batches
 panel with its progress, and its lines in the queue with a "batch" tag; without batches.dir the
-panel says the API is off.
+panel says the API is off. A line stopped for a higher band shows its progress beside its id.
 
 Every wait polls the DOM (one script call returns what a check needs) with a deadline.
 A screenshot is saved in the test's directory, and to $LLAMASWAP_UI_SCREENSHOT when set
@@ -503,3 +503,49 @@ async def test_the_page_shows_a_batch_with_its_progress(tmp_path: pathlib.Path, 
         assert [row["bar"] for row in ended] == [["100%", "0%"], ["90%", "10%"]]
         assert all(row["finish"].startswith("ended ") and row["inFlight"] == "0" for row in ended)
         client.close()
+
+
+READ_LINE_NOTES = """
+const notes = (selector) => [...document.querySelectorAll(selector)].map((tr) => [tr.dataset.requestId,
+  (tr.querySelector(".line-note") || {}).textContent || ""]);
+return {queue: notes("#queue tbody tr[data-request-id]"), running: notes("#running tbody tr[data-request-id]")};
+"""
+
+
+async def test_the_page_notes_a_stopped_line_s_progress(browser: Any) -> None:
+    """Issue 46: a Batch API line stopped for a higher band shows its progress beside its id (the
+    rows' ``line``): waiting, its stops and the tokens kept; running, its stops and tokens now;
+    nothing on a line never stopped nor on a client's request. Served in-process over hand-built
+    rows (what tests/test_line_progress.py shows the views build)."""
+    import dataclasses
+
+    from test_line_stops import Kept
+    from test_views_residents import BUSY, Resident
+
+    from llamaswap.adapters.ui import UiState
+    from llamaswap.core import Band
+    from llamaswap.runtime.activity import ActivityLog
+    from llamaswap.runtime.history import History
+    from llamaswap.runtime.views import QueueView, RunningRow, WaitingRow
+
+    class WithLines(Resident):
+        def view(self) -> QueueView:
+            waiting = (WaitingRow("batch_1:line-a", 1, -100, Band.BATCH, -100.0, False, 4.0, "chat", 3.0,
+                                  line=Kept(1, 120)),
+                       WaitingRow("batch_1:line-c", 2, -100, Band.BATCH, -100.0, False, 2.0, "chat", 9.0,
+                                  line=Kept(0, 0)),
+                       WaitingRow("chat-2", 3, 0, Band.NORMAL, 0.0, False, 1.0, "chat", 12.0))
+            running = (RunningRow("batch_1:line-b", -100, Band.BATCH, -100.0, "chat", 1.0, 2.0, 10.0, 8.0,
+                                  line=Kept(2, 300)),
+                       RunningRow("chat-1", 0, Band.NORMAL, 0.0, "chat", 0.5, 1.0, 10.0, 9.0))
+            return dataclasses.replace(super().view(), waiting=waiting, running=running)
+
+    node = WithLines(BUSY)
+    history = History(node.clock, ActivityLog(node.clock))
+    with page_served(UiState(node, history, jaeger_url=lambda: "")) as port:  # type: ignore[arg-type]
+        browser.get(f"http://127.0.0.1:{port}/ui")
+        seen = await async_wait_for(lambda: (lambda notes: notes if notes["queue"] and notes["running"] else None)(
+            browser.execute_script(READ_LINE_NOTES)), what="the page's waiting and running rows")
+        assert seen["queue"] == [["batch_1:line-a", "stopped 1x, 120 tokens kept"], ["batch_1:line-c", ""],
+                                 ["chat-2", ""]]
+        assert seen["running"] == [["batch_1:line-b", "stopped 2x, 300 tokens"], ["chat-1", ""]]

@@ -236,13 +236,17 @@ async def test_a_stop_before_the_first_token_closes_the_part_at_once(rig: tuple[
     key = lines.key_of(request_id)
     assert key is not None and key.endswith(request_id.encode()) and lines.key_of(f"{batch_id}:other") is None
     assert StoppableLines().key_of(request_id) is None and not StoppableLines().stop(request_id)
+    # Its progress, as the queue's rows carry it: the feeder's state of it (None for any other).
+    progress = lines.progress(request_id)
+    assert progress is not None and (progress.stops, progress.tokens) == (0, 0)
+    assert lines.progress(f"{batch_id}:other") is None and StoppableLines().progress(request_id) is None
     assert lines.stop(request_id)
     await asyncio.wait_for(left.wait(), 30)
     answer = _answer(made, await made.ended(batch_id))
     assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED)
     assert answer["llamaswap"] == {"stops": 1}
     assert [body["n_predict"] for body in server.completions] == [MAX_TOKENS, MAX_TOKENS]
-    assert lines.key_of(request_id) is None  # ended: nothing to stop
+    assert lines.key_of(request_id) is None and lines.progress(request_id) is None  # ended: nothing to stop
 
 
 async def test_an_answer_that_is_not_a_stream_of_tokens_is_the_lines_error(rig: tuple[TokenServer, Rig]) -> None:

@@ -4,6 +4,7 @@ its stream closes, and gives the line sent again its first place back."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -20,14 +21,25 @@ from llamaswap.telemetry.observer import Telemetry
 from test_telemetry import by_label, parse_text
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A line's progress as its owner tells it (`stops.LineProgress`)."""
+
+    stops: int
+    tokens: int
+
+
 class FakeLines:
-    """The feeder's side: which request ids are stoppable lines, and the stops asked of it."""
+    """The feeder's side: which request ids are stoppable lines, the stops asked of it, and each
+    line's progress: its stops so far (counted here as the feeder counts them) and its tokens (set
+    by the test: what the line has generated)."""
 
     def __init__(self, *request_ids: str, refuse: bool = False, stops_left: bool = True) -> None:
         self.lines = set(request_ids)
         self.refuse = refuse
         self.stops_left = stops_left  # False: each line was stopped batches.maxPreemptions times
         self.stopped: list[str] = []
+        self.tokens: dict[str, int] = {}
 
     def key_of(self, request_id: str) -> bytes | None:
         return f"line:{request_id}".encode() if request_id in self.lines else None
@@ -40,6 +52,11 @@ class FakeLines:
             return False
         self.stopped.append(request_id)
         return True
+
+    def progress(self, request_id: str) -> Kept | None:
+        if request_id not in self.lines:
+            return None
+        return Kept(self.stopped.count(request_id), self.tokens.get(request_id, 0))
 
 
 def stops_seen(flow: Flow) -> list[object]:

@@ -544,7 +544,8 @@ async def test_the_queue_and_status_documents() -> None:
     assert json.loads(json.dumps(document)) == document
     assert status_document(flow.coordinator, "wait") == {
         "request_id": "wait", "state": "waiting", "position": 1, "priority": -100, "band": "batch",
-        "score": pytest.approx(-100 + 1 / 60), "waited_s": 1.0, "estimated_start_s": 14.0}
+        "score": pytest.approx(-100 + 1 / 60), "waited_s": 1.0, "estimated_start_s": 14.0,
+        "line": None}  # (not a Batch API line: tests/test_line_progress.py)
     running = status_document(flow.coordinator, "run")
     assert running["state"] == "running" and running["position"] == 0 and running["running_s"] == 1.0
     assert status_document(flow.coordinator, "nobody") is None

@@ -17,6 +17,7 @@ from llamaswap.runtime.activity import KEPT_EVENTS, REQUEST, ActivityLog
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.history import History
 from llamaswap.runtime.kept import KeptRow
+from llamaswap.runtime.stops import LineProgress
 from llamaswap.runtime.views import IdleRow, QueueView, RunningRow, WaitingRow
 from llamaswap.adapters.outcomes import openai_error_body
 
@@ -25,7 +26,14 @@ def waiting_document(row: WaitingRow) -> dict[str, Any]:
     """One waiting request as GET /queue (and the page at /ui) shows it."""
     return {"request_id": row.request_id, "position": row.position, "priority": row.priority,
             "band": row.band.value, "score": row.score, "swap_affinity": row.swap_affinity,
-            "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s}
+            "waited_s": row.waited_s, "model": row.model, "estimated_start_s": row.estimated_start_s,
+            "line": line_document(row.line)}
+
+
+def line_document(line: LineProgress | None) -> dict[str, int] | None:
+    """A Batch API line that may be stopped: its stops so far and its tokens (those its stops kept,
+    while it waits; with its running part's, while it runs); null for any other request."""
+    return None if line is None else {"stops": line.stops, "tokens": line.tokens}
 
 
 def kept_document(row: KeptRow) -> dict[str, Any]:
@@ -40,7 +48,7 @@ def running_document(row: RunningRow) -> dict[str, Any]:
     return {"request_id": row.request_id, "priority": row.priority, "band": row.band.value, "score": row.score,
             "model": row.model, "queue_wait_s": row.queue_wait_s, "running_s": row.running_s,
             "expected_end_s": row.expected_end_s, "expected_remaining_s": row.expected_remaining_s,
-            "upstream": row.gpu}
+            "upstream": row.gpu, "line": line_document(row.line)}
 
 
 def queue_document(view: QueueView) -> dict[str, Any]:
@@ -78,10 +86,11 @@ def status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any]
     if isinstance(row, RunningRow):
         return {"request_id": request_id, "state": "running", "position": 0, "priority": row.priority,
                 "band": row.band.value, "score": row.score, "waited_s": row.queue_wait_s, "running_s": row.running_s,
-                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s, "upstream": row.gpu}
+                "estimated_start_s": 0.0, "expected_remaining_s": row.expected_remaining_s, "upstream": row.gpu,
+                "line": line_document(row.line)}
     return {"request_id": request_id, "state": "waiting", "position": row.position, "priority": row.priority,
             "band": row.band.value, "score": row.score, "waited_s": row.waited_s,
-            "estimated_start_s": row.estimated_start_s}
+            "estimated_start_s": row.estimated_start_s, "line": line_document(row.line)}
 
 
 def public_status_document(coordinator: Coordinator, request_id: str) -> dict[str, Any] | None:

@@ -585,6 +585,9 @@ class StoppableLines:
     def stop(self, request_id: str) -> bool:
         return self.feeder.stop_line(request_id) if self.feeder is not None else False
 
+    def progress(self, request_id: str) -> LineState | None:
+        return self.feeder.line_state(request_id) if self.feeder is not None else None
+
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):

@@ -16,6 +16,8 @@ command shows what it says. Places
 kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT counts from the
 first try, TIME is how long the client has been away. Each idle resident model has a line: how long
 it has sat idle and in how long it is unloaded for idleness (`models.<id>.ttl`), or that it is kept.
+A Batch API line that was stopped for a higher band (`batches.preempt`) gets a note in a last LINE
+column: waiting, how often it was stopped and the tokens it resumes from; running, its stops so far.
 `--watch N` refreshes every N seconds until
 Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
 
@@ -43,6 +45,8 @@ from llamaswap.runtime.gpu_projection import GpuState
 COLUMNS = ("POS", "ST", "REQUEST_ID", "PRIORITY", "BAND", "SCORE", "WAIT", "TIME", "START", "MODEL")
 # With several upstreams: which one a running request runs on.
 GPU_COLUMN = "GPU"
+# Where a row is a Batch API line that was stopped (or kept tokens): its progress.
+LINE_COLUMN = "LINE"
 _RIGHT = {"PRIORITY", "SCORE", "WAIT", "TIME", "START"}
 _CLEAR = "\x1b[H\x1b[2J"
 _GPU: dict[str, str] = {GpuState.IDLE: "GPU idle", GpuState.RUNNING: "1 running",
@@ -124,29 +128,61 @@ def format_duration(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
+def columns_of(document: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: COLUMNS, then GPU_COLUMN with several GPUs, then LINE_COLUMN where a
+    row has a line's note."""
+    gpu = (GPU_COLUMN,) if len(_gpus(document)) > 1 else ()
+    return (*COLUMNS, *gpu, *((LINE_COLUMN,) if _line_notes(document) else ()))
+
+
 def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The table's rows, in COLUMNS order (with several GPUs, GPU_COLUMN last)."""
+    """The table's rows, in `columns_of`'s order."""
     gpu_column = len(_gpus(document)) > 1
+    line_column = _line_notes(document)
     table: list[tuple[str, ...]] = []
+
+    def add(row: tuple[str, ...], gpu: str, note: str) -> None:
+        table.append((*row, *((gpu,) if gpu_column else ()), *((note,) if line_column else ())))
+
     for running in _running(document):
-        row: tuple[str, ...] = (
-            "-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
-            str(running.get("band", "")), _score(running.get("score")),
-            format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
-            _start(running, "expected_remaining_s"), running.get("model") or "-")
-        table.append((*row, str(running.get("upstream") or "-")) if gpu_column else row)
-    for item in document.get("waiting") or []:
-        row = (str(item.get("position", "")), "PD", str(item.get("request_id", "")),
-               str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
-               format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
-               item.get("model") or "-")
-        table.append((*row, "") if gpu_column else row)
+        add(("-", "R", str(running.get("request_id", "")), str(running.get("priority", "")),
+             str(running.get("band", "")), _score(running.get("score")),
+             format_duration(running.get("queue_wait_s")), format_duration(running.get("running_s")),
+             _start(running, "expected_remaining_s"), running.get("model") or "-"),
+            str(running.get("upstream") or "-"), line_note(running.get("line"), running=True))
+    for item in _waiting(document):
+        add((str(item.get("position", "")), "PD", str(item.get("request_id", "")),
+             str(item.get("priority", "")), str(item.get("band", "")), _score(item.get("score")),
+             format_duration(item.get("waited_s")), "", _start(item, "estimated_start_s"),
+             item.get("model") or "-"), "", line_note(item.get("line"), running=False))
     for item in document.get("kept") or []:
-        row = ("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
-               str(item.get("band", "")), "", format_duration(item.get("waited_s")),
-               format_duration(item.get("away_s")), "", item.get("model") or "-")
-        table.append((*row, "") if gpu_column else row)
+        add(("-", "K", str(item.get("request_id", "")), str(item.get("priority", "")),
+             str(item.get("band", "")), "", format_duration(item.get("waited_s")),
+             format_duration(item.get("away_s")), "", item.get("model") or "-"), "", "")
     return table
+
+
+def line_note(line: Any, *, running: bool) -> str:
+    """A Batch API line's progress (a row's ``line``): waiting, "stopped 1x, 120 tokens kept" (the
+    tokens it resumes from); running, "stopped 1x, 180 tokens" (its stops so far and its tokens
+    now); nothing for a line never stopped (nor, waiting, with no tokens kept) or another request."""
+    if not isinstance(line, dict):
+        return ""
+    stops, tokens = line.get("stops"), line.get("tokens")
+    if not isinstance(stops, int) or not isinstance(tokens, int) or not (stops or (tokens and not running)):
+        return ""
+    counted = f"{tokens} token{'' if tokens == 1 else 's'}{'' if running else ' kept'}"
+    return f"stopped {stops}x, {counted}" if stops else counted
+
+
+def _line_notes(document: dict[str, Any]) -> bool:
+    """Whether a running or waiting row has a line's note (then the table has LINE_COLUMN)."""
+    return (any(line_note(row.get("line"), running=True) for row in _running(document))
+            or any(line_note(row.get("line"), running=False) for row in _waiting(document)))
+
+
+def _waiting(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in document.get("waiting") or [] if isinstance(row, dict)]
 
 
 def _gpus(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -249,8 +285,7 @@ def render(document: dict[str, Any]) -> str:
     kept = document.get("kept") or []
     if kept:
         summary += f", {len(kept)} kept for a retry"
-    columns = (*COLUMNS, GPU_COLUMN) if gpu_column else COLUMNS
-    lines = [summary, *gpus, *idle_lines(document), *table_lines(columns, rows(document), right=_RIGHT)]
+    lines = [summary, *gpus, *idle_lines(document), *table_lines(columns_of(document), rows(document), right=_RIGHT)]
     return "\n".join(lines) + "\n"
 
 

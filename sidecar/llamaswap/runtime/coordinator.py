@@ -108,7 +108,7 @@ class Coordinator:
         def views(blocked: Callable[[], Mapping[str, float]]) -> QueueViews:
             return QueueViews(self.scheduler, self.estimator, self._clock, self._tickets, self._request_ids.first,
                               version=self._version.current, blocked=blocked, holdings=self.scheduler.holdings,
-                              unloadable=self.gpus.routers)
+                              unloadable=self.gpus.routers, lines=lines)
 
         self._forecast = Forecast(self._clock, self.scheduler, self.estimator, gpus=self.gpus,
                                   schedule_model=self._keys.scheduled, views=views)

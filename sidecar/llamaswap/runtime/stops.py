@@ -14,6 +14,9 @@ is kept for the line sent again to resume where it stopped.
   as any abandoned generation), and the release keeps the line's place under its key for
   ``grace_ns`` (`routing.retryGraceSeconds`, at least a minute: the feeder sends it again at once).
   A line that ended on its own first ends as it ended: nothing doubled.
+- Seen: each line's progress (`Lines.progress`: its stops so far and its tokens) is on its row of
+  the queue (`views.py`), so GET /queue, the page and `llamaswap queue` show a stopped line
+  waiting with the tokens it kept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ _log = logging.getLogger(__name__)
 KEEP_STOPPED_MIN_NS = 60 * NS_PER_S
 
 
+class LineProgress(Protocol):
+    """How far a line has come (the feeder's `LineState` is one)."""
+
+    @property
+    def stops(self) -> int:
+        """The times it was stopped so far."""
+
+    @property
+    def tokens(self) -> int:
+        """Its answer's tokens so far: those its stops kept while it waits; with those its running
+        part has read while it runs."""
+
+
 class Lines(Protocol):
     """The lines in flight that their owner can stop and resume (the Batch API's feeder)."""
 
@@ -46,6 +62,9 @@ class Lines(Protocol):
         """Stop the running line ``request_id`` at its next token and send it again to resume;
         False: not a running stoppable line (it may be ending)."""
 
+    def progress(self, request_id: str) -> LineProgress | None:
+        """The line's progress now; None: not a line its owner can stop (any other request)."""
+
 
 class NoLines:
     """No Batch API: nothing is ever stopped."""
@@ -58,6 +77,9 @@ class NoLines:
 
     def stop(self, request_id: str) -> bool:
         return False
+
+    def progress(self, request_id: str) -> LineProgress | None:
+        return None
 
 
 class LineStops:

@@ -20,6 +20,7 @@ from llamaswap.core.holding import GpuHolding
 from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuState, NodeProjection, Projector
 from llamaswap.runtime.kept import KeptRow
+from llamaswap.runtime.stops import LineProgress, Lines, NoLines
 from llamaswap.runtime.ticket import Ticket, TicketState
 
 # The queue view (GET /queue, the status route) is reused while younger than this.
@@ -45,6 +46,9 @@ class WaitingRow:
     model: str | None
     estimated_start_s: float | None  # from now; None: unknown (it waits behind work of unknown length)
     aging: float = 0.0  # the score's aging term (`WaitingView.aging`)
+    # A Batch API line its owner can stop (`stops.py`): its stops so far and the tokens they kept
+    # (a resumed line waits with them); None for any other request.
+    line: LineProgress | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class RunningRow:
     expected_end_s: float
     expected_remaining_s: float | None  # None: it has outrun its expected run, how much longer is unknown
     gpu: str = IMPLICIT_GPU  # the GPU it runs on
+    line: LineProgress | None = None  # a stoppable line's stops so far and tokens now (`WaitingRow.line`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,13 +128,14 @@ class QueueViews:
     (`math.inf`: unknown), nothing granted there meanwhile; `holdings`, what holds each GPU
     (`Scheduler.holdings`, by default: the record the runtime tells of each settle and adoption
     as it begins and ends, so both read the same state and neither syncs anything), which the
-    GPUs' projection shows (`gpu_projection.py`)."""
+    GPUs' projection shows (`gpu_projection.py`); `lines`, the progress of each Batch API line
+    that may be stopped (`stops.py`), which its row carries."""
 
     def __init__(self, scheduler: Scheduler, estimator: Estimator, clock: Clock, tickets: dict[str, Ticket],
                  by_request_id: dict[str, Ticket], *, version: Callable[[], int],
                  blocked: Callable[[], Mapping[str, float]],
                  holdings: Callable[[], Sequence[GpuHolding]] | None = None,
-                 unloadable: Callable[[], Collection[str]] = frozenset) -> None:
+                 unloadable: Callable[[], Collection[str]] = frozenset, lines: Lines | None = None) -> None:
         self._scheduler = scheduler
         self._estimator = estimator
         self._clock = clock
@@ -139,6 +145,7 @@ class QueueViews:
         self._blocked = blocked
         self._holdings = holdings or scheduler.holdings
         self._unloadable = unloadable  # the GPUs that can unload a model (`Gpus.routers`)
+        self._lines: Lines = lines or NoLines()
         self._walk: _Walk | None = None
         self._projector = Projector()
 
@@ -184,7 +191,8 @@ class QueueViews:
         tickets = self._tickets
         waiting = tuple(
             WaitingRow(ticket.request_id, w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s,
-                       ticket.model, _known(start), w.aging) if (ticket := tickets.get(w.request_id)) is not None
+                       ticket.model, _known(start), w.aging, self._line(ticket))
+            if (ticket := tickets.get(w.request_id)) is not None
             else WaitingRow("-", w.position, w.priority, w.band, w.score, w.swap_affinity, w.waited_s, w.model,
                             _known(start), w.aging)
             for w, start in zip(snapshot.waiting, starts))
@@ -221,7 +229,7 @@ class QueueViews:
             rows.append(RunningRow(ticket.request_id if ticket is not None else "-", decision.priority, decision.band,
                                    decision.score, ticket.model if ticket is not None else decision.model,
                                    decision.queue_wait_ns / NS_PER_S, running_s, expected, remaining,
-                                   decision.gpu))
+                                   decision.gpu, self._line(ticket) if ticket is not None else None))
         return tuple(rows)
 
     def status_of(self, request_id: str) -> tuple[Ticket, WaitingRow | RunningRow] | None:
@@ -243,7 +251,12 @@ class QueueViews:
         w = walk.snapshot.waiting[index]
         age_s = (now - walk.at_ns) / NS_PER_S
         return ticket, WaitingRow(request_id, w.position, w.priority, w.band, w.score, w.swap_affinity,
-                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)), w.aging)
+                                  w.waited_s, ticket.model, _known(_aged(walk.starts[index], age_s)), w.aging,
+                                  self._line(ticket))
+
+    def _line(self, ticket: Ticket) -> LineProgress | None:
+        """A stoppable line's progress (asked of its owner only for a ticket admitted as one)."""
+        return self._lines.progress(ticket.request_id) if ticket.line_key is not None else None
 
 
 def _aged(start_s: float, age_s: float) -> float:

@@ -81,6 +81,20 @@
       `<span class="tag" title="line ${escapeHtml(line.line)} of ${escapeHtml(line.batch)}">batch</span>`;
   }
 
+  // A Batch API line's progress (a row's `line`) as a note after its id: waiting, how often it
+  // was stopped and the tokens it resumes from; running, its stops so far and its tokens now.
+  // Nothing for a line never stopped (nor, waiting, with no tokens kept) or another request.
+  function lineNoteHtml(line, running) {
+    if (!line || !(line.stops || (line.tokens && !running))) {
+      return "";
+    }
+    const tokens = `${line.tokens.toLocaleString()} token${line.tokens === 1 ? "" : "s"}${running ? "" : " kept"}`;
+    const text = line.stops ? `stopped ${line.stops}x, ${tokens}` : tokens;
+    const title = running ? "stopped for a higher band and resumed where it stopped" :
+      "it resumes from the tokens kept when its part was stopped or its stream broke";
+    return `<span class="line-note" title="${title}">${escapeHtml(text)}</span>`;
+  }
+
   // -- fetching ---------------------------------------------------------------------------
 
   async function getJson(url) {
@@ -232,7 +246,7 @@
       const known = row.expected_end_ms !== null && row.expected_end_ms !== undefined;
       const late = now > row.expected_end_ms;
       return `<tr data-request-id="${escapeHtml(row.request_id)}">` +
-        `<td class="id">${requestIdHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
+        `<td class="id">${requestIdHtml(row.request_id)}${lineNoteHtml(row.line, true)}</td><td>${band(row.band)}</td>` +
         `<td class="num">${row.priority}</td><td class="num score">${score(row.score)}</td>` +
         `<td>${model(row.model)}</td><td class="gpu-name">${escapeHtml(row.upstream || "–")}</td>` +
         `<td class="num">${seconds(row.queue_wait_s)}</td>` +
@@ -259,7 +273,8 @@
     const aging = (doc.aging_per_s || 0) * ageS;
     const now = serverNow();
     const rows = doc.waiting.map((row) => `<tr data-request-id="${escapeHtml(row.request_id)}" data-position="${row.position}">` +
-      `<td class="num">${row.position}</td><td class="id">${requestIdHtml(row.request_id)}</td><td>${band(row.band)}</td>` +
+      `<td class="num">${row.position}</td><td class="id">${requestIdHtml(row.request_id)}${lineNoteHtml(row.line, false)}</td>` +
+      `<td>${band(row.band)}</td>` +
       `<td class="num">${row.priority}</td><td class="num score">${score(row.score + aging)}</td>` +
       `<td class="term">${score(row.terms.priority)}</td><td class="term">${score(row.terms.affinity)}</td>` +
       `<td class="term">${score(row.terms.aging + aging)}</td><td class="num">${seconds(row.waited_s + ageS)}</td>` +
