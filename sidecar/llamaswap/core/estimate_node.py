@@ -267,6 +267,7 @@ class _Walk:
         step, gpu = choose(views, candidate, closed, interactive_only, times, self._wanted, held_back)
         if step is Step.START:
             assert gpu is not None
+            self.held.clear()  # (as `node.find`: the best starts, and the claim in force ends)
             return best, gpu, True
         if gpu is None:
             self.held.clear()  # (as `node.find`: the best holds nothing back)
