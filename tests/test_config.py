@@ -636,13 +636,14 @@ def test_auto_slots_in_router_mode_are_per_model_and_configured_ones_win():
 
 def test_policy_from_parsed_config_matches_the_documented_defaults():
     cfg = parse_config({})
-    assert cfg.policy() == Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_queued=0, max_wait_s=0)
+    assert cfg.policy() == Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_queued=0, max_wait_s=0,
+                                         stop_min_run_s=10)
 
 
 def test_fifo_policy_carries_the_limits():
     cfg = parse_config({"routing": {"scheduler": {"use": "fifo", "maxQueued": 4, "maxWaitSeconds": 2.5}},
                         "models": {"a": {"priority": 3}}})
-    assert cfg.policy() == Policy.fifo(model_priorities={"a": 3}, max_queued=4, max_wait_s=2.5)
+    assert cfg.policy() == Policy.fifo(model_priorities={"a": 3}, max_queued=4, max_wait_s=2.5, stop_min_run_s=10)
 
 
 @pytest.mark.parametrize("document, key_path", [
@@ -696,7 +697,8 @@ EVERY_KEY = {
     "batches": {"dir": "/var/lib/llamaswap/batches", "maxRequests": 1000, "maxFileBytes": 1048576, "inFlight": 3,
                 "maxLineBytes": 65536, "maxAnswerBytes": 131072,
                 "apiKeys": [{"name": "team-a", "key": "env:TEAM_A_KEY", "admin": True}], "callerHeader": "x-user",
-                "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400, "preempt": True},
+                "adminCallers": ["ops"], "maxStoredBytes": "10GiB", "outputExpirySeconds": 86400, "preempt": True,
+                "maxPreemptions": 1, "minRunSeconds": 30},
 }
 
 

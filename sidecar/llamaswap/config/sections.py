@@ -8,7 +8,6 @@ both. Each key's type, range, default and meaning is written here once; the load
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -574,15 +573,16 @@ class Config(Section):
         nothing learnt)."""
         s = self.routing.scheduler
         over = tuple(gpus) if gpus is not None else tuple(self.gpu_policy(entry.name) for entry in self._entries)
+        min_run_s = float(self.batches.min_run_seconds)  # a resumed Batch API line's (`core/preemption.py`)
         if s.use == PolicyName.FIFO:
             priorities = {model_id: model.priority for model_id, model in self.models.items()}
-            policy = Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
+            policy = Policy.fifo(model_priorities=priorities, max_queued=s.max_queued, max_wait_s=s.max_wait_seconds,
+                                 stop_min_run_s=min_run_s)
         else:
             serial = s.settings.serial
             policy = Policy.serial(aging_divisor_s=serial.aging_divisor, swap_affinity_bonus=serial.swap_affinity_bonus,
-                                   max_queued=s.max_queued, max_wait_s=s.max_wait_seconds)
-        # A Batch API line runs batches.minRunSeconds before it may be stopped (`core/preemption.py`).
-        return dataclasses.replace(policy.with_gpus(over), stop_min_run_s=float(self.batches.min_run_seconds))
+                                   max_queued=s.max_queued, max_wait_s=s.max_wait_seconds, stop_min_run_s=min_run_s)
+        return policy.with_gpus(over)
 
     def priority_policy(self) -> PriorityPolicy:
         """What callers may claim with X-LlamaSwap-Priority."""

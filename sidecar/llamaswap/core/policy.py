@@ -69,16 +69,17 @@ class Policy:
 
     @classmethod
     def serial(cls, *, aging_divisor_s: float, swap_affinity_bonus: int, max_queued: int = 0,
-               max_wait_s: float = 0.0, slots: Slots | None = None) -> Policy:
+               max_wait_s: float = 0.0, slots: Slots | None = None, stop_min_run_s: float = 0.0) -> Policy:
         """``slots``: a node of one GPU (IMPLICIT_GPU) with these slots (`with_gpus` for others)."""
         return cls(PolicyName.SERIAL, aging_divisor_s, swap_affinity_bonus, {}, max_queued, max_wait_s,
-                   _one_gpu(slots))
+                   _one_gpu(slots), stop_min_run_s)
 
     @classmethod
     def fifo(cls, *, model_priorities: Mapping[str, int], max_queued: int = 0, max_wait_s: float = 0.0,
-             slots: Slots | None = None) -> Policy:
+             slots: Slots | None = None, stop_min_run_s: float = 0.0) -> Policy:
         """``slots``: as for `serial`."""
-        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s, _one_gpu(slots))
+        return cls(PolicyName.FIFO, 0.0, 0, dict(model_priorities), max_queued, max_wait_s, _one_gpu(slots),
+                   stop_min_run_s)
 
     def with_gpus(self, gpus: tuple[GpuPolicy, ...]) -> Policy:
         """This policy's order over these GPUs."""
