@@ -4,6 +4,7 @@ on a GPU says its idle time there (`core/idle.py`)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,6 +12,8 @@ from google.protobuf import struct_pb2
 
 from llamaswap.adapters.ext_authz import keep_alive_in
 from llamaswap.config import ConfigError, parse_config
+from llamaswap.config.idle import describe_idle
+from llamaswap.envoy.bootstrap import build_bootstrap
 from llamaswap.core import ManualClock, Residency, Scheduler, Slots
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.keep_alive import FOR_EVER, IGNORED, KeepAlive, KeepAliveError, parse_keep_alive
@@ -205,3 +208,18 @@ def test_a_bad_max_seconds_exits_2_from_check_config(tmp_path) -> None:
     result = check_config(path.name, tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "error: routing.keepAlive.maxSeconds: " in result.stderr
+
+
+def test_check_config_says_what_keep_alive_may_do() -> None:
+    assert describe_idle(parse_config({"routing": {"keepAlive": {"maxSeconds": 60}}})) == []  # (not honoured)
+    honoured = parse_config({"routing": {"keepAlive": {"honour": True, "maxSeconds": 900}}})
+    assert describe_idle(honoured) == [
+        "gpu0: no model is unloaded for idleness (upstream.idleUnloadSeconds: 0); a request's keep_alive sets its "
+        "model's idle time (routing.keepAlive.honour, at most 900 s)"]
+
+
+def test_envoy_always_sends_the_bodys_keep_alive() -> None:
+    """Whatever routing.keepAlive says (a reload may turn honour on without a new bootstrap)."""
+    for document in ({}, {"routing": {"keepAlive": {"honour": True}}}):
+        text = json.dumps(build_bootstrap(parse_config(document)))
+        assert '"selectors": [{"key": "keep_alive"}]' in text

@@ -121,9 +121,17 @@ class _Entry(Protocol):
     def idle_unload_seconds(self) -> float | None: ...
 
 
+class _Routing(Protocol):
+    @property
+    def keep_alive(self) -> KeepAliveConfig: ...
+
+
 class _Config(Protocol):
     @property
     def global_ttl(self) -> int | None: ...
+
+    @property
+    def routing(self) -> _Routing: ...
 
     @property
     def upstreams(self) -> Sequence[_Entry] | None: ...
@@ -147,13 +155,17 @@ def idle_keys(config: _Config) -> list[str]:
 def describe_idle(config: _Config) -> list[str]:
     """What the idle times imply, per upstream (`llamaswap check-config`); nothing where none is set."""
     lines = []
+    keep_alive = config.routing.keep_alive
+    asked = ("; a request's keep_alive sets its model's idle time (routing.keepAlive.honour"
+             + (f", at most {keep_alive.max_seconds:g} s)" if keep_alive.max_seconds is not None else ")"))
     for entry, key in zip(config.gpu_entries, idle_keys(config), strict=True):
-        idle = idle_unload_of(entry, config.models)
+        idle = idle_unload_of(entry, config.models, keep_alive.bounds)
         if not idle.ever:
             continue
         default = (f"a model idle {entry.idle_unload_s:g} s is unloaded ({key})" if entry.idle_unload_s > 0
                    else f"no model is unloaded for idleness ({key}: 0)")
         own = [f"{model} {'never' if seconds == 0 else f'after {seconds:g} s'}"
                for model, seconds in sorted(idle.per_model_s.items())]
-        lines.append(f"{entry.name}: {default}" + (f"; {', '.join(own)} (models.<id>.ttl)" if own else ""))
+        lines.append(f"{entry.name}: {default}" + (f"; {', '.join(own)} (models.<id>.ttl)" if own else "")
+                     + (asked if idle.keep_alive.honour else ""))
     return lines
