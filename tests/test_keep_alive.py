@@ -176,6 +176,22 @@ def test_an_unloaded_model_forgets_its_keep_alive() -> None:
     assert [idle.due_ns for idle in scheduler.idle_unloads().idle] == [60 * NS_PER_S]
 
 
+def test_a_reload_bounds_or_ignores_the_keep_alive_already_asked() -> None:
+    scheduler, clock = _node(HONOURED, ttl_s=60.0)
+    _grant(scheduler, "r1", "A", FOR_EVER)
+    scheduler.release("r1")
+    assert scheduler.idle_unloads().next_ns is None
+
+    def policy(keep_alive: KeepAlive) -> GpuPolicy:
+        return GpuPolicy("gpu0", Slots(2, {}, 0), None, Residency(3, idle=IdleUnload(60.0, {}, keep_alive)))
+
+    scheduler.reconfigure(serial(aging_divisor_s=0.0, swap_affinity_bonus=0).with_gpus(
+        (policy(KeepAlive(honour=True, max_s=300.0)),)))
+    assert scheduler.idle_unloads().next_ns == 300 * NS_PER_S
+    scheduler.reconfigure(serial(aging_divisor_s=0.0, swap_affinity_bonus=0).with_gpus((policy(IGNORED),)))
+    assert scheduler.idle_unloads().next_ns == 60 * NS_PER_S
+
+
 # -- the configuration ----------------------------------------------------------------------
 
 
