@@ -1,9 +1,10 @@
 """Envoy ext_authz: the Check call that is answered only when the request gets the GPU.
 
 The Check carries no body: Envoy's json_to_metadata filter has already put the body's `model`,
-its `max_tokens` (or `max_completion_tokens`, `n_predict`), `stream` and `service_tier` into
-dynamic metadata, which arrives in `metadata_context`; only the headers scheduling reads are
-sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
+its `max_tokens` (or `max_completion_tokens`, `n_predict`), `stream`, `service_tier` and Ollama's
+`keep_alive` (read only where routing.keepAlive.honour is on; a value that is not a duration is
+ignored, never refused) into dynamic metadata, which arrives in `metadata_context`; only the
+headers scheduling reads are sent. A request is scheduled as what it makes the upstream load or unload (`scheduled_as`):
 the body's model, else the model its query names (router-mode llama-server loads it), and an
 unload runs alone. A grant answers OK with the x-llamaswap-* response headers, the granted
 upstream's name in the request header x-llamaswap-upstream (Envoy's route sends the request to
@@ -28,10 +29,12 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
+from llamaswap.core.keep_alive import KeepAliveError, parse_keep_alive
 from llamaswap.envoy.contract import (
     AUTHORIZATION_HEADER,
     CLIENT_REQUEST_ID_HEADER,
     CONTENT_LENGTH_HEADER,
+    KEEP_ALIVE_KEY,
     MAX_TOKENS_KEYS,
     MAX_REQUEST_ID,
     MODEL_KEY,
@@ -229,6 +232,23 @@ def _service_tier_in(fields: Fields | None) -> str | None:
     return tier if tier is not None and len(tier) <= MAX_SERVICE_TIER else None
 
 
+def keep_alive_in(fields: Fields | None) -> float | None:
+    """The body's Ollama `keep_alive` in seconds (`core/keep_alive.py`: a negative one keeps the
+    model); None when absent or null. KeepAliveError for one that is neither a string nor a number,
+    or a string that is not a duration."""
+    if fields is None or KEEP_ALIVE_KEY not in fields:
+        return None
+    value = fields[KEEP_ALIVE_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "null_value":
+        return None
+    if kind == "string_value":
+        return parse_keep_alive(value.string_value)
+    if kind == "number_value":
+        return parse_keep_alive(value.number_value)
+    raise KeepAliveError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, not a JSON {kind}")
+
+
 def retry_digest(request: authz_pb2.CheckRequest, keys: RetryKeys) -> bytes | None:
     """routing.retryGraceSeconds: the request's keyed digest (runtime/kept.py), computed when first
     read (`Ticket.retry_key`).
@@ -255,6 +275,7 @@ class Authorization(authz_grpc.AuthorizationServicer):
     def __init__(self, coordinator: Coordinator, *, retry_keys: RetryKeys | None = None) -> None:
         self._coordinator = coordinator
         self._retry_keys = retry_keys or RetryKeys()
+        self._bad_keep_alive_told = False  # the first keep_alive that is not a duration is a warning
 
     async def Check(  # noqa: N802 - the gRPC method name
         self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -289,7 +310,9 @@ class Authorization(authz_grpc.AuthorizationServicer):
         fields = body_fields(request)
         scheduled = scheduled_as(method, path, _model_in(fields))
         digest = attempt = None
-        if self._coordinator.config.routing.retry_grace_seconds > 0:
+        routing = self._coordinator.config.routing
+        keep_alive_s = self._keep_alive(fields, request_id) if routing.keep_alive.honour else None
+        if routing.retry_grace_seconds > 0:
             # Hashed only if read: most requests find no kept place and are never cancelled waiting.
             digest = functools.partial(retry_digest, request, self._retry_keys)
             attempt = parse_attempt(headers.get(RETRY_COUNT_HEADER))
@@ -311,4 +334,17 @@ class Authorization(authz_grpc.AuthorizationServicer):
             service_tier=_service_tier_in(fields),
             attempt=attempt,
             retry_digest=digest,
+            keep_alive_s=keep_alive_s,
         )
+
+    def _keep_alive(self, fields: Fields | None, request_id: str) -> float | None:
+        """`keep_alive_in`; a bad one is ignored (the request keeps its model's configured idle
+        time): a hint about memory never costs a generation. Told once as a warning, then at debug."""
+        try:
+            return keep_alive_in(fields)
+        except KeepAliveError as exc:
+            level = logging.DEBUG if self._bad_keep_alive_told else logging.WARNING
+            self._bad_keep_alive_told = True
+            _log.log(level, "request %s: %s; ignored, its model keeps its configured idle time (further ones are "
+                            "logged at debug level)", request_id, exc)
+            return None

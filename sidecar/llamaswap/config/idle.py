@@ -4,16 +4,24 @@ honoured), `upstream.idleUnloadSeconds` and each `upstreams:` entry's, and llama
 
 llama-swap's meanings are kept: a model's `ttl` absent or -1 takes the upstream's idle time
 (`globalTTL`), 0 never unloads it, a positive number is its idle time in seconds.
+
+Ollama's per-request `keep_alive` changes it only where `routing.keepAlive.honour` is on, within
+`routing.keepAlive.maxSeconds` (`KeepAliveConfig`, `core/keep_alive.py`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
+
+from pydantic import Field
 
 from llamaswap.config.llama_command import flag_value
-from llamaswap.config.problems import Problem, describe_value, invalid
+from llamaswap.config.problems import Meaning, Problem, describe_value, invalid
+from llamaswap.config.section import Section
+from llamaswap.config.types import StrictBool, StrictNumber
+from llamaswap.core.keep_alive import IGNORED, KeepAlive
 from llamaswap.core.residency import IdleUnload
 
 if TYPE_CHECKING:
@@ -36,6 +44,25 @@ def ttl_value(value: Any) -> float | None:
         return float(value)
     raise invalid(f"must be the seconds this model may sit idle before it is unloaded (>= 0.001), 0 to never unload "
                   f"it, or -1 (or leave it out) for its upstream's idleUnloadSeconds; got {describe_value(value)}")
+
+
+class KeepAliveConfig(Section):
+    """Ollama's keep_alive in a request's body: whether it sets its model's idle time, and how far."""
+
+    honour: StrictBool = Field(
+        default=False,
+        description="A request's keep_alive (Ollama's: a duration such as \"10m\" or seconds; 0 unloads its model "
+                    "once nothing runs or waits for it; negative keeps it) sets its model's idle time on the "
+                    "upstream it ran on, from that request on. Off (the default): ignored, so no caller can keep "
+                    "a model in memory, or unload it, unless allowed. A value that is not a duration is ignored.")
+    max_seconds: Annotated[StrictNumber | None, Meaning("null = no bound")] = Field(
+        default=None, ge=0,
+        description="The longest idle time a keep_alive may ask, a negative one (keep) included; null (the "
+                    "default): no bound, so a negative keep_alive keeps its model until a request asks otherwise.")
+
+    @property
+    def bounds(self) -> KeepAlive:
+        return KeepAlive(self.honour, self.max_seconds) if self.honour else IGNORED
 
 
 class _Model(Protocol):
@@ -66,11 +93,12 @@ def global_ttl_problems(idle_unload_seconds: float, global_ttl: int | None) -> l
     return []
 
 
-def idle_unload_of(entry: GpuEntry, models: Mapping[str, _Model]) -> IdleUnload:
+def idle_unload_of(entry: GpuEntry, models: Mapping[str, _Model], keep_alive: KeepAlive = IGNORED) -> IdleUnload:
     """How long each model may sit idle on ``entry``'s GPU: the entry's idle time, or each model's
-    own ``ttl``. (A pinned model never goes: the core reads `Residency.pinned`.)"""
+    own ``ttl``, or what a request's keep_alive asks within ``keep_alive`` (routing.keepAlive).
+    (A pinned model never goes: the core reads `Residency.pinned`.)"""
     return IdleUnload(entry.idle_unload_s, {model_id: model.ttl for model_id, model in models.items()
-                                            if model.ttl is not None and entry.lists(model_id)})
+                                            if model.ttl is not None and entry.lists(model_id)}, keep_alive)
 
 
 def one_model_command(entry: GpuEntry) -> bool:
@@ -99,9 +127,17 @@ class _Entry(Protocol):
     def idle_unload_seconds(self) -> float | None: ...
 
 
+class _Routing(Protocol):
+    @property
+    def keep_alive(self) -> KeepAliveConfig: ...
+
+
 class _Config(Protocol):
     @property
     def global_ttl(self) -> int | None: ...
+
+    @property
+    def routing(self) -> _Routing: ...
 
     @property
     def upstreams(self) -> Sequence[_Entry] | None: ...
@@ -125,13 +161,17 @@ def idle_keys(config: _Config) -> list[str]:
 def describe_idle(config: _Config) -> list[str]:
     """What the idle times imply, per upstream (`llamaswap check-config`); nothing where none is set."""
     lines = []
+    keep_alive = config.routing.keep_alive
+    asked = ("; a request's keep_alive sets its model's idle time (routing.keepAlive.honour"
+             + (f", at most {keep_alive.max_seconds:g} s)" if keep_alive.max_seconds is not None else ")"))
     for entry, key in zip(config.gpu_entries, idle_keys(config), strict=True):
-        idle = idle_unload_of(entry, config.models)
+        idle = idle_unload_of(entry, config.models, keep_alive.bounds)
         if not idle.ever:
             continue
         default = (f"a model idle {entry.idle_unload_s:g} s is unloaded ({key})" if entry.idle_unload_s > 0
                    else f"no model is unloaded for idleness ({key}: 0)")
         own = [f"{model} {'never' if seconds == 0 else f'after {seconds:g} s'}"
                for model, seconds in sorted(idle.per_model_s.items())]
-        lines.append(f"{entry.name}: {default}" + (f"; {', '.join(own)} (models.<id>.ttl)" if own else ""))
+        lines.append(f"{entry.name}: {default}" + (f"; {', '.join(own)} (models.<id>.ttl)" if own else "")
+                     + (asked if idle.keep_alive.honour else ""))
     return lines

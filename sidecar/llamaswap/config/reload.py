@@ -37,6 +37,9 @@ RELOAD_KEYS: tuple[ReloadKey, ...] = (
                                                           "carries the body and headers that tell a retry only "
                                                           "while it is positive, so turning it on from 0 takes "
                                                           "effect at the next restart"),
+    ReloadKey("routing.keepAlive", OnReload.LIVE, "from the next decision, the keep_alive each resident model's "
+                                                  "last request asked included (Envoy's bootstrap always sends "
+                                                  "the body's `keep_alive`)"),
     ReloadKey("models", OnReload.LIVE, "fifo's per-model priorities, for the waiting requests too; a model's "
                                        "slots from the next grant, its memory and pinned from the next decision"),
     ReloadKey("listen", OnReload.REFUSED, "the ports Envoy and the sidecar are bound to"),

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from llamaswap.config.gguf_memory import GgufError, estimate_model_bytes
-from llamaswap.config.idle import idle_unload_of
+from llamaswap.config.idle import KeepAliveConfig, idle_unload_of
 from llamaswap.config.llama_command import cache_types, context_of, models_dir, router_models_max
 from llamaswap.config.problems import Problem
 from llamaswap.config.types import size_document, size_text
@@ -48,6 +48,11 @@ class _Model(Protocol):
     def ttl(self) -> float | None: ...
 
 
+class _Routing(Protocol):
+    @property
+    def keep_alive(self) -> KeepAliveConfig: ...
+
+
 class Config(Protocol):
     """What is read of a `sections.Config` (which calls these functions as it is validated, so it
     is named here by its shape, not imported)."""
@@ -62,6 +67,9 @@ class Config(Protocol):
     def gpu_entries(self) -> tuple[GpuEntry, ...]: ...
 
     def entry(self, gpu: str) -> GpuEntry: ...
+
+    @property
+    def routing(self) -> _Routing: ...
 
     def residency_of(self, gpu: str) -> Residency: ...
 
@@ -223,7 +231,7 @@ def residency_of(config: Config, name: str, sizes: Mapping[str, Mapping[str, Mod
     pinned = frozenset(model_id for model_id, model in config.models.items() if model.pinned and entry.lists(model_id))
     return Residency(entry.max_loaded, pinned, entry.memory,
                      {model_id: size.bytes for model_id, size in sizes.get(name, {}).items()},
-                     idle_unload_of(entry, config.models))
+                     idle_unload_of(entry, config.models, config.routing.keep_alive.bounds))
 
 
 # Pairs of models that can never be resident together, named at most this many times per upstream.

@@ -14,7 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
 
 from llamaswap.config.batches import BatchesConfig
-from llamaswap.config.idle import TTL_SCHEMA, global_ttl_as_upstream, global_ttl_problems, ttl_value
+from llamaswap.config.idle import (TTL_SCHEMA, KeepAliveConfig, global_ttl_as_upstream, global_ttl_problems,
+                                   ttl_value)
 from llamaswap.config.model_key import single_model_slots
 from llamaswap.config.section import Section
 from llamaswap.config.problems import Meaning, describe_value, invalid, invalid_all
@@ -166,6 +167,7 @@ class RoutingConfig(Section):
                     "same request (same caller, and the same client-chosen x-request-id, or else the same body, "
                     "model and priority) takes it over, with its arrival time. 0 = off (no body reaches the "
                     "sidecar). A change between 0 and a positive value needs a restart (Envoy's bootstrap).")
+    keep_alive: KeepAliveConfig = Field(default_factory=KeepAliveConfig)
 
 
 class ModelConfig(Section):

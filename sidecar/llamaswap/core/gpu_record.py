@@ -52,7 +52,8 @@ class GpuRecord:
     load, and its grants so far."""
 
     __slots__ = ("policy", "grants", "residents", "settling", "settling_model", "adopted", "_holding", "_idle",
-                 "_blocked", "pending", "loaders", "dispatches", "last_used", "idle_since", "_clock")
+                 "_blocked", "pending", "loaders", "dispatches", "last_used", "idle_since", "keep_alive",
+                 "_clock")
 
     def __init__(self, policy: GpuPolicy, clock: Clock | None = None) -> None:
         """``clock``: the scheduler's, for when each model became idle (None: never marked)."""
@@ -77,6 +78,8 @@ class GpuRecord:
         # When each model last became idle there (a release of it, or being counted resident
         # anew): with `last_used`, where its idle time counts from (idle unloads, `idle.py`).
         self.idle_since: dict[str, int] = {}
+        # The keep_alive its last grant of each model asked, where it asked one (`IdleUnloading.keep_alive`).
+        self.keep_alive: dict[str, float] = {}
         self._clock = clock
         self.apply(policy)
 
@@ -102,7 +105,8 @@ class GpuRecord:
             if holding is None:
                 holding = self._idle = GpuHolding(policy.name, policy.slots, policy.models, self.residents, IDLE, None,
                                                self.settling, self.adopted, self._blocked, policy.residency,
-                                               self.last_used, self.settling_model, self.idle_since)
+                                               self.last_used, self.settling_model, self.idle_since,
+                                               self.keep_alive)
         else:
             loading = None
             loaders = self.loaders
@@ -113,7 +117,7 @@ class GpuRecord:
             holding = GpuHolding(policy.name, policy.slots, policy.models, self.residents,
                               running_of([grant.entry for grant in self.grants.values()]), loading, self.settling,
                               self.adopted, self._blocked, policy.residency, self.last_used, self.settling_model,
-                              self.idle_since)
+                              self.idle_since, self.keep_alive)
         self._holding = holding
         return holding
 
@@ -132,6 +136,8 @@ class GpuRecord:
     def set_residents(self, residents: frozenset[str]) -> None:
         if residents != self.residents:
             self._became_idle(residents - self.residents)  # (counted resident anew: idle from now)
+            for model in self.residents - residents:
+                self.keep_alive.pop(model, None)  # (gone: its next request says anew)
             self.residents = residents
             self._holding = self._idle = None
 

@@ -106,6 +106,7 @@ def running_of(work: Collection[Candidate]) -> Running:
 
 NO_RESIDENTS: frozenset[str] = frozenset()
 NEVER_USED: Mapping[str, int] = MappingProxyType({})
+NONE_ASKED: Mapping[str, float] = MappingProxyType({})
 
 
 class GpuHolding(NamedTuple):
@@ -140,6 +141,9 @@ class GpuHolding(NamedTuple):
     # (the record's own map, read here): its idle time counts from the later of this and its last
     # grant (idle unloads, `idle.py`).
     idle_since: Mapping[str, int] = NEVER_USED
+    # The keep_alive (seconds, `core/keep_alive.py`) the last request granted of each model here
+    # asked, where it asked one (the record's own map, read here): its idle time (`idle.py`).
+    keep_alive: Mapping[str, float] = NONE_ASKED
 
     def has(self, model: str | None) -> bool:
         """``model`` is resident here (a request of no model needs none)."""

@@ -7,7 +7,11 @@ waits: one naming it, one naming no model, or a place kept for a retry of it. It
 since its last grant there ended, or since the scheduler counted it resident anew (a report, an
 unload that failed), whichever is later (`GpuHolding.idle_since`, kept by `GpuRecord` on the
 scheduler's clock; its last grant: `GpuHolding.last_used`). It falls due once it has been idle
-its `IdleUnload.after_ns`; 0 (the default), or a pinned model: never.
+its `IdleUnload.after_ns`; 0 (the default), or a pinned model: never. Where the operator honours
+Ollama's keep_alive (`routing.keepAlive`), the last request granted of the model on that GPU
+says instead, if it asked one (`IdleUnloading.keep_alive`, `IdleUnload.idle_for_ns`): 0 falls due
+as soon as it is idle, a negative one never (or after ``maxSeconds``); a request that asks none
+gives the model back its configured time. It lasts while the model stays resident there.
 
 Pure: values in, values out. `IdleUnloading` is the scheduler's part of it (a base of
 `Scheduler`, so that this job keeps its own room beside the grant rule's): what is due
@@ -49,13 +53,14 @@ def idle_models(holding: GpuHolding, waited_for: Container[str | None]) -> list[
     idle = residency.idle
     last_used = holding.last_used
     since = holding.idle_since
+    asked = holding.keep_alive
     found = []
     for model in sorted(holding.residents):
         if model == holding.settling_model or model in waited_for or busy_of(holding, model)[0]:
             continue
         since_ns = max(since.get(model, 0), last_used.get(model, 0))
-        after_ns = 0 if model in residency.pinned else idle.after_ns(model)
-        found.append(IdleModel(holding.name, model, since_ns, since_ns + after_ns if after_ns > 0 else None))
+        after_ns = None if model in residency.pinned else idle.idle_for_ns(model, asked.get(model))
+        found.append(IdleModel(holding.name, model, since_ns, None if after_ns is None else since_ns + after_ns))
     return found
 
 
@@ -105,6 +110,16 @@ class IdleUnloading:
         whose upstream can unload one; None: any) and when the next falls due."""
         waited = {*self._wanted, *(place.model for place in self._kept.places())}
         return idle_due(self._holding.now()[0], waited, self._clock.now_ns(), gpus)
+
+    def keep_alive(self, gpu: str, model: str, requested_s: float | None) -> None:
+        """A request of ``model`` granted on ``gpu`` asked this keep_alive (`core/keep_alive.py`;
+        None: none): the model's idle time there from now on, where honoured (see the module)."""
+        for record in self._gpus:
+            if record.name == gpu:
+                if requested_s is None:
+                    record.keep_alive.pop(model, None)
+                else:
+                    record.keep_alive[model] = requested_s
 
     def unload_idle(self, gpu: str, models: frozenset[str]) -> None:
         """Idle models whose unload begins: no longer counted resident (a load of one waits for it)."""

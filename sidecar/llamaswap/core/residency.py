@@ -7,25 +7,37 @@ import dataclasses
 from collections.abc import Collection, Mapping, Set
 
 from llamaswap.core.clock import NS_PER_S
+from llamaswap.core.keep_alive import IGNORED, KeepAlive
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class IdleUnload:
     """How long a resident model may sit idle on a GPU before it is unloaded (`core/idle.py`):
     ``default_s`` (``upstream.idleUnloadSeconds``, llama-swap's ``globalTTL``) unless the model
-    has its own (``per_model_s``: ``models.<id>.ttl``). 0: never."""
+    has its own (``per_model_s``: ``models.<id>.ttl``). 0: never. ``keep_alive``: what a
+    request's Ollama keep_alive may change of it (`routing.keepAlive`; by default, nothing)."""
 
     default_s: float = 0.0
     per_model_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    keep_alive: KeepAlive = IGNORED
 
     def after_ns(self, model: str) -> int:
         """How long ``model`` may sit idle, in nanoseconds; 0: for ever."""
         return round(self.per_model_s.get(model, self.default_s) * NS_PER_S)
 
+    def idle_for_ns(self, model: str, requested_s: float | None) -> int | None:
+        """How long ``model`` may sit idle after its last request, which asked ``requested_s`` by
+        its keep_alive (None: it did not), in nanoseconds; 0: at once; None: for ever."""
+        if requested_s is not None and self.keep_alive.honour:
+            return self.keep_alive.after_ns(requested_s)
+        after_ns = self.after_ns(model)
+        return after_ns if after_ns > 0 else None
+
     @property
     def ever(self) -> bool:
-        """Some model may be unloaded for idleness here."""
-        return self.default_s > 0 or any(seconds > 0 for seconds in self.per_model_s.values())
+        """Some model may be unloaded for idleness here (a request's keep_alive may ask it, where honoured)."""
+        return (self.default_s > 0 or any(seconds > 0 for seconds in self.per_model_s.values())
+                or self.keep_alive.honour)
 
 
 NEVER_IDLE = IdleUnload()

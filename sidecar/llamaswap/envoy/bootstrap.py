@@ -9,7 +9,7 @@ the sidecar:
 - buffer reads the whole body first: a clear 413 above the limit, and a slow sender never
   holds a place in the queue while it sends;
 - json_to_metadata puts the body's top-level `model` (and `max_tokens` / `max_completion_tokens` /
-  `n_predict`, `stream`, `service_tier`) into dynamic metadata (namespace
+  `n_predict`, `stream`, `service_tier`, Ollama's `keep_alive`) into dynamic metadata (namespace
   `llamaswap`), keeping its JSON type so that only a string counts as a model;
 - ext_authz's Check carries that metadata and a few headers (no body) and is held until the
   scheduler grants the GPU; its OK adds the x-llamaswap-* response headers, names the granted
@@ -50,6 +50,7 @@ from llamaswap.envoy.contract import (
     MANAGEMENT_PATHS,
     MANAGEMENT_PREFIXES,
     METRICS_PATH,
+    KEEP_ALIVE_KEY,
     MAX_TOKENS_KEYS,
     MODEL_KEY,
     MODEL_NAMESPACE,
@@ -229,11 +230,12 @@ def _http_filters(config: Config) -> list[dict[str, Any]]:
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
         request_rules={
             # PROTOBUF_VALUE keeps the JSON type: the sidecar takes only a string as a model, a
-            # number as a token count, a bool as `stream`, a string as `service_tier`.
+            # number as a token count, a bool as `stream`, a string as `service_tier`; `keep_alive`
+            # is a string or a number (always sent: routing.keepAlive.honour reloads without a restart).
             "rules": [{
                 "selectors": [{"key": key}],
                 "on_present": {"metadata_namespace": MODEL_NAMESPACE, "key": key, "type": "PROTOBUF_VALUE"},
-            } for key in (MODEL_KEY, *MAX_TOKENS_KEYS, STREAM_KEY, SERVICE_TIER_KEY)],
+            } for key in (MODEL_KEY, *MAX_TOKENS_KEYS, STREAM_KEY, SERVICE_TIER_KEY, KEEP_ALIVE_KEY)],
             # Any content type: a body that is not JSON simply has no model (never an error).
             "allow_content_types_regex": {"regex": ".*"},
             "allow_empty_content_type": True,

@@ -16,7 +16,7 @@ from llamaswap.core.priority import OBJECTIVE_HEADER, OLD_OBJECTIVE_HEADER
 __all__ = [
     "ACCESS_LOG_NAME", "BATCH_API_PREFIXES", "BYPASS_PATHS", "GRANT_NAMESPACE", "MANAGEMENT_PATHS",
     "MANAGEMENT_PREFIXES", "MAX_REQUEST_ID", "MAX_TOKENS_KEYS", "METRICS_PATH", "MODEL_KEY", "PROPS_PATH",
-    "SERVICE_TIER_KEY", "STREAM_KEY", "UNLOAD_PATH",
+    "SERVICE_TIER_KEY", "STREAM_KEY", "UNLOAD_PATH", "KEEP_ALIVE_KEY",
     "AUTHORIZATION_HEADER", "CLIENT_REQUEST_ID_HEADER", "CONTENT_LENGTH_HEADER", "RETRY_AFTER_MS_HEADER",
     "MAX_DIGESTED_BODY", "RETRY_COUNT_HEADER", "SHOULD_RETRY_HEADER",
     "MODEL_NAMESPACE", "OBJECTIVE_HEADER", "OLD_OBJECTIVE_HEADER", "PICKER_METRICS_PATH", "PRIORITY_HEADER",
@@ -35,6 +35,8 @@ MODEL_KEY = "model"
 MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 STREAM_KEY = "stream"
 SERVICE_TIER_KEY = "service_tier"
+# Ollama's keep_alive: how long its model stays loaded once idle (routing.keepAlive says whether it counts).
+KEEP_ALIVE_KEY = "keep_alive"
 GRANT_NAMESPACE = "envoy.filters.http.ext_authz"
 TICKET_KEY = "ticket"
 ACCESS_LOG_NAME = "llamaswap"

@@ -163,6 +163,9 @@ class Grants:
         self.leases.arm()
         self.watchdogs.arm(ticket)
         waiter.set_result(decision)
+        if decision.model is not None and not decision.alone and self._config.keep_alive_honoured:
+            # Ollama's keep_alive: the last request granted of a model says its idle time there.
+            self._scheduler.keep_alive(decision.gpu, decision.model, ticket.keep_alive_s)
         if decision.gpu in self._config.auto_slots:
             self._gpus.named(decision.gpu).slots.after_grant(decision.model)
         overtaken = tuple(overtaken_by(self._tickets.get(token)) for token in decision.overtook)

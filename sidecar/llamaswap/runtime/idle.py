@@ -89,7 +89,7 @@ class IdleUnloads:
             self._scheduler.unload_idle(gpu, names)
             for idle in models:
                 idle_s = (now_ns - idle.since_ns) / NS_PER_S
-                after_s = ((idle.due_ns or now_ns) - idle.since_ns) / NS_PER_S  # (due: never None here)
+                after_s = ((now_ns if idle.due_ns is None else idle.due_ns) - idle.since_ns) / NS_PER_S
                 self._unloaded(IdleUnloaded(gpu, idle.model, idle_s, after_s, now_ns))
             why = ", ".join(f"{idle.model} idle {(now_ns - idle.since_ns) / NS_PER_S:.0f} s" for idle in models)
             done = self._evictions.unload(gpu, names, f"idle ({why})")

@@ -20,12 +20,14 @@ class LiveConfig:
         self.auto_slots = auto_slots(config)  # the upstreams whose slots are learnt (slots: auto)
         self.priority_policy = config.priority_policy()  # what callers may claim (each Check)
         self.entries = {entry.name: entry for entry in config.gpu_entries}  # each GPU's, by its name
+        self.keep_alive_honoured = config.routing.keep_alive.honour  # Ollama's keep_alive (each grant)
 
     def set(self, config: Config) -> None:
         self.config = config
         self.auto_slots = auto_slots(config)
         self.priority_policy = config.priority_policy()
         self.entries = {entry.name: entry for entry in config.gpu_entries}
+        self.keep_alive_honoured = config.routing.keep_alive.honour
 
     def current(self) -> Config:
         return self.config

@@ -71,6 +71,9 @@ class Arrival:
     # finds kept places or whose client leaves while it waits needs it (an HMAC of its body).
     retry_key: bytes | None = None
     attempt: int | None = None
+    # Ollama's keep_alive in the body, in seconds (`core/keep_alive.py`), read only where
+    # routing.keepAlive.honour is on; None: none (or not honoured, or not a duration).
+    keep_alive_s: float | None = None
     # (a computation, not a value: arrivals compare and print without it)
     retry_digest: Callable[[], bytes | None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -135,6 +138,7 @@ class Ticket:
         "lease_deadline_ns", "first_byte_s", "response_status", "end", "abandoned", "outcome", "finished_ns",
         "waiter", "method", "path", "max_tokens", "streamed", "schedule_model", "request_id_replaced", "alone",
         "_retry_key", "_retry_digest", "attempt", "takeover", "unloads", "line_key",
+        "keep_alive_s",
     )
 
     def __init__(self, token: str, arrival: Arrival, priority: Priority, arrival_ns: int) -> None:
@@ -163,6 +167,7 @@ class Ticket:
         self.method = arrival.method
         self.path = arrival.path
         self.max_tokens = arrival.max_tokens
+        self.keep_alive_s = arrival.keep_alive_s  # its model's idle time once granted (`core/idle.py`)
         self.streamed = arrival.streamed
         self.alone = arrival.alone
         # The model the scheduler and the estimates key on: the client's, except where the
