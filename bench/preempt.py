@@ -244,11 +244,13 @@ def report(sides: dict[str, Side], args: argparse.Namespace, load: tuple[str, st
     reference = sides[REFERENCE].answers
     floor_rate = sides[FLOOR].tokens_per_s
     print()
+    model = pathlib.Path(args.model).name if args.model else "the tiny model"
+    extra = "".join(f" {arg}" for arg in args.llama_arg)
     print(f"{args.lines} chat lines of {args.tokens} tokens, {args.slots} slots (llama-server --parallel "
-          f"{args.slots} -t {args.threads}{' ' + ' '.join(args.llama_arg) if args.llama_arg else ''}, the tiny "
-          f"model, temperature 0), batches.inFlight {args.slots}; interactive requests of {args.interactive_tokens} "
-          f"tokens every {args.gap_min:g}-{args.gap_max:g} s (seed {args.seed}; those due after the batch's end not "
-          f"sent); load average {load[0]} at the start, {load[1]} at the end; the whole run {whole_s:.0f} s")
+          f"{args.slots} -t {args.threads}{extra}, {model}, temperature 0), batches.inFlight {args.slots}; "
+          f"interactive requests of {args.interactive_tokens} tokens every {args.gap_min:g}-{args.gap_max:g} s "
+          f"(seed {args.seed}; those due after the batch's end not sent); load average {load[0]} at the start, "
+          f"{load[1]} at the end; the whole run {whole_s:.0f} s")
     print("| side | interactive | wait p50 | wait p95 | wait max | latency p50 | batch time | lines/min | "
           "tokens/s | x floor | stops | stopped lines = reference | all lines = reference |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
