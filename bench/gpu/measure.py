@@ -18,6 +18,10 @@ Run by `bench/gpu/run.sh` on the GPU machine (and with `--cpu` on any machine, t
   requests per second each way and the sidecar's CPU, where a fixed cost per request weighs most.
 - beside: the router with `--models-max 2`: the 1b model's tokens per second in a window alone and
   in one in which the 8b model loads, and that load's first token against the 8b's once loaded.
+- preempt (only when named in --sections): `bench/preempt.py` on the 1b model (issue 46): a batch
+  of chat lines keeping two slots busy while interactive requests arrive, with no reserve, with
+  `reservedSlots: 1` and with stopping, beside the same lines straight to llama-server; its table,
+  goals and last line as it prints them.
 
 Each section has a time limit; results.json and summary.txt in --out are rewritten after each,
 so a run stopped early keeps what it measured.
@@ -56,6 +60,7 @@ from gpu_summary import render  # noqa: E402
 
 SMALL, LARGE = "1b", "8b"
 SECTIONS = ("load", "slots", "resident", "short", "beside")
+EXTRA_SECTIONS = ("preempt",)  # run only when named
 
 
 class Run:
@@ -318,6 +323,27 @@ async def beside_section(run: Run) -> dict[str, Any]:
     return figures
 
 
+async def preempt_section(run: Run) -> dict[str, Any]:
+    """bench/preempt.py in a process of its own, on the small model; what it printed after its progress."""
+    device = ([] if run.args.cpu else
+              ["--threads", "4", "--llama-arg=-ngl", "--llama-arg=999"])  # preempt.py adds --no-repack and -t
+    argv = [sys.executable, str(HERE.parent / "preempt.py"), "--llama-server", str(run.args.llama_server),
+            "--model", str(run.models_dir / f"{run.small}.gguf"), "--lines", str(run.args.preempt_lines),
+            "--keep", str(stack_dir(run, "preempt")), *device]
+    process = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = await process.communicate()
+    except asyncio.CancelledError:  # the section's limit: no bench left running behind the next section
+        process.kill()
+        await process.wait()
+        raise
+    text = output.decode(errors="replace")
+    if process.returncode != 0:
+        raise RuntimeError(f"bench/preempt.py exited {process.returncode}: {text[-2500:]}")
+    report = text[text.index("\n\n") + 2:] if "\n\n" in text else text
+    return {"report": report.strip().splitlines(), "summary": text.strip().splitlines()[-1]}
+
+
 async def section(run: Run, name: str, limit_s: float, body: Callable[[], Awaitable[Any]]) -> None:
     """Run one section within its limit (and the run's deadline); record its figures or its error."""
     limit = min(limit_s, run.left_s())
@@ -352,6 +378,8 @@ async def main_async(run: Run) -> None:
         await section(run, "short", run.args.limit_s, lambda: short_section(run, max(run.args.slots)))
     if "beside" in chosen:
         await section(run, "beside", run.args.limit_s, lambda: beside_section(run))
+    if "preempt" in chosen:
+        await section(run, "preempt", run.args.preempt_limit_s, lambda: preempt_section(run))
     run.results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     run.save()
 
@@ -365,8 +393,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="a trial on a CPU: models cpu and cpu2, one thread")
     parser.add_argument("--deadline-s", type=float, default=420, help="the whole run's time limit")
     parser.add_argument("--limit-s", type=float, default=150, help="one section's time limit")
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
-                        help="which measurements, in this order: " + ", ".join(SECTIONS))
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS + EXTRA_SECTIONS,
+                        help="which measurements, in this order: " + ", ".join(SECTIONS + EXTRA_SECTIONS) +
+                        " (the default: all but " + ", ".join(EXTRA_SECTIONS) + ")")
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side (slots)")
     parser.add_argument("--requests", type=int, default=4, help="requests per client per round (slots)")
@@ -377,6 +406,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--short-block-size", type=int, default=25)
     parser.add_argument("--load-rounds", type=int, default=3)
     parser.add_argument("--resident-seconds", type=float, default=8)
+    parser.add_argument("--preempt-lines", type=int, default=60, help="the batch's lines (preempt)")
+    parser.add_argument("--preempt-limit-s", type=float, default=300, help="the preempt section's time limit")
     return parser.parse_args(argv)
 
 
