@@ -208,8 +208,10 @@ class TokenPath:
                 if "error" in event:  # the generation failed part-way: the line's error
                     return 500, {}, json.dumps({"error": event["error"]}).encode()
                 part.add(event)
-                if part.ended or run.stop_asked:
+                if run.stop_asked and not part.ended:
                     break
+                # (An ended part is read to the answer's end before the hang-up: else Envoy may see a
+                # client that left, and the slot is settled for nothing.)
         except OSError as exc:
             if not run.stop_asked:
                 _log.warning("batch line %s: its stream broke after %d token(s) (%s)", run.request_id,
