@@ -10,7 +10,7 @@ Every expected number is worked out by hand in the comments next to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -63,22 +63,21 @@ def rule_times(monkeypatch: pytest.MonkeyPatch, records: list[RequestRecord], po
     slot frees and when it drains, in seconds from the first arrival."""
     seen: dict[str, tuple[float, float]] = {}
 
+    read_at = [0]  # the instant the ends were last read at
+    ends_of_grants = engine.ends_of_grants
+
+    def read(grants: Sequence[Decision], now_ns: int, figures: Figures) -> Ends:
+        read_at[0] = now_ns
+        return ends_of_grants(grants, now_ns, figures)
+
     class Seen(NodeTimes):
-        now_ns = 0
-
-        @classmethod
-        def of_grants(cls, grants: Callable[[], Sequence[Decision]], now_ns: int, figures: Figures) -> NodeTimes:
-            times = super().of_grants(grants, now_ns, figures)
-            assert isinstance(times, Seen)
-            times.now_ns = now_ns
-            return times
-
-        def _of(self) -> Ends:  # (read once, when the rule first asks)
+        def _of(self) -> Ends:  # (read once an instant, when the rule first asks)
             ends = super()._of()
             for gpu, lefts in ends.items():
-                seen.setdefault(gpu, (self.now_ns / S + min(lefts), self.now_ns / S + max(lefts)))
+                seen.setdefault(gpu, (read_at[0] / S + min(lefts), read_at[0] / S + max(lefts)))
             return ends
 
+    monkeypatch.setattr(engine, "ends_of_grants", read)
     monkeypatch.setattr(engine, "NodeTimes", Seen)
     simulate(prepare(records), policy, costs)
     return seen

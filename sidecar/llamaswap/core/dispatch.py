@@ -77,6 +77,8 @@ def full(gpu: GpuHolding) -> bool:
     if not placed:  # work of no model alone: the slots in effect (the default)
         return running.busy >= gpu.slots_in_effect
     if len(placed) == 1:  # (the one placed model, without a generator: this runs per GPU and change)
+        if running.models is None and model is not None:  # (what runs is all of it: `busy_of`, inline)
+            return running.busy >= gpu.slots.of(model)
         for model in placed:
             return busy_of(gpu, model)[0] >= gpu.slots.of(model)
     return all(busy_of(gpu, model)[0] >= gpu.slots.of(model) for model in placed)

@@ -110,6 +110,11 @@ class _GpuWalk:
 Ends = Mapping[str, Sequence[float]]
 
 
+def ends_of_grants(grants: Sequence[Decision], now_ns: int, figures: Figures) -> Ends:
+    """Per GPU, the expected ends of the running ``grants`` at ``now_ns`` (`NodeTimes.of_grants`)."""
+    return remaining_by_gpu([RunningView.of(decision, now_ns) for decision in grants], figures)
+
+
 class NodeTimes:
     """`dispatch.GpuTimes`, the one type of what the rule knows of time: per GPU, the expected
     ends of what runs there (``read``, called once, the first time the rule asks: nothing is
@@ -127,6 +132,10 @@ class NodeTimes:
         self._ends: Ends | None = None
         self._figures = figures
 
+    def forget(self) -> None:
+        """What it read is stale (the running grants or the instant changed): read again if asked."""
+        self._ends = None
+
     @classmethod
     def of_snapshot(cls, snapshot: QueueSnapshot, figures: Figures) -> NodeTimes:
         """From a scheduler's snapshot: its running grants' expected remaining times."""
@@ -137,8 +146,7 @@ class NodeTimes:
         """From the running grants (`Scheduler.running_grants`, asked for only when the rule reads
         time) at ``now_ns``, without the snapshot's dispatch order: what a grant on the hot path
         can afford."""
-        return cls(lambda: remaining_by_gpu([RunningView.of(decision, now_ns) for decision in grants()], figures),
-                   figures)
+        return cls(lambda: ends_of_grants(grants(), now_ns, figures), figures)
 
     def _of(self) -> Ends:
         ends = self._ends

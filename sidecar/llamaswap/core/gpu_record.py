@@ -215,7 +215,8 @@ class GpuRecord:
         model = grant.entry.model
         if model is None:
             return
-        self._became_idle((model,))  # (idle from now, unless another of its grants runs on)
+        if self._clock is not None:  # (`_became_idle`, inline: this runs at every release)
+            self.idle_since[model] = self._clock.now_ns()  # (idle from now, unless another of its grants runs on)
         if self.loaders.get(model) is grant.decision:
             del self.loaders[model]  # its load is over, whatever it says
         forgets = self.policy.residency.replaces_by_itself

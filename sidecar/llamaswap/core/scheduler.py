@@ -354,7 +354,7 @@ class Scheduler(idle.IdleUnloading):
         if not open_gpus:
             # Nothing starts and the best claims nothing (`node.find`; `held_back` shows what it would).
             self._shut_times = times
-            return self._nothing_starts(warm)
+            return self._nothing_starts(warm) if self._stops.running else None
         pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
 
         # (The requests the walk passed over are put back before the grant: its reasons read the

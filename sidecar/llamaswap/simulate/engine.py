@@ -74,7 +74,6 @@ from llamaswap.core import (
     NO_MODEL,
     Band,
     Estimator,
-    Decision,
     EvictReason,
     ManualClock,
     Outcome,
@@ -87,7 +86,7 @@ from llamaswap.core import (
     model_stays_loaded,
 )
 from llamaswap.core.estimate import Figures, grant_end_s
-from llamaswap.core.estimate_node import NodeTimes
+from llamaswap.core.estimate_node import NodeTimes, ends_of_grants
 from llamaswap.simulate.concurrency import ConcurrencySpeed
 from llamaswap.simulate.idling import IdleReplay
 from llamaswap.simulate.inversion import worst_inversion
@@ -299,11 +298,9 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
     ripe_at = NEVER  # when a running line first reaches its minimum run while others wait
     arrival = 0
     enqueue, cancel, grant = scheduler.enqueue, scheduler.cancel, scheduler.next
-    # `running_times`, its parts looked up once: a next that finds every slot busy builds it too.
-    of_grants = NodeTimes.of_grants
-
-    def running_grants() -> tuple[Decision, ...]:
-        return scheduler.running_grants
+    # What the runtime knows of each GPU's time (`running_times`): one, told before each next that
+    # what it read may be stale, rather than one built per next (most find every slot busy).
+    times = NodeTimes(lambda: ends_of_grants(scheduler.running_grants, clock.now_ns(), costs), costs)
     next_deadline = scheduler.next_deadline_ns
     expiring = policy.max_wait_ns > 0  # without maxWaitSeconds nothing expires: no need to ask
     idle = IdleReplay(scheduler, policy, names, idle_gpus)
@@ -342,7 +339,7 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
                     released.release_ns = last_release = now
                     if lines is not None:
                         lines.ended(index)
-                if not running:
+                if running.release_at == NEVER:  # (nothing runs there now)
                     gpu.busy_ns += now - gpu.busy_since
             release_at = min(gpu.running.release_at for gpu in gpus)
         if expiry is not None and expiry <= now:
@@ -390,7 +387,8 @@ def simulate(replay: Replay, policy: Policy, costs: Figures, *,
         while True:
             while waiting:
                 # (Built only if the rule asks: it reads time only to choose among GPUs.)
-                decision = grant(times=of_grants(running_grants, now, costs))
+                times.forget()  # (the instant or the running grants may have changed)
+                decision = grant(times=times)
                 if decision is None:
                     break  # every slot it may use is busy (with one slot: a grant runs)
                 waiting -= 1
