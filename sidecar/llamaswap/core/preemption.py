@@ -121,9 +121,6 @@ class Stopping:
         self._stopping: dict[str, Stop] = {}  # by request id, until its release
         self._orders: list[Stop] = []
 
-    def granted(self, entry: Entry) -> None:
-        self.running += entry.stoppable
-
     def ask(self, gpus: Sequence[GpuRecord], best: Entry, now_ns: int, min_run_ns: int) -> None:
         """``best`` waits and starts nowhere: order the stops that let it start (none where a stop
         ordered already will, or none would)."""

@@ -482,7 +482,7 @@ class Scheduler(idle.IdleUnloading):
             self._loads += 1
         gpu.granted(winner, decision, holding, self._loads if loads else None, gone)
         self._gpu_of[winner.request_id] = gpu
-        self._stops.granted(winner)
+        self._stops.running += winner.stoppable  # (`Stopping.granted`, inline: this runs at every grant)
         self._holding.changed(residents=loads)
         return decision
 
@@ -509,7 +509,7 @@ class Scheduler(idle.IdleUnloading):
         if gpu is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
-        if self._stops.released(grant.entry) and keep_as is not None:
+        if grant.entry.stoppable and self._stops.released(grant.entry) and keep_as is not None:
             self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns, stopped=True))
         gpu.renew()
         residents = gpu.residents
