@@ -257,8 +257,9 @@ async def upload(session: aiohttp.ClientSession, url: str, data: bytes) -> str:
         return str(document["id"])
 
 
-async def create_batch(session: aiohttp.ClientSession, url: str, file_id: str) -> dict[str, Any]:
-    async with session.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": ENDPOINT,
+async def create_batch(session: aiohttp.ClientSession, url: str, file_id: str,
+                       endpoint: str = ENDPOINT) -> dict[str, Any]:
+    async with session.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint,
                                                        "completion_window": "24h"}) as response:
         document = await response.json(content_type=None)
         assert response.status == 200, document

@@ -57,7 +57,7 @@ from typing import Any
 import aiohttp
 
 import bench_paths  # noqa: F401 - puts e2e/ on the path
-from batches import ENDED, get_batch, upload
+from batches import ENDED, create_batch, get_batch, upload
 from harness import free_port, running_stack
 import llama
 from procfs import machine_load
@@ -132,14 +132,6 @@ class Side:
         return same, len(chosen)
 
 
-async def create_batch(session: aiohttp.ClientSession, url: str, file_id: str) -> dict[str, Any]:
-    async with session.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": ENDPOINT,
-                                                       "completion_window": "24h"}) as response:
-        document = await response.json(content_type=None)
-        assert response.status == 200, document
-        return dict(document)
-
-
 def answer_of(body: dict[str, Any], tokens: int) -> Answer:
     completion = int(body["usage"]["completion_tokens"])
     assert completion == tokens, body["usage"]
@@ -207,7 +199,7 @@ async def run_batch(session: aiohttp.ClientSession, url: str, name: str, data: b
     answered once, 200, with its tokens."""
     file_id = await upload(session, url, data)
     started = time.perf_counter()
-    batch = await create_batch(session, url, file_id)
+    batch = await create_batch(session, url, file_id, ENDPOINT)
     if interactive is not None:
         interactive.start()
     try:
