@@ -40,12 +40,18 @@ from llamaswap.runtime.upstream import Catalog, UpstreamKind
 _log = logging.getLogger(__name__)
 
 
+def puts_to_sleep(catalog: Catalog | None) -> bool:
+    """The upstream of ``catalog`` is a router that puts models to sleep."""
+    return catalog is not None and catalog.kind is UpstreamKind.ROUTER and catalog.sleep_after_s is not None
+
+
 def may_be_asleep(catalog: Catalog | None, holding: GpuHolding, model: str | None, now_ns: int) -> bool:
     """Whether ``model``, which the scheduler counts resident on that GPU, may have been put to
     sleep since ``catalog`` was read: the router puts models to sleep, nothing of it runs there,
     and its last grant there is at least the shortest sleep time old."""
-    if catalog is None or catalog.kind is not UpstreamKind.ROUTER or catalog.sleep_after_s is None:
+    if not puts_to_sleep(catalog):
         return False
+    assert catalog is not None and catalog.sleep_after_s is not None
     if not holding.has(model) or busy_of(holding, model)[0]:
         return False
     assert model is not None
@@ -83,8 +89,10 @@ class RouterSleep:
         where it may have been put to sleep (`may_be_asleep`), to wait for; None where there is
         none (no coroutine on the admission path for the usual case)."""
         now_ns = self._clock.now_ns()
-        stale = [gpu for gpu in self._gpus
-                 if may_be_asleep(gpu.catalog.latest, self._scheduler.holding_of(gpu.name), model, now_ns)]
+        # (A GPU whose router puts nothing to sleep is passed by without building its holding:
+        # this runs at every admission.)
+        stale = [gpu for gpu in self._gpus if puts_to_sleep(gpu.catalog.latest)
+                 and may_be_asleep(gpu.catalog.latest, self._scheduler.holding_of(gpu.name), model, now_ns)]
         return asyncio.gather(*(gpu.catalog.refresh() for gpu in stale)) if stale else None
 
     def reported(self, gpu: str, catalog: Catalog) -> Catalog:
