@@ -124,6 +124,8 @@ class Stopping:
     def ask(self, gpus: Sequence[GpuRecord], best: Entry, now_ns: int, min_run_ns: int) -> None:
         """``best`` waits and starts nowhere: order the stops that let it start (none where a stop
         ordered already will, or none would)."""
+        if not _RANK[best.priority.band]:
+            return  # (the lowest band stops nothing: lines waiting behind lines ask this at every next)
         stopping = set(self._stopping)
         chosen: tuple[int, list[Grant]] | None = None
         for index, gpu in enumerate(gpus):
