@@ -114,16 +114,10 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
     holds back (`HeldBackModels.claim`), or emptied."""
     first = pick(aged)
-    step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
+    step, gpu, claim = _best_claims(gpus, first, times, wanted, need, held_back)
     if step is Step.START:
         assert gpu is not None
-        held_back.clear()
         return gpu, first, first
-    claim = None
-    if gpu is None:
-        held_back.clear()
-    else:
-        claim = held_back.claim(gpus, gpu, first, first.request_id, need)
     walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
     try:
         return walk.behind(first, step, claim)
@@ -138,12 +132,19 @@ def would_hold(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, wanted
     and the picture shows this instead, worked out at each read and never kept, so the grants
     never depend on who read it."""
     would = held_back.copy()
+    _best_claims(gpus, first, times, wanted, need, would)
+    return would
+
+
+def _best_claims(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, wanted: Mapping[str | None, int],
+                 need: Need, held_back: HeldBackModels) -> tuple[Step, int | None, int | tuple[HeldBack, ...] | None]:
+    """The best request asked (`choose`) and its claim made in ``held_back``: none where it starts or
+    may run nowhere (emptied), else what it holds back on the GPU it waits for."""
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
     if step is Step.START or gpu is None:
-        would.clear()
-    else:
-        would.claim(gpus, gpu, first, first.request_id, need)
-    return would
+        held_back.clear()
+        return step, gpu, None
+    return step, gpu, held_back.claim(gpus, gpu, first, first.request_id, need)
 
 
 class NodeWalk:
