@@ -122,15 +122,27 @@ def test_a_batch_in_flight_never_holds_more_than_in_flight_lines(tmp_path: pathl
                                       endpoint="/v1/chat/completions", completion_window="24h")
         # The lines are let go one at a time, so the feeder fills its places ten times over; the
         # upstream (four slots: a fourth line would run) counts the most it computes at once.
+        # The sidecar hears of a line's end through Envoy's access log, a moment after the upstream
+        # has answered, so its queue and the batch's count are polled until they agree; every read
+        # on the way must still be within inFlight.
+        seen_in_queue: list[int] = []
+
+        def lines_in_queue() -> int:
+            queue = stack.sidecar.queue()
+            count = sum(1 for row in queue["running_all"] + queue["waiting"] if row["request_id"].startswith(batch.id))
+            seen_in_queue.append(count)
+            return count
+
         for n in range(10):
             expected = min(3, 10 - n)
             wait_for(lambda: fake.active == expected and len(fake.bodies) == n + expected,  # noqa: B023
                      what=f"lines {n} to {n + expected - 1} at the upstream")
-            queue = stack.sidecar.queue()
-            lines = [row for row in queue["running_all"] + queue["waiting"] if row["request_id"].startswith(batch.id)]
-            assert len(lines) == expected
-            assert client.batches.retrieve(batch.id).model_extra["llamaswap"]["in_flight"] == expected  # type: ignore[index]
+            wait_for(lambda: lines_in_queue() == expected,  # noqa: B023
+                     what=f"{expected} line(s) of the batch in the sidecar's queue")
+            wait_for(lambda: client.batches.retrieve(batch.id).model_extra["llamaswap"]["in_flight"] == expected,  # type: ignore[index] # noqa: B023
+                     what=f"the batch counting {expected} line(s) in flight")
             fake.release_marked(markers[n])
+        assert max(seen_in_queue) == 3
         _finished(client, batch.id)
         assert len(fake.bodies) == 10
         # Counted at every arrival, under the fake's lock: never more than inFlight at any moment.
