@@ -137,7 +137,7 @@ class HoldingProxy:
 
             def _body(self) -> bytes:
                 if self.headers.get("transfer-encoding", "").lower() == "chunked":
-                    parts = []
+                    parts: list[bytes] = []
                     while True:
                         size = int(self.rfile.readline().split(b";")[0].strip(), 16)
                         if size == 0:
