@@ -163,7 +163,7 @@ def test_a_model_waited_for_is_never_unloaded_for_idleness(tmp_path: pathlib.Pat
             wait_for(lambda: ("tiny-b", "idle") in _evictions(admin), what="tiny-b unloaded for idleness")
             evictions_then = _evictions(admin)
             running_then, waiting_then = _at_sidecar(stack)
-            resident_then = stack.sidecar.queue()["resident_models"]
+            queue_then = stack.sidecar.queue()
             states_then = model_states(llama.url)
             unloads_then = [seen for seen in proxy.seen if seen.path == UNLOAD]
             router_unloads_then = llama.router_log(UNLOADED)
@@ -176,7 +176,8 @@ def test_a_model_waited_for_is_never_unloaded_for_idleness(tmp_path: pathlib.Pat
             states = model_states(llama.url)
     assert evictions_then == [("tiny-b", "idle")]  # not tiny-a, whose idle time passed first
     assert "waiter" in waiting_then and running_then == {"unload-c"}
-    assert "tiny-a" in resident_then and states_then["tiny-a"] == "loaded"
+    assert "tiny-a" in queue_then["resident_models"] and states_then["tiny-a"] == "loaded"
+    assert "tiny-a" not in [row["model"] for row in queue_then["idle"]]  # waited for: not idle, never due
     assert Seen("POST", UNLOAD, "tiny-a") not in unloads_then
     assert "tiny-a" not in router_unloads_then
     assert unloaded_c[0] == 200, unloaded_c
