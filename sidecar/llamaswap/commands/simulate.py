@@ -89,11 +89,13 @@ Synthetic traffic: --workload FILE.yaml instead of --activity-log, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from llamaswap.core import Policy
@@ -229,7 +231,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     notes: list[str] = []
     peak = 0
     if args.activity:
-        activity = _read_activity(args.activity)
+        with _collector_paused():
+            activity = _read_activity(args.activity)
         records: Sequence[RequestRecord] = activity.requests
         base, note = _recorded_settings(activity, configured=config is not None)
         named = recorded_gpus(records)
@@ -300,7 +303,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                    for routing in Routing]
         out.write(render_pods_json(source, results) if args.format == "json" else render_pods_table(source, results))
         return 0
-    replay = prepare(records)
+    with _collector_paused():
+        replay = prepare(records)
     if not replay.requests:
         raise UsageError(f"{source}: no request can be replayed "
                          f"({', '.join(f'{n} {o}' for o, n in replay.not_replayed.items())})")
@@ -309,14 +313,15 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         notes.append(f"no idle unload on {', '.join(sorted(one_model))}: a single-model llama-server (-m in the "
                      "command) cannot unload its model, only the router can")
     rows, simulations = [], []
-    for setting, policy in zip(settings, policies):
-        # (GPUs named by --gpus N are not the configured ones: each is taken as a router.)
-        unloading = (frozenset(gpu.name for gpu in policy.gpus if gpu.name not in one_model)
-                     if one_model and len(setting.configured) == setting.gpus else None)
-        simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed, preempt=setting.preempt,
-                              idle_gpus=unloading)
-        simulations.append(simulation)
-        rows.append(report.Row(setting, simulation.metrics))
+    with _long_lived():
+        for setting, policy in zip(settings, policies):
+            # (GPUs named by --gpus N are not the configured ones: each is taken as a router.)
+            unloading = (frozenset(gpu.name for gpu in policy.gpus if gpu.name not in one_model)
+                         if one_model and len(setting.configured) == setting.gpus else None)
+            simulation = simulate(replay, policy, costs, concurrency_speed=concurrency.speed,
+                                  preempt=setting.preempt, idle_gpus=unloading)
+            simulations.append(simulation)
+            rows.append(report.Row(setting, simulation.metrics))
     _log.debug("simulated %d settings over %d requests in %.3f s", len(settings), len(replay.requests),
                time.perf_counter() - started)
 
@@ -339,6 +344,33 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.flush()  # the table first, then the note about the plot
         err.write(f"plot written to {args.plot}\n")
     return 0
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Reading a log and preparing its replay make a record per line and no reference cycle: the
+    cyclic collector is paused meanwhile, as its passes would walk every record made so far
+    (reference counting frees what is dropped, as ever)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _long_lived() -> Iterator[None]:
+    """The log's records and the replay's requests live for every replay: set apart from the
+    cyclic collector (`gc.freeze`) while the replays run, so its full passes stop walking them;
+    handed back to it after. (At 100,000 requests the collector took a tenth of a replay; the
+    two measured in bench/README.)"""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _node_policy(config: Any, single: str | None, recorded_slots: int) -> Policy:

@@ -202,8 +202,8 @@ class GpuRecord:
         self.grants[entry.request_id] = Grant(entry, decision, load)
         self.renew()
 
-    def released(self, grant: Grant, *, model_loaded: bool | None, reached_upstream: bool) -> None:
-        """What a released grant says about its model (`Scheduler.release`): only its own
+    def released(self, grant: Grant, now_ns: int, *, model_loaded: bool | None, reached_upstream: bool) -> None:
+        """What a grant released at ``now_ns`` says about its model (`Scheduler.release`): only its own
         model's load is concerned. Answered after it reached the upstream, the load happened
         (or failed); a model not known loaded after a failure counts gone where the upstream
         replaces its model by itself, and stays counted elsewhere (`Residency.replaces_by_itself`:
@@ -215,8 +215,7 @@ class GpuRecord:
         model = grant.entry.model
         if model is None:
             return
-        if self._clock is not None:  # (`_became_idle`, inline: this runs at every release)
-            self.idle_since[model] = self._clock.now_ns()  # (idle from now, unless another of its grants runs on)
+        self.idle_since[model] = now_ns  # (idle from ``now_ns``, unless another of its grants runs on)
         if self.loaders.get(model) is grant.decision:
             del self.loaders[model]  # its load is over, whatever it says
         forgets = self.policy.residency.replaces_by_itself

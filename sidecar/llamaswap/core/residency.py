@@ -60,6 +60,17 @@ class Residency:
     model_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # How long each model may sit idle before it is unloaded (`core/idle.py`; default: for ever).
     idle: IdleUnload = NEVER_IDLE
+    # ``replaces_by_itself``, set from ``max_loaded`` (a field: read at every grant and release).
+    # What the upstream behind such a GPU does, not a rule of the scheduler's: with room for one model
+    # (llama-swap, a single-model llama-server, a router at ``--models-max 1``) it replaces its model
+    # by itself when a request for another reaches it. So a grant's evictions are not unloaded first
+    # (`Decision.evicts` names none), a model it replaces is there still if no request of the load
+    # reached it, and a model not known loaded (a failure, an answer that said nothing of a load)
+    # counts gone: counting it gone loses nothing, and what the upstream has is whatever it says once
+    # nothing runs. With room for more, llama-server's router would evict by itself (its least
+    # recently used, by count) a model llamaswap keeps: the evictions are unloaded first, and a model
+    # it may hold stays counted until it says otherwise (one too few would let a load make it evict).
+    replaces_by_itself: bool = dataclasses.field(default=True, init=False, repr=False, compare=False, hash=False)
     # `never_fits` by model, worked out once: the rule asks it of every GPU at every grant.
     _never_fits: dict[str, bool] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                      compare=False, hash=False)
@@ -68,23 +79,11 @@ class Residency:
         if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
             raise ValueError(f"max_loaded must be an integer >= 1, not {self.max_loaded!r}")
         object.__setattr__(self, "model_bytes", dict(self.model_bytes))  # a picture, not the caller's dict
+        object.__setattr__(self, "replaces_by_itself", self.max_loaded == 1)
         if self.max_loaded == 1:
             object.__setattr__(self, "pinned", frozenset())
             object.__setattr__(self, "memory_bytes", None)
 
-    @property
-    def replaces_by_itself(self) -> bool:
-        """What the upstream behind such a GPU does, not a rule of the scheduler's: with room for
-        one model (llama-swap, a single-model llama-server, a router at ``--models-max 1``) it
-        replaces its model by itself when a request for another reaches it. So a grant's
-        evictions are not unloaded first (`Decision.evicts` names none), a model it replaces is
-        there still if no request of the load reached it, and a model not known loaded (a
-        failure, an answer that said nothing of a load) counts gone: counting it gone loses
-        nothing, and what the upstream has is whatever it says once nothing runs. With room for
-        more, llama-server's router would evict by itself (its least recently used, by count) a
-        model llamaswap keeps: the evictions are unloaded first, and a model it may hold stays
-        counted until it says otherwise (one too few would let a load make it evict)."""
-        return self.max_loaded == 1
 
     def bytes_of(self, model: str) -> int:
         """A model's size; one of unknown size counts as the whole budget (it is never loaded

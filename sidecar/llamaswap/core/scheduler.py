@@ -13,8 +13,7 @@ and the `t` term is common to all. Ordering by the time-free key
 swap affinity, which applies to exactly the requests whose model is resident on a GPU that
 takes work now (`order.warm_models`); those live in per-model heaps, so the winner is the
 better of the top of the global heap and the top of each such model's heap plus the bonus
-(`order.pick`). Everything is integer nanoseconds, so the
-comparison is exact and equal scores fall back to arrival order.
+(`order.pick`). Integer nanoseconds: the comparison is exact, equal scores go by arrival.
 
 The rule is `dispatch.choose` (each GPU read by `dispatch.turn`, one form whatever
 ``maxLoaded``), walked down the order by `node.find` (one GPU is a node of one); the estimates'
@@ -509,13 +508,14 @@ class Scheduler(idle.IdleUnloading):
         if gpu is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
+        now = self._clock.now_ns()
         if grant.entry.stoppable and self._stops.released(grant.entry) and keep_as is not None:
-            self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns, stopped=True))
+            self._kept.add(KeptPlace.of(grant.entry, keep_as, now, grace_ns, stopped=True))
         gpu.renew()
         residents = gpu.residents
-        gpu.released(grant, model_loaded=model_loaded, reached_upstream=reached_upstream)
+        gpu.released(grant, now, model_loaded=model_loaded, reached_upstream=reached_upstream)
         self._holding.released(not self._gpu_of, gpu.residents is not residents)
-        return Released(request_id, grant.entry.model, grant.decision.granted_ns, self._clock.now_ns())
+        return Released(request_id, grant.entry.model, grant.decision.granted_ns, now)
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
