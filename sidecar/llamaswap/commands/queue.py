@@ -293,10 +293,10 @@ def idle_lines(document: dict[str, Any]) -> list[str]:
     """One line per idle resident model (``idle``): how long it has sat idle, and in how long it is
     unloaded for idleness (models.<id>.ttl, upstream.idleUnloadSeconds), or that it is kept."""
     idle = [row for row in document.get("idle") or [] if isinstance(row, dict)]
-    several = len(_gpus(document)) > 1
+    gpu_named = len(_gpus(document)) > 1
     lines = []
     for row in idle:
-        where = f" on {row.get('upstream')}" if several else ""
+        where = f" on {row.get('upstream')}" if gpu_named else ""
         unload_in = row.get("unload_in_s")
         when = "kept" if unload_in is None else f"unloaded in {format_duration(unload_in)}"
         lines.append(f"  idle {row.get('model')}{where} for {format_duration(row.get('idle_s'))}, {when}")
