@@ -98,6 +98,38 @@ def test_without_preempt_a_log_with_lines_replays_as_one_without_them():
     assert run(plain, costs).metrics.stops == StopMetrics(0, {"interactive": 0, "normal": 0, "batch": 0}, 0)
 
 
+def test_a_line_the_runtime_stopped_is_one_request_of_the_replay():
+    """A log recorded with stopping has a record per part of a stopped line (one request id, the
+    first part `stopped`): replayed, the line is one request again, with its first part's
+    arrival and every part's run, whether or not the replay stops lines itself."""
+    stopped = dataclasses.replace(arrival("line", 0, "A", BATCH, 4.0, line=True, order=0), outcome=Outcome.STOPPED)
+    person = arrival("person", 4, "A", PERSON, 2.0, order=1)
+    # The runtime sent the line again at 4 s; it waited 2 s behind the person, then ran its 6 s
+    # left and 0.2 s reading its 4 s of tokens again.
+    resumed = dataclasses.replace(arrival("line", 4, "A", BATCH, 6.2, line=True, order=2), queue_wait_ms=2000.0)
+    requests = prepare([stopped, person, resumed]).requests
+    assert [(r.record.request_id, r.arrival_ns, r.run_ns, r.granted_outcome) for r in requests] == [
+        ("line", 0, 10_200_000_000, Outcome.SERVED), ("person", 4 * S, 2 * S, Outcome.SERVED)]
+    assert requests[0].record.queue_wait_ms == 0.0  # its wait is to its first grant
+    # Without stopping the person waits for the whole line; with it, the replay stops the line at
+    # 4 s (4 s done) and resumes it at 6 s: 6.2 s left and 0.2 s reading the 4 s again.
+    assert by_id(run([stopped, person, resumed], preempt=False)) == {
+        "line": (0, 10_200_000_000, 0), "person": (10_200_000_000, 12_200_000_000, 0)}
+    assert by_id(run([stopped, person, resumed])) == {"line": (0, 12_400_000_000, 1), "person": (4 * S, 6 * S, 0)}
+
+
+def test_only_a_stopped_line_s_parts_are_one_request():
+    """A client's requests that share an id stay apart, as do two lines' records; a line stopped
+    and never resumed within the log replays what it ran, and ends stopped."""
+    client = [arrival("same", 0, "A", NORMAL, 1.0, order=0), arrival("same", 2, "A", NORMAL, 1.0, order=1)]
+    assert [r.arrival_ns for r in prepare(client).requests] == [0, 2 * S]
+    stopped = dataclasses.replace(arrival("cut", 0, "A", BATCH, 3.0, line=True, order=0), outcome=Outcome.STOPPED)
+    other = arrival("other", 1, "A", BATCH, 1.0, line=True, order=1)
+    requests = prepare([stopped, other]).requests
+    assert [(r.record.request_id, r.run_ns, r.granted_outcome) for r in requests] == [
+        ("cut", 3 * S, Outcome.STOPPED), ("other", S, Outcome.SERVED)]
+
+
 def test_a_person_on_another_model_stops_the_line_which_loads_its_model_again_to_resume():
     # A loads in 2 s, B in 3 s; one model at a time. t=0: the line loads A: holds 2 + 10 until 12.
     costs = FixedCosts({}, {"A": 2.0, "B": 3.0})

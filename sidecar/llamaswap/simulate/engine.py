@@ -102,7 +102,7 @@ from llamaswap.simulate.results import (
     Simulation,
     StopMetrics,
 )
-from llamaswap.simulate.stopping import GRACE_NS, Lines, index_of, part_id, retry_key
+from llamaswap.simulate.stopping import GRACE_NS, Lines, index_of, one_per_line, part_id, retry_key
 
 _log = logging.getLogger(__name__)
 
@@ -214,7 +214,9 @@ class Replay:
 
 
 def prepare(records: Sequence[RequestRecord]) -> Replay:
-    """Order by arrival (ties by file order) and drop what is not replayed."""
+    """Order by arrival (ties by file order) and drop what is not replayed; a line the runtime
+    stopped is one request (`stopping.one_per_line`)."""
+    records = one_per_line(records)
     skipped = Counter(r.outcome.value for r in records if r.outcome in NOT_REPLAYED)
     kept = sorted((r for r in records if r.outcome not in NOT_REPLAYED), key=operator.attrgetter("arrival_ms", "order"))
     origin = kept[0].arrival_ms if kept else 0.0

@@ -22,14 +22,44 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from llamaswap.core import Band
+from collections.abc import Iterable
+
+from llamaswap.core import Band, Outcome
 from llamaswap.core.preemption import Stop
+from llamaswap.simulate.records import RequestRecord
 from llamaswap.simulate.results import Result, StopMetrics
 from llamaswap.simulate.running import NEVER
 
 REREAD_SHARE = 0.05
 # The stopped line's place is kept this long: the replay sends it again at the same instant.
 GRACE_NS = 1_000_000_000
+
+
+def one_per_line(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    """The records with each line the runtime stopped made one request again, in file order at
+    its last part: a log recorded with stopping has a record per part of such a line (the same
+    ``request_id``, each part but the last ``stopped``). The one request arrives with its first
+    part (the runtime kept its first arrival and place for it), waited as long as its first part
+    did, loaded as its first part did (a later part's load came from the stop) and ran every part's
+    run: the work, and what reading its kept tokens again cost (a little more than the undisturbed
+    run). It ends as its last part ended. A replay with ``--preempt`` may stop it again, where its
+    own rule says so."""
+    folded: list[RequestRecord] = []
+    open_lines: dict[str, RequestRecord] = {}  # a line's parts so far, merged, by request id
+    for record in records:
+        earlier = open_lines.pop(record.request_id, None) if record.batch_line else None
+        if earlier is not None:
+            record = dataclasses.replace(
+                record, arrival_ms=earlier.arrival_ms, queue_wait_ms=earlier.queue_wait_ms,
+                first_byte_ms=earlier.first_byte_ms, granted_ms=earlier.granted_ms, swap=earlier.swap,
+                load=earlier.load, gpu=earlier.gpu, slots_busy=earlier.slots_busy, order=earlier.order,
+                run_ms=None if record.run_ms is None or earlier.run_ms is None else earlier.run_ms + record.run_ms)
+        if record.batch_line and record.outcome is Outcome.STOPPED:
+            open_lines[record.request_id] = record  # its next part follows (or the log ends here)
+        else:
+            folded.append(record)
+    folded.extend(open_lines.values())  # stopped and not resumed within the log: as they ended
+    return folded
 
 
 def part_id(index: int, stops: int) -> str:
