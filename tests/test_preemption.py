@@ -194,3 +194,31 @@ def test_nothing_is_stopped_where_the_person_can_start_or_no_line_runs() -> None
     granted(other)
     other.enqueue("person", prio(PERSON), "A")
     assert granted(other) == [] and other.stops() == []
+
+
+def test_while_the_gpu_a_stop_let_go_on_settles_no_line_elsewhere_is_stopped() -> None:
+    # Seen end to end (e2e/test_preempt_gpus.py): the stopped line's release begins a settle of
+    # its GPU (an abandoned generation), and the person, asking again before it ended, stopped
+    # the other GPU's line too.
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
+    for name in ("line-0", "line-1"):
+        scheduler.enqueue(name, prio(BATCH), "A", stoppable=True)
+        granted(scheduler)
+    scheduler.enqueue("person", prio(PERSON), "A")
+    granted(scheduler)
+    [stop] = scheduler.stops()
+    scheduler.release(stop.request_id, keep_as=b"line", grace_ns=60 * NS)
+    scheduler.blocked_by(stop.gpu, settling=True, adopted=0)  # (as the runtime does, before it grants again)
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.blocked_by(stop.gpu, settling=False, adopted=0)
+    assert granted(scheduler) == ["person"] and scheduler.gpu_of("person") == stop.gpu
+    # Once granted there, a settle of that GPU later is no stop's: a person who can start nowhere
+    # stops a line again.
+    other = "line-1" if stop.request_id == "line-0" else "line-0"
+    scheduler.release("person")
+    scheduler.enqueue("line-back", prio(BATCH), "A", stoppable=True)
+    granted(scheduler)
+    scheduler.enqueue("person-2", prio(PERSON), "A")
+    scheduler.release("line-back")
+    scheduler.blocked_by(stop.gpu, settling=True, adopted=0)
+    assert granted(scheduler) == [] and stopped(scheduler) == [other]

@@ -18,7 +18,10 @@ Over the GPUs, the fewest stops win, then the lowest band stopped, then the leas
 (the shortest running: a stopped line reads its kept tokens again as prompt), then the
 configured order. The grants chosen are said once (`Stopping.orders`); while they are being
 stopped they count as gone for the next choice, so one waiting request never stops more than it
-needs, and their release ends them (`Stopping.released`).
+needs, and their release ends them (`Stopping.released`). A stopped grant's release may begin a
+settle of its GPU (the upstream lets go of the generation): until that settle ends, or something
+is granted there, that GPU counts as free for the waiting request where the settle alone holds it
+out, so that it is not stopped a second line elsewhere meanwhile.
 """
 
 from __future__ import annotations
@@ -114,12 +117,14 @@ class Stopping:
     """How many stoppable grants run (none: nothing is asked), the stops ordered and not yet ended,
     and the orders not yet taken by the runtime."""
 
-    __slots__ = ("running", "_stopping", "_orders")
+    __slots__ = ("running", "_stopping", "_orders", "_letting_go")
 
     def __init__(self) -> None:
         self.running = 0
         self._stopping: dict[str, Stop] = {}  # by request id, until its release
         self._orders: list[Stop] = []
+        # GPUs where a stopped grant was released, with their grants so far then (`GpuRecord.dispatches`).
+        self._letting_go: dict[str, int] = {}
 
     def ask(self, gpus: Sequence[GpuRecord], best: Entry, now_ns: int, min_run_ns: int) -> None:
         """``best`` waits and starts nowhere: order the stops that let it start (none where a stop
@@ -130,6 +135,8 @@ class Stopping:
         chosen: tuple[int, list[Grant]] | None = None
         for index, gpu in enumerate(gpus):
             holding = gpu.holding
+            if self._letting_go and self._settles_for(gpu, holding, best):
+                return  # a stop let go there: it starts there once the settle ends
             if holding.blocked or not holding.may_serve(best):
                 continue
             if stopping and turn(_holding_without(gpu, stopping), best) in _STARTS:
@@ -146,6 +153,18 @@ class Stopping:
             self._stopping[stop.request_id] = stop
             self._orders.append(stop)
 
+    def _settles_for(self, gpu: GpuRecord, holding: GpuHolding, best: Entry) -> bool:
+        """A stopped grant was released on ``gpu``, which settles since (nothing granted there
+        meanwhile), and ``best`` starts there once the settle has ended."""
+        since = self._letting_go.get(gpu.name)
+        if since is None:
+            return False
+        if since != gpu.dispatches or not holding.settling:
+            del self._letting_go[gpu.name]  # its settle ended, or the freed slot was taken
+            return False
+        settled = holding._replace(settling=False, settling_model=None, blocked=holding.adopted > 0)
+        return settled.may_serve(best) and turn(settled, best) in _STARTS
+
     def orders(self) -> list[Stop]:
         """The stops ordered since the last call (each said once)."""
         orders, self._orders = self._orders, []
@@ -154,10 +173,12 @@ class Stopping:
     def stopping(self, request_id: str) -> bool:
         return request_id in self._stopping
 
-    def released(self, entry: Entry) -> bool:
-        """A grant ended (stopped, or it ended first: nothing doubled); whether it was stoppable."""
+    def released(self, entry: Entry, gpu: GpuRecord) -> bool:
+        """A grant ended on ``gpu`` (stopped, or it ended first: nothing doubled); whether it was
+        stoppable."""
         if not entry.stoppable:
             return False
         self.running -= 1
-        self._stopping.pop(entry.request_id, None)
+        if self._stopping.pop(entry.request_id, None) is not None:
+            self._letting_go[gpu.name] = gpu.dispatches
         return True

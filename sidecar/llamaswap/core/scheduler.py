@@ -509,7 +509,7 @@ class Scheduler(idle.IdleUnloading):
         if gpu is None:
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
-        if grant.entry.stoppable and self._stops.released(grant.entry) and keep_as is not None:
+        if grant.entry.stoppable and self._stops.released(grant.entry, gpu) and keep_as is not None:
             self._kept.add(KeptPlace.of(grant.entry, keep_as, self._clock.now_ns(), grace_ns, stopped=True))
         gpu.renew()
         residents = gpu.residents
