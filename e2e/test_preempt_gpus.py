@@ -50,7 +50,7 @@ def _line_on(fakes: dict[str, FakeLlamaServer], content: str) -> str:
 
 
 async def _stop_and_resume(node: Node, fakes: dict[str, FakeLlamaServer], batch_id: str, person_model: str,
-                           contents: dict[str, str]) -> tuple[str, str]:
+                           contents: dict[str, str], where: str | None) -> tuple[str, str]:
     """Both lines paused at their 5th token, one on each GPU: a person's request of ``person_model``
     stops one of them; the stopped line resumes once the person has run. The GPU of the stop and
     the stopped line's custom_id."""
@@ -61,6 +61,7 @@ async def _stop_and_resume(node: Node, fakes: dict[str, FakeLlamaServer], batch_
         await async_wait_for(lambda: stop_records(admin), what="a line's stop")
         [stop] = stop_records(admin)
         gpu = stop["upstream"]
+        assert where is None or gpu == where, stop
         [stopped] = [custom_id for custom_id in contents if stop["request_id"] == f"{batch_id}:{custom_id}"]
         assert (stop["for_request_id"], stop["serial_band"], stop["for_band"]) == ("person", "batch", "interactive")
         assert _line_on(fakes, contents[stopped]) == gpu  # the line stopped is the one that ran there
@@ -87,9 +88,12 @@ async def _stop_and_resume(node: Node, fakes: dict[str, FakeLlamaServer], batch_
     return gpu, stopped
 
 
-async def test_a_person_stops_one_line_on_the_gpu_where_it_then_runs(tmp_path: pathlib.Path) -> None:
+async def _two_lines_and_a_person(tmp_path: pathlib.Path, person_model: str,
+                                  models: tuple[list[str], list[str]] | None = None, where: str | None = None) -> None:
+    """A line on each GPU, a person of ``person_model``: one line stopped (on ``where``, if said)
+    and resumed, each answer whole and once."""
     contents = {"first": "alpha", "second": "bravo"}
-    with two_fakes() as (gpu0, gpu1), running_node(tmp_path, _entries(gpu0, gpu1), _config(tmp_path)) as node:
+    with two_fakes() as (gpu0, gpu1), running_node(tmp_path, _entries(gpu0, gpu1, models), _config(tmp_path)) as node:
         fakes = {"gpu0": gpu0, "gpu1": gpu1}
         for fake in fakes.values():
             fake.tokens.hold_after = 5
@@ -97,7 +101,7 @@ async def test_a_person_stops_one_line_on_the_gpu_where_it_then_runs(tmp_path: p
         batch = create(client, upload(client, [line(custom_id, content) for custom_id, content in contents.items()]))
         await async_wait_for(lambda: gpu0.tokens.held == 1 and gpu1.tokens.held == 1,
                              what="a line paused mid-answer on each GPU")
-        gpu, stopped = await _stop_and_resume(node, fakes, batch.id, "model-a", contents)
+        gpu, stopped = await _stop_and_resume(node, fakes, batch.id, person_model, contents, where)
         finished = await asyncio.to_thread(ended, client, batch.id, "completed")
         output = {record["custom_id"]: record for record in await asyncio.to_thread(records, client,
                                                                                     finished.output_file_id)}
@@ -117,3 +121,13 @@ async def test_a_person_stops_one_line_on_the_gpu_where_it_then_runs(tmp_path: p
         assert [prompt for fake in fakes.values() for prompt, _ in fake.tokens.left] == [len(stopped_prompt)]
         assert (stopped_prompt + generate(stopped_prompt, 6), MAX_TOKENS - 6) in sent  # resumed on its 6 kept tokens
         client.close()
+
+
+async def test_a_person_stops_one_line_on_the_gpu_where_it_then_runs(tmp_path: pathlib.Path) -> None:
+    await _two_lines_and_a_person(tmp_path, "model-a")
+
+
+async def test_a_person_whose_model_one_gpu_serves_stops_the_line_there_and_not_the_other(
+        tmp_path: pathlib.Path) -> None:
+    # gpu1 may not serve model-b: the person loads it on gpu0, where its line must let go.
+    await _two_lines_and_a_person(tmp_path, "model-b", (["model-a", "model-b"], ["model-a"]), where="gpu0")
