@@ -222,3 +222,23 @@ def test_while_the_gpu_a_stop_let_go_on_settles_no_line_elsewhere_is_stopped() -
     scheduler.release("line-back")
     scheduler.blocked_by(stop.gpu, settling=True, adopted=0)
     assert granted(scheduler) == [] and stopped(scheduler) == [other]
+
+
+def test_while_a_drained_model_settles_the_other_resident_model_is_not_drained_too() -> None:
+    # Seen end to end (e2e/test_preempt_residents.py): the settle of the drained model's line held
+    # that model, and the person's load then drained the other resident model as well.
+    scheduler, clock = node(gpu(max_loaded=2))
+    for name, model in (("line-a", "A"), ("line-b", "B")):
+        scheduler.enqueue(name, prio(BATCH), model, stoppable=True)
+        granted(scheduler)
+        clock.advance(1.0)
+    scheduler.enqueue("person", prio(PERSON), "C")
+    granted(scheduler)
+    assert stopped(scheduler) == ["line-b"]  # one line either way: the one that ran least
+    scheduler.release("line-b", keep_as=b"line-b", grace_ns=60 * NS)
+    scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model="B")
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "person"
+    assert [eviction.model for eviction in decision.evicts] == ["B"]

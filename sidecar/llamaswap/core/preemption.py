@@ -11,8 +11,9 @@ the GPU as it would hold without them):
 
 - its model resident there (or a request of no model): one of that model's grants, which frees
   a slot of it;
-- else, for its load: every grant of each of the fewest resident models whose draining makes
-  room for it (an idle model may go; a model of a client's request never drains by this).
+- else, for its load: every grant of each of the resident models whose draining makes room for it,
+  the fewest grants (then as below: the lowest band, the least work lost; an idle model may go; a
+  model of a client's request never drains by this).
 
 Over the GPUs, the fewest stops win, then the lowest band stopped, then the least work lost
 (the shortest running: a stopped line reads its kept tokens again as prompt), then the
@@ -21,7 +22,7 @@ stopped they count as gone for the next choice, so one waiting request never sto
 needs, and their release ends them (`Stopping.released`). A stopped grant's release may begin a
 settle of its GPU (the upstream lets go of the generation): until that settle ends, or something
 is granted there, that GPU counts as free for the waiting request where the settle alone holds it
-out, so that it is not stopped a second line elsewhere meanwhile.
+out, so that no second line is stopped for it meanwhile (there or elsewhere).
 """
 
 from __future__ import annotations
@@ -96,16 +97,17 @@ def _on_gpu(gpu: GpuRecord, best: Entry, stopping: set[str], now_ns: int, min_ru
             by_model.setdefault(grant.entry.model, []).append(grant)
     drainable = {name: grants for name, grants in by_model.items()
                  if all(_stoppable(grant, best, now_ns, min_run_ns) for grant in grants)}
-    best_set: list[Grant] | None = None
+    best_set: tuple[tuple[int, int, int], list[Grant]] | None = None  # (its cost, the grants)
     for size in range(1, len(drainable) + 1):
         for names in itertools.combinations(sorted(drainable, key=str), size):
             grants = [grant for name in names for grant in drainable[name]]
-            if best_set is not None and len(grants) >= len(best_set):
+            cost = _cost(grants, now_ns)  # (of equally few stops: the lowest band, the least loss)
+            if best_set is not None and cost >= best_set[0]:
                 continue
             gone = stopping | {grant.decision.request_id for grant in grants}
             if turn(_holding_without(gpu, gone), best) in _STARTS:
-                best_set = _least_loss(grants)
-    return best_set
+                best_set = cost, _least_loss(grants)
+    return best_set[1] if best_set is not None else None
 
 
 def _cost(grants: Sequence[Grant], now_ns: int) -> tuple[int, int, int]:
