@@ -184,9 +184,9 @@ async def test_the_upstream_killed_during_a_resume_keeps_the_tokens_read_and_the
     async with _stopping(tmp_path) as state:
         await _stop_kept(state)
         state.fake.tokens.hold_after = 3  # the resume pauses after 3 of its 6 tokens
-        state.fake.release("person")
-        assert (await state.person).status == 200
         state.fake.tokens.release()  # (the stopped part's stream, paused at 6, learns it was left)
+        state.fake.release("person")  # (only then may the resume start: one slot)
+        assert (await state.person).status == 200
         resumed = (PROMPT + generate(PROMPT, 6), MAX_TOKENS - 6)
         await async_wait_for(lambda: resumed in state.fake.tokens.completions and state.fake.tokens.held == 1,
                              what="the resume paused after 3 tokens")
