@@ -19,79 +19,17 @@ so each kill lands exactly where it says; nothing waits on a timer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import pathlib
 import signal
-from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import yaml
 
-from batches_e2e import batch_config, create, ended, records, sdk, upload
-from client import Reply, chat
+from client import Reply
 from fake_llama import FakeLlamaServer
 from fake_tokens import generate
-from harness import EnvoyProcess, SidecarProcess, Stack, async_wait_for, running_stack
-from preempt_e2e import MAX_TOKENS, check_answer, line, prompt_of, stop_records, waiting_line
-
-CONTENT = "alpha"
-
-
-class _Stopping:
-    """A one-slot stack with one line of a batch paused at its 5th token and a person's held
-    request that made the scheduler stop it (its `stop` record is there)."""
-
-    def __init__(self, stack: Stack, fake: FakeLlamaServer, client: Any, batch_id: str,
-                 person: asyncio.Task[Reply]) -> None:
-        self.stack, self.fake, self.client, self.batch_id, self.person = stack, fake, client, batch_id, person
-        self.line_id = f"{batch_id}:line"
-
-    def output(self) -> dict[str, Any]:
-        """The batch's one record, once it completed (its error file empty)."""
-        finished = ended(self.client, self.batch_id, "completed")
-        assert records(self.client, finished.error_file_id) == []
-        [record] = records(self.client, finished.output_file_id)
-        assert record["custom_id"] == "line"
-        return record
-
-
-@contextlib.asynccontextmanager
-async def _stopping(tmp_path: pathlib.Path) -> AsyncIterator[_Stopping]:
-    fake = FakeLlamaServer(router=True)
-    config = batch_config(tmp_path, preempt=True)
-    config["upstream"] = {"slots": 1}
-    with running_stack(tmp_path, config, fake=fake) as stack:
-        fake.tokens.hold_after = 5
-        client = sdk(stack)
-        batch = create(client, upload(client, [line("line", CONTENT)]))
-        await async_wait_for(lambda: fake.tokens.held == 1, what="the line's stream paused after 5 tokens")
-        async with aiohttp.ClientSession() as session:
-            person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", hold=True))
-            state = _Stopping(stack, fake, client, batch.id, person)
-            await async_wait_for(lambda: stop_records(stack.sidecar.admin_url), what="the line's stop")
-            [stop] = stop_records(stack.sidecar.admin_url)
-            assert (stop["request_id"], stop["for_request_id"]) == (state.line_id, "person")
-            try:
-                yield state
-            finally:
-                if fake._loop is not None:  # (not killed by the test)
-                    fake.release("person")
-                    fake.tokens.hold_after = None
-                    fake.tokens.release()
-                with contextlib.suppress(Exception):
-                    await person
-                client.close()
-
-
-async def _stop_kept(state: _Stopping) -> None:
-    """The stop takes effect: the line reads its 6th token and lets go, its progress kept."""
-    state.fake.tokens.hold_after = 6
-    state.fake.tokens.release()
-    row = await async_wait_for(lambda: waiting_line(state.stack.sidecar.admin_url, state.line_id),
-                               what="the stopped line waiting to resume")
-    assert row["line"] == {"stops": 1, "tokens": 6}
-    await async_wait_for(lambda: "person" in state.fake.order(), what="the person running where the line let go")
+from harness import EnvoyProcess, SidecarProcess, Stack, async_wait_for
+from preempt_e2e import CONTENT, MAX_TOKENS, check_answer, prompt_of, stop_kept, stop_records, stopping
 
 
 async def _status(reply: asyncio.Task[Reply]) -> int | None:
@@ -132,8 +70,8 @@ PROMPT = prompt_of(CONTENT)
 
 
 async def test_a_sidecar_killed_after_a_stop_resumes_the_line_from_its_kept_tokens(tmp_path: pathlib.Path) -> None:
-    async with _stopping(tmp_path) as state:
-        await _stop_kept(state)
+    async with stopping(tmp_path) as state:
+        await stop_kept(state)
         _kill_sidecar(state.stack)
         state.fake.release("person")
         assert (await state.person).status == 200  # (it ran past the sidecar: granted before the kill)
@@ -147,7 +85,7 @@ async def test_a_sidecar_killed_after_a_stop_resumes_the_line_from_its_kept_toke
 
 
 async def test_a_sidecar_killed_during_a_stop_sends_the_line_again_from_its_start(tmp_path: pathlib.Path) -> None:
-    async with _stopping(tmp_path) as state:
+    async with stopping(tmp_path) as state:
         # The stop is asked, the line's next token not yet read: nothing is kept when it dies.
         state.fake.tokens.hold_after = None
         _kill_sidecar(state.stack)
@@ -162,7 +100,7 @@ async def test_a_sidecar_killed_during_a_stop_sends_the_line_again_from_its_star
 
 async def test_envoy_killed_during_a_stop_keeps_the_tokens_read_and_resumes_once_it_is_back(
         tmp_path: pathlib.Path) -> None:
-    async with _stopping(tmp_path) as state:
+    async with stopping(tmp_path) as state:
         stack = state.stack
         bootstrap = yaml.safe_load(stack.envoy.config_path.read_text())
         stack.envoy.signal(signal.SIGKILL)
@@ -181,8 +119,8 @@ async def test_envoy_killed_during_a_stop_keeps_the_tokens_read_and_resumes_once
 
 async def test_the_upstream_killed_during_a_resume_keeps_the_tokens_read_and_the_line_ends_whole(
         tmp_path: pathlib.Path) -> None:
-    async with _stopping(tmp_path) as state:
-        await _stop_kept(state)
+    async with stopping(tmp_path) as state:
+        await stop_kept(state)
         state.fake.tokens.hold_after = 3  # the resume pauses after 3 of its 6 tokens
         state.fake.tokens.release()  # (the stopped part's stream, paused at 6, learns it was left)
         state.fake.release("person")  # (only then may the resume start: one slot)
@@ -206,7 +144,7 @@ async def test_the_upstream_killed_during_a_resume_keeps_the_tokens_read_and_the
 
 async def test_the_upstream_killed_during_a_stop_keeps_the_tokens_read_and_the_line_ends_whole(
         tmp_path: pathlib.Path) -> None:
-    async with _stopping(tmp_path) as state:
+    async with stopping(tmp_path) as state:
         port = state.fake.port
         _kill_fake(state.fake)  # the line's stop asked, its next token never comes
         again = FakeLlamaServer(port, router=True).started()
