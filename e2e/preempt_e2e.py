@@ -67,8 +67,8 @@ def waiting_line(admin_url: str, request_id: str) -> dict[str, Any] | None:
 
 
 class Stopping:
-    """A one-slot stack with one line of a batch paused at its 5th token and a person's held
-    request that made the scheduler stop it (its `stop` record is there)."""
+    """A one-slot stack with one line of a batch paused mid-answer (at its 5th token unless said)
+    and a person's held request that made the scheduler stop it (its `stop` record is there)."""
 
     def __init__(self, stack: Stack, fake: FakeLlamaServer, client: Any, batch_id: str,
                  person: asyncio.Task[Reply]) -> None:
@@ -85,15 +85,15 @@ class Stopping:
 
 
 @contextlib.asynccontextmanager
-async def stopping(tmp_path: pathlib.Path) -> AsyncIterator[Stopping]:
+async def stopping(tmp_path: pathlib.Path, paused_at: int = 5) -> AsyncIterator[Stopping]:
     fake = FakeLlamaServer(router=True)
     config = batch_config(tmp_path, preempt=True)
     config["upstream"] = {"slots": 1}
     with running_stack(tmp_path, config, fake=fake) as stack:
-        fake.tokens.hold_after = 5
+        fake.tokens.hold_after = paused_at
         client = sdk(stack)
         batch = create(client, upload(client, [line("line", CONTENT)]))
-        await async_wait_for(lambda: fake.tokens.held == 1, what="the line's stream paused after 5 tokens")
+        await async_wait_for(lambda: fake.tokens.held == 1, what="the line's stream paused mid-answer")
         async with aiohttp.ClientSession() as session:
             person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", hold=True))
             state = Stopping(stack, fake, client, batch.id, person)
