@@ -242,3 +242,21 @@ def test_while_a_drained_model_settles_the_other_resident_model_is_not_drained_t
     decision = scheduler.next()
     assert decision is not None and decision.request_id == "person"
     assert [eviction.model for eviction in decision.evicts] == ["B"]
+
+
+def test_while_the_first_of_a_drain_s_lines_settles_no_line_of_another_gpu_is_stopped() -> None:
+    scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=3))
+    for name, model in (("a-0", "A"), ("a-1", "A"), ("b-0", "B"), ("b-1", "B"), ("b-2", "B")):
+        scheduler.enqueue(name, prio(BATCH), model, stoppable=True)
+        granted(scheduler)
+    assert {scheduler.gpu_of(name) for name in ("a-0", "a-1")} == {"gpu0"}
+    scheduler.enqueue("person", prio(PERSON), "C")
+    granted(scheduler)
+    assert sorted(stopped(scheduler)) == ["a-0", "a-1"]  # two stops on gpu0 rather than three on gpu1
+    scheduler.release("a-0", keep_as=b"a-0", grace_ns=60 * NS)
+    scheduler.blocked_by("gpu0", settling=True, adopted=0)
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.release("a-1", keep_as=b"a-1", grace_ns=60 * NS)
+    assert granted(scheduler) == [] and scheduler.stops() == []  # (still settling)
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
+    assert granted(scheduler) == ["person"] and scheduler.gpu_of("person") == "gpu0"

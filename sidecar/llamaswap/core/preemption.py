@@ -21,8 +21,8 @@ configured order. The grants chosen are said once (`Stopping.orders`); while the
 stopped they count as gone for the next choice, so one waiting request never stops more than it
 needs, and their release ends them (`Stopping.released`). A stopped grant's release may begin a
 settle of its GPU (the upstream lets go of the generation): until that settle ends, or something
-is granted there, that GPU counts as free for the waiting request where the settle alone holds it
-out, so that no second line is stopped for it meanwhile (there or elsewhere).
+is granted there, the rule reads that GPU as it will hold once settled, so that no line more is
+stopped for the waiting request meanwhile (there or elsewhere).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ class Stop:
     for_band: Band
 
 
-def _holding_without(gpu: GpuRecord, gone: Iterable[str]) -> GpuHolding:
-    """What ``gpu`` would hold with the grants ``gone`` ended (their models stay resident)."""
+def _holding_without(gpu: GpuRecord, holding: GpuHolding, gone: Iterable[str]) -> GpuHolding:
+    """What ``gpu``, holding ``holding``, would hold with the grants ``gone`` ended (their models
+    stay resident)."""
     gone = set(gone)
-    holding = gpu.holding
     if not gone:
         return holding
     left = [grant.entry for request_id, grant in gpu.grants.items() if request_id not in gone]
@@ -77,7 +77,8 @@ def _least_loss(grants: Sequence[Grant]) -> list[Grant]:
     return sorted(grants, key=lambda g: (_RANK[g.entry.priority.band], -g.decision.granted_ns, g.decision.request_id))
 
 
-def _on_gpu(gpu: GpuRecord, best: Entry, stopping: set[str], now_ns: int, min_run_ns: int) -> list[Grant] | None:
+def _on_gpu(gpu: GpuRecord, holding: GpuHolding, best: Entry, stopping: set[str], now_ns: int,
+            min_run_ns: int) -> list[Grant] | None:
     """The fewest stoppable grants of ``gpu`` whose going lets ``best`` start there (besides those
     ``stopping`` already), least loss first; None if none would."""
     candidates = [grant for request_id, grant in gpu.grants.items()
@@ -87,7 +88,7 @@ def _on_gpu(gpu: GpuRecord, best: Entry, stopping: set[str], now_ns: int, min_ru
     model = best.model
     if model is None or model in gpu.residents:
         for grant in _least_loss([g for g in candidates if g.entry.model == model or model is None]):
-            if turn(_holding_without(gpu, stopping | {grant.decision.request_id}), best) in _STARTS:
+            if turn(_holding_without(gpu, holding, stopping | {grant.decision.request_id}), best) in _STARTS:
                 return [grant]
         return None
     # A load: drain whole models (each one's every grant stoppable), the fewest grants first.
@@ -105,7 +106,7 @@ def _on_gpu(gpu: GpuRecord, best: Entry, stopping: set[str], now_ns: int, min_ru
             if best_set is not None and cost >= best_set[0]:
                 continue
             gone = stopping | {grant.decision.request_id for grant in grants}
-            if turn(_holding_without(gpu, gone), best) in _STARTS:
+            if turn(_holding_without(gpu, holding, gone), best) in _STARTS:
                 best_set = cost, _least_loss(grants)
     return best_set[1] if best_set is not None else None
 
@@ -136,14 +137,13 @@ class Stopping:
         stopping = set(self._stopping)
         chosen: tuple[int, list[Grant]] | None = None
         for index, gpu in enumerate(gpus):
-            holding = gpu.holding
-            if self._letting_go and self._settles_for(gpu, holding, best):
-                return  # a stop let go there: it starts there once the settle ends
+            holding = self._settled(gpu) if self._letting_go else gpu.holding
             if holding.blocked or not holding.may_serve(best):
                 continue
-            if stopping and turn(_holding_without(gpu, stopping), best) in _STARTS:
-                return  # the stops under way make room for it here
-            grants = _on_gpu(gpu, best, stopping, now_ns, min_run_ns)
+            if (stopping or holding is not gpu.holding) and turn(_holding_without(gpu, holding, stopping),
+                                                                 best) in _STARTS:
+                return  # the stops under way (and the settles they began) make room for it here
+            grants = _on_gpu(gpu, holding, best, stopping, now_ns, min_run_ns)
             if grants is not None and (chosen is None or _cost(grants, now_ns) < _cost(chosen[1], now_ns)):
                 chosen = index, grants
         if chosen is None:
@@ -155,17 +155,17 @@ class Stopping:
             self._stopping[stop.request_id] = stop
             self._orders.append(stop)
 
-    def _settles_for(self, gpu: GpuRecord, holding: GpuHolding, best: Entry) -> bool:
-        """A stopped grant was released on ``gpu``, which settles since (nothing granted there
-        meanwhile), and ``best`` starts there once the settle has ended."""
+    def _settled(self, gpu: GpuRecord) -> GpuHolding:
+        """What ``gpu`` holds, as it will once the settle that a stopped grant's release began
+        there has ended (while it settles since, nothing granted there meanwhile)."""
+        holding = gpu.holding
         since = self._letting_go.get(gpu.name)
         if since is None:
-            return False
+            return holding
         if since != gpu.dispatches or not holding.settling:
             del self._letting_go[gpu.name]  # its settle ended, or the freed slot was taken
-            return False
-        settled = holding._replace(settling=False, settling_model=None, blocked=holding.adopted > 0)
-        return settled.may_serve(best) and turn(settled, best) in _STARTS
+            return holding
+        return holding._replace(settling=False, settling_model=None, blocked=holding.adopted > 0)
 
     def orders(self) -> list[Stop]:
         """The stops ordered since the last call (each said once)."""
