@@ -57,6 +57,8 @@ class _Streams(TokenRoutes):
 class _Router(FakeLlamaServer):
     """The router with `--models-max 2`, recording at each unload the streams still open."""
 
+    tokens: _Streams
+
     def __init__(self) -> None:
         super().__init__(router=True, models=MODELS, models_max=2)
         self.tokens = _Streams()
@@ -64,7 +66,6 @@ class _Router(FakeLlamaServer):
 
     async def _unload_request(self, request: web.Request) -> web.Response:
         model = (await request.json()).get("model")
-        assert isinstance(self.tokens, _Streams)
         self.open_at_unload.append((model, self.tokens.open_streams()))
         return await super()._unload_request(request)
 
