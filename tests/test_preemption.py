@@ -194,3 +194,69 @@ def test_nothing_is_stopped_where_the_person_can_start_or_no_line_runs() -> None
     granted(other)
     other.enqueue("person", prio(PERSON), "A")
     assert granted(other) == [] and other.stops() == []
+
+
+def test_while_the_gpu_a_stop_let_go_on_settles_no_line_elsewhere_is_stopped() -> None:
+    # Seen end to end (e2e/test_preempt_gpus.py): the stopped line's release begins a settle of
+    # its GPU (an abandoned generation), and the person, asking again before it ended, stopped
+    # the other GPU's line too.
+    scheduler, _ = node(gpu("gpu0"), gpu("gpu1"))
+    for name in ("line-0", "line-1"):
+        scheduler.enqueue(name, prio(BATCH), "A", stoppable=True)
+        granted(scheduler)
+    scheduler.enqueue("person", prio(PERSON), "A")
+    granted(scheduler)
+    [stop] = scheduler.stops()
+    scheduler.release(stop.request_id, keep_as=b"line", grace_ns=60 * NS)
+    scheduler.blocked_by(stop.gpu, settling=True, adopted=0)  # (as the runtime does, before it grants again)
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.blocked_by(stop.gpu, settling=False, adopted=0)
+    assert granted(scheduler) == ["person"] and scheduler.gpu_of("person") == stop.gpu
+    # Once granted there, a settle of that GPU later is no stop's: a person who can start nowhere
+    # stops a line again.
+    other = "line-1" if stop.request_id == "line-0" else "line-0"
+    scheduler.release("person")
+    scheduler.enqueue("line-back", prio(BATCH), "A", stoppable=True)
+    granted(scheduler)
+    scheduler.enqueue("person-2", prio(PERSON), "A")
+    scheduler.release("line-back")
+    scheduler.blocked_by(stop.gpu, settling=True, adopted=0)
+    assert granted(scheduler) == [] and stopped(scheduler) == [other]
+
+
+def test_while_a_drained_model_settles_the_other_resident_model_is_not_drained_too() -> None:
+    # Seen end to end (e2e/test_preempt_residents.py): the settle of the drained model's line held
+    # that model, and the person's load then drained the other resident model as well.
+    scheduler, clock = node(gpu(max_loaded=2))
+    for name, model in (("line-a", "A"), ("line-b", "B")):
+        scheduler.enqueue(name, prio(BATCH), model, stoppable=True)
+        granted(scheduler)
+        clock.advance(1.0)
+    scheduler.enqueue("person", prio(PERSON), "C")
+    granted(scheduler)
+    assert stopped(scheduler) == ["line-b"]  # one line either way: the one that ran least
+    scheduler.release("line-b", keep_as=b"line-b", grace_ns=60 * NS)
+    scheduler.blocked_by("gpu0", settling=True, adopted=0, settling_model="B")
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
+    decision = scheduler.next()
+    assert decision is not None and decision.request_id == "person"
+    assert [eviction.model for eviction in decision.evicts] == ["B"]
+
+
+def test_while_the_first_of_a_drain_s_lines_settles_no_line_of_another_gpu_is_stopped() -> None:
+    scheduler, _ = node(gpu("gpu0", slots=2), gpu("gpu1", slots=3))
+    for name, model in (("a-0", "A"), ("a-1", "A"), ("b-0", "B"), ("b-1", "B"), ("b-2", "B")):
+        scheduler.enqueue(name, prio(BATCH), model, stoppable=True)
+        granted(scheduler)
+    assert {scheduler.gpu_of(name) for name in ("a-0", "a-1")} == {"gpu0"}
+    scheduler.enqueue("person", prio(PERSON), "C")
+    granted(scheduler)
+    assert sorted(stopped(scheduler)) == ["a-0", "a-1"]  # two stops on gpu0 rather than three on gpu1
+    scheduler.release("a-0", keep_as=b"a-0", grace_ns=60 * NS)
+    scheduler.blocked_by("gpu0", settling=True, adopted=0)
+    assert granted(scheduler) == [] and scheduler.stops() == []
+    scheduler.release("a-1", keep_as=b"a-1", grace_ns=60 * NS)
+    assert granted(scheduler) == [] and scheduler.stops() == []  # (still settling)
+    scheduler.blocked_by("gpu0", settling=False, adopted=0)
+    assert granted(scheduler) == ["person"] and scheduler.gpu_of("person") == "gpu0"

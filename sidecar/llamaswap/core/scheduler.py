@@ -509,7 +509,7 @@ class Scheduler(idle.IdleUnloading):
             raise UnknownRequest(f"request {request_id!r} does not hold the grant")
         grant = gpu.grants.pop(request_id)
         now = self._clock.now_ns()
-        if grant.entry.stoppable and self._stops.released(grant.entry) and keep_as is not None:
+        if grant.entry.stoppable and self._stops.released(grant.entry, gpu) and keep_as is not None:
             self._kept.add(KeptPlace.of(grant.entry, keep_as, now, grace_ns, stopped=True))
         gpu.renew()
         residents = gpu.residents
