@@ -60,6 +60,17 @@ def parts(admin_url: str, request_id: str) -> list[dict[str, Any]]:
             if record.get("request_id") == request_id and record.get("generation") and record.get("max_tokens")]
 
 
+def stopping_rows(admin_url: str) -> list[dict[str, Any]]:
+    """The running lines a stop was asked of that have not let go yet: their rows in GET /queue's
+    running list say ``stopping`` (the `stop` record comes once one has let go)."""
+    return [row for row in get_json(f"{admin_url}/queue")["running_all"]
+            if (row.get("line") or {}).get("stopping") is True]
+
+
+def stop_asked(admin_url: str, request_id: str) -> bool:
+    return any(row["request_id"] == request_id for row in stopping_rows(admin_url))
+
+
 def waiting_line(admin_url: str, request_id: str) -> dict[str, Any] | None:
     """The line's row in GET /queue's waiting list (a stopped line waiting to resume), if there."""
     rows = [row for row in get_json(f"{admin_url}/queue")["waiting"] if row["request_id"] == request_id]
@@ -68,7 +79,8 @@ def waiting_line(admin_url: str, request_id: str) -> dict[str, Any] | None:
 
 class Stopping:
     """A one-slot stack with one line of a batch paused mid-answer (at its 5th token unless said)
-    and a person's held request that made the scheduler stop it (its `stop` record is there)."""
+    and a person's held request that made the scheduler stop it (asked: the line's running row
+    says ``stopping``; its `stop` record comes when the line lets go, `stop_kept`)."""
 
     def __init__(self, stack: Stack, fake: FakeLlamaServer, client: Any, batch_id: str,
                  person: asyncio.Task[Reply]) -> None:
@@ -97,9 +109,9 @@ async def stopping(tmp_path: pathlib.Path, paused_at: int = 5) -> AsyncIterator[
         async with aiohttp.ClientSession() as session:
             person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", hold=True))
             state = Stopping(stack, fake, client, batch.id, person)
-            await async_wait_for(lambda: stop_records(stack.sidecar.admin_url), what="the line's stop")
-            [stop] = stop_records(stack.sidecar.admin_url)
-            assert (stop["request_id"], stop["for_request_id"]) == (state.line_id, "person")
+            await async_wait_for(lambda: stop_asked(stack.sidecar.admin_url, state.line_id),
+                                 what="the line's stop asked")
+            assert stop_records(stack.sidecar.admin_url) == []  # (not yet taken: its end may come first)
             try:
                 yield state
             finally:
@@ -118,5 +130,7 @@ async def stop_kept(state: Stopping) -> None:
     state.fake.tokens.release()
     row = await async_wait_for(lambda: waiting_line(state.stack.sidecar.admin_url, state.line_id),
                                what="the stopped line waiting to resume")
-    assert row["line"] == {"stops": 1, "tokens": 6}
+    assert row["line"] == {"stops": 1, "tokens": 6, "stopping": False}
+    [stop] = stop_records(state.stack.sidecar.admin_url)
+    assert (stop["request_id"], stop["for_request_id"], stop["tokens_kept"]) == (state.line_id, "person", 6)
     await async_wait_for(lambda: "person" in state.fake.order(), what="the person running where the line let go")

@@ -21,7 +21,7 @@ from fake_llama import FakeLlamaServer
 from fake_tokens import generate
 from gpu_stack import Node, running_node
 from harness import activity_records, async_wait_for
-from preempt_e2e import MAX_TOKENS, check_answer, line, parts, prompt_of, stop_records, waiting_line
+from preempt_e2e import MAX_TOKENS, check_answer, line, parts, prompt_of, stop_records, stopping_rows, waiting_line
 from test_gpus import two_fakes
 
 
@@ -58,19 +58,22 @@ async def _stop_and_resume(node: Node, fakes: dict[str, FakeLlamaServer], batch_
     async with aiohttp.ClientSession() as session:
         person = asyncio.create_task(chat(session, node.url, "person", priority="interactive", model=person_model,
                                           hold=True))
-        await async_wait_for(lambda: stop_records(admin), what="a line's stop")
-        [stop] = stop_records(admin)
-        gpu = stop["upstream"]
-        assert where is None or gpu == where, stop
-        [stopped] = [custom_id for custom_id in contents if stop["request_id"] == f"{batch_id}:{custom_id}"]
-        assert (stop["for_request_id"], stop["serial_band"], stop["for_band"]) == ("person", "batch", "interactive")
+        await async_wait_for(lambda: stopping_rows(admin), what="a line's stop asked")
+        [asked] = stopping_rows(admin)
+        gpu = asked["upstream"]
+        assert where is None or gpu == where, asked
+        [stopped] = [custom_id for custom_id in contents if asked["request_id"] == f"{batch_id}:{custom_id}"]
         assert _line_on(fakes, contents[stopped]) == gpu  # the line stopped is the one that ran there
+        assert stop_records(admin) == []  # (asked, not yet taken)
         # Its next token comes, and the feeder hangs up after it (the stream pauses there again).
         fakes[gpu].tokens.hold_after = 6
         fakes[gpu].tokens.release()
         row = await async_wait_for(lambda: waiting_line(admin, f"{batch_id}:{stopped}"),
                                    what="the stopped line waiting to resume")
-        assert row["line"] == {"stops": 1, "tokens": 6}
+        assert row["line"] == {"stops": 1, "tokens": 6, "stopping": False}
+        [stop] = stop_records(admin)
+        assert (stop["request_id"], stop["upstream"], stop["for_request_id"], stop["serial_band"], stop["for_band"],
+                stop["tokens_kept"]) == (asked["request_id"], gpu, "person", "batch", "interactive", 6)
         # The person runs where the line let go, the other GPU's line still paused mid-answer.
         await async_wait_for(lambda: "person" in fakes[gpu].order(), what="the person at the stopped line's GPU")
         other = next(name for name in fakes if name != gpu)

@@ -1,7 +1,8 @@
 """Issue 46: a stop that races the line's own end, through the whole stack (real Envoy, the real
 sidecar with its own feeder, the fake router's token path, one slot). The line has read every
 token when a person's request makes the scheduler stop it; the next event is the answer's end,
-and the end wins: the line's one answer is whole with no stop counted, it is not sent again, its
+and the end wins: the line's one answer is whole with no stop counted (no `stop` record, nothing in
+llamaswap_preemptions_total), it is not sent again, its
 part ends `served`, and the person runs once the line has let go."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
-from harness import activity_records, async_wait_for
-from preempt_e2e import CONTENT, MAX_TOKENS, check_answer, parts, prompt_of, stopping
+from harness import activity_records, async_wait_for, http_get, metric_samples
+from preempt_e2e import CONTENT, MAX_TOKENS, check_answer, parts, prompt_of, stop_records, stopping
 
 
 async def test_a_stop_that_comes_with_the_line_s_end_changes_nothing(tmp_path: pathlib.Path) -> None:
@@ -30,3 +31,7 @@ async def test_a_stop_that_comes_with_the_line_s_end_changes_nothing(tmp_path: p
         # Sent once, its stream read to its end (never cut), and nothing of it waits to resume.
         assert state.fake.tokens.completions == [(prompt_of(CONTENT), MAX_TOKENS)] and state.fake.tokens.left == []
         assert state.stack.sidecar.queue()["waiting"] == []
+        # The end won: it was no stop. No stop record, none counted.
+        assert stop_records(admin) == []
+        samples = metric_samples(http_get(f"{admin}/metrics")[1].decode())
+        assert samples['llamaswap_preemptions_total{band="batch"}'] == 0.0

@@ -27,7 +27,7 @@ from client import chat
 from fake_llama import FakeLlamaServer
 from fake_tokens import TokenRoutes
 from harness import Stack, activity_records, async_wait_for, get_json, running_stack
-from preempt_e2e import check_answer, line, parts, prompt_of, stop_records, waiting_line
+from preempt_e2e import check_answer, line, parts, prompt_of, stop_records, stopping_rows, waiting_line
 
 MODELS = ("model-a", "model-b", "model-c")
 
@@ -135,14 +135,17 @@ async def test_a_person_s_load_drains_the_resident_model_whose_going_stops_fewes
         fake, admin, line_b = busy.fake, busy.admin, busy.line_id("b")
         person = asyncio.create_task(chat(session, busy.stack.url, "person", priority="interactive",
                                           model="model-c", hold=True))
-        await async_wait_for(lambda: stop_records(admin), what="a stop")
-        [stop] = stop_records(admin)
-        assert (stop["request_id"], stop["model"], stop["for_request_id"]) == (line_b, "model-b", "person")
+        await async_wait_for(lambda: stopping_rows(admin), what="a stop asked")
+        [asked] = stopping_rows(admin)
+        assert (asked["request_id"], asked["model"]) == (line_b, "model-b")
         # model-b's line reads its next token and lets go; model-a's pause there again.
         fake.tokens.hold_after = 6
         fake.tokens.release()
         row = await async_wait_for(lambda: waiting_line(admin, line_b), what="model-b's line waiting to resume")
-        assert row["line"] == {"stops": 1, "tokens": 6}
+        assert row["line"] == {"stops": 1, "tokens": 6, "stopping": False}
+        [stop] = stop_records(admin)
+        assert (stop["request_id"], stop["model"], stop["for_request_id"], stop["tokens_kept"]) == (
+            line_b, "model-b", "person", 6)
         await async_wait_for(lambda: "person" in fake.order(), what="the person at the router")
         # model-b went, and only once its line had let go: model-a's two streams were open then.
         # (The token path's fake keeps no residency: the unloads asked are what tells.)
@@ -170,15 +173,17 @@ async def test_a_person_of_a_resident_model_stops_one_of_its_lines_and_evicts_no
         fake, admin = busy.fake, busy.admin
         person = asyncio.create_task(chat(session, busy.stack.url, "person", priority="interactive",
                                           model="model-a", hold=True))
-        await async_wait_for(lambda: stop_records(admin), what="a stop")
-        [stop] = stop_records(admin)
-        [stopped] = [custom_id for custom_id in busy.contents_a if stop["request_id"] == busy.line_id(custom_id)]
-        assert (stop["model"], stop["for_request_id"]) == ("model-a", "person")
+        await async_wait_for(lambda: stopping_rows(admin), what="a stop asked")
+        [asked] = stopping_rows(admin)
+        [stopped] = [custom_id for custom_id in busy.contents_a if asked["request_id"] == busy.line_id(custom_id)]
+        assert asked["model"] == "model-a"
         fake.tokens.hold_after = 6
         fake.tokens.release()
-        row = await async_wait_for(lambda: waiting_line(admin, stop["request_id"]),
+        row = await async_wait_for(lambda: waiting_line(admin, asked["request_id"]),
                                    what="the stopped line waiting to resume")
-        assert row["line"] == {"stops": 1, "tokens": 6}
+        assert row["line"] == {"stops": 1, "tokens": 6, "stopping": False}
+        [stop] = stop_records(admin)
+        assert (stop["request_id"], stop["model"], stop["for_request_id"]) == (asked["request_id"], "model-a", "person")
         await async_wait_for(lambda: "person" in fake.order(), what="the person at the router")
         # A slot of model-a's was enough: model-b's line runs on and nothing was unloaded.
         assert fake.open_at_unload == [] and len(stop_records(admin)) == 1

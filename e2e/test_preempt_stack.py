@@ -17,6 +17,7 @@ from batches_e2e import batch_config, create, ended, records, sdk, upload
 from client import chat
 from fake_llama import FakeLlamaServer
 from fake_tokens import generate, prompt_text, text_of, tokenize
+from preempt_e2e import stop_asked
 from harness import activity_records, async_wait_for, get_json, http_get, metric_samples, running_stack
 
 MODEL = "model-a"
@@ -45,10 +46,8 @@ async def test_a_person_stops_a_running_batch_line_which_resumes_to_its_undistur
             # (Held at the upstream once it runs: the line, sent again, then waits behind it.)
             person = asyncio.create_task(chat(session, stack.url, "person", priority="interactive", model=MODEL,
                                               hold=True))
-            await async_wait_for(lambda: _stops(stack.sidecar.admin_url), what="the line's stop")
-            [stop] = _stops(stack.sidecar.admin_url)
-            assert (stop["request_id"], stop["for_request_id"], stop["serial_band"], stop["for_band"]) == (
-                line_id, "person", "batch", "interactive")
+            await async_wait_for(lambda: stop_asked(stack.sidecar.admin_url, line_id), what="the line's stop asked")
+            assert _stops(stack.sidecar.admin_url) == []  # (asked, not yet taken: its end may come first)
             # The next token comes, and the feeder hangs up after it; the stream pauses again
             # there, so the feeder's hang-up (a client that left, to Envoy) comes first.
             fake.tokens.hold_after = 6
@@ -57,7 +56,10 @@ async def test_a_person_stops_a_running_batch_line_which_resumes_to_its_undistur
             waiting = await async_wait_for(
                 lambda: [row for row in get_json(f"{stack.sidecar.admin_url}/queue")["waiting"]
                          if row["request_id"] == line_id], what="the stopped line waiting to resume")
-            assert waiting[0]["line"] == {"stops": 1, "tokens": 6}
+            assert waiting[0]["line"] == {"stops": 1, "tokens": 6, "stopping": False}
+            [stop] = _stops(stack.sidecar.admin_url)
+            assert (stop["request_id"], stop["for_request_id"], stop["serial_band"], stop["for_band"],
+                    stop["tokens_kept"]) == (line_id, "person", "batch", "interactive", 6)
             fake.release("person")
             reply = await person
             fake.tokens.hold_after = None

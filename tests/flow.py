@@ -335,8 +335,9 @@ class Recorder:
         self.events.append(("kept_place", event))
         self.kept_events.append(event)
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
-        self.events.append(("line_stopped", (line.request_id, waiting.request_id if waiting is not None else None)))
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
+        self.events.append(("line_stopped", (line.request_id, waiting.request_id if waiting is not None else None,
+                                             tokens_kept)))
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
         self.events.append(("idle_unloaded", unload))

@@ -47,12 +47,18 @@ async def test_a_stopped_line_waits_with_its_stops_and_tokens_kept_and_runs_with
     [running] = flow.coordinator.view().running
     assert (running.line.stops, running.line.tokens) == (0, 40)  # type: ignore[union-attr]
     # A line never stopped: no note, and the table has no LINE column.
-    assert queue_document(flow.coordinator.view())["running"]["line"] == {"stops": 0, "tokens": 40}
+    assert queue_document(flow.coordinator.view())["running"]["line"] == {"stops": 0, "tokens": 40, "stopping": False}
     assert table(queue_document(flow.coordinator.view()))["REQUEST_ID"][-1] == "MODEL"
 
     person = await flow.arrive("person", "interactive", model="m")
     assert lines.stopped == [LINE]
+    # Asked to stop, its part has not let go yet: its row says so, as do the page and the table.
+    document = queue_document(flow.coordinator.view())
+    assert document["running"]["line"] == {"stops": 0, "tokens": 40, "stopping": True}
+    assert page_state(flow)["running"][0]["line"]["stopping"] is True
+    assert table(document)[LINE][-1] == "stopping, 40 tokens"
     lines.tokens[LINE] = 120  # where its stop came
+    lines.let_go(LINE)
     await flow.end(line, ExchangeEnd.CLIENT_LEFT)  # the feeder closed its stream
     await flow.advance(1)
     assert person.granted
@@ -64,11 +70,12 @@ async def test_a_stopped_line_waits_with_its_stops_and_tokens_kept_and_runs_with
     assert waiting.request_id == LINE and (waiting.line.stops, waiting.line.tokens) == (1, 120)  # type: ignore[union-attr]
     assert [row.line for row in view.running] == [None]  # the person: not a line
     document = queue_document(view)
-    assert document["waiting"][0]["line"] == {"stops": 1, "tokens": 120}
+    assert document["waiting"][0]["line"] == {"stops": 1, "tokens": 120, "stopping": False}
     assert document["running"]["request_id"] == "person" and document["running"]["line"] is None
     state = page_state(flow)
-    assert state["waiting"][0]["line"] == {"stops": 1, "tokens": 120} and state["running"][0]["line"] is None
-    assert status_document(flow.coordinator, LINE)["line"] == {"stops": 1, "tokens": 120}  # type: ignore[index]
+    assert state["waiting"][0]["line"] == {"stops": 1, "tokens": 120, "stopping": False}
+    assert state["running"][0]["line"] is None
+    assert status_document(flow.coordinator, LINE)["line"] == {"stops": 1, "tokens": 120, "stopping": False}  # type: ignore[index]
     assert "line" not in public_status_document(flow.coordinator, LINE)  # type: ignore[operator]
     rows = table(document)
     assert rows["REQUEST_ID"][-1] == LINE_COLUMN
@@ -80,9 +87,9 @@ async def test_a_stopped_line_waits_with_its_stops_and_tokens_kept_and_runs_with
     assert resumed.granted
     lines.tokens[LINE] = 150
     document = queue_document(flow.coordinator.view())
-    assert document["running"]["line"] == {"stops": 1, "tokens": 150} and document["waiting"] == []
-    assert page_state(flow)["running"][0]["line"] == {"stops": 1, "tokens": 150}
-    assert status_document(flow.coordinator, LINE)["line"] == {"stops": 1, "tokens": 150}  # type: ignore[index]
+    assert document["running"]["line"] == {"stops": 1, "tokens": 150, "stopping": False} and document["waiting"] == []
+    assert page_state(flow)["running"][0]["line"] == {"stops": 1, "tokens": 150, "stopping": False}
+    assert status_document(flow.coordinator, LINE)["line"] == {"stops": 1, "tokens": 150, "stopping": False}  # type: ignore[index]
     assert table(document)[LINE][-1] == "stopped 1x, 150 tokens"
 
 

@@ -30,10 +30,11 @@ def waiting_document(row: WaitingRow) -> dict[str, Any]:
             "line": line_document(row.line)}
 
 
-def line_document(line: LineProgress | None) -> dict[str, int] | None:
-    """A Batch API line that may be stopped: its stops so far and its tokens (those its stops kept,
-    while it waits; with its running part's, while it runs); null for any other request."""
-    return None if line is None else {"stops": line.stops, "tokens": line.tokens}
+def line_document(line: LineProgress | None) -> dict[str, int | bool] | None:
+    """A Batch API line that may be stopped: its stops so far, its tokens (those its stops kept,
+    while it waits; with its running part's, while it runs) and whether a stop was asked of its
+    running part that has not let go yet; null for any other request."""
+    return None if line is None else {"stops": line.stops, "tokens": line.tokens, "stopping": line.stopping}
 
 
 def kept_document(row: KeptRow) -> dict[str, Any]:

@@ -177,7 +177,7 @@ class Feeder:
         if run is None:
             return None
         return LineState(run.first_sent_at, run.tokens, run.progress.stops if run.progress is not None else 0,
-                         run.stoppable)
+                         run.stoppable, run.stop_asked)
 
     @property
     def writes_failing(self) -> bool:

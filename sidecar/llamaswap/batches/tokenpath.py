@@ -52,6 +52,7 @@ class LineState:
     tokens: int  # generated so far: kept from its stopped parts and read in the part in flight
     stops: int
     stoppable: bool  # a part is in flight (waiting or running): `Feeder.stop_line` would stop it now
+    stopping: bool = False  # a stop was asked of the part in flight, which has not let go yet
 
 
 class LineRun:

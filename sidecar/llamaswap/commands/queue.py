@@ -17,7 +17,8 @@ kept for a client's retry (routing.retryGraceSeconds) come last (ST `K`): WAIT c
 first try, TIME is how long the client has been away. Each idle resident model has a line: how long
 it has sat idle and in how long it is unloaded for idleness (`models.<id>.ttl`), or that it is kept.
 A Batch API line that was stopped for a higher band (`batches.preempt`) gets a note in a last LINE
-column: waiting, how often it was stopped and the tokens it resumes from; running, its stops so far.
+column: waiting, how often it was stopped and the tokens it resumes from; running, its stops so far
+("stopping" first while a stop asked of it has not taken effect).
 `--watch N` refreshes every N seconds until
 Ctrl-C or SIGTERM; `--json` prints the admin server's document itself (one a line with --watch).
 
@@ -165,14 +166,17 @@ def rows(document: dict[str, Any]) -> list[tuple[str, ...]]:
 def line_note(line: Any, *, running: bool) -> str:
     """A Batch API line's progress (a row's ``line``): waiting, "stopped 1x, 120 tokens kept" (the
     tokens it resumes from); running, "stopped 1x, 180 tokens" (its stops so far and its tokens
-    now); nothing for a line never stopped (nor, waiting, with no tokens kept) or another request."""
+    now), and "stopping" once a stop was asked of it; nothing for a line never stopped (nor,
+    waiting, with no tokens kept) or another request."""
     if not isinstance(line, dict):
         return ""
     stops, tokens = line.get("stops"), line.get("tokens")
-    if not isinstance(stops, int) or not isinstance(tokens, int) or not (stops or (tokens and not running)):
+    stopping = running and line.get("stopping") is True
+    if not isinstance(stops, int) or not isinstance(tokens, int) or not (stops or stopping or (tokens and not running)):
         return ""
     counted = f"{tokens} token{'' if tokens == 1 else 's'}{'' if running else ' kept'}"
-    return f"stopped {stops}x, {counted}" if stops else counted
+    note = f"stopped {stops}x, {counted}" if stops else counted
+    return f"stopping, {note}" if stopping else note
 
 
 def _line_notes(document: dict[str, Any]) -> bool:

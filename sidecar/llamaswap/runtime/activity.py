@@ -162,9 +162,9 @@ class ActivityLog:
     def kept_place(self, event: KeptEvent) -> None:
         pass
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
-        """A running Batch API line being stopped for a higher band: which, where, after how long,
-        and the request it makes room for (`stops.py`)."""
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
+        """A running Batch API line stopped for a higher band, as its stopped part ended: which,
+        where, after how long, the tokens it keeps and the request it made room for (`stops.py`)."""
         decision = line.decision
         assert decision is not None
         now = self._clock.now_ns()
@@ -177,6 +177,7 @@ class ActivityLog:
             "trace_id": line.trace_id,
             "serial_band": decision.band.value,
             "ran_ms": round((now - decision.granted_ns) / 1e6, 3),
+            "tokens_kept": tokens_kept,
             "for_request_id": waiting.request_id if waiting is not None else None,
             "for_band": waiting.priority.band.value if waiting is not None else None,
         })

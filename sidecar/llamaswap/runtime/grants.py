@@ -136,8 +136,7 @@ class Grants:
         while True:
             decision = self._scheduler.next(times)
             if decision is None:
-                for line, waiting in self.stops.ask():
-                    self._publisher.observe(self._observer.line_stopped, line, waiting)
+                self.stops.ask()
                 self.idle_unloads.arm()
                 return
             ticket = self._tickets.get(decision.request_id)
@@ -181,9 +180,9 @@ class Grants:
         model_loaded = model_stays_loaded(outcome, ticket.response_status,
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         # A stopped line's place is kept for it to resume (`stops.py`).
-        keep_as = self.stops.ended(ticket)
+        stopped = self.stops.ended(ticket)
         released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
-                                           keep_as=keep_as,
+                                           keep_as=stopped.key if stopped is not None else None,
                                            grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
         self.watchdogs.cancel(ticket.token)
         # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
@@ -196,6 +195,8 @@ class Grants:
                                    max_tokens=ticket.max_tokens, gpu=decision.gpu)
         stop = self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP
         ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
+        if stopped is not None:  # (seen before its end: the line's run span carries the stop)
+            self._publisher.observe(self._observer.line_stopped, ticket, stopped.waiting, stopped.tokens_kept)
         self.finish(ticket, outcome, released.released_ns)
         if ticket.abandoned:
             self.adoptions.abandoned(gpu, ticket.model, ticket.request_id, decision.granted_ns)

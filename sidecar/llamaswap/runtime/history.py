@@ -199,7 +199,7 @@ class History:
     def kept_place(self, event: KeptEvent) -> None:
         self._kept[event.kind.value] += 1
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
         pass  # (its end, stopped, is in the timeline)
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:

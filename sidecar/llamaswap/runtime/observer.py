@@ -131,9 +131,10 @@ class Observer(Protocol):
     def kept_place(self, event: KeptEvent) -> None:
         """A place was kept for a client's retry, taken over by one, or ended untaken."""
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
-        """A running Batch API line is being stopped for ``waiting`` (None: it left since), a
-        request of a higher band that started nowhere (`stops.py`)."""
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
+        """A running Batch API line was stopped for ``waiting`` (None: it left since), a request
+        of a higher band that started nowhere, keeping ``tokens_kept`` tokens (None: not known),
+        as its stopped part ended (`stops.py`; a line whose own end came first was not stopped)."""
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
         """A resident model's idle unload began (an eviction with the reason `idle`)."""
@@ -164,7 +165,7 @@ class NoopObserver:
     def kept_place(self, event: KeptEvent) -> None:
         pass
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
         pass
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
@@ -208,8 +209,8 @@ class FanOut:
     def kept_place(self, event: KeptEvent) -> None:
         self._each("kept_place", event)
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
-        self._each("line_stopped", line, waiting)
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
+        self._each("line_stopped", line, waiting, tokens_kept)
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
         self._each("idle_unloaded", unload)

@@ -22,6 +22,7 @@ is kept for the line sent again to resume where it stopped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -45,6 +46,11 @@ class LineProgress(Protocol):
     def tokens(self) -> int:
         """Its answer's tokens so far: those its stops kept while it waits; with those its running
         part has read while it runs."""
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked of its running part, which has not let go yet (it stops at its next
+        token; its own end may still come first)."""
 
 
 class Lines(Protocol):
@@ -82,6 +88,17 @@ class NoLines:
         return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopTaken:
+    """A stop that took effect (the line's part ended stopped, not at its own end): the key its
+    place is kept under, the request it made room for (None: that one left since) and the
+    tokens the line keeps (None: its owner no longer says)."""
+
+    key: bytes
+    waiting: Ticket | None
+    tokens_kept: int | None
+
+
 class LineStops:
     """The stops asked of the lines' owner and not yet ended, by ticket token."""
 
@@ -89,7 +106,8 @@ class LineStops:
         self._scheduler = scheduler
         self._tickets = tickets
         self._lines = lines
-        self._stopping: dict[str, Ticket] = {}  # token -> the line being stopped
+        # token -> the line being stopped, and the request it is stopped for
+        self._stopping: dict[str, tuple[Ticket, Ticket | None]] = {}
         # By line key: done when the stopped part's grant has ended (its place is kept by then).
         self._ends: dict[bytes, asyncio.Future[None]] = {}
 
@@ -103,10 +121,11 @@ class LineStops:
         """At admission, for a line (a key): whether its grant may be stopped."""
         return ticket.line_key is not None and self._lines.may_stop(ticket.request_id)
 
-    def ask(self) -> list[tuple[Ticket, Ticket | None]]:
-        """The scheduler's new stop orders, each asked of the lines' owner: the lines it stops,
-        each with the waiting request it stops for (None: it left meanwhile)."""
-        asked = []
+    def ask(self) -> int:
+        """The scheduler's new stop orders, each asked of the lines' owner; how many it took. A
+        stop is seen (its record, the count, the span events) once it took effect (`ended`): a
+        line that comes to its own end first was not stopped."""
+        asked = 0
         for stop in self._scheduler.stops():
             line = self._tickets.get(stop.request_id)
             if line is None or line.line_key is None:
@@ -114,11 +133,10 @@ class LineStops:
             if not self._lines.stop(line.request_id):
                 _log.info("line %s was not stopped (ending, or not stoppable after all)", line.request_id)
                 continue
-            waiting = self._tickets.get(stop.for_request)
-            self._stopping[line.token] = line
+            self._stopping[line.token] = (line, self._tickets.get(stop.for_request))
             if line.line_key is not None:
                 self._ends[line.line_key] = asyncio.get_running_loop().create_future()
-            asked.append((line, waiting))
+            asked += 1
         return asked
 
     def stopping(self, ticket: Ticket) -> bool:
@@ -132,12 +150,16 @@ class LineStops:
         end = self._ends.get(line_key)
         return None if end is None or end.done() else asyncio.shield(end)
 
-    def ended(self, ticket: Ticket) -> bytes | None:
-        """A line's grant ends: the key to keep its place under if it was being stopped and did not
-        come to its own end first (an exchange that completed is the line's answer: nothing to resume)."""
-        if self._stopping.pop(ticket.token, None) is None:
+    def ended(self, ticket: Ticket) -> StopTaken | None:
+        """A line's grant ends: the stop, if it was being stopped and did not come to its own end
+        first (an exchange that completed is the line's answer: nothing to resume)."""
+        stopping = self._stopping.pop(ticket.token, None)
+        if stopping is None:
             return None
         end = self._ends.pop(ticket.line_key, None) if ticket.line_key is not None else None
         if end is not None and not end.done():
             end.set_result(None)  # (its next part is queued after this release: `Admitter`)
-        return None if ticket.end is ExchangeEnd.COMPLETE else ticket.line_key
+        if ticket.end is ExchangeEnd.COMPLETE or ticket.line_key is None:
+            return None
+        progress = self._lines.progress(ticket.request_id)
+        return StopTaken(ticket.line_key, stopping[1], progress.tokens if progress is not None else None)

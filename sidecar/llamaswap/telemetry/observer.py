@@ -386,7 +386,7 @@ class Telemetry:
         if not self._closed:
             self.instruments.kept_places.add(1, {"event": event.kind.value})
 
-    def line_stopped(self, line: Ticket, waiting: Ticket | None) -> None:
+    def line_stopped(self, line: Ticket, waiting: Ticket | None, tokens_kept: int | None) -> None:
         if self._closed:
             return
         self.instruments.preemptions.add(1, {"band": line.priority.band.value})

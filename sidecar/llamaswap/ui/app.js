@@ -82,14 +82,17 @@
   }
 
   // A Batch API line's progress (a row's `line`) as a note after its id: waiting, how often it
-  // was stopped and the tokens it resumes from; running, its stops so far and its tokens now.
-  // Nothing for a line never stopped (nor, waiting, with no tokens kept) or another request.
+  // was stopped and the tokens it resumes from; running, its stops so far and its tokens now,
+  // "stopping" first once a stop was asked of it. Nothing for a line never stopped (nor,
+  // waiting, with no tokens kept) or another request.
   function lineNoteHtml(line, running) {
-    if (!line || !(line.stops || (line.tokens && !running))) {
+    const stopping = running && line && line.stopping === true;
+    if (!line || !(line.stops || stopping || (line.tokens && !running))) {
       return "";
     }
     const tokens = `${line.tokens.toLocaleString()} token${line.tokens === 1 ? "" : "s"}${running ? "" : " kept"}`;
-    const text = line.stops ? `stopped ${line.stops}x, ${tokens}` : tokens;
+    const counted = line.stops ? `stopped ${line.stops}x, ${tokens}` : tokens;
+    const text = stopping ? `stopping, ${counted}` : counted;
     const title = running ? "stopped for a higher band and resumed where it stopped" :
       "it resumes from the tokens kept when its part was stopped or its stream broke";
     return `<span class="line-note" title="${title}">${escapeHtml(text)}</span>`;
