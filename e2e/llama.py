@@ -142,8 +142,10 @@ def run_llama_server(
     log_path: os.PathLike[str] | str,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
+    port: int | None = None,
 ) -> Iterator[LlamaServer]:
-    """Start llama-server on a free 127.0.0.1 port, wait for health, stop it on exit.
+    """Start llama-server on a free 127.0.0.1 port (or ``port``: where a killed one was), wait for
+    health, stop it on exit.
 
     ``args`` must not contain ``--host``/``--port``; they are added here. The
     server's stdout and stderr go to ``log_path``, which is printed in the
@@ -151,7 +153,7 @@ def run_llama_server(
     """
     log = pathlib.Path(log_path)
     log.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     cmd = [str(llama_server_binary()), *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as log_file:
         log_file.write(("$ " + " ".join(cmd) + "\n").encode())
