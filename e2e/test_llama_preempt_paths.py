@@ -12,7 +12,8 @@ slot, one thread each), and one llama-server killed while a stopped line resumes
 
 The tiny model is fast, so where a stop lands is made, not timed: the servers are frozen
 (SIGSTOP, `llama.frozen`) while the person arrives and the stop is asked, so every line is
-mid-answer then; each wait polls with a deadline. The lines ban the byte tokens of incomplete
+mid-answer then, and the other GPUs' stay frozen until the person runs (no other line can end
+first and free its GPU); each wait polls with a deadline. The lines ban the byte tokens of incomplete
 UTF-8 sequences, as in `test_llama_preempt.py`, so every token read can be kept."""
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import os
 import pathlib
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -42,7 +42,7 @@ from llama import LlamaServer, frozen, run_llama_server  # noqa: E402
 from tinymodels import write_tiny_llama_gguf  # noqa: E402
 
 MODEL = "tiny"
-MAX_TOKENS = 1200
+MAX_TOKENS = 1800  # most of the tiny model's 2,048 tokens of context: the longest a line can be
 READ_FIRST = 20  # tokens a line has streamed before the person comes
 # The tiny vocabulary's byte tokens 0x80..0xFF (after unk, bos, eos): the pieces of multi-byte characters.
 HIGH_BYTES = {str(3 + byte): -1000 for byte in range(0x80, 0x100)}
@@ -93,34 +93,36 @@ def _answers(client: Any, batch_id: str) -> dict[str, dict[str, Any]]:
 def _check_exact(stopped: dict[str, Any], undisturbed: dict[str, Any], stops: int) -> None:
     """A line's one answer is the undisturbed run's, token for token, with its stops counted."""
     text = stopped["choices"][0]["message"]["content"]
-    assert len(text) >= MAX_TOKENS // 2, text  # the answer is there (some tokens are several characters)
+    assert len(text) >= MAX_TOKENS // 4, text  # the answer is there (tokens of the tiny vocabulary are short)
     assert text == undisturbed["choices"][0]["message"]["content"]
     assert stopped["choices"][0]["finish_reason"] == undisturbed["choices"][0]["finish_reason"] == "length"
     assert stopped["usage"] == undisturbed["usage"] and stopped["usage"]["completion_tokens"] == MAX_TOKENS
     assert stopped["llamaswap"] == {"stops": stops} and undisturbed["llamaswap"] == {"stops": 0}
 
 
-@contextlib.contextmanager
-def _all_frozen(servers: list[LlamaServer]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for server in servers:
-            stack.enter_context(frozen(server))
-        yield
-
-
-async def _stop_one(node: Node, servers: list[LlamaServer], batch_id: str, lines: int,
+async def _stop_one(node: Node, servers: dict[str, LlamaServer], batch_id: str,
                     session: aiohttp.ClientSession) -> tuple[dict[str, Any], asyncio.Task[Any]]:
-    """Every line mid-answer, the servers frozen: a person's request comes and the scheduler asks
-    one line to stop; the servers go on. The row of the line asked, and the person's request."""
+    """Every line mid-answer, every server frozen: a person's request comes and the scheduler asks
+    one line to stop. Its server goes on (the line lets go at its next token) and the others stay
+    frozen until the person runs, so no other line can end first and give the person its GPU.
+    The row of the line asked, and the person's request."""
     admin = node.sidecar.admin_url
-    await async_wait_for(lambda: len(_lines_running(admin, batch_id)) == lines, interval=0.001,
-                         what=f"{lines} line(s) streaming on llama-server")
-    with _all_frozen(servers):
-        assert len(_lines_running(admin, batch_id)) == lines, "a line ended before the servers froze"
+    await async_wait_for(lambda: len(_lines_running(admin, batch_id)) == len(servers), interval=0.001,
+                         what=f"{len(servers)} line(s) streaming on llama-server")
+    with contextlib.ExitStack() as others:
+        frozen_servers = {}
+        for name, server in servers.items():
+            frozen_servers[name] = contextlib.ExitStack()
+            frozen_servers[name].enter_context(frozen(server))
+            others.push(frozen_servers[name])
+        assert len(_lines_running(admin, batch_id)) == len(servers), "a line ended before the servers froze"
         person = asyncio.create_task(chat(session, node.url, "person", priority="interactive", body=PERSON))
         await async_wait_for(lambda: stopping_rows(admin), what="a line's stop asked")
         [asked] = stopping_rows(admin)
         assert stop_records(admin) == []  # (asked, not yet taken)
+        frozen_servers[asked["upstream"]].close()  # (its line reads its next token and lets go)
+        await async_wait_for(lambda: "person" in node.running() or activity_records(admin, {"person"}),
+                             what="the person running (or done)")
     return asked, person
 
 
@@ -133,7 +135,7 @@ async def test_on_two_gpus_a_person_stops_one_line_there_and_both_answers_are_ex
         client = sdk(node)  # type: ignore[arg-type]
         batch = create(client, upload(client, [_line(custom_id, content) for custom_id, content in CONTENTS.items()]))
         async with aiohttp.ClientSession() as session:
-            asked, person = await _stop_one(node, [gpu0, gpu1], batch.id, len(CONTENTS), session)
+            asked, person = await _stop_one(node, {"gpu0": gpu0, "gpu1": gpu1}, batch.id, session)
             reply = await person
         assert reply.status == 200
         answers = await asyncio.to_thread(_answers, client, batch.id)
@@ -163,7 +165,7 @@ async def test_llama_server_killed_while_a_stopped_line_resumes_the_line_ends_ex
         batch = create(client, upload(client, [_line("first", CONTENTS["first"])]))
         line_id = f"{batch.id}:first"
         async with aiohttp.ClientSession() as session:
-            asked, person = await _stop_one(node, [gpu0], batch.id, 1, session)
+            asked, person = await _stop_one(node, {"gpu0": gpu0}, batch.id, session)
             assert (await person).status == 200
         [stop] = await async_wait_for(lambda: stop_records(admin), what="the stop taken")
         kept = stop["tokens_kept"]
