@@ -49,10 +49,11 @@ STEPS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("access log: the release and the next grant (Coordinator.report)", _any(r"Coordinator\.report \(")),
     ("access log: reading the entry (ticket_of, report_of)", _any(r";(ticket_of|report_of|exchange_end) \(")),
     ("access log: the stream's iteration (StreamAccessLogs)", _any(r"StreamAccessLogs \(")),
+    # Built when read (a scrape's gauges, the loop's refresh for an exporter): before the metrics' row.
+    ("observers: the queue picture (QueuePictures._build_now)", _any(r"QueuePictures\._build_now \(")),
     ("observers: activity log (record, JSON, log line)", _any(r"ActivityLog\.|runtime/activity\.py")),
     ("observers: metrics and spans (Telemetry, OpenTelemetry SDK)", _any(r"telemetry/observer\.py|opentelemetry/")),
     ("observers: the page's history", _any(r"runtime/history\.py")),
-    ("observers: the queue picture (Publisher.publish_now)", _any(r"Publisher\.publish_now \(")),
     ("observers: the rest of the deferred run (FanOut, Deferred.run)", _any(r"Deferred\.run \(")),
     ("protobuf: parsing a message in grpc.aio (Check or access log)", _any(r"upb_Decode|_upb_Decoder|FromString")),
     ("protobuf: serializing the answer in grpc.aio", _any(r"upb_Encode|SerializeToString|encode_message")),

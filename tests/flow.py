@@ -45,7 +45,7 @@ from llamaswap.config import Config, parse_config
 from llamaswap.core import ManualClock, Outcome, Policy
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import IdleUnloaded, Observer, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Observer, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.stops import Lines
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket
 from llamaswap.runtime.upstream import Catalog, UpstreamKind, UpstreamUnanswered
@@ -293,7 +293,8 @@ class Recorder:
         self.settles: list[Settle] = []
         self.kept_events: list[KeptEvent] = []
         self.watchdogs: list[Ticket] = []
-        self.pictures: list[QueuePicture] = []
+        self.pictures: list[QueuePicture] = []  # each one built (when read: `queue.latest()`)
+        self.queue: PictureSource | None = None  # where the coordinator's pictures are read
         self.settings: list[Policy] = []
         self.holders: set[int] = set()  # dispatched and not finished
         self.most_holders = 0
@@ -317,8 +318,18 @@ class Recorder:
         self.finish_counts[id(ticket)] += 1
         self.holders.discard(id(ticket))
 
+    def reads_queue(self, pictures: PictureSource) -> None:
+        self.queue = pictures
+
     def queue_changed(self, picture: QueuePicture) -> None:
         self.pictures.append(picture)
+
+    def picture(self) -> QueuePicture:
+        """The gauges' picture read now, as a scrape on the loop reads it (built if it moved)."""
+        assert self.queue is not None
+        picture = self.queue.latest()
+        assert picture is not None
+        return picture
 
     def watchdog_fired(self, ticket: Ticket) -> None:
         self.events.append(("watchdog", ticket))

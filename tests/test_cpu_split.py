@@ -88,11 +88,11 @@ def test_the_functions_it_names_still_exist() -> None:
     from llamaswap.runtime.coordinator import Coordinator
     from llamaswap.runtime.deferred import Deferred
     from llamaswap.runtime.grants import Grants
-    from llamaswap.runtime.publishing import Publisher
+    from llamaswap.runtime.publishing import QueuePictures
 
     for owner, name in ((Authorization, "_arrival"), (Authorization, "Check"), (Coordinator, "admit"),
                         (Coordinator, "report"), (Grants, "pump"), (Grants, "_grant"), (AccessLogs, "StreamAccessLogs"),
-                        (Publisher, "publish_now"), (Deferred, "run"), (ActivityLog, "_write")):
+                        (QueuePictures, "_build_now"), (Deferred, "run"), (ActivityLog, "_write")):
         assert callable(getattr(owner, name)), f"{owner.__name__}.{name}"
     assert all(callable(function) for function in (report_of, ticket_of, granted, retry_digest))
     assert (ROOT / "sidecar/llamaswap/runtime/history.py").exists()

@@ -53,7 +53,7 @@ class Node:
         return self.ui.state_document()
 
     def gauges(self) -> NodeProjection:
-        return self.flow.recorder.pictures[-1].node
+        return self.flow.recorder.picture().node
 
 
 async def busy(node: Node) -> None:
@@ -79,9 +79,7 @@ async def test_queue_the_page_and_the_gauges_read_one_projection() -> None:
     node = Node()
     await busy(node)
     await node.flow.idle()
-    # The flow's observers run at once: c1's arrival published before the pump that found what it
-    # holds back (gpu1's b). A sidecar publishes once per loop turn, after the pump: so here.
-    node.flow.coordinator._publisher.publish_now()
+    # The gauges' picture is built when read: after the pump that found what c1 holds back (gpu1's b).
     projection = node.flow.coordinator.view().node
     assert [gpu.slots_busy for gpu in projection.gpus] == [2, 1]  # (c1 waits)
     assert [gpu.held_back for gpu in projection.gpus] == [None, "b"]  # c1 holds b back (room for one)

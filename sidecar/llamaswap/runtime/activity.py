@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from llamaswap.core import NS_PER_S, Clock, EvictReason, Eviction, Policy
 from llamaswap.core.residency import Residency
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
 LOGGER_NAME = "llamaswap.activity"
@@ -152,6 +152,9 @@ class ActivityLog:
             return
         for eviction in decision.evicts:
             self._write(self.eviction_record(ticket, eviction))
+
+    def reads_queue(self, pictures: PictureSource) -> None:
+        pass
 
     def queue_changed(self, picture: QueuePicture) -> None:
         pass

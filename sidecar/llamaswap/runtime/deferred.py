@@ -1,5 +1,5 @@
-"""Telemetry off the request's way: observers run after the step that made the change, and the
-gauges' picture is published once per loop turn however many changes the turn made."""
+"""Telemetry off the request's way: observers run after the step that made the change (the
+gauges' picture is built when read: `publishing.QueuePictures`)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,12 @@ from collections.abc import Callable
 
 
 class Deferred:
-    """``publish_now`` sends the gauges' picture. With ``immediate`` (tests that read telemetry
-    synchronously) everything runs at once."""
+    """With ``immediate`` (tests that read telemetry synchronously) everything runs at once."""
 
-    def __init__(self, publish_now: Callable[[], None], *, immediate: bool) -> None:
-        self._publish_now = publish_now
+    def __init__(self, *, immediate: bool) -> None:
         self._immediate = immediate
-        self._publish_pending = False
         self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._flush_scheduled = False
-
-    def publish(self) -> None:
-        """The gauges' picture, once per loop turn."""
-        if self._immediate:
-            self._publish_now()
-            return
-        self._publish_pending = True
-        self._flush_soon()
 
     def observe(self, callback: Callable[..., None], *args: object) -> None:
         """Observers run in one callback two loop turns on: after the step's wake-ups and after
@@ -45,9 +34,6 @@ class Deferred:
     def run(self) -> None:
         """Run what waits now (also at close: the loop is about to stop)."""
         self._flush_scheduled = False
-        if self._publish_pending:
-            self._publish_pending = False
-            self._publish_now()
         deferred, self._deferred = self._deferred, []
         for callback, args in deferred:
             callback(*args)

@@ -27,7 +27,7 @@ from typing import Any
 from llamaswap.core import Band, Clock, Outcome, Policy
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 
 # The timeline reaches back a day at most, and holds at most this many entries (about 1 KB each).
@@ -186,6 +186,9 @@ class History:
             counts["dispatched"] += 1
             counts["swaps"] += decision.swap
             counts["loads"] += decision.load
+
+    def reads_queue(self, pictures: PictureSource) -> None:
+        pass
 
     def queue_changed(self, picture: QueuePicture) -> None:
         pass

@@ -39,8 +39,8 @@ def overtaken_by(ticket: Ticket | None) -> Overtaken:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueuePicture:
-    """The gauges' view of the queue, published after every change. Immutable, so an exporter
-    thread may read it while the event loop moves on."""
+    """The gauges' view of the queue, built when read after a change (`publishing.QueuePictures`).
+    Immutable, so an exporter thread may read it while the event loop moves on."""
 
     depth: tuple[tuple[Band, int], ...]
     oldest_arrival_ns: tuple[tuple[Band, int | None], ...]  # the coordinator's clock
@@ -108,6 +108,16 @@ class Settle:
         return (self.ended_ns - self.started_ns) / 1e9
 
 
+class PictureSource(Protocol):
+    """Where the gauges' picture is read (`publishing.QueuePictures`)."""
+
+    def latest(self) -> QueuePicture | None:
+        """On the loop's thread the picture of now, elsewhere the last built (None: none yet)."""
+
+    def keep_fresh(self) -> None:
+        """A reader off the loop's thread may read: the loop keeps the last built one fresh."""
+
+
 class Observer(Protocol):
     def enqueued(self, ticket: Ticket) -> None:
         """A request joined the queue."""
@@ -118,7 +128,11 @@ class Observer(Protocol):
     def finished(self, ticket: Ticket) -> None:
         """Called exactly once per ticket, however it ended (``ticket.outcome``)."""
 
-    def queue_changed(self, picture: QueuePicture) -> None: ...
+    def reads_queue(self, pictures: PictureSource) -> None:
+        """Where the gauges' picture is read; given once, as the coordinator is built."""
+
+    def queue_changed(self, picture: QueuePicture) -> None:
+        """A new picture of the queue was built (when read, or kept fresh: `PictureSource`)."""
 
     def watchdog_fired(self, ticket: Ticket) -> None: ...
 
@@ -148,6 +162,9 @@ class NoopObserver:
         pass
 
     def finished(self, ticket: Ticket) -> None:
+        pass
+
+    def reads_queue(self, pictures: PictureSource) -> None:
         pass
 
     def queue_changed(self, picture: QueuePicture) -> None:
@@ -193,6 +210,9 @@ class FanOut:
 
     def finished(self, ticket: Ticket) -> None:
         self._each("finished", ticket)
+
+    def reads_queue(self, pictures: PictureSource) -> None:
+        self._each("reads_queue", pictures)
 
     def queue_changed(self, picture: QueuePicture) -> None:
         self._each("queue_changed", picture)

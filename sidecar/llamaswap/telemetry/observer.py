@@ -11,8 +11,11 @@ turned into wall time by one offset), so a waiting request costs telemetry nothi
 lasts exactly as long as the scheduler says the request waited or ran.
 
 Threads: the observer methods run on the coordinator's event loop; metric collection for the
-OTLP push runs on the SDK's exporter thread. The gauges read the last `QueuePicture` the
-coordinator published (immutable), so no thread ever touches the scheduler.
+OTLP push runs on the SDK's exporter thread. The gauges' picture is built when read
+(`publishing.QueuePictures`): a collection on the loop's thread (`GET /metrics`, the picker's
+page) has it built there if the queue moved since; one on the exporter thread reads the last
+`QueuePicture` built (immutable), which the loop keeps fresh while an exporter exists, so no
+other thread ever touches the scheduler.
 
 Nothing here ever sees prompt or completion text: only the ticket's scheduling fields.
 """
@@ -43,7 +46,7 @@ from llamaswap.core.estimate import NO_MODEL
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
-from llamaswap.runtime.observer import IdleUnloaded, Overtaken, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
@@ -139,6 +142,8 @@ class Telemetry:
         meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         self._picture = _EMPTY_PICTURE
         self._published = False  # a picture came from the coordinator
+        self._pictures: PictureSource | None = None  # where a moved picture is built (`reads_queue`)
+        self._pushes = bool(metric_readers)  # an exporter collects on its own thread
         self._aging_divisor_ns = 0
         self._run_parents: dict[str, Context] = {}  # by token, from the grant to the end
         # By request id, while it waits: (when, the event's attributes) of each request that
@@ -200,6 +205,7 @@ class Telemetry:
         if self._closed:
             return
         self._closed = True
+        self._current()  # (on the loop's thread: the last export reads the queue as it ends)
         try:
             self.tracer_provider.shutdown()
         except Exception:  # noqa: BLE001 - shutting down must not fail the sidecar's stop
@@ -240,7 +246,14 @@ class Telemetry:
             self._picture = dataclasses.replace(self._picture, node=shown)
             self._models_changed(self._picture)
 
+    def reads_queue(self, pictures: PictureSource) -> None:
+        self._pictures = pictures
+        if self._pushes:
+            pictures.keep_fresh()
+
     def queue_changed(self, picture: QueuePicture) -> None:
+        # (A picture is built when read: a change of the resident models dates `llamaswap_models_info`
+        # from the first read after it, or from the loop's refresh while an exporter exists.)
         if (_resident_models(picture) != _resident_models(self._picture)
                 or _max_loaded(picture) != _max_loaded(self._picture)):
             self._models_changed(picture)
@@ -463,57 +476,65 @@ class Telemetry:
 
     # -- gauges --------------------------------------------------------------------------
 
+    def _current(self) -> QueuePicture:
+        """The picture to read: on the loop's thread the queue's now (built, and taken in by
+        `queue_changed`, if it moved since), on another the last built."""
+        if self._pictures is not None:
+            self._pictures.latest()
+        return self._picture
+
     def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(depth, {"band": band.value}) for band, depth in self._picture.depth]
+        return [Observation(depth, {"band": band.value}) for band, depth in self._current().depth]
 
     def _observe_oldest_wait(self, options: CallbackOptions) -> Iterable[Observation]:
         now = self._clock.now_ns()
         return [Observation(max(0, now - arrival) / NS_PER_S if arrival is not None else 0.0, {"band": band.value})
-                for band, arrival in self._picture.oldest_arrival_ns]
+                for band, arrival in self._current().oldest_arrival_ns]
 
     def _observe_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(1 if self._picture.node.busy else 0)]
+        return [Observation(1 if self._current().node.busy else 0)]
 
     def _observe_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        picture = self._picture
+        picture = self._current()
         # Several upstreams: the node's slots (the busy ones are counted over all of them too).
         return [Observation(picture.node.slots_total)]
 
     def _observe_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._picture.node.slots_busy)]
+        return [Observation(self._current().node.slots_busy)]
 
     def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(sum(depth for _, depth in self._picture.depth))]
+        return [Observation(sum(depth for _, depth in self._current().depth))]
 
     def _observe_saturation(self, options: CallbackOptions) -> Iterable[Observation]:
         # An upstream that a settle or an adopted exchange holds takes no grant: it counts as full.
-        gpus = self._picture.node.gpus
+        gpus = self._current().node.gpus
         total = sum(gpu.slots for gpu in gpus)
         taken = sum(gpu.slots if gpu.blocked else min(gpu.slots_busy, gpu.slots) for gpu in gpus)
         return [Observation(taken / total if total else 0.0)]
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        self._current()  # (a picture built now may change the resident models)
         labels, changed = self._models_info
         return [Observation(changed, labels)]
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots, {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
+        return [Observation(gpu.slots, {"upstream": gpu.name}) for gpu in self._current().node.gpus]
 
     def _observe_upstream_slots_busy(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
+        return [Observation(gpu.slots_busy, {"upstream": gpu.name}) for gpu in self._current().node.gpus]
 
     def _observe_upstream_busy(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(1 if gpu.slots_busy or gpu.blocked else 0, {"upstream": gpu.name})
-                for gpu in self._picture.node.gpus]
+                for gpu in self._current().node.gpus]
 
     def _observe_models_resident(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(len(gpu.resident_models), {"upstream": gpu.name}) for gpu in self._picture.node.gpus]
+        return [Observation(len(gpu.resident_models), {"upstream": gpu.name}) for gpu in self._current().node.gpus]
 
     def _observe_upstream_model(self, options: CallbackOptions) -> Iterable[Observation]:
         # One series per upstream and resident model (model="": none known), whatever the models' names:
         # bounded by the models an upstream holds at once (today one) times the upstreams.
         return [Observation(1, {"upstream": gpu.name, "model": model})
-                for gpu in self._picture.node.gpus for model in gpu.resident_models or ("",)]
+                for gpu in self._current().node.gpus for model in gpu.resident_models or ("",)]
 
 
 def _eviction_labels(gpu: str, reason: EvictReason) -> dict[str, str]:
