@@ -945,9 +945,10 @@ def test_plot_against_slots(tmp_path):
 def test_a_replay_hands_every_object_back_to_the_collector_as_it_found_it():
     """The command pauses the cyclic collector while it reads and freezes the records while it
     replays (speed: bench/README); whatever it does, the collector is left as it was found."""
+    threshold = gc.get_threshold()
     assert gc.isenabled() and gc.get_freeze_count() == 0
     run_json([], EXACT)
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
     gc.disable()  # (a caller that had it off keeps it off)
     try:
         run_json([], EXACT)
