@@ -210,3 +210,31 @@ async def test_a_stop_is_an_event_on_the_line_s_run_span_and_on_the_person_s_que
     assert dict(made_room.attributes) == {"llamaswap.request_id": "batch_1:line-a", "llamaswap.band": "batch",
                                           "llamaswap.upstream": "gpu0"}
     telemetry.shutdown()
+
+
+@virtual_time
+async def test_a_stop_taken_after_its_person_ran_elsewhere_adds_nothing_to_the_person_s_spans() -> None:
+    """Two slots, a line in each: a person's request stops one; the other line ends on its own
+    first and the person takes its slot. When the stopped line lets go, its run span says it
+    was stopped for the person, whose queue span, written at its grant, has no event of it; and
+    nothing is left waiting for a span that was already written."""
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(clock=clock(), span_processors=[SimpleSpanProcessor(exporter)])
+    lines = FakeLines("batch_1:line-a", "batch_1:line-b")
+    flow = Flow({"upstream": {"slots": 2}}, lines=lines, observers=(telemetry,))
+    line_a = await flow.arrive("batch_1:line-a", "batch", model="m")
+    line_b = await flow.arrive("batch_1:line-b", "batch", model="m")
+    person = await flow.arrive("person", "interactive", model="m")
+    [asked] = lines.stopped
+    stopped, other = (line_a, line_b) if asked == "batch_1:line-a" else (line_b, line_a)
+    await flow.complete(other)  # its own end came first: the person takes its slot
+    assert person.granted
+    lines.let_go(asked)
+    await flow.end(stopped, ExchangeEnd.CLIENT_LEFT)
+    await flow.complete(person)
+    await flow.advance(1)
+    spans = {(span.name, span.attributes["llamaswap.request_id"]): span for span in exporter.get_finished_spans()}
+    assert [e.name for e in spans["llamaswap.run", asked].events] == ["llamaswap.stopped"]
+    assert [e.name for e in spans["llamaswap.queue", "person"].events if e.name == "llamaswap.stopped_line"] == []
+    assert telemetry._stops_for == {}  # (nothing kept for a span already written)
+    telemetry.shutdown()

@@ -47,7 +47,7 @@ from llamaswap.runtime.kept import KeptEvent
 from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
 from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
-from llamaswap.runtime.ticket import Ticket
+from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
     GPU_SLOTS_BUSY,
@@ -381,6 +381,8 @@ class Telemetry:
         if decision is None:
             self._add_overtaken_by(span, ticket.request_id)
             self._add_stops_for(span, ticket.token)
+        else:  # (its queue span was written at its grant: a stop taken after that made it no room)
+            self._stops_for.pop(ticket.token, None)
         stop = self._stop_of_line.pop(ticket.token, None)
         if stop is not None:
             span.add_event(STOPPED_EVENT, stop[1], timestamp=stop[0])
@@ -413,7 +415,8 @@ class Telemetry:
             stopped = {"llamaswap.request_id": line.request_id, "llamaswap.band": line.priority.band.value}
             if line.decision is not None:
                 stopped["llamaswap.upstream"] = line.decision.gpu
-            self._stops_for.setdefault(waiting.token, []).append((at, stopped))
+            if waiting.state is not TicketState.DONE:  # (else its spans are written: nothing to add to)
+                self._stops_for.setdefault(waiting.token, []).append((at, stopped))
         self._stop_of_line[line.token] = (at, made_room)
 
     def idle_unloaded(self, unload: IdleUnloaded) -> None:
