@@ -63,7 +63,7 @@ import llama
 from procfs import machine_load
 from stack import workdir
 from stats import percentile
-from tinymodels import write_tiny_llama_gguf
+from tinymodels import BANNED_HIGH_BYTES, write_tiny_llama_gguf
 
 MODEL = "tiny"
 ENDPOINT = "/v1/chat/completions"
@@ -72,12 +72,10 @@ REFERENCE = "reference (the batch alone)"
 NO_RESERVE = "no reserve"
 RESERVED = "reservedSlots: 1"
 STOPPING = "stopping (batches.preempt)"
-# The tiny vocabulary's byte tokens 0x80..0xFF (after unk, bos, eos): the pieces of multi-byte characters.
-HIGH_BYTES = {str(3 + byte): -1000 for byte in range(0x80, 0x100)}
 
 
 def line_body(n: int, tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logit_bias": HIGH_BYTES,
+    return {"model": MODEL, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logit_bias": BANNED_HIGH_BYTES,
             "messages": [{"role": "user", "content": f"question {n}: hello world, the model"}]}
 
 

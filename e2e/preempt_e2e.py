@@ -134,3 +134,19 @@ async def stop_kept(state: Stopping) -> None:
     [stop] = stop_records(state.stack.sidecar.admin_url)
     assert (stop["request_id"], stop["for_request_id"], stop["tokens_kept"]) == (state.line_id, "person", 6)
     await async_wait_for(lambda: "person" in state.fake.order(), what="the person running where the line let go")
+
+
+async def resume_paused(state: Stopping) -> tuple[list[int], int]:
+    """The stop takes effect (`stop_kept`), the person runs and ends, and the line's resume
+    streams until it pauses after 3 of its 6 tokens left. The resume as the upstream was asked
+    it: the prompt and the 6 kept tokens, and the tokens left."""
+    await stop_kept(state)
+    state.fake.tokens.hold_after = 3  # the resume pauses after 3 of its 6 tokens
+    state.fake.tokens.release()  # (the stopped part's stream, paused at 6, learns it was left)
+    state.fake.release("person")  # (only then may the resume start: one slot)
+    assert (await state.person).status == 200
+    prompt = prompt_of(CONTENT)
+    resumed = (prompt + generate(prompt, 6), MAX_TOKENS - 6)
+    await async_wait_for(lambda: resumed in state.fake.tokens.completions and state.fake.tokens.held == 1,
+                         what="the resume paused after 3 tokens")
+    return resumed

@@ -18,21 +18,13 @@ import pytest
 
 from batches_e2e import Feeding, batch_config
 from fake_llama import FakeLlamaServer
-from fake_tokens import generate, prompt_text, text_of, tokenize
+from fake_tokens import generate
 from harness import Stack, async_wait_for, get_json, running_stack
+from preempt_e2e import MAX_TOKENS, check_answer, messages, prompt_of
 from llamaswap.batches.lifecycle import BatchStatus
 
-MAX_TOKENS = 12
 MODEL = "model-a"
 Fed = tuple[FakeLlamaServer, Feeding, Stack]
-
-
-def _messages(content: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": content}]
-
-
-def _prompt(content: str) -> list[int]:
-    return tokenize(prompt_text(_messages(content)))
 
 
 @pytest.fixture
@@ -52,19 +44,7 @@ async def fed(tmp_path: pathlib.Path) -> AsyncIterator[Fed]:
 
 
 def _line(content: str, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": _messages(content), **extra}
-
-
-def _check_answer(record: dict[str, Any], content: str, stops: int) -> None:
-    prompt = _prompt(content)
-    body = record["response"]["body"]
-    assert record["response"]["status_code"] == 200 and record["error"] is None, record
-    assert body["object"] == "chat.completion" and body["model"] == MODEL
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": text_of(generate(prompt, MAX_TOKENS))}
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
-                             "total_tokens": len(prompt) + MAX_TOKENS}
-    assert body["llamaswap"] == {"stops": stops}
+    return {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": messages(content), **extra}
 
 
 async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
@@ -84,14 +64,14 @@ async def test_a_line_stopped_at_a_token_resumes_to_the_undisturbed_answer(
     fake.tokens.hold_after = None
     fake.tokens.release()  # the next token comes, and the feeder hangs up after it
     output = await feeding.output(batch_id)
-    _check_answer(output["stopped"], "alpha", stops=1)
-    prompt = _prompt("alpha")
+    check_answer(output["stopped"], "alpha", MODEL, stops=1)
+    prompt = prompt_of("alpha")
     kept = generate(prompt, 6)
     # The resume asked for the tokens left on the prompt and the 6 kept tokens; the first part's
     # client left; the prompt was templated and tokenized once.
     assert fake.tokens.completions == [(prompt, MAX_TOKENS), (prompt + kept, MAX_TOKENS - 6)]
     assert len(fake.tokens.templates) == len(fake.tokens.tokenized) == 1
-    assert fake.tokens.templates[0] == {"model": MODEL, "messages": _messages("alpha")}
+    assert fake.tokens.templates[0] == {"model": MODEL, "messages": messages("alpha")}
     assert feeding.feeder.line_state(request_id) is None and feeding.store.progress(batch_id, 1) is None
     # Every part went through the queue as a request of the line's model, at the batch priority.
     records = [record for record in get_json(f"{stack.sidecar.admin_url}/activity")["activity"]
@@ -113,7 +93,7 @@ async def test_the_lines_end_wins_over_a_stop_that_comes_with_it(fed: Fed) -> No
     assert feeding.feeder.stop_line(request_id)  # a part in flight: asked to stop at its next event
     fake.tokens.release()  # that event is the end: the end wins
     output = await feeding.output(batch_id)
-    _check_answer(output["ending"], "beta", stops=0)
+    check_answer(output["ending"], "beta", MODEL, stops=0)
     assert len(fake.tokens.completions) == 1 and fake.tokens.left == []
 
 
@@ -140,8 +120,8 @@ async def test_a_restart_resumes_a_stopped_line_from_the_store(fed: Fed) -> None
     await feeding.restart()
     fake.tokens.release()
     output = await feeding.output(batch_id)
-    _check_answer(output["kept"], "gamma", stops=1)
-    prompt = _prompt("gamma")
+    check_answer(output["kept"], "gamma", MODEL, stops=1)
+    prompt = prompt_of("gamma")
     # After the restart the line went on from its tokens: the 5 kept at the stop and the 4 its
     # resumed part had read when the feeder stopped; no new template or tokenize.
     assert fake.tokens.completions[-1] == (prompt + generate(prompt, 9), MAX_TOKENS - 9)

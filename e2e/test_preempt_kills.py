@@ -28,8 +28,8 @@ import yaml
 from client import Reply
 from fake_llama import FakeLlamaServer
 from fake_tokens import generate
-from harness import EnvoyProcess, SidecarProcess, Stack, async_wait_for
-from preempt_e2e import CONTENT, MAX_TOKENS, check_answer, prompt_of, stop_kept, stop_records, stopping
+from harness import EnvoyProcess, SidecarProcess, Stack
+from preempt_e2e import CONTENT, MAX_TOKENS, check_answer, prompt_of, resume_paused, stop_kept, stop_records, stopping
 
 
 async def _status(reply: asyncio.Task[Reply]) -> int | None:
@@ -120,14 +120,7 @@ async def test_envoy_killed_during_a_stop_keeps_the_tokens_read_and_resumes_once
 async def test_the_upstream_killed_during_a_resume_keeps_the_tokens_read_and_the_line_ends_whole(
         tmp_path: pathlib.Path) -> None:
     async with stopping(tmp_path) as state:
-        await stop_kept(state)
-        state.fake.tokens.hold_after = 3  # the resume pauses after 3 of its 6 tokens
-        state.fake.tokens.release()  # (the stopped part's stream, paused at 6, learns it was left)
-        state.fake.release("person")  # (only then may the resume start: one slot)
-        assert (await state.person).status == 200
-        resumed = (PROMPT + generate(PROMPT, 6), MAX_TOKENS - 6)
-        await async_wait_for(lambda: resumed in state.fake.tokens.completions and state.fake.tokens.held == 1,
-                             what="the resume paused after 3 tokens")
+        await resume_paused(state)
         port = state.fake.port
         _kill_fake(state.fake)
         again = FakeLlamaServer(port, router=True).started()

@@ -36,6 +36,10 @@ _WORDS = (
 _PIECES: list[str] = ["\u2581"] + [f"\u2581{w}" for w in _WORDS] + list("abcdefghijklmnopqrstuvwxyz")
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+# A logit_bias that bans the byte tokens 0x80..0xFF (after unk, bos and eos): the pieces of
+# multi-byte characters, whose ids llama-server leaves out of its stream when one comes alone, so
+# that every token a stopped line read can be kept (issue 46's tests and bench/preempt.py).
+BANNED_HIGH_BYTES = {str(EOS_ID + 1 + byte): -1000 for byte in range(0x80, 0x100)}
 
 
 def vocabulary(size: int | None = None) -> tuple[list[bytes], list[float], list[int]]:
