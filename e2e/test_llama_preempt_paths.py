@@ -107,20 +107,21 @@ async def _stop_one(node: Node, servers: dict[str, LlamaServer], batch_id: str,
     admin = node.sidecar.admin_url
     await async_wait_for(lambda: len(_lines_running(admin, batch_id)) == len(servers), interval=0.001,
                          what=f"{len(servers)} line(s) streaming on llama-server")
-    with contextlib.ExitStack() as others:
-        frozen_servers = {}
+    frozen_until = {name: contextlib.ExitStack() for name in servers}  # each server's thaw
+    try:
         for name, server in servers.items():
-            frozen_servers[name] = contextlib.ExitStack()
-            frozen_servers[name].enter_context(frozen(server))
-            others.push(frozen_servers[name])
+            frozen_until[name].enter_context(frozen(server))
         assert len(_lines_running(admin, batch_id)) == len(servers), "a line ended before the servers froze"
         person = asyncio.create_task(chat(session, node.url, "person", priority="interactive", body=PERSON))
         await async_wait_for(lambda: stopping_rows(admin), what="a line's stop asked")
         [asked] = stopping_rows(admin)
         assert stop_records(admin) == []  # (asked, not yet taken)
-        frozen_servers[asked["upstream"]].close()  # (its line reads its next token and lets go)
+        frozen_until[asked["upstream"]].close()  # (its line reads its next token and lets go)
         await async_wait_for(lambda: "person" in node.running() or activity_records(admin, {"person"}),
                              what="the person running (or done)")
+    finally:
+        for thaw in frozen_until.values():
+            thaw.close()
     return asked, person
 
 

@@ -70,7 +70,7 @@ class Residency:
     # nothing runs. With room for more, llama-server's router would evict by itself (its least
     # recently used, by count) a model llamaswap keeps: the evictions are unloaded first, and a model
     # it may hold stays counted until it says otherwise (one too few would let a load make it evict).
-    replaces_by_itself: bool = dataclasses.field(default=True, init=False, repr=False, compare=False, hash=False)
+    replaces_by_itself: bool = dataclasses.field(init=False, repr=False, compare=False, hash=False)
     # `never_fits` by model, worked out once: the rule asks it of every GPU at every grant.
     _never_fits: dict[str, bool] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                      compare=False, hash=False)
