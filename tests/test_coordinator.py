@@ -19,7 +19,7 @@ from llamaswap.commands.queue import render
 from llamaswap.config import parse_config
 from llamaswap.core import SHUTDOWN_RETRY_AFTER_S, Band, ManualClock, Outcome, ReorderCause, Scheduler
 from llamaswap.runtime.coordinator import RETRY_AFTER_MAX_S, Coordinator, Refusal
-from llamaswap.runtime.settle import SETTLE_POLL_MAX_S
+from llamaswap.runtime.settle import SETTLE_POLL_FIRST_S, SETTLE_POLL_MAX_S, SETTLE_POLL_STEADY_S
 from llamaswap.runtime.views import RunningRow, WaitingRow
 from llamaswap.runtime.observer import SettleReason, SettleResult
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, Ticket, TicketState, Tokens
@@ -489,10 +489,40 @@ async def test_a_settle_ends_at_once_when_the_upstream_cannot_tell() -> None:
 
 
 @virtual_time
+async def test_a_settle_asks_every_first_interval_at_first_then_backs_off() -> None:
+    """An upstream that lets go within its first SETTLE_POLL_STEADY_S (a stopped line, a streamed
+    client that left: the next token) is seen idle within one SETTLE_POLL_FIRST_S, not at a
+    backed-off ask; a longer one is asked less and less often."""
+    flow = busy_flow(LONG_LEASE, busy=True)
+    a = await flow.arrive("a", model="a")
+    b = await flow.arrive("b", model="a")
+    await flow.end(a, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(0.19)
+    steady_calls = len(flow.upstream.busy_calls)
+    assert b.waiting and steady_calls >= round(0.19 / SETTLE_POLL_FIRST_S)  # (doubling: 3 asks by then)
+    flow.upstream.busy_answer = False
+    idle_from = flow.now_ns
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert b.granted
+    [settle] = flow.recorder.settles
+    assert idle_from <= settle.ended_ns <= idle_from + round(SETTLE_POLL_FIRST_S * S)
+    # Past the steady window, the asks back off (to SETTLE_POLL_MAX_S apart).
+    flow.upstream.busy_answer = True
+    c = await flow.arrive("c", model="a")
+    await flow.end(b, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(SETTLE_POLL_STEADY_S + 0.01)
+    before = len(flow.upstream.busy_calls)
+    await flow.advance(5 * SETTLE_POLL_MAX_S)
+    assert c.waiting and len(flow.upstream.busy_calls) - before <= 6
+
+
+@virtual_time
 async def test_a_settle_keeps_asking_an_upstream_that_does_not_answer() -> None:
     """No answer (a timeout, a refused connection, a 5xx) is not "no /slots": ask again."""
     flow = busy_flow(LONG_LEASE, busy=False)
-    flow.upstream.busy_failures = 6
+    # Past the steady polls (every SETTLE_POLL_FIRST_S for SETTLE_POLL_STEADY_S), into the backoff.
+    failures = round(SETTLE_POLL_STEADY_S / SETTLE_POLL_FIRST_S) + 5
+    flow.upstream.busy_failures = failures
     a = await flow.arrive("a", model="a")
     b = await flow.arrive("b", model="a")
     await flow.end(a, ExchangeEnd.CLIENT_LEFT)
@@ -501,7 +531,7 @@ async def test_a_settle_keeps_asking_an_upstream_that_does_not_answer() -> None:
     assert b.waiting and flow.coordinator.gpu_state == "settling"
     await flow.advance(5)
     assert b.granted
-    assert flow.upstream.busy_calls == ["a"] * 7  # six without an answer, then "idle"
+    assert flow.upstream.busy_calls == ["a"] * (failures + 1)  # without an answer, then "idle"
     [settle] = flow.recorder.settles
     assert settle.result is SettleResult.IDLE and settle.ended_ns > started + round(0.5 * S)
     assert b.ticket.decision.granted_ns == settle.ended_ns

@@ -17,8 +17,13 @@ from llamaswap.runtime.upstream import Upstream
 
 _log = logging.getLogger(__name__)
 
-# How often the upstream is asked whether it is still busy, while it settles (backs off).
+# How often the upstream is asked whether it is still busy, while it settles: every
+# SETTLE_POLL_FIRST_S for the first SETTLE_POLL_STEADY_S (a stopped line, or a streamed client that
+# left, lets go within a token or two, and with several slots two answers one poll apart end a
+# settle: a backoff there would make a person who waits for a stopped line wait for it), then
+# backing off to SETTLE_POLL_MAX_S (a generation abandoned unstreamed runs to its end).
 SETTLE_POLL_FIRST_S = 0.02
+SETTLE_POLL_STEADY_S = 0.5
 SETTLE_POLL_MAX_S = 0.25
 
 
@@ -72,6 +77,7 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     result = SettleResult.UNANSWERED
     stopped = tried_stop = told_waiting = seen_within_known = False
     delay = SETTLE_POLL_FIRST_S
+    steady_until_ns = clock.now_ns() + round(SETTLE_POLL_STEADY_S * NS_PER_S)
     while True:
         try:
             if residents is not None:
@@ -113,7 +119,8 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
         if clock.now_ns() >= deadline_ns:
             break
         await asyncio.sleep(delay)
-        delay = min(delay * 2, SETTLE_POLL_MAX_S)
+        if clock.now_ns() >= steady_until_ns:
+            delay = min(delay * 2, SETTLE_POLL_MAX_S)
     if result is SettleResult.UNSUPPORTED and blind_until_ns is not None and clock.now_ns() < blind_until_ns:
         await asyncio.sleep((blind_until_ns - clock.now_ns()) / NS_PER_S)
     settle = Settle(settling.reason, result, model, settling.request_id, settling.started_ns, clock.now_ns())
