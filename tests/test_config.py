@@ -637,13 +637,13 @@ def test_auto_slots_in_router_mode_are_per_model_and_configured_ones_win():
 def test_policy_from_parsed_config_matches_the_documented_defaults():
     cfg = parse_config({})
     assert cfg.policy() == Policy.serial(aging_divisor_s=60, swap_affinity_bonus=10, max_queued=0, max_wait_s=0,
-                                         stop_min_run_s=10)
+                                         stop_min_run_s=1)
 
 
 def test_fifo_policy_carries_the_limits():
     cfg = parse_config({"routing": {"scheduler": {"use": "fifo", "maxQueued": 4, "maxWaitSeconds": 2.5}},
                         "models": {"a": {"priority": 3}}})
-    assert cfg.policy() == Policy.fifo(model_priorities={"a": 3}, max_queued=4, max_wait_s=2.5, stop_min_run_s=10)
+    assert cfg.policy() == Policy.fifo(model_priorities={"a": 3}, max_queued=4, max_wait_s=2.5, stop_min_run_s=1)
 
 
 @pytest.mark.parametrize("document, key_path", [

@@ -185,7 +185,8 @@ async def test_a_line_stopped_its_most_times_runs_to_its_end() -> None:
 def test_the_minimum_run_and_the_most_stops_are_read_and_checked(tmp_path: pathlib.Path) -> None:
     config = parse_config({"batches": {"dir": str(tmp_path), "minRunSeconds": 2.5, "maxPreemptions": 1}})
     assert config.policy().stop_min_run_s == 2.5 and config.batches.max_preemptions == 1
-    assert parse_config({"batches": {"dir": str(tmp_path)}}).policy().stop_min_run_s == 10.0
+    assert parse_config({"batches": {"dir": str(tmp_path)}}).policy().stop_min_run_s == 1.0
+    assert parse_config({"batches": {"dir": str(tmp_path)}}).batches.max_preemptions == 10
     for key, value in (("minRunSeconds", -1), ("maxPreemptions", -1), ("maxPreemptions", "3")):
         with pytest.raises(ConfigError, match=f"batches.{key}"):
             parse_config({"batches": {"dir": str(tmp_path), key: value}})

@@ -81,4 +81,4 @@ class FeedSettings:
     # token, `batches/tokenpath.py`); off: every line is sent as it is (never stopped).
     preempt: Callable[[], bool] = lambda: False
     # batches.maxPreemptions: a line stopped that many times runs to its end.
-    max_preemptions: Callable[[], int] = lambda: 3
+    max_preemptions: Callable[[], int] = lambda: 10

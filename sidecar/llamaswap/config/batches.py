@@ -108,14 +108,14 @@ class BatchesConfig(Section):
                     "where it stopped, with the same answer at temperature 0. Only for llama-server upstreams. "
                     "Off: every line is sent as it is and is never stopped.")
     max_preemptions: StrictInt = Field(
-        default=3, ge=0, le=1000,
+        default=10, ge=0, le=1000,
         description="How many times one line may be stopped for a higher band (batches.preempt); after that "
                     "it runs to its end. 0: never stopped.")
     min_run_seconds: ZeroOrSeconds = Field(
-        default=10.0, ge=0, le=86400,
+        default=1.0, ge=0, le=86400,
         description="How long a line resumed after a stop runs before it may be stopped again for a higher "
-                    "band: a stop costs the line a re-read of its tokens, so it is not stopped again at once. A "
-                    "line's first part may be stopped at once.")
+                    "band: a stop may cost the line a re-read of its tokens, so it is not stopped again at once. "
+                    "A line's first part may be stopped at once.")
     output_expiry_seconds: Annotated[StrictInt | None, Meaning("null = never")] = Field(
         default=OUTPUT_EXPIRY_DEFAULT_S, ge=EXPIRY_MIN_S, le=EXPIRY_MAX_S,
         description="How long a batch's output and error files are kept after they are written (an hour to "
