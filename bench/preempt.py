@@ -326,15 +326,16 @@ def model_name(model: str) -> str:
 
 
 def model_file(model: str, root: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
-    """The GGUF ``--model`` names and the llama-server arguments it wants. The small real model is
-    a sliding-window model: `--swa-full`, as docs/batches.md says to run one (else the prompt cache
+    """The GGUF ``--model`` names and the llama-server arguments it wants. The small real model runs
+    as `llamaswap up` runs it where lines are stopped (`STOPPED_LINES_ARGS`: else the prompt cache
     cannot keep a stopped line's tokens); its lines keep every token (no byte ban: its vocabulary
     is not the tiny one's, and the feeder keeps only whole characters)."""
     global BAN_HIGH_BYTES
     if model == "small":
-        from llamaswap.commands.up import ensure_default_model  # the model `llamaswap up` runs (PyPI)
+        # The model `llamaswap up` runs (PyPI), with its arguments where lines are stopped.
+        from llamaswap.commands.up import STOPPED_LINES_ARGS, ensure_default_model
         BAN_HIGH_BYTES = False
-        return ensure_default_model(), ["--swa-full"]
+        return ensure_default_model(), list(STOPPED_LINES_ARGS)
     if model == "tiny":
         return write_tiny_llama_gguf(root / "tiny.gguf", seed=5, name=MODEL), []
     return pathlib.Path(model), []

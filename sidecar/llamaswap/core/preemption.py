@@ -16,13 +16,14 @@ the GPU as it would hold without them):
   model of a client's request never drains by this).
 
 Over the GPUs, the fewest stops win, then the lowest band stopped, then the least work lost
-(the shortest running: a stopped line reads its kept tokens again as prompt), then the
-configured order. The grants chosen are said once (`Stopping.orders`); while they are being
-stopped they count as gone for the next choice, so one waiting request never stops more than it
-needs, and their release ends them (`Stopping.released`). A stopped grant's release may begin a
-settle of its GPU (the upstream lets go of the generation): until that settle ends, or something
-is granted there, the rule reads that GPU as it will hold once settled, so that no line more is
-stopped for the waiting request meanwhile (there or elsewhere).
+(the shortest running: a stopped line reads its kept tokens again as prompt where the upstream's
+prompt cache no longer holds them), then the configured order. The grants chosen are said once
+(`Stopping.orders`); while they are being stopped they count as gone for the next choice, so one
+waiting request never stops more than it needs, and their release ends them
+(`Stopping.released`). A stopped grant's release may begin a settle of its GPU (the upstream lets
+go of the generation): until that settle ends, or something is granted there, the rule reads that
+GPU as it will hold once settled, so that no line more is stopped for the waiting request
+meanwhile (there or elsewhere).
 """
 
 from __future__ import annotations
