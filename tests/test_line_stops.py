@@ -10,11 +10,13 @@ import pathlib
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from flow import Flow, clock, virtual_time
+from flow import FakeUpstream, Flow, Request, clock, virtual_time
 
 from llamaswap.config import ConfigError, parse_config
 from llamaswap.core import Outcome
 from llamaswap.runtime.activity import STOP, ActivityLog
+from llamaswap.runtime.observer import SettleReason, SettleResult
+from llamaswap.runtime.settle import SETTLE_POLL_FIRST_S
 from llamaswap.runtime.ticket import ExchangeEnd
 from llamaswap.telemetry import instruments as names
 from llamaswap.telemetry.observer import Telemetry
@@ -170,6 +172,82 @@ async def test_a_line_sent_again_before_its_stopped_part_has_ended_waits_for_tha
     await flow.advance(1)
     assert person.granted and not later_line.granted
     assert flow.waiting_ids() == ["batch_1:line-a", "batch_1:line-b"]
+
+
+async def _two_slots_one_line_stopped(config: dict | None = None) -> tuple[Flow, Request, Request]:
+    """Two slots, both computing a line (the upstream says 2); a person arrives and line-a is
+    stopped, and its stream closes; line-b runs on."""
+    lines = FakeLines("batch_1:line-a", "batch_1:line-b")
+    flow = Flow({"upstream": {"slots": 2, **(config or {})}, "envoy": {"leaseSeconds": 1000}},
+                upstream=FakeUpstream(busy=2), lines=lines)
+    line_a = await flow.arrive("batch_1:line-a", "batch", model="m")
+    await flow.arrive("batch_1:line-b", "batch", model="m")
+    await flow.advance(2)  # past the minimum run
+    person = await flow.arrive("person", "interactive", model="m")
+    assert lines.stopped == ["batch_1:line-a"]
+    await flow.end(line_a, ExchangeEnd.CLIENT_LEFT)
+    assert line_a.ticket.outcome is Outcome.STOPPED and person.waiting
+    return flow, line_a, person
+
+
+@virtual_time
+async def test_a_stopped_line_s_settle_ends_at_the_first_answer_that_counts_only_what_is_held() -> None:
+    """A stopped line lets go at its next token: one answer of the upstream within the grants still
+    running (line-b) ends its settle, where a client that left takes a second one."""
+    flow, _, person = await _two_slots_one_line_stopped()
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert person.waiting  # line-a is still at its token: 2 compute
+    asks = len(flow.upstream.busy_calls)
+    flow.upstream.busy_answer = 1  # line-a let go; line-b computes on
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert person.granted and len(flow.upstream.busy_calls) == asks + 1
+    [settle] = flow.recorder.settles
+    assert (settle.reason, settle.result) == (SettleReason.STOPPED, SettleResult.IDLE)
+
+
+@virtual_time
+async def test_a_stopped_line_is_never_stopped_by_unloading_its_model() -> None:
+    """upstream.abandonedGeneration: stop unloads a model whose abandoned generation runs alone;
+    a stopped line lets go by itself, and a reload would cost more than its token."""
+    lines = FakeLines("batch_1:line-a")
+    flow = Flow({"upstream": {"abandonedGeneration": "stop"}, "envoy": {"leaseSeconds": 1000}},
+                upstream=FakeUpstream(busy=True), lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    await flow.advance(2)
+    person = await flow.arrive("person", "interactive", model="m")
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(0.3)
+    assert person.waiting and flow.upstream.stop_calls == []
+    flow.upstream.busy_answer = False
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert person.granted and not person.ticket.decision.load
+    [settle] = flow.recorder.settles
+    assert (settle.reason, settle.result) == (SettleReason.STOPPED, SettleResult.IDLE)
+
+
+@virtual_time
+async def test_a_stopped_line_s_settle_that_covers_a_client_that_left_takes_two_answers() -> None:
+    """The settle under way covers a generation abandoned meanwhile, which may run on: from then on
+    an answer within what is held is believed only when the next one agrees."""
+    lines = FakeLines("batch_1:line-a", "batch_1:line-b")
+    flow = Flow({"upstream": {"slots": 3}, "envoy": {"leaseSeconds": 1000}}, upstream=FakeUpstream(busy=3),
+                lines=lines)
+    for request_id in ("batch_1:line-a", "batch_1:line-b"):
+        await flow.arrive(request_id, "batch", model="m")
+    client = await flow.arrive("client", "batch", model="m")
+    await flow.advance(2)
+    person = await flow.arrive("person", "interactive", model="m")
+    [stopped_id] = lines.stopped
+    await flow.end(flow.requests[stopped_id], ExchangeEnd.CLIENT_LEFT)
+    await flow.end(client, ExchangeEnd.CLIENT_LEFT)  # abandoned while the stopped line settles
+    assert client.ticket.abandoned
+    flow.upstream.busy_answer = 1  # one computes, one line is held: the held one, or the client's?
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert person.waiting
+    await flow.advance(SETTLE_POLL_FIRST_S)
+    assert person.granted  # the second answer agrees
+    [settle] = flow.recorder.settles
+    assert settle.reason is SettleReason.STOPPED
 
 
 @virtual_time

@@ -98,16 +98,26 @@ class Adoptions:
             if not isinstance(gpu.upstream, NoUpstream) and gpu.settling is None:
                 self._begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
 
-    def abandoned(self, gpu: Gpu, model: str | None, request_id: str, granted_ns: int | None) -> None:
+    def abandoned(self, gpu: Gpu, model: str | None, request_id: str, granted_ns: int | None, *,
+                  line_stopped: bool = False) -> None:
         """A grant of ours ended while its generation may go on: settle its GPU (with
         abandonedGeneration: stop, stopping it). A settle under way covers it too: it waits until
-        the upstream computes no more than what this process holds, and this grant is no longer held."""
+        the upstream computes no more than what this process holds, and this grant is no longer held.
+        ``line_stopped``: a line of the Batch API stopped for a higher band (`stops.py`), which lets
+        go at its next token: never stopped by unloading (that costs a reload), and one answer ends
+        its settle (`Settling.lets_go_at_token`)."""
         if gpu.settling is None:
-            self._begin_settle(gpu, SettleReason.ABANDONED, model, request_id, granted_ns, stop=self._stops())
+            if line_stopped:
+                self._begin_settle(gpu, SettleReason.STOPPED, model, request_id, granted_ns, stop=False)
+            else:
+                self._begin_settle(gpu, SettleReason.ABANDONED, model, request_id, granted_ns, stop=self._stops())
+        elif not line_stopped:
+            gpu.settling.lets_go_at_token = False  # it now covers a generation that may run on
 
     def _begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
                      granted_ns: int | None, *, stop: bool) -> None:
-        settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns())
+        settling = Settling(reason, model, request_id, granted_ns, self._clock.now_ns(),
+                            lets_go_at_token=reason is SettleReason.STOPPED)
         gpu.settling = settling
         self._tell(gpu)
         self._busy()
@@ -200,6 +210,9 @@ class Adoptions:
         _log.info("the adopted exchange %s after %.3f s; the GPU is free again", how, settle.seconds)
         self._observe(self._observer.settled, settle)
         stop = self._stops()
-        if (abandoned or (result is SettleResult.WATCHDOG and stop)) and gpu.settling is None:
-            # Its model is not known: the upstream is asked about (or stops) every loaded one.
-            self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
+        if abandoned or (result is SettleResult.WATCHDOG and stop):
+            if gpu.settling is None:
+                # Its model is not known: the upstream is asked about (or stops) every loaded one.
+                self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
+            else:
+                gpu.settling.lets_go_at_token = False  # it now covers a generation that may run on

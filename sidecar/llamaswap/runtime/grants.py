@@ -199,7 +199,8 @@ class Grants:
             self._publisher.observe(self._observer.line_stopped, ticket, stopped.waiting, stopped.tokens_kept)
         self.finish(ticket, outcome, released.released_ns)
         if ticket.abandoned:
-            self.adoptions.abandoned(gpu, ticket.model, ticket.request_id, decision.granted_ns)
+            self.adoptions.abandoned(gpu, ticket.model, ticket.request_id, decision.granted_ns,
+                                     line_stopped=outcome is Outcome.STOPPED)
         self._update_idle()
         self.pump()
 

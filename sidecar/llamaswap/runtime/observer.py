@@ -74,6 +74,7 @@ class SettleReason(str, enum.Enum):
     ABANDONED = "abandoned"  # a granted exchange ended without a complete response
     STARTUP = "startup"  # a new sidecar does not know what the upstream is doing
     ADOPTED = "adopted"  # Envoy reports an exchange granted by an earlier sidecar process
+    STOPPED = "stopped"  # a line of the Batch API was stopped for a higher band (it lets go at its next token)
 
     def __str__(self) -> str:
         return self.value

@@ -19,8 +19,8 @@ _log = logging.getLogger(__name__)
 
 # How often the upstream is asked whether it is still busy, while it settles: every
 # SETTLE_POLL_FIRST_S for the first SETTLE_POLL_STEADY_S (a stopped line, or a streamed client that
-# left, lets go within a token or two, and with several slots two answers one poll apart end a
-# settle: a backoff there would make a person who waits for a stopped line wait for it), then
+# left, lets go within a token or two, and with several slots two answers one poll apart end the
+# settle of a client that left: a backoff there would make a person who waits for it wait), then
 # backing off to SETTLE_POLL_MAX_S (a generation abandoned unstreamed runs to its end).
 SETTLE_POLL_FIRST_S = 0.02
 SETTLE_POLL_STEADY_S = 0.5
@@ -36,6 +36,11 @@ class Settling:
     request_id: str
     granted_ns: int | None
     started_ns: int
+    # Every generation it waits for is a stopped line's, which lets go at its next token: one answer
+    # within what this process holds ends it (a held generation that ended unseen makes that answer
+    # wrong by at most the line's next token, which the next grant then waits for at the upstream).
+    # An abandoned generation covered later may run on: then it takes two answers (`settle_upstream`).
+    lets_go_at_token: bool = False
     task: asyncio.Task[None] | None = None
 
     def deadline_ns(self, settle_timeout_s: float, max_run_s: float) -> int:
@@ -66,7 +71,8 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     Envoy's periodic entry would have revealed a running exchange).
     `known_running` counts the generations this process knows to run beside the abandoned one (its
     running grants and adopted exchanges, with several slots): the settle is over once the
-    processing slots are no more than those in two answers one poll apart (or none compute), so the
+    processing slots are no more than those in two answers one poll apart (or none compute; or in
+    one answer where only stopped lines are waited for: `Settling.lets_go_at_token`), so the
     abandoned generation no longer takes one of the slots (/slots does not say which slot computes
     what, so a count is what can be told, and a held generation that ended at the upstream is
     counted until its end reaches this process).
@@ -94,7 +100,7 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 break
             beside = known_running() if known_running is not None else 0
             within_known = processing <= beside
-            if within_known and (processing == 0 or seen_within_known):
+            if within_known and (processing == 0 or seen_within_known or settling.lets_go_at_token):
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
                 break
             # A count within what we hold may still be the abandoned one: a held generation that

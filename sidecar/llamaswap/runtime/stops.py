@@ -10,8 +10,9 @@ is kept for the line sent again to resume where it stopped.
   of the lines' owner (`Lines.stop`, by the line's x-request-id). One it refuses (the line is
   ending, or cannot be stopped after all) runs on; the scheduler's order ends with its release.
 - Its end: the feeder closes the line's stream, so Envoy reports a client that left. That end,
-  of a line being stopped, is `Outcome.STOPPED` (the upstream may still be at its token: settled
-  as any abandoned generation), and the release keeps the line's place under its key for
+  of a line being stopped, is `Outcome.STOPPED` (the upstream may still be at its token: settled,
+  `SettleReason.STOPPED`, without unloading, and one answer of the upstream ends that settle:
+  `Settling.lets_go_at_token`), and the release keeps the line's place under its key for
   ``grace_ns`` (`routing.retryGraceSeconds`, at least a minute: the feeder sends it again at once).
   A line that ended on its own first ends as it ended: nothing doubled.
 - Seen: each line's progress (`Lines.progress`: its stops so far and its tokens) is on its row of
