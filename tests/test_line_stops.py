@@ -252,6 +252,30 @@ async def test_a_stopped_line_s_settle_that_covers_a_client_that_left_takes_two_
 
 
 @virtual_time
+async def test_a_stopped_line_s_settle_that_covers_a_client_that_left_stops_that_one() -> None:
+    """upstream.abandonedGeneration: stop: the settle under way for a stopped line comes to cover a
+    client's abandoned generation, which may run on: that one is stopped as any would be."""
+    lines = FakeLines("batch_1:line-a")
+    flow = Flow({"upstream": {"slots": 2, "abandonedGeneration": "stop"}, "envoy": {"leaseSeconds": 1000}},
+                upstream=FakeUpstream(busy=2), lines=lines)
+    line = await flow.arrive("batch_1:line-a", "batch", model="m")
+    client = await flow.arrive("client", "batch", model="m")
+    await flow.advance(2)
+    person = await flow.arrive("person", "interactive", model="m")
+    assert lines.stopped == ["batch_1:line-a"]
+    await flow.end(line, ExchangeEnd.CLIENT_LEFT)
+    await flow.advance(0.1)
+    assert flow.upstream.stop_calls == [] and person.waiting  # the line lets go by itself
+    await flow.end(client, ExchangeEnd.CLIENT_LEFT)
+    flow.upstream.busy_answer = 1  # the client's generation runs on, alone
+    await flow.advance(0.1)
+    assert flow.upstream.stop_calls == ["m"]
+    assert person.granted and person.ticket.decision.load  # stopping unloaded the model
+    [settle] = flow.recorder.settles
+    assert (settle.reason, settle.result) == (SettleReason.STOPPED, SettleResult.STOPPED)
+
+
+@virtual_time
 async def test_a_line_stopped_its_most_times_runs_to_its_end() -> None:
     lines = FakeLines("batch_1:line-a", stops_left=False)
     flow = Flow(lines=lines)

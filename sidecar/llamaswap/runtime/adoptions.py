@@ -104,13 +104,12 @@ class Adoptions:
         abandonedGeneration: stop, stopping it). A settle under way covers it too: it waits until
         the upstream computes no more than what this process holds, and this grant is no longer held.
         ``line_stopped``: a line of the Batch API stopped for a higher band (`stops.py`), which lets
-        go at its next token: never stopped by unloading (that costs a reload), and one answer ends
-        its settle (`Settling.lets_go_at_token`)."""
+        go at its next token: one answer ends its settle, and nothing is stopped by unloading (that
+        costs a reload) unless the settle comes to cover a generation that may run on
+        (`Settling.lets_go_at_token`)."""
         if gpu.settling is None:
-            if line_stopped:
-                self._begin_settle(gpu, SettleReason.STOPPED, model, request_id, granted_ns, stop=False)
-            else:
-                self._begin_settle(gpu, SettleReason.ABANDONED, model, request_id, granted_ns, stop=self._stops())
+            reason = SettleReason.STOPPED if line_stopped else SettleReason.ABANDONED
+            self._begin_settle(gpu, reason, model, request_id, granted_ns, stop=self._stops())
         elif not line_stopped:
             gpu.settling.lets_go_at_token = False  # it now covers a generation that may run on
 

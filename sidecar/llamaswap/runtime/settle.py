@@ -38,8 +38,10 @@ class Settling:
     started_ns: int
     # Every generation it waits for is a stopped line's, which lets go at its next token: one answer
     # within what this process holds ends it (a held generation that ended unseen makes that answer
-    # wrong by at most the line's next token, which the next grant then waits for at the upstream).
-    # An abandoned generation covered later may run on: then it takes two answers (`settle_upstream`).
+    # wrong by at most the line's next token, which the next grant then waits for at the upstream),
+    # and nothing is stopped (unloading would cost a reload for a token). An abandoned generation
+    # covered later may run on: from then on it takes two answers, and `stop` applies again
+    # (`settle_upstream`).
     lets_go_at_token: bool = False
     task: asyncio.Task[None] | None = None
 
@@ -62,7 +64,8 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
     An upstream that did not answer this time (`UpstreamUnanswered`, any error) is asked again
     until the deadline: only "idle", "cannot tell, ever" or the deadline end the wait. With `stop`
     the generation is stopped only once the upstream says it is still busy (a streamed client
-    that left has already stopped its own; unloading costs a reload). `residents` (at startup)
+    that left has already stopped its own; unloading costs a reload), and never while it waits
+    for stopped lines only (`Settling.lets_go_at_token`). `residents` (at startup)
     finds which model to ask about (the one the upstream has loaded; with several loaded, every
     one: no model named); an abandoned generation's settle asks about its own model only (with
     several resident, each runs in a process of its own);
@@ -111,13 +114,13 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
             else:
                 result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
-                if stop and not tried_stop and beside == 0:
+                if stop and not settling.lets_go_at_token and not tried_stop and beside == 0:
                     tried_stop = True
                     stopped = await _stop(upstream, model)
                     if stopped and unloaded is not None:
                         unloaded()
                     continue  # ask at once whether stopping it made it idle
-                if stop and beside and not told_waiting:
+                if stop and not settling.lets_go_at_token and beside and not told_waiting:
                     told_waiting = True
                     _log.info("not stopping the abandoned generation of %s (request %s) yet: %d generation(s) "
                               "this sidecar holds run beside it; stopping once they end", model or "-",
