@@ -227,6 +227,23 @@ async def test_a_restarted_sidecar_loads_the_timeline_from_the_activity_log_file
     assert two_days_on.load(str(path)) == 0
 
 
+@virtual_time
+async def test_a_loaded_settle_is_named_from_its_request_s_outcome(tmp_path: pathlib.Path) -> None:
+    """The file keeps a settle only as its request's settle_ms: a stopped line's is `stopped`, any
+    other `abandoned`."""
+    path = tmp_path / "activity.jsonl"
+    activity = ActivityLog(clock())
+    now_ms = activity.unix_ms(clock().now_ns())
+    lines = [{"event": "request", "request_id": request_id, "time": now_ms / 1000, "dispatched": True,
+              "granted_unix_ms": now_ms - 50, "settle_ms": 12.5, "outcome": outcome}
+             for request_id, outcome in (("line", "stopped"), ("client", "cancelled_running"))]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    history = History(clock(), activity)
+    assert history.load(str(path)) == 4
+    assert [(e.document()["request_id"], e.document()["reason"]) for e in history.entries()
+            if e.document()["kind"] == "settle"] == [("line", "stopped"), ("client", "abandoned")]
+
+
 def test_the_last_lines_of_a_long_file(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "long.jsonl"
     path.write_bytes(b"".join(b'{"n":%d}\n' % n for n in range(20_000)))  # several read blocks

@@ -27,7 +27,7 @@ from typing import Any
 from llamaswap.core import Band, Clock, Outcome, Policy
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.kept import KeptEvent
-from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
+from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle, SettleReason
 from llamaswap.runtime.ticket import Ticket
 
 # The timeline reaches back a day at most, and holds at most this many entries (about 1 KB each).
@@ -131,7 +131,7 @@ class History:
         """Seed the timeline with the last day of an activity log file (`activity.path`), so a
         restarted sidecar still shows it; the counters stay those of this process. Returns how
         many entries it added. The file has no overtaken requests and settles only as the
-        abandoned requests' `settle_ms`."""
+        abandoned requests' `settle_ms` (a stopped line's: reason `stopped`)."""
         try:
             lines = _last_lines(path, self._capacity)
         except OSError as exc:
@@ -156,8 +156,10 @@ class History:
                 self._add("grant", request_id, end_ms, record,
                           {"start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
                 if settle_ms > 0:
+                    stopped = record.get("outcome") == Outcome.STOPPED.value
+                    reason = SettleReason.STOPPED if stopped else SettleReason.ABANDONED
                     self._add("settle", request_id, end_ms + settle_ms, {
-                        "request_id": request_id, "reason": "abandoned", "result": "-", "model": record.get("model"),
+                        "request_id": request_id, "reason": reason.value, "result": "-", "model": record.get("model"),
                         "upstream": record.get("upstream"), "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3),
                         "settle_ms": settle_ms})
                     added += 1
