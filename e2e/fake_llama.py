@@ -58,6 +58,8 @@ By body (a batch line carries no header of the test's): `hold_marked(text)` hold
 completion whose body contains that text until `release_marked(text)`, and `answered` records
 the body of each completion answered 2xx, in order.
 
+`token_path=False`: no token path (404 there), as an upstream that is not llama-server.
+
 `api_key` set (llama-server's --api-key): every request but `GET /health` needs
 `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) and gets llama-server's 401 `Invalid API Key`
 without it; `refused` counts those 401s by path.
@@ -116,7 +118,7 @@ class FakeLlamaServer:
 
     def __init__(self, port: int = 0, *, router: bool = False, models: Iterable[str] = ROUTER_MODELS,
                  loaded: str | None = None, slots: int = 4, api_key: str | None = None,
-                 models_max: int = 1) -> None:
+                 models_max: int = 1, token_path: bool = True) -> None:
         self.port = port
         self.api_key = api_key
         self.refused: dict[str, int] = {}
@@ -175,6 +177,7 @@ class FakeLlamaServer:
         self._marked: dict[bytes, asyncio.Event] = {}
         self.answered: list[bytes] = []  # the body of each completion answered 2xx, in order
         self.tokens = TokenRoutes()  # /apply-template, /tokenize, a streamed /completion (e2e/fake_tokens.py)
+        self.token_path = token_path  # False: served without them (404), as an upstream that is not llama-server
 
     @property
     def url(self) -> str:
@@ -206,7 +209,11 @@ class FakeLlamaServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/models/load", self._load_request)
         app.router.add_post("/models/unload", self._unload_request)
-        self.tokens.add_to(app)
+        if self.token_path:
+            self.tokens.add_to(app)
+        else:  # as vLLM answers a path it does not have (the catch-all below would compute it)
+            for path in ("/apply-template", "/tokenize", "/completion"):
+                app.router.add_post(path, self._not_found)
         app.router.add_route("*", "/{tail:.*}", self._complete)
         # handler_cancellation off (aiohttp's default): a client that leaves does not stop the work.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
@@ -459,6 +466,9 @@ class FakeLlamaServer:
             with self.lock:
                 self.active -= 1
                 self.computing[hit.model] -= 1
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def _compute(self, request: web.Request, test_id: str, gated: bool = False,
                        body_sleep_ms: float = 0.0, body: bytes = b"") -> None:

@@ -40,6 +40,7 @@ class TokenServer:
 
     def __init__(self) -> None:
         self.completions: list[dict[str, Any]] = []
+        self.chats: list[dict[str, Any]] = []  # the lines sent as they are (an upstream without the token path)
         self.template_status = 200
         self.hooks: list[Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse | None]]] = []
         self.url = ""
@@ -55,16 +56,26 @@ class TokenServer:
         async def tokenize(request: web.Request) -> web.Response:
             return web.json_response({"tokens": PROMPT})
 
+        async def hooked(request: web.Request, body: dict[str, Any]) -> web.StreamResponse | None:
+            """The next hook's answer (None: none, or it lets the default answer)."""
+            return await self.hooks.pop(0)(request, body) if self.hooks else None
+
         async def completion(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             self.completions.append(body)
-            if self.hooks:
-                answered = await self.hooks.pop(0)(request, body)
-                if answered is not None:
-                    return answered
-            return await stream(request, body)
+            return await hooked(request, body) or await stream(request, body)
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.chats.append(body)
+            return await hooked(request, body) or web.json_response({
+                "object": "chat.completion", "model": body["model"], "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": letters(UNDISTURBED)},
+                     "finish_reason": "length"}],
+                "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": MAX_TOKENS}})
 
         app = web.Application()
+        app.router.add_post(ENDPOINT, chat)
         app.router.add_post("/apply-template", template)
         app.router.add_post("/tokenize", tokenize)
         app.router.add_post("/completion", completion)
@@ -156,21 +167,77 @@ async def rig(tmp_path: pathlib.Path) -> AsyncIterator[tuple[TokenServer, Rig]]:
         await server.stop()
 
 
+Hook = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse | None]]
+
+
+def _unanswered() -> tuple[Hook, asyncio.Event, asyncio.Event]:
+    """A hook that never answers: its request is `waiting` until its client leaves (`left`)."""
+    waiting = asyncio.Event()
+    left = asyncio.Event()
+
+    async def waits(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        waiting.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:  # the client left (handler_cancellation)
+            left.set()
+            raise
+        raise AssertionError("the stop did not close the request")
+
+    return waits, waiting, left
+
+
 def _answer(rig: Rig, batch: BatchRecord) -> dict[str, Any]:
     [record] = rig.records(batch.output_file_id)
     body: dict[str, Any] = record["response"]["body"]
     return body
 
 
-async def test_an_upstream_without_the_token_endpoints_ends_the_line_with_its_answer(
+async def test_an_upstream_without_the_token_endpoints_gets_the_line_as_it_is(
         rig: tuple[TokenServer, Rig]) -> None:
+    """Not llama-server (its /apply-template answers 404): the line is sent as it is, and its
+    answer is the upstream's, with its stops counted."""
     server, made = rig
     server.template_status = 404
-    batch = await made.ended(made.batch())
-    assert batch.output_file_id is None
-    [record] = made.records(batch.error_file_id)
-    assert record["response"]["status_code"] == 404 and record["error"]["code"] == "http_404"
-    assert server.completions == []
+    answer = _answer(made, await made.ended(made.batch()))
+    assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED) and answer["llamaswap"] == {"stops": 0}
+    assert server.completions == [] and [chat["messages"] for chat in server.chats] == [
+        [{"role": "user", "content": "hi"}]]
+
+
+async def test_a_stop_restarts_a_line_the_upstream_cannot_continue(rig: tuple[TokenServer, Rig]) -> None:
+    """Without the token path a stop closes the line's request at once and sends it again from its
+    beginning: it keeps its place (its key, its first send), nothing of its tokens."""
+    server, made = rig
+    server.template_status = 404
+    waits, waiting, left = _unanswered()
+    resent = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def answers_when_told(request: web.Request, body: dict[str, Any]) -> None:
+        resent.set()
+        await go_on.wait()
+        return None  # the default answer
+
+    server.hooks += [waits, answers_when_told]
+    batch_id = made.batch()
+    await asyncio.wait_for(waiting.wait(), 30)
+    request_id = f"{batch_id}:q"
+    lines = StoppableLines(made.feeder)
+    key = lines.key_of(request_id)
+    first = made.feeder.line_state(request_id)
+    assert key is not None and first is not None and made.feeder.may_stop(request_id)
+    assert lines.stop(request_id)
+    await asyncio.wait_for(left.wait(), 30)
+    await asyncio.wait_for(resent.wait(), 30)
+    again = made.feeder.line_state(request_id)  # the same place: its key and first send; one stop, no tokens
+    assert again is not None and lines.key_of(request_id) == key
+    assert (again.first_sent_at, again.stops, again.tokens) == (first.first_sent_at, 1, 0)
+    go_on.set()
+    answer = _answer(made, await made.ended(batch_id))
+    assert answer["choices"][0]["message"]["content"] == letters(UNDISTURBED) and answer["llamaswap"] == {"stops": 1}
+    assert len(server.chats) == 2 and server.chats[0] == server.chats[1] and server.completions == []
+    assert made.store.progress(batch_id, 0) is None  # nothing kept to resume from
 
 
 async def test_a_part_answered_503_is_sent_again(rig: tuple[TokenServer, Rig]) -> None:
@@ -214,18 +281,7 @@ async def test_an_error_in_the_stream_is_the_lines_error(rig: tuple[TokenServer,
 
 async def test_a_stop_before_the_first_token_closes_the_part_at_once(rig: tuple[TokenServer, Rig]) -> None:
     server, made = rig
-    waiting = asyncio.Event()
-    left = asyncio.Event()
-
-    async def waits(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        waiting.set()  # no answer yet: as a part waiting in the queue
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:  # the client left (handler_cancellation)
-            left.set()
-            raise
-        raise AssertionError("the stop did not close the part")
-
+    waits, waiting, left = _unanswered()  # no answer yet: as a part waiting in the queue
     server.hooks.append(waits)
     batch_id = made.batch()
     await asyncio.wait_for(waiting.wait(), 30)

@@ -148,8 +148,9 @@ class Feeder:
     def stop_line(self, request_id: str) -> bool:
         """Stop the line sent with this x-request-id at its next token (at once where no token came
         yet) and send it again to continue from its tokens: it then waits in the queue like any
-        request. True where it was a line of the token path with a part in flight (waiting or
-        running); False for any other: a line on the plain path (never stopped), one preparing
+        request (an upstream without the token path: sent again from its beginning). True where
+        it was a line of the token path with a part in flight (waiting or running); False for any
+        other: a line on the plain path (never stopped), one preparing
         its prompt, pausing before a resend or whose part just ended (its end wins), an unknown id.
         Called on the feeder's event loop (the sidecar's)."""
         run = self._runs.get(request_id)

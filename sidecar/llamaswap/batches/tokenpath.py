@@ -11,6 +11,9 @@ written to the store before its next part is sent, which then waits in the queue
 request. The part's end wins over a stop that comes with it: a stop is acted on only between
 events, and an ended part is the line's answer. A part whose connection breaks (Envoy or the
 upstream gone) keeps its safe tokens too, not counted as a stop, and is sent again after a pause.
+On an upstream without the token path (`/apply-template` answers 404, 405 or 501: not
+llama-server) the line is sent as it is, and a stop closes it and sends it again from its
+beginning (`TokenPath._restarts`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from llamaswap.batches.resume import Part, Progress
 _log = logging.getLogger(__name__)
 
 TEMPLATE_PATH = "/apply-template"
+# What an upstream without the token path (not llama-server: vLLM, SGLang, others) answers
+# /apply-template: such a line is sent as it is, and a stop restarts it (`TokenPath._restarts`).
+NO_TOKEN_PATH_STATUSES = frozenset({404, 405, 501})
 TOKENIZE_PATH = "/tokenize"
 COMPLETION_PATH = "/completion"
 # The most of an error answer to a part that is read (it goes to the error file).
@@ -117,6 +123,8 @@ class TokenPath:
         progress = await asyncio.to_thread(self.store.progress, batch_id, line)
         if progress is None:
             prepared = await self._prepare(body, post, run.first_sent_at)
+            if prepared is None:
+                return await self._restarts(run, body, headers, pause, most)
             if isinstance(prepared, tuple):
                 return prepared
             progress = prepared
@@ -171,9 +179,12 @@ class TokenPath:
             _log.warning("batch line %s: its tokens could not be kept as it was abandoned (%s)", run.request_id, exc)
 
     async def _prepare(self, body: Mapping[str, Any], post: Post,
-                       first_sent_at: float) -> Progress | tuple[int, bytes]:
-        """The prompt's tokens (an answer that is an error about the line: that answer)."""
+                       first_sent_at: float) -> Progress | tuple[int, bytes] | None:
+        """The prompt's tokens (an answer that is an error about the line: that answer; None: the
+        upstream has no token path)."""
         status, answer = await post(TEMPLATE_PATH, json.dumps(resume.template_body(body)).encode())
+        if status in NO_TOKEN_PATH_STATUSES:
+            return None
         if status != 200:
             return status, answer
         prompt = resume.prompt_of(json.loads(answer))
@@ -181,6 +192,49 @@ class TokenPath:
         if status != 200:
             return status, answer
         return Progress(resume.tokens_of(json.loads(answer)), first_sent_at=first_sent_at)
+
+    async def _restarts(self, run: LineRun, body: Mapping[str, Any], headers: bytes, pause: Pause,
+                        most: int) -> tuple[int, bytes]:
+        """A line the upstream cannot continue (no token path): sent as it is, each send a part
+        that a stop closes at once and that is then sent again from its beginning. Nothing is
+        kept of a stopped send (its tokens are generated again), so nothing is written to the
+        store: a sidecar that restarts sends the line afresh. The answer is the last send's, with
+        the stops counted (`llamaswap.stops`)."""
+        progress = run.progress = Progress((), first_sent_at=run.first_sent_at)
+        request = json.dumps(body).encode()
+        tries = 0
+        while True:
+            part = Part()  # the send in flight: no tokens are read from it
+            try:
+                stream = await sse.send(self.host, self.port, resume.CHAT_ENDPOINT, headers, request)
+            except OSError as exc:
+                return 503, f"the listener cannot be reached: {exc}".encode()
+            run.streaming(part, stream)
+            answer: bytes | None = None
+            try:
+                await stream.head()
+                answer = await stream.body(most)
+            except OSError as exc:
+                if not run.stop_asked:
+                    _log.warning("batch line %s: its connection broke (%s)", run.request_id, exc)
+            finally:
+                run.streaming(part, None)
+                stream.close()
+            asked, run.stop_asked = run.stop_asked, False
+            if answer is not None:  # (an answer that came with a stop wins: nothing to restart)
+                if stream.status in self.resend_statuses:
+                    tries += 1
+                    await pause(tries, stream.headers, f"HTTP {stream.status}")
+                    continue
+                return stream.status, _with_stops(answer, progress.stops) if 200 <= stream.status < 300 else answer
+            progress = run.progress = dataclasses.replace(progress, stops=progress.stops + asked)
+            if asked:
+                tries = 0
+                _log.info("batch line %s: stopped (stop %d); sent again from its beginning (the upstream has no "
+                          "token path)", run.request_id, progress.stops)
+            else:
+                tries += 1
+                await pause(tries, {}, "the connection broke")
 
     async def _part(self, run: LineRun, body: Mapping[str, Any], headers: bytes,
                     progress: Progress) -> Part | tuple[int, Mapping[str, str], bytes]:
@@ -221,3 +275,16 @@ class TokenPath:
             run.streaming(part, None)
             stream.close()
         return part
+
+
+def _with_stops(answer: bytes, stops: int) -> bytes:
+    """A restarted line's answer with its stops counted, as a token-path line's (`llamaswap.stops`);
+    an answer that is no JSON object is left as it is."""
+    try:
+        document = json.loads(answer)
+    except ValueError:
+        return answer
+    if not isinstance(document, dict):
+        return answer
+    document["llamaswap"] = {"stops": stops}
+    return json.dumps(document).encode()

@@ -105,7 +105,8 @@ class BatchesConfig(Section):
         default=False,
         description="Send chat lines that can be continued exactly by llama-server's token path (/apply-template, "
                     "/tokenize, a streamed /completion), so that a line can be stopped at a token and resumed "
-                    "where it stopped, with the same answer at temperature 0. Only for llama-server upstreams. "
+                    "where it stopped, with the same answer at temperature 0; on an upstream without that path "
+                    "(not llama-server) a stopped chat line is sent again from its beginning. "
                     "Off: every line is sent as it is and is never stopped.")
     max_preemptions: StrictInt = Field(
         default=10, ge=0, le=1000,
