@@ -445,7 +445,7 @@ class Feeder:
             if document is None:
                 status, answer = await self._post_until_answered(batch, request_id, body, headers)
             else:
-                status, answer = await self._send_by_tokens(batch, line, request_id, document, headers)
+                status, answer = await self._send_by_tokens(batch, line, request_id, document, body, headers)
         except AnswerTooLarge as exc:  # the same answer again: never asked again
             _log.error("batch %s line %d: %s (batches.maxAnswerBytes); it ends with answer_too_large", batch.id,
                        line.line, exc)
@@ -531,12 +531,12 @@ class Feeder:
         return document if isinstance(document, dict) and resume.not_continuable(document) is None else None
 
     async def _send_by_tokens(self, batch: BatchRecord, line: InputLine, request_id: str, document: dict[str, Any],
-                              headers: bytes) -> tuple[int, bytes]:
+                              body: bytes, headers: bytes) -> tuple[int, bytes]:
         assert self._token_path is not None
         run = self._runs[request_id] = LineRun(request_id, self.store.now_exact())
         try:
             return await self._token_path.run(
-                run, batch.id, line.line, document, headers,
+                run, batch.id, line.line, document, body, headers,
                 post=lambda path, data: self._post_until_answered(batch, request_id, data, headers, path),
                 pause=lambda tries, answer_headers, why: self._pause(request_id, tries, answer_headers, why),
                 most=self.settings.max_answer_bytes())

@@ -241,8 +241,25 @@ def answer(body: Mapping[str, Any], progress: Progress, last: Part, request_id: 
         "choices": [{"index": 0, "message": {"role": "assistant", "content": progress.text + last.text},
                      "logprobs": None, "finish_reason": last.finish_reason}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-        "llamaswap": {"stops": progress.stops},
+        **stops_field(progress.stops),
     }
+
+
+def stops_field(stops: int) -> dict[str, Any]:
+    """llamaswap's own field of a stoppable line's answer: how often it was stopped."""
+    return {"llamaswap": {"stops": stops}}
+
+
+def with_stops(answer: bytes, stops: int) -> bytes:
+    """An upstream's own answer to a line sent as it is (restarted at each stop) with its stops
+    counted as a token-path line's are; an answer that is no JSON object is left as it is."""
+    try:
+        document = json.loads(answer)
+    except ValueError:
+        return answer
+    if not isinstance(document, dict):
+        return answer
+    return json.dumps({**document, **stops_field(stops)}).encode()
 
 
 def finished_by_stops(body: Mapping[str, Any], progress: Progress) -> Part | None:

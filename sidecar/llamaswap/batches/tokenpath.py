@@ -116,15 +116,17 @@ class TokenPath:
         self.store = store
         self.resend_statuses = resend_statuses
 
-    async def run(self, run: LineRun, batch_id: str, line: int, body: Mapping[str, Any], headers: bytes,
-                  post: Post, pause: Pause, most: int) -> tuple[int, bytes]:
+    async def run(self, run: LineRun, batch_id: str, line: int, body: Mapping[str, Any], raw_body: bytes,
+                  headers: bytes, post: Post, pause: Pause, most: int) -> tuple[int, bytes]:
         """The line's answer (status, body): its one chat.completion, or the first answer of the
-        upstream that is an error about the line. AnswerTooLarge past ``most`` bytes."""
+        upstream that is an error about the line. ``body`` is the line's request body as read,
+        ``raw_body`` the same as sent (where the upstream has no token path). AnswerTooLarge past
+        ``most`` bytes."""
         progress = await asyncio.to_thread(self.store.progress, batch_id, line)
         if progress is None:
             prepared = await self._prepare(body, post, run.first_sent_at)
             if prepared is None:
-                return await self._restarts(run, body, headers, pause, most)
+                return await self._restarts(run, raw_body, headers, pause, most)
             if isinstance(prepared, tuple):
                 return prepared
             progress = prepared
@@ -193,7 +195,7 @@ class TokenPath:
             return status, answer
         return Progress(resume.tokens_of(json.loads(answer)), first_sent_at=first_sent_at)
 
-    async def _restarts(self, run: LineRun, body: Mapping[str, Any], headers: bytes, pause: Pause,
+    async def _restarts(self, run: LineRun, request: bytes, headers: bytes, pause: Pause,
                         most: int) -> tuple[int, bytes]:
         """A line the upstream cannot continue (no token path): sent as it is, each send a part
         that a stop closes at once and that is then sent again from its beginning. Nothing is
@@ -201,7 +203,6 @@ class TokenPath:
         store: a sidecar that restarts sends the line afresh. The answer is the last send's, with
         the stops counted (`llamaswap.stops`)."""
         progress = run.progress = Progress((), first_sent_at=run.first_sent_at)
-        request = json.dumps(body).encode()
         tries = 0
         while True:
             part = Part()  # the send in flight: no tokens are read from it
@@ -226,7 +227,8 @@ class TokenPath:
                     tries += 1
                     await pause(tries, stream.headers, f"HTTP {stream.status}")
                     continue
-                return stream.status, _with_stops(answer, progress.stops) if 200 <= stream.status < 300 else answer
+                answered = 200 <= stream.status < 300
+                return stream.status, resume.with_stops(answer, progress.stops) if answered else answer
             progress = run.progress = dataclasses.replace(progress, stops=progress.stops + asked)
             if asked:
                 tries = 0
@@ -275,16 +277,3 @@ class TokenPath:
             run.streaming(part, None)
             stream.close()
         return part
-
-
-def _with_stops(answer: bytes, stops: int) -> bytes:
-    """A restarted line's answer with its stops counted, as a token-path line's (`llamaswap.stops`);
-    an answer that is no JSON object is left as it is."""
-    try:
-        document = json.loads(answer)
-    except ValueError:
-        return answer
-    if not isinstance(document, dict):
-        return answer
-    document["llamaswap"] = {"stops": stops}
-    return json.dumps(document).encode()

@@ -99,19 +99,22 @@ class Adoptions:
                 self._begin_settle(gpu, SettleReason.STARTUP, None, "-", None, stop=False)
 
     def abandoned(self, gpu: Gpu, model: str | None, request_id: str, granted_ns: int | None, *,
-                  line_stopped: bool = False) -> None:
+                  reason: SettleReason = SettleReason.ABANDONED) -> None:
         """A grant of ours ended while its generation may go on: settle its GPU (with
-        abandonedGeneration: stop, stopping it). A settle under way covers it too: it waits until
-        the upstream computes no more than what this process holds, and this grant is no longer held.
-        ``line_stopped``: a line of the Batch API stopped for a higher band (`stops.py`), which lets
-        go at its next token: one answer ends its settle, and nothing is stopped by unloading (that
-        costs a reload) unless the settle comes to cover a generation that may run on
+        abandonedGeneration: stop, stopping it). ``reason`` `STOPPED`: a line of the Batch API
+        stopped for a higher band (`stops.py`), which lets go at its next token
         (`Settling.lets_go_at_token`)."""
+        self._settle_for(gpu, reason, model, request_id, granted_ns, stop=self._stops())
+
+    def _settle_for(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
+                    granted_ns: int | None, *, stop: bool) -> None:
+        """Begin a settle of ``gpu``, or join the one under way: it waits until the upstream
+        computes no more than what this process holds, and the generation that ended is no longer
+        held. Joined by anything but a stopped line, it now covers a generation that may run on."""
         if gpu.settling is None:
-            reason = SettleReason.STOPPED if line_stopped else SettleReason.ABANDONED
-            self._begin_settle(gpu, reason, model, request_id, granted_ns, stop=self._stops())
-        elif not line_stopped:
-            gpu.settling.lets_go_at_token = False  # it now covers a generation that may run on
+            self._begin_settle(gpu, reason, model, request_id, granted_ns, stop=stop)
+        elif reason is not SettleReason.STOPPED:
+            gpu.settling.lets_go_at_token = False
 
     def _begin_settle(self, gpu: Gpu, reason: SettleReason, model: str | None, request_id: str,
                      granted_ns: int | None, *, stop: bool) -> None:
@@ -210,8 +213,5 @@ class Adoptions:
         self._observe(self._observer.settled, settle)
         stop = self._stops()
         if abandoned or (result is SettleResult.WATCHDOG and stop):
-            if gpu.settling is None:
-                # Its model is not known: the upstream is asked about (or stops) every loaded one.
-                self._begin_settle(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)
-            else:
-                gpu.settling.lets_go_at_token = False  # it now covers a generation that may run on
+            # Its model is not known: the upstream is asked about (or stops) every loaded one.
+            self._settle_for(gpu, SettleReason.ABANDONED, None, "-", adoption.started_ns, stop=stop)

@@ -35,7 +35,7 @@ from llamaswap.runtime.gpus import Gpus
 from llamaswap.runtime.idle import IdleUnloads
 from llamaswap.runtime.leases import Adoption, Leases
 from llamaswap.runtime.live_config import LiveConfig
-from llamaswap.runtime.observer import Observer, overtaken_by
+from llamaswap.runtime.observer import Observer, SettleReason, overtaken_by
 from llamaswap.runtime.publishing import Publisher
 from llamaswap.runtime.request_ids import RequestIds
 from llamaswap.runtime.stops import KEEP_STOPPED_MIN_NS, LineStops, Lines, NoLines
@@ -200,7 +200,7 @@ class Grants:
         self.finish(ticket, outcome, released.released_ns)
         if ticket.abandoned:
             self.adoptions.abandoned(gpu, ticket.model, ticket.request_id, decision.granted_ns,
-                                     line_stopped=outcome is Outcome.STOPPED)
+                                     reason=SettleReason.after(outcome))
         self._update_idle()
         self.pump()
 

@@ -156,8 +156,7 @@ class History:
                 self._add("grant", request_id, end_ms, record,
                           {"start_ms": granted_ms, "end_ms": end_ms, "overtook": []})
                 if settle_ms > 0:
-                    stopped = record.get("outcome") == Outcome.STOPPED.value
-                    reason = SettleReason.STOPPED if stopped else SettleReason.ABANDONED
+                    reason = SettleReason.after(str(record.get("outcome")))
                     self._add("settle", request_id, end_ms + settle_ms, {
                         "request_id": request_id, "reason": reason.value, "result": "-", "model": record.get("model"),
                         "upstream": record.get("upstream"), "start_ms": end_ms, "end_ms": round(end_ms + settle_ms, 3),

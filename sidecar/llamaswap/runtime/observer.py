@@ -11,7 +11,7 @@ import logging
 from typing import Protocol
 
 
-from llamaswap.core import Band, Policy, Scheduler
+from llamaswap.core import Band, Outcome, Policy, Scheduler
 from llamaswap.core.policy import IMPLICIT_GPU
 from llamaswap.runtime.gpu_projection import NodeProjection
 from llamaswap.runtime.kept import KeptEvent
@@ -78,6 +78,12 @@ class SettleReason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def after(cls, outcome: str) -> SettleReason:
+        """Why a grant that ended as ``outcome`` (an `Outcome`, or its value as the activity log
+        keeps it) and may leave the upstream computing is settled."""
+        return cls.STOPPED if outcome == Outcome.STOPPED else cls.ABANDONED
 
 
 class SettleResult(str, enum.Enum):

@@ -114,13 +114,14 @@ async def settle_upstream(upstream: Upstream, settling: Settling, *, stop: bool,
                 result = SettleResult.STOPPED if stopped else SettleResult.IDLE
             else:
                 result = SettleResult.TIMEOUT  # it answered busy: a deadline now cuts a known generation
-                if stop and not settling.lets_go_at_token and not tried_stop and beside == 0:
+                may_stop = stop and not settling.lets_go_at_token  # (read each time: a join changes it)
+                if may_stop and not tried_stop and beside == 0:
                     tried_stop = True
                     stopped = await _stop(upstream, model)
                     if stopped and unloaded is not None:
                         unloaded()
                     continue  # ask at once whether stopping it made it idle
-                if stop and not settling.lets_go_at_token and beside and not told_waiting:
+                if may_stop and beside and not told_waiting:
                     told_waiting = True
                     _log.info("not stopping the abandoned generation of %s (request %s) yet: %d generation(s) "
                               "this sidecar holds run beside it; stopping once they end", model or "-",
