@@ -296,10 +296,35 @@ def metric_samples(text: str) -> dict[str, float]:
     return samples
 
 
+# Where `free_port` looks: below the kernel's ephemeral range, whose ports any outgoing connection
+# (a client's, Envoy's, the sidecar's) may take between the test's pick and the process's bind (a
+# sidecar once found its listen.admin port taken that way).
+FIXED_PORTS_FROM = 10_000
+_FIXED_PORT_TRIES = 200
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
 def free_port() -> int:
-    """A port that was free a moment ago (for processes that cannot bind port 0)."""
+    """A port that was free a moment ago (for processes that cannot bind port 0), outside the
+    ephemeral range where there is room (else any free one)."""
+    import random
     import socket
 
+    low = _ephemeral_low()
+    for _ in range(_FIXED_PORT_TRIES if low > FIXED_PORTS_FROM else 0):
+        port = random.randrange(FIXED_PORTS_FROM, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
