@@ -108,6 +108,8 @@ class Gpus:
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
         the name, and the same one (`ModelCatalog.single_model`); None otherwise."""
+        if len(self.all) == 1:  # (each admission asks)
+            return self.all[0].catalog.single_model()
         keys = {gpu.catalog.single_model() for gpu in self.all}
         return keys.pop() if len(keys) == 1 else None
 
