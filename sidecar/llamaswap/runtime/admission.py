@@ -81,7 +81,7 @@ class Admitter:
                                                 queue_depth=self._open_checks - 1,
                                                 queue_limit=self._config.config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
-        if ticket.model is not None and not await self.serves(ticket.model):
+        if ticket.model is not None and not (self._serves_now(ticket.model) or await self.serves(ticket.model)):
             return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         # A router may have put its model to sleep since it was last asked: then it is a load.
         rereads = self._sleep.look(self._keys.scheduled(ticket.model))
@@ -133,6 +133,12 @@ class Admitter:
         config = self._config
         return await self._gpus.serves(model, self._keys.scheduled(model), self._scheduler.policy,
                                        config.entries, config.config.upstream.model_check)
+
+    def _serves_now(self, model: str) -> bool | None:
+        """`serves` where no upstream must be asked (None: one must)."""
+        config = self._config
+        return self._gpus.serves_now(model, self._keys.scheduled(model), self._scheduler.policy, config.entries,
+                                     config.config.upstream.model_check)
 
     def _over_stream_limit(self) -> bool:
         """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its

@@ -86,6 +86,13 @@ class ModelCatalog:
                              "nothing; name a model it lists (llama-server's router: the GGUF file name without "
                              ".gguf)", model_id, model_id, ", ".join(sorted(catalog.models or ())) or "none")
 
+    def serves_now(self, model: str, check: ModelCheck) -> bool | None:
+        """`serves` where the last answer says so without asking (True), else None: a miss asks."""
+        if check is ModelCheck.OFF:
+            return True
+        catalog = self._latest
+        return True if catalog is not None and listed(catalog, model, check) else None
+
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""
         if check is ModelCheck.OFF:

@@ -127,6 +127,16 @@ class Gpus:
                 return True
         return False
 
+    def serves_now(self, model: str, scheduled: str | None, policy: Policy, entries: Mapping[str, GpuEntry],
+                   model_check: ModelCheck) -> bool | None:
+        """`serves` where it needs no upstream asked (the usual case, without a coroutine), else None."""
+        for gpu in self.all:
+            if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled):
+                if gpu.catalog.serves_now(model, model_check) is None:
+                    return None  # (`serves` asks this one, and goes on to the next if it says no)
+                return True
+        return False
+
     def reconcile(self, catalog: Catalog, as_of: int, name: str, *, scheduler: Scheduler,
                   config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:
         """Catalog reconciliation: a catalog of an upstream, asked when its
