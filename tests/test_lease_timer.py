@@ -52,3 +52,48 @@ async def test_a_deadline_earlier_than_the_armed_one_moves_the_timer() -> None:
     assert short.outcome is None
     await flow.advance(0.001)
     assert short.outcome is Outcome.LEASE_EXPIRED and long.outcome is None
+
+
+async def test_a_grant_or_release_while_a_timer_is_armed_arms_none_and_reads_no_deadline() -> None:
+    # Every grant and release tells the leases (issue 49: they did read every deadline each time).
+    import asyncio
+
+    from llamaswap.core import ManualClock
+    from llamaswap.runtime.leases import Leases
+
+    class Grant:
+        def __init__(self, deadline_ns: int) -> None:
+            self.lease_deadline_ns = deadline_ns
+
+    running: list[Grant] = []
+    reads: list[int] = []
+
+    def listed() -> list[Grant]:
+        reads.append(len(running))
+        return running
+
+    loop = asyncio.get_running_loop()
+    timers: list[float] = []
+    call_later = loop.call_later
+
+    def counted(delay: float, callback, *args):  # type: ignore[no-untyped-def]
+        timers.append(delay)
+        return call_later(delay, callback, *args)
+
+    loop.call_later = counted  # type: ignore[method-assign]
+    leases = Leases(ManualClock(), lambda: None, listed)  # type: ignore[arg-type]
+    try:
+        running.append(Grant(3 * NS_PER_S))
+        leases.granted(3 * NS_PER_S)
+        assert timers == [3.0] and len(reads) == 1
+        running.append(Grant(4 * NS_PER_S))
+        leases.granted(4 * NS_PER_S)  # later than the armed one: nothing read, nothing armed
+        running.pop(0)
+        leases.released()  # the armed timer stays: it fires, finds nothing due, arms for 4 s
+        assert timers == [3.0] and len(reads) == 1
+        running.append(Grant(2 * NS_PER_S))  # (a shorter envoy.leaseSeconds since)
+        leases.granted(2 * NS_PER_S)  # earlier: the timer moves
+        assert timers == [3.0, 2.0]
+    finally:
+        leases.cancel()
+        loop.call_later = call_later  # type: ignore[method-assign]

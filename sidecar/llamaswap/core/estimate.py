@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Protocol, TypeVar
@@ -59,25 +58,29 @@ _W = TypeVar("_W")  # a window of recent measurements (`_Recent`, `_TokenRuns`)
 
 
 class _Recent:
-    """The last `size` values and their median, updated only when a value arrives. The window is
-    also kept sorted, so a value costs a bisect instead of `statistics.median`'s sort of the whole
-    window on every release; the median is the same value (the middle one, or the mean of the two)."""
+    """The last `size` values and their median. The median is worked out when read, once per
+    change (a sort of the window): values arrive at every release, and are read only where an
+    estimate is asked for (a request that waits, the page), so a release costs an append."""
 
-    __slots__ = ("values", "_ordered", "median")
+    __slots__ = ("values", "_median", "_fresh")
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)
-        self._ordered: list[float] = []  # the same values, ascending
-        self.median: float | None = None
+        self._median: float | None = None
+        self._fresh = True  # _median is of the window as it is
 
     def add(self, value: float) -> None:
-        ordered = self._ordered
-        if len(self.values) == self.values.maxlen:
-            del ordered[bisect_left(ordered, self.values[0])]  # the value the append drops
         self.values.append(value)
-        insort(ordered, value)
-        middle = len(ordered) // 2
-        self.median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        self._fresh = False
+
+    @property
+    def median(self) -> float | None:
+        if not self._fresh:
+            ordered = sorted(self.values)
+            middle = len(ordered) // 2
+            self._median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+            self._fresh = True
+        return self._median
 
 
 class _TokenRuns:

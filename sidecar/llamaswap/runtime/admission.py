@@ -81,10 +81,19 @@ class Admitter:
                                                 queue_depth=self._open_checks - 1,
                                                 queue_limit=self._config.config.envoy.max_sidecar_streams,
                                                 limit_key="envoy.maxSidecarStreams"))
-        if ticket.model is not None and not await self.serves(ticket.model):
-            return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
+        # What it is scheduled as (a single-model upstream: its one model, whatever the name) and
+        # whose models.<id> settings it gets: one function says both. Read again after anything
+        # awaited here: an upstream's answer, or a reload, may have changed it meanwhile.
+        key = self._keys.key(ticket.model)
+        if ticket.model is not None:
+            served = self._serves_now(ticket.model, key.scheduled)
+            if served is None:  # an upstream is asked
+                served = await self.serves(ticket.model)
+                key = self._keys.key(ticket.model)
+            if not served:
+                return self._refuse(ticket, Refusal(Outcome.REJECTED_UNKNOWN_MODEL, model=ticket.model))
         # A router may have put its model to sleep since it was last asked: then it is a load.
-        rereads = self._sleep.look(self._keys.scheduled(ticket.model))
+        rereads = self._sleep.look(key.scheduled)
         if rereads is not None:
             await rereads
         # A stoppable line's part: sent again after a stop, it takes its place back once the stopped
@@ -93,11 +102,10 @@ class Admitter:
         stopped_part = self._grants.stops.ending(ticket.line_key)
         if stopped_part is not None:
             await stopped_part
+        if rereads is not None or stopped_part is not None:
+            key = self._keys.key(ticket.model)
         if not self.admitting:  # shutdown began while the catalog was asked
             return self._refuse(ticket, Refusal(Outcome.SHUTDOWN, SHUTDOWN_RETRY_AFTER_S))
-        # What it is scheduled as (a single-model upstream: its one model, whatever the name) and
-        # whose models.<id> settings it gets: one function says both.
-        key = self._keys.key(ticket.model)
         ticket.schedule_model = key.scheduled
         try:
             line_key = ticket.line_key
@@ -133,6 +141,12 @@ class Admitter:
         config = self._config
         return await self._gpus.serves(model, self._keys.scheduled(model), self._scheduler.policy,
                                        config.entries, config.config.upstream.model_check)
+
+    def _serves_now(self, model: str, scheduled: str | None) -> bool | None:
+        """`serves` where no upstream must be asked (None: one must), ``model`` scheduled as ``scheduled``."""
+        config = self._config
+        return self._gpus.serves_now(model, scheduled, self._scheduler.policy, config.entries,
+                                     config.config.upstream.model_check)
 
     def _over_stream_limit(self) -> bool:
         """With envoy.failOpen, Envoy's circuit breaker on the sidecar's streams is lifted (its

@@ -26,6 +26,14 @@ def listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
     return catalog.models is None or model in catalog.models
 
 
+def _single_model_of(catalog: Catalog | None) -> str | None:
+    if catalog is None or catalog.kind is not UpstreamKind.SINGLE:
+        return None
+    if catalog.models is not None and len(catalog.models) == 1:
+        return next(iter(catalog.models))
+    return SINGLE_MODEL
+
+
 class ModelCatalog:
     """The upstream's last known catalog. `dispatches` counts the scheduler's grants, so that a
     catalog's loaded model is applied only if no grant happened while it was asked; `observed`
@@ -36,19 +44,26 @@ class ModelCatalog:
         self._upstream = upstream
         self._dispatches = dispatches
         self._observed = observed
-        self.latest: Catalog | None = None
+        self._latest: Catalog | None = None
+        self._single_model: str | None = None
         self._refresh: asyncio.Task[Catalog | None] | None = None
         self._said: set[str] = set()  # the models.<id> already warned about (`warn_unmatched`)
+
+    @property
+    def latest(self) -> Catalog | None:
+        """The upstream's last answer (None: none yet)."""
+        return self._latest
+
+    @latest.setter
+    def latest(self, catalog: Catalog | None) -> None:
+        self._latest = catalog
+        # Read a few times per request (`ModelKeys.key`, each release): worked out once per answer.
+        self._single_model = _single_model_of(catalog)
 
     def single_model(self) -> str | None:
         """Where the upstream's last answer says it serves one model whatever name a request gives,
         the key every request is scheduled on: the model it lists, else SINGLE_MODEL; None otherwise."""
-        catalog = self.latest
-        if catalog is None or catalog.kind is not UpstreamKind.SINGLE:
-            return None
-        if catalog.models is not None and len(catalog.models) == 1:
-            return next(iter(catalog.models))
-        return SINGLE_MODEL
+        return self._single_model
 
     def key(self, requested: str | None, configured: Collection[str]) -> ModelKey:
         """What a request naming `requested` is scheduled as and which models.<id> is its
@@ -70,6 +85,13 @@ class ModelCatalog:
                 _log.warning("models.%s: the upstream does not serve %s (it lists %s): this entry applies to "
                              "nothing; name a model it lists (llama-server's router: the GGUF file name without "
                              ".gguf)", model_id, model_id, ", ".join(sorted(catalog.models or ())) or "none")
+
+    def serves_now(self, model: str, check: ModelCheck) -> bool | None:
+        """`serves` where the last answer says so without asking (True), else None: a miss asks."""
+        if check is ModelCheck.OFF:
+            return True
+        catalog = self._latest
+        return True if catalog is not None and listed(catalog, model, check) else None
 
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""

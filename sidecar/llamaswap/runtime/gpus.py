@@ -108,6 +108,8 @@ class Gpus:
     def single_model(self) -> str | None:
         """The key every request is scheduled on where every upstream serves one model whatever
         the name, and the same one (`ModelCatalog.single_model`); None otherwise."""
+        if len(self.all) == 1:  # (each admission asks)
+            return self.all[0].catalog.single_model()
         keys = {gpu.catalog.single_model() for gpu in self.all}
         return keys.pop() if len(keys) == 1 else None
 
@@ -122,6 +124,16 @@ class Gpus:
         for gpu in self.all:
             if (entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled)
                     and await gpu.catalog.serves(model, model_check)):
+                return True
+        return False
+
+    def serves_now(self, model: str, scheduled: str | None, policy: Policy, entries: Mapping[str, GpuEntry],
+                   model_check: ModelCheck) -> bool | None:
+        """`serves` where it needs no upstream asked (the usual case, without a coroutine), else None."""
+        for gpu in self.all:
+            if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled):
+                if gpu.catalog.serves_now(model, model_check) is None:
+                    return None  # (`serves` asks this one, and goes on to the next if it says no)
                 return True
         return False
 

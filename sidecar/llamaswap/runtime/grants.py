@@ -159,7 +159,7 @@ class Grants:
         ticket.lease_deadline_ns = decision.granted_ns + self._config.lease_ns()
         self.idle.clear()
         self._publisher.changed()
-        self.leases.arm()
+        self.leases.granted(ticket.lease_deadline_ns)
         self.watchdogs.arm(ticket)
         waiter.set_result(decision)
         if decision.model is not None and not decision.alone and self._config.keep_alive_honoured:
@@ -185,8 +185,7 @@ class Grants:
                                            keep_as=stopped.key if stopped is not None else None,
                                            grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
         self.watchdogs.cancel(ticket.token)
-        # The lease timer also watches the adopted leases: re-arm it for them (or drop it).
-        self.leases.arm()
+        self.leases.released()
         if outcome is Outcome.SERVED and ticket.generation:
             # Only a streamed first byte is the generation's start: a non-streamed one is its end,
             # and would teach generation length as swap cost.

@@ -173,6 +173,18 @@ class Leases:
         self.cancel()
         self._set(deadline_ns)
 
+    def granted(self, deadline_ns: int) -> None:
+        """A grant's lease began, due at ``deadline_ns``: `arm`, without reading every deadline where
+        a timer is armed no later than this one (it is no later than the others already)."""
+        if self._timer is None or self._timer_ns > deadline_ns:
+            self.arm()
+
+    def released(self) -> None:
+        """A grant's lease ended: a timer armed stays (no deadline came earlier); with none armed,
+        `arm` for what is left (none is, while every deadline's timer is armed as it begins)."""
+        if self._timer is None:
+            self.arm()
+
     def _earliest_ns(self) -> int | None:
         deadlines = [adoption.lease_deadline_ns for adoption in self.adopted.values()]
         max_run_ns = self._max_run_ns()

@@ -16,33 +16,34 @@ class LiveConfig:
     pydantic's `__getattr__`, about 1.5 us a read, and `priority_policy` builds one)."""
 
     def __init__(self, config: Config) -> None:
+        self.set(config)
+
+    def set(self, config: Config) -> None:
         self.config = config
         self.auto_slots = auto_slots(config)  # the upstreams whose slots are learnt (slots: auto)
         self.priority_policy = config.priority_policy()  # what callers may claim (each Check)
         self.entries = {entry.name: entry for entry in config.gpu_entries}  # each GPU's, by its name
         self.keep_alive_honoured = config.routing.keep_alive.honour  # Ollama's keep_alive (each grant)
-
-    def set(self, config: Config) -> None:
-        self.config = config
-        self.auto_slots = auto_slots(config)
-        self.priority_policy = config.priority_policy()
-        self.entries = {entry.name: entry for entry in config.gpu_entries}
-        self.keep_alive_honoured = config.routing.keep_alive.honour
+        # Durations in the runtime's nanoseconds, read at each grant and release.
+        self._lease_ns = round(config.envoy.lease_seconds * NS_PER_S)
+        self._max_run_s = config.routing.scheduler.max_run_seconds
+        self._max_run_ns = round(self._max_run_s * NS_PER_S)
+        self._retry_grace_ns = round(config.routing.retry_grace_seconds * NS_PER_S)
 
     def current(self) -> Config:
         return self.config
 
     def lease_ns(self) -> int:
-        return round(self.config.envoy.lease_seconds * NS_PER_S)
+        return self._lease_ns
 
     def max_run_ns(self) -> int:
-        return round(self.config.routing.scheduler.max_run_seconds * NS_PER_S)
+        return self._max_run_ns
 
     def max_run_s(self) -> float:
-        return self.config.routing.scheduler.max_run_seconds
+        return self._max_run_s
 
     def retry_grace_ns(self) -> int:
-        return round(self.config.routing.retry_grace_seconds * NS_PER_S)
+        return self._retry_grace_ns
 
 
 class ModelKeys:
