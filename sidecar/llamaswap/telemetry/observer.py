@@ -33,8 +33,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricReader
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -62,6 +63,7 @@ from llamaswap.telemetry.instruments import (
     Instruments,
 )
 from llamaswap.telemetry.batches import BatchTelemetry, PresetIds
+from llamaswap.telemetry.histograms import Histograms
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, gauge_family
 
 _log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ STOPPED_EVENT = "llamaswap.stopped"
 STOPPED_LINE_EVENT = "llamaswap.stopped_line"
 
 INSTRUMENTATION_NAME = "llamaswap"
+SCOPE = InstrumentationScope(INSTRUMENTATION_NAME, __version__)  # the meter's, which the histograms join
 _PROPAGATOR = TraceContextTextMapPropagator()
 # A wait shorter than this counts as this long when the estimate is compared with it.
 ESTIMATE_FLOOR_S = 0.1
@@ -109,7 +112,9 @@ class Telemetry:
 
     The MeterProvider always has a pull reader for `prometheus_text()` (the admin
     `GET /metrics`); push readers (OTLP) and span processors come from the caller, usually
-    `from_environment()`.
+    `from_environment()`. The histograms are kept plain in ``histograms`` (`histograms.py`): the
+    pull reader adds them, and so do push readers whose exporter was made with them
+    (`exporters_from_environment`); any other reader sees the SDK's instruments alone.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class Telemetry:
         sampler: Sampler | None = None,
         span_processors: Sequence[SpanProcessor] = (),
         metric_readers: Sequence[MetricReader] = (),
+        histograms: Histograms | None = None,
     ) -> None:
         from llamaswap.telemetry.environment import default_resource
 
@@ -136,7 +142,8 @@ class Telemetry:
         self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler, id_generator=self.span_ids)
         for processor in span_processors:
             self.tracer_provider.add_span_processor(processor)
-        self._pull = PrometheusTextReader()
+        self.histograms = histograms or Histograms(self.resource, SCOPE)
+        self._pull = PrometheusTextReader(self.histograms.view(AggregationTemporality.CUMULATIVE))
         self.meter_provider = MeterProvider(resource=self.resource, metric_readers=[self._pull, *metric_readers])
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
@@ -159,8 +166,9 @@ class Telemetry:
         self._waiting_model: dict[str, str] = {}  # token -> the model it is scheduled on
         self._waiting_models: dict[str, int] = {}  # model -> requests waiting for it
         self._models_info: tuple[dict[str, str], float] = (self._models_labels(_EMPTY_PICTURE), time.time())
-        self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
-                                       gpu_busy=self._observe_busy, gpu_slots=self._observe_slots,
+        self.instruments = Instruments(meter, self.histograms, queue_depth=self._observe_depth,
+                                       oldest_wait=self._observe_oldest_wait, gpu_busy=self._observe_busy,
+                                       gpu_slots=self._observe_slots,
                                        gpu_slots_busy=self._observe_slots_busy, waiting=self._observe_waiting,
                                        saturation=self._observe_saturation, models_info=self._observe_models_info,
                                        upstream_slots=self._observe_upstream_slots,
@@ -172,10 +180,13 @@ class Telemetry:
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
         """Providers configured by the standard OTEL_* variables (see telemetry.environment)."""
-        from llamaswap.telemetry.environment import exporters_from_environment
+        from llamaswap.telemetry.environment import default_resource, exporters_from_environment
 
-        span_processors, metric_readers = exporters_from_environment()
-        return cls(clock=clock, span_processors=span_processors, metric_readers=metric_readers)
+        resource = default_resource()
+        histograms = Histograms(resource, SCOPE)
+        span_processors, metric_readers = exporters_from_environment(histograms=histograms)
+        return cls(clock=clock, resource=resource, span_processors=span_processors, metric_readers=metric_readers,
+                   histograms=histograms)
 
     def batch_telemetry(self) -> BatchTelemetry:
         """The Batch API's spans and metrics, on these providers."""
@@ -271,7 +282,7 @@ class Telemetry:
         for cause in sorted(decision.reordered_by):
             instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
-        instruments.queue_wait.record(wait_s, {"band": band})
+        instruments.queue_wait.record(wait_s, band)
         gpu_labels = {"upstream": decision.gpu}
         instruments.upstream_dispatched.add(1, gpu_labels)
         if decision.swap:
@@ -284,7 +295,7 @@ class Telemetry:
             instruments.evictions.add(1, _eviction_labels(decision.gpu, eviction.reason))
         if ticket.estimated_wait_s is not None:
             ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
-            instruments.estimate_ratio.record(ratio, {"band": band})
+            instruments.estimate_ratio.record(ratio, band)
         if not self._tracing:
             return
         attributes = self._attributes(ticket)
@@ -349,11 +360,11 @@ class Telemetry:
         decision = ticket.decision
         if decision is not None:
             run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
-            instruments.run.record(run_s, {"band": decision.band.value})
+            instruments.run.record(run_s, decision.band.value)
             label = instruments.model_labels.label(ticket.model or NO_MODEL)
             if label is None:
                 instruments.model_label_other.add(1)
-            model = {"model": label or OTHER_MODEL}
+            model = label or OTHER_MODEL
             instruments.model_run.record(run_s, model)
             # A non-streamed first byte is the generation's end, not the end of the load.
             if decision.model_load and ticket.streamed and ticket.first_byte_s is not None:
@@ -425,8 +436,7 @@ class Telemetry:
 
     def settled(self, settle: Settle) -> None:
         if not self._closed:
-            self.instruments.settle.record(settle.seconds, {"reason": settle.reason.value,
-                                                            "result": settle.result.value})
+            self.instruments.settle.record(settle.seconds, settle.reason.value, settle.result.value)
 
     # -- helpers -------------------------------------------------------------------------
 
