@@ -23,7 +23,6 @@ Nothing here ever sees prompt or completion text: only the ticket's scheduling f
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -52,18 +51,15 @@ from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
     GPU_SLOTS_BUSY,
-    MAX_ADAPTERS,
-    MAX_MODEL_LABELS,
     OTHER_MODEL,
     MODELS_INFO,
-    RUNNING_ADAPTERS,
     SATURATION,
     WAITING,
-    WAITING_ADAPTERS,
     Instruments,
 )
 from llamaswap.telemetry.batches import BatchTelemetry, PresetIds
 from llamaswap.telemetry.histograms import Histograms
+from llamaswap.telemetry.models_info import ModelsInfo
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, gauge_family
 
 _log = logging.getLogger(__name__)
@@ -161,11 +157,7 @@ class Telemetry:
         self._stop_of_line: dict[str, tuple[int, dict[str, Any]]] = {}
         self._stops_for: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._closed = False
-        # The models of the waiting requests, kept per event (O(1)) so a picker's scrape every
-        # 50 ms reads a finished label set whatever the depth.
-        self._waiting_model: dict[str, str] = {}  # token -> the model it is scheduled on
-        self._waiting_models: dict[str, int] = {}  # model -> requests waiting for it
-        self._models_info: tuple[dict[str, str], float] = (self._models_labels(_EMPTY_PICTURE), time.time())
+        self._models_info = ModelsInfo(_EMPTY_PICTURE)
         self.instruments = Instruments(meter, self.histograms, queue_depth=self._observe_depth,
                                        oldest_wait=self._observe_oldest_wait, gpu_busy=self._observe_busy,
                                        gpu_slots=self._observe_slots,
@@ -231,13 +223,8 @@ class Telemetry:
     def enqueued(self, ticket: Ticket) -> None:
         # Spans are written when they end; only the waiting models are counted here.
         model = ticket.schedule_model
-        if model is None:
-            return
-        self._waiting_model[ticket.token] = model
-        count = self._waiting_models.get(model, 0)
-        self._waiting_models[model] = count + 1
-        if not count:
-            self._models_changed(self._picture)
+        if model is not None:
+            self._models_info.waiting(ticket.token, model)
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
@@ -255,7 +242,7 @@ class Telemetry:
             shown = NodeProjection.of([GpuProjection.configured(gpu.name, gpu.slots.default, gpu.residency.max_loaded)
                                        for gpu in gpus])
             self._picture = dataclasses.replace(self._picture, node=shown)
-            self._models_changed(self._picture)
+            self._models_info.picture_changed(self._picture)
 
     def reads_queue(self, pictures: PictureSource) -> None:
         self._pictures = pictures
@@ -267,12 +254,12 @@ class Telemetry:
         # from the first read after it, or from the loop's refresh while an exporter exists.)
         if (_resident_models(picture) != _resident_models(self._picture)
                 or _max_loaded(picture) != _max_loaded(self._picture)):
-            self._models_changed(picture)
+            self._models_info.picture_changed(picture)
         self._picture = picture
         self._published = True
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
-        self._left_queue(ticket.token)
+        self._models_info.left(ticket.token)
         decision = ticket.decision
         if self._closed or decision is None:
             return
@@ -343,7 +330,7 @@ class Telemetry:
             span.set_attribute("llamaswap.overtaken_count", count[0])
 
     def finished(self, ticket: Ticket) -> None:
-        self._left_queue(ticket.token)
+        self._models_info.left(ticket.token)
         outcome = ticket.outcome
         if self._closed or outcome is None:
             return
@@ -440,33 +427,6 @@ class Telemetry:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _left_queue(self, token: str) -> None:
-        model = self._waiting_model.pop(token, None)
-        if model is None:
-            return
-        count = self._waiting_models[model] - 1
-        if count:
-            self._waiting_models[model] = count
-            return
-        del self._waiting_models[model]
-        self._models_changed(self._picture)
-
-    def _models_labels(self, picture: QueuePicture) -> dict[str, str]:
-        # Bounded like the `model` label: clients name models (without modelCheck, any name). The
-        # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
-        waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
-        # Each upstream's resident models, each once (two GPUs may hold the same), in the configured order.
-        loaded = dict.fromkeys(model for models in _resident_models(picture) for model in models)
-        return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
-                MAX_ADAPTERS: str(max(1, sum(gpu.max_loaded for gpu in picture.node.gpus)))}
-
-    def _models_changed(self, picture: QueuePicture) -> None:
-        labels = self._models_labels(picture)
-        if labels != self._models_info[0]:
-            # The value is when the labels changed, as in vLLM: a picker that sees several series
-            # (a Prometheus between them, or an old scrape) takes the one with the latest value.
-            self._models_info = (labels, time.time())
-
     def _wall(self, clock_ns: int) -> int:
         return clock_ns + self._wall_offset_ns
 
@@ -527,7 +487,7 @@ class Telemetry:
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
         self._current()  # (a picture built now may change the resident models)
-        labels, changed = self._models_info
+        labels, changed = self._models_info.current
         return [Observation(changed, labels)]
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:
