@@ -10,6 +10,7 @@ pushing over OTLP/gRPC to a receiver here, in each temporality, against the admi
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import threading
 import time
@@ -24,13 +25,19 @@ from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExp
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    ConsoleMetricExporter,
+    InMemoryMetricReader,
+    MetricsData,
+)
 from opentelemetry.sdk.resources import Resource
 
 from llamaswap import __version__
 from llamaswap.telemetry import Telemetry
 from llamaswap.telemetry import instruments as names
-from llamaswap.telemetry.environment import otlp_temporality
+from llamaswap.telemetry import environment
+from llamaswap.telemetry.environment import otlp_exponential, otlp_temporality
 from llamaswap.telemetry.histograms import Histograms
 from llamaswap.telemetry.observer import INSTRUMENTATION_NAME, SCOPE
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
@@ -184,6 +191,24 @@ def test_temporality_table_is_the_otlp_exporters(monkeypatch: pytest.MonkeyPatch
         exporter.shutdown(timeout_millis=100)
 
 
+@pytest.mark.parametrize("aggregation", [None, "base2_exponential_bucket_histogram",
+                                         "BASE2_EXPONENTIAL_BUCKET_HISTOGRAM", "explicit_bucket_histogram"])
+def test_exponential_is_read_as_the_otlp_exporter_reads_it(monkeypatch: pytest.MonkeyPatch,
+                                                           aggregation: str | None) -> None:
+    if aggregation is None:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", aggregation)
+    import os
+
+    exporter = OTLPMetricExporter(endpoint="http://127.0.0.1:1")
+    try:
+        asked = type(exporter._preferred_aggregation[HistogramInstrument]).__name__
+        assert otlp_exponential(os.environ) == (asked == "ExponentialBucketHistogramAggregation"), asked
+    finally:
+        exporter.shutdown(timeout_millis=100)
+
+
 # -- the real wiring, over OTLP/gRPC -----------------------------------------------------------
 
 
@@ -266,6 +291,7 @@ def test_otlp_push_carries_the_pages_histograms(monkeypatch: pytest.MonkeyPatch,
                     assert len(pushed) == step  # nothing recorded: not in this export
                     continue
                 latest = pushed[-1]
+                assert latest.WhichOneof("data") == "histogram"
                 assert latest.unit == "s"
                 assert latest.histogram.aggregation_temporality == OTLP_TEMPORALITY[temporality]
                 assert list(latest.histogram.data_points[0].explicit_bounds) == list(names.QUEUE_WAIT_BUCKETS)
@@ -291,5 +317,45 @@ def test_otlp_push_carries_the_pages_histograms(monkeypatch: pytest.MonkeyPatch,
             # ObservableCounter: delta under `delta`).
             (dispatched, *_) = servicer.metrics(names.DISPATCHED)
             assert dispatched.sum.aggregation_temporality == OTLP_TEMPORALITY[temporality]
+        finally:
+            telemetry.shutdown(timeout_s=5)
+
+
+@pytest.mark.parametrize("preference", ["cumulative", "delta"])
+def test_an_exporter_that_asks_for_exponential_histograms_gets_them(monkeypatch: pytest.MonkeyPatch,
+                                                                   preference: str) -> None:
+    """The SDK's exponential histograms of the same records, to that exporter alone: the admin page
+    and a console exporter beside it keep the explicit buckets, once."""
+    with receiver() as (servicer, endpoint):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", preference)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+                           "base2_exponential_bucket_histogram")
+        monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "3600000")
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp,console")
+        console = io.StringIO()
+        monkeypatch.setattr(environment, "ConsoleMetricExporter", lambda: ConsoleMetricExporter(out=console))
+        telemetry = Telemetry.from_environment()
+        try:
+            records = [value for step in SCRIPT for value, _ in step]
+            for value in records:
+                telemetry.instruments.run.record(value, "batch")
+            assert telemetry.meter_provider.force_flush(timeout_millis=5000)
+            (pushed,) = servicer.metrics(names.RUN)
+            assert pushed.WhichOneof("data") == "exponential_histogram"
+            assert pushed.unit == "s" and pushed.description == telemetry.instruments.run.description
+            assert pushed.exponential_histogram.aggregation_temporality == OTLP_TEMPORALITY[
+                DELTA if preference == "delta" else CUMULATIVE]
+            (point,) = pushed.exponential_histogram.data_points
+            assert (point.count, point.sum, point.min, point.max) == (len(records), sum(records), min(records),
+                                                                      max(records))
+            page = telemetry.prometheus_text()[0].decode()
+            assert page.count(f"# TYPE {names.RUN} histogram") == 1
+            assert page.count(f'{names.RUN}_count{{band="batch"}}') == 1
+            printed = console.getvalue()
+            assert printed.count(f'"name": "{names.RUN}"') == 1 and '"explicit_bounds"' in printed
+            assert text_histogram(page, names.RUN)[("_count", 'band="batch"}')] == len(records)
+            assert text_histogram(page, names.RUN)[("_bucket", 'band="batch",le="1"}')] == sum(v <= 1 for v in records)
         finally:
             telemetry.shutdown(timeout_s=5)

@@ -14,6 +14,8 @@
 - `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` (`cumulative`, `delta`, `lowmemory`): read
   here by the OpenTelemetry specification's table, as the OTLP exporter reads it, and handed to
   the exporter's reader; the plain histograms (`histograms.py`) follow its histogram entry.
+  `OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram`
+  gives that exporter the SDK's exponential histograms (recorded besides the plain ones).
 
 A misconfigured exporter is logged and left out: telemetry never stops the sidecar.
 """
@@ -87,6 +89,12 @@ def otlp_temporality(env: Mapping[str, str]) -> Temporalities:
             ObservableUpDownCounter: cumulative, ObservableGauge: cumulative}
 
 
+def otlp_exponential(env: Mapping[str, str]) -> bool:
+    """Whether an OTLP metric exporter asks for exponential histograms
+    (OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION, read as the exporter reads it)."""
+    return env.get("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION") == "base2_exponential_bucket_histogram"
+
+
 def exporters_from_environment(env: Mapping[str, str] | None = None, histograms: Histograms | None = None,
                                ) -> tuple[list[SpanProcessor], list[MetricReader]]:
     """Span processors and metric readers; each metric reader's exports carry ``histograms``."""
@@ -112,7 +120,7 @@ def exporters_from_environment(env: Mapping[str, str] | None = None, histograms:
             if name == "otlp" and metrics_endpoint:
                 # Interval and timeout: OTEL_METRIC_EXPORT_INTERVAL / _TIMEOUT, read by the reader.
                 exporter = HistogramExporter(_otlp_metric_exporter(_protocol(env, "METRICS")), otlp_temporality(env),
-                                             histograms)
+                                             histograms, exponential=otlp_exponential(env))
                 metric_readers.append(PeriodicExportingMetricReader(exporter))
             elif name == "console":  # (cumulative: the console exporter asks for nothing else)
                 metric_readers.append(PeriodicExportingMetricReader(HistogramExporter(ConsoleMetricExporter(), {},

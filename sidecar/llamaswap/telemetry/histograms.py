@@ -34,6 +34,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
+from opentelemetry.metrics import Histogram as ApiHistogram
+from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -46,10 +48,13 @@ from opentelemetry.sdk.metrics.export import (
     ResourceMetrics,
     ScopeMetrics,
 )
+from opentelemetry.sdk.metrics.view import Aggregation, DropAggregation, ExponentialBucketHistogramAggregation
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 Temporalities = dict[type, AggregationTemporality]
+# A reader of the plain histograms drops the SDK's (there are some only for an exponential exporter).
+SDK_HISTOGRAMS_DROPPED: dict[type, Aggregation] = {HistogramInstrument: DropAggregation()}
 
 
 class _Window:
@@ -92,12 +97,15 @@ class PlainHistogram:
         self.labels = tuple(labels)
         self._owner = owner
         self._series: dict[tuple[str, ...], _Series] = {}
+        self.sdk: ApiHistogram | None = None  # (only for an exporter that asks for exponential buckets)
 
     def record(self, value: float, *label_values: str) -> None:
         series = self._series.get(label_values)
         if series is None:
             series = self._add(label_values)
-        index = bisect_left(self.bounds, value)  # (bound - 1, bound]: the SDK's buckets
+        if self.sdk is not None:
+            self.sdk.record(value, series.attributes)
+        index = bisect_left(self.bounds, value)  # (previous bound, bound]: the SDK's buckets
         with self._owner.lock:
             for window in series.windows:
                 window.buckets[index] += 1
@@ -131,12 +139,24 @@ class Histograms:
         self.lock = threading.Lock()
         self.windows = 1  # the lifetime window, and one per delta view
         self._histograms: list[PlainHistogram] = []
+        self.exponential = False  # an exporter asks for the SDK's exponential histograms
 
     def histogram(self, name: str, *, unit: str = "", description: str = "", bounds: Sequence[float],
                   labels: Sequence[str]) -> PlainHistogram:
         histogram = PlainHistogram(self, name, unit=unit, description=description, bounds=bounds, labels=labels)
         self._histograms.append(histogram)
         return histogram
+
+    def mirror(self, meter: Meter) -> None:
+        """Where an exporter asks for exponential buckets (which only the SDK computes), every
+        histogram is also recorded into an SDK histogram: that exporter reads those, every other
+        reader drops them (`SDK_HISTOGRAMS_DROPPED`) and reads the plain ones."""
+        if not self.exponential:
+            return
+        for histogram in self._histograms:
+            histogram.sdk = meter.create_histogram(histogram.name, unit=histogram.unit,
+                                                   description=histogram.description,
+                                                   explicit_bucket_boundaries_advisory=histogram.bounds)
 
     def view(self, temporality: AggregationTemporality) -> HistogramView:
         """A reader's view; a delta view takes a window of its own in every series, so views are
@@ -222,13 +242,20 @@ class HistogramView:
 class HistogramExporter(MetricExporter):
     """A push exporter whose exports carry the plain histograms too. ``temporality`` is what the
     wrapped exporter asks for (its reader reads it from here); the histograms follow its
-    `Histogram` entry."""
+    `Histogram` entry. With ``exponential`` the exporter gets the SDK's exponential histograms of
+    the same records instead (`Histograms.mirror`)."""
 
-    def __init__(self, exporter: MetricExporter, temporality: Temporalities, histograms: Histograms | None) -> None:
-        super().__init__(preferred_temporality=temporality)
+    def __init__(self, exporter: MetricExporter, temporality: Temporalities, histograms: Histograms | None, *,
+                 exponential: bool = False) -> None:
+        super().__init__(preferred_temporality=temporality, preferred_aggregation=(
+            {HistogramInstrument: ExponentialBucketHistogramAggregation()} if exponential else SDK_HISTOGRAMS_DROPPED))
         self.exporter = exporter
         self.histogram_temporality = temporality.get(HistogramInstrument, AggregationTemporality.CUMULATIVE)
-        self._view = histograms.view(self.histogram_temporality) if histograms is not None else None
+        self._view = None
+        if histograms is not None and exponential:
+            histograms.exponential = True
+        elif histograms is not None:
+            self._view = histograms.view(self.histogram_temporality)
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self._view is not None:

@@ -168,6 +168,7 @@ class Telemetry:
                                        upstream_busy=self._observe_upstream_busy,
                                        upstream_model=self._observe_upstream_model,
                                        models_resident=self._observe_models_resident)
+        self.histograms.mirror(meter)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:

@@ -31,7 +31,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from llamaswap.telemetry.histograms import HistogramView
+from llamaswap.telemetry.histograms import SDK_HISTOGRAMS_DROPPED, HistogramView
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -43,7 +43,9 @@ class PrometheusTextReader(MetricReader):
     """Collects on demand (GET /metrics) and renders the result; cumulative temporality."""
 
     def __init__(self, histograms: HistogramView | None = None) -> None:
-        super().__init__()  # the default temporality: CUMULATIVE for every instrument
+        # The default temporality: CUMULATIVE for every instrument. SDK histograms exist only for an
+        # exponential exporter; this page shows the plain ones.
+        super().__init__(preferred_aggregation=SDK_HISTOGRAMS_DROPPED)
         self._lock = threading.Lock()
         self._latest: MetricsData | None = None
         self._histograms = histograms
