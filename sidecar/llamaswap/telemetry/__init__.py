@@ -3,7 +3,8 @@
 `Telemetry` is an Observer of the coordinator. One MeterProvider serves both the OTLP push
 (when an endpoint is configured through OTEL_* variables) and the admin `GET /metrics`
 (Prometheus text format, always). See `observer.py` for the spans, `instruments.py` for the
-metric names and `environment.py` for the settings.
+metric names, `histograms.py` for the histograms (plain counts, merged into what the readers
+collect) and `environment.py` for the settings.
 """
 
 from llamaswap.telemetry.environment import default_resource, exporters_from_environment

@@ -11,6 +11,11 @@
   `OTEL_METRIC_EXPORT_INTERVAL`, `OTEL_TRACES_SAMPLER(_ARG)`, `OTEL_RESOURCE_ATTRIBUTES` — is
   read by the SDK and the exporters themselves.
 - `OTEL_SERVICE_NAME` defaults to `llamaswap`.
+- `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` (`cumulative`, `delta`, `lowmemory`): read
+  here by the OpenTelemetry specification's table, as the OTLP exporter reads it, and handed to
+  the exporter's reader; the plain histograms (`histograms.py`) follow its histogram entry.
+  `OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram`
+  gives that exporter the SDK's exponential histograms (recorded besides the plain ones).
 
 A misconfigured exporter is logged and left out: telemetry never stops the sidecar.
 """
@@ -21,10 +26,25 @@ import logging
 import os
 from collections.abc import Mapping
 
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    ConsoleMetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+from llamaswap.telemetry.histograms import HistogramExporter, Histograms, Temporalities
 
 _log = logging.getLogger(__name__)
 
@@ -57,7 +77,27 @@ def _exporter_names(env: Mapping[str, str], variable: str) -> list[str]:
     return [part.strip() for part in raw.split(",") if part.strip()] or ["otlp"]
 
 
-def exporters_from_environment(env: Mapping[str, str] | None = None) -> tuple[list[SpanProcessor], list[MetricReader]]:
+def otlp_temporality(env: Mapping[str, str]) -> Temporalities:
+    """The temporality per instrument kind an OTLP metric exporter asks for, from
+    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE (the specification's table; an unknown value
+    is cumulative, and the exporter itself warns about it)."""
+    preference = env.get("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "CUMULATIVE").upper().strip()
+    delta, cumulative = AggregationTemporality.DELTA, AggregationTemporality.CUMULATIVE
+    synchronous = delta if preference in ("DELTA", "LOWMEMORY") else cumulative
+    return {Counter: synchronous, UpDownCounter: cumulative, Histogram: synchronous,
+            ObservableCounter: delta if preference == "DELTA" else cumulative,
+            ObservableUpDownCounter: cumulative, ObservableGauge: cumulative}
+
+
+def otlp_exponential(env: Mapping[str, str]) -> bool:
+    """Whether an OTLP metric exporter asks for exponential histograms
+    (OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION, read as the exporter reads it)."""
+    return env.get("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION") == "base2_exponential_bucket_histogram"
+
+
+def exporters_from_environment(env: Mapping[str, str] | None = None, histograms: Histograms | None = None,
+                               ) -> tuple[list[SpanProcessor], list[MetricReader]]:
+    """Span processors and metric readers; each metric reader's exports carry ``histograms``."""
     env = os.environ if env is None else env
     span_processors: list[SpanProcessor] = []
     metric_readers: list[MetricReader] = []
@@ -79,9 +119,12 @@ def exporters_from_environment(env: Mapping[str, str] | None = None) -> tuple[li
         try:
             if name == "otlp" and metrics_endpoint:
                 # Interval and timeout: OTEL_METRIC_EXPORT_INTERVAL / _TIMEOUT, read by the reader.
-                metric_readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(_protocol(env, "METRICS"))))
-            elif name == "console":
-                metric_readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+                exporter = HistogramExporter(_otlp_metric_exporter(_protocol(env, "METRICS")), otlp_temporality(env),
+                                             histograms, exponential=otlp_exponential(env))
+                metric_readers.append(PeriodicExportingMetricReader(exporter))
+            elif name == "console":  # (cumulative: the console exporter asks for nothing else)
+                metric_readers.append(PeriodicExportingMetricReader(HistogramExporter(ConsoleMetricExporter(), {},
+                                                                                      histograms)))
             elif name not in ("otlp", "none", "prometheus"):
                 # `prometheus` is what the admin GET /metrics always serves.
                 _log.warning("OTEL_METRICS_EXPORTER=%s is not supported (otlp, console, none); ignored", name)

@@ -25,6 +25,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from llamaswap.core import Band, EvictReason, Outcome, ReorderCause
 from llamaswap.runtime.kept import KeptEventKind
+from llamaswap.telemetry.histograms import Histograms
 
 QUEUE_DEPTH = "llamaswap_scheduler_queue_depth"
 QUEUE_OLDEST_WAIT = "llamaswap_scheduler_queue_oldest_wait_seconds"
@@ -159,9 +160,11 @@ class ModelLabels:
 
 
 class Instruments:
-    def __init__(self, meter: Meter, *, queue_depth: Callback, oldest_wait: Callback, gpu_busy: Callback,
-                 gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback, saturation: Callback,
-                 models_info: Callback, upstream_slots: Callback, upstream_slots_busy: Callback,
+    """Gauges (callbacks) and Tallies on the SDK's meter; histograms kept plain in ``histograms``."""
+
+    def __init__(self, meter: Meter, histograms: Histograms, *, queue_depth: Callback, oldest_wait: Callback,
+                 gpu_busy: Callback, gpu_slots: Callback, gpu_slots_busy: Callback, waiting: Callback,
+                 saturation: Callback, models_info: Callback, upstream_slots: Callback, upstream_slots_busy: Callback,
                  upstream_busy: Callback, upstream_model: Callback, models_resident: Callback) -> None:
         meter.create_observable_gauge(
             QUEUE_DEPTH, [queue_depth], unit="{request}", description="Requests waiting for the GPU, by band.")
@@ -205,12 +208,12 @@ class Instruments:
             description="Dispatches where aging or swap affinity changed which request went next, by band of the "
                         "winner and reason.",
             series=[{"band": band.value, "reason": cause.value} for band in Band for cause in ReorderCause])
-        self.queue_wait = meter.create_histogram(
+        self.queue_wait = histograms.histogram(
             QUEUE_WAIT, unit="s", description="Time from arrival to grant of dispatched requests, by band.",
-            explicit_bucket_boundaries_advisory=QUEUE_WAIT_BUCKETS)
-        self.run = meter.create_histogram(
+            bounds=QUEUE_WAIT_BUCKETS, labels=("band",))
+        self.run = histograms.histogram(
             RUN, unit="s", description="Time from grant to release (the GPU held), by band.",
-            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
+            bounds=RUN_BUCKETS, labels=("band",))
         self.upstream_dispatched = Tally(meter, UPSTREAM_DISPATCHED, unit="{request}",
                                          description="Requests granted an upstream, by upstream.", series=())
         self.upstream_swaps = Tally(meter, UPSTREAM_SWAPS, unit="{dispatch}",
@@ -238,20 +241,19 @@ class Instruments:
             description="Requests without an X-LlamaSwap-Priority header, or with an empty one (treated as 0).")
         self.watchdog = Tally(meter, WATCHDOG, unit="{request}",
                               description="Grants released by the maxRunSeconds watchdog.")
-        self.model_swap = meter.create_histogram(
+        self.model_swap = histograms.histogram(
             MODEL_SWAP, unit="s",
             description="For dispatches that had to load their model (a swap or a first load): from the request "
                         "reaching the upstream to its first response byte, by model. The cost swap affinity "
                         "avoids.",
-            explicit_bucket_boundaries_advisory=SWAP_BUCKETS)
-        self.model_run = meter.create_histogram(
-            MODEL_RUN, unit="s", description="Grant to release, by model.",
-            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
-        self.estimate_ratio = meter.create_histogram(
+            bounds=SWAP_BUCKETS, labels=("model",))
+        self.model_run = histograms.histogram(
+            MODEL_RUN, unit="s", description="Grant to release, by model.", bounds=RUN_BUCKETS, labels=("model",))
+        self.estimate_ratio = histograms.histogram(
             ESTIMATE_RATIO,
             description="For dispatched requests: the wait estimated at arrival / the actual wait (an actual "
                         "wait below 0.1 s counts as 0.1 s), by band. 1 is exact.",
-            explicit_bucket_boundaries_advisory=ESTIMATE_RATIO_BUCKETS)
+            bounds=ESTIMATE_RATIO_BUCKETS, labels=("band",))
         self.request_id_replaced = Tally(
             meter, REQUEST_ID_REPLACED, unit="{request}",
             description="Requests whose x-request-id was longer than 128 characters and was replaced by Envoy's "
@@ -271,9 +273,9 @@ class Instruments:
             description="Running Batch API lines stopped at a token for a request of a higher band that could "
                         "start nowhere, by the band of the line stopped (it resumes where it stopped).",
             series=[{"band": band.value} for band in Band])
-        self.settle = meter.create_histogram(
+        self.settle = histograms.histogram(
             SETTLE, unit="s",
             description="Time the GPU waited for the upstream to become idle before the next grant, by reason "
                         "(abandoned, startup, adopted) and result (idle, stopped, timeout, unanswered, unsupported, "
                         "ended, lapsed).",
-            explicit_bucket_boundaries_advisory=RUN_BUCKETS)
+            bounds=RUN_BUCKETS, labels=("reason", "result"))

@@ -23,7 +23,6 @@ Nothing here ever sees prompt or completion text: only the ticket's scheduling f
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -33,8 +32,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricReader
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -51,17 +51,15 @@ from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.telemetry.instruments import (
     DESCRIPTIONS,
     GPU_SLOTS_BUSY,
-    MAX_ADAPTERS,
-    MAX_MODEL_LABELS,
     OTHER_MODEL,
     MODELS_INFO,
-    RUNNING_ADAPTERS,
     SATURATION,
     WAITING,
-    WAITING_ADAPTERS,
     Instruments,
 )
 from llamaswap.telemetry.batches import BatchTelemetry, PresetIds
+from llamaswap.telemetry.histograms import Histograms
+from llamaswap.telemetry.models_info import ModelsInfo
 from llamaswap.telemetry.prometheus import CONTENT_TYPE, PrometheusTextReader, gauge_family
 
 _log = logging.getLogger(__name__)
@@ -83,6 +81,7 @@ STOPPED_EVENT = "llamaswap.stopped"
 STOPPED_LINE_EVENT = "llamaswap.stopped_line"
 
 INSTRUMENTATION_NAME = "llamaswap"
+SCOPE = InstrumentationScope(INSTRUMENTATION_NAME, __version__)  # the meter's, which the histograms join
 _PROPAGATOR = TraceContextTextMapPropagator()
 # A wait shorter than this counts as this long when the estimate is compared with it.
 ESTIMATE_FLOOR_S = 0.1
@@ -109,7 +108,9 @@ class Telemetry:
 
     The MeterProvider always has a pull reader for `prometheus_text()` (the admin
     `GET /metrics`); push readers (OTLP) and span processors come from the caller, usually
-    `from_environment()`.
+    `from_environment()`. The histograms are kept plain in ``histograms`` (`histograms.py`): the
+    pull reader adds them, and so do push readers whose exporter was made with them
+    (`exporters_from_environment`); any other reader sees the SDK's instruments alone.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class Telemetry:
         sampler: Sampler | None = None,
         span_processors: Sequence[SpanProcessor] = (),
         metric_readers: Sequence[MetricReader] = (),
+        histograms: Histograms | None = None,
     ) -> None:
         from llamaswap.telemetry.environment import default_resource
 
@@ -136,7 +138,8 @@ class Telemetry:
         self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler, id_generator=self.span_ids)
         for processor in span_processors:
             self.tracer_provider.add_span_processor(processor)
-        self._pull = PrometheusTextReader()
+        self.histograms = histograms or Histograms(self.resource, SCOPE)
+        self._pull = PrometheusTextReader(self.histograms.view(AggregationTemporality.CUMULATIVE))
         self.meter_provider = MeterProvider(resource=self.resource, metric_readers=[self._pull, *metric_readers])
         self._tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         meter = self.meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
@@ -154,13 +157,10 @@ class Telemetry:
         self._stop_of_line: dict[str, tuple[int, dict[str, Any]]] = {}
         self._stops_for: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._closed = False
-        # The models of the waiting requests, kept per event (O(1)) so a picker's scrape every
-        # 50 ms reads a finished label set whatever the depth.
-        self._waiting_model: dict[str, str] = {}  # token -> the model it is scheduled on
-        self._waiting_models: dict[str, int] = {}  # model -> requests waiting for it
-        self._models_info: tuple[dict[str, str], float] = (self._models_labels(_EMPTY_PICTURE), time.time())
-        self.instruments = Instruments(meter, queue_depth=self._observe_depth, oldest_wait=self._observe_oldest_wait,
-                                       gpu_busy=self._observe_busy, gpu_slots=self._observe_slots,
+        self._models_info = ModelsInfo(_EMPTY_PICTURE)
+        self.instruments = Instruments(meter, self.histograms, queue_depth=self._observe_depth,
+                                       oldest_wait=self._observe_oldest_wait, gpu_busy=self._observe_busy,
+                                       gpu_slots=self._observe_slots,
                                        gpu_slots_busy=self._observe_slots_busy, waiting=self._observe_waiting,
                                        saturation=self._observe_saturation, models_info=self._observe_models_info,
                                        upstream_slots=self._observe_upstream_slots,
@@ -168,14 +168,18 @@ class Telemetry:
                                        upstream_busy=self._observe_upstream_busy,
                                        upstream_model=self._observe_upstream_model,
                                        models_resident=self._observe_models_resident)
+        self.histograms.mirror(meter)
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
         """Providers configured by the standard OTEL_* variables (see telemetry.environment)."""
-        from llamaswap.telemetry.environment import exporters_from_environment
+        from llamaswap.telemetry.environment import default_resource, exporters_from_environment
 
-        span_processors, metric_readers = exporters_from_environment()
-        return cls(clock=clock, span_processors=span_processors, metric_readers=metric_readers)
+        resource = default_resource()
+        histograms = Histograms(resource, SCOPE)
+        span_processors, metric_readers = exporters_from_environment(histograms=histograms)
+        return cls(clock=clock, resource=resource, span_processors=span_processors, metric_readers=metric_readers,
+                   histograms=histograms)
 
     def batch_telemetry(self) -> BatchTelemetry:
         """The Batch API's spans and metrics, on these providers."""
@@ -220,13 +224,8 @@ class Telemetry:
     def enqueued(self, ticket: Ticket) -> None:
         # Spans are written when they end; only the waiting models are counted here.
         model = ticket.schedule_model
-        if model is None:
-            return
-        self._waiting_model[ticket.token] = model
-        count = self._waiting_models.get(model, 0)
-        self._waiting_models[model] = count + 1
-        if not count:
-            self._models_changed(self._picture)
+        if model is not None:
+            self._models_info.waiting(ticket.token, model)
 
     def settings_changed(self, policy: Policy) -> None:
         self._aging_divisor_ns = policy.aging_divisor_ns
@@ -244,7 +243,7 @@ class Telemetry:
             shown = NodeProjection.of([GpuProjection.configured(gpu.name, gpu.slots.default, gpu.residency.max_loaded)
                                        for gpu in gpus])
             self._picture = dataclasses.replace(self._picture, node=shown)
-            self._models_changed(self._picture)
+            self._models_info.picture_changed(self._picture)
 
     def reads_queue(self, pictures: PictureSource) -> None:
         self._pictures = pictures
@@ -256,12 +255,12 @@ class Telemetry:
         # from the first read after it, or from the loop's refresh while an exporter exists.)
         if (_resident_models(picture) != _resident_models(self._picture)
                 or _max_loaded(picture) != _max_loaded(self._picture)):
-            self._models_changed(picture)
+            self._models_info.picture_changed(picture)
         self._picture = picture
         self._published = True
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
-        self._left_queue(ticket.token)
+        self._models_info.left(ticket.token)
         decision = ticket.decision
         if self._closed or decision is None:
             return
@@ -271,7 +270,7 @@ class Telemetry:
         for cause in sorted(decision.reordered_by):
             instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
-        instruments.queue_wait.record(wait_s, {"band": band})
+        instruments.queue_wait.record(wait_s, band)
         gpu_labels = {"upstream": decision.gpu}
         instruments.upstream_dispatched.add(1, gpu_labels)
         if decision.swap:
@@ -284,7 +283,7 @@ class Telemetry:
             instruments.evictions.add(1, _eviction_labels(decision.gpu, eviction.reason))
         if ticket.estimated_wait_s is not None:
             ratio = ticket.estimated_wait_s / max(wait_s, ESTIMATE_FLOOR_S)
-            instruments.estimate_ratio.record(ratio, {"band": band})
+            instruments.estimate_ratio.record(ratio, band)
         if not self._tracing:
             return
         attributes = self._attributes(ticket)
@@ -332,7 +331,7 @@ class Telemetry:
             span.set_attribute("llamaswap.overtaken_count", count[0])
 
     def finished(self, ticket: Ticket) -> None:
-        self._left_queue(ticket.token)
+        self._models_info.left(ticket.token)
         outcome = ticket.outcome
         if self._closed or outcome is None:
             return
@@ -349,11 +348,11 @@ class Telemetry:
         decision = ticket.decision
         if decision is not None:
             run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
-            instruments.run.record(run_s, {"band": decision.band.value})
+            instruments.run.record(run_s, decision.band.value)
             label = instruments.model_labels.label(ticket.model or NO_MODEL)
             if label is None:
                 instruments.model_label_other.add(1)
-            model = {"model": label or OTHER_MODEL}
+            model = label or OTHER_MODEL
             instruments.model_run.record(run_s, model)
             # A non-streamed first byte is the generation's end, not the end of the load.
             if decision.model_load and ticket.streamed and ticket.first_byte_s is not None:
@@ -425,37 +424,9 @@ class Telemetry:
 
     def settled(self, settle: Settle) -> None:
         if not self._closed:
-            self.instruments.settle.record(settle.seconds, {"reason": settle.reason.value,
-                                                            "result": settle.result.value})
+            self.instruments.settle.record(settle.seconds, settle.reason.value, settle.result.value)
 
     # -- helpers -------------------------------------------------------------------------
-
-    def _left_queue(self, token: str) -> None:
-        model = self._waiting_model.pop(token, None)
-        if model is None:
-            return
-        count = self._waiting_models[model] - 1
-        if count:
-            self._waiting_models[model] = count
-            return
-        del self._waiting_models[model]
-        self._models_changed(self._picture)
-
-    def _models_labels(self, picture: QueuePicture) -> dict[str, str]:
-        # Bounded like the `model` label: clients name models (without modelCheck, any name). The
-        # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
-        waiting = itertools.islice(self._waiting_models, MAX_MODEL_LABELS)
-        # Each upstream's resident models, each once (two GPUs may hold the same), in the configured order.
-        loaded = dict.fromkeys(model for models in _resident_models(picture) for model in models)
-        return {RUNNING_ADAPTERS: ",".join(loaded), WAITING_ADAPTERS: ",".join(waiting),
-                MAX_ADAPTERS: str(max(1, sum(gpu.max_loaded for gpu in picture.node.gpus)))}
-
-    def _models_changed(self, picture: QueuePicture) -> None:
-        labels = self._models_labels(picture)
-        if labels != self._models_info[0]:
-            # The value is when the labels changed, as in vLLM: a picker that sees several series
-            # (a Prometheus between them, or an old scrape) takes the one with the latest value.
-            self._models_info = (labels, time.time())
 
     def _wall(self, clock_ns: int) -> int:
         return clock_ns + self._wall_offset_ns
@@ -517,7 +488,7 @@ class Telemetry:
 
     def _observe_models_info(self, options: CallbackOptions) -> Iterable[Observation]:
         self._current()  # (a picture built now may change the resident models)
-        labels, changed = self._models_info
+        labels, changed = self._models_info.current
         return [Observation(changed, labels)]
 
     def _observe_upstream_slots(self, options: CallbackOptions) -> Iterable[Observation]:

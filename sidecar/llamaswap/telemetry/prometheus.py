@@ -6,6 +6,9 @@ collectors in a process-global registry. The sidecar needs one thing — the sam
 instruments as the OTLP push, rendered as text format 0.0.4 with names exactly as they
 are — which fits in this file and is exact by construction.
 
+The histograms are not SDK instruments (`histograms.py`): `render` adds them, cumulative, to
+what the SDK collected.
+
 Naming: the instruments are created with their final Prometheus names (counters already end
 in `_total`, seconds in `_seconds`), so the text here shows them verbatim; see
 `llamaswap.telemetry.instruments` for why the OTLP names are the same.
@@ -28,6 +31,8 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
+from llamaswap.telemetry.histograms import SDK_HISTOGRAMS_DROPPED, HistogramView
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _INVALID_NAME = re.compile(r"[^a-zA-Z0-9_:]")
@@ -37,10 +42,13 @@ _INVALID_LABEL = re.compile(r"[^a-zA-Z0-9_]")
 class PrometheusTextReader(MetricReader):
     """Collects on demand (GET /metrics) and renders the result; cumulative temporality."""
 
-    def __init__(self) -> None:
-        super().__init__()  # the default temporality: CUMULATIVE for every instrument
+    def __init__(self, histograms: HistogramView | None = None) -> None:
+        # The default temporality: CUMULATIVE for every instrument. SDK histograms exist only for an
+        # exponential exporter; this page shows the plain ones.
+        super().__init__(preferred_aggregation=SDK_HISTOGRAMS_DROPPED)
         self._lock = threading.Lock()
         self._latest: MetricsData | None = None
+        self._histograms = histograms
 
     def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         self._latest = metrics_data
@@ -51,6 +59,8 @@ class PrometheusTextReader(MetricReader):
             self._latest = None
             self.collect()
             data, self._latest = self._latest, None
+            if self._histograms is not None:
+                data = self._histograms.merge(data)
         return render_text(data).encode("utf-8")
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
