@@ -7,9 +7,11 @@ for GET /activity, and the most recent evictions for GET /activity?event=evictio
 Lines go to the logger `llamaswap.activity` and, with `activity.path` (or `--activity-log`),
 to a file of pure JSON lines, which is what `llamaswap simulate` replays. A line carries its own
 time, so where the logger's handlers are the CLI's `LineHandler`s (the message alone, a line
-each) and the file, the log writes each line to them itself, one write and one flush per line
-(`tail -f` sees it at once, a crash loses none), without a LogRecord per line; where nothing
-takes a line (a log level above INFO and no file) it is not even encoded. Every timestamp of a
+each) and the file, the log writes each line to them itself, at once (a write and a flush to a
+handler's stream, one unbuffered write to the file: `tail -f` sees it at once, a crash loses
+none), without a LogRecord per line; where nothing takes a line (a log level above INFO and no
+file) it is not even encoded. A line is encoded once (`json_line`), and the page's timeline
+entry for the request is made from the same bytes. Every timestamp of a
 record comes from the runtime's one monotonic clock, turned into Unix time by one offset taken
 when the log starts, so arrivals and grants stay consistent with each other even if the wall
 clock steps.
