@@ -71,7 +71,7 @@ class History:
         self._window_ms = window_s * 1000
         self._entries: collections.deque[Entry] = collections.deque()
         self._seq = 0
-        # What each running grant overtook, by its ticket's token, until it finishes.
+        # What each running grant overtook, by its ticket's token, until it finishes (none: not kept).
         self._overtook: dict[str, list[dict[str, Any]]] = {}
         self._dispatched: collections.Counter[str] = collections.Counter({band.value: 0 for band in Band})
         self._reorders: collections.Counter[str] = collections.Counter()
@@ -175,8 +175,9 @@ class History:
         pass
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
-        self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority, "band": o.band.value}
-                                        for o in overtaken]
+        if overtaken:  # (most grants overtake nobody: nothing kept, `finished` reads none)
+            self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority,
+                                             "band": o.band.value} for o in overtaken]
         # Counted at the grant, so the running grants are in the counters too.
         decision = ticket.decision
         if decision is not None:
