@@ -5,6 +5,8 @@ differently; the activity log's lines read back as the records it kept."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import pathlib
 from typing import Any
@@ -14,6 +16,12 @@ from flow import Flow, clock, virtual_time
 from llamaswap.runtime import activity as activity_module
 from llamaswap.runtime import json_line
 from llamaswap.runtime.activity import ActivityLog
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
 
 # Every type a record's values have: str, int, float (a small one, a large one, a whole one,
 # a negative one), bool, null, a list of str, a list of objects, an object of ints and lists.
@@ -58,9 +66,27 @@ def test_what_orjson_refuses_is_encoded_by_the_standard_library(document: dict[A
     assert json_line.line(document) == json.dumps(document, separators=(",", ":")).encode()
 
 
-def test_what_neither_can_encode_still_fails_as_it_did() -> None:
+@pytest.mark.parametrize("value", [object(), datetime.datetime(2026, 12, 6), Point(1, 2), {1, 2}])
+def test_what_the_standard_library_refuses_still_fails_as_it_did(value: object) -> None:
     with pytest.raises(TypeError):
-        json_line.line({"a": object()})
+        json.dumps(value)
+    with pytest.raises(TypeError):
+        json_line.line({"a": value})
+
+
+def test_orjson_where_it_is_installed_the_standard_library_where_it_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        import orjson  # noqa: F401 - a dependency: present wherever the package was installed
+    except ImportError:
+        assert json_line.ENCODER == "json"
+    else:
+        assert json_line.ENCODER == "orjson"
+    # The one difference: a float's spelling, not its value.
+    spelt = b'{"aging":5e-6}' if json_line.ENCODER == "orjson" else b'{"aging":5e-06}'
+    assert json_line.line({"aging": 5e-06}) == spelt and json.loads(spelt) == {"aging": 5e-06}
+    monkeypatch.setattr(json_line, "_dumps", None)  # as without orjson
+    assert json_line.line(EVERY_TYPE) == json_line.stdlib_line(EVERY_TYPE)
+    assert json_line.line({"aging": 5e-06}) == b'{"aging":5e-06}'
 
 
 @virtual_time

@@ -10,7 +10,8 @@ library escapes): so a line is always ASCII, every string in it is the bytes it 
 and what encoded before still does. What remains different is the spelling of a number, never
 its value: orjson writes 5e-6 where the standard library writes 5e-06. NaN and infinities,
 which orjson would write as null, never reach a record: its numbers come from the clock,
-validated configuration (finite) and estimates recorded only where finite.
+validated configuration (finite) and estimates recorded only where finite. (orjson also writes
+a UUID and a plain Enum, which the standard library refuses; no record holds either.)
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ def stdlib_line(document: Any) -> bytes:
     return _stdlib_encode(document).encode()
 
 
-def _orjson_dumps() -> Callable[[Any], bytes] | None:
+def _orjson() -> tuple[Callable[..., bytes], int] | None:
+    """orjson's dumps and its options, or None where it cannot be imported. The options leave a
+    datetime and a dataclass to the standard library's encoder (which refuses them, as before)."""
     try:
         import orjson
     except ImportError:
         return None
-    dumps: Callable[[Any], bytes] = orjson.dumps
-    return dumps
+    return orjson.dumps, orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
-_dumps: Final = _orjson_dumps()
+_found = _orjson()
+_dumps: Final = _found[0] if _found is not None else None
+_OPTIONS: Final = _found[1] if _found is not None else 0
 ENCODER: Final = "orjson" if _dumps is not None else "json"  # which one `line` uses first
 
 
@@ -46,8 +50,8 @@ def line(document: Any) -> bytes:
     if _dumps is None:
         return stdlib_line(document)
     try:
-        encoded = _dumps(document)
-    except TypeError:  # orjson.JSONEncodeError: a huge int, a key not a str, a lone surrogate
+        encoded = _dumps(document, option=_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError: a huge int, a key not a str, a lone surrogate, a datetime
         return stdlib_line(document)
     if encoded.isascii() and b"\x7f" not in encoded:
         return encoded
