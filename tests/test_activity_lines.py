@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from flow import Flow, clock, virtual_time
 from llamaswap.runtime import activity as activity_module
+from llamaswap.runtime import json_line
 from llamaswap.runtime.activity import LOGGER_NAME, ActivityLog, LineHandler
 
 CONFIG = {"envoy": {"leaseSeconds": 1000}}
@@ -61,7 +62,7 @@ async def test_the_cli_handler_gets_the_bytes_the_logger_would_write(tmp_path: p
     # What logging's "%(message)s" StreamHandler wrote for each record: its compact JSON, then "\n".
     formatter = logging.Formatter("%(message)s")
     assert [line for line in written.split("\n") if '"event":"request"' in line] == [
-        formatter.format(logging.makeLogRecord({"msg": activity_module._ENCODE(record)})) for record in records]
+        formatter.format(logging.makeLogRecord({"msg": json_line.line(record).decode()})) for record in records]
     assert written.endswith("}\n") and written.count("\n") == 3
 
 
@@ -82,7 +83,7 @@ async def test_a_log_level_above_info_leaves_the_process_log_and_keeps_the_file(
         # With no file either, a line has no destination: the record is kept for GET /activity,
         # never encoded.
         encoded: list[object] = []
-        monkeypatch.setattr(activity_module, "_ENCODE", lambda record: encoded.append(record) or "{}")
+        monkeypatch.setattr(activity_module, "_encode", lambda record: encoded.append(record) or b"{}")
         quiet = ActivityLog(clock())
         await two_requests(quiet)
         assert [r["request_id"] for r in quiet.recent()] == ["a", "b"]

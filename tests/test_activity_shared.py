@@ -4,11 +4,11 @@ and encoding its own."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pytest
 from flow import Flow, clock, virtual_time
+from llamaswap.runtime import json_line
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.history import History
 
@@ -46,7 +46,7 @@ async def test_the_page_history_shares_the_record_the_activity_log_built(monkeyp
         own = {"seq", "kind", "start_ms", "end_ms", "overtook"}
         assert {k: v for k, v in document.items() if k not in own} == records[entry.request_id]
         assert list(document)[:2 + len(records[entry.request_id])] == ["seq", "kind", *records[entry.request_id]]
-        assert entry.body == json.dumps(document, separators=(",", ":")).encode()
+        assert entry.body == json_line.line(document)
         assert "start_ms" not in records[entry.request_id]  # the log's record is not changed
 
     alone = History(clock(), ActivityLog(clock()))

@@ -7,9 +7,11 @@ for GET /activity, and the most recent evictions for GET /activity?event=evictio
 Lines go to the logger `llamaswap.activity` and, with `activity.path` (or `--activity-log`),
 to a file of pure JSON lines, which is what `llamaswap simulate` replays. A line carries its own
 time, so where the logger's handlers are the CLI's `LineHandler`s (the message alone, a line
-each) and the file, the log writes each line to them itself, one write and one flush per line
-(`tail -f` sees it at once, a crash loses none), without a LogRecord per line; where nothing
-takes a line (a log level above INFO and no file) it is not even encoded. Every timestamp of a
+each) and the file, the log writes each line to them itself, at once (a write and a flush to a
+handler's stream, one unbuffered write to the file: `tail -f` sees it at once, a crash loses
+none), without a LogRecord per line; where nothing takes a line (a log level above INFO and no
+file) it is not even encoded. A line is encoded once (`json_line`), and the page's timeline
+entry for the request is made from the same bytes. Every timestamp of a
 record comes from the runtime's one monotonic clock, turned into Unix time by one offset taken
 when the log starts, so arrivals and grants stay consistent with each other even if the wall
 clock steps.
@@ -18,7 +20,7 @@ clock steps.
 from __future__ import annotations
 
 import collections
-import json
+import io
 import logging
 import os
 import time
@@ -26,6 +28,7 @@ from typing import Any, TextIO
 
 from llamaswap.core import NS_PER_S, Clock, EvictReason, Eviction, Policy
 from llamaswap.core.residency import Residency
+from llamaswap.runtime import json_line
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket
@@ -33,8 +36,9 @@ from llamaswap.runtime.ticket import Ticket
 LOGGER_NAME = "llamaswap.activity"
 _log = logging.getLogger(LOGGER_NAME)
 _errors = logging.getLogger(__name__)
-# One encoder for every line: json.dumps with separators makes a new one per call.
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+# Every line's encoder (a module global, read at each use).
+_encode = json_line.line
+_NS_PER_MS = NS_PER_S / 1000
 # The record kinds kept for GET /activity (its `event` query): each its own recent list.
 REQUEST = "request"
 EVICTION = "eviction"
@@ -73,22 +77,23 @@ def _line_handlers(logger: logging.Logger) -> tuple[LineHandler, ...] | None:
 
 
 class _LinesFile:
-    """`activity.path`: JSON lines appended to a file, each written and flushed at once. Before
-    each line the path is checked, as logging's WatchedFileHandler does, and the file reopened
-    when logrotate has moved or removed it."""
+    """`activity.path`: JSON lines appended to a file, each with one write at once (unbuffered:
+    nothing waits in the process for a flush). Before each line the path is checked, as
+    logging's WatchedFileHandler does, and the file reopened when logrotate has moved or
+    removed it."""
 
     def __init__(self, path: str) -> None:
         self._path = path
-        self._file: TextIO | None = None
+        self._file: io.FileIO | None = None
         self._identity: tuple[int, int] | None = None
         self._open()  # a path that cannot be opened fails the start, as before
 
     def _open(self) -> None:
-        self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
+        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115 - open until close()
         status = os.fstat(self._file.fileno())
         self._identity = (status.st_dev, status.st_ino)
 
-    def write(self, line: str) -> None:
+    def write(self, data: bytes) -> None:
         try:
             try:
                 status = os.stat(self._path)
@@ -99,8 +104,9 @@ class _LinesFile:
                 self.close()
                 self._open()
             assert self._file is not None
-            self._file.write(line)
-            self._file.flush()
+            written = self._file.write(data)
+            while written < len(data):  # a short write (rare on a file): the rest, not lost
+                written += self._file.write(data[written:])
         except (OSError, ValueError) as exc:  # a full disk, a removed directory: the sidecar goes on
             _errors.warning("writing the activity log %s failed: %s", self._path, exc)
 
@@ -122,7 +128,7 @@ class ActivityLog:
         self._awaiting_settle: dict[str, dict[str, Any]] = {}
         # The last finished ticket's record and its line (None: not written yet): the page's
         # history (the next observer) reads them instead of building and encoding its own.
-        self._finished: tuple[Ticket, dict[str, Any], str | None] | None = None
+        self._finished: tuple[Ticket, dict[str, Any], bytes | None] | None = None
         # The file holds nothing but records (no prefix, no other lines).
         self._file = _LinesFile(path) if path else None
         self._line_handlers = _line_handlers(_log)
@@ -242,14 +248,45 @@ class ActivityLog:
     # -- records -------------------------------------------------------------------------
 
     def record(self, ticket: Ticket) -> dict[str, Any]:
+        # Built once per request: one branch on whether it was granted, the time base read once.
         decision = ticket.decision
         outcome = ticket.outcome
         finished_ns = ticket.ended_ns
-        granted_ns = decision.granted_ns if decision is not None else None
+        arrival_ns = ticket.arrival_ns
+        offset_ns = self._wall_offset_ns
+        priority = ticket.priority
         takeover = ticket.takeover
+        first_byte_s = ticket.first_byte_s
+        estimated_wait_s = ticket.estimated_wait_s
+        arrival_unix_ms = round((arrival_ns + offset_ns) / _NS_PER_MS, 3)
+        if decision is None:
+            score: float | None = None
+            slots_busy: int | None = None
+            gpu: str | None = None
+            granted_unix_ms: float | None = None
+            run_ms: float | None = None
+            settle_ms: float | None = None
+            swap = load = swap_affinity = False
+            aging: float | None = None
+            reordered_by: list[str] = []
+            evicted: list[dict[str, str]] = []
+        else:
+            granted_ns = decision.granted_ns
+            score = round(decision.score, 3)
+            slots_busy = decision.slots_busy
+            gpu = decision.gpu
+            # Granted as it arrived (an idle GPU): the same number, not rounded again.
+            granted_unix_ms = arrival_unix_ms if granted_ns == arrival_ns else round(
+                (granted_ns + offset_ns) / _NS_PER_MS, 3)
+            run_ms = round((finished_ns - granted_ns) / 1e6, 3)
+            settle_ms = 0.0
+            swap, load, swap_affinity = decision.swap, decision.load, decision.swap_affinity
+            aging = round(decision.aging, 6)
+            reordered_by = sorted(str(cause) for cause in decision.reordered_by) if decision.reordered_by else []
+            evicted = [{"model": eviction.model, "reason": eviction.reason.value} for eviction in decision.evicts]
         return {
             "event": REQUEST,
-            "time": round(self._unix_ms(finished_ns) / 1000, 3),
+            "time": round((finished_ns + offset_ns) / _NS_PER_MS / 1000, 3),
             "request_id": ticket.request_id,
             "trace_id": ticket.trace_id,
             "model": ticket.model,
@@ -263,29 +300,27 @@ class ActivityLog:
             "batch_line": ticket.line_key is not None,
             "outcome": outcome.value if outcome is not None else None,
             "dispatched": decision is not None,
-            "serial_priority": ticket.priority.value,
-            "serial_band": ticket.priority.band.value,
-            "serial_score": round(decision.score, 3) if decision is not None else None,
+            "serial_priority": priority.value,
+            "serial_band": priority.band.value,
+            "serial_score": score,
             "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
-            "serial_slots_busy": decision.slots_busy if decision is not None else None,
+            "serial_slots_busy": slots_busy,
             # The upstream (GPU) its grant ran on (None: never dispatched): a replay runs with the log's upstreams.
-            "upstream": decision.gpu if decision is not None else None,
-            "arrival_unix_ms": round(self._unix_ms(ticket.arrival_ns), 3),
-            "granted_unix_ms": round(self._unix_ms(granted_ns), 3) if granted_ns is not None else None,
-            "first_byte_ms": round(ticket.first_byte_s * 1000, 3) if ticket.first_byte_s is not None else None,
-            "run_ms": round((finished_ns - granted_ns) / 1e6, 3) if granted_ns is not None else None,
-            "settle_ms": 0.0 if decision is not None else None,
-            "swap": decision.swap if decision is not None else False,
-            "load": decision.load if decision is not None else False,
-            "swap_affinity": decision.swap_affinity if decision is not None else False,
-            "aging": round(decision.aging, 6) if decision is not None else None,
-            "reordered_by": sorted(str(cause) for cause in decision.reordered_by) if decision is not None else [],
+            "upstream": gpu,
+            "arrival_unix_ms": arrival_unix_ms,
+            "granted_unix_ms": granted_unix_ms,
+            "first_byte_ms": round(first_byte_s * 1000, 3) if first_byte_s is not None else None,
+            "run_ms": run_ms,
+            "settle_ms": settle_ms,
+            "swap": swap,
+            "load": load,
+            "swap_affinity": swap_affinity,
+            "aging": aging,
+            "reordered_by": reordered_by,
             # The resident models its grant unloaded to make room for its own, each with why (each
             # also an `eviction` record, written at the grant).
-            "evicted": [{"model": eviction.model, "reason": eviction.reason.value} for eviction in decision.evicts]
-            if decision is not None else [],
-            "estimated_wait_ms": round(ticket.estimated_wait_s * 1000, 3) if ticket.estimated_wait_s is not None
-            else None,
+            "evicted": evicted,
+            "estimated_wait_ms": round(estimated_wait_s * 1000, 3) if estimated_wait_s is not None else None,
             "status": ticket.response_status,
             # routing.retryGraceSeconds: it took over the place of an earlier try of the same
             # request (its arrival and wait are that try's): which try, and how long the client was away.
@@ -293,16 +328,16 @@ class ActivityLog:
             "kept_away_ms": round(takeover.away_ns / 1e6, 3) if takeover is not None else None,
         }
 
-    def finished_record(self, ticket: Ticket) -> tuple[dict[str, Any], str]:
-        """The record `finished` built for this ticket and its JSON as it ended (one of each per
-        request, whoever reads them), or new ones where this log did not see it finish. Shared:
-        a reader copies what it changes."""
+    def finished_record(self, ticket: Ticket) -> tuple[dict[str, Any], bytes]:
+        """The record `finished` built for this ticket and its JSON line as it ended (one of each
+        per request, whoever reads them), or new ones where this log did not see it finish.
+        Shared: a reader copies what it changes."""
         last = self._finished
         if last is not None and last[0] is ticket:
             record, line = last[1], last[2]
-            return record, line if line is not None else _ENCODE(record)
+            return record, line if line is not None else _encode(record)
         record = self.record(ticket)
-        return record, _ENCODE(record)
+        return record, _encode(record)
 
     def eviction_record(self, ticket: Ticket, eviction: Eviction) -> dict[str, Any]:
         """A resident model that a grant unloads before its load (several resident, `maxLoaded`):
@@ -328,9 +363,9 @@ class ActivityLog:
         return self._unix_ms(clock_ns)
 
     def _unix_ms(self, clock_ns: int) -> float:
-        return (clock_ns + self._wall_offset_ns) / (NS_PER_S / 1000)
+        return (clock_ns + self._wall_offset_ns) / _NS_PER_MS
 
-    def _write(self, record: dict[str, Any]) -> str | None:
+    def _write(self, record: dict[str, Any]) -> bytes | None:
         """Keep the record and write its line where one is taken: the line, or None if none is."""
         kept = self._recent.get(record["event"])
         if kept is not None:
@@ -339,12 +374,12 @@ class ActivityLog:
         handlers = self._line_handlers
         if self._file is None and (not logged or handlers == ()):
             return None  # no destination takes the line
-        line = _ENCODE(record)
+        line = _encode(record)
         if logged:
             if handlers is None:
-                _log.info(line)
+                _log.info(line.decode())
             else:
-                text = line + "\n"
+                text = line.decode() + "\n"  # ASCII (`json_line`)
                 for handler in handlers:
                     try:
                         handler.stream.write(text)
@@ -352,5 +387,5 @@ class ActivityLog:
                     except (OSError, ValueError) as exc:  # a closed stderr: the file still gets it
                         _errors.warning("writing an activity line to the process log failed: %s", exc)
         if self._file is not None:
-            self._file.write(line + "\n")
+            self._file.write(line + b"\n")
         return line

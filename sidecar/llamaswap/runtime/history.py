@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from llamaswap.core import Band, Clock, Outcome, Policy
+from llamaswap.runtime import json_line
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.kept import KeptEvent
 from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle, SettleReason
@@ -37,15 +38,16 @@ TIMELINE_CAPACITY = 20_000
 # RATIO_MIN_ESTIMATE_S (a grant expected at once) say nothing about the estimator.
 RATIO_SAMPLES = 1000
 RATIO_MIN_ESTIMATE_S = 0.1
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+_encode = json_line.line
 # An activity log file is read backwards in blocks of this size, for its last entries only.
 _TAIL_BLOCK = 1 << 16
 _log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Entry:
-    """One timeline entry, encoded."""
+    """One timeline entry, encoded; never changed once made (not frozen: a frozen dataclass
+    takes four times as long to make, and one is made per request)."""
 
     seq: int
     kind: str  # grant | mark | settle
@@ -69,7 +71,7 @@ class History:
         self._window_ms = window_s * 1000
         self._entries: collections.deque[Entry] = collections.deque()
         self._seq = 0
-        # What each running grant overtook, by its ticket's token, until it finishes.
+        # What each running grant overtook, by its ticket's token, until it finishes (none: not kept).
         self._overtook: dict[str, list[dict[str, Any]]] = {}
         self._dispatched: collections.Counter[str] = collections.Counter({band.value: 0 for band in Band})
         self._reorders: collections.Counter[str] = collections.Counter()
@@ -173,8 +175,9 @@ class History:
         pass
 
     def dispatched(self, ticket: Ticket, overtaken: tuple[Overtaken, ...]) -> None:
-        self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority, "band": o.band.value}
-                                        for o in overtaken]
+        if overtaken:  # (most grants overtake nobody: nothing kept, `finished` reads none)
+            self._overtook[ticket.token] = [{"request_id": o.request_id, "priority": o.priority,
+                                             "band": o.band.value} for o in overtaken]
         # Counted at the grant, so the running grants are in the counters too.
         decision = ticket.decision
         if decision is not None:
@@ -183,7 +186,9 @@ class History:
                 self._reorders[str(cause)] += 1
             self._swaps += decision.swap
             self._loads += decision.load
-            counts = self._counts_by_gpu.setdefault(decision.gpu, collections.Counter())
+            counts = self._counts_by_gpu.get(decision.gpu)
+            if counts is None:
+                counts = self._counts_by_gpu[decision.gpu] = collections.Counter()
             counts["dispatched"] += 1
             counts["swaps"] += decision.swap
             counts["loads"] += decision.load
@@ -241,7 +246,7 @@ class History:
     # -- internals -----------------------------------------------------------------------
 
     def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any],
-             extra: dict[str, Any] | None = None, *, encoded: str | None = None) -> None:
+             extra: dict[str, Any] | None = None, *, encoded: bytes | None = None) -> None:
         """An entry: `document` (not changed: it may be the activity log's record) with `extra`
         after it, which wins where both name a key. `encoded`: the document's JSON already made
         (the activity log's line), which the entry's takes whole instead of encoding it again."""
@@ -249,13 +254,14 @@ class History:
         if encoded is not None and (not extra or extra.keys().isdisjoint(document)):
             # The bytes the encoder writes for the merged dict: its members are the document's
             # and then extra's, in order, comma-separated (`kind` is one of this class's names).
-            members = [f'{{"seq":{self._seq},"kind":"{kind}"', encoded[1:-1]]
+            members = [b'{"seq":%d,"kind":"%b"' % (self._seq, kind.encode())]
+            if len(encoded) > 2:
+                members.append(encoded[1:-1])
             if extra:
-                members.append(_ENCODE(extra)[1:-1])
-            text = ",".join(member for member in members if member) + "}"
+                members.append(_encode(extra)[1:-1])
+            body = b",".join(members) + b"}"
         else:
-            text = _ENCODE({"seq": self._seq, "kind": kind, **document, **(extra or {})})
-        body = text.encode()
+            body = _encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})
         self._entries.append(Entry(self._seq, kind, request_id, end_ms, body))
         oldest_ms = end_ms - self._window_ms
         while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
