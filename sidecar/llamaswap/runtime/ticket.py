@@ -45,7 +45,10 @@ class ExchangeReport:
     gpu: str | None = None  # the GPU of the cluster Envoy routed it to (None: not one of ours)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Not frozen, though nothing writes to an arrival once made (the Ticket copies what it keeps): a
+# frozen dataclass sets each of these 19 fields through object.__setattr__, 2.6 us a Check
+# against 0.7. It hashes as a frozen one does.
+@dataclasses.dataclass(slots=True, unsafe_hash=True)
 class Arrival:
     """What the adapter read from a held Check: no body, only what scheduling needs."""
 
