@@ -124,12 +124,15 @@ class Tokens:
         self.epoch = os.urandom(4).hex()
         self._prefix = self.epoch + "."
         self._pool = b""
+        self._at = 0  # the next token's first byte in the pool (not sliced off: that copied the rest)
 
     def next(self) -> str:
-        if not self._pool:
+        at = self._at
+        if at >= len(self._pool):
             self._pool = os.urandom(16 * self._BATCH)
-        token, self._pool = self._pool[:16], self._pool[16:]
-        return self._prefix + token.hex()
+            at = 0
+        self._at = at + 16
+        return self._prefix + self._pool[at:at + 16].hex()
 
     def issued(self, token: str) -> bool:
         """Whether this process issued `token` (its epoch; a forged or an earlier process's one is not)."""
