@@ -177,7 +177,8 @@ def _model_in(fields: Fields | None) -> str | None:
     return model if model and len(model) <= MAX_MODEL_NAME else None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# (Not frozen, nothing writes to one: made on every Check, a frozen one costs twice as much.)
+@dataclasses.dataclass(slots=True, unsafe_hash=True)
 class Scheduled:
     """What a request is scheduled as: the model it makes the upstream use or load (None: none),
     and whether it runs alone (it unloads that model under any generation of it)."""
