@@ -153,6 +153,7 @@ def test_complete_exchanges_and_their_edges() -> None:
     assert exchange_end(log_entry(), 503) is ExchangeEnd.COMPLETE  # the status decides the outcome later
     assert exchange_end(log_entry(), 0) is ExchangeEnd.UPSTREAM_FAILED  # no response at all
     assert exchange_end(log_entry(tx_s=None), 200) is ExchangeEnd.NOT_SENT  # no upstream tx byte
+    assert exchange_end(log_entry(tx_s=None), 0) is ExchangeEnd.NOT_SENT  # never sent comes before no response
     assert exchange_end(log_entry(tx_s=None, flags=("downstream_remote_reset",)), 0) is ExchangeEnd.CLIENT_LEFT
     assert report_of(log_entry(status=None)) == ExchangeReport(final=True, end=ExchangeEnd.UPSTREAM_FAILED, status=0,
                                                                first_byte_s=None)

@@ -74,14 +74,19 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE)
 
 
+# The x-llamaswap-* headers that tell the client what the scheduler decided, in this order.
+DECISION_HEADER_KEYS = (PRIORITY_HEADER, "x-llamaswap-band", "x-llamaswap-score", "x-llamaswap-queue-wait-ms")
+
+
+def _decision_values(decision: Decision) -> tuple[str, str, str, str]:
+    """The values of DECISION_HEADER_KEYS, in its order."""
+    return (str(decision.priority), decision.band.value, f"{decision.score:.3f}",
+            f"{decision.queue_wait_ns / 1e6:.1f}")
+
+
 def decision_headers(decision: Decision) -> list[tuple[str, str]]:
     """The x-llamaswap-* headers that tell the client what the scheduler decided."""
-    return [
-        (PRIORITY_HEADER, str(decision.priority)),
-        ("x-llamaswap-band", decision.band.value),
-        ("x-llamaswap-score", f"{decision.score:.3f}"),
-        ("x-llamaswap-queue-wait-ms", f"{decision.queue_wait_ns / 1e6:.1f}"),
-    ]
+    return list(zip(DECISION_HEADER_KEYS, _decision_values(decision)))
 
 
 def gpu_of(decision: Decision) -> str:
@@ -89,27 +94,44 @@ def gpu_of(decision: Decision) -> str:
     return decision.gpu
 
 
-def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
-    """The OK: the decision's headers for the client, the granted upstream for Envoy's route and
-    the ticket for Envoy's metadata. Built field by field, which protobuf does about three times
-    faster than from keyword arguments (this is on every grant's path)."""
-    decision = ticket.decision
-    assert decision is not None
+def _ok_template() -> authz_pb2.CheckResponse:
+    """Every OK's fixed part: its status, the headers' names and how they are added, the
+    granted upstream's header (ext_authz reads `value`, not `raw_value`: facts/envoy.md)."""
     response = authz_pb2.CheckResponse()
     response.status.code = code_pb2.OK
     ok = response.ok_response
-    headers = ok.response_headers_to_add
-    for key, value in decision_headers(decision):
-        option = headers.add()
+    for key in DECISION_HEADER_KEYS:
+        option = ok.response_headers_to_add.add()
         option.header.key = key
-        option.header.value = value  # ext_authz reads `value`, not `raw_value`
         option.append_action = _OVERWRITE
     # A request header: the route reads it (it overwrites any copy, though the bootstrap removed
     # the client's before Envoy matched a route).
     option = ok.headers.add()
     option.header.key = UPSTREAM_HEADER
-    option.header.value = gpu_of(decision)
     option.append_action = _OVERWRITE
+    return response
+
+
+_OK = _ok_template()
+
+
+def granted(ticket: Ticket) -> authz_pb2.CheckResponse:
+    """The OK: the decision's headers for the client, the granted upstream for Envoy's route and
+    the ticket for Envoy's metadata. A copy of the fixed part with the values set in it, which
+    protobuf does in about two thirds of the time of building it field by field, and that in a
+    third of the time of keyword arguments (this is on every grant's path)."""
+    decision = ticket.decision
+    assert decision is not None
+    response = authz_pb2.CheckResponse()
+    response.CopyFrom(_OK)
+    ok = response.ok_response
+    headers = ok.response_headers_to_add
+    priority, band, score, queue_wait = _decision_values(decision)
+    headers[0].header.value = priority
+    headers[1].header.value = band
+    headers[2].header.value = score
+    headers[3].header.value = queue_wait
+    ok.headers[0].header.value = gpu_of(decision)
     response.dynamic_metadata.fields[TICKET_KEY].string_value = ticket.token
     return response
 
@@ -155,7 +177,8 @@ def _model_in(fields: Fields | None) -> str | None:
     return model if model and len(model) <= MAX_MODEL_NAME else None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# (Not frozen, nothing writes to one: made on every Check, a frozen one costs twice as much.)
+@dataclasses.dataclass(slots=True, unsafe_hash=True)
 class Scheduled:
     """What a request is scheduled as: the model it makes the upstream use or load (None: none),
     and whether it runs alone (it unloads that model under any generation of it)."""

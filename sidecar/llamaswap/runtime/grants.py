@@ -167,7 +167,9 @@ class Grants:
             self._scheduler.keep_alive(decision.gpu, decision.model, ticket.keep_alive_s)
         if decision.gpu in self._config.auto_slots:
             self._gpus.named(decision.gpu).slots.after_grant(decision.model)
-        overtaken = tuple(overtaken_by(self._tickets.get(token)) for token in decision.overtook)
+        # (Most grants overtook nobody: no generator made for them.)
+        overtook = decision.overtook
+        overtaken = tuple(overtaken_by(self._tickets.get(token)) for token in overtook) if overtook else ()
         # The waiter's wake-up is already scheduled ahead of this: the next request's handoff
         # never waits for spans, metrics or log lines.
         self._publisher.observe(self._observer.dispatched, ticket, overtaken)
