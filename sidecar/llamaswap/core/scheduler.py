@@ -40,16 +40,8 @@ from llamaswap.core import idle, node, order
 from llamaswap.core.arrivals import Arrivals
 from llamaswap.core.clock import NS_PER_S, Clock
 from llamaswap.core.decisions import (
-    OVERTAKEN_LIMIT,
-    BandStats,
-    Decision,
-    Queued,
-    QueueSnapshot,
-    Released,
-    Removed,
-    ReorderCause,
-    RunningView,
-    WaitingView,
+    OVERTAKEN_LIMIT, BandStats, Decision, Queued, QueueSnapshot, Released, Removed, ReorderCause, RunningView,
+    WaitingView, new_decision, new_queued, new_released,
 )
 from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
 from llamaswap.core.eviction import NOT_WAITED_FOR, Eviction, victims
@@ -284,7 +276,7 @@ class Scheduler(idle.IdleUnloading):
             self._arrivals.add(entry)
         else:
             self._arrivals.add_in_order(entry)
-        return Queued(depth, entry.arrival_ns, place)
+        return new_queued(depth, entry.arrival_ns, place)
 
     def _push(self, entry: Entry) -> None:
         self._aged.push(entry)
@@ -452,8 +444,8 @@ class Scheduler(idle.IdleUnloading):
         else:
             loader = gpu.loaders.get(model)
             loading = (model, now) if loads else None if loader is None else (model, loader.granted_ns)
-        # Positional, in the order of Decision's fields (keywords cost 0.8 us a grant).
-        decision = Decision(
+        # Every field, in the order of Decision's (`decisions.built_by_assignment`: 2 us less a grant).
+        decision = new_decision(
             winner.request_id,  # request_id
             winner.priority.value,  # priority
             winner.priority.band,  # band
@@ -515,7 +507,7 @@ class Scheduler(idle.IdleUnloading):
         residents = gpu.residents
         gpu.released(grant, now, model_loaded=model_loaded, reached_upstream=reached_upstream)
         self._holding.released(not self._gpu_of, gpu.residents is not residents)
-        return Released(request_id, grant.entry.model, grant.decision.granted_ns, now)
+        return new_released(request_id, grant.entry.model, grant.decision.granted_ns, now)
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
