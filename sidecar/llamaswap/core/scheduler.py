@@ -32,8 +32,7 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Final
 
 from llamaswap.core import idle, node, order
@@ -346,12 +345,10 @@ class Scheduler(idle.IdleUnloading):
             # Nothing starts and the best claims nothing (`node.find`; `held_back` shows what it would).
             self._shut_times = times
             return self._nothing_starts(warm) if self._stops.running else None
-        pick = functools.partial(order.pick, warm=warm, bonus=self._bonus)  # (no frame of its own)
-
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
         found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
-                          self._bonus, pick, self._wanted, times, self._resume, self._need, self._held_back)
+                          warm, self._bonus, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
             return self._nothing_starts(warm)
         index, winner, first = found
@@ -367,7 +364,7 @@ class Scheduler(idle.IdleUnloading):
             aged, plain = self._aged, self._plain
         # Models the best holds back for its own load go for its load only.
         keep = () if winner is first else self._held_back.models.get(gpu.name, ())
-        return self._grant(gpu, holding, winner, aged, plain, reserved_slot, pick, keep)
+        return self._grant(gpu, holding, winner, aged, plain, reserved_slot, warm, keep)
 
     def _nothing_starts(self, warm: frozenset[str]) -> Decision | None:
         """The best waits and starts nowhere: where stoppable grants run, it may order stops."""
@@ -416,10 +413,10 @@ class Scheduler(idle.IdleUnloading):
             self._compact()
 
     def _grant(self, gpu: GpuRecord, holding: GpuHolding, winner: Entry, aged: Index, plain: Index | None,
-               reserved_slot: bool, pick: Callable[[Index], Entry], keep: Sequence[str | None]) -> Decision:
+               reserved_slot: bool, warm: frozenset[str], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
-        reasons = _REASONS[plain is not None and pick(plain) is not winner,
+        reasons = _REASONS[plain is not None and order.pick(plain, warm, self._bonus) is not winner,
                            bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
         overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
