@@ -31,6 +31,7 @@ from typing import Protocol
 
 from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room, placed_models, places_taken
 from llamaswap.core.holding import Candidate, GpuHolding
+from llamaswap.core.residency import may_serve
 
 
 class Turn(enum.Enum):
@@ -224,7 +225,8 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
     waits: dict[int, Turn] = {}
     holding: list[int] = []
     for index, gpu in enumerate(gpus):
-        if gpu.blocked or index in closed or not gpu.may_serve(candidate):
+        # (`GpuHolding.may_serve`, without its frame: this runs for every GPU and request asked.)
+        if gpu.blocked or index in closed or not may_serve(gpu.models, gpu.residency, model):
             continue
         if held_back and ((index, model) in held_back or (model is None and _all_held(gpu, index, held_back))):
             continue
