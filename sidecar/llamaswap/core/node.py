@@ -24,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from llamaswap.core.decisions import Claim
-from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing
+from llamaswap.core.dispatch import (
+    CLAIM, START, Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing,
+)
 from llamaswap.core.eviction import Need, to_hold_back
 from llamaswap.core.holding import Candidate, GpuHolding
 from llamaswap.core.index import Entry, Index, Item
@@ -115,7 +117,7 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, warm: 
     holds back (`HeldBackModels.claim`), or emptied."""
     first = pick(aged, warm, bonus)
     step, gpu, claim = _best_claims(gpus, first, times, wanted, need, held_back)
-    if step is Step.START:
+    if step is START:
         assert gpu is not None
         return gpu, first, first
     walk = NodeWalk(gpus, aged, reserved, warm, bonus, wanted, times)
@@ -141,7 +143,7 @@ def _best_claims(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, want
     """The best request asked (`choose`) and its claim made in ``held_back``: none where it starts or
     may run nowhere (emptied), else what it holds back on the GPU it waits for."""
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
-    if step is Step.START or gpu is None:
+    if step is START or gpu is None:
         held_back.clear()
         return step, gpu, None
     return step, gpu, held_back.claim(gpus, gpu, first, first.request_id, need)
@@ -177,7 +179,7 @@ class NodeWalk:
         """`find` after the best, ``first``, did not start (the rule said ``step``, on the GPU
         or the models of one that ``claim`` names)."""
         if claim is not None:
-            if step is not Step.CLAIM:
+            if step is not CLAIM:
                 if isinstance(claim, tuple):
                     self._interactive_only.update(claim)
                 else:
@@ -203,7 +205,7 @@ class NodeWalk:
                 if candidate is None:
                     return None
             step, gpu = self._choose(candidate)
-            if step is Step.START:
+            if step is START:
                 assert gpu is not None
                 return gpu, candidate, first
             self._suspend(candidate)
@@ -241,7 +243,7 @@ class NodeWalk:
                     bonus = self._bonus if model is not None and model in bonused else 0
                     items.append((rank(item, bonus, scale), item[2]))
         for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
-            if self._choose(entry)[0] is Step.START:
+            if self._choose(entry)[0] is START:
                 return entry
         return None
 
