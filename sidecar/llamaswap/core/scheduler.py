@@ -107,6 +107,7 @@ class Scheduler(idle.IdleUnloading):
         # report, `blocked_by` or the policy, each of which tells it).
         self._holding = NodeHolding(self._gpus)
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
+        self._max_wait_ns = policy.max_wait_ns  # cached: the expiry timer reads it per request (a property that rounds)
         self._bonus = policy.swap_affinity_bonus
         # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
         # only needed to tell whether aging changed a pick.
@@ -257,7 +258,7 @@ class Scheduler(idle.IdleUnloading):
         now = self._clock.now_ns()
         place = None
         if retry_key is not None:
-            place = self._kept.take_over(retry_key, priority, model, now, self._policy.max_wait_ns)
+            place = self._kept.take_over(retry_key, priority, model, now, self._max_wait_ns)
         if place is None:
             limit = self._policy.max_queued
             if limit and depth + len(self._kept) >= limit:
@@ -302,7 +303,7 @@ class Scheduler(idle.IdleUnloading):
     def expire_kept(self) -> list[KeptPlace]:
         """End every kept place whose grace period is over or that waited ``max_wait_s`` since
         its first arrival."""
-        return self._kept.due(self._clock.now_ns(), self._policy.max_wait_ns)
+        return self._kept.due(self._clock.now_ns(), self._max_wait_ns)
 
     def drain_kept(self) -> list[KeptPlace]:
         """End every kept place (shutdown), oldest first."""
@@ -508,7 +509,7 @@ class Scheduler(idle.IdleUnloading):
 
     def expire_overdue(self) -> list[Removed]:
         """Remove every request that has waited longer than ``max_wait_s``."""
-        limit_ns = self._policy.max_wait_ns
+        limit_ns = self._max_wait_ns
         if not limit_ns:
             return []
         now = self._clock.now_ns()
@@ -523,7 +524,7 @@ class Scheduler(idle.IdleUnloading):
     def next_deadline_ns(self) -> int | None:
         """When the oldest waiting request will be overdue, or a kept place falls due
         (`expire_overdue`, `expire_kept`); None if neither can happen."""
-        limit_ns = self._policy.max_wait_ns
+        limit_ns = self._max_wait_ns
         entry = self._arrivals.oldest if limit_ns else None
         waiting = None if entry is None else entry.arrival_ns + limit_ns
         kept = self._kept.next_deadline_ns(limit_ns) if self._kept else None
