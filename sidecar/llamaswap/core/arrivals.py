@@ -99,9 +99,11 @@ class Arrivals:
 
     def before(self, winner: Entry, limit: int) -> tuple[str, ...]:
         """Up to ``limit`` earlier arrivals still waiting (those ``winner`` overtook): O(limit)."""
-        overtaken: list[str] = []
         entry = self.oldest
         seq = winner.seq
+        if entry is None or entry.seq >= seq:
+            return ()  # (it overtook nobody, as most grants: no list built)
+        overtaken: list[str] = []
         for _ in range(limit):  # (a bounded loop rather than a len() per step: per grant)
             if entry is None or entry.seq >= seq:
                 break

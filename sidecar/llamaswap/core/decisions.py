@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar, cast
 
 from llamaswap.core.clock import NS_PER_S
 from llamaswap.core.eviction import Eviction
@@ -219,3 +219,30 @@ class QueueSnapshot:
     @property
     def slots_busy(self) -> int:
         return len(self.grants)
+
+
+_Frozen = TypeVar("_Frozen")
+
+
+def built_by_assignment(cls: type[_Frozen]) -> Callable[..., _Frozen]:
+    """``cls(*fields)``, every field given in order, for a frozen slotted dataclass built on every
+    grant, release or arrival, at the cost of an unfrozen one: a frozen class's ``__init__`` sets
+    each field through ``object.__setattr__`` (a `Decision`: 2.3 us against 0.3). An unfrozen
+    twin with the same slots in the same order fills them by plain assignment, then the value
+    becomes a ``cls`` (the same layout, so CPython lets its class change): the same value, frozen
+    from then on, equal to and hashed as one built by ``cls``."""
+    twin: Any = dataclasses.make_dataclass(
+        f"_{cls.__name__}Fields", [(field.name, field.type) for field in dataclasses.fields(cast(Any, cls))],
+        slots=True, eq=False, repr=False)
+
+    def build(*fields: object) -> _Frozen:
+        made = twin(*fields)
+        made.__class__ = cls
+        return cast(_Frozen, made)
+
+    return build
+
+
+new_decision: Final = built_by_assignment(Decision)
+new_queued: Final = built_by_assignment(Queued)
+new_released: Final = built_by_assignment(Released)

@@ -27,10 +27,11 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Collection, Mapping, Sequence, Set
-from typing import Protocol
+from typing import Final, Protocol
 
 from llamaswap.core.eviction import busy_of, can_evict_for, evictable, has_room, placed_models, places_taken
 from llamaswap.core.holding import Candidate, GpuHolding
+from llamaswap.core.residency import may_serve
 
 
 class Turn(enum.Enum):
@@ -44,6 +45,13 @@ class Turn(enum.Enum):
     # Several resident: its model is not resident, and
     ROOM = "room"  # it has room beside them: its load starts now, beside what runs
     EVICT = "evict"  # idle resident models go to make room: unloaded, then its load, beside what runs
+
+
+# The members as module globals, for the rule's own reads (several for each request and GPU it
+# asks): in Python 3.11 a member read through its class goes through the metaclass's
+# ``__getattr__`` hook, 70 ns against 10 for a global.
+_CLOSED, _IDLE, _FREE, _SHARE_USED = Turn.CLOSED, Turn.IDLE, Turn.FREE, Turn.SHARE_USED
+_OTHER_MODEL, _ROOM, _EVICT = Turn.OTHER_MODEL, Turn.ROOM, Turn.EVICT
 
 
 def fits(candidate: Candidate, gpu: GpuHolding) -> bool:
@@ -128,28 +136,28 @@ def turn(gpu: GpuHolding, candidate: Candidate) -> Turn:
     the other model's work has drained."""
     model = candidate.model
     if gpu.settling_model is not None and (candidate.alone or model == gpu.settling_model):
-        return Turn.CLOSED  # a settle holds its model, and nothing runs alone beside it
+        return _CLOSED  # a settle holds its model, and nothing runs alone beside it
     running = gpu.running
     if not running.busy:
         if gpu.settling_model is None or model is None or model in gpu.residents or has_room(gpu, model) \
                 or can_evict_for(gpu, model):
-            return Turn.IDLE
-        return Turn.CLOSED  # its load needs the settle's model gone: it waits for the settle
+            return _IDLE
+        return _CLOSED  # its load needs the settle's model gone: it waits for the settle
     if candidate.alone or running.alone:
-        return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL  # it waits for the GPU to drain
+        return _CLOSED if full(gpu) else _OTHER_MODEL  # it waits for the GPU to drain
     if model is None or model in gpu.residents:
         busy, share = _model_share(gpu, model)
         if busy >= (gpu.slots_in_effect if model is None else gpu.slots.of(model)):
-            return Turn.CLOSED  # full for its model
-        return Turn.SHARE_USED if share and not candidate.interactive else Turn.FREE
+            return _CLOSED  # full for its model
+        return _SHARE_USED if share and not candidate.interactive else _FREE
     # (A model its running work names that the record no longer counts resident is not known
     # loaded: its load waits for that work to drain.)
     if model not in placed_models(gpu):
         if has_room(gpu, model):
-            return Turn.ROOM
+            return _ROOM
         if can_evict_for(gpu, model):
-            return Turn.EVICT
-    return Turn.CLOSED if full(gpu) else Turn.OTHER_MODEL
+            return _EVICT
+    return _CLOSED if full(gpu) else _OTHER_MODEL
 
 
 # -- a node: one GPU or several ------------------------------------------------------------
@@ -197,6 +205,11 @@ class Step(enum.Enum):
     SKIP = "skip"  # every GPU that may serve it is closed already
 
 
+# As module globals (why: `_IDLE`'s note), for the rule and the node walk.
+START: Final = Step.START
+CLAIM: Final = Step.CLAIM
+
+
 # The rule's answer for one request over the node: the step, and the GPU it names (None
 # with `Step.SKIP`). A plain tuple: one is built per request asked.
 Choice = tuple[Step, int | None]
@@ -224,32 +237,33 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
     waits: dict[int, Turn] = {}
     holding: list[int] = []
     for index, gpu in enumerate(gpus):
-        if gpu.blocked or index in closed or not gpu.may_serve(candidate):
+        # (`GpuHolding.may_serve`, without its frame: this runs for every GPU and request asked.)
+        if gpu.blocked or index in closed or not may_serve(gpu.models, gpu.residency, model):
             continue
         if held_back and ((index, model) in held_back or (model is None and _all_held(gpu, index, held_back))):
             continue
         verdict = turn(gpu, candidate)
-        if verdict is Turn.EVICT and held_back and not _may_evict(gpu, index, candidate, held_back):
-            verdict = Turn.OTHER_MODEL  # only models the best holds back for its own load could go
-        if verdict is Turn.IDLE or verdict is Turn.ROOM or verdict is Turn.EVICT:
+        if verdict is _EVICT and held_back and not _may_evict(gpu, index, candidate, held_back):
+            verdict = _OTHER_MODEL  # only models the best holds back for its own load could go
+        if verdict is _IDLE or verdict is _ROOM or verdict is _EVICT:
             idle.append(index)  # it may start there now, loading its model
             continue
-        if verdict is Turn.FREE:
+        if verdict is _FREE:
             if candidate.interactive or (index not in interactive_only
                                          and (not interactive_only or (index, model) not in interactive_only)):
                 if free < 0 or gpu.running.busy < gpus[free].running.busy:
                     free = index
                 continue
-            verdict = Turn.SHARE_USED  # the best waits for this GPU's share: its reserved slots only
+            verdict = _SHARE_USED  # the best waits for this GPU's share: its reserved slots only
         if model is not None and model in gpu.residents:
             holding.append(index)
         waits[index] = verdict
     if free >= 0:  # (never for a request that runs alone: it fits nowhere)
-        return Step.START, free
+        return START, free
     if idle and model is not None:
         for index in idle:
             if model in gpus[index].residents:  # (`GpuHolding.has`, inline: this runs for most grants)
-                return Step.START, index
+                return START, index
     busy: Collection[int] = waits.keys()
     if candidate.alone and any(gpus[index].has(model) for index in busy):
         # An unload is for a GPU that has its model, where one of those it may use has (it
@@ -265,7 +279,7 @@ def choose(gpus: Sequence[GpuHolding], candidate: Candidate, closed: Set[int],
         # Nothing to evict first, then the evictions the queue wants least (one idle GPU: that one).
         target = idle[0] if len(idle) == 1 else min(idle, key=lambda i: _load_cost(gpus[i], model, wanted))
         if soonest is None or times.slot_free_in_s(gpus[soonest].name) >= times.swap_s(model, gpus[target].name):
-            return Step.START, target
+            return START, target
         return _wait_for(soonest, waits)
     if soonest is not None:
         return _wait_for(soonest, waits)
@@ -313,4 +327,4 @@ def _wait_for(index: int, verdicts: Mapping[int, Turn]) -> Choice:
     """It waits for a GPU: only its share used there leaves the reserved slots open to
     interactive requests (as with one GPU, whatever model it names); else the GPU takes
     nothing else."""
-    return Step.INTERACTIVE_ONLY if verdicts[index] is Turn.SHARE_USED else Step.CLAIM, index
+    return Step.INTERACTIVE_ONLY if verdicts[index] is _SHARE_USED else CLAIM, index

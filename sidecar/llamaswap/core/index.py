@@ -66,7 +66,10 @@ class Index:
     def push(self, entry: Entry) -> None:
         item: Item = (-self.key(entry), entry.seq, entry)
         heapq.heappush(self.all, item)
-        heapq.heappush(self.by_model.setdefault(entry.model, []), item)
+        heap = self.by_model.get(entry.model)  # (not setdefault: it builds a list at every push)
+        if heap is None:
+            heap = self.by_model[entry.model] = []
+        heapq.heappush(heap, item)
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         key = self.key

@@ -24,11 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from llamaswap.core.decisions import Claim
-from llamaswap.core.dispatch import Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing
+from llamaswap.core.dispatch import (
+    CLAIM, START, Choice, GpuTimes, HeldBack, Step, choose, open_to_loads, takes_nothing,
+)
 from llamaswap.core.eviction import Need, to_hold_back
 from llamaswap.core.holding import Candidate, GpuHolding
 from llamaswap.core.index import Entry, Index, Item
-from llamaswap.core.order import rank, warm_models
+from llamaswap.core.order import pick, rank, warm_models
 
 
 _NONE: frozenset[int] = frozenset()  # no GPU claimed yet
@@ -102,8 +104,8 @@ class HeldBackModels:
         return {name: models[0] for name, models in self.models.items()}
 
 
-def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
-         pick: Callable[[Index], Entry], wanted: Mapping[str | None, int], times: GpuTimes,
+def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, warm: Collection[str], bonus: int,
+         wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
          held_back: HeldBackModels) -> tuple[int, Entry, Entry] | None:
     """The GPU and the request that starts next, and the best request (the first asked: the
@@ -113,12 +115,12 @@ def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus:
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
     holds back (`HeldBackModels.claim`), or emptied."""
-    first = pick(aged)
+    first = pick(aged, warm, bonus)
     step, gpu, claim = _best_claims(gpus, first, times, wanted, need, held_back)
-    if step is Step.START:
+    if step is START:
         assert gpu is not None
         return gpu, first, first
-    walk = NodeWalk(gpus, aged, reserved, bonus, pick, wanted, times)
+    walk = NodeWalk(gpus, aged, reserved, warm, bonus, wanted, times)
     try:
         return walk.behind(first, step, claim)
     finally:
@@ -141,7 +143,7 @@ def _best_claims(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, want
     """The best request asked (`choose`) and its claim made in ``held_back``: none where it starts or
     may run nowhere (emptied), else what it holds back on the GPU it waits for."""
     step, gpu = choose(gpus, first, _NONE, _NONE, times, wanted)
-    if step is Step.START or gpu is None:
+    if step is START or gpu is None:
         held_back.clear()
         return step, gpu, None
     return step, gpu, held_back.claim(gpus, gpu, first, first.request_id, need)
@@ -150,17 +152,16 @@ def _best_claims(gpus: Sequence[GpuHolding], first: Entry, times: GpuTimes, want
 class NodeWalk:
     """The walk behind a best request that waits (`find`)."""
 
-    __slots__ = ("_gpus", "_aged", "_reserved", "_bonus", "_pick", "_wanted", "_times", "_closed",
+    __slots__ = ("_gpus", "_aged", "_reserved", "_warm", "_bonus", "_wanted", "_times", "_closed",
                  "_interactive_only", "_held_back", "suspended")
 
-    def __init__(self, gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, bonus: int,
-                 pick: Callable[[Index], Entry], wanted: Mapping[str | None, int],
-                 times: GpuTimes) -> None:
+    def __init__(self, gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, warm: Collection[str],
+                 bonus: int, wanted: Mapping[str | None, int], times: GpuTimes) -> None:
         self._gpus = gpus
         self._aged = aged
         self._reserved = reserved  # the interactive requests alone (reserved slots), or None
+        self._warm = warm  # the models that earn the bonus (`order.pick`)
         self._bonus = bonus
-        self._pick = pick
         self._wanted = wanted
         self._times = times
         self._closed: set[int] = set()  # claimed by the best request
@@ -178,7 +179,7 @@ class NodeWalk:
         """`find` after the best, ``first``, did not start (the rule said ``step``, on the GPU
         or the models of one that ``claim`` names)."""
         if claim is not None:
-            if step is not Step.CLAIM:
+            if step is not CLAIM:
                 if isinstance(claim, tuple):
                     self._interactive_only.update(claim)
                 else:
@@ -195,7 +196,8 @@ class NodeWalk:
             open_gpus = [gpu for i, gpu in enumerate(gpus) if i not in self._closed]
             candidate: Entry | None
             if any(not gpu.running.busy for gpu in open_gpus):
-                candidate = self._pick(self._aged)  # an idle GPU: the next in the order most likely starts
+                # An idle GPU: the next in the order most likely starts.
+                candidate = pick(self._aged, self._warm, self._bonus)
             else:
                 # Every open GPU is busy: only the tops of the models it may start stand a
                 # chance (any model's, where several resident leave room or an idle model to go).
@@ -203,7 +205,7 @@ class NodeWalk:
                 if candidate is None:
                     return None
             step, gpu = self._choose(candidate)
-            if step is Step.START:
+            if step is START:
                 assert gpu is not None
                 return gpu, candidate, first
             self._suspend(candidate)
@@ -241,7 +243,7 @@ class NodeWalk:
                     bonus = self._bonus if model is not None and model in bonused else 0
                     items.append((rank(item, bonus, scale), item[2]))
         for _, entry in sorted(items, key=lambda item: item[0], reverse=True):
-            if self._choose(entry)[0] is Step.START:
+            if self._choose(entry)[0] is START:
                 return entry
         return None
 

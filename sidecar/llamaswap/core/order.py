@@ -18,7 +18,7 @@ from llamaswap.core.decisions import BandStats, Claim, Decision, GpuView, QueueS
 from llamaswap.core.dispatch import takes_nothing
 from llamaswap.core.eviction import after_load, no_need, victims
 from llamaswap.core.holding import IDLE, GpuHolding, resident_on
-from llamaswap.core.index import Entry, Index
+from llamaswap.core.index import Entry, Index, prune
 from llamaswap.core.gpu_record import GpuRecord
 from llamaswap.core.policy import Policy
 from llamaswap.core.priority import Band
@@ -34,7 +34,7 @@ def pick(index: Index, warm: Collection[str], bonus: int, taken: set[int] | None
     """The winner among the waiting in `index` while the ``warm`` models are resident (on GPUs
     with a slot for them, `warm_models`): the best of the global top and each such model's top,
     plus the bonus where its model is resident (`rank`). One GPU is a node of one."""
-    top = index.top(taken)
+    top = prune(index.all, taken)  # (`Index.top`, without its frame: this runs several times per grant)
     assert top is not None, "called with an empty queue"
     if not warm or not bonus:
         return top[2]

@@ -20,6 +20,9 @@ class PolicyName(str, enum.Enum):
         return self.value
 
 
+_FIFO = PolicyName.FIFO
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class GpuPolicy:
     """One GPU of the node as the policy describes it: its name, its slots (with the
@@ -116,7 +119,7 @@ class Policy:
         return round(self.max_wait_s * NS_PER_S)
 
     def base_priority(self, priority: int, model: str | None) -> int:
-        if self.name is PolicyName.FIFO and model is not None:
+        if self.name is _FIFO and model is not None:  # (a global: `priority._INTERACTIVE`'s note)
             return priority + self.model_priorities.get(model, 0)
         return priority
 
