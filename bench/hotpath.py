@@ -158,7 +158,7 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
         timings.wrap(sidecar.activity, "record", "ActivityLog.record (the dict)")
         timings.wrap(sidecar.activity, "_write", "ActivityLog._write (JSON, its line to each destination)")
         timings.wrap(ext_authz, "model_of", "ext_authz.model_of")
-        timings.wrap(ext_authz, "decision_headers", "ext_authz.decision_headers")
+        timings.wrap(ext_authz, "_decision_values", "ext_authz._decision_values (the headers' values)")
     context = Context("ipv4:127.0.0.1:51000")
     checks = [check_bytes(templates[0], index) for index in range(requests)]
     loop_turns = 0

@@ -28,7 +28,7 @@ HOT_PATH = (
     ("adapters/ext_authz.py", "_arrival"),
     ("adapters/ext_authz.py", "model_of"),
     ("adapters/ext_authz.py", "granted"),
-    ("adapters/ext_authz.py", "decision_headers"),
+    ("adapters/ext_authz.py", "_decision_values"),
     ("runtime/admission.py", "admit"),
     ("runtime/admission.py", "_admit"),
     ("runtime/grants.py", "pump"),
