@@ -95,14 +95,12 @@ class ModelCatalog:
 
     async def serves(self, model: str, check: ModelCheck) -> bool:
         """Whether the upstream serves `model`; asks again once on a miss."""
-        if check is ModelCheck.OFF:
+        if self.serves_now(model, check):
             return True
-        catalog = self.latest
-        if catalog is None or not listed(catalog, model, check):
-            # A miss asks the upstream again, so a model added to the upstream later is served.
-            catalog = await self.refresh()
-            if catalog is None:
-                return True  # the upstream cannot be asked: refuse nothing
+        # A miss asks the upstream again, so a model added to the upstream later is served.
+        catalog = await self.refresh()
+        if catalog is None:
+            return True  # the upstream cannot be asked: refuse nothing
         return listed(catalog, model, check)
 
     async def refresh(self) -> Catalog | None:

@@ -121,21 +121,23 @@ class Gpus:
         does not list is refused there), the scheduler may run there what the request is scheduled
         as (``scheduled``: `GpuPolicy.may_serve`, the one rule), and the upstream lists it
         (upstream.modelCheck, ``model_check``: `ModelCatalog.serves`, each asked again once on a miss)."""
-        for gpu in self.all:
-            if (entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled)
-                    and await gpu.catalog.serves(model, model_check)):
+        for gpu in self._may_answer(model, scheduled, policy, entries):
+            if await gpu.catalog.serves(model, model_check):
                 return True
         return False
 
     def serves_now(self, model: str, scheduled: str | None, policy: Policy, entries: Mapping[str, GpuEntry],
                    model_check: ModelCheck) -> bool | None:
         """`serves` where it needs no upstream asked (the usual case, without a coroutine), else None."""
-        for gpu in self.all:
-            if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled):
-                if gpu.catalog.serves_now(model, model_check) is None:
-                    return None  # (`serves` asks this one, and goes on to the next if it says no)
-                return True
+        for gpu in self._may_answer(model, scheduled, policy, entries):
+            # (`serves` asks the first one that does not say so now, and goes on if it says no.)
+            return True if gpu.catalog.serves_now(model, model_check) else None
         return False
+
+    def _may_answer(self, model: str, scheduled: str | None, policy: Policy,
+                    entries: Mapping[str, GpuEntry]) -> Iterator[Gpu]:
+        """The GPUs whose entry lists ``model`` and where the scheduler may run it as ``scheduled``."""
+        return (gpu for gpu in self.all if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled))
 
     def reconcile(self, catalog: Catalog, as_of: int, name: str, *, scheduler: Scheduler,
                   config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:
