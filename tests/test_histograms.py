@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -175,38 +176,35 @@ def test_a_delta_view_is_made_before_the_first_record() -> None:
         histograms.view(DELTA)
 
 
+@contextlib.contextmanager
+def _otlp_exporter_with(monkeypatch: pytest.MonkeyPatch, variable: str, value: str | None) -> Iterator[Any]:
+    """An OTLP metric exporter made with ``variable`` set to ``value`` (None: unset)."""
+    if value is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, value)
+    exporter = OTLPMetricExporter(endpoint="http://127.0.0.1:1")
+    try:
+        yield exporter
+    finally:
+        exporter.shutdown(timeout_millis=100)
+
+
 @pytest.mark.parametrize("preference", [None, "delta", "LowMemory", "cumulative", "sideways"])
 def test_temporality_table_is_the_otlp_exporters(monkeypatch: pytest.MonkeyPatch, preference: str | None) -> None:
     """What the exporter alone would ask its reader for (its private table, read here only to pin ours)."""
-    if preference is None:
-        monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", raising=False)
-    else:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", preference)
-    import os
-
-    exporter = OTLPMetricExporter(endpoint="http://127.0.0.1:1")
-    try:
+    with _otlp_exporter_with(monkeypatch, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", preference) as exporter:
         assert otlp_temporality(os.environ) == exporter._preferred_temporality
-    finally:
-        exporter.shutdown(timeout_millis=100)
 
 
 @pytest.mark.parametrize("aggregation", [None, "base2_exponential_bucket_histogram",
                                          "BASE2_EXPONENTIAL_BUCKET_HISTOGRAM", "explicit_bucket_histogram"])
 def test_exponential_is_read_as_the_otlp_exporter_reads_it(monkeypatch: pytest.MonkeyPatch,
                                                            aggregation: str | None) -> None:
-    if aggregation is None:
-        monkeypatch.delenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", raising=False)
-    else:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", aggregation)
-    import os
-
-    exporter = OTLPMetricExporter(endpoint="http://127.0.0.1:1")
-    try:
+    with _otlp_exporter_with(monkeypatch, "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+                             aggregation) as exporter:
         asked = type(exporter._preferred_aggregation[HistogramInstrument]).__name__
         assert otlp_exponential(os.environ) == (asked == "ExponentialBucketHistogramAggregation"), asked
-    finally:
-        exporter.shutdown(timeout_millis=100)
 
 
 # -- the real wiring, over OTLP/gRPC -----------------------------------------------------------
