@@ -11,7 +11,9 @@ import pytest
 from llamaswap.core.decisions import (
     Decision, Queued, Released, ReorderCause, new_decision, new_queued, new_released,
 )
+from llamaswap.adapters.ext_authz import Scheduled, _new_scheduled
 from llamaswap.core.priority import Band
+from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, new_arrival, new_exchange_report
 
 FIELDS = ("r1", 100, Band.INTERACTIVE, 112.5, 5, 9, "m", True, 2.5, False, True, frozenset({"old"}),
           frozenset({ReorderCause.AGING}), ("r0",), 3, 2, True, False, "gpu1", ("m", 9), 64, ())
@@ -36,6 +38,10 @@ def test_a_value_built_by_assignment_stays_frozen() -> None:
 @pytest.mark.parametrize(("build", "cls", "fields"), [
     (new_queued, Queued, (4, 17, None)),
     (new_released, Released, ("r1", None, 5, 8)),
+    (new_exchange_report, ExchangeReport, (True, ExchangeEnd.COMPLETE, 200, 0.25, 1.5, "gpu1")),
+    (_new_scheduled, Scheduled, ("m", True)),
+    (new_arrival, Arrival, ("r1", "interactive", None, "m", "ipv4:1", "00-ab-cd-01", None, "POST", "/v1/x", 16,
+                            True, False, False, "obj", "flex", None, 2, 300.0, None)),
 ])
 def test_the_arrival_and_the_release_the_same(build, cls, fields) -> None:  # type: ignore[no-untyped-def]
     assert type(build(*fields)) is cls and build(*fields) == cls(*fields)

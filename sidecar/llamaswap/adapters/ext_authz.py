@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+from typing import Final
 from urllib.parse import parse_qs
 
 import grpc
@@ -29,6 +30,7 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
+from llamaswap.core.decisions import built_by_assignment
 from llamaswap.core.keep_alive import KeepAliveError, parse_keep_alive
 from llamaswap.envoy.contract import (
     AUTHORIZATION_HEADER,
@@ -54,7 +56,7 @@ from llamaswap.envoy.contract import (
 )
 from llamaswap.runtime.coordinator import Coordinator, Refusal
 from llamaswap.runtime.kept import RetryKeys, parse_attempt
-from llamaswap.runtime.ticket import Arrival, Ticket
+from llamaswap.runtime.ticket import Arrival, Ticket, new_arrival
 from llamaswap.adapters.metadata import Fields, namespace_fields
 from llamaswap.adapters.outcomes import http_error
 
@@ -177,14 +179,16 @@ def _model_in(fields: Fields | None) -> str | None:
     return model if model and len(model) <= MAX_MODEL_NAME else None
 
 
-# (Not frozen, nothing writes to one: made on every Check, a frozen one costs twice as much.)
-@dataclasses.dataclass(slots=True, unsafe_hash=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Scheduled:
     """What a request is scheduled as: the model it makes the upstream use or load (None: none),
     and whether it runs alone (it unloads that model under any generation of it)."""
 
     model: str | None
     alone: bool = False
+
+
+_new_scheduled: Final = built_by_assignment(Scheduled)  # (made on every Check)
 
 
 def query_model(path: str) -> str | None:
@@ -208,7 +212,7 @@ def scheduled_as(method: str, path: str, body_model: str | None) -> Scheduled:
     query names; `POST /models/unload` (upstream.managementApi: schedule) runs alone, since it
     ends whatever its model computes (a load is a request for the model it loads)."""
     model = body_model if body_model is not None else query_model(path)
-    return Scheduled(model, alone=method == "POST" and path.partition("?")[0] == UNLOAD_PATH)
+    return _new_scheduled(model, method == "POST" and path.partition("?")[0] == UNLOAD_PATH)  # model, alone
 
 
 def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
@@ -339,25 +343,27 @@ class Authorization(authz_grpc.AuthorizationServicer):
             # Hashed only if read: most requests find no kept place and are never cancelled waiting.
             digest = functools.partial(retry_digest, request, self._retry_keys)
             attempt = parse_attempt(headers.get(RETRY_COUNT_HEADER))
-        return Arrival(
-            request_id=request_id,
-            priority_header=headers.get(PRIORITY_HEADER),
-            trusted_header=headers.get(trusted_header) if trusted_header else None,
-            model=scheduled.model,
-            peer=context.peer(),
-            trace_parent=trace_parent if isinstance(trace_parent, str) else None,
-            trace_state=trace_state if isinstance(trace_state, str) else None,
-            method=method,
-            path=path,
-            max_tokens=_max_tokens_in(fields),
-            streamed=_streamed_in(fields),
-            request_id_replaced=replaced,
-            alone=scheduled.alone,
-            objective=headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),
-            service_tier=_service_tier_in(fields),
-            attempt=attempt,
-            retry_digest=digest,
-            keep_alive_s=keep_alive_s,
+        # Every field, in the order of Arrival's (`ticket.new_arrival`: on every Check).
+        return new_arrival(
+            request_id,  # request_id
+            headers.get(PRIORITY_HEADER),  # priority_header
+            headers.get(trusted_header) if trusted_header else None,  # trusted_header
+            scheduled.model,  # model
+            context.peer(),  # peer
+            trace_parent if isinstance(trace_parent, str) else None,  # trace_parent
+            trace_state if isinstance(trace_state, str) else None,  # trace_state
+            method,  # method
+            path,  # path
+            _max_tokens_in(fields),  # max_tokens
+            _streamed_in(fields),  # streamed
+            replaced,  # request_id_replaced
+            scheduled.alone,  # alone
+            headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),  # objective
+            _service_tier_in(fields),  # service_tier
+            None,  # retry_key (the digest computes it when read)
+            attempt,  # attempt
+            keep_alive_s,  # keep_alive_s
+            digest,  # retry_digest
         )
 
     def _keep_alive(self, fields: Fields | None, request_id: str) -> float | None:

@@ -226,7 +226,7 @@ _Frozen = TypeVar("_Frozen")
 
 def built_by_assignment(cls: type[_Frozen]) -> Callable[..., _Frozen]:
     """``cls(*fields)``, every field given in order, for a frozen slotted dataclass built on every
-    grant, release or arrival, at the cost of an unfrozen one: a frozen class's ``__init__`` sets
+    Check, access-log entry, grant or release, at the cost of an unfrozen one: a frozen class's ``__init__`` sets
     each field through ``object.__setattr__`` (a `Decision`: 2.3 us against 0.3). An unfrozen
     twin with the same slots in the same order fills them by plain assignment, then the value
     becomes a ``cls`` (the same layout, so CPython lets its class change): the same value, frozen
