@@ -11,7 +11,6 @@ import pytest
 from llamaswap.core.decisions import (
     Decision, Queued, Released, ReorderCause, new_decision, new_queued, new_released,
 )
-from llamaswap.adapters.ext_authz import Scheduled, _new_scheduled
 from llamaswap.core.priority import Band
 from llamaswap.runtime.ticket import Arrival, ExchangeEnd, ExchangeReport, new_arrival, new_exchange_report
 
@@ -39,7 +38,6 @@ def test_a_value_built_by_assignment_stays_frozen() -> None:
     (new_queued, Queued, (4, 17, None)),
     (new_released, Released, ("r1", None, 5, 8)),
     (new_exchange_report, ExchangeReport, (True, ExchangeEnd.COMPLETE, 200, 0.25, 1.5, "gpu1")),
-    (_new_scheduled, Scheduled, ("m", True)),
     (new_arrival, Arrival, ("r1", "interactive", None, "m", "ipv4:1", "00-ab-cd-01", None, "POST", "/v1/x", 16,
                             True, False, False, "obj", "flex", None, 2, 300.0, None)),
 ])

@@ -30,7 +30,6 @@ from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from llamaswap._proto.envoy.type.v3 import http_status_pb2
 from llamaswap.core import Decision, Outcome
-from llamaswap.core.decisions import built_by_assignment
 from llamaswap.core.keep_alive import KeepAliveError, parse_keep_alive
 from llamaswap.envoy.contract import (
     AUTHORIZATION_HEADER,
@@ -161,22 +160,43 @@ def body_fields(request: authz_pb2.CheckRequest) -> Fields | None:
     return namespace_fields(request.attributes.metadata_context, MODEL_NAMESPACE)
 
 
+# What scheduling reads from the body's fields (json_to_metadata's), each as taken: the model (a
+# non-empty string, not too long), the output tokens (the first of MAX_TOKENS_KEYS that is a
+# positive number not above MAX_TOKENS; -1 means unlimited: none), whether it is streamed
+# (`"stream": true`) and the OpenAI `service_tier` (a short string; the core says which count:
+# core.priority.SERVICE_TIERS). A plain tuple: a NamedTuple's construction costs 0.5 us more.
+BodyValues = tuple[str | None, int | None, bool, str | None]  # model, max_tokens, streamed, service_tier
+
+
+_NO_BODY_VALUES: Final[BodyValues] = (None, None, False, None)
+
+
+def body_values(fields: Fields | None) -> BodyValues:
+    """The body's values scheduling reads, each key looked up once (on every Check). A JSON value
+    of another type reads as its kind's default ("", 0, false), which each rule refuses: no kind
+    test but the tier's, where "" is a string kept as it is."""
+    if fields is None:
+        return _NO_BODY_VALUES
+    model = fields[MODEL_KEY].string_value if MODEL_KEY in fields else None
+    max_tokens = None
+    for key in MAX_TOKENS_KEYS:
+        if key in fields:
+            number = fields[key].number_value
+            if 1 <= number <= MAX_TOKENS:
+                max_tokens = int(number)
+                break
+    tier = None
+    if SERVICE_TIER_KEY in fields:
+        value = fields[SERVICE_TIER_KEY]
+        if value.HasField("string_value") and len(value.string_value) <= MAX_SERVICE_TIER:
+            tier = value.string_value
+    return (model if model and len(model) <= MAX_MODEL_NAME else None, max_tokens,
+            STREAM_KEY in fields and fields[STREAM_KEY].bool_value, tier)
+
+
 def model_of(request: authz_pb2.CheckRequest) -> str | None:
     """The body's top-level `model`, if it is a non-empty string (json_to_metadata put it there)."""
-    return _model_in(body_fields(request))
-
-
-def _string_in(fields: Fields | None, key: str) -> str | None:
-    """The body's top-level ``key`` where it is a JSON string; None when absent or of another type."""
-    if fields is None or key not in fields:
-        return None
-    value = fields[key]
-    return value.string_value if value.WhichOneof("kind") == "string_value" else None
-
-
-def _model_in(fields: Fields | None) -> str | None:
-    model = _string_in(fields, MODEL_KEY)
-    return model if model and len(model) <= MAX_MODEL_NAME else None
+    return body_values(body_fields(request))[0]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,9 +206,6 @@ class Scheduled:
 
     model: str | None
     alone: bool = False
-
-
-_new_scheduled: Final = built_by_assignment(Scheduled)  # (made on every Check)
 
 
 def query_model(path: str) -> str | None:
@@ -211,52 +228,31 @@ def scheduled_as(method: str, path: str, body_model: str | None) -> Scheduled:
     scheduled on the model it makes the upstream use or load, the body's, else the one its
     query names; `POST /models/unload` (upstream.managementApi: schedule) runs alone, since it
     ends whatever its model computes (a load is a request for the model it loads)."""
-    model = body_model if body_model is not None else query_model(path)
-    return _new_scheduled(model, method == "POST" and path.partition("?")[0] == UNLOAD_PATH)  # model, alone
+    return Scheduled(_scheduled_model(path, body_model), _runs_alone(method, path))
+
+
+def _scheduled_model(path: str, body_model: str | None) -> str | None:
+    return body_model if body_model is not None else query_model(path)
+
+
+def _runs_alone(method: str, path: str) -> bool:
+    return method == "POST" and path.partition("?")[0] == UNLOAD_PATH
 
 
 def max_tokens_of(request: authz_pb2.CheckRequest) -> int | None:
-    """The output tokens the body asks for: the first of MAX_TOKENS_KEYS that is a positive
-    number (json_to_metadata put it there); None when absent or not a count (-1: unlimited)."""
-    return _max_tokens_in(body_fields(request))
-
-
-def _max_tokens_in(fields: Fields | None) -> int | None:
-    if fields is None:
-        return None
-    for key in MAX_TOKENS_KEYS:
-        if key not in fields:
-            continue
-        value = fields[key]
-        if value.WhichOneof("kind") != "number_value":
-            continue
-        number = value.number_value
-        if 1 <= number <= MAX_TOKENS:
-            return int(number)
-    return None
+    """The output tokens the body asks for (`body_values`)."""
+    return body_values(body_fields(request))[1]
 
 
 def streamed_of(request: authz_pb2.CheckRequest) -> bool:
     """Whether the body asks for a streamed response (`"stream": true`)."""
-    return _streamed_in(body_fields(request))
-
-
-def _streamed_in(fields: Fields | None) -> bool:
-    if fields is None or STREAM_KEY not in fields:
-        return False
-    value = fields[STREAM_KEY]
-    return value.WhichOneof("kind") == "bool_value" and value.bool_value
+    return body_values(body_fields(request))[2]
 
 
 def service_tier_of(request: authz_pb2.CheckRequest) -> str | None:
     """The body's OpenAI `service_tier`, if it is a short string (the core says which count:
     core.priority.SERVICE_TIERS); None when absent or of another JSON type."""
-    return _service_tier_in(body_fields(request))
-
-
-def _service_tier_in(fields: Fields | None) -> str | None:
-    tier = _string_in(fields, SERVICE_TIER_KEY)
-    return tier if tier is not None and len(tier) <= MAX_SERVICE_TIER else None
+    return body_values(body_fields(request))[3]
 
 
 def keep_alive_in(fields: Fields | None) -> float | None:
@@ -320,9 +316,12 @@ class Authorization(authz_grpc.AuthorizationServicer):
         return denied(admission)
 
     def _arrival(self, request: authz_pb2.CheckRequest, context: grpc.aio.ServicerContext) -> Arrival:
-        http = request.attributes.request.http
+        # Each message read once (a protobuf field access builds a new wrapper each time).
+        attributes = request.attributes
+        http = attributes.request.http
         headers = http.headers
-        trusted_header = self._coordinator.config.security.priority.trusted_header
+        config = self._coordinator.config
+        trusted_header = config.security.priority.trusted_header
         trace_parent = trace_state = None
         for key, value in context.invocation_metadata() or ():
             if key == "traceparent":
@@ -334,32 +333,33 @@ class Authorization(authz_grpc.AuthorizationServicer):
         if replaced:  # the ticket, the activity log and every span keep it: bounded
             request_id = http.id
         method, path = http.method, http.path
-        fields = body_fields(request)
-        scheduled = scheduled_as(method, path, _model_in(fields))
+        fields = namespace_fields(attributes.metadata_context, MODEL_NAMESPACE)  # `body_fields`
+        body_model, max_tokens, streamed, service_tier = body_values(fields)
         digest = attempt = None
-        routing = self._coordinator.config.routing
+        routing = config.routing
         keep_alive_s = self._keep_alive(fields, request_id) if routing.keep_alive.honour else None
         if routing.retry_grace_seconds > 0:
             # Hashed only if read: most requests find no kept place and are never cancelled waiting.
             digest = functools.partial(retry_digest, request, self._retry_keys)
             attempt = parse_attempt(headers.get(RETRY_COUNT_HEADER))
-        # Every field, in the order of Arrival's (`ticket.new_arrival`: on every Check).
+        # Every field, in the order of Arrival's (`ticket.new_arrival`: on every Check); the model
+        # and `alone` are `scheduled_as`'s, without its value made.
         return new_arrival(
             request_id,  # request_id
             headers.get(PRIORITY_HEADER),  # priority_header
             headers.get(trusted_header) if trusted_header else None,  # trusted_header
-            scheduled.model,  # model
+            _scheduled_model(path, body_model),  # model
             context.peer(),  # peer
             trace_parent if isinstance(trace_parent, str) else None,  # trace_parent
             trace_state if isinstance(trace_state, str) else None,  # trace_state
             method,  # method
             path,  # path
-            _max_tokens_in(fields),  # max_tokens
-            _streamed_in(fields),  # streamed
+            max_tokens,  # max_tokens
+            streamed,  # streamed
             replaced,  # request_id_replaced
-            scheduled.alone,  # alone
+            _runs_alone(method, path),  # alone
             headers.get(OBJECTIVE_HEADER) or headers.get(OLD_OBJECTIVE_HEADER),  # objective
-            _service_tier_in(fields),  # service_tier
+            service_tier,  # service_tier
             None,  # retry_key (the digest computes it when read)
             attempt,  # attempt
             keep_alive_s,  # keep_alive_s
