@@ -159,6 +159,19 @@ def test_complete_exchanges_and_their_edges() -> None:
                                                                first_byte_s=None)
 
 
+def test_an_empty_flags_message_and_a_zero_status_read_as_none() -> None:
+    """Envoy may send response_flags present with no flag set, and a response_code of 0: the
+    same ends as no flags and no status."""
+    for tx_s in (0.01, None):
+        for status in (200, 0):
+            entry = log_entry(status=status, tx_s=tx_s)
+            entry.common_properties.response_flags.SetInParent()
+            assert entry.common_properties.HasField("response_flags")
+            assert exchange_end(entry, status) is exchange_end(log_entry(status=status, tx_s=tx_s), status)
+            assert report_of(entry) == report_of(log_entry(status=status, tx_s=tx_s))
+    assert report_of(log_entry(status=0)) == report_of(log_entry(status=None))
+
+
 def test_the_exchange_age_counts_from_its_first_upstream_byte() -> None:
     """start_time is the arrival; the wait for the grant (here 30 s) is not the exchange's age."""
     entry = log_entry(accesslog_pb2.DownstreamPeriodic, tx_s=30.0)

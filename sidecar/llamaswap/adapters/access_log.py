@@ -9,6 +9,7 @@ end of a stream means that Envoy connection is gone, and with it the grant it wa
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,12 +22,15 @@ from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from llamaswap.envoy.contract import GRANT_NAMESPACE, TICKET_KEY, gpu_of_cluster
 from llamaswap.runtime.coordinator import Coordinator
 from llamaswap.runtime.ticket import ExchangeEnd, ExchangeReport, new_exchange_report
-from llamaswap.adapters.metadata import metadata_value
+from llamaswap.adapters.metadata import namespace_fields
 
 _log = logging.getLogger(__name__)
 
 _PERIODIC = accesslog_pb2.DownstreamPeriodic
 _END = accesslog_pb2.DownstreamEnd
+_REPORTED = frozenset((_PERIODIC, _END, accesslog_pb2.NotSet))
+# The few upstream clusters' GPU names, found once each (a bound: the cluster name is Envoy's).
+_gpu_of_cluster = functools.lru_cache(maxsize=256)(gpu_of_cluster)
 
 
 def _ns(value: timestamp_pb2.Timestamp | duration_pb2.Duration) -> int:
@@ -34,28 +38,33 @@ def _ns(value: timestamp_pb2.Timestamp | duration_pb2.Duration) -> int:
 
 
 def ticket_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
-    value = metadata_value(entry.common_properties.metadata, GRANT_NAMESPACE, TICKET_KEY)
-    if value is None or not value.string_value:
-        return None
-    return value.string_value
+    """The grant's ticket the OK put into ext_authz's metadata; None without a non-empty string
+    there (a value of another JSON kind reads as "")."""
+    fields = namespace_fields(entry.common_properties.metadata, GRANT_NAMESPACE)
+    return (fields[TICKET_KEY].string_value or None) if fields is not None and TICKET_KEY in fields else None
 
 
 def exchange_end(entry: accesslog_pb2.HTTPAccessLogEntry, status: int) -> ExchangeEnd:
     """How the exchange ended, from Envoy's response flags and timings."""
     common = entry.common_properties
-    flags = common.response_flags
-    if not flags.ListFields():
+    return _end_of(common, status, common.HasField("time_to_first_upstream_tx_byte"))
+
+
+def _end_of(common: accesslog_pb2.AccessLogCommon, status: int, sent: bool) -> ExchangeEnd:
+    """`exchange_end` of an entry's common properties, `sent` whether it has a first upstream byte."""
+    if not common.HasField("response_flags") or not common.response_flags.ListFields():
         # No flag set, the usual end: the rules below without reading each flag (a tenth of the time).
-        if not common.HasField("time_to_first_upstream_tx_byte"):
+        if not sent:
             return ExchangeEnd.NOT_SENT
         return ExchangeEnd.UPSTREAM_FAILED if status == 0 else ExchangeEnd.COMPLETE
+    flags = common.response_flags
     # The client leaving comes first: even before the request reached the upstream, it was the
     # client who ended the exchange (and a settle that finds the upstream idle costs one ask).
     if flags.downstream_connection_termination or flags.downstream_remote_reset:
         return ExchangeEnd.CLIENT_LEFT
     if (flags.upstream_connection_failure or flags.no_healthy_upstream or flags.upstream_overflow
             or flags.no_route_found or flags.no_cluster_found or flags.dns_resolution_failure
-            or flags.overload_manager or not common.HasField("time_to_first_upstream_tx_byte")):
+            or flags.overload_manager or not sent):
         return ExchangeEnd.NOT_SENT
     if (status == 0 or flags.upstream_remote_reset or flags.upstream_connection_termination
             or flags.upstream_request_timeout or flags.local_reset or flags.upstream_protocol_error
@@ -74,12 +83,12 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     upstream: age 0."""
     common = entry.common_properties
     kind = common.access_log_type
-    if kind not in (_PERIODIC, _END, accesslog_pb2.NotSet):
+    if kind not in _REPORTED:
         return None
     # Each timing read once (a protobuf field access builds a new wrapper each time), and its
     # nanoseconds computed here: the well-known types' ToNanoseconds validates in Python first.
-    to_upstream = _ns(common.time_to_first_upstream_tx_byte) if common.HasField("time_to_first_upstream_tx_byte") \
-        else None
+    sent = common.HasField("time_to_first_upstream_tx_byte")
+    to_upstream = _ns(common.time_to_first_upstream_tx_byte) if sent else None
     elapsed_s = None
     if common.HasField("start_time"):
         now_ns = time.time_ns() if now_unix_ns is None else now_unix_ns
@@ -89,13 +98,12 @@ def report_of(entry: accesslog_pb2.HTTPAccessLogEntry, now_unix_ns: int | None =
     if to_upstream is not None and common.HasField("time_to_first_upstream_rx_byte"):
         first_byte_s = max(0, _ns(common.time_to_first_upstream_rx_byte) - to_upstream) / 1e9
     # The GPU whose cluster the route chose (the OK's x-llamaswap-upstream).
-    gpu = gpu_of_cluster(common.upstream_cluster)
+    gpu = _gpu_of_cluster(common.upstream_cluster)
     # (Every field, in order: `new_exchange_report`, on every entry.)
     if kind == _PERIODIC:
         return new_exchange_report(False, None, 0, first_byte_s, elapsed_s, gpu)  # final, end, status
-    response = entry.response
-    status = response.response_code.value if response.HasField("response_code") else 0
-    return new_exchange_report(True, exchange_end(entry, status), status, first_byte_s, elapsed_s, gpu)
+    status = entry.response.response_code.value  # an absent wrapper reads as 0: no response
+    return new_exchange_report(True, _end_of(common, status, sent), status, first_byte_s, elapsed_s, gpu)
 
 
 class AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

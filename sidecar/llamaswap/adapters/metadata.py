@@ -1,4 +1,4 @@
-"""Reading Envoy's dynamic metadata: one filter's namespace, or one value of it, if it is there."""
+"""Reading Envoy's dynamic metadata: one filter's namespace, if it is there."""
 
 from __future__ import annotations
 
@@ -18,8 +18,3 @@ def namespace_fields(metadata: base_pb2.Metadata, namespace: str) -> Fields | No
     filter_metadata = metadata.filter_metadata
     return filter_metadata[namespace].fields if namespace in filter_metadata else None
 
-
-def metadata_value(metadata: base_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
-    """`metadata.filter_metadata[namespace][key]`, without creating either on the way."""
-    fields = namespace_fields(metadata, namespace)
-    return fields[key] if fields is not None and key in fields else None
