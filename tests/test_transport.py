@@ -21,6 +21,7 @@ from google.rpc import code_pb2
 from llamaswap._proto.envoy.config.core.v3 import base_pb2
 from llamaswap._proto.envoy.data.accesslog.v3 import accesslog_pb2
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2
+from llamaswap._proto.envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from llamaswap.core import Band, Decision, Outcome, Priority, PrioritySource
 from llamaswap.envoy.contract import GRANT_NAMESPACE, MODEL_NAMESPACE, TICKET_KEY
 from llamaswap.runtime.coordinator import Refusal
@@ -446,12 +447,13 @@ async def test_the_check_servicer_answers_when_the_gpu_is_granted() -> None:
                                                FakeServicerContext()))
     await flow.idle()
     assert first.done() and not second.done()  # the second Check is held
-    token = first.result().dynamic_metadata[TICKET_KEY]
+    token = CheckResponse.FromString(first.result()).dynamic_metadata[TICKET_KEY]
     flow.coordinator.report(token, ExchangeReport(final=True, end=ExchangeEnd.COMPLETE, status=200, first_byte_s=None))
     await flow.idle()
-    assert second.done() and second.result().status.code == code_pb2.OK
+    assert second.done() and CheckResponse.FromString(second.result()).status.code == code_pb2.OK
     flow.coordinator.stop_admitting()
-    refused = await authz.Check(check_request({"x-request-id": "three"}, model="a"), FakeServicerContext())
+    refused = CheckResponse.FromString(
+        await authz.Check(check_request({"x-request-id": "three"}, model="a"), FakeServicerContext()))
     assert refused.denied_response.status.code == 503
     assert {h.header.key: h.header.value for h in refused.denied_response.headers}["retry-after"] == "5"
 
@@ -461,7 +463,8 @@ async def test_the_check_servicer_answers_500_on_an_internal_error() -> None:
     flow = Flow(observers=[RaisesOnEnqueue("boom")])
     authz = Authorization(flow.coordinator)
     await flow.arrive("blocker", model="a")
-    response = await authz.Check(check_request({"x-request-id": "boom"}, model="a"), FakeServicerContext())
+    response = CheckResponse.FromString(
+        await authz.Check(check_request({"x-request-id": "boom"}, model="a"), FakeServicerContext()))
     assert response.denied_response.status.code == 500
     assert json.loads(response.denied_response.body)["error"]["code"] == "internal_error"
     assert flow.recorder.tickets["boom"].outcome is Outcome.INTERNAL_ERROR

@@ -15,7 +15,6 @@ import grpc
 from aiohttp import web
 
 from llamaswap._proto.envoy.service.accesslog.v3 import als_pb2_grpc
-from llamaswap._proto.envoy.service.auth.v3 import external_auth_pb2_grpc as authz_grpc
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ from llamaswap.runtime.views import free
 from llamaswap.telemetry import Telemetry
 from llamaswap.adapters.access_log import AccessLogs
 from llamaswap.adapters.admin import build_admin_app
-from llamaswap.adapters.ext_authz import Authorization
+from llamaswap.adapters.ext_authz import Authorization, add_authorization_to_server
 from llamaswap.adapters.upstream_http import KEY_REFUSED_STATUSES, HttpUpstream, bearer
 from llamaswap.adapters.upstream_metrics import add_upstream_metrics
 from llamaswap.adapters.ui import UiState, add_ui_routes, batch_documents, batch_storage
@@ -163,7 +162,7 @@ class Sidecar:
             # One sidecar per port: a second one must fail to bind, not share it.
             ("grpc.so_reuseport", 0),
         ])
-        authz_grpc.add_AuthorizationServicer_to_server(Authorization(self.coordinator), self._grpc_server)
+        add_authorization_to_server(Authorization(self.coordinator), self._grpc_server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogs(self.coordinator), self._grpc_server)
         try:
             self.grpc_port = self._grpc_server.add_insecure_port(str(listen.grpc))
