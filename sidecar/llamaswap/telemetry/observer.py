@@ -175,6 +175,9 @@ class Telemetry:
                                        upstream_model=self._observe_upstream_model,
                                        models_resident=self._observe_models_resident)
         self.histograms.mirror(meter)
+        # The priority sources counted, by a lookup: `PrioritySource.ABSENT` costs 0.1 us a read.
+        self._source_counted = {PrioritySource.UNPARSEABLE: self.instruments.unparseable,
+                                PrioritySource.ABSENT: self.instruments.absent}
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -347,15 +350,14 @@ class Telemetry:
         instruments.requests.add_to(OUTCOME_SERIES[outcome])
         if ticket.request_id_replaced:
             instruments.request_id_replaced.add(1)
-        source = ticket.priority.source
-        if source is PrioritySource.UNPARSEABLE:
-            instruments.unparseable.add(1)
-        elif source is PrioritySource.ABSENT:
-            instruments.absent.add(1)
+        source_counted = self._source_counted.get(ticket.priority.source)
+        if source_counted is not None:
+            source_counted.add(1)
         finished_ns = ticket.ended_ns
         decision = ticket.decision
         if decision is not None:
-            run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
+            ran_ns = finished_ns - decision.granted_ns
+            run_s = ran_ns / NS_PER_S if ran_ns > 0 else 0.0  # (not max(0, ...): a builtin call, 0.1 us)
             instruments.run.record(run_s, BAND_LABELS[decision.band])
             label = instruments.model_labels.label(ticket.model or NO_MODEL)
             if label is None:
