@@ -9,9 +9,11 @@ pushing over OTLP/gRPC to a receiver here, in each temporality, against the admi
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import logging
+import math
 import os
 import threading
 import time
@@ -166,6 +168,25 @@ def test_counts_by_hand() -> None:
     assert point.attributes == {"band": "a"}
     with pytest.raises(ValueError, match="labels"):
         plain.record(1.0, "a", "b")
+
+
+@pytest.mark.parametrize("bounds", [names.QUEUE_WAIT_BUCKETS, names.RUN_BUCKETS, names.SWAP_BUCKETS,
+                                    names.ESTIMATE_RATIO_BUCKETS, BOUNDS])
+def test_the_bucket_is_the_one_of_the_bounds_as_given(bounds: tuple[float, ...]) -> None:
+    """A record searches the bounds as floats: on a bound (int or float), just below or above it,
+    and an int value, it lands where a search of the bounds as given puts it."""
+    values = [value for bound in bounds for value in (bound, math.nextafter(bound, -math.inf),
+                                                      math.nextafter(bound, math.inf), math.floor(bound))]
+    for value in [*values, 0, -1.0, 10**6]:
+        histograms = Histograms(Resource({}), SCOPE)
+        view = histograms.view(CUMULATIVE)
+        histograms.histogram(NAME, bounds=bounds, labels=()).record(value)
+        ((metric,),) = [scope.metrics for scope in view.merge(None).resource_metrics[0].scope_metrics]
+        (point,) = metric.data.data_points
+        expected = [0] * (len(bounds) + 1)
+        expected[bisect.bisect_left(bounds, value)] = 1
+        assert point.bucket_counts == tuple(expected), value
+        assert point.explicit_bounds == bounds  # (written as given: `le="1"` for an int bound)
 
 
 def test_a_delta_view_is_made_before_the_first_record() -> None:

@@ -100,8 +100,11 @@ class PlainHistogram:
         self.unit = unit
         self.description = description
         self.bounds = tuple(bounds)  # as given: an int bound is written `le="1"`, as the SDK wrote it
+        # Searched as floats (exact for these bounds): float against float compares faster than against an int.
+        self._search = tuple(float(bound) for bound in self.bounds)
         self.labels = tuple(labels)
         self._owner = owner
+        self._lock = owner.lock
         self._series: dict[tuple[str, ...], _Series] = {}
         self.sdk: ApiHistogram | None = None  # (only for an exporter that asks for exponential buckets)
 
@@ -111,8 +114,10 @@ class PlainHistogram:
             series = self._add(label_values)
         if self.sdk is not None:
             self.sdk.record(value, series.attributes)
-        index = bisect_left(self.bounds, value)  # (previous bound, bound]: the SDK's buckets
-        with self._owner.lock:
+        index = bisect_left(self._search, value)  # (previous bound, bound]: the SDK's buckets
+        lock = self._lock
+        lock.acquire()  # (not `with`: that costs about 0.1 us more per record)
+        try:
             for window in series.windows:
                 window.buckets[index] += 1
                 window.count += 1
@@ -121,6 +126,8 @@ class PlainHistogram:
                     window.low = value
                 if value > window.high:
                     window.high = value
+        finally:
+            lock.release()
 
     def _add(self, label_values: tuple[str, ...]) -> _Series:
         if len(label_values) != len(self.labels):

@@ -115,6 +115,19 @@ DESCRIPTIONS = {
 
 Callback = Callable[[CallbackOptions], Iterable[Observation]]
 Labels = Mapping[str, str]
+SeriesKey = tuple[tuple[str, str], ...]
+
+
+def series_key(labels: Labels | None) -> SeriesKey:
+    """A Tally series' key: its labels' (name, value) pairs, in their order."""
+    return tuple(labels.items()) if labels else ()
+
+
+# Resolved once, not per count: a request's band and outcome as a label value and as a Tally
+# series' key (`Band.value` alone costs about 0.1 us, the key's dict and tuple 0.2 more).
+BAND_LABELS = {band: band.value for band in Band}
+BAND_SERIES = {band: series_key({"band": band.value}) for band in Band}
+OUTCOME_SERIES = {outcome: series_key({"outcome": outcome.value}) for outcome in Outcome}
 
 
 class Tally:
@@ -126,16 +139,22 @@ class Tally:
     def __init__(self, meter: Meter, name: str, *, unit: str, description: str,
                  series: Iterable[Labels] = ({},)) -> None:
         # Every series exists from the start, at 0: a query never misses a band with no traffic.
-        self._counts: dict[tuple[tuple[str, str], ...], int] = {tuple(labels.items()): 0 for labels in series}
+        self._counts: dict[SeriesKey, int] = {series_key(labels): 0 for labels in series}
         meter.create_observable_counter(name, [self._observe], unit=unit, description=description)
 
     def declare(self, labels: Labels) -> None:
         """A series that exists from now on, at 0 until counted."""
-        self._counts.setdefault(tuple(labels.items()), 0)
+        self._counts.setdefault(series_key(labels), 0)
 
     def add(self, amount: int, attributes: Labels | None = None) -> None:
         key = tuple(attributes.items()) if attributes else ()
         self._counts[key] = self._counts.get(key, 0) + amount
+
+    def add_to(self, key: SeriesKey, amount: int = 1) -> None:
+        """`add` to the series of ``key`` (`series_key` of its labels), for callers that resolve
+        their labels' key once rather than per count."""
+        counts = self._counts
+        counts[key] = counts.get(key, 0) + amount
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(count, dict(key)) for key, count in list(self._counts.items())]

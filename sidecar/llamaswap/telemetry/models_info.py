@@ -31,22 +31,25 @@ class ModelsInfo:
     def waiting(self, token: str, model: str) -> None:
         """A request started waiting for ``model``."""
         self._waiting_model[token] = model
-        count = self._waiting_models.get(model, 0)
-        self._waiting_models[model] = count + 1
-        if not count:
-            self._waiting_changed()
+        models = self._waiting_models
+        count = models.get(model, 0)
+        models[model] = count + 1
+        if not count and len(models) <= MAX_MODEL_LABELS:
+            # A model that was not waiting goes last, within the bound: the label gains it at its end.
+            self._waiting_changed(f"{self._waiting_label},{model}" if len(models) > 1 else model)
 
     def left(self, token: str) -> None:
         """A request stopped waiting (granted, refused, gone); nothing if it was not counted."""
         model = self._waiting_model.pop(token, None)
         if model is None:
             return
-        count = self._waiting_models[model] - 1
+        models = self._waiting_models
+        count = models[model] - 1
         if count:
-            self._waiting_models[model] = count
+            models[model] = count
             return
-        del self._waiting_models[model]
-        self._waiting_changed()
+        del models[model]
+        self._waiting_changed(_waiting_label(models) if models else "")  # (none left: the common case)
 
     def picture_changed(self, picture: QueuePicture) -> None:
         """The resident models or a maxLoaded may have changed."""
@@ -55,10 +58,7 @@ class ModelsInfo:
             self._picture_labels = labels
             self._changed()
 
-    def _waiting_changed(self) -> None:
-        # Bounded like the `model` label: clients name models (without modelCheck, any name). The
-        # first to start waiting first (a dict keeps that order): O(MAX_MODEL_LABELS) per change.
-        waiting = ",".join(itertools.islice(self._waiting_models, MAX_MODEL_LABELS))
+    def _waiting_changed(self, waiting: str) -> None:
         if waiting != self._waiting_label:
             self._waiting_label = waiting
             self._changed()
@@ -69,6 +69,14 @@ class ModelsInfo:
         running, max_loaded = self._picture_labels
         self.current = ({RUNNING_ADAPTERS: running, WAITING_ADAPTERS: self._waiting_label, MAX_ADAPTERS: max_loaded},
                         time.time())
+
+
+def _waiting_label(models: dict[str, int]) -> str:
+    """waiting_lora_adapters: bounded like the `model` label, since clients name models (without
+    modelCheck, any name); the first to start waiting first (a dict keeps that order)."""
+    if len(models) <= MAX_MODEL_LABELS:  # (all of them: cheaper without an islice)
+        return ",".join(models)
+    return ",".join(itertools.islice(models, MAX_MODEL_LABELS))
 
 
 def _picture_labels(picture: QueuePicture) -> tuple[str, str]:

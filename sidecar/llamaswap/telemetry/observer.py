@@ -49,13 +49,18 @@ from llamaswap.runtime.gpu_projection import GpuProjection, NodeProjection
 from llamaswap.runtime.observer import IdleUnloaded, Overtaken, PictureSource, QueuePicture, Settle
 from llamaswap.runtime.ticket import Ticket, TicketState
 from llamaswap.telemetry.instruments import (
+    BAND_LABELS,
+    BAND_SERIES,
     DESCRIPTIONS,
     GPU_SLOTS_BUSY,
     OTHER_MODEL,
     MODELS_INFO,
+    OUTCOME_SERIES,
     SATURATION,
     WAITING,
     Instruments,
+    SeriesKey,
+    series_key,
 )
 from llamaswap.telemetry.batches import BatchTelemetry, PresetIds
 from llamaswap.telemetry.histograms import Histograms
@@ -158,6 +163,7 @@ class Telemetry:
         self._stops_for: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._closed = False
         self._models_info = ModelsInfo(_EMPTY_PICTURE)
+        self._upstream_series: dict[str, SeriesKey] = {}  # each configured upstream's `{"upstream": name}`
         self.instruments = Instruments(meter, self.histograms, queue_depth=self._observe_depth,
                                        oldest_wait=self._observe_oldest_wait, gpu_busy=self._observe_busy,
                                        gpu_slots=self._observe_slots,
@@ -169,6 +175,9 @@ class Telemetry:
                                        upstream_model=self._observe_upstream_model,
                                        models_resident=self._observe_models_resident)
         self.histograms.mirror(meter)
+        # The priority sources counted, by a lookup: `PrioritySource.ABSENT` costs 0.1 us a read.
+        self._source_counted = {PrioritySource.UNPARSEABLE: self.instruments.unparseable,
+                                PrioritySource.ABSENT: self.instruments.absent}
 
     @classmethod
     def from_environment(cls, clock: Clock | None = None) -> Telemetry:
@@ -233,6 +242,7 @@ class Telemetry:
         instruments = self.instruments
         for gpu in gpus:  # every upstream's counts exist from the start, at 0
             labels = {"upstream": gpu.name}
+            self._upstream_series[gpu.name] = series_key(labels)
             instruments.upstream_dispatched.declare(labels)
             instruments.upstream_swaps.declare(labels)
             instruments.upstream_loads.declare(labels)
@@ -264,21 +274,22 @@ class Telemetry:
         decision = ticket.decision
         if self._closed or decision is None:
             return
-        band = decision.band.value
+        band = BAND_LABELS[decision.band]
         instruments = self.instruments
-        instruments.dispatched.add(1, {"band": band})
-        for cause in sorted(decision.reordered_by):
-            instruments.reorders.add(1, {"band": band, "reason": cause.value})
+        instruments.dispatched.add_to(BAND_SERIES[decision.band])
+        if decision.reordered_by:
+            for cause in sorted(decision.reordered_by):
+                instruments.reorders.add(1, {"band": band, "reason": cause.value})
         wait_s = decision.queue_wait_ns / NS_PER_S
         instruments.queue_wait.record(wait_s, band)
-        gpu_labels = {"upstream": decision.gpu}
-        instruments.upstream_dispatched.add(1, gpu_labels)
+        upstream = self._upstream_series.get(decision.gpu) or series_key({"upstream": decision.gpu})
+        instruments.upstream_dispatched.add_to(upstream)
         if decision.swap:
             instruments.swaps.add(1)
-            instruments.upstream_swaps.add(1, gpu_labels)
+            instruments.upstream_swaps.add_to(upstream)
         if decision.load:
             instruments.loads.add(1)
-            instruments.upstream_loads.add(1, gpu_labels)
+            instruments.upstream_loads.add_to(upstream)
         for eviction in decision.evicts:
             instruments.evictions.add(1, _eviction_labels(decision.gpu, eviction.reason))
         if ticket.estimated_wait_s is not None:
@@ -336,19 +347,18 @@ class Telemetry:
         if self._closed or outcome is None:
             return
         instruments = self.instruments
-        instruments.requests.add(1, {"outcome": outcome.value})
+        instruments.requests.add_to(OUTCOME_SERIES[outcome])
         if ticket.request_id_replaced:
             instruments.request_id_replaced.add(1)
-        source = ticket.priority.source
-        if source is PrioritySource.UNPARSEABLE:
-            instruments.unparseable.add(1)
-        elif source is PrioritySource.ABSENT:
-            instruments.absent.add(1)
+        source_counted = self._source_counted.get(ticket.priority.source)
+        if source_counted is not None:
+            source_counted.add(1)
         finished_ns = ticket.ended_ns
         decision = ticket.decision
         if decision is not None:
-            run_s = max(0, finished_ns - decision.granted_ns) / NS_PER_S
-            instruments.run.record(run_s, decision.band.value)
+            ran_ns = finished_ns - decision.granted_ns
+            run_s = ran_ns / NS_PER_S if ran_ns > 0 else 0.0  # (not max(0, ...): a builtin call, 0.1 us)
+            instruments.run.record(run_s, BAND_LABELS[decision.band])
             label = instruments.model_labels.label(ticket.model or NO_MODEL)
             if label is None:
                 instruments.model_label_other.add(1)
