@@ -66,6 +66,7 @@ _COMPACT_SLACK: Final = 1024
 _REASONS: Final = {
     (aging, affinity): frozenset((ReorderCause.AGING,) * aging + (ReorderCause.SWAP_AFFINITY,) * affinity)
     for aging in (False, True) for affinity in (False, True)}
+_NOBODY: Final[tuple[str, ...]] = ()  # the requests a grant overtook where it waited alone
 
 
 class Scheduler(idle.IdleUnloading):
@@ -346,9 +347,12 @@ class Scheduler(idle.IdleUnloading):
             # Nothing starts and the best claims nothing (`node.find`; `held_back` shows what it would).
             self._shut_times = times
             return self._nothing_starts(warm) if self._stops.running else None
+        # The one waiting request is the best (`order.pick` of a queue of one): no heap is read.
+        first = self._arrivals.oldest if len(self._waiting) == 1 else order.pick(self._aged, warm, self._bonus)
+        assert first is not None
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
-        found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
+        found = node.find(holdings, first, self._aged, self._reserved[0] if self._reserved is not None else None,
                           warm, self._bonus, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
             return self._nothing_starts(warm)
@@ -417,9 +421,11 @@ class Scheduler(idle.IdleUnloading):
                reserved_slot: bool, warm: frozenset[str], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
-        reasons = _REASONS[plain is not None and order.pick(plain, warm, self._bonus) is not winner,
-                           bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
-        overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
+        reasons, overtook = _REASONS[False, False], _NOBODY  # it waited alone: nothing reordered it, it overtook nobody
+        if len(self._waiting) > 1:
+            reasons = _REASONS[plain is not None and order.pick(plain, warm, self._bonus) is not winner,
+                               bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
+            overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
         model = winner.model
         alone = winner.alone
