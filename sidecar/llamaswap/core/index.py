@@ -4,7 +4,7 @@ swap-affinity bonus (why heaps work although scores change: `scheduler.py`'s doc
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from llamaswap.core.priority import Priority
 
@@ -98,6 +98,56 @@ class Index:
         if item is None:
             del self.by_model[model]
         return item
+
+
+class QueueIndexes:
+    """The scheduler's indexes of its waiting requests: ``aged``, by the key `Scheduler.next` ranks
+    by; ``plain``, where aging is on, by the key without aging (only needed to tell whether aging
+    changed a pick; None without aging); with reserved slots, ``reserved``, the same two over the
+    interactive requests alone (the reserved slots' candidates; None without)."""
+
+    __slots__ = ("aged", "plain", "reserved", "_every")
+
+    def __init__(self, divisor_ns: int, reserves_slots: bool) -> None:
+        self.aged, self.plain = _ranked(divisor_ns)
+        self.reserved = _ranked(divisor_ns) if reserves_slots else None
+        every = (self.aged, self.plain, *(self.reserved or ()))
+        self._every = tuple(index for index in every if index is not None)
+
+    def push(self, entry: Entry) -> None:
+        self.aged.push(entry)
+        if self.plain is not None:
+            self.plain.push(entry)
+        if self.reserved is not None and entry.interactive:
+            aged, plain = self.reserved
+            aged.push(entry)
+            if plain is not None:
+                plain.push(entry)
+
+    def rebuild(self, alive: Sequence[Entry]) -> None:
+        self.aged.rebuild(alive)
+        if self.plain is not None:
+            self.plain.rebuild(alive)
+        if self.reserved is not None:
+            interactive = [entry for entry in alive if entry.interactive]
+            aged, plain = self.reserved
+            aged.rebuild(interactive)
+            if plain is not None:
+                plain.rebuild(interactive)
+
+    def clear(self) -> None:
+        """Nothing waits (every item left is dead): all go at once."""
+        for index in self._every:
+            index.all.clear()
+            index.by_model.clear()
+
+
+def _ranked(divisor_ns: int) -> tuple[Index, Index | None]:
+    """An index by the time-free key (why it orders by score: `scheduler.py`'s docstring) and,
+    where aging is on, one by the key without aging."""
+    if divisor_ns:
+        return Index(lambda e: e.base * divisor_ns - e.arrival_ns, divisor_ns), Index(lambda e: e.base, 1)
+    return Index(lambda e: e.base, 1), None
 
 
 def prune(heap: list[Item], taken: set[int] | None) -> Item | None:

@@ -46,7 +46,7 @@ from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
 from llamaswap.core.eviction import NOT_WAITED_FOR, Eviction, victims
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
-from llamaswap.core.index import Entry, Index, entry_of
+from llamaswap.core.index import Entry, Index, QueueIndexes, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.gpu_record import GpuRecord, NodeHolding
 from llamaswap.core.policy import Policy, PolicyName
@@ -110,36 +110,16 @@ class Scheduler(idle.IdleUnloading):
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._max_wait_ns = policy.max_wait_ns  # cached: the expiry timer reads it per request (a property that rounds)
         self._bonus = policy.swap_affinity_bonus
-        # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
-        # only needed to tell whether aging changed a pick.
-        self._aged, self._plain = self._indexes()
-        # With reserved slots, the same two for the interactive requests alone: the reserved
-        # slots' candidates.
-        self._reserved: tuple[Index, Index | None] | None = self._indexes() if policy.reserves_slots else None
-
-    def _indexes(self) -> tuple[Index, Index | None]:
-        divisor = self._divisor_ns
-        if divisor:
-            return Index(lambda e: e.base * divisor - e.arrival_ns, divisor), Index(lambda e: e.base, 1)
-        return Index(lambda e: e.base, 1), None
+        self._indexes = QueueIndexes(self._divisor_ns, policy.reserves_slots)
+        # Its members, as read at every grant (the same objects for as long as the policy stays).
+        self._aged, self._plain, self._reserved = self._indexes.aged, self._indexes.plain, self._indexes.reserved
 
     def _reset_queue(self) -> None:
         self._waiting: dict[str, Entry] = {}
         self._wanted = {}
         self._dead_in_heaps = 0
-        self._rebuild(())
+        self._indexes.clear()
         self._arrivals = Arrivals()
-
-    def _rebuild(self, alive: Sequence[Entry]) -> None:
-        self._aged.rebuild(alive)
-        if self._plain is not None:
-            self._plain.rebuild(alive)
-        if self._reserved is not None:
-            interactive = [entry for entry in alive if entry.interactive]
-            aged, plain = self._reserved
-            aged.rebuild(interactive)
-            if plain is not None:
-                plain.rebuild(interactive)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -272,22 +252,12 @@ class Scheduler(idle.IdleUnloading):
                       arrival_ns, named, alone, max_tokens, stoppable, place is not None and place.stopped)
         self._waiting[request_id] = entry
         self._wanted[model] = self._wanted.get(model, 0) + 1
-        self._push(entry)
+        self._indexes.push(entry)
         if place is None:
             self._arrivals.add(entry)
         else:
             self._arrivals.add_in_order(entry)
         return new_queued(depth, entry.arrival_ns, place)
-
-    def _push(self, entry: Entry) -> None:
-        self._aged.push(entry)
-        if self._plain is not None:
-            self._plain.push(entry)
-        if self._reserved is not None and entry.interactive:
-            aged, plain = self._reserved
-            aged.push(entry)
-            if plain is not None:
-                plain.push(entry)
 
     def keep(self, request_id: str, key: bytes, grace_ns: int) -> tuple[Removed, KeptPlace | None] | None:
         """A waiting request's client left: remove it, and keep its place under ``key`` for
@@ -411,7 +381,7 @@ class Scheduler(idle.IdleUnloading):
         no prune met them, stay as twins: counted as dead, so compaction clears them."""
         for entry in suspended:
             entry.alive = True
-            self._push(entry)
+            self._indexes.push(entry)
         self._dead_in_heaps += len(suspended)
         suspended.clear()
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
@@ -550,7 +520,7 @@ class Scheduler(idle.IdleUnloading):
                 named = priority_models[entry.request_id]
                 entry.priority_model = named if named is not None else entry.model
             entry.base = policy.base_priority(entry.priority.value, entry.priority_model)
-        self._rebuild(alive)
+        self._indexes.rebuild(alive)
         self._dead_in_heaps = 0
 
     def drain(self) -> list[Removed]:
@@ -591,6 +561,6 @@ class Scheduler(idle.IdleUnloading):
 
     def _compact(self) -> None:
         alive = self._arrivals.order()
-        self._rebuild(alive)
+        self._indexes.rebuild(alive)
         self._arrivals.compact(alive)
         self._dead_in_heaps = 0
