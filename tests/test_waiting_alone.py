@@ -78,3 +78,20 @@ def test_a_request_waiting_alone_is_granted_as_the_full_path_grants_it(seed: int
                 assert decision.reordered_by == frozenset() and decision.overtook == ()
                 assert decision.queue_depth_after == 0
     assert alone_seen  # (every seed grants some request that waited alone)
+
+
+def test_the_heaps_hold_nothing_once_nobody_waits() -> None:
+    """A grant of the one waiting request leaves no item behind it (the shortcut reads no heap,
+    so none would be pruned as it is met): one request at a time never lets dead items pile up."""
+    clock = ManualClock()
+    scheduler = Scheduler(serial(60.0, 10, slots=Slots(2, reserved=1)), clock)
+    for step in range(50):
+        clock.advance(1.0)
+        scheduler.enqueue(f"r{step}", Priority(100 if step % 2 else 0, PrioritySource.NUMBER), "a")
+        decision = scheduler.next()
+        assert decision is not None and decision.queue_depth_after == 0
+        scheduler.release(decision.request_id)
+        indexes = (scheduler._aged, scheduler._plain, *(scheduler._reserved or ()))
+        assert all(index is not None and not index.all and not index.by_model for index in indexes)
+    scheduler.enqueue("left", Priority(0, PrioritySource.NUMBER), "b")
+    assert scheduler.cancel("left") is not None and not scheduler._aged.all

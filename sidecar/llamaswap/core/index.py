@@ -136,7 +136,8 @@ class QueueIndexes:
                 plain.rebuild(interactive)
 
     def clear(self) -> None:
-        """Nothing waits (every item left is dead): all go at once."""
+        """Nothing waits: every item left is dead, and all go at once (none is met one by one
+        later, and a picture's copy of the heaps copies none: `order.dispatch_order`)."""
         for index in self._every:
             index.all.clear()
             index.by_model.clear()

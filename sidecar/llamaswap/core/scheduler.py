@@ -27,7 +27,8 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 - the order ``snapshot`` shows is the order ``next`` grants in, one at a time (the same
   ``order.pick``; a reserved slot can let an interactive request start ahead);
 - a report of the resident models older than the latest grant is ignored (``set_residents``);
-- removed entries are deleted lazily from heaps and compacted when they outnumber the living.
+- removed entries are deleted lazily from heaps and compacted when they outnumber the living
+  (all at once when none is left: `index.QueueIndexes.clear`).
 """
 
 from __future__ import annotations
@@ -556,7 +557,10 @@ class Scheduler(idle.IdleUnloading):
         else:
             del self._wanted[entry.model]
         self._dead_in_heaps += 1
-        if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
+        if not self._waiting:  # every item in the heaps is dead: they all go at once
+            self._indexes.clear()
+            self._dead_in_heaps = 0
+        elif self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
     def _compact(self) -> None:
