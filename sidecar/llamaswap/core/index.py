@@ -4,7 +4,8 @@ swap-affinity bonus (why heaps work although scores change: `scheduler.py`'s doc
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from heapq import heappush
 
 from llamaswap.core.priority import Priority
 
@@ -48,28 +49,35 @@ Item = tuple[int, int, Entry]
 
 
 class Index:
-    """The waiting requests ordered by one time-free key: a global heap plus one heap per model
-    (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
+    """The waiting requests ordered by one time-free key (`key`): a global heap plus one heap per
+    model (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
 
     ``taken`` (a set of seqs) lets a simulation treat entries as gone without touching them.
     """
 
-    __slots__ = ("key", "scale", "all", "by_model")
+    __slots__ = ("divisor_ns", "scale", "all", "by_model")
 
-    def __init__(self, key: Callable[[Entry], int], scale: int) -> None:
-        self.key = key
-        self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
+    def __init__(self, divisor_ns: int) -> None:
+        self.divisor_ns = divisor_ns  # the aging divisor its key has (0: a key without aging)
+        self.scale = divisor_ns or 1  # key units per priority point: the bonus is worth bonus * scale
         self.all: list[Item] = []
         # Per model named (None: no model), for the bonus and a node's GPUs.
         self.by_model: dict[str | None, list[Item]] = {}
 
+    def key(self, entry: Entry) -> int:
+        """Its time-free key, the larger the better: ``base * divisor - arrival`` with aging, else
+        ``base`` (why it orders by score: `scheduler.py`'s docstring)."""
+        divisor = self.divisor_ns
+        return entry.base * divisor - entry.arrival_ns if divisor else entry.base
+
     def push(self, entry: Entry) -> None:
-        item: Item = (-self.key(entry), entry.seq, entry)
-        heapq.heappush(self.all, item)
+        divisor = self.divisor_ns  # (`key`, negated, inline: two pushes or more a request)
+        item: Item = (entry.arrival_ns - entry.base * divisor if divisor else -entry.base, entry.seq, entry)
+        heappush(self.all, item)
         heap = self.by_model.get(entry.model)  # (not setdefault: it builds a list at every push)
         if heap is None:
             heap = self.by_model[entry.model] = []
-        heapq.heappush(heap, item)
+        heappush(heap, item)
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         key = self.key
@@ -82,7 +90,7 @@ class Index:
             heapq.heapify(heap)
 
     def copy(self) -> Index:
-        twin = Index(self.key, self.scale)
+        twin = Index(self.divisor_ns)
         twin.all = list(self.all)
         twin.by_model = {model: list(heap) for model, heap in self.by_model.items()}
         return twin
@@ -144,11 +152,8 @@ class QueueIndexes:
 
 
 def _ranked(divisor_ns: int) -> tuple[Index, Index | None]:
-    """An index by the time-free key (why it orders by score: `scheduler.py`'s docstring) and,
-    where aging is on, one by the key without aging."""
-    if divisor_ns:
-        return Index(lambda e: e.base * divisor_ns - e.arrival_ns, divisor_ns), Index(lambda e: e.base, 1)
-    return Index(lambda e: e.base, 1), None
+    """An index by the time-free key and, where aging is on, one by the key without aging."""
+    return Index(divisor_ns), Index(0) if divisor_ns else None
 
 
 def prune(heap: list[Item], taken: set[int] | None) -> Item | None:
