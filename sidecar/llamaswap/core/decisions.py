@@ -230,17 +230,17 @@ def built_by_assignment(cls: type[_Frozen]) -> Callable[..., _Frozen]:
     each field through ``object.__setattr__`` (a `Decision`: 2.3 us against 0.3). An unfrozen
     twin with the same slots in the same order fills them by plain assignment, then the value
     becomes a ``cls`` (the same layout, so CPython lets its class change): the same value, frozen
-    from then on, equal to and hashed as one built by ``cls``."""
+    from then on, equal to and hashed as one built by ``cls``. The twin's own ``__post_init__``
+    changes the class, so the twin is the builder: no wrapper's frame and argument tuple
+    (a `Decision` 0.33 us against 0.45 through a wrapper)."""
+
+    def become_frozen(made: Any) -> None:
+        made.__class__ = cls
+
     twin: Any = dataclasses.make_dataclass(
         f"_{cls.__name__}Fields", [(field.name, field.type) for field in dataclasses.fields(cast(Any, cls))],
-        slots=True, eq=False, repr=False)
-
-    def build(*fields: object) -> _Frozen:
-        made = twin(*fields)
-        made.__class__ = cls
-        return cast(_Frozen, made)
-
-    return build
+        slots=True, eq=False, repr=False, namespace={"__post_init__": become_frozen})
+    return cast(Callable[..., _Frozen], twin)
 
 
 new_decision: Final = built_by_assignment(Decision)

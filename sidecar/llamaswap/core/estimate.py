@@ -271,7 +271,8 @@ class Estimator:
                 self._window(self._token_runs, key, _TokenRuns).add(max_tokens, run)
 
     def _recent(self, table: dict[_Key, _Recent], key: _Key) -> _Recent:
-        return self._window(table, key, _Recent)
+        # (A window, once made, is there: one lookup, at every release, without `_window`'s frame.)
+        return table.get(key) or self._window(table, key, _Recent)
 
     def _window(self, table: dict[_Key, _W], key: _Key, kind: Callable[[int], _W]) -> _W:
         """The window of ``key`` in ``table``, a new one of ``samples`` made the first time."""

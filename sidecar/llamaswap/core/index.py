@@ -4,7 +4,8 @@ swap-affinity bonus (why heaps work although scores change: `scheduler.py`'s doc
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
+from heapq import heappush
 
 from llamaswap.core.priority import Priority
 
@@ -48,28 +49,35 @@ Item = tuple[int, int, Entry]
 
 
 class Index:
-    """The waiting requests ordered by one time-free key: a global heap plus one heap per model
-    (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
+    """The waiting requests ordered by one time-free key (`key`): a global heap plus one heap per
+    model (for the swap-affinity bonus). Entries leave lazily: a dead top is popped when it is met.
 
     ``taken`` (a set of seqs) lets a simulation treat entries as gone without touching them.
     """
 
-    __slots__ = ("key", "scale", "all", "by_model")
+    __slots__ = ("divisor_ns", "scale", "all", "by_model")
 
-    def __init__(self, key: Callable[[Entry], int], scale: int) -> None:
-        self.key = key
-        self.scale = scale  # key units per priority point: the bonus is worth bonus * scale
+    def __init__(self, divisor_ns: int) -> None:
+        self.divisor_ns = divisor_ns  # the aging divisor its key has (0: a key without aging)
+        self.scale = divisor_ns or 1  # key units per priority point: the bonus is worth bonus * scale
         self.all: list[Item] = []
         # Per model named (None: no model), for the bonus and a node's GPUs.
         self.by_model: dict[str | None, list[Item]] = {}
 
+    def key(self, entry: Entry) -> int:
+        """Its time-free key, the larger the better: ``base * divisor - arrival`` with aging, else
+        ``base`` (why it orders by score: `scheduler.py`'s docstring)."""
+        divisor = self.divisor_ns
+        return entry.base * divisor - entry.arrival_ns if divisor else entry.base
+
     def push(self, entry: Entry) -> None:
-        item: Item = (-self.key(entry), entry.seq, entry)
-        heapq.heappush(self.all, item)
+        divisor = self.divisor_ns  # (`key`, negated, inline: two pushes or more a request)
+        item: Item = (entry.arrival_ns - entry.base * divisor if divisor else -entry.base, entry.seq, entry)
+        heappush(self.all, item)
         heap = self.by_model.get(entry.model)  # (not setdefault: it builds a list at every push)
         if heap is None:
             heap = self.by_model[entry.model] = []
-        heapq.heappush(heap, item)
+        heappush(heap, item)
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         key = self.key
@@ -82,7 +90,7 @@ class Index:
             heapq.heapify(heap)
 
     def copy(self) -> Index:
-        twin = Index(self.key, self.scale)
+        twin = Index(self.divisor_ns)
         twin.all = list(self.all)
         twin.by_model = {model: list(heap) for model, heap in self.by_model.items()}
         return twin
@@ -98,6 +106,54 @@ class Index:
         if item is None:
             del self.by_model[model]
         return item
+
+
+class QueueIndexes:
+    """The scheduler's indexes of its waiting requests: ``aged``, by the key `Scheduler.next` ranks
+    by; ``plain``, where aging is on, by the key without aging (only needed to tell whether aging
+    changed a pick; None without aging); with reserved slots, ``reserved``, the same two over the
+    interactive requests alone (the reserved slots' candidates; None without)."""
+
+    __slots__ = ("aged", "plain", "reserved", "_every")
+
+    def __init__(self, divisor_ns: int, reserves_slots: bool) -> None:
+        self.aged, self.plain = _ranked(divisor_ns)
+        self.reserved = _ranked(divisor_ns) if reserves_slots else None
+        every = (self.aged, self.plain, *(self.reserved or ()))
+        self._every = tuple(index for index in every if index is not None)
+
+    def push(self, entry: Entry) -> None:
+        self.aged.push(entry)
+        if self.plain is not None:
+            self.plain.push(entry)
+        if self.reserved is not None and entry.interactive:
+            aged, plain = self.reserved
+            aged.push(entry)
+            if plain is not None:
+                plain.push(entry)
+
+    def rebuild(self, alive: Sequence[Entry]) -> None:
+        self.aged.rebuild(alive)
+        if self.plain is not None:
+            self.plain.rebuild(alive)
+        if self.reserved is not None:
+            interactive = [entry for entry in alive if entry.interactive]
+            aged, plain = self.reserved
+            aged.rebuild(interactive)
+            if plain is not None:
+                plain.rebuild(interactive)
+
+    def clear(self) -> None:
+        """Nothing waits: every item left is dead, and all go at once (none is met one by one
+        later, and a picture's copy of the heaps copies none: `order.dispatch_order`)."""
+        for index in self._every:
+            index.all.clear()
+            index.by_model.clear()
+
+
+def _ranked(divisor_ns: int) -> tuple[Index, Index | None]:
+    """An index by the time-free key and, where aging is on, one by the key without aging."""
+    return Index(divisor_ns), Index(0) if divisor_ns else None
 
 
 def prune(heap: list[Item], taken: set[int] | None) -> Item | None:

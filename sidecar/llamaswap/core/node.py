@@ -104,18 +104,18 @@ class HeldBackModels:
         return {name: models[0] for name, models in self.models.items()}
 
 
-def find(gpus: Sequence[GpuHolding], aged: Index, reserved: Index | None, warm: Collection[str], bonus: int,
-         wanted: Mapping[str | None, int], times: GpuTimes,
+def find(gpus: Sequence[GpuHolding], first: Entry, aged: Index, reserved: Index | None, warm: Collection[str],
+         bonus: int, wanted: Mapping[str | None, int], times: GpuTimes,
          resume: Callable[[list[Entry]], None], need: Need,
          held_back: HeldBackModels) -> tuple[int, Entry, Entry] | None:
-    """The GPU and the request that starts next, and the best request (the first asked: the
-    same one, unless the best waits); None if nothing starts now. (Asked with a request waiting
-    and a GPU that takes work: where none does, nothing starts and the best claims nothing.)
+    """The GPU and the request that starts next, and the best request (``first``, the first
+    asked: `order.pick`'s winner; the same one, unless the best waits); None if nothing starts
+    now. (Asked with a request waiting and a GPU that takes work: where none does, nothing
+    starts and the best claims nothing.)
     The best first: it starts (then nothing more is built), or it may hold one GPU back, or
     one model of it (only the best does), and the walk goes on behind it; ``resume`` gets the
     requests the walk suspended, whatever happens. ``held_back`` is set to the models the best
     holds back (`HeldBackModels.claim`), or emptied."""
-    first = pick(aged, warm, bonus)
     step, gpu, claim = _best_claims(gpus, first, times, wanted, need, held_back)
     if step is START:
         assert gpu is not None

@@ -78,20 +78,28 @@ _MODEL_STAYS_LOADED = frozenset({
 })
 
 
+# As module globals, for the functions below (each release): a member read through its class
+# costs 70 ns, a global 7 (`priority.band_of`'s note).
+_COMPLETE, _CLIENT_LEFT = ExchangeEnd.COMPLETE, ExchangeEnd.CLIENT_LEFT
+_SERVED, _UPSTREAM_ERROR, _CANCELLED_RUNNING = Outcome.SERVED, Outcome.UPSTREAM_ERROR, Outcome.CANCELLED_RUNNING
+# The ends that may leave the upstream computing.
+_ABANDONING = frozenset({ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED})
+
+
 def exchange_outcome(end: ExchangeEnd, status: int) -> Outcome:
     """The outcome of a granted exchange that ended with `end`, the client having been sent the
     HTTP `status`: served if the upstream answered in full below 500; the client leaving is a
     cancellation; anything else the upstream's error."""
-    if end is ExchangeEnd.COMPLETE:
-        return Outcome.SERVED if status < 500 else Outcome.UPSTREAM_ERROR
-    if end is ExchangeEnd.CLIENT_LEFT:
-        return Outcome.CANCELLED_RUNNING
-    return Outcome.UPSTREAM_ERROR
+    if end is _COMPLETE:
+        return _SERVED if status < 500 else _UPSTREAM_ERROR
+    if end is _CLIENT_LEFT:
+        return _CANCELLED_RUNNING
+    return _UPSTREAM_ERROR
 
 
 def abandons(end: ExchangeEnd) -> bool:
     """Whether an exchange that ended with `end` may leave the upstream computing (a settle follows)."""
-    return end in (ExchangeEnd.CLIENT_LEFT, ExchangeEnd.UPSTREAM_FAILED)
+    return end in _ABANDONING
 
 
 def model_stays_loaded(outcome: Outcome, status: int | None, *, one_model: bool = False,
@@ -109,7 +117,7 @@ def model_stays_loaded(outcome: Outcome, status: int | None, *, one_model: bool 
         return True
     if alone:
         return False
-    if outcome is Outcome.SERVED:
+    if outcome is _SERVED:
         if status is not None and 400 <= status < 500:
             return None
         return status is None or 200 <= status < 400

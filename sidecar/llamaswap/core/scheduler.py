@@ -27,7 +27,8 @@ Invariants, enforced here (by applying the rule to the one record of the grants)
 - the order ``snapshot`` shows is the order ``next`` grants in, one at a time (the same
   ``order.pick``; a reserved slot can let an interactive request start ahead);
 - a report of the resident models older than the latest grant is ignored (``set_residents``);
-- removed entries are deleted lazily from heaps and compacted when they outnumber the living.
+- removed entries are deleted lazily from heaps and compacted when they outnumber the living
+  (all at once when none is left: `index.QueueIndexes.clear`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from llamaswap.core.dispatch import NO_TIMES, GpuTimes, in_reserved_slot
 from llamaswap.core.eviction import NOT_WAITED_FOR, Eviction, victims
 from llamaswap.core.holding import GpuHolding
 from llamaswap.core.errors import InvalidSlots, QueueFull, SchedulerError, UnknownRequest
-from llamaswap.core.index import Entry, Index, entry_of
+from llamaswap.core.index import Entry, Index, QueueIndexes, entry_of
 from llamaswap.core.kept import KeptPlace, KeptPlaces
 from llamaswap.core.gpu_record import GpuRecord, NodeHolding
 from llamaswap.core.policy import Policy, PolicyName
@@ -66,6 +67,7 @@ _COMPACT_SLACK: Final = 1024
 _REASONS: Final = {
     (aging, affinity): frozenset((ReorderCause.AGING,) * aging + (ReorderCause.SWAP_AFFINITY,) * affinity)
     for aging in (False, True) for affinity in (False, True)}
+_NOBODY: Final[tuple[str, ...]] = ()  # the requests a grant overtook where it waited alone
 
 
 class Scheduler(idle.IdleUnloading):
@@ -109,36 +111,16 @@ class Scheduler(idle.IdleUnloading):
         self._divisor_ns = policy.aging_divisor_ns  # cached: read several times per dispatch
         self._max_wait_ns = policy.max_wait_ns  # cached: the expiry timer reads it per request (a property that rounds)
         self._bonus = policy.swap_affinity_bonus
-        # The key ``next`` ranks by, and (when aging is on) the key without aging, which is
-        # only needed to tell whether aging changed a pick.
-        self._aged, self._plain = self._indexes()
-        # With reserved slots, the same two for the interactive requests alone: the reserved
-        # slots' candidates.
-        self._reserved: tuple[Index, Index | None] | None = self._indexes() if policy.reserves_slots else None
-
-    def _indexes(self) -> tuple[Index, Index | None]:
-        divisor = self._divisor_ns
-        if divisor:
-            return Index(lambda e: e.base * divisor - e.arrival_ns, divisor), Index(lambda e: e.base, 1)
-        return Index(lambda e: e.base, 1), None
+        self._indexes = QueueIndexes(self._divisor_ns, policy.reserves_slots)
+        # Its members, as read at every grant (the same objects for as long as the policy stays).
+        self._aged, self._plain, self._reserved = self._indexes.aged, self._indexes.plain, self._indexes.reserved
 
     def _reset_queue(self) -> None:
         self._waiting: dict[str, Entry] = {}
         self._wanted = {}
         self._dead_in_heaps = 0
-        self._rebuild(())
+        self._indexes.clear()
         self._arrivals = Arrivals()
-
-    def _rebuild(self, alive: Sequence[Entry]) -> None:
-        self._aged.rebuild(alive)
-        if self._plain is not None:
-            self._plain.rebuild(alive)
-        if self._reserved is not None:
-            interactive = [entry for entry in alive if entry.interactive]
-            aged, plain = self._reserved
-            aged.rebuild(interactive)
-            if plain is not None:
-                plain.rebuild(interactive)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -271,22 +253,12 @@ class Scheduler(idle.IdleUnloading):
                       arrival_ns, named, alone, max_tokens, stoppable, place is not None and place.stopped)
         self._waiting[request_id] = entry
         self._wanted[model] = self._wanted.get(model, 0) + 1
-        self._push(entry)
+        self._indexes.push(entry)
         if place is None:
             self._arrivals.add(entry)
         else:
             self._arrivals.add_in_order(entry)
         return new_queued(depth, entry.arrival_ns, place)
-
-    def _push(self, entry: Entry) -> None:
-        self._aged.push(entry)
-        if self._plain is not None:
-            self._plain.push(entry)
-        if self._reserved is not None and entry.interactive:
-            aged, plain = self._reserved
-            aged.push(entry)
-            if plain is not None:
-                plain.push(entry)
 
     def keep(self, request_id: str, key: bytes, grace_ns: int) -> tuple[Removed, KeptPlace | None] | None:
         """A waiting request's client left: remove it, and keep its place under ``key`` for
@@ -346,9 +318,12 @@ class Scheduler(idle.IdleUnloading):
             # Nothing starts and the best claims nothing (`node.find`; `held_back` shows what it would).
             self._shut_times = times
             return self._nothing_starts(warm) if self._stops.running else None
+        # The one waiting request is the best (`order.pick` of a queue of one): no heap is read.
+        first = self._arrivals.oldest if len(self._waiting) == 1 else order.pick(self._aged, warm, self._bonus)
+        assert first is not None
         # (The requests the walk passed over are put back before the grant: its reasons read the
         # whole order.)
-        found = node.find(holdings, self._aged, self._reserved[0] if self._reserved is not None else None,
+        found = node.find(holdings, first, self._aged, self._reserved[0] if self._reserved is not None else None,
                           warm, self._bonus, self._wanted, times, self._resume, self._need, self._held_back)
         if found is None:
             return self._nothing_starts(warm)
@@ -407,7 +382,7 @@ class Scheduler(idle.IdleUnloading):
         no prune met them, stay as twins: counted as dead, so compaction clears them."""
         for entry in suspended:
             entry.alive = True
-            self._push(entry)
+            self._indexes.push(entry)
         self._dead_in_heaps += len(suspended)
         suspended.clear()
         if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
@@ -417,9 +392,11 @@ class Scheduler(idle.IdleUnloading):
                reserved_slot: bool, warm: frozenset[str], keep: Sequence[str | None]) -> Decision:
         now = self._clock.now_ns()
         residents = gpu.residents
-        reasons = _REASONS[plain is not None and order.pick(plain, warm, self._bonus) is not winner,
-                           bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
-        overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
+        reasons, overtook = _REASONS[False, False], _NOBODY  # it waited alone: nothing reordered it, it overtook nobody
+        if len(self._waiting) > 1:
+            reasons = _REASONS[plain is not None and order.pick(plain, warm, self._bonus) is not winner,
+                               bool(self._bonus and residents) and entry_of(aged.top()) is not winner]
+            overtook = self._arrivals.before(winner, OVERTAKEN_LIMIT)
         self._remove(winner)
         model = winner.model
         alone = winner.alone
@@ -544,7 +521,7 @@ class Scheduler(idle.IdleUnloading):
                 named = priority_models[entry.request_id]
                 entry.priority_model = named if named is not None else entry.model
             entry.base = policy.base_priority(entry.priority.value, entry.priority_model)
-        self._rebuild(alive)
+        self._indexes.rebuild(alive)
         self._dead_in_heaps = 0
 
     def drain(self) -> list[Removed]:
@@ -580,11 +557,14 @@ class Scheduler(idle.IdleUnloading):
         else:
             del self._wanted[entry.model]
         self._dead_in_heaps += 1
-        if self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
+        if not self._waiting:  # every item in the heaps is dead: they all go at once
+            self._indexes.clear()
+            self._dead_in_heaps = 0
+        elif self._dead_in_heaps > len(self._waiting) + _COMPACT_SLACK:
             self._compact()
 
     def _compact(self) -> None:
         alive = self._arrivals.order()
-        self._rebuild(alive)
+        self._indexes.rebuild(alive)
         self._arrivals.compact(alive)
         self._dead_in_heaps = 0
