@@ -28,6 +28,7 @@ from llamaswap.core import (
     exchange_outcome,
     model_stays_loaded,
 )
+from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.forecast import Forecast
@@ -132,7 +133,8 @@ class Grants:
         """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
         # (A settle or an adopted exchange on a GPU: nothing is granted there until it ends; the
         # scheduler was told as it began: `Adoptions`.)
-        times = self._forecast.gpu_times()  # (lazy: read only if the rule asks)
+        # (Lazy: read only if the rule asks; and where nobody waits, `Scheduler.next` reads none.)
+        times = self._forecast.gpu_times() if self._scheduler.depth else NO_TIMES
         while True:
             decision = self._scheduler.next(times)
             if decision is None:
@@ -183,9 +185,12 @@ class Grants:
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         # A stopped line's place is kept for it to resume (`stops.py`).
         stopped = self.stops.ended(ticket)
-        released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
-                                           keep_as=stopped.key if stopped is not None else None,
-                                           grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
+        if stopped is None:
+            released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
+        else:
+            released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
+                                               keep_as=stopped.key,
+                                               grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
         self.watchdogs.cancel(ticket.token)
         self.leases.released()
         if outcome is Outcome.SERVED and ticket.generation:
@@ -194,8 +199,9 @@ class Grants:
             self._estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
                                    first_byte_s=ticket.first_byte_s if ticket.streamed else None,
                                    max_tokens=ticket.max_tokens, gpu=decision.gpu)
-        stop = self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP
-        ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
+        # (upstream.abandonedGeneration read only where it decides: a watchdog's release.)
+        ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and
+                                         self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP)
         if stopped is not None:  # (seen before its end: the line's run span carries the stop)
             self._publisher.observe(self._observer.line_stopped, ticket, stopped.waiting, stopped.tokens_kept)
         self.finish(ticket, outcome, released.released_ns)

@@ -110,7 +110,9 @@ GENERATION_PATHS = frozenset({
 def is_generation(method: str, path: str, status: int) -> bool:
     """A POST to a generation path that the upstream answered 2xx: the only exchanges whose
     run time says how long a model takes to generate (not a 4xx, not a GET on the catch-all)."""
-    return method == "POST" and path.split("?", 1)[0] in GENERATION_PATHS and 200 <= status < 300
+    # (The path itself is looked up first: most carry no query, and each release asks.)
+    return method == "POST" and 200 <= status < 300 and (
+        path in GENERATION_PATHS or path.split("?", 1)[0] in GENERATION_PATHS)
 
 
 class Tokens:
