@@ -26,6 +26,11 @@ def listed(catalog: Catalog, model: str, check: ModelCheck) -> bool:
     return catalog.models is None or model in catalog.models
 
 
+def puts_to_sleep(catalog: Catalog | None) -> bool:
+    """The upstream of ``catalog`` is a router that puts models to sleep (`asleep.py`)."""
+    return catalog is not None and catalog.kind is UpstreamKind.ROUTER and catalog.sleep_after_s is not None
+
+
 def _single_model_of(catalog: Catalog | None) -> str | None:
     if catalog is None or catalog.kind is not UpstreamKind.SINGLE:
         return None
@@ -46,6 +51,7 @@ class ModelCatalog:
         self._observed = observed
         self._latest: Catalog | None = None
         self._single_model: str | None = None
+        self.puts_to_sleep = False  # `puts_to_sleep` of the last answer
         self._refresh: asyncio.Task[Catalog | None] | None = None
         self._said: set[str] = set()  # the models.<id> already warned about (`warn_unmatched`)
 
@@ -57,8 +63,10 @@ class ModelCatalog:
     @latest.setter
     def latest(self, catalog: Catalog | None) -> None:
         self._latest = catalog
-        # Read a few times per request (`ModelKeys.key`, each release): worked out once per answer.
+        # Read a few times per request (`ModelKeys.key`, each release; `RouterSleep.look` at each
+        # admission): worked out once per answer.
         self._single_model = _single_model_of(catalog)
+        self.puts_to_sleep = puts_to_sleep(catalog)
 
     def single_model(self) -> str | None:
         """Where the upstream's last answer says it serves one model whatever name a request gives,

@@ -46,16 +46,35 @@ class LiveConfig:
         return self._retry_grace_ns
 
 
+# The most model names whose keys are remembered at once (clients name what they like).
+_KEYS_REMEMBERED = 1024
+
+
 class ModelKeys:
     """What a request naming a model is scheduled as, and whose models.<id> it gets, under the
-    configuration in effect and what the GPUs serve (a single-model upstream: its one model)."""
+    configuration in effect and what the GPUs serve (a single-model upstream: its one model).
+
+    Each admission asks: a name's key is worked out once while the configuration and the single
+    model are those it was worked out under (both are values, replaced when they change)."""
 
     def __init__(self, config: LiveConfig, gpus: Gpus) -> None:
         self._config = config
         self._gpus = gpus
+        self._known: dict[str | None, ModelKey] = {}
+        self._known_under: tuple[Config, str | None] | None = None
 
     def key(self, model: str | None) -> ModelKey:
-        return model_key(model, self._gpus.single_model(), self._config.config.models.keys())
+        single = self._gpus.single_model()
+        config = self._config.config
+        known = self._known
+        under = self._known_under
+        if under is None or under[0] is not config or under[1] != single or len(known) >= _KEYS_REMEMBERED:
+            known.clear()
+            self._known_under = config, single
+        key = known.get(model)
+        if key is None:
+            key = known[model] = model_key(model, single, config.models.keys())
+        return key
 
     def scheduled(self, model: str | None) -> str | None:
         return self.key(model).scheduled
