@@ -121,16 +121,21 @@ class Admitter:
         ticket.queue_depth_at_arrival = queued.depth
         if queued.taken is not None:
             self._kept.took_over(ticket, queued.taken)
-        waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
-        ticket.waiter = waiter
         self._tickets[ticket.token] = ticket
         self._request_ids.add(ticket)
         self._publisher.changed()
         self._observer.enqueued(ticket)
         self._forecast.estimate_later(ticket)
         self.arm_expiry()
-        self._grants.pump()
-        decision = await waiter
+        self._grants.pump()  # (it grants a live ticket with no waiter yet: this one, queued in this step)
+        decision: Decision | None
+        if ticket.state is TicketState.WAITING:
+            # Not granted at once: it waits for its grant or its end (`Grants.finish`).
+            waiter: asyncio.Future[Decision | None] = asyncio.get_running_loop().create_future()
+            ticket.waiter = waiter
+            decision = await waiter
+        else:  # granted by that pass (the usual case on a free GPU: no future made for it)
+            decision = ticket.decision if ticket.outcome is None else None
         if decision is None:
             assert ticket.outcome is not None
             return self._forecast.refusal_of(ticket)

@@ -144,8 +144,9 @@ class Grants:
             ticket = self._tickets.get(decision.request_id)
             # Its unloads begin whatever becomes of it: the scheduler counts the evicted models gone.
             unloads = self.evictions.granted(decision)
+            # (A live ticket with no waiter is the one being admitted in this step: `Admitter._admit`.)
             waiter = ticket.waiter if ticket is not None else None
-            if ticket is not None and waiter is not None and not waiter.done():
+            if ticket is not None and (waiter is None or not waiter.done()):
                 ticket.unloads = unloads
                 self._grant(ticket, waiter, decision)
                 continue
@@ -155,7 +156,7 @@ class Grants:
             if ticket is not None:
                 self.finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
 
-    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None], decision: Decision) -> None:
+    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None] | None, decision: Decision) -> None:
         ticket.state = TicketState.RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._config.lease_ns()
@@ -163,7 +164,8 @@ class Grants:
         self._publisher.changed()
         self.leases.granted(ticket.lease_deadline_ns)
         self.watchdogs.arm(ticket)
-        waiter.set_result(decision)
+        if waiter is not None:
+            waiter.set_result(decision)
         if decision.model is not None and not decision.alone and self._config.keep_alive_honoured:
             # Ollama's keep_alive: the last request granted of a model says its idle time there.
             self._scheduler.keep_alive(decision.gpu, decision.model, ticket.keep_alive_s)
