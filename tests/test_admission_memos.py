@@ -1,7 +1,7 @@
 """What admission remembers between requests gives what working it out anew gives (issue 49):
-a model name's key (`ModelKeys.key`), the GPUs that may answer a model (`Gpus._may_answer`) and
-whether a GPU's router puts models to sleep (`ModelCatalog.puts_to_sleep`), across reloads and
-new catalogs."""
+a Check's priority (`LiveConfig.priority_of`), a model name's key (`ModelKeys.key`), the GPUs that
+may answer a model (`Gpus._may_answer`) and whether a GPU's router puts models to sleep
+(`ModelCatalog.puts_to_sleep`), across reloads and new catalogs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from llamaswap.config import parse_config
 from llamaswap.config.model_key import model_key
 from llamaswap.runtime.catalog import puts_to_sleep
 from llamaswap.runtime.gpus import Gpus
+from llamaswap.runtime.live_config import LiveConfig
 
 NAMES = (None, "a", "b", "x.gguf", "alias")
 
@@ -85,3 +86,34 @@ def test_whether_a_router_puts_models_to_sleep_follows_each_answer() -> None:
         catalog.latest = answer
         assert catalog.puts_to_sleep is puts_to_sleep(answer)
     assert puts_to_sleep(sleepy) and not puts_to_sleep(router("a")) and not puts_to_sleep(None)
+
+
+CLAIMS = [(header, trusted, objective, tier)
+          for header in (None, "", "interactive", " Batch ", "7", "-3", "99999999999999999999", "x", "+5")
+          for trusted in (None, "interactive", "12", "no")
+          for objective in (None, "chat", " batch ", "unknown")
+          for tier in (None, "flex", "priority", "auto")]
+
+
+def test_a_checks_priority_is_what_the_policy_resolves_across_reloads() -> None:
+    documents = [
+        {},
+        {"security": {"priority": {"mode": "clamp", "min": -10, "max": 10, "trustedHeader": "x-trusted"}},
+         "routing": {"objectives": {"chat": 30}}},
+        {"security": {"priority": {"mode": "strip", "trustedHeader": "x-trusted"}}},
+    ]
+    live = LiveConfig(parse_config(documents[0]))
+    for document in documents:
+        live.set(parse_config(document))
+        for _ in range(2):  # worked out, then remembered
+            for claims in CLAIMS:
+                assert live.priority_of(*claims) == live.priority_policy.resolve(*claims), claims
+
+
+def test_the_remembered_priorities_are_bounded() -> None:
+    from llamaswap.runtime import live_config
+
+    live = LiveConfig(parse_config({}))
+    for value in range(live_config._PRIORITIES_REMEMBERED + 10):
+        assert live.priority_of(str(value), None, None, None).value == value
+    assert len(live._priorities) <= live_config._PRIORITIES_REMEMBERED

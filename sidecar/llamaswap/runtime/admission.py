@@ -56,8 +56,8 @@ class Admitter:
 
     async def admit(self, arrival: Arrival) -> Admission:
         """The hold (a Check): queue the request and wait until it is granted or refused."""
-        priority = self._config.priority_policy.resolve(arrival.priority_header, arrival.trusted_header,
-                                                        arrival.objective, arrival.service_tier)
+        priority = self._config.priority_of(arrival.priority_header, arrival.trusted_header, arrival.objective,
+                                            arrival.service_tier)
         ticket = Ticket(self._tokens.next(), arrival, priority, self._clock.now_ns())
         self._open_checks += 1
         try:

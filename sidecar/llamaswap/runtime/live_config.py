@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from llamaswap.config import Config
 from llamaswap.config.model_key import ModelKey, model_key
-from llamaswap.core import NS_PER_S
+from llamaswap.core import NS_PER_S, Priority
 from llamaswap.runtime.gpus import Gpus, auto_slots
+
+
+# The most distinct priority claims whose priorities are remembered at once (clients send what they like).
+_PRIORITIES_REMEMBERED = 1024
 
 
 class LiveConfig:
@@ -22,6 +26,7 @@ class LiveConfig:
         self.config = config
         self.auto_slots = auto_slots(config)  # the upstreams whose slots are learnt (slots: auto)
         self.priority_policy = config.priority_policy()  # what callers may claim (each Check)
+        self._priorities: dict[tuple[str | None, str | None, str | None, str | None], Priority] = {}
         self.entries = {entry.name: entry for entry in config.gpu_entries}  # each GPU's, by its name
         self.keep_alive_honoured = config.routing.keep_alive.honour  # Ollama's keep_alive (each grant)
         # Durations in the runtime's nanoseconds, read at each grant and release.
@@ -32,6 +37,19 @@ class LiveConfig:
 
     def current(self) -> Config:
         return self.config
+
+    def priority_of(self, header: str | None, trusted: str | None, objective: str | None,
+                    service_tier: str | None) -> Priority:
+        """What `priority_policy` resolves a Check's claims to (`PriorityPolicy.resolve`, a function
+        of them): remembered per distinct claims under this configuration, as most requests send one
+        of a few (a frozen value, shared)."""
+        claims = header, trusted, objective, service_tier
+        priority = self._priorities.get(claims)
+        if priority is None:
+            if len(self._priorities) >= _PRIORITIES_REMEMBERED:
+                self._priorities.clear()
+            priority = self._priorities[claims] = self.priority_policy.resolve(*claims)
+        return priority
 
     def lease_ns(self) -> int:
         return self._lease_ns
