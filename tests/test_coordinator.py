@@ -137,12 +137,15 @@ async def test_the_ticket_state_machine() -> None:
     a = await flow.arrive("a", model="m")
     b = await flow.arrive("b", model="m")
     t = b.ticket
+    # Granted in its own admission's pass (a free GPU): answered without a future to wait on.
+    assert a.granted and a.ticket.state is TicketState.RUNNING and a.ticket.waiter is None
     assert t.state is TicketState.WAITING and t.decision is None and t.outcome is None and t.finished_ns is None
     assert t.arrival_ns == flow.now_ns and t.queue_depth_at_arrival == 0  # nothing waited when b came
     await flow.advance(1.5)
     await flow.complete(a)
     assert b.granted and b.ticket is t
     assert t.state is TicketState.RUNNING and t.outcome is None
+    assert t.waiter is not None and t.waiter.result() is t.decision  # it waited: its grant came through it
     assert t.decision is not None and t.decision.granted_ns == flow.now_ns
     assert t.decision.queue_wait_ns == round(1.5 * S)
     assert t.lease_deadline_ns == flow.now_ns + round(LEASE_S * S)

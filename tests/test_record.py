@@ -149,6 +149,10 @@ def test_a_generation_is_a_post_to_a_generation_path_answered_2xx() -> None:
     assert not is_generation("GET", "/v1/chat/completions", 200)
     assert not is_generation("GET", "/slots", 200)
     assert not is_generation("POST", "/models/load", 200)
+    # The path is looked up as sent first, then without its query: the same answer either way.
+    assert is_generation("POST", "/v1/chat/completions?", 200)
+    assert not is_generation("POST", "/models/load?next=/v1/completions", 200)
+    assert not is_generation("POST", "/v1/chat/completions/extra", 200)
 
 
 @virtual_time

@@ -33,16 +33,12 @@ from collections.abc import Awaitable
 from llamaswap.core import NS_PER_S, Clock, Scheduler
 from llamaswap.core.eviction import busy_of
 from llamaswap.core.holding import GpuHolding
+from llamaswap.runtime.catalog import puts_to_sleep
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.gpus import Gpu, Gpus
-from llamaswap.runtime.upstream import Catalog, UpstreamKind
+from llamaswap.runtime.upstream import Catalog
 
 _log = logging.getLogger(__name__)
-
-
-def puts_to_sleep(catalog: Catalog | None) -> bool:
-    """The upstream of ``catalog`` is a router that puts models to sleep."""
-    return catalog is not None and catalog.kind is UpstreamKind.ROUTER and catalog.sleep_after_s is not None
 
 
 def may_be_asleep(catalog: Catalog | None, holding: GpuHolding, model: str | None, now_ns: int) -> bool:
@@ -88,11 +84,14 @@ class RouterSleep:
         """Before a request of ``model`` is queued: the reads again of the catalog of each GPU
         where it may have been put to sleep (`may_be_asleep`), to wait for; None where there is
         none (no coroutine on the admission path for the usual case)."""
+        # (A GPU whose router puts nothing to sleep is passed by without building its holding, and
+        # with none such the clock is not read: this runs at every admission.)
+        sleeping = [gpu for gpu in self._gpus.all if gpu.catalog.puts_to_sleep]
+        if not sleeping:
+            return None
         now_ns = self._clock.now_ns()
-        # (A GPU whose router puts nothing to sleep is passed by without building its holding:
-        # this runs at every admission.)
-        stale = [gpu for gpu in self._gpus if puts_to_sleep(gpu.catalog.latest)
-                 and may_be_asleep(gpu.catalog.latest, self._scheduler.holding_of(gpu.name), model, now_ns)]
+        stale = [gpu for gpu in sleeping
+                 if may_be_asleep(gpu.catalog.latest, self._scheduler.holding_of(gpu.name), model, now_ns)]
         return asyncio.gather(*(gpu.catalog.refresh() for gpu in stale)) if stale else None
 
     def reported(self, gpu: str, catalog: Catalog) -> Catalog:

@@ -23,10 +23,7 @@ class Deferred:
             callback(*args)
             return
         self._deferred.append((callback, args))
-        self._flush_soon()
-
-    def _flush_soon(self) -> None:
-        if not self._flush_scheduled:
+        if not self._flush_scheduled:  # (inline: each grant and each end asks)
             self._flush_scheduled = True
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.call_soon, self.run)

@@ -23,6 +23,10 @@ from llamaswap.runtime.slot_learning import SlotLearner
 from llamaswap.runtime.upstream import Catalog, Upstream, UpstreamKind
 
 
+# The most (model, scheduled) pairs whose GPUs `Gpus._may_answer` remembers at once.
+_ANSWERS_REMEMBERED = 1024
+
+
 @dataclasses.dataclass(eq=False)
 class Gpu:
     """One upstream of the node and what the runtime knows of it."""
@@ -76,6 +80,9 @@ class Gpus:
         self.all = gpus
         self.adoptions = adoptions  # the node's adopted exchanges (`Leases.adopted`), which each GPU reads
         self._by_name = {gpu.name: gpu for gpu in gpus}
+        # `_may_answer`'s answers by (model, scheduled), and the policy and entries they hold under.
+        self._answering: dict[tuple[str, str | None], tuple[Gpu, ...]] = {}
+        self._answering_under: tuple[Policy | None, Mapping[str, GpuEntry] | None] = None, None
 
     def __iter__(self) -> Iterator[Gpu]:
         return iter(self.all)
@@ -135,9 +142,20 @@ class Gpus:
         return False
 
     def _may_answer(self, model: str, scheduled: str | None, policy: Policy,
-                    entries: Mapping[str, GpuEntry]) -> Iterator[Gpu]:
-        """The GPUs whose entry lists ``model`` and where the scheduler may run it as ``scheduled``."""
-        return (gpu for gpu in self.all if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled))
+                    entries: Mapping[str, GpuEntry]) -> tuple[Gpu, ...]:
+        """The GPUs whose entry lists ``model`` and where the scheduler may run it as ``scheduled``.
+        (Each admission asks: the answer is remembered while ``policy`` and ``entries``, values
+        replaced when they change, are those it was worked out under.)"""
+        if policy is not self._answering_under[0] or entries is not self._answering_under[1] or (
+                len(self._answering) >= _ANSWERS_REMEMBERED):
+            self._answering.clear()
+            self._answering_under = policy, entries
+        asked = model, scheduled
+        gpus = self._answering.get(asked)
+        if gpus is None:
+            gpus = self._answering[asked] = tuple(
+                gpu for gpu in self.all if entries[gpu.name].lists(model) and policy.gpu(gpu.name).may_serve(scheduled))
+        return gpus
 
     def reconcile(self, catalog: Catalog, as_of: int, name: str, *, scheduler: Scheduler,
                   config: Config, changed: Callable[[], None], reconfigure: Callable[[], None]) -> None:

@@ -28,6 +28,7 @@ from llamaswap.core import (
     exchange_outcome,
     model_stays_loaded,
 )
+from llamaswap.core.dispatch import NO_TIMES
 from llamaswap.runtime.adoptions import Adoptions
 from llamaswap.runtime.evictions import Evictions
 from llamaswap.runtime.forecast import Forecast
@@ -44,6 +45,14 @@ from llamaswap.runtime.views import free
 from llamaswap.runtime.watchdogs import Watchdogs
 
 _log = logging.getLogger(__name__)
+
+# The members read for every request, as module globals: in Python 3.11 a member read through its
+# class goes through the metaclass's ``__getattr__`` hook, about 70 ns against 10 for a global.
+_RUNNING, _DONE = TicketState.RUNNING, TicketState.DONE
+_SERVED, _WATCHDOG = Outcome.SERVED, Outcome.WATCHDOG
+_CLIENT_LEFT = ExchangeEnd.CLIENT_LEFT
+# Released while its exchange may still run: if Envoy reports it again, it is adopted.
+_MAY_STILL_RUN = (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE)
 
 
 class Grants:
@@ -100,20 +109,19 @@ class Grants:
     def report(self, token: str, report: ExchangeReport) -> None:
         """An access-log entry about a granted exchange: a lease renewal, or its end."""
         ticket = self._tickets.get(token)
-        if ticket is None or ticket.state is not TicketState.RUNNING:
+        if ticket is None or ticket.state is not _RUNNING:
             self.adoptions.report(token, report)  # an exchange this process does not hold
             return
         if report.first_byte_s is not None:
             ticket.first_byte_s = report.first_byte_s
-        now = self._clock.now_ns()
         if not report.final:
-            ticket.lease_deadline_ns = now + self._config.lease_ns()
+            ticket.lease_deadline_ns = self._clock.now_ns() + self._config.lease_ns()
             return
         end = report.end or ExchangeEnd.UPSTREAM_FAILED
         ticket.end = end
         ticket.response_status = report.status
         # A line being stopped ends as its feeder closed it: stopped, not a client that left.
-        outcome = (Outcome.STOPPED if end is ExchangeEnd.CLIENT_LEFT and self.stops.stopping(ticket)
+        outcome = (Outcome.STOPPED if end is _CLIENT_LEFT and self.stops.stopping(ticket)
                    else exchange_outcome(end, report.status))
         self.release(ticket, outcome, abandoned=abandons(end))
 
@@ -132,7 +140,8 @@ class Grants:
         """Grant while a GPU has room and someone waits: up to the slots of its loaded model."""
         # (A settle or an adopted exchange on a GPU: nothing is granted there until it ends; the
         # scheduler was told as it began: `Adoptions`.)
-        times = self._forecast.gpu_times()  # (lazy: read only if the rule asks)
+        # (Lazy: read only if the rule asks; and where nobody waits, `Scheduler.next` reads none.)
+        times = self._forecast.gpu_times() if self._scheduler.depth else NO_TIMES
         while True:
             decision = self._scheduler.next(times)
             if decision is None:
@@ -142,8 +151,9 @@ class Grants:
             ticket = self._tickets.get(decision.request_id)
             # Its unloads begin whatever becomes of it: the scheduler counts the evicted models gone.
             unloads = self.evictions.granted(decision)
+            # (A live ticket with no waiter is the one being admitted in this step: `Admitter._admit`.)
             waiter = ticket.waiter if ticket is not None else None
-            if ticket is not None and waiter is not None and not waiter.done():
+            if ticket is not None and (waiter is None or not waiter.done()):
                 ticket.unloads = unloads
                 self._grant(ticket, waiter, decision)
                 continue
@@ -153,15 +163,16 @@ class Grants:
             if ticket is not None:
                 self.finish(ticket, Outcome.CANCELLED_WAITING, decision.granted_ns)
 
-    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None], decision: Decision) -> None:
-        ticket.state = TicketState.RUNNING
+    def _grant(self, ticket: Ticket, waiter: asyncio.Future[Decision | None] | None, decision: Decision) -> None:
+        ticket.state = _RUNNING
         ticket.decision = decision
         ticket.lease_deadline_ns = decision.granted_ns + self._config.lease_ns()
         self.idle.clear()
         self._publisher.changed()
         self.leases.granted(ticket.lease_deadline_ns)
         self.watchdogs.arm(ticket)
-        waiter.set_result(decision)
+        if waiter is not None:
+            waiter.set_result(decision)
         if decision.model is not None and not decision.alone and self._config.keep_alive_honoured:
             # Ollama's keep_alive: the last request granted of a model says its idle time there.
             self._scheduler.keep_alive(decision.gpu, decision.model, ticket.keep_alive_s)
@@ -183,19 +194,23 @@ class Grants:
                                           one_model=gpu.catalog.single_model() is not None, alone=ticket.alone)
         # A stopped line's place is kept for it to resume (`stops.py`).
         stopped = self.stops.ended(ticket)
-        released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
-                                           keep_as=stopped.key if stopped is not None else None,
-                                           grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
+        if stopped is None:
+            released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent)
+        else:
+            released = self._scheduler.release(ticket.token, model_loaded=model_loaded, reached_upstream=sent,
+                                               keep_as=stopped.key,
+                                               grace_ns=max(self._config.retry_grace_ns(), KEEP_STOPPED_MIN_NS))
         self.watchdogs.cancel(ticket.token)
         self.leases.released()
-        if outcome is Outcome.SERVED and ticket.generation:
+        if outcome is _SERVED and ticket.generation:
             # Only a streamed first byte is the generation's start: a non-streamed one is its end,
             # and would teach generation length as swap cost.
             self._estimator.record(decision.model, run_s=released.run_ns / NS_PER_S, model_load=decision.model_load,
                                    first_byte_s=ticket.first_byte_s if ticket.streamed else None,
                                    max_tokens=ticket.max_tokens, gpu=decision.gpu)
-        stop = self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP
-        ticket.abandoned = abandoned or (outcome is Outcome.WATCHDOG and stop)
+        # (upstream.abandonedGeneration read only where it decides: a watchdog's release.)
+        ticket.abandoned = abandoned or (outcome is _WATCHDOG and
+                                         self._config.config.upstream.abandoned_generation is AbandonedGeneration.STOP)
         if stopped is not None:  # (seen before its end: the line's run span carries the stop)
             self._publisher.observe(self._observer.line_stopped, ticket, stopped.waiting, stopped.tokens_kept)
         self.finish(ticket, outcome, released.released_ns)
@@ -211,11 +226,10 @@ class Grants:
             return False
         ticket.outcome = outcome
         ticket.finished_ns = at_ns
-        ticket.state = TicketState.DONE
+        ticket.state = _DONE
         self._tickets.pop(ticket.token, None)
         self._request_ids.forget(ticket)
-        if ticket.decision is not None and outcome in (Outcome.LEASE_EXPIRED, Outcome.PROXY_GONE):
-            # Released while its exchange may still run: if Envoy reports it again, it is adopted.
+        if ticket.decision is not None and outcome in _MAY_STILL_RUN:
             self.leases.remember_lapsed(ticket.token, ticket.decision.granted_ns, ticket.decision.gpu)
         waiter = ticket.waiter
         if waiter is not None and not waiter.done():

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from llamaswap.config import Config
 from llamaswap.config.model_key import ModelKey, model_key
-from llamaswap.core import NS_PER_S
+from llamaswap.core import NS_PER_S, Priority
 from llamaswap.runtime.gpus import Gpus, auto_slots
+
+
+# The most distinct priority claims whose priorities are remembered at once (clients send what they like).
+_PRIORITIES_REMEMBERED = 1024
 
 
 class LiveConfig:
@@ -22,6 +26,7 @@ class LiveConfig:
         self.config = config
         self.auto_slots = auto_slots(config)  # the upstreams whose slots are learnt (slots: auto)
         self.priority_policy = config.priority_policy()  # what callers may claim (each Check)
+        self._priorities: dict[tuple[str | None, str | None, str | None, str | None], Priority] = {}
         self.entries = {entry.name: entry for entry in config.gpu_entries}  # each GPU's, by its name
         self.keep_alive_honoured = config.routing.keep_alive.honour  # Ollama's keep_alive (each grant)
         # Durations in the runtime's nanoseconds, read at each grant and release.
@@ -32,6 +37,19 @@ class LiveConfig:
 
     def current(self) -> Config:
         return self.config
+
+    def priority_of(self, header: str | None, trusted: str | None, objective: str | None,
+                    service_tier: str | None) -> Priority:
+        """What `priority_policy` resolves a Check's claims to (`PriorityPolicy.resolve`, a function
+        of them): remembered per distinct claims under this configuration, as most requests send one
+        of a few (a frozen value, shared)."""
+        claims = header, trusted, objective, service_tier
+        priority = self._priorities.get(claims)
+        if priority is None:
+            if len(self._priorities) >= _PRIORITIES_REMEMBERED:
+                self._priorities.clear()
+            priority = self._priorities[claims] = self.priority_policy.resolve(*claims)
+        return priority
 
     def lease_ns(self) -> int:
         return self._lease_ns
@@ -46,16 +64,35 @@ class LiveConfig:
         return self._retry_grace_ns
 
 
+# The most model names whose keys are remembered at once (clients name what they like).
+_KEYS_REMEMBERED = 1024
+
+
 class ModelKeys:
     """What a request naming a model is scheduled as, and whose models.<id> it gets, under the
-    configuration in effect and what the GPUs serve (a single-model upstream: its one model)."""
+    configuration in effect and what the GPUs serve (a single-model upstream: its one model).
+
+    Each admission asks: a name's key is worked out once while the configuration and the single
+    model are those it was worked out under (both are values, replaced when they change)."""
 
     def __init__(self, config: LiveConfig, gpus: Gpus) -> None:
         self._config = config
         self._gpus = gpus
+        self._known: dict[str | None, ModelKey] = {}
+        self._known_under: tuple[Config, str | None] | None = None
 
     def key(self, model: str | None) -> ModelKey:
-        return model_key(model, self._gpus.single_model(), self._config.config.models.keys())
+        single = self._gpus.single_model()
+        config = self._config.config
+        known = self._known
+        under = self._known_under
+        if under is None or under[0] is not config or under[1] != single or len(known) >= _KEYS_REMEMBERED:
+            known.clear()
+            self._known_under = config, single
+        key = known.get(model)
+        if key is None:
+            key = known[model] = model_key(model, single, config.models.keys())
+        return key
 
     def scheduled(self, model: str | None) -> str | None:
         return self.key(model).scheduled

@@ -29,7 +29,10 @@ VIEW_MAX_AGE_S = 0.2
 
 def free(holdings: Sequence[GpuHolding]) -> bool:
     """Nothing holds any of these GPUs: no grant, no settle, no adopted exchange."""
-    return not any(gpu.running.busy or gpu.blocked for gpu in holdings)
+    for gpu in holdings:  # (a loop, not any() over a generator: each release asks)
+        if gpu.running.busy or gpu.blocked:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
