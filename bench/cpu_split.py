@@ -44,7 +44,7 @@ STEPS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("Check: the grant in admit (Grants.pump: scheduler, lease, ticket)", _all(r"Coordinator\.admit \(",
                                                                                r"Grants\.(pump|_grant) \(")),
     ("Check: admission less the grant (Coordinator.admit)", _any(r"Coordinator\.admit \(")),
-    ("Check: the OK response (granted)", _any(r";granted \(")),
+    ("Check: the OK response (granted_wire)", _any(r";granted(_wire)? \(")),
     ("Check: the rest of the handler", _any(r"Authorization\.Check \(")),
     ("access log: the release and the next grant (Coordinator.report)", _any(r"Coordinator\.report \(")),
     ("access log: reading the entry (ticket_of, report_of)", _any(r";(ticket_of|report_of|exchange_end) \(")),

@@ -11,7 +11,7 @@ time of the Python callers around them (use py-spy with --native for those), and
 sidecar about 1.5-2x, so read the shares and the per-request figures, not absolute latencies.
 
 The report divides each function's own (tottime) and inclusive (cumtime) time by the number of
-requests, counted as the calls of `ext_authz.granted` (one per granted Check) unless `--per`
+requests, counted as the calls of `ext_authz.granted_wire` (one per granted Check) unless `--per`
 names another function.
 """
 
@@ -27,7 +27,7 @@ HOT_PATH = (
     ("adapters/ext_authz.py", "Check"),
     ("adapters/ext_authz.py", "_arrival"),
     ("adapters/ext_authz.py", "model_of"),
-    ("adapters/ext_authz.py", "granted"),
+    ("adapters/ext_authz.py", "granted_wire"),
     ("adapters/ext_authz.py", "_decision_values"),
     ("runtime/admission.py", "admit"),
     ("runtime/admission.py", "_admit"),
@@ -87,7 +87,7 @@ def run(output: str, argv: list[str]) -> int:
         profiler.dump_stats(output)
 
 
-def report(path: str, per: str = "granted", top: int = 25) -> str:
+def report(path: str, per: str = "granted_wire", top: int = 25) -> str:
     stats = pstats.Stats(path)
     entries = stats.stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
     requests = sum(nc for (file, _, name), (_, nc, _, _, _) in entries.items()
@@ -117,7 +117,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the stats here when the sidecar stops")
     parser.add_argument("--report", help="summarise a stats file")
-    parser.add_argument("--per", default="granted", help="the function whose calls count requests")
+    parser.add_argument("--per", default="granted_wire", help="the function whose calls count requests")
     parser.add_argument("--top", type=int, default=25)
     args, rest = parser.parse_known_args()
     if args.report:

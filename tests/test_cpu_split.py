@@ -73,17 +73,17 @@ def test_under_uvloop_idle_waits_are_left_out_and_the_loops_own_work_has_its_row
 
 def test_the_table_gives_shares_and_microseconds(tmp_path: pathlib.Path) -> None:
     profile = write_profile(tmp_path, {
-        f"{CHECK};granted (llamaswap/adapters/ext_authz.py:91)": 1,
+        f"{CHECK};granted_wire (llamaswap/adapters/ext_authz.py:91)": 1,
         f"{MAIN};{LOOP};0x7f (cygrpc.so);task_step (_asynciomodule.c:1)": 3,
     })
     table = cpu_split.render(profile, main_us=1000.0, requests=None, rate=250)
-    assert "| Check: the OK response (granted) | 25.0 % | 250 |" in table
+    assert "| Check: the OK response (granted_wire) | 25.0 % | 250 |" in table
     assert "| grpc.aio: Cython and task steps (the rest) | 75.0 % | 750 |" in table
 
 
 def test_the_functions_it_names_still_exist() -> None:
     from llamaswap.adapters.access_log import AccessLogs, report_of, ticket_of
-    from llamaswap.adapters.ext_authz import Authorization, granted, retry_digest
+    from llamaswap.adapters.ext_authz import Authorization, granted_wire, retry_digest
     from llamaswap.runtime.activity import ActivityLog
     from llamaswap.runtime.coordinator import Coordinator
     from llamaswap.runtime.deferred import Deferred
@@ -94,5 +94,5 @@ def test_the_functions_it_names_still_exist() -> None:
                         (Coordinator, "report"), (Grants, "pump"), (Grants, "_grant"), (AccessLogs, "StreamAccessLogs"),
                         (QueuePictures, "_build_now"), (Deferred, "run"), (ActivityLog, "_write")):
         assert callable(getattr(owner, name)), f"{owner.__name__}.{name}"
-    assert all(callable(function) for function in (report_of, ticket_of, granted, retry_digest))
+    assert all(callable(function) for function in (report_of, ticket_of, granted_wire, retry_digest))
     assert (ROOT / "sidecar/llamaswap/runtime/history.py").exists()
