@@ -9,14 +9,14 @@
 
 An Observer, after the activity log in the observers' order: a request's record is the one the
 log built when it finished (`ActivityLog.finished_record`: one format, one time base, built and
-encoded once per request). Each entry is encoded to JSON once, when it is added, and kept in end-time
-order, bounded by age and by count, so serving the last hour is a join of bytes.
+encoded once per request). Each entry is encoded to JSON once, when it is first read (never
+while no page reads the timeline), and kept in end-time order, bounded by age and by count, so
+serving the last hour again is a join of bytes.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import os
@@ -44,20 +44,51 @@ _TAIL_BLOCK = 1 << 16
 _log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(slots=True)
 class Entry:
-    """One timeline entry, encoded; never changed once made (not frozen: a frozen dataclass
-    takes four times as long to make, and one is made per request)."""
+    """One timeline entry; never changed once made. Its JSON (`body`) is joined when first read,
+    not when the entry is made: one is made per request, and none is read while no page is
+    open (a page reads each once: the bytes are kept then)."""
 
-    seq: int
-    kind: str  # grant | mark | settle
-    request_id: str
-    end_ms: float  # Unix milliseconds
-    body: bytes  # the entry as a JSON object
+    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_line", "_fields")
+
+    def __init__(self, seq: int, kind: str, request_id: str, end_ms: float, line: bytes | None,
+                 fields: dict[str, Any]) -> None:
+        self.seq = seq
+        self.kind = kind  # grant | mark | settle
+        self.request_id = request_id
+        self.end_ms = end_ms  # Unix milliseconds
+        self._body: bytes | None = None
+        # Until `body` is read: the JSON object its first members are (the activity log's line;
+        # None: none) and the members after them, which no key of the line's names.
+        self._line = line
+        self._fields: dict[str, Any] | None = fields
+
+    @property
+    def body(self) -> bytes:
+        """The entry as a JSON object: seq, kind, the line's members, then the fields."""
+        body = self._body
+        if body is None:
+            body = self._body = _entry_json(self.seq, self.kind, self._line, self._fields or {})
+            self._line = self._fields = None  # in the body now
+        return body
 
     def document(self) -> dict[str, Any]:
         decoded: dict[str, Any] = json.loads(self.body)
         return decoded
+
+
+def _entry_json(seq: int, kind: str, line: bytes | None, fields: dict[str, Any]) -> bytes:
+    """The bytes the encoder writes for {"seq", "kind", *line's members, *fields}: the line's
+    bytes taken whole (its members are those of an object, comma-separated; `kind` is one of
+    History's names, ASCII)."""
+    if line is None:
+        return _encode({"seq": seq, "kind": kind, **fields})
+    members = [b'{"seq":%d,"kind":"%b"' % (seq, kind.encode())]
+    if len(line) > 2:
+        members.append(line[1:-1])
+    if fields:
+        members.append(_encode(fields)[1:-1])
+    return b",".join(members) + b"}"
 
 
 class History:
@@ -252,20 +283,14 @@ class History:
         (the activity log's line), which the entry's takes whole instead of encoding it again."""
         self._seq += 1
         if encoded is not None and (not extra or extra.keys().isdisjoint(document)):
-            # The bytes the encoder writes for the merged dict: its members are the document's
-            # and then extra's, in order, comma-separated (`kind` is one of this class's names).
-            members = [b'{"seq":%d,"kind":"%b"' % (self._seq, kind.encode())]
-            if len(encoded) > 2:
-                members.append(encoded[1:-1])
-            if extra:
-                members.append(_encode(extra)[1:-1])
-            body = b",".join(members) + b"}"
-        else:
-            body = _encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})
-        self._entries.append(Entry(self._seq, kind, request_id, end_ms, body))
+            entry = Entry(self._seq, kind, request_id, end_ms, encoded, extra or {})
+        else:  # its own copy: the document may be the log's record, which a settle changes
+            entry = Entry(self._seq, kind, request_id, end_ms, None, {**document, **(extra or {})})
+        entries = self._entries
+        entries.append(entry)
         oldest_ms = end_ms - self._window_ms
-        while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
-            self._entries.popleft()
+        while entries and (len(entries) > self._capacity or entries[0].end_ms < oldest_ms):
+            entries.popleft()
 
 
 def _last_lines(path: str, count: int) -> list[bytes]:
