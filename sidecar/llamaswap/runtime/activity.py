@@ -298,10 +298,10 @@ class ActivityLog:
             "generation": ticket.generation,
             # A Batch API line that may be stopped for a higher band (`stops.py`): simulate --preempt replays its stops.
             "batch_line": ticket.line_key is not None,
-            "outcome": outcome.value if outcome is not None else None,
+            "outcome": outcome._value_ if outcome is not None else None,  # (no Enum property call)
             "dispatched": decision is not None,
             "serial_priority": priority.value,
-            "serial_band": priority.band.value,
+            "serial_band": priority.band._value_,
             "serial_score": score,
             "serial_queue_wait_ms": round(ticket.queue_wait_ns / 1e6, 3),
             "serial_slots_busy": slots_busy,

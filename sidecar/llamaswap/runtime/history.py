@@ -91,6 +91,15 @@ def _entry_json(seq: int, kind: str, line: bytes | None, fields: dict[str, Any])
     return b",".join(members) + b"}"
 
 
+class _GpuCounts:
+    """One upstream's (GPU's) grants, swaps and loads since the sidecar started."""
+
+    __slots__ = ("dispatched", "swaps", "loads")
+
+    def __init__(self) -> None:
+        self.dispatched = self.swaps = self.loads = 0
+
+
 class History:
     """An Observer that keeps the timeline and the counters the page shows."""
 
@@ -109,10 +118,9 @@ class History:
         self._outcomes: collections.Counter[str] = collections.Counter()
         self._kept: collections.Counter[str] = collections.Counter()  # kept places, by event
         self._settles: collections.Counter[str] = collections.Counter()
-        self._swaps = 0
-        self._loads = 0
-        # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one.
-        self._counts_by_gpu: dict[str, collections.Counter[str]] = {}
+        # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one
+        # (the node's swaps and loads are their sums).
+        self._counts_by_gpu: dict[str, _GpuCounts] = {}
         self._ratios: collections.deque[float] = collections.deque(maxlen=RATIO_SAMPLES)
         self._actual_wait_s = 0.0
         self._estimated_wait_s = 0.0
@@ -145,9 +153,9 @@ class History:
         return {
             "dispatched": dict(self._dispatched),
             "reorders": dict(self._reorders),
-            "swaps": self._swaps,
-            "loads": self._loads,
-            "upstreams": {name: {"dispatched": counts["dispatched"], "swaps": counts["swaps"], "loads": counts["loads"]}
+            "swaps": sum(counts.swaps for counts in self._counts_by_gpu.values()),
+            "loads": sum(counts.loads for counts in self._counts_by_gpu.values()),
+            "upstreams": {name: {"dispatched": counts.dispatched, "swaps": counts.swaps, "loads": counts.loads}
                           for name, counts in self._counts_by_gpu.items()},
             "outcomes": dict(self._outcomes),
             "kept_places": dict(self._kept),
@@ -212,17 +220,18 @@ class History:
         # Counted at the grant, so the running grants are in the counters too.
         decision = ticket.decision
         if decision is not None:
-            self._dispatched[decision.band.value] += 1
+            # (`_value_`: the member's value, without the Enum property's Python call)
+            self._dispatched[decision.band._value_] += 1
             for cause in decision.reordered_by:
                 self._reorders[str(cause)] += 1
-            self._swaps += decision.swap
-            self._loads += decision.load
             counts = self._counts_by_gpu.get(decision.gpu)
             if counts is None:
-                counts = self._counts_by_gpu[decision.gpu] = collections.Counter()
-            counts["dispatched"] += 1
-            counts["swaps"] += decision.swap
-            counts["loads"] += decision.load
+                counts = self._counts_by_gpu[decision.gpu] = _GpuCounts()
+            counts.dispatched += 1
+            if decision.swap:  # (most grants neither swap nor load)
+                counts.swaps += 1
+            if decision.load:
+                counts.loads += 1
 
     def reads_queue(self, pictures: PictureSource) -> None:
         pass
@@ -248,7 +257,7 @@ class History:
     def finished(self, ticket: Ticket) -> None:
         record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR
-        self._outcomes[outcome.value] += 1
+        self._outcomes[outcome._value_] += 1
         decision = ticket.decision
         end_ms = round(self._activity.unix_ms(ticket.ended_ns), 3)  # `time` is in whole milliseconds
         if decision is None:
