@@ -259,7 +259,7 @@ class History:
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR
         self._outcomes[outcome._value_] += 1
         decision = ticket.decision
-        end_ms = round(self._activity.unix_ms(ticket.ended_ns), 3)  # `time` is in whole milliseconds
+        end_ms = self._activity.unix_ms_rounded(ticket.ended_ns)  # `time` is in whole milliseconds
         if decision is None:
             self._add("mark", ticket.request_id, end_ms, record, {"end_ms": end_ms}, encoded=encoded)
             return
@@ -275,8 +275,8 @@ class History:
 
     def settled(self, settle: Settle) -> None:
         self._settles[settle.reason.value] += 1
-        start_ms = round(self._activity.unix_ms(settle.started_ns), 3)
-        end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
+        start_ms = self._activity.unix_ms_rounded(settle.started_ns)
+        end_ms = self._activity.unix_ms_rounded(settle.ended_ns)
         self._add("settle", settle.request_id, end_ms, {
             "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
             "model": settle.model, "upstream": settle.gpu, "start_ms": start_ms, "end_ms": end_ms,
