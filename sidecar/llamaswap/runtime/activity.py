@@ -193,7 +193,7 @@ class ActivityLog:
         now = self._clock.now_ns()
         self._write({
             "event": STOP,
-            "time": round(self._unix_ms(now) / 1000, 3),
+            "time": round(self.unix_ms(now) / 1000, 3),
             "upstream": decision.gpu,
             "model": decision.model,
             "request_id": line.request_id,  # the line stopped
@@ -209,7 +209,7 @@ class ActivityLog:
         """An idle unload: an `eviction` record with the reason `idle` (no request made room by it)."""
         self._write({
             "event": EVICTION,
-            "time": round(self._unix_ms(unload.at_ns) / 1000, 3),
+            "time": round(self.unix_ms(unload.at_ns) / 1000, 3),
             "upstream": unload.gpu,
             "model": unload.model,
             "reason": EvictReason.IDLE.value,
@@ -220,7 +220,7 @@ class ActivityLog:
     def settings_changed(self, policy: Policy) -> None:
         self._write({
             "event": "settings",
-            "time": round(self._unix_ms(self._clock.now_ns()) / 1000, 3),
+            "time": round(self.unix_ms(self._clock.now_ns()) / 1000, 3),
             "scheduler": policy.name.value,
             "aging_divisor_s": policy.aging_divisor_s,
             "swap_affinity_bonus": policy.swap_affinity_bonus,
@@ -360,7 +360,7 @@ class ActivityLog:
         assert decision is not None
         return {
             "event": EVICTION,
-            "time": round(self._unix_ms(decision.granted_ns) / 1000, 3),
+            "time": round(self.unix_ms(decision.granted_ns) / 1000, 3),
             "upstream": decision.gpu,
             "model": eviction.model,  # the model unloaded
             "reason": eviction.reason.value,
@@ -369,7 +369,7 @@ class ActivityLog:
             "trace_id": ticket.trace_id,
             "serial_priority": decision.priority,
             "serial_band": decision.band.value,
-            "granted_unix_ms": round(self._unix_ms(decision.granted_ns), 3),
+            "granted_unix_ms": self.unix_ms_rounded(decision.granted_ns),
         }
 
     def unix_ms(self, clock_ns: int) -> float:
@@ -378,10 +378,7 @@ class ActivityLog:
 
     def unix_ms_rounded(self, clock_ns: int) -> float:
         """`unix_ms` rounded to 3 decimals (a record's `arrival_unix_ms`)."""
-        return thousandths((clock_ns + self._wall_offset_ns) / _NS_PER_MS)
-
-    def _unix_ms(self, clock_ns: int) -> float:
-        return (clock_ns + self._wall_offset_ns) / _NS_PER_MS
+        return thousandths(self.unix_ms(clock_ns))
 
     def _write(self, record: dict[str, Any]) -> bytes | None:
         """Keep the record and write its line where one is taken: the line, or None if none is."""
