@@ -9,9 +9,9 @@
 
 An Observer, after the activity log in the observers' order: a request's record is the one the
 log built when it finished (`ActivityLog.finished_record`: one format, one time base, built and
-encoded once per request). Each entry is encoded to JSON once, when it is first read (never
-while no page reads the timeline), and kept in end-time order, bounded by age and by count, so
-serving the last hour again is a join of bytes.
+encoded once per request). Each entry is encoded to JSON once (a request's when it is first
+read: never while no page reads the timeline) and kept in end-time order, bounded by age and
+by count, so serving the last hour again is a join of bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llamaswap.core import Band, Clock, Outcome, Policy
@@ -45,50 +45,55 @@ _log = logging.getLogger(__name__)
 
 
 class Entry:
-    """One timeline entry; never changed once made. Its JSON (`body`) is joined when first read,
-    not when the entry is made: one is made per request, and none is read while no page is
-    open (a page reads each once: the bytes are kept then)."""
+    """One timeline entry; never changed once made. A request's entry keeps the activity log's
+    line and joins its JSON (`body`) when first read, not when made: one is made per request, and
+    none is read while no page is open (a page reads each once: the bytes are kept then). What it
+    keeps until then is no object the garbage collector tracks (a grant that overtook nobody)."""
 
-    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_line", "_fields")
+    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_line", "_start_ms", "_overtook")
 
-    def __init__(self, seq: int, kind: str, request_id: str, end_ms: float, line: bytes | None,
-                 fields: dict[str, Any]) -> None:
+    def __init__(self, seq: int, kind: str, request_id: str, end_ms: float, *, body: bytes | None = None,
+                 line: bytes | None = None, start_ms: float | None = None,
+                 overtook: Sequence[dict[str, Any]] = ()) -> None:
         self.seq = seq
         self.kind = kind  # grant | mark | settle
         self.request_id = request_id
         self.end_ms = end_ms  # Unix milliseconds
-        self._body: bytes | None = None
-        # Until `body` is read: the JSON object its first members are (the activity log's line;
-        # None: none) and the members after them, which no key of the line's names.
+        self._body = body  # the entry as a JSON object, once made
+        # Until then, a request's: its record's line, and a grant's start and the requests it overtook.
         self._line = line
-        self._fields: dict[str, Any] | None = fields
+        self._start_ms = start_ms
+        self._overtook = overtook
 
     @property
     def body(self) -> bytes:
-        """The entry as a JSON object: seq, kind, the line's members, then the fields."""
+        """The entry as a JSON object."""
         body = self._body
         if body is None:
-            body = self._body = _entry_json(self.seq, self.kind, self._line, self._fields or {})
-            self._line = self._fields = None  # in the body now
+            body = self._body = self._joined()
+            self._line, self._overtook = None, ()  # in the body now
         return body
 
     def document(self) -> dict[str, Any]:
         decoded: dict[str, Any] = json.loads(self.body)
         return decoded
 
-
-def _entry_json(seq: int, kind: str, line: bytes | None, fields: dict[str, Any]) -> bytes:
-    """The bytes the encoder writes for {"seq", "kind", *line's members, *fields}: the line's
-    bytes taken whole (its members are those of an object, comma-separated; `kind` is one of
-    History's names, ASCII)."""
-    if line is None:
-        return _encode({"seq": seq, "kind": kind, **fields})
-    members = [b'{"seq":%d,"kind":"%b"' % (seq, kind.encode())]
-    if len(line) > 2:
-        members.append(line[1:-1])
-    if fields:
-        members.append(_encode(fields)[1:-1])
-    return b",".join(members) + b"}"
+    def _joined(self) -> bytes:
+        """The bytes the encoder writes for {"seq", "kind", *the record's members, *the entry's own
+        (a grant's start, end and overtaken requests; a mark's end)}: the line taken whole, its
+        members those of an object, comma-separated (no record names an entry's own key)."""
+        line = self._line
+        assert line is not None
+        own: dict[str, Any]
+        if self._start_ms is None:
+            own = {"end_ms": self.end_ms}
+        else:  # (an empty tuple is written as [], like a list)
+            own = {"start_ms": self._start_ms, "end_ms": self.end_ms, "overtook": self._overtook}
+        members = [b'{"seq":%d,"kind":"%b"' % (self.seq, self.kind.encode())]  # (`kind`: ASCII)
+        if len(line) > 2:
+            members.append(line[1:-1])
+        members.append(_encode(own)[1:-1])
+        return b",".join(members) + b"}"
 
 
 class _GpuCounts:
@@ -255,13 +260,13 @@ class History:
         pass  # (the activity log keeps it: GET /activity?event=eviction)
 
     def finished(self, ticket: Ticket) -> None:
-        record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once
+        record, line = self._activity.finished_record(ticket)  # the activity log's, built and encoded once
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR
         self._outcomes[outcome._value_] += 1
         decision = ticket.decision
         end_ms = self._activity.unix_ms_rounded(ticket.ended_ns)  # `time` is in whole milliseconds
         if decision is None:
-            self._add("mark", ticket.request_id, end_ms, record, {"end_ms": end_ms}, encoded=encoded)
+            self._add_record("mark", ticket.request_id, end_ms, line)
             return
         estimated = ticket.estimated_wait_s
         if estimated is not None and estimated >= RATIO_MIN_ESTIMATE_S:
@@ -269,9 +274,9 @@ class History:
             self._ratios.append(actual / estimated)
             self._actual_wait_s += actual
             self._estimated_wait_s += estimated
-        overtook = self._overtook.pop(ticket.token, [])
-        self._add("grant", ticket.request_id, end_ms, record,
-                  {"start_ms": record["granted_unix_ms"], "end_ms": end_ms, "overtook": overtook}, encoded=encoded)
+        # (None overtaken, most: the empty tuple, nothing for the garbage collector to track)
+        self._add_record("grant", ticket.request_id, end_ms, line, record["granted_unix_ms"],
+                         self._overtook.pop(ticket.token, ()))
 
     def settled(self, settle: Settle) -> None:
         self._settles[settle.reason.value] += 1
@@ -286,18 +291,23 @@ class History:
     # -- internals -----------------------------------------------------------------------
 
     def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any],
-             extra: dict[str, Any] | None = None, *, encoded: bytes | None = None) -> None:
-        """An entry: `document` (not changed: it may be the activity log's record) with `extra`
-        after it, which wins where both name a key. `encoded`: the document's JSON already made
-        (the activity log's line), which the entry's takes whole instead of encoding it again."""
+             extra: dict[str, Any] | None = None) -> None:
+        """An entry encoded now: `document` with `extra` after it, which wins where both name a key."""
         self._seq += 1
-        if encoded is not None and (not extra or extra.keys().isdisjoint(document)):
-            entry = Entry(self._seq, kind, request_id, end_ms, encoded, extra or {})
-        else:  # its own copy: the document may be the log's record, which a settle changes
-            entry = Entry(self._seq, kind, request_id, end_ms, None, {**document, **(extra or {})})
+        self._keep(Entry(self._seq, kind, request_id, end_ms,
+                         body=_encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})))
+
+    def _add_record(self, kind: str, request_id: str, end_ms: float, line: bytes, start_ms: float | None = None,
+                    overtook: Sequence[dict[str, Any]] = ()) -> None:
+        """A request's entry from the activity log's line of its record (not encoded again), with
+        a grant's start and overtaken requests (`start_ms` None: a mark)."""
+        self._seq += 1
+        self._keep(Entry(self._seq, kind, request_id, end_ms, line=line, start_ms=start_ms, overtook=overtook))
+
+    def _keep(self, entry: Entry) -> None:
         entries = self._entries
         entries.append(entry)
-        oldest_ms = end_ms - self._window_ms
+        oldest_ms = entry.end_ms - self._window_ms
         while entries and (len(entries) > self._capacity or entries[0].end_ms < oldest_ms):
             entries.popleft()
 
