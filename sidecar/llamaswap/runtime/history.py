@@ -50,18 +50,19 @@ class Entry:
     none is read while no page is open (a page reads each once: the bytes are kept then). What it
     keeps until then is no object the garbage collector tracks (a grant that overtook nobody)."""
 
-    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_line", "_start_ms", "_overtook")
+    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_members", "_start_ms", "_overtook")
 
     def __init__(self, seq: int, kind: str, request_id: str, end_ms: float, *, body: bytes | None = None,
-                 line: bytes | None = None, start_ms: float | None = None,
+                 members: bytes | None = None, start_ms: float | None = None,
                  overtook: Sequence[dict[str, Any]] = ()) -> None:
         self.seq = seq
         self.kind = kind  # grant | mark | settle
         self.request_id = request_id
         self.end_ms = end_ms  # Unix milliseconds
         self._body = body  # the entry as a JSON object, once made
-        # Until then, a request's: its record's line, and a grant's start and the requests it overtook.
-        self._line = line
+        # Until then, a request's: its record's members (its line without the braces), and a
+        # grant's start and the requests it overtook.
+        self._members = members
         self._start_ms = start_ms
         self._overtook = overtook
 
@@ -71,7 +72,7 @@ class Entry:
         body = self._body
         if body is None:
             body = self._body = self._joined()
-            self._line, self._overtook = None, ()  # in the body now
+            self._members, self._overtook = None, ()  # in the body now
         return body
 
     def document(self) -> dict[str, Any]:
@@ -80,18 +81,18 @@ class Entry:
 
     def _joined(self) -> bytes:
         """The bytes the encoder writes for {"seq", "kind", *the record's members, *the entry's own
-        (a grant's start, end and overtaken requests; a mark's end)}: the line taken whole, its
-        members those of an object, comma-separated (no record names an entry's own key)."""
-        line = self._line
-        assert line is not None
+        (a grant's start, end and overtaken requests; a mark's end)}: the record's members taken
+        whole, comma-separated (no record names an entry's own key)."""
+        record = self._members
+        assert record is not None
         own: dict[str, Any]
         if self._start_ms is None:
             own = {"end_ms": self.end_ms}
         else:  # (an empty tuple is written as [], like a list)
             own = {"start_ms": self._start_ms, "end_ms": self.end_ms, "overtook": self._overtook}
         members = [b'{"seq":%d,"kind":"%b"' % (self.seq, self.kind.encode())]  # (`kind`: ASCII)
-        if len(line) > 2:
-            members.append(line[1:-1])
+        if record:
+            members.append(record)
         members.append(_encode(own)[1:-1])
         return b",".join(members) + b"}"
 
@@ -302,7 +303,10 @@ class History:
         """A request's entry from the activity log's line of its record (not encoded again), with
         a grant's start and overtaken requests (`start_ms` None: a mark)."""
         self._seq += 1
-        self._keep(Entry(self._seq, kind, request_id, end_ms, line=line, start_ms=start_ms, overtook=overtook))
+        # A copy of the members, not the line: the line is the encoder's buffer, and keeping that
+        # (its end freed) left each next line to new memory, two page faults a request.
+        self._keep(Entry(self._seq, kind, request_id, end_ms, members=line[1:-1], start_ms=start_ms,
+                         overtook=overtook))
 
     def _keep(self, entry: Entry) -> None:
         entries = self._entries
