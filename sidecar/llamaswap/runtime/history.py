@@ -45,10 +45,11 @@ _log = logging.getLogger(__name__)
 
 
 class Entry:
-    """One timeline entry; never changed once made. A request's entry keeps the activity log's
-    line and joins its JSON (`body`) when first read, not when made: one is made per request, and
-    none is read while no page is open (a page reads each once: the bytes are kept then). What it
-    keeps until then is no object the garbage collector tracks (a grant that overtook nobody)."""
+    """One timeline entry; never changed once made. A request's entry keeps its record's members
+    (from the activity log's line) and joins its JSON (`body`) when first read, not when made:
+    one is made per request, and none is read while no page is open (a page reads each once: the
+    bytes are kept then). What it keeps until then is no object the garbage collector tracks (a
+    grant that overtook nobody)."""
 
     __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_members", "_start_ms", "_overtook")
 
@@ -83,16 +84,16 @@ class Entry:
         """The bytes the encoder writes for {"seq", "kind", *the record's members, *the entry's own
         (a grant's start, end and overtaken requests; a mark's end)}: the record's members taken
         whole, comma-separated (no record names an entry's own key)."""
-        record = self._members
-        assert record is not None
+        record_members = self._members
+        assert record_members is not None
         own: dict[str, Any]
         if self._start_ms is None:
             own = {"end_ms": self.end_ms}
         else:  # (an empty tuple is written as [], like a list)
             own = {"start_ms": self._start_ms, "end_ms": self.end_ms, "overtook": self._overtook}
         members = [b'{"seq":%d,"kind":"%b"' % (self.seq, self.kind.encode())]  # (`kind`: ASCII)
-        if record:
-            members.append(record)
+        if record_members:
+            members.append(record_members)
         members.append(_encode(own)[1:-1])
         return b",".join(members) + b"}"
 
@@ -296,8 +297,8 @@ class History:
         """An entry encoded now: `document` with `extra` after it, which wins where both name a key."""
         self._seq += 1
         encoded = _encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})
-        # Kept as a copy of its size: orjson's bytes hold on to its buffer (8 KB a line where the
-        # line is about 1: a day's timeline loaded from the file took 160 MB, not 20).
+        # Kept as a copy of its size: orjson's bytes hold on to its buffer, two pages where the line
+        # is about 1 KB (a day's timeline loaded from the file: 176 MB more peak memory, not 36).
         self._keep(Entry(self._seq, kind, request_id, end_ms, body=bytes(memoryview(encoded))))
 
     def _add_record(self, kind: str, request_id: str, end_ms: float, line: bytes, start_ms: float | None = None,
@@ -305,8 +306,8 @@ class History:
         """A request's entry from the activity log's line of its record (not encoded again), with
         a grant's start and overtaken requests (`start_ms` None: a mark)."""
         self._seq += 1
-        # A copy of the members, not the line: the line is the encoder's buffer, and keeping that
-        # (its end freed) left each next line to new memory, two page faults a request.
+        # A copy of the members, not the line: the line holds on to orjson's buffer (two pages),
+        # and keeping it left each next line's buffer to fresh memory, two page faults a request.
         self._keep(Entry(self._seq, kind, request_id, end_ms, members=line[1:-1], start_ms=start_ms,
                          overtook=overtook))
 
