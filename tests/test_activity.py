@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import random
 import time
 
 import pytest
 from flow import FakeUpstream, Flow, clock, virtual_time
 from llamaswap.config import parse_config
-from llamaswap.core import Outcome, PolicyName
-from llamaswap.runtime.activity import LOGGER_NAME, ActivityLog
+from llamaswap.core import NS_PER_S, Outcome, PolicyName
+from llamaswap.runtime.activity import LOGGER_NAME, ActivityLog, thousandths
 from llamaswap.runtime.ticket import ExchangeEnd
 from llamaswap.simulate.records import read_activity
 
@@ -323,3 +324,17 @@ def test_the_settings_record_gives_each_gpus_slots_and_the_nodes_reservation(tmp
     assert record.gpu_slots is not None
     assert {name: (own.default, dict(own.per_model)) for name, own in record.gpu_slots.items()} == {
         "small": (1, {}), "big": (4, {"m": 3})}
+
+
+def test_thousandths_is_round_to_3_decimals() -> None:
+    """`thousandths` (issue 49: a record's Unix milliseconds without round's decimal conversion)
+    is round(value, 3), float for float: Unix times in milliseconds as the log makes them (an
+    int of nanoseconds over a float), exact ties (to the even thousandth), small and whole values."""
+    chance = random.Random(49)
+    values = [(chance.randrange(10**18, 4 * 10**18) + offset) / (NS_PER_S / 1000)
+              for offset in range(-3, 4) for _ in range(20_000)]
+    values += [chance.randrange(1, 10**7) / 2000 for _ in range(20_000)]  # ties: k + 0.5 thousandths
+    values += [chance.random() * 10.0 ** chance.randrange(-9, 16) for _ in range(20_000)]
+    values += [0.0005, 0.0015, 0.0025, 1.0, 2000.0, 1796601056586.9865, 2.0**53, 1e300]
+    for value in values:
+        assert repr(thousandths(value)) == repr(round(value, 3)), value

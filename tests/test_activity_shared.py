@@ -7,10 +7,11 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from flow import Flow, clock, virtual_time
+from flow import FakeUpstream, Flow, clock, router, virtual_time
 from llamaswap.runtime import json_line
 from llamaswap.runtime.activity import ActivityLog
 from llamaswap.runtime.history import History
+from llamaswap.runtime.ticket import ExchangeEnd
 
 CONFIG = {"envoy": {"leaseSeconds": 1000}}
 
@@ -47,10 +48,52 @@ async def test_the_page_history_shares_the_record_the_activity_log_built(monkeyp
         assert {k: v for k, v in document.items() if k not in own} == records[entry.request_id]
         assert list(document)[:2 + len(records[entry.request_id])] == ["seq", "kind", *records[entry.request_id]]
         assert entry.body == json_line.line(document)
-        assert "start_ms" not in records[entry.request_id]  # the log's record is not changed
+        assert not own & records[entry.request_id].keys()  # the log's record is not changed, nor names an own key
 
     alone = History(clock(), ActivityLog(clock()))
     flow_alone = Flow(CONFIG, observers=[alone])
     c = await flow_alone.arrive("c", "interactive", "a")
     await flow_alone.complete(c)
     assert built[2:] == ["c"] and [e.request_id for e in alone.entries()] == ["c"]
+
+
+@virtual_time
+async def test_a_timeline_entry_is_the_same_bytes_whenever_it_is_first_read() -> None:
+    """An entry's JSON is joined when first read (issue 49), not when it is made: the bytes
+    are those of the entry as it was made whenever they are read, though the activity log's
+    record changes after (an abandoned request's gets its settle), and they are kept once read."""
+    activity = ActivityLog(clock())
+    read_at_once = History(clock(), activity)
+    read_later = History(clock(), activity)
+    flow = Flow(CONFIG, observers=[activity, read_at_once, read_later], upstream=FakeUpstream(router("a", "b")))
+    bodies: dict[int, bytes] = {}
+
+    def read() -> None:
+        bodies.update((entry.seq, entry.body) for entry in read_at_once.entries())
+
+    served = await flow.arrive("served", "interactive", "a")
+    left = await flow.arrive("left", "batch", "a")
+    refused = await flow.arrive("refused", "normal", "nope")
+    read()
+    await flow.advance(1)
+    await flow.complete(served, 200)
+    read()
+    assert left.granted
+    flow.upstream.busy_answer = True  # still computing for the client that left: the GPU settles
+    await flow.end(left, ExchangeEnd.CLIENT_LEFT)
+    read()
+    await flow.advance(1)
+    flow.upstream.busy_answer = False
+    await flow.advance(1)
+    read()
+    assert refused.refusal.outcome.value == "rejected_unknown_model"
+
+    later = read_later.entries()
+    assert [(entry.kind, entry.request_id) for entry in later] == [
+        ("mark", "refused"), ("grant", "served"), ("grant", "left"), ("settle", "left")]
+    assert {entry.seq: entry.body for entry in later} == bodies
+    for entry in later:
+        assert entry.body is entry.body  # joined once
+        assert entry.body == json_line.line(entry.document())
+    left_record = next(r for r in activity.recent() if r["request_id"] == "left")
+    assert left_record["settle_ms"] >= 1000 and later[2].document()["settle_ms"] == 0.0  # as it ended

@@ -9,19 +9,19 @@
 
 An Observer, after the activity log in the observers' order: a request's record is the one the
 log built when it finished (`ActivityLog.finished_record`: one format, one time base, built and
-encoded once per request). Each entry is encoded to JSON once, when it is added, and kept in end-time
-order, bounded by age and by count, so serving the last hour is a join of bytes.
+encoded once per request). Each entry is encoded to JSON once (a request's when it is first
+read: never while no page reads the timeline) and kept in end-time order, bounded by age and
+by count, so serving the last hour again is a join of bytes.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llamaswap.core import Band, Clock, Outcome, Policy
@@ -44,20 +44,67 @@ _TAIL_BLOCK = 1 << 16
 _log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(slots=True)
 class Entry:
-    """One timeline entry, encoded; never changed once made (not frozen: a frozen dataclass
-    takes four times as long to make, and one is made per request)."""
+    """One timeline entry; never changed once made. A request's entry keeps its record's members
+    (from the activity log's line) and joins its JSON (`body`) when first read, not when made:
+    one is made per request, and none is read while no page is open (a page reads each once: the
+    bytes are kept then). What it keeps until then is no object the garbage collector tracks (a
+    grant that overtook nobody)."""
 
-    seq: int
-    kind: str  # grant | mark | settle
-    request_id: str
-    end_ms: float  # Unix milliseconds
-    body: bytes  # the entry as a JSON object
+    __slots__ = ("seq", "kind", "request_id", "end_ms", "_body", "_members", "_start_ms", "_overtook")
+
+    def __init__(self, seq: int, kind: str, request_id: str, end_ms: float, *, body: bytes | None = None,
+                 members: bytes | None = None, start_ms: float | None = None,
+                 overtook: Sequence[dict[str, Any]] = ()) -> None:
+        self.seq = seq
+        self.kind = kind  # grant | mark | settle
+        self.request_id = request_id
+        self.end_ms = end_ms  # Unix milliseconds
+        self._body = body  # the entry as a JSON object, once made
+        # Until then, a request's: its record's members (its line without the braces), and a
+        # grant's start and the requests it overtook.
+        self._members = members
+        self._start_ms = start_ms
+        self._overtook = overtook
+
+    @property
+    def body(self) -> bytes:
+        """The entry as a JSON object."""
+        body = self._body
+        if body is None:
+            body = self._body = self._joined()
+            self._members, self._overtook = None, ()  # in the body now
+        return body
 
     def document(self) -> dict[str, Any]:
         decoded: dict[str, Any] = json.loads(self.body)
         return decoded
+
+    def _joined(self) -> bytes:
+        """The bytes the encoder writes for {"seq", "kind", *the record's members, *the entry's own
+        (a grant's start, end and overtaken requests; a mark's end)}: the record's members taken
+        whole, comma-separated (no record names an entry's own key)."""
+        record_members = self._members
+        assert record_members is not None
+        own: dict[str, Any]
+        if self._start_ms is None:
+            own = {"end_ms": self.end_ms}
+        else:  # (an empty tuple is written as [], like a list)
+            own = {"start_ms": self._start_ms, "end_ms": self.end_ms, "overtook": self._overtook}
+        members = [b'{"seq":%d,"kind":"%b"' % (self.seq, self.kind.encode())]  # (`kind`: ASCII)
+        if record_members:
+            members.append(record_members)
+        members.append(_encode(own)[1:-1])
+        return b",".join(members) + b"}"
+
+
+class _GpuCounts:
+    """One upstream's (GPU's) grants, swaps and loads since the sidecar started."""
+
+    __slots__ = ("dispatched", "swaps", "loads")
+
+    def __init__(self) -> None:
+        self.dispatched = self.swaps = self.loads = 0
 
 
 class History:
@@ -78,10 +125,9 @@ class History:
         self._outcomes: collections.Counter[str] = collections.Counter()
         self._kept: collections.Counter[str] = collections.Counter()  # kept places, by event
         self._settles: collections.Counter[str] = collections.Counter()
-        self._swaps = 0
-        self._loads = 0
-        # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one.
-        self._counts_by_gpu: dict[str, collections.Counter[str]] = {}
+        # Per upstream (GPU): grants, swaps and loads, in the order the upstreams first got one
+        # (the node's swaps and loads are their sums).
+        self._counts_by_gpu: dict[str, _GpuCounts] = {}
         self._ratios: collections.deque[float] = collections.deque(maxlen=RATIO_SAMPLES)
         self._actual_wait_s = 0.0
         self._estimated_wait_s = 0.0
@@ -114,9 +160,9 @@ class History:
         return {
             "dispatched": dict(self._dispatched),
             "reorders": dict(self._reorders),
-            "swaps": self._swaps,
-            "loads": self._loads,
-            "upstreams": {name: {"dispatched": counts["dispatched"], "swaps": counts["swaps"], "loads": counts["loads"]}
+            "swaps": sum(counts.swaps for counts in self._counts_by_gpu.values()),
+            "loads": sum(counts.loads for counts in self._counts_by_gpu.values()),
+            "upstreams": {name: {"dispatched": counts.dispatched, "swaps": counts.swaps, "loads": counts.loads}
                           for name, counts in self._counts_by_gpu.items()},
             "outcomes": dict(self._outcomes),
             "kept_places": dict(self._kept),
@@ -181,17 +227,18 @@ class History:
         # Counted at the grant, so the running grants are in the counters too.
         decision = ticket.decision
         if decision is not None:
-            self._dispatched[decision.band.value] += 1
+            # (`_value_`: the member's value, without the Enum property's Python call)
+            self._dispatched[decision.band._value_] += 1
             for cause in decision.reordered_by:
                 self._reorders[str(cause)] += 1
-            self._swaps += decision.swap
-            self._loads += decision.load
             counts = self._counts_by_gpu.get(decision.gpu)
             if counts is None:
-                counts = self._counts_by_gpu[decision.gpu] = collections.Counter()
-            counts["dispatched"] += 1
-            counts["swaps"] += decision.swap
-            counts["loads"] += decision.load
+                counts = self._counts_by_gpu[decision.gpu] = _GpuCounts()
+            counts.dispatched += 1
+            if decision.swap:  # (most grants neither swap nor load)
+                counts.swaps += 1
+            if decision.load:
+                counts.loads += 1
 
     def reads_queue(self, pictures: PictureSource) -> None:
         pass
@@ -215,13 +262,13 @@ class History:
         pass  # (the activity log keeps it: GET /activity?event=eviction)
 
     def finished(self, ticket: Ticket) -> None:
-        record, encoded = self._activity.finished_record(ticket)  # the activity log's, built once
+        record, line = self._activity.finished_record(ticket)  # the activity log's, built and encoded once
         outcome = ticket.outcome or Outcome.INTERNAL_ERROR
-        self._outcomes[outcome.value] += 1
+        self._outcomes[outcome._value_] += 1
         decision = ticket.decision
-        end_ms = round(self._activity.unix_ms(ticket.ended_ns), 3)  # `time` is in whole milliseconds
+        end_ms = self._activity.unix_ms_rounded(ticket.ended_ns)  # `time` is in whole milliseconds
         if decision is None:
-            self._add("mark", ticket.request_id, end_ms, record, {"end_ms": end_ms}, encoded=encoded)
+            self._add_record("mark", ticket.request_id, end_ms, line)
             return
         estimated = ticket.estimated_wait_s
         if estimated is not None and estimated >= RATIO_MIN_ESTIMATE_S:
@@ -229,14 +276,14 @@ class History:
             self._ratios.append(actual / estimated)
             self._actual_wait_s += actual
             self._estimated_wait_s += estimated
-        overtook = self._overtook.pop(ticket.token, [])
-        self._add("grant", ticket.request_id, end_ms, record,
-                  {"start_ms": record["granted_unix_ms"], "end_ms": end_ms, "overtook": overtook}, encoded=encoded)
+        # (None overtaken, most: the empty tuple, nothing for the garbage collector to track)
+        self._add_record("grant", ticket.request_id, end_ms, line, record["granted_unix_ms"],
+                         self._overtook.pop(ticket.token, ()))
 
     def settled(self, settle: Settle) -> None:
         self._settles[settle.reason.value] += 1
-        start_ms = round(self._activity.unix_ms(settle.started_ns), 3)
-        end_ms = round(self._activity.unix_ms(settle.ended_ns), 3)
+        start_ms = self._activity.unix_ms_rounded(settle.started_ns)
+        end_ms = self._activity.unix_ms_rounded(settle.ended_ns)
         self._add("settle", settle.request_id, end_ms, {
             "request_id": settle.request_id, "reason": settle.reason.value, "result": settle.result.value,
             "model": settle.model, "upstream": settle.gpu, "start_ms": start_ms, "end_ms": end_ms,
@@ -246,26 +293,30 @@ class History:
     # -- internals -----------------------------------------------------------------------
 
     def _add(self, kind: str, request_id: str, end_ms: float, document: dict[str, Any],
-             extra: dict[str, Any] | None = None, *, encoded: bytes | None = None) -> None:
-        """An entry: `document` (not changed: it may be the activity log's record) with `extra`
-        after it, which wins where both name a key. `encoded`: the document's JSON already made
-        (the activity log's line), which the entry's takes whole instead of encoding it again."""
+             extra: dict[str, Any] | None = None) -> None:
+        """An entry encoded now: `document` with `extra` after it, which wins where both name a key."""
         self._seq += 1
-        if encoded is not None and (not extra or extra.keys().isdisjoint(document)):
-            # The bytes the encoder writes for the merged dict: its members are the document's
-            # and then extra's, in order, comma-separated (`kind` is one of this class's names).
-            members = [b'{"seq":%d,"kind":"%b"' % (self._seq, kind.encode())]
-            if len(encoded) > 2:
-                members.append(encoded[1:-1])
-            if extra:
-                members.append(_encode(extra)[1:-1])
-            body = b",".join(members) + b"}"
-        else:
-            body = _encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})
-        self._entries.append(Entry(self._seq, kind, request_id, end_ms, body))
-        oldest_ms = end_ms - self._window_ms
-        while self._entries and (len(self._entries) > self._capacity or self._entries[0].end_ms < oldest_ms):
-            self._entries.popleft()
+        encoded = _encode({"seq": self._seq, "kind": kind, **document, **(extra or {})})
+        # Kept as a copy of its size: orjson's bytes hold on to its buffer, two pages where the line
+        # is about 1 KB (a day's timeline loaded from the file: 176 MB more peak memory, not 36).
+        self._keep(Entry(self._seq, kind, request_id, end_ms, body=bytes(memoryview(encoded))))
+
+    def _add_record(self, kind: str, request_id: str, end_ms: float, line: bytes, start_ms: float | None = None,
+                    overtook: Sequence[dict[str, Any]] = ()) -> None:
+        """A request's entry from the activity log's line of its record (not encoded again), with
+        a grant's start and overtaken requests (`start_ms` None: a mark)."""
+        self._seq += 1
+        # A copy of the members, not the line: the line holds on to orjson's buffer (two pages),
+        # and keeping it left each next line's buffer to fresh memory, two page faults a request.
+        self._keep(Entry(self._seq, kind, request_id, end_ms, members=line[1:-1], start_ms=start_ms,
+                         overtook=overtook))
+
+    def _keep(self, entry: Entry) -> None:
+        entries = self._entries
+        entries.append(entry)
+        oldest_ms = entry.end_ms - self._window_ms
+        while entries and (len(entries) > self._capacity or entries[0].end_ms < oldest_ms):
+            entries.popleft()
 
 
 def _last_lines(path: str, count: int) -> list[bytes]:

