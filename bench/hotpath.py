@@ -5,9 +5,10 @@ activity log, telemetry from the environment, the HTTP upstream adapter against 
 logging configured like the CLI, to a file as the harness does), are driven one request at a
 time with the messages Envoy would send: a CheckRequest (the allowed headers, the model in
 metadata_context) parsed from bytes, the Check handler (`Authorization._arrival`,
-`Coordinator.admit`, which grants at once on an idle GPU, `granted_wire`: the OK's bytes, which grpc.aio sends as they are),
-then a final access-log entry parsed from bytes and handled as `AccessLogs.StreamAccessLogs`
-does (`ticket_of`, `report_of`, `Coordinator.report`), and a loop turn for the observers.
+`Coordinator.admit`, which grants at once on an idle GPU, `granted_wire`: the OK's bytes,
+which grpc.aio sends as they are), then a final access-log entry parsed from bytes and handled
+as `AccessLogs.StreamAccessLogs` does (`ticket_of`, `report_of`, `Coordinator.report`), and a
+loop turn for the observers.
 
 Two passes: a clean one (each step timed as a whole) and a wrapped one, in which the
 coordinator's and scheduler's inner methods and every observer call are timed (inclusive,
@@ -171,7 +172,7 @@ async def drive(requests: int, wrapped: bool, upstream_url: str, templates: tupl
         ticket = await coordinator.admit(arrival)
         t3 = time.perf_counter_ns()
         ext_authz.granted_wire(ticket)  # the OK's bytes, as the Check serves them
-        t4 = t5 = time.perf_counter_ns()
+        t4 = time.perf_counter_ns()
         timings.add("CheckRequest parse (grpc.aio does it)", t1 - t0)
         timings.add("Authorization._arrival", t2 - t1)
         timings.add("Coordinator.admit (grants at once)", t3 - t2)
